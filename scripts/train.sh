@@ -1,0 +1,7 @@
+#!/usr/bin/env bash
+# Set up .venv when missing, then run the main job: a byte-level GPT trained with
+# DDP on 2 CPU processes (gloo) over the Python standard library's own source.
+set -euo pipefail
+cd "$(dirname "$0")/.."
+bash scripts/setup.sh
+exec .venv/bin/disttrain train examples/tiny_gpt.toml "$@"
