@@ -1,0 +1,19 @@
+"""User-facing errors: one clear message that names what is wrong and how to fix it.
+
+The CLI prints these without a traceback and exits with status 2. Anything that is
+not a `UserError` is a bug in disttrain or in the user's code and keeps its traceback.
+"""
+
+from __future__ import annotations
+
+
+class UserError(Exception):
+    """A mistake the user can fix. `str(err)` is the whole message: what, where, fix."""
+
+
+class ConfigError(UserError):
+    """A bad config key, type or value, raised before any process group starts."""
+
+
+class DistributedMismatchError(UserError):
+    """Ranks disagree on something they must share (accum_steps, config, model)."""
