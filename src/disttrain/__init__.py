@@ -1,0 +1,27 @@
+"""disttrain: correct, fast PyTorch training on many devices, composed from native
+torch.distributed parts. The public API is re-exported here; nothing else lives here.
+
+    import disttrain as dt
+    with dt.distributed(seed=0) as info:
+        model = dt.wrap(MyModel(), strategy="ddp")
+        optimizer = torch.optim.AdamW(model.parameters())   # after wrap
+        acc = dt.Accumulator(model, optimizer, accum_steps=4)
+        ...
+"""
+
+__version__ = "0.1.0"
+
+from disttrain.checkpoint import atomic_torch_save, load_model, save_model
+from disttrain.data import DistributedSampler
+from disttrain.errors import ConfigError, DistributedMismatchError, UserError
+from disttrain.loop import Accumulator, clip_grad_norm, no_sync, warmup_cosine
+from disttrain.metrics import JsonlWriter, MeanTracker, global_mean, global_sum, print_main
+from disttrain.parallel import unwrap, wrap
+from disttrain.runtime import RankInfo, barrier, distributed, init, rank_info, shutdown
+
+__all__ = [
+    "Accumulator", "ConfigError", "DistributedMismatchError", "DistributedSampler", "JsonlWriter",
+    "MeanTracker", "RankInfo", "UserError", "atomic_torch_save", "barrier", "clip_grad_norm",
+    "distributed", "global_mean", "global_sum", "init", "load_model", "no_sync", "print_main",
+    "rank_info", "save_model", "shutdown", "unwrap", "warmup_cosine", "wrap",
+]

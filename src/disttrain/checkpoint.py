@@ -1,0 +1,73 @@
+"""Atomic model files (P-CKPT-2, P-CKPT-4).
+
+Rank 0 writes the unwrapped model's state dict (no `module.` prefix) to a temporary
+name in the target directory, flushes it to disk, then `os.replace`s it over the
+final name: a crash leaves the old file or the new one, never half of one.
+"""
+
+from __future__ import annotations
+
+import os
+import tempfile
+from pathlib import Path
+
+import torch
+import torch.nn as nn
+
+from disttrain.errors import UserError
+from disttrain.parallel import unwrap
+from disttrain.runtime import barrier, rank_info
+
+
+def atomic_torch_save(obj, path: str | os.PathLike) -> Path:
+    """`torch.save` to a temp file beside `path`, fsync, then `os.replace`."""
+    path = Path(path)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    fd, tmp = tempfile.mkstemp(prefix=f".{path.name}.", suffix=".tmp", dir=path.parent)
+    try:
+        with os.fdopen(fd, "wb") as f:
+            torch.save(obj, f)
+            f.flush()
+            os.fsync(f.fileno())
+        os.replace(tmp, path)
+    except BaseException:
+        Path(tmp).unlink(missing_ok=True)
+        raise
+    return path
+
+
+def save_model(model: nn.Module, path: str | os.PathLike) -> Path:
+    """Rank 0 saves the prefix-free weights atomically; every rank waits for it.
+
+    A collective (barrier): every rank must call it.
+    """
+    path = Path(path)
+    if rank_info().is_main:
+        atomic_torch_save(unwrap(model).state_dict(), path)
+    barrier()
+    return path
+
+
+def strip_prefix(state: dict, prefix: str = "module.") -> dict:
+    """Remove a wrapper prefix (DDP's `module.`) so a plain model can load the dict."""
+    return {k[len(prefix):] if k.startswith(prefix) else k: v for k, v in state.items()}
+
+
+def load_model(model: nn.Module, path: str | os.PathLike) -> None:
+    """Load weights saved by `save_model` (or a DDP `module.`-prefixed dict) into `model`.
+
+    Reads on CPU with `weights_only=True`. Raises `UserError` naming the file for a
+    missing file or mismatched keys/shapes.
+    """
+    path = Path(path)
+    if not path.is_file():
+        raise UserError(f"checkpoint file not found: {path}.")
+    state = torch.load(path, map_location="cpu", weights_only=True)
+    if any(k.startswith("module.") for k in state):
+        print(f"note: {path} has DDP's 'module.' prefix; it was stripped for loading (P-CKPT-4).")
+        state = strip_prefix(state)
+    try:
+        unwrap(model).load_state_dict(state, strict=True)
+    except RuntimeError as e:
+        first = "\n".join(str(e).splitlines()[:6])
+        raise UserError(f"{path} does not match the model:\n{first}") from None

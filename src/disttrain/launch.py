@@ -1,0 +1,126 @@
+"""`disttrain run`: torchrun (`torch.distributed.run`) with safer defaults.
+
+What it changes, and why:
+- One node and no rendezvous endpoint given: `--standalone`, whose c10d store binds
+  a free port, so two jobs on one host never collide (P-INIT-4).
+- `--nproc` (alias of `--nproc-per-node`) defaults to the GPU count, or 2 on CPU.
+  More processes than visible GPUs is refused before anything starts (P-INIT-5).
+- `OMP_NUM_THREADS` = cores / processes (at least 1) unless the user set it, so
+  ranks do not oversubscribe the CPU.
+- `TORCH_DISABLE_SHARE_RDZV_TCP_STORE=1` unless set: the agent's shared TCP store
+  makes restarted workers fail to connect or hang (pytorch issue 135712).
+- A failed worker is reported in one line naming its rank and exit code, and that
+  exit code is returned (128 + signal for a worker killed by a signal).
+Every other torchrun flag passes through unchanged.
+"""
+
+from __future__ import annotations
+
+import os
+import sys
+
+from disttrain.errors import UserError
+
+DEFAULT_ENV = {"TORCH_DISABLE_SHARE_RDZV_TCP_STORE": "1"}
+
+
+def _flag_value(argv: list[str], *names: str) -> str | None:
+    """The value of the last `--name V` or `--name=V` before the script argument."""
+    value = None
+    for i, arg in enumerate(argv):
+        for name in names:
+            if arg == name and i + 1 < len(argv):
+                value = argv[i + 1]
+            elif arg.startswith(name + "="):
+                value = arg.split("=", 1)[1]
+    return value
+
+
+def _split_script(argv: list[str]) -> tuple[list[str], list[str]]:
+    """Split at the first positional (the script or module), so its args pass untouched."""
+    flags_with_value = {"--nproc", "--nproc-per-node", "--nproc_per_node", "--nnodes",
+                        "--rdzv-backend", "--rdzv_backend", "--rdzv-endpoint", "--rdzv_endpoint",
+                        "--rdzv-id", "--rdzv_id", "--rdzv-conf", "--rdzv_conf", "--max-restarts",
+                        "--max_restarts", "--monitor-interval", "--monitor_interval",
+                        "--node-rank", "--node_rank", "--master-addr", "--master_addr",
+                        "--master-port", "--master_port", "--local-addr", "--local_addr",
+                        "--log-dir", "--log_dir", "-r", "--redirects", "-t", "--tee",
+                        "--start-method", "--start_method", "--role", "--local-ranks-filter",
+                        "--local_ranks_filter", "--logs-specs", "--logs_specs",
+                        "--rdzv-timeout", "--event-log-handler", "--signals-to-handle"}
+    i = 0
+    while i < len(argv):
+        arg = argv[i]
+        if not arg.startswith("-"):
+            return argv[:i], argv[i:]
+        if arg in ("-m", "--module", "--no-python", "--no_python"):
+            i += 1
+            continue
+        i += 2 if arg in flags_with_value else 1
+    return argv, []
+
+
+def visible_gpus() -> int:
+    import torch
+
+    return torch.cuda.device_count() if torch.cuda.is_available() else 0
+
+
+def build_torchrun_args(argv: list[str]) -> tuple[list[str], dict[str, str]]:
+    """Translate `disttrain run` arguments into torchrun arguments plus env defaults.
+
+    Raises `UserError` for a missing script or more processes than visible GPUs.
+    """
+    flags, script = _split_script(argv)
+    if not script:
+        raise UserError("no script given. Usage: disttrain run [torchrun flags] script.py [args]")
+    flags = ["--nproc-per-node" if f == "--nproc" else
+             f.replace("--nproc=", "--nproc-per-node=", 1) if f.startswith("--nproc=") else f
+             for f in flags]
+    gpus = visible_gpus()
+    nproc = _flag_value(flags, "--nproc-per-node", "--nproc_per_node")
+    if nproc is None:
+        nproc = str(gpus or 2)
+        flags = ["--nproc-per-node", nproc] + flags
+    if nproc.isdigit():
+        if int(nproc) < 1:
+            raise UserError(f"--nproc is {nproc}; start at least one process.")
+        if gpus and int(nproc) > gpus:
+            raise UserError(f"--nproc {nproc} asks for more processes than the {gpus} visible GPU(s); "
+                            f"each process needs its own GPU (P-INIT-5). Use --nproc {gpus} or "
+                            f"widen CUDA_VISIBLE_DEVICES.")
+    nnodes = _flag_value(flags, "--nnodes") or "1"
+    endpoint = _flag_value(flags, "--rdzv-endpoint", "--rdzv_endpoint")
+    if nnodes in ("1", "1:1") and endpoint is None and "--standalone" not in flags:
+        flags = ["--standalone"] + flags
+    env = dict(DEFAULT_ENV)
+    if nproc.isdigit():
+        env["OMP_NUM_THREADS"] = str(max(1, (os.cpu_count() or 1) // int(nproc)))
+    is_module = any(f in flags for f in ("-m", "--module", "--no-python", "--no_python"))
+    if not is_module and not os.path.isfile(script[0]):
+        raise UserError(f"script {script[0]!r} not found. Pass the path of a Python file "
+                        f"(or -m package.module).")
+    return flags + script, env
+
+
+def main(argv: list[str]) -> int:
+    """Run torchrun in this process and return the job's exit code."""
+    from torch.distributed.elastic.multiprocessing.errors import ChildFailedError
+    from torch.distributed.run import parse_args, run
+
+    args, env = build_torchrun_args(argv)
+    for key, value in env.items():
+        os.environ.setdefault(key, value)
+    try:
+        run(parse_args(args))
+    except ChildFailedError as e:
+        rank, failure = e.get_first_failure()
+        code = failure.exitcode if failure.exitcode >= 0 else 128 - failure.exitcode
+        how = (f"exit code {failure.exitcode}" if failure.exitcode >= 0
+               else f"signal {failure.signal_name()}")
+        others = sorted(r for r in e.failures if r != rank)
+        more = f" (also failed: ranks {others})" if others else ""
+        print(f"disttrain run: rank {rank} failed first with {how}{more}. "
+              f"Its error is above; per-rank logs: --log-dir DIR --tee 3.", file=sys.stderr)
+        return code or 1
+    return 0

@@ -1,0 +1,146 @@
+"""Helpers for a training loop: gradient accumulation with `no_sync`, global-norm
+clipping, and an LR schedule that counts optimizer steps (P-DDP-5, P-LOOP-4,5).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import math
+from typing import Iterator
+
+import torch
+import torch.nn as nn
+
+from disttrain.guard import assert_same_across_ranks
+
+
+def no_sync(model: nn.Module):
+    """A context in which backward does not communicate gradients.
+
+    DDP: `model.no_sync()`. FSDP2: gradient sync switched off for the duration.
+    Other modules (a world of 1): a null context.
+    """
+    if hasattr(model, "no_sync"):
+        return model.no_sync()
+    if hasattr(model, "set_requires_gradient_sync"):
+        return _fsdp2_no_sync(model)
+    return contextlib.nullcontext()
+
+
+@contextlib.contextmanager
+def _fsdp2_no_sync(model):
+    model.set_requires_gradient_sync(False)
+    try:
+        yield
+    finally:
+        model.set_requires_gradient_sync(True)
+
+
+def clip_grad_norm(model: nn.Module, max_norm: float) -> float:
+    """Clip to the global gradient norm and return the norm before clipping (P-LOOP-5).
+
+    FSDP1 modules use their own sharding-aware `clip_grad_norm_`; DTensor gradients
+    (FSDP2) are handled by torch's `clip_grad_norm_`, which reduces across shards.
+    """
+    if hasattr(model, "clip_grad_norm_"):
+        norm = model.clip_grad_norm_(max_norm)
+    else:
+        norm = torch.nn.utils.clip_grad_norm_(model.parameters(), max_norm)
+    if hasattr(norm, "full_tensor"):
+        norm = norm.full_tensor()
+    return float(norm)
+
+
+class Accumulator:
+    """Gradient accumulation that communicates once per optimizer step (P-DDP-5).
+
+    Use::
+
+        acc = Accumulator(model, optimizer, accum_steps=4, scheduler=sched, grad_clip=1.0)
+        for x, y in loader:
+            with acc.micro_step(last=is_last_batch):
+                _, loss = model(x, y)
+                acc.backward(loss)
+
+    Non-boundary micro-steps run under `no_sync`. `backward` divides the loss by
+    `accum_steps` exactly once. On the boundary the gradients are clipped, the
+    optimizer and scheduler step (the scheduler counts optimizer steps, P-LOOP-4),
+    and gradients are zeroed. `last=True` closes a window that did not fill: its
+    gradients are rescaled so the step is the mean over the micro-batches it saw.
+    Construction is a collective: it checks that every rank has the same
+    `accum_steps` and raises `DistributedMismatchError` on all ranks otherwise.
+    """
+
+    def __init__(self, model: nn.Module, optimizer: torch.optim.Optimizer, accum_steps: int,
+                 *, scheduler=None, grad_clip: float = 0.0, scaler=None):
+        if accum_steps < 1:
+            raise ValueError(f"accum_steps must be at least 1, got {accum_steps}")
+        assert_same_across_ranks("accum_steps", accum_steps)
+        self.model, self.optimizer, self.scheduler = model, optimizer, scheduler
+        self.accum_steps, self.grad_clip, self.scaler = accum_steps, grad_clip, scaler
+        self.optimizer_steps = 0
+        self.last_grad_norm: float | None = None
+        self._in_window = 0
+        self.stepped = False
+        """True right after the micro-step that ran the optimizer step."""
+
+    @property
+    def next_is_boundary(self) -> bool:
+        return self._in_window + 1 >= self.accum_steps
+
+    @contextlib.contextmanager
+    def micro_step(self, last: bool = False) -> Iterator[None]:
+        boundary = last or self.next_is_boundary
+        self.stepped = False
+        with contextlib.nullcontext() if boundary else no_sync(self.model):
+            yield
+        self._in_window += 1
+        if boundary:
+            self._optimizer_step()
+            self.stepped = True
+
+    def backward(self, loss: torch.Tensor) -> None:
+        """Backward of `loss / accum_steps` (and of the grad scaler's scaled loss)."""
+        loss = loss / self.accum_steps
+        if self.scaler is not None:
+            loss = self.scaler.scale(loss)
+        loss.backward()
+
+    def _optimizer_step(self) -> None:
+        if self._in_window < self.accum_steps:  # a short final window
+            factor = self.accum_steps / self._in_window
+            for p in self.model.parameters():
+                if p.grad is not None:
+                    p.grad.mul_(factor)
+        if self.scaler is not None:
+            self.scaler.unscale_(self.optimizer)
+        if self.grad_clip > 0:
+            self.last_grad_norm = clip_grad_norm(self.model, self.grad_clip)
+        if self.scaler is not None:
+            self.scaler.step(self.optimizer)
+            self.scaler.update()
+        else:
+            self.optimizer.step()
+        if self.scheduler is not None:
+            self.scheduler.step()
+        self.optimizer.zero_grad(set_to_none=True)
+        self.optimizer_steps += 1
+        self._in_window = 0
+
+
+def warmup_cosine(optimizer: torch.optim.Optimizer, *, total_steps: int, warmup_steps: int = -1,
+                  min_lr_ratio: float = 0.1) -> torch.optim.lr_scheduler.LambdaLR:
+    """Linear warmup then cosine decay, counted in optimizer steps (P-LOOP-4).
+
+    `warmup_steps=-1` picks min(5% of total_steps, 2000).
+    """
+    if warmup_steps < 0:
+        warmup_steps = min(max(1, round(0.05 * total_steps)), 2000)
+
+    def factor(step: int) -> float:
+        if step < warmup_steps:
+            return (step + 1) / warmup_steps
+        progress = min(1.0, (step - warmup_steps) / max(1, total_steps - warmup_steps))
+        return min_lr_ratio + (1 - min_lr_ratio) * 0.5 * (1 + math.cos(math.pi * progress))
+
+    return torch.optim.lr_scheduler.LambdaLR(optimizer, factor)

@@ -1,0 +1,74 @@
+"""Global metrics and rank-0 output (P-LOOP-1).
+
+A logged loss is the global mean: every rank contributes a (sum, count) pair and
+one all-reduce adds them up. Never an average of per-rank averages, which is wrong
+when ranks see different numbers of samples.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+from pathlib import Path
+
+import torch
+import torch.distributed as dist
+
+from disttrain.runtime import rank_info
+
+
+def global_sum(values: list[float]) -> list[float]:
+    """Element-wise sum of `values` over all ranks (float64, one all-reduce)."""
+    t = torch.tensor(values, dtype=torch.float64)
+    if dist.is_initialized():
+        dist.all_reduce(t, op=dist.ReduceOp.SUM)
+    return t.tolist()
+
+
+def global_mean(local_sum: float, local_count: float) -> float:
+    """sum over ranks of `local_sum` / sum over ranks of `local_count`.
+
+    A collective: every rank must call it. Returns nan when the global count is 0.
+    """
+    total, count = global_sum([float(local_sum), float(local_count)])
+    return total / count if count else float("nan")
+
+
+class MeanTracker:
+    """Accumulates (sum, count) locally; `compute()` reduces once over all ranks."""
+
+    def __init__(self) -> None:
+        self.sum = 0.0
+        self.count = 0.0
+
+    def update(self, value: float | torch.Tensor, count: float = 1.0) -> None:
+        """Add a per-sample `value` (a mean over `count` samples)."""
+        self.sum += float(value) * count
+        self.count += count
+
+    def compute(self) -> float:
+        return global_mean(self.sum, self.count)
+
+    def reset(self) -> None:
+        self.sum, self.count = 0.0, 0.0
+
+
+class JsonlWriter:
+    """Appends one JSON object per line, on rank 0 only; a no-op on other ranks."""
+
+    def __init__(self, path: str | os.PathLike):
+        self.path = Path(path)
+        self.enabled = rank_info().is_main
+        if self.enabled:
+            self.path.parent.mkdir(parents=True, exist_ok=True)
+
+    def write(self, record: dict) -> None:
+        if self.enabled:
+            with self.path.open("a") as f:
+                f.write(json.dumps(record) + "\n")
+
+
+def print_main(*args, **kwargs) -> None:
+    """`print` on rank 0 only."""
+    if rank_info().is_main:
+        print(*args, **kwargs, flush=True)

@@ -1,0 +1,64 @@
+"""Terminal output of the trainer on rank 0: a progress bar and a summary table (rich)."""
+
+from __future__ import annotations
+
+import math
+
+from rich.console import Console
+from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn, \
+    TimeRemainingColumn
+from rich.table import Table
+
+
+def _fmt(x: float) -> str:
+    return "-" if x is None or (isinstance(x, float) and math.isnan(x)) else f"{x:.3f}"
+
+
+class TrainProgress:
+    """A bar of optimizer steps showing global train loss, held-out loss and tokens/s.
+
+    Disabled (a no-op) on ranks other than 0.
+    """
+
+    def __init__(self, total_steps: int, enabled: bool = True):
+        self.enabled = enabled
+        if not enabled:
+            return
+        self._progress = Progress(
+            TextColumn("[bold]train"), BarColumn(), MofNCompleteColumn(),
+            TextColumn("loss {task.fields[loss]}"), TextColumn("held-out {task.fields[heldout]}"),
+            TextColumn("{task.fields[tok_s]} tok/s"), TimeElapsedColumn(), TimeRemainingColumn(),
+            console=Console(stderr=False), transient=False,
+        )
+        self._task = self._progress.add_task("train", total=total_steps, loss="-", heldout="-",
+                                             tok_s="-")
+        self._progress.start()
+
+    def update(self, step: int, loss: float, heldout: float, tok_s: float) -> None:
+        if self.enabled:
+            self._progress.update(self._task, completed=step, loss=_fmt(loss), heldout=_fmt(heldout),
+                                  tok_s=f"{tok_s:,.0f}")
+
+    def close(self) -> None:
+        if self.enabled:
+            self._progress.stop()
+
+
+def print_summary(summary: dict) -> None:
+    """One table with the final train and held-out loss, steps, wall time, checkpoint."""
+    table = Table(title="disttrain: run summary", show_header=False)
+    table.add_column("what", style="bold")
+    table.add_column("value")
+    rows = [
+        ("strategy / world size", f"{summary['strategy']} x {summary['world_size']}"),
+        ("optimizer steps", str(summary["steps"])),
+        ("tokens seen", f"{summary['tokens_seen']:,}"),
+        ("held-out loss at start (nats/byte)", _fmt(summary["initial_heldout_loss"])),
+        ("final train loss (nats/byte)", _fmt(summary["final_train_loss"])),
+        ("final held-out loss (nats/byte)", _fmt(summary["final_heldout_loss"])),
+        ("wall time", f"{summary['wall_time_s']:.1f} s"),
+        ("checkpoint", summary["checkpoint"]),
+    ]
+    for what, value in rows:
+        table.add_row(what, value)
+    Console().print(table)

@@ -1,0 +1,167 @@
+"""Process-group lifetime, device binding, seeding and rank information.
+
+`init()` reads the torchrun environment (RANK, LOCAL_RANK, WORLD_SIZE, MASTER_ADDR,
+MASTER_PORT), chooses the backend from the device (P-INIT-1), binds the device before
+any CUDA allocation (P-INIT-2) and starts the process group with an explicit
+timeout. Without a torchrun environment it is a world of 1 and starts no group, so
+the same script runs unchanged on one device. `distributed()` is the context-manager
+form that destroys the group on every exit path, exceptions included (P-INIT-6).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import datetime
+import os
+import random
+from dataclasses import dataclass
+from typing import Iterator
+
+import torch
+import torch.distributed as dist
+
+from disttrain.errors import UserError
+
+# Seed offsets: the model stream is shared; the data/dropout stream is per rank.
+_RANK_STREAM = 1_000_003
+
+
+@dataclass(frozen=True)
+class RankInfo:
+    """Where this process sits in the job. Immutable; one per process."""
+
+    rank: int
+    local_rank: int
+    world_size: int
+    local_world_size: int
+    device: torch.device
+    backend: str | None
+    """None when no process group was started (world of 1)."""
+    seed: int
+
+    @property
+    def is_main(self) -> bool:
+        """True on global rank 0, the only rank that logs and writes files (P-LOOP-1)."""
+        return self.rank == 0
+
+    @property
+    def distributed(self) -> bool:
+        return self.backend is not None
+
+
+_current: RankInfo | None = None
+
+
+def rank_info() -> RankInfo:
+    """The `RankInfo` of the running `init()`; a world of 1 on CPU when none ran."""
+    if _current is not None:
+        return _current
+    return RankInfo(rank=0, local_rank=0, world_size=1, local_world_size=1,
+                    device=torch.device("cpu"), backend=None, seed=0)
+
+
+def _env_int(name: str, default: int) -> int:
+    value = os.environ.get(name)
+    if value is None:
+        return default
+    try:
+        return int(value)
+    except ValueError:
+        raise UserError(f"environment variable {name}={value!r} is not an integer; "
+                        f"launch with torchrun or `disttrain run`, which set it.") from None
+
+
+def _pick_device(device: str, local_rank: int) -> torch.device:
+    if device == "auto":
+        device = "cuda" if torch.cuda.is_available() else "cpu"
+    if device == "cuda":
+        if not torch.cuda.is_available():
+            raise UserError("device 'cuda' was asked for but no CUDA device is visible; "
+                            "use device='cpu' or 'auto'.")
+        count = torch.cuda.device_count()
+        if local_rank >= count:
+            raise UserError(f"LOCAL_RANK {local_rank} has no GPU: only {count} visible. "
+                            f"Start at most {count} processes per node (P-INIT-5).")
+        torch.cuda.set_device(local_rank)  # before any allocation (P-INIT-2)
+        return torch.device("cuda", local_rank)
+    return torch.device("cpu")
+
+
+def seed_all(seed: int) -> None:
+    """Seed Python, NumPy and torch (CPU and every CUDA device) with one value."""
+    random.seed(seed)
+    torch.manual_seed(seed)
+    try:
+        import numpy as np
+
+        np.random.seed(seed % 2**32)
+    except ImportError:  # numpy is a dependency, but seeding must not depend on it
+        pass
+
+
+def seed_rank_stream(info: RankInfo | None = None) -> None:
+    """Switch the global RNGs to this rank's own stream, derived from (seed, rank).
+
+    Call after the model is built (all ranks share the init seed) so dropout masks and
+    data augmentation differ across ranks. `wrap()` calls it for you.
+    """
+    info = info or rank_info()
+    seed_all(info.seed + _RANK_STREAM * (info.rank + 1))
+
+
+def init(*, backend: str = "auto", device: str = "auto", timeout_s: float = 300.0,
+         seed: int = 0) -> RankInfo:
+    """Start the process group from the torchrun environment and return `RankInfo`.
+
+    Seeds every RNG with `seed` on every rank, so the model initialisation is the same
+    everywhere. Without WORLD_SIZE in the environment (or with WORLD_SIZE=1) no group
+    is started. Raises `UserError` for an inconsistent environment; a rendezvous
+    that cannot complete fails after `timeout_s` instead of torch's 10-30 minutes.
+    Creating a process group is not thread-safe: call from the main thread (P-INIT-3).
+    """
+    global _current
+    world = _env_int("WORLD_SIZE", 1)
+    rank = _env_int("RANK", 0)
+    local_rank = _env_int("LOCAL_RANK", 0)
+    local_world = _env_int("LOCAL_WORLD_SIZE", world)
+    if not 0 <= rank < world:
+        raise UserError(f"RANK={rank} is outside WORLD_SIZE={world}; the launcher environment "
+                        f"is inconsistent. Launch with `disttrain run`.")
+    dev = _pick_device(device, local_rank)
+    chosen = None
+    if world > 1:
+        chosen = {"cuda": "nccl", "cpu": "gloo", "xpu": "xccl"}[dev.type] if backend == "auto" else backend
+        if not dist.is_initialized():
+            dist.init_process_group(
+                backend=chosen, timeout=datetime.timedelta(seconds=timeout_s),
+                device_id=dev if dev.type == "cuda" else None,
+            )
+    seed_all(seed)
+    _current = RankInfo(rank=rank, local_rank=local_rank, world_size=world,
+                        local_world_size=local_world, device=dev, backend=chosen, seed=seed)
+    return _current
+
+
+def shutdown() -> None:
+    """Destroy the process group if one is running. Safe to call twice."""
+    global _current
+    if dist.is_available() and dist.is_initialized():
+        dist.destroy_process_group()
+    _current = None
+
+
+@contextlib.contextmanager
+def distributed(**kwargs) -> Iterator[RankInfo]:
+    """`with distributed(seed=...) as info:` — `init(**kwargs)`, then `shutdown()` on
+    every exit path, exceptions included (P-INIT-6)."""
+    info = init(**kwargs)
+    try:
+        yield info
+    finally:
+        shutdown()
+
+
+def barrier() -> None:
+    """A barrier across all ranks; a no-op in a world of 1."""
+    if dist.is_initialized():
+        dist.barrier()

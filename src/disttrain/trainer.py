@@ -1,0 +1,143 @@
+"""`disttrain train CONFIG.toml [--section.key=value ...]`: the config-driven trainer.
+
+Written only on the public library API (runtime, wrap, Accumulator, sampler,
+metrics, checkpoint), so it doubles as the reference for a user's own loop. Run
+outside torchrun with `parallel.nproc > 1`, it validates the config, then relaunches
+itself through `disttrain run`; a config error never starts a process.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import sys
+import time
+from pathlib import Path
+
+import torch
+from torch.utils.data import DataLoader
+
+from disttrain import runtime
+from disttrain.checkpoint import save_model
+from disttrain.config import Config, load_config, to_dict
+from disttrain.data import ChunkDataset, DistributedSampler, load_stdlib_corpus
+from disttrain.loop import Accumulator, warmup_cosine
+from disttrain.metrics import JsonlWriter, MeanTracker, global_mean
+from disttrain.models import GPT
+from disttrain.parallel import wrap
+from disttrain.progress import TrainProgress, print_summary
+
+
+def build_optimizer(model: torch.nn.Module, cfg: Config) -> torch.optim.Optimizer:
+    """AdamW (decay on matrices only, as in GPT-2) or SGD, over the wrapped model."""
+    o = cfg.optim
+    params = [p for p in model.parameters() if p.requires_grad]
+    if o.name == "sgd":
+        return torch.optim.SGD(params, lr=o.lr, momentum=o.momentum, weight_decay=o.weight_decay)
+    decay = [p for p in params if p.dim() >= 2]
+    no_decay = [p for p in params if p.dim() < 2]
+    groups = [{"params": decay, "weight_decay": o.weight_decay},
+              {"params": no_decay, "weight_decay": 0.0}]
+    return torch.optim.AdamW(groups, lr=o.lr, betas=tuple(o.betas))
+
+
+@torch.no_grad()
+def evaluate(model: torch.nn.Module, dataset: ChunkDataset, batch_size: int, max_batches: int) -> float:
+    """Held-out loss (nats/token) over a sharded, unpadded slice: rank r reads chunks
+    r, r + world, ... so no chunk is counted twice (P-LOOP-2)."""
+    info = runtime.rank_info()
+    model.eval()
+    n = min(len(dataset), max_batches * batch_size * info.world_size)
+    mine = list(range(info.rank, n, info.world_size))
+    total, count = 0.0, 0
+    for start in range(0, len(mine), batch_size):
+        x, y = (torch.stack(t) for t in zip(*(dataset[i] for i in mine[start:start + batch_size])))
+        _, loss = model(x.to(info.device), y.to(info.device))
+        total += float(loss) * y.numel()
+        count += y.numel()
+    model.train()
+    return global_mean(total, count)
+
+
+def train(cfg: Config) -> dict:
+    """Run one training job in this process (one rank). Returns the summary dict."""
+    t0 = time.perf_counter()
+    p, t = cfg.parallel, cfg.train
+    with runtime.distributed(backend=p.backend, device=p.device, timeout_s=p.timeout_s,
+                             seed=t.seed) as info:
+        corpus = load_stdlib_corpus(cfg.data.max_bytes, cfg.data.heldout_fraction)
+        train_set = ChunkDataset(corpus.train, cfg.model.block_size)
+        heldout_set = ChunkDataset(corpus.heldout, cfg.model.block_size)
+        model = wrap(GPT(cfg.model), p)
+        optimizer = build_optimizer(model, cfg)  # after wrap (P-DDP-3)
+        scheduler = warmup_cosine(optimizer, total_steps=t.steps, warmup_steps=cfg.optim.warmup_steps,
+                                  min_lr_ratio=cfg.optim.min_lr_ratio)
+        acc = Accumulator(model, optimizer, t.accum_steps, scheduler=scheduler,
+                          grad_clip=cfg.optim.grad_clip)
+        sampler = DistributedSampler(train_set, seed=t.seed, drop_last=cfg.data.drop_last)
+        loader = DataLoader(train_set, batch_size=t.batch_size, sampler=sampler, drop_last=True)
+        out = Path(t.out_dir)
+        log = JsonlWriter(out / "metrics.jsonl")
+        tokens_per_step = t.batch_size * cfg.model.block_size * t.accum_steps * info.world_size
+        first_eval = evaluate(model, heldout_set, t.batch_size, t.eval_batches)
+        progress = TrainProgress(t.steps, enabled=info.is_main)
+        window, heldout_loss, train_loss = MeanTracker(), first_eval, float("nan")
+        t_window, last_logged = time.perf_counter(), 0
+        while acc.optimizer_steps < t.steps:
+            for x, y in loader:  # each pass is a new epoch: the sampler advances itself
+                with acc.micro_step():
+                    _, loss = model(x.to(info.device), y.to(info.device))
+                    acc.backward(loss)
+                window.update(loss.detach(), y.numel())
+                if not acc.stepped:
+                    continue
+                step = acc.optimizer_steps
+                if step % t.log_every == 0 or step == t.steps:
+                    train_loss = window.compute()
+                    now = time.perf_counter()
+                    tok_s = (step - last_logged) * tokens_per_step / max(now - t_window, 1e-9)
+                    window.reset()
+                    t_window, last_logged = now, step
+                    record = {"step": step, "loss": train_loss, "lr": scheduler.get_last_lr()[0],
+                              "tokens_per_s": tok_s}
+                    if (t.eval_every and step % t.eval_every == 0) or step == t.steps:
+                        heldout_loss = evaluate(model, heldout_set, t.batch_size, t.eval_batches)
+                        record["heldout_loss"] = heldout_loss
+                    log.write(record)
+                    progress.update(step, train_loss, heldout_loss, tok_s)
+                if step >= t.steps:
+                    break
+        progress.close()
+        ckpt = save_model(model, out / "model.pt")
+        summary = {
+            "steps": acc.optimizer_steps, "world_size": info.world_size, "strategy": p.strategy,
+            "initial_heldout_loss": first_eval, "final_train_loss": train_loss,
+            "final_heldout_loss": heldout_loss, "wall_time_s": time.perf_counter() - t0,
+            "tokens_seen": tokens_per_step * acc.optimizer_steps, "checkpoint": str(ckpt),
+            "train_files": corpus.files_train, "heldout_files": corpus.files_heldout,
+        }
+        if info.is_main:
+            (out / "summary.json").write_text(json.dumps({**summary, "config": to_dict(cfg)}, indent=2))
+            print_summary(summary)
+        return summary
+
+
+def main(argv: list[str]) -> int:
+    """CLI entry: validate the config first, then train here or relaunch on torchrun."""
+    if not argv or argv[0].startswith("-"):
+        from disttrain.errors import UserError
+
+        raise UserError("usage: disttrain train CONFIG.toml [--section.key=value ...]")
+    cfg = load_config(argv[0], argv[1:])
+    if "WORLD_SIZE" not in os.environ and cfg.parallel.nproc > 1:
+        from disttrain.launch import main as launch
+
+        return launch(["--nproc", str(cfg.parallel.nproc), "-m", "disttrain.trainer", *argv])
+    train(cfg)
+    return 0
+
+
+if __name__ == "__main__":
+    from disttrain.cli import main as cli_main
+
+    sys.exit(cli_main(["train", *sys.argv[1:]]))

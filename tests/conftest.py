@@ -1,0 +1,41 @@
+"""Shared helpers: launch real multi-process jobs on torchrun (gloo) with a timeout."""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+ROOT = Path(__file__).resolve().parent.parent
+WORKERS = Path(__file__).resolve().parent / "workers"
+
+
+def worker_env(**extra: str) -> dict[str, str]:
+    env = dict(os.environ)
+    env.update({"OMP_NUM_THREADS": "1", "PYTHONUNBUFFERED": "1",
+                "TORCH_DISABLE_SHARE_RDZV_TCP_STORE": "1"}, **extra)
+    env["PYTHONPATH"] = os.pathsep.join([str(ROOT / "src"), str(WORKERS)])
+    return env
+
+
+def run_disttrain(args: list[str], timeout: float = 180, cwd: Path | None = None,
+                  env: dict | None = None) -> subprocess.CompletedProcess:
+    """`disttrain ARGS` in a subprocess; a hang fails the test after `timeout` seconds."""
+    return subprocess.run([sys.executable, "-m", "disttrain.cli", *args], capture_output=True,
+                          text=True, timeout=timeout, cwd=cwd or ROOT, env=env or worker_env())
+
+
+def launch_worker(script: str, nproc: int, out_dir: Path, *args: str, timeout: float = 240) -> list[dict]:
+    """Run tests/workers/SCRIPT on `nproc` gloo ranks under torchrun and return each
+    rank's JSON result (`out_dir/rank{r}.json`). Fails with the job's output on error."""
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc-per-node={nproc}",
+           str(WORKERS / script), str(out_dir), *args]
+    proc = subprocess.run(cmd, capture_output=True, text=True, timeout=timeout, env=worker_env())
+    if proc.returncode != 0:
+        pytest.fail(f"{script} at nproc={nproc} exited {proc.returncode}:\n{proc.stdout[-4000:]}\n"
+                    f"{proc.stderr[-6000:]}")
+    return [json.loads((out_dir / f"rank{r}.json").read_text()) for r in range(nproc)]

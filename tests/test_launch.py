@@ -1,0 +1,69 @@
+"""`disttrain run`: torchrun with a free port, thread defaults and clear failures (P-INIT-4,5)."""
+
+import subprocess
+import sys
+
+import pytest
+
+from conftest import ROOT, WORKERS, run_disttrain, worker_env
+from disttrain import launch
+from disttrain.errors import UserError
+
+SCRIPT = str(WORKERS / "hello.py")
+
+
+def test_two_concurrent_jobs_on_one_host_both_succeed_P_INIT_4(tmp_path):
+    cmd = [sys.executable, "-m", "disttrain.cli", "run", "--nproc", "2", SCRIPT]
+    jobs = [subprocess.Popen(cmd + [str(tmp_path / f"job{i}")], stdout=subprocess.PIPE,
+                             stderr=subprocess.STDOUT, text=True, env=worker_env(), cwd=ROOT)
+            for i in range(2)]
+    outputs = [job.communicate(timeout=120)[0] for job in jobs]
+    assert [job.returncode for job in jobs] == [0, 0], outputs
+    ports = set()
+    for i in range(2):
+        lines = (tmp_path / f"job{i}").read_text().split()
+        assert len(lines) == 2  # both ranks of each job reported
+        ports |= {line.split(",")[1] for line in lines}
+    assert len(ports) == 2  # each job rendezvoused on its own free port
+
+
+def test_worker_exit_code_and_failing_rank_are_reported(tmp_path):
+    proc = run_disttrain(["run", "--nproc", "2", SCRIPT, str(tmp_path / "x"), "--fail-rank", "1"],
+                         timeout=120)
+    assert proc.returncode == 3
+    assert "disttrain run: rank 1 failed first with exit code 3" in proc.stderr
+
+
+def test_omp_threads_and_store_defaults(tmp_path):
+    proc = run_disttrain(["run", "--nproc", "2", SCRIPT, str(tmp_path / "t")],
+                         env={k: v for k, v in worker_env().items() if k != "OMP_NUM_THREADS"})
+    assert proc.returncode == 0, proc.stderr
+    for line in (tmp_path / "t").read_text().split():
+        _, _, threads, share = line.split(",")
+        assert threads == str(max(1, __import__("os").cpu_count() // 2)) and share == "1"
+
+
+def test_missing_script_is_a_clear_error():
+    proc = run_disttrain(["run", "--nproc", "2", "no_such_script.py"], timeout=60)
+    assert proc.returncode == 2
+    assert "script 'no_such_script.py' not found" in proc.stderr and "Traceback" not in proc.stderr
+
+
+def test_flags_pass_through_and_standalone_only_for_one_node():
+    args, env = launch.build_torchrun_args(["--nnodes", "1:2", "--rdzv-backend", "c10d",
+                                            "--rdzv-endpoint", "127.0.0.1:29400", "--max-restarts",
+                                            "3", SCRIPT, "--lr", "1"])
+    assert "--standalone" not in args
+    assert args[-3:] == [SCRIPT, "--lr", "1"] and "--max-restarts" in args
+    args, _ = launch.build_torchrun_args(["--nproc=3", SCRIPT])
+    assert args[0] == "--standalone" and "--nproc-per-node=3" in args
+    assert env["TORCH_DISABLE_SHARE_RDZV_TCP_STORE"] == "1"
+
+
+def test_more_processes_than_gpus_refused_mocked_cuda(monkeypatch):
+    # Mocked: this machine has no GPU; the check only needs the visible count.
+    monkeypatch.setattr(launch, "visible_gpus", lambda: 2)
+    with pytest.raises(UserError, match="more processes than the 2 visible GPU"):
+        launch.build_torchrun_args(["--nproc", "4", SCRIPT])
+    args, _ = launch.build_torchrun_args([SCRIPT])
+    assert args[:3] == ["--standalone", "--nproc-per-node", "2"]
