@@ -4,7 +4,7 @@ torch.distributed parts. The public API is re-exported here; nothing else lives 
     import disttrain as dt
     with dt.distributed(seed=0) as info:
         model = dt.wrap(MyModel(), strategy="ddp")
-        optimizer = torch.optim.AdamW(model.parameters())   # after wrap
+        optimizer = dt.make_optimizer(model, torch.optim.AdamW, lr=3e-4)  # after wrap
         acc = dt.Accumulator(model, optimizer, accum_steps=4)
         ...
 """
@@ -16,11 +16,13 @@ from disttrain.data import DistributedSampler
 from disttrain.errors import ConfigError, DistributedMismatchError, UserError
 from disttrain.loop import Accumulator, clip_grad_norm, no_sync, warmup_cosine
 from disttrain.metrics import JsonlWriter, MeanTracker, global_mean, global_sum, print_main
-from disttrain.parallel import unwrap, wrap
+from disttrain.parallel import Layout, join, make_optimizer, unwrap, wrap
+from disttrain.precision import AgreedGradScaler, autocast, make_grad_scaler
 from disttrain.runtime import RankInfo, barrier, distributed, init, rank_info, shutdown
 
 __all__ = [
-    "Accumulator", "ConfigError", "DistributedMismatchError", "DistributedSampler", "JsonlWriter",
+    "Accumulator", "AgreedGradScaler", "Layout", "autocast", "join", "make_grad_scaler",
+    "make_optimizer", "ConfigError", "DistributedMismatchError", "DistributedSampler", "JsonlWriter",
     "MeanTracker", "RankInfo", "UserError", "atomic_torch_save", "barrier", "clip_grad_norm",
     "distributed", "global_mean", "global_sum", "init", "load_model", "no_sync", "print_main",
     "rank_info", "save_model", "shutdown", "unwrap", "warmup_cosine", "wrap",

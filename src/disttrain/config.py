@@ -72,8 +72,11 @@ class ParallelConfig:
     wrap: str = "auto"
     """FSDP: 'auto' (per block), 'model' (whole model), or comma-separated class names."""
     cpu_offload: bool = False
+    """FSDP: keep parameters, gradients and optimizer state on the CPU (P-FSDP-6)."""
     activation_checkpointing: bool = False
+    """Recompute each block's activations in backward instead of storing them (P-FSDP-6)."""
     sync_batchnorm: bool = False
+    """Convert BatchNorm layers to synchronised ones: global-batch statistics (P-DDP-8)."""
 
 
 @dataclass(kw_only=True)
@@ -259,6 +262,60 @@ def validate(cfg: Config) -> None:
     _one_of("data.corpus", cfg.data.corpus, ("stdlib",))
     _require(p.timeout_s > 0, f"parallel.timeout_s is {p.timeout_s}; it must be positive.")
     _check_hardware(p)
+    device = p.device if p.device != "auto" else ("cuda" if _cuda_count() else "cpu")
+    validate_parallel(p, t.precision, world_size=p.nproc, local_world_size=p.nproc, device_type=device)
+
+
+def _cuda_count() -> int:
+    import torch
+
+    return torch.cuda.device_count() if torch.cuda.is_available() else 0
+
+
+_FSDP = ("fsdp", "fsdp1")
+
+
+def validate_parallel(p: ParallelConfig, precision: str, *, world_size: int, local_world_size: int,
+                      device_type: str) -> None:
+    """Refuse strategy/option combinations that cannot work, naming the fix.
+
+    Called by `validate` (world = parallel.nproc) and again by `wrap` with the real
+    world. Raises `ConfigError`; never touches a process group.
+    """
+    s = p.strategy
+    _one_of("parallel.strategy", s, STRATEGIES)
+    _one_of("parallel.sharding", p.sharding, SHARDINGS)
+    _one_of("train.precision", precision, PRECISIONS)
+    _require(s in _FSDP or p.sharding == "full",
+             f"parallel.sharding is {p.sharding!r}, but sharding modes apply only to strategy fsdp "
+             f"or fsdp1 (strategy is {s!r}). Use --parallel.strategy=fsdp or drop the sharding key.")
+    _require(p.shard_group_size >= 0, f"parallel.shard_group_size is {p.shard_group_size}; use 0 "
+                                      f"(one node) or a positive group size.")
+    _require(p.shard_group_size == 0 or p.sharding == "hybrid",
+             f"parallel.shard_group_size is set but parallel.sharding is {p.sharding!r}; the group "
+             f"size applies only to --parallel.sharding=hybrid.")
+    _require(not p.cpu_offload or s in _FSDP,
+             f"parallel.cpu_offload needs a sharding strategy (fsdp), but strategy is {s!r}: "
+             f"{s} keeps every parameter on the device. Use --parallel.strategy=fsdp (P-FSDP-6).")
+    _require(not (p.static_graph or p.find_unused_parameters) or s in ("ddp", "zero1"),
+             f"parallel.static_graph / find_unused_parameters are DDP options; strategy {s!r} "
+             f"does not use them. Turn them off.")
+    _require(s != "dp" or world_size == 1,
+             f"parallel.strategy 'dp' (DataParallel) runs in one process, but the job has "
+             f"{world_size}; that would nest DataParallel inside DDP (P-DDP-1, P-DDP-3). Use "
+             f"--parallel.nproc=1, or --parallel.strategy=ddp.")
+    _require(not (p.sync_batchnorm and s == "dp"),
+             "parallel.sync_batchnorm needs one process per device; DataParallel's threads cannot "
+             "synchronise statistics. Use --parallel.strategy=ddp (P-DDP-8).")
+    if s == "fsdp1":
+        from disttrain.parallel.fsdp1 import check_fsdp1
+
+        check_fsdp1(precision=precision, cpu_offload=p.cpu_offload, device_type=device_type)
+    if s in _FSDP and p.sharding == "hybrid":
+        from disttrain.parallel.mesh import Layout
+
+        Layout.for_strategy(s, p.sharding, world_size, shard_group_size=p.shard_group_size,
+                            local_world_size=local_world_size, device_type=device_type)
 
 
 def _check_hardware(p: ParallelConfig) -> None:

@@ -12,6 +12,7 @@ import torch
 import torch.nn as nn
 
 from disttrain.guard import assert_same_across_ranks
+from disttrain.parallel.zero import check_optimizer
 
 
 def no_sync(model: nn.Module):
@@ -75,6 +76,8 @@ class Accumulator:
                  *, scheduler=None, grad_clip: float = 0.0, scaler=None):
         if accum_steps < 1:
             raise ValueError(f"accum_steps must be at least 1, got {accum_steps}")
+        # Fail before the first step, not after silent non-training (P-DDP-3, P-FSDP-7).
+        check_optimizer(model, optimizer)
         assert_same_across_ranks("accum_steps", accum_steps)
         self.model, self.optimizer, self.scheduler = model, optimizer, scheduler
         self.accum_steps, self.grad_clip, self.scaler = accum_steps, grad_clip, scaler

@@ -1,9 +1,18 @@
 """`wrap(model, ...)`: one entry point for every data-parallel strategy.
 
-Each strategy is a plain function `apply_x(model, ...)` in its own module. `wrap`
-validates the request, moves the model to this rank's device, applies the strategy,
-and switches the RNGs to the per-rank stream. Build the optimizer after `wrap`
-(P-DDP-3, P-FSDP-7).
+Each strategy is a plain function `apply_x(model, ...)` in its own module:
+
+    ddp    ddp.apply_ddp         DistributedDataParallel
+    zero1  zero.apply_zero1      DDP + ZeroRedundancyOptimizer (via make_optimizer)
+    fsdp   fsdp.apply_fsdp       FSDP2 fully_shard per block, on a mesh from mesh.Layout
+    fsdp1  fsdp1.apply_fsdp1     legacy FullyShardedDataParallel
+    dp     dp.apply_dp           nn.DataParallel (one process)
+
+`wrap` validates the request (`config.validate_parallel`), moves the model to this
+rank's device, converts BatchNorm (sync_batchnorm), applies activation
+checkpointing and the strategy in that order, installs the precision, and switches
+the RNGs to the per-rank stream. Build the optimizer afterwards, from the returned
+module (`make_optimizer`; P-DDP-3, P-FSDP-7).
 """
 
 from __future__ import annotations
@@ -11,12 +20,26 @@ from __future__ import annotations
 import dataclasses
 
 import torch.nn as nn
+from torch.distributed.fsdp import FSDPModule, FullyShardedDataParallel
 from torch.nn.parallel import DataParallel, DistributedDataParallel
 
-from disttrain.config import ParallelConfig, STRATEGIES
+from disttrain.config import ParallelConfig, STRATEGIES, validate_parallel
 from disttrain.errors import ConfigError, UserError
+from disttrain.parallel.blocks import apply_activation_checkpointing, find_blocks
 from disttrain.parallel.ddp import apply_ddp
+from disttrain.parallel.dp import apply_dp
+from disttrain.parallel.fsdp import apply_fsdp
+from disttrain.parallel.fsdp1 import apply_fsdp1
+from disttrain.parallel.join import join
+from disttrain.parallel.mesh import Layout
+from disttrain.parallel.syncbn import convert_sync_batchnorm
+from disttrain.parallel.zero import WRAP_INFO, apply_zero1, check_optimizer, make_optimizer, wrap_info
+from disttrain.precision import apply_autocast
 from disttrain.runtime import rank_info, seed_rank_stream
+
+__all__ = ["Layout", "check_optimizer", "join", "make_optimizer", "unwrap", "wrap", "wrap_info"]
+
+_WRAPPERS = (DistributedDataParallel, DataParallel, FullyShardedDataParallel)
 
 
 def _parallel_config(cfg: ParallelConfig | None, overrides: dict) -> ParallelConfig:
@@ -25,7 +48,7 @@ def _parallel_config(cfg: ParallelConfig | None, overrides: dict) -> ParallelCon
     for key, value in overrides.items():
         if key not in names:
             raise ConfigError(f"wrap() got an unknown option {key!r}; valid options: "
-                              f"{', '.join(sorted(names))}.")
+                              f"precision, {', '.join(sorted(names))}.")
         setattr(cfg, key, value)
     if cfg.strategy not in STRATEGIES:
         raise ConfigError(f"strategy {cfg.strategy!r} is unknown; choose one of {', '.join(STRATEGIES)}.")
@@ -33,32 +56,78 @@ def _parallel_config(cfg: ParallelConfig | None, overrides: dict) -> ParallelCon
 
 
 def unwrap(model: nn.Module) -> nn.Module:
-    """The user's module inside any wrapper (DDP/DataParallel `.module`)."""
-    while isinstance(model, (DistributedDataParallel, DataParallel)):
+    """The user's module inside any wrapper (DDP, DataParallel, FSDP1 `.module`).
+
+    An FSDP2 model is its own module (sharded in place) and is returned as is.
+    """
+    while isinstance(model, _WRAPPERS):
         model = model.module
     return model
 
 
-def wrap(model: nn.Module, cfg: ParallelConfig | None = None, **options) -> nn.Module:
+def _refuse_nested(model: nn.Module) -> None:
+    # P-DDP-3: DataParallel in DDP (or any wrapper in another) replicates twice.
+    for name, sub in model.named_modules():
+        if isinstance(sub, _WRAPPERS) or isinstance(sub, FSDPModule) or hasattr(sub, WRAP_INFO):
+            where = f"its submodule {name!r} is" if name else "it is"
+            raise UserError(f"the model is already wrapped ({where} a {type(sub).__name__}); "
+                            f"wrapping it again nests data parallelism (P-DDP-3). Pass the plain "
+                            f"module to dt.wrap() once.")
+
+
+def wrap(model: nn.Module, cfg: ParallelConfig | None = None, *, precision: str = "fp32",
+         **options) -> nn.Module:
     """Apply the configured strategy and return the module to train.
 
-    `options` override fields of `cfg` (for example `strategy="ddp"`,
-    `bucket_cap_mb=50`). In a world of 1 the model is only moved to the device.
-    Raises `UserError` for a model that is already wrapped (nested wrapping, P-DDP-3)
-    and `ConfigError` for an unknown option or strategy.
+    `options` override fields of `cfg` (for example `strategy="fsdp"`,
+    `sharding="hybrid"`, `shard_group_size=2`). `precision` is 'fp32', 'bf16' or
+    'fp16' (pair fp16 with `precision.make_grad_scaler`). In a world of 1 every
+    strategy except `dp` leaves the module unwrapped (no process group exists);
+    precision, SyncBN conversion and activation checkpointing still apply.
+    A collective when the world is larger: every rank calls it with the same
+    arguments. Raises `UserError` for a model that is already wrapped (nested
+    wrapping, P-DDP-3) and `ConfigError` for an unknown option or an illegal
+    combination, before anything is changed.
     """
     cfg = _parallel_config(cfg, options)
-    if isinstance(model, (DistributedDataParallel, DataParallel)):
-        raise UserError(f"the model is already wrapped in {type(model).__name__}; wrapping it "
-                        f"again nests data parallelism (P-DDP-3). Pass the plain module.")
     info = rank_info()
+    device_type = info.device.type
+    validate_parallel(cfg, precision, world_size=info.world_size,
+                      local_world_size=info.local_world_size, device_type=device_type)
+    _refuse_nested(model)
     model = model.to(info.device)
-    if cfg.strategy != "ddp":
-        raise ConfigError(f"strategy {cfg.strategy!r} is not available in this build yet; use 'ddp'.")
-    if info.world_size > 1:
-        model = apply_ddp(model, info.device, bucket_cap_mb=cfg.bucket_cap_mb,
-                          gradient_as_bucket_view=cfg.gradient_as_bucket_view,
-                          static_graph=cfg.static_graph,
-                          find_unused_parameters=cfg.find_unused_parameters)
+    if cfg.sync_batchnorm:
+        model = convert_sync_batchnorm(model, device_type)
+    layout = Layout.for_strategy(cfg.strategy, cfg.sharding, info.world_size,
+                                 shard_group_size=cfg.shard_group_size,
+                                 local_world_size=info.local_world_size, device_type=device_type)
+    sharded = cfg.strategy in ("fsdp", "fsdp1") and info.world_size > 1
+    if cfg.activation_checkpointing and not sharded:
+        apply_activation_checkpointing(model, find_blocks(model, cfg.wrap))
+    ddp_options = dict(bucket_cap_mb=cfg.bucket_cap_mb, gradient_as_bucket_view=cfg.gradient_as_bucket_view,
+                       static_graph=cfg.static_graph, find_unused_parameters=cfg.find_unused_parameters)
+    mesh = None
+    if cfg.strategy == "dp":
+        model = apply_dp(model, info.world_size)
+    elif info.world_size == 1:
+        pass
+    elif cfg.strategy == "ddp":
+        model = apply_ddp(model, info.device, **ddp_options)
+    elif cfg.strategy == "zero1":
+        model = apply_zero1(model, info.device, **ddp_options)
+    elif cfg.strategy == "fsdp":
+        mesh = layout.build_mesh()
+        model = apply_fsdp(model, mesh, sharding=cfg.sharding, wrap=cfg.wrap, precision=precision,
+                           cpu_offload=cfg.cpu_offload,
+                           activation_checkpointing=cfg.activation_checkpointing)
+    elif cfg.strategy == "fsdp1":
+        model = apply_fsdp1(model, layout, info.device, sharding=cfg.sharding, wrap=cfg.wrap,
+                            precision=precision, cpu_offload=cfg.cpu_offload,
+                            activation_checkpointing=cfg.activation_checkpointing)
+    if not sharded:
+        # Replicated strategies compute under autocast; FSDP casts via its own policy.
+        apply_autocast(model, precision, device_type)
+    setattr(model, WRAP_INFO, {"strategy": cfg.strategy, "precision": precision,
+                               "world_size": info.world_size, "layout": layout, "mesh": mesh})
     seed_rank_stream(info)
     return model
