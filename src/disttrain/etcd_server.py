@@ -1,0 +1,132 @@
+"""A local etcd server for elastic rendezvous: `disttrain etcd start`.
+
+torch's etcd rendezvous backends (`etcd-v2`, and the legacy `etcd`) speak etcd's v2
+API, which etcd 3.4 serves only with `--enable-v2=true`; without it both fail (404 or
+a connection error). The server binds 127.0.0.1 only, keeps its data in a directory
+of its own, and is stopped (SIGTERM, then SIGKILL) by `stop()`.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import shutil
+import signal
+import socket
+import subprocess
+import tempfile
+import time
+import urllib.request
+from dataclasses import dataclass, field
+from pathlib import Path
+
+from disttrain.errors import UserError
+
+
+def free_port(host: str = "127.0.0.1") -> int:
+    with socket.socket() as s:
+        s.bind((host, 0))
+        return s.getsockname()[1]
+
+
+def find_etcd() -> str:
+    """Path of the etcd binary. Raises `UserError` with the install command if missing."""
+    path = shutil.which("etcd") or ("/usr/bin/etcd" if os.path.exists("/usr/bin/etcd") else None)
+    if path is None:
+        raise UserError("etcd is not installed. On Debian/Ubuntu: apt-get install -y etcd-server; "
+                        "Python side: pip install python-etcd.")
+    return path
+
+
+@dataclass
+class EtcdServer:
+    """One etcd process. `endpoint` is host:port for `--rdzv-endpoint`."""
+
+    host: str = "127.0.0.1"
+    port: int = 0
+    data_dir: Path | None = None
+    process: subprocess.Popen | None = field(default=None, repr=False)
+    _own_dir: bool = field(default=False, repr=False)
+
+    @property
+    def endpoint(self) -> str:
+        return f"{self.host}:{self.port}"
+
+    def start(self, timeout_s: float = 20.0, log_path: str | os.PathLike | None = None) -> "EtcdServer":
+        """Start etcd and wait until it answers /health. Raises `UserError` on failure."""
+        self.port = self.port or free_port(self.host)
+        peer_port = free_port(self.host)
+        if self.data_dir is None:
+            self.data_dir, self._own_dir = Path(tempfile.mkdtemp(prefix="disttrain-etcd-")), True
+        url = f"http://{self.host}:{self.port}"
+        cmd = [find_etcd(), "--enable-v2=true", "--name", "disttrain",
+               "--data-dir", str(self.data_dir),
+               "--listen-client-urls", url, "--advertise-client-urls", url,
+               "--listen-peer-urls", f"http://{self.host}:{peer_port}",
+               "--initial-advertise-peer-urls", f"http://{self.host}:{peer_port}",
+               "--initial-cluster", f"disttrain=http://{self.host}:{peer_port}"]
+        log = open(log_path, "ab") if log_path else subprocess.DEVNULL
+        self.process = subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT,
+                                        start_new_session=True)
+        deadline = time.monotonic() + timeout_s
+        while time.monotonic() < deadline:
+            if self.process.poll() is not None:
+                raise UserError(f"etcd exited with status {self.process.returncode} at start; "
+                                f"is port {self.port} taken? Run it by hand to see its log: {' '.join(cmd)}")
+            if self.healthy():
+                return self
+            time.sleep(0.1)
+        self.stop()
+        raise UserError(f"etcd did not become healthy on {url} within {timeout_s:.0f} s.")
+
+    def healthy(self) -> bool:
+        try:
+            with urllib.request.urlopen(f"http://{self.endpoint}/health", timeout=1) as r:
+                return json.loads(r.read()).get("health") == "true"
+        except (OSError, ValueError):
+            return False
+
+    def stop(self, remove_data: bool = True) -> None:
+        """Stop the server (SIGTERM, then SIGKILL after 5 s); remove its own data dir."""
+        if self.process is not None and self.process.poll() is None:
+            self.process.send_signal(signal.SIGTERM)
+            try:
+                self.process.wait(timeout=5)
+            except subprocess.TimeoutExpired:
+                self.process.kill()
+                self.process.wait()
+        if remove_data and self._own_dir and self.data_dir is not None:
+            shutil.rmtree(self.data_dir, ignore_errors=True)
+
+    def restart(self) -> "EtcdServer":
+        """Stop and start again on the same port and data dir (state is kept)."""
+        self.stop(remove_data=False)
+        return self.start()
+
+    def __enter__(self) -> "EtcdServer":
+        return self.start() if self.process is None else self
+
+    def __exit__(self, *exc) -> None:
+        self.stop()
+
+
+def main(argv: list[str]) -> int:
+    """`disttrain etcd start [--port N] [--data-dir DIR]`: run in the foreground until Ctrl-C."""
+    import argparse
+
+    parser = argparse.ArgumentParser(prog="disttrain etcd")
+    parser.add_argument("action", choices=["start"])
+    parser.add_argument("--port", type=int, default=2379)
+    parser.add_argument("--data-dir", type=Path, default=None)
+    args = parser.parse_args(argv)
+    server = EtcdServer(port=args.port, data_dir=args.data_dir).start()
+    print(f"etcd (v2 API on) serving on {server.endpoint}. Use it with:\n"
+          f"  disttrain run --nnodes 1:2 --rdzv-backend etcd --rdzv-endpoint {server.endpoint} "
+          f"--rdzv-id JOB script.py\nCtrl-C stops it.", flush=True)
+    try:
+        server.process.wait()
+    except KeyboardInterrupt:
+        pass
+    finally:
+        server.stop(remove_data=args.data_dir is None)
+    return 0

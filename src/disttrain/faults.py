@@ -1,0 +1,100 @@
+"""Fault injection as a library feature, so users can test their own jobs.
+
+A fault is "ACTION@PHASE:key=value,...", several separated by ';', given in the
+environment variable DISTTRAIN_FAULT or with `set_faults()`:
+
+    DISTTRAIN_FAULT="kill@backward:rank=1,step=7"       SIGKILL rank 1 in step 7's backward
+    DISTTRAIN_FAULT="stop@forward:rank=0,step=3"        SIGSTOP (a stall) rank 0
+    DISTTRAIN_FAULT="exit@step:step=5,code=3"           every rank exits 3 before step 5's update
+
+Actions: kill (SIGKILL), stop (SIGSTOP), term (SIGTERM, a preemption), exit (status
+`code`, default 1), raise (RuntimeError). Phases are the points where the trainer
+calls `inject`: forward, backward, step (optimizer), checkpoint phases such as
+checkpoint:shards. Keys: rank (default any), step (default any), restart (the
+TORCHELASTIC_RESTART_COUNT it fires in, default 0, so a restarted job does not fail
+again at the same point).
+"""
+
+from __future__ import annotations
+
+import os
+import signal
+import sys
+from dataclasses import dataclass
+
+from disttrain.errors import UserError
+
+ACTIONS = ("kill", "stop", "term", "exit", "raise")
+
+
+@dataclass(frozen=True)
+class Fault:
+    action: str
+    phase: str
+    rank: int | None = None
+    step: int | None = None
+    restart: int = 0
+    code: int = 1
+
+
+def parse(spec: str) -> list[Fault]:
+    """Parse a fault spec. Raises `UserError` naming the bad part."""
+    faults = []
+    for part in filter(None, (p.strip() for p in spec.split(";"))):
+        head, _, tail = part.partition(":")
+        action, _, phase = head.partition("@")
+        if action not in ACTIONS or not phase:
+            raise UserError(f"fault {part!r}: write ACTION@PHASE[:key=value,...] with ACTION one of "
+                            f"{', '.join(ACTIONS)}, e.g. kill@backward:rank=1,step=7.")
+        keys = {}
+        for item in filter(None, tail.split(",")):
+            key, _, value = item.partition("=")
+            if key not in ("rank", "step", "restart", "code") or not value.lstrip("-").isdigit():
+                raise UserError(f"fault {part!r}: bad key {item!r}; keys are rank, step, restart, "
+                                f"code with integer values.")
+            keys[key] = int(value)
+        faults.append(Fault(action=action, phase=phase, **keys))
+    return faults
+
+
+_faults: list[Fault] | None = None
+
+
+def set_faults(spec: str | None) -> None:
+    """Replace the active faults (None: read DISTTRAIN_FAULT again on next use)."""
+    global _faults
+    _faults = None if spec is None else parse(spec)
+
+
+def active() -> list[Fault]:
+    global _faults
+    if _faults is None:
+        _faults = parse(os.environ.get("DISTTRAIN_FAULT", ""))
+    return _faults
+
+
+def inject(phase: str, step: int, rank: int | None = None) -> None:
+    """Fire every active fault that matches (phase, step, rank, restart count)."""
+    faults = active()
+    if not faults:
+        return
+    if rank is None:
+        rank = int(os.environ.get("RANK", "0"))
+    restart = int(os.environ.get("TORCHELASTIC_RESTART_COUNT", "0"))
+    for f in faults:
+        if f.phase != phase or f.restart != restart or f.rank not in (None, rank) \
+                or f.step not in (None, step):
+            continue
+        print(f"disttrain fault: {f.action} at {phase}, step {step}, rank {rank}", file=sys.stderr,
+              flush=True)
+        if f.action == "kill":
+            os.kill(os.getpid(), signal.SIGKILL)
+        elif f.action == "stop":
+            os.kill(os.getpid(), signal.SIGSTOP)
+        elif f.action == "term":
+            os.kill(os.getpid(), signal.SIGTERM)
+        elif f.action == "exit":
+            sys.stdout.flush()
+            os._exit(f.code)
+        else:
+            raise RuntimeError(f"injected fault at {phase}, step {step}, rank {rank}")
