@@ -116,6 +116,28 @@ class TrainConfig:
 
 
 @dataclass(kw_only=True)
+class GuardConfig:
+    """Runtime guardrails (P-DEBUG-1,3): on by default and cheap (<= 1% of step time)."""
+
+    enabled: bool = True
+    """Start-of-run consistency check, replica divergence check and hang watchdog."""
+    divergence_every: int = 100
+    """Optimizer steps between DDP replica checksums (one small all-reduce); 0 disables."""
+    hang_factor: float = 20.0
+    """A step longer than this x the median step time counts as a hang..."""
+    hang_min_s: float = 60.0
+    """...but never below this many seconds (evaluation and logging steps run longer)..."""
+    hang_cap_s: float = 240.0
+    """...and always at this cap (also used for the first steps; kept under parallel.timeout_s)."""
+    tick_s: float = 1.0
+    """Heartbeat period of the watchdog thread."""
+    dir: str = ""
+    """Heartbeat directory; '' is a per-job temp directory. Use a shared one for several nodes."""
+    strict: bool = False
+    """Turn 'looks distributed but is not' warnings into errors."""
+
+
+@dataclass(kw_only=True)
 class Config:
     """The whole run. One section per concern, as in the TOML file."""
 
@@ -124,6 +146,7 @@ class Config:
     parallel: ParallelConfig = field(default_factory=ParallelConfig)
     optim: OptimConfig = field(default_factory=OptimConfig)
     train: TrainConfig = field(default_factory=TrainConfig)
+    guard: GuardConfig = field(default_factory=GuardConfig)
 
 
 # ---------------------------------------------------------------- loading
@@ -261,6 +284,11 @@ def validate(cfg: Config) -> None:
     _one_of("parallel.backend", p.backend, ("auto", "gloo", "nccl"))
     _one_of("data.corpus", cfg.data.corpus, ("stdlib",))
     _require(p.timeout_s > 0, f"parallel.timeout_s is {p.timeout_s}; it must be positive.")
+    g = cfg.guard
+    _require(g.divergence_every >= 0 and g.hang_factor > 1 and g.hang_min_s > 0 and g.tick_s > 0
+             and g.hang_cap_s >= g.hang_min_s,
+             "guard: divergence_every must be >= 0, hang_factor > 1, hang_min_s and tick_s > 0, "
+             "and hang_cap_s >= hang_min_s.")
     _check_hardware(p)
     device = p.device if p.device != "auto" else ("cuda" if _cuda_count() else "cpu")
     validate_parallel(p, t.precision, world_size=p.nproc, local_world_size=p.nproc, device_type=device)

@@ -1,18 +1,46 @@
-"""Cross-rank consistency checks that turn silent divergence or hangs into errors."""
+"""Cross-rank consistency checks that turn silent divergence or hangs into errors.
+
+Two checks that cost a collective each, run where a mistake would otherwise become a
+hang or a silently wrong model (P-DEBUG-3):
+
+- `check_consistency(model=..., config=..., **fields)` at start: every rank exchanges a
+  fingerprint (config hash, torch and disttrain versions, model structure hash, and
+  any named field such as accum_steps, dataset length or strategy). A mismatch raises
+  `DistributedMismatchError` on every rank, naming the ranks and the fields.
+- `check_replicas(model, step)` every K steps under DDP: one all-reduce of
+  per-parameter checksums. Replicas that drifted apart raise an error naming the step
+  and the first parameter that differs.
+
+`gather_ints` / `assert_same_across_ranks` are the small form used by `Accumulator`.
+"""
 
 from __future__ import annotations
 
+import dataclasses
+import hashlib
+import json
+from collections import Counter
+from typing import Any
+
 import torch
 import torch.distributed as dist
+import torch.nn as nn
 
 from disttrain.errors import DistributedMismatchError
+
+
+def _comm_device() -> torch.device:
+    # NCCL only moves CUDA tensors; gloo moves CPU ones.
+    if dist.get_backend() == "nccl":
+        return torch.device("cuda", torch.cuda.current_device())
+    return torch.device("cpu")
 
 
 def gather_ints(value: int) -> list[int]:
     """Every rank's `value`, in rank order. `[value]` in a world of 1."""
     if not dist.is_initialized():
         return [value]
-    local = torch.tensor([value], dtype=torch.int64)
+    local = torch.tensor([value], dtype=torch.int64, device=_comm_device())
     out = [torch.zeros_like(local) for _ in range(dist.get_world_size())]
     dist.all_gather(out, local)
     return [int(t.item()) for t in out]
@@ -30,3 +58,172 @@ def assert_same_across_ranks(name: str, value: int) -> None:
         raise DistributedMismatchError(
             f"ranks disagree on {name} ({listing}). Every rank must use the same {name}; "
             f"check per-rank config or environment overrides.")
+
+
+# ---------------------------------------------------------------- start-of-run fingerprint
+
+
+def _plain(module: nn.Module) -> nn.Module:
+    # DDP / DataParallel keep the user's module in `.module`; its names carry no prefix.
+    while hasattr(module, "module") and isinstance(module.module, nn.Module):
+        module = module.module
+    return module
+
+
+def model_structure(model: nn.Module) -> list[str]:
+    """`name:shape:dtype` of every parameter and buffer of the unwrapped model, in order."""
+    m = _plain(model)
+    items = [(n, t) for n, t in m.named_parameters()] + [(n, t) for n, t in m.named_buffers()]
+    return [f"{n}:{tuple(t.shape)}:{str(t.dtype).replace('torch.', '')}" for n, t in items]
+
+
+def _config_items(config: Any) -> dict[str, str]:
+    """A config (dataclass or dict) flattened to dotted keys with printable values."""
+    if dataclasses.is_dataclass(config) and not isinstance(config, type):
+        config = dataclasses.asdict(config)
+    flat: dict[str, str] = {}
+
+    def walk(prefix: str, node: Any) -> None:
+        if isinstance(node, dict):
+            for k, v in node.items():
+                walk(f"{prefix}{k}.", v)
+        else:
+            flat[prefix.rstrip(".")] = json.dumps(node, default=str, sort_keys=True)
+
+    walk("", config)
+    return flat
+
+
+def _digest(obj: Any) -> str:
+    return hashlib.sha256(json.dumps(obj, sort_keys=True, default=str).encode()).hexdigest()[:16]
+
+
+def fingerprint(model: nn.Module | None = None, config: Any = None, **fields: Any) -> dict[str, str]:
+    """This rank's fingerprint: field name -> short printable value (hashes for big ones)."""
+    from disttrain import __version__
+
+    fp = {"torch": torch.__version__, "disttrain": __version__}
+    if config is not None:
+        fp["config"] = _digest(_config_items(config))
+    if model is not None:
+        fp["model_structure"] = _digest(model_structure(model))
+    for key, value in fields.items():
+        fp[key] = json.dumps(value, default=str, sort_keys=True)
+    return fp
+
+
+def _first_difference(values: list[Any]) -> str:
+    """For per-rank dicts or lists, which keys or entries differ, in words."""
+    if all(isinstance(v, dict) for v in values):
+        keys = sorted(set().union(*values))
+        diff = [k for k in keys if len({json.dumps(v.get(k)) for v in values}) > 1]
+        shown = "; ".join(f"{k}: " + ", ".join(f"rank {r}={v.get(k, '<missing>')}"
+                                               for r, v in enumerate(values)) for k in diff[:5])
+        return f"differing keys ({len(diff)}): {shown}"
+    for i in range(max(len(v) for v in values)):
+        entries = [v[i] if i < len(v) else "<missing>" for v in values]
+        if len(set(entries)) > 1:
+            return f"first difference at entry {i}: " + ", ".join(
+                f"rank {r}={e}" for r, e in enumerate(entries))
+    return "no entry differs"
+
+
+def check_consistency(model: nn.Module | None = None, config: Any = None, **fields: Any) -> dict[str, str]:
+    """Check that every rank runs the same job; return this rank's fingerprint.
+
+    A collective: every rank must call it at the same point, with the same keyword
+    names (for example `accum_steps=4, dataset_len=len(ds), strategy="ddp"`). Call it
+    before `wrap()`: DDP's own check of parameter shapes gives a less precise error.
+    On a mismatch it raises `DistributedMismatchError` on every rank (all ranks see
+    the same gathered data), naming the fields that differ, each rank's value, the
+    ranks that differ from the majority, and for the config and the model the first
+    differing keys or parameters. A no-op check in a world of 1.
+    """
+    fp = fingerprint(model, config, **fields)
+    if not dist.is_initialized() or dist.get_world_size() == 1:
+        return fp
+    world = dist.get_world_size()
+    every: list[dict] = [None] * world  # type: ignore[list-item]
+    dist.all_gather_object(every, fp)
+    keys = sorted(set().union(*every))
+    bad = [k for k in keys if len({e.get(k) for e in every}) > 1]
+    if not bad:
+        return fp
+    # Second, rare exchange: the details behind a differing hash.
+    detail = {}
+    if "config" in bad and config is not None:
+        detail["config"] = _config_items(config)
+    if "model_structure" in bad and model is not None:
+        detail["model_structure"] = model_structure(model)
+    details: list[dict] = [None] * world  # type: ignore[list-item]
+    dist.all_gather_object(details, detail)
+    odd: set[int] = set()
+    lines = []
+    for k in bad:
+        values = [e.get(k, "<missing>") for e in every]
+        common = Counter(values).most_common(1)[0][0]  # ties keep rank 0's value
+        odd |= {r for r, v in enumerate(values) if v != common}
+        line = f"  {k}: " + ", ".join(f"rank {r}={v}" for r, v in enumerate(values))
+        if all(k in d for d in details):
+            line += f"\n    {_first_difference([d[k] for d in details])}"
+        lines.append(line)
+    ranks = ", ".join(str(r) for r in sorted(odd))
+    raise DistributedMismatchError(
+        f"ranks disagree at start on {', '.join(bad)} (P-DEBUG-3); rank(s) {ranks} differ from "
+        f"the others:\n" + "\n".join(lines) + "\nEvery rank must run the same code, config, model "
+        f"and library versions; check per-rank overrides, environment variables and installs.")
+
+
+# ---------------------------------------------------------------- replica divergence
+
+
+def _is_replicated(model: nn.Module) -> bool:
+    from torch.nn.parallel import DistributedDataParallel
+
+    return isinstance(model, DistributedDataParallel)
+
+
+@torch.no_grad()
+def parameter_checksums(model: nn.Module) -> torch.Tensor:
+    """Per parameter: (sum, sum of squares) in float64, shape (n_params, 2), on CPU."""
+    sums = [torch.stack([p.sum(dtype=torch.float64), p.double().square().sum()])
+            for p in _plain(model).parameters()]
+    return torch.stack(sums).cpu() if sums else torch.zeros(0, 2, dtype=torch.float64)
+
+
+def check_replicas(model: nn.Module, step: int) -> None:
+    """Under DDP, check that every replica holds the same parameters (P-DDP-7).
+
+    A collective: every rank calls it at the same step. Cost: one pass over the
+    parameters and one all-reduce of 2 x 2 numbers per parameter, so call it every K
+    steps. Replicas that differ (a rank-specific skipped step, an unsynchronised
+    GradScaler, a non-deterministic op) raise `DistributedMismatchError` on every rank,
+    naming the step, the first differing parameter, and the ranks that differ from
+    rank 0. Models that are not DDP-replicated (FSDP shards, a world of 1) are skipped.
+    """
+    if not dist.is_initialized() or dist.get_world_size() == 1 or not _is_replicated(model):
+        return
+    # NaN on every rank is not divergence: compare it as an ordinary (huge) value.
+    local = torch.nan_to_num(parameter_checksums(model), nan=1.2345e300)
+    both = torch.cat([local, -local]).to(_comm_device())  # one MAX all-reduce: max and -min
+    dist.all_reduce(both, op=dist.ReduceOp.MAX)
+    both = both.cpu()
+    hi, lo = both[: len(local)], -both[len(local):]
+    differs = (hi != lo).any(dim=1)
+    if not bool(differs.any()):
+        return
+    # Every rank saw the same reduced result, so every rank enters this second exchange.
+    first = int(differs.nonzero()[0, 0])
+    mine = local[first].contiguous().to(_comm_device())
+    everyone = [torch.zeros_like(mine) for _ in range(dist.get_world_size())]
+    dist.all_gather(everyone, mine)
+    everyone = [v.cpu() for v in everyone]
+    names = [n for n, _ in _plain(model).named_parameters()]
+    ranks = [r for r, v in enumerate(everyone) if not torch.equal(v, everyone[0])]
+    raise DistributedMismatchError(
+        f"replicas diverged by step {step}: parameter {names[first]!r} (and "
+        f"{int(differs.sum()) - 1} more) differs on rank(s) {ranks} from rank 0 "
+        f"(sums: " + ", ".join(f"rank {r}={float(v[0]):.9g}" for r, v in enumerate(everyone)) +
+        "). Under DDP every rank must apply the same update: look for rank-specific "
+        "optimizer steps or parameter edits, an fp16 GradScaler whose skip is not agreed "
+        "by all ranks (P-DDP-7), or non-deterministic kernels.")

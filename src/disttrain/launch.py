@@ -11,6 +11,10 @@ What it changes, and why:
   makes restarted workers fail to connect or hang (pytorch issue 135712).
 - A failed worker is reported in one line naming its rank and exit code, and that
   exit code is returned (128 + signal for a worker killed by a signal).
+- `--debug` sets the verbose switches of P-DEBUG-2 for the backend in use (see
+  `debug_env`) and prints them and where the logs go.
+- `DISTTRAIN_EXPECTED_WORLD_SIZE` = nnodes x nproc, so a rank can tell that fewer
+  processes started than were asked for (`disttrain.sanity.check_world_size`).
 Every other torchrun flag passes through unchanged.
 """
 
@@ -66,12 +70,25 @@ def visible_gpus() -> int:
     return torch.cuda.device_count() if torch.cuda.is_available() else 0
 
 
+def debug_env(backend: str) -> dict[str, str]:
+    """The verbose switches of P-DEBUG-2 for `backend` ('nccl' or 'gloo')."""
+    env = {"TORCH_DISTRIBUTED_DEBUG": "DETAIL"}
+    if backend == "nccl":
+        env.update(NCCL_DEBUG="INFO", NCCL_DEBUG_SUBSYS="INIT,COLL",
+                   TORCH_NCCL_ASYNC_ERROR_HANDLING="1")
+    else:  # gloo logs through c10d's C++ logger
+        env["TORCH_CPP_LOG_LEVEL"] = "INFO"
+    return env
+
+
 def build_torchrun_args(argv: list[str]) -> tuple[list[str], dict[str, str]]:
     """Translate `disttrain run` arguments into torchrun arguments plus env defaults.
 
     Raises `UserError` for a missing script or more processes than visible GPUs.
     """
     flags, script = _split_script(argv)
+    debug = "--debug" in flags
+    flags = [f for f in flags if f != "--debug"]
     if not script:
         raise UserError("no script given. Usage: disttrain run [torchrun flags] script.py [args]")
     flags = ["--nproc-per-node" if f == "--nproc" else
@@ -94,6 +111,10 @@ def build_torchrun_args(argv: list[str]) -> tuple[list[str], dict[str, str]]:
     if nnodes in ("1", "1:1") and endpoint is None and "--standalone" not in flags:
         flags = ["--standalone"] + flags
     env = dict(DEFAULT_ENV)
+    if debug:
+        env.update(debug_env("nccl" if gpus else "gloo"))
+    if nproc.isdigit() and nnodes.isdigit():
+        env["DISTTRAIN_EXPECTED_WORLD_SIZE"] = str(int(nproc) * int(nnodes))
     if nproc.isdigit():
         env["OMP_NUM_THREADS"] = str(max(1, (os.cpu_count() or 1) // int(nproc)))
     is_module = any(f in flags for f in ("-m", "--module", "--no-python", "--no_python"))
@@ -111,6 +132,13 @@ def main(argv: list[str]) -> int:
     args, env = build_torchrun_args(argv)
     for key, value in env.items():
         os.environ.setdefault(key, value)
+    if "TORCH_DISTRIBUTED_DEBUG" in env:  # --debug: say what was switched on and where it goes
+        log_dir = _flag_value(args, "--log-dir", "--log_dir")
+        where = (f"per-rank files under {log_dir}" if log_dir else
+                 "this terminal (every rank's stdout and stderr, interleaved); add "
+                 "--log-dir DIR --tee 3 for one file per rank")
+        switches = " ".join(f"{k}={os.environ[k]}" for k in sorted(env) if k.startswith(("TORCH_", "NCCL_")))
+        print(f"disttrain run --debug: {switches}. Logs: {where}.", file=sys.stderr, flush=True)
     try:
         run(parse_args(args))
     except ChildFailedError as e:

@@ -1,0 +1,119 @@
+"""From heartbeats and stacks to one hang summary that names the lagging rank (P-DEBUG-1).
+
+Pure functions on plain data (the heartbeat dicts written by `watchdog.Watchdog`), so
+the reasoning is unit-testable without processes. The rules, in order:
+
+1. A rank whose heartbeat stopped, or that the kernel shows stopped, lags: it is
+   frozen (SIGSTOP, a debugger, a GIL-holding extension) or dead.
+2. A rank that moved past a step without entering a phase that the other ranks
+   entered at that step skipped it: a rank-specific branch around a collective.
+3. Ranks at an earlier step than the others lag (often data loading, P-DEBUG-4).
+4. At the same step, ranks outside the phase where most ranks wait lag.
+5. Everyone in the same step and phase: a communication problem, not a slow rank.
+"""
+
+from __future__ import annotations
+
+from collections import Counter
+from pathlib import Path
+
+_SIGNALS = {"T": "stopped (SIGSTOP or a debugger)", "t": "stopped by a tracer", "Z": "dead (zombie)",
+            "D": "in uninterruptible I/O"}
+
+
+def _skipped(beats: list[dict]) -> list[tuple[int, str, int]]:
+    """(rank, phase, step) for each phase a rank moved past without entering."""
+    found = []
+    phases = set().union(*(b.get("history", {}) for b in beats))
+    for phase in sorted(phases):
+        entered = {b["rank"]: set(b.get("history", {}).get(phase, [])) for b in beats}
+        for b in beats:
+            mine = entered[b["rank"]]
+            # History keeps the last few entries: judge only steps it still covers.
+            oldest = min(mine) if mine else None
+            others = set().union(*(s for r, s in entered.items() if r != b["rank"]))
+            missing = sorted(s for s in others if s < b["step"] and s not in mine
+                             and (oldest is None or s > oldest))
+            if missing:
+                found.append((b["rank"], phase, missing[0]))
+    return found
+
+
+def diagnose(beats: list[dict], now: float, stale_after: float) -> tuple[str, list[int]]:
+    """(verdict sentence, lagging ranks) from every rank's last heartbeat."""
+    running = [b for b in beats if b.get("state") == "running"]
+    frozen = [b for b in running
+              if b.get("proc_state") in _SIGNALS or now - b["alive"] > stale_after]
+    if frozen:
+        parts = [f"rank {b['rank']} is {_SIGNALS.get(b.get('proc_state'), 'not responding')}: "
+                 f"no heartbeat for {now - b['alive']:.1f} s (the last one was at step {b['step']}, "
+                 f"phase {b['phase']!r}; its stack below shows where it is now)" for b in frozen]
+        return "; ".join(parts) + ". The others wait for it.", [b["rank"] for b in frozen]
+    skipped = _skipped(beats)
+    if skipped:
+        ranks = sorted({r for r, _, _ in skipped})
+        parts = [f"rank {r} skipped phase {p!r} at step {s}" for r, p, s in skipped]
+        return ("; ".join(parts) + " while the other ranks entered it: a rank-specific branch "
+                "around a collective leaves the others waiting (or pairs mismatched "
+                "collectives)."), ranks
+    exited = [b for b in beats if b.get("state") == "exited"]
+    if exited:
+        return (f"rank(s) {[b['rank'] for b in exited]} already left the training loop while "
+                f"the others wait in a collective."), [b["rank"] for b in exited]
+    steps = {b["step"] for b in beats}
+    if len(steps) > 1:
+        low = min(steps)
+        lag = [b["rank"] for b in beats if b["step"] == low]
+        return (f"rank(s) {lag} are behind at step {low} (others reached step {max(steps)}); "
+                f"a slow rank, often its data loading (P-DEBUG-4)."), lag
+    phases = Counter(b["phase"] for b in beats)
+    if len(phases) > 1:
+        (common, n), = phases.most_common(1)
+        if n > len(beats) / 2:
+            lag = [b["rank"] for b in beats if b["phase"] != common]
+            where = ", ".join(f"rank {b['rank']} in {b['phase']!r}" for b in beats if b["rank"] in lag)
+            return (f"{where}, while the others wait in {common!r}: those ranks lag."), lag
+        where = ", ".join(f"rank {b['rank']} in {b['phase']!r}" for b in beats)
+        return f"ranks are in different phases at the same step ({where}).", []
+    return ("every rank waits in the same step and phase: a communication problem (network, "
+            "NCCL, a dead peer on another host), not a lagging rank. Rerun with "
+            "`disttrain run --debug` (P-DEBUG-2)."), []
+
+
+def where_in_stack(stack: str) -> str:
+    """The innermost frame of the main thread in a py-spy or faulthandler dump."""
+    lines = stack.splitlines()
+    for i, line in enumerate(lines):
+        is_main = ("MainThread" in line) or line.startswith("Current thread") or \
+            (line.startswith("Thread 0x") and "most recent call first" in line)
+        if is_main:
+            for frame in lines[i + 1:]:
+                frame = frame.strip()
+                if frame:
+                    return frame.removeprefix("File ")
+    return ""
+
+
+def format_summary(*, reason: str, reporter: int, world: int, beats: list[dict], verdict: str,
+                   lagging: list[int], stacks: dict[int, str], report: Path) -> str:
+    """The one summary a hang prints: why it fired, who lags, where every rank is."""
+    seen = {b["rank"] for b in beats}
+    lines = [f"disttrain guard: HANG detected by rank {reporter}: {reason}.",
+             f"Lagging rank(s): {', '.join(map(str, lagging)) if lagging else 'none singled out'}. "
+             f"{verdict}",
+             "Where each rank is:"]
+    for b in beats:
+        state = b.get("proc_state", "")
+        extra = f" [process state {state}]" if state and state not in "RS" else ""
+        frame = where_in_stack(stacks.get(b["rank"], ""))
+        lines.append(f"  rank {b['rank']} (pid {b['pid']} on {b['host']}){extra}: step {b['step']}, "
+                     f"phase {b['phase']!r} for {b['phase_elapsed']:.1f} s"
+                     + (f"; at {frame}" if frame else "") + ("" if b.get("state") == "running"
+                                                            else f" ({b.get('state')})"))
+    missing = sorted(set(range(world)) - seen)
+    if missing:
+        lines.append(f"  rank(s) {missing}: no heartbeat on this host's side channel "
+                     f"(other hosts: set guard.dir to a shared directory).")
+    lines.append(f"Full stacks: {report}. Stopping the job now instead of waiting for the "
+                 f"collective timeout.")
+    return "\n".join(lines)

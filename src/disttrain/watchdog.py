@@ -1,0 +1,291 @@
+"""Hang watchdog: a stalled step becomes one summary and a fast exit (P-DEBUG-1).
+
+Each rank runs one daemon thread. The training thread only updates a few attributes
+(`step()` at each step boundary, `phase(name)` around the parts worth naming), so the
+cost per step is a few microseconds. Every `tick_s` the thread writes this rank's
+heartbeat (step, phase, recent phase history, pid, host) to a side channel that does
+not depend on the process group: files in a directory (by default a per-job temp
+directory on this host; point `dir` at a shared file system for several nodes).
+
+A rank fires when its own step has run longer than the bound, or a peer's heartbeat
+stops (a stopped or dead process). The bound is `hang_factor` x the median step time,
+at least `hang_min_s`, at most `hang_cap_s` (the cap alone until `warmup_steps` steps
+were timed). The first rank to fire (an exclusive file create) collects every
+heartbeat, dumps each local rank's Python stack (py-spy when installed, else
+faulthandler via SIGUSR1), prints ONE summary that says where each rank is and which
+rank lags, writes the full report next to the heartbeats, and exits with
+`HANG_EXIT_CODE` so torchrun tears the job down, long before the collective timeout.
+"""
+
+from __future__ import annotations
+
+import faulthandler
+import json
+import os
+import shutil
+import signal
+import socket
+import statistics
+import subprocess
+import sys
+import tempfile
+import threading
+import time
+from collections import deque
+from pathlib import Path
+
+from disttrain.hangreport import diagnose, format_summary
+
+HANG_EXIT_CODE = 124
+"""Exit status of a rank that reported a hang (the `timeout` command's convention)."""
+
+
+def default_dir() -> Path:
+    """A directory unique to this job on this host (torchrun's run id and port)."""
+    job = os.environ.get("TORCHELASTIC_RUN_ID", "local")
+    port = os.environ.get("MASTER_PORT", str(os.getppid()))
+    return Path(tempfile.gettempdir()) / f"disttrain-guard-{job}-{port}"
+
+
+def find_py_spy() -> str | None:
+    """py-spy next to this interpreter (a venv) or on PATH; None when not installed."""
+    here = Path(sys.executable).with_name("py-spy")
+    return str(here) if here.is_file() else shutil.which("py-spy")
+
+
+def proc_state(pid: int) -> str:
+    """The kernel's one-letter state of a local process ('T' stopped, 'Z' zombie), or '?'."""
+    try:
+        return Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[0]
+    except (OSError, IndexError):
+        return "?"
+
+
+class Watchdog:
+    """Per-rank hang detector. `start()` it after `init()`, `stop()` it on every exit path.
+
+    `step(n)` marks a step boundary (and times the step); `with wd.phase("name"):`
+    names what the rank is doing. On a hang the process exits with `HANG_EXIT_CODE`
+    after printing the summary; nothing is raised in the training thread, which is
+    blocked in C++ and cannot be interrupted.
+    """
+
+    def __init__(self, *, dir: str | os.PathLike | None = None, hang_factor: float = 20.0,
+                 hang_min_s: float = 60.0, hang_cap_s: float = 600.0, tick_s: float = 1.0,
+                 warmup_steps: int = 3, exit_code: int = HANG_EXIT_CODE):
+        self.rank = int(os.environ.get("RANK", 0))
+        self.local_rank = int(os.environ.get("LOCAL_RANK", 0))
+        self.world = int(os.environ.get("WORLD_SIZE", 1))
+        self.dir = Path(dir) if dir else default_dir()
+        self.hang_factor, self.hang_min_s, self.hang_cap_s = hang_factor, hang_min_s, hang_cap_s
+        self.tick_s, self.warmup_steps, self.exit_code = tick_s, warmup_steps, exit_code
+        self.step_no = 0
+        self.phase_name = "start"
+        self.step_since = self.phase_since = time.monotonic()
+        self.durations: deque[float] = deque(maxlen=101)
+        self.history: dict[str, deque[int]] = {}
+        self._stop = threading.Event()
+        self._thread: threading.Thread | None = None
+        self._stack_file = None
+        self.host = socket.gethostname()
+
+    # ------------------------------------------------------------ training thread
+
+    def step(self, n: int | None = None) -> None:
+        """Mark a step boundary: the step that ends is timed, the next one starts now."""
+        now = time.monotonic()
+        self.durations.append(now - self.step_since)
+        self.step_since = self.phase_since = now
+        self.step_no = self.step_no + 1 if n is None else n
+        self.phase_name = "step"
+
+    def phase(self, name: str) -> "_Phase":
+        """`with wd.phase("backward"):` — where this rank is, for the summary."""
+        return _Phase(self, name)
+
+    def bound(self) -> float:
+        """Seconds a step may run before it counts as a hang."""
+        if len(self.durations) < self.warmup_steps:
+            return self.hang_cap_s
+        return min(self.hang_cap_s, max(self.hang_min_s, self.hang_factor * statistics.median(self.durations)))
+
+    # ------------------------------------------------------------ lifetime
+
+    def start(self) -> "Watchdog":
+        """Create the side-channel directory, arm faulthandler, start the thread."""
+        self.dir.mkdir(parents=True, exist_ok=True)
+        # Fallback stack dump for when py-spy is absent: the reporter sends SIGUSR1.
+        self._stack_file = open(self.dir / f"stack{self.rank}.txt", "w")
+        if hasattr(signal, "SIGUSR1") and threading.current_thread() is threading.main_thread():
+            faulthandler.register(signal.SIGUSR1, file=self._stack_file, all_threads=True, chain=False)
+        self._beat()
+        self._thread = threading.Thread(target=self._run, name="disttrain-watchdog", daemon=True)
+        self._thread.start()
+        return self
+
+    def stop(self) -> None:
+        """Stop the thread and publish a final 'exited' heartbeat. Safe to call twice."""
+        self._stop.set()
+        if self._thread is not None:
+            self._thread.join(timeout=5 * self.tick_s)
+            self._thread = None
+            self._beat(state="exited")
+        if self._stack_file is not None:
+            if hasattr(signal, "SIGUSR1") and threading.current_thread() is threading.main_thread():
+                faulthandler.unregister(signal.SIGUSR1)
+            self._stack_file.close()
+            self._stack_file = None
+
+    def __enter__(self) -> "Watchdog":
+        return self.start()
+
+    def __exit__(self, *exc) -> None:
+        self.stop()
+
+    # ------------------------------------------------------------ watchdog thread
+
+    def heartbeat(self, state: str = "running") -> dict:
+        now = time.monotonic()
+        try:
+            history = {k: list(v) for k, v in list(self.history.items())}
+        except RuntimeError:  # the training thread added a phase meanwhile; next tick
+            history = {}
+        return {"rank": self.rank, "local_rank": self.local_rank, "pid": os.getpid(),
+                "host": self.host, "step": self.step_no, "phase": self.phase_name,
+                "step_elapsed": now - self.step_since, "phase_elapsed": now - self.phase_since,
+                "alive": time.time(), "state": state, "history": history, "bound": self.bound()}
+
+    def _beat(self, state: str = "running") -> None:
+        path = self.dir / f"hb{self.rank}.json"
+        tmp = path.with_suffix(".tmp")
+        try:
+            tmp.write_text(json.dumps(self.heartbeat(state)))
+            os.replace(tmp, path)  # readers never see half a heartbeat
+        except OSError:
+            pass  # a full or vanished disk must not kill training; the next tick retries
+
+    def _run(self) -> None:
+        while not self._stop.wait(self.tick_s):
+            self._beat()
+            if (self.dir / "stall").exists():
+                self._follow()
+                return
+            reason = self._check()
+            if reason:
+                self._fire(reason)
+                return
+
+    def _read_beats(self) -> list[dict]:
+        beats = []
+        for path in sorted(self.dir.glob("hb*.json")):
+            try:
+                beats.append(json.loads(path.read_text()))
+            except (OSError, ValueError):
+                continue
+        return sorted(beats, key=lambda b: b["rank"])
+
+    def _check(self) -> str | None:
+        bound = self.bound()
+        elapsed = time.monotonic() - self.step_since
+        if elapsed > bound:
+            return (f"step {self.step_no} on rank {self.rank} has run {elapsed:.1f} s, over the "
+                    f"bound of {bound:.1f} s")
+        now = time.time()
+        for b in self._read_beats():
+            silent = now - b["alive"]
+            if b["rank"] != self.rank and b["state"] == "running" and silent > max(bound, 5 * self.tick_s):
+                return f"rank {b['rank']} sent no heartbeat for {silent:.1f} s (bound {bound:.1f} s)"
+        return None
+
+    def _follow(self) -> None:
+        """Another rank reports; give it time to dump our stack, then leave."""
+        if self._stack_file is not None:
+            faulthandler.dump_traceback(file=self._stack_file, all_threads=True)
+        time.sleep(30)  # torchrun normally stops this process long before
+        os._exit(self.exit_code)
+
+    def _fire(self, reason: str) -> None:
+        try:
+            fd = os.open(self.dir / "stall", os.O_CREAT | os.O_EXCL | os.O_WRONLY)
+        except FileExistsError:
+            self._follow()
+            return
+        os.write(fd, json.dumps({"rank": self.rank, "reason": reason}).encode())
+        os.close(fd)
+        beats = self._read_beats()
+        local = [b for b in beats if b["host"] == self.host]
+        for b in local:
+            b["proc_state"] = proc_state(b["pid"])
+        stacks = dump_stacks(local, self.dir)
+        verdict, lagging = diagnose(beats, time.time(), stale_after=max(self.bound(), 5 * self.tick_s))
+        summary = format_summary(reason=reason, reporter=self.rank, world=self.world, beats=beats,
+                                 verdict=verdict, lagging=lagging, stacks=stacks,
+                                 report=self.dir / "hang_report.txt")
+        full = summary + "\n\n" + "\n\n".join(f"--- rank {r} stack ---\n{s}" for r, s in sorted(stacks.items()))
+        try:
+            (self.dir / "hang_report.txt").write_text(full)
+        except OSError:
+            pass
+        print(summary, file=sys.stderr, flush=True)
+        for b in local:  # let stopped peers receive the launcher's SIGTERM
+            if b.get("proc_state") == "T":
+                try:
+                    os.kill(b["pid"], signal.SIGCONT)
+                except OSError:
+                    pass
+        os._exit(self.exit_code)
+
+
+class _Phase:
+    """A class, not a generator context manager: it runs on every step, so it is cheap."""
+
+    __slots__ = ("wd", "name", "prev")
+
+    def __init__(self, wd: Watchdog, name: str):
+        self.wd, self.name = wd, name
+
+    def __enter__(self) -> None:
+        wd = self.wd
+        self.prev = wd.phase_name
+        wd.phase_name, wd.phase_since = self.name, time.monotonic()
+        steps = wd.history.get(self.name)
+        if steps is None:
+            steps = wd.history[self.name] = deque(maxlen=16)
+        steps.append(wd.step_no)
+
+    def __exit__(self, *exc) -> None:
+        self.wd.phase_name = self.prev
+
+
+def dump_stacks(beats: list[dict], dir: Path) -> dict[int, str]:
+    """Python stacks of the local ranks in `beats`: py-spy, else their faulthandler files."""
+    py_spy = find_py_spy()
+    stacks: dict[int, str] = {}
+    if py_spy:
+        # --nonblocking reads memory without pausing: safe on a stopped process.
+        procs = {b["rank"]: subprocess.Popen([py_spy, "dump", "--nonblocking", "--pid", str(b["pid"])],
+                                             stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+                 for b in beats}
+        for rank, proc in procs.items():
+            try:
+                stacks[rank] = proc.communicate(timeout=20)[0]
+            except subprocess.TimeoutExpired:
+                proc.kill()
+                stacks[rank] = "(py-spy timed out)"
+        if all(s.strip() and "Error" not in s[:200] for s in stacks.values()):
+            return stacks
+    for b in beats:  # faulthandler fallback; a stopped process answers only once resumed
+        if b.get("proc_state") != "T":
+            try:
+                os.kill(b["pid"], signal.SIGUSR1)
+            except OSError:
+                pass
+    time.sleep(1.0)
+    for b in beats:
+        if not stacks.get(b["rank"], "").strip() or "Error" in stacks[b["rank"]][:200]:
+            try:
+                text = (dir / f"stack{b['rank']}.txt").read_text()
+            except OSError:
+                text = ""
+            stacks[b["rank"]] = text or f"(no stack: process state {b.get('proc_state', '?')})"
+    return stacks
