@@ -11,7 +11,8 @@ torch.distributed parts. The public API is re-exported here; nothing else lives 
 
 __version__ = "0.1.0"
 
-from disttrain.checkpoint import atomic_torch_save, load_model, save_model
+from disttrain.checkpoint import (Checkpointer, TrainState, atomic_torch_save, load, load_model,
+                                  save, save_model)
 from disttrain.data import DistributedSampler
 from disttrain.errors import ConfigError, DistributedMismatchError, UserError
 from disttrain.loop import Accumulator, clip_grad_norm, no_sync, warmup_cosine
@@ -21,9 +22,9 @@ from disttrain.precision import AgreedGradScaler, autocast, make_grad_scaler
 from disttrain.runtime import RankInfo, barrier, distributed, init, rank_info, shutdown
 
 __all__ = [
-    "Accumulator", "AgreedGradScaler", "Layout", "autocast", "join", "make_grad_scaler",
+    "Accumulator", "Checkpointer", "AgreedGradScaler", "Layout", "autocast", "join", "make_grad_scaler",
     "make_optimizer", "ConfigError", "DistributedMismatchError", "DistributedSampler", "JsonlWriter",
-    "MeanTracker", "RankInfo", "UserError", "atomic_torch_save", "barrier", "clip_grad_norm",
-    "distributed", "global_mean", "global_sum", "init", "load_model", "no_sync", "print_main",
-    "rank_info", "save_model", "shutdown", "unwrap", "warmup_cosine", "wrap",
+    "MeanTracker", "RankInfo", "TrainState", "UserError", "atomic_torch_save", "barrier", "clip_grad_norm",
+    "distributed", "global_mean", "global_sum", "init", "load", "load_model", "no_sync", "print_main",
+    "rank_info", "save", "save_model", "shutdown", "unwrap", "warmup_cosine", "wrap",
 ]

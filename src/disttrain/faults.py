@@ -8,7 +8,7 @@ environment variable DISTTRAIN_FAULT or with `set_faults()`:
     DISTTRAIN_FAULT="exit@step:step=5,code=3"           every rank exits 3 before step 5's update
 
 Actions: kill (SIGKILL), stop (SIGSTOP), term (SIGTERM, a preemption), exit (status
-`code`, default 1), raise (RuntimeError). Phases are the points where the trainer
+`code`, default 1), raise (RuntimeError), enospc (OSError ENOSPC, a full disk). Phases are the points where the trainer
 calls `inject`: forward, backward, step (optimizer), checkpoint phases such as
 checkpoint:shards. Keys: rank (default any), step (default any), restart (the
 TORCHELASTIC_RESTART_COUNT it fires in, default 0, so a restarted job does not fail
@@ -17,6 +17,7 @@ again at the same point).
 
 from __future__ import annotations
 
+import errno
 import os
 import signal
 import sys
@@ -24,7 +25,7 @@ from dataclasses import dataclass
 
 from disttrain.errors import UserError
 
-ACTIONS = ("kill", "stop", "term", "exit", "raise")
+ACTIONS = ("kill", "stop", "term", "exit", "raise", "enospc")
 
 
 @dataclass(frozen=True)
@@ -96,5 +97,7 @@ def inject(phase: str, step: int, rank: int | None = None) -> None:
         elif f.action == "exit":
             sys.stdout.flush()
             os._exit(f.code)
+        elif f.action == "enospc":  # a full disk, for checkpoint writes
+            raise OSError(errno.ENOSPC, f"{os.strerror(errno.ENOSPC)} (injected at {phase})")
         else:
             raise RuntimeError(f"injected fault at {phase}, step {step}, rank {rank}")

@@ -1,4 +1,4 @@
-"""Atomic model files (P-CKPT-2, P-CKPT-4).
+"""Atomic single files: model weights and small JSON/bytes records (P-CKPT-2, P-CKPT-4).
 
 Rank 0 writes the unwrapped model's state dict (no `module.` prefix) to a temporary
 name in the target directory, flushes it to disk, then `os.replace`s it over the
@@ -34,6 +34,40 @@ def atomic_torch_save(obj, path: str | os.PathLike) -> Path:
         Path(tmp).unlink(missing_ok=True)
         raise
     return path
+
+
+def atomic_write_bytes(data: bytes, path: str | os.PathLike) -> Path:
+    """Write `data` to a temp file beside `path`, fsync, then `os.replace` over `path`.
+
+    A crash leaves the old file or the new one. Raises `OSError` (ENOSPC included)
+    after removing the temp file.
+    """
+    path = Path(path)
+    fd, tmp = tempfile.mkstemp(prefix=f".{path.name}.", suffix=".tmp", dir=path.parent)
+    try:
+        with os.fdopen(fd, "wb") as f:
+            f.write(data)
+            f.flush()
+            os.fsync(f.fileno())
+        os.replace(tmp, path)
+    except BaseException:
+        Path(tmp).unlink(missing_ok=True)
+        raise
+    return path
+
+
+def fsync_dir(path: str | os.PathLike) -> None:
+    """fsync a directory so a rename inside it survives a power loss (best effort)."""
+    try:
+        fd = os.open(path, os.O_RDONLY)
+    except OSError:
+        return
+    try:
+        os.fsync(fd)
+    except OSError:  # some filesystems refuse fsync on directories; the rename still happened
+        pass
+    finally:
+        os.close(fd)
 
 
 def save_model(model: nn.Module, path: str | os.PathLike) -> Path:

@@ -1,0 +1,309 @@
+"""Save and load complete, atomic, verified checkpoints with DCP (P-CKPT-1..5,
+P-FSDP-8): the orchestration across ranks.
+
+Save, on every rank: write this rank's RNG file and DCP shards into the temporary
+directory; agree (one all-gather) that every rank succeeded; then rank 0 writes
+`state.json`, the manifest last, checks its writer lease and commits by rename.
+The outcome is broadcast, so a failure anywhere raises the same
+`CheckpointSaveError` on every rank and the previous checkpoint stays latest.
+
+Async (`async_mode="thread"`): DCP's `async_save` copies the state to CPU memory
+before it returns (training may then change the parameters), and writes on a
+thread. It runs on the checkpointer's own gloo group: on the default group its
+collectives interleave with training's and hang or abort. At most one save is in
+flight: the next `save`, `load` or `wait` first completes it and raises its error.
+The process-based mode of torch 2.13 is not offered (see docs/checkpoints.md).
+
+Load: rank 0 picks the newest committed directory and verifies its checksums
+before anything in it is unpickled; a bad one is refused unless `fallback=True`.
+Keys and shapes are compared with DCP's metadata, then DCP loads in place,
+resharding to the current strategy and world size.
+"""
+
+from __future__ import annotations
+
+import json
+import shutil
+import sys
+import time
+import uuid
+from concurrent.futures import Future, ThreadPoolExecutor
+from pathlib import Path
+
+import torch
+import torch.distributed as dist
+import torch.distributed.checkpoint as dcp
+from torch.distributed.checkpoint import FileSystemReader, FileSystemWriter
+from torch.distributed.checkpoint.api import CheckpointException
+from torch.distributed.checkpoint.state_dict_saver import AsyncCheckpointerType
+
+from disttrain.checkpoint import layout
+from disttrain.checkpoint.compat import check_compatible, describe
+from disttrain.checkpoint.errors import (CheckpointCorrupt, CheckpointError, CheckpointMismatch,
+                                         CheckpointSaveError)
+from disttrain.checkpoint.faults import fault_point, shard_filesystem
+from disttrain.checkpoint.files import atomic_write_bytes
+from disttrain.checkpoint.state import TrainState, config_hash
+from disttrain.runtime import rank_info
+
+ASYNC_MODES = ("off", "thread")
+_FAILURES = (Exception, CheckpointException)  # DCP's CheckpointException is a BaseException
+
+
+def strategy_of(model: torch.nn.Module) -> str:
+    """'fsdp', 'ddp', 'dp' or 'single', from the module's wrapper type."""
+    from torch.distributed.fsdp import FSDPModule
+    from torch.nn.parallel import DataParallel, DistributedDataParallel
+
+    if isinstance(model, FSDPModule) or any(isinstance(m, FSDPModule) for m in model.modules()):
+        return "fsdp"
+    if isinstance(model, DistributedDataParallel):
+        return "ddp"
+    return "dp" if isinstance(model, DataParallel) else "single"
+
+
+class Checkpointer:
+    """Periodic checkpoints of one run in `root`. Construction is a collective
+    (it creates the checkpoint gloo group): every rank must build it.
+
+    `keep_last`: committed checkpoints to keep (0 keeps all). `async_mode`: 'off'
+    or 'thread'. `fallback`: on load, skip a corrupt newest checkpoint instead of
+    refusing it.
+    """
+
+    def __init__(self, root: str | Path, *, keep_last: int = 3, async_mode: str = "off",
+                 fallback: bool = False):
+        if async_mode not in ASYNC_MODES:
+            raise CheckpointError(f"checkpoint async mode {async_mode!r} is not offered; choose one "
+                                  f"of {', '.join(ASYNC_MODES)} (the process mode is not proven "
+                                  f"bit-exact in torch {torch.__version__.split('+')[0]}).")
+        self.root, self.keep_last = Path(root), keep_last
+        self.async_mode, self.fallback = async_mode, fallback
+        info = rank_info()
+        self.rank, self.world = info.rank, info.world_size
+        self.pg = dist.new_group(backend="gloo") if dist.is_initialized() else None
+        self.run_id = self._bcast(uuid.uuid4().hex[:8])
+        self.generation: int | None = None
+        self._inflight: Future | None = None
+        self._pool = ThreadPoolExecutor(max_workers=1, thread_name_prefix="disttrain-ckpt")
+        self.last_saved: Path | None = None
+
+    # ------------------------------------------------------------ collectives
+
+    def _bcast(self, obj):
+        if self.pg is None:
+            return obj
+        box = [obj]
+        dist.broadcast_object_list(box, src=0, group=self.pg)
+        return box[0]
+
+    def _gather(self, obj) -> list:
+        if self.pg is None:
+            return [obj]
+        out = [None] * self.world
+        dist.all_gather_object(out, obj, group=self.pg)
+        return out
+
+    # ------------------------------------------------------------ save
+
+    def save(self, state: TrainState) -> Path | None:
+        """Checkpoint `state` as `ROOT/step-{state.step:08d}`. A collective.
+
+        Sync mode returns the committed directory. Async mode returns None once the
+        state is copied; the commit completes in the background. Raises
+        `CheckpointSaveError` on every rank when this (or the previous async) save
+        failed; the previous checkpoint then stays latest and intact.
+        """
+        self.wait()
+        step = state.step
+        if self.generation is None:
+            self.generation = self._bcast(layout.claim_generation(self.root, self.run_id)
+                                          if self.rank == 0 else None)
+        tmp = self.root / layout.tmp_name(step, self.generation, self.run_id)
+        final = self.root / layout.step_name(step)
+        err = None
+        if self.rank == 0:
+            try:
+                shutil.rmtree(tmp, ignore_errors=True)
+                tmp.mkdir(parents=True)
+            except OSError as e:
+                err = f"cannot create {tmp}: {describe(e)}"
+        self._raise_if(self._bcast(err), step, tmp)
+        sd = state.state_dict()
+        info = self._manifest_info(state, sd)
+        local = None
+        try:
+            rng = json.dumps(sd["rng"]).encode()
+            atomic_write_bytes(rng, tmp / f"rank-{self.rank:05d}.json")
+        except OSError as e:
+            local = f"rank {self.rank}: {describe(e)}"
+        self._raise_if(next((e for e in self._gather(local) if e), None), step, tmp)
+        writer = FileSystemWriter(str(tmp), sync_files=True, overwrite=False)
+        faulty = shard_filesystem(self.rank, step)
+        if faulty is not None:
+            writer.fs = faulty
+        if self.async_mode == "off":
+            try:
+                dcp.save(sd["tensors"], storage_writer=writer, process_group=self.pg)
+            except _FAILURES as e:
+                local = f"rank {self.rank}: {describe(e)}"
+            return self._finish(step, tmp, final, sd["meta"], info, local)
+        future = dcp.async_save(sd["tensors"], storage_writer=writer, process_group=self.pg,
+                                async_checkpointer_type=AsyncCheckpointerType.THREAD)
+        self._inflight = self._pool.submit(self._complete, future, step, tmp, final, sd["meta"], info)
+        return None
+
+    def _complete(self, future, step, tmp, final, meta, info) -> Path:
+        local = None
+        try:
+            future.result()
+        except _FAILURES as e:
+            local = f"rank {self.rank}: {describe(e)}"
+        return self._finish(step, tmp, final, meta, info, local)
+
+    def _finish(self, step: int, tmp: Path, final: Path, meta: dict, info: dict,
+                local: str | None) -> Path:
+        err = next((e for e in self._gather(local) if e), None)
+        fault_point("after_shards", self.rank, step)
+        if self.rank == 0 and err is None:
+            try:
+                atomic_write_bytes(json.dumps(meta).encode(), tmp / "state.json")
+                layout.write_manifest(tmp, info)
+                fault_point("during_commit", self.rank, step)
+                layout.commit(tmp, final, self.run_id, self.generation)
+                layout.prune(self.root, self.keep_last, self.generation)
+            except (OSError, CheckpointError) as e:
+                err = str(e) if isinstance(e, CheckpointError) else f"rank 0: {describe(e)}"
+        self._raise_if(self._bcast(err), step, tmp)
+        self.last_saved = final
+        return final
+
+    def _raise_if(self, err: str | None, step: int, tmp: Path) -> None:
+        if err is None:
+            return
+        if self.rank == 0:
+            shutil.rmtree(tmp, ignore_errors=True)
+        prev = layout.latest_valid(self.root, checksums=False)
+        keep = f"{prev.name} stays the latest checkpoint" if prev else "no earlier checkpoint exists"
+        raise CheckpointSaveError(f"checkpoint {layout.step_name(step)} in {self.root} was not "
+                                  f"saved: {err}. {keep}.")
+
+    def _manifest_info(self, state: TrainState, sd: dict) -> dict:
+        from disttrain import __version__
+
+        return {"step": state.step, "epoch": state.epoch, "generation": self.generation,
+                "run_id": self.run_id, "world_size": self.world,
+                "strategy": strategy_of(state.model),
+                "config_hash": config_hash(state.config) if state.config is not None else None,
+                "torch_version": torch.__version__, "disttrain_version": __version__,
+                "created": time.strftime("%Y-%m-%dT%H:%M:%S%z")}
+
+    def wait(self) -> Path | None:
+        """Complete the in-flight async save, if any. Raises its `CheckpointSaveError`
+        (on every rank). Returns the committed directory or None."""
+        future, self._inflight = self._inflight, None
+        return future.result() if future is not None else None
+
+    def close(self) -> None:
+        """`wait()`, then release the worker thread (the gloo group lives with the
+        default group)."""
+        try:
+            self.wait()
+        finally:
+            self._pool.shutdown(wait=True)
+
+    # ------------------------------------------------------------ load
+
+    def _pick(self, path: Path | None) -> tuple[str | None, str | None, list[str]]:
+        notes: list[str] = []
+        if path is not None and path.name.startswith("step-"):
+            candidates = [path]
+        else:
+            candidates = [p for _, _, p in layout.committed(path or self.root)]
+        for candidate in candidates:
+            try:
+                layout.verify(candidate)
+                return str(candidate), None, notes
+            except CheckpointCorrupt as e:
+                if not self.fallback or len(candidates) == 1 and path is not None:
+                    return None, (f"{e} Refusing to load {candidate.name}. Set checkpoint.fallback "
+                                  f"= true to load the previous valid checkpoint instead."), notes
+                notes.append(f"skipped corrupt checkpoint {candidate.name}: {e}")
+        if candidates:
+            return None, f"no valid checkpoint in {path or self.root} ({'; '.join(notes)}).", notes
+        return None, None, notes
+
+    def load(self, state: TrainState, path: str | Path | None = None, *, strict: bool = True) -> Path | None:
+        """Load the newest valid checkpoint under `root` (or the step directory
+        `path`) into `state`, resharding as needed. A collective.
+
+        Returns the loaded directory, or None when there is none (a fresh start).
+        Raises `CheckpointCorrupt` (the newest is damaged and `fallback` is off, or
+        none is valid) or `CheckpointMismatch` (another model), the same on every rank.
+        """
+        self.wait()
+        choice, err, notes = self._bcast(self._pick(Path(path) if path else None)
+                                         if self.rank == 0 else None)
+        if self.rank == 0:
+            for note in notes:
+                print(f"disttrain checkpoint: warning: {note}", file=sys.stderr)
+        if err:
+            raise CheckpointCorrupt(err)
+        if choice is None:
+            return None
+        step_dir = Path(choice)
+        sd = state.state_dict()
+        problem = None
+        try:
+            check_compatible(sd["tensors"], step_dir, strict=strict)
+        except CheckpointMismatch as e:
+            problem = str(e)
+        if problem := next((p for p in self._gather(problem) if p), None):
+            raise CheckpointMismatch(problem)  # the same message on every rank
+        try:
+            dcp.load(sd["tensors"], storage_reader=FileSystemReader(str(step_dir)), process_group=self.pg)
+        except _FAILURES as e:
+            raise CheckpointCorrupt(f"{step_dir} could not be loaded: {describe(e)}") from None
+        manifest = json.loads((step_dir / layout.MANIFEST).read_text())
+        rng_file = step_dir / f"rank-{self.rank:05d}.json"
+        same_world = manifest.get("world_size") == self.world
+        sd["meta"] = json.loads((step_dir / "state.json").read_text())
+        sd["rng"] = json.loads(rng_file.read_text()) if same_world and rng_file.is_file() else None
+        state.load_state_dict(sd)
+        if not same_world and self.rank == 0:
+            print(f"disttrain checkpoint: note: {step_dir.name} was saved at world size "
+                  f"{manifest.get('world_size')}, loaded at {self.world}: weights and optimizer "
+                  f"are resharded; per-rank RNG streams start fresh.", file=sys.stderr)
+        return step_dir
+
+
+# ---------------------------------------------------------------- functional API
+
+_checkpointers: dict[Path, Checkpointer] = {}
+
+
+def _for(root: str | Path, fallback: bool) -> Checkpointer:
+    key = Path(root).resolve()
+    if key not in _checkpointers:
+        _checkpointers[key] = Checkpointer(key, keep_last=0)
+    _checkpointers[key].fallback = fallback
+    return _checkpointers[key]
+
+
+def save(state: TrainState, root: str | Path) -> Path:
+    """`dt.save`: a synchronous checkpoint of `state` as `root/step-{state.step:08d}`.
+
+    A collective; keeps every checkpoint (use `Checkpointer` for retention and
+    async). Raises `CheckpointSaveError` on every rank on failure.
+    """
+    return _for(root, False).save(state)
+
+
+def load(state: TrainState, root: str | Path, *, fallback: bool = False) -> Path | None:
+    """`dt.load`: load the newest valid checkpoint under `root` (or the step
+    directory `root`) into `state`. Returns the directory, or None when `root`
+    holds none. A collective; errors as `Checkpointer.load`."""
+    root = Path(root)
+    if root.name.startswith("step-"):
+        return _for(root.parent, fallback).load(state, root)
+    return _for(root, fallback).load(state)

@@ -1,0 +1,83 @@
+"""Compatibility of a checkpoint with the state it is loaded into (P-CKPT-5), and
+short descriptions of failures, so a user sees one clear message instead of a
+200-line traceback from deep inside DCP.
+"""
+
+from __future__ import annotations
+
+import errno
+from pathlib import Path
+
+import torch
+from torch.distributed.checkpoint import FileSystemReader
+from torch.distributed.checkpoint._nested_dict import flatten_state_dict
+from torch.distributed.checkpoint.api import CheckpointException
+from torch.distributed.checkpoint.metadata import TensorStorageMetadata
+
+from disttrain.checkpoint.errors import CheckpointMismatch
+
+SHOW = 5
+
+
+def check_compatible(tensors: dict, step_dir: Path, *, strict: bool = True) -> None:
+    """Compare the keys, global shapes and dtypes of `tensors` (the dict DCP will
+    load into) with DCP's metadata in `step_dir`.
+
+    Raises `CheckpointMismatch` listing the first few mismatches. Call only after
+    the manifest verified: reading `.metadata` unpickles it.
+    """
+    saved = FileSystemReader(str(step_dir)).read_metadata().state_dict_metadata
+    flat, _ = flatten_state_dict(tensors)
+    problems = []
+    for key, value in flat.items():
+        if key not in saved:
+            problems.append(f"missing from the checkpoint: {key}")
+            continue
+        meta = saved[key]
+        if isinstance(value, torch.Tensor):
+            if not isinstance(meta, TensorStorageMetadata):
+                problems.append(f"{key}: the checkpoint holds a non-tensor value")
+            elif tuple(meta.size) != tuple(value.shape):
+                problems.append(f"{key}: shape {tuple(meta.size)} in the checkpoint, "
+                                f"{tuple(value.shape)} in the model")
+            elif meta.properties.dtype != value.dtype:
+                problems.append(f"{key}: dtype {meta.properties.dtype} in the checkpoint, "
+                                f"{value.dtype} in the model")
+    if strict:
+        for key in saved:
+            if key.startswith("model.") and key not in flat:
+                problems.append(f"in the checkpoint but not in the model: {key}")
+    if problems:
+        listing = "\n  ".join(problems[:SHOW])
+        more = f"\n  ... and {len(problems) - SHOW} more" if len(problems) > SHOW else ""
+        raise CheckpointMismatch(
+            f"{step_dir} does not match the model/optimizer being loaded "
+            f"({len(problems)} mismatches):\n  {listing}{more}\n"
+            f"Load it into the model it was saved from (see `disttrain ckpt inspect "
+            f"{step_dir}`), or start a fresh run in another checkpoint directory.")
+
+
+def _walk(exc: BaseException):
+    seen = set()
+    stack = [exc]
+    while stack:
+        e = stack.pop()
+        if e is None or id(e) in seen:
+            continue
+        seen.add(id(e))
+        yield e
+        if isinstance(e, CheckpointException):
+            stack += [pair[0] if isinstance(pair, tuple) else pair for pair in e.failures.values()]
+        stack += [e.__cause__, e.__context__]
+
+
+def describe(exc: BaseException) -> str:
+    """One line for any save/load failure: the root cause, ENOSPC named as disk full."""
+    root = exc
+    for e in _walk(exc):
+        if isinstance(e, OSError) and e.errno == errno.ENOSPC:
+            return f"disk full (ENOSPC: {e.strerror})"
+        if not isinstance(e, CheckpointException):
+            root = e
+    text = str(root).strip().splitlines()
+    return f"{type(root).__name__}: {text[-1] if text else ''}"[:400]

@@ -1,0 +1,32 @@
+"""Checkpoint errors: each names the directory or file, what is wrong, and the fix."""
+
+from __future__ import annotations
+
+from disttrain.errors import UserError
+
+
+class CheckpointError(UserError):
+    """Base of every checkpoint problem a user can act on."""
+
+
+class CheckpointCorrupt(CheckpointError):
+    """A committed checkpoint is incomplete or a file fails its size/sha256 check.
+
+    `bad_file` is the first file that failed (relative to the step directory)."""
+
+    def __init__(self, message: str, bad_file: str = ""):
+        super().__init__(message)
+        self.bad_file = bad_file
+
+
+class CheckpointMismatch(CheckpointError):
+    """The checkpoint does not fit the model/optimizer it is loaded into."""
+
+
+class CheckpointSaveError(CheckpointError):
+    """A save failed (on any rank). Raised on every rank; the previous checkpoint stays
+    latest and intact."""
+
+
+class StaleWriterError(CheckpointSaveError):
+    """Another job (a newer writer generation) owns the checkpoint directory."""

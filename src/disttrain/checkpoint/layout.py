@@ -1,0 +1,237 @@
+"""On-disk layout, manifest, verification, "latest", writer fencing and retention
+(P-CKPT-2, P-CKPT-3, P-ELASTIC-5).
+
+    ROOT/
+      WRITER.json                    the writer lease: {run_id, generation}
+      step-00001200/                 a committed checkpoint
+        .metadata  __0_0.distcp ...  DCP's files (tensors, sharded)
+        state.json                   global non-tensor state (step, scheduler, ...)
+        rank-00000.json ...          per-rank RNG state
+        manifest.json                written last: sizes + sha256 of every file
+      .tmp-step-00001300-g3-1a2b3c/  being written; never read
+
+A checkpoint is committed by one `os.rename` of a finished temporary directory, so
+a crash leaves either no `step-*` directory or a complete one. "Latest" is the
+newest committed directory, by (writer generation, step), whose manifest verifies;
+nothing else (no pointer file) decides it. Each job claims a generation one above
+every generation seen; a writer whose lease was taken over refuses to commit, and
+an older generation can never outrank a newer one, so a stale writer in a
+split-brain cannot make its checkpoint "latest".
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import os
+import re
+import shutil
+from pathlib import Path
+
+from disttrain.checkpoint.errors import CheckpointCorrupt, StaleWriterError
+from disttrain.checkpoint.files import atomic_write_bytes, fsync_dir
+
+MANIFEST = "manifest.json"
+LEASE = "WRITER.json"
+FORMAT = 1
+_STEP_RE = re.compile(r"^step-(\d{8})$")
+_CHUNK = 1 << 22
+
+
+def step_name(step: int) -> str:
+    return f"step-{step:08d}"
+
+
+def tmp_name(step: int, generation: int, run_id: str) -> str:
+    return f".tmp-{step_name(step)}-g{generation}-{run_id}"
+
+
+def sha256_file(path: Path) -> tuple[int, str]:
+    """(size, sha256 hex) of a file, read in 4 MiB chunks."""
+    h, size = hashlib.sha256(), 0
+    with open(path, "rb") as f:
+        while chunk := f.read(_CHUNK):
+            h.update(chunk)
+            size += len(chunk)
+    return size, h.hexdigest()
+
+
+def write_manifest(tmp_dir: Path, info: dict) -> dict:
+    """Hash every file in `tmp_dir` and write `manifest.json` last, atomically.
+
+    `info` (step, world layout, strategy, versions, ...) is stored beside the file
+    table. Raises `OSError` (ENOSPC included) if it cannot be written.
+    """
+    files = {}
+    for path in sorted(tmp_dir.iterdir()):
+        if path.name == MANIFEST or path.name.startswith("."+MANIFEST) or path.is_dir():
+            continue
+        size, digest = sha256_file(path)
+        files[path.name] = {"size": size, "sha256": digest}
+    manifest = {"format": FORMAT, **info, "files": files}
+    atomic_write_bytes(json.dumps(manifest, indent=1, sort_keys=True).encode(), tmp_dir / MANIFEST)
+    return manifest
+
+
+def read_manifest(step_dir: Path) -> dict:
+    """The parsed manifest (JSON, never pickle). Raises `CheckpointCorrupt` naming it."""
+    path = step_dir / MANIFEST
+    try:
+        manifest = json.loads(path.read_text())
+        if not isinstance(manifest.get("files"), dict) or manifest.get("format") != FORMAT:
+            raise ValueError("unknown format")
+        return manifest
+    except FileNotFoundError:
+        raise CheckpointCorrupt(f"{step_dir}: no {MANIFEST}; the commit is incomplete.", MANIFEST) from None
+    except (ValueError, OSError) as e:
+        raise CheckpointCorrupt(f"{path} is unreadable ({e}); the checkpoint is damaged.", MANIFEST) from None
+
+
+def verify(step_dir: str | os.PathLike, *, checksums: bool = True) -> dict:
+    """Check that every file in the manifest exists with its size and sha256, that
+    DCP's `.metadata` is among them, and that no unlisted shard is present.
+
+    Returns the manifest. Raises `CheckpointCorrupt` naming the first bad file.
+    `checksums=False` checks existence and sizes only (cheap; used by retention).
+    """
+    step_dir = Path(step_dir)
+    if not step_dir.is_dir():
+        raise CheckpointCorrupt(f"{step_dir} is not a checkpoint directory.", "")
+    manifest = read_manifest(step_dir)
+    files = manifest["files"]
+    if ".metadata" not in files:
+        raise CheckpointCorrupt(f"{step_dir}: the manifest lists no .metadata.", ".metadata")
+    for name, want in sorted(files.items()):
+        path = step_dir / name
+        if not path.is_file():
+            raise CheckpointCorrupt(f"{path} is missing (listed in the manifest).", name)
+        size = path.stat().st_size
+        if size != want["size"]:
+            raise CheckpointCorrupt(f"{path} has {size} bytes, the manifest says {want['size']} "
+                                    f"(truncated or overwritten).", name)
+        if checksums and sha256_file(path)[1] != want["sha256"]:
+            raise CheckpointCorrupt(f"{path} fails its sha256 check (the bytes changed after "
+                                    f"the save).", name)
+    for path in step_dir.iterdir():
+        if path.suffix == ".distcp" and path.name not in files:
+            raise CheckpointCorrupt(f"{path} is not in the manifest (a foreign shard).", path.name)
+    return manifest
+
+
+def committed(root: str | os.PathLike) -> list[tuple[int, int, Path]]:
+    """(generation, step, dir) of every committed step directory, newest first.
+
+    A directory whose manifest cannot be read sorts by its name's step with
+    generation -1, so it still shows up (and fails) when it is the newest."""
+    root = Path(root)
+    out = []
+    if not root.is_dir():
+        return out
+    for path in root.iterdir():
+        m = _STEP_RE.match(path.name)
+        if not m or not path.is_dir():
+            continue
+        try:
+            gen = int(json.loads((path / MANIFEST).read_text()).get("generation", 0))
+        except (OSError, ValueError, AttributeError):
+            gen = -1
+        out.append((gen, int(m.group(1)), path))
+    return sorted(out, key=lambda t: (t[0], t[1]), reverse=True)
+
+
+def latest_valid(root: str | os.PathLike, *, checksums: bool = True) -> Path | None:
+    """The newest committed directory that verifies, or None."""
+    for _, _, path in committed(root):
+        try:
+            verify(path, checksums=checksums)
+            return path
+        except CheckpointCorrupt:
+            continue
+    return None
+
+
+# ---------------------------------------------------------------- writer fencing
+
+
+def read_lease(root: Path) -> dict:
+    try:
+        return json.loads((root / LEASE).read_text())
+    except (OSError, ValueError):
+        return {"run_id": "", "generation": 0}
+
+
+def claim_generation(root: Path, run_id: str) -> int:
+    """Take the writer lease: generation = 1 + the highest seen in the lease or any
+    manifest. Call on one rank only. Returns the new generation."""
+    root.mkdir(parents=True, exist_ok=True)
+    seen = [read_lease(root).get("generation", 0)] + [g for g, _, _ in committed(root)]
+    generation = max(seen) + 1
+    atomic_write_bytes(json.dumps({"run_id": run_id, "generation": generation}).encode(), root / LEASE)
+    return generation
+
+
+def check_fence(root: Path, run_id: str, generation: int) -> None:
+    """Raise `StaleWriterError` unless this writer still holds the lease."""
+    lease = read_lease(root)
+    if lease.get("run_id") != run_id or lease.get("generation") != generation:
+        raise StaleWriterError(
+            f"{root}: another job (run {lease.get('run_id')!r}, generation "
+            f"{lease.get('generation')}) took over this checkpoint directory; this writer "
+            f"(run {run_id!r}, generation {generation}) is stale and does not commit. "
+            f"Stop this job: two jobs must never train into one directory.")
+
+
+def commit(tmp_dir: Path, final: Path, run_id: str, generation: int) -> None:
+    """Atomically publish `tmp_dir` as `final` (rank 0 only).
+
+    An existing `final` from an older generation (an abandoned timeline after a
+    resume from an earlier step) is moved aside first; one from this or a newer
+    generation means a second writer: `StaleWriterError`. Never writes into an
+    existing step directory.
+    """
+    root = final.parent
+    check_fence(root, run_id, generation)
+    if final.exists():
+        try:
+            other = int(json.loads((final / MANIFEST).read_text()).get("generation", -1))
+        except (OSError, ValueError):
+            other = -1
+        if other >= generation:
+            raise StaleWriterError(f"{final} was already committed by generation {other}; "
+                                   f"this writer (generation {generation}) does not overwrite it.")
+        os.rename(final, root / f".replaced-{final.name}-g{other}-{run_id}")
+    os.rename(tmp_dir, final)  # the commit: atomic on one filesystem
+    fsync_dir(root)
+
+
+# ---------------------------------------------------------------- retention
+
+
+def prune(root: Path, keep_last: int, generation: int) -> list[Path]:
+    """Delete committed directories beyond the newest `keep_last` valid ones, leftover
+    temporary directories of older generations, and replaced directories.
+
+    Call only right after a commit: the newest valid directory is then the new one,
+    so the last valid checkpoint is never deleted. A corrupt directory newer than
+    the kept ones is left for inspection. `keep_last <= 0` keeps everything.
+    Returns the deleted paths.
+    """
+    deleted = []
+    if keep_last > 0:
+        kept = 0
+        for _, _, path in committed(root):
+            if kept >= keep_last:
+                deleted.append(path)
+                continue
+            try:
+                verify(path, checksums=False)
+                kept += 1
+            except CheckpointCorrupt:
+                pass
+    for path in root.iterdir():
+        m = re.match(r"^\.(tmp|replaced)-step-\d{8}-g(-?\d+)-", path.name)
+        if m and (m.group(1) == "replaced" or int(m.group(2)) < generation):
+            deleted.append(path)
+    for path in deleted:
+        shutil.rmtree(path, ignore_errors=True)
+    return deleted

@@ -1,0 +1,200 @@
+"""Everything a resume needs, behind one `state_dict` (P-CKPT-1, P-LOOP-6).
+
+`TrainState` holds the model, optimizer, LR scheduler, grad scaler, sampler,
+epoch, global step, user extras (EMA weights) and the resolved config. Its
+`state_dict()` has three parts, stored differently on disk:
+
+- `tensors`: model and optimizer (through torch's `get_state_dict`, so the same
+  code serves DDP, FSDP2 and a plain module, with prefix-free names) and tensor
+  extras. Saved by DCP, sharded, reshardable on load.
+- `meta`: global plain data (step, epoch, scheduler, scaler, sampler, config,
+  non-tensor extras). Saved as JSON by rank 0: nothing to unpickle.
+- `rng`: this rank's Python, NumPy, torch CPU and CUDA generator states. Saved as
+  JSON, one file per rank, since each rank has its own dropout stream.
+"""
+
+from __future__ import annotations
+
+import base64
+import dataclasses
+import hashlib
+import json
+import random
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+import torch.nn as nn
+from torch.distributed.checkpoint.state_dict import (StateDictOptions, get_state_dict,
+                                                     set_state_dict)
+
+
+# ---------------------------------------------------------------- plain data <-> JSON
+
+
+def to_jsonable(obj: Any) -> Any:
+    """Plain data for JSON: tuples become lists, tensors and arrays become tagged
+    base64 records. Floats survive exactly (JSON writes their shortest repr)."""
+    if isinstance(obj, torch.Tensor):
+        t = obj.detach().cpu().contiguous()
+        return {"__tensor__": base64.b64encode(t.view(torch.uint8).numpy().tobytes()
+                                               if t.numel() else b"").decode(),
+                "dtype": str(t.dtype).removeprefix("torch."), "shape": list(t.shape)}
+    if type(obj).__module__ == "numpy" and hasattr(obj, "tolist"):
+        return obj.tolist()
+    if isinstance(obj, dict):
+        return {str(k): to_jsonable(v) for k, v in obj.items()}
+    if isinstance(obj, (list, tuple)):
+        return [to_jsonable(v) for v in obj]
+    if dataclasses.is_dataclass(obj) and not isinstance(obj, type):
+        return to_jsonable(dataclasses.asdict(obj))
+    if obj is None or isinstance(obj, (bool, int, float, str)):
+        return obj
+    raise TypeError(f"cannot store a {type(obj).__name__} in checkpoint JSON; keep extras "
+                    f"to tensors, modules, and plain numbers/strings/lists/dicts.")
+
+
+def from_jsonable(obj: Any) -> Any:
+    """Inverse of `to_jsonable` for tensors; lists stay lists."""
+    if isinstance(obj, dict):
+        if "__tensor__" in obj:
+            dtype = getattr(torch, obj["dtype"])
+            raw = bytearray(base64.b64decode(obj["__tensor__"]))
+            if not raw:
+                return torch.empty(obj["shape"], dtype=dtype)
+            return torch.frombuffer(raw, dtype=torch.uint8).view(dtype).reshape(obj["shape"])
+        return {k: from_jsonable(v) for k, v in obj.items()}
+    if isinstance(obj, list):
+        return [from_jsonable(v) for v in obj]
+    return obj
+
+
+def config_hash(config: Any) -> str:
+    """sha256 of the resolved config's canonical JSON (first 16 hex digits)."""
+    data = json.dumps(to_jsonable(config), sort_keys=True).encode()
+    return hashlib.sha256(data).hexdigest()[:16]
+
+
+# ---------------------------------------------------------------- RNG
+
+
+def rng_state() -> dict:
+    """This process's Python, NumPy, torch CPU and (when present) CUDA RNG states."""
+    state = {"python": to_jsonable(random.getstate()), "torch": to_jsonable(torch.get_rng_state())}
+    try:
+        import numpy as np
+
+        state["numpy"] = to_jsonable(np.random.get_state())
+    except ImportError:
+        pass
+    if torch.cuda.is_available() and torch.cuda.is_initialized():
+        state["cuda"] = [to_jsonable(s) for s in torch.cuda.get_rng_state_all()]
+    return state
+
+
+def set_rng_state(state: dict) -> None:
+    """Restore what `rng_state` captured; missing parts are left alone."""
+    version, internal, gauss = state["python"]
+    random.setstate((version, tuple(internal), gauss))
+    torch.set_rng_state(from_jsonable(state["torch"]))
+    if "numpy" in state:
+        import numpy as np
+
+        name, keys, pos, has_gauss, cached = state["numpy"]
+        np.random.set_state((name, np.asarray(keys, dtype=np.uint32), pos, has_gauss, cached))
+    if "cuda" in state and torch.cuda.is_available():
+        torch.cuda.set_rng_state_all([from_jsonable(s) for s in state["cuda"]])
+
+
+# ---------------------------------------------------------------- the state
+
+
+@dataclass(kw_only=True)
+class TrainState:
+    """The complete training state. Pass it to `dt.save` / `dt.load`.
+
+    `extras` maps names to modules (EMA weights), tensors, dicts of tensors or plain
+    JSON data. `config` is the resolved config (a dataclass or dict); it is saved
+    and hashed into the manifest. `step` and `epoch` are the caller's counters:
+    set `step` before saving; read it after loading.
+    """
+
+    model: nn.Module
+    optimizer: torch.optim.Optimizer | None = None
+    scheduler: Any = None
+    scaler: Any = None
+    sampler: Any = None
+    extras: dict[str, Any] = field(default_factory=dict)
+    config: Any = None
+    step: int = 0
+    epoch: int = 0
+
+    def _tensor_parts(self) -> dict:
+        opts = StateDictOptions(strict=True)
+        optims = [self.optimizer] if self.optimizer is not None else []
+        model_sd, optim_sd = get_state_dict(self.model, optims, options=opts)
+        tensors: dict[str, Any] = {"model": model_sd}
+        if self.optimizer is not None:
+            tensors["optim"] = optim_sd
+        extras = {}
+        for name, value in self.extras.items():
+            if isinstance(value, nn.Module):
+                extras[name] = value.state_dict()
+            elif isinstance(value, torch.Tensor) or (isinstance(value, dict) and value and all(
+                    isinstance(v, torch.Tensor) for v in value.values())):
+                extras[name] = value
+        if extras:
+            tensors["extras"] = extras
+        return tensors
+
+    def state_dict(self) -> dict:
+        """{"tensors": ..., "meta": ..., "rng": ...}; see the module docstring.
+
+        A collective under FSDP (`get_state_dict`): every rank must call it."""
+        meta = {
+            "step": self.step, "epoch": self.epoch,
+            "scheduler": to_jsonable(self.scheduler.state_dict()) if self.scheduler else None,
+            "scaler": to_jsonable(self.scaler.state_dict()) if self.scaler else None,
+            "sampler": to_jsonable(self.sampler.state_dict()) if self.sampler is not None
+            and hasattr(self.sampler, "state_dict") else None,
+            "config": to_jsonable(self.config) if self.config is not None else None,
+            "extras": {k: to_jsonable(v) for k, v in self.extras.items()
+                       if not isinstance(v, (nn.Module, torch.Tensor, dict))
+                       or (isinstance(v, dict) and not any(isinstance(x, torch.Tensor)
+                                                           for x in v.values()))},
+        }
+        return {"tensors": self._tensor_parts(), "meta": meta, "rng": rng_state()}
+
+    def load_state_dict(self, sd: dict) -> None:
+        """Restore from `sd` (the shape `state_dict` returns; `rng` may be absent).
+
+        The tensors must already hold the loaded values (DCP loads in place into
+        the dict from `state_dict()["tensors"]`); they are handed to the model and
+        optimizer through torch's `set_state_dict`.
+        """
+        tensors, meta = sd["tensors"], sd["meta"]
+        optims = [self.optimizer] if self.optimizer is not None else []
+        set_state_dict(self.model, optims, model_state_dict=tensors["model"],
+                       optim_state_dict=tensors.get("optim", {}),
+                       options=StateDictOptions(strict=True))
+        for name, value in tensors.get("extras", {}).items():
+            target = self.extras[name]
+            if isinstance(target, nn.Module):
+                target.load_state_dict(value, strict=True)
+            elif isinstance(target, torch.Tensor):
+                with torch.no_grad():
+                    target.copy_(value)
+            else:
+                for k, v in value.items():
+                    target[k].copy_(v) if isinstance(target.get(k), torch.Tensor) else target.__setitem__(k, v)
+        for name, value in (meta.get("extras") or {}).items():
+            self.extras[name] = from_jsonable(value)
+        if self.scheduler is not None and meta.get("scheduler") is not None:
+            self.scheduler.load_state_dict(from_jsonable(meta["scheduler"]))
+        if self.scaler is not None and meta.get("scaler") is not None:
+            self.scaler.load_state_dict(from_jsonable(meta["scaler"]))
+        if self.sampler is not None and meta.get("sampler") is not None:
+            self.sampler.load_state_dict(meta["sampler"])
+        self.step, self.epoch = int(meta["step"]), int(meta["epoch"])
+        if sd.get("rng") is not None:
+            set_rng_state(sd["rng"])
