@@ -11,6 +11,7 @@ within 5% of `estimate(...)` (they are in fact exact).
 from __future__ import annotations
 
 import functools
+import importlib.util
 import json
 import os
 import struct
@@ -30,7 +31,9 @@ GPT_SPEC = "n_layer=2,n_embd=64,n_head=2,block_size=64"
 TINY_GPT2 = {"model_type": "gpt2", "vocab_size": 256, "n_layer": 2, "n_embd": 64, "n_head": 2,
              "n_positions": 128, "bos_token_id": 0, "eos_token_id": 0}
 WORLD_SIZES = (1, 2, 4)
-LAUNCH_TIMEOUT_S = 150  # a hung collective must fail the test, not the CI job
+# Shared by the three concurrent launches. A hung collective must fail the test, not the CI
+# job; the margin is for loaded 2-core machines (about 40 s when idle, 110 s at load 10).
+LAUNCH_TIMEOUT_S = 240
 TOLERANCE = 0.05
 
 
@@ -44,7 +47,9 @@ def hf_config(tmp_path_factory) -> Path:
 @pytest.fixture(scope="module")
 def measured(tmp_path_factory, hf_config) -> dict[int, dict]:
     """{world: {"gpt/ddp": [per-rank bytes], ...}} from real gloo process groups."""
-    pytest.importorskip("transformers")
+    # find_spec, not import: importing transformers here would cost seconds of serial CPU.
+    # Without it our GPT is still measured and the HF cases skip.
+    kinds = "gpt,hf" if importlib.util.find_spec("transformers") else "gpt"
     tmp = tmp_path_factory.mktemp("measure")
     env = {**os.environ, "OMP_NUM_THREADS": "1", "HF_HUB_OFFLINE": "1",
            "TRANSFORMERS_VERBOSITY": "error", "TORCH_CPP_LOG_LEVEL": "ERROR"}
@@ -52,7 +57,7 @@ def measured(tmp_path_factory, hf_config) -> dict[int, dict]:
     for n in WORLD_SIZES:
         out = tmp / f"world{n}.json"
         cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone",
-               f"--nproc-per-node={n}", str(WORKER), str(out), str(hf_config), GPT_SPEC]
+               f"--nproc-per-node={n}", str(WORKER), str(out), str(hf_config), GPT_SPEC, kinds]
         procs[n] = (subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
                                      env=env, text=True), out)
     deadline = time.monotonic() + LAUNCH_TIMEOUT_S
@@ -82,6 +87,8 @@ def _plan(kind: str, world: int, hf_path: str):
 @pytest.mark.parametrize("strategy", ["ddp", "zero1", "fsdp_full"])
 @pytest.mark.parametrize("kind", ["gpt", "hf"])
 def test_predicted_state_bytes_match_real_ranks(measured, hf_config, kind, strategy, world):
+    if f"{kind}/{strategy}" not in measured[world]:
+        pytest.skip("transformers is not installed")
     predicted = _plan(kind, world, str(hf_config)).get(strategy).state_per_rank
     actual = measured[world][f"{kind}/{strategy}"]
     assert len(actual) == len(predicted) == world

@@ -1,7 +1,7 @@
 """Worker for tests/test_plan.py: measure the bytes each rank owns after one step.
 
 Launched by `python -m torch.distributed.run --standalone --nproc-per-node N measure.py OUT.json
-HF_CONFIG.json GPT_SPEC`. For each (model, strategy) case it builds the model, wraps it the way
+HF_CONFIG.json GPT_SPEC KINDS` (KINDS: 'gpt,hf', or 'gpt' where transformers is missing). For each (model, strategy) case it builds the model, wraps it the way
 disttrain does (DDP / DDP + ZeroRedundancyOptimizer / fully_shard per block then root), runs
 one forward + backward + AdamW step on random bytes, and counts the storage this rank holds for
 parameters, gradients and optimizer state. Rank 0 gathers every rank's numbers and writes JSON.
@@ -15,7 +15,6 @@ output are counted once, and FSDP2 shards include their padding (the storage beh
 from __future__ import annotations
 
 import json
-import os
 import sys
 
 import torch
@@ -102,11 +101,11 @@ def run_case(kind: str, strategy: str, hf_config: str, gpt_spec: str) -> dict:
 
 
 def main() -> None:
-    out, hf_config, gpt_spec = sys.argv[1:4]
+    out, hf_config, gpt_spec, kinds = sys.argv[1:5]
     torch.set_num_threads(1)
     dist.init_process_group("gloo")
     results = {}
-    for kind in ("gpt", "hf"):
+    for kind in kinds.split(","):
         for strategy in ("ddp", "zero1", "fsdp_full"):
             mine = run_case(kind, strategy, hf_config, gpt_spec)
             every = [None] * dist.get_world_size()

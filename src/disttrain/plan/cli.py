@@ -18,6 +18,10 @@ EXAMPLES = """examples:
   disttrain plan --gpt examples/tiny_gpt.toml --devices 2 --device-mem 16GiB --format json
   disttrain plan --hf path/to/config.json --devices 8 --nodes 2 --png plan.png \\
       --base-lr 3e-4 --base-batch 256 --steps 20000
+
+learning rate: effective batch = --batch x devices x nodes x --accum-steps; the LR scales
+linearly up to 512, by the square root from 512 to 4096 (so also between 512 and 1024,
+continuing from the linear value), and not at all beyond; warmup = min(5% of --steps, 2000).
 """
 
 

@@ -147,10 +147,20 @@ def _gpt_value(key: str, value: str, tp: Any) -> Any:
 def _gpt_config(kwargs: dict, where: str):
     from disttrain.models.gpt import GPTConfig
 
-    try:
-        cfg = GPTConfig(**kwargs)
-    except TypeError as e:
-        raise UserError(f"{where}: {e}. Use the fields of GPTConfig.") from None
+    import dataclasses
+
+    types = {f.name: str(f.type) for f in dataclasses.fields(GPTConfig)}
+    for key, value in kwargs.items():
+        if key not in types:
+            raise UserError(f"{where}: unknown GPTConfig key {key!r}; valid keys: "
+                            f"{', '.join(types)}.")
+        want = types[key]
+        ok = (isinstance(value, bool) if "bool" in want else
+              isinstance(value, (int, float)) and not isinstance(value, bool) if "float" in want else
+              isinstance(value, int) and not isinstance(value, bool))
+        if not ok:
+            raise UserError(f"{where}: {key} = {value!r} must be {want}.")
+    cfg = GPTConfig(**kwargs)
     for key in ("vocab_size", "block_size", "n_layer", "n_head", "n_embd"):
         if getattr(cfg, key) < 1:
             raise UserError(f"{where}: {key} is {getattr(cfg, key)}; it must be at least 1.")

@@ -153,7 +153,7 @@ def estimate(model: Any, *, devices: int = 1, nodes: int = 1, device_mem: str | 
     world = devices * nodes
     rows = [_row(spec, work, world, v, mem, headroom) for v in all_variants()]
     notes = list(spec.notes)
-    if work.seq_len > spec.max_seq:
+    if spec.exact and work.seq_len > spec.max_seq:  # a bare count has no real context
         notes.append(f"--seq-len {work.seq_len} exceeds the model's context {spec.max_seq}.")
     rec, reason = _recommend(rows, spec, work, world, devices, mem, headroom)
     lr = advise(batch_per_device, world, accum_steps, base_lr, base_batch, steps)

@@ -77,7 +77,7 @@ def to_json(plan: Plan) -> str:
 
 
 def write_png(plan: Plan, path: str | Path) -> Path:
-    """Stacked bars of the five parts per row, with device memory and headroom lines."""
+    """Stacked bars of the five parts per row, device memory and headroom lines; returns `path`."""
     path = Path(path)
     if path.parent and not path.parent.exists():
         raise UserError(f"--png: folder {path.parent} does not exist. Create it or pick another path.")
@@ -89,26 +89,40 @@ def write_png(plan: Plan, path: str | Path) -> Path:
     import matplotlib.pyplot as plt
 
     rows = plan.strategies
-    gib = 2**30
+    peak = max(r.total for r in rows)
+    # Tiny models next to an 80 GiB line would be invisible: pick the unit from the bars and
+    # leave the device line off the chart (named in the legend) when it dwarfs them.
+    scale, unit = next((d, u) for d, u in ((2**40, "TiB"), (2**30, "GiB"), (2**20, "MiB"),
+                                           (2**10, "KiB"), (1, "B")) if max(peak, 1) >= d)
     fig, ax = plt.subplots(figsize=(max(8, 0.8 * len(rows) + 2), 5.5))
-    x = range(len(rows))
+    x = list(range(len(rows)))
     bottom = [0.0] * len(rows)
     for part, color in zip(PARTS, COLORS):
-        vals = [getattr(r, part) / gib for r in rows]
+        vals = [getattr(r, part) / scale for r in rows]
         ax.bar(x, vals, bottom=bottom, color=color, label=part)
         bottom = [b + v for b, v in zip(bottom, vals)]
-    mem = plan.device_mem / gib
-    ax.axhline(mem, color="black", linestyle="--", linewidth=1, label="device memory")
-    ax.axhline(mem * (1 - plan.headroom), color="grey", linestyle=":", linewidth=1,
-               label=f"{plan.headroom:.0%} headroom")
-    ax.set_xticks(list(x))
-    ax.set_xticklabels([r.label for r in rows], rotation=35, ha="right", fontsize=8)
+    mem = plan.device_mem / scale
+    show_mem = plan.device_mem <= 3 * peak
+    top = max(max(bottom), mem if show_mem else 0) * 1.12
+    if show_mem:
+        ax.axhline(mem, color="black", linestyle="--", linewidth=1,
+                   label=f"device memory {fmt_bytes(plan.device_mem)}")
+        ax.axhline(mem * (1 - plan.headroom), color="grey", linestyle=":", linewidth=1,
+                   label=f"{plan.headroom:.0%} headroom")
+    else:
+        ax.plot([], [], " ", label=f"device memory {fmt_bytes(plan.device_mem)} (off scale)")
+    for xi, r, b in zip(x, rows, bottom):
+        ax.text(xi, b + top * 0.01, "no fit" if r.fit == NO_FIT else fmt_bytes(r.total),
+                ha="center", va="bottom", fontsize=7, color="red" if r.fit == NO_FIT else "black")
+    ax.set_xticks(x)
+    ax.set_xticklabels([r.label + (" *" if r.key == plan.recommended else "") for r in rows],
+                       rotation=35, ha="right", fontsize=8)
     for tick, r in zip(ax.get_xticklabels(), rows):
         if r.key == plan.recommended:
             tick.set_fontweight("bold")
-    ax.set_ylabel("GiB per device")
-    ax.set_ylim(0, max(max(bottom), mem) * 1.1)
-    ax.set_title(title(plan), fontsize=8)
+    ax.set_ylabel(f"{unit} per device")
+    ax.set_ylim(0, top)
+    ax.set_title(title(plan) + "\n* recommended", fontsize=8)
     ax.legend(fontsize=8, loc="upper right")
     fig.tight_layout()
     fig.savefig(path, dpi=100)
