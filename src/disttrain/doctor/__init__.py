@@ -1,0 +1,79 @@
+"""`disttrain doctor`: a static analyzer for distributed-training scripts.
+
+    disttrain doctor [--format text|json|sarif] [-o FILE] [--select IDS] [--ignore IDS] PATH...
+
+Parses each script with `ast` (never imports or runs it, never imports torch) and
+reports every pitfall with its practice ID (docs: PRACTICES.md), place, cause and fix.
+Exit status: 1 when an error-severity finding exists, 0 otherwise (warnings alone: 0);
+user mistakes (missing file, syntax error, unknown rule id) raise `UserError`, which
+the CLI prints as one line with status 2.
+
+`main` is the only public entry; importing this package stays cheap (argparse only),
+the analyzer and renderers load when called.
+"""
+
+from __future__ import annotations
+
+import argparse
+import sys
+
+__all__ = ["main"]
+
+_DESCRIPTION = """Lint PyTorch distributed training scripts for known pitfalls
+(DataParallel, optimizer before wrap, missing set_device/set_epoch, unguarded or
+non-atomic checkpoints, double loss scaling, ...). Suppress one finding with
+`# disttrain: ignore[rule-id]` on its line."""
+
+
+def _ids(text: str) -> set[str]:
+    return {x.strip() for x in text.split(",") if x.strip()}
+
+
+def _parser() -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(prog="disttrain doctor", description=_DESCRIPTION)
+    p.add_argument("paths", nargs="*", metavar="PATH",
+                   help="training scripts or directories (searched recursively for *.py)")
+    p.add_argument("--format", choices=("text", "json", "sarif"), default="text",
+                   help="text (default, for people), json, or sarif (SARIF 2.1.0 for CI code scanning)")
+    p.add_argument("-o", "--output", metavar="FILE", help="write the report to FILE instead of stdout")
+    p.add_argument("--select", type=_ids, metavar="IDS", help="only these rule ids (comma-separated)")
+    p.add_argument("--ignore", type=_ids, metavar="IDS", help="skip these rule ids (comma-separated)")
+    p.add_argument("--list-rules", action="store_true", help="print every rule with its help and exit")
+    return p
+
+
+def main(argv: list[str]) -> int:
+    """Run the doctor on `argv` (without the `doctor` word). Returns the exit status."""
+    from disttrain.errors import UserError
+
+    args = _parser().parse_args(argv)
+    from disttrain.doctor import analyzer, report
+
+    if args.list_rules:
+        report.print_rules(sys.stdout)
+        return 0
+    if not args.paths:
+        raise UserError("no script given: disttrain doctor SCRIPT.py [DIR ...] (see --help)")
+    files, findings = analyzer.analyze_paths(args.paths, args.select, args.ignore)
+    if args.format == "json":
+        text = report.render_json(files, findings)
+    elif args.format == "sarif":
+        from disttrain.doctor.sarif import render_sarif
+
+        text = render_sarif(files, findings)
+    else:
+        text = None
+    if args.output:
+        try:
+            with open(args.output, "w", encoding="utf-8") as out:
+                if text is None:
+                    report.print_text(files, findings, out)
+                else:
+                    out.write(text)
+        except OSError as e:
+            raise UserError(f"{args.output}: cannot write the report ({e.strerror})") from None
+    elif text is None:
+        report.print_text(files, findings, sys.stdout)
+    else:
+        sys.stdout.write(text)
+    return 1 if analyzer.has_errors(findings) else 0

@@ -1,0 +1,353 @@
+"""What the rules know about one script: its AST, import aliases, calls, wraps, scopes.
+
+Contract: `Facts.parse(path, source)` never executes the script; it raises `SyntaxError`
+for a script that does not parse (the caller turns it into a `UserError`). Everything
+else is derived lazily from the tree so that each rule asks only what it needs.
+Names are resolved through the script's own imports, so `nn.DataParallel`,
+`torch.nn.DataParallel` and `from torch.nn import DataParallel as DP` all read
+`torch.nn.DataParallel`.
+"""
+
+from __future__ import annotations
+
+import ast
+from dataclasses import dataclass, field
+from functools import cached_property
+
+# Words that make an `if` test a rank guard: `if rank == 0`, `if dist.get_rank() == 0`,
+# `if is_main_process():`, `if accelerator.is_main_process`, `if trainer.is_global_zero`.
+_GUARD_WORDS = ("rank", "is_main", "main_process", "is_master", "master_process",
+                "is_primary", "primary_process", "is_global_zero", "is_chief", "rank0",
+                "rank_zero", "main_only", "master_only")
+
+# A function so named or decorated runs on rank 0 only (`@rank_zero_only`, `log_rank0`).
+_ZERO_ONLY_WORDS = ("rank0", "rank_0", "rank_zero", "main_process_only", "master_only",
+                    "main_only", "zero_only", "on_main_process")
+
+# Statements that end a block: after `if rank != 0: return`, the rest is rank 0 only.
+_EXITS = (ast.Return, ast.Continue, ast.Break, ast.Raise)
+
+# disttrain's own entry points: they start the group (with a timeout), bind the device
+# and wrap the model, so a script built on them is distributed and set up right.
+DISTTRAIN_INITS = ("disttrain.init", "disttrain.distributed", "disttrain.runtime.init",
+                   "disttrain.runtime.distributed")
+DISTTRAIN_WRAPS = ("disttrain.wrap", "disttrain.parallel.wrap")
+
+Scope = ast.AST  # a FunctionDef, AsyncFunctionDef, Lambda or the Module
+
+
+@dataclass
+class Wrap:
+    """One parallel wrapper call: `target = KIND(arg, ...)` (target is None when inline).
+
+    kind: "ddp", "fsdp1" (FullyShardedDataParallel), "fsdp2" (fully_shard, in place),
+    "dp" (DataParallel) or "disttrain" (`disttrain.wrap`, any strategy). `arg`/`target` are dotted references such as `model` or
+    `self.model`; None when the expression is not a plain reference.
+    """
+
+    kind: str
+    call: ast.Call
+    arg: str | None
+    target: str | None
+    scope: Scope
+
+
+@dataclass
+class Facts:
+    path: str
+    source: str
+    tree: ast.Module
+    aliases: dict[str, str] = field(default_factory=dict)
+    parents: dict[ast.AST, ast.AST] = field(default_factory=dict)
+    nodes: list[ast.AST] = field(default_factory=list)  # every node, walked once
+
+    @classmethod
+    def parse(cls, path: str, source: str) -> "Facts":
+        tree = ast.parse(source, filename=path)
+        facts = cls(path=path, source=source, tree=tree)
+        facts.nodes = list(ast.walk(tree))
+        for node in facts.nodes:
+            for child in ast.iter_child_nodes(node):
+                facts.parents[child] = node
+            if isinstance(node, ast.Import):
+                for a in node.names:
+                    # `import torch.distributed` binds `torch`; `... as dist` binds dist.
+                    if a.asname:
+                        facts.aliases[a.asname] = a.name
+                    else:
+                        head = a.name.split(".")[0]
+                        facts.aliases[head] = head
+            elif isinstance(node, ast.ImportFrom) and node.module and node.level == 0:
+                for a in node.names:
+                    facts.aliases[a.asname or a.name] = f"{node.module}.{a.name}"
+        return facts
+
+    # ----- names -------------------------------------------------------------------
+
+    def qualname(self, node: ast.AST) -> str | None:
+        """The dotted name of a Name/Attribute chain, its head resolved via imports."""
+        parts: list[str] = []
+        while isinstance(node, ast.Attribute):
+            parts.append(node.attr)
+            node = node.value
+        if not isinstance(node, ast.Name):
+            return None
+        parts.append(self.aliases.get(node.id, node.id))
+        return ".".join(reversed(parts))
+
+    @cached_property
+    def calls(self) -> list[tuple[ast.Call, str]]:
+        """Every call whose callee is a dotted name, with that name resolved, in source order."""
+        out = [(n, self.qualname(n.func)) for n in self.nodes if isinstance(n, ast.Call)]
+        found = [(c, q) for c, q in out if q]
+        found.sort(key=lambda cq: (cq[0].lineno, cq[0].col_offset))
+        return found  # type: ignore[return-value]
+
+    def calls_to(self, *names: str) -> list[ast.Call]:
+        """Calls whose resolved name ends with one of `names` (whole dotted components).
+
+        disttrain's own API (`disttrain.DistributedSampler`, ...) is the safe version of
+        what the rules look for, so it matches only when a name starts with `disttrain`.
+        """
+        return [c for c, q in self.calls if any(
+            ends_with(q, n) and (n.startswith("disttrain") or not q.startswith("disttrain."))
+            for n in names)]
+
+    def method_calls(self, attr: str) -> list[ast.Call]:
+        """Calls of the form `<anything>.attr(...)`."""
+        return self._method_calls.get(attr, [])
+
+    @cached_property
+    def _method_calls(self) -> dict[str, list[ast.Call]]:
+        out: dict[str, list[ast.Call]] = {}
+        for n in self.nodes:
+            if isinstance(n, ast.Call) and isinstance(n.func, ast.Attribute):
+                out.setdefault(n.func.attr, []).append(n)
+        return out
+
+    @cached_property
+    def strings(self) -> set[str]:
+        return {n.value for n in self.nodes
+                if isinstance(n, ast.Constant) and isinstance(n.value, str)}
+
+    # ----- structure ---------------------------------------------------------------
+
+    def scope_of(self, node: ast.AST) -> Scope:
+        """The innermost function (or the module) that contains `node`."""
+        cur = self.parents.get(node)
+        while cur is not None:
+            if isinstance(cur, (ast.FunctionDef, ast.AsyncFunctionDef, ast.Lambda)):
+                return cur
+            cur = self.parents.get(cur)
+        return self.tree
+
+    def ancestors(self, node: ast.AST):
+        cur = self.parents.get(node)
+        while cur is not None:
+            yield cur
+            cur = self.parents.get(cur)
+
+    def enclosing_loop(self, node: ast.AST) -> ast.AST | None:
+        """The innermost for/while loop around `node` within its own function."""
+        for a in self.ancestors(node):
+            if isinstance(a, (ast.For, ast.AsyncFor, ast.While)):
+                return a
+            if isinstance(a, (ast.FunctionDef, ast.AsyncFunctionDef, ast.Lambda)):
+                return None
+        return None
+
+    @cached_property
+    def functions(self) -> dict[str, list[ast.AST]]:
+        out: dict[str, list[ast.AST]] = {}
+        for n in self.nodes:
+            if isinstance(n, (ast.FunctionDef, ast.AsyncFunctionDef)):
+                out.setdefault(n.name, []).append(n)
+        return out
+
+    # ----- distributed shape of the script -----------------------------------------
+
+    @cached_property
+    def wraps(self) -> list[Wrap]:
+        kinds = {"DistributedDataParallel": "ddp", "FullyShardedDataParallel": "fsdp1",
+                 "fully_shard": "fsdp2", "DataParallel": "dp"}
+        out = []
+        for call, q in self.calls:
+            kind = "disttrain" if q in DISTTRAIN_WRAPS else (
+                None if q.startswith("disttrain.") else kinds.get(q.rsplit(".", 1)[-1]))
+            if kind is None or not call.args:
+                continue
+            parent = self.parents.get(call)
+            target = None
+            if isinstance(parent, ast.Assign) and len(parent.targets) == 1:
+                target = ref(parent.targets[0])
+            elif isinstance(parent, ast.AnnAssign):
+                target = ref(parent.target)
+            arg = base_ref(call.args[0])
+            if kind == "fsdp2" and target is None:
+                target = arg  # fully_shard works in place
+            out.append(Wrap(kind, call, arg, target, self.scope_of(call)))
+        return out
+
+    @cached_property
+    def distributed(self) -> bool:
+        """True when the script runs as several ranks (torchrun env or a process group)."""
+        if self.calls_to("init_process_group", "init_device_mesh", *DISTTRAIN_INITS):
+            return True
+        if any(w.kind != "dp" for w in self.wraps):
+            return True
+        return bool({"LOCAL_RANK", "WORLD_SIZE", "RANK"} & self.strings)
+
+    # ----- rank guards -------------------------------------------------------------
+
+    def is_rank_guarded(self, node: ast.AST) -> bool:
+        """True when `node` runs on one rank only, as far as the source shows.
+
+        Recognised: inside either branch of an `if` that tests the rank; after an
+        early exit `if rank != 0: return` in the same block; inside a function that is
+        decorated or named rank-zero-only, or whose every call site is guarded.
+        """
+        child = node
+        for a in self.ancestors(node):
+            if isinstance(a, ast.If) and child is not a.test and is_rank_test(a.test):
+                return True
+            for block in _blocks(a):
+                if child in block and _early_exit_before(block, block.index(child)):
+                    return True
+            if isinstance(a, (ast.FunctionDef, ast.AsyncFunctionDef)):
+                return a in self.guarded_functions
+            child = a
+        return False
+
+    @cached_property
+    def guarded_functions(self) -> set[ast.AST]:
+        """Functions that run on one rank only: rank-zero by name/decorator, or called
+        only from guarded places (computed to a fixpoint over the script's own calls)."""
+        guarded: set[ast.AST] = set()
+        for name, defs in self.functions.items():
+            for d in defs:
+                words = [name] + [ast.unparse(x) for x in d.decorator_list]
+                if any(w in x.lower() for w in _ZERO_ONLY_WORDS for x in words):
+                    guarded.add(d)
+        sites: dict[str, list[ast.Call]] = {}
+        for n in self.nodes:
+            if isinstance(n, ast.Call):
+                callee = n.func.id if isinstance(n.func, ast.Name) else None
+                # `self.save(...)` may be ours; `torch.save(...)` (an imported module) is not.
+                if isinstance(n.func, ast.Attribute):
+                    head = n.func.value
+                    while isinstance(head, ast.Attribute):
+                        head = head.value
+                    if not (isinstance(head, ast.Name) and head.id in self.aliases):
+                        callee = n.func.attr
+                if callee in self.functions:
+                    sites.setdefault(callee, []).append(n)
+        self.__dict__["guarded_functions"] = guarded  # visible to is_rank_guarded below
+        changed = True
+        while changed:
+            changed = False
+            for name, calls in sites.items():
+                if all(self.is_rank_guarded(c) for c in calls):
+                    for d in self.functions[name]:
+                        if d not in guarded:
+                            guarded.add(d)
+                            changed = True
+        return guarded
+
+
+def _blocks(node: ast.AST) -> list[list[ast.stmt]]:
+    return [getattr(node, f) for f in ("body", "orelse", "finalbody")
+            if isinstance(getattr(node, f, None), list)]
+
+
+def _early_exit_before(block: list[ast.stmt], index: int) -> bool:
+    for stmt in block[:index]:
+        if isinstance(stmt, ast.If) and _is_negative(stmt.test) and is_rank_test(stmt.test) \
+                and stmt.body:
+            last = stmt.body[-1]
+            if isinstance(last, _EXITS) or (
+                isinstance(last, ast.Expr) and isinstance(last.value, ast.Call)
+                and ast.unparse(last.value.func) in ("sys.exit", "exit", "quit", "os._exit")):
+                return True
+    return False
+
+
+def _is_negative(test: ast.AST) -> bool:
+    """`rank != 0`, `rank > 0`, `not is_main`: the branch is for the *other* ranks, so an
+    exit inside it leaves the rest of the block to rank 0 (`rank == 0: return` does not)."""
+    if isinstance(test, ast.UnaryOp) and isinstance(test.op, ast.Not):
+        return True
+    if isinstance(test, ast.Compare):
+        return any(isinstance(op, (ast.NotEq, ast.Gt, ast.GtE, ast.IsNot)) for op in test.ops)
+    if isinstance(test, ast.BoolOp):
+        return any(_is_negative(v) for v in test.values)
+    return False
+
+
+def is_guard_word(text: str) -> bool:
+    low = text.lower()
+    return any(w in low for w in _GUARD_WORDS)
+
+
+def is_rank_test(test: ast.AST) -> bool:
+    """True when an `if` test mentions the rank or a main-process flag."""
+    for n in ast.walk(test):
+        word = n.id if isinstance(n, ast.Name) else n.attr if isinstance(n, ast.Attribute) else None
+        if word and is_guard_word(word):
+            return True
+        if isinstance(n, ast.Constant) and isinstance(n.value, str) and n.value in ("RANK", "LOCAL_RANK"):
+            return True
+    return False
+
+
+def ends_with(qualname: str, name: str) -> bool:
+    """`torch.nn.parallel.DistributedDataParallel` ends with `DistributedDataParallel`
+    but `DistributedDataParallel` does not end with `DataParallel` (whole components)."""
+    return qualname == name or qualname.endswith("." + name)
+
+
+def ref(node: ast.AST) -> str | None:
+    """`model` or `self.model` for a Name/Attribute chain; None for anything else."""
+    if isinstance(node, ast.Name):
+        return node.id
+    if isinstance(node, ast.Attribute):
+        inner = ref(node.value)
+        return f"{inner}.{node.attr}" if inner else None
+    return None
+
+
+def base_ref(node: ast.AST) -> str | None:
+    """The object a method chain starts from: `model.to(dev).cuda()` -> `model`."""
+    while isinstance(node, ast.Call) and isinstance(node.func, ast.Attribute):
+        node = node.func.value
+    return ref(node)
+
+
+def kwarg(call: ast.Call, name: str) -> ast.expr | None:
+    for k in call.keywords:
+        if k.arg == name:
+            return k.value
+    return None
+
+
+def has_star_kwargs(call: ast.Call) -> bool:
+    return any(k.arg is None for k in call.keywords)
+
+
+def arg(call: ast.Call, index: int, name: str) -> ast.expr | None:
+    """Positional argument `index`, or keyword `name`."""
+    if len(call.args) > index and not any(isinstance(a, ast.Starred) for a in call.args[:index + 1]):
+        return call.args[index]
+    return kwarg(call, name)
+
+
+def is_const(node: ast.AST | None, value) -> bool:
+    return isinstance(node, ast.Constant) and node.value is value
+
+
+def mentions(node: ast.AST, pred) -> bool:
+    """True when some Name id / Attribute attr inside `node` satisfies `pred`."""
+    for n in ast.walk(node):
+        word = n.id if isinstance(n, ast.Name) else n.attr if isinstance(n, ast.Attribute) else None
+        if word and pred(word):
+            return True
+    return False

@@ -1,0 +1,146 @@
+"""Rules about the parallel wrapper and the step: DP/DDP/FSDP, optimizer, accumulation.
+
+Each check takes `Facts` and yields `Finding`s; each stays silent unless the source
+shows the pitfall (a false positive is a bug: when in doubt, say nothing).
+"""
+
+from __future__ import annotations
+
+import ast
+
+from disttrain.doctor.facts import Facts, arg, base_ref, is_const, kwarg
+from disttrain.doctor.findings import ERROR, WARNING, finding, rule
+
+
+@rule("data-parallel", ("P-DDP-1",), WARNING,
+      "nn.DataParallel instead of DistributedDataParallel",
+      """DataParallel is one process driving all GPUs with threads: it re-replicates the
+      parameters before every forward, gathers outputs on device 0 and is limited by the
+      GIL and to one node (about 2.3x on 4 GPUs where DDP reaches 3.6x). Use
+      DistributedDataParallel with one process per GPU, launched by torchrun.""")
+def data_parallel(facts: Facts):
+    if facts.distributed:
+        return  # reported as data-parallel-in-ddp instead
+    for w in facts.wraps:
+        if w.kind == "dp":
+            yield finding(facts, w.call, "data-parallel",
+                          "nn.DataParallel runs every GPU from one process (threads, GIL, outputs "
+                          "gathered on cuda:0): slower than DDP and single-node only.",
+                          "use DistributedDataParallel, one process per GPU, launched with torchrun.")
+
+
+@rule("data-parallel-in-ddp", ("P-DDP-3",), ERROR,
+      "DataParallel inside a multi-process (DDP) script",
+      """In a script that runs one process per GPU, DataParallel makes every process
+      replicate the model over all visible GPUs: ranks fight over the same devices and,
+      nested in DDP, gradients are reduced twice over overlapping replicas. DDP alone does
+      the whole job.""")
+def data_parallel_in_ddp(facts: Facts):
+    if not facts.distributed:
+        return
+    dp_names = {w.target: w for w in facts.wraps if w.kind == "dp" and w.target}
+    for w in facts.wraps:
+        if w.kind == "dp":
+            yield finding(facts, w.call, "data-parallel-in-ddp",
+                          "DataParallel in a multi-process script: each rank replicates the model "
+                          "over every visible GPU.",
+                          "remove the DataParallel wrap; wrap once with DistributedDataParallel("
+                          "model, device_ids=[local_rank]).")
+        elif w.kind in ("ddp", "fsdp1") and isinstance(w.call.args[0], ast.Call) and \
+                (facts.qualname(w.call.args[0].func) or "").endswith("DataParallel"):
+            pass  # the inner DataParallel call is reported above
+        elif w.kind in ("ddp", "fsdp1") and w.arg in dp_names and w.arg is not None:
+            inner = dp_names[w.arg]
+            if inner.call.lineno < w.call.lineno:
+                yield finding(facts, w.call, "data-parallel-in-ddp",
+                              f"`{w.arg}` is already a DataParallel (line {inner.call.lineno}) and is "
+                              "wrapped again by DDP.",
+                              "wrap the bare module once with DistributedDataParallel.")
+
+
+def _is_optimizer(q: str) -> bool:
+    parts = q.split(".")
+    last = parts[-1]
+    if last in ("ZeroRedundancyOptimizer",):
+        return True
+    return "optim" in parts[:-1] and "lr_scheduler" not in parts and last[:1].isupper() \
+        and last not in ("Optimizer",)
+
+
+def _param_refs(call: ast.Call) -> set[str]:
+    """Modules whose parameters an optimizer receives: `model.parameters()` -> model."""
+    params = arg(call, 0, "params")
+    out: set[str] = set()
+    if params is None:
+        return out
+    for n in ast.walk(params):
+        if isinstance(n, ast.Call) and isinstance(n.func, ast.Attribute) and \
+                n.func.attr in ("parameters", "named_parameters"):
+            r = base_ref(n.func.value)
+            if r:
+                out.add(r)
+    return out
+
+
+@rule("optimizer-before-wrap", ("P-DDP-3", "P-FSDP-7"), ERROR,
+      "optimizer built before the DDP/FSDP wrap",
+      """Build the optimizer from the wrapped model. FSDP replaces (flattens or shards) the
+      parameters, so an optimizer built before the wrap updates tensors the model no longer
+      uses and training silently does nothing. Under DDP it happens to work today, but
+      it breaks as soon as the wrap changes the parameters (FSDP, compile, a device move).""")
+def optimizer_before_wrap(facts: Facts):
+    opts = [(c, _param_refs(c)) for c, q in facts.calls if _is_optimizer(q)]
+    for w in facts.wraps:
+        if w.kind == "dp" or not w.arg:
+            continue
+        for call, refs in opts:
+            hits = {r for r in refs if r == w.arg or r.startswith(w.arg + ".")}
+            if not hits or facts.scope_of(call) is not w.scope or call.lineno >= w.call.lineno:
+                continue
+            rebuilt = any(facts.scope_of(c) is w.scope and c.lineno > w.call.lineno and
+                          any(r == w.arg or r.startswith(w.arg + ".") or r == w.target for r in rs)
+                          for c, rs in opts)
+            if rebuilt:
+                continue
+            fsdp = w.kind != "ddp"  # disttrain.wrap may shard (FSDP strategy)
+            name = {"ddp": "DDP", "fsdp1": "FSDP", "fsdp2": "fully_shard",
+                    "disttrain": "disttrain.wrap"}[w.kind]
+            yield finding(
+                facts, call, "optimizer-before-wrap",
+                f"the optimizer takes `{w.arg}`'s parameters at line {call.lineno}, before the "
+                f"{name} wrap at line {w.call.lineno}"
+                + (": sharding replaces them, so the optimizer updates stale tensors." if fsdp
+                   else ": it must see the parameters of the wrapped model."),
+                f"build the optimizer after the {name} wrap, from the wrapped model's parameters().",
+                severity=ERROR if fsdp else WARNING,
+                practices=("P-FSDP-7",) if fsdp else ("P-DDP-3",))
+
+
+@rule("find-unused-parameters", ("P-DDP-4",), WARNING,
+      "find_unused_parameters=True without a dynamic graph",
+      """find_unused_parameters=True makes DDP traverse the autograd graph after every
+      forward to find parameters that got no gradient, costing 10-20% throughput. It is
+      only needed when forward skips parameters (branches, early exits). The error
+      "Expected to have finished reduction in the prior iteration" is better fixed by
+      making every parameter take part in the loss.""")
+def find_unused_parameters(facts: Facts):
+    dynamic = _has_dynamic_forward(facts)
+    for w in facts.wraps:
+        if w.kind == "ddp" and is_const(kwarg(w.call, "find_unused_parameters"), True) and not dynamic:
+            yield finding(facts, kwarg(w.call, "find_unused_parameters"), "find-unused-parameters",
+                          "find_unused_parameters=True, yet no forward() here branches: the graph "
+                          "walk after every forward costs 10-20% throughput for nothing.",
+                          "drop it (the default is False); keep it only if forward really skips "
+                          "parameters, and then say so with `# disttrain: ignore[find-unused-parameters]`.")
+
+
+def _has_dynamic_forward(facts: Facts) -> bool:
+    """A forward() in this script with a branch or an early return: the only sign of a
+    dynamic graph that the source can show (a model defined elsewhere shows none)."""
+    for d in facts.functions.get("forward", []):
+        for n in ast.walk(d):
+            if isinstance(n, (ast.If, ast.IfExp)):
+                return True
+            if isinstance(n, ast.Return) and n is not d.body[-1]:
+                return True
+    return False

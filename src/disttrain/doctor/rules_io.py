@@ -1,0 +1,208 @@
+"""Rules about what ranks write and read: logs, checkpoints, state dicts, loads.
+
+Each check takes `Facts` and yields `Finding`s; each stays silent unless the source
+shows the pitfall (a false positive is a bug: when in doubt, say nothing).
+"""
+
+from __future__ import annotations
+
+import ast
+
+from disttrain.doctor.facts import Facts, arg, base_ref, has_star_kwargs, is_const, kwarg, mentions, ref
+from disttrain.doctor.findings import ERROR, WARNING, finding, rule
+
+# Per-rank messages are legitimate: every rank reports its own warnings and errors.
+_LOG_METHODS = ("info", "debug", "log")
+_LOGGER_NAMES = ("logger", "log", "logging", "_logger", "LOGGER", "LOG", "_log")
+
+
+def _is_rank_word(word: str) -> bool:
+    return "rank" in word.lower()
+
+
+def _log_calls(facts: Facts):
+    """print to stdout, logging.info/debug, logger.info/debug, wandb.init/log,
+    SummaryWriter(): the outputs that should come from one rank only."""
+    for call, q in facts.calls:
+        if q == "print":
+            target = kwarg(call, "file")
+            if target is None or not (facts.qualname(target) or "").endswith(("stderr",)):
+                yield call, "print()"
+        elif q.rsplit(".", 1)[-1] in _LOG_METHODS and isinstance(call.func, ast.Attribute) and \
+                (ref(call.func.value) or "").split(".")[-1] in _LOGGER_NAMES:
+            yield call, f"{ast.unparse(call.func)}()"
+        elif q in ("wandb.init", "wandb.log") or q.endswith("SummaryWriter"):
+            yield call, f"{q.rsplit('.', 1)[-1] if 'Summary' in q else q}()"
+
+
+@rule("unguarded-log", ("P-LOOP-1",), WARNING,
+      "logging or print without a rank guard",
+      """Every rank runs the whole script, so an unguarded print/logger.info/wandb.log
+      appears world-size times (and wandb.init or SummaryWriter creates one run per rank).
+      Only rank 0 logs: guard with `if rank == 0:` and log globally reduced values.""")
+def unguarded_log(facts: Facts):
+    if not facts.distributed:
+        return
+    for call, what in _log_calls(facts):
+        if not facts.is_rank_guarded(call):
+            yield finding(facts, call, "unguarded-log",
+                          f"{what} runs on every rank: each line appears world-size times.",
+                          "guard it with `if rank == 0:` (or a rank-zero-only helper).")
+
+
+def _saves(facts: Facts) -> list[ast.Call]:
+    return facts.calls_to("torch.save")
+
+
+def _save_path(call: ast.Call) -> ast.AST | None:
+    return arg(call, 1, "f")
+
+
+@rule("unguarded-save", ("P-LOOP-1", "P-CKPT-2"), ERROR,
+      "torch.save without a rank guard",
+      """Every rank runs the whole script, so an unguarded torch.save has world-size
+      processes writing the same file at once: a torn or corrupt checkpoint. Only rank 0
+      writes (after a barrier for readers); per-rank files must carry the rank in their
+      name.""")
+def unguarded_save(facts: Facts):
+    if not facts.distributed:
+        return
+    for call in _saves(facts):
+        path = _save_path(call)
+        if path is not None and (mentions(path, _is_rank_word) or _is_buffer(facts, path)):
+            continue  # one file per rank, or memory: no two writers share a file
+        if not facts.is_rank_guarded(call):
+            yield finding(facts, call, "unguarded-save",
+                          "torch.save runs on every rank: world-size processes write the same file "
+                          "at once.",
+                          "save on rank 0 only (`if rank == 0:`), then dist.barrier() before anyone "
+                          "reads it.")
+
+
+_ATOMIC_MOVES = ("os.replace", "os.rename", "shutil.move")
+
+
+def _moves(facts: Facts) -> list[ast.Call]:
+    """os.replace/os.rename/shutil.move, and Path.replace(target)/Path.rename(target):
+    one argument, unlike str.replace(old, new)."""
+    out = list(facts.calls_to(*_ATOMIC_MOVES))
+    for attr in ("replace", "rename"):
+        out += [c for c in facts.method_calls(attr) if len(c.args) + len(c.keywords) == 1
+                and (facts.qualname(c.func) or "") not in _ATOMIC_MOVES]
+    return out
+
+
+@rule("non-atomic-save", ("P-CKPT-2",), WARNING,
+      "torch.save straight to the final checkpoint path",
+      """A crash or preemption during torch.save leaves a half-written file under the
+      checkpoint's real name, and the next resume loads garbage. Write to a temporary
+      name in the same directory, then `os.replace(tmp, path)`: readers see the old
+      checkpoint or the new one, never half of one.""")
+def non_atomic_save(facts: Facts):
+    moves = _moves(facts)
+    for call in _saves(facts):
+        path = _save_path(call)
+        if path is None or _is_buffer(facts, path):
+            continue
+        scope = facts.scope_of(call)
+        if any(facts.scope_of(m) is scope and m.lineno >= call.lineno for m in moves):
+            continue
+        if moves and mentions(path, lambda w: "tmp" in w.lower() or "temp" in w.lower()):
+            continue  # written to a temporary name that a helper moves into place
+        yield finding(facts, call, "non-atomic-save",
+                      "torch.save writes the final checkpoint path directly: a crash mid-write "
+                      "leaves a corrupt checkpoint under the real name.",
+                      "save to f\"{path}.tmp\" in the same directory, then os.replace(tmp, path).")
+
+
+def _is_buffer(facts: Facts, node: ast.AST) -> bool:
+    """An in-memory target (io.BytesIO()) is no file and needs no atomic replace."""
+    if isinstance(node, ast.Call):
+        return (facts.qualname(node.func) or "").endswith("BytesIO")
+    name = ref(node)
+    if name is None:
+        return False
+    for n in facts.nodes:
+        if isinstance(n, ast.Assign) and any(ref(t) == name for t in n.targets) and \
+                isinstance(n.value, ast.Call) and (facts.qualname(n.value.func) or "").endswith("BytesIO"):
+            return True
+    return False
+
+
+@rule("ddp-state-dict-prefix", ("P-CKPT-4",), WARNING,
+      "saving the state_dict of the DDP wrapper",
+      """`ddp_model.state_dict()` prefixes every key with `module.`, so the checkpoint no
+      longer loads into a plain model (missing/unexpected keys). Save the unwrapped
+      weights: `model.module.state_dict()`.""")
+def ddp_state_dict_prefix(facts: Facts):
+    wrapped = [w for w in facts.wraps if w.kind in ("ddp", "dp") and w.target]
+    if not wrapped:
+        return
+    for save in _saves(facts):
+        obj = arg(save, 0, "obj")
+        if obj is None:
+            continue
+        sources = [obj] + _assigned_values(facts, obj, save)
+        for src in sources:
+            for n in ast.walk(src):
+                if not (isinstance(n, ast.Call) and isinstance(n.func, ast.Attribute)
+                        and n.func.attr == "state_dict"):
+                    continue
+                owner = base_ref(n.func.value) if isinstance(n.func.value, ast.Call) else ref(n.func.value)
+                for w in wrapped:
+                    if owner == w.target and facts.scope_of(n) is w.scope and n.lineno > w.call.lineno:
+                        yield finding(facts, n, "ddp-state-dict-prefix",
+                                      f"`{owner}` is the {'DDP' if w.kind == 'ddp' else 'DataParallel'} "
+                                      f"wrapper (line {w.call.lineno}): its state_dict keys all start "
+                                      "with `module.`.",
+                                      f"save {owner}.module.state_dict() instead.")
+
+
+def _assigned_values(facts: Facts, obj: ast.AST, before: ast.AST) -> list[ast.AST]:
+    """Values assigned to `obj` (or its items) in the same scope before `before`:
+    `ckpt = {"model": m.state_dict()}` and `ckpt["model"] = m.state_dict()`."""
+    name = ref(obj)
+    if name is None:
+        return []
+    scope = facts.scope_of(before)
+    out = []
+    for n in ast.walk(scope):
+        if isinstance(n, ast.Assign) and n.lineno <= before.lineno and facts.scope_of(n) is scope:
+            for t in n.targets:
+                base = t.value if isinstance(t, ast.Subscript) else t
+                if ref(base) == name:
+                    out.append(n.value)
+    return out
+
+
+@rule("load-without-map-location", ("P-CKPT-5",), WARNING,
+      "torch.load without map_location",
+      """Without map_location, torch.load puts every tensor back on the device it was
+      saved from, usually cuda:0: every rank then loads the whole checkpoint onto the
+      first GPU (out of memory, or silently on the wrong device). Load with
+      `map_location="cpu"` (or the rank's own device).""")
+def load_without_map_location(facts: Facts):
+    for call in facts.calls_to("torch.load"):
+        if arg(call, 1, "map_location") is None and not has_star_kwargs(call):
+            yield finding(facts, call, "load-without-map-location",
+                          "torch.load without map_location restores tensors onto the device they "
+                          "were saved from (cuda:0 for every rank).",
+                          "pass map_location=\"cpu\" (or the rank's own device).")
+
+
+@rule("load-without-weights-only", ("P-CKPT-5",), WARNING,
+      "torch.load without weights_only=True",
+      """torch.load unpickles arbitrary Python objects unless weights_only=True: loading
+      an untrusted checkpoint can run code. Be explicit with weights_only=True and keep
+      checkpoints to tensors, numbers, strings and containers of them.""")
+def load_without_weights_only(facts: Facts):
+    for call in facts.calls_to("torch.load"):
+        value = kwarg(call, "weights_only")
+        if has_star_kwargs(call) or is_const(value, True):
+            continue
+        how = "weights_only=False" if value is not None else "no weights_only"
+        yield finding(facts, call, "load-without-weights-only",
+                      f"torch.load with {how} unpickles arbitrary objects: an untrusted checkpoint "
+                      "can run code.",
+                      "pass weights_only=True and keep the checkpoint to tensors and plain containers.",
+                      severity=WARNING)

@@ -1,0 +1,184 @@
+"""Rules about the optimizer step: accumulation, loss scaling, AMP skip, clipping.
+
+Each check takes `Facts` and yields `Finding`s; each stays silent unless the source
+shows the pitfall (a false positive is a bug: when in doubt, say nothing).
+"""
+
+from __future__ import annotations
+
+import ast
+
+from disttrain.doctor.facts import Facts, is_const, kwarg, mentions, ref
+from disttrain.doctor.findings import ERROR, WARNING, finding, rule
+
+_ACCUM_WORDS = ("accum", "grad_acc", "gradient_acc", "ga_steps")
+
+
+def _is_accum_word(word: str) -> bool:
+    low = word.lower()
+    return any(w in low for w in _ACCUM_WORDS)
+
+
+def _divisions(node: ast.AST) -> list[ast.AST]:
+    """Divisions by an accumulation count inside `node`: `x / accum_steps`."""
+    return [n for n in ast.walk(node)
+            if isinstance(n, ast.BinOp) and isinstance(n.op, ast.Div) and mentions(n.right, _is_accum_word)]
+
+
+def _returns_divided(facts: Facts, name: str) -> bool:
+    for d in facts.functions.get(name, []):
+        for n in ast.walk(d):
+            if isinstance(n, ast.Return) and n.value is not None and _divisions(n.value):
+                return True
+    return False
+
+
+@rule("loss-divided-twice", ("P-DDP-5",), ERROR,
+      "loss divided by the accumulation steps twice",
+      """With gradient accumulation the loss is divided by the number of micro-steps
+      exactly once. Dividing twice (in the loss function and again before backward, or
+      `loss /= accum` then `(loss / accum).backward()`) shrinks every gradient by that
+      factor again: an effective learning rate accum_steps times too small.""")
+def loss_divided_twice(facts: Facts):
+    for bw in facts.method_calls("backward"):
+        target = bw.func.value  # type: ignore[attr-defined]
+        # scaler.scale(loss).backward()
+        if isinstance(target, ast.Call) and isinstance(target.func, ast.Attribute) and \
+                target.func.attr == "scale" and target.args:
+            target = target.args[0]
+        sites = list(_divisions(target))
+        name = _loss_name(target)
+        if name:
+            sites += _assign_divisions(facts, bw, name)
+        if len(sites) >= 2:
+            second = sorted(sites, key=lambda n: (n.lineno, n.col_offset))[1]
+            yield finding(facts, second, "loss-divided-twice",
+                          f"the loss is divided by the accumulation steps {len(sites)} times before "
+                          "backward(): gradients end up accum_steps times too small.",
+                          "divide exactly once, right before backward().")
+
+
+def _loss_name(expr: ast.AST) -> str | None:
+    """The variable a backward() target is computed from: `(loss / k).backward()` ->
+    loss, `loss.mean().backward()` -> loss."""
+    while True:
+        if isinstance(expr, ast.BinOp):
+            expr = expr.left
+        elif isinstance(expr, ast.Call) and isinstance(expr.func, ast.Attribute):
+            expr = expr.func.value
+        else:
+            return expr.id if isinstance(expr, ast.Name) else None
+
+
+def _assign_divisions(facts: Facts, bw: ast.Call, name: str) -> list[ast.AST]:
+    """Divisions applied to `name` by assignments that certainly run before `bw`: the
+    statements before it in each enclosing block, up to its loop or function. Other
+    branches of an `if` (the no_sync micro-step vs the boundary step) are skipped."""
+    out: list[ast.AST] = []
+    child: ast.AST = bw
+    for a in facts.ancestors(bw):
+        for block in _blocks(a):
+            if child in block:
+                for stmt in block[:block.index(child)]:
+                    out += _stmt_divisions(facts, stmt, name)
+        if isinstance(a, (ast.For, ast.AsyncFor, ast.While, ast.FunctionDef, ast.AsyncFunctionDef)):
+            break
+        child = a
+    return out
+
+
+def _blocks(node: ast.AST) -> list[list[ast.stmt]]:
+    return [b for f in ("body", "orelse", "finalbody") if isinstance(b := getattr(node, f, None), list)]
+
+
+def _stmt_divisions(facts: Facts, stmt: ast.stmt, name: str) -> list[ast.AST]:
+    if isinstance(stmt, ast.AugAssign) and isinstance(stmt.op, ast.Div) and ref(stmt.target) == name \
+            and mentions(stmt.value, _is_accum_word):
+        return [stmt]
+    if isinstance(stmt, ast.Assign) and any(ref(t) == name for t in stmt.targets):
+        out = list(_divisions(stmt.value))
+        for c in ast.walk(stmt.value):  # loss = compute_loss(...) that already divides
+            if isinstance(c, ast.Call) and isinstance(c.func, ast.Name) and _returns_divided(facts, c.func.id):
+                out.append(c)
+        return out
+    if isinstance(stmt, (ast.With, ast.AsyncWith, ast.Try)):  # runs unconditionally
+        return [d for s in stmt.body for d in _stmt_divisions(facts, s, name)]
+    return []
+
+
+@rule("accumulation-without-no-sync", ("P-DDP-5",), WARNING,
+      "gradient accumulation without no_sync",
+      """DDP all-reduces gradients on every backward. With accumulation, only the last
+      micro-step before optimizer.step() needs it: wrap the other micro-steps in
+      `with model.no_sync():` to skip (accum_steps - 1) of every accum_steps all-reduces.""")
+def accumulation_without_no_sync(facts: Facts):
+    if not any(w.kind in ("ddp", "fsdp1") for w in facts.wraps):
+        return
+    text_names = {n.attr for n in facts.nodes if isinstance(n, ast.Attribute)}
+    if text_names & {"no_sync", "require_backward_grad_sync", "set_requires_gradient_sync"}:
+        return
+    for step in facts.method_calls("step"):
+        if not mentions(step.func, lambda w: "optim" in w.lower() or w == "opt"):
+            continue
+        for a in facts.ancestors(step):
+            if isinstance(a, ast.If) and (mentions(a.test, _is_accum_word) or any(
+                    isinstance(n, ast.BinOp) and isinstance(n.op, ast.Mod) for n in ast.walk(a.test))):
+                yield finding(facts, step, "accumulation-without-no-sync",
+                              "gradients are accumulated over micro-steps, but DDP still "
+                              "all-reduces on every backward.",
+                              "run the non-final micro-steps under `with model.no_sync():`.")
+                return
+            if isinstance(a, (ast.FunctionDef, ast.AsyncFunctionDef)):
+                break
+
+
+_SYNC_WORDS = ("inf", "found", "overflow", "finite", "nan", "skip")
+
+
+@rule("gradscaler-unsynced", ("P-DDP-7",), ERROR,
+      "fp16 GradScaler in a multi-rank loop without a synced skip",
+      """With fp16 GradScaler, every rank must skip the same steps. DDP guarantees it (the
+      gradients are all-reduced before unscale, so all ranks see the same inf/nan). With
+      FSDP1 (each rank holds a different shard) or a hand-written loop (no DDP), a plain
+      GradScaler only sees its own gradients: one rank skips, the others step, and the
+      replicas diverge silently. Use ShardedGradScaler for FSDP, or all-reduce the
+      found-inf flag (MAX) before deciding to step.""")
+def gradscaler_unsynced(facts: Facts):
+    if not facts.distributed:
+        return
+    kinds = {w.kind for w in facts.wraps}
+    if ("ddp" in kinds and "fsdp1" not in kinds) or kinds & {"fsdp2", "disttrain"}:
+        return  # DDP syncs gradients before unscale; FSDP2 and disttrain.wrap are not judged
+    if facts.calls_to("ShardedGradScaler"):
+        return
+    for call in facts.calls_to("all_reduce", "all_reduce_coalesced"):
+        if any(mentions(a, lambda w: any(s in w.lower() for s in _SYNC_WORDS)) for a in call.args):
+            return  # the found-inf flag is already agreed across ranks
+    for call in facts.calls_to("GradScaler"):
+        if is_const(kwarg(call, "enabled"), False):
+            continue
+        where = "FSDP shards" if "fsdp1" in kinds else "a loop without DDP"
+        yield finding(facts, call, "gradscaler-unsynced",
+                      f"GradScaler with {where}: each rank checks only its own gradients for "
+                      "inf/nan, so ranks can disagree on skipping a step and diverge silently.",
+                      "use torch.distributed.fsdp.sharded_grad_scaler.ShardedGradScaler (FSDP), or "
+                      "all_reduce the found-inf flag with ReduceOp.MAX before scaler.step(); or use "
+                      "bf16 autocast, which needs no scaler.")
+
+
+@rule("fsdp1-clip-grad", ("P-LOOP-5",), ERROR,
+      "torch.nn.utils.clip_grad_norm_ on an FSDP1 module",
+      """Under FullyShardedDataParallel (FSDP1) each rank holds a shard of every gradient,
+      so torch.nn.utils.clip_grad_norm_ computes a different, local norm on each rank
+      and clips each shard by a different factor. Call the wrapped module's own
+      `model.clip_grad_norm_(max_norm)`, which all-reduces the total norm.""")
+def fsdp1_clip_grad(facts: Facts):
+    fsdp = [w for w in facts.wraps if w.kind == "fsdp1"]
+    if not fsdp:
+        return
+    name = fsdp[0].target or "model"
+    for call in facts.calls_to("torch.nn.utils.clip_grad_norm_", "torch.nn.utils.clip_grad.clip_grad_norm_"):
+        yield finding(facts, call, "fsdp1-clip-grad",
+                      "torch.nn.utils.clip_grad_norm_ on FSDP-sharded gradients clips each rank's "
+                      "shard by its own local norm, not the global one.",
+                      f"call {name}.clip_grad_norm_(max_norm) on the FSDP module instead.")

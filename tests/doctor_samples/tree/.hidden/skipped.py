@@ -1,0 +1,2 @@
+import torch
+torch.load("x")

