@@ -227,3 +227,91 @@ def check_replicas(model: nn.Module, step: int) -> None:
         "). Under DDP every rank must apply the same update: look for rank-specific "
         "optimizer steps or parameter edits, an fp16 GradScaler whose skip is not agreed "
         "by all ranks (P-DDP-7), or non-deterministic kernels.")
+
+
+# ---------------------------------------------------------------- the run's guardrails
+
+
+class RunGuard:
+    """The default guardrails of one training run, as `disttrain train` uses them.
+
+    Made by `start_guard`. `check_model(model, optimizer)` after wrap and optimizer,
+    `first_batch(batch)` on every batch (it checks only the first), `step(n, model)`
+    after each optimizer step (watchdog heartbeat; replica check every
+    `divergence_every` steps), `phase(name)` around named parts, `close()` at the end.
+    With `enabled=False` every method is a no-op.
+    """
+
+    def __init__(self, cfg, watchdog=None):
+        self.cfg, self.watchdog = cfg, watchdog
+        self._batch_checked = not cfg.enabled
+
+    def check_model(self, model: nn.Module, optimizer: torch.optim.Optimizer | None = None) -> None:
+        """Same model structure on every rank; the stepped model is wrapped (collective)."""
+        if not self.cfg.enabled:
+            return
+        from disttrain.sanity import check_wrapped
+
+        check_consistency(model=model)
+        check_wrapped(model, optimizer, strict=self.cfg.strict)
+
+    def first_batch(self, batch: Any) -> None:
+        """On the first call only: warn when every rank drew the same batch (collective)."""
+        if self._batch_checked:
+            return
+        self._batch_checked = True
+        from disttrain.sanity import check_first_batch
+
+        check_first_batch(batch, strict=self.cfg.strict)
+
+    def step(self, n: int, model: nn.Module) -> None:
+        """After optimizer step `n`: heartbeat, and every K steps the replica checksum."""
+        if self.watchdog is not None:
+            self.watchdog.step(n)
+        k = self.cfg.divergence_every
+        if self.cfg.enabled and k and n % k == 0:
+            check_replicas(model, n)
+
+    def phase(self, name: str):
+        """`with guard.phase("eval"):`; every rank must enter the same phases."""
+        import contextlib
+
+        return self.watchdog.phase(name) if self.watchdog is not None else contextlib.nullcontext()
+
+    def close(self) -> None:
+        """Stop the watchdog (call before work that is not a training step). Idempotent."""
+        if self.watchdog is not None:
+            self.watchdog.stop()
+
+
+def start_guard(cfg=None, *, config: Any = None, timeout_s: float | None = None, **fields: Any) -> RunGuard:
+    """Run the start-of-run checks and start the hang watchdog; return a `RunGuard`.
+
+    `cfg` is a `GuardConfig` (defaults when None). A collective: every rank calls it
+    once after `init()` and before `wrap()`, with the same `fields` (for example
+    accum_steps, dataset_len, strategy). Raises `DistributedMismatchError` (ranks
+    differ) or `NotDistributedError` (fewer processes than asked for) on every rank;
+    warns for oversubscribed CPU threads. The watchdog's cap stays below the
+    collective timeout `timeout_s`, so the guard reports before torch times out.
+    """
+    import atexit
+
+    from disttrain.config import GuardConfig
+    from disttrain.sanity import check_threads, check_world_size
+
+    cfg = cfg or GuardConfig()
+    if not cfg.enabled:
+        return RunGuard(cfg)
+    check_world_size(strict=cfg.strict)
+    check_threads(strict=cfg.strict)
+    check_consistency(config=config, **fields)
+    watchdog = None
+    if dist.is_initialized() and dist.get_world_size() > 1:
+        from disttrain.watchdog import Watchdog
+
+        cap = min(cfg.hang_cap_s, 0.9 * timeout_s) if timeout_s else cfg.hang_cap_s
+        watchdog = Watchdog(dir=cfg.dir or None, hang_factor=cfg.hang_factor,
+                            hang_min_s=min(cfg.hang_min_s, cap), hang_cap_s=cap,
+                            tick_s=cfg.tick_s).start()
+        atexit.register(watchdog.stop)
+    return RunGuard(cfg, watchdog)

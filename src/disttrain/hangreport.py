@@ -21,21 +21,27 @@ _SIGNALS = {"T": "stopped (SIGSTOP or a debugger)", "t": "stopped by a tracer", 
             "D": "in uninterruptible I/O"}
 
 
-def _skipped(beats: list[dict]) -> list[tuple[int, str, int]]:
-    """(rank, phase, step) for each phase a rank moved past without entering."""
+def _skipped(beats: list[dict]) -> list[tuple[int, str, int | None]]:
+    """(rank, phase, step or None) for each phase a rank moved past without entering.
+
+    A rank skipped phase P when another rank entered P more often, and this rank is
+    already past the step of that rank's last entry of P (so it is not merely behind).
+    The step is named when the kept history still covers it.
+    """
     found = []
-    phases = set().union(*(b.get("history", {}) for b in beats))
-    for phase in sorted(phases):
-        entered = {b["rank"]: set(b.get("history", {}).get(phase, [])) for b in beats}
+    phases = sorted(set().union(*(b.get("counts", {}) for b in beats)))
+    for phase in phases:
         for b in beats:
-            mine = entered[b["rank"]]
-            # History keeps the last few entries: judge only steps it still covers.
-            oldest = min(mine) if mine else None
-            others = set().union(*(s for r, s in entered.items() if r != b["rank"]))
-            missing = sorted(s for s in others if s < b["step"] and s not in mine
-                             and (oldest is None or s > oldest))
-            if missing:
-                found.append((b["rank"], phase, missing[0]))
+            mine = b.get("counts", {}).get(phase, 0)
+            ahead = [o for o in beats if o is not b and o.get("counts", {}).get(phase, 0) > mine
+                     and o.get("history", {}).get(phase) and b["step"] > o["history"][phase][-1]]
+            if not ahead:
+                continue
+            kept = set(b.get("history", {}).get(phase, []))
+            oldest = min(kept) if kept else -1
+            others = set().union(*(o["history"][phase] for o in ahead))
+            missing = sorted(s for s in others if s > oldest and s not in kept and s < b["step"])
+            found.append((b["rank"], phase, missing[0] if missing else None))
     return found
 
 
@@ -52,7 +58,8 @@ def diagnose(beats: list[dict], now: float, stale_after: float) -> tuple[str, li
     skipped = _skipped(beats)
     if skipped:
         ranks = sorted({r for r, _, _ in skipped})
-        parts = [f"rank {r} skipped phase {p!r} at step {s}" for r, p, s in skipped]
+        parts = [f"rank {r} skipped phase {p!r} " + (f"at step {s}" if s is not None else
+                 "(before the steps its history keeps)") for r, p, s in skipped]
         return ("; ".join(parts) + " while the other ranks entered it: a rank-specific branch "
                 "around a collective leaves the others waiting (or pairs mismatched "
                 "collectives)."), ranks
@@ -87,10 +94,18 @@ def where_in_stack(stack: str) -> str:
         is_main = ("MainThread" in line) or line.startswith("Current thread") or \
             (line.startswith("Thread 0x") and "most recent call first" in line)
         if is_main:
+            frames = []
             for frame in lines[i + 1:]:
                 frame = frame.strip()
-                if frame:
-                    return frame.removeprefix("File ")
+                if not frame or frame.startswith("Thread"):
+                    break
+                frames.append(frame.removeprefix("File "))
+            if not frames:
+                return ""
+            # The innermost frame is usually torch's; the first frame outside torch is
+            # the caller that matters (the user's or disttrain's line).
+            own = next((f for f in frames if "torch/" not in f and "site-packages" not in f), "")
+            return frames[0] + (f", called from {own}" if own and own != frames[0] else "")
     return ""
 
 

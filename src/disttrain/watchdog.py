@@ -84,6 +84,9 @@ class Watchdog:
         self.step_since = self.phase_since = time.monotonic()
         self.durations: deque[float] = deque(maxlen=101)
         self.history: dict[str, deque[int]] = {}
+        """phase -> the steps of its last entries (to name the step a rank skipped)."""
+        self.counts: dict[str, int] = {}
+        """phase -> entries since start (a skip older than the history still shows)."""
         self._stop = threading.Event()
         self._thread: threading.Thread | None = None
         self._stack_file = None
@@ -148,12 +151,14 @@ class Watchdog:
         now = time.monotonic()
         try:
             history = {k: list(v) for k, v in list(self.history.items())}
+            counts = dict(self.counts)
         except RuntimeError:  # the training thread added a phase meanwhile; next tick
-            history = {}
+            history, counts = {}, {}
         return {"rank": self.rank, "local_rank": self.local_rank, "pid": os.getpid(),
                 "host": self.host, "step": self.step_no, "phase": self.phase_name,
                 "step_elapsed": now - self.step_since, "phase_elapsed": now - self.phase_since,
-                "alive": time.time(), "state": state, "history": history, "bound": self.bound()}
+                "alive": time.time(), "state": state, "history": history, "counts": counts,
+                "bound": self.bound()}
 
     def _beat(self, state: str = "running") -> None:
         path = self.dir / f"hb{self.rank}.json"
@@ -250,8 +255,9 @@ class _Phase:
         wd.phase_name, wd.phase_since = self.name, time.monotonic()
         steps = wd.history.get(self.name)
         if steps is None:
-            steps = wd.history[self.name] = deque(maxlen=16)
+            steps = wd.history[self.name] = deque(maxlen=64)
         steps.append(wd.step_no)
+        wd.counts[self.name] = wd.counts.get(self.name, 0) + 1
 
     def __exit__(self, *exc) -> None:
         self.wd.phase_name = self.prev

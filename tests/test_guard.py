@@ -1,0 +1,156 @@
+"""Runtime guardrails on real gloo ranks under torchrun (P-DEBUG-1,2,3, P-DATA-1).
+
+Every multi-process case runs under a subprocess timeout, and the hang cases must end
+well inside it: the watchdog's test bound is 3 s, far below the 90 s collective timeout.
+"""
+
+import subprocess
+import sys
+import time
+
+import pytest
+
+from conftest import WORKERS, launch_worker, worker_env
+from disttrain import launch
+from disttrain.config import load_config
+from disttrain.errors import ConfigError
+from disttrain.hangreport import diagnose
+from disttrain.watchdog import HANG_EXIT_CODE
+
+HANG_TIMEOUT = 100  # seconds for a whole hang job: start-up on a loaded 2-core host dominates
+
+
+@pytest.fixture(scope="module")
+def checks(tmp_path_factory):
+    return launch_worker("guard_checks.py", 2, tmp_path_factory.mktemp("guard"), timeout=150)
+
+
+def test_rank_with_different_config_is_named_on_every_rank_P_DEBUG_3(checks):
+    for res in checks:
+        msg = res["config"]
+        assert msg.startswith("DistributedMismatchError") and "rank(s) 1 differ" in msg
+        assert "optim.lr: rank 0=0.001, rank 1=0.5" in msg
+    assert all(res["same"] is None for res in checks)
+
+
+def test_rank_with_different_model_is_named_on_every_rank_P_DEBUG_3(checks):
+    for res in checks:
+        msg = res["model"]
+        assert "model_structure" in msg and "rank(s) 1 differ" in msg
+        assert "rank 0=fc1.weight:(32, 16):float32, rank 1=fc1.weight:(64, 16):float32" in msg
+
+
+def test_other_fingerprint_fields_are_compared(checks):
+    for res in checks:
+        assert "dataset_len: rank 0=1000, rank 1=999" in res["field"]
+
+
+def test_replica_divergence_names_step_and_parameter(checks):
+    for res in checks:
+        assert res["replicas_ok"] is None
+        msg = res["replicas_diverged"]
+        assert "by step 3" in msg and "'fc1.bias'" in msg and "rank(s) [1]" in msg
+
+
+def test_unwrapped_model_at_world_2_warns(checks):
+    for res in checks:
+        assert "not wrapped by any strategy" in res["unwrapped"]
+        assert res["wrapped"] is None
+
+
+def test_optimizer_over_another_copy_is_an_error(checks):
+    for res in checks:
+        assert res["optimizer_other_copy"].startswith("NotDistributedError")
+
+
+def test_same_first_batch_on_every_rank_warns_P_DATA_1(checks):
+    for res in checks:
+        assert "drew the same first batch" in res["same_batch"]
+        assert res["own_batch"] is None
+        assert res["strict_same_batch"].startswith("NotDistributedError")
+
+
+def test_threads_times_ranks_over_cores_warns(checks):
+    for res in checks:
+        assert "CPU oversubscribed" in res["threads"] and res["threads_ok"] is None
+
+
+def test_fewer_processes_than_asked_is_an_error(checks, tmp_path):
+    for res in checks:
+        assert res["world_ok"] is None and "3 processes were asked for" in res["world_short"]
+    # The accelerate trap: one plain process while two were asked for (no torchrun env).
+    from disttrain import sanity
+
+    with pytest.MonkeyPatch.context() as mp:
+        for key in ("WORLD_SIZE", "RANK", "LOCAL_RANK"):
+            mp.delenv(key, raising=False)
+        mp.setenv("DISTTRAIN_EXPECTED_WORLD_SIZE", "2")
+        with pytest.raises(sanity.NotDistributedError,
+                           match="2 processes were asked for, but no torchrun environment"):
+            sanity.check_world_size()
+
+
+def _hang_job(tmp_path, mode):
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node=2",
+           str(WORKERS / "guard_hang.py"), str(tmp_path), mode]
+    t0 = time.monotonic()
+    proc = subprocess.run(cmd, capture_output=True, text=True, timeout=HANG_TIMEOUT, env=worker_env())
+    return proc, time.monotonic() - t0
+
+
+def test_stopped_rank_is_named_within_the_bound_P_DEBUG_1(tmp_path):
+    proc, wall = _hang_job(tmp_path, "sigstop")
+    out = proc.stdout + proc.stderr
+    assert proc.returncode != 0 and not list(tmp_path.glob("*.done")), out[-3000:]
+    assert f"exitcode  : {HANG_EXIT_CODE}" in out
+    assert out.count("disttrain guard: HANG detected") == 1, out[-3000:]
+    assert "Lagging rank(s): 1." in out and "rank 1 is stopped (SIGSTOP" in out
+    assert "guard_hang.py" in out  # the stopped rank's own frame, from its stack dump
+    report = (tmp_path / "guard" / "hang_report.txt").read_text()
+    assert "--- rank 0 stack ---" in report and "--- rank 1 stack ---" in report
+    assert wall < HANG_TIMEOUT
+
+
+def test_rank_that_skips_a_collective_is_named_P_DEBUG_1(tmp_path):
+    proc, wall = _hang_job(tmp_path, "skip")
+    out = proc.stdout + proc.stderr
+    assert proc.returncode != 0 and not list(tmp_path.glob("*.done")), out[-3000:]
+    assert "Lagging rank(s): 1." in out, out[-3000:]
+    assert "rank 1 skipped phase 'metrics' at step 10" in out
+
+
+def test_diagnose_rules_without_processes():
+    def beat(rank, step, phase, **kw):
+        return {"rank": rank, "step": step, "phase": phase, "alive": 100.0, "state": "running",
+                "history": {}, **kw}
+
+    verdict, lag = diagnose([beat(0, 5, "backward"), beat(1, 4, "data")], 101.0, stale_after=3)
+    assert lag == [1] and "behind at step 4" in verdict
+    verdict, lag = diagnose([beat(0, 5, "sync"), beat(1, 5, "sync"), beat(2, 5, "data")], 101.0, 3)
+    assert lag == [2]
+    verdict, lag = diagnose([beat(0, 5, "sync"), beat(1, 5, "sync")], 101.0, 3)
+    assert lag == [] and "communication problem" in verdict
+    verdict, lag = diagnose([beat(0, 5, "sync"), beat(1, 5, "sync", alive=90.0)], 101.0, 3)
+    assert lag == [1] and "not responding" in verdict
+
+
+def test_run_debug_sets_backend_switches_P_DEBUG_2(monkeypatch):
+    script = str(WORKERS / "hello.py")
+    monkeypatch.setattr(launch, "visible_gpus", lambda: 0)
+    args, env = launch.build_torchrun_args(["--debug", "--nproc", "2", script])
+    assert "--debug" not in args
+    assert env["TORCH_DISTRIBUTED_DEBUG"] == "DETAIL" and env["TORCH_CPP_LOG_LEVEL"] == "INFO"
+    assert env["DISTTRAIN_EXPECTED_WORLD_SIZE"] == "2"
+    monkeypatch.setattr(launch, "visible_gpus", lambda: 2)  # mocked: no GPU on this machine
+    _, env = launch.build_torchrun_args(["--debug", "--nproc", "2", script])
+    assert env["NCCL_DEBUG"] == "INFO" and env["NCCL_DEBUG_SUBSYS"] == "INIT,COLL"
+    assert env["TORCH_NCCL_ASYNC_ERROR_HANDLING"] == "1"
+    _, env = launch.build_torchrun_args(["--nproc", "2", script])
+    assert "TORCH_DISTRIBUTED_DEBUG" not in env
+
+
+def test_guard_config_section_is_validated():
+    cfg = load_config(None, ["--guard.divergence_every=10", "--guard.hang_cap_s=120"])
+    assert cfg.guard.divergence_every == 10 and cfg.guard.enabled
+    with pytest.raises(ConfigError, match="hang_factor"):
+        load_config(None, ["--guard.hang_factor=0.5"])
