@@ -15,11 +15,14 @@ from disttrain.checkpoint import (Checkpointer, TrainState, atomic_torch_save, l
                                   save, save_model)
 from disttrain.data import DistributedSampler
 from disttrain.errors import ConfigError, DistributedMismatchError, UserError
+from disttrain.guard import check_consistency, check_replicas, start_guard
 from disttrain.loop import Accumulator, clip_grad_norm, no_sync, warmup_cosine
 from disttrain.metrics import JsonlWriter, MeanTracker, global_mean, global_sum, print_main
 from disttrain.parallel import Layout, join, make_optimizer, unwrap, wrap
 from disttrain.precision import AgreedGradScaler, autocast, make_grad_scaler
 from disttrain.runtime import RankInfo, barrier, distributed, init, rank_info, shutdown
+from disttrain.sanity import NotDistributedError, NotDistributedWarning
+from disttrain.watchdog import Watchdog
 
 __all__ = [
     "Accumulator", "Checkpointer", "AgreedGradScaler", "Layout", "autocast", "join", "make_grad_scaler",
@@ -28,3 +31,4 @@ __all__ = [
     "distributed", "global_mean", "global_sum", "init", "load", "load_model", "no_sync", "print_main",
     "rank_info", "save", "save_model", "shutdown", "unwrap", "warmup_cosine", "wrap",
 ]
+__all__ += ["NotDistributedError", "NotDistributedWarning", "Watchdog", "check_consistency", "check_replicas", "start_guard"]  # guardrails (P-DEBUG-1,3)
