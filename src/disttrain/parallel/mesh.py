@@ -18,11 +18,17 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+import torch.distributed as dist
 from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
 
 from disttrain.errors import ConfigError
 
 REPLICATE, SHARD = "replicate", "shard"
+
+# Meshes already built in this process group, so that wrapping several models (tests,
+# evaluation copies) reuses their sub-groups instead of creating new ones each time.
+# The key holds the default group object itself: a new process group never matches.
+_meshes: dict[tuple, DeviceMesh] = {}
 
 
 @dataclass(frozen=True)
@@ -72,10 +78,18 @@ class Layout:
     def build_mesh(self) -> DeviceMesh:
         """A 1D mesh ('shard',) when there is one replica, else 2D ('replicate', 'shard').
 
-        A collective: every rank must call it in the same order. Needs a started
-        process group.
+        A collective the first time for a given grid (every rank calls it in the same
+        order); later calls in the same process group return the same mesh. Needs a
+        started process group.
         """
-        if self.replicate == 1:
-            return init_device_mesh(self.device_type, (self.shard,), mesh_dim_names=(SHARD,))
-        return init_device_mesh(self.device_type, (self.replicate, self.shard),
-                                mesh_dim_names=(REPLICATE, SHARD))
+        world = dist.group.WORLD
+        key = (world, self.device_type, self.replicate, self.shard)
+        if key not in _meshes:
+            if len(_meshes) > 8:  # a long-lived process that re-created its group
+                _meshes.clear()
+            if self.replicate == 1:
+                _meshes[key] = init_device_mesh(self.device_type, (self.shard,), mesh_dim_names=(SHARD,))
+            else:
+                _meshes[key] = init_device_mesh(self.device_type, (self.replicate, self.shard),
+                                                mesh_dim_names=(REPLICATE, SHARD))
+        return _meshes[key]
