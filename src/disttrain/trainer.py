@@ -21,6 +21,7 @@ from disttrain import runtime
 from disttrain.checkpoint import save_model
 from disttrain.config import Config, load_config, to_dict
 from disttrain.data import ChunkDataset, DistributedSampler, load_stdlib_corpus
+from disttrain.guard import start_guard
 from disttrain.loop import Accumulator, warmup_cosine
 from disttrain.metrics import JsonlWriter, MeanTracker, global_mean
 from disttrain.models import GPT
@@ -70,8 +71,11 @@ def train(cfg: Config) -> dict:
         corpus = load_stdlib_corpus(cfg.data.max_bytes, cfg.data.heldout_fraction)
         train_set = ChunkDataset(corpus.train, cfg.model.block_size)
         heldout_set = ChunkDataset(corpus.heldout, cfg.model.block_size)
+        # Fingerprint, launch checks and hang watchdog, before wrap (P-DEBUG-1,3).
+        guard = start_guard(cfg.guard, config=cfg, timeout_s=p.timeout_s, dataset_len=len(train_set))
         model = wrap(GPT(cfg.model), p, precision=t.precision)  # bf16/fp16 (P-DDP-7, P-FSDP-5)
         optimizer = build_optimizer(model, cfg)  # after wrap (P-DDP-3)
+        guard.check_model(model, optimizer)
         scheduler = warmup_cosine(optimizer, total_steps=t.steps, warmup_steps=cfg.optim.warmup_steps,
                                   min_lr_ratio=cfg.optim.min_lr_ratio)
         acc = Accumulator(model, optimizer, t.accum_steps, scheduler=scheduler,
@@ -87,6 +91,7 @@ def train(cfg: Config) -> dict:
         t_window, last_logged = time.perf_counter(), 0
         while acc.optimizer_steps < t.steps:
             for x, y in loader:  # each pass is a new epoch: the sampler advances itself
+                guard.first_batch(x)
                 with acc.micro_step():
                     _, loss = model(x.to(info.device), y.to(info.device))
                     acc.backward(loss)
@@ -94,6 +99,7 @@ def train(cfg: Config) -> dict:
                 if not acc.stepped:
                     continue
                 step = acc.optimizer_steps
+                guard.step(step, model)
                 if step % t.log_every == 0 or step == t.steps:
                     train_loss = window.compute()
                     now = time.perf_counter()
@@ -110,6 +116,7 @@ def train(cfg: Config) -> dict:
                 if step >= t.steps:
                     break
         progress.close()
+        guard.close()
         ckpt = save_model(model, out / "model.pt")
         summary = {
             "steps": acc.optimizer_steps, "world_size": info.world_size, "strategy": p.strategy,
