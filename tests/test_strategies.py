@@ -85,7 +85,7 @@ def test_wrap_plan_that_splits_tied_weights_is_refused(ranks):
 
 def test_bf16_tracks_fp32_losses_P_DDP_7_P_FSDP_5(ranks):
     for res in _two(ranks):
-        for strategy in ("ddp", "fsdp"):
+        for strategy in ("ddp", "fsdp", "fsdp1"):
             assert res[f"fp32/{strategy}"] <= 1e-5
             assert res[f"bf16/{strategy}"] <= BF16_LOSS_TOL, strategy
 

@@ -145,7 +145,7 @@ def options_group(results: dict) -> None:
 
 
 def precision_group(results: dict) -> None:
-    for strategy in ("ddp", "fsdp"):
+    for strategy in ("ddp", "fsdp", "fsdp1"):
         _, _, fp32 = train("gpt", strategy, "full")
         _, _, bf16 = train("gpt", strategy, "full", precision="bf16")
         results[f"bf16/{strategy}"] = max(abs(a - b) for a, b in zip(bf16["losses"], fp32["ref_losses"]))
