@@ -242,6 +242,21 @@ with dt.distributed(seed=0) as info:
     if info.is_main:
         dt.atomic_torch_save({"model": dt.unwrap(model).state_dict()}, "c.pt")
 """,
+    "unwrap chosen by hasattr(model, 'module')": PRE + """
+model = DDP(nn.Linear(2, 2).cuda(), device_ids=[local_rank])
+if rank == 0:
+    sd = model.module.state_dict() if hasattr(model, "module") else model.state_dict()
+    torch.save(sd, "w.tmp")
+    os.replace("w.tmp", "w.pt")
+""",
+    "indexed devices and a process group bound with device_id": """
+import os, datetime, torch
+import torch.distributed as dist
+local_rank = int(os.environ["LOCAL_RANK"])
+device = torch.device(f"cuda:{local_rank}")
+dist.init_process_group("nccl", timeout=datetime.timedelta(minutes=5), device_id=device)
+x = torch.zeros(1, device=device)
+""",
     "loss divided once in each branch": PRE + """
 accum_steps = 4
 for i, x in enumerate(data):
@@ -308,6 +323,25 @@ def test_bad_sample_findings_and_json(capsys):
     assert by_rule["optimizer-before-wrap"]["column"] == 17
     s = doc["summary"]
     assert (s["files"], s["findings"], s["errors"] + s["warnings"]) == (1, 14, 14)
+
+
+def test_disttrain_api_misuse_is_caught():
+    src = """
+import torch
+import disttrain as dt
+with dt.distributed(seed=0) as info:
+    model = torch.nn.Linear(2, 2)
+    optimizer = torch.optim.AdamW(model.parameters())
+    model = dt.wrap(model)
+    acc = dt.Accumulator(model, optimizer, accum_steps=4)
+    for x in data:
+        with acc.micro_step():
+            loss = model(x).sum() / 4 / acc.accum_steps
+            acc.backward(loss)
+"""
+    found = {f.rule: f for f in analyze_source("s.py", src)}
+    assert set(found) == {"optimizer-before-wrap", "loss-divided-twice"}
+    assert found["optimizer-before-wrap"].severity == "error"
 
 
 def test_fsdp_optimizer_before_wrap_is_an_error():

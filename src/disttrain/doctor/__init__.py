@@ -58,9 +58,7 @@ def main(argv: list[str]) -> int:
     if args.format == "json":
         text = report.render_json(files, findings)
     elif args.format == "sarif":
-        from disttrain.doctor.sarif import render_sarif
-
-        text = render_sarif(files, findings)
+        text = report.render_sarif(files, findings)
     else:
         text = None
     if args.output:

@@ -1,8 +1,16 @@
-"""Human and JSON renderings of the findings (SARIF lives in `sarif.py`).
+"""The three renderings of the findings: text for people, JSON, and SARIF 2.1.0.
 
-Contract: `render_json` returns a stable document, `{"version": 1, "files": [...],
-"findings": [...], "summary": {...}}`, with 1-based line/column; `print_text` writes a
-readable report grouped by file to a stream (rich styling only when it is a terminal).
+Contracts:
+- `print_text` writes a readable report grouped by file (rich styling only when the
+  stream is a terminal), ending with a one-line summary.
+- `render_json` returns a stable document, `{"version": 1, "files": [...],
+  "findings": [...], "summary": {...}}`, with 1-based line/column.
+- `render_sarif` returns a document valid against the official SARIF 2.1.0 schema
+  (tests validate it), for CI code scanning (GitHub's upload-sarif). The run lists every
+  rule with its help text and practice IDs, even those without results; each result
+  points at its rule by `ruleId` and `ruleIndex`. Artifact URIs are relative (POSIX,
+  against %SRCROOT% = the working directory) when the file lies under it, so code
+  scanning matches them to the repository; absolute `file://` URIs otherwise.
 """
 
 from __future__ import annotations
@@ -69,3 +77,88 @@ def print_rules(stream: TextIO) -> None:
     """The rule catalogue: id, severity, practices, title and help."""
     for r in RULES.values():
         stream.write(f"{r.id}  ({r.severity}; {', '.join(r.practices)})\n  {r.title}\n  {r.help}\n\n")
+
+
+# ----- SARIF 2.1.0 ------------------------------------------------------------------
+
+SCHEMA_URI = "https://json.schemastore.org/sarif-2.1.0.json"
+_LEVEL = {ERROR: "error", WARNING: "warning"}
+
+
+def _version() -> str:
+    try:
+        from importlib.metadata import version
+
+        return version("disttrain")
+    except Exception:  # not installed (running from a source tree)
+        return "0.0.0"
+
+
+def _uri(file: str) -> tuple[str, bool]:
+    """(uri, relative?) for a file path as given on the command line."""
+    p = Path(file)
+    try:
+        return p.resolve().relative_to(Path.cwd().resolve()).as_posix(), True
+    except ValueError:
+        return p.resolve().as_uri(), False
+
+
+def _rule_descriptor(r) -> dict:
+    practices = ", ".join(r.practices)
+    return {
+        "id": r.id,
+        "name": "".join(w.capitalize() for w in r.id.split("-")),
+        "shortDescription": {"text": r.title},
+        "fullDescription": {"text": r.help},
+        "help": {
+            "text": f"{r.help} (practices: {practices})",
+            "markdown": f"**{r.title}** ({practices})\n\n{r.help}\n\n"
+                        f"Silence one occurrence with `# disttrain: ignore[{r.id}]`.",
+        },
+        "defaultConfiguration": {"level": _LEVEL[r.severity]},
+        "properties": {"tags": ["distributed-training", *r.practices],
+                       "practices": list(r.practices)},
+    }
+
+
+def render_sarif(files: list[Path], findings: list[Finding]) -> str:
+    rules = list(RULES.values())
+    index = {r.id: i for i, r in enumerate(rules)}
+    results = []
+    for f in findings:
+        uri, relative = _uri(f.file)
+        location = {"artifactLocation": {"uri": uri}, "region": {
+            "startLine": f.line, "startColumn": f.column,
+            **({"endLine": f.end_line} if f.end_line >= f.line else {})}}
+        if relative:
+            location["artifactLocation"]["uriBaseId"] = "%SRCROOT%"
+        results.append({
+            "ruleId": f.rule,
+            "ruleIndex": index[f.rule],
+            "level": _LEVEL[f.severity],
+            "message": {"text": f"{f.message} Fix: {f.fix}"},
+            "locations": [{"physicalLocation": location}],
+            "properties": {"practices": list(f.practices), "fix": f.fix},
+        })
+    artifacts = []
+    for p in files:
+        uri, relative = _uri(str(p))
+        loc = {"uri": uri, **({"uriBaseId": "%SRCROOT%"} if relative else {})}
+        artifacts.append({"location": loc, "sourceLanguage": "python"})
+    doc = {
+        "$schema": SCHEMA_URI,
+        "version": "2.1.0",
+        "runs": [{
+            "tool": {"driver": {
+                "name": "disttrain-doctor",
+                "fullName": "disttrain doctor: distributed-training pitfalls",
+                "version": _version(),
+                "rules": [_rule_descriptor(r) for r in rules],
+            }},
+            "originalUriBaseIds": {"%SRCROOT%": {"uri": Path.cwd().resolve().as_uri() + "/"}},
+            "artifacts": artifacts,
+            "results": results,
+            "columnKind": "unicodeCodePoints",
+        }],
+    }
+    return json.dumps(doc, indent=2) + "\n"

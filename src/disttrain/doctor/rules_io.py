@@ -149,6 +149,8 @@ def ddp_state_dict_prefix(facts: Facts):
                         and n.func.attr == "state_dict"):
                     continue
                 owner = base_ref(n.func.value) if isinstance(n.func.value, ast.Call) else ref(n.func.value)
+                if _unwrap_branch(facts, n, save):
+                    continue  # `m.module.state_dict() if hasattr(m, "module") else m.state_dict()`
                 for w in wrapped:
                     if owner == w.target and facts.scope_of(n) is w.scope and n.lineno > w.call.lineno:
                         yield finding(facts, n, "ddp-state-dict-prefix",
@@ -156,6 +158,17 @@ def ddp_state_dict_prefix(facts: Facts):
                                       f"wrapper (line {w.call.lineno}): its state_dict keys all start "
                                       "with `module.`.",
                                       f"save {owner}.module.state_dict() instead.")
+
+
+def _unwrap_branch(facts: Facts, node: ast.AST, stop: ast.AST) -> bool:
+    """True when `node` sits in a branch chosen by a test about `.module` (unwrapping)."""
+    for a in facts.ancestors(node):
+        if a is stop or isinstance(a, (ast.FunctionDef, ast.AsyncFunctionDef, ast.Module)):
+            return False
+        if isinstance(a, (ast.If, ast.IfExp)) and (
+                mentions(a.test, lambda w: w == "module") or "module" in ast.unparse(a.test)):
+            return True
+    return False
 
 
 def _assigned_values(facts: Facts, obj: ast.AST, before: ast.AST) -> list[ast.AST]:

@@ -104,7 +104,11 @@ def missing_set_device(facts: Facts):
     if not uses:
         return
     if not binds:
-        node, _ = uses[0]
+        unindexed = [u for u in uses if u[1]]
+        pg_bound = any(kwarg(c, "device_id") is not None for c in facts.calls_to("init_process_group"))
+        if pg_bound and not unindexed:
+            return  # every use names its device, and the group is bound by device_id=
+        node, _ = (unindexed or uses)[0]
         yield finding(facts, node, "missing-set-device",
                       "CUDA is used under torchrun but the script never binds a device: every "
                       "rank defaults to cuda:0.",

@@ -40,13 +40,18 @@ def _returns_divided(facts: Facts, name: str) -> bool:
       `loss /= accum` then `(loss / accum).backward()`) shrinks every gradient by that
       factor again: an effective learning rate accum_steps times too small.""")
 def loss_divided_twice(facts: Facts):
+    accumulators = _accumulator_names(facts)
     for bw in facts.method_calls("backward"):
-        target = bw.func.value  # type: ignore[attr-defined]
+        receiver = bw.func.value  # type: ignore[attr-defined]
+        # accelerator.backward(loss) / acc.backward(loss) / loss.backward()
+        target = bw.args[0] if bw.args else receiver
         # scaler.scale(loss).backward()
         if isinstance(target, ast.Call) and isinstance(target.func, ast.Attribute) and \
                 target.func.attr == "scale" and target.args:
             target = target.args[0]
         sites = list(_divisions(target))
+        if bw.args and ref(receiver) in accumulators:
+            sites.append(bw)  # disttrain's Accumulator.backward divides by accum_steps itself
         name = _loss_name(target)
         if name:
             sites += _assign_divisions(facts, bw, name)
@@ -56,6 +61,16 @@ def loss_divided_twice(facts: Facts):
                           f"the loss is divided by the accumulation steps {len(sites)} times before "
                           "backward(): gradients end up accum_steps times too small.",
                           "divide exactly once, right before backward().")
+
+
+def _accumulator_names(facts: Facts) -> set[str]:
+    """Names bound to `disttrain.Accumulator(...)`, whose backward() divides the loss."""
+    out = set()
+    for call in facts.calls_to("disttrain.Accumulator", "disttrain.loop.Accumulator"):
+        parent = facts.parents.get(call)
+        if isinstance(parent, ast.Assign) and len(parent.targets) == 1 and ref(parent.targets[0]):
+            out.add(ref(parent.targets[0]))
+    return out
 
 
 def _loss_name(expr: ast.AST) -> str | None:
