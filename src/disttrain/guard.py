@@ -20,6 +20,7 @@ import dataclasses
 import hashlib
 import json
 from collections import Counter
+from pathlib import Path
 from typing import Any
 
 import torch
@@ -272,11 +273,12 @@ class RunGuard:
         if self.cfg.enabled and k and n % k == 0:
             check_replicas(model, n)
 
-    def phase(self, name: str):
-        """`with guard.phase("eval"):`; every rank must enter the same phases."""
+    def phase(self, name: str, slow: bool = False):
+        """`with guard.phase("eval", slow=True):`; every rank must enter the same phases.
+        `slow=True`: only the cap bounds it (evaluation, checkpoint saves)."""
         import contextlib
 
-        return self.watchdog.phase(name) if self.watchdog is not None else contextlib.nullcontext()
+        return self.watchdog.phase(name, slow) if self.watchdog is not None else contextlib.nullcontext()
 
     def close(self) -> None:
         """Stop the watchdog (call before work that is not a training step). Idempotent."""
@@ -307,10 +309,12 @@ def start_guard(cfg=None, *, config: Any = None, timeout_s: float | None = None,
     check_consistency(config=config, **fields)
     watchdog = None
     if dist.is_initialized() and dist.get_world_size() > 1:
-        from disttrain.watchdog import Watchdog
+        from disttrain.watchdog import Watchdog, job_key
 
         cap = min(cfg.hang_cap_s, 0.9 * timeout_s) if timeout_s else cfg.hang_cap_s
-        watchdog = Watchdog(dir=cfg.dir or None, hang_factor=cfg.hang_factor,
+        # A shared guard.dir gets one subdirectory per job attempt, so runs never mix.
+        side = Path(cfg.dir) / job_key() if cfg.dir else None
+        watchdog = Watchdog(dir=side, hang_factor=cfg.hang_factor,
                             hang_min_s=min(cfg.hang_min_s, cap), hang_cap_s=cap,
                             tick_s=cfg.tick_s).start()
         atexit.register(watchdog.stop)

@@ -109,7 +109,8 @@ def train(cfg: Config) -> dict:
                     record = {"step": step, "loss": train_loss, "lr": scheduler.get_last_lr()[0],
                               "tokens_per_s": tok_s}
                     if (t.eval_every and step % t.eval_every == 0) or step == t.steps:
-                        heldout_loss = evaluate(model, heldout_set, t.batch_size, t.eval_batches)
+                        with guard.phase("eval", slow=True):  # may outlast a step
+                            heldout_loss = evaluate(model, heldout_set, t.batch_size, t.eval_batches)
                         record["heldout_loss"] = heldout_loss
                     log.write(record)
                     progress.update(step, train_loss, heldout_loss, tok_s)

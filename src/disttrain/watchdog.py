@@ -40,11 +40,20 @@ HANG_EXIT_CODE = 124
 """Exit status of a rank that reported a hang (the `timeout` command's convention)."""
 
 
-def default_dir() -> Path:
-    """A directory unique to this job on this host (torchrun's run id and port)."""
+def job_key() -> str:
+    """Names one attempt of one job: torchrun's run id, port and restart count.
+
+    The restart count matters: an elastic restart keeps the run id, and a stale
+    'stall' file from the failed attempt must not stop the new one.
+    """
     job = os.environ.get("TORCHELASTIC_RUN_ID", "local")
     port = os.environ.get("MASTER_PORT", str(os.getppid()))
-    return Path(tempfile.gettempdir()) / f"disttrain-guard-{job}-{port}"
+    return f"{job}-{port}-r{os.environ.get('TORCHELASTIC_RESTART_COUNT', '0')}"
+
+
+def default_dir() -> Path:
+    """A directory unique to this attempt of this job on this host."""
+    return Path(tempfile.gettempdir()) / f"disttrain-guard-{job_key()}"
 
 
 def find_py_spy() -> str | None:
@@ -87,6 +96,8 @@ class Watchdog:
         """phase -> the steps of its last entries (to name the step a rank skipped)."""
         self.counts: dict[str, int] = {}
         """phase -> entries since start (a skip older than the history still shows)."""
+        self.slow = 0
+        """Depth of `phase(..., slow=True)`: inside, only the cap bounds the step."""
         self._stop = threading.Event()
         self._thread: threading.Thread | None = None
         self._stack_file = None
@@ -102,13 +113,19 @@ class Watchdog:
         self.step_no = self.step_no + 1 if n is None else n
         self.phase_name = "step"
 
-    def phase(self, name: str) -> "_Phase":
-        """`with wd.phase("backward"):` — where this rank is, for the summary."""
-        return _Phase(self, name)
+    def phase(self, name: str, slow: bool = False) -> "_Phase":
+        """`with wd.phase("backward"):` — where this rank is, for the summary.
+
+        Every rank must enter the same phases at the same steps (a phase that only some
+        ranks enter reads as a skipped collective). `slow=True` marks work that may
+        legitimately take much longer than a step (evaluation, a checkpoint save):
+        inside it only `hang_cap_s` applies.
+        """
+        return _Phase(self, name, slow)
 
     def bound(self) -> float:
         """Seconds a step may run before it counts as a hang."""
-        if len(self.durations) < self.warmup_steps:
+        if self.slow or len(self.durations) < self.warmup_steps:
             return self.hang_cap_s
         return min(self.hang_cap_s, max(self.hang_min_s, self.hang_factor * statistics.median(self.durations)))
 
@@ -244,13 +261,14 @@ class Watchdog:
 class _Phase:
     """A class, not a generator context manager: it runs on every step, so it is cheap."""
 
-    __slots__ = ("wd", "name", "prev")
+    __slots__ = ("wd", "name", "prev", "is_slow")
 
-    def __init__(self, wd: Watchdog, name: str):
-        self.wd, self.name = wd, name
+    def __init__(self, wd: Watchdog, name: str, slow: bool = False):
+        self.wd, self.name, self.is_slow = wd, name, slow
 
     def __enter__(self) -> None:
         wd = self.wd
+        wd.slow += self.is_slow
         self.prev = wd.phase_name
         wd.phase_name, wd.phase_since = self.name, time.monotonic()
         steps = wd.history.get(self.name)
@@ -261,6 +279,7 @@ class _Phase:
 
     def __exit__(self, *exc) -> None:
         self.wd.phase_name = self.prev
+        self.wd.slow -= self.is_slow
 
 
 def dump_stacks(beats: list[dict], dir: Path) -> dict[int, str]:
