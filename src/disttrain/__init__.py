@@ -7,28 +7,63 @@ torch.distributed parts. The public API is re-exported here; nothing else lives 
         optimizer = dt.make_optimizer(model, torch.optim.AdamW, lr=3e-4)  # after wrap
         acc = dt.Accumulator(model, optimizer, accum_steps=4)
         ...
+
+Names are imported lazily on first use, so `import disttrain` (and commands that do
+not train, such as `disttrain doctor`) does not pay for `import torch`.
 """
+
+from __future__ import annotations
+
+import importlib
+from typing import TYPE_CHECKING
 
 __version__ = "0.1.0"
 
-from disttrain.checkpoint import (Checkpointer, TrainState, atomic_torch_save, load, load_model,
-                                  save, save_model)
-from disttrain.data import DistributedSampler
-from disttrain.errors import ConfigError, DistributedMismatchError, UserError
-from disttrain.guard import check_consistency, check_replicas, start_guard
-from disttrain.loop import Accumulator, clip_grad_norm, no_sync, warmup_cosine
-from disttrain.metrics import JsonlWriter, MeanTracker, global_mean, global_sum, print_main
-from disttrain.parallel import Layout, join, make_optimizer, unwrap, wrap
-from disttrain.precision import AgreedGradScaler, autocast, make_grad_scaler
-from disttrain.runtime import RankInfo, barrier, distributed, init, rank_info, shutdown
-from disttrain.sanity import NotDistributedError, NotDistributedWarning
-from disttrain.watchdog import Watchdog
+# public name -> the module that defines it
+_EXPORTS = {
+    "disttrain.checkpoint": ["Checkpointer", "TrainState", "atomic_torch_save", "load", "load_model",
+                             "save", "save_model"],
+    "disttrain.data": ["DistributedSampler"],
+    "disttrain.errors": ["ConfigError", "DistributedMismatchError", "UserError"],
+    "disttrain.guard": ["check_consistency", "check_replicas", "start_guard"],
+    "disttrain.loop": ["Accumulator", "clip_grad_norm", "no_sync", "warmup_cosine"],
+    "disttrain.metrics": ["JsonlWriter", "MeanTracker", "global_mean", "global_sum", "print_main"],
+    "disttrain.parallel": ["Layout", "join", "make_optimizer", "unwrap", "wrap"],
+    "disttrain.precision": ["AgreedGradScaler", "autocast", "make_grad_scaler"],
+    "disttrain.runtime": ["RankInfo", "barrier", "distributed", "init", "rank_info", "shutdown"],
+    "disttrain.sampler": ["ElasticSampler"],
+    "disttrain.sanity": ["NotDistributedError", "NotDistributedWarning"],
+    "disttrain.watchdog": ["Watchdog"],
+}
+_WHERE = {name: module for module, names in _EXPORTS.items() for name in names}
+__all__ = sorted(_WHERE)
 
-__all__ = [
-    "Accumulator", "Checkpointer", "AgreedGradScaler", "Layout", "autocast", "join", "make_grad_scaler",
-    "make_optimizer", "ConfigError", "DistributedMismatchError", "DistributedSampler", "JsonlWriter",
-    "MeanTracker", "RankInfo", "TrainState", "UserError", "atomic_torch_save", "barrier", "clip_grad_norm",
-    "distributed", "global_mean", "global_sum", "init", "load", "load_model", "no_sync", "print_main",
-    "rank_info", "save", "save_model", "shutdown", "unwrap", "warmup_cosine", "wrap",
-]
-__all__ += ["NotDistributedError", "NotDistributedWarning", "Watchdog", "check_consistency", "check_replicas", "start_guard"]  # guardrails (P-DEBUG-1,3)
+
+def __getattr__(name: str):
+    module = _WHERE.get(name)
+    if module is None:
+        raise AttributeError(f"module 'disttrain' has no attribute {name!r}")
+    value = getattr(importlib.import_module(module), name)
+    globals()[name] = value  # cache: the next access is a plain global lookup
+    return value
+
+
+def __dir__() -> list[str]:
+    return sorted(set(globals()) | set(__all__))
+
+
+if TYPE_CHECKING:  # static tools see the real names
+    from disttrain.checkpoint import (Checkpointer, TrainState, atomic_torch_save, load,  # noqa: F401
+                                      load_model, save, save_model)
+    from disttrain.data import DistributedSampler  # noqa: F401
+    from disttrain.errors import ConfigError, DistributedMismatchError, UserError  # noqa: F401
+    from disttrain.guard import check_consistency, check_replicas, start_guard  # noqa: F401
+    from disttrain.loop import Accumulator, clip_grad_norm, no_sync, warmup_cosine  # noqa: F401
+    from disttrain.metrics import (JsonlWriter, MeanTracker, global_mean, global_sum,  # noqa: F401
+                                   print_main)
+    from disttrain.parallel import Layout, join, make_optimizer, unwrap, wrap  # noqa: F401
+    from disttrain.precision import AgreedGradScaler, autocast, make_grad_scaler  # noqa: F401
+    from disttrain.runtime import RankInfo, barrier, distributed, init, rank_info, shutdown  # noqa: F401
+    from disttrain.sampler import ElasticSampler  # noqa: F401
+    from disttrain.sanity import NotDistributedError, NotDistributedWarning  # noqa: F401
+    from disttrain.watchdog import Watchdog  # noqa: F401
