@@ -55,6 +55,14 @@ def test_flags_pass_through_and_standalone_only_for_one_node():
                                             "3", SCRIPT, "--lr", "1"])
     assert "--standalone" not in args
     assert args[-3:] == [SCRIPT, "--lr", "1"] and "--max-restarts" in args
+    conf = args[args.index("--rdzv-conf") + 1]
+    assert "last_call_timeout=2" in conf and "keep_alive_max_attempt=5" in conf
+    args, _ = launch.build_torchrun_args(["--nnodes", "1:2", "--rdzv-backend=etcd", "--rdzv-endpoint",
+                                          "127.0.0.1:2379", "--rdzv-conf", "last_call_timeout=7",
+                                          SCRIPT])
+    assert args[args.index("--rdzv-backend") + 1] == "etcd-v2"
+    conf = args[args.index("--rdzv-conf") + 1]
+    assert "last_call_timeout=7" in conf and "last_call_timeout=2" not in conf
     args, _ = launch.build_torchrun_args(["--nproc=3", SCRIPT])
     assert args[0] == "--standalone" and "--nproc-per-node=3" in args
     assert env["TORCH_DISABLE_SHARE_RDZV_TCP_STORE"] == "1"
