@@ -27,7 +27,8 @@ from disttrain.plan import advise, estimate, main, parse_bytes, scaled_lr, warmu
 from disttrain.plan import model_size
 
 WORKER = Path(__file__).resolve().parent / "plan_workers" / "measure.py"
-GPT_SPEC = "n_layer=2,n_embd=64,n_head=2,block_size=64"
+# vocab 250 and context 66 do not divide by 4: FSDP padding and uneven shards are exercised.
+GPT_SPEC = "vocab_size=250,block_size=66,n_layer=2,n_embd=64,n_head=2"
 TINY_GPT2 = {"model_type": "gpt2", "vocab_size": 256, "n_layer": 2, "n_embd": 64, "n_head": 2,
              "n_positions": 128, "bos_token_id": 0, "eos_token_id": 0}
 WORLD_SIZES = (1, 2, 4)
@@ -229,7 +230,8 @@ def test_toml_config_gives_model_and_defaults(tmp_path, capsys):
                     "[train]\nbatch_size = 3\nprecision = \"bf16\"\n[parallel]\nnproc = 2\n")
     assert main(["--gpt", str(toml), "--format", "json"]) == 0
     data = json.loads(capsys.readouterr().out)
-    assert data["model"]["n_params"] == estimate(GPT_SPEC).model.n_params
+    same = estimate("n_layer=2,n_embd=64,n_head=2,block_size=64")
+    assert data["model"]["n_params"] == same.model.n_params
     assert data["workload"]["batch_per_device"] == 3 and data["workload"]["precision"] == "bf16"
     assert data["world"] == 2 and data["recommended"] in {s["key"] for s in data["strategies"]}
 
