@@ -1,0 +1,39 @@
+#!/usr/bin/env bash
+# One prepared run for a single NVIDIA H200 (see bench/gpu_train.py for what and why):
+# bf16 GPT of about 1B parameters, sequence 2048, `fsdp full` at world 1 through
+# disttrain and a hand-written FSDP2 baseline; tokens/s, MFU, peak memory and the
+# async-checkpoint stall. Finishes in under 8 minutes (each variant is capped at 210 s).
+#
+#   bench/gpu.sh [--dry-run] [OUTDIR]    OUTDIR defaults to $OUT, else bench/results/gpu_run
+#
+# Writes OUTDIR/{torch_fsdp2,disttrain_fsdp}.json, OUTDIR/*.log and OUTDIR/gpu.md.
+# --dry-run: the same code on the CPU with a tiny model (the test that keeps it working).
+# PYTHON picks the interpreter (default python3).
+set -uo pipefail
+cd "$(dirname "$0")/.."
+
+DRY=()
+if [[ "${1:-}" == "--dry-run" ]]; then DRY=(--dry-run); shift; fi
+OUTDIR="${1:-${OUT:-bench/results/gpu_run}}"
+PY="${PYTHON:-python3}"
+LIMIT="${BENCH_GPU_VARIANT_TIMEOUT:-210}"
+mkdir -p "$OUTDIR"
+export PYTHONPATH="$PWD/src:$PWD${PYTHONPATH:+:$PYTHONPATH}"
+export PYTHONUNBUFFERED=1 TORCH_DISABLE_SHARE_RDZV_TCP_STORE=1
+if [[ ${#DRY[@]} -gt 0 ]]; then export OMP_NUM_THREADS=1; fi
+
+command -v nvidia-smi >/dev/null && nvidia-smi --query-gpu=name,memory.total,driver_version \
+    --format=csv > "$OUTDIR/nvidia-smi.csv" 2>&1
+
+status=0
+for variant in torch_fsdp2 disttrain_fsdp; do
+    echo "== $variant"
+    if ! timeout "$LIMIT" "$PY" -m bench.gpu_train --variant "$variant" --out "$OUTDIR" "${DRY[@]}" \
+            > "$OUTDIR/$variant.log" 2>&1; then
+        echo "$variant failed or timed out; tail of $OUTDIR/$variant.log:"
+        tail -n 20 "$OUTDIR/$variant.log"
+        status=1
+    fi
+done
+"$PY" -m bench.gpu_train --summarize "$OUTDIR" --command "bench/gpu.sh ${DRY[*]} OUTDIR"
+exit $status

@@ -1,0 +1,242 @@
+"""The H200 run behind bench/gpu.sh: bf16 GPT training, tokens/s, MFU, peak memory,
+and the async-checkpoint stall.
+
+    python -m bench.gpu_train --variant disttrain_fsdp --out DIR   # dt.wrap(strategy="fsdp")
+    python -m bench.gpu_train --variant torch_fsdp2 --out DIR      # fully_shard by hand
+    python -m bench.gpu_train --summarize DIR                      # DIR/gpu.md from the JSON
+
+The model is `disttrain.models.GPT` with about 1.0B parameters (20 layers, width
+2048, 16 heads, sequence 2048, byte vocabulary), micro-batch 8, AdamW, bf16
+compute with fp32 master weights and fp32 gradient reduction, world 1. At world 1
+`dt.wrap(strategy="fsdp", precision="bf16")` starts no process group and runs the
+module unsharded under bf16 autocast; the baseline shards it with `fully_shard`
+on a 1-rank mesh with a bf16 `MixedPrecisionPolicy`, as a user writing FSDP2 by
+hand for a multi-GPU job would.
+
+MFU = achieved FLOP/s / 989e12 (H200 dense bf16), with FLOP per token =
+6 * N (non-embedding parameters) + 12 * layers * width * sequence (attention
+scores and values, forward and backward, as in the PaLM paper; causal masking not
+subtracted). The checkpoint stall is the time the training loop is blocked by an
+async save (the call returning) against a synchronous save of the same state;
+checkpoints go to a temporary folder that is deleted, never to the output folder.
+
+`--dry-run` (or BENCH_GPU_DRY_RUN=1) runs the same code on the CPU with a tiny
+model, gloo and 2 steps: it proves the script, not the numbers.
+"""
+
+from __future__ import annotations
+
+import argparse
+import datetime
+import json
+import os
+import resource
+import shutil
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+import torch
+
+PEAK_FLOPS = 989e12
+FULL = {"block_size": 2048, "n_layer": 20, "n_head": 16, "n_embd": 2048, "dropout": 0.0,
+        "bias": False}
+TINY = {"block_size": 64, "n_layer": 2, "n_head": 4, "n_embd": 64, "dropout": 0.0, "bias": False}
+VARIANTS = ("torch_fsdp2", "disttrain_fsdp")
+
+
+def flops_per_token(cfg: dict, n_params: int) -> float:
+    embed = cfg["n_embd"] * (256 + cfg["block_size"])  # tied byte embedding + positions
+    return 6 * (n_params - embed) + 12 * cfg["n_layer"] * cfg["n_embd"] * cfg["block_size"]
+
+
+def _setup_env() -> None:
+    for key, value in {"RANK": "0", "LOCAL_RANK": "0", "WORLD_SIZE": "1", "LOCAL_WORLD_SIZE": "1",
+                       "MASTER_ADDR": "127.0.0.1"}.items():
+        os.environ.setdefault(key, value)
+    if "MASTER_PORT" not in os.environ:
+        from bench.common import free_port
+
+        os.environ["MASTER_PORT"] = str(free_port())
+
+
+def build(variant: str, cfg: dict, device: torch.device):
+    """(model, optimizer, checkpoint function) for one variant."""
+    from disttrain.models import GPT, GPTConfig
+
+    torch.manual_seed(0)
+    if variant == "torch_fsdp2":
+        import torch.distributed as dist
+        from torch.distributed.device_mesh import init_device_mesh
+        from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
+
+        dist.init_process_group("nccl" if device.type == "cuda" else "gloo")
+        with device:
+            model = GPT(GPTConfig(**cfg))
+        mesh = init_device_mesh(device.type, (1,))
+        mp = MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=torch.float32)
+        for block in model.blocks:
+            fully_shard(block, mesh=mesh, mp_policy=mp)
+        fully_shard(model, mesh=mesh, mp_policy=mp)
+        optimizer = torch.optim.AdamW(model.parameters(), lr=3e-4)
+        return model, optimizer, _dcp_checkpoint(model, optimizer)
+    import disttrain as dt
+
+    dt.init(device=device.type, seed=0)
+    with device:
+        model = GPT(GPTConfig(**cfg))
+    model = dt.wrap(model, strategy="fsdp", sharding="full", precision="bf16")
+    optimizer = dt.make_optimizer(model, torch.optim.AdamW, lr=3e-4)
+    return model, optimizer, _dt_checkpoint(model, optimizer)
+
+
+def _dcp_checkpoint(model, optimizer):
+    import torch.distributed.checkpoint as dcp
+    from torch.distributed.checkpoint.state_dict import get_state_dict
+
+    def save(root: Path, asynchronous: bool) -> tuple[float, float]:
+        msd, osd = get_state_dict(model, optimizer)
+        state = {"model": msd, "optim": osd}
+        t0 = time.perf_counter()
+        if not asynchronous:
+            dcp.save(state, checkpoint_id=str(root))
+            return time.perf_counter() - t0, time.perf_counter() - t0
+        future = dcp.async_save(state, checkpoint_id=str(root))
+        stall = time.perf_counter() - t0
+        future.result()
+        return stall, time.perf_counter() - t0
+
+    return save
+
+
+def _dt_checkpoint(model, optimizer):
+    from disttrain.checkpoint import Checkpointer, TrainState
+
+    def save(root: Path, asynchronous: bool) -> tuple[float, float]:
+        ckpt = Checkpointer(root, keep_last=1, async_mode="thread" if asynchronous else "off")
+        state = TrainState(model=model, optimizer=optimizer, step=1)
+        t0 = time.perf_counter()
+        ckpt.save(state)
+        stall = time.perf_counter() - t0
+        ckpt.wait()
+        total = time.perf_counter() - t0
+        ckpt.close()
+        return stall, total
+
+    return save
+
+
+def run(variant: str, out: Path, dry: bool, steps: int, warmup: int, batch: int) -> dict:
+    _setup_env()
+    device = torch.device("cpu" if dry else "cuda")
+    cfg = TINY if dry else FULL
+    t_start = time.perf_counter()
+    model, optimizer, checkpoint = build(variant, cfg, device)
+    n_params = sum(p.numel() for p in model.parameters())
+    g = torch.Generator(device="cpu").manual_seed(0)
+    x = torch.randint(0, 256, (batch, cfg["block_size"] + 1), generator=g).to(device)
+    inputs, targets = x[:, :-1], x[:, 1:]
+    sync = torch.cuda.synchronize if device.type == "cuda" else (lambda: None)
+    times = []
+    for step in range(warmup + steps):
+        t0 = time.perf_counter()
+        _, loss = model(inputs, targets)  # bf16: FSDP2's policy or dt.wrap's autocast
+        loss.backward()
+        torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
+        optimizer.step()
+        optimizer.zero_grad(set_to_none=True)
+        sync()
+        if step >= warmup:
+            times.append(time.perf_counter() - t0)
+        if step == 0:
+            first_step_s = time.perf_counter() - t_start
+    step_s = sorted(times)[len(times) // 2]
+    tokens = batch * cfg["block_size"]
+    result = {"variant": variant, "dry_run": dry, "config": cfg, "params": n_params,
+              "batch": batch, "steps": steps, "step_s": step_s, "tokens_per_s": tokens / step_s,
+              "mfu": flops_per_token(cfg, n_params) * tokens / step_s / PEAK_FLOPS,
+              "first_step_s": first_step_s, "loss": float(loss)}
+    if device.type == "cuda":
+        result["peak_mem_gib"] = torch.cuda.max_memory_allocated() / 2**30
+        result["peak_reserved_gib"] = torch.cuda.max_memory_reserved() / 2**30
+        result["device"] = torch.cuda.get_device_name()
+    else:
+        result["peak_mem_gib"] = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 2**20
+        result["device"] = "cpu (dry run)"
+    tmp = Path(tempfile.mkdtemp(prefix="gpu-ckpt-"))
+    try:
+        result["ckpt_sync_s"] = checkpoint(tmp / "sync", False)[1]
+        stall, total = checkpoint(tmp / "async", True)
+        result["ckpt_async_stall_s"], result["ckpt_async_total_s"] = stall, total
+    except Exception as e:  # the training numbers still count
+        result["ckpt_error"] = f"{type(e).__name__}: {e}"[:400]
+    finally:
+        shutil.rmtree(tmp, ignore_errors=True)
+    result["torch"] = torch.__version__
+    result["cuda"] = torch.version.cuda
+    result["date"] = datetime.datetime.now().astimezone().strftime("%Y-%m-%d %H:%M %Z")
+    out.mkdir(parents=True, exist_ok=True)
+    (out / f"{variant}.json").write_text(json.dumps(result, indent=1))
+    return result
+
+
+def summarize(out: Path, command: str) -> Path:
+    """Write OUT/gpu.md from the variants' JSON files."""
+    results = [json.loads((out / f"{v}.json").read_text()) for v in VARIANTS
+               if (out / f"{v}.json").exists()]
+    lines = ["## GPU: bf16 GPT, `fsdp full` at world 1 against hand-written FSDP2", ""]
+    if not results:
+        return _write(out, lines + ["No variant finished; see the logs in the output folder."])
+    r0 = results[0]
+    lines += [f"Command: `{command}`  ",
+              f"Machine: {r0['device']}, torch {r0['torch']}, CUDA {r0['cuda']}; {r0['date']}."]
+    if r0["dry_run"]:
+        lines.append("**Dry run on the CPU with a tiny model: proves the script, not the numbers.**")
+    lines += ["", f"Model: {r0['params'] / 1e6:,.1f}M parameters, {r0['config']}, micro-batch "
+              f"{r0['batch']}; median of {r0['steps']} steps after warm-up. MFU against 989 TFLOP/s.",
+              "", "| variant | tokens/s | s / step | MFU | peak memory GiB | s to first step | "
+              "sync save s | async stall s | async total s |", "|---|---|---|---|---|---|---|---|---|"]
+    for r in results:
+        ck = (f"{r['ckpt_sync_s']:.2f} | {r['ckpt_async_stall_s']:.2f} | {r['ckpt_async_total_s']:.2f}"
+              if "ckpt_sync_s" in r else f"{r.get('ckpt_error', 'n/a')} | | ")
+        lines.append(f"| {r['variant']} | {r['tokens_per_s']:,.0f} | {r['step_s']:.3f} | "
+                     f"{r['mfu']:.1%} | {r['peak_mem_gib']:.1f} | {r['first_step_s']:.1f} | {ck} |")
+    if len(results) == 2 and results[1]["tokens_per_s"]:
+        ratio = results[1]["tokens_per_s"] / results[0]["tokens_per_s"]
+        lines += ["", f"disttrain / hand-written tokens/s: {ratio:.3f}."]
+    return _write(out, lines)
+
+
+def _write(out: Path, lines: list[str]) -> Path:
+    path = out / "gpu.md"
+    path.write_text("\n".join(lines) + "\n")
+    return path
+
+
+def main(argv: list[str] | None = None) -> int:
+    ap = argparse.ArgumentParser(prog="python -m bench.gpu_train")
+    ap.add_argument("--variant", choices=VARIANTS)
+    ap.add_argument("--out", type=Path)
+    ap.add_argument("--summarize", type=Path, metavar="DIR")
+    ap.add_argument("--command", default="bench/gpu.sh")
+    ap.add_argument("--dry-run", action="store_true", default=os.environ.get("BENCH_GPU_DRY_RUN") == "1")
+    ap.add_argument("--steps", type=int)
+    args = ap.parse_args(argv)
+    if args.summarize:
+        print(summarize(args.summarize, args.command).read_text())
+        return 0
+    if not (args.variant and args.out):
+        ap.error("give --variant and --out, or --summarize DIR")
+    if not args.dry_run and not torch.cuda.is_available():
+        print("no CUDA device: run with --dry-run for the CPU check", file=sys.stderr)
+        return 2
+    steps = args.steps or (2 if args.dry_run else 15)
+    r = run(args.variant, args.out, args.dry_run, steps, warmup=1 if args.dry_run else 3,
+            batch=2 if args.dry_run else 8)
+    print(json.dumps(r))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

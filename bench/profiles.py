@@ -1,0 +1,103 @@
+"""Profiles that explain a missed target: cProfile of a whole job, and `-X importtime`.
+
+A step-time or start-up miss is explained by the functions on which the disttrain
+job spends more of its own time (tottime) than the hand-written job; a scaling
+miss by where the 2-rank job spends its time; an import miss by the modules that
+`import disttrain` loads after torch, by cumulative import time. The profiles run
+with fewer steps than the timed jobs and cProfile slows Python code down, so their
+seconds explain, they do not measure.
+"""
+
+from __future__ import annotations
+
+import pstats
+import re
+import tempfile
+from pathlib import Path
+
+from bench.common import JobError, Options, launch, run_python
+
+PROFILE_STEPS = 8
+
+
+def _where(filename: str) -> str:
+    """A short, machine-independent name for a profiled file."""
+    for marker in ("site-packages/", "/src/", "/bench/"):
+        if marker in filename:
+            return filename.split(marker, 1)[1]
+    if filename.startswith("<") or filename == "~":
+        return "builtin"
+    return Path(filename).name
+
+
+def profile_job(script: str, world: int, opts: Options) -> dict:
+    """cProfile rank 0 of one launch: {'func': (tottime, cumtime)} plus 'total_s'.
+
+    Returns {'error': ...} when the profiled job fails, so the report says so.
+    """
+    with tempfile.TemporaryDirectory(prefix="bench-prof-") as tmp:
+        prefix = ["-m", "cProfile", "-o", str(Path(tmp, "prof{rank}.pstats"))]
+        try:
+            launch(script, world, opts, prefix=prefix, steps=PROFILE_STEPS)
+        except JobError as e:
+            return {"error": str(e)[-800:]}
+        stats = pstats.Stats(str(Path(tmp, "prof0.pstats")))
+    funcs = {}
+    for (file, line, name), (_cc, _nc, tt, ct, _callers) in stats.stats.items():
+        key = f"{_where(file)}:{line}({name})" if line else f"{name}"
+        prev = funcs.get(key, (0.0, 0.0))
+        funcs[key] = (prev[0] + tt, max(prev[1], ct))
+    return {"funcs": funcs, "total_s": stats.total_tt, "steps": PROFILE_STEPS}
+
+
+def excess_table(candidate: dict, baseline: dict, top: int = 12) -> str:
+    """Functions whose own time is larger in `candidate` than in `baseline`."""
+    if "error" in candidate or "error" in baseline:
+        return "profile failed: " + (candidate.get("error") or baseline.get("error", ""))[-300:]
+    rows = []
+    for key, (tt, ct) in candidate["funcs"].items():
+        base = baseline["funcs"].get(key, (0.0, 0.0))[0]
+        rows.append((tt - base, tt, base, ct, key))
+    rows.sort(reverse=True)
+    lines = [f"whole process, rank 0, {candidate['steps']} steps: total {candidate['total_s']:.2f} s "
+             f"vs {baseline['total_s']:.2f} s hand-written",
+             f"{'excess s':>9} {'own s':>8} {'base s':>8} {'cum s':>8}  function"]
+    for excess, tt, base, ct, key in rows[:top]:
+        lines.append(f"{excess:9.3f} {tt:8.3f} {base:8.3f} {ct:8.3f}  {key}")
+    return "\n".join(lines)
+
+
+def top_table(profile: dict, top: int = 12, only: str = "") -> str:
+    """The `top` functions by own time (optionally only those whose name contains `only`)."""
+    if "error" in profile:
+        return "profile failed: " + profile["error"][-300:]
+    rows = sorted(((tt, ct, k) for k, (tt, ct) in profile["funcs"].items() if only in k),
+                  reverse=True)
+    lines = [f"whole process, rank 0, {profile['steps']} steps: total {profile['total_s']:.2f} s",
+             f"{'own s':>8} {'cum s':>8}  function"]
+    lines += [f"{tt:8.3f} {ct:8.3f}  {k}" for tt, ct, k in rows[:top]]
+    return "\n".join(lines)
+
+
+def import_profile(module: str, top: int = 15) -> str:
+    """Modules that `import MODULE` loads after `import torch`, by cumulative time."""
+    r = run_python(f"import torch; import {module}", args=["-X", "importtime"])
+    if r.returncode != 0:
+        return f"import {module} failed: {r.stderr[-300:]}"
+    rows, after_torch = [], False
+    for line in r.stderr.splitlines():
+        m = re.match(r"import time:\s+(\d+) \|\s+(\d+) \|(\s*)(\S+)", line)
+        if not m:
+            continue
+        self_us, cum_us, indent, name = int(m[1]), int(m[2]), len(m[3]), m[4]
+        if name == "torch" and indent == 1:
+            after_torch = True
+            continue
+        if after_torch:
+            rows.append((cum_us, self_us, indent, name))
+    total = sum(c for c, _, i, _ in rows if i == 1)
+    rows.sort(reverse=True)
+    lines = [f"`python -X importtime -c 'import torch; import {module}'`: "
+             f"{total / 1e6:.3f} s loaded after torch", f"{'cum ms':>8} {'self ms':>8}  module"]
+    lines += [f"{c / 1e3:8.1f} {s / 1e3:8.1f}  {n}" for c, s, _, n in rows[:top]]
+    return "\n".join(lines)

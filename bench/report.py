@@ -1,0 +1,100 @@
+"""BENCHMARKS.md: the sections measured here, merged with the results others write.
+
+Every section of this suite keeps its numbers in bench/results/NAME.json (with the
+command, the machine and the date that produced them), so running one section
+rewrites its table and leaves the others as they were last measured. Markdown
+files in bench/results/ written by other benchmarks are merged in: names starting
+with `checkpoint` as section 5, `recovery` or `elastic` as section 6, `gpu` as the
+GPU section, any other one after section 7. Their text is included as written.
+"""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+from bench.common import Options
+
+REGENERATE = "python -m bench"
+EXTERNAL = [("5. Checkpoints", ("checkpoint",)), ("6. Recovery", ("recovery", "elastic"))]
+
+
+def _machine_line(data: dict) -> str:
+    m = data["machine"]
+    return (f"Machine: {m['cores']} cores ({m['cpu']}), torch {m['torch']}, Python {m['python']}, "
+            f"{m['os']}; {m['date']}; 1-minute load {m['load_1min']} at the start.")
+
+
+def _section(module, data: dict, results: Path) -> list[str]:
+    out = [f"## {module.TITLE}", "", f"Command: `{data['command']}`  ", _machine_line(data)]
+    if data.get("quick"):
+        out.append("**Preliminary** (`--quick`: few steps and repeats; not for conclusions).")
+    intro = module.__doc__.strip().split("\n\n")[0].replace("\n", " ").split(": ", 1)[-1]
+    out += ["", intro[:1].upper() + intro[1:], "", module.render(data)]
+    png = results / f"{module.NAME}.png"
+    if png.exists():
+        out += ["", f"![{module.NAME}](bench/results/{png.name})"]
+    return out + [""]
+
+
+def _external(results: Path, prefixes: tuple[str, ...]) -> list[Path]:
+    return sorted(p for p in results.glob("*.md") if p.name.startswith(prefixes))
+
+
+def _include(path: Path, heading: str | None) -> list[str]:
+    text = path.read_text().strip()
+    if heading and not text.startswith("#"):
+        return [f"## {heading}", "", f"(from bench/results/{path.name})", "", text, ""]
+    return [f"<!-- from bench/results/{path.name} -->", text, ""]
+
+
+def write(opts: Options, modules: list) -> Path:
+    """Render BENCHMARKS.md in `opts.out_dir` from every result found; return its path."""
+    results = opts.results
+    sections = {m.NAME: json.loads((results / f"{m.NAME}.json").read_text())
+                for m in modules if (results / f"{m.NAME}.json").exists()}
+    quick = any(d.get("quick") for d in sections.values())
+    out = ["# Benchmarks", "",
+           "Written by `python -m bench` (bench/__main__.py); do not edit by hand. Each table "
+           "names the command and machine that produced it. Timings are the median of the "
+           "repeats with (min-max); ratios are taken within the same repeat, side by side. "
+           "Targets are reported, never asserted.", ""]
+    if quick:
+        out += ["> **Preliminary.** Some tables below come from `--quick` runs on a shared, busy "
+                "2-core machine (see each table's load figure): they show the suite works, not "
+                "what disttrain costs. Regenerate on a quiet machine with "
+                f"`{REGENERATE}` (about 10 minutes; add `--others` to rerun the checkpoint and "
+                "recovery benchmarks).", ""]
+    by_name = {m.NAME: m for m in modules}
+    used: set[Path] = set()
+    for name in ("overhead", "peers", "scaling", "memory"):
+        if name in sections:
+            out += _section(by_name[name], sections[name], results)
+    for heading, prefixes in EXTERNAL:
+        found = _external(results, prefixes)
+        used.update(found)
+        if not found:
+            out += [f"## {heading}", "", "Pending: no bench/results/" + prefixes[0] +
+                    "*.md yet (written by bench/" + prefixes[0] + "_bench.py when it lands).", ""]
+        for path in found:
+            out += _include(path, heading)
+    if "imports" in sections:
+        out += _section(by_name["imports"], sections["imports"], results)
+    gpu = _external(results, ("gpu",))
+    used.update(gpu)
+    for path in sorted(set(results.glob("*.md")) - used):
+        out += _include(path, path.stem.replace("_", " "))
+    out += ["## GPU (NVIDIA H200)", ""]
+    if gpu:
+        for path in gpu:
+            out += _include(path, None)
+    else:
+        out += ["Not run yet: no GPU machine has been available. `bench/gpu.sh OUTDIR` is ready "
+                "(bf16 GPT of about 1B parameters, sequence 2048, `fsdp full` at world 1 against "
+                "a hand-written FSDP2 baseline; tokens/s, MFU, peak memory, async-checkpoint "
+                "stall; under 8 minutes). Copy OUTDIR/gpu.md to bench/results/gpu.md and rerun "
+                "`python -m bench --report-only` to include it. A CPU dry run of the same script "
+                "is a test (tests/test_bench_smoke.py).", ""]
+    path = opts.out_dir / "BENCHMARKS.md"
+    path.write_text("\n".join(out).rstrip() + "\n")
+    return path
