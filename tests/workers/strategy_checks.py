@@ -79,7 +79,7 @@ def local_sums(model: nn.Module) -> list[float]:
 
 
 def train(kind, strategy, sharding, *, precision="fp32", per_rank=None, lr=0.1, scaler=None,
-          inject=None, **options):
+          inject=None, clip=0.0, **options):
     """Train a wrapped copy and a single-process reference; return (model, ref, losses)."""
     info = dt.rank_info()
     r, w = info.rank, info.world_size
@@ -91,12 +91,14 @@ def train(kind, strategy, sharding, *, precision="fp32", per_rank=None, lr=0.1, 
     per_rank = per_rank or (4 if kind.startswith("mlp") else 2)
     ref_opt = torch.optim.SGD(reference.parameters(), lr=lr, momentum=0.9)
     opt = dt.make_optimizer(model, torch.optim.SGD, lr=lr, momentum=0.9)
-    acc = dt.Accumulator(model, opt, 1, scaler=scaler)
+    acc = dt.Accumulator(model, opt, 1, scaler=scaler, grad_clip=clip)
     ref_losses, losses, changed = [], [], []
     for step, (x, y) in enumerate(batches(kind, per_rank * w)):
         ref_opt.zero_grad()
         ref_loss = reference(x, y)[1]
         ref_loss.backward()
+        if clip:
+            torch.nn.utils.clip_grad_norm_(reference.parameters(), clip)
         ref_opt.step()
         ref_losses.append(ref_loss.item())
         before = local_sums(model)
@@ -117,7 +119,9 @@ def parity_group(results: dict) -> None:
     for kind in ("gpt", "mlp"):
         for strategy, sharding in STRATEGY_CASES:
             extra = {"shard_group_size": max(1, w // 2)} if sharding == "hybrid" else {}
-            model, ref, _ = train(kind, strategy, sharding, **extra)
+            # clip 0.5 is active on every step: parity also proves global-norm clipping
+            # across shards and replicas (P-LOOP-5).
+            model, ref, _ = train(kind, strategy, sharding, clip=0.5, **extra)
             key = f"{kind}/{strategy}/{sharding}"
             results[f"parity/{key}"] = max_diff(model, ref)
             if sharding == "hybrid":
