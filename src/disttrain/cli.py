@@ -16,6 +16,7 @@ commands:
   train    the config-driven trainer:  disttrain train CONFIG.toml [--section.key=value ...]
   doctor   lint a training script for distributed-training pitfalls
   plan     memory and communication per strategy, with a recommendation
+  ckpt     inspect, verify or export a checkpoint:  disttrain ckpt verify DIR
 """
 
 
@@ -29,6 +30,8 @@ def _command(name: str):
         from disttrain.doctor import main
     elif name == "plan":
         from disttrain.plan import main
+    elif name == "ckpt":
+        from disttrain.checkpoint.cli import main
     else:
         return None
     return main

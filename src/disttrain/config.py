@@ -138,6 +138,33 @@ class GuardConfig:
 
 
 @dataclass(kw_only=True)
+class CheckpointConfig:
+    """Periodic, atomic, verified checkpoints and automatic resume (P-CKPT-1..5)."""
+
+    enabled: bool = True
+    """Save checkpoints, and resume from the newest valid one on start (no flag needed)."""
+    dir: str = ""
+    """Checkpoint root; '' means {train.out_dir}/checkpoints. Shared by all nodes."""
+    every: int = 0
+    """Optimizer steps between saves; 0 saves only at the end."""
+    keep_last: int = 3
+    """Committed checkpoints kept; older ones are deleted after a newer commit. 0 keeps all."""
+    async_mode: str = "off"
+    """'off' (synchronous) or 'thread' (DCP async_save; training continues during the write)."""
+    fallback: bool = False
+    """On resume, skip a corrupt newest checkpoint and load the previous valid one."""
+    on_error: str = "stop"
+    """A failed save: 'stop' the run, or 'continue' training (the previous checkpoint stays)."""
+
+
+def _check_checkpoint(c: CheckpointConfig) -> None:
+    _require(c.every >= 0 and c.keep_last >= 0,
+             f"checkpoint.every ({c.every}) and checkpoint.keep_last ({c.keep_last}) must be >= 0.")
+    _one_of("checkpoint.async_mode", c.async_mode, ("off", "thread"))
+    _one_of("checkpoint.on_error", c.on_error, ("stop", "continue"))
+
+
+@dataclass(kw_only=True)
 class Config:
     """The whole run. One section per concern, as in the TOML file."""
 
@@ -147,6 +174,7 @@ class Config:
     optim: OptimConfig = field(default_factory=OptimConfig)
     train: TrainConfig = field(default_factory=TrainConfig)
     guard: GuardConfig = field(default_factory=GuardConfig)
+    checkpoint: CheckpointConfig = field(default_factory=CheckpointConfig)
 
 
 # ---------------------------------------------------------------- loading
@@ -289,6 +317,7 @@ def validate(cfg: Config) -> None:
              and g.hang_cap_s >= g.hang_min_s,
              "guard: divergence_every must be >= 0, hang_factor > 1, hang_min_s and tick_s > 0, "
              "and hang_cap_s >= hang_min_s.")
+    _check_checkpoint(cfg.checkpoint)
     _check_hardware(p)
     device = p.device if p.device != "auto" else ("cuda" if _cuda_count() else "cpu")
     validate_parallel(p, t.precision, world_size=p.nproc, local_world_size=p.nproc, device_type=device)

@@ -18,9 +18,9 @@ import torch
 from torch.utils.data import DataLoader
 
 from disttrain import runtime
-from disttrain.checkpoint import save_model
+from disttrain.checkpoint import Checkpointer, CheckpointSaveError, TrainState, save_model
 from disttrain.config import Config, load_config, to_dict
-from disttrain.data import ChunkDataset, DistributedSampler, load_stdlib_corpus
+from disttrain.data import ChunkDataset, load_stdlib_corpus
 from disttrain.guard import start_guard
 from disttrain.loop import Accumulator, warmup_cosine
 from disttrain.metrics import JsonlWriter, MeanTracker, global_mean
@@ -28,6 +28,7 @@ from disttrain.models import GPT
 from disttrain.parallel import make_optimizer, wrap
 from disttrain.precision import make_grad_scaler
 from disttrain.progress import TrainProgress, print_summary
+from disttrain.sampler import ElasticSampler
 
 
 def build_optimizer(model: torch.nn.Module, cfg: Config) -> torch.optim.Optimizer:
@@ -80,9 +81,18 @@ def train(cfg: Config) -> dict:
                                   min_lr_ratio=cfg.optim.min_lr_ratio)
         acc = Accumulator(model, optimizer, t.accum_steps, scheduler=scheduler,
                           grad_clip=cfg.optim.grad_clip, scaler=make_grad_scaler(t.precision))
-        sampler = DistributedSampler(train_set, seed=t.seed, drop_last=cfg.data.drop_last)
-        loader = DataLoader(train_set, batch_size=t.batch_size, sampler=sampler, drop_last=True)
+        # ElasticSampler: its (epoch, cursor) is checkpointed, so a resume continues mid-epoch.
+        sampler = ElasticSampler(len(train_set), batch_size=t.batch_size, accum_steps=t.accum_steps,
+                                 seed=t.seed, drop_last=cfg.data.drop_last)
+        # A private generator: iter(loader) must not draw from the global (dropout) RNG,
+        # or a resumed run would see other dropout masks than an uninterrupted one.
+        loader = DataLoader(train_set, batch_size=t.batch_size, sampler=sampler, drop_last=True,
+                            generator=torch.Generator().manual_seed(t.seed))
         out = Path(t.out_dir)
+        ckpt, state = _checkpointing(cfg, out, model, optimizer, scheduler, acc.scaler, sampler)
+        if ckpt is not None and ckpt.load(state) is not None:  # automatic resume (P-ELASTIC-3)
+            acc.optimizer_steps = state.step
+        saved_at = acc.optimizer_steps
         log = JsonlWriter(out / "metrics.jsonl")
         tokens_per_step = t.batch_size * cfg.model.block_size * t.accum_steps * info.world_size
         first_eval = evaluate(model, heldout_set, t.batch_size, t.eval_batches)
@@ -99,6 +109,7 @@ def train(cfg: Config) -> dict:
                 if not acc.stepped:
                     continue
                 step = acc.optimizer_steps
+                sampler.commit_step()
                 guard.step(step, model)
                 if step % t.log_every == 0 or step == t.steps:
                     train_loss = window.compute()
@@ -114,8 +125,14 @@ def train(cfg: Config) -> dict:
                         record["heldout_loss"] = heldout_loss
                     log.write(record)
                     progress.update(step, train_loss, heldout_loss, tok_s)
+                if cfg.checkpoint.every and step % cfg.checkpoint.every == 0:
+                    saved_at = _save(ckpt, state, step, cfg.checkpoint.on_error, saved_at)
                 if step >= t.steps:
                     break
+        if saved_at != acc.optimizer_steps:
+            _save(ckpt, state, acc.optimizer_steps, cfg.checkpoint.on_error, saved_at)
+        if ckpt is not None:
+            _close(ckpt, cfg.checkpoint.on_error)
         progress.close()
         guard.close()
         ckpt = save_model(model, out / "model.pt")
@@ -130,6 +147,46 @@ def train(cfg: Config) -> dict:
             (out / "summary.json").write_text(json.dumps({**summary, "config": to_dict(cfg)}, indent=2))
             print_summary(summary)
         return summary
+
+
+def _checkpointing(cfg: Config, out: Path, model, optimizer, scheduler, scaler, sampler):
+    """The run's `Checkpointer` and `TrainState`, or (None, None) when disabled."""
+    c = cfg.checkpoint
+    if not c.enabled:
+        return None, None
+    ckpt = Checkpointer(Path(c.dir) if c.dir else out / "checkpoints", keep_last=c.keep_last,
+                        async_mode=c.async_mode, fallback=c.fallback)
+    return ckpt, TrainState(model=model, optimizer=optimizer, scheduler=scheduler, scaler=scaler,
+                            sampler=sampler, config=to_dict(cfg))
+
+
+def _save(ckpt, state, step: int, on_error: str, saved_at: int) -> int:
+    """Checkpoint at `step`; returns the step of this attempt. A failed save stops the
+    run, or with on_error = 'continue' warns and keeps training (the previous
+    checkpoint stays latest; the same step is not retried)."""
+    if ckpt is None:
+        return saved_at
+    state.step, state.epoch = step, state.sampler.epoch
+    try:
+        ckpt.save(state)
+        return step
+    except CheckpointSaveError as e:
+        if on_error == "stop":
+            raise
+        if runtime.rank_info().is_main:
+            print(f"disttrain train: warning: {e} Training continues (checkpoint.on_error = "
+                  f"'continue').", file=sys.stderr)
+        return step
+
+
+def _close(ckpt, on_error: str) -> None:
+    try:
+        ckpt.close()  # completes an async save in flight
+    except CheckpointSaveError as e:
+        if on_error == "stop":
+            raise
+        if runtime.rank_info().is_main:
+            print(f"disttrain train: warning: {e}", file=sys.stderr)
 
 
 def main(argv: list[str]) -> int:

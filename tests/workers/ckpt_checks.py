@@ -1,5 +1,5 @@
 """Worker: the multi-rank checkpoint checks, many cases per launch (P-CKPT-1..5,
-P-FSDP-8). `ckpt_checks.py OUT PHASE`; each rank writes OUT/PHASE-rank{r}.json.
+P-FSDP-8). `ckpt_checks.py OUT PHASE`; each rank writes OUT/rank{r}.json.
 
 save    (w=2) reference runs of N+M steps and N-step runs saved, ddp and fsdp; a
         sync and an async save of one state; an injected ENOSPC.
@@ -107,4 +107,4 @@ with dt.distributed(seed=0) as info:
         train(state, 1)
         ck.save(state)  # DISTTRAIN_FAULT fires here (step 2)
         res["survived"] = True
-    (out / f"{phase}-rank{r}.json").write_text(json.dumps(res))
+    (out / f"rank{r}.json").write_text(json.dumps(res))

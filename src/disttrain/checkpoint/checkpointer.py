@@ -40,7 +40,7 @@ from torch.distributed.checkpoint.state_dict_saver import AsyncCheckpointerType
 from disttrain.checkpoint import layout
 from disttrain.checkpoint.compat import check_compatible, describe
 from disttrain.checkpoint.errors import (CheckpointCorrupt, CheckpointError, CheckpointMismatch,
-                                         CheckpointSaveError)
+                                         CheckpointSaveError, StaleWriterError)
 from disttrain.checkpoint.faults import fault_point, shard_filesystem
 from disttrain.checkpoint.files import atomic_write_bytes
 from disttrain.checkpoint.state import TrainState, config_hash
@@ -172,6 +172,8 @@ class Checkpointer:
                 fault_point("during_commit", self.rank, step)
                 layout.commit(tmp, final, self.run_id, self.generation)
                 layout.prune(self.root, self.keep_last, self.generation)
+            except StaleWriterError as e:
+                err = f"stale writer: {e}"
             except (OSError, CheckpointError) as e:
                 err = str(e) if isinstance(e, CheckpointError) else f"rank 0: {describe(e)}"
         self._raise_if(self._bcast(err), step, tmp)
@@ -183,10 +185,13 @@ class Checkpointer:
             return
         if self.rank == 0:
             shutil.rmtree(tmp, ignore_errors=True)
+        if self.pg is not None:  # every rank sees the cleaned directory once it raises
+            dist.barrier(group=self.pg)
         prev = layout.latest_valid(self.root, checksums=False)
         keep = f"{prev.name} stays the latest checkpoint" if prev else "no earlier checkpoint exists"
-        raise CheckpointSaveError(f"checkpoint {layout.step_name(step)} in {self.root} was not "
-                                  f"saved: {err}. {keep}.")
+        kind = StaleWriterError if err.startswith("stale writer: ") else CheckpointSaveError
+        raise kind(f"checkpoint {layout.step_name(step)} in {self.root} was not saved: "
+                   f"{err.rstrip('.')}. {keep}.")
 
     def _manifest_info(self, state: TrainState, sd: dict) -> dict:
         from disttrain import __version__

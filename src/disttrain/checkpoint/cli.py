@@ -1,0 +1,86 @@
+"""`disttrain ckpt inspect|verify|export DIR`: look at, check and convert checkpoints.
+
+DIR is a step directory or a checkpoint root (then its newest committed step).
+Every command verifies the manifest before it reads anything else.
+"""
+
+from __future__ import annotations
+
+import argparse
+from pathlib import Path
+
+from disttrain.checkpoint import layout
+from disttrain.checkpoint.errors import CheckpointCorrupt
+from disttrain.errors import UserError
+
+USAGE = "disttrain ckpt {inspect,verify,export} DIR [--to model.safetensors] [--optim optim.pt]"
+
+
+def _step_dir(path: str) -> Path:
+    p = Path(path)
+    if p.name.startswith("step-") or (p / layout.MANIFEST).exists():
+        return p
+    found = layout.committed(p)
+    if not found:
+        raise UserError(f"{p} holds no committed checkpoint (no step-* directory).")
+    return found[0][2]
+
+
+def _human(n: float) -> str:
+    for unit in ("B", "KiB", "MiB", "GiB"):
+        if n < 1024 or unit == "GiB":
+            return f"{n:.1f} {unit}" if unit != "B" else f"{int(n)} B"
+        n /= 1024
+    return str(n)
+
+
+def inspect(step_dir: Path) -> None:
+    from rich.console import Console
+    from rich.table import Table
+
+    from disttrain.checkpoint.export import tensor_table
+
+    rows = tensor_table(step_dir)
+    m = layout.read_manifest(step_dir)
+    table = Table(title=f"{step_dir}  step {m.get('step')}  world {m.get('world_size')}  "
+                        f"strategy {m.get('strategy')}  generation {m.get('generation')}")
+    for col in ("tensor", "shape", "dtype", "size"):
+        table.add_column(col, justify="right" if col == "size" else "left")
+    for key, shape, dtype, nbytes in rows:
+        table.add_row(key, "x".join(map(str, shape)) or "scalar", str(dtype).removeprefix("torch."),
+                      _human(nbytes))
+    console = Console(width=120)
+    console.print(table)
+    files = sum(f["size"] for f in m["files"].values())
+    console.print(f"{len(rows)} tensors, {_human(sum(r[3] for r in rows))}; {len(m['files'])} files, "
+                  f"{_human(files)}; torch {m.get('torch_version')}, disttrain "
+                  f"{m.get('disttrain_version')}, config hash {m.get('config_hash')}")
+
+
+def main(argv: list[str]) -> int:
+    parser = argparse.ArgumentParser(prog="disttrain ckpt", usage=USAGE)
+    parser.add_argument("action", choices=("inspect", "verify", "export"))
+    parser.add_argument("dir")
+    parser.add_argument("--to", help="export: the safetensors file to write")
+    parser.add_argument("--optim", help="export: also write the full optimizer state here")
+    args = parser.parse_args(argv)
+    step_dir = _step_dir(args.dir)
+    if args.action == "verify":
+        try:
+            m = layout.verify(step_dir)
+        except CheckpointCorrupt as e:
+            print(f"disttrain ckpt verify: FAILED: {e.bad_file or step_dir}: {e}")
+            return 1
+        print(f"{step_dir}: OK ({len(m['files'])} files, step {m.get('step')})")
+        return 0
+    if args.action == "inspect":
+        inspect(step_dir)
+        return 0
+    if not args.to:
+        raise UserError("ckpt export needs --to FILE.safetensors.")
+    from disttrain.checkpoint.export import export_safetensors
+
+    s = export_safetensors(step_dir, args.to, args.optim)
+    print(f"wrote {s['to']}: {s['tensors']} tensors, {_human(s['bytes'])}"
+          + (f"; optimizer state to {s['optimizer']}" if "optimizer" in s else ""))
+    return 0

@@ -1,0 +1,129 @@
+"""Checkpoint checks in one process (world 1, real files): corruption, incompatible
+models, writer fencing, the `disttrain ckpt` commands and the safetensors export
+(P-CKPT-2,4,5, P-ELASTIC-5)."""
+
+import shutil
+import sys
+
+import pytest
+import torch
+
+from conftest import WORKERS, run_disttrain
+
+sys.path.insert(0, str(WORKERS))
+from ckpt_common import CFG, build, full_state, mismatches, train  # noqa: E402
+
+import dataclasses  # noqa: E402
+
+from disttrain.checkpoint import (Checkpointer, CheckpointCorrupt, CheckpointMismatch,  # noqa: E402
+                                  StaleWriterError, latest_valid, verify)
+from disttrain.models import GPT  # noqa: E402
+
+
+@pytest.fixture(scope="module")
+def saved(tmp_path_factory):
+    """Steps 1 and 2 of one run; tests corrupt copies of it."""
+    root = tmp_path_factory.mktemp("local") / "run"
+    state = build("ddp")
+    ck = Checkpointer(root, keep_last=0)
+    for _ in range(2):
+        train(state, 1)
+        ck.save(state)
+    return root, full_state(state)
+
+
+def _copy(saved, tmp_path):
+    dst = tmp_path / "run"
+    shutil.copytree(saved[0], dst)
+    return dst, dst / "step-00000002"
+
+
+def _flip_byte(path):
+    data = bytearray(path.read_bytes())
+    data[len(data) // 2] ^= 0xFF
+    path.write_bytes(bytes(data))
+
+
+CORRUPTIONS = {
+    "flip_shard": (lambda d: _flip_byte(next(d.glob("*.distcp"))), ".distcp"),
+    "truncate_state": (lambda d: (d / "state.json").write_bytes((d / "state.json").read_bytes()[:10]),
+                       "state.json"),
+    "delete_metadata": (lambda d: (d / ".metadata").unlink(), ".metadata"),
+}
+
+
+@pytest.mark.parametrize("kind", list(CORRUPTIONS))
+def test_corruption_is_named_refused_and_falls_back_only_when_asked_P_CKPT_5(saved, tmp_path, kind):
+    root, step2 = _copy(saved, tmp_path)
+    damage, name = CORRUPTIONS[kind]
+    damage(step2)
+    with pytest.raises(CheckpointCorrupt) as err:
+        verify(step2)
+    assert name in err.value.bad_file
+    with pytest.raises(CheckpointCorrupt, match="Refusing to load step-00000002.*fallback"):
+        Checkpointer(root).load(build("ddp"))
+    state = build("ddp")
+    assert Checkpointer(root, fallback=True).load(state).name == "step-00000001"
+    assert state.step == 1
+    assert latest_valid(root).name == "step-00000001"
+
+
+def test_cli_verify_names_the_first_bad_file(saved, tmp_path):
+    root, step2 = _copy(saved, tmp_path)
+    ok = run_disttrain(["ckpt", "verify", str(step2)], timeout=60)
+    assert ok.returncode == 0 and "OK" in ok.stdout
+    shard = next(step2.glob("*.distcp"))
+    _flip_byte(shard)
+    bad = run_disttrain(["ckpt", "verify", str(root)], timeout=60)
+    assert bad.returncode == 1 and shard.name in bad.stdout and "sha256" in bad.stdout
+
+
+@pytest.mark.parametrize("change", [{"n_embd": 32}, {"bias": False}])
+def test_incompatible_checkpoint_gives_one_short_message_P_CKPT_5(saved, change):
+    state = build("ddp", cfg=dataclasses.replace(CFG, **change))
+    with pytest.raises(CheckpointMismatch) as err:
+        Checkpointer(saved[0]).load(state)
+    msg = str(err.value)
+    assert "mismatches" in msg and len(msg.splitlines()) <= 9
+    assert ("shape" in msg) if "n_embd" in change else ("not in the model" in msg)
+
+
+def test_a_stale_writer_cannot_commit_or_become_latest_P_ELASTIC_5(tmp_path):
+    root = tmp_path / "shared"
+    old, new = build("ddp"), build("ddp")
+    a = Checkpointer(root)
+    train(old, 1)
+    a.save(old)  # generation 1
+    b = Checkpointer(root)  # a second job (split brain) on the same directory
+    train(new, 1)
+    b.save(new)  # generation 2 takes the lease; it re-commits step 1 over the old timeline
+    train(old, 2)
+    with pytest.raises(StaleWriterError, match="stale"):
+        a.save(old)  # step 3 from the stale writer is refused
+    assert latest_valid(root).name == "step-00000001"
+    assert not (root / "step-00000003").exists()
+
+
+def test_export_safetensors_loads_into_a_plain_model_strict_P_CKPT_4(saved, tmp_path):
+    from safetensors.torch import load_file
+
+    out = tmp_path / "model.safetensors"
+    proc = run_disttrain(["ckpt", "export", str(saved[0]), "--to", str(out),
+                          "--optim", str(tmp_path / "optim.pt")], timeout=90)
+    assert proc.returncode == 0, proc.stderr[-2000:]
+    weights = load_file(out)
+    assert not any(k.startswith(("module.", "_fsdp", "model.")) for k in weights)
+    plain = GPT(CFG)
+    plain.load_state_dict(weights, strict=True)
+    expect = {k[len("model."):]: v for k, v in saved[1].items() if k.startswith("model.")}
+    assert mismatches(plain.state_dict(), expect) == []
+    optim = torch.load(tmp_path / "optim.pt", weights_only=True)
+    assert torch.equal(optim["state"]["tok_emb.weight"]["exp_avg"],
+                       saved[1]["optim.tok_emb.weight.exp_avg"])
+
+
+def test_inspect_prints_tensors_and_layout(saved):
+    proc = run_disttrain(["ckpt", "inspect", str(saved[0])], timeout=60)
+    assert proc.returncode == 0, proc.stderr[-2000:]
+    assert "model.tok_emb.weight" in proc.stdout and "256x16" in proc.stdout
+    assert "step 2" in proc.stdout and "world 1" in proc.stdout
