@@ -9,6 +9,7 @@ import sys
 import time
 
 import pytest
+import torch
 
 from conftest import WORKERS, launch_worker, worker_env
 from disttrain import launch
@@ -154,3 +155,34 @@ def test_guard_config_section_is_validated():
     assert cfg.guard.divergence_every == 10 and cfg.guard.enabled
     with pytest.raises(ConfigError, match="hang_factor"):
         load_config(None, ["--guard.hang_factor=0.5"])
+
+
+def test_diagnose_names_a_skip_older_than_the_kept_history():
+    def beat(rank, step, phase, count, last):
+        return {"rank": rank, "step": step, "phase": phase, "alive": 100.0, "state": "running",
+                "counts": {"metrics": count}, "history": {"metrics": list(range(last - 3, last + 1))}}
+
+    # Rank 1 skipped 'metrics' long ago: it is past rank 0's last entry with one entry fewer.
+    verdict, lag = diagnose([beat(0, 39, "metrics", 40, 39), beat(1, 40, "final_barrier", 39, 39)],
+                            101.0, stale_after=3)
+    assert lag == [1] and "rank 1 skipped phase 'metrics'" in verdict
+    # Merely behind (same step, not past rank 0's entry): a lag, not a skip.
+    verdict, lag = diagnose([beat(0, 5, "metrics", 6, 5), beat(1, 5, "data", 5, 4)], 101.0, 3)
+    assert lag == [1] and "skipped" not in verdict
+
+
+def test_guard_in_a_world_of_one_is_cheap_and_silent(monkeypatch):
+    from disttrain.config import GuardConfig
+    from disttrain.guard import start_guard
+    from disttrain.models import MLP, MLPConfig
+
+    for key in ("WORLD_SIZE", "DISTTRAIN_EXPECTED_WORLD_SIZE"):
+        monkeypatch.delenv(key, raising=False)
+    guard = start_guard(GuardConfig(divergence_every=1), config={"a": 1}, dataset_len=3)
+    model = MLP(MLPConfig())
+    guard.check_model(model)
+    guard.first_batch(torch.zeros(2))
+    with guard.phase("eval", slow=True):
+        guard.step(1, model)
+    assert guard.watchdog is None
+    guard.close()

@@ -75,6 +75,14 @@ def diagnose(beats: list[dict], now: float, stale_after: float) -> tuple[str, li
                 f"a slow rank, often its data loading (P-DEBUG-4)."), lag
     phases = Counter(b["phase"] for b in beats)
     if len(phases) > 1:
+        # Ranks that have not yet entered, at this step, the phase another rank waits in.
+        behind = [b["rank"] for b in beats if any(
+            o is not b and o["step"] in o.get("history", {}).get(o["phase"], [])
+            and b["step"] not in b.get("history", {}).get(o["phase"], []) for o in beats)]
+        if behind and len(behind) < len(beats):
+            where = ", ".join(f"rank {b['rank']} in {b['phase']!r}" for b in beats)
+            return (f"rank(s) {behind} have not reached, at step {min(steps)}, the phase the others "
+                    f"wait in ({where}): they lag, often in data loading (P-DEBUG-4)."), behind
         (common, n), = phases.most_common(1)
         if n > len(beats) / 2:
             lag = [b["rank"] for b in beats if b["phase"] != common]

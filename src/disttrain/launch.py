@@ -190,6 +190,8 @@ def main(argv: list[str]) -> int:
                else f"signal {failure.signal_name()}")
         others = sorted(r for r in e.failures if r != rank)
         more = f" (also failed: ranks {others})" if others else ""
+        if failure.exitcode == 124:  # watchdog.HANG_EXIT_CODE; the reporter is not the culprit
+            more += " after reporting a hang; the guard's summary above names the lagging rank"
         print(f"disttrain run: rank {rank} failed first with {how}{more}. "
               f"Its error is above; per-rank logs: --log-dir DIR --tee 3.", file=sys.stderr)
         return code or 1

@@ -101,6 +101,7 @@ class Watchdog:
         self._stop = threading.Event()
         self._thread: threading.Thread | None = None
         self._stack_file = None
+        self._usr1 = False
         self.host = socket.gethostname()
 
     # ------------------------------------------------------------ training thread
@@ -136,8 +137,11 @@ class Watchdog:
         self.dir.mkdir(parents=True, exist_ok=True)
         # Fallback stack dump for when py-spy is absent: the reporter sends SIGUSR1.
         self._stack_file = open(self.dir / f"stack{self.rank}.txt", "w")
-        if hasattr(signal, "SIGUSR1") and threading.current_thread() is threading.main_thread():
+        # Only when nobody else handles SIGUSR1: a user's handler is never replaced.
+        if (hasattr(signal, "SIGUSR1") and threading.current_thread() is threading.main_thread()
+                and signal.getsignal(signal.SIGUSR1) in (signal.SIG_DFL, None)):
             faulthandler.register(signal.SIGUSR1, file=self._stack_file, all_threads=True, chain=False)
+            self._usr1 = True
         self._beat()
         self._thread = threading.Thread(target=self._run, name="disttrain-watchdog", daemon=True)
         self._thread.start()
@@ -151,8 +155,9 @@ class Watchdog:
             self._thread = None
             self._beat(state="exited")
         if self._stack_file is not None:
-            if hasattr(signal, "SIGUSR1") and threading.current_thread() is threading.main_thread():
+            if self._usr1:
                 faulthandler.unregister(signal.SIGUSR1)
+                self._usr1 = False
             self._stack_file.close()
             self._stack_file = None
 
@@ -300,7 +305,8 @@ def dump_stacks(beats: list[dict], dir: Path) -> dict[int, str]:
         if all(s.strip() and "Error" not in s[:200] for s in stacks.values()):
             return stacks
     for b in beats:  # faulthandler fallback; a stopped process answers only once resumed
-        if b.get("proc_state") != "T":
+        # Only running watchdogs have the handler; SIGUSR1's default action would kill.
+        if b.get("proc_state") != "T" and b.get("state") == "running":
             try:
                 os.kill(b["pid"], signal.SIGUSR1)
             except OSError:
