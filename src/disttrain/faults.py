@@ -8,11 +8,12 @@ environment variable DISTTRAIN_FAULT or with `set_faults()`:
     DISTTRAIN_FAULT="exit@step:step=5,code=3"           every rank exits 3 before step 5's update
 
 Actions: kill (SIGKILL), stop (SIGSTOP), term (SIGTERM, a preemption), exit (status
-`code`, default 1), raise (RuntimeError), enospc (OSError ENOSPC, a full disk). Phases are the points where the trainer
-calls `inject`: forward, backward, step (optimizer), checkpoint phases such as
-checkpoint:shards. Keys: rank (default any), step (default any), restart (the
-TORCHELASTIC_RESTART_COUNT it fires in, default 0, so a restarted job does not fail
-again at the same point).
+`code`, default 1), raise (RuntimeError), enospc (OSError ENOSPC, a full disk).
+Phases are the points where the trainer calls `inject`: forward, backward, step
+(optimizer), and the checkpoint phases checkpoint.shards, checkpoint.after_shards and
+checkpoint.during_commit (see disttrain.checkpoint.faults). Keys: rank (default
+any), step (default any), restart (the TORCHELASTIC_RESTART_COUNT it fires in,
+default 0, so a restarted job does not fail again at the same point).
 """
 
 from __future__ import annotations
