@@ -1,12 +1,12 @@
 """Runtime guardrails on real gloo ranks under torchrun (P-DEBUG-1,2,3, P-DATA-1).
 
 Every multi-process case runs under a subprocess timeout, and the hang cases must end
-well inside it: the watchdog's test bound is 3 s, far below the 90 s collective timeout.
+well inside it: the watchdog's test bound is 6 s (generous for a loaded host), far
+below the 90 s collective timeout.
 """
 
 import subprocess
 import sys
-import time
 
 import pytest
 import torch
@@ -91,16 +91,22 @@ def test_fewer_processes_than_asked_is_an_error(checks, tmp_path):
             sanity.check_world_size()
 
 
+def _detection_seconds(out: str) -> float:
+    """How long the stalled step (or silent peer) ran before the watchdog fired."""
+    import re
+
+    line = next(line for line in out.splitlines() if "HANG detected" in line)
+    return float(re.search(r"(?:has run|no heartbeat for) ([0-9.]+) s", line).group(1))
+
+
 def _hang_job(tmp_path, mode):
     cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node=2",
            str(WORKERS / "guard_hang.py"), str(tmp_path), mode]
-    t0 = time.monotonic()
-    proc = subprocess.run(cmd, capture_output=True, text=True, timeout=HANG_TIMEOUT, env=worker_env())
-    return proc, time.monotonic() - t0
+    return subprocess.run(cmd, capture_output=True, text=True, timeout=HANG_TIMEOUT, env=worker_env())
 
 
 def test_stopped_rank_is_named_within_the_bound_P_DEBUG_1(tmp_path):
-    proc, wall = _hang_job(tmp_path, "sigstop")
+    proc = _hang_job(tmp_path, "sigstop")
     out = proc.stdout + proc.stderr
     assert proc.returncode != 0 and not list(tmp_path.glob("*.done")), out[-3000:]
     assert f"exitcode  : {HANG_EXIT_CODE}" in out
@@ -109,15 +115,16 @@ def test_stopped_rank_is_named_within_the_bound_P_DEBUG_1(tmp_path):
     assert "guard_hang.py" in out  # the stopped rank's own frame, from its stack dump
     report = (tmp_path / "guard" / "hang_report.txt").read_text()
     assert "--- rank 0 stack ---" in report and "--- rank 1 stack ---" in report
-    assert wall < HANG_TIMEOUT
+    assert _detection_seconds(out) < 30  # the test cap, far below the 90 s collective timeout
 
 
 def test_rank_that_skips_a_collective_is_named_P_DEBUG_1(tmp_path):
-    proc, wall = _hang_job(tmp_path, "skip")
+    proc = _hang_job(tmp_path, "skip")
     out = proc.stdout + proc.stderr
     assert proc.returncode != 0 and not list(tmp_path.glob("*.done")), out[-3000:]
     assert "Lagging rank(s): 1." in out, out[-3000:]
     assert "rank 1 skipped phase 'metrics' at step 10" in out
+    assert _detection_seconds(out) < 30
 
 
 def test_diagnose_rules_without_processes():

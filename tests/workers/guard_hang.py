@@ -18,7 +18,7 @@ out, mode = Path(sys.argv[1]), sys.argv[2]
 
 with dt.distributed(seed=0, timeout_s=90) as info:
     r = info.rank
-    wd = Watchdog(dir=out / "guard", hang_factor=5, hang_min_s=3.0, hang_cap_s=30.0, tick_s=0.25)
+    wd = Watchdog(dir=out / "guard", hang_factor=5, hang_min_s=6.0, hang_cap_s=30.0, tick_s=0.25)
     with wd:
         # skip: no DDP, so the only collective is the metric; a skipped one shifts the
         # pairing by one (same shapes, silently) until rank 0 waits alone at the end.
