@@ -174,12 +174,18 @@ def main(argv: list[str]) -> int:
     args, env = build_torchrun_args(argv)
     for key, value in env.items():
         os.environ.setdefault(key, value)
+    # Not a user setting: always this job's own count (a value left by an earlier job in
+    # this process, or an outer launcher, would be wrong), and none for elastic sizes.
+    os.environ.pop("DISTTRAIN_EXPECTED_WORLD_SIZE", None)
+    if "DISTTRAIN_EXPECTED_WORLD_SIZE" in env:
+        os.environ["DISTTRAIN_EXPECTED_WORLD_SIZE"] = env["DISTTRAIN_EXPECTED_WORLD_SIZE"]
     if "TORCH_DISTRIBUTED_DEBUG" in env:  # --debug: say what was switched on and where it goes
         log_dir = _flag_value(args, "--log-dir", "--log_dir")
         where = (f"per-rank files under {log_dir}" if log_dir else
                  "this terminal (every rank's stdout and stderr, interleaved); add "
                  "--log-dir DIR --tee 3 for one file per rank")
-        switches = " ".join(f"{k}={os.environ[k]}" for k in sorted(env) if k.startswith(("TORCH_", "NCCL_")))
+        switches = " ".join(f"{k}={os.environ[k]}" for k in sorted(env) if k.startswith(("TORCH_", "NCCL_"))
+                             and k not in DEFAULT_ENV)
         print(f"disttrain run --debug: {switches}. Logs: {where}.", file=sys.stderr, flush=True)
     try:
         run(parse_args(args))
