@@ -8,7 +8,7 @@ import sys
 import pytest
 import torch
 
-from conftest import WORKERS, run_disttrain
+from conftest import WORKERS
 
 sys.path.insert(0, str(WORKERS))
 from ckpt_common import CFG, build, full_state, mismatches, train  # noqa: E402
@@ -17,6 +17,7 @@ import dataclasses  # noqa: E402
 
 from disttrain.checkpoint import (Checkpointer, CheckpointCorrupt, CheckpointMismatch,  # noqa: E402
                                   StaleWriterError, latest_valid, verify)
+from disttrain.cli import main as cli  # noqa: E402
 from disttrain.models import GPT  # noqa: E402
 
 
@@ -68,14 +69,14 @@ def test_corruption_is_named_refused_and_falls_back_only_when_asked_P_CKPT_5(sav
     assert latest_valid(root).name == "step-00000001"
 
 
-def test_cli_verify_names_the_first_bad_file(saved, tmp_path):
+def test_cli_verify_names_the_first_bad_file(saved, tmp_path, capsys):
     root, step2 = _copy(saved, tmp_path)
-    ok = run_disttrain(["ckpt", "verify", str(step2)], timeout=60)
-    assert ok.returncode == 0 and "OK" in ok.stdout
+    assert cli(["ckpt", "verify", str(step2)]) == 0 and "OK" in capsys.readouterr().out
     shard = next(step2.glob("*.distcp"))
     _flip_byte(shard)
-    bad = run_disttrain(["ckpt", "verify", str(root)], timeout=60)
-    assert bad.returncode == 1 and shard.name in bad.stdout and "sha256" in bad.stdout
+    assert cli(["ckpt", "verify", str(root)]) == 1  # the root: its newest step is checked
+    out = capsys.readouterr().out
+    assert shard.name in out and "sha256" in out
 
 
 @pytest.mark.parametrize("change", [{"n_embd": 32}, {"bias": False}])
@@ -108,9 +109,8 @@ def test_export_safetensors_loads_into_a_plain_model_strict_P_CKPT_4(saved, tmp_
     from safetensors.torch import load_file
 
     out = tmp_path / "model.safetensors"
-    proc = run_disttrain(["ckpt", "export", str(saved[0]), "--to", str(out),
-                          "--optim", str(tmp_path / "optim.pt")], timeout=90)
-    assert proc.returncode == 0, proc.stderr[-2000:]
+    assert cli(["ckpt", "export", str(saved[0]), "--to", str(out),
+                "--optim", str(tmp_path / "optim.pt")]) == 0
     weights = load_file(out)
     assert not any(k.startswith(("module.", "_fsdp", "model.")) for k in weights)
     plain = GPT(CFG)
@@ -122,8 +122,13 @@ def test_export_safetensors_loads_into_a_plain_model_strict_P_CKPT_4(saved, tmp_
                        saved[1]["optim.tok_emb.weight.exp_avg"])
 
 
-def test_inspect_prints_tensors_and_layout(saved):
-    proc = run_disttrain(["ckpt", "inspect", str(saved[0])], timeout=60)
-    assert proc.returncode == 0, proc.stderr[-2000:]
-    assert "model.tok_emb.weight" in proc.stdout and "256x16" in proc.stdout
-    assert "step 2" in proc.stdout and "world 1" in proc.stdout
+def test_inspect_prints_tensors_and_layout(saved, capsys):
+    assert cli(["ckpt", "inspect", str(saved[0])]) == 0
+    out = capsys.readouterr().out
+    assert "model.tok_emb.weight" in out and "256x16" in out
+    assert "step 2" in out and "world 1" in out
+
+
+def test_cli_errors_are_one_line_exit_2(tmp_path, capsys):
+    assert cli(["ckpt", "verify", str(tmp_path)]) == 2
+    assert "holds no committed checkpoint" in capsys.readouterr().err

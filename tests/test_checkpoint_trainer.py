@@ -13,7 +13,8 @@ from disttrain.checkpoint import latest_valid
 SMALL = ["--model.n_layer=1", "--model.n_embd=32", "--model.n_head=2", "--model.block_size=32",
          "--model.dropout=0.1", "--data.max_bytes=60000", "--train.steps=6",
          "--train.batch_size=4", "--train.eval_every=0", "--train.eval_batches=1",
-         "--train.log_every=1", "--checkpoint.every=2", "--guard.enabled=false"]
+         "--train.log_every=1", "--checkpoint.every=2", "--guard.enabled=false",
+         "--parallel.nproc=1"]  # one process keeps it cheap; w=2 resume is in test_checkpoint.py
 
 
 def _losses(out):
