@@ -193,3 +193,15 @@ def test_guard_in_a_world_of_one_is_cheap_and_silent(monkeypatch):
         guard.step(1, model)
     assert guard.watchdog is None
     guard.close()
+
+
+def test_watchdog_cleans_its_side_channel_after_a_clean_run(tmp_path, monkeypatch):
+    from disttrain.watchdog import Watchdog
+
+    monkeypatch.setenv("LOCAL_WORLD_SIZE", "1")
+    wd = Watchdog(dir=tmp_path / "side", tick_s=0.05).start()
+    with wd.phase("forward"):
+        wd.step(1)
+    assert (tmp_path / "side" / "hb0.json").exists()
+    wd.stop()
+    assert not (tmp_path / "side").exists()

@@ -160,6 +160,18 @@ class Watchdog:
                 self._usr1 = False
             self._stack_file.close()
             self._stack_file = None
+            self._cleanup()
+
+    def _cleanup(self) -> None:
+        """The last rank to stop removes the side channel, unless it holds a hang report."""
+        if (self.dir / "stall").exists():
+            return
+        beats = self._read_beats()
+        if beats and all(b["state"] == "exited" for b in beats) and len(beats) >= self.local_world():
+            shutil.rmtree(self.dir, ignore_errors=True)
+
+    def local_world(self) -> int:
+        return int(os.environ.get("LOCAL_WORLD_SIZE", 1))
 
     def __enter__(self) -> "Watchdog":
         return self.start()
