@@ -128,7 +128,8 @@ class Watchdog:
         """Seconds a step may run before it counts as a hang."""
         if self.slow or len(self.durations) < self.warmup_steps:
             return self.hang_cap_s
-        return min(self.hang_cap_s, max(self.hang_min_s, self.hang_factor * statistics.median(self.durations)))
+        typical = statistics.median(self.durations)
+        return min(self.hang_cap_s, max(self.hang_min_s, self.hang_factor * typical))
 
     # ------------------------------------------------------------ lifetime
 
@@ -204,12 +205,20 @@ class Watchdog:
             pass  # a full or vanished disk must not kill training; the next tick retries
 
     def _run(self) -> None:
+        warned = False
         while not self._stop.wait(self.tick_s):
-            self._beat()
-            if (self.dir / "stall").exists():
-                self._follow()
-                return
-            reason = self._check()
+            try:
+                self._beat()
+                if (self.dir / "stall").exists():
+                    self._follow()
+                    return
+                reason = self._check()
+            except Exception as e:  # e.g. a foreign file in the directory; keep watching
+                if not warned:
+                    print(f"disttrain guard: watchdog on rank {self.rank}: {type(e).__name__}: {e}",
+                          file=sys.stderr, flush=True)
+                    warned = True
+                continue
             if reason:
                 self._fire(reason)
                 return
@@ -246,21 +255,33 @@ class Watchdog:
     def _fire(self, reason: str) -> None:
         try:
             fd = os.open(self.dir / "stall", os.O_CREAT | os.O_EXCL | os.O_WRONLY)
+            os.write(fd, json.dumps({"rank": self.rank, "reason": reason}).encode())
+            os.close(fd)
         except FileExistsError:
             self._follow()
             return
-        os.write(fd, json.dumps({"rank": self.rank, "reason": reason}).encode())
-        os.close(fd)
+        except OSError:
+            pass  # no election possible (the directory vanished): report anyway
+        try:
+            self._report(reason)
+        except Exception as e:  # a bug in the report must never turn back into a hang
+            print(f"disttrain guard: HANG detected by rank {self.rank}: {reason}. (The full "
+                  f"report failed: {type(e).__name__}: {e}.)", file=sys.stderr, flush=True)
+        os._exit(self.exit_code)
+
+    def _report(self, reason: str) -> None:
         beats = self._read_beats()
+        now = time.time()  # before the dumps: their duration must not age the heartbeats
         local = [b for b in beats if b["host"] == self.host]
         for b in local:
             b["proc_state"] = proc_state(b["pid"])
         stacks = dump_stacks(local, self.dir)
-        verdict, lagging = diagnose(beats, time.time(), stale_after=max(self.bound(), 5 * self.tick_s))
+        verdict, lagging = diagnose(beats, now, stale_after=max(self.bound(), 5 * self.tick_s))
         summary = format_summary(reason=reason, reporter=self.rank, world=self.world, beats=beats,
                                  verdict=verdict, lagging=lagging, stacks=stacks,
                                  report=self.dir / "hang_report.txt")
-        full = summary + "\n\n" + "\n\n".join(f"--- rank {r} stack ---\n{s}" for r, s in sorted(stacks.items()))
+        full = summary + "\n\n" + "\n\n".join(f"--- rank {r} stack ---\n{text}"
+                                              for r, text in sorted(stacks.items()))
         try:
             (self.dir / "hang_report.txt").write_text(full)
         except OSError:
@@ -272,7 +293,6 @@ class Watchdog:
                     os.kill(b["pid"], signal.SIGCONT)
                 except OSError:
                     pass
-        os._exit(self.exit_code)
 
 
 class _Phase:

@@ -68,7 +68,8 @@ with dt.distributed(seed=0, timeout_s=60) as info:
 
     # Looks distributed but is not.
     plain = MLP(MLPConfig())
-    results["unwrapped"] = warning_of(sanity.check_wrapped, plain, torch.optim.SGD(plain.parameters(), lr=0.1))
+    results["unwrapped"] = warning_of(sanity.check_wrapped, plain,
+                                      torch.optim.SGD(plain.parameters(), lr=0.1))
     results["wrapped"] = warning_of(sanity.check_wrapped, ddp, opt)
     results["optimizer_other_copy"] = warning_of(
         sanity.check_wrapped, ddp, torch.optim.SGD(MLP(MLPConfig()).parameters(), lr=0.1))
