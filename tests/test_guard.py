@@ -205,3 +205,18 @@ def test_watchdog_cleans_its_side_channel_after_a_clean_run(tmp_path, monkeypatc
     assert (tmp_path / "side" / "hb0.json").exists()
     wd.stop()
     assert not (tmp_path / "side").exists()
+
+
+def test_where_in_stack_reads_py_spy_and_faulthandler_dumps():
+    from disttrain.hangreport import where_in_stack
+
+    py_spy = ('Thread 7 (idle): "disttrain-watchdog"\n    _run (disttrain/watchdog.py:9)\n'
+              'Thread 1 (idle): "MainThread"\n    all_reduce (torch/distributed/distributed_c10d.py:3252)\n'
+              '    global_sum (disttrain/metrics.py:20)\n    <module> (train.py:39)\n')
+    assert where_in_stack(py_spy) == ("all_reduce (torch/distributed/distributed_c10d.py:3252), "
+                                      "called from global_sum (disttrain/metrics.py:20)")
+    faulthandler = ('Thread 0x01 (most recent call first):\n  File "/x/watchdog.py", line 9 in _run\n\n'
+                    'Current thread 0x02 (most recent call first):\n'
+                    '  File "/v/site-packages/torch/autograd/graph.py", line 979 in _engine_run_backward\n'
+                    '  File "/w/train.py", line 34 in <module>\n')
+    assert where_in_stack(faulthandler).endswith('called from "/w/train.py", line 34 in <module>')

@@ -96,25 +96,27 @@ def diagnose(beats: list[dict], now: float, stale_after: float) -> tuple[str, li
 
 
 def where_in_stack(stack: str) -> str:
-    """The innermost frame of the main thread in a py-spy or faulthandler dump."""
+    """The main thread's innermost frame (and first frame outside torch) in a py-spy
+    dump ('... "MainThread"') or a faulthandler dump ('Current thread ...': signal
+    handlers run on the main thread)."""
     lines = stack.splitlines()
-    for i, line in enumerate(lines):
-        is_main = ("MainThread" in line) or line.startswith("Current thread") or \
-            (line.startswith("Thread 0x") and "most recent call first" in line)
-        if is_main:
-            frames = []
-            for frame in lines[i + 1:]:
-                frame = frame.strip()
-                if not frame or frame.startswith("Thread"):
-                    break
-                frames.append(frame.removeprefix("File "))
-            if not frames:
-                return ""
-            # The innermost frame is usually torch's; the first frame outside torch is
-            # the caller that matters (the user's or disttrain's line).
-            own = next((f for f in frames if "torch/" not in f and "site-packages" not in f), "")
-            return frames[0] + (f", called from {own}" if own and own != frames[0] else "")
-    return ""
+    heads = [i for i, line in enumerate(lines) if "MainThread" in line or line.startswith("Current thread")]
+    if not heads:
+        heads = [i for i, line in enumerate(lines) if line.startswith("Thread")]
+    if not heads:
+        return ""
+    frames = []
+    for frame in lines[heads[0] + 1:]:
+        frame = frame.strip()
+        if not frame or frame.startswith(("Thread", "Current thread")):
+            break
+        frames.append(frame.removeprefix("File "))
+    if not frames:
+        return ""
+    # The innermost frame is usually torch's; the first frame outside torch is the
+    # caller that matters (the user's or disttrain's line).
+    own = next((f for f in frames if "torch/" not in f and "site-packages" not in f), "")
+    return frames[0] + (f", called from {own}" if own and own != frames[0] else "")
 
 
 def format_summary(*, reason: str, reporter: int, world: int, beats: list[dict], verdict: str,

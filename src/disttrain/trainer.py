@@ -73,7 +73,8 @@ def train(cfg: Config) -> dict:
         train_set = ChunkDataset(corpus.train, cfg.model.block_size)
         heldout_set = ChunkDataset(corpus.heldout, cfg.model.block_size)
         # Fingerprint, launch checks and hang watchdog, before wrap (P-DEBUG-1,3).
-        guard = start_guard(cfg.guard, config=cfg, timeout_s=p.timeout_s, dataset_len=len(train_set))
+        guard = start_guard(cfg.guard, config=cfg, timeout_s=p.timeout_s, dataset_len=len(train_set),
+                            accum_steps=t.accum_steps, strategy=p.strategy)
         model = wrap(GPT(cfg.model), p, precision=t.precision)  # bf16/fp16 (P-DDP-7, P-FSDP-5)
         optimizer = build_optimizer(model, cfg)  # after wrap (P-DDP-3)
         guard.check_model(model, optimizer)

@@ -57,7 +57,13 @@ def default_dir() -> Path:
 
 
 def find_py_spy() -> str | None:
-    """py-spy next to this interpreter (a venv) or on PATH; None when not installed."""
+    """py-spy next to this interpreter (a venv) or on PATH; None when not installed.
+
+    `DISTTRAIN_PY_SPY` overrides: a path to the binary, or 0 to use faulthandler only.
+    """
+    choice = os.environ.get("DISTTRAIN_PY_SPY")
+    if choice is not None:
+        return None if choice in ("", "0") else choice
     here = Path(sys.executable).with_name("py-spy")
     return str(here) if here.is_file() else shutil.which("py-spy")
 
