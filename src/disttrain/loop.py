@@ -88,6 +88,11 @@ class Accumulator:
         """True right after the micro-step that ran the optimizer step."""
 
     @property
+    def window_start(self) -> bool:
+        """True before the first micro-step of an optimizer step's window."""
+        return self._in_window == 0
+
+    @property
     def next_is_boundary(self) -> bool:
         return self._in_window + 1 >= self.accum_steps
 

@@ -20,7 +20,7 @@ class TrainProgress:
     Disabled (a no-op) on ranks other than 0.
     """
 
-    def __init__(self, total_steps: int, enabled: bool = True):
+    def __init__(self, total_steps: int, enabled: bool = True, start: int = 0):
         self.enabled = enabled
         if not enabled:
             return
@@ -30,7 +30,7 @@ class TrainProgress:
             TextColumn("{task.fields[tok_s]} tok/s"), TimeElapsedColumn(), TimeRemainingColumn(),
             console=Console(stderr=False), transient=False,
         )
-        self._task = self._progress.add_task("train", total=total_steps, loss="-", heldout="-",
+        self._task = self._progress.add_task("train", total=total_steps, completed=start, loss="-", heldout="-",
                                              tok_s="-")
         self._progress.start()
 

@@ -109,6 +109,17 @@ def seed_rank_stream(info: RankInfo | None = None) -> None:
     seed_all(info.seed + _RANK_STREAM * (info.rank + 1))
 
 
+def seed_step(step: int, info: RankInfo | None = None) -> None:
+    """Seed the global RNGs from (seed, step, rank) at the start of optimizer step `step`.
+
+    Dropout masks then depend only on where the run is, not on how it got there, so a
+    resume is bit-exact at the same world size and well defined after a world-size
+    change (rank r of the new world draws the stream of (seed, step, r)).
+    """
+    info = info or rank_info()
+    seed_all((info.seed * 1_000_003 + step) * 65_537 + info.rank)
+
+
 def init(*, backend: str = "auto", device: str = "auto", timeout_s: float = 300.0,
          seed: int = 0) -> RankInfo:
     """Start the process group from the torchrun environment and return `RankInfo`.

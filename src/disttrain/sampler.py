@@ -56,6 +56,8 @@ class ElasticSampler(Sampler[int]):
                             f"use drop_last=False.")
         self.epoch = 0
         self.cursor = 0
+        self.saved_global_batch = self.global_batch
+        """The global batch of the run that wrote the loaded state (for batch policies)."""
 
     @property
     def global_batch(self) -> int:
@@ -122,7 +124,8 @@ class ElasticSampler(Sampler[int]):
         self.epoch, self.cursor = epoch, 0
 
     def state_dict(self) -> dict:
-        return {"epoch": self.epoch, "cursor": self.cursor, "seed": self.seed, "n": self.n}
+        return {"epoch": self.epoch, "cursor": self.cursor, "seed": self.seed, "n": self.n,
+                "global_batch": self.global_batch}
 
     def load_state_dict(self, state: dict) -> None:
         """Resume at (epoch, cursor), at any world size. Raises `UserError` when the
@@ -132,6 +135,7 @@ class ElasticSampler(Sampler[int]):
                             f"{state['seed']}, this run has {self.n} samples with seed {self.seed}; "
                             f"resume with the same dataset and train.seed.")
         self.epoch, self.cursor = int(state["epoch"]), int(state["cursor"])
+        self.saved_global_batch = int(state.get("global_batch", self.global_batch))
 
     def reconfigure(self, *, world_size: int, rank: int, accum_steps: int | None = None,
                     batch_size: int | None = None) -> None:

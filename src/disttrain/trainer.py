@@ -28,6 +28,10 @@ from disttrain.models import GPT
 from disttrain.parallel import make_optimizer, wrap
 from disttrain.precision import make_grad_scaler
 from disttrain.progress import TrainProgress, print_summary
+from disttrain.elastic import SampleAudit, apply_batch_policy, generation_id
+from disttrain.faults import inject
+from disttrain.metrics import print_main
+from disttrain.preempt import PreemptionHandler
 from disttrain.sampler import ElasticSampler
 
 
@@ -63,91 +67,141 @@ def evaluate(model: torch.nn.Module, dataset: ChunkDataset, batch_size: int, max
     return global_mean(total, count)
 
 
+class _Indexed(torch.utils.data.Dataset):
+    """The training set, each item with its index, so a step knows its samples."""
+
+    def __init__(self, dataset):
+        self.dataset = dataset
+
+    def __len__(self) -> int:
+        return len(self.dataset)
+
+    def __getitem__(self, i: int):
+        return (*self.dataset[i], i)
+
+
 def train(cfg: Config) -> dict:
-    """Run one training job in this process (one rank). Returns the summary dict."""
-    t0 = time.perf_counter()
+    """Run one training job in this process (one rank). Returns the summary dict.
+
+    Resumes from the newest valid checkpoint when there is one (no flag), so a
+    torchrun restart continues where the job stopped. On SIGTERM every rank stops
+    after the same step, saves, and returns with `summary["preempted"]` True.
+    """
     p, t = cfg.parallel, cfg.train
     with runtime.distributed(backend=p.backend, device=p.device, timeout_s=p.timeout_s,
                              seed=t.seed) as info:
-        corpus = load_stdlib_corpus(cfg.data.max_bytes, cfg.data.heldout_fraction)
-        train_set = ChunkDataset(corpus.train, cfg.model.block_size)
-        heldout_set = ChunkDataset(corpus.heldout, cfg.model.block_size)
-        # Fingerprint, launch checks and hang watchdog, before wrap (P-DEBUG-1,3).
-        guard = start_guard(cfg.guard, config=cfg, timeout_s=p.timeout_s, dataset_len=len(train_set),
-                            accum_steps=t.accum_steps, strategy=p.strategy)
-        model = wrap(GPT(cfg.model), p, precision=t.precision)  # bf16/fp16 (P-DDP-7, P-FSDP-5)
-        optimizer = build_optimizer(model, cfg)  # after wrap (P-DDP-3)
-        guard.check_model(model, optimizer)
-        scheduler = warmup_cosine(optimizer, total_steps=t.steps, warmup_steps=cfg.optim.warmup_steps,
-                                  min_lr_ratio=cfg.optim.min_lr_ratio)
-        acc = Accumulator(model, optimizer, t.accum_steps, scheduler=scheduler,
-                          grad_clip=cfg.optim.grad_clip, scaler=make_grad_scaler(t.precision))
-        # ElasticSampler: its (epoch, cursor) is checkpointed, so a resume continues mid-epoch.
-        sampler = ElasticSampler(len(train_set), batch_size=t.batch_size, accum_steps=t.accum_steps,
-                                 seed=t.seed, drop_last=cfg.data.drop_last)
-        # A private generator: iter(loader) must not draw from the global (dropout) RNG,
-        # or a resumed run would see other dropout masks than an uninterrupted one.
-        loader = DataLoader(train_set, batch_size=t.batch_size, sampler=sampler, drop_last=True,
-                            generator=torch.Generator().manual_seed(t.seed))
-        out = Path(t.out_dir)
-        ckpt, state = _checkpointing(cfg, out, model, optimizer, scheduler, acc.scaler, sampler)
-        if ckpt is not None and ckpt.load(state) is not None:  # automatic resume (P-ELASTIC-3)
-            acc.optimizer_steps = state.step
-        saved_at = acc.optimizer_steps
-        log = JsonlWriter(out / "metrics.jsonl")
-        tokens_per_step = t.batch_size * cfg.model.block_size * t.accum_steps * info.world_size
-        first_eval = evaluate(model, heldout_set, t.batch_size, t.eval_batches)
-        progress = TrainProgress(t.steps, enabled=info.is_main)
-        window, heldout_loss, train_loss = MeanTracker(), first_eval, float("nan")
-        t_window, last_logged = time.perf_counter(), 0
-        while acc.optimizer_steps < t.steps:
-            for x, y in loader:  # each pass is a new epoch: the sampler advances itself
-                guard.first_batch(x)
-                with acc.micro_step():
-                    _, loss = model(x.to(info.device), y.to(info.device))
-                    acc.backward(loss)
-                window.update(loss.detach(), y.numel())
-                if not acc.stepped:
-                    continue
-                step = acc.optimizer_steps
-                sampler.commit_step()
-                guard.step(step, model)
-                if step % t.log_every == 0 or step == t.steps:
-                    train_loss = window.compute()
-                    now = time.perf_counter()
-                    tok_s = (step - last_logged) * tokens_per_step / max(now - t_window, 1e-9)
-                    window.reset()
-                    t_window, last_logged = now, step
-                    record = {"step": step, "loss": train_loss, "lr": scheduler.get_last_lr()[0],
-                              "tokens_per_s": tok_s}
-                    if (t.eval_every and step % t.eval_every == 0) or step == t.steps:
-                        with guard.phase("eval", slow=True):  # may outlast a step
-                            heldout_loss = evaluate(model, heldout_set, t.batch_size, t.eval_batches)
-                        record["heldout_loss"] = heldout_loss
-                    log.write(record)
-                    progress.update(step, train_loss, heldout_loss, tok_s)
-                if cfg.checkpoint.every and step % cfg.checkpoint.every == 0:
-                    saved_at = _save(ckpt, state, step, cfg.checkpoint.on_error, saved_at)
-                if step >= t.steps:
-                    break
-        if saved_at != acc.optimizer_steps:
-            _save(ckpt, state, acc.optimizer_steps, cfg.checkpoint.on_error, saved_at)
-        if ckpt is not None:
-            _close(ckpt, cfg.checkpoint.on_error)
-        progress.close()
-        guard.close()
-        ckpt = save_model(model, out / "model.pt")
-        summary = {
-            "steps": acc.optimizer_steps, "world_size": info.world_size, "strategy": p.strategy,
-            "initial_heldout_loss": first_eval, "final_train_loss": train_loss,
-            "final_heldout_loss": heldout_loss, "wall_time_s": time.perf_counter() - t0,
-            "tokens_seen": tokens_per_step * acc.optimizer_steps, "checkpoint": str(ckpt),
-            "train_files": corpus.files_train, "heldout_files": corpus.files_heldout,
-        }
-        if info.is_main:
-            (out / "summary.json").write_text(json.dumps({**summary, "config": to_dict(cfg)}, indent=2))
-            print_summary(summary)
-        return summary
+        preempt = PreemptionHandler(cfg.elastic.preempt_grace_s).install()
+        try:
+            return _train(cfg, info, preempt)
+        finally:
+            preempt.uninstall()
+
+
+def _train(cfg: Config, info: runtime.RankInfo, preempt: PreemptionHandler) -> dict:
+    t0 = time.perf_counter()
+    p, t = cfg.parallel, cfg.train
+    corpus = load_stdlib_corpus(cfg.data.max_bytes, cfg.data.heldout_fraction)
+    train_set = ChunkDataset(corpus.train, cfg.model.block_size)
+    heldout_set = ChunkDataset(corpus.heldout, cfg.model.block_size)
+    # Fingerprint, launch checks and hang watchdog, before wrap (P-DEBUG-1,3).
+    guard = start_guard(cfg.guard, config=cfg, timeout_s=p.timeout_s, dataset_len=len(train_set))
+    model = wrap(GPT(cfg.model), p, precision=t.precision)  # bf16/fp16 (P-DDP-7, P-FSDP-5)
+    optimizer = build_optimizer(model, cfg)  # after wrap (P-DDP-3)
+    guard.check_model(model, optimizer)
+    scheduler = warmup_cosine(optimizer, total_steps=t.steps, warmup_steps=cfg.optim.warmup_steps,
+                              min_lr_ratio=cfg.optim.min_lr_ratio)
+    acc = Accumulator(model, optimizer, t.accum_steps, scheduler=scheduler,
+                      grad_clip=cfg.optim.grad_clip, scaler=make_grad_scaler(t.precision))
+    # ElasticSampler: its (epoch, cursor) is checkpointed, so a resume continues mid-epoch
+    # at any world size, every sample exactly once (P-DATA-3).
+    sampler = ElasticSampler(len(train_set), batch_size=t.batch_size, accum_steps=t.accum_steps,
+                             seed=t.seed, drop_last=cfg.data.drop_last)
+    # A private generator: iter(loader) must not draw from the global (dropout) RNG.
+    loader = DataLoader(_Indexed(train_set), batch_size=t.batch_size, sampler=sampler,
+                        drop_last=True, generator=torch.Generator().manual_seed(t.seed))
+    out = Path(t.out_dir)
+    ckpt, state = _checkpointing(cfg, out, model, optimizer, scheduler, acc.scaler, sampler)
+    resumed = ckpt is not None and ckpt.load(state) is not None  # automatic resume (P-ELASTIC-3)
+    if resumed:
+        acc.optimizer_steps = state.step
+        acc.accum_steps, note = apply_batch_policy(
+            cfg.elastic.batch_policy, saved_global_batch=sampler.saved_global_batch,
+            batch_size=t.batch_size, world_size=info.world_size, accum_steps=t.accum_steps,
+            optimizer=optimizer, scheduler=scheduler)
+        sampler.reconfigure(world_size=info.world_size, rank=info.rank, accum_steps=acc.accum_steps)
+        print_main(f"disttrain train: resumed at step {state.step} (epoch {sampler.epoch}, "
+                   f"sample {sampler.cursor}) on {info.world_size} rank(s)"
+                   + (f"; {note}" if note else ""))
+    audit = SampleAudit(out / "samples", info.rank, info.world_size, cfg.elastic.record_samples,
+                        generation_id())
+    saved_at = step = acc.optimizer_steps
+    log = JsonlWriter(out / "metrics.jsonl")
+    tokens_per_step = t.batch_size * cfg.model.block_size * acc.accum_steps * info.world_size
+    first_eval = evaluate(model, heldout_set, t.batch_size, t.eval_batches)
+    progress = TrainProgress(t.steps, enabled=info.is_main, start=step)
+    window, heldout_loss, train_loss = MeanTracker(), first_eval, float("nan")
+    t_window, last_logged, stopping = time.perf_counter(), step, False
+    while step < t.steps and not stopping:
+        for x, y, idx in loader:  # each pass is a new epoch: the sampler advances itself
+            guard.first_batch(x)
+            if acc.window_start:  # dropout from (seed, step, rank): exact resume
+                runtime.seed_step(step)
+            inject("forward", step + 1, info.rank)
+            with acc.micro_step():
+                _, loss = model(x.to(info.device), y.to(info.device))
+                inject("backward", step + 1, info.rank)
+                acc.backward(loss)
+            window.update(loss.detach(), y.numel())
+            audit.add(idx)
+            if not acc.stepped:
+                continue
+            step = acc.optimizer_steps
+            sampler.commit_step()
+            audit.commit(step)
+            inject("step", step, info.rank)
+            guard.step(step, model)
+            if step % t.log_every == 0 or step == t.steps:
+                train_loss = window.compute()
+                now = time.perf_counter()
+                tok_s = (step - last_logged) * tokens_per_step / max(now - t_window, 1e-9)
+                window.reset()
+                t_window, last_logged = now, step
+                record = {"step": step, "loss": train_loss, "lr": scheduler.get_last_lr()[0],
+                          "tokens_per_s": tok_s, "world_size": info.world_size}
+                if (t.eval_every and step % t.eval_every == 0) or step == t.steps:
+                    with guard.phase("eval", slow=True):  # may outlast a step
+                        heldout_loss = evaluate(model, heldout_set, t.batch_size, t.eval_batches)
+                    record["heldout_loss"] = heldout_loss
+                log.write(record)
+                progress.update(step, train_loss, heldout_loss, tok_s)
+            stopping = preempt.should_stop()  # agreed by all ranks (one all-reduce)
+            if stopping or (cfg.checkpoint.every and step % cfg.checkpoint.every == 0):
+                saved_at = _save(ckpt, state, step, cfg.checkpoint.on_error, saved_at)
+            if stopping or step >= t.steps:
+                break
+    if saved_at != step:
+        _save(ckpt, state, step, cfg.checkpoint.on_error, saved_at)
+    if ckpt is not None:
+        _close(ckpt, cfg.checkpoint.on_error)
+    progress.close()
+    guard.close()
+    if stopping:
+        print_main(f"disttrain train: preempted ({preempt.signal_name}); saved step {step} and "
+                   f"stopped. Start the same command again to resume.")
+        return {"steps": step, "preempted": True, "world_size": info.world_size}
+    model_path = save_model(model, out / "model.pt")
+    summary = {
+        "steps": step, "world_size": info.world_size, "strategy": p.strategy,
+        "initial_heldout_loss": first_eval, "final_train_loss": train_loss,
+        "final_heldout_loss": heldout_loss, "wall_time_s": time.perf_counter() - t0,
+        "tokens_seen": tokens_per_step * step, "checkpoint": str(model_path),
+        "train_files": corpus.files_train, "heldout_files": corpus.files_heldout,
+        "resumed": resumed, "preempted": False,
+    }
+    if info.is_main:
+        (out / "summary.json").write_text(json.dumps({**summary, "config": to_dict(cfg)}, indent=2))
+        print_summary(summary)
+    return summary
 
 
 def _checkpointing(cfg: Config, out: Path, model, optimizer, scheduler, scaler, sampler):
