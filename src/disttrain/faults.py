@@ -8,7 +8,8 @@ environment variable DISTTRAIN_FAULT or with `set_faults()`:
     DISTTRAIN_FAULT="exit@step:step=5,code=3"           every rank exits 3 before step 5's update
 
 Actions: kill (SIGKILL), stop (SIGSTOP), term (SIGTERM, a preemption), exit (status
-`code`, default 1), raise (RuntimeError), enospc (OSError ENOSPC, a full disk).
+`code`, default 1), raise (RuntimeError), enospc (OSError ENOSPC, a full disk),
+delay (sleep `ms` milliseconds: a slow rank; it fires in every restart and is silent).
 Phases are the points where the trainer calls `inject`: forward, backward, step
 (optimizer), and the checkpoint phases checkpoint.shards, checkpoint.after_shards and
 checkpoint.during_commit (see disttrain.checkpoint.faults). Keys: rank (default
@@ -22,11 +23,12 @@ import errno
 import os
 import signal
 import sys
+import time
 from dataclasses import dataclass
 
 from disttrain.errors import UserError
 
-ACTIONS = ("kill", "stop", "term", "exit", "raise", "enospc")
+ACTIONS = ("kill", "stop", "term", "exit", "raise", "enospc", "delay")
 
 
 @dataclass(frozen=True)
@@ -37,6 +39,7 @@ class Fault:
     step: int | None = None
     restart: int = 0
     code: int = 1
+    ms: int = 0
 
 
 def parse(spec: str) -> list[Fault]:
@@ -51,8 +54,8 @@ def parse(spec: str) -> list[Fault]:
         keys = {}
         for item in filter(None, tail.split(",")):
             key, _, value = item.partition("=")
-            if key not in ("rank", "step", "restart", "code") or not value.lstrip("-").isdigit():
-                raise UserError(f"fault {part!r}: bad key {item!r}; keys are rank, step, restart, "
+            if key not in ("rank", "step", "restart", "code", "ms") or not value.lstrip("-").isdigit():
+                raise UserError(f"fault {part!r}: bad key {item!r}; keys are rank, step, restart, ms, "
                                 f"code with integer values.")
             keys[key] = int(value)
         faults.append(Fault(action=action, phase=phase, **keys))
@@ -84,8 +87,12 @@ def inject(phase: str, step: int, rank: int | None = None) -> None:
         rank = int(os.environ.get("RANK", "0"))
     restart = int(os.environ.get("TORCHELASTIC_RESTART_COUNT", "0"))
     for f in faults:
-        if f.phase != phase or f.restart != restart or f.rank not in (None, rank) \
-                or f.step not in (None, step):
+        if f.phase != phase or f.rank not in (None, rank) or f.step not in (None, step):
+            continue
+        if f.action == "delay":  # a slow rank, in every attempt
+            time.sleep(f.ms / 1000)
+            continue
+        if f.restart != restart:
             continue
         print(f"disttrain fault: {f.action} at {phase}, step {step}, rank {rank}", file=sys.stderr,
               flush=True)
