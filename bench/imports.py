@@ -16,32 +16,42 @@ from bench.profiles import import_profile
 NAME = "imports"
 TITLE = "7. `import disttrain` above `import torch`"
 TARGET_S = 0.15
-MODULES = ["disttrain", "accelerate", "lightning.fabric"]
+# name -> (package, statement). `import disttrain` is lazy (names load on first use),
+# so the second row also touches every name the benchmark's training script uses:
+# that is what a script pays before its first step.
+MODULES = {
+    "disttrain": ("disttrain", "import disttrain"),
+    "disttrain, names a script uses": (
+        "disttrain", "import disttrain as dt; (dt.distributed, dt.wrap, dt.make_optimizer, "
+                     "dt.Accumulator, dt.DistributedSampler, dt.print_main, dt.global_mean)"),
+    "accelerate": ("accelerate", "from accelerate import Accelerator"),
+    "lightning.fabric": ("lightning", "from lightning.fabric import Fabric"),
+}
 
 _PROBE = ("import time; t0 = time.perf_counter(); import torch; t1 = time.perf_counter(); "
-          "import {m}; t2 = time.perf_counter(); import json; "
+          "{stmt}; t2 = time.perf_counter(); import json; "
           "print(json.dumps([t1 - t0, t2 - t1]))")
 
 
-def _available(module: str) -> bool:
+def _available(package: str) -> bool:
     import importlib.util
 
-    return importlib.util.find_spec(module.split(".")[0]) is not None
+    return importlib.util.find_spec(package) is not None
 
 
-def measure_imports(modules: list[str], opts: Options, log=print) -> dict[str, dict]:
-    """{module: summary of seconds above torch} plus 'torch': summary of torch's import.
+def measure_imports(wanted: dict[str, tuple[str, str]], opts: Options, log=print) -> dict[str, dict]:
+    """{name: summary of seconds above torch} plus 'torch': summary of torch's import.
 
-    Repeats: `opts.repeats`, at least 5 unless quick. A module that is not installed
-    or fails to import is left out.
+    `wanted` maps a name to (package, statement). Repeats: `opts.repeats`, at least
+    7 (3 when quick). A package that is not installed or fails to import is left out.
     """
-    modules = [m for m in modules if _available(m)]
+    modules = [m for m in wanted if _available(wanted[m][0])]
     samples: dict[str, list[float]] = {m: [] for m in modules}
     torch_s: list[float] = []
     repeats = max(opts.repeats, 3 if opts.quick else 7)
     for repeat in range(repeats + 1):  # round 0 is the warm-up
         for module in modules:
-            r = run_python(_PROBE.format(m=module))
+            r = run_python(_PROBE.format(stmt=wanted[module][1]))
             if r.returncode != 0:
                 log(f"  import {module} failed: {r.stderr.strip().splitlines()[-1:]}")
                 samples.pop(module, None)
@@ -77,11 +87,11 @@ def analyse(matrix, opts: Options) -> dict:
 
 def render(data: dict) -> str:
     res = data["results"]
-    out = ["| import (fresh interpreter, after `import torch`) | seconds above torch | runs |",
+    out = ["| statement (fresh interpreter, after `import torch`) | seconds above torch | runs |",
            "|---|---|---|"]
-    for module in MODULES:
-        s = res.get(module)
-        out.append(f"| `import {module}` | {fmt(s) if s else 'not installed'} | "
+    for name, (_, stmt) in MODULES.items():
+        s = res.get(name)
+        out.append(f"| `{stmt}` | {fmt(s) if s else 'not installed'} | "
                    f"{s.get('n', 0) if s else 0} |")
     out.append(f"| (`import torch` itself) | {fmt(res.get('torch', {}))} | "
                f"{res.get('torch', {}).get('n', 0)} |")
@@ -89,7 +99,8 @@ def render(data: dict) -> str:
     if ours:
         verdict = "MISSED" if data["missed"] else "met"
         out += ["", f"Target: `import disttrain` adds at most {data['target_s']} s: **{verdict}** "
-                f"(median {ours['median']:.3f} s)."]
+                f"(median {ours['median']:.3f} s). `import disttrain` is lazy: the second row is "
+                f"the import cost a training script pays by its first step, reported, not targeted."]
     if data.get("profile"):
         out += ["", "Why (`-X importtime`, modules loaded after torch, by cumulative time):", "",
                 "```", data["profile"], "```"]

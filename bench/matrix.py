@@ -137,14 +137,15 @@ class Matrix:
                                  "tokens_per_s": res.tokens_per_s})
             sys.stdout.flush()
 
-    def profile(self, name: str, world: int) -> dict | None:
-        """A cProfile of one launch of the job (cached); None when it cannot run."""
+    def profile(self, name: str, world: int, kind: str = "steps") -> dict | None:
+        """A cProfile of one launch of the job (cached): 'steps' profiles the timed steps,
+        'startup' the whole process. None when the job has no successful run."""
         from bench.profiles import profile_job
 
-        key = f"{name}@{world}"
+        key = f"{name}@{world}:{kind}"
         if key not in self.profiles:
-            job = self.jobs.get(key)
+            job = self.jobs.get(f"{name}@{world}")
             if job is None or not job.ok:
                 return None
-            self.profiles[key] = profile_job(script(name), world, self.opts)
+            self.profiles[key] = profile_job(script(name), world, self.opts, kind)
         return self.profiles[key]

@@ -1,8 +1,10 @@
 """Profiles that explain a missed target: cProfile of a whole job, and `-X importtime`.
 
-A step-time or start-up miss is explained by the functions on which the disttrain
-job spends more of its own time (tottime) than the hand-written job; a scaling
-miss by where the 2-rank job spends its time; an import miss by the modules that
+A step-time miss is explained by a profile of the timed steps only (the harness
+starts cProfile after the warm-up), a start-up miss by a profile of the whole
+process (`python -m cProfile`, imports included): in both, the functions on which
+the disttrain job spends more of its own time (tottime) than the hand-written job.
+A scaling miss is explained by where the 2-rank job's steps spend their time; an import miss by the modules that
 `import disttrain` loads after torch, by cumulative import time. The profiles run
 with fewer steps than the timed jobs and cProfile slows Python code down, so their
 seconds explain, they do not measure.
@@ -30,24 +32,34 @@ def _where(filename: str) -> str:
     return Path(filename).name
 
 
-def profile_job(script: str, world: int, opts: Options) -> dict:
-    """cProfile rank 0 of one launch: {'func': (tottime, cumtime)} plus 'total_s'.
+def profile_job(script: str, world: int, opts: Options, kind: str = "steps") -> dict:
+    """cProfile rank 0 of one launch: {'funcs': {func: (tottime, cumtime)}, 'total_s', ...}.
 
-    Returns {'error': ...} when the profiled job fails, so the report says so.
+    `kind` 'steps': the timed steps only; 'startup': the whole process. Returns
+    {'error': ...} when the profiled job fails, so the report says so.
     """
     with tempfile.TemporaryDirectory(prefix="bench-prof-") as tmp:
-        prefix = ["-m", "cProfile", "-o", str(Path(tmp, "prof{rank}.pstats"))]
+        if kind == "startup":
+            prefix, env = ["-m", "cProfile", "-o", str(Path(tmp, "prof.rank{rank}"))], {}
+        else:
+            prefix, env = [], {"BENCH_PROFILE": str(Path(tmp, "prof"))}
         try:
-            launch(script, world, opts, prefix=prefix, steps=PROFILE_STEPS)
+            launch(script, world, opts, prefix=prefix, env=env, steps=PROFILE_STEPS)
         except JobError as e:
             return {"error": str(e)[-800:]}
-        stats = pstats.Stats(str(Path(tmp, "prof0.pstats")))
+        stats = pstats.Stats(str(Path(tmp, "prof.rank0")))
     funcs = {}
     for (file, line, name), (_cc, _nc, tt, ct, _callers) in stats.stats.items():
         key = f"{_where(file)}:{line}({name})" if line else f"{name}"
         prev = funcs.get(key, (0.0, 0.0))
         funcs[key] = (prev[0] + tt, max(prev[1], ct))
-    return {"funcs": funcs, "total_s": stats.total_tt, "steps": PROFILE_STEPS}
+    return {"funcs": funcs, "total_s": stats.total_tt, "steps": PROFILE_STEPS, "kind": kind}
+
+
+def _scope(profile: dict) -> str:
+    if profile.get("kind") == "startup":
+        return f"whole process (imports included), rank 0, {profile['steps']} timed steps"
+    return f"timed steps only, rank 0, {profile['steps']} steps"
 
 
 def excess_table(candidate: dict, baseline: dict, top: int = 12) -> str:
@@ -59,8 +71,10 @@ def excess_table(candidate: dict, baseline: dict, top: int = 12) -> str:
         base = baseline["funcs"].get(key, (0.0, 0.0))[0]
         rows.append((tt - base, tt, base, ct, key))
     rows.sort(reverse=True)
-    lines = [f"whole process, rank 0, {candidate['steps']} steps: total {candidate['total_s']:.2f} s "
-             f"vs {baseline['total_s']:.2f} s hand-written",
+    own = sum(tt for key, (tt, _) in candidate["funcs"].items() if key.startswith("disttrain/"))
+    lines = [f"{_scope(candidate)}: total {candidate['total_s']:.2f} s "
+             f"vs {baseline['total_s']:.2f} s hand-written; in disttrain's own Python: "
+             f"{own:.3f} s ({own / candidate['steps'] * 1e3:.2f} ms per step)",
              f"{'excess s':>9} {'own s':>8} {'base s':>8} {'cum s':>8}  function"]
     for excess, tt, base, ct, key in rows[:top]:
         lines.append(f"{excess:9.3f} {tt:8.3f} {base:8.3f} {ct:8.3f}  {key}")
@@ -73,7 +87,7 @@ def top_table(profile: dict, top: int = 12, only: str = "") -> str:
         return "profile failed: " + profile["error"][-300:]
     rows = sorted(((tt, ct, k) for k, (tt, ct) in profile["funcs"].items() if only in k),
                   reverse=True)
-    lines = [f"whole process, rank 0, {profile['steps']} steps: total {profile['total_s']:.2f} s",
+    lines = [f"{_scope(profile)}: total {profile['total_s']:.2f} s",
              f"{'own s':>8} {'cum s':>8}  function"]
     lines += [f"{tt:8.3f} {ct:8.3f}  {k}" for tt, ct, k in rows[:top]]
     return "\n".join(lines)

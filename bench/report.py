@@ -11,6 +11,7 @@ GPU section, any other one after section 7. Their text is included as written.
 from __future__ import annotations
 
 import json
+import re
 from pathlib import Path
 
 from bench.common import Options
@@ -41,11 +42,21 @@ def _external(results: Path, prefixes: tuple[str, ...]) -> list[Path]:
     return sorted(p for p in results.glob("*.md") if p.name.startswith(prefixes))
 
 
+def _demote(text: str, top: int) -> str:
+    """Shift the Markdown headings of `text` so that its highest one is at level `top`."""
+    levels = [len(m) for m in re.findall(r"^(#+) ", text, flags=re.M)]
+    shift = top - min(levels) if levels else 0
+    if shift <= 0:
+        return text
+    return re.sub(r"^(#+) ", lambda m: "#" * (len(m[1]) + shift) + " ", text, flags=re.M)
+
+
 def _include(path: Path, heading: str | None) -> list[str]:
+    """A results file under `## heading` (its own headings one level below), or as it is."""
     text = path.read_text().strip()
-    if heading and not text.startswith("#"):
-        return [f"## {heading}", "", f"(from bench/results/{path.name})", "", text, ""]
-    return [f"<!-- from bench/results/{path.name} -->", text, ""]
+    if heading:
+        return [f"## {heading}", "", f"(from bench/results/{path.name})", "", _demote(text, 3), ""]
+    return [f"<!-- from bench/results/{path.name} -->", _demote(text, 2), ""]
 
 
 def write(opts: Options, modules: list) -> Path:
@@ -83,7 +94,7 @@ def write(opts: Options, modules: list) -> Path:
     gpu = _external(results, ("gpu",))
     used.update(gpu)
     for path in sorted(set(results.glob("*.md")) - used):
-        out += _include(path, path.stem.replace("_", " "))
+        out += _include(path, None)
     out += ["## GPU (NVIDIA H200)", ""]
     if gpu:
         for path in gpu:

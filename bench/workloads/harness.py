@@ -15,6 +15,7 @@ Environment (set by `bench.launch`):
     BENCH_WARMUP    optimizer steps before the clock starts (default 3)
     BENCH_OUT       folder for `rank{r}.json`
     BENCH_MODEL     JSON of GPTConfig fields (default: the tiny_gpt example's layers, context 64)
+    BENCH_PROFILE   if set, cProfile the timed steps only and dump to BENCH_PROFILE.rank{r}
 """
 
 from __future__ import annotations
@@ -88,6 +89,8 @@ class Bench:
         self.times: list[float] = []
         self.first_step_s: float | None = None
         self.loss = float("nan")
+        self.profile_path = os.environ.get("BENCH_PROFILE")
+        self.profiler = None
 
     def step(self, loss: torch.Tensor) -> bool:
         """Record one optimizer step; True once the warmup and the timed steps are done."""
@@ -96,10 +99,18 @@ class Bench:
             self.first_step_s = time.time() - self.t0
         self.times.append(now)
         self.loss = float(loss.detach().float().mean())
+        if self.profile_path and len(self.times) == self.warmup + 1:
+            import cProfile
+
+            self.profiler = cProfile.Profile()
+            self.profiler.enable()
         return len(self.times) >= self.warmup + self.steps + 1
 
     def finish(self) -> None:
         """Write `rank{r}.json`: per-step seconds, time to first step, peak RSS."""
+        if self.profiler is not None:
+            self.profiler.disable()
+            self.profiler.dump_stats(f"{self.profile_path}.rank{self.rank}")
         timed = self.times[self.warmup :]
         step_s = [b - a for a, b in zip(timed, timed[1:])]
         result = {
