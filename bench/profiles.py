@@ -93,11 +93,11 @@ def top_table(profile: dict, top: int = 12, only: str = "") -> str:
     return "\n".join(lines)
 
 
-def import_profile(module: str, top: int = 15) -> str:
-    """Modules that `import MODULE` loads after `import torch`, by cumulative time."""
-    r = run_python(f"import torch; import {module}", args=["-X", "importtime"])
+def import_profile(stmt: str, top: int = 15) -> str:
+    """Modules that STMT (an import statement) loads after `import torch`, by cumulative time."""
+    r = run_python(f"import torch; {stmt}", args=["-X", "importtime"])
     if r.returncode != 0:
-        return f"import {module} failed: {r.stderr[-300:]}"
+        return f"{stmt} failed: {r.stderr[-300:]}"
     rows, after_torch = [], False
     for line in r.stderr.splitlines():
         m = re.match(r"import time:\s+(\d+) \|\s+(\d+) \|(\s*)(\S+)", line)
@@ -111,7 +111,7 @@ def import_profile(module: str, top: int = 15) -> str:
             rows.append((cum_us, self_us, indent, name))
     total = sum(c for c, _, i, _ in rows if i == 1)
     rows.sort(reverse=True)
-    lines = [f"`python -X importtime -c 'import torch; import {module}'`: "
+    lines = [f"`python -X importtime -c 'import torch; {stmt}'`: "
              f"{total / 1e6:.3f} s loaded after torch", f"{'cum ms':>8} {'self ms':>8}  module"]
     lines += [f"{c / 1e3:8.1f} {s / 1e3:8.1f}  {n}" for c, s, _, n in rows[:top]]
     return "\n".join(lines)
