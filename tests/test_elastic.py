@@ -1,0 +1,148 @@
+"""Elastic and fault tolerance with real torchrun agents, real signals and a real etcd
+(P-ELASTIC-1..6, P-DATA-3,4). Every wait has a timeout: a hang fails the test."""
+
+from __future__ import annotations
+
+import os
+import random
+import signal
+import time
+from collections import Counter
+
+import pytest
+import torch
+
+from elastic_helpers import (audit_timeline, descendants, kill_node, last_loss_per_step, load_params, metrics,
+                             start, trainer_cmd, wait_for)
+from disttrain.etcd_server import EtcdServer, free_port
+
+PHASES = ["forward", "backward", "step", "checkpoint.shards", "checkpoint.after_shards"]
+STEPS = 24
+SLOW = "delay@step:ms=300"  # long enough for the scale events to land mid-epoch
+
+
+@pytest.fixture(scope="module")
+def reference(tmp_path_factory):
+    """Uninterrupted runs of the tiny job, per strategy, for bit-exact comparisons."""
+    runs = {}
+
+    def get(strategy: str):
+        if strategy not in runs:
+            out = tmp_path_factory.mktemp(f"ref-{strategy}")
+            log = out / "log.txt"
+            proc = start(trainer_cmd(out, f"--train.steps={STEPS}", "--checkpoint.every=1",
+                                     f"--parallel.strategy={strategy}"), log)
+            assert proc.wait(timeout=180) == 0, log.read_text()[-3000:]
+            runs[strategy] = out
+        return runs[strategy]
+
+    return get
+
+
+def assert_same_run(ref, out):
+    a, b = load_params(ref / "model.pt"), load_params(out / "model.pt")
+    assert a.keys() == b.keys()
+    for k in a:
+        assert torch.equal(a[k], b[k]), f"{k} differs from the uninterrupted run"
+    assert last_loss_per_step(out) == last_loss_per_step(ref)  # same per-step losses, bit for bit
+
+
+@pytest.mark.parametrize("strategy", ["ddp", "fsdp"])
+def test_kill_9_at_five_points_recovers_bit_exactly(strategy, reference, tmp_path):
+    """P-ELASTIC-6: kill -9 one worker at five (step, phase) points, one per restart."""
+    seed = int(os.environ.get("DISTTRAIN_TEST_SEED", random.randrange(10**6)))
+    rng = random.Random(seed)
+    steps = sorted(rng.sample(range(2, STEPS - 1), 5))
+    points = [(s, rng.choice(PHASES), rng.randrange(2)) for s in steps]
+    print(f"fault seed {seed}: {points}")
+    spec = ";".join(f"kill@{phase}:rank={rank},step={s},restart={k}"
+                    for k, (s, phase, rank) in enumerate(points))
+    log = tmp_path / "log.txt"
+    proc = start(trainer_cmd(tmp_path, f"--train.steps={STEPS}", "--checkpoint.every=1",
+                             f"--parallel.strategy={strategy}",
+                             run_flags=("--nproc", "2", "--max-restarts", "6")), log,
+                 DISTTRAIN_FAULT=spec)
+    assert proc.wait(timeout=300) == 0, f"seed {seed}\n" + log.read_text()[-4000:]
+    assert log.read_text().count("disttrain fault: kill") == 5, f"seed {seed}"
+    assert_same_run(reference(strategy), tmp_path)
+
+
+def test_sigterm_saves_exits_zero_and_resumes_bit_exactly(reference, tmp_path):
+    """Preemption: SIGTERM mid-step to every worker; all exit 0 within the grace
+    period; the same command resumes and ends as the uninterrupted run."""
+    log = tmp_path / "log.txt"
+    cmd = trainer_cmd(tmp_path, f"--train.steps={STEPS}", "--checkpoint.every=1000",
+                      "--elastic.preempt_grace_s=20")
+    agent = start(cmd, log, DISTTRAIN_FAULT="delay@backward:ms=150")
+    wait_for(lambda: any(m["step"] >= 6 for m in metrics(tmp_path)), 120, "step 6", [log])
+    pids = descendants(agent.pid)
+    assert len(pids) == 2
+    sent = time.monotonic()
+    for pid in pids:
+        os.kill(pid, signal.SIGTERM)
+    assert agent.wait(timeout=60) == 0, log.read_text()[-3000:]
+    assert time.monotonic() - sent < 20
+    text = log.read_text()
+    assert "preempted (SIGTERM)" in text
+    stopped_at = max(m["step"] for m in metrics(tmp_path))
+    assert stopped_at < STEPS
+    again = start(cmd, log)
+    assert again.wait(timeout=180) == 0, log.read_text()[-3000:]
+    assert f"resumed at step {stopped_at}" in log.read_text()
+    assert_same_run(reference("ddp"), tmp_path)
+
+
+@pytest.mark.parametrize("backend", ["c10d", "etcd"])
+def test_scale_down_and_up_exactly_once(backend, tmp_path):
+    """Two agents (--nnodes 1:2). One is killed: the survivor continues at world 1.
+    A new agent joins: back to world 2. Every index of the epoch is consumed exactly
+    once on the final timeline, and the loss continues from the breakpoint.
+    c10d: the agent that does not host the store dies. etcd: the first agent dies
+    (etcd has no single point of failure), and etcd itself restarts mid-run."""
+    server = EtcdServer().start() if backend == "etcd" else None
+    try:
+        endpoint = server.endpoint if server else f"127.0.0.1:{free_port()}"
+        flags = ("--nnodes", "1:2", "--nproc", "1", "--rdzv-backend", backend, "--rdzv-endpoint",
+                 endpoint, "--rdzv-id", f"job-{backend}", "--max-restarts", "10")
+        cmd = trainer_cmd(tmp_path, "--train.steps=96", "--checkpoint.every=2", run_flags=flags)
+        logs = [tmp_path / f"agent{i}.txt" for i in range(3)]
+        agents = [start(cmd, logs[0], DISTTRAIN_FAULT=SLOW)]
+        time.sleep(1.0)  # the first agent hosts the c10d store
+        agents.append(start(cmd, logs[1], DISTTRAIN_FAULT=SLOW))
+
+        def progressed(world: int, beyond: int) -> bool:
+            return any(m["world_size"] == world and m["step"] > beyond for m in metrics(tmp_path))
+
+        wait_for(lambda: progressed(2, 8), 150, "world 2 training", logs)
+        if server:  # etcd restarts under a running job: training goes on
+            server.restart()
+            mark = max(m["step"] for m in metrics(tmp_path))
+            wait_for(lambda: progressed(2, mark + 3), 60, "progress after the etcd restart", logs)
+        mark = max(m["step"] for m in metrics(tmp_path))
+        victim = 0 if backend == "etcd" else 1
+        kill_node(agents[victim])
+        wait_for(lambda: progressed(1, mark + 3), 90, "world 1 after scale-down", logs)
+        mark = max(m["step"] for m in metrics(tmp_path) if m["world_size"] == 1)
+        agents.append(start(cmd, logs[2], DISTTRAIN_FAULT=SLOW))
+        wait_for(lambda: progressed(2, mark), 90, "world 2 after scale-up", logs)
+        survivors = [a for i, a in enumerate(agents) if i != victim]
+        for a in survivors:
+            assert a.wait(timeout=150) == 0, "\n".join(p.read_text()[-3000:] for p in logs)
+    finally:
+        for a in locals().get("agents", []):
+            kill_node(a)
+        if server:
+            server.stop()
+    timeline = audit_timeline(tmp_path)
+    assert sorted(timeline) == list(range(1, 97))
+    counts = Counter(i for step in timeline.values() for i in step)
+    assert sorted(counts) == list(range(768)) and set(counts.values()) == {1}
+    # The loss continues from the breakpoint: no restart to step 0, no spike.
+    records = metrics(tmp_path)
+    worlds = [m["world_size"] for m in records]
+    assert 1 in worlds and worlds[-1] == 2
+    for i in range(1, len(records)):
+        if records[i]["world_size"] != records[i - 1]["world_size"]:
+            assert records[i]["step"] > 4  # not back to the start
+            before = [m["loss"] for m in records[max(0, i - 6):i]]
+            assert records[i]["loss"] < max(before) * 1.25
