@@ -2,8 +2,10 @@
 
 torch's etcd rendezvous backends (`etcd-v2`, and the legacy `etcd`) speak etcd's v2
 API, which etcd 3.4 serves only with `--enable-v2=true`; without it both fail (404 or
-a connection error). The server binds 127.0.0.1 only, keeps its data in a directory
-of its own, and is stopped (SIGTERM, then SIGKILL) by `stop()`.
+a connection error). The server binds 127.0.0.1 by default, keeps its data in a
+directory of its own, and is stopped (SIGTERM, then SIGKILL) by `stop()`. With a
+`prefix` such as `ip netns exec NS` it runs (and is health-checked) inside another
+network namespace, bound to that namespace's address.
 """
 
 from __future__ import annotations
@@ -14,6 +16,7 @@ import shutil
 import signal
 import socket
 import subprocess
+import sys
 import tempfile
 import time
 import urllib.request
@@ -40,11 +43,16 @@ def find_etcd() -> str:
 
 @dataclass
 class EtcdServer:
-    """One etcd process. `endpoint` is host:port for `--rdzv-endpoint`."""
+    """One etcd process. `endpoint` is host:port for `--rdzv-endpoint`.
+
+    `prefix`: a command to run etcd under, e.g. ("ip", "netns", "exec", "NS"). Ports
+    cannot be probed from this namespace then, so pass `port` (the peer port is port + 1).
+    """
 
     host: str = "127.0.0.1"
     port: int = 0
     data_dir: Path | None = None
+    prefix: tuple[str, ...] = ()
     process: subprocess.Popen | None = field(default=None, repr=False)
     _own_dir: bool = field(default=False, repr=False)
 
@@ -54,8 +62,10 @@ class EtcdServer:
 
     def start(self, timeout_s: float = 20.0, log_path: str | os.PathLike | None = None) -> "EtcdServer":
         """Start etcd and wait until it answers /health. Raises `UserError` on failure."""
+        if self.prefix and not self.port:
+            raise UserError("EtcdServer with a prefix needs an explicit port.")
         self.port = self.port or free_port(self.host)
-        peer_port = free_port(self.host)
+        peer_port = self.port + 1 if self.prefix else free_port(self.host)
         if self.data_dir is None:
             self.data_dir, self._own_dir = Path(tempfile.mkdtemp(prefix="disttrain-etcd-")), True
         url = f"http://{self.host}:{self.port}"
@@ -66,7 +76,7 @@ class EtcdServer:
                "--initial-advertise-peer-urls", f"http://{self.host}:{peer_port}",
                "--initial-cluster", f"disttrain=http://{self.host}:{peer_port}"]
         log = open(log_path, "ab") if log_path else subprocess.DEVNULL
-        self.process = subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT,
+        self.process = subprocess.Popen([*self.prefix, *cmd], stdout=log, stderr=subprocess.STDOUT,
                                         start_new_session=True)
         deadline = time.monotonic() + timeout_s
         while time.monotonic() < deadline:
@@ -80,6 +90,15 @@ class EtcdServer:
         raise UserError(f"etcd did not become healthy on {url} within {timeout_s:.0f} s.")
 
     def healthy(self) -> bool:
+        if self.prefix:  # the address is only reachable from inside the prefix's namespace
+            check = ("import json,sys,urllib.request as u; r = u.urlopen(sys.argv[1], timeout=1); "
+                     "sys.exit(json.loads(r.read()).get('health') != 'true')")
+            try:
+                return subprocess.run([*self.prefix, sys.executable, "-c", check,
+                                       f"http://{self.endpoint}/health"], capture_output=True,
+                                      timeout=5).returncode == 0
+            except subprocess.TimeoutExpired:
+                return False
         try:
             with urllib.request.urlopen(f"http://{self.endpoint}/health", timeout=1) as r:
                 return json.loads(r.read()).get("health") == "true"
