@@ -1,8 +1,26 @@
 #!/usr/bin/env bash
-# Create .venv (when missing) and install disttrain with its test extras.
+# Create .venv (when missing) and install disttrain with its test extras, plus the
+# system packages the tests start themselves: etcd (Debian's etcd-server) for the
+# elastic rendezvous tests, iproute2 for the multi-node network-namespace tests.
 # torch is pinned by constraints.txt so pip takes the CPU build, never a CUDA one.
 set -euo pipefail
 cd "$(dirname "$0")/.."
+
+missing=()
+command -v etcd >/dev/null 2>&1 || [ -x /usr/bin/etcd ] || missing+=(etcd-server)
+command -v ip >/dev/null 2>&1 || missing+=(iproute2)
+if [ ${#missing[@]} -gt 0 ]; then
+  SUDO=""
+  [ "$(id -u)" -ne 0 ] && command -v sudo >/dev/null 2>&1 && SUDO="sudo"
+  if command -v apt-get >/dev/null 2>&1 && { [ "$(id -u)" -eq 0 ] || [ -n "$SUDO" ]; }; then
+    echo "setup: installing ${missing[*]} (apt-get)"
+    $SUDO apt-get update -qq >/dev/null
+    DEBIAN_FRONTEND=noninteractive $SUDO apt-get install -y -qq "${missing[@]}" >/dev/null
+  else
+    echo "setup: warning: ${missing[*]} not installed and apt-get unavailable; the tests that need them will skip." >&2
+  fi
+fi
+
 if [ ! -x .venv/bin/python ] || ! .venv/bin/python -c "import disttrain, pytest" 2>/dev/null; then
   python3 -m venv .venv
   .venv/bin/python -m pip install -q --disable-pip-version-check -c constraints.txt -e ".[test]"

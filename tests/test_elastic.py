@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import os
 import random
+import shutil
 import signal
 import time
 from collections import Counter
@@ -92,7 +93,11 @@ def test_sigterm_saves_exits_zero_and_resumes_bit_exactly(reference, tmp_path):
     assert_same_run(reference("ddp"), tmp_path)
 
 
-@pytest.mark.parametrize("backend", ["c10d", "etcd"])
+needs_etcd = pytest.mark.skipif(shutil.which("etcd") is None and not os.path.exists("/usr/bin/etcd"),
+                                reason="etcd is not installed (scripts/setup.sh installs etcd-server)")
+
+
+@pytest.mark.parametrize("backend", ["c10d", pytest.param("etcd", marks=needs_etcd)])
 def test_scale_down_and_up_exactly_once(backend, tmp_path):
     """Two agents (--nnodes 1:2). One is killed: the survivor continues at world 1.
     A new agent joins: back to world 2. Every index of the epoch is consumed exactly
@@ -104,7 +109,8 @@ def test_scale_down_and_up_exactly_once(backend, tmp_path):
         endpoint = server.endpoint if server else f"127.0.0.1:{free_port()}"
         flags = ("--nnodes", "1:2", "--nproc", "1", "--rdzv-backend", backend, "--rdzv-endpoint",
                  endpoint, "--rdzv-id", f"job-{backend}", "--max-restarts", "10")
-        cmd = trainer_cmd(tmp_path, "--train.steps=96", "--checkpoint.every=2", run_flags=flags)
+        cmd = trainer_cmd(tmp_path, "--train.steps=48", "--data.max_bytes=12289",
+                          "--checkpoint.every=2", run_flags=flags)
         logs = [tmp_path / f"agent{i}.txt" for i in range(3)]
         agents = [start(cmd, logs[0], DISTTRAIN_FAULT=SLOW)]
         time.sleep(1.0)  # the first agent hosts the c10d store
@@ -113,15 +119,15 @@ def test_scale_down_and_up_exactly_once(backend, tmp_path):
         def progressed(world: int, beyond: int) -> bool:
             return any(m["world_size"] == world and m["step"] > beyond for m in metrics(tmp_path))
 
-        wait_for(lambda: progressed(2, 8), 150, "world 2 training", logs)
+        wait_for(lambda: progressed(2, 4), 150, "world 2 training", logs)
         if server:  # etcd restarts under a running job: training goes on
             server.restart()
             mark = max(m["step"] for m in metrics(tmp_path))
-            wait_for(lambda: progressed(2, mark + 3), 60, "progress after the etcd restart", logs)
+            wait_for(lambda: progressed(2, mark + 2), 60, "progress after the etcd restart", logs)
         mark = max(m["step"] for m in metrics(tmp_path))
         victim = 0 if backend == "etcd" else 1
         kill_node(agents[victim])
-        wait_for(lambda: progressed(1, mark + 3), 90, "world 1 after scale-down", logs)
+        wait_for(lambda: progressed(1, mark + 2), 90, "world 1 after scale-down", logs)
         mark = max(m["step"] for m in metrics(tmp_path) if m["world_size"] == 1)
         agents.append(start(cmd, logs[2], DISTTRAIN_FAULT=SLOW))
         wait_for(lambda: progressed(2, mark), 90, "world 2 after scale-up", logs)
@@ -134,15 +140,15 @@ def test_scale_down_and_up_exactly_once(backend, tmp_path):
         if server:
             server.stop()
     timeline = audit_timeline(tmp_path)
-    assert sorted(timeline) == list(range(1, 97))
+    assert sorted(timeline) == list(range(1, 49))  # one epoch: 384 chunks, 8 per step
     counts = Counter(i for step in timeline.values() for i in step)
-    assert sorted(counts) == list(range(768)) and set(counts.values()) == {1}
+    assert sorted(counts) == list(range(384)) and set(counts.values()) == {1}
     # The loss continues from the breakpoint: no restart to step 0, no spike.
     records = metrics(tmp_path)
     worlds = [m["world_size"] for m in records]
     assert 1 in worlds and worlds[-1] == 2
     for i in range(1, len(records)):
         if records[i]["world_size"] != records[i - 1]["world_size"]:
-            assert records[i]["step"] > 4  # not back to the start
+            assert records[i]["step"] > 2  # resumed near the breakpoint, not at step 0
             before = [m["loss"] for m in records[max(0, i - 6):i]]
             assert records[i]["loss"] < max(before) * 1.25
