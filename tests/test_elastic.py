@@ -152,3 +152,20 @@ def test_scale_down_and_up_exactly_once(backend, tmp_path):
             assert records[i]["step"] > 2  # resumed near the breakpoint, not at step 0
             before = [m["loss"] for m in records[max(0, i - 6):i]]
             assert records[i]["loss"] < max(before) * 1.25
+
+
+def test_stopped_worker_is_restarted_within_the_bound(reference, tmp_path):
+    """Stall: SIGSTOP rank 1 mid-step. The watchdog names it within its bound, the job
+    restarts (not torch's 30-minute timeout), resumes, and ends as the uninterrupted run."""
+    log = tmp_path / "log.txt"
+    started = time.monotonic()
+    proc = start(trainer_cmd(tmp_path, f"--train.steps={STEPS}", "--checkpoint.every=1",
+                             "--guard.hang_min_s=4", "--guard.hang_cap_s=8",
+                             run_flags=("--nproc", "2", "--max-restarts", "2")), log,
+                 DISTTRAIN_FAULT="stop@forward:rank=1,step=6")
+    assert proc.wait(timeout=150) == 0, log.read_text()[-4000:]
+    text = log.read_text()
+    assert "disttrain fault: stop at forward, step 6, rank 1" in text
+    assert "rank 1" in text and "stopped" in text  # the watchdog's verdict names the rank
+    assert time.monotonic() - started < 120
+    assert_same_run(reference("ddp"), tmp_path)
