@@ -17,6 +17,7 @@ commands:
   doctor   lint a training script for distributed-training pitfalls
   plan     memory and communication per strategy, with a recommendation
   ckpt     inspect, verify or export a checkpoint:  disttrain ckpt verify DIR
+  etcd     a local etcd server for the etcd rendezvous:  disttrain etcd start
 """
 
 
@@ -32,6 +33,8 @@ def _command(name: str):
         from disttrain.plan import main
     elif name == "ckpt":
         from disttrain.checkpoint.cli import main
+    elif name == "etcd":
+        from disttrain.etcd_server import main
     else:
         return None
     return main
