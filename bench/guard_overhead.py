@@ -93,7 +93,7 @@ def main() -> None:
         ab = statistics.median(times["on"]) / statistics.median(times["off"]) - 1
         if info.is_main:
             lines = [
-                f"| measure | value |", "|---|---|",
+                "| measure | value |", "|---|---|",
                 f"| world size / device | {info.world_size} x {info.device.type} ({info.backend}) |",
                 f"| median step, guard off | {step_s * 1e3:.2f} ms |",
                 f"| median step, guard on | {statistics.median(times['on']) * 1e3:.2f} ms |",

@@ -11,20 +11,11 @@ that follows them.
 from __future__ import annotations
 
 import dataclasses
-import difflib
 import os
-import sys
-import types
-import typing
 from dataclasses import dataclass, field
-from pathlib import Path
 from typing import Any
 
-if sys.version_info >= (3, 11):
-    import tomllib
-else:  # pragma: no cover
-    import tomli as tomllib
-
+from disttrain.configfile import apply_overrides, build, read_toml
 from disttrain.errors import ConfigError
 from disttrain.models.gpt import GPTConfig
 
@@ -206,92 +197,11 @@ def load_config(path: str | os.PathLike | None, overrides: list[str] = ()) -> Co
     Raises `ConfigError` naming the file or key on any problem; nothing else escapes
     for user mistakes.
     """
-    raw: dict[str, Any] = {}
-    if path is not None:
-        p = Path(path)
-        if not p.is_file():
-            raise ConfigError(f"config file not found: {p}. Pass the path of a TOML file, "
-                              f"for example examples/tiny_gpt.toml.")
-        try:
-            raw = tomllib.loads(p.read_text())
-        except tomllib.TOMLDecodeError as e:
-            raise ConfigError(f"{p} is not valid TOML: {e}. Fix the syntax at that line.") from None
-    for item in overrides:
-        key, value = _parse_override(item)
-        _set_dotted(raw, key, value)
-    cfg = _build(Config, raw, prefix="")
+    raw = read_toml(path) if path is not None else {}
+    apply_overrides(raw, overrides)
+    cfg = build(Config, raw)
     validate(cfg)
     return cfg
-
-
-def _parse_override(item: str) -> tuple[str, Any]:
-    text = item[2:] if item.startswith("--") else item
-    if "=" not in text:
-        raise ConfigError(f"override {item!r} has no value. Write it as --section.key=value, "
-                          f"for example --train.steps=100.")
-    key, value = text.split("=", 1)
-    try:  # A TOML literal (number, bool, list, quoted string) keeps its type.
-        return key.strip(), tomllib.loads(f"v = {value}")["v"]
-    except tomllib.TOMLDecodeError:
-        return key.strip(), value  # a bare word is a string
-
-
-def _set_dotted(raw: dict, key: str, value: Any) -> None:
-    parts = key.split(".")
-    node = raw
-    for part in parts[:-1]:
-        node = node.setdefault(part, {})
-        if not isinstance(node, dict):
-            raise ConfigError(f"override --{key}: {part!r} is a value, not a section.")
-    node[parts[-1]] = value
-
-
-def _build(cls: type, raw: Any, prefix: str) -> Any:
-    where = prefix.rstrip(".") or "the top level"
-    if not isinstance(raw, dict):
-        raise ConfigError(f"[{where}] must be a table (section), got {type(raw).__name__}.")
-    fields = {f.name: f for f in dataclasses.fields(cls)}
-    hints = typing.get_type_hints(cls)
-    kwargs = {}
-    for key, value in raw.items():
-        if key not in fields:
-            close = difflib.get_close_matches(key, fields, n=1)
-            hint = f" Did you mean '{prefix}{close[0]}'?" if close else ""
-            raise ConfigError(f"unknown config key '{prefix}{key}'.{hint} "
-                              f"Valid keys in [{where}]: {', '.join(fields)}.")
-        kwargs[key] = _coerce(hints[key], value, prefix + key)
-    return cls(**kwargs)
-
-
-def _coerce(tp: Any, value: Any, key: str) -> Any:
-    if dataclasses.is_dataclass(tp):
-        return _build(tp, value, key + ".")
-    origin = typing.get_origin(tp)
-    if origin in (typing.Union, types.UnionType):
-        for arm in typing.get_args(tp):
-            if arm is type(None) and value is None:
-                return None
-            try:
-                return _coerce(arm, value, key)
-            except ConfigError:
-                continue
-        raise ConfigError(f"config key {key!r} has a value of the wrong type: {value!r}.")
-    if origin is list:
-        (item_tp,) = typing.get_args(tp)
-        if not isinstance(value, list):
-            raise ConfigError(f"config key {key!r} must be a list, got {value!r}.")
-        return [_coerce(item_tp, v, key) for v in value]
-    if tp is float and isinstance(value, int) and not isinstance(value, bool):
-        return float(value)
-    if tp is bool and not isinstance(value, bool) or tp is not bool and isinstance(value, bool) \
-            or not isinstance(value, tp):
-        raise ConfigError(f"config key {key!r} must be {tp.__name__}, got {value!r} "
-                          f"({type(value).__name__}). Example: --{key}={_example(tp)}.")
-    return value
-
-
-def _example(tp: type) -> str:
-    return {int: "4", float: "0.5", bool: "true", str: '"text"'}.get(tp, "...")
 
 
 # ---------------------------------------------------------------- validation

@@ -7,7 +7,6 @@ import warnings
 from pathlib import Path
 
 import torch
-import torch.nn as nn
 
 import disttrain as dt
 from disttrain import guard, sanity

@@ -14,7 +14,6 @@ import sys
 from pathlib import Path
 
 import torch
-import torch.distributed as dist
 import torch.nn as nn
 from torch.distributed.fsdp import FSDPModule, FullyShardedDataParallel
 
