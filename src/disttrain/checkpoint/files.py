@@ -19,25 +19,8 @@ from disttrain.parallel import unwrap
 from disttrain.runtime import barrier, rank_info
 
 
-def atomic_torch_save(obj, path: str | os.PathLike) -> Path:
-    """`torch.save` to a temp file beside `path`, fsync, then `os.replace`."""
-    path = Path(path)
-    path.parent.mkdir(parents=True, exist_ok=True)
-    fd, tmp = tempfile.mkstemp(prefix=f".{path.name}.", suffix=".tmp", dir=path.parent)
-    try:
-        with os.fdopen(fd, "wb") as f:
-            torch.save(obj, f)
-            f.flush()
-            os.fsync(f.fileno())
-        os.replace(tmp, path)
-    except BaseException:
-        Path(tmp).unlink(missing_ok=True)
-        raise
-    return path
-
-
-def atomic_write_bytes(data: bytes, path: str | os.PathLike) -> Path:
-    """Write `data` to a temp file beside `path`, fsync, then `os.replace` over `path`.
+def _atomic_write(path: str | os.PathLike, write) -> Path:
+    """Call `write(file)` on a temp file beside `path`, fsync, then `os.replace`.
 
     A crash leaves the old file or the new one. Raises `OSError` (ENOSPC included)
     after removing the temp file.
@@ -46,7 +29,7 @@ def atomic_write_bytes(data: bytes, path: str | os.PathLike) -> Path:
     fd, tmp = tempfile.mkstemp(prefix=f".{path.name}.", suffix=".tmp", dir=path.parent)
     try:
         with os.fdopen(fd, "wb") as f:
-            f.write(data)
+            write(f)
             f.flush()
             os.fsync(f.fileno())
         os.replace(tmp, path)
@@ -54,6 +37,17 @@ def atomic_write_bytes(data: bytes, path: str | os.PathLike) -> Path:
         Path(tmp).unlink(missing_ok=True)
         raise
     return path
+
+
+def atomic_torch_save(obj, path: str | os.PathLike) -> Path:
+    """`torch.save` to a temp file beside `path`, fsync, then `os.replace` (P-CKPT-2)."""
+    Path(path).parent.mkdir(parents=True, exist_ok=True)
+    return _atomic_write(path, lambda f: torch.save(obj, f))
+
+
+def atomic_write_bytes(data: bytes, path: str | os.PathLike) -> Path:
+    """Write `data` atomically over `path` (see `_atomic_write`)."""
+    return _atomic_write(path, lambda f: f.write(data))
 
 
 def fsync_dir(path: str | os.PathLike) -> None:
