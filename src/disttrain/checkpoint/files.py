@@ -8,6 +8,7 @@ final name: a crash leaves the old file or the new one, never half of one.
 from __future__ import annotations
 
 import os
+import sys
 import tempfile
 from pathlib import Path
 
@@ -64,14 +65,36 @@ def fsync_dir(path: str | os.PathLike) -> None:
         os.close(fd)
 
 
-def save_model(model: nn.Module, path: str | os.PathLike) -> Path:
-    """Rank 0 saves the prefix-free weights atomically; every rank waits for it.
+def full_model_state(model: nn.Module) -> dict:
+    """Plain, full tensors with the user's names, whatever the strategy (P-FSDP-8).
 
-    A collective (barrier): every rank must call it.
+    Sharded models (FSDP2 DTensors, FSDP1) are gathered with torch's
+    `get_model_state_dict(full_state_dict=True)`: a collective, every rank must call it,
+    and only rank 0 receives the tensors. DDP and plain modules need no communication.
+    """
+    fsdp = sys.modules.get("torch.distributed.fsdp")
+    sharded = fsdp is not None and isinstance(model, (fsdp.FSDPModule, fsdp.FullyShardedDataParallel))
+    if not sharded:
+        return unwrap(model).state_dict()
+    from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_state_dict
+
+    # FSDP1 crashes on CPU when asked to offload a full state dict; FSDP2 does not.
+    offload = not isinstance(model, fsdp.FullyShardedDataParallel)
+    state = get_model_state_dict(model, options=StateDictOptions(full_state_dict=True,
+                                                                 cpu_offload=offload))
+    return {k: v.detach().cpu() for k, v in state.items()}
+
+
+def save_model(model: nn.Module, path: str | os.PathLike) -> Path:
+    """Rank 0 saves the full, prefix-free weights atomically; every rank waits for it.
+
+    A collective (a gather under FSDP, then a barrier): every rank must call it. The
+    file loads into the plain model with `load_state_dict(strict=True)`.
     """
     path = Path(path)
+    state = full_model_state(model)
     if rank_info().is_main:
-        atomic_torch_save(unwrap(model).state_dict(), path)
+        atomic_torch_save(state, path)
     barrier()
     return path
 
