@@ -18,9 +18,9 @@ module (`make_optimizer`; P-DDP-3, P-FSDP-7).
 from __future__ import annotations
 
 import dataclasses
+import sys
 
 import torch.nn as nn
-from torch.distributed.fsdp import FSDPModule, FullyShardedDataParallel
 from torch.nn.parallel import DataParallel, DistributedDataParallel
 
 from disttrain.config import ParallelConfig, STRATEGIES, validate_parallel
@@ -28,8 +28,6 @@ from disttrain.errors import ConfigError, UserError
 from disttrain.parallel.blocks import apply_activation_checkpointing, find_blocks
 from disttrain.parallel.ddp import apply_ddp
 from disttrain.parallel.dp import apply_dp
-from disttrain.parallel.fsdp import apply_fsdp
-from disttrain.parallel.fsdp1 import apply_fsdp1
 from disttrain.parallel.join import join
 from disttrain.parallel.mesh import Layout
 from disttrain.parallel.syncbn import convert_sync_batchnorm
@@ -39,7 +37,16 @@ from disttrain.runtime import rank_info, seed_rank_stream
 
 __all__ = ["Layout", "check_optimizer", "join", "make_optimizer", "unwrap", "wrap", "wrap_info"]
 
-_WRAPPERS = (DistributedDataParallel, DataParallel, FullyShardedDataParallel)
+def _wrappers() -> tuple[type, ...]:
+    """Wrapper classes with a `.module`. FSDP is imported lazily (about 1 s): when its
+    module was never imported, no model can be an FSDP instance."""
+    fsdp = sys.modules.get("torch.distributed.fsdp")
+    return (DistributedDataParallel, DataParallel) + ((fsdp.FullyShardedDataParallel,) if fsdp else ())
+
+
+def _is_fsdp2(module: nn.Module) -> bool:
+    fsdp = sys.modules.get("torch.distributed.fsdp")
+    return fsdp is not None and isinstance(module, fsdp.FSDPModule)
 
 
 def _parallel_config(cfg: ParallelConfig | None, overrides: dict) -> ParallelConfig:
@@ -60,7 +67,7 @@ def unwrap(model: nn.Module) -> nn.Module:
 
     An FSDP2 model is its own module (sharded in place) and is returned as is.
     """
-    while isinstance(model, _WRAPPERS):
+    while isinstance(model, _wrappers()):
         model = model.module
     return model
 
@@ -68,7 +75,7 @@ def unwrap(model: nn.Module) -> nn.Module:
 def _refuse_nested(model: nn.Module) -> None:
     # P-DDP-3: DataParallel in DDP (or any wrapper in another) replicates twice.
     for name, sub in model.named_modules():
-        if isinstance(sub, _WRAPPERS) or isinstance(sub, FSDPModule) or hasattr(sub, WRAP_INFO):
+        if isinstance(sub, _wrappers()) or _is_fsdp2(sub) or hasattr(sub, WRAP_INFO):
             where = f"its submodule {name!r} is" if name else "it is"
             raise UserError(f"the model is already wrapped ({where} a {type(sub).__name__}); "
                             f"wrapping it again nests data parallelism (P-DDP-3). Pass the plain "
@@ -117,10 +124,14 @@ def wrap(model: nn.Module, cfg: ParallelConfig | None = None, *, precision: str 
         model = apply_zero1(model, info.device, **ddp_options)
     elif cfg.strategy == "fsdp":
         mesh = layout.build_mesh()
+        from disttrain.parallel.fsdp import apply_fsdp
+
         model = apply_fsdp(model, mesh, sharding=cfg.sharding, wrap=cfg.wrap, precision=precision,
                            cpu_offload=cfg.cpu_offload,
                            activation_checkpointing=cfg.activation_checkpointing)
     elif cfg.strategy == "fsdp1":
+        from disttrain.parallel.fsdp1 import apply_fsdp1
+
         model = apply_fsdp1(model, layout, info.device, sharding=cfg.sharding, wrap=cfg.wrap,
                             precision=precision, cpu_offload=cfg.cpu_offload,
                             activation_checkpointing=cfg.activation_checkpointing)

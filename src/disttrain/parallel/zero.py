@@ -14,7 +14,6 @@ from typing import Any, Iterable
 
 import torch
 import torch.nn as nn
-from torch.distributed.optim import ZeroRedundancyOptimizer
 
 from disttrain.errors import UserError
 from disttrain.parallel.ddp import apply_ddp
@@ -50,6 +49,10 @@ def make_optimizer(model: nn.Module, optimizer_class: type[torch.optim.Optimizer
     if params is None:
         params = [p for p in model.parameters() if p.requires_grad]
     if info["strategy"] == "zero1" and info["world_size"] > 1:
+        # Imported here: torch.distributed.optim compiles TorchScript on import (~0.5 s+),
+        # a cost every job would otherwise pay at start-up.
+        from torch.distributed.optim import ZeroRedundancyOptimizer
+
         return ZeroRedundancyOptimizer(params, optimizer_class=optimizer_class, **kwargs)
     return optimizer_class(params, **kwargs)
 
@@ -73,7 +76,7 @@ def check_optimizer(model: nn.Module, optimizer: torch.optim.Optimizer) -> None:
                                 "P-FSDP-7).")
     info = wrap_info(model)
     if info and info["strategy"] == "zero1" and info["world_size"] > 1 \
-            and not isinstance(optimizer, ZeroRedundancyOptimizer):
+            and type(optimizer).__name__ != "ZeroRedundancyOptimizer":
         raise UserError("parallel.strategy is 'zero1' but the optimizer is a plain "
                         f"{type(optimizer).__name__}, so its state is not sharded. Build it with "
                         "dt.make_optimizer(model, torch.optim.AdamW, lr=...).")
