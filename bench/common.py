@@ -223,9 +223,9 @@ def command_line(argv: list[str]) -> str:
 
 def disttrain_strategies() -> tuple[set[str], str]:
     """Strategies that `dt.wrap` accepts here, and a note for those it does not (yet)."""
-    r = run_python("import json, disttrain.config as c, disttrain.parallel as p;"
+    r = run_python("import json, importlib.util as u, disttrain.config as c;"
                    "print(json.dumps([s for s in c.STRATEGIES if s != 'fsdp' "
-                   "or hasattr(p, 'apply_fsdp')]))")
+                   "or u.find_spec('disttrain.parallel.fsdp')]))")
     if r.returncode != 0:
         return {"ddp"}, "disttrain's strategy list could not be read: " + r.stderr[-300:]
     found = set(json.loads(r.stdout))
