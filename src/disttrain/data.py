@@ -24,6 +24,15 @@ from disttrain.errors import UserError
 from disttrain.runtime import rank_info
 
 
+def epoch_permutation(n: int, seed: int, epoch: int, shuffle: bool = True) -> list[int]:
+    """The global order of `epoch`: a permutation of range(n) seeded by (seed, epoch) only,
+    never by the rank layout. Shared by both samplers."""
+    if not shuffle:
+        return list(range(n))
+    g = torch.Generator().manual_seed(seed * 100_003 + epoch)
+    return torch.randperm(n, generator=g).tolist()
+
+
 class DistributedSampler(Sampler[int]):
     """Shards `len(dataset)` indices over ranks; the epoch advances on each `iter()`.
 
@@ -59,11 +68,7 @@ class DistributedSampler(Sampler[int]):
 
     def global_order(self, epoch: int) -> list[int]:
         """The epoch's global index order, padded or trimmed to a multiple of world size."""
-        if self.shuffle:
-            g = torch.Generator().manual_seed(self.seed * 100_003 + epoch)
-            order = torch.randperm(self.n, generator=g).tolist()
-        else:
-            order = list(range(self.n))
+        order = epoch_permutation(self.n, self.seed, epoch, self.shuffle)
         total = len(self) * self.world_size
         if total > self.n:  # pad by repetition, as torch's DistributedSampler does
             order += (order * math.ceil(total / self.n))[: total - self.n]

@@ -23,9 +23,9 @@ from __future__ import annotations
 import math
 from typing import Iterator
 
-import torch
 from torch.utils.data import Sampler
 
+from disttrain.data import epoch_permutation
 from disttrain.errors import UserError
 from disttrain.runtime import rank_info
 
@@ -86,10 +86,7 @@ class ElasticSampler(Sampler[int]):
 
     def epoch_order(self, epoch: int) -> list[int]:
         """The global order of `epoch`: a permutation seeded by (seed, epoch) only."""
-        if not self.shuffle:
-            return list(range(self.n))
-        g = torch.Generator().manual_seed(self.seed * 100_003 + epoch)
-        return torch.randperm(self.n, generator=g).tolist()
+        return epoch_permutation(self.n, self.seed, epoch, self.shuffle)
 
     def index_at(self, order: list[int], position: int) -> int:
         # Positions past n are padding: they repeat the epoch's order from its start.
