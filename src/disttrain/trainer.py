@@ -23,14 +23,13 @@ from disttrain.config import Config, load_config, to_dict
 from disttrain.data import ChunkDataset, load_stdlib_corpus
 from disttrain.guard import start_guard
 from disttrain.loop import Accumulator, warmup_cosine
-from disttrain.metrics import JsonlWriter, MeanTracker, global_mean
+from disttrain.metrics import JsonlWriter, MeanTracker, global_mean, print_main
 from disttrain.models import GPT
 from disttrain.parallel import make_optimizer, wrap
 from disttrain.precision import make_grad_scaler
 from disttrain.progress import TrainProgress, print_summary
 from disttrain.elastic import SampleAudit, apply_batch_policy, generation_id
 from disttrain.faults import inject
-from disttrain.metrics import print_main
 from disttrain.preempt import PreemptionHandler
 from disttrain.sampler import ElasticSampler
 

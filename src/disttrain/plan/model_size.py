@@ -21,17 +21,12 @@ from __future__ import annotations
 
 import json
 import math
-import sys
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+from disttrain import configfile
 from disttrain.errors import UserError
-
-if sys.version_info >= (3, 11):
-    import tomllib
-else:  # pragma: no cover
-    import tomli as tomllib
 
 
 @dataclass
@@ -180,10 +175,7 @@ def read_toml(path: str | Path) -> tuple[Any, dict]:
     if not p.is_file():
         raise UserError(f"--gpt: TOML file not found: {p}. Pass an existing disttrain config, "
                         f"or a spec such as n_layer=4,n_embd=128.")
-    try:
-        raw = tomllib.loads(p.read_text())
-    except tomllib.TOMLDecodeError as e:
-        raise UserError(f"{p} is not valid TOML: {e}.") from None
+    raw = configfile.read_toml(p)  # bad TOML: one ConfigError naming the file and line
     model = raw.get("model", {})
     if not isinstance(model, dict):
         raise UserError(f"{p}: [model] must be a table of GPTConfig fields.")
