@@ -25,7 +25,7 @@ import torch.distributed as dist
 
 import disttrain as dt
 from disttrain.checkpoint import Checkpointer, TrainState
-from disttrain.models import GPT, GPTConfig
+from disttrain.demo import GPT, GPTConfig
 
 
 def dir_bytes(path: Path) -> int:

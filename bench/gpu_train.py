@@ -5,7 +5,7 @@ and the async-checkpoint stall.
     python -m bench.gpu_train --variant torch_fsdp2 --out DIR      # fully_shard by hand
     python -m bench.gpu_train --summarize DIR                      # DIR/gpu.md from the JSON
 
-The model is `disttrain.models.GPT` with about 1.0B parameters (20 layers, width
+The model is `disttrain.demo.GPT` with about 1.0B parameters (20 layers, width
 2048, 16 heads, sequence 2048, byte vocabulary), micro-batch 8, AdamW, bf16
 compute with fp32 master weights and fp32 gradient reduction, world 1. At world 1
 `dt.wrap(strategy="fsdp", precision="bf16")` starts no process group and runs the
@@ -63,7 +63,7 @@ def _setup_env() -> None:
 
 def build(variant: str, cfg: dict, device: torch.device):
     """(model, optimizer, checkpoint function) for one variant."""
-    from disttrain.models import GPT, GPTConfig
+    from disttrain.demo import GPT, GPTConfig
 
     torch.manual_seed(0)
     if variant == "torch_fsdp2":

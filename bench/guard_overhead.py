@@ -24,8 +24,8 @@ import torch
 import disttrain as dt
 from disttrain.config import GuardConfig
 from disttrain.guard import RunGuard, check_replicas
-from disttrain.models import GPT, GPTConfig
-from disttrain.watchdog import Watchdog
+from disttrain.demo import GPT, GPTConfig
+from disttrain.guard.watchdog import Watchdog
 
 
 def main() -> None:

@@ -24,7 +24,7 @@ TINY = ["--model.n_layer=1", "--model.n_embd=32", "--model.n_head=2", "--model.b
 
 
 def trainer_cmd(out: Path, *extra: str, run_flags: tuple[str, ...] = ("--nproc", "2")) -> list[str]:
-    return [sys.executable, "-m", "disttrain.cli", "run", *run_flags, "-m", "disttrain.trainer",
+    return [sys.executable, "-m", "disttrain.cli", "run", *run_flags, "-m", "disttrain.train",
             "examples/tiny_gpt.toml", *TINY, f"--train.out_dir={out}", *extra]
 
 

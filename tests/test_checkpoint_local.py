@@ -18,7 +18,7 @@ import dataclasses  # noqa: E402
 from disttrain.checkpoint import (Checkpointer, CheckpointCorrupt, CheckpointMismatch,  # noqa: E402
                                   StaleWriterError, latest_valid, verify)
 from disttrain.cli import main as cli  # noqa: E402
-from disttrain.models import GPT  # noqa: E402
+from disttrain.demo import GPT  # noqa: E402
 
 
 @pytest.fixture(scope="module")

@@ -3,7 +3,9 @@
 
 import pytest
 
-from disttrain.data import ChunkDataset, DistributedSampler, _is_heldout, stdlib_files
+from disttrain.demo.corpus import ChunkDataset, _is_heldout, stdlib_files
+
+from disttrain.data import DistributedSampler
 from disttrain.errors import UserError
 
 

@@ -15,7 +15,7 @@ import torch
 
 from elastic_helpers import (audit_timeline, descendants, kill_node, last_loss_per_step, load_params, metrics,
                              start, trainer_cmd, wait_for)
-from disttrain.etcd_server import EtcdServer, free_port
+from disttrain.launch.etcd_server import EtcdServer, free_port
 
 PHASES = ["forward", "backward", "step", "checkpoint.shards", "checkpoint.after_shards"]
 STEPS = 24

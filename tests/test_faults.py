@@ -8,7 +8,7 @@ import textwrap
 import pytest
 
 from conftest import worker_env
-from disttrain import faults
+from disttrain.runtime import fault_injection as faults
 from disttrain.errors import UserError
 
 
@@ -32,7 +32,7 @@ def test_parse_and_errors():
 ])
 def test_fault_fires_only_at_its_point(spec, returncode):
     proc = run_py("""
-        from disttrain import faults
+        from disttrain.runtime import fault_injection as faults
         for step in range(4):
             for phase in ("forward", "backward", "step"):
                 faults.inject(phase, step)
@@ -45,7 +45,7 @@ def test_fault_fires_only_at_its_point(spec, returncode):
 
 
 def test_fault_does_not_fire_after_a_restart():
-    proc = run_py("from disttrain import faults; faults.inject('step', 1); print('ok')",
+    proc = run_py("from disttrain.runtime import fault_injection as faults; faults.inject('step', 1); print('ok')",
                   {"DISTTRAIN_FAULT": "kill@step:step=1", "TORCHELASTIC_RESTART_COUNT": "1"})
     assert proc.returncode == 0 and "ok" in proc.stdout
 
@@ -53,7 +53,7 @@ def test_fault_does_not_fire_after_a_restart():
 def test_sigterm_requests_a_stop_and_second_sigint_exits_now():
     proc = run_py("""
         import os, signal
-        from disttrain.preempt import PreemptionHandler
+        from disttrain.elastic.preemption import PreemptionHandler
         h = PreemptionHandler(grace_s=30).install()
         assert not h.should_stop()
         os.kill(os.getpid(), signal.SIGTERM)

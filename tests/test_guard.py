@@ -12,11 +12,11 @@ import pytest
 import torch
 
 from conftest import WORKERS, launch_worker, worker_env
-from disttrain import launch
+from disttrain.launch import run_command as launch
 from disttrain.config import load_config
 from disttrain.errors import ConfigError
-from disttrain.hangreport import diagnose
-from disttrain.watchdog import HANG_EXIT_CODE
+from disttrain.guard.hang_report import diagnose
+from disttrain.guard.watchdog import HANG_EXIT_CODE
 
 HANG_TIMEOUT = 100  # seconds for a whole hang job: start-up on a loaded 2-core host dominates
 
@@ -80,7 +80,7 @@ def test_fewer_processes_than_asked_is_an_error(checks, tmp_path):
     for res in checks:
         assert res["world_ok"] is None and "3 processes were asked for" in res["world_short"]
     # The accelerate trap: one plain process while two were asked for (no torchrun env).
-    from disttrain import sanity
+    from disttrain.guard import sanity
 
     with pytest.MonkeyPatch.context() as mp:
         for key in ("WORLD_SIZE", "RANK", "LOCAL_RANK"):
@@ -181,7 +181,7 @@ def test_diagnose_names_a_skip_older_than_the_kept_history():
 def test_guard_in_a_world_of_one_is_cheap_and_silent(monkeypatch):
     from disttrain.config import GuardConfig
     from disttrain.guard import start_guard
-    from disttrain.models import MLP, MLPConfig
+    from disttrain.demo import MLP, MLPConfig
 
     for key in ("WORLD_SIZE", "DISTTRAIN_EXPECTED_WORLD_SIZE"):
         monkeypatch.delenv(key, raising=False)
@@ -196,7 +196,7 @@ def test_guard_in_a_world_of_one_is_cheap_and_silent(monkeypatch):
 
 
 def test_watchdog_cleans_its_side_channel_after_a_clean_run(tmp_path, monkeypatch):
-    from disttrain.watchdog import Watchdog
+    from disttrain.guard.watchdog import Watchdog
 
     monkeypatch.setenv("LOCAL_WORLD_SIZE", "1")
     wd = Watchdog(dir=tmp_path / "side", tick_s=0.05).start()
@@ -208,7 +208,7 @@ def test_watchdog_cleans_its_side_channel_after_a_clean_run(tmp_path, monkeypatc
 
 
 def test_where_in_stack_reads_py_spy_and_faulthandler_dumps():
-    from disttrain.hangreport import where_in_stack
+    from disttrain.guard.hang_report import where_in_stack
 
     py_spy = ('Thread 7 (idle): "disttrain-watchdog"\n    _run (disttrain/watchdog.py:9)\n'
               'Thread 1 (idle): "MainThread"\n    all_reduce (torch/distributed/distributed_c10d.py:3252)\n'

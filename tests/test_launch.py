@@ -6,7 +6,7 @@ import sys
 import pytest
 
 from conftest import ROOT, WORKERS, run_disttrain, worker_env
-from disttrain import launch
+from disttrain.launch import run_command as launch
 from disttrain.errors import UserError
 
 SCRIPT = str(WORKERS / "hello.py")

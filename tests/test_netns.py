@@ -20,7 +20,7 @@ from collections import Counter
 import pytest
 
 from elastic_helpers import audit_timeline, kill_node, metrics, start, trainer_cmd, wait_for
-from disttrain.etcd_server import EtcdServer
+from disttrain.launch.etcd_server import EtcdServer
 
 STEPS = 64
 SLOW = "delay@step:ms=300"  # long enough for the scale events to land mid-run

@@ -5,7 +5,7 @@ from collections import Counter
 import pytest
 
 from disttrain.errors import UserError
-from disttrain.sampler import ElasticSampler
+from disttrain.data import ElasticSampler
 
 
 def run_steps(samplers, steps):

@@ -10,10 +10,10 @@ import torch.nn as nn
 import disttrain as dt
 from disttrain.config import load_config
 from disttrain.errors import ConfigError, UserError
-from disttrain.models import GPT, GPTConfig, MLP, MLPConfig
+from disttrain.demo import GPT, GPTConfig, MLP, MLPConfig
 from disttrain.parallel.blocks import find_blocks
 from disttrain.parallel.mesh import Layout
-from disttrain.precision import AgreedGradScaler
+from disttrain.parallel.precision import AgreedGradScaler
 
 TINY = GPTConfig(block_size=8, n_layer=2, n_head=2, n_embd=16)
 

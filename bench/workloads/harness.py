@@ -55,7 +55,7 @@ def model_config() -> dict:
 
 
 def make_model() -> torch.nn.Module:
-    """The benchmark GPT (`disttrain.models.GPT`), built from the current RNG state."""
+    """The benchmark GPT (`disttrain.demo.GPT`), built from the current RNG state."""
     gpt = _gpt_module()
     return gpt.GPT(gpt.GPTConfig(**model_config()))
 

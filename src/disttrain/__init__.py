@@ -17,23 +17,25 @@ from __future__ import annotations
 import importlib
 from typing import TYPE_CHECKING
 
-__version__ = "0.1.0"
+from disttrain import old_paths
+from disttrain.version import __version__  # noqa: F401
+
+old_paths.install()  # 0.1 module paths keep working, with a DeprecationWarning
 
 # public name -> the module that defines it
 _EXPORTS = {
     "disttrain.checkpoint": ["Checkpointer", "TrainState", "atomic_torch_save", "load", "load_model",
                              "save", "save_model"],
-    "disttrain.data": ["DistributedSampler"],
+    "disttrain.data": ["DistributedSampler", "ElasticSampler"],
     "disttrain.errors": ["ConfigError", "DistributedMismatchError", "UserError"],
     "disttrain.guard": ["check_consistency", "check_replicas", "start_guard"],
-    "disttrain.loop": ["Accumulator", "clip_grad_norm", "no_sync", "warmup_cosine"],
-    "disttrain.metrics": ["JsonlWriter", "MeanTracker", "global_mean", "global_sum", "print_main"],
+    "disttrain.train.loop": ["Accumulator", "clip_grad_norm", "no_sync", "warmup_cosine"],
+    "disttrain.train.metrics": ["JsonlWriter", "MeanTracker", "global_mean", "global_sum", "print_main"],
     "disttrain.parallel": ["Layout", "join", "make_optimizer", "unwrap", "wrap"],
-    "disttrain.precision": ["AgreedGradScaler", "autocast", "make_grad_scaler"],
+    "disttrain.parallel.precision": ["AgreedGradScaler", "autocast", "make_grad_scaler"],
     "disttrain.runtime": ["RankInfo", "barrier", "distributed", "init", "rank_info", "shutdown"],
-    "disttrain.sampler": ["ElasticSampler"],
-    "disttrain.sanity": ["NotDistributedError", "NotDistributedWarning"],
-    "disttrain.watchdog": ["Watchdog"],
+    "disttrain.guard.sanity": ["NotDistributedError", "NotDistributedWarning"],
+    "disttrain.guard.watchdog": ["Watchdog"],
 }
 _WHERE = {name: module for module, names in _EXPORTS.items() for name in names}
 __all__ = sorted(_WHERE)
@@ -55,15 +57,14 @@ def __dir__() -> list[str]:
 if TYPE_CHECKING:  # static tools see the real names
     from disttrain.checkpoint import (Checkpointer, TrainState, atomic_torch_save, load,  # noqa: F401
                                       load_model, save, save_model)
-    from disttrain.data import DistributedSampler  # noqa: F401
+    from disttrain.data import DistributedSampler, ElasticSampler  # noqa: F401
     from disttrain.errors import ConfigError, DistributedMismatchError, UserError  # noqa: F401
     from disttrain.guard import check_consistency, check_replicas, start_guard  # noqa: F401
-    from disttrain.loop import Accumulator, clip_grad_norm, no_sync, warmup_cosine  # noqa: F401
-    from disttrain.metrics import (JsonlWriter, MeanTracker, global_mean, global_sum,  # noqa: F401
+    from disttrain.train.loop import Accumulator, clip_grad_norm, no_sync, warmup_cosine  # noqa: F401
+    from disttrain.train.metrics import (JsonlWriter, MeanTracker, global_mean, global_sum,  # noqa: F401
                                    print_main)
     from disttrain.parallel import Layout, join, make_optimizer, unwrap, wrap  # noqa: F401
-    from disttrain.precision import AgreedGradScaler, autocast, make_grad_scaler  # noqa: F401
+    from disttrain.parallel.precision import AgreedGradScaler, autocast, make_grad_scaler  # noqa: F401
     from disttrain.runtime import RankInfo, barrier, distributed, init, rank_info, shutdown  # noqa: F401
-    from disttrain.sampler import ElasticSampler  # noqa: F401
-    from disttrain.sanity import NotDistributedError, NotDistributedWarning  # noqa: F401
-    from disttrain.watchdog import Watchdog  # noqa: F401
+    from disttrain.guard.sanity import NotDistributedError, NotDistributedWarning  # noqa: F401
+    from disttrain.guard.watchdog import Watchdog  # noqa: F401

@@ -7,7 +7,7 @@ from __future__ import annotations
 
 import sys
 
-from disttrain.errors import UserError
+from disttrain.errors import run_command
 
 USAGE = """usage: disttrain COMMAND [ARGS]
 
@@ -24,17 +24,17 @@ commands:
 def _command(name: str):
     # Imported lazily: `disttrain doctor` must not pay for `import torch`.
     if name == "run":
-        from disttrain.launch import main
+        from disttrain.launch.run_command import main
     elif name == "train":
-        from disttrain.trainer import main
+        from disttrain.launch.train_command import main
     elif name == "doctor":
         from disttrain.doctor import main
     elif name == "plan":
         from disttrain.plan import main
     elif name == "ckpt":
-        from disttrain.checkpoint.cli import main
+        from disttrain.checkpoint.ckpt_command import main
     elif name == "etcd":
-        from disttrain.etcd_server import main
+        from disttrain.launch.etcd_server import main
     else:
         return None
     return main
@@ -49,13 +49,7 @@ def main(argv: list[str] | None = None) -> int:
     if command is None:
         print(f"disttrain: unknown command {argv[0]!r}.\n\n{USAGE}", end="", file=sys.stderr)
         return 2
-    try:
-        return int(command(argv[1:]) or 0)
-    except UserError as e:
-        print(f"disttrain {argv[0]}: error: {e}", file=sys.stderr)
-        return 2
-    except KeyboardInterrupt:
-        return 130
+    return run_command(argv[0], command, argv[1:])
 
 
 if __name__ == "__main__":

@@ -17,3 +17,17 @@ class ConfigError(UserError):
 
 class DistributedMismatchError(UserError):
     """Ranks disagree on something they must share (accum_steps, config, model)."""
+
+
+def run_command(name: str, command, argv: list[str]) -> int:
+    """Run `command(argv)` as `disttrain NAME`: a `UserError` prints one line (no
+    traceback) and returns 2; Ctrl-C returns 130; anything else propagates."""
+    import sys
+
+    try:
+        return int(command(argv) or 0)
+    except UserError as e:
+        print(f"disttrain {name}: error: {e}", file=sys.stderr)
+        return 2
+    except KeyboardInterrupt:
+        return 130

@@ -17,7 +17,7 @@ import torch
 
 import disttrain as dt
 from disttrain.checkpoint import Checkpointer, CheckpointSaveError, latest_valid
-from disttrain.faults import set_faults
+from disttrain.runtime.fault_injection import set_faults
 
 from ckpt_common import build, full_state, mismatches, train
 

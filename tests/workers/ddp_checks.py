@@ -15,7 +15,7 @@ import torch.nn as nn
 from torch.distributed.algorithms.ddp_comm_hooks.default_hooks import allreduce_hook
 
 import disttrain as dt
-from disttrain.models import GPT, GPTConfig, MLP, MLPConfig
+from disttrain.demo import GPT, GPTConfig, MLP, MLPConfig
 
 out = Path(sys.argv[1])
 results: dict = {}

@@ -9,9 +9,10 @@ from pathlib import Path
 import torch
 
 import disttrain as dt
-from disttrain import guard, sanity
+from disttrain import guard
+from disttrain.guard import sanity
 from disttrain.config import Config
-from disttrain.models import MLP, MLPConfig
+from disttrain.demo import MLP, MLPConfig
 
 out = Path(sys.argv[1])
 results: dict = {}

@@ -11,8 +11,8 @@ import torch
 import torch.distributed as dist
 
 import disttrain as dt
-from disttrain.models import MLP, MLPConfig
-from disttrain.watchdog import Watchdog
+from disttrain.demo import MLP, MLPConfig
+from disttrain.guard.watchdog import Watchdog
 
 out, mode = Path(sys.argv[1]), sys.argv[2]
 

@@ -18,7 +18,7 @@ import torch.nn as nn
 from torch.distributed.fsdp import FSDPModule, FullyShardedDataParallel
 
 import disttrain as dt
-from disttrain.models import GPT, GPTConfig, MLP, MLPConfig
+from disttrain.demo import GPT, GPTConfig, MLP, MLPConfig
 from disttrain.parallel.fsdp import full_parameters, local_bytes
 
 STEPS = 5

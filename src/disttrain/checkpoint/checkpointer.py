@@ -41,7 +41,7 @@ from disttrain.checkpoint import layout
 from disttrain.checkpoint.compat import check_compatible, describe
 from disttrain.checkpoint.errors import (CheckpointCorrupt, CheckpointError, CheckpointMismatch,
                                          CheckpointSaveError, StaleWriterError)
-from disttrain.checkpoint.faults import fault_point, shard_filesystem
+from disttrain.checkpoint.fault_points import fault_point, shard_filesystem
 from disttrain.checkpoint.files import atomic_write_bytes
 from disttrain.checkpoint.state import TrainState, config_hash
 from disttrain.runtime import rank_info
@@ -194,7 +194,7 @@ class Checkpointer:
                    f"{err.rstrip('.')}. {keep}.")
 
     def _manifest_info(self, state: TrainState, sd: dict) -> dict:
-        from disttrain import __version__
+        from disttrain.version import __version__
 
         return {"step": state.step, "epoch": state.epoch, "generation": self.generation,
                 "run_id": self.run_id, "world_size": self.world,

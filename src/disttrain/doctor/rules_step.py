@@ -66,7 +66,8 @@ def loss_divided_twice(facts: Facts):
 def _accumulator_names(facts: Facts) -> set[str]:
     """Names bound to `disttrain.Accumulator(...)`, whose backward() divides the loss."""
     out = set()
-    for call in facts.calls_to("disttrain.Accumulator", "disttrain.loop.Accumulator"):
+    for call in facts.calls_to("disttrain.Accumulator", "disttrain.train.loop.Accumulator",
+                                  "disttrain.loop.Accumulator"):
         parent = facts.parents.get(call)
         if isinstance(parent, ast.Assign) and len(parent.targets) == 1 and ref(parent.targets[0]):
             out.add(ref(parent.targets[0]))

@@ -32,7 +32,7 @@ from disttrain.parallel.join import join
 from disttrain.parallel.mesh import Layout
 from disttrain.parallel.syncbn import convert_sync_batchnorm
 from disttrain.parallel.zero import WRAP_INFO, apply_zero1, check_optimizer, make_optimizer, wrap_info
-from disttrain.precision import apply_autocast
+from disttrain.parallel.precision import apply_autocast
 from disttrain.runtime import rank_info, seed_rank_stream
 
 __all__ = ["Layout", "check_optimizer", "join", "make_optimizer", "unwrap", "wrap", "wrap_info"]

@@ -20,7 +20,7 @@ import torch.nn as nn
 from torch.distributed.fsdp import FullyShardedDataParallel, MixedPrecision, ShardingStrategy
 from torch.distributed.fsdp.wrap import ModuleWrapPolicy
 
-from disttrain.errors import ConfigError
+from disttrain.config import check_fsdp1
 from disttrain.parallel.blocks import apply_activation_checkpointing, check_tied_weights, find_blocks
 from disttrain.parallel.mesh import Layout
 
@@ -32,21 +32,6 @@ STRATEGY_NAMES = {
 }
 
 
-def check_fsdp1(*, precision: str, cpu_offload: bool, device_type: str) -> None:
-    """Raise `ConfigError` for a combination FSDP1 cannot run; each message names `fsdp`.
-
-    - fp16: FSDP1 needs its own `ShardedGradScaler`; disttrain's agreed scaler
-      serves FSDP2 only.
-    - cpu_offload on a CPU job: `CPUOffload(offload_params=True)` fails there.
-    """
-    if precision == "fp16":
-        raise ConfigError("train.precision 'fp16' is not available with parallel.strategy 'fsdp1' "
-                          "(its gradients need FSDP1's own sharded grad scaler). Use "
-                          "--parallel.strategy=fsdp, or precision bf16/fp32.")
-    if cpu_offload and device_type == "cpu":
-        raise ConfigError("parallel.cpu_offload with strategy 'fsdp1' fails on a CPU job "
-                          "(FSDP1 CPUOffload(offload_params=True) needs an accelerator). Use "
-                          "--parallel.strategy=fsdp, whose CPUOffloadPolicy runs on CPU.")
 
 
 def apply_fsdp1(model: nn.Module, layout: Layout, device: torch.device, *, sharding: str = "full",

@@ -21,6 +21,7 @@ from dataclasses import dataclass
 import torch.distributed as dist
 from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
 
+from disttrain.config import shard_grid
 from disttrain.errors import ConfigError
 
 REPLICATE, SHARD = "replicate", "shard"
@@ -55,17 +56,9 @@ class Layout:
         usual HSDP layout. Raises `ConfigError` when the group size does not divide
         the world, naming the sizes that would.
         """
-        if strategy not in ("fsdp", "fsdp1") or sharding == "none":
-            return cls(world_size, world_size, 1, device_type)
-        if sharding != "hybrid":
-            return cls(world_size, 1, world_size, device_type)
-        group = shard_group_size or local_world_size or world_size
-        if group < 1 or world_size % group:
-            divisors = [d for d in range(1, world_size + 1) if world_size % d == 0]
-            raise ConfigError(f"parallel.shard_group_size is {group}, which does not divide the "
-                              f"world of {world_size} ranks; hybrid sharding needs equal shard "
-                              f"groups. Use one of {divisors}.")
-        return cls(world_size, world_size // group, group, device_type)
+        replicate, shard = shard_grid(strategy, sharding, world_size, shard_group_size=shard_group_size,
+                                      local_world_size=local_world_size)
+        return cls(world_size, replicate, shard, device_type)
 
     @property
     def is_hybrid(self) -> bool:

@@ -40,6 +40,6 @@ __all__ = ["main", "estimate", "Plan", "StrategyEstimate", "ModelSpec", "LRAdvic
 
 def main(argv: list[str]) -> int:
     """Entry point of `disttrain plan`; raises `UserError` for bad input (exit 2 in the CLI)."""
-    from disttrain.plan.cli import run
+    from disttrain.plan.plan_command import run
 
     return run(list(argv))

@@ -17,7 +17,7 @@ results (Goyal et al. 2017; Hoffer et al. 2017; LAMB) show linear scaling breaki
 around a few hundred to a thousand samples, so the earlier switch is the safe side.
 
 Warmup = min(5% of the total optimizer steps rounded, at least 1, 2000): the same rule
-as `disttrain.loop.warmup_cosine(warmup_steps=-1)`, so plan and trainer agree. Schedulers
+as `disttrain.train.loop.warmup_cosine(warmup_steps=-1)`, so plan and trainer agree. Schedulers
 count optimizer steps, not micro-steps: with accumulation, `steps` is optimizer steps.
 """
 
@@ -26,19 +26,11 @@ from __future__ import annotations
 import math
 from dataclasses import dataclass
 
+from disttrain.config.lr_rule import LINEAR_UNTIL, SQRT_UNTIL, batch_scale
 from disttrain.errors import UserError
 
-LINEAR_UNTIL = 512
-SQRT_UNTIL = 4096
 WARMUP_FRACTION = 0.05
 WARMUP_CAP = 2000
-
-
-def batch_scale(batch: float) -> float:
-    """g(B) of the module docstring: the LR multiplier of batch B, up to a constant."""
-    if batch <= LINEAR_UNTIL:
-        return float(batch)
-    return LINEAR_UNTIL * math.sqrt(min(batch, SQRT_UNTIL) / LINEAR_UNTIL)
 
 
 def rule_for(batch: float) -> str:

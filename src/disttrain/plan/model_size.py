@@ -25,7 +25,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from disttrain import configfile
+from disttrain.config import tomlfile as configfile
 from disttrain.errors import UserError
 
 
@@ -113,7 +113,7 @@ def parse_gpt_spec(text: str):
     """'n_layer=4,n_embd=128' -> GPTConfig. Unknown keys and bad values raise UserError."""
     import dataclasses
 
-    from disttrain.models.gpt import GPTConfig
+    from disttrain.config.gpt import GPTConfig
 
     fields = {f.name: f.type for f in dataclasses.fields(GPTConfig)}
     kwargs: dict[str, Any] = {}
@@ -140,7 +140,7 @@ def _gpt_value(key: str, value: str, tp: Any) -> Any:
 
 
 def _gpt_config(kwargs: dict, where: str):
-    from disttrain.models.gpt import GPTConfig
+    from disttrain.config.gpt import GPTConfig
 
     import dataclasses
 
@@ -183,10 +183,10 @@ def read_toml(path: str | Path) -> tuple[Any, dict]:
 
 
 def from_gpt_config(cfg) -> ModelSpec:
-    """Exact sizes of `disttrain.models.GPT(cfg)`, built on the meta device (no memory)."""
+    """Exact sizes of `disttrain.demo.GPT(cfg)`, built on the meta device (no memory)."""
     import torch
 
-    from disttrain.models.gpt import GPT
+    from disttrain.demo.gpt import GPT
 
     with torch.device("meta"):
         model = GPT(cfg)

@@ -14,7 +14,7 @@ What it changes, and why:
 - `--debug` sets the verbose switches of P-DEBUG-2 for the backend in use (see
   `debug_env`) and prints them and where the logs go.
 - `DISTTRAIN_EXPECTED_WORLD_SIZE` = nnodes x nproc, so a rank can tell that fewer
-  processes started than were asked for (`disttrain.sanity.check_world_size`).
+  processes started than were asked for (`disttrain.guard.sanity.check_world_size`).
 - Elastic and multi-node jobs (any rendezvous but `--standalone`) get rendezvous
   settings tuned for fast recovery, merged under the user's `--rdzv-conf`
   (`ELASTIC_RDZV_CONF`), and `--rdzv-backend etcd` means torch's `etcd-v2` backend,

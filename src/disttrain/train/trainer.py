@@ -1,15 +1,14 @@
-"""`disttrain train CONFIG.toml [--section.key=value ...]`: the config-driven trainer.
+"""The per-rank job of `disttrain train`: the config-driven trainer.
 
-Written only on the public library API (runtime, wrap, Accumulator, sampler,
-metrics, checkpoint), so it doubles as the reference for a user's own loop. Run
-outside torchrun with `parallel.nproc > 1`, it validates the config, then relaunches
-itself through `disttrain run`; a config error never starts a process.
+Written on the layers below it (runtime, parallel, data, checkpoint, elastic, guard)
+and the demo model and corpus, so it doubles as the reference for a user's own loop.
+`disttrain.launch.train_command` validates the config and starts it on every rank
+(`python -m disttrain.train`); a config error never starts a process.
 """
 
 from __future__ import annotations
 
 import json
-import os
 import sys
 import time
 from pathlib import Path
@@ -19,19 +18,18 @@ from torch.utils.data import DataLoader
 
 from disttrain import runtime
 from disttrain.checkpoint import Checkpointer, CheckpointSaveError, TrainState, save_model
-from disttrain.config import Config, load_config, to_dict
-from disttrain.data import ChunkDataset, load_stdlib_corpus
+from disttrain.config import Config, to_dict
+from disttrain.data import ElasticSampler
+from disttrain.demo import GPT
+from disttrain.demo.corpus import ChunkDataset, load_stdlib_corpus
+from disttrain.elastic import PreemptionHandler, SampleAudit, apply_batch_policy, generation_id
 from disttrain.guard import start_guard
-from disttrain.loop import Accumulator, warmup_cosine
-from disttrain.metrics import JsonlWriter, MeanTracker, global_mean, print_main
-from disttrain.models import GPT
 from disttrain.parallel import make_optimizer, wrap
-from disttrain.precision import make_grad_scaler
-from disttrain.progress import TrainProgress, print_summary
-from disttrain.elastic import SampleAudit, apply_batch_policy, generation_id
-from disttrain.faults import inject
-from disttrain.preempt import PreemptionHandler
-from disttrain.sampler import ElasticSampler
+from disttrain.parallel.precision import make_grad_scaler
+from disttrain.runtime.fault_injection import inject
+from disttrain.train.loop import Accumulator, warmup_cosine
+from disttrain.train.metrics import JsonlWriter, MeanTracker, global_mean, print_main
+from disttrain.train.progress import TrainProgress, print_summary
 
 
 def build_optimizer(model: torch.nn.Module, cfg: Config) -> torch.optim.Optimizer:
@@ -241,24 +239,3 @@ def _close(ckpt, on_error: str) -> None:
             raise
         if runtime.rank_info().is_main:
             print(f"disttrain train: warning: {e}", file=sys.stderr)
-
-
-def main(argv: list[str]) -> int:
-    """CLI entry: validate the config first, then train here or relaunch on torchrun."""
-    if not argv or argv[0].startswith("-"):
-        from disttrain.errors import UserError
-
-        raise UserError("usage: disttrain train CONFIG.toml [--section.key=value ...]")
-    cfg = load_config(argv[0], argv[1:])
-    if "WORLD_SIZE" not in os.environ and cfg.parallel.nproc > 1:
-        from disttrain.launch import main as launch
-
-        return launch(["--nproc", str(cfg.parallel.nproc), "-m", "disttrain.trainer", *argv])
-    train(cfg)
-    return 0
-
-
-if __name__ == "__main__":
-    from disttrain.cli import main as cli_main
-
-    sys.exit(cli_main(["train", *sys.argv[1:]]))

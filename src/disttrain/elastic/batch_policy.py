@@ -1,6 +1,4 @@
-"""What a restarted or resized job needs beyond TorchElastic: the global-batch policy
-on a world-size change, and an audit of the samples each step consumed
-(P-ELASTIC-3, P-DATA-3, P-LOOP-4).
+"""The global-batch policy on a world-size change (P-ELASTIC-3, P-LOOP-4).
 
 TorchElastic restarts workers; the script must load the latest checkpoint, rebuild
 the sampler for the new world and continue. The trainer does that with
@@ -11,14 +9,11 @@ below. Dropout streams after a resume come from (seed, step, rank)
 
 from __future__ import annotations
 
-import json
-import os
-from pathlib import Path
 
 import torch
 
 from disttrain.errors import UserError
-from disttrain.plan.lr import batch_scale
+from disttrain.config.lr_rule import batch_scale
 
 
 def divisors_note(global_batch: int, batch_size: int) -> str:
@@ -57,57 +52,3 @@ def apply_batch_policy(policy: str, *, saved_global_batch: int, batch_size: int,
         scheduler.base_lrs = [lr * factor for lr in scheduler.base_lrs]
     return accum_steps, (f"world size is now {world_size}: global batch {saved_global_batch} -> "
                          f"{new_global}, LR x {factor:.4f} (P-LOOP-4)")
-
-
-def generation_id() -> int:
-    """A number every rank of this attempt shares, larger than any earlier attempt's:
-    rank 0's clock in ns, broadcast. (TORCHELASTIC_RESTART_COUNT is per agent, so two
-    nodes that joined at different times would disagree.) A collective."""
-    import time
-
-    import torch.distributed as dist
-
-    t = torch.tensor([time.time_ns()], dtype=torch.int64)
-    if dist.is_initialized():
-        dist.broadcast(t, src=0)
-    return int(t.item())
-
-
-class SampleAudit:
-    """Appends {"step", "rank", "world", "generation", "indices"} lines, one file per
-    rank and attempt, under `root`. A no-op when disabled."""
-
-    def __init__(self, root: str | os.PathLike, rank: int, world_size: int, enabled: bool,
-                 generation: int = 0):
-        self.enabled = enabled
-        self.rank, self.world, self.generation = rank, world_size, generation
-        self._pending: list[int] = []
-        if enabled:
-            root = Path(root)
-            root.mkdir(parents=True, exist_ok=True)
-            self.path = root / f"gen{generation}-rank{rank}.jsonl"
-
-    def add(self, indices: torch.Tensor) -> None:
-        if self.enabled:
-            self._pending += indices.tolist()
-
-    def commit(self, step: int) -> None:
-        """Record the samples of optimizer step `step` (1-based), then start afresh."""
-        if self.enabled:
-            with self.path.open("a") as f:
-                f.write(json.dumps({"step": step, "rank": self.rank, "world": self.world,
-                                    "generation": self.generation, "indices": self._pending}) + "\n")
-        self._pending = []
-
-
-def final_timeline(records: list[dict]) -> dict[int, list[int]]:
-    """The samples of each step on the timeline the final model descends from: for a
-    step recorded by several attempts, the latest attempt's records replace the rest."""
-    latest: dict[int, int] = {}
-    for r in records:
-        latest[r["step"]] = max(latest.get(r["step"], -1), r["generation"])
-    out: dict[int, list[int]] = {}
-    for r in records:
-        if r["generation"] == latest[r["step"]]:
-            out.setdefault(r["step"], []).extend(r["indices"])
-    return out

@@ -15,9 +15,9 @@ import os
 from dataclasses import dataclass, field
 from typing import Any
 
-from disttrain.configfile import apply_overrides, build, read_toml
+from disttrain.config.gpt import GPTConfig
+from disttrain.config.tomlfile import apply_overrides, build, read_toml
 from disttrain.errors import ConfigError
-from disttrain.models.gpt import GPTConfig
 
 STRATEGIES = ("ddp", "fsdp", "zero1", "dp", "fsdp1")
 SHARDINGS = ("full", "grad_op", "hybrid", "none")
@@ -296,14 +296,47 @@ def validate_parallel(p: ParallelConfig, precision: str, *, world_size: int, loc
              "parallel.sync_batchnorm needs one process per device; DataParallel's threads cannot "
              "synchronise statistics. Use --parallel.strategy=ddp (P-DDP-8).")
     if s == "fsdp1":
-        from disttrain.parallel.fsdp1 import check_fsdp1
-
         check_fsdp1(precision=precision, cpu_offload=p.cpu_offload, device_type=device_type)
-    if s in _FSDP and p.sharding == "hybrid":
-        from disttrain.parallel.mesh import Layout
+    shard_grid(s, p.sharding, world_size, shard_group_size=p.shard_group_size,
+               local_world_size=local_world_size)
 
-        Layout.for_strategy(s, p.sharding, world_size, shard_group_size=p.shard_group_size,
-                            local_world_size=local_world_size, device_type=device_type)
+def check_fsdp1(*, precision: str, cpu_offload: bool, device_type: str) -> None:
+    """Raise `ConfigError` for a combination FSDP1 cannot run; each message names `fsdp`.
+
+    - fp16: FSDP1 needs its own `ShardedGradScaler`; disttrain's agreed scaler
+      serves FSDP2 only.
+    - cpu_offload on a CPU job: `CPUOffload(offload_params=True)` fails there.
+    """
+    if precision == "fp16":
+        raise ConfigError("train.precision 'fp16' is not available with parallel.strategy 'fsdp1' "
+                          "(its gradients need FSDP1's own sharded grad scaler). Use "
+                          "--parallel.strategy=fsdp, or precision bf16/fp32.")
+    if cpu_offload and device_type == "cpu":
+        raise ConfigError("parallel.cpu_offload with strategy 'fsdp1' fails on a CPU job "
+                          "(FSDP1 CPUOffload(offload_params=True) needs an accelerator). Use "
+                          "--parallel.strategy=fsdp, whose CPUOffloadPolicy runs on CPU.")
+
+
+def shard_grid(strategy: str, sharding: str, world_size: int, *, shard_group_size: int = 0,
+               local_world_size: int | None = None) -> tuple[int, int]:
+    """(replicas, shards) of the rank grid for a strategy and sharding mode; the
+    arithmetic of `disttrain.parallel.Layout`, kept here so validation needs no torch.
+
+    `shard_group_size=0` means one node's processes (`local_world_size`), the usual
+    HSDP layout. Raises `ConfigError` when the group size does not divide the world,
+    naming the sizes that would.
+    """
+    if strategy not in _FSDP or sharding == "none":
+        return world_size, 1
+    if sharding != "hybrid":
+        return 1, world_size
+    group = shard_group_size or local_world_size or world_size
+    if group < 1 or world_size % group:
+        divisors = [d for d in range(1, world_size + 1) if world_size % d == 0]
+        raise ConfigError(f"parallel.shard_group_size is {group}, which does not divide the "
+                          f"world of {world_size} ranks; hybrid sharding needs equal shard "
+                          f"groups. Use one of {divisors}.")
+    return world_size // group, group
 
 
 def _check_hardware(p: ParallelConfig) -> None:

@@ -11,7 +11,7 @@ from typing import Iterator
 import torch
 import torch.nn as nn
 
-from disttrain.guard import assert_same_across_ranks
+from disttrain.runtime.collectives import assert_same_across_ranks
 from disttrain.parallel.zero import check_optimizer
 
 

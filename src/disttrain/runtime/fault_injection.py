@@ -12,7 +12,7 @@ Actions: kill (SIGKILL), stop (SIGSTOP), term (SIGTERM, a preemption), exit (sta
 delay (sleep `ms` milliseconds: a slow rank; it fires in every restart and is silent).
 Phases are the points where the trainer calls `inject`: forward, backward, step
 (optimizer), and the checkpoint phases checkpoint.shards, checkpoint.after_shards and
-checkpoint.during_commit (see disttrain.checkpoint.faults). Keys: rank (default
+checkpoint.during_commit (see disttrain.checkpoint.fault_points). Keys: rank (default
 any), step (default any), restart (the TORCHELASTIC_RESTART_COUNT it fires in,
 default 0, so a restarted job does not fail again at the same point).
 """

@@ -177,7 +177,7 @@ def check_first_batch(batch: Any, *, strict: bool = False) -> None:
     """
     if _world() <= 1 or not dist.is_initialized():
         return
-    from disttrain.guard import gather_ints
+    from disttrain.runtime.collectives import gather_ints
 
     digests = gather_ints(batch_digest(batch))
     if len(set(digests)) == 1:

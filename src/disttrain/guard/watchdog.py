@@ -34,7 +34,7 @@ import time
 from collections import deque
 from pathlib import Path
 
-from disttrain.hangreport import diagnose, format_summary
+from disttrain.guard.hang_report import diagnose, format_summary
 
 HANG_EXIT_CODE = 124
 """Exit status of a rank that reported a hang (the `timeout` command's convention)."""

@@ -11,7 +11,7 @@ hang or a silently wrong model (P-DEBUG-3):
   per-parameter checksums. Replicas that drifted apart raise an error naming the step
   and the first parameter that differs.
 
-`gather_ints` / `assert_same_across_ranks` are the small form used by `Accumulator`.
+The small form, `assert_same_across_ranks`, lives in `disttrain.runtime.collectives`.
 """
 
 from __future__ import annotations
@@ -28,37 +28,7 @@ import torch.distributed as dist
 import torch.nn as nn
 
 from disttrain.errors import DistributedMismatchError
-
-
-def _comm_device() -> torch.device:
-    # NCCL only moves CUDA tensors; gloo moves CPU ones.
-    if dist.get_backend() == "nccl":
-        return torch.device("cuda", torch.cuda.current_device())
-    return torch.device("cpu")
-
-
-def gather_ints(value: int) -> list[int]:
-    """Every rank's `value`, in rank order. `[value]` in a world of 1."""
-    if not dist.is_initialized():
-        return [value]
-    local = torch.tensor([value], dtype=torch.int64, device=_comm_device())
-    out = [torch.zeros_like(local) for _ in range(dist.get_world_size())]
-    dist.all_gather(out, local)
-    return [int(t.item()) for t in out]
-
-
-def assert_same_across_ranks(name: str, value: int) -> None:
-    """Raise `DistributedMismatchError` on every rank when ranks disagree on `value`.
-
-    A collective: every rank must call it at the same point. The message names each
-    rank's value so the odd one out is obvious (P-DEBUG-3).
-    """
-    values = gather_ints(value)
-    if len(set(values)) > 1:
-        listing = ", ".join(f"rank {r}: {v}" for r, v in enumerate(values))
-        raise DistributedMismatchError(
-            f"ranks disagree on {name} ({listing}). Every rank must use the same {name}; "
-            f"check per-rank config or environment overrides.")
+from disttrain.runtime.collectives import comm_device
 
 
 # ---------------------------------------------------------------- start-of-run fingerprint
@@ -101,7 +71,7 @@ def _digest(obj: Any) -> str:
 
 def fingerprint(model: nn.Module | None = None, config: Any = None, **fields: Any) -> dict[str, str]:
     """This rank's fingerprint: field name -> short printable value (hashes for big ones)."""
-    from disttrain import __version__
+    from disttrain.version import __version__
 
     fp = {"torch": torch.__version__, "disttrain": __version__}
     if config is not None:
@@ -206,7 +176,7 @@ def check_replicas(model: nn.Module, step: int) -> None:
         return
     # NaN on every rank is not divergence: compare it as an ordinary (huge) value.
     local = torch.nan_to_num(parameter_checksums(model), nan=1.2345e300)
-    both = torch.cat([local, -local]).to(_comm_device())  # one MAX all-reduce: max and -min
+    both = torch.cat([local, -local]).to(comm_device())  # one MAX all-reduce: max and -min
     dist.all_reduce(both, op=dist.ReduceOp.MAX)
     both = both.cpu()
     hi, lo = both[: len(local)], -both[len(local):]
@@ -215,7 +185,7 @@ def check_replicas(model: nn.Module, step: int) -> None:
         return
     # Every rank saw the same reduced result, so every rank enters this second exchange.
     first = int(differs.nonzero()[0, 0])
-    mine = local[first].contiguous().to(_comm_device())
+    mine = local[first].contiguous().to(comm_device())
     everyone = [torch.zeros_like(mine) for _ in range(dist.get_world_size())]
     dist.all_gather(everyone, mine)
     everyone = [v.cpu() for v in everyone]
@@ -251,7 +221,7 @@ class RunGuard:
         """Same model structure on every rank; the stepped model is wrapped (collective)."""
         if not self.cfg.enabled:
             return
-        from disttrain.sanity import check_wrapped
+        from disttrain.guard.sanity import check_wrapped
 
         check_consistency(model=model)
         check_wrapped(model, optimizer, strict=self.cfg.strict)
@@ -261,7 +231,7 @@ class RunGuard:
         if self._batch_checked:
             return
         self._batch_checked = True
-        from disttrain.sanity import check_first_batch
+        from disttrain.guard.sanity import check_first_batch
 
         check_first_batch(batch, strict=self.cfg.strict)
 
@@ -299,7 +269,7 @@ def start_guard(cfg=None, *, config: Any = None, timeout_s: float | None = None,
     import atexit
 
     from disttrain.config import GuardConfig
-    from disttrain.sanity import check_threads, check_world_size
+    from disttrain.guard.sanity import check_threads, check_world_size
 
     cfg = cfg or GuardConfig()
     if not cfg.enabled:
@@ -309,7 +279,7 @@ def start_guard(cfg=None, *, config: Any = None, timeout_s: float | None = None,
     check_consistency(config=config, **fields)
     watchdog = None
     if dist.is_initialized() and dist.get_world_size() > 1:
-        from disttrain.watchdog import Watchdog, job_key
+        from disttrain.guard.watchdog import Watchdog, job_key
 
         cap = min(cfg.hang_cap_s, 0.9 * timeout_s) if timeout_s else cfg.hang_cap_s
         # A shared guard.dir gets one subdirectory per job attempt, so runs never mix.

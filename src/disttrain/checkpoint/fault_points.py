@@ -1,4 +1,4 @@
-"""Checkpoint fault points, driven by the library's `disttrain.faults` spec
+"""Checkpoint fault points, driven by the library's `disttrain.runtime.fault_injection` spec
 (`DISTTRAIN_FAULT="ACTION@PHASE:rank=R,step=S"`), so users can crash-test their
 own jobs the way disttrain's tests do:
 
@@ -16,7 +16,7 @@ import os
 
 from torch.distributed.checkpoint.filesystem import FileSystem
 
-from disttrain import faults
+from disttrain.runtime import fault_injection as faults
 
 
 def fault_point(point: str, rank: int, step: int) -> None:

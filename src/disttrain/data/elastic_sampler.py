@@ -25,7 +25,7 @@ from typing import Iterator
 
 from torch.utils.data import Sampler
 
-from disttrain.data import epoch_permutation
+from disttrain.data.distributed_sampler import epoch_permutation
 from disttrain.errors import UserError
 from disttrain.runtime import rank_info
 

@@ -1,0 +1,18 @@
+"""The ground layer: typed configuration (kw_only dataclasses), a TOML file and
+dotted CLI overrides, and the pure rules every later layer validates against.
+Nothing here imports torch at module level.
+
+    schema.py    Config and its sections; load_config; validate / validate_parallel
+    tomlfile.py  TOML reading, dotted overrides, typed construction
+    gpt.py       GPTConfig: the built-in model's shape as plain data
+    lr_rule.py   g(B): the LR multiplier of an effective batch (P-LOOP-4)
+"""
+
+from disttrain.config.gpt import GPTConfig
+from disttrain.config.schema import (PRECISIONS, SHARDINGS, STRATEGIES, CheckpointConfig, Config, DataConfig,
+                                     ElasticConfig, GuardConfig, OptimConfig, ParallelConfig, TrainConfig,
+                                     check_fsdp1, load_config, shard_grid, to_dict, validate, validate_parallel)
+
+__all__ = ["PRECISIONS", "SHARDINGS", "STRATEGIES", "CheckpointConfig", "Config", "DataConfig", "ElasticConfig",
+           "GPTConfig", "GuardConfig", "OptimConfig", "ParallelConfig", "TrainConfig", "check_fsdp1",
+           "load_config", "shard_grid", "to_dict", "validate", "validate_parallel"]
