@@ -4,10 +4,10 @@ It is the part of each script that is not "user code": the model, the data, the
 step clock and the JSON result. Keeping it in one module makes the scripts differ
 only where a framework makes them differ, which is what the line count measures.
 
-It never imports the `disttrain` package: the GPT is loaded from its source file
-(`disttrain/models/gpt.py` imports only torch), so the bare-PyTorch, Accelerate and
-Fabric scripts do not pay for `import disttrain` and the disttrain one pays for it
-in full.
+It never imports the `disttrain` package: the GPT is loaded from its source files
+(`disttrain/demo/gpt.py` imports only torch and the plain dataclass in
+`disttrain/config/gpt_shape.py`), so the bare-PyTorch, Accelerate and Fabric scripts
+do not pay for `import disttrain` and the disttrain one pays for it in full.
 
 Environment (set by `bench.launch`):
     BENCH_T0        wall time (time.time()) just before the launcher started this process
@@ -38,16 +38,25 @@ ACCUM_STEPS = 2
 CORPUS_BYTES = 1_000_000
 
 
+def _load_source(name: str, path: Path):
+    spec = importlib.util.spec_from_file_location(name, path)
+    module = importlib.util.module_from_spec(spec)
+    sys.modules[name] = module  # dataclasses look their module up while building
+    spec.loader.exec_module(module)
+    return module
+
+
 def _gpt_module():
+    if "disttrain" in sys.modules:  # the disttrain workload: the real modules
+        return importlib.import_module("disttrain.demo.gpt")
     spec = importlib.util.find_spec("disttrain")  # locates the package without running it
     if spec is None or not spec.submodule_search_locations:
         raise SystemExit("disttrain is not importable: pip install -e . (or set PYTHONPATH=src)")
-    path = Path(list(spec.submodule_search_locations)[0]) / "models" / "gpt.py"
-    gpt_spec = importlib.util.spec_from_file_location("bench_gpt", path)
-    module = importlib.util.module_from_spec(gpt_spec)
-    sys.modules[gpt_spec.name] = module  # dataclasses look their module up while building
-    gpt_spec.loader.exec_module(module)
-    return module
+    root = Path(list(spec.submodule_search_locations)[0])
+    # Registered under its real name, so gpt.py's one disttrain import finds it
+    # without running the package.
+    _load_source("disttrain.config.gpt_shape", root / "config" / "gpt_shape.py")
+    return _load_source("bench_gpt", root / "demo" / "gpt.py")
 
 
 def model_config() -> dict:

@@ -33,6 +33,9 @@ MOVED = {
     "disttrain.models.gpt": "disttrain.demo.gpt",
     "disttrain.models.mlp": "disttrain.demo.mlp",
     "disttrain.checkpoint.faults": "disttrain.checkpoint.fault_points",
+    "disttrain.checkpoint.errors": "disttrain.checkpoint.checkpoint_errors",
+    "disttrain.doctor.report": "disttrain.doctor.doctor_report",
+    "disttrain.plan.report": "disttrain.plan.plan_report",
     "disttrain.checkpoint.cli": "disttrain.checkpoint.ckpt_command",
     "disttrain.plan.cli": "disttrain.plan.plan_command",
 }

@@ -16,7 +16,7 @@ jobs wrote; share models as the safetensors export.
 """
 
 from disttrain.checkpoint.checkpointer import Checkpointer, load, save
-from disttrain.checkpoint.errors import (CheckpointCorrupt, CheckpointError, CheckpointMismatch,
+from disttrain.checkpoint.checkpoint_errors import (CheckpointCorrupt, CheckpointError, CheckpointMismatch,
                                          CheckpointSaveError, StaleWriterError)
 from disttrain.checkpoint.files import atomic_torch_save, load_model, save_model, strip_prefix
 from disttrain.checkpoint.layout import latest_valid, verify

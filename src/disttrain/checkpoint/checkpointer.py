@@ -39,7 +39,7 @@ from torch.distributed.checkpoint.state_dict_saver import AsyncCheckpointerType
 
 from disttrain.checkpoint import layout
 from disttrain.checkpoint.compat import check_compatible, describe
-from disttrain.checkpoint.errors import (CheckpointCorrupt, CheckpointError, CheckpointMismatch,
+from disttrain.checkpoint.checkpoint_errors import (CheckpointCorrupt, CheckpointError, CheckpointMismatch,
                                          CheckpointSaveError, StaleWriterError)
 from disttrain.checkpoint.fault_points import fault_point, shard_filesystem
 from disttrain.checkpoint.files import atomic_write_bytes

@@ -10,7 +10,7 @@ import argparse
 from pathlib import Path
 
 from disttrain.checkpoint import layout
-from disttrain.checkpoint.errors import CheckpointCorrupt
+from disttrain.checkpoint.checkpoint_errors import CheckpointCorrupt
 from disttrain.errors import UserError
 
 USAGE = "disttrain ckpt {inspect,verify,export} DIR [--to model.safetensors] [--optim optim.pt]"

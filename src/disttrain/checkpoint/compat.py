@@ -14,7 +14,7 @@ from torch.distributed.checkpoint._nested_dict import flatten_state_dict
 from torch.distributed.checkpoint.api import CheckpointException
 from torch.distributed.checkpoint.metadata import TensorStorageMetadata
 
-from disttrain.checkpoint.errors import CheckpointMismatch
+from disttrain.checkpoint.checkpoint_errors import CheckpointMismatch
 
 SHOW = 5
 

@@ -28,7 +28,7 @@ import re
 import shutil
 from pathlib import Path
 
-from disttrain.checkpoint.errors import CheckpointCorrupt, StaleWriterError
+from disttrain.checkpoint.checkpoint_errors import CheckpointCorrupt, StaleWriterError
 from disttrain.checkpoint.files import atomic_write_bytes, fsync_dir
 
 MANIFEST = "manifest.json"

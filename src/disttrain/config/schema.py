@@ -15,7 +15,7 @@ import os
 from dataclasses import dataclass, field
 from typing import Any
 
-from disttrain.config.gpt import GPTConfig
+from disttrain.config.gpt_shape import GPTConfig
 from disttrain.config.tomlfile import apply_overrides, build, read_toml
 from disttrain.errors import ConfigError
 

@@ -13,7 +13,7 @@ import torch
 import torch.nn as nn
 import torch.nn.functional as F
 
-from disttrain.config.gpt import GPTConfig
+from disttrain.config.gpt_shape import GPTConfig
 
 
 

@@ -113,7 +113,7 @@ def parse_gpt_spec(text: str):
     """'n_layer=4,n_embd=128' -> GPTConfig. Unknown keys and bad values raise UserError."""
     import dataclasses
 
-    from disttrain.config.gpt import GPTConfig
+    from disttrain.config.gpt_shape import GPTConfig
 
     fields = {f.name: f.type for f in dataclasses.fields(GPTConfig)}
     kwargs: dict[str, Any] = {}
@@ -140,7 +140,7 @@ def _gpt_value(key: str, value: str, tp: Any) -> Any:
 
 
 def _gpt_config(kwargs: dict, where: str):
-    from disttrain.config.gpt import GPTConfig
+    from disttrain.config.gpt_shape import GPTConfig
 
     import dataclasses
 

@@ -11,8 +11,11 @@ form that destroys the group on every exit path, exceptions included (P-INIT-6).
 from __future__ import annotations
 
 import contextlib
+import ctypes
 import datetime
+import gc
 import os
+import sys
 import random
 from dataclasses import dataclass
 from typing import Iterator
@@ -154,10 +157,25 @@ def init(*, backend: str = "auto", device: str = "auto", timeout_s: float = 300.
 
 
 def shutdown() -> None:
-    """Destroy the process group if one is running. Safe to call twice."""
+    """Destroy the process group if one is running. Safe to call twice.
+
+    A group that something still references after the destroy (a DDP module's reducer,
+    a DeviceMesh, a user's global) is kept alive for the rest of the process: torch
+    2.13's gloo group destructor, run during interpreter finalization, aborts the
+    process about one time in two ("terminate called without an active exception",
+    exit -6), which torchrun reports as a failed worker. Freed here, while the
+    interpreter is alive, it is harmless; the OS reclaims a kept one at exit.
+    """
     global _current
     if dist.is_available() and dist.is_initialized():
+        from torch.distributed.distributed_c10d import _world
+
+        groups = list(_world.pg_map)
         dist.destroy_process_group()
+        gc.collect()
+        for group in groups:
+            if sys.getrefcount(group) > 3:  # more than `groups`, `group` and the argument
+                ctypes.pythonapi.Py_IncRef(ctypes.py_object(group))  # never destructed
     _current = None
 
 
