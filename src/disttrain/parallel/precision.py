@@ -109,16 +109,21 @@ class AgreedGradScaler:
         """Divide the gradients by the scale; return whether any rank overflowed."""
         if id(optimizer) in self._found_inf:
             raise RuntimeError("unscale_() was already called on this optimizer since the last update().")
-        inv = 1.0 / self._scale
-        found = torch.zeros(1)
-        for group in optimizer.param_groups:
-            for p in group["params"]:
-                if p.grad is None:
-                    continue
-                g = _local(p.grad)
-                g.mul_(inv)
-                if g.numel() and not torch.isfinite(g).all():
-                    found.fill_(1.0)
+        grads = [_local(p.grad) for group in optimizer.param_groups for p in group["params"]
+                 if p.grad is not None]
+        device = grads[0].device if grads else torch.device("cpu")
+        found = torch.zeros(1, device=device)
+        # torch's fused unscale + non-finite check, one call per (device, dtype): no host
+        # sync per parameter; the single sync is the `.item()` below.
+        buckets: dict[tuple, list[torch.Tensor]] = {}
+        for g in grads:
+            if g.numel():
+                buckets.setdefault((g.device, g.dtype), []).append(g)
+        for (dev, _), bucket in buckets.items():
+            found_here = torch.zeros(1, device=dev)
+            inv = torch.full((1,), 1.0 / self._scale, device=dev)
+            torch._amp_foreach_non_finite_check_and_unscale_(bucket, found_here, inv)
+            found = torch.maximum(found, found_here.to(device))
         if dist.is_available() and dist.is_initialized():
             # The agreement: any rank's overflow becomes every rank's overflow.
             dist.all_reduce(found, op=dist.ReduceOp.MAX, group=self.process_group)

@@ -39,7 +39,7 @@ class RankInfo:
     local_world_size: int
     device: torch.device
     backend: str | None
-    """None when no process group was started (world of 1)."""
+    """The group's backend string; None when no group was started (no launcher)."""
     seed: int
 
     @property
@@ -123,15 +123,33 @@ def seed_step(step: int, info: RankInfo | None = None) -> None:
     seed_all((info.seed * 1_000_003 + step) * 65_537 + info.rank)
 
 
+_ACCELERATOR_BACKENDS = {"cuda": "nccl", "xpu": "xccl"}
+
+
+def group_backend(device_type: str, backend: str = "auto") -> str:
+    """The backend string for a group on `device_type`: "gloo" on CPU; on an
+    accelerator "cpu:gloo,cuda:nccl" (torch's per-device form), because NCCL moves
+    device tensors only and the small collectives on host values need gloo.
+    `backend` "gloo" keeps gloo for everything; "nccl"/"auto" pick the accelerator's."""
+    if device_type == "cpu" or backend == "gloo":
+        return "gloo"
+    accel = _ACCELERATOR_BACKENDS.get(device_type, backend) if backend == "auto" else backend
+    return f"cpu:gloo,{device_type}:{accel}"
+
+
 def init(*, backend: str = "auto", device: str = "auto", timeout_s: float = 300.0,
          seed: int = 0) -> RankInfo:
     """Start the process group from the torchrun environment and return `RankInfo`.
 
     Seeds every RNG with `seed` on every rank, so the model initialisation is the same
-    everywhere. Without WORLD_SIZE in the environment (or with WORLD_SIZE=1) no group
-    is started. Raises `UserError` for an inconsistent environment; a rendezvous
-    that cannot complete fails after `timeout_s` instead of torch's 10-30 minutes.
-    Creating a process group is not thread-safe: call from the main thread (P-INIT-3).
+    everywhere. Under a launcher (WORLD_SIZE in the environment) a group is started
+    even in a world of 1, so user code that calls `torch.distributed` keeps working
+    when an elastic job shrinks to one rank; a plain `python script.py` starts none.
+    On an accelerator the group gets a backend per device (`group_backend`): CPU
+    tensors (metrics, votes, ids) go through gloo, device tensors through NCCL.
+    Raises `UserError` for an inconsistent environment; a rendezvous that cannot
+    complete fails after `timeout_s` instead of torch's 10-30 minutes. Creating a
+    process group is not thread-safe: call from the main thread (P-INIT-3).
     """
     global _current
     world = _env_int("WORLD_SIZE", 1)
@@ -143,8 +161,8 @@ def init(*, backend: str = "auto", device: str = "auto", timeout_s: float = 300.
                         f"is inconsistent. Launch with `disttrain run`.")
     dev = _pick_device(device, local_rank)
     chosen = None
-    if world > 1:
-        chosen = {"cuda": "nccl", "cpu": "gloo", "xpu": "xccl"}[dev.type] if backend == "auto" else backend
+    if "WORLD_SIZE" in os.environ:
+        chosen = group_backend(dev.type, backend)
         if not dist.is_initialized():
             dist.init_process_group(
                 backend=chosen, timeout=datetime.timedelta(seconds=timeout_s),
