@@ -30,6 +30,7 @@ from disttrain.runtime.fault_injection import inject
 from disttrain.train.loop import Accumulator, warmup_cosine
 from disttrain.train.metrics import JsonlWriter, MeanTracker, global_mean, print_main
 from disttrain.train.progress import TrainProgress, print_summary
+from disttrain.train import resume
 
 
 def build_optimizer(model: torch.nn.Module, cfg: Config) -> torch.optim.Optimizer:
@@ -97,6 +98,12 @@ def train(cfg: Config) -> dict:
 def _train(cfg: Config, info: runtime.RankInfo, preempt: PreemptionHandler) -> dict:
     t0 = time.perf_counter()
     p, t = cfg.parallel, cfg.train
+    # The newest checkpoint's config against this one: a changed model or dataset is
+    # refused before anything is built or written; a finished run is left as it is.
+    plan = resume.inspect(cfg)
+    if plan is not None and plan.step >= t.steps:
+        print_main(resume.complete_message(plan))
+        return {"steps": plan.step, "world_size": info.world_size, "complete": True, "preempted": False}
     corpus = load_stdlib_corpus(cfg.data.max_bytes, cfg.data.heldout_fraction)
     train_set = ChunkDataset(corpus.train, cfg.model.block_size)
     heldout_set = ChunkDataset(corpus.heldout, cfg.model.block_size)
@@ -118,8 +125,14 @@ def _train(cfg: Config, info: runtime.RankInfo, preempt: PreemptionHandler) -> d
                         drop_last=True, generator=torch.Generator().manual_seed(t.seed))
     out = Path(t.out_dir)
     ckpt, state = _checkpointing(cfg, out, model, optimizer, scheduler, acc.scaler, sampler)
-    resumed = ckpt is not None and ckpt.load(state) is not None  # automatic resume (P-ELASTIC-3)
+    fresh = resume.fresh_hyperparams(optimizer, scheduler)
+    loaded = ckpt.load(state) if ckpt is not None else None  # automatic resume (P-ELASTIC-3)
+    resumed = loaded is not None
     if resumed:
+        if plan is None or plan.directory != str(loaded):  # the load fell back to another one
+            plan = resume.plan_for(loaded, cfg)
+            plan = plan.check() if plan is not None else None
+        resume.apply(plan, optimizer, scheduler, fresh)  # before the batch policy scales the LR
         acc.optimizer_steps = state.step
         acc.accum_steps, note = apply_batch_policy(
             cfg.elastic.batch_policy, saved_global_batch=sampler.saved_global_batch,
@@ -129,6 +142,7 @@ def _train(cfg: Config, info: runtime.RankInfo, preempt: PreemptionHandler) -> d
         print_main(f"disttrain train: resumed at step {state.step} (epoch {sampler.epoch}, "
                    f"sample {sampler.cursor}) on {info.world_size} rank(s)"
                    + (f"; {note}" if note else ""))
+        resume.print_changes(plan, cfg.elastic.batch_policy)
     audit = SampleAudit(out / "samples", info.rank, info.world_size, cfg.elastic.record_samples,
                         generation_id())
     saved_at = step = acc.optimizer_steps

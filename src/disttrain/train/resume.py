@@ -1,0 +1,199 @@
+"""Resuming with a changed config: what may differ from the checkpoint's config (docs/resume.md).
+
+Every checkpoint stores the resolved config of the run that wrote it (`TrainState.config`,
+the "config" of its `state.json`; the manifest keeps its hash). `disttrain train` compares
+it with this run's config, key by key, in three classes:
+
+- refused (`REFUSED`, and every model.* and data.* key but model.dropout): the weights or the
+  sample order would not be the run's any more. `inspect` raises `CheckpointMismatch`
+  listing each key as `key: checkpoint -> now`, before anything is built or written.
+- applied (every other optim.* key, and `APPLIED`): after the load, `apply` writes the new
+  optimizer hyper-parameters into the param groups and the scheduler, and rank 0 prints a
+  "checkpoint -> now" table. Batch size and accumulation follow elastic.batch_policy.
+- ignored (everything else: parallel, guard, checkpoint, elastic, logging, out_dir): how
+  this run runs, not what it trains; they take effect as set and are not reported.
+
+A key that only one of the two configs has (a checkpoint of another disttrain version)
+is not compared. A checkpoint without a stored config is resumed as before.
+"""
+
+from __future__ import annotations
+
+import json
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import torch
+import torch.distributed as dist
+
+from disttrain.checkpoint import CheckpointMismatch
+from disttrain.checkpoint.layout import committed
+from disttrain.config import Config, to_dict
+
+REFUSED = frozenset({"optim.name", "train.seed"})
+"""Refused besides model.* and data.*: another optimizer's state, another sample order."""
+APPLIED = frozenset({"model.dropout", "train.steps", "train.batch_size", "train.accum_steps",
+                     "train.precision"})
+"""Applied besides optim.*: read from this run's config when the run is built."""
+SCHEDULE = frozenset({"optim.lr", "optim.warmup_steps", "optim.min_lr_ratio", "train.steps"})
+"""Keys that move the learning rate at the resumed step."""
+GROUP_KEYS = {"optim.weight_decay": "weight_decay", "optim.betas": "betas",
+              "optim.momentum": "momentum"}
+"""Config key -> the param-group key that holds it."""
+
+
+def classify(key: str) -> str:
+    """'refuse', 'apply' or 'ignore' for a dotted config key."""
+    if key in APPLIED:
+        return "apply"
+    if key in REFUSED or key.startswith(("model.", "data.")):
+        return "refuse"
+    return "apply" if key.startswith("optim.") else "ignore"
+
+
+def _flatten(d: dict, prefix: str = "") -> dict[str, Any]:
+    out: dict[str, Any] = {}
+    for k, v in d.items():
+        if isinstance(v, dict):
+            out.update(_flatten(v, f"{prefix}{k}."))
+        else:
+            out[f"{prefix}{k}"] = v
+    return out
+
+
+def _fmt(value: Any) -> str:
+    return repr(value) if isinstance(value, str) else str(value)
+
+
+@dataclass
+class ResumePlan:
+    """The checkpoint a run resumes from and how its config differs from this run's.
+
+    `changes` holds (key, checkpoint value, this run's value) for every applied key
+    that differs; `refused` the same for refused keys (non-empty only before `check`).
+    """
+
+    directory: str
+    step: int
+    saved_config: dict | None
+    changes: list[tuple[str, Any, Any]] = field(default_factory=list)
+    refused: list[tuple[str, Any, Any]] = field(default_factory=list)
+
+    def check(self) -> "ResumePlan":
+        """Raise `CheckpointMismatch` (one line) when a refused key differs; else self."""
+        if self.refused:
+            listing = "; ".join(f"{k}: {_fmt(a)} -> {_fmt(b)}" for k, a, b in self.refused)
+            path = Path(self.directory)
+            raise CheckpointMismatch(
+                f"the checkpoint {path.name} in {path.parent} was written with another model, "
+                f"dataset, optimizer or seed ({listing}). A checkpoint resumes only the run that "
+                f"wrote it: use another --train.out_dir (or checkpoint.dir) to start a new run, or "
+                f"set these keys back to the checkpoint's values to resume it.")
+        return self
+
+
+def plan_for(directory: str | Path, cfg: Config) -> ResumePlan | None:
+    """Read `directory/state.json` (plain JSON, nothing unpickled) and compare its config
+    with `cfg`. None when the file is missing or unreadable (the load reports that)."""
+    try:
+        meta = json.loads((Path(directory) / "state.json").read_text())
+        step, saved = int(meta["step"]), meta.get("config")
+    except (OSError, ValueError, KeyError, TypeError):
+        return None
+    plan = ResumePlan(str(directory), step, saved if isinstance(saved, dict) else None)
+    if plan.saved_config is None:
+        return plan
+    old = _flatten(plan.saved_config)
+    now = _flatten(json.loads(json.dumps(to_dict(cfg))))  # the form the checkpoint stores
+    for key in sorted(old.keys() & now.keys()):
+        if old[key] != now[key] and (kind := classify(key)) != "ignore":
+            (plan.refused if kind == "refuse" else plan.changes).append((key, old[key], now[key]))
+    return plan
+
+
+def checkpoint_root(cfg: Config) -> Path:
+    """Where the run's checkpoints live: checkpoint.dir, or {train.out_dir}/checkpoints."""
+    return Path(cfg.checkpoint.dir) if cfg.checkpoint.dir else Path(cfg.train.out_dir) / "checkpoints"
+
+
+def inspect(cfg: Config) -> ResumePlan | None:
+    """The plan for the newest committed checkpoint, the same on every rank (rank 0 reads,
+    one broadcast): None on a fresh start or with checkpoints disabled. A collective.
+
+    Raises `CheckpointMismatch` on every rank when a refused key differs. Reads only;
+    the load later verifies the checkpoint's checksums.
+    """
+    plan = None
+    if cfg.checkpoint.enabled and (not dist.is_initialized() or dist.get_rank() == 0):
+        newest = committed(checkpoint_root(cfg))
+        plan = plan_for(newest[0][2], cfg) if newest else None
+    if dist.is_initialized() and dist.get_world_size() > 1:
+        box = [plan]
+        dist.broadcast_object_list(box, src=0)
+        plan = box[0]
+    return plan.check() if plan is not None else None
+
+
+def complete_message(plan: ResumePlan) -> str:
+    return (f"disttrain train: complete at step {plan.step}; raise --train.steps to continue, "
+            f"or use another --train.out_dir.")
+
+
+def fresh_hyperparams(optimizer: torch.optim.Optimizer, scheduler) -> dict:
+    """This run's optimizer settings, taken before a load overwrites them with the
+    checkpoint's: each param group's values (no params) and the scheduler's base LRs."""
+    return {"groups": [{k: v for k, v in g.items() if k != "params"} for g in optimizer.param_groups],
+            "base_lrs": list(scheduler.base_lrs) if scheduler is not None else None}
+
+
+def apply(plan: ResumePlan | None, optimizer: torch.optim.Optimizer, scheduler, fresh: dict) -> None:
+    """Write this run's hyper-parameters over the loaded ones, for each key in `plan.changes`.
+
+    optim.lr: the scheduler's base LRs (and each group's initial_lr) become this run's,
+    times any factor the checkpoint's base LRs carried over its configured lr (a
+    rescale_lr resume); weight_decay, betas, momentum: the values `build_optimizer` gave
+    each group; a schedule key (lr, warmup, min_lr_ratio, train.steps): the current LR
+    becomes base LR x this run's schedule at the resumed step, as a run started with
+    this config would have it. Other applied keys are read from the config already.
+    """
+    if plan is None or not plan.changes:
+        return
+    changed = {key for key, _, _ in plan.changes}
+    groups = optimizer.param_groups
+    for key, group_key in GROUP_KEYS.items():
+        if key in changed:
+            for group, new in zip(groups, fresh["groups"]):
+                if group_key in new:
+                    group[group_key] = new[group_key]
+    if scheduler is None or not changed & SCHEDULE:
+        if "optim.lr" in changed:  # no scheduler: the lr is the group's own
+            for group, new in zip(groups, fresh["groups"]):
+                group["lr"] = new["lr"]
+        return
+    if "optim.lr" in changed:
+        saved_lr = float(plan.saved_config["optim"]["lr"])
+        scheduler.base_lrs = [new * (old / saved_lr)
+                              for new, old in zip(fresh["base_lrs"], scheduler.base_lrs)]
+    step = scheduler.last_epoch
+    for i, (group, base) in enumerate(zip(groups, scheduler.base_lrs)):
+        group["initial_lr"] = base
+        group["lr"] = base * scheduler.lr_lambdas[i](step)  # as LambdaLR.get_lr computes it
+    scheduler._last_lr = [g["lr"] for g in groups]
+
+
+def print_changes(plan: ResumePlan | None, batch_policy: str) -> None:
+    """Rank 0: a "checkpoint -> now" table of the applied keys that changed (rich)."""
+    if plan is None or not plan.changes or (dist.is_initialized() and dist.get_rank() != 0):
+        return
+    from rich.console import Console
+    from rich.table import Table
+
+    table = Table(title="disttrain train: config changed since the checkpoint (applied)")
+    for column in ("key", "checkpoint", "now"):
+        table.add_column(column, style="bold" if column == "key" else None)
+    for key, old, new in plan.changes:
+        table.add_row(key, _fmt(old), _fmt(new))
+    if any(k in ("train.batch_size", "train.accum_steps") for k, _, _ in plan.changes):
+        table.caption = f"batch size and accumulation follow elastic.batch_policy = {batch_policy!r}"
+    Console().print(table)

@@ -1,0 +1,151 @@
+"""`disttrain train` on an out_dir with a checkpoint compares the checkpoint's config with
+this run's (docs/resume.md): a changed model or dataset is refused with one line and
+nothing written, changed hyper-parameters are applied, and a finished run is left alone."""
+
+import json
+import shutil
+
+import pytest
+import torch
+
+from conftest import run_disttrain
+from disttrain.config import load_config, to_dict
+from disttrain.train import resume
+from disttrain.train.loop import warmup_cosine
+
+SMALL = ["--model.n_layer=1", "--model.n_embd=32", "--model.n_head=2", "--model.block_size=32",
+         "--data.max_bytes=50000", "--train.batch_size=4", "--train.eval_every=0",
+         "--train.eval_batches=1", "--train.log_every=1", "--checkpoint.every=3",
+         "--guard.enabled=false", "--parallel.nproc=1", "--optim.lr=1e-3"]
+COMPLETE = ("disttrain train: complete at step 3; raise --train.steps to continue, or use "
+            "another --train.out_dir.")
+
+
+def _train(out, *extra, steps=3):
+    return run_disttrain(["train", "examples/tiny_gpt.toml", *SMALL, f"--train.steps={steps}",
+                          *extra, f"--train.out_dir={out}"], timeout=240)
+
+
+@pytest.fixture(scope="module")
+def finished(tmp_path_factory):
+    """A run of 3 steps with its checkpoint at step 3, trained once for the module."""
+    out = tmp_path_factory.mktemp("resume") / "base"
+    proc = _train(out)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    return out
+
+
+def _copy(finished, tmp_path, name):
+    out = tmp_path / name
+    shutil.copytree(finished, out)
+    return out
+
+
+def _snapshot(out):
+    return {str(p.relative_to(out)): (p.stat().st_mtime_ns, p.read_bytes())
+            for p in sorted(out.rglob("*")) if p.is_file()}
+
+
+def _records(out):
+    return {r["step"]: r for r in map(json.loads, (out / "metrics.jsonl").read_text().splitlines())}
+
+
+def _expected_lrs(lr, total, steps):
+    """The LR logged after each of `steps` in a run started at `lr` with `total` steps."""
+    opt = torch.optim.AdamW([torch.nn.Parameter(torch.zeros(1))], lr=lr)
+    sched = warmup_cosine(opt, total_steps=total, warmup_steps=-1, min_lr_ratio=0.1)
+    out = {}
+    for step in range(1, max(steps) + 1):
+        opt.step()
+        sched.step()
+        out[step] = sched.get_last_lr()[0]
+    return {s: out[s] for s in steps}
+
+
+def test_complete_run_is_left_untouched(finished, tmp_path):
+    out = _copy(finished, tmp_path, "again")
+    before = _snapshot(out)
+    proc = _train(out)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    assert COMPLETE in proc.stdout.splitlines()
+    assert "resumed" not in proc.stdout and "summary" not in proc.stdout
+    assert _snapshot(out) == before  # model.pt, summary.json, metrics.jsonl, checkpoints
+
+
+def test_changed_model_or_data_refuses_in_one_line(finished, tmp_path):
+    out = _copy(finished, tmp_path, "shape")
+    before = _snapshot(out)
+    proc = _train(out, "--model.n_embd=64", "--data.max_bytes=60000", steps=6)
+    assert proc.returncode == 2, proc.stderr[-3000:]
+    errors = [line for line in proc.stderr.splitlines() if line.startswith("disttrain train: error:")]
+    assert len(errors) == 1 and "Traceback" not in proc.stderr, proc.stderr
+    assert "model.n_embd: 32 -> 64" in errors[0] and "data.max_bytes: 50000 -> 60000" in errors[0]
+    assert "step-00000003" in errors[0] and "another --train.out_dir" in errors[0]
+    assert _snapshot(out) == before
+
+
+def test_changed_lr_and_schedule_are_applied(finished, tmp_path):
+    kept, changed = _copy(finished, tmp_path, "kept"), _copy(finished, tmp_path, "changed")
+    a = _train(kept, steps=6)
+    b = _train(changed, "--optim.lr=5e-3", steps=6)
+    assert a.returncode == 0 and b.returncode == 0, (a.stderr[-3000:], b.stderr[-3000:])
+    assert "resumed at step 3" in b.stdout
+    rows = [line for line in b.stdout.splitlines() if "optim.lr" in line or "train.steps" in line]
+    assert len(rows) == 2 and "0.001" in rows[0] and "0.005" in rows[0], b.stdout
+    assert "train.steps" in a.stdout and "optim.lr" not in a.stdout  # only what changed
+    ra, rb = _records(kept), _records(changed)
+    # the LR at each resumed step is the new run's schedule: lr and total steps of this run
+    assert {s: rb[s]["lr"] for s in (4, 5, 6)} == _expected_lrs(5e-3, 6, (4, 5, 6))
+    assert {s: ra[s]["lr"] for s in (4, 5, 6)} == _expected_lrs(1e-3, 6, (4, 5, 6))
+    assert ra[4]["loss"] == rb[4]["loss"]  # the same weights at the checkpoint ...
+    assert ra[5]["loss"] != rb[5]["loss"]  # ... then the new LR trains differently
+    wa = torch.load(kept / "model.pt", weights_only=True)
+    wb = torch.load(changed / "model.pt", weights_only=True)
+    assert any(not torch.equal(wa[k], wb[k]) for k in wa)
+
+
+def _adamw(params, cfg):
+    o = cfg.optim
+    decay = [p for p in params if p.dim() >= 2]
+    groups = [{"params": decay, "weight_decay": o.weight_decay},
+              {"params": [p for p in params if p.dim() < 2], "weight_decay": 0.0}]
+    opt = torch.optim.AdamW(groups, lr=o.lr, betas=tuple(o.betas))
+    return opt, warmup_cosine(opt, total_steps=cfg.train.steps, warmup_steps=o.warmup_steps,
+                              min_lr_ratio=o.min_lr_ratio)
+
+
+def test_apply_matches_a_run_started_with_the_new_config(tmp_path):
+    old = load_config(None, ["--train.steps=10", "--optim.lr=1e-3", "--parallel.nproc=1"])
+    new = load_config(None, ["--train.steps=20", "--optim.lr=4e-3", "--optim.weight_decay=0.3",
+                             "--optim.betas=[0.8, 0.9]", "--optim.warmup_steps=2",
+                             "--parallel.nproc=1"])
+    model = torch.nn.Linear(3, 2)
+    opt, sched = _adamw(list(model.parameters()), old)
+    for _ in range(4):
+        opt.step()
+        sched.step()
+    (tmp_path / "state.json").write_text(json.dumps({"step": 4, "config": to_dict(old)}))
+    plan = resume.plan_for(tmp_path, new).check()
+    assert [k for k, _, _ in plan.changes] == ["optim.betas", "optim.lr", "optim.warmup_steps",
+                                               "optim.weight_decay", "train.steps"]
+    opt2, sched2 = _adamw(list(model.parameters()), new)
+    fresh = resume.fresh_hyperparams(opt2, sched2)
+    opt2.load_state_dict(opt.state_dict())
+    sched2.load_state_dict(sched.state_dict())
+    resume.apply(plan, opt2, sched2, fresh)
+    ref, ref_sched = _adamw(list(model.parameters()), new)
+    for _ in range(4):
+        ref.step()
+        ref_sched.step()
+    for got, want in zip(opt2.param_groups, ref.param_groups):
+        assert {k: v for k, v in got.items() if k != "params"} == \
+               {k: v for k, v in want.items() if k != "params"}
+    assert sched2.base_lrs == ref_sched.base_lrs and sched2.get_last_lr() == ref_sched.get_last_lr()
+
+
+def test_classes_of_keys():
+    assert resume.classify("model.n_embd") == resume.classify("data.max_bytes") == "refuse"
+    assert resume.classify("optim.name") == resume.classify("train.seed") == "refuse"
+    assert resume.classify("optim.lr") == resume.classify("model.dropout") == "apply"
+    assert resume.classify("train.batch_size") == resume.classify("train.steps") == "apply"
+    assert resume.classify("parallel.nproc") == resume.classify("train.log_every") == "ignore"
