@@ -10,6 +10,7 @@ form that destroys the group on every exit path, exceptions included (P-INIT-6).
 
 from __future__ import annotations
 
+import atexit
 import contextlib
 import ctypes
 import datetime
@@ -161,6 +162,7 @@ def init(*, backend: str = "auto", device: str = "auto", timeout_s: float = 300.
                         f"is inconsistent. Launch with `disttrain run`.")
     dev = _pick_device(device, local_rank)
     chosen = None
+    _release_lingering()  # a new group may need the port a lingering one's store holds
     if "WORLD_SIZE" in os.environ:
         chosen = group_backend(dev.type, backend)
         if not dist.is_initialized():
@@ -178,11 +180,13 @@ def shutdown() -> None:
     """Destroy the process group if one is running. Safe to call twice.
 
     A group that something still references after the destroy (a DDP module's reducer,
-    a DeviceMesh, a user's global) is kept alive for the rest of the process: torch
-    2.13's gloo group destructor, run during interpreter finalization, aborts the
-    process about one time in two ("terminate called without an active exception",
-    exit -6), which torchrun reports as a failed worker. Freed here, while the
-    interpreter is alive, it is harmless; the OS reclaims a kept one at exit.
+    a DeviceMesh, a user's global) must not be destructed during interpreter
+    finalization: torch 2.13's gloo group destructor aborts the process there about
+    one time in two ("terminate called without an active exception", exit -6), which
+    torchrun reports as a failed worker. Such groups are held here; the next `init`
+    frees those nobody else holds any more (while the interpreter is alive, which is
+    harmless), and at exit the still-referenced ones are never destructed (the OS
+    reclaims them).
     """
     global _current
     if dist.is_available() and dist.is_initialized():
@@ -191,10 +195,32 @@ def shutdown() -> None:
         groups = list(_world.pg_map)
         dist.destroy_process_group()
         gc.collect()
-        for group in groups:
-            if sys.getrefcount(group) > 3:  # more than `groups`, `group` and the argument
-                ctypes.pythonapi.Py_IncRef(ctypes.py_object(group))  # never destructed
+        _lingering.extend(g for g in groups if sys.getrefcount(g) > 3)  # more than groups, g, argument
+        del groups
+        if not _exit_hook:
+            _exit_hook.append(atexit.register(_release_lingering, True))
     _current = None
+
+
+# Groups referenced by something else when shutdown() destroyed them (see shutdown()).
+_lingering: list = []
+_exit_hook: list = []
+
+
+def _release_lingering(at_exit: bool = False) -> None:
+    """Drop our hold on lingering groups nobody else references (they are destructed
+    now); at exit, make the still-referenced ones immortal instead."""
+    held = list(_lingering)
+    _lingering.clear()
+    for group in held:
+        if sys.getrefcount(group) <= 3:  # held, group, the argument: ours alone
+            continue
+        if at_exit:
+            ctypes.pythonapi.Py_IncRef(ctypes.py_object(group))
+        else:
+            _lingering.append(group)
+    del held
+    gc.collect()
 
 
 @contextlib.contextmanager
