@@ -69,6 +69,43 @@ def test_corruption_is_named_refused_and_falls_back_only_when_asked_P_CKPT_5(sav
     assert latest_valid(root).name == "step-00000001"
 
 
+def _truncate_manifest(step_dir):
+    manifest = step_dir / "manifest.json"
+    manifest.write_bytes(manifest.read_bytes()[:40])
+
+
+def test_unreadable_newest_manifest_is_refused_named_and_never_pruned_P_CKPT_5(saved, tmp_path, capsys):
+    root, step2 = _copy(saved, tmp_path)
+    _truncate_manifest(step2)
+    with pytest.raises(CheckpointCorrupt) as err:
+        Checkpointer(root).load(build("ddp"))  # not silently passed over for step 1
+    assert "step-00000002" in str(err.value) and "manifest.json is unreadable" in str(err.value)
+    assert cli(["ckpt", "verify", str(root)]) == 1
+    assert "step-00000002" in capsys.readouterr().out
+    state = build("ddp")
+    ck = Checkpointer(root, keep_last=1, fallback=True)
+    assert ck.load(state).name == "step-00000001" and state.step == 1
+    assert "skipped corrupt checkpoint step-00000002" in capsys.readouterr().err
+    train(state, 2)
+    assert ck.save(state).name == "step-00000003"
+    # retention kept the newest valid one and left the damaged one for inspection
+    assert sorted(p.name for p in root.glob("step-*")) == ["step-00000002", "step-00000003"]
+    assert Checkpointer(root).load(build("ddp")).name == "step-00000003"
+
+
+def test_resave_over_an_unreadable_step_keeps_it_aside_for_inspection(saved, tmp_path):
+    root, step2 = _copy(saved, tmp_path)
+    _truncate_manifest(step2)
+    state = build("ddp")
+    ck = Checkpointer(root, keep_last=1, fallback=True)
+    ck.load(state)
+    train(state, 1)
+    assert ck.save(state).name == "step-00000002"  # the same step, a new timeline
+    verify(root / "step-00000002")
+    aside = list(root.glob(".corrupt-step-00000002-*"))
+    assert len(aside) == 1 and (aside[0] / ".metadata").is_file()
+
+
 def test_cli_verify_names_the_first_bad_file(saved, tmp_path, capsys):
     root, step2 = _copy(saved, tmp_path)
     assert cli(["ckpt", "verify", str(step2)]) == 0 and "OK" in capsys.readouterr().out

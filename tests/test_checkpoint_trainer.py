@@ -44,3 +44,21 @@ def test_trainer_resumes_automatically_and_exactly(tmp_path):
     wb = torch.load(b / "model.pt", weights_only=True)
     assert all(torch.equal(wa[k], wb[k]) for k in wa)  # bit-identical final weights
     assert latest_valid(b / "checkpoints").name == "step-00000004"  # the failed save left it latest
+
+
+def test_async_end_of_run_checkpoint_survives_an_earlier_failed_save(tmp_path):
+    """Thread-mode async: step 4's save fails on the background thread; the end-of-run
+    save (step 5) is still performed, then step 4's failure is reported."""
+    env = worker_env(DISTTRAIN_FAULT="enospc@checkpoint.shards:step=4")
+    base = [*SMALL, "--train.steps=5", "--checkpoint.async_mode=thread"]
+    warn, stop = tmp_path / "continue", tmp_path / "stop"
+    jobs = {out: run_disttrain(["train", "examples/tiny_gpt.toml", *base, f"--train.out_dir={out}",
+                                f"--checkpoint.on_error={out.name}"], timeout=240, env=env)
+            for out in (warn, stop)}
+    assert jobs[warn].returncode == 0, jobs[warn].stderr[-3000:]
+    assert "disk full" in jobs[warn].stderr and "Training continues" in jobs[warn].stderr
+    assert jobs[stop].returncode != 0 and "Traceback" not in jobs[stop].stderr, jobs[stop].stderr[-3000:]
+    for out, proc in jobs.items():
+        assert "step-00000005 is now the latest checkpoint" in proc.stderr, proc.stderr[-3000:]
+        assert latest_valid(out / "checkpoints").name == "step-00000005"
+        assert not (out / "checkpoints" / "step-00000004").exists()

@@ -28,5 +28,8 @@ class CheckpointSaveError(CheckpointError):
     latest and intact."""
 
 
-class StaleWriterError(CheckpointSaveError):
-    """Another job (a newer writer generation) owns the checkpoint directory."""
+class StaleWriterError(CheckpointError):
+    """Another job (a newer writer generation) owns the checkpoint directory: this
+    writer was fenced. Deliberately not a `CheckpointSaveError`, so
+    `checkpoint.on_error = "continue"` never applies: a fenced job must stop, since
+    two jobs must never train into one directory."""

@@ -11,7 +11,9 @@ Async (`async_mode="thread"`): DCP's `async_save` copies the state to CPU memory
 before it returns (training may then change the parameters), and writes on a
 thread. It runs on the checkpointer's own gloo group: on the default group its
 collectives interleave with training's and hang or abort. At most one save is in
-flight: the next `save`, `load` or `wait` first completes it and raises its error.
+flight: the next `load` or `wait` first completes it and raises its error; the next
+`save` completes it, still performs (and completes) its own save, then raises it.
+A `StaleWriterError` (this writer was fenced) is never a `CheckpointSaveError`.
 The process-based mode of torch 2.13 is not offered (see docs/checkpoints.md).
 
 Load: rank 0 picks the newest committed directory and verifies its checksums
@@ -110,25 +112,66 @@ class Checkpointer:
         """Checkpoint `state` as `ROOT/step-{state.step:08d}`. A collective.
 
         Sync mode returns the committed directory. Async mode returns None once the
-        state is copied; the commit completes in the background. Raises
-        `CheckpointSaveError` on every rank when this (or the previous async) save
-        failed; the previous checkpoint then stays latest and intact.
+        state is copied; the commit completes in the background. Re-saving a step
+        this writer already committed is a no-op that returns that directory.
+
+        Raises, on every rank: `CheckpointSaveError` when this save failed (the
+        previous checkpoint then stays latest and intact); `StaleWriterError` (not a
+        `CheckpointSaveError`) when another job took the directory over. When the
+        previous async save failed, this save is still performed and completed
+        first, then the earlier failure is raised as a `CheckpointSaveError` that
+        says which checkpoint is now the latest.
         """
-        self.wait()
+        earlier = self._settle()
+        try:
+            result = self._save_now(state)
+            if earlier is not None and result is None:
+                result = self.wait()  # commit this one before reporting the earlier failure
+        except CheckpointSaveError as e:
+            if earlier is None:
+                raise
+            raise CheckpointSaveError(f"{getattr(earlier, 'head', earlier)} Then: {e}") from None
+        if earlier is not None:
+            raise CheckpointSaveError(f"{getattr(earlier, 'head', earlier)} The next save did "
+                                      f"commit: {result.name} is now the latest checkpoint.") from None
+        return result
+
+    def _settle(self) -> CheckpointSaveError | None:
+        """Complete the in-flight async save; return its `CheckpointSaveError` instead
+        of raising it (a `StaleWriterError` is raised: a fenced writer stops)."""
+        try:
+            self.wait()
+        except StaleWriterError:
+            raise
+        except CheckpointSaveError as e:
+            return e
+        return None
+
+    def _save_now(self, state: TrainState) -> Path | None:
         step = state.step
         if self.generation is None:
             self.generation = self._bcast(layout.claim_generation(self.root, self.run_id)
                                           if self.rank == 0 else None)
         tmp = self.root / layout.tmp_name(step, self.generation, self.run_id)
         final = self.root / layout.step_name(step)
-        err = None
+        err, done = None, False
         if self.rank == 0:
             try:
-                shutil.rmtree(tmp, ignore_errors=True)
-                tmp.mkdir(parents=True)
+                if layout.committed_by(final, self.run_id, self.generation):
+                    layout.check_fence(self.root, self.run_id, self.generation)
+                    done = True  # the same live writer saved this step already
+                else:
+                    shutil.rmtree(tmp, ignore_errors=True)
+                    tmp.mkdir(parents=True)
+            except StaleWriterError as e:
+                err = f"stale writer: {e}"
             except OSError as e:
                 err = f"cannot create {tmp}: {describe(e)}"
-        self._raise_if(self._bcast(err), step, tmp)
+        err, done = self._bcast((err, done))
+        self._raise_if(err, step, tmp)
+        if done:
+            self.last_saved = final
+            return final
         sd = state.state_dict()
         info = self._manifest_info(state, sd)
         local = None
@@ -190,8 +233,10 @@ class Checkpointer:
         prev = layout.latest_valid(self.root, checksums=False)
         keep = f"{prev.name} stays the latest checkpoint" if prev else "no earlier checkpoint exists"
         kind = StaleWriterError if err.startswith("stale writer: ") else CheckpointSaveError
-        raise kind(f"checkpoint {layout.step_name(step)} in {self.root} was not saved: "
-                   f"{err.rstrip('.')}. {keep}.")
+        head = f"checkpoint {layout.step_name(step)} in {self.root} was not saved: {err.rstrip('.')}."
+        error = kind(f"{head} {keep}.")
+        error.head = head  # what `save` reports once a later save changed the latest
+        raise error
 
     def _manifest_info(self, state: TrainState, sd: dict) -> dict:
         from disttrain.version import __version__
@@ -205,7 +250,7 @@ class Checkpointer:
 
     def wait(self) -> Path | None:
         """Complete the in-flight async save, if any. Raises its `CheckpointSaveError`
-        (on every rank). Returns the committed directory or None."""
+        or `StaleWriterError` (on every rank). Returns the committed directory or None."""
         future, self._inflight = self._inflight, None
         return future.result() if future is not None else None
 

@@ -9,11 +9,13 @@
         rank-00000.json ...          per-rank RNG state
         manifest.json                written last: sizes + sha256 of every file
       .tmp-step-00001300-g3-1a2b3c/  being written; never read
+      .corrupt-step-00001100-1a2b3c/ a damaged step directory moved aside by a re-save; kept
 
 A checkpoint is committed by one `os.rename` of a finished temporary directory, so
 a crash leaves either no `step-*` directory or a complete one. "Latest" is the
-newest committed directory, by (writer generation, step), whose manifest verifies;
-nothing else (no pointer file) decides it. Each job claims a generation one above
+newest committed directory, by (writer generation, step); nothing else (no pointer
+file) decides it. A damaged newest one is reported, never silently passed over
+(the loader's `fallback` skips it with a warning naming it). Each job claims a generation one above
 every generation seen; a writer whose lease was taken over refuses to commit, and
 an older generation can never outrank a newer one, so a stale writer in a
 split-brain cannot make its checkpoint "latest".
@@ -118,24 +120,34 @@ def verify(step_dir: str | os.PathLike, *, checksums: bool = True) -> dict:
     return manifest
 
 
+def manifest_owner(step_dir: Path) -> tuple[str, int] | None:
+    """(run_id, generation) from the manifest of `step_dir`, or None when it cannot be
+    read (missing, truncated, not JSON)."""
+    try:
+        manifest = json.loads((step_dir / MANIFEST).read_text())
+        return str(manifest.get("run_id", "")), int(manifest.get("generation", 0))
+    except (OSError, ValueError, AttributeError, TypeError):
+        return None
+
+
 def committed(root: str | os.PathLike) -> list[tuple[int, int, Path]]:
     """(generation, step, dir) of every committed step directory, newest first.
 
-    A directory whose manifest cannot be read sorts by its name's step with
-    generation -1, so it still shows up (and fails) when it is the newest."""
+    A directory whose manifest cannot be read has no known generation: it ranks by
+    its step within the newest generation seen, so a damaged newest checkpoint is
+    still the newest (loading it fails, naming it) instead of being silently passed
+    over for an older one."""
     root = Path(root)
-    out = []
+    found = []
     if not root.is_dir():
-        return out
+        return []
     for path in root.iterdir():
         m = _STEP_RE.match(path.name)
-        if not m or not path.is_dir():
-            continue
-        try:
-            gen = int(json.loads((path / MANIFEST).read_text()).get("generation", 0))
-        except (OSError, ValueError, AttributeError):
-            gen = -1
-        out.append((gen, int(m.group(1)), path))
+        if m and path.is_dir():
+            owner = manifest_owner(path)
+            found.append((None if owner is None else owner[1], int(m.group(1)), path))
+    newest = max((g for g, _, _ in found if g is not None), default=0)
+    out = [(newest if g is None else g, step, path) for g, step, path in found]
     return sorted(out, key=lambda t: (t[0], t[1]), reverse=True)
 
 
@@ -181,25 +193,44 @@ def check_fence(root: Path, run_id: str, generation: int) -> None:
             f"Stop this job: two jobs must never train into one directory.")
 
 
+def committed_by(final: Path, run_id: str, generation: int) -> bool:
+    """True when `final` is a committed checkpoint of this writer (run id and
+    generation) that still passes the cheap size check: re-saving it is a no-op."""
+    if manifest_owner(final) != (run_id, generation):
+        return False
+    try:
+        verify(final, checksums=False)
+        return True
+    except CheckpointCorrupt:
+        return False
+
+
 def commit(tmp_dir: Path, final: Path, run_id: str, generation: int) -> None:
     """Atomically publish `tmp_dir` as `final` (rank 0 only).
 
-    An existing `final` from an older generation (an abandoned timeline after a
-    resume from an earlier step) is moved aside first; one from this or a newer
-    generation means a second writer: `StaleWriterError`. Never writes into an
-    existing step directory.
+    Raises `StaleWriterError` when this writer no longer holds the lease (it was
+    fenced), or when `final` belongs to another writer of this or a newer
+    generation. An existing `final` of an older generation (an abandoned timeline
+    after a resume from an earlier step), or this writer's own damaged one, is
+    moved aside first and pruned; one whose manifest is unreadable is moved to
+    `.corrupt-step-N-RUNID/` and kept for inspection. Never writes into an existing
+    step directory.
     """
     root = final.parent
     check_fence(root, run_id, generation)
     if final.exists():
-        try:
-            other = int(json.loads((final / MANIFEST).read_text()).get("generation", -1))
-        except (OSError, ValueError):
-            other = -1
-        if other >= generation:
-            raise StaleWriterError(f"{final} was already committed by generation {other}; "
-                                   f"this writer (generation {generation}) does not overwrite it.")
-        os.rename(final, root / f".replaced-{final.name}-g{other}-{run_id}")
+        owner = manifest_owner(final)
+        if owner is None:
+            aside = root / f".corrupt-{final.name}-{run_id}"
+        elif owner == (run_id, generation) or owner[1] < generation:
+            aside = root / f".replaced-{final.name}-g{owner[1]}-{run_id}"
+        else:
+            raise StaleWriterError(
+                f"{final} was already committed by run {owner[0]!r}, generation {owner[1]}; "
+                f"this writer (run {run_id!r}, generation {generation}) is stale and does not "
+                f"overwrite it. Stop this job: two jobs must never train into one directory.")
+        shutil.rmtree(aside, ignore_errors=True)
+        os.rename(final, aside)
     os.rename(tmp_dir, final)  # the commit: atomic on one filesystem
     fsync_dir(root)
 
@@ -213,13 +244,16 @@ def prune(root: Path, keep_last: int, generation: int) -> list[Path]:
 
     Call only right after a commit: the newest valid directory is then the new one,
     so the last valid checkpoint is never deleted. A corrupt directory newer than
-    the kept ones is left for inspection. `keep_last <= 0` keeps everything.
+    the kept ones, and any directory whose manifest cannot be read (its age is
+    unknown), is left for inspection. `keep_last <= 0` keeps everything.
     Returns the deleted paths.
     """
     deleted = []
     if keep_last > 0:
         kept = 0
         for _, _, path in committed(root):
+            if manifest_owner(path) is None:
+                continue
             if kept >= keep_last:
                 deleted.append(path)
                 continue

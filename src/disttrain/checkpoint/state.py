@@ -6,7 +6,9 @@ epoch, global step, user extras (EMA weights) and the resolved config. Its
 
 - `tensors`: model and optimizer (through torch's `get_state_dict`, so the same
   code serves DDP, FSDP2 and a plain module, with prefix-free names) and tensor
-  extras. Saved by DCP, sharded, reshardable on load.
+  extras. Saved by DCP, sharded, reshardable on load. A ZeRO-1 optimizer is seen
+  through `zero_state.ZeroView`: each rank saves and loads the state of the
+  parameters it owns, in the same fqn-keyed format (no consolidation).
 - `meta`: global plain data (step, epoch, scheduler, scaler, sampler, config,
   non-tensor extras). Saved as JSON by rank 0: nothing to unpickle.
 - `rng`: this rank's Python, NumPy, torch CPU and CUDA generator states. Saved as
@@ -26,7 +28,10 @@ from typing import Any
 import torch
 import torch.nn as nn
 from torch.distributed.checkpoint.state_dict import (StateDictOptions, get_state_dict,
-                                                     set_state_dict)
+                                                     set_model_state_dict,
+                                                     set_optimizer_state_dict, set_state_dict)
+
+from disttrain.checkpoint.zero_state import ZeroView, is_zero
 
 
 # ---------------------------------------------------------------- plain data <-> JSON
@@ -129,9 +134,16 @@ class TrainState:
     step: int = 0
     epoch: int = 0
 
+    def _optims(self) -> list:
+        """The optimizer as torch's state-dict helpers should see it: a ZeRO-1 optimizer
+        through `ZeroView` (this rank's partition, no consolidation)."""
+        if self.optimizer is None:
+            return []
+        return [ZeroView(self.optimizer) if is_zero(self.optimizer) else self.optimizer]
+
     def _tensor_parts(self) -> dict:
         opts = StateDictOptions(strict=True)
-        optims = [self.optimizer] if self.optimizer is not None else []
+        optims = self._optims()
         model_sd, optim_sd = get_state_dict(self.model, optims, options=opts)
         tensors: dict[str, Any] = {"model": model_sd}
         if self.optimizer is not None:
@@ -173,10 +185,17 @@ class TrainState:
         optimizer through torch's `set_state_dict`.
         """
         tensors, meta = sd["tensors"], sd["meta"]
-        optims = [self.optimizer] if self.optimizer is not None else []
-        set_state_dict(self.model, optims, model_state_dict=tensors["model"],
-                       optim_state_dict=tensors.get("optim", {}),
-                       options=StateDictOptions(strict=True))
+        optims = self._optims()
+        if optims and isinstance(optims[0], ZeroView):
+            # Each rank loaded the state of its own partition only, so the optimizer
+            # part is not strict (check_compatible already found every key it asked for).
+            set_model_state_dict(self.model, tensors["model"], options=StateDictOptions(strict=True))
+            set_optimizer_state_dict(self.model, optims, tensors.get("optim", {}),
+                                     options=StateDictOptions(strict=False))
+        else:
+            set_state_dict(self.model, optims, model_state_dict=tensors["model"],
+                           optim_state_dict=tensors.get("optim", {}),
+                           options=StateDictOptions(strict=True))
         for name, value in tensors.get("extras", {}).items():
             target = self.extras[name]
             if isinstance(target, nn.Module):

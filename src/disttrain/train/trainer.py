@@ -229,7 +229,10 @@ def _checkpointing(cfg: Config, out: Path, model, optimizer, scheduler, scaler, 
 def _save(ckpt, state, step: int, on_error: str, saved_at: int) -> int:
     """Checkpoint at `step`; returns the step of this attempt. A failed save stops the
     run, or with on_error = 'continue' warns and keeps training (the previous
-    checkpoint stays latest; the same step is not retried)."""
+    checkpoint stays latest; the same step is not retried). An earlier async save's
+    failure reported here comes after this save was performed. A `StaleWriterError`
+    (another job took the directory over) is not a `CheckpointSaveError`: it always
+    propagates and stops the run."""
     if ckpt is None:
         return saved_at
     state.step, state.epoch = step, state.sampler.epoch
@@ -246,6 +249,8 @@ def _save(ckpt, state, step: int, on_error: str, saved_at: int) -> int:
 
 
 def _close(ckpt, on_error: str) -> None:
+    """Complete the async save in flight; its `CheckpointSaveError` stops the run or,
+    with on_error = 'continue', warns. A `StaleWriterError` always propagates."""
     try:
         ckpt.close()  # completes an async save in flight
     except CheckpointSaveError as e:
