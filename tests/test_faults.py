@@ -63,3 +63,42 @@ def test_sigterm_requests_a_stop_and_second_sigint_exits_now():
     """)
     assert proc.stdout.splitlines()[0] == "stop True SIGTERM True"
     assert proc.returncode == 130 and "unreachable" not in proc.stdout
+
+
+@pytest.mark.parametrize("spec, word", [("kill@bakward", "'bakward'"), ("kil@backward", "'kil'"),
+                                        ("exit@checkpoint.shard:step=2", "'checkpoint.shard'")])
+def test_typo_in_phase_or_action_is_one_clear_error(spec, word):
+    with pytest.raises(UserError) as err:
+        faults.parse(spec)
+    msg = str(err.value)
+    assert word in msg and "unknown" in msg
+    valid = faults.PHASES if "phase" in msg else faults.ACTIONS
+    assert all(v in msg for v in valid)
+    for phase in faults.PHASES:  # every real fault point stays accepted
+        assert faults.parse(f"kill@{phase}:step=1")[0].phase == phase
+
+
+def test_typo_in_DISTTRAIN_FAULT_fails_before_any_worker_starts():
+    proc = run_py("""
+        import sys
+        from disttrain.cli import main
+        sys.exit(main(["run", "--nproc", "2", "-m", "no_such_module"]))
+    """, {"DISTTRAIN_FAULT": "kill@bakward:rank=1"})
+    assert proc.returncode == 2, proc.stderr[-2000:]
+    assert "unknown phase 'bakward'" in proc.stderr and "Traceback" not in proc.stderr
+
+
+def test_optional_work_after_a_signal_must_leave_the_grace_for_the_save(monkeypatch):
+    import time
+
+    from disttrain.elastic.preemption import PreemptionHandler
+
+    h = PreemptionHandler(grace_s=10)
+    assert h.time_for(1e9)  # no signal: any optional work runs
+    h.requested_at = time.monotonic()  # as the SIGTERM handler sets it
+    assert h.time_for(4)  # ~10 s left; 4 s of eval still keeps 5 s (half) for the save
+    assert not h.time_for(6)
+    h.requested_at -= 8  # 2 s left: too little for anything but the save
+    assert not h.time_for(0)
+    monkeypatch.setenv("DISTTRAIN_PREEMPT_GRACE_S", "45")  # what `disttrain run` exports
+    assert PreemptionHandler().grace_s == 45 and PreemptionHandler(grace_s=5).grace_s == 5

@@ -220,3 +220,41 @@ def test_where_in_stack_reads_py_spy_and_faulthandler_dumps():
                     '  File "/v/site-packages/torch/autograd/graph.py", line 979 in _engine_run_backward\n'
                     '  File "/w/train.py", line 34 in <module>\n')
     assert where_in_stack(faulthandler).endswith('called from "/w/train.py", line 34 in <module>')
+
+
+def test_slow_phase_is_bounded_by_its_bytes_and_a_stalled_step_still_fires(tmp_path, monkeypatch):
+    """A checkpoint save (or load, or eval) longer than the step bound is not a hang,
+    and its time does not count toward the step; a stalled step still is one."""
+    import time
+
+    from disttrain.guard.watchdog import Watchdog
+
+    monkeypatch.setenv("LOCAL_WORLD_SIZE", "1")
+    wd = Watchdog(dir=tmp_path / "side", hang_factor=2, hang_min_s=0.3, hang_cap_s=0.4, tick_s=0.05,
+                  warmup_steps=1, slow_min_s=0.2, slow_bytes_per_s=1e6)
+    fired: list[str] = []
+    wd._fire = fired.append  # record instead of exiting the test process
+    wd.start()
+    try:
+        wd.step(1)
+        assert wd.slow_bound(2_000_000) == pytest.approx(0.4 + 2.0)  # floor + bytes / speed
+        with wd.slow_phase("checkpoint.save", nbytes=2_000_000):
+            time.sleep(1.2)  # 4x the step bound, half the save's bound
+            assert wd.bound() == pytest.approx(2.4)
+        time.sleep(0.15)  # the step resumes without the save's time
+        wd.step(2)
+        assert not fired, fired
+        assert max(wd.durations) < 0.3
+        time.sleep(1.0)  # a stalled step: over the 0.3 s bound
+        assert fired and "step 2 on rank 0 has run" in fired[0]
+    finally:
+        wd.stop()
+    wd = Watchdog(dir=tmp_path / "side2", hang_cap_s=0.3, tick_s=0.05, slow_min_s=0.2)
+    wd._fire = fired.append
+    wd.start()
+    try:
+        with wd.slow_phase("checkpoint.load", nbytes=0):  # past its own bound: a hang
+            time.sleep(0.8)
+        assert "slow phase 'checkpoint.load' in step 0 on rank 0 has run" in fired[-1]
+    finally:
+        wd.stop()

@@ -87,3 +87,36 @@ def test_groups_held_past_shutdown_do_not_abort_the_exit(tmp_path):
         proc = subprocess.run(cmd, capture_output=True, text=True, timeout=120, env=worker_env())
         assert proc.returncode == 0, f"attempt {attempt}:\n{proc.stderr[-3000:]}"
         assert "terminate called" not in proc.stderr
+
+
+def test_shutdown_timeout_covers_the_preemption_grace(monkeypatch, tmp_path):
+    """torchrun SIGKILLs a SIGTERMed worker after --shutdown-timeout (30 s by default),
+    so `disttrain run` sets it from the preemption grace; a user's value wins."""
+    for key in ("DISTTRAIN_PREEMPT_GRACE_S", *launch.SHUTDOWN_ENV):
+        monkeypatch.delenv(key, raising=False)
+
+    def timeout(args):
+        return args[args.index("--shutdown-timeout") + 1]
+
+    args, env = launch.build_torchrun_args(["--nproc", "2", SCRIPT])
+    assert timeout(args) == str(60 + launch.SHUTDOWN_MARGIN_S) and env["DISTTRAIN_PREEMPT_GRACE_S"] == "60"
+    assert args[-1] == SCRIPT
+    cfg = tmp_path / "job.toml"
+    cfg.write_text("[elastic]\npreempt_grace_s = 100\n")
+    args, env = launch.build_torchrun_args(["--nproc", "2", "-m", "disttrain.train", str(cfg),
+                                            "--elastic.preempt_grace_s=120.5"])
+    assert timeout(args) == str(121 + launch.SHUTDOWN_MARGIN_S) and env["DISTTRAIN_PREEMPT_GRACE_S"] == "120.5"
+    assert args[-3:] == ["disttrain.train", str(cfg), "--elastic.preempt_grace_s=120.5"]
+    monkeypatch.setenv("DISTTRAIN_PREEMPT_GRACE_S", "7")
+    args, _ = launch.build_torchrun_args(["--nproc", "2", SCRIPT])
+    assert timeout(args) == str(7 + launch.SHUTDOWN_MARGIN_S)
+    args, _ = launch.build_torchrun_args(["--shutdown-timeout", "5", "--nproc", "2", SCRIPT])
+    assert args.count("--shutdown-timeout") == 1 and timeout(args) == "5" and args[-1] == SCRIPT
+    args, _ = launch.build_torchrun_args(["--shutdown_timeout=9", SCRIPT])
+    assert "--shutdown-timeout" not in args and "--shutdown_timeout=9" in args
+    monkeypatch.setenv("TORCH_ELASTIC_SHUTDOWN_TIMEOUT", "11")
+    args, _ = launch.build_torchrun_args([SCRIPT])
+    assert "--shutdown-timeout" not in args
+    monkeypatch.setenv("DISTTRAIN_PREEMPT_GRACE_S", "soon")
+    with pytest.raises(UserError, match="DISTTRAIN_PREEMPT_GRACE_S is 'soon'"):
+        launch.build_torchrun_args([SCRIPT])

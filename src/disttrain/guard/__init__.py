@@ -6,6 +6,8 @@
     sanity.py       'does this look distributed?' checks on world size, threads, wrap, first batch
 """
 
-from disttrain.guard.run_guard import RunGuard, check_consistency, check_replicas, start_guard
+from disttrain.guard.run_guard import (RunGuard, check_consistency, check_replicas, path_nbytes,
+                                      start_guard, tensor_nbytes)
 
-__all__ = ["RunGuard", "check_consistency", "check_replicas", "start_guard"]
+__all__ = ["RunGuard", "check_consistency", "check_replicas", "path_nbytes", "start_guard",
+           "tensor_nbytes"]

@@ -41,11 +41,49 @@ def _plain(module: nn.Module) -> nn.Module:
     return module
 
 
+_WRAPPER_PARTS = ("_fsdp_wrapped_module", "_checkpoint_wrapped_module", "_orig_mod")
+"""Name parts that wrappers (FSDP1, activation checkpointing, torch.compile) insert."""
+
+
+def logical_name(name: str) -> str:
+    """A parameter or buffer name with every wrapper's part removed."""
+    return ".".join(part for part in name.split(".") if part not in _WRAPPER_PARTS)
+
+
+def _flat_shapes(model: nn.Module) -> dict[int, tuple[int, ...]]:
+    """id(original parameter) -> unsharded shape, for parameters that FSDP1 (flat
+    parameters, `use_orig_params=True`) turned into views of this rank's flat shard.
+    Read from each flat parameter's metadata: no collective, no gathered copy."""
+    shapes: dict[int, tuple[int, ...]] = {}
+    for module in model.modules():
+        handle = getattr(module, "_handle", None)
+        flat = getattr(handle, "flat_param", None)
+        if flat is None or not hasattr(flat, "_param_infos"):
+            continue
+        for info, shape in zip(flat._param_infos, flat._shapes):
+            param = getattr(info.module, info.param_name, None)
+            if param is not None:
+                shapes[id(param)] = tuple(shape)
+        for info in getattr(flat, "_shared_param_infos", ()):
+            param = getattr(info.module, info.param_name, None)
+            prim = getattr(info.prim_module, info.prim_param_name, None)
+            if param is not None and id(prim) in shapes:
+                shapes[id(param)] = shapes[id(prim)]
+    return shapes
+
+
 def model_structure(model: nn.Module) -> list[str]:
-    """`name:shape:dtype` of every parameter and buffer of the unwrapped model, in order."""
+    """`name:shape:dtype` of every parameter and buffer of the model, in order, as the
+    user's unwrapped model has them: wrapper name parts removed and *logical*
+    (unsharded) shapes under every strategy (DDP and ZeRO keep whole tensors, FSDP2's
+    DTensors report the global shape, FSDP1's flat-shard views are mapped back to
+    their original shapes). So ranks that hold different shards of one model agree,
+    and a rank with a different model does not. No collective."""
     m = _plain(model)
+    flat = _flat_shapes(model)  # the root FSDP1 unit sits above `m`
     items = [(n, t) for n, t in m.named_parameters()] + [(n, t) for n, t in m.named_buffers()]
-    return [f"{n}:{tuple(t.shape)}:{str(t.dtype).replace('torch.', '')}" for n, t in items]
+    return [f"{logical_name(n)}:{flat.get(id(t), tuple(t.shape))}:{str(t.dtype).replace('torch.', '')}"
+            for n, t in items]
 
 
 def _config_items(config: Any) -> dict[str, str]:
@@ -200,6 +238,39 @@ def check_replicas(model: nn.Module, step: int) -> None:
         "by all ranks (P-DDP-7), or non-deterministic kernels.")
 
 
+# ---------------------------------------------------------------- sizes of slow phases
+
+
+def _local(t: torch.Tensor) -> torch.Tensor:
+    return t.to_local() if hasattr(t, "to_local") else t  # a DTensor's shard on this rank
+
+
+def tensor_nbytes(*objects: Any) -> int:
+    """Bytes a checkpoint of these modules and optimizers may write, for the whole job:
+    this rank's bytes of every parameter, buffer and optimizer-state tensor (its shard
+    under FSDP), times the world size. An upper bound (a DDP replica counts once per
+    rank), read without a collective."""
+    total = 0
+    for obj in objects:
+        if isinstance(obj, nn.Module):
+            tensors = [*obj.parameters(), *obj.buffers()]
+        elif isinstance(obj, torch.optim.Optimizer):
+            tensors = [v for state in obj.state.values() for v in state.values()
+                       if isinstance(v, torch.Tensor)]
+        else:
+            continue
+        total += sum(_local(t).numel() * t.element_size() for t in tensors)
+    return total * (dist.get_world_size() if dist.is_initialized() else 1)
+
+
+def path_nbytes(path: str | Path | None) -> int:
+    """Bytes of the files under `path` (0 when it is None or absent): what a resume
+    reads at most (checksums of every file, then the load)."""
+    if path is None or not Path(path).exists():
+        return 0
+    return sum(f.stat().st_size for f in Path(path).rglob("*") if f.is_file())
+
+
 # ---------------------------------------------------------------- the run's guardrails
 
 
@@ -209,7 +280,8 @@ class RunGuard:
     Made by `start_guard`. `check_model(model, optimizer)` after wrap and optimizer,
     `first_batch(batch)` on every batch (it checks only the first), `step(n, model)`
     after each optimizer step (watchdog heartbeat; replica check every
-    `divergence_every` steps), `phase(name)` around named parts, `close()` at the end.
+    `divergence_every` steps), `phase(name)` around named parts, `slow_phase(name,
+    nbytes)` around checkpoint saves and loads and evaluations, `close()` at the end.
     With `enabled=False` every method is a no-op.
     """
 
@@ -244,11 +316,23 @@ class RunGuard:
             check_replicas(model, n)
 
     def phase(self, name: str, slow: bool = False):
-        """`with guard.phase("eval", slow=True):`; every rank must enter the same phases.
-        `slow=True`: only the cap bounds it (evaluation, checkpoint saves)."""
+        """`with guard.phase("forward"):`; every rank must enter the same phases.
+        `slow=True` is `slow_phase(name)` without bytes."""
         import contextlib
 
         return self.watchdog.phase(name, slow) if self.watchdog is not None else contextlib.nullcontext()
+
+    def slow_phase(self, name: str, nbytes: int = 0):
+        """`with guard.slow_phase("checkpoint.save", nbytes=tensor_nbytes(model, opt)):`
+        around work that is not a training step (a checkpoint save or load, an
+        evaluation). It is a hang only past a floor plus `nbytes` at a conservative
+        disk speed (`Watchdog.slow_bound`), and its time does not count toward the
+        step's bound. Every rank must enter it at the same point."""
+        import contextlib
+
+        if self.watchdog is None:
+            return contextlib.nullcontext()
+        return self.watchdog.slow_phase(name, nbytes)
 
     def close(self) -> None:
         """Stop the watchdog (call before work that is not a training step). Idempotent."""

@@ -10,7 +10,9 @@ directory on this host; point `dir` at a shared file system for several nodes).
 A rank fires when its own step has run longer than the bound, or a peer's heartbeat
 stops (a stopped or dead process). The bound is `hang_factor` x the median step time,
 at least `hang_min_s`, at most `hang_cap_s` (the cap alone until `warmup_steps` steps
-were timed). The first rank to fire (an exclusive file create) collects every
+were timed). Work that is not a step (a checkpoint save or load, an evaluation) runs
+in a slow phase, `slow_phase(name, nbytes)`: it has its own bound, a floor plus
+`nbytes` at a conservative disk speed, and its time does not count toward the step. The first rank to fire (an exclusive file create) collects every
 heartbeat, dumps each local rank's Python stack (py-spy when installed, else
 faulthandler via SIGUSR1), prints ONE summary that says where each rank is and which
 rank lags, writes the full report next to the heartbeats, and exits with
@@ -38,6 +40,11 @@ from disttrain.guard.hang_report import diagnose, format_summary
 
 HANG_EXIT_CODE = 124
 """Exit status of a rank that reported a hang (the `timeout` command's convention)."""
+SLOW_MIN_S = 300.0
+"""Floor of a slow phase's bound, in seconds (never below `hang_cap_s`)."""
+SLOW_BYTES_PER_S = 50e6
+"""Disk speed assumed for a slow phase's bytes: slow for local NVMe, plausible for a
+busy network file system, so a large save or load is not called a hang."""
 
 
 def job_key() -> str:
@@ -80,20 +87,23 @@ class Watchdog:
     """Per-rank hang detector. `start()` it after `init()`, `stop()` it on every exit path.
 
     `step(n)` marks a step boundary (and times the step); `with wd.phase("name"):`
-    names what the rank is doing. On a hang the process exits with `HANG_EXIT_CODE`
+    names what the rank is doing; `with wd.slow_phase("name", nbytes):` marks work
+    that is not a step. On a hang the process exits with `HANG_EXIT_CODE`
     after printing the summary; nothing is raised in the training thread, which is
     blocked in C++ and cannot be interrupted.
     """
 
     def __init__(self, *, dir: str | os.PathLike | None = None, hang_factor: float = 20.0,
                  hang_min_s: float = 60.0, hang_cap_s: float = 600.0, tick_s: float = 1.0,
-                 warmup_steps: int = 3, exit_code: int = HANG_EXIT_CODE):
+                 warmup_steps: int = 3, exit_code: int = HANG_EXIT_CODE,
+                 slow_min_s: float = SLOW_MIN_S, slow_bytes_per_s: float = SLOW_BYTES_PER_S):
         self.rank = int(os.environ.get("RANK", 0))
         self.local_rank = int(os.environ.get("LOCAL_RANK", 0))
         self.world = int(os.environ.get("WORLD_SIZE", 1))
         self.dir = Path(dir) if dir else default_dir()
         self.hang_factor, self.hang_min_s, self.hang_cap_s = hang_factor, hang_min_s, hang_cap_s
         self.tick_s, self.warmup_steps, self.exit_code = tick_s, warmup_steps, exit_code
+        self.slow_min_s, self.slow_bytes_per_s = slow_min_s, slow_bytes_per_s
         self.step_no = 0
         self.phase_name = "start"
         self.step_since = self.phase_since = time.monotonic()
@@ -103,7 +113,9 @@ class Watchdog:
         self.counts: dict[str, int] = {}
         """phase -> entries since start (a skip older than the history still shows)."""
         self.slow = 0
-        """Depth of `phase(..., slow=True)`: inside, only the cap bounds the step."""
+        """Depth of slow phases; inside, `slow_deadline` bounds the work instead of the step bound."""
+        self.slow_since = 0.0
+        self.slow_deadline: float | None = None
         self._stop = threading.Event()
         self._thread: threading.Thread | None = None
         self._stack_file = None
@@ -124,15 +136,29 @@ class Watchdog:
         """`with wd.phase("backward"):` — where this rank is, for the summary.
 
         Every rank must enter the same phases at the same steps (a phase that only some
-        ranks enter reads as a skipped collective). `slow=True` marks work that may
-        legitimately take much longer than a step (evaluation, a checkpoint save):
-        inside it only `hang_cap_s` applies.
+        ranks enter reads as a skipped collective). `slow=True` is
+        `slow_phase(name)` with no bytes: bounded by `hang_cap_s` (or the slow floor).
         """
-        return _Phase(self, name, slow)
+        return _Phase(self, name, self.slow_bound(0) if slow else None)
+
+    def slow_phase(self, name: str, nbytes: int = 0) -> "_Phase":
+        """`with wd.slow_phase("checkpoint.save", nbytes=n):` — work that is not a step
+        and may take much longer (a save or load of `nbytes`, an evaluation). It is a
+        hang only past `slow_bound(nbytes)`, and its time is not counted in the step
+        (neither in the step's bound nor in the median step time)."""
+        return _Phase(self, name, self.slow_bound(nbytes))
+
+    def slow_bound(self, nbytes: int = 0) -> float:
+        """Seconds a slow phase over `nbytes` may run: the larger of `hang_cap_s` and
+        `slow_min_s`, plus the bytes at `slow_bytes_per_s`."""
+        return max(self.hang_cap_s, self.slow_min_s) + max(0, nbytes) / self.slow_bytes_per_s
 
     def bound(self) -> float:
-        """Seconds a step may run before it counts as a hang."""
-        if self.slow or len(self.durations) < self.warmup_steps:
+        """Seconds the current step (or slow phase) may run before it counts as a hang."""
+        deadline = self.slow_deadline
+        if deadline is not None:
+            return deadline - self.slow_since
+        if len(self.durations) < self.warmup_steps:
             return self.hang_cap_s
         typical = statistics.median(self.durations)
         return min(self.hang_cap_s, max(self.hang_min_s, self.hang_factor * typical))
@@ -239,9 +265,13 @@ class Watchdog:
         return sorted(beats, key=lambda b: b["rank"])
 
     def _check(self) -> str | None:
-        bound = self.bound()
-        elapsed = time.monotonic() - self.step_since
-        if elapsed > bound:
+        bound, deadline = self.bound(), self.slow_deadline
+        if deadline is not None:
+            elapsed = time.monotonic() - self.slow_since
+            if elapsed > bound:
+                return (f"slow phase '{self.phase_name}' in step {self.step_no} on rank {self.rank} "
+                        f"has run {elapsed:.1f} s, over its bound of {bound:.1f} s")
+        elif (elapsed := time.monotonic() - self.step_since) > bound:
             return (f"step {self.step_no} on rank {self.rank} has run {elapsed:.1f} s, over the "
                     f"bound of {bound:.1f} s")
         now = time.time()
@@ -304,16 +334,20 @@ class Watchdog:
 class _Phase:
     """A class, not a generator context manager: it runs on every step, so it is cheap."""
 
-    __slots__ = ("wd", "name", "prev", "is_slow")
+    __slots__ = ("wd", "name", "prev", "allow")
 
-    def __init__(self, wd: Watchdog, name: str, slow: bool = False):
-        self.wd, self.name, self.is_slow = wd, name, slow
+    def __init__(self, wd: Watchdog, name: str, allow: float | None = None):
+        self.wd, self.name, self.allow = wd, name, allow  # allow: a slow phase's bound
 
     def __enter__(self) -> None:
-        wd = self.wd
-        wd.slow += self.is_slow
+        wd, now = self.wd, time.monotonic()
+        if self.allow is not None:  # deadline last: the thread reads it as "slow from here"
+            if not wd.slow:
+                wd.slow_since = now
+            wd.slow += 1
+            wd.slow_deadline = max(wd.slow_deadline or 0.0, now + self.allow)
         self.prev = wd.phase_name
-        wd.phase_name, wd.phase_since = self.name, time.monotonic()
+        wd.phase_name, wd.phase_since = self.name, now
         steps = wd.history.get(self.name)
         if steps is None:
             steps = wd.history[self.name] = deque(maxlen=64)
@@ -321,8 +355,13 @@ class _Phase:
         wd.counts[self.name] = wd.counts.get(self.name, 0) + 1
 
     def __exit__(self, *exc) -> None:
-        self.wd.phase_name = self.prev
-        self.wd.slow -= self.is_slow
+        wd = self.wd
+        wd.phase_name = self.prev
+        if self.allow is not None:
+            wd.slow -= 1
+            if not wd.slow:  # the step resumes with the slow time taken out; deadline last
+                wd.step_since += time.monotonic() - max(wd.slow_since, wd.step_since)
+                wd.slow_deadline = None
 
 
 def dump_stacks(beats: list[dict], dir: Path) -> dict[int, str]:

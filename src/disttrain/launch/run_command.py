@@ -19,17 +19,35 @@ What it changes, and why:
   settings tuned for fast recovery, merged under the user's `--rdzv-conf`
   (`ELASTIC_RDZV_CONF`), and `--rdzv-backend etcd` means torch's `etcd-v2` backend,
   which survives the loss of any node (the legacy `etcd` one is slower to recover).
+- `--shutdown-timeout` = the preemption grace + `SHUTDOWN_MARGIN_S`, so torchrun waits
+  for a SIGTERMed worker to save before it sends SIGKILL (torch's default is 30 s,
+  shorter than the 60 s grace). The grace is the config's `elastic.preempt_grace_s`
+  for `-m disttrain.train CONFIG` (what `disttrain train` starts), else
+  `DISTTRAIN_PREEMPT_GRACE_S`, else 60 s; workers get it as DISTTRAIN_PREEMPT_GRACE_S.
+  A user's `--shutdown-timeout` (or PET_SHUTDOWN_TIMEOUT, TORCH_ELASTIC_SHUTDOWN_TIMEOUT)
+  wins.
+- A `DISTTRAIN_FAULT` spec with a typo is refused before any worker starts.
 Every other torchrun flag passes through unchanged.
 """
 
 from __future__ import annotations
 
+import math
 import os
 import sys
 
 from disttrain.errors import UserError
 
 DEFAULT_ENV = {"TORCH_DISABLE_SHARE_RDZV_TCP_STORE": "1"}
+
+SHUTDOWN_MARGIN_S = 10
+"""Seconds torchrun waits past the preemption grace before SIGKILL: a rank's exit
+after its save (process group teardown, interpreter shutdown)."""
+DEFAULT_PREEMPT_GRACE_S = 60.0
+"""The grace when neither a trainer config nor DISTTRAIN_PREEMPT_GRACE_S names one
+(the default of `elastic.preempt_grace_s`)."""
+SHUTDOWN_FLAGS = ("--shutdown-timeout", "--shutdown_timeout")
+SHUTDOWN_ENV = ("PET_SHUTDOWN_TIMEOUT", "TORCH_ELASTIC_SHUTDOWN_TIMEOUT")
 
 # Rendezvous settings for elastic jobs, each with its reason (torch's default in brackets):
 ELASTIC_RDZV_CONF = {
@@ -91,7 +109,8 @@ def _split_script(argv: list[str]) -> tuple[list[str], list[str]]:
                         "--log-dir", "--log_dir", "-r", "--redirects", "-t", "--tee",
                         "--start-method", "--start_method", "--role", "--local-ranks-filter",
                         "--local_ranks_filter", "--logs-specs", "--logs_specs",
-                        "--rdzv-timeout", "--event-log-handler", "--signals-to-handle"}
+                        "--rdzv-timeout", "--event-log-handler", "--signals-to-handle",
+                        "--signals_to_handle", *SHUTDOWN_FLAGS}
     i = 0
     while i < len(argv):
         arg = argv[i]
@@ -121,10 +140,32 @@ def debug_env(backend: str) -> dict[str, str]:
     return env
 
 
+def preempt_grace_s(script: list[str], is_module: bool) -> float:
+    """Seconds a preempted worker has to save: for `-m disttrain.train CONFIG [overrides]`
+    that config's `elastic.preempt_grace_s`; otherwise DISTTRAIN_PREEMPT_GRACE_S, else
+    `DEFAULT_PREEMPT_GRACE_S`. Raises `UserError` for a bad config or value."""
+    if is_module and len(script) > 1 and script[0] == "disttrain.train":
+        from disttrain.config import load_config
+
+        return load_config(script[1], script[2:]).elastic.preempt_grace_s
+    raw = os.environ.get("DISTTRAIN_PREEMPT_GRACE_S", "")
+    if not raw:
+        return DEFAULT_PREEMPT_GRACE_S
+    try:
+        grace = float(raw)
+    except ValueError:
+        grace = -1.0
+    if not grace > 0:
+        raise UserError(f"DISTTRAIN_PREEMPT_GRACE_S is {raw!r}; set it to the positive number of "
+                        f"seconds a preempted worker has to save.")
+    return grace
+
+
 def build_torchrun_args(argv: list[str]) -> tuple[list[str], dict[str, str]]:
     """Translate `disttrain run` arguments into torchrun arguments plus env defaults.
 
-    Raises `UserError` for a missing script or more processes than visible GPUs.
+    Raises `UserError` for a missing script, more processes than visible GPUs, or a
+    bad preemption grace (see `preempt_grace_s`).
     """
     flags, script = _split_script(argv)
     debug = "--debug" in flags
@@ -163,6 +204,10 @@ def build_torchrun_args(argv: list[str]) -> tuple[list[str], dict[str, str]]:
     if not is_module and not os.path.isfile(script[0]):
         raise UserError(f"script {script[0]!r} not found. Pass the path of a Python file "
                         f"(or -m package.module).")
+    grace = preempt_grace_s(script, is_module)
+    env["DISTTRAIN_PREEMPT_GRACE_S"] = f"{grace:g}"
+    if _flag_value(flags, *SHUTDOWN_FLAGS) is None and not any(os.environ.get(k) for k in SHUTDOWN_ENV):
+        flags = flags + ["--shutdown-timeout", str(math.ceil(grace) + SHUTDOWN_MARGIN_S)]
     return flags + script, env
 
 
@@ -171,6 +216,9 @@ def main(argv: list[str]) -> int:
     from torch.distributed.elastic.multiprocessing.errors import ChildFailedError
     from torch.distributed.run import parse_args, run
 
+    from disttrain.runtime.fault_injection import parse as parse_faults
+
+    parse_faults(os.environ.get("DISTTRAIN_FAULT", ""))  # a typo fails here, not in every rank
     args, env = build_torchrun_args(argv)
     for key, value in env.items():
         os.environ.setdefault(key, value)

@@ -10,9 +10,10 @@ environment variable DISTTRAIN_FAULT or with `set_faults()`:
 Actions: kill (SIGKILL), stop (SIGSTOP), term (SIGTERM, a preemption), exit (status
 `code`, default 1), raise (RuntimeError), enospc (OSError ENOSPC, a full disk),
 delay (sleep `ms` milliseconds: a slow rank; it fires in every restart and is silent).
-Phases are the points where the trainer calls `inject`: forward, backward, step
-(optimizer), and the checkpoint phases checkpoint.shards, checkpoint.after_shards and
-checkpoint.during_commit (see disttrain.checkpoint.fault_points). Keys: rank (default
+Phases (`PHASES`, the one list) are the points where disttrain calls `inject`:
+forward, backward, step (optimizer), and the checkpoint phases checkpoint.shards,
+checkpoint.after_shards and checkpoint.during_commit (see
+disttrain.checkpoint.fault_points). An unknown action or phase is a `UserError`. Keys: rank (default
 any), step (default any), restart (the TORCHELASTIC_RESTART_COUNT it fires in,
 default 0, so a restarted job does not fail again at the same point).
 """
@@ -29,6 +30,12 @@ from dataclasses import dataclass
 from disttrain.errors import UserError
 
 ACTIONS = ("kill", "stop", "term", "exit", "raise", "enospc", "delay")
+PHASES = ("forward", "backward", "step",
+          "checkpoint.shards", "checkpoint.after_shards", "checkpoint.during_commit")
+"""Every point where disttrain calls `inject`: the trainer's, then the checkpoint
+writer's (disttrain.checkpoint.fault_points). A new fault point is added here, so a
+spec naming it is accepted; any other phase is refused, so a typo cannot make a
+crash test pass without its crash."""
 
 
 @dataclass(frozen=True)
@@ -43,14 +50,21 @@ class Fault:
 
 
 def parse(spec: str) -> list[Fault]:
-    """Parse a fault spec. Raises `UserError` naming the bad part."""
+    """Parse a fault spec. Raises `UserError` naming the bad part and the valid words
+    (an unknown action or phase, a missing '@', a bad key or a non-integer value)."""
     faults = []
     for part in filter(None, (p.strip() for p in spec.split(";"))):
         head, _, tail = part.partition(":")
         action, _, phase = head.partition("@")
-        if action not in ACTIONS or not phase:
+        if not phase:
             raise UserError(f"fault {part!r}: write ACTION@PHASE[:key=value,...] with ACTION one of "
                             f"{', '.join(ACTIONS)}, e.g. kill@backward:rank=1,step=7.")
+        if action not in ACTIONS:
+            raise UserError(f"fault {part!r}: unknown action {action!r}; use one of "
+                            f"{', '.join(ACTIONS)}.")
+        if phase not in PHASES:
+            raise UserError(f"fault {part!r}: unknown phase {phase!r}; use one of "
+                            f"{', '.join(PHASES)}.")
         keys = {}
         for item in filter(None, tail.split(",")):
             key, _, value = item.partition("=")

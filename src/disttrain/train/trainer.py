@@ -23,7 +23,7 @@ from disttrain.data import ElasticSampler
 from disttrain.demo import GPT
 from disttrain.demo.corpus import ChunkDataset, load_stdlib_corpus
 from disttrain.elastic import PreemptionHandler, SampleAudit, apply_batch_policy, generation_id
-from disttrain.guard import start_guard
+from disttrain.guard import path_nbytes, start_guard, tensor_nbytes
 from disttrain.parallel import make_optimizer, wrap
 from disttrain.parallel.precision import make_grad_scaler
 from disttrain.runtime.fault_injection import inject
@@ -49,18 +49,27 @@ def build_optimizer(model: torch.nn.Module, cfg: Config) -> torch.optim.Optimize
 
 @torch.no_grad()
 def evaluate(model: torch.nn.Module, dataset: ChunkDataset, batch_size: int, max_batches: int) -> float:
-    """Held-out loss (nats/token) over a sharded, unpadded slice: rank r reads chunks
-    r, r + world, ... so no chunk is counted twice (P-LOOP-2)."""
+    """Held-out loss (nats/token), the exact mean over the first
+    n = min(len(dataset), max_batches x batch_size x world) chunks, each counted once:
+    rank r reads chunks r, r + world, ... (P-LOOP-2). A collective: every rank runs
+    the same number of forwards (FSDP all-gathers in each), so a rank with one chunk
+    fewer pads its last batch with a repeat of a chunk that is weighted 0."""
     info = runtime.rank_info()
     model.eval()
     n = min(len(dataset), max_batches * batch_size * info.world_size)
     mine = list(range(info.rank, n, info.world_size))
-    total, count = 0.0, 0
-    for start in range(0, len(mine), batch_size):
+    per_rank = -(-n // info.world_size)  # the most chunks any rank holds
+    weights = [1.0] * len(mine) + [0.0] * (per_rank - len(mine))
+    mine += [mine[0] if mine else 0] * (per_rank - len(mine))
+    total, count = 0.0, 0.0
+    for start in range(0, per_rank, batch_size):
         x, y = (torch.stack(t) for t in zip(*(dataset[i] for i in mine[start:start + batch_size])))
-        _, loss = model(x.to(info.device), y.to(info.device))
-        total += float(loss) * y.numel()
-        count += y.numel()
+        logits, _ = model(x.to(info.device), y.to(info.device))
+        w = torch.tensor(weights[start:start + batch_size], dtype=torch.float64)
+        nll = torch.nn.functional.cross_entropy(logits.float().flatten(0, 1), y.to(logits.device).flatten(),
+                                                reduction="none").view(y.shape).sum(1)
+        total += float((nll.double().cpu() * w).sum())
+        count += float(w.sum()) * y.shape[1]
     model.train()
     return global_mean(total, count)
 
@@ -126,7 +135,8 @@ def _train(cfg: Config, info: runtime.RankInfo, preempt: PreemptionHandler) -> d
     out = Path(t.out_dir)
     ckpt, state = _checkpointing(cfg, out, model, optimizer, scheduler, acc.scaler, sampler)
     fresh = resume.fresh_hyperparams(optimizer, scheduler)
-    loaded = ckpt.load(state) if ckpt is not None else None  # automatic resume (P-ELASTIC-3)
+    with guard.slow_phase("checkpoint.load", nbytes=path_nbytes(ckpt.root if ckpt else None)):
+        loaded = ckpt.load(state) if ckpt is not None else None  # automatic resume (P-ELASTIC-3)
     resumed = loaded is not None
     if resumed:
         if plan is None or plan.directory != str(loaded):  # the load fell back to another one
@@ -148,7 +158,10 @@ def _train(cfg: Config, info: runtime.RankInfo, preempt: PreemptionHandler) -> d
     saved_at = step = acc.optimizer_steps
     log = JsonlWriter(out / "metrics.jsonl")
     tokens_per_step = t.batch_size * cfg.model.block_size * acc.accum_steps * info.world_size
-    first_eval = evaluate(model, heldout_set, t.batch_size, t.eval_batches)
+    t_eval = time.perf_counter()
+    with guard.slow_phase("eval"):  # slow phases: not steps to the hang watchdog
+        first_eval = evaluate(model, heldout_set, t.batch_size, t.eval_batches)
+    eval_s = time.perf_counter() - t_eval  # after a SIGTERM, an eval that no longer fits is skipped
     progress = TrainProgress(t.steps, enabled=info.is_main, start=step)
     window, heldout_loss, train_loss = MeanTracker(), first_eval, float("nan")
     t_window, last_logged, stopping = time.perf_counter(), step, False
@@ -179,21 +192,24 @@ def _train(cfg: Config, info: runtime.RankInfo, preempt: PreemptionHandler) -> d
                 t_window, last_logged = now, step
                 record = {"step": step, "loss": train_loss, "lr": scheduler.get_last_lr()[0],
                           "tokens_per_s": tok_s, "world_size": info.world_size}
-                if (t.eval_every and step % t.eval_every == 0) or step == t.steps:
-                    with guard.phase("eval", slow=True):  # may outlast a step
+                if ((t.eval_every and step % t.eval_every == 0) or step == t.steps) \
+                        and preempt.time_for(eval_s):  # keeps the grace for the save
+                    with guard.slow_phase("eval"):
                         heldout_loss = evaluate(model, heldout_set, t.batch_size, t.eval_batches)
                     record["heldout_loss"] = heldout_loss
                 log.write(record)
                 progress.update(step, train_loss, heldout_loss, tok_s)
             stopping = preempt.should_stop()  # agreed by all ranks (one all-reduce)
             if stopping or (cfg.checkpoint.every and step % cfg.checkpoint.every == 0):
-                saved_at = _save(ckpt, state, step, cfg.checkpoint.on_error, saved_at)
+                with guard.slow_phase("checkpoint.save", nbytes=tensor_nbytes(model, optimizer)):
+                    saved_at = _save(ckpt, state, step, cfg.checkpoint.on_error, saved_at)
             if stopping or step >= t.steps:
                 break
-    if saved_at != step:
-        _save(ckpt, state, step, cfg.checkpoint.on_error, saved_at)
-    if ckpt is not None:
-        _close(ckpt, cfg.checkpoint.on_error)
+    with guard.slow_phase("checkpoint.save", nbytes=tensor_nbytes(model, optimizer)):
+        if saved_at != step:
+            _save(ckpt, state, step, cfg.checkpoint.on_error, saved_at)
+        if ckpt is not None:
+            _close(ckpt, cfg.checkpoint.on_error)
     progress.close()
     guard.close()
     if stopping:
