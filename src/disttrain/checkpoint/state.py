@@ -141,10 +141,17 @@ class TrainState:
             return []
         return [ZeroView(self.optimizer) if is_zero(self.optimizer) else self.optimizer]
 
+    def _module(self) -> torch.nn.Module:
+        """The model as torch's state-dict helpers should see it. They strip DDP's and
+        FSDP's wrappers but not DataParallel's, whose `module.` prefix would make a dp
+        checkpoint load into no other strategy (P-CKPT-4)."""
+        m = self.model
+        return m.module if isinstance(m, torch.nn.DataParallel) else m
+
     def _tensor_parts(self) -> dict:
         opts = StateDictOptions(strict=True)
         optims = self._optims()
-        model_sd, optim_sd = get_state_dict(self.model, optims, options=opts)
+        model_sd, optim_sd = get_state_dict(self._module(), optims, options=opts)
         tensors: dict[str, Any] = {"model": model_sd}
         if self.optimizer is not None:
             tensors["optim"] = optim_sd
@@ -189,11 +196,11 @@ class TrainState:
         if optims and isinstance(optims[0], ZeroView):
             # Each rank loaded the state of its own partition only, so the optimizer
             # part is not strict (check_compatible already found every key it asked for).
-            set_model_state_dict(self.model, tensors["model"], options=StateDictOptions(strict=True))
-            set_optimizer_state_dict(self.model, optims, tensors.get("optim", {}),
+            set_model_state_dict(self._module(), tensors["model"], options=StateDictOptions(strict=True))
+            set_optimizer_state_dict(self._module(), optims, tensors.get("optim", {}),
                                      options=StateDictOptions(strict=False))
         else:
-            set_state_dict(self.model, optims, model_state_dict=tensors["model"],
+            set_state_dict(self._module(), optims, model_state_dict=tensors["model"],
                            optim_state_dict=tensors.get("optim", {}),
                            options=StateDictOptions(strict=True))
         for name, value in tensors.get("extras", {}).items():

@@ -24,7 +24,8 @@ from disttrain.demo import GPT
 from disttrain.demo.corpus import ChunkDataset, load_stdlib_corpus
 from disttrain.elastic import PreemptionHandler, SampleAudit, apply_batch_policy, generation_id
 from disttrain.guard import path_nbytes, start_guard, tensor_nbytes
-from disttrain.parallel import make_optimizer, wrap
+from disttrain.guard.run_guard import logical_name
+from disttrain.parallel import make_optimizer, unwrap, wrap
 from disttrain.parallel.precision import make_grad_scaler
 from disttrain.runtime.fault_injection import inject
 from disttrain.train.loop import Accumulator, warmup_cosine
@@ -33,14 +34,19 @@ from disttrain.train.progress import TrainProgress, print_summary
 from disttrain.train import resume
 
 
-def build_optimizer(model: torch.nn.Module, cfg: Config) -> torch.optim.Optimizer:
-    """AdamW (decay on matrices only, as in GPT-2) or SGD, over the wrapped model."""
+def build_optimizer(model: torch.nn.Module, cfg: Config, ndims: dict[str, int]) -> torch.optim.Optimizer:
+    """AdamW (decay on matrices only, as in GPT-2) or SGD, over the wrapped model.
+
+    `ndims` maps each parameter's name in the unwrapped model to its dimension count,
+    taken before `wrap`: FSDP1 flattens parameters to 1-D views, so the wrapped model's
+    own shapes would put every matrix in the no-decay group."""
     o = cfg.optim
-    params = [p for p in model.parameters() if p.requires_grad]
+    named = [(logical_name(n), q) for n, q in unwrap(model).named_parameters() if q.requires_grad]
+    params = [q for _, q in named]
     if o.name == "sgd":
         return make_optimizer(model, torch.optim.SGD, params, lr=o.lr, momentum=o.momentum, weight_decay=o.weight_decay)
-    decay = [p for p in params if p.dim() >= 2]
-    no_decay = [p for p in params if p.dim() < 2]
+    decay = [q for n, q in named if ndims[n] >= 2]
+    no_decay = [q for n, q in named if ndims[n] < 2]
     groups = [{"params": decay, "weight_decay": o.weight_decay},
               {"params": no_decay, "weight_decay": 0.0}]
     # ZeRO-1 under strategy zero1, a plain optimizer otherwise (P-FSDP-9).
@@ -118,8 +124,10 @@ def _train(cfg: Config, info: runtime.RankInfo, preempt: PreemptionHandler) -> d
     heldout_set = ChunkDataset(corpus.heldout, cfg.model.block_size)
     # Fingerprint, launch checks and hang watchdog, before wrap (P-DEBUG-1,3).
     guard = start_guard(cfg.guard, config=cfg, timeout_s=p.timeout_s, dataset_len=len(train_set))
-    model = wrap(GPT(cfg.model), p, precision=t.precision)  # bf16/fp16 (P-DDP-7, P-FSDP-5)
-    optimizer = build_optimizer(model, cfg)  # after wrap (P-DDP-3)
+    raw = GPT(cfg.model)
+    ndims = {n: q.dim() for n, q in raw.named_parameters()}
+    model = wrap(raw, p, precision=t.precision)  # bf16/fp16 (P-DDP-7, P-FSDP-5)
+    optimizer = build_optimizer(model, cfg, ndims)  # after wrap (P-DDP-3)
     guard.check_model(model, optimizer)
     scheduler = warmup_cosine(optimizer, total_steps=t.steps, warmup_steps=cfg.optim.warmup_steps,
                               min_lr_ratio=cfg.optim.min_lr_ratio)

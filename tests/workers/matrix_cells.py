@@ -1,0 +1,60 @@
+"""Worker: many trainer cells in one launch (tests/test_matrix.py).
+
+    matrix_cells.py reference OUT CELL...   each cell trained uninterrupted, one after another
+    matrix_cells.py killed OUT CELL...      under `disttrain run --max-restarts N`: cell i is
+                                            killed (SIGKILL, rank 1, step 5's backward) in
+                                            attempt i; attempt i+1 resumes it from its step-4
+                                            checkpoint, finishes it, then starts cell i+1
+
+Each cell is `disttrain.train.trainer.train(load_config(tiny_gpt.toml, overrides))`, the
+function `disttrain train` runs on every rank. The process group is started once per
+launch and kept across cells (starting one costs seconds); every other part of the
+trainer runs per cell exactly as under the CLI. Every attempt that starts a cell appends
+a line to OUT/MODE/CELL/attempts.
+"""
+
+import os
+import sys
+from pathlib import Path
+
+from disttrain import runtime
+from disttrain.config import load_config
+from disttrain.config.matrix import CELLS
+from disttrain.runtime import fault_injection, process_group
+from disttrain.train.trainer import train
+
+ROOT = Path(__file__).resolve().parents[2]
+TINY = ["--model.n_layer=1", "--model.n_embd=32", "--model.n_head=2", "--model.block_size=32",
+        "--model.dropout=0.1", "--data.max_bytes=30000", "--train.batch_size=4", "--train.steps=6",
+        "--train.eval_every=3", "--train.eval_batches=1", "--train.log_every=1",
+        "--checkpoint.every=2", "--checkpoint.keep_last=2", "--guard.divergence_every=2"]
+KILL_STEP = 5
+
+
+def main(mode: str, out: Path, names: list[str]) -> None:
+    by_name = {c.name: c for c in CELLS}
+    attempt = int(os.environ.get("TORCHELASTIC_RESTART_COUNT", 0))
+    real_shutdown = process_group.shutdown
+    process_group.shutdown = lambda: None  # one group for every cell of this launch
+    runtime.init()
+    try:
+        for index, name in enumerate(names):
+            cell_dir = out / mode / name
+            if (cell_dir / "summary.json").exists():
+                continue  # finished in an earlier attempt
+            if runtime.rank_info().is_main:
+                cell_dir.mkdir(parents=True, exist_ok=True)
+                with (cell_dir / "attempts").open("a") as f:
+                    f.write(f"{attempt}\n")
+            fault = f"kill@backward:rank=1,step={KILL_STEP},restart={index}" if mode == "killed" else None
+            fault_injection.set_faults(fault)
+            cfg = load_config(ROOT / "examples" / "tiny_gpt.toml",
+                              [*TINY, *by_name[name].overrides(), f"--train.out_dir={cell_dir}"])
+            train(cfg)
+    finally:
+        process_group.shutdown = real_shutdown
+        runtime.shutdown()
+
+
+if __name__ == "__main__":
+    main(sys.argv[1], Path(sys.argv[2]), sys.argv[3:])
