@@ -2,7 +2,8 @@
 # One prepared run for a single NVIDIA H200 (see bench/gpu_train.py for what and why):
 # bf16 GPT of about 1B parameters, sequence 2048, `fsdp full` at world 1 through
 # disttrain and a hand-written FSDP2 baseline; tokens/s, MFU, peak memory and the
-# async-checkpoint stall. Finishes in under 8 minutes (each variant is capped at 210 s).
+# async-checkpoint stall, after bench/gpu_trainer.sh (the trainer's NCCL path). Finishes in
+# under 10 minutes (each variant is capped at 210 s).
 #
 #   bench/gpu.sh [--dry-run] [OUTDIR]    OUTDIR defaults to $OUT, else bench/results/gpu_run
 #
@@ -26,6 +27,10 @@ command -v nvidia-smi >/dev/null && nvidia-smi --query-gpu=name,memory.total,dri
     --format=csv > "$OUTDIR/nvidia-smi.csv" 2>&1
 
 status=0
+if [[ ${#DRY[@]} -eq 0 ]]; then
+    # The trainer's NCCL path first (a process group at world 1; about 2 minutes).
+    PYTHON="$PY" bash bench/gpu_trainer.sh "$OUTDIR" || status=1
+fi
 for variant in torch_fsdp2 disttrain_fsdp; do
     echo "== $variant"
     if ! timeout "$LIMIT" "$PY" -m bench.gpu_train --variant "$variant" --out "$OUTDIR" "${DRY[@]}" \
