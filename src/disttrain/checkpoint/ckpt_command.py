@@ -13,7 +13,8 @@ from disttrain.checkpoint import layout
 from disttrain.checkpoint.checkpoint_errors import CheckpointCorrupt
 from disttrain.errors import UserError
 
-USAGE = "disttrain ckpt {inspect,verify,export} DIR [--to model.safetensors] [--optim optim.pt]"
+USAGE = ("disttrain ckpt {inspect,verify,export} DIR [--to model.safetensors] [--optim optim.pt] "
+         "[--hf OUTDIR]")
 
 
 def _step_dir(path: str) -> Path:
@@ -63,6 +64,9 @@ def main(argv: list[str]) -> int:
     parser.add_argument("dir")
     parser.add_argument("--to", help="export: the safetensors file to write")
     parser.add_argument("--optim", help="export: also write the full optimizer state here")
+    parser.add_argument("--hf", metavar="OUTDIR",
+                        help="export: a Hugging Face folder (safetensors + config.json) for a "
+                             "model.hf / model.hf_path run")
     args = parser.parse_args(argv)
     step_dir = _step_dir(args.dir)
     if args.action == "verify":
@@ -76,8 +80,17 @@ def main(argv: list[str]) -> int:
     if args.action == "inspect":
         inspect(step_dir)
         return 0
+    if args.hf:
+        if args.to or args.optim:
+            raise UserError("ckpt export takes either --hf OUTDIR or --to FILE [--optim FILE], not both.")
+        from disttrain.checkpoint.hf_export import export_hf
+
+        s = export_hf(step_dir, args.hf)
+        print(f"wrote {s['to']}: {s['model_type']}, {s['tensors']} tensors; load it with "
+              f"AutoModelForCausalLM.from_pretrained({s['to']!r})")
+        return 0
     if not args.to:
-        raise UserError("ckpt export needs --to FILE.safetensors.")
+        raise UserError("ckpt export needs --to FILE.safetensors (or --hf OUTDIR for a Hugging Face model).")
     from disttrain.checkpoint.export import export_safetensors
 
     s = export_safetensors(step_dir, args.to, args.optim)

@@ -1,0 +1,124 @@
+"""Hugging Face models without a download (model.hf / model.hf_path), and
+`disttrain ckpt export --hf`: GPT-2 from a config trains under FSDP2 at 2 ranks through
+examples/hf_gpt2.toml, and the exported folder gives the trained model's logits exactly.
+"""
+
+import json
+import sys
+
+import pytest
+import torch
+
+from conftest import ROOT, launch_worker, run_disttrain
+
+transformers = pytest.importorskip("transformers")
+
+from disttrain.checkpoint import export  # noqa: E402
+from disttrain.checkpoint.hf_export import export_hf  # noqa: E402
+from disttrain.errors import UserError  # noqa: E402
+from disttrain.parallel.blocks import find_blocks  # noqa: E402
+from disttrain.train.hf_models import HFCausalLM, build_hf_model  # noqa: E402
+
+SMALL = {"hf": "gpt2", "hf_config": {"n_layer": 2, "n_embd": 32, "n_head": 2, "vocab_size": 256,
+                                     "n_positions": 16, "bos_token_id": 0, "eos_token_id": 1}}
+PROBE = torch.arange(2 * 12).view(2, 12) * 7 % 256
+
+
+def _logits(model, x=PROBE):
+    model.eval()
+    with torch.no_grad():
+        out = model(x)
+    return out[0] if isinstance(out, tuple) else out.logits
+
+
+def _step_dir(root):
+    (step,) = sorted(root.glob("step-*"))[-1:]
+    return step
+
+
+@pytest.fixture(scope="module")
+def toml_run(tmp_path_factory):
+    """examples/hf_gpt2.toml at w=2 under fsdp, 4 steps on a slice of the corpus."""
+    out = tmp_path_factory.mktemp("hf_toml")
+    proc = run_disttrain(["train", str(ROOT / "examples/hf_gpt2.toml"), "--train.steps=4",
+                          f"--train.out_dir={out}", "--data.max_bytes=100000", "--train.batch_size=4",
+                          "--train.eval_batches=1", "--train.log_every=1", "--model.block_size=32"],
+                         timeout=120)
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    return out
+
+
+def test_gpt2_from_config_trains_under_fsdp_through_the_toml(toml_run):
+    records = [json.loads(line) for line in (toml_run / "metrics.jsonl").read_text().splitlines()]
+    losses = [r["loss"] for r in records if "loss" in r]
+    assert len(losses) == 4 and all(l == l for l in losses)  # noqa: E741 (no NaN)
+    assert losses[-1] < losses[0]
+    summary = json.loads((toml_run / "summary.json").read_text())
+    assert summary["strategy"] == "fsdp" and summary["world_size"] == 2
+
+
+def test_hf_export_of_the_toml_run_has_identical_logits(toml_run, tmp_path):
+    step = _step_dir(toml_run / "checkpoints")
+    proc = run_disttrain(["ckpt", "export", str(toml_run / "checkpoints"), "--hf", str(tmp_path / "hf")])
+    assert proc.returncode == 0, proc.stderr
+    assert "from_pretrained" in proc.stdout
+    exported = transformers.AutoModelForCausalLM.from_pretrained(tmp_path / "hf")
+    # The model rebuilt from the final checkpoint: its config, the prefix-free weights.
+    model_section = json.loads((step / "state.json").read_text())["config"]["model"]
+    rebuilt = build_hf_model(model_section)
+    export.export_safetensors(step, tmp_path / "model.safetensors")
+    from safetensors.torch import load_file
+
+    rebuilt.load_state_dict(load_file(tmp_path / "model.safetensors"), strict=True)
+    x = torch.randint(0, 256, (2, 32), generator=torch.Generator().manual_seed(0))
+    assert torch.equal(_logits(exported, x), _logits(rebuilt, x))
+    assert exported.lm_head.weight is exported.transformer.wte.weight  # the tie survived
+
+
+def test_hf_export_equals_the_live_fsdp_model(tmp_path):
+    # A checkpoint taken under FSDP2 at 2 ranks; the ranks also kept the live logits.
+    launch_worker("hf_checks.py", 2, tmp_path, timeout=120)
+    results = [json.loads((tmp_path / f"rank{r}.json").read_text()) for r in range(2)]
+    assert all(r["units"] == 2 for r in results)  # both GPT2Blocks sharded via the adapter
+    assert results[0]["losses"][-1] < results[0]["losses"][0]
+    info = export_hf(_step_dir(tmp_path / "ckpt"), tmp_path / "hf")
+    assert info["model_type"] == "gpt2"
+    exported = transformers.AutoModelForCausalLM.from_pretrained(tmp_path / "hf")
+    assert torch.equal(_logits(exported), torch.load(tmp_path / "logits.pt", weights_only=True))
+    with pytest.raises(UserError, match="not an empty folder"):
+        export_hf(_step_dir(tmp_path / "ckpt"), tmp_path / "hf")
+    # hf_path loads the exported folder again (relative to the config's folder).
+    again = build_hf_model({"hf_path": "hf"}, config_dir=tmp_path)
+    assert torch.equal(_logits(again), _logits(exported))
+
+
+def test_adapter_loss_blocks_and_keys():
+    torch.manual_seed(0)
+    model = build_hf_model(SMALL)
+    assert isinstance(model, HFCausalLM)
+    assert [type(b).__name__ for b in find_blocks(model)] == ["GPT2Block", "GPT2Block"]
+    assert all(k.startswith("hf.") for k in model.state_dict())
+    model.eval()  # GPT-2's default dropout off: the two forwards below must match
+    x = torch.randint(0, 256, (2, 13))
+    logits, loss = model(x[:, :-1], x[:, 1:])
+    ref = torch.nn.functional.cross_entropy(logits.flatten(0, 1), x[:, 1:].flatten())
+    assert torch.equal(loss, ref)
+    # Hugging Face's own shifted loss on the full window is the same next-token loss.
+    assert torch.allclose(model(input_ids=x, labels=x).loss, model(x[:, :-1], x[:, 1:])[1], atol=1e-6)
+
+
+def test_clear_errors(tmp_path, monkeypatch):
+    with pytest.raises(UserError, match=r"model.hf is 'gtp2'.*Did you mean 'gpt2'"):
+        build_hf_model({"hf": "gtp2"})
+    with pytest.raises(UserError, match="model.hf_path 'missing': no folder"):
+        build_hf_model({"hf_path": "missing"}, config_dir=tmp_path)
+    (tmp_path / "empty").mkdir()
+    with pytest.raises(UserError, match="has no config.json"):
+        build_hf_model({"hf_path": "empty"}, config_dir=tmp_path)
+    with pytest.raises(UserError, match="no causal language model class"):
+        build_hf_model({"hf": "vit"})
+    with pytest.raises(UserError, match="both set"):
+        build_hf_model({"hf": "gpt2", "hf_path": "empty"}, config_dir=tmp_path)
+    monkeypatch.setitem(sys.modules, "transformers", None)
+    with pytest.raises(UserError, match="pip install transformers"):
+        build_hf_model(SMALL)
