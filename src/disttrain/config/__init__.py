@@ -5,14 +5,15 @@ Nothing here imports torch at module level.
     schema.py    Config and its sections; load_config; validate / validate_parallel
     tomlfile.py  TOML reading, dotted overrides, typed construction
     gpt_shape.py GPTConfig: the built-in model's shape as plain data
+    user_code.py rules for the keys that name user code (model.factory, data.factory, train.loss)
     lr_rule.py   g(B): the LR multiplier of an effective batch (P-LOOP-4)
 """
 
 from disttrain.config.gpt_shape import GPTConfig
 from disttrain.config.schema import (PRECISIONS, SHARDINGS, STRATEGIES, CheckpointConfig, Config, DataConfig,
-                                     ElasticConfig, GuardConfig, OptimConfig, ParallelConfig, TrainConfig,
+                                     ElasticConfig, GuardConfig, ModelConfig, OptimConfig, ParallelConfig, TrainConfig,
                                      check_fsdp1, load_config, shard_grid, to_dict, validate, validate_parallel)
 
 __all__ = ["PRECISIONS", "SHARDINGS", "STRATEGIES", "CheckpointConfig", "Config", "DataConfig", "ElasticConfig",
-           "GPTConfig", "GuardConfig", "OptimConfig", "ParallelConfig", "TrainConfig", "check_fsdp1",
+           "GPTConfig", "GuardConfig", "ModelConfig", "OptimConfig", "ParallelConfig", "TrainConfig", "check_fsdp1",
            "load_config", "shard_grid", "to_dict", "validate", "validate_parallel"]

@@ -17,6 +17,7 @@ from typing import Any
 
 from disttrain.config.gpt_shape import GPTConfig
 from disttrain.config.tomlfile import apply_overrides, build, read_toml
+from disttrain.config.user_code import check_model_keys, check_sources
 from disttrain.errors import ConfigError
 
 STRATEGIES = ("ddp", "fsdp", "zero1", "dp", "fsdp1")
@@ -25,7 +26,31 @@ PRECISIONS = ("fp32", "bf16", "fp16")
 
 
 @dataclass(kw_only=True)
+class ModelConfig(GPTConfig):
+    """[model]: the built-in GPT's shape (the default), or a model of your own.
+
+    `factory = "module:callable"` builds any `nn.Module` from `kwargs` (docs: README,
+    "Your own model and data"); the GPT keys are then not allowed. `hf` / `hf_path` /
+    `hf_config` select a Hugging Face model (`disttrain.train.hf_models`)."""
+
+    factory: str = ""
+    """'module:callable' returning an nn.Module; imported from the config file's folder, then sys.path."""
+    kwargs: dict = field(default_factory=dict)
+    """Keyword arguments for model.factory (plain TOML data)."""
+    hf: str = ""
+    """A Hugging Face model name (disttrain.train.hf_models)."""
+    hf_path: str = ""
+    """A local Hugging Face model folder (disttrain.train.hf_models)."""
+    hf_config: dict = field(default_factory=dict)
+    """Hugging Face config overrides (disttrain.train.hf_models)."""
+
+
+@dataclass(kw_only=True)
 class DataConfig:
+    factory: str = ""
+    """'module:callable' returning a map-style train dataset, or (train, eval); '' = the corpus."""
+    kwargs: dict = field(default_factory=dict)
+    """Keyword arguments for data.factory (plain TOML data)."""
     corpus: str = "stdlib"
     """'stdlib': the bytes of the Python standard library's own .py files, read at run time."""
     max_bytes: int = 4_000_000
@@ -102,6 +127,8 @@ class TrainConfig:
     """Optimizer steps between held-out evaluations; 0 evaluates only at the end."""
     eval_batches: int = 20
     """Held-out batches per rank per evaluation."""
+    loss: str = ""
+    """Optional 'module:fn': fn(model, batch) -> scalar loss tensor; '' = the model's output."""
     out_dir: str = "runs/tiny_gpt"
     """Where rank 0 writes metrics.jsonl, the summary and checkpoints."""
 
@@ -178,7 +205,7 @@ def _check_elastic(e: ElasticConfig) -> None:
 class Config:
     """The whole run. One section per concern, as in the TOML file."""
 
-    model: GPTConfig = field(default_factory=GPTConfig)
+    model: ModelConfig = field(default_factory=ModelConfig)
     data: DataConfig = field(default_factory=DataConfig)
     parallel: ParallelConfig = field(default_factory=ParallelConfig)
     optim: OptimConfig = field(default_factory=OptimConfig)
@@ -199,6 +226,9 @@ def load_config(path: str | os.PathLike | None, overrides: list[str] = ()) -> Co
     """
     raw = read_toml(path) if path is not None else {}
     apply_overrides(raw, overrides)
+    model = raw.get("model")
+    if isinstance(model, dict):
+        check_model_keys(model)
     cfg = build(Config, raw)
     validate(cfg)
     return cfg
@@ -249,6 +279,7 @@ def validate(cfg: Config) -> None:
              "and hang_cap_s >= hang_min_s.")
     _check_checkpoint(cfg.checkpoint)
     _check_elastic(cfg.elastic)
+    check_sources(cfg)  # model.factory, data.factory, train.loss (config/user_code.py)
     _check_hardware(p)
     device = p.device if p.device != "auto" else ("cuda" if _cuda_count() else "cpu")
     validate_parallel(p, t.precision, world_size=p.nproc, local_world_size=p.nproc, device_type=device)

@@ -14,7 +14,9 @@ def _main(argv: list[str]) -> int:
         raise UserError("usage: python -m disttrain.train CONFIG.toml [--section.key=value ...]")
     from disttrain.train.trainer import train
 
-    train(load_config(argv[0], argv[1:]))
+    from pathlib import Path
+
+    train(load_config(argv[0], argv[1:]), config_dir=Path(argv[0]).parent)
     return 0
 
 

@@ -4,8 +4,9 @@ Every checkpoint stores the resolved config of the run that wrote it (`TrainStat
 the "config" of its `state.json`; the manifest keeps its hash). `disttrain train` compares
 it with this run's config, key by key, in three classes:
 
-- refused (`REFUSED`, and every model.* and data.* key but model.dropout): the weights or the
-  sample order would not be the run's any more. `inspect` raises `CheckpointMismatch`
+- refused (`REFUSED`, and every model.* and data.* key but model.dropout, including
+  model.factory, data.factory, their kwargs tables (compared whole, `WHOLE`) and the hf
+  keys): the weights or the sample order would not be the run's any more. `inspect` raises `CheckpointMismatch`
   listing each key as `key: checkpoint -> now`, before anything is built or written.
 - applied (every other optim.* key, and `APPLIED`): after the load, `apply` writes the new
   optimizer hyper-parameters into the param groups and the scheduler, and rank 0 prints a
@@ -31,8 +32,11 @@ from disttrain.checkpoint import CheckpointMismatch
 from disttrain.checkpoint.layout import committed
 from disttrain.config import Config, to_dict
 
-REFUSED = frozenset({"optim.name", "train.seed"})
-"""Refused besides model.* and data.*: another optimizer's state, another sample order."""
+REFUSED = frozenset({"optim.name", "train.seed", "train.loss"})
+"""Refused besides model.* and data.*: another optimizer's state, another sample order,
+another objective. (model.* covers model.factory, model.kwargs and the hf keys.)"""
+WHOLE = frozenset({"model.kwargs", "data.kwargs", "model.hf_config"})
+"""Tables compared as one value: a key added to or dropped from them is a change too."""
 APPLIED = frozenset({"model.dropout", "train.steps", "train.batch_size", "train.accum_steps",
                      "train.precision"})
 """Applied besides optim.*: read from this run's config when the run is built."""
@@ -55,7 +59,7 @@ def classify(key: str) -> str:
 def _flatten(d: dict, prefix: str = "") -> dict[str, Any]:
     out: dict[str, Any] = {}
     for k, v in d.items():
-        if isinstance(v, dict):
+        if isinstance(v, dict) and f"{prefix}{k}" not in WHOLE:
             out.update(_flatten(v, f"{prefix}{k}."))
         else:
             out[f"{prefix}{k}"] = v

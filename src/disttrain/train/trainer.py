@@ -20,8 +20,7 @@ from disttrain import runtime
 from disttrain.checkpoint import Checkpointer, CheckpointSaveError, TrainState, save_model
 from disttrain.config import Config, to_dict
 from disttrain.data import ElasticSampler
-from disttrain.demo import GPT
-from disttrain.demo.corpus import ChunkDataset, load_stdlib_corpus
+from disttrain.demo.corpus import ChunkDataset
 from disttrain.elastic import PreemptionHandler, SampleAudit, apply_batch_policy, generation_id
 from disttrain.guard import path_nbytes, start_guard, tensor_nbytes
 from disttrain.guard.run_guard import logical_name
@@ -31,7 +30,7 @@ from disttrain.runtime.fault_injection import inject
 from disttrain.train.loop import Accumulator, warmup_cosine
 from disttrain.train.metrics import JsonlWriter, MeanTracker, global_mean, print_main
 from disttrain.train.progress import TrainProgress, print_summary
-from disttrain.train import resume
+from disttrain.train import resume, sources
 
 
 def build_optimizer(model: torch.nn.Module, cfg: Config, ndims: dict[str, int]) -> torch.optim.Optimizer:
@@ -80,21 +79,12 @@ def evaluate(model: torch.nn.Module, dataset: ChunkDataset, batch_size: int, max
     return global_mean(total, count)
 
 
-class _Indexed(torch.utils.data.Dataset):
-    """The training set, each item with its index, so a step knows its samples."""
-
-    def __init__(self, dataset):
-        self.dataset = dataset
-
-    def __len__(self) -> int:
-        return len(self.dataset)
-
-    def __getitem__(self, i: int):
-        return (*self.dataset[i], i)
-
-
-def train(cfg: Config) -> dict:
+def train(cfg: Config, config_dir: str | Path | None = None) -> dict:
     """Run one training job in this process (one rank). Returns the summary dict.
+
+    The model, data and loss come from `disttrain.train.sources`: the built-in GPT on
+    the stdlib corpus, or the config's model.factory / data.factory / train.loss,
+    imported from `config_dir` (the config file's folder; None: sys.path only).
 
     Resumes from the newest valid checkpoint when there is one (no flag), so a
     torchrun restart continues where the job stopped. On SIGTERM every rank stops
@@ -105,12 +95,12 @@ def train(cfg: Config) -> dict:
                              seed=t.seed) as info:
         preempt = PreemptionHandler(cfg.elastic.preempt_grace_s).install()
         try:
-            return _train(cfg, info, preempt)
+            return _train(cfg, info, preempt, config_dir)
         finally:
             preempt.uninstall()
 
 
-def _train(cfg: Config, info: runtime.RankInfo, preempt: PreemptionHandler) -> dict:
+def _train(cfg: Config, info: runtime.RankInfo, preempt: PreemptionHandler, config_dir) -> dict:
     t0 = time.perf_counter()
     p, t = cfg.parallel, cfg.train
     # The newest checkpoint's config against this one: a changed model or dataset is
@@ -119,12 +109,22 @@ def _train(cfg: Config, info: runtime.RankInfo, preempt: PreemptionHandler) -> d
     if plan is not None and plan.step >= t.steps:
         print_main(resume.complete_message(plan))
         return {"steps": plan.step, "world_size": info.world_size, "complete": True, "preempted": False}
-    corpus = load_stdlib_corpus(cfg.data.max_bytes, cfg.data.heldout_fraction)
-    train_set = ChunkDataset(corpus.train, cfg.model.block_size)
-    heldout_set = ChunkDataset(corpus.heldout, cfg.model.block_size)
+    # The built-in GPT on the stdlib corpus, or the config's factories (train/sources.py).
+    train_set, heldout_set, data_info = sources.build_datasets(cfg, config_dir)
+    loss_fn = sources.build_loss(cfg, config_dir)
+    builtin = sources.uses_builtin_model(cfg) and not cfg.data.factory and loss_fn is None
+    per_item = 1 if cfg.data.factory else cfg.model.block_size  # tokens per sample of the corpus
+
+    def run_eval() -> float:  # a collective: equal forwards on every rank
+        if heldout_set is None:
+            return float("nan")
+        if builtin:
+            return evaluate(model, heldout_set, t.batch_size, t.eval_batches)
+        return sources.evaluate(model, heldout_set, t.batch_size, t.eval_batches, loss_fn,
+                                torch.utils.data.default_collate)
     # Fingerprint, launch checks and hang watchdog, before wrap (P-DEBUG-1,3).
     guard = start_guard(cfg.guard, config=cfg, timeout_s=p.timeout_s, dataset_len=len(train_set))
-    raw = GPT(cfg.model)
+    raw = sources.build_model(cfg, config_dir)
     ndims = {n: q.dim() for n, q in raw.named_parameters()}
     model = wrap(raw, p, precision=t.precision)  # bf16/fp16 (P-DDP-7, P-FSDP-5)
     optimizer = build_optimizer(model, cfg, ndims)  # after wrap (P-DDP-3)
@@ -138,7 +138,7 @@ def _train(cfg: Config, info: runtime.RankInfo, preempt: PreemptionHandler) -> d
     sampler = ElasticSampler(len(train_set), batch_size=t.batch_size, accum_steps=t.accum_steps,
                              seed=t.seed, drop_last=cfg.data.drop_last)
     # A private generator: iter(loader) must not draw from the global (dropout) RNG.
-    loader = DataLoader(_Indexed(train_set), batch_size=t.batch_size, sampler=sampler,
+    loader = DataLoader(sources.Indexed(train_set), batch_size=t.batch_size, sampler=sampler,
                         drop_last=True, generator=torch.Generator().manual_seed(t.seed))
     out = Path(t.out_dir)
     ckpt, state = _checkpointing(cfg, out, model, optimizer, scheduler, acc.scaler, sampler)
@@ -165,25 +165,27 @@ def _train(cfg: Config, info: runtime.RankInfo, preempt: PreemptionHandler) -> d
                         generation_id())
     saved_at = step = acc.optimizer_steps
     log = JsonlWriter(out / "metrics.jsonl")
-    tokens_per_step = t.batch_size * cfg.model.block_size * acc.accum_steps * info.world_size
+    tokens_per_step = t.batch_size * per_item * acc.accum_steps * info.world_size
     t_eval = time.perf_counter()
     with guard.slow_phase("eval"):  # slow phases: not steps to the hang watchdog
-        first_eval = evaluate(model, heldout_set, t.batch_size, t.eval_batches)
+        first_eval = run_eval()
     eval_s = time.perf_counter() - t_eval  # after a SIGTERM, an eval that no longer fits is skipped
     progress = TrainProgress(t.steps, enabled=info.is_main, start=step)
     window, heldout_loss, train_loss = MeanTracker(), first_eval, float("nan")
-    t_window, last_logged, stopping = time.perf_counter(), step, False
+    t_window, last_logged, stopping, first = time.perf_counter(), step, False, True
     while step < t.steps and not stopping:
-        for x, y, idx in loader:  # each pass is a new epoch: the sampler advances itself
-            guard.first_batch(x)
+        for batch, idx in loader:  # each pass is a new epoch: the sampler advances itself
+            guard.first_batch(batch)
             if acc.window_start:  # dropout from (seed, step, rank): exact resume
                 runtime.seed_step(step)
             inject("forward", step + 1, info.rank)
             with acc.micro_step():
-                _, loss = model(x.to(info.device), y.to(info.device))
+                # model(**dict), model(*tuple) or model(batch); its loss, or train.loss
+                loss = sources.batch_loss(model, sources.to_device(batch, info.device), loss_fn, first=first)
+                first = False
                 inject("backward", step + 1, info.rank)
                 acc.backward(loss)
-            window.update(loss.detach(), y.numel())
+            window.update(loss.detach(), len(idx) * per_item)
             audit.add(idx)
             if not acc.stepped:
                 continue
@@ -203,7 +205,7 @@ def _train(cfg: Config, info: runtime.RankInfo, preempt: PreemptionHandler) -> d
                 if ((t.eval_every and step % t.eval_every == 0) or step == t.steps) \
                         and preempt.time_for(eval_s):  # keeps the grace for the save
                     with guard.slow_phase("eval"):
-                        heldout_loss = evaluate(model, heldout_set, t.batch_size, t.eval_batches)
+                        heldout_loss = run_eval()
                     record["heldout_loss"] = heldout_loss
                 log.write(record)
                 progress.update(step, train_loss, heldout_loss, tok_s)
@@ -230,7 +232,7 @@ def _train(cfg: Config, info: runtime.RankInfo, preempt: PreemptionHandler) -> d
         "initial_heldout_loss": first_eval, "final_train_loss": train_loss,
         "final_heldout_loss": heldout_loss, "wall_time_s": time.perf_counter() - t0,
         "tokens_seen": tokens_per_step * step, "checkpoint": str(model_path),
-        "train_files": corpus.files_train, "heldout_files": corpus.files_heldout,
+        **data_info,
         "resumed": resumed, "preempted": False,
     }
     if info.is_main:

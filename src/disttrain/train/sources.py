@@ -1,0 +1,254 @@
+"""Where `disttrain train` gets its model, data and loss: the built-in GPT on the stdlib
+corpus (the defaults), or the user's own code named in the config.
+
+    [model]  factory = "mymodels:build"   [model.kwargs] ...   -> an nn.Module
+    [data]   factory = "mydata:build"     [data.kwargs] ...    -> a map-style train dataset,
+                                                                  or (train, eval)
+    [train]  loss = "mylosses:fn"                              -> fn(model, batch) -> loss
+
+A "module:callable" reference is imported from the config file's folder, then
+sys.path. Every user mistake is one `ConfigError` / `UserError` naming the key and
+the module: `check_references` (the launching process, before any worker starts)
+covers import failures and non-callables; `build_model` / `build_datasets` the
+returned types; `batch_loss` a batch the model rejects and a loss that is not a
+scalar tensor.
+"""
+
+from __future__ import annotations
+
+import importlib
+import sys
+from pathlib import Path
+from typing import Any, Callable
+
+import torch
+
+from disttrain.config import Config
+from disttrain.config.user_code import parse_reference
+from disttrain.errors import ConfigError, UserError
+
+HF_MODULE = "disttrain.train.hf_models"
+"""The Hugging Face model builder, imported only when model.hf or model.hf_path is set."""
+
+
+def resolve(key: str, reference: str, config_dir: str | Path | None) -> Callable:
+    """The callable a 'module:callable' config value names. `config_dir` goes first on
+    sys.path. Raises `ConfigError` naming `key` and the module when the import fails or
+    the name is missing or not callable."""
+    module_name, attr = parse_reference(key, reference)
+    if config_dir is not None and str(Path(config_dir).resolve()) not in sys.path:
+        sys.path.insert(0, str(Path(config_dir).resolve()))
+    where = f"the config file's folder ({Path(config_dir).name or '.'}), then sys.path" \
+        if config_dir is not None else "sys.path"
+    try:
+        module = importlib.import_module(module_name)
+    except Exception as e:  # an error inside the user's module is the user's too
+        raise ConfigError(f"config key {key!r} = {reference!r}: cannot import module {module_name!r} "
+                          f"(searched {where}): {type(e).__name__}: {e}") from None
+    target: Any = module
+    for part in attr.split("."):
+        if not hasattr(target, part):
+            raise ConfigError(f"config key {key!r} = {reference!r}: module {module_name!r} has no "
+                              f"attribute {attr!r}.")
+        target = getattr(target, part)
+    if not callable(target):
+        raise ConfigError(f"config key {key!r} = {reference!r}: {attr!r} in module {module_name!r} is "
+                          f"a {type(target).__name__}, not callable. Name a function or class.")
+    return target
+
+
+def check_references(cfg: Config, config_dir: str | Path | None) -> None:
+    """Import every user-code reference of `cfg` once (the launching process calls this
+    before starting workers). Raises `ConfigError` as `resolve` does."""
+    for key, value in (("model.factory", cfg.model.factory), ("data.factory", cfg.data.factory),
+                       ("train.loss", cfg.train.loss)):
+        if value:
+            resolve(key, value, config_dir)
+
+
+def uses_builtin_model(cfg: Config) -> bool:
+    """True for the built-in GPT (no model.factory, model.hf or model.hf_path)."""
+    m = cfg.model
+    return not (m.factory or m.hf or m.hf_path)
+
+
+def build_model(cfg: Config, config_dir: str | Path | None) -> torch.nn.Module:
+    """The unwrapped model: the built-in GPT, the Hugging Face model (model.hf / hf_path),
+    or model.factory(**model.kwargs). Call it after the init seed is set (every rank
+    builds the same initial weights). Raises `ConfigError` when the factory's result is
+    not an nn.Module, or when the factory raises."""
+    m = cfg.model
+    # ---- hook: Hugging Face models (disttrain.train.hf_models, imported lazily) ----
+    if m.hf or m.hf_path:
+        return importlib.import_module(HF_MODULE).build_hf_model(m, config_dir)
+    if not m.factory:
+        from disttrain.demo import GPT
+
+        return GPT(m)
+    factory = resolve("model.factory", m.factory, config_dir)
+    model = _call("model.factory", m.factory, factory, m.kwargs)
+    if not isinstance(model, torch.nn.Module):
+        raise ConfigError(f"config key 'model.factory' = {m.factory!r} returned a "
+                          f"{type(model).__name__}; it must return a torch.nn.Module.")
+    return model
+
+
+def build_datasets(cfg: Config, config_dir: str | Path | None) -> tuple[Any, Any | None, dict]:
+    """(train set, eval set or None, extra summary fields). The default is the stdlib
+    corpus cut into block_size chunks of (x, y); data.factory(**data.kwargs) may return
+    a map-style dataset (`__len__` and `__getitem__`) or a (train, eval) pair of them.
+    Raises `ConfigError` for any other return value or an empty train set."""
+    d = cfg.data
+    if not d.factory:
+        from disttrain.demo.corpus import ChunkDataset, load_stdlib_corpus
+
+        corpus = load_stdlib_corpus(d.max_bytes, d.heldout_fraction)
+        return (ChunkDataset(corpus.train, cfg.model.block_size),
+                ChunkDataset(corpus.heldout, cfg.model.block_size),
+                {"train_files": corpus.files_train, "heldout_files": corpus.files_heldout})
+    factory = resolve("data.factory", d.factory, config_dir)
+    result = _call("data.factory", d.factory, factory, d.kwargs)
+    pair = isinstance(result, (tuple, list)) and len(result) == 2
+    train, heldout = result if pair else (result, None)
+    for role, ds in (("train", train), ("eval", heldout)):
+        if ds is None and role == "eval":
+            continue
+        if isinstance(ds, torch.utils.data.IterableDataset) or not (
+                hasattr(ds, "__len__") and hasattr(ds, "__getitem__")):
+            shape = "a (train, eval) pair whose " + role + " item is" if pair else "returned"
+            raise ConfigError(f"config key 'data.factory' = {d.factory!r} {shape} a "
+                              f"{type(ds).__name__}; it must return a map-style dataset (with "
+                              f"__len__ and __getitem__), or a (train, eval) pair of them. "
+                              f"Iterable datasets cannot be resumed sample-exactly.")
+    if len(train) == 0:
+        raise ConfigError(f"config key 'data.factory' = {d.factory!r} returned an empty train set.")
+    return train, heldout, {}
+
+
+def build_loss(cfg: Config, config_dir: str | Path | None) -> Callable | None:
+    """train.loss resolved to fn(model, batch) -> scalar loss, or None (the output's loss)."""
+    return resolve("train.loss", cfg.train.loss, config_dir) if cfg.train.loss else None
+
+
+def _call(key: str, reference: str, factory: Callable, kwargs: dict) -> Any:
+    try:
+        return factory(**kwargs)
+    except Exception as e:
+        raise ConfigError(f"config key {key!r} = {reference!r} raised {type(e).__name__}: {e} "
+                          f"(called with kwargs {kwargs}).") from e
+
+
+class Indexed(torch.utils.data.Dataset):
+    """Any map-style dataset, each item paired with its index: `(sample, i)`. A batch of
+    the DataLoader is then `(batch, indices)`, so a step knows its samples (the elastic
+    sampler's audit) without the user's dataset returning them."""
+
+    def __init__(self, dataset):
+        self.dataset = dataset
+
+    def __len__(self) -> int:
+        return len(self.dataset)
+
+    def __getitem__(self, i: int):
+        return self.dataset[i], i
+
+
+def to_device(batch: Any, device: torch.device) -> Any:
+    """Every tensor of a nested dict / tuple / list batch moved to `device`."""
+    if isinstance(batch, torch.Tensor):
+        return batch.to(device)
+    if isinstance(batch, dict):
+        return {k: to_device(v, device) for k, v in batch.items()}
+    if isinstance(batch, (tuple, list)):
+        return type(batch)(to_device(v, device) for v in batch)
+    return batch
+
+
+def describe(batch: Any) -> str:
+    """A short structure of a batch: dict keys, tuple arity, tensor shapes and dtypes."""
+    if isinstance(batch, torch.Tensor):
+        return f"Tensor{tuple(batch.shape)} {str(batch.dtype).replace('torch.', '')}"
+    if isinstance(batch, dict):
+        return "{" + ", ".join(f"{k!r}: {describe(v)}" for k, v in batch.items()) + "}"
+    if isinstance(batch, (tuple, list)):
+        inner = ", ".join(describe(v) for v in batch)
+        return f"({inner})" if isinstance(batch, tuple) else f"[{inner}]"
+    return type(batch).__name__
+
+
+def forward(model: torch.nn.Module, batch: Any) -> Any:
+    """`model(**batch)` for a dict, `model(*batch)` for a tuple or list, else `model(batch)`."""
+    if isinstance(batch, dict):
+        return model(**batch)
+    if isinstance(batch, (tuple, list)):
+        return model(*batch)
+    return model(batch)
+
+
+def output_loss(output: Any) -> Any:
+    """The loss in a model's output: the output itself (a tensor), `output.loss`
+    (a Hugging Face ModelOutput), or the last element of a tuple or list."""
+    if isinstance(output, torch.Tensor):
+        return output
+    if getattr(output, "loss", None) is not None:
+        return output.loss
+    if isinstance(output, (tuple, list)) and output:
+        return output[-1]
+    return output
+
+
+def batch_loss(model: torch.nn.Module, batch: Any, loss_fn: Callable | None, *, first: bool = False) -> torch.Tensor:
+    """The scalar loss of one batch: `loss_fn(model, batch)` when train.loss is set, else
+    the loss in `forward(model, batch)`'s output (`output_loss`).
+
+    `first=True` (the first forward of the run) turns an exception into a `UserError`
+    naming the batch's structure and the model. Raises `UserError` when the loss is not
+    a scalar tensor."""
+    name = type(getattr(model, "module", model)).__name__
+    try:
+        loss = loss_fn(model, batch) if loss_fn is not None else output_loss(forward(model, batch))
+    except Exception as e:
+        if not first:
+            raise
+        how = "train.loss(model, batch)" if loss_fn is not None else (
+            "model(**batch)" if isinstance(batch, dict) else
+            "model(*batch)" if isinstance(batch, (tuple, list)) else "model(batch)")
+        raise UserError(f"the first batch failed in {how}: model {name} raised {type(e).__name__}: "
+                        f"{e}. The batch is {describe(batch)}. Make data.factory's samples match "
+                        f"the model's forward arguments (a dict's keys are passed as keyword "
+                        f"arguments), or set train.loss = \"module:fn\".") from e
+    if not isinstance(loss, torch.Tensor) or loss.dim() != 0:
+        what = describe(loss) if isinstance(loss, (torch.Tensor, tuple, list, dict)) else type(loss).__name__
+        src = "train.loss" if loss_fn is not None else f"model {name}'s output"
+        raise UserError(f"the loss from {src} is {what}, not a scalar tensor. Return the loss as "
+                        f"the output, as `output.loss`, or as the last element of a tuple; or set "
+                        f"train.loss = \"module:fn\" with fn(model, batch) -> scalar tensor.")
+    return loss
+
+
+@torch.no_grad()
+def evaluate(model: torch.nn.Module, dataset: Any, batch_size: int, max_batches: int, loss_fn: Callable | None,
+             collate: Callable) -> float:
+    """Mean `batch_loss` over the first n = min(len(dataset), max_batches x batch_size x
+    world) samples, each counted once, weighted by its batch's size: rank r reads samples
+    r, r + world, ... A collective: every rank runs the same number of forwards (FSDP
+    all-gathers in each); a rank with fewer batches runs one on a repeated sample,
+    weighted 0."""
+    from disttrain import runtime
+    from disttrain.train.metrics import global_mean
+
+    info = runtime.rank_info()
+    model.eval()
+    n = min(len(dataset), max_batches * batch_size * info.world_size)
+    mine = list(range(info.rank, n, info.world_size))
+    forwards = -(-(-(-n // info.world_size)) // batch_size)  # the most batches any rank runs
+    total, count = 0.0, 0.0
+    for b in range(forwards):
+        ids = mine[b * batch_size:(b + 1) * batch_size]
+        weight = len(ids)
+        batch = collate([dataset[i] for i in (ids or [0])])
+        loss = batch_loss(model, to_device(batch, info.device), loss_fn, first=b == 0)
+        total += float(loss.double()) * weight
+        count += weight
+    model.train()
+    return global_mean(total, count)
