@@ -119,6 +119,8 @@ def test_clear_errors(tmp_path, monkeypatch):
         build_hf_model({"hf": "vit"})
     with pytest.raises(UserError, match="both set"):
         build_hf_model({"hf": "gpt2", "hf_path": "empty"}, config_dir=tmp_path)
+    with pytest.raises(ValueError, match="model.block_size <= 16"):
+        build_hf_model(SMALL)(torch.zeros(1, 17, dtype=torch.long))
     monkeypatch.setitem(sys.modules, "transformers", None)
     with pytest.raises(UserError, match="pip install transformers"):
         build_hf_model(SMALL)

@@ -92,6 +92,8 @@ class HFCausalLM(nn.Module):
     The Hugging Face model is the submodule `hf`, so state-dict keys are its own
     keys prefixed with `HF_PREFIX` ("hf."); checkpoints and `ckpt export --hf` rely
     on that. `_no_split_modules` stays on the inner model, where `find_blocks` finds it.
+    Raises `ValueError` naming model.block_size when `x` is longer than the model's
+    position count (`n_positions` / `max_position_embeddings`).
     """
 
     def __init__(self, hf_model: nn.Module):
@@ -106,6 +108,12 @@ class HFCausalLM(nn.Module):
     def forward(self, x: torch.Tensor | None = None, y: torch.Tensor | None = None, **kwargs):
         if x is None:
             return self.hf(**kwargs)
+        cfg = self.hf.config
+        limit = getattr(cfg, "n_positions", None) or getattr(cfg, "max_position_embeddings", None)
+        if isinstance(limit, int) and x.shape[-1] > limit:  # else an IndexError deep inside
+            raise ValueError(f"sequence length {x.shape[-1]} exceeds the {cfg.model_type} model's "
+                             f"{limit} positions: set model.block_size <= {limit} or raise "
+                             f"the position count in [model.hf_config].")
         logits = self.hf(input_ids=x, use_cache=False, **kwargs).logits
         loss = None
         if y is not None:
