@@ -26,6 +26,7 @@ WORKLOADS = {
     "disttrain_ddp": ("disttrain_ddp.py", "ddp", "disttrain ddp"),
     "torch_fsdp": ("torch_fsdp.py", None, "hand-written torch FSDP2"),
     "disttrain_fsdp": ("disttrain_fsdp.py", "fsdp", "disttrain fsdp"),
+    "disttrain_job": ("disttrain_job.py", "ddp", "disttrain Job (resumable)"),
     "accelerate": ("accelerate_run.py", "accelerate", "HF Accelerate"),
     "fabric": ("fabric_run.py", "lightning", "Lightning Fabric"),
 }

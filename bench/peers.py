@@ -24,7 +24,9 @@ PEERS = ["accelerate", "fabric"]
 # row touches the names the script uses.
 IMPORTS = {"disttrain_ddp": "disttrain, names a script uses", "accelerate": "accelerate",
            "fabric": "lightning.fabric", "torch_ddp": None}
-CODE = ["torch_ddp", "torch_fsdp", "disttrain_ddp", "disttrain_fsdp", "accelerate", "fabric"]
+CODE = ["torch_ddp", "torch_fsdp", "disttrain_ddp", "disttrain_fsdp", "disttrain_job", "accelerate",
+        "fabric"]
+JOB = "disttrain_job"  # dt.Job: lines only (its step is disttrain_ddp's plus the job's bookkeeping)
 
 
 def jobs() -> list[tuple[str, int]]:
@@ -98,6 +100,7 @@ def render(data: dict) -> str:
             "indentation ignored as by `git diff -w`), counted with `difflib` between "
             "bench/workloads/plain.py and each converted script. disttrain's count includes the "
             "lines its `Accumulator` removes from the hand-written loop.", ""]
+    out += job_line(data.get("code", {}))
     out += ["<details><summary>The diffs</summary>", ""]
     for name, diff in data["diffs"].items():
         out += [f"{label(name)}:", "", "```diff", diff, "```", ""]
@@ -106,6 +109,17 @@ def render(data: dict) -> str:
         out += ["", "Where the disttrain job spends its time (cProfile, top own time):", "",
                 "```", data["profile"], "```"]
     return "\n".join(out)
+
+
+def job_line(code: dict) -> list[str]:
+    """The `dt.Job` conversion's count against HF Accelerate's, one sentence."""
+    if JOB not in code or "accelerate" not in code:
+        return []
+    n, acc = code[JOB]["changed"], code["accelerate"]["changed"]
+    return [f"The resumable conversion, `dt.Job` (bench/workloads/disttrain_job.py: checkpoints, "
+            f"automatic resume with exactly-once data, SIGTERM handling, final save), changes "
+            f"{n} lines: {n - acc:+d} against HF Accelerate's {acc}, whose script neither "
+            f"checkpoints nor resumes ({'met' if n <= acc else 'MISSED'}).", ""]
 
 
 def plot(data: dict, plt):

@@ -29,6 +29,7 @@ _EXPORTS = {
     "disttrain.data": ["DistributedSampler", "ElasticSampler"],
     "disttrain.errors": ["ConfigError", "DistributedMismatchError", "UserError"],
     "disttrain.guard": ["check_consistency", "check_replicas", "start_guard"],
+    "disttrain.train.job": ["Job"],
     "disttrain.train.loop": ["Accumulator", "clip_grad_norm", "no_sync", "warmup_cosine"],
     "disttrain.train.metrics": ["JsonlWriter", "MeanTracker", "global_mean", "global_sum", "print_main"],
     "disttrain.parallel": ["Layout", "join", "make_optimizer", "unwrap", "wrap"],
@@ -60,6 +61,7 @@ if TYPE_CHECKING:  # static tools see the real names
     from disttrain.data import DistributedSampler, ElasticSampler  # noqa: F401
     from disttrain.errors import ConfigError, DistributedMismatchError, UserError  # noqa: F401
     from disttrain.guard import check_consistency, check_replicas, start_guard  # noqa: F401
+    from disttrain.train.job import Job  # noqa: F401
     from disttrain.train.loop import Accumulator, clip_grad_norm, no_sync, warmup_cosine  # noqa: F401
     from disttrain.train.metrics import (JsonlWriter, MeanTracker, global_mean, global_sum,  # noqa: F401
                                    print_main)

@@ -21,7 +21,7 @@ can be resumed; a stream that can only be read forward cannot be resumed exactly
 from __future__ import annotations
 
 import math
-from typing import Iterator
+from typing import Iterator, Sized
 
 from torch.utils.data import Sampler
 
@@ -35,15 +35,22 @@ class ElasticSampler(Sampler[int]):
 
     Call `commit_step()` after every optimizer step (the trainer and `Accumulator`
     users do); the epoch advances by itself when its last step is committed.
-    `state_dict()` is world-size independent.
+    `state_dict()` is world-size independent. The first argument is the dataset
+    (anything with `len()`, as torch's samplers take) or its length.
     """
 
-    def __init__(self, dataset_len: int, *, batch_size: int, accum_steps: int = 1, seed: int = 0,
+    def __init__(self, dataset_len: int | Sized, *, batch_size: int, accum_steps: int = 1, seed: int = 0,
                  shuffle: bool = True, drop_last: bool = False, rank: int | None = None,
                  world_size: int | None = None):
         info = rank_info()
         self.rank = info.rank if rank is None else rank
         self.world_size = info.world_size if world_size is None else world_size
+        if not isinstance(dataset_len, int):
+            if not hasattr(dataset_len, "__len__"):
+                raise UserError(f"ElasticSampler needs a dataset with len() or a sample count, got "
+                                f"{type(dataset_len).__name__}; a stream without a length cannot "
+                                f"be resumed exactly.")
+            dataset_len = len(dataset_len)
         if dataset_len < 1:
             raise UserError("the dataset is empty; a sampler needs at least one sample.")
         if batch_size < 1 or accum_steps < 1:

@@ -1,0 +1,156 @@
+"""`dt.Job` (disttrain/train/job.py): examples/plain_to_disttrain.py under `disttrain run`
+killed -9 mid-run resumes to bit-identical weights with every sample once; SIGTERM
+saves and exits 0; each misuse is one `UserError`."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+import torch
+from torch.utils.data import TensorDataset
+
+import disttrain as dt
+from conftest import ROOT, WORKERS, run_disttrain, worker_env
+from disttrain.demo import MLP, MLPConfig
+from disttrain.elastic import final_timeline
+
+EXAMPLE = "examples/plain_to_disttrain.py"
+STEPS = 16  # one epoch: 2048 samples / (32 x 2 ranks x accum 2)
+N = 2048
+
+
+def launch(out, *extra: str, fault: str | None = None, steps: int = STEPS):
+    env = worker_env(**({"DISTTRAIN_FAULT": fault} if fault else {}))
+    return run_disttrain(["run", "--nproc", "2", "--max-restarts", "3", EXAMPLE, "--out", str(out),
+                          "--steps", str(steps), *extra], timeout=150, env=env)
+
+
+def ok(proc) -> str:
+    out = proc.stdout + proc.stderr
+    assert proc.returncode == 0, out[-4000:]
+    return out
+
+
+def weights(out) -> dict[str, torch.Tensor]:
+    return torch.load(out / "model.pt", map_location="cpu", weights_only=True)
+
+
+@pytest.fixture(scope="module")
+def reference(tmp_path_factory):
+    out = tmp_path_factory.mktemp("ref")
+    ok(launch(out))
+    return weights(out)
+
+
+def test_kill_9_resumes_bit_exactly_each_sample_once(reference, tmp_path):
+    log = ok(launch(tmp_path, "--record-samples", fault="kill@backward:rank=1,step=13"))
+    assert "disttrain fault: kill" in log
+    assert "resumed at step 10" in log  # the newest checkpoint before the kill
+    got = weights(tmp_path)
+    assert got.keys() == reference.keys()
+    for k in got:
+        assert torch.equal(got[k], reference[k]), f"{k} differs from the uninterrupted run"
+    records = [json.loads(line) for f in sorted((tmp_path / "samples").glob("*.jsonl"))
+               for line in f.read_text().splitlines() if line.strip()]
+    assert len({r["generation"] for r in records}) == 2  # two attempts were audited
+    timeline = final_timeline(records)
+    assert sorted(timeline) == list(range(1, STEPS + 1))
+    assert sorted(i for idx in timeline.values() for i in idx) == list(range(N))
+
+
+def test_sigterm_saves_exits_zero_then_resumes(reference, tmp_path):
+    log = ok(launch(tmp_path, fault="term@step:rank=0,step=5"))
+    assert "preempted" in log and "saved step 5" in log
+    assert (tmp_path / "checkpoints" / "step-00000005").is_dir()
+    assert not (tmp_path / "model.pt").exists()  # code after the loop did not run
+    log = ok(launch(tmp_path))
+    assert "resumed at step 5" in log
+    got = weights(tmp_path)
+    assert all(torch.equal(got[k], reference[k]) for k in reference)
+
+
+def test_optimizer_before_wrap_is_one_user_error(tmp_path):
+    proc = run_disttrain(["run", "--nproc", "2", str(WORKERS / "job_misuse.py"), str(tmp_path)],
+                         timeout=120)
+    assert proc.returncode != 0
+    assert "built before dt.wrap()" in proc.stdout + proc.stderr
+
+
+# ---------------------------------------------------------------- in one process (a world of 1)
+
+def data(n: int = 64) -> TensorDataset:
+    g = torch.Generator().manual_seed(0)
+    return TensorDataset(torch.randn(n, 16, generator=g), torch.randn(n, 4, generator=g))
+
+
+def setup(job, *, resume: bool = True):
+    model = job.wrap(MLP(MLPConfig()))
+    optimizer = torch.optim.AdamW(model.parameters(), lr=1e-2)
+    loader = job.loader(data(), batch_size=8)
+    if resume:
+        job.resume(model=model, optimizer=optimizer)
+    return model, optimizer, loader
+
+
+def test_complete_job_yields_no_steps(tmp_path, capsys):
+    for _ in range(2):
+        with dt.Job(tmp_path, checkpoint_every=0) as job:
+            model, _, loader = setup(job)
+            seen = [job.backward(model(x, y)[1]) for x, y in job.steps(loader, max_steps=3)]
+    assert seen == []
+    assert job.step == 3 and "complete" in capsys.readouterr().out
+    assert (tmp_path / "model.pt").exists()
+
+
+@pytest.mark.parametrize("mistake, message", [
+    ("steps_before_resume", "call job.resume"),
+    ("backward_outside", "inside `for batch in job.steps"),
+    ("foreign_loader", "takes the loader job.loader() returned"),
+    ("unwrapped_model", "must be the module job.wrap() returned"),
+    ("wrap_twice", "called once per job"),
+    ("no_backward", "needs one job.backward(loss)"),
+    ("backward_twice", "already called for this batch"),
+    ("own_sampler", "are the job's"),
+    ("outside_with", "outside its `with dt.Job"),
+])
+def test_misuse_is_one_user_error(tmp_path, mistake, message):
+    with pytest.raises(dt.UserError, ) as err:
+        if mistake == "outside_with":
+            dt.Job(tmp_path).wrap(MLP(MLPConfig()))
+        with dt.Job(tmp_path) as job:
+            if mistake == "unwrapped_model":
+                job.wrap(MLP(MLPConfig()))
+                job.loader(data(), batch_size=8)
+                raw = MLP(MLPConfig())
+                job.resume(model=raw, optimizer=torch.optim.AdamW(raw.parameters()))
+            if mistake == "wrap_twice":
+                job.wrap(MLP(MLPConfig()))
+                job.wrap(MLP(MLPConfig()))
+            if mistake == "own_sampler":
+                job.loader(data(), batch_size=8, sampler=None)
+            model, _, loader = setup(job, resume=mistake != "steps_before_resume")
+            if mistake == "backward_outside":
+                job.backward(model(*data()[:8])[1])
+            if mistake == "foreign_loader":
+                loader = torch.utils.data.DataLoader(data(), batch_size=8)
+            for x, y in job.steps(loader, max_steps=2):
+                if mistake != "no_backward":
+                    job.backward(model(x, y)[1])
+                if mistake == "backward_twice":
+                    job.backward(model(x, y)[1])
+    assert message in str(err.value)
+
+
+def test_elastic_sampler_takes_a_dataset():
+    assert len(dt.ElasticSampler(data(), batch_size=8, rank=0, world_size=1)) == 64
+    with pytest.raises(dt.UserError, match="len"):
+        dt.ElasticSampler(iter([1, 2]), batch_size=8, rank=0, world_size=1)
+
+
+def test_job_conversion_changes_no_more_lines_than_accelerate(monkeypatch):
+    monkeypatch.syspath_prepend(str(ROOT))
+    from bench.code_diff import count_all
+
+    counts = count_all({"job": "disttrain_job.py", "accelerate": "accelerate_run.py"})
+    assert counts["job"]["changed"] <= counts["accelerate"]["changed"], counts["job"]["diff"]
