@@ -149,3 +149,20 @@ def test_classes_of_keys():
     assert resume.classify("optim.lr") == resume.classify("model.dropout") == "apply"
     assert resume.classify("train.batch_size") == resume.classify("train.steps") == "apply"
     assert resume.classify("parallel.nproc") == resume.classify("train.log_every") == "ignore"
+
+
+def test_two_rank_job_refuses_and_completes_in_the_launching_process(tmp_path):
+    """At 2 ranks the check runs before torchrun: one error line (no per-rank copies, no
+    'rank failed' line), and a finished run starts no worker."""
+    out = tmp_path / "run"
+    flags = [*[f for f in SMALL if not f.startswith("--parallel.nproc")], "--parallel.nproc=2",
+             "--train.steps=2", f"--train.out_dir={out}"]
+    first = run_disttrain(["train", "examples/tiny_gpt.toml", *flags], timeout=240)
+    assert first.returncode == 0, first.stderr[-2000:]
+    refused = run_disttrain(["train", "examples/tiny_gpt.toml", *flags, "--model.n_embd=64"], timeout=120)
+    assert refused.returncode == 2
+    errors = [line for line in refused.stderr.splitlines() if "error" in line.lower()]
+    assert len(errors) == 1 and "model.n_embd: 32 -> 64" in errors[0], refused.stderr[-2000:]
+    again = run_disttrain(["train", "examples/tiny_gpt.toml", *flags], timeout=120)
+    assert again.returncode == 0 and "complete at step 2" in again.stdout
+    assert "torch.distributed.run" not in again.stderr and "[rank" not in again.stderr

@@ -28,6 +28,14 @@ def main(argv: list[str]) -> int:
 
         check_references(cfg, config_dir)
     if "WORLD_SIZE" not in os.environ and cfg.parallel.nproc > 1:
+        # The newest checkpoint against this config, here, so that a refused change is
+        # one line and a finished run starts no worker (each rank checks again).
+        from disttrain.train import resume
+
+        plan = resume.inspect(cfg)
+        if plan is not None and plan.step >= cfg.train.steps:
+            print(resume.complete_message(plan))
+            return 0
         from disttrain.launch.run_command import main as launch
 
         return launch(["--nproc", str(cfg.parallel.nproc), "-m", WORKER_MODULE, *argv])

@@ -45,17 +45,20 @@ class TrainProgress:
 
 
 def print_summary(summary: dict) -> None:
-    """One table with the final train and held-out loss, steps, wall time, checkpoint."""
+    """One table with the final train and held-out loss, steps, wall time, checkpoint.
+    Losses are in nats/byte on the built-in byte corpus; a user's dataset counts samples."""
+    bytes_ = summary.get("unit", "token") == "token"
+    unit, per = ("token", " (nats/byte)") if bytes_ else ("sample", "")
     table = Table(title="disttrain: run summary", show_header=False)
     table.add_column("what", style="bold")
     table.add_column("value")
     rows = [
         ("strategy / world size", f"{summary['strategy']} x {summary['world_size']}"),
         ("optimizer steps", str(summary["steps"])),
-        ("tokens seen", f"{summary['tokens_seen']:,}"),
-        ("held-out loss at start (nats/byte)", _fmt(summary["initial_heldout_loss"])),
-        ("final train loss (nats/byte)", _fmt(summary["final_train_loss"])),
-        ("final held-out loss (nats/byte)", _fmt(summary["final_heldout_loss"])),
+        (f"{unit}s seen", f"{summary['tokens_seen']:,}"),
+        (f"held-out loss at start{per}", _fmt(summary["initial_heldout_loss"])),
+        (f"final train loss{per}", _fmt(summary["final_train_loss"])),
+        (f"final held-out loss{per}", _fmt(summary["final_heldout_loss"])),
         ("wall time", f"{summary['wall_time_s']:.1f} s"),
         ("checkpoint", summary["checkpoint"]),
     ]

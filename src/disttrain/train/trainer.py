@@ -232,6 +232,7 @@ def _train(cfg: Config, info: runtime.RankInfo, preempt: PreemptionHandler, conf
         "initial_heldout_loss": first_eval, "final_train_loss": train_loss,
         "final_heldout_loss": heldout_loss, "wall_time_s": time.perf_counter() - t0,
         "tokens_seen": tokens_per_step * step, "checkpoint": str(model_path),
+        "unit": "sample" if cfg.data.factory else "token",
         **data_info,
         "resumed": resumed, "preempted": False,
     }
