@@ -39,8 +39,10 @@ def test_init_on_a_gpu_gives_host_tensors_a_gloo_backend_mock_cuda(monkeypatch):
     monkeypatch.setattr(process_group.dist, "init_process_group", lambda **kw: seen.update(kw))
     for key, value in {"WORLD_SIZE": "2", "RANK": "0", "LOCAL_RANK": "0", "LOCAL_WORLD_SIZE": "2"}.items():
         monkeypatch.setenv(key, value)
-    info = process_group.init(device="cuda")
-    monkeypatch.setattr(process_group, "_current", None)
+    try:
+        info = process_group.init(device="cuda")
+    finally:
+        process_group._current = None  # no fake CUDA rank for the tests that follow
     assert seen["backend"] == "cpu:gloo,cuda:nccl" and info.backend == seen["backend"]
     assert seen["device_id"] == torch.device("cuda", 0)
 
