@@ -16,20 +16,22 @@ mkdir -p "$OUTDIR"
 export PYTHONPATH="$PWD/src${PYTHONPATH:+:$PYTHONPATH}" PYTHONUNBUFFERED=1 TORCH_DISABLE_SHARE_RDZV_TCP_STORE=1
 LOG="$OUTDIR/gpu_trainer.log"
 WORK="$(mktemp -d)"
-TINY=(--model.n_layer=2 --model.n_embd=128 --model.n_head=4 --model.block_size=128
-      --data.max_bytes=400000 --train.batch_size=16 --train.steps=40 --train.eval_every=20
+GPT_SHAPE=(--model.n_layer=2 --model.n_embd=128 --model.n_head=4 --model.block_size=128)
+TINY=(--data.max_bytes=400000 --train.batch_size=16 --train.steps=40 --train.eval_every=20
       --train.eval_batches=4 --train.log_every=10 --checkpoint.every=10 --parallel.nproc=1
       --parallel.device=${GPU_TRAINER_DEVICE:-cuda})
 
 echo "| run | exit | steps | final held-out loss | seconds |" > "$OUTDIR/gpu_trainer.md"
 echo "|---|---|---|---|---|" >> "$OUTDIR/gpu_trainer.md"
 status=0
-row() {  # NAME [trainer overrides...]; RUN_FLAGS and DISTTRAIN_FAULT from the environment
+row() {  # NAME [trainer overrides...]; RUN_FLAGS, DISTTRAIN_FAULT and CONFIG from the environment
     local name="$1"; shift
-    local t0=$SECONDS out="$WORK/$name"
+    local t0=$SECONDS out="$WORK/$name" config="${CONFIG:-examples/tiny_gpt.toml}"
+    local shape=("${GPT_SHAPE[@]}")
+    [[ "$config" != examples/tiny_gpt.toml ]] && shape=()
     # shellcheck disable=SC2086
-    "$PY" -m disttrain.cli run --nproc 1 ${RUN_FLAGS:-} -m disttrain.train examples/tiny_gpt.toml \
-        "${TINY[@]}" "$@" "--train.out_dir=$out" >> "$LOG" 2>&1
+    "$PY" -m disttrain.cli run --nproc 1 ${RUN_FLAGS:-} -m disttrain.train "$config" \
+        "${shape[@]}" "${TINY[@]}" "$@" "--train.out_dir=$out" >> "$LOG" 2>&1
     local rc=$?
     [[ $rc -ne 0 ]] && status=1
     local summary
@@ -60,6 +62,7 @@ row zero1_fp32 --parallel.strategy=zero1
 row fsdp_bf16 --parallel.strategy=fsdp --train.precision=bf16
 row fsdp1_bf16 --parallel.strategy=fsdp1 --train.precision=bf16
 RUN_FLAGS="--max-restarts 1" DISTTRAIN_FAULT="kill@backward:rank=0,step=25" row ddp_kill9_resumed --parallel.strategy=ddp
+CONFIG=examples/hf_gpt2.toml row hf_gpt2_fsdp_bf16 --parallel.strategy=fsdp --train.precision=bf16
 grep -h "resumed\|complete at" "$LOG" | head -5 >> "$OUTDIR/gpu_trainer.md"
 rm -rf "$WORK"
 cat "$OUTDIR/gpu_trainer.md"

@@ -120,3 +120,13 @@ def test_shutdown_timeout_covers_the_preemption_grace(monkeypatch, tmp_path):
     monkeypatch.setenv("DISTTRAIN_PREEMPT_GRACE_S", "soon")
     with pytest.raises(UserError, match="DISTTRAIN_PREEMPT_GRACE_S is 'soon'"):
         launch.build_torchrun_args([SCRIPT])
+
+
+def test_a_torchrun_without_shutdown_timeout_is_not_given_one(monkeypatch):
+    """torch 2.11's torchrun has no --shutdown-timeout and exits 2 on it (seen on the GPU
+    machine's image): the flag is added only where torchrun takes it."""
+    for key in launch.SHUTDOWN_ENV:
+        monkeypatch.delenv(key, raising=False)
+    monkeypatch.setattr(launch, "torchrun_has_shutdown_timeout", lambda: False)
+    args, _ = launch.build_torchrun_args(["--nproc", "2", SCRIPT])
+    assert "--shutdown-timeout" not in args and args[-1] == SCRIPT

@@ -206,9 +206,18 @@ def build_torchrun_args(argv: list[str]) -> tuple[list[str], dict[str, str]]:
                         f"(or -m package.module).")
     grace = preempt_grace_s(script, is_module)
     env["DISTTRAIN_PREEMPT_GRACE_S"] = f"{grace:g}"
-    if _flag_value(flags, *SHUTDOWN_FLAGS) is None and not any(os.environ.get(k) for k in SHUTDOWN_ENV):
+    if (_flag_value(flags, *SHUTDOWN_FLAGS) is None and not any(os.environ.get(k) for k in SHUTDOWN_ENV)
+            and torchrun_has_shutdown_timeout()):
         flags = flags + ["--shutdown-timeout", str(math.ceil(grace) + SHUTDOWN_MARGIN_S)]
     return flags + script, env
+
+
+def torchrun_has_shutdown_timeout() -> bool:
+    """Whether this torch's torchrun takes `--shutdown-timeout` (2.11 does not: it then
+    keeps its fixed 30 s wait, and a longer preemption grace is cut short there)."""
+    from torch.distributed.run import get_args_parser
+
+    return "--shutdown-timeout" in get_args_parser()._option_string_actions
 
 
 def main(argv: list[str]) -> int:
