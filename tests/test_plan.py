@@ -259,3 +259,12 @@ def test_cli_subprocess_prints_the_table():
     for text in ("DDP", "ZeRO-1", "FSDP full + offload + AC", "activations", "Recommendation",
                  "effective batch", "warmup 50"):
         assert text in r.stdout
+
+
+def test_a_toml_with_a_users_model_says_how_to_plan_it():
+    """`disttrain plan --gpt tests/byo/byo.toml` (model.factory): one clear line that points
+    to --params / --hf, not "unknown GPTConfig key 'factory'"."""
+    with pytest.raises(UserError) as caught:
+        main(["--gpt", str(Path(__file__).parent / "byo" / "byo.toml"), "--devices", "2"])
+    err = str(caught.value)
+    assert "factory" in err and "--params" in err and "GPTConfig" not in err

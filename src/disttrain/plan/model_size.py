@@ -179,6 +179,13 @@ def read_toml(path: str | Path) -> tuple[Any, dict]:
     model = raw.get("model", {})
     if not isinstance(model, dict):
         raise UserError(f"{p}: [model] must be a table of GPTConfig fields.")
+    other = [k for k in ("factory", "hf", "hf_path") if model.get(k)]
+    if other:
+        # A user's model is sized from its parameters, not from GPT fields.
+        raise UserError(f"{p}: [model] {other[0]} names a model that `disttrain plan` cannot "
+                        f"build from the TOML; plan it by size: --params N (its parameter "
+                        f"count), or --hf CONFIG.json for a Hugging Face model.")
+    model = {k: v for k, v in model.items() if k not in ("factory", "kwargs", "hf", "hf_path", "hf_config")}
     return _gpt_config(model, f"{p} [model]"), raw
 
 
