@@ -38,6 +38,7 @@ from disttrain.parallel import wrap
 from disttrain.runtime.fault_injection import inject
 from disttrain.train.loop import Accumulator
 from disttrain.train.metrics import print_main
+from disttrain.train.sources import to_device
 
 
 class _Recorded(torch.utils.data.Sampler[int]):
@@ -59,16 +60,6 @@ class _Recorded(torch.utils.data.Sampler[int]):
 
     def take(self, n: int) -> list[int]:
         return [self.queue.popleft() for _ in range(min(n, len(self.queue)))]
-
-
-def _to_device(batch: Any, device: torch.device) -> Any:
-    if isinstance(batch, torch.Tensor):
-        return batch.to(device)
-    if isinstance(batch, dict):
-        return {k: _to_device(v, device) for k, v in batch.items()}
-    if isinstance(batch, (list, tuple)) and not hasattr(batch, "_fields"):
-        return type(batch)(_to_device(v, device) for v in batch)
-    return batch
 
 
 class Job:
@@ -254,7 +245,7 @@ class Job:
                 with acc.micro_step():
                     self._in_step, self._backward_done = True, False
                     try:
-                        yield _to_device(batch, self.info.device)
+                        yield to_device(batch, self.info.device)
                     finally:
                         self._in_step = False
                     if not self._backward_done:
