@@ -44,8 +44,9 @@ def build_optimizer(model: torch.nn.Module, cfg: Config, ndims: dict[str, int]) 
     params = [q for _, q in named]
     if o.name == "sgd":
         return make_optimizer(model, torch.optim.SGD, params, lr=o.lr, momentum=o.momentum, weight_decay=o.weight_decay)
-    decay = [q for n, q in named if ndims[n] >= 2]
-    no_decay = [q for n, q in named if ndims[n] < 2]
+    dims = [ndims.get(n, q.dim()) for n, q in named]  # a name wrap invented: its own shape
+    decay = [q for (_, q), d in zip(named, dims) if d >= 2]
+    no_decay = [q for (_, q), d in zip(named, dims) if d < 2]
     groups = [{"params": decay, "weight_decay": o.weight_decay},
               {"params": no_decay, "weight_decay": 0.0}]
     # ZeRO-1 under strategy zero1, a plain optimizer otherwise (P-FSDP-9).
