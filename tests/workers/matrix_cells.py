@@ -2,9 +2,10 @@
 
     matrix_cells.py reference OUT CELL...   each cell trained uninterrupted, one after another
     matrix_cells.py killed OUT CELL...      under `disttrain run --max-restarts N`: cell i is
-                                            killed (SIGKILL, rank 1, step 5's backward) in
-                                            attempt i; attempt i+1 resumes it from its step-4
-                                            checkpoint, finishes it, then starts cell i+1
+                                            killed (SIGKILL in step 5's backward, on rank 1, or
+                                            rank 0 in a world of 1) in attempt i; attempt i+1
+                                            resumes it from its step-4 checkpoint, finishes it,
+                                            then starts cell i+1
 
 Each cell is `disttrain.train.trainer.train(load_config(tiny_gpt.toml, overrides))`, the
 function `disttrain train` runs on every rank. The process group is started once per
@@ -46,7 +47,8 @@ def main(mode: str, out: Path, names: list[str]) -> None:
                 cell_dir.mkdir(parents=True, exist_ok=True)
                 with (cell_dir / "attempts").open("a") as f:
                     f.write(f"{attempt}\n")
-            fault = f"kill@backward:rank=1,step={KILL_STEP},restart={index}" if mode == "killed" else None
+            victim = 1 if runtime.rank_info().world_size > 1 else 0
+            fault = f"kill@backward:rank={victim},step={KILL_STEP},restart={index}" if mode == "killed" else None
             fault_injection.set_faults(fault)
             cfg = load_config(ROOT / "examples" / "tiny_gpt.toml",
                               [*TINY, *by_name[name].overrides(), f"--train.out_dir={cell_dir}"])
