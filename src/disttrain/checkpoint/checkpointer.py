@@ -29,6 +29,7 @@ import shutil
 import sys
 import time
 import uuid
+import warnings
 from concurrent.futures import Future, ThreadPoolExecutor
 from pathlib import Path
 
@@ -63,6 +64,11 @@ def strategy_of(model: torch.nn.Module) -> str:
         return "ddp"
     return "dp" if isinstance(model, DataParallel) else "single"
 
+
+# DCP warns on every save and load of a world of 1 (no process group) that it assumes a
+# single process: that is exactly what a one-process job is, so the line is only noise.
+warnings.filterwarnings("ignore", message="torch.distributed is disabled, unavailable or uninitialized",
+                        category=UserWarning)
 
 class Checkpointer:
     """Periodic checkpoints of one run in `root`. Construction is a collective

@@ -15,19 +15,20 @@ def _fmt(x: float) -> str:
 
 
 class TrainProgress:
-    """A bar of optimizer steps showing global train loss, held-out loss and tokens/s.
+    """A bar of optimizer steps showing global train loss, held-out loss and tokens/s
+    (`unit` "sample" for a user's dataset).
 
     Disabled (a no-op) on ranks other than 0.
     """
 
-    def __init__(self, total_steps: int, enabled: bool = True, start: int = 0):
+    def __init__(self, total_steps: int, enabled: bool = True, start: int = 0, unit: str = "token"):
         self.enabled = enabled
         if not enabled:
             return
         self._progress = Progress(
             TextColumn("[bold]train"), BarColumn(), MofNCompleteColumn(),
             TextColumn("loss {task.fields[loss]}"), TextColumn("held-out {task.fields[heldout]}"),
-            TextColumn("{task.fields[tok_s]} tok/s"), TimeElapsedColumn(), TimeRemainingColumn(),
+            TextColumn("{task.fields[tok_s]} " + ("tok/s" if unit == "token" else "samples/s")), TimeElapsedColumn(), TimeRemainingColumn(),
             console=Console(stderr=False), transient=False,
         )
         self._task = self._progress.add_task("train", total=total_steps, completed=start, loss="-", heldout="-",

@@ -171,7 +171,8 @@ def _train(cfg: Config, info: runtime.RankInfo, preempt: PreemptionHandler, conf
     with guard.slow_phase("eval"):  # slow phases: not steps to the hang watchdog
         first_eval = run_eval()
     eval_s = time.perf_counter() - t_eval  # after a SIGTERM, an eval that no longer fits is skipped
-    progress = TrainProgress(t.steps, enabled=info.is_main, start=step)
+    progress = TrainProgress(t.steps, enabled=info.is_main, start=step,
+                             unit="sample" if cfg.data.factory else "token")
     window, heldout_loss, train_loss = MeanTracker(), first_eval, float("nan")
     t_window, last_logged, stopping, first = time.perf_counter(), step, False, True
     while step < t.steps and not stopping:
