@@ -47,17 +47,22 @@ def collect_files(paths: list[str]) -> list[Path]:
     return out
 
 
-def analyze_source(path: str, source: str, select: set[str] | None = None,
-                   ignore: set[str] | None = None) -> list[Finding]:
-    """Findings for one script's source text. `select`/`ignore` restrict the rule ids.
-    A syntax error is a UserError that names the file and line."""
+def parse(path: str, source: str) -> Facts:
+    """The Facts of one script; a syntax error is a UserError that names the file and line."""
     try:
-        facts = Facts.parse(path, source)
+        return Facts.parse(path, source)
     except SyntaxError as e:
         raise UserError(f"{path}:{e.lineno or 0}: not valid Python ({e.msg}); "
                         "doctor checks scripts that parse") from None
     except ValueError as e:  # e.g. source with NUL bytes
         raise UserError(f"{path}: cannot be parsed ({e})") from None
+
+
+def analyze_source(path: str, source: str, select: set[str] | None = None,
+                   ignore: set[str] | None = None, facts: Facts | None = None) -> list[Finding]:
+    """Findings for one script's source text. `select`/`ignore` restrict the rule ids;
+    `facts` (already parsed, with the other files of the run) saves parsing again."""
+    facts = facts or parse(path, source)
     ignores = ignore_comments(source)
     out: list[Finding] = []
     for rule_id, rule in RULES.items():
@@ -78,7 +83,7 @@ def analyze_paths(paths: list[str], select: set[str] | None = None,
         raise UserError(f"unknown rule id(s): {', '.join(unknown)}; "
                         "see `disttrain doctor --list-rules`")
     files = collect_files(paths)
-    findings: list[Finding] = []
+    parsed: list[Facts] = []
     for f in files:
         try:
             source = f.read_text(encoding="utf-8")
@@ -86,7 +91,12 @@ def analyze_paths(paths: list[str], select: set[str] | None = None,
             raise UserError(f"{f}: not UTF-8 text; doctor checks Python source files") from None
         except OSError as e:
             raise UserError(f"{f}: cannot be read ({e.strerror})") from None
-        findings += analyze_source(str(f), source, select, ignore)
+        parsed.append(parse(str(f), source))
+    findings: list[Finding] = []
+    for facts in parsed:
+        # Rules may follow a call into the other files of the run (a train() in utils/).
+        facts.others = [o for o in parsed if o is not facts]
+        findings += analyze_source(facts.path, facts.source, select, ignore, facts)
     return files, findings
 
 

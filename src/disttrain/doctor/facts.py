@@ -14,18 +14,7 @@ import ast
 from dataclasses import dataclass, field
 from functools import cached_property
 
-# Words that make an `if` test a rank guard: `if rank == 0`, `if dist.get_rank() == 0`,
-# `if is_main_process():`, `if accelerator.is_main_process`, `if trainer.is_global_zero`.
-_GUARD_WORDS = ("rank", "is_main", "main_process", "is_master", "master_process",
-                "is_primary", "primary_process", "is_global_zero", "is_chief", "rank0",
-                "rank_zero", "main_only", "master_only")
-
-# A function so named or decorated runs on rank 0 only (`@rank_zero_only`, `log_rank0`).
-_ZERO_ONLY_WORDS = ("rank0", "rank_0", "rank_zero", "main_process_only", "master_only",
-                    "main_only", "zero_only", "on_main_process")
-
-# Statements that end a block: after `if rank != 0: return`, the rest is rank 0 only.
-_EXITS = (ast.Return, ast.Continue, ast.Break, ast.Raise)
+from disttrain.doctor import control_flow
 
 # disttrain's own entry points: they start the group (with a timeout), bind the device
 # and wrap the model, so a script built on them is distributed and set up right.
@@ -60,6 +49,8 @@ class Facts:
     aliases: dict[str, str] = field(default_factory=dict)
     parents: dict[ast.AST, ast.AST] = field(default_factory=dict)
     nodes: list[ast.AST] = field(default_factory=list)  # every node, walked once
+    # the other files of the same run (rules may follow a call into them)
+    others: list["Facts"] = field(default_factory=list, repr=False, compare=False)
 
     @classmethod
     def parse(cls, path: str, source: str) -> "Facts":
@@ -197,106 +188,33 @@ class Facts:
             return True
         return bool({"LOCAL_RANK", "WORLD_SIZE", "RANK"} & self.strings)
 
-    # ----- rank guards -------------------------------------------------------------
+    # ----- paths and rank guards (control_flow.py) ---------------------------------
+
+    def exclusive(self, a: ast.AST, b: ast.AST) -> bool:
+        """`a` and `b` sit in different branches of one if/elif/else: never both run."""
+        return control_flow.exclusive(self, a, b)
+
+    def rank_guard(self, node: ast.AST) -> str | None:
+        """"global", "local" (one process per node) or None: see control_flow.rank_guard."""
+        return control_flow.rank_guard(self, node)
 
     def is_rank_guarded(self, node: ast.AST) -> bool:
-        """True when `node` runs on one rank only, as far as the source shows.
-
-        Recognised: inside either branch of an `if` that tests the rank; after an
-        early exit `if rank != 0: return` in the same block; inside a function that is
-        decorated or named rank-zero-only, or whose every call site is guarded.
-        """
-        child = node
-        for a in self.ancestors(node):
-            if isinstance(a, ast.If) and child is not a.test and is_rank_test(a.test):
-                return True
-            for block in _blocks(a):
-                if child in block and _early_exit_before(block, block.index(child)):
-                    return True
-            if isinstance(a, (ast.FunctionDef, ast.AsyncFunctionDef)):
-                return a in self.guarded_functions
-            child = a
-        return False
+        """True when `node` runs on one rank (or one per node) only, as far as the source shows."""
+        return control_flow.rank_guard(self, node) is not None
 
     @cached_property
-    def guarded_functions(self) -> set[ast.AST]:
-        """Functions that run on one rank only: rank-zero by name/decorator, or called
-        only from guarded places (computed to a fixpoint over the script's own calls)."""
-        guarded: set[ast.AST] = set()
-        for name, defs in self.functions.items():
-            for d in defs:
-                words = [name] + [ast.unparse(x) for x in d.decorator_list]
-                if any(w in x.lower() for w in _ZERO_ONLY_WORDS for x in words):
-                    guarded.add(d)
-        sites: dict[str, list[ast.Call]] = {}
-        for n in self.nodes:
-            if isinstance(n, ast.Call):
-                callee = n.func.id if isinstance(n.func, ast.Name) else None
-                # `self.save(...)` may be ours; `torch.save(...)` (an imported module) is not.
-                if isinstance(n.func, ast.Attribute):
-                    head = n.func.value
-                    while isinstance(head, ast.Attribute):
-                        head = head.value
-                    if not (isinstance(head, ast.Name) and head.id in self.aliases):
-                        callee = n.func.attr
-                if callee in self.functions:
-                    sites.setdefault(callee, []).append(n)
-        self.__dict__["guarded_functions"] = guarded  # visible to is_rank_guarded below
-        changed = True
-        while changed:
-            changed = False
-            for name, calls in sites.items():
-                if all(self.is_rank_guarded(c) for c in calls):
-                    for d in self.functions[name]:
-                        if d not in guarded:
-                            guarded.add(d)
-                            changed = True
-        return guarded
+    def guarded_functions(self) -> dict[ast.AST, str]:
+        return control_flow.guarded_functions(self)
 
+    @cached_property
+    def rank_variables(self) -> dict[str, str]:
+        return control_flow.rank_variables(self)
 
-def _blocks(node: ast.AST) -> list[list[ast.stmt]]:
-    return [getattr(node, f) for f in ("body", "orelse", "finalbody")
-            if isinstance(getattr(node, f, None), list)]
+    # ----- the other files checked in the same run -----------------------------------
 
-
-def _early_exit_before(block: list[ast.stmt], index: int) -> bool:
-    for stmt in block[:index]:
-        if isinstance(stmt, ast.If) and _is_negative(stmt.test) and is_rank_test(stmt.test) \
-                and stmt.body:
-            last = stmt.body[-1]
-            if isinstance(last, _EXITS) or (
-                isinstance(last, ast.Expr) and isinstance(last.value, ast.Call)
-                and ast.unparse(last.value.func) in ("sys.exit", "exit", "quit", "os._exit")):
-                return True
-    return False
-
-
-def _is_negative(test: ast.AST) -> bool:
-    """`rank != 0`, `rank > 0`, `not is_main`: the branch is for the *other* ranks, so an
-    exit inside it leaves the rest of the block to rank 0 (`rank == 0: return` does not)."""
-    if isinstance(test, ast.UnaryOp) and isinstance(test.op, ast.Not):
-        return True
-    if isinstance(test, ast.Compare):
-        return any(isinstance(op, (ast.NotEq, ast.Gt, ast.GtE, ast.IsNot)) for op in test.ops)
-    if isinstance(test, ast.BoolOp):
-        return any(_is_negative(v) for v in test.values)
-    return False
-
-
-def is_guard_word(text: str) -> bool:
-    low = text.lower()
-    return any(w in low for w in _GUARD_WORDS)
-
-
-def is_rank_test(test: ast.AST) -> bool:
-    """True when an `if` test mentions the rank or a main-process flag."""
-    for n in ast.walk(test):
-        word = n.id if isinstance(n, ast.Name) else n.attr if isinstance(n, ast.Attribute) else None
-        if word and is_guard_word(word):
-            return True
-        if isinstance(n, ast.Constant) and isinstance(n.value, str) and n.value in ("RANK", "LOCAL_RANK"):
-            return True
-    return False
+    def project_functions(self, name: str) -> list[tuple["Facts", ast.AST]]:
+        """Definitions of `name` in this file and the other files given on the command line."""
+        return [(f, d) for f in [self, *self.others] for d in f.functions.get(name, [])]
 
 
 def ends_with(qualname: str, name: str) -> bool:

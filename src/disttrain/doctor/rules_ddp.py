@@ -34,12 +34,17 @@ def data_parallel(facts: Facts):
       """In a script that runs one process per GPU, DataParallel makes every process
       replicate the model over all visible GPUs: ranks fight over the same devices and,
       nested in DDP, gradients are reduced twice over overlapping replicas. DDP alone does
-      the whole job.""")
+      the whole job. A DataParallel in a branch that excludes every DDP/FSDP wrap
+      (`if args.distributed: DDP(...) else: DataParallel(...)`) is the single-process
+      fallback and is not reported.""")
 def data_parallel_in_ddp(facts: Facts):
     if not facts.distributed:
         return
     dp_names = {w.target: w for w in facts.wraps if w.kind == "dp" and w.target}
+    multi = [w.call for w in facts.wraps if w.kind != "dp"]
     for w in facts.wraps:
+        if w.kind == "dp" and multi and all(facts.exclusive(w.call, m) for m in multi):
+            continue  # the DataParallel branch is the one that runs without DDP/FSDP
         if w.kind == "dp":
             yield finding(facts, w.call, "data-parallel-in-ddp",
                           "DataParallel in a multi-process script: each rank replicates the model "
@@ -51,7 +56,7 @@ def data_parallel_in_ddp(facts: Facts):
             pass  # the inner DataParallel call is reported above
         elif w.kind in ("ddp", "fsdp1") and w.arg in dp_names and w.arg is not None:
             inner = dp_names[w.arg]
-            if inner.call.lineno < w.call.lineno:
+            if inner.call.lineno < w.call.lineno and not facts.exclusive(inner.call, w.call):
                 yield finding(facts, w.call, "data-parallel-in-ddp",
                               f"`{w.arg}` is already a DataParallel (line {inner.call.lineno}) and is "
                               "wrapped again by DDP.",
@@ -87,7 +92,8 @@ def _param_refs(call: ast.Call) -> set[str]:
       """Build the optimizer from the wrapped model. FSDP replaces (flattens or shards) the
       parameters, so an optimizer built before the wrap updates tensors the model no longer
       uses and training silently does nothing. Under DDP it happens to work today, but
-      it breaks as soon as the wrap changes the parameters (FSDP, compile, a device move).""")
+      it breaks as soon as the wrap changes the parameters (FSDP, compile, a device move).
+      An optimizer and a wrap in different branches of one if/elif/else never meet.""")
 def optimizer_before_wrap(facts: Facts):
     opts = [(c, _param_refs(c)) for c, q in facts.calls if _is_optimizer(q)]
     for w in facts.wraps:
@@ -95,7 +101,8 @@ def optimizer_before_wrap(facts: Facts):
             continue
         for call, refs in opts:
             hits = {r for r in refs if r == w.arg or r.startswith(w.arg + ".")}
-            if not hits or facts.scope_of(call) is not w.scope or call.lineno >= w.call.lineno:
+            if not hits or facts.scope_of(call) is not w.scope or call.lineno >= w.call.lineno \
+                    or facts.exclusive(call, w.call):
                 continue
             rebuilt = any(facts.scope_of(c) is w.scope and c.lineno > w.call.lineno and
                           any(r == w.arg or r.startswith(w.arg + ".") or r == w.target for r in rs)

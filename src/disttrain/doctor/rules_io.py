@@ -9,6 +9,7 @@ from __future__ import annotations
 import ast
 
 from disttrain.doctor.facts import Facts, arg, base_ref, has_star_kwargs, is_const, kwarg, mentions, ref
+from disttrain.doctor.control_flow import LOCAL
 from disttrain.doctor.findings import ERROR, WARNING, finding, rule
 
 # Per-rank messages are legitimate: every rank reports its own warnings and errors.
@@ -22,7 +23,10 @@ def _is_rank_word(word: str) -> bool:
 
 def _log_calls(facts: Facts):
     """print to stdout, logging.info/debug, logger.info/debug, wandb.init/log,
-    SummaryWriter(): the outputs that should come from one rank only."""
+    SummaryWriter(): the outputs that should come from one rank only. Logger calls count
+    only when the file itself makes the logger and shows no rank-aware set-up."""
+    rank_aware = _rank_aware_logging(facts)
+    own = _own_loggers(facts)
     for call, q in facts.calls:
         if q == "print":
             target = kwarg(call, "file")
@@ -30,21 +34,63 @@ def _log_calls(facts: Facts):
                 yield call, "print()"
         elif q.rsplit(".", 1)[-1] in _LOG_METHODS and isinstance(call.func, ast.Attribute) and \
                 (ref(call.func.value) or "").split(".")[-1] in _LOGGER_NAMES:
-            yield call, f"{ast.unparse(call.func)}()"
+            if not rank_aware and (q.startswith("logging.") or ref(call.func.value) in own):
+                yield call, f"{ast.unparse(call.func)}()"
         elif q in ("wandb.init", "wandb.log") or q.endswith("SummaryWriter"):
             yield call, f"{q.rsplit('.', 1)[-1] if 'Summary' in q else q}()"
+
+
+def _own_loggers(facts: Facts) -> set[str]:
+    """Names bound in this file to `logging.getLogger(...)`: a logger imported from
+    another module (torchtitan's `from ...logging import logger`) is set up there."""
+    out = set()
+    for call in facts.calls_to("logging.getLogger"):
+        parent = facts.parents.get(call)
+        if isinstance(parent, ast.Assign):
+            out |= {r for t in parent.targets if (r := ref(t))}
+    return out
+
+
+def _rank_aware_logging(facts: Facts) -> bool:
+    """The file filters or formats its logs by rank: a logging filter, a rank in a format
+    string, a level chosen by the rank, or a handler/level set up on the main process only."""
+    if facts.method_calls("addFilter") or any(
+            (facts.qualname(b) or "").endswith("logging.Filter")
+            for n in facts.nodes if isinstance(n, ast.ClassDef) for b in n.bases):
+        return True
+    for call, q in facts.calls:
+        last = q.rsplit(".", 1)[-1]
+        if last in ("basicConfig", "Formatter", "setLevel", "disable", "addHandler", "setFormatter"):
+            if any(mentions(a, _is_rank_word) or any(
+                    isinstance(c, ast.Constant) and isinstance(c.value, str) and "rank" in c.value.lower()
+                    for c in ast.walk(a))
+                   for a in list(call.args) + [k.value for k in call.keywords]):
+                return True
+            if last in ("setLevel", "disable", "addHandler", "basicConfig") and facts.is_rank_guarded(call):
+                return True
+    return False
 
 
 @rule("unguarded-log", ("P-LOOP-1",), WARNING,
       "logging or print without a rank guard",
       """Every rank runs the whole script, so an unguarded print/logger.info/wandb.log
       appears world-size times (and wandb.init or SummaryWriter creates one run per rank).
-      Only rank 0 logs: guard with `if rank == 0:` and log globally reduced values.""")
+      Only rank 0 logs: guard with `if rank == 0:` and log globally reduced values. print
+      always counts; logger calls count only for a logger made in the file (or `logging.*`)
+      when the file shows no rank-aware set-up (a logging filter, a rank in the format, a
+      level chosen by rank or set on the main process only). A guard on the LOCAL rank
+      (LOCAL_RANK, local_rank, a variable read from it) still logs once per node.""")
 def unguarded_log(facts: Facts):
     if not facts.distributed:
         return
     for call, what in _log_calls(facts):
-        if not facts.is_rank_guarded(call):
+        kind = facts.rank_guard(call)
+        if kind == LOCAL:
+            yield finding(facts, call, "unguarded-log",
+                          f"{what} is guarded by the local rank only: on several nodes, local rank "
+                          "0 of every node logs, so each line appears once per node.",
+                          "guard it with the global rank (`if dist.get_rank() == 0:`).")
+        elif kind is None:
             yield finding(facts, call, "unguarded-log",
                           f"{what} runs on every rank: each line appears world-size times.",
                           "guard it with `if rank == 0:` (or a rank-zero-only helper).")
@@ -63,7 +109,9 @@ def _save_path(call: ast.Call) -> ast.AST | None:
       """Every rank runs the whole script, so an unguarded torch.save has world-size
       processes writing the same file at once: a torn or corrupt checkpoint. Only rank 0
       writes (after a barrier for readers); per-rank files must carry the rank in their
-      name.""")
+      name. A function whose every call site is guarded is guarded. A guard on the LOCAL
+      rank (LOCAL_RANK, local_rank, gpu_id read from LOCAL_RANK) is a warning: on several
+      nodes sharing a filesystem, each node's local rank 0 writes the same file.""")
 def unguarded_save(facts: Facts):
     if not facts.distributed:
         return
@@ -71,7 +119,15 @@ def unguarded_save(facts: Facts):
         path = _save_path(call)
         if path is not None and (mentions(path, _is_rank_word) or _is_buffer(facts, path)):
             continue  # one file per rank, or memory: no two writers share a file
-        if not facts.is_rank_guarded(call):
+        kind = facts.rank_guard(call)
+        if kind == LOCAL:
+            yield finding(facts, call, "unguarded-save",
+                          "torch.save is guarded by the local rank only: on several nodes sharing a "
+                          "filesystem, local rank 0 of every node writes the same file at once.",
+                          "guard it with the global rank (`if dist.get_rank() == 0:`); keep local "
+                          "rank 0 only for node-local disks.",
+                          severity=WARNING)
+        elif kind is None:
             yield finding(facts, call, "unguarded-save",
                           "torch.save runs on every rank: world-size processes write the same file "
                           "at once.",
@@ -152,7 +208,8 @@ def ddp_state_dict_prefix(facts: Facts):
                 if _unwrap_branch(facts, n, save):
                     continue  # `m.module.state_dict() if hasattr(m, "module") else m.state_dict()`
                 for w in wrapped:
-                    if owner == w.target and facts.scope_of(n) is w.scope and n.lineno > w.call.lineno:
+                    if owner == w.target and facts.scope_of(n) is w.scope and n.lineno > w.call.lineno \
+                            and not facts.exclusive(n, w.call):
                         yield finding(facts, n, "ddp-state-dict-prefix",
                                       f"`{owner}` is the {'DDP' if w.kind == 'ddp' else 'DataParallel'} "
                                       f"wrapper (line {w.call.lineno}): its state_dict keys all start "

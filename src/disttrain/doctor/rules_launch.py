@@ -9,8 +9,12 @@ from __future__ import annotations
 import ast
 import re
 
-from disttrain.doctor.facts import DISTTRAIN_INITS, Facts, arg, has_star_kwargs, kwarg
+from disttrain.doctor.facts import DISTTRAIN_INITS, Facts, arg, has_star_kwargs, kwarg, ref
 from disttrain.doctor.findings import ERROR, WARNING, finding, rule
+
+
+# Backends that simulate a process group in one process: nothing to wait for.
+_NO_COLLECTIVE_BACKENDS = ("fake", "local_tensor")
 
 
 @rule("init-without-timeout", ("P-INIT-1",), WARNING,
@@ -18,9 +22,13 @@ from disttrain.doctor.findings import ERROR, WARNING, finding, rule
       """torch's default collective timeout is 10 minutes (30 for some backends), so a
       rank that died or hangs stalls every other rank for that long before anything is
       reported. Pass `timeout=datetime.timedelta(minutes=...)`, shorter than the default
-      (5-10 minutes for elastic jobs).""")
+      (5-10 minutes for elastic jobs). The `fake` and `local_tensor` backends (tracing,
+      tests) run no real collectives and need none.""")
 def init_without_timeout(facts: Facts):
     for call in facts.calls_to("init_process_group"):
+        backend = arg(call, 0, "backend")
+        if isinstance(backend, ast.Constant) and backend.value in _NO_COLLECTIVE_BACKENDS:
+            continue  # no real collectives run, so nothing can hang
         if kwarg(call, "timeout") is None and not has_star_kwargs(call) and len(call.args) < 3:
             yield finding(facts, call, "init-without-timeout",
                           "init_process_group() has no timeout: a dead or hung rank stalls the "
@@ -176,19 +184,120 @@ def _is_indexed_cuda(node: ast.AST) -> bool:
       "DistributedSampler without set_epoch in the epoch loop",
       """A shuffling DistributedSampler draws its order from (seed, epoch). Unless the
       loop calls `sampler.set_epoch(epoch)` at the start of every epoch, the epoch stays 0
-      and every epoch replays exactly the same order.""")
+      and every epoch replays exactly the same order. Samplers with shuffle=False or for
+      evaluation (named val/valid/eval/test, or feeding such a loader) need none. A
+      sampler (or its loader) passed to a function is followed into it when the function
+      is defined in this file or in the other files checked in the same run; passed to a
+      function the doctor cannot see, it is a warning that says so.""")
 def sampler_without_set_epoch(facts: Facts):
     if facts.method_calls("set_epoch"):
         return
-    has_loop = any(isinstance(n, (ast.For, ast.AsyncFor, ast.While)) for n in facts.nodes)
+    if not any(isinstance(n, (ast.For, ast.AsyncFor, ast.While)) for n in facts.nodes):
+        return
     # torch's sampler only; disttrain.DistributedSampler advances its epoch by itself.
     for call in facts.calls_to("DistributedSampler"):
         shuffle = arg(call, 3, "shuffle")
         if isinstance(shuffle, ast.Constant) and shuffle.value is False:
             continue  # a fixed order does not depend on the epoch
-        if has_loop:
+        names = _sampler_names(facts, call)
+        dataset = ref(arg(call, 0, "dataset") or call)
+        if any(_is_eval_name(n) for n in names | {dataset or ""}):
+            continue  # evaluation order does not matter
+        unseen, followed = [], False
+        for callee in _callees_given(facts, names):
+            defs = facts.project_functions(callee) + [  # a Trainer class counts as its body
+                (f, n) for f in [facts, *facts.others] for n in f.nodes
+                if isinstance(n, ast.ClassDef) and n.name == callee]
+            if not defs:
+                unseen.append(callee)
+            elif any(_calls_set_epoch(f, d, 3) for f, d in defs):
+                followed = True
+        if followed:
+            continue
+        if unseen:
             yield finding(facts, call, "sampler-without-set-epoch",
-                          "DistributedSampler shuffles by epoch, but set_epoch() is never called: "
-                          "every epoch replays the same order.",
-                          "call sampler.set_epoch(epoch) at the start of each epoch, before "
-                          "iterating the DataLoader.")
+                          f"DistributedSampler is passed to `{unseen[0]}()`, which is not defined in "
+                          "the files checked: the doctor cannot see whether it calls set_epoch().",
+                          f"make sure `{unseen[0]}()` calls sampler.set_epoch(epoch) every epoch, or "
+                          "check its file in the same run (`disttrain doctor script.py utils/`).",
+                          severity=WARNING)
+            continue
+        yield finding(facts, call, "sampler-without-set-epoch",
+                      "DistributedSampler shuffles by epoch, but set_epoch() is never called: "
+                      "every epoch replays the same order.",
+                      "call sampler.set_epoch(epoch) at the start of each epoch, before "
+                      "iterating the DataLoader.")
+
+
+_EVAL_WORDS = {"val", "valid", "validation", "eval", "evaluation", "test", "testing", "dev"}
+
+
+def _is_eval_name(name: str) -> bool:
+    return any(t in _EVAL_WORDS for t in re.split(r"[^a-z]+", name.lower()))
+
+
+def _sampler_names(facts: Facts, call: ast.Call) -> set[str]:
+    """Every name the sampler is reachable by: its own, a kwargs dict holding it, the
+    DataLoader built from it (`DataLoader(ds, **kwargs)`), and names copied from those."""
+    parent = facts.parents.get(call)
+    while isinstance(parent, (ast.keyword, ast.Dict, ast.Call)):
+        parent = facts.parents.get(parent)
+    names = {r for t in getattr(parent, "targets", []) if (r := ref(t))} \
+        if isinstance(parent, ast.Assign) else set()
+    changed = True
+    while changed:
+        changed = False
+        for n in facts.nodes:
+            if not isinstance(n, ast.Assign) or not _holds(facts, n.value, names):
+                continue
+            for t in n.targets:
+                r = ref(t)
+                if r and r not in names:
+                    names.add(r)
+                    changed = True
+    return names
+
+
+def _holds(facts: Facts, value: ast.AST, names: set[str]) -> bool:
+    if isinstance(value, (ast.Name, ast.Attribute)):
+        return ref(value) in names
+    if isinstance(value, ast.Dict) or (isinstance(value, ast.Call) and
+                                       (facts.qualname(value.func) or "").endswith("DataLoader")):
+        return any(ref(v) in names for v in ast.walk(value) if isinstance(v, (ast.Name, ast.Attribute)))
+    return False
+
+
+# Callees that only iterate or inspect a loader: never where set_epoch would hide.
+_NOT_USER = {"DataLoader", "DistributedSampler", "len", "iter", "next", "enumerate", "zip", "print",
+             "isinstance", "list", "tuple", "dict", "set", "sorted", "range", "getattr", "hasattr",
+             "tqdm", "trange", "islice", "cycle", "chain"}
+
+
+def _callees_given(facts: Facts, names: set[str]) -> list[str]:
+    """Functions (own or unseen) that receive one of `names` as an argument."""
+    out = []
+    for n in facts.nodes:
+        if not isinstance(n, ast.Call):
+            continue
+        values = list(n.args) + [k.value for k in n.keywords]
+        if not any(ref(v) in names for v in values):
+            continue
+        name = n.func.id if isinstance(n.func, ast.Name) else \
+            n.func.attr if isinstance(n.func, ast.Attribute) else None
+        q = facts.qualname(n.func) or ""
+        if name and name not in _NOT_USER and not q.startswith(("torch.", "disttrain.", "tqdm.",
+                                                                 "itertools.")):
+            out.append(name)
+    return out
+
+
+def _calls_set_epoch(facts: Facts, func: ast.AST, depth: int) -> bool:
+    for n in ast.walk(func):
+        if isinstance(n, ast.Call) and isinstance(n.func, ast.Attribute) and n.func.attr == "set_epoch":
+            return True
+        if depth and isinstance(n, ast.Call):
+            callee = n.func.id if isinstance(n.func, ast.Name) else None
+            if callee and callee != getattr(func, "name", None) and any(
+                    _calls_set_epoch(f, d, depth - 1) for f, d in facts.project_functions(callee)):
+                return True
+    return False
