@@ -7,7 +7,10 @@ what the doctor must (not) report there. The rule-by-rule cases are in test_doct
 
 from __future__ import annotations
 
+import ast
+import json
 import textwrap
+from pathlib import Path
 
 from disttrain.doctor.analyzer import analyze_paths, analyze_source
 from test_doctor import PRE
@@ -139,7 +142,7 @@ def test_exclusive_helper_on_if_elif_else_chains():
     from disttrain.doctor.facts import Facts
     src = "if a:\n    x = 1\nelif b:\n    y = 2\nelse:\n    z = 3\nw = 4\nif c:\n    v = 5\n"
     facts = Facts.parse("s.py", src)
-    stmt = {n.targets[0].id: n for n in facts.nodes if isinstance(n, __import__("ast").Assign)}
+    stmt = {n.targets[0].id: n for n in facts.nodes if isinstance(n, ast.Assign)}
     assert facts.exclusive(stmt["x"], stmt["y"]) and facts.exclusive(stmt["y"], stmt["z"])
     assert facts.exclusive(stmt["z"], stmt["x"])
     assert not facts.exclusive(stmt["x"], stmt["w"]) and not facts.exclusive(stmt["x"], stmt["v"])
@@ -216,3 +219,23 @@ def test_fake_backend_needs_no_timeout():
         src = f"import torch\ntorch.distributed.init_process_group({backend!r}, rank=0, store=store)\n"
         assert "init-without-timeout" not in rules(src)
     assert "init-without-timeout" in rules("import torch\ntorch.distributed.init_process_group('nccl')\n")
+
+
+# ----- the corpus: scripts in the shape of public ones, with their expected findings ---
+
+CORPUS = Path(__file__).parent / "doctor_corpus"
+
+
+def test_corpus_findings():
+    expected = json.loads((CORPUS / "expected.json").read_text())
+    files, found = analyze_paths([str(CORPUS)])
+    got = {p.relative_to(CORPUS).as_posix(): [] for p in files}
+    for f in found:
+        got[Path(f.file).relative_to(CORPUS).as_posix()].append(
+            [f.rule, f.line, f.severity])
+    assert got == expected
+
+
+def test_corpus_t5_script_alone_cannot_see_train():
+    _, found = analyze_paths([str(CORPUS / "t5_style" / "train_t5.py")])
+    assert [(f.rule, f.severity) for f in found] == [("sampler-without-set-epoch", "warning")]
