@@ -71,7 +71,7 @@ def _ref(node: ast.AST) -> str | None:
 
 def _is_local_word(word: str) -> bool:
     low = word.lower()
-    return "local" in low and "rank" in low
+    return ("local" in low and "rank" in low) or low == "gpu_id"  # a GPU index: one per node
 
 
 def is_guard_word(text: str) -> bool:

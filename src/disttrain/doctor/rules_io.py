@@ -40,6 +40,11 @@ def _log_calls(facts: Facts):
             yield call, f"{q.rsplit('.', 1)[-1] if 'Summary' in q else q}()"
 
 
+def _per_rank_message(call: ast.Call) -> bool:
+    return any(mentions(a, lambda w: _is_rank_word(w) or w in ("gpu_id", "getpid"))
+               for a in call.args if isinstance(a, (ast.JoinedStr, ast.BinOp, ast.Call)))
+
+
 def _own_loggers(facts: Facts) -> set[str]:
     """Names bound in this file to `logging.getLogger(...)`: a logger imported from
     another module (torchtitan's `from ...logging import logger`) is set up there."""
@@ -81,9 +86,11 @@ def _rank_aware_logging(facts: Facts) -> bool:
       level chosen by rank or set on the main process only). A guard on the LOCAL rank
       (LOCAL_RANK, local_rank, a variable read from it) still logs once per node.""")
 def unguarded_log(facts: Facts):
-    if not facts.distributed:
-        return
+    if not (facts.distributed or facts.calls_to("lightning.fabric.Fabric", "lightning_fabric.Fabric")):
+        return  # a Fabric script is launched on several ranks by `fabric run`
     for call, what in _log_calls(facts):
+        if _per_rank_message(call):
+            continue  # the line names its rank (or pid): one distinct line per rank is the intent
         kind = facts.rank_guard(call)
         if kind == LOCAL:
             yield finding(facts, call, "unguarded-log",

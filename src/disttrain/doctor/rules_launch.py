@@ -96,7 +96,8 @@ def mp_spawn(facts: Facts):
                       "`torchrun --standalone --nproc-per-node=N` or `disttrain run`.")
 
 
-_SET_DEVICE = ("torch.cuda.set_device", "torch.accelerator.set_device_index", "torch.cuda.device")
+_SET_DEVICE = ("torch.cuda.set_device", "torch.accelerator.set_device_index", "torch.cuda.device",
+               "init_device_mesh")  # a CUDA mesh binds cuda:LOCAL_RANK itself
 
 
 @rule("missing-set-device", ("P-INIT-2",), ERROR,
@@ -116,7 +117,16 @@ def missing_set_device(facts: Facts):
         pg_bound = any(kwarg(c, "device_id") is not None for c in facts.calls_to("init_process_group"))
         if pg_bound and not unindexed:
             return  # every use names its device, and the group is bound by device_id=
-        node, _ = (unindexed or uses)[0]
+        if not unindexed:  # every allocation names its device: only NCCL's own device is unbound
+            if _gloo_only(facts):
+                return
+            yield finding(facts, uses[0][0], "missing-set-device",
+                          "every CUDA use here names its device, but no device is bound: NCCL's "
+                          "own work (barrier, object collectives) still defaults to cuda:0.",
+                          "call torch.cuda.set_device(local_rank) (or pass device_id= to "
+                          "init_process_group).", severity=WARNING)
+            return
+        node, _ = unindexed[0]
         yield finding(facts, node, "missing-set-device",
                       "CUDA is used under torchrun but the script never binds a device: every "
                       "rank defaults to cuda:0.",
@@ -135,6 +145,12 @@ def missing_set_device(facts: Facts):
                           "this allocation lands on cuda:0 on every rank.",
                           "move torch.cuda.set_device(local_rank) before the first CUDA use.")
             return
+
+
+def _gloo_only(facts: Facts) -> bool:
+    inits = facts.calls_to("init_process_group")
+    return bool(inits) and all(isinstance(b := arg(c, 0, "backend"), ast.Constant) and b.value == "gloo"
+                               for c in inits)
 
 
 def _visible_devices_assignments(facts: Facts) -> list[ast.AST]:
