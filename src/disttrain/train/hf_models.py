@@ -31,16 +31,10 @@ from disttrain.checkpoint.hf_export import (
 )
 from disttrain.errors import UserError
 
-__all__ = ["HF_PREFIX", "HFCausalLM", "build_hf_model", "is_hf_section"]
+__all__ = ["HF_PREFIX", "HFCausalLM", "build_hf_model"]
 
 _WEIGHT_FILES = ("model.safetensors", "model.safetensors.index.json", "pytorch_model.bin",
                  "pytorch_model.bin.index.json")
-
-
-def is_hf_section(model_cfg: Any) -> bool:
-    """True when the model section asks for a Hugging Face model (`hf` or `hf_path`)."""
-    get = model_cfg.get if isinstance(model_cfg, dict) else lambda k: getattr(model_cfg, k, None)
-    return bool(get("hf") or get("hf_path"))
 
 
 def build_hf_model(model_cfg: Any, config_dir: str | os.PathLike | None = None) -> nn.Module:

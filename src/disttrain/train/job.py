@@ -31,13 +31,14 @@ from torch.utils.data import DataLoader
 from disttrain import runtime
 from disttrain.checkpoint import Checkpointer, TrainState, save_model
 from disttrain.data import ElasticSampler
-from disttrain.elastic import PreemptionHandler, SampleAudit, apply_batch_policy, generation_id
+from disttrain.elastic import PreemptionHandler, SampleAudit, generation_id
 from disttrain.errors import UserError
 from disttrain.guard import start_guard, tensor_nbytes
 from disttrain.parallel import wrap
 from disttrain.runtime.fault_injection import inject
 from disttrain.train.loop import Accumulator
 from disttrain.train.metrics import print_main
+from disttrain.train.resume import rejoin
 from disttrain.train.sources import to_device
 
 
@@ -198,16 +199,8 @@ class Job:
             loaded = self._ckpt.load(self._state)
         self.resumed = loaded is not None
         if self.resumed:
-            self.step = acc.optimizer_steps = self._state.step
-            acc.accum_steps, note = apply_batch_policy(
-                self.batch_policy, saved_global_batch=self._sampler.saved_global_batch,
-                batch_size=self._sampler.batch_size, world_size=self.info.world_size,
-                accum_steps=self.accum_steps, optimizer=optimizer, scheduler=scheduler)
-            self._sampler.reconfigure(world_size=self.info.world_size, rank=self.info.rank,
-                                      accum_steps=acc.accum_steps)
-            print_main(f"disttrain job: resumed at step {self.step} (epoch {self._sampler.epoch}, "
-                       f"sample {self._sampler.cursor}) on {self.info.world_size} rank(s)"
-                       + (f"; {note}" if note else ""))
+            self.step = self._state.step
+            rejoin("job", self.step, acc, self._sampler, self.batch_policy, self.info, optimizer, scheduler)
         self._audit = SampleAudit(self.out_dir / "samples", self.info.rank, self.info.world_size,
                                   self.record_samples, generation_id())
         self._acc = acc

@@ -31,6 +31,8 @@ import torch.distributed as dist
 from disttrain.checkpoint import CheckpointMismatch
 from disttrain.checkpoint.layout import committed
 from disttrain.config import Config, to_dict
+from disttrain.elastic import apply_batch_policy
+from disttrain.train.metrics import print_main
 
 REFUSED = frozenset({"optim.name", "train.seed", "train.loss"})
 """Refused besides model.* and data.*: another optimizer's state, another sample order,
@@ -201,3 +203,18 @@ def print_changes(plan: ResumePlan | None, batch_policy: str) -> None:
     if any(k in ("train.batch_size", "train.accum_steps") for k, _, _ in plan.changes):
         table.caption = f"batch size and accumulation follow elastic.batch_policy = {batch_policy!r}"
     Console().print(table)
+
+
+def rejoin(who: str, step: int, acc, sampler, batch_policy: str, info, optimizer, scheduler) -> None:
+    """After a checkpoint at `step` was loaded: the accumulator's step count, the batch
+    policy for this run's world size (accum_steps or the LR, P-ELASTIC-3), the sampler
+    re-cut for this world, and one "resumed at" line on rank 0. Shared by `disttrain
+    train` and `dt.Job` (`who` names which one speaks). Raises the policy's `UserError`
+    when the saved global batch cannot be kept at this world size."""
+    acc.optimizer_steps = step
+    acc.accum_steps, note = apply_batch_policy(
+        batch_policy, saved_global_batch=sampler.saved_global_batch, batch_size=sampler.batch_size,
+        world_size=info.world_size, accum_steps=acc.accum_steps, optimizer=optimizer, scheduler=scheduler)
+    sampler.reconfigure(world_size=info.world_size, rank=info.rank, accum_steps=acc.accum_steps)
+    print_main(f"disttrain {who}: resumed at step {step} (epoch {sampler.epoch}, sample "
+               f"{sampler.cursor}) on {info.world_size} rank(s)" + (f"; {note}" if note else ""))

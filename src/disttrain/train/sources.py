@@ -17,15 +17,18 @@ scalar tensor.
 from __future__ import annotations
 
 import importlib
+import math
 import sys
 from pathlib import Path
 from typing import Any, Callable
 
 import torch
 
+from disttrain import runtime
 from disttrain.config import Config
 from disttrain.config.user_code import parse_reference
 from disttrain.errors import ConfigError, UserError
+from disttrain.train.metrics import global_mean
 
 HF_MODULE = "disttrain.train.hf_models"
 """The Hugging Face model builder, imported only when model.hf or model.hf_path is set."""
@@ -227,24 +230,26 @@ def batch_loss(model: torch.nn.Module, batch: Any, loss_fn: Callable | None, *, 
     return loss
 
 
+def eval_shard(dataset_len: int, batch_size: int, max_batches: int) -> tuple[list[int], int]:
+    """This rank's evaluation samples and the most any rank holds: of the first
+    n = min(dataset_len, max_batches x batch_size x world) samples, rank r takes r,
+    r + world, ... (each counted once, P-LOOP-2). Every rank must run as many forwards
+    as the fullest one (FSDP all-gathers in each), so callers pad to the second value."""
+    info = runtime.rank_info()
+    n = min(dataset_len, max_batches * batch_size * info.world_size)
+    return list(range(info.rank, n, info.world_size)), math.ceil(n / info.world_size)
+
+
 @torch.no_grad()
 def evaluate(model: torch.nn.Module, dataset: Any, batch_size: int, max_batches: int, loss_fn: Callable | None,
              collate: Callable) -> float:
-    """Mean `batch_loss` over the first n = min(len(dataset), max_batches x batch_size x
-    world) samples, each counted once, weighted by its batch's size: rank r reads samples
-    r, r + world, ... A collective: every rank runs the same number of forwards (FSDP
-    all-gathers in each); a rank with fewer batches runs one on a repeated sample,
-    weighted 0."""
-    from disttrain import runtime
-    from disttrain.train.metrics import global_mean
-
+    """Mean `batch_loss` over `eval_shard`'s samples, weighted by each batch's size. A
+    collective: a rank with fewer batches runs one on a repeated sample, weighted 0."""
     info = runtime.rank_info()
     model.eval()
-    n = min(len(dataset), max_batches * batch_size * info.world_size)
-    mine = list(range(info.rank, n, info.world_size))
-    forwards = -(-(-(-n // info.world_size)) // batch_size)  # the most batches any rank runs
+    mine, per_rank = eval_shard(len(dataset), batch_size, max_batches)
     total, count = 0.0, 0.0
-    for b in range(forwards):
+    for b in range(math.ceil(per_rank / batch_size)):
         ids = mine[b * batch_size:(b + 1) * batch_size]
         weight = len(ids)
         batch = collate([dataset[i] for i in (ids or [0])])

@@ -21,7 +21,7 @@ from disttrain.checkpoint import Checkpointer, CheckpointSaveError, TrainState, 
 from disttrain.config import Config, to_dict
 from disttrain.data import ElasticSampler
 from disttrain.demo.corpus import ChunkDataset
-from disttrain.elastic import PreemptionHandler, SampleAudit, apply_batch_policy, generation_id
+from disttrain.elastic import PreemptionHandler, SampleAudit, generation_id
 from disttrain.guard import path_nbytes, start_guard, tensor_nbytes
 from disttrain.guard.run_guard import logical_name
 from disttrain.parallel import make_optimizer, unwrap, wrap
@@ -55,16 +55,13 @@ def build_optimizer(model: torch.nn.Module, cfg: Config, ndims: dict[str, int]) 
 
 @torch.no_grad()
 def evaluate(model: torch.nn.Module, dataset: ChunkDataset, batch_size: int, max_batches: int) -> float:
-    """Held-out loss (nats/token), the exact mean over the first
-    n = min(len(dataset), max_batches x batch_size x world) chunks, each counted once:
-    rank r reads chunks r, r + world, ... (P-LOOP-2). A collective: every rank runs
-    the same number of forwards (FSDP all-gathers in each), so a rank with one chunk
-    fewer pads its last batch with a repeat of a chunk that is weighted 0."""
+    """Held-out loss (nats/token), the exact mean over `sources.eval_shard`'s chunks
+    (P-LOOP-2). A collective: every rank runs the same number of forwards (FSDP
+    all-gathers in each), so a rank with one chunk fewer pads its last batch with a
+    repeat of a chunk that is weighted 0."""
     info = runtime.rank_info()
     model.eval()
-    n = min(len(dataset), max_batches * batch_size * info.world_size)
-    mine = list(range(info.rank, n, info.world_size))
-    per_rank = -(-n // info.world_size)  # the most chunks any rank holds
+    mine, per_rank = sources.eval_shard(len(dataset), batch_size, max_batches)
     weights = [1.0] * len(mine) + [0.0] * (per_rank - len(mine))
     mine += [mine[0] if mine else 0] * (per_rank - len(mine))
     total, count = 0.0, 0.0
@@ -114,7 +111,8 @@ def _train(cfg: Config, info: runtime.RankInfo, preempt: PreemptionHandler, conf
     train_set, heldout_set, data_info = sources.build_datasets(cfg, config_dir)
     loss_fn = sources.build_loss(cfg, config_dir)
     builtin = sources.uses_builtin_model(cfg) and not cfg.data.factory and loss_fn is None
-    per_item = 1 if cfg.data.factory else cfg.model.block_size  # tokens per sample of the corpus
+    # The byte corpus counts tokens (block_size per sample); a user's dataset counts samples.
+    unit, per_item = ("sample", 1) if cfg.data.factory else ("token", cfg.model.block_size)
 
     def run_eval() -> float:  # a collective: equal forwards on every rank
         if heldout_set is None:
@@ -152,15 +150,7 @@ def _train(cfg: Config, info: runtime.RankInfo, preempt: PreemptionHandler, conf
             plan = resume.plan_for(loaded, cfg)
             plan = plan.check() if plan is not None else None
         resume.apply(plan, optimizer, scheduler, fresh)  # before the batch policy scales the LR
-        acc.optimizer_steps = state.step
-        acc.accum_steps, note = apply_batch_policy(
-            cfg.elastic.batch_policy, saved_global_batch=sampler.saved_global_batch,
-            batch_size=t.batch_size, world_size=info.world_size, accum_steps=t.accum_steps,
-            optimizer=optimizer, scheduler=scheduler)
-        sampler.reconfigure(world_size=info.world_size, rank=info.rank, accum_steps=acc.accum_steps)
-        print_main(f"disttrain train: resumed at step {state.step} (epoch {sampler.epoch}, "
-                   f"sample {sampler.cursor}) on {info.world_size} rank(s)"
-                   + (f"; {note}" if note else ""))
+        resume.rejoin("train", state.step, acc, sampler, cfg.elastic.batch_policy, info, optimizer, scheduler)
         resume.print_changes(plan, cfg.elastic.batch_policy)
     audit = SampleAudit(out / "samples", info.rank, info.world_size, cfg.elastic.record_samples,
                         generation_id())
@@ -172,7 +162,7 @@ def _train(cfg: Config, info: runtime.RankInfo, preempt: PreemptionHandler, conf
         first_eval = run_eval()
     eval_s = time.perf_counter() - t_eval  # after a SIGTERM, an eval that no longer fits is skipped
     progress = TrainProgress(t.steps, enabled=info.is_main, start=step,
-                             unit="sample" if cfg.data.factory else "token")
+                             unit=unit)
     window, heldout_loss, train_loss = MeanTracker(), first_eval, float("nan")
     t_window, last_logged, stopping, first = time.perf_counter(), step, False, True
     while step < t.steps and not stopping:
@@ -234,7 +224,7 @@ def _train(cfg: Config, info: runtime.RankInfo, preempt: PreemptionHandler, conf
         "initial_heldout_loss": first_eval, "final_train_loss": train_loss,
         "final_heldout_loss": heldout_loss, "wall_time_s": time.perf_counter() - t0,
         "tokens_seen": tokens_per_step * step, "checkpoint": str(model_path),
-        "unit": "sample" if cfg.data.factory else "token",
+        "unit": unit,
         **data_info,
         "resumed": resumed, "preempted": False,
     }
@@ -249,7 +239,7 @@ def _checkpointing(cfg: Config, out: Path, model, optimizer, scheduler, scaler, 
     c = cfg.checkpoint
     if not c.enabled:
         return None, None
-    ckpt = Checkpointer(Path(c.dir) if c.dir else out / "checkpoints", keep_last=c.keep_last,
+    ckpt = Checkpointer(resume.checkpoint_root(cfg), keep_last=c.keep_last,
                         async_mode=c.async_mode, fallback=c.fallback)
     return ckpt, TrainState(model=model, optimizer=optimizer, scheduler=scheduler, scaler=scaler,
                             sampler=sampler, config=to_dict(cfg))
