@@ -16,6 +16,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from disttrain.config.gpt_shape import GPTConfig
+from disttrain.config.log_config import LogConfig
 from disttrain.config.tomlfile import apply_overrides, build, read_toml
 from disttrain.config.user_code import check_model_keys, check_sources
 from disttrain.errors import ConfigError
@@ -213,6 +214,7 @@ class Config:
     guard: GuardConfig = field(default_factory=GuardConfig)
     checkpoint: CheckpointConfig = field(default_factory=CheckpointConfig)
     elastic: ElasticConfig = field(default_factory=ElasticConfig)
+    log: LogConfig = field(default_factory=LogConfig)
 
 
 # ---------------------------------------------------------------- loading
