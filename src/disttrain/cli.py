@@ -18,6 +18,7 @@ commands:
   plan     memory and communication per strategy, with a recommendation
   ckpt     inspect, verify or export a checkpoint:  disttrain ckpt verify DIR
   etcd     a local etcd server for the etcd rendezvous:  disttrain etcd start
+  report   a PNG of a run (loss, throughput, step time, restarts):  disttrain report RUN_DIR
 """
 
 
@@ -35,6 +36,8 @@ def _command(name: str):
         from disttrain.checkpoint.ckpt_command import main
     elif name == "etcd":
         from disttrain.launch.etcd_server import main
+    elif name == "report":
+        from disttrain.report import main
     else:
         return None
     return main

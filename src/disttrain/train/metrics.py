@@ -9,12 +9,14 @@ from __future__ import annotations
 
 import json
 import os
+import time
 from pathlib import Path
 
 import torch
 import torch.distributed as dist
 
 from disttrain.runtime import rank_info
+from disttrain.runtime.collectives import comm_device
 
 
 def global_sum(values: list[float]) -> list[float]:
@@ -51,6 +53,41 @@ class MeanTracker:
 
     def reset(self) -> None:
         self.sum, self.count = 0.0, 0.0
+
+
+def gather_floats(values: list[float]) -> list[list[float]]:
+    """Every rank's `values` (the same length on every rank), in rank order; one
+    all-gather. A collective: every rank must call it. `[values]` without a group."""
+    if not dist.is_initialized():
+        return [list(values)]
+    local = torch.tensor(values, dtype=torch.float64, device=comm_device())
+    out = [torch.empty_like(local) for _ in range(dist.get_world_size())]
+    dist.all_gather(out, local)
+    return [t.tolist() for t in out]
+
+
+def peak_memory_mb(device: torch.device) -> float:
+    """This process's peak memory in MiB: `torch.cuda.max_memory_allocated` on a CUDA
+    rank (tensors only), the peak resident set size of the process on a CPU rank."""
+    if device.type == "cuda":
+        return torch.cuda.max_memory_allocated(device) / 2**20
+    import resource
+
+    return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024  # KiB on Linux
+
+
+class StepClock:
+    """This rank's wall time per optimizer step between two `lap` calls. A window that
+    holds an evaluation or a checkpoint save counts that time too."""
+
+    def __init__(self, step: int):
+        self.t, self.step = time.perf_counter(), step
+
+    def lap(self, step: int) -> float:
+        now = time.perf_counter()
+        per_step = (now - self.t) / max(step - self.step, 1)
+        self.t, self.step = now, step
+        return per_step
 
 
 class JsonlWriter:

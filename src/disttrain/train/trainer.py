@@ -30,6 +30,7 @@ from disttrain.runtime.fault_injection import inject
 from disttrain.train.loop import Accumulator, warmup_cosine
 from disttrain.train.metrics import JsonlWriter, MeanTracker, global_mean, print_main
 from disttrain.train.progress import TrainProgress, print_summary
+from disttrain.train.run_log import RunLog
 from disttrain.train import resume, sources
 
 
@@ -163,6 +164,7 @@ def _train(cfg: Config, info: runtime.RankInfo, preempt: PreemptionHandler, conf
     eval_s = time.perf_counter() - t_eval  # after a SIGTERM, an eval that no longer fits is skipped
     progress = TrainProgress(t.steps, enabled=info.is_main, start=step,
                              unit=unit)
+    run_log = RunLog(out, info, step, resumed, cfg.log.tensorboard)  # run_events.jsonl, tb/
     window, heldout_loss, train_loss = MeanTracker(), first_eval, float("nan")
     t_window, last_logged, stopping, first = time.perf_counter(), step, False, True
     while step < t.steps and not stopping:
@@ -199,6 +201,7 @@ def _train(cfg: Config, info: runtime.RankInfo, preempt: PreemptionHandler, conf
                     with guard.slow_phase("eval"):
                         heldout_loss = run_eval()
                     record["heldout_loss"] = heldout_loss
+                run_log.log(record, acc.last_grad_norm)  # per-rank step time, memory; TensorBoard
                 log.write(record)
                 progress.update(step, train_loss, heldout_loss, tok_s)
             stopping = preempt.should_stop()  # agreed by all ranks (one all-reduce)

@@ -1,0 +1,136 @@
+"""A run directory read back as plain data: the metrics on the final timeline and the
+steps where the run restarted or changed its world size.
+
+Reads what `disttrain train` (and `dt.Job`) write under `train.out_dir`:
+`metrics.jsonl` (one record per log step), `run_events.jsonl` (one line per attempt)
+and, when `elastic.record_samples` was on, the sample audit `samples/*.jsonl`. No torch.
+"""
+
+from __future__ import annotations
+
+import json
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+
+from disttrain.errors import UserError
+
+
+@dataclass(frozen=True)
+class Mark:
+    """A vertical mark: at `step` the run restarted (`kind` "restart") or continued on
+    another number of ranks (`kind` "world_size")."""
+
+    step: int
+    kind: str
+    label: str
+
+
+@dataclass
+class RunData:
+    """`records`: the last record of each step, in step order (a step trained again after
+    a restart replaces the killed attempt's); `superseded`: the replaced ones; `marks` in
+    step order; `source`: the file the marks came from."""
+
+    run_dir: Path
+    records: list[dict]
+    superseded: list[dict] = field(default_factory=list)
+    marks: list[Mark] = field(default_factory=list)
+    attempts: int = 1
+    source: str = "metrics.jsonl"
+
+    def series(self, key: str, records: list[dict] | None = None) -> tuple[list[int], list[float]]:
+        """(steps, values) of the records that hold a number under `key`."""
+        pairs = [(r["step"], r[key]) for r in (self.records if records is None else records)
+                 if isinstance(r.get(key), (int, float)) and r[key] == r[key]]  # drops NaN
+        return [p[0] for p in pairs], [float(p[1]) for p in pairs]
+
+    def marks_json(self) -> list[dict]:
+        return [asdict(m) for m in self.marks]
+
+
+def _jsonl(path: Path) -> list[dict]:
+    """The objects of a JSON-lines file; a line cut short by a kill -9 is skipped."""
+    out = []
+    for line in path.read_text().splitlines():
+        try:
+            item = json.loads(line)
+        except ValueError:
+            continue
+        if isinstance(item, dict):
+            out.append(item)
+    return out
+
+
+def load_run(run_dir: str | Path) -> RunData:
+    """Read `run_dir`. Raises `UserError` (one line, with the fix) when the directory
+    does not exist or holds no metrics records."""
+    run = Path(run_dir)
+    if not run.is_dir():
+        raise UserError(f"run directory {str(run)!r} does not exist. Pass the train.out_dir of a "
+                        f"run (the folder that holds metrics.jsonl).")
+    path = run / "metrics.jsonl"
+    raw = [r for r in _jsonl(path) if isinstance(r.get("step"), int)] if path.is_file() else []
+    if not raw:
+        what = "an empty metrics.jsonl" if path.is_file() else "no metrics.jsonl"
+        raise UserError(f"{str(run)!r} has {what}, so there is nothing to draw. Pass the "
+                        f"train.out_dir of a run that reached its first log step (train.log_every).")
+    latest: dict[int, dict] = {}
+    superseded = []
+    for r in raw:  # file order is time order: a later record of a step replaces the earlier
+        if r["step"] in latest:
+            superseded.append(latest[r["step"]])
+        latest[r["step"]] = r
+    data = RunData(run, [latest[s] for s in sorted(latest)], superseded)
+    for source, find in (("run_events.jsonl", _from_events), ("samples/", _from_audit),
+                         ("metrics.jsonl", _from_metrics)):
+        found = find(run, raw)
+        if found is not None:
+            data.marks, data.attempts = found
+            data.source = source
+            break
+    return data
+
+
+def _marks(starts: list[tuple[int, int, int]]) -> list[Mark]:
+    """Marks from (attempt, step, world size) of each attempt's start, in time order."""
+    marks = []
+    for (_, _, before), (attempt, step, world) in zip(starts, starts[1:]):
+        marks.append(Mark(step, "restart", f"restart {attempt} (from step {step})"))
+        if world != before:
+            marks.append(Mark(step, "world_size", f"{before} -> {world} ranks"))
+    return sorted(marks, key=lambda m: (m.step, m.kind))
+
+
+def _from_events(run: Path, raw: list[dict]):
+    path = run / "run_events.jsonl"
+    events = [e for e in _jsonl(path) if {"step", "world_size"} <= e.keys()] if path.is_file() else []
+    if not events:
+        return None
+    return _marks([(i, int(e["step"]), int(e["world_size"])) for i, e in enumerate(events)]), len(events)
+
+
+def _from_audit(run: Path, raw: list[dict]):
+    """Each attempt of an audited run has its own generation: its first step - 1 is the
+    step it resumed from."""
+    files = sorted((run / "samples").glob("*.jsonl")) if (run / "samples").is_dir() else []
+    first: dict[int, tuple[int, int]] = {}  # generation -> (first step, world)
+    for rec in (r for f in files for r in _jsonl(f)):
+        g, s = rec.get("generation"), rec.get("step")
+        if isinstance(g, int) and isinstance(s, int) and (g not in first or s < first[g][0]):
+            first[g] = (s, int(rec.get("world", 0)))
+    if not first:
+        return None
+    gens = sorted(first)
+    return _marks([(i, first[g][0] - 1, first[g][1]) for i, g in enumerate(gens)]), len(gens)
+
+
+def _from_metrics(run: Path, raw: list[dict]):
+    """Without events or audit: a new "attempt" value, or a step that goes back, starts
+    an attempt; it resumed from the step before its first record."""
+    starts, prev = [], None
+    for r in raw:
+        key = r.get("attempt", 0)
+        if prev is None or key != prev[0] or r["step"] <= prev[1]:
+            starts.append((len(starts), r["step"] - 1 if starts else 0, int(r.get("world_size", 1))))
+        prev = (key, r["step"])
+    return _marks(starts), len(starts)
