@@ -77,6 +77,15 @@ def test_reshard_fsdp4_to_ddp2_to_single_P_FSDP_8(runs):
     assert mismatches(full_state(single), torch.load(out / "ref_R4.pt", weights_only=True)) == []
 
 
+@pytest.mark.parametrize("victim", [0, 1])
+def test_a_corrupt_shard_of_either_rank_fails_the_load_on_every_rank_P_CKPT_5(runs, victim):
+    """Each rank hashes only its share of the files on load; the ranks agree."""
+    resume = runs[3]
+    message = resume[0][f"corrupt_{victim}"]
+    assert f"__{victim}_0.distcp fails its sha256 check" in message and "Refusing to load" in message
+    assert all(r[f"corrupt_{victim}"] == message for r in resume)
+
+
 def test_reshard_single_to_fsdp4_P_FSDP_8(runs):
     reshard = runs[2]
     assert reshard[0]["R1_mismatch"] == [] and reshard[0]["R1_keys"] > 20

@@ -5,18 +5,20 @@ save    (w=2) reference runs of N+M steps and N-step runs saved, ddp and fsdp; a
         sync and an async save of one state; an injected ENOSPC.
 reshard (w=4) fsdp: save R4 with its full reference; load R1 (saved at w=1).
 resume  (w=2) new process group: resume both runs for M steps; compare the sync
-        and async saves; load R4 as ddp and compare; save R2.
+        and async saves; load R4 as ddp and compare; save R2; load copies of the
+        sync save with one byte flipped in rank 0's or rank 1's shard.
 crash   (w=2) save step 1, then step 2 with DISTTRAIN_FAULT armed by the test.
 """
 
 import json
+import shutil
 import sys
 from pathlib import Path
 
 import torch
 
 import disttrain as dt
-from disttrain.checkpoint import Checkpointer, CheckpointSaveError, latest_valid
+from disttrain.checkpoint import Checkpointer, CheckpointCorrupt, CheckpointSaveError, latest_valid
 from disttrain.runtime.fault_injection import set_faults
 
 from ckpt_common import build, full_state, mismatches, train
@@ -99,6 +101,21 @@ with dt.distributed(seed=0) as info:
             res["R4_as_ddp_mismatch"] = mismatches(full, torch.load(out / "ref_R4.pt", weights_only=True))
             res["R4_keys"] = len(full)
         dt.save(state, out / "R2")
+        # each rank hashes only its share on load: a shard that another rank verifies
+        # must still fail the load here, with the same message on every rank
+        for victim in (0, 1):
+            bad = out / f"corrupt_{victim}"
+            if r == 0:
+                shutil.copytree(out / "sync", bad)
+                shard = next((bad / "step-00000002").glob(f"__{victim}_*.distcp"))
+                data = bytearray(shard.read_bytes())
+                data[len(data) // 2] ^= 0xFF
+                shard.write_bytes(data)
+            dt.barrier()
+            try:
+                res[f"corrupt_{victim}"] = f"loaded {dt.load(build('ddp'), bad)}"
+            except CheckpointCorrupt as e:
+                res[f"corrupt_{victim}"] = str(e)
     elif phase == "crash":
         state = build("ddp")
         ck = Checkpointer(out / "crash", keep_last=3)

@@ -2,8 +2,10 @@
 P-FSDP-8): the orchestration across ranks.
 
 Save, on every rank: write this rank's RNG file and DCP shards into the temporary
-directory; agree (one all-gather) that every rank succeeded; then rank 0 writes
-`state.json`, the manifest last, checks its writer lease and commits by rename.
+directory, hashing the bytes on their way to disk (`digests`); agree (one
+all-gather of errors and digests) that every rank succeeded; then rank 0 writes
+`state.json`, the manifest last (no file read back), checks its writer lease and
+commits by rename.
 The outcome is broadcast, so a failure anywhere raises the same
 `CheckpointSaveError` on every rank and the previous checkpoint stays latest.
 
@@ -16,8 +18,10 @@ flight: the next `load` or `wait` first completes it and raises its error; the n
 A `StaleWriterError` (this writer was fenced) is never a `CheckpointSaveError`.
 The process-based mode of torch 2.13 is not offered (see docs/checkpoints.md).
 
-Load: rank 0 picks the newest committed directory and verifies its checksums
-before anything in it is unpickled; a bad one is refused unless `fallback=True`.
+Load: rank 0 lists the committed directories, newest first; every rank verifies
+its share of the checksums (`digests.share`) before anything is unpickled and the
+ranks agree on the outcome, so a damaged file of any rank fails the load on every
+rank with one message; a bad one is refused unless `fallback=True`.
 Keys and shapes are compared with DCP's metadata, then DCP loads in place,
 resharding to the current strategy and world size.
 """
@@ -35,22 +39,25 @@ from pathlib import Path
 
 import torch
 import torch.distributed as dist
-import torch.distributed.checkpoint as dcp
-from torch.distributed.checkpoint import FileSystemReader, FileSystemWriter
-from torch.distributed.checkpoint.api import CheckpointException
-from torch.distributed.checkpoint.state_dict_saver import AsyncCheckpointerType
 
 from disttrain.checkpoint import layout
-from disttrain.checkpoint.compat import check_compatible, describe
+from disttrain.checkpoint.compat import describe
 from disttrain.checkpoint.checkpoint_errors import (CheckpointCorrupt, CheckpointError, CheckpointMismatch,
                                          CheckpointSaveError, StaleWriterError)
-from disttrain.checkpoint.fault_points import fault_point, shard_filesystem
+from disttrain.checkpoint.digests import digest_bytes
 from disttrain.checkpoint.files import atomic_write_bytes
 from disttrain.checkpoint.state import TrainState, config_hash
 from disttrain.runtime import rank_info
 
+# DCP (torch.distributed.checkpoint) pulls in DTensor and sympy, about half a second:
+# it is imported on the first save or load, not when the trainer starts.
 ASYNC_MODES = ("off", "thread")
-_FAILURES = (Exception, CheckpointException)  # DCP's CheckpointException is a BaseException
+
+
+def _failures() -> tuple:
+    from torch.distributed.checkpoint.api import CheckpointException
+
+    return (Exception, CheckpointException)  # DCP's CheckpointException is a BaseException
 
 
 def strategy_of(model: torch.nn.Module) -> str:
@@ -178,46 +185,61 @@ class Checkpointer:
         if done:
             self.last_saved = final
             return final
+        import torch.distributed.checkpoint as dcp
+        from torch.distributed.checkpoint import FileSystemWriter
+        from torch.distributed.checkpoint.state_dict_saver import AsyncCheckpointerType
+
+        from disttrain.checkpoint.fault_points import shard_filesystem
+        from disttrain.checkpoint.hashing_fs import HashingFileSystem
+
         sd = state.state_dict()
         info = self._manifest_info(state, sd)
-        local = None
+        local, rng_name = None, f"rank-{self.rank:05d}.json"
+        rng = json.dumps(sd["rng"]).encode()
         try:
-            rng = json.dumps(sd["rng"]).encode()
-            atomic_write_bytes(rng, tmp / f"rank-{self.rank:05d}.json")
+            atomic_write_bytes(rng, tmp / rng_name)
         except OSError as e:
             local = f"rank {self.rank}: {describe(e)}"
         self._raise_if(next((e for e in self._gather(local) if e), None), step, tmp)
-        writer = FileSystemWriter(str(tmp), sync_files=True, overwrite=False)
-        faulty = shard_filesystem(self.rank, step)
-        if faulty is not None:
-            writer.fs = faulty
+        # The hashing filesystem fsyncs every file it writes, so DCP's own fsync is off.
+        writer = FileSystemWriter(str(tmp), sync_files=False, overwrite=False)
+        fs = writer.fs = HashingFileSystem(shard_filesystem(self.rank, step))
+        fs.digests[rng_name] = digest_bytes(rng)
         if self.async_mode == "off":
             try:
                 dcp.save(sd["tensors"], storage_writer=writer, process_group=self.pg)
-            except _FAILURES as e:
+            except _failures() as e:
                 local = f"rank {self.rank}: {describe(e)}"
-            return self._finish(step, tmp, final, sd["meta"], info, local)
+            return self._finish(step, tmp, final, sd["meta"], info, local, fs.digests)
         future = dcp.async_save(sd["tensors"], storage_writer=writer, process_group=self.pg,
                                 async_checkpointer_type=AsyncCheckpointerType.THREAD)
-        self._inflight = self._pool.submit(self._complete, future, step, tmp, final, sd["meta"], info)
+        self._inflight = self._pool.submit(self._complete, future, step, tmp, final, sd["meta"],
+                                           info, fs.digests)
         return None
 
-    def _complete(self, future, step, tmp, final, meta, info) -> Path:
+    def _complete(self, future, step, tmp, final, meta, info, digests) -> Path:
         local = None
         try:
             future.result()
-        except _FAILURES as e:
+        except _failures() as e:
             local = f"rank {self.rank}: {describe(e)}"
-        return self._finish(step, tmp, final, meta, info, local)
+        return self._finish(step, tmp, final, meta, info, local, digests)
 
     def _finish(self, step: int, tmp: Path, final: Path, meta: dict, info: dict,
-                local: str | None) -> Path:
-        err = next((e for e in self._gather(local) if e), None)
+                local: str | None, digests: dict[str, dict]) -> Path:
+        from disttrain.checkpoint.fault_points import fault_point
+
+        # one all-gather carries every rank's outcome and the digests of its files
+        gathered = self._gather((local, digests if local is None else {}))
+        err = next((e for e, _ in gathered if e), None)
         fault_point("after_shards", self.rank, step)
         if self.rank == 0 and err is None:
             try:
-                atomic_write_bytes(json.dumps(meta).encode(), tmp / "state.json")
-                layout.write_manifest(tmp, info)
+                files = {name: d for _, part in gathered for name, d in part.items()}
+                state_json = json.dumps(meta).encode()
+                atomic_write_bytes(state_json, tmp / "state.json")
+                files["state.json"] = digest_bytes(state_json)
+                layout.write_manifest(tmp, info, files)
                 fault_point("during_commit", self.rank, step)
                 layout.commit(tmp, final, self.run_id, self.generation)
                 layout.prune(self.root, self.keep_last, self.generation)
@@ -270,21 +292,34 @@ class Checkpointer:
 
     # ------------------------------------------------------------ load
 
+    def _verify_shared(self, candidate: Path) -> str | None:
+        """A collective: every rank checks all sizes and hashes its share of the files
+        (`digests.share`); returns the same verdict on every rank: None, or the
+        message of the first bad file by name (whichever rank found it)."""
+        mine = None
+        try:
+            layout.verify(candidate, part=(self.rank, self.world))
+        except CheckpointCorrupt as e:
+            mine = (e.bad_file, str(e))
+        found = [f for f in self._gather(mine) if f]
+        return min(found)[1] if found else None
+
     def _pick(self, path: Path | None) -> tuple[str | None, str | None, list[str]]:
+        """A collective: (chosen directory, error, notes), the same on every rank."""
         notes: list[str] = []
         if path is not None and path.name.startswith("step-"):
-            candidates = [path]
+            candidates = [str(path)]
         else:
-            candidates = [p for _, _, p in layout.committed(path or self.root)]
-        for candidate in candidates:
-            try:
-                layout.verify(candidate)
+            candidates = self._bcast([str(p) for _, _, p in layout.committed(path or self.root)]
+                                     if self.rank == 0 else None)
+        for candidate in map(Path, candidates):
+            err = self._verify_shared(candidate)
+            if err is None:
                 return str(candidate), None, notes
-            except CheckpointCorrupt as e:
-                if not self.fallback or len(candidates) == 1 and path is not None:
-                    return None, (f"{e} Refusing to load {candidate.name}. Set checkpoint.fallback "
-                                  f"= true to load the previous valid checkpoint instead."), notes
-                notes.append(f"skipped corrupt checkpoint {candidate.name}: {e}")
+            if not self.fallback or len(candidates) == 1 and path is not None:
+                return None, (f"{err} Refusing to load {candidate.name}. Set checkpoint.fallback "
+                              f"= true to load the previous valid checkpoint instead."), notes
+            notes.append(f"skipped corrupt checkpoint {candidate.name}: {err}")
         if candidates:
             return None, f"no valid checkpoint in {path or self.root} ({'; '.join(notes)}).", notes
         return None, None, notes
@@ -298,8 +333,7 @@ class Checkpointer:
         none is valid) or `CheckpointMismatch` (another model), the same on every rank.
         """
         self.wait()
-        choice, err, notes = self._bcast(self._pick(Path(path) if path else None)
-                                         if self.rank == 0 else None)
+        choice, err, notes = self._pick(Path(path) if path else None)
         if self.rank == 0:
             for note in notes:
                 print(f"disttrain checkpoint: warning: {note}", file=sys.stderr)
@@ -307,6 +341,11 @@ class Checkpointer:
             raise CheckpointCorrupt(err)
         if choice is None:
             return None
+        import torch.distributed.checkpoint as dcp
+        from torch.distributed.checkpoint import FileSystemReader
+
+        from disttrain.checkpoint.compat import check_compatible
+
         step_dir = Path(choice)
         sd = state.state_dict()
         problem = None
@@ -318,7 +357,7 @@ class Checkpointer:
             raise CheckpointMismatch(problem)  # the same message on every rank
         try:
             dcp.load(sd["tensors"], storage_reader=FileSystemReader(str(step_dir)), process_group=self.pg)
-        except _FAILURES as e:
+        except _failures() as e:
             raise CheckpointCorrupt(f"{step_dir} could not be loaded: {describe(e)}") from None
         manifest = json.loads((step_dir / layout.MANIFEST).read_text())
         rng_file = step_dir / f"rank-{self.rank:05d}.json"

@@ -9,10 +9,6 @@ import errno
 from pathlib import Path
 
 import torch
-from torch.distributed.checkpoint import FileSystemReader
-from torch.distributed.checkpoint._nested_dict import flatten_state_dict
-from torch.distributed.checkpoint.api import CheckpointException
-from torch.distributed.checkpoint.metadata import TensorStorageMetadata
 
 from disttrain.checkpoint.checkpoint_errors import CheckpointMismatch
 
@@ -26,6 +22,11 @@ def check_compatible(tensors: dict, step_dir: Path, *, strict: bool = True) -> N
     Raises `CheckpointMismatch` listing the first few mismatches. Call only after
     the manifest verified: reading `.metadata` unpickles it.
     """
+    # DCP is imported here, on a load, not when the trainer starts (it pulls in sympy)
+    from torch.distributed.checkpoint import FileSystemReader
+    from torch.distributed.checkpoint._nested_dict import flatten_state_dict
+    from torch.distributed.checkpoint.metadata import TensorStorageMetadata
+
     saved = FileSystemReader(str(step_dir)).read_metadata().state_dict_metadata
     flat, _ = flatten_state_dict(tensors)
     problems = []
@@ -58,6 +59,8 @@ def check_compatible(tensors: dict, step_dir: Path, *, strict: bool = True) -> N
 
 
 def _walk(exc: BaseException):
+    from torch.distributed.checkpoint.api import CheckpointException
+
     seen = set()
     stack = [exc]
     while stack:
@@ -73,6 +76,8 @@ def _walk(exc: BaseException):
 
 def describe(exc: BaseException) -> str:
     """One line for any save/load failure: the root cause, ENOSPC named as disk full."""
+    from torch.distributed.checkpoint.api import CheckpointException
+
     root = exc
     for e in _walk(exc):
         if isinstance(e, OSError) and e.errno == errno.ENOSPC:

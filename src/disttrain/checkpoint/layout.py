@@ -23,7 +23,6 @@ split-brain cannot make its checkpoint "latest".
 
 from __future__ import annotations
 
-import hashlib
 import json
 import os
 import re
@@ -31,13 +30,13 @@ import shutil
 from pathlib import Path
 
 from disttrain.checkpoint.checkpoint_errors import CheckpointCorrupt, StaleWriterError
+from disttrain.checkpoint.digests import sha256_file, share
 from disttrain.checkpoint.files import atomic_write_bytes, fsync_dir
 
 MANIFEST = "manifest.json"
 LEASE = "WRITER.json"
 FORMAT = 1
 _STEP_RE = re.compile(r"^step-(\d{8})$")
-_CHUNK = 1 << 22
 
 
 def step_name(step: int) -> str:
@@ -48,29 +47,24 @@ def tmp_name(step: int, generation: int, run_id: str) -> str:
     return f".tmp-{step_name(step)}-g{generation}-{run_id}"
 
 
-def sha256_file(path: Path) -> tuple[int, str]:
-    """(size, sha256 hex) of a file, read in 4 MiB chunks."""
-    h, size = hashlib.sha256(), 0
-    with open(path, "rb") as f:
-        while chunk := f.read(_CHUNK):
-            h.update(chunk)
-            size += len(chunk)
-    return size, h.hexdigest()
-
-
-def write_manifest(tmp_dir: Path, info: dict) -> dict:
-    """Hash every file in `tmp_dir` and write `manifest.json` last, atomically.
+def write_manifest(tmp_dir: Path, info: dict, files: dict[str, dict]) -> dict:
+    """Write `manifest.json` last, atomically, from the digests the ranks computed
+    while writing (`files`: {name: {"size", "sha256"}}); no file is read back.
 
     `info` (step, world layout, strategy, versions, ...) is stored beside the file
-    table. Raises `OSError` (ENOSPC included) if it cannot be written.
+    table. The directory must hold exactly the files in `files`, with their sizes:
+    otherwise `CheckpointCorrupt` names the first difference. Raises `OSError`
+    (ENOSPC included) if the manifest cannot be written.
     """
-    files = {}
-    for path in sorted(tmp_dir.iterdir()):
-        if path.name == MANIFEST or path.name.startswith("."+MANIFEST) or path.is_dir():
-            continue
-        size, digest = sha256_file(path)
-        files[path.name] = {"size": size, "sha256": digest}
-    manifest = {"format": FORMAT, **info, "files": files}
+    present = {p.name: p.stat().st_size for p in tmp_dir.iterdir()
+               if p.is_file() and p.name != MANIFEST and not p.name.startswith("." + MANIFEST)}
+    for name in sorted(set(present) | set(files)):
+        if name not in files:
+            raise CheckpointCorrupt(f"{tmp_dir / name} was written but no rank reported its checksum.", name)
+        if present.get(name) != files[name]["size"]:
+            raise CheckpointCorrupt(f"{tmp_dir / name} has {present.get(name)} bytes on disk, its "
+                                    f"writer hashed {files[name]['size']}.", name)
+    manifest = {"format": FORMAT, **info, "files": dict(sorted(files.items()))}
     atomic_write_bytes(json.dumps(manifest, indent=1, sort_keys=True).encode(), tmp_dir / MANIFEST)
     return manifest
 
@@ -89,12 +83,15 @@ def read_manifest(step_dir: Path) -> dict:
         raise CheckpointCorrupt(f"{path} is unreadable ({e}); the checkpoint is damaged.", MANIFEST) from None
 
 
-def verify(step_dir: str | os.PathLike, *, checksums: bool = True) -> dict:
+def verify(step_dir: str | os.PathLike, *, checksums: bool = True,
+           part: tuple[int, int] | None = None) -> dict:
     """Check that every file in the manifest exists with its size and sha256, that
     DCP's `.metadata` is among them, and that no unlisted shard is present.
 
     Returns the manifest. Raises `CheckpointCorrupt` naming the first bad file.
     `checksums=False` checks existence and sizes only (cheap; used by retention).
+    `part=(rank, world)` hashes only that rank's share of the files
+    (`digests.share`); sizes are still checked for all of them.
     """
     step_dir = Path(step_dir)
     if not step_dir.is_dir():
@@ -111,7 +108,8 @@ def verify(step_dir: str | os.PathLike, *, checksums: bool = True) -> dict:
         if size != want["size"]:
             raise CheckpointCorrupt(f"{path} has {size} bytes, the manifest says {want['size']} "
                                     f"(truncated or overwritten).", name)
-        if checksums and sha256_file(path)[1] != want["sha256"]:
+        mine = part is None or share(name, part[1]) == part[0]
+        if checksums and mine and sha256_file(path)[1] != want["sha256"]:
             raise CheckpointCorrupt(f"{path} fails its sha256 check (the bytes changed after "
                                     f"the save).", name)
     for path in step_dir.iterdir():

@@ -27,9 +27,6 @@ from typing import Any
 
 import torch
 import torch.nn as nn
-from torch.distributed.checkpoint.state_dict import (StateDictOptions, get_state_dict,
-                                                     set_model_state_dict,
-                                                     set_optimizer_state_dict, set_state_dict)
 
 from disttrain.checkpoint.zero_state import ZeroView, is_zero
 
@@ -149,6 +146,9 @@ class TrainState:
         return m.module if isinstance(m, torch.nn.DataParallel) else m
 
     def _tensor_parts(self) -> dict:
+        # DCP's helpers pull in DTensor and sympy: imported on the first save, not at start-up
+        from torch.distributed.checkpoint.state_dict import StateDictOptions, get_state_dict
+
         opts = StateDictOptions(strict=True)
         optims = self._optims()
         model_sd, optim_sd = get_state_dict(self._module(), optims, options=opts)
@@ -191,6 +191,9 @@ class TrainState:
         the dict from `state_dict()["tensors"]`); they are handed to the model and
         optimizer through torch's `set_state_dict`.
         """
+        from torch.distributed.checkpoint.state_dict import (StateDictOptions, set_model_state_dict,
+                                                             set_optimizer_state_dict, set_state_dict)
+
         tensors, meta = sd["tensors"], sd["meta"]
         optims = self._optims()
         if optims and isinstance(optims[0], ZeroView):

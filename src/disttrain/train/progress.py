@@ -4,11 +4,6 @@ from __future__ import annotations
 
 import math
 
-from rich.console import Console
-from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn, \
-    TimeRemainingColumn
-from rich.table import Table
-
 
 def _fmt(x: float) -> str:
     return "-" if x is None or (isinstance(x, float) and math.isnan(x)) else f"{x:.3f}"
@@ -25,6 +20,11 @@ class TrainProgress:
         self.enabled = enabled
         if not enabled:
             return
+        # rich loads here, on rank 0 only: 0.1 s off every start (tests/test_imports_startup.py)
+        from rich.console import Console
+        from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn, \
+            TimeRemainingColumn
+
         self._progress = Progress(
             TextColumn("[bold]train"), BarColumn(), MofNCompleteColumn(),
             TextColumn("loss {task.fields[loss]}"), TextColumn("held-out {task.fields[heldout]}"),
@@ -48,6 +48,9 @@ class TrainProgress:
 def print_summary(summary: dict) -> None:
     """One table with the final train and held-out loss, steps, wall time, checkpoint.
     Losses are in nats/byte on the built-in byte corpus; a user's dataset counts samples."""
+    from rich.console import Console  # loaded at the end of a run, not at start-up
+    from rich.table import Table
+
     bytes_ = summary.get("unit", "token") == "token"
     unit, per = ("token", " (nats/byte)") if bytes_ else ("sample", "")
     table = Table(title="disttrain: run summary", show_header=False)
