@@ -18,6 +18,8 @@ commands:
   plan     memory and communication per strategy, with a recommendation
   ckpt     inspect, verify or export a checkpoint:  disttrain ckpt verify DIR
   etcd     a local etcd server for the etcd rendezvous:  disttrain etcd start
+  check    preflight on every node (same flags as run): rendezvous, all-reduce, versions, disk, clock
+  launch-file  write a Slurm sbatch or Kubernetes PyTorchJob:  disttrain launch-file slurm CONFIG.toml --nodes N
   report   a PNG of a run (loss, throughput, step time, restarts):  disttrain report RUN_DIR
 """
 
@@ -36,6 +38,10 @@ def _command(name: str):
         from disttrain.checkpoint.ckpt_command import main
     elif name == "etcd":
         from disttrain.launch.etcd_server import main
+    elif name == "check":
+        from disttrain.launch.check_command import main
+    elif name == "launch-file":
+        from disttrain.launch.launch_files import main
     elif name == "report":
         from disttrain.report import main
     else:
