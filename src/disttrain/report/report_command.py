@@ -57,7 +57,8 @@ def summary_rows(data: RunData) -> list[tuple[str, str]]:
         rows.append(("peak memory per rank (last record)", ", ".join(f"{m:,.0f}" for m in memory[-1]) + " MiB"))
     restarts = [m for m in data.marks if m.kind == "restart"]
     rows.append(("attempts / restarts", f"{data.attempts} / {len(restarts)}"
-                 + (f" (at steps {', '.join(str(m.step) for m in restarts)})" if restarts else "")))
+                 + (f" (at step{'s' * (len(restarts) > 1)} {', '.join(str(m.step) for m in restarts)})"
+                    if restarts else "")))
     for m in data.marks:
         if m.kind == "world_size":
             rows.append(("world-size change", f"step {m.step}: {m.label}"))

@@ -13,7 +13,9 @@ checkpoint, elastic, guard, `Accumulator`) and re-implements none of them::
         loader = job.loader(dataset, batch_size=32)
         job.resume(model=model, optimizer=opt)           # newest valid checkpoint, if any
         for batch in job.steps(loader, max_steps=1000):
-            job.backward(model(**batch).loss)
+            loss = model(**batch).loss
+            job.backward(loss)
+            job.log(loss=loss)                           # metrics.jsonl and TensorBoard
 
 The order is the contract: wrap, optimizer, loader, resume, steps; each call out of
 order, and each object that did not come from this job, is one `UserError`.
@@ -37,8 +39,9 @@ from disttrain.guard import start_guard, tensor_nbytes
 from disttrain.parallel import wrap
 from disttrain.runtime.fault_injection import inject
 from disttrain.train.loop import Accumulator
-from disttrain.train.metrics import print_main
+from disttrain.train.metrics import JsonlWriter, global_sum, print_main
 from disttrain.train.resume import rejoin
+from disttrain.train.run_log import RunLog
 from disttrain.train.sources import to_device
 
 
@@ -72,7 +75,8 @@ class Job:
     `batch_policy` ('keep_global' or 'rescale_lr') applies when a checkpoint comes
     from another world size. `checkpoint_every` (0: only at the end and on
     preemption) and `keep_last` to the `Checkpointer`. `preempt_grace_s` None reads
-    DISTTRAIN_PREEMPT_GRACE_S (set by `disttrain run`), else 60.
+    DISTTRAIN_PREEMPT_GRACE_S (set by `disttrain run`), else 60. `tensorboard` False
+    keeps `job.log` to `out_dir/metrics.jsonl` (no `out_dir/tb` event files).
 
     Entering starts the process group (from the torchrun environment; none under a
     plain `python`), installs the SIGTERM/SIGINT handler and runs the guard's start
@@ -86,7 +90,7 @@ class Job:
                  accum_steps: int = 1, seed: int = 0, grad_clip: float = 0.0, precision: str = "fp32",
                  keep_last: int = 3, batch_policy: str = "keep_global", record_samples: bool = False,
                  preempt_grace_s: float | None = None, backend: str = "auto", device: str = "auto",
-                 timeout_s: float = 300.0, **wrap_options: Any):
+                 timeout_s: float = 300.0, tensorboard: bool = True, **wrap_options: Any):
         if checkpoint_every < 0 or accum_steps < 1:
             raise UserError(f"dt.Job: checkpoint_every ({checkpoint_every}) must be >= 0 and "
                             f"accum_steps ({accum_steps}) >= 1.")
@@ -98,6 +102,7 @@ class Job:
         self.checkpoint_every, self.accum_steps, self.seed = checkpoint_every, accum_steps, seed
         self.grad_clip, self.keep_last, self.batch_policy = grad_clip, keep_last, batch_policy
         self.record_samples, self.preempt_grace_s = record_samples, preempt_grace_s
+        self.tensorboard, self._run_log, self._logged = tensorboard, None, {}
         self._init = dict(backend=backend, device=device, timeout_s=timeout_s, seed=seed)
         self.info: runtime.RankInfo | None = None
         self.model = self._sampler = self._loader = self._acc = self._ckpt = self._state = None
@@ -204,6 +209,7 @@ class Job:
         self._audit = SampleAudit(self.out_dir / "samples", self.info.rank, self.info.world_size,
                                   self.record_samples, generation_id())
         self._acc = acc
+        self._run_log = RunLog(self.out_dir, self.info, self.step, self.resumed, self.tensorboard)
         return self.resumed
 
     # ------------------------------------------------------------------ the loop
@@ -252,6 +258,7 @@ class Job:
                 self._audit.commit(self.step)
                 inject("step", self.step, rank)
                 guard.step(self.step, self.model)
+                self._write_log()
                 stopping = self._preempt.should_stop()  # agreed by all ranks (one all-reduce)
                 if stopping or (self.checkpoint_every and self.step % self.checkpoint_every == 0):
                     saved_at = self._save()
@@ -279,6 +286,42 @@ class Job:
         inject("backward", self.step + 1, self.info.rank)
         self._acc.backward(loss)
         self._backward_done = True
+
+    def log(self, **values: float | torch.Tensor) -> None:
+        """Record numbers for the optimizer step this batch belongs to, e.g.
+        `job.log(loss=loss)`; call it inside `for batch in job.steps(...)`, on every rank
+        (the record is a collective). Values given several times in one step (one call
+        per micro-batch) are averaged. After the step, each value is averaged over the
+        ranks (one all-reduce: every rank's batches have one size, so a per-batch mean
+        loss becomes the global mean), the optimizer's learning rate ("lr"), the
+        gradient norm (with `grad_clip`), samples/s, every rank's step time and peak
+        memory are added, and rank 0 appends the record to `out_dir/metrics.jsonl` and
+        writes it to TensorBoard (`out_dir/tb`). Raises `UserError` outside the loop or
+        for a value that is not a number or a one-element tensor."""
+        self._need(self._in_step, "dt.Job.log() is called inside `for batch in job.steps(...)`, "
+                                  "on every rank.")
+        for key, value in values.items():
+            if isinstance(value, torch.Tensor) and value.numel() == 1:
+                value = value.item()
+            if not isinstance(value, (int, float)) or isinstance(value, bool):
+                raise UserError(f"dt.Job.log({key}=...) got {type(value).__name__}; pass a number "
+                                f"or a one-element tensor, e.g. job.log(loss=loss).")
+            total, count = self._logged.get(key, (0.0, 0))
+            self._logged[key] = (total + float(value), count + 1)
+
+    def _write_log(self) -> None:
+        """The step's `log` values as one record (a collective; see `log`)."""
+        if not self._logged:
+            return
+        keys = sorted(self._logged)  # the same order on every rank
+        means = global_sum([self._logged[k][0] / self._logged[k][1] for k in keys])
+        world = self.info.world_size
+        record = {**{k: v / world for k, v in zip(keys, means)}, "step": self.step, "world_size": world}
+        record.setdefault("lr", self._state.optimizer.param_groups[0]["lr"])
+        self._logged = {}
+        self._run_log.log(record, self._acc.last_grad_norm,
+                          samples_per_step=self._loader.batch_size * self._acc.accum_steps * world)
+        JsonlWriter(self.out_dir / "metrics.jsonl").write(record)
 
     def _save(self) -> int:
         self._state.step, self._state.epoch = self.step, self._sampler.epoch

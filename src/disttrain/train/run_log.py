@@ -73,7 +73,7 @@ class RunLog:
     Rank 0 appends this attempt's line to `run_events.jsonl` and, with `tensorboard`,
     opens a `SummaryWriter` on `out_dir/tb` that writes the start as the text summary
     `run/events` plus the scalars `run/attempt` and `run/world_size` at that step. A
-    restart opens it with `purge_step` at the resumed step, so TensorBoard hides the
+    restart opens it with `purge_step` after the resumed step, so TensorBoard hides the
     steps the killed attempt logged after its checkpoint (they are trained again).
     Other ranks write nothing. An unwritable `out_dir` raises `OSError` on rank 0.
     """
@@ -97,16 +97,19 @@ class RunLog:
             # Imported here: only rank 0 of a run with TensorBoard on pays for it.
             from torch.utils.tensorboard import SummaryWriter
 
-            self.writer = SummaryWriter(str(out / TB_DIR), purge_step=step if past else None)
+            # Steps after `step` are trained again: hide what an earlier attempt logged for them.
+            self.writer = SummaryWriter(str(out / TB_DIR), purge_step=step + 1 if past else None)
             self.writer.add_text("run/events", _event_text(self.event), step)
             self.writer.add_scalar("run/attempt", self.attempt, step)
             self.writer.add_scalar("run/world_size", info.world_size, step)
             self.writer.flush()
             atexit.register(self.close)  # the trainer returns without a close; flushes on exit
 
-    def log(self, record: dict, grad_norm: float | torch.Tensor | None = None) -> dict:
+    def log(self, record: dict, grad_norm: float | torch.Tensor | None = None,
+            samples_per_step: int = 0) -> dict:
         """Add this rank's and every other rank's wall time per step since the last call
-        and peak memory (one all-gather), `grad_norm` and the attempt to `record`, write
+        and peak memory (one all-gather), `grad_norm`, samples_per_s (`samples_per_step`
+        over the slowest rank's step time, when given) and the attempt to `record`, write
         its numbers to TensorBoard on rank 0 (flushed, so a kill -9 keeps them) and
         return it. A collective: every rank calls it at the same steps. `record` needs
         "step"; NaN values are left out of TensorBoard."""
@@ -117,6 +120,8 @@ class RunLog:
                       peak_mem_mb=memory, attempt=self.attempt)
         if grad_norm is not None:
             record["grad_norm"] = float(grad_norm)
+        if samples_per_step:
+            record["samples_per_s"] = samples_per_step / max(max(times), 1e-9)
         if self.writer is not None:
             for key, value in record.items():
                 if key in _NOT_SCALARS or not isinstance(value, (int, float)) or math.isnan(value):
