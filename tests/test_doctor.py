@@ -121,6 +121,34 @@ CASES = [
     ("load-without-weights-only",
      "import torch\nsd = torch.load('w.pt', map_location='cpu', weights_only=False)\n",
      "import torch\nsd = torch.load('w.pt', map_location='cpu', weights_only=True)\n"),
+    ("collective-under-rank-guard",
+     PRE + "if rank == 0:\n    torch.save({}, 'c.pt.tmp')\nelse:\n    dist.barrier()\n",
+     PRE + "if rank != 0:\n    dist.barrier()\nprepare()\nif rank == 0:\n    dist.barrier()\n"
+           "if args.local_rank != -1:\n    dist.all_reduce(t)\n"),
+    ("eval-gather-padded",
+     PRE + "from torch.utils.data import DistributedSampler\n"
+           "val_sampler = DistributedSampler(val_set, shuffle=False)\n"
+           "out = [None] * 2\ndist.all_gather_object(out, preds)\n",
+     PRE + "from torch.utils.data import DistributedSampler\n"
+           "val_sampler = DistributedSampler(val_set, shuffle=False)\n"
+           "out = [None] * 2\ndist.all_gather_object(out, preds)\nout = out[:len(val_set)]\n"),
+    ("fsdp2-no-sync",
+     PRE + "from torch.distributed.fsdp import fully_shard\nfully_shard(model)\n"
+           "with model.no_sync():\n    model(x).sum().backward()\n",
+     PRE + "from torch.distributed.fsdp import fully_shard\nfully_shard(model)\n"
+           "model.set_requires_gradient_sync(False)\nmodel(x).sum().backward()\n"),
+    ("fsdp2-fp16-without-scaler",
+     PRE + "from torch.distributed.fsdp import fully_shard, MixedPrecisionPolicy\n"
+           "fully_shard(model, mp_policy=MixedPrecisionPolicy(param_dtype=torch.float16))\n",
+     PRE + "from torch.distributed.fsdp import fully_shard, MixedPrecisionPolicy\n"
+           "fully_shard(model, mp_policy=MixedPrecisionPolicy(param_dtype=torch.float16))\n"
+           "scaler = torch.amp.GradScaler('cuda')\n"),
+    ("checkpoint-missing-state",
+     PRE + "sd = torch.load('c.pt', map_location='cpu', weights_only=True)\n"
+           "for x in loader:\n    torch.save({'model': m.state_dict(), 'optimizer': opt.state_dict()}, p)\n",
+     PRE + "sd = torch.load('c.pt', map_location='cpu', weights_only=True)\n"
+           "for x in loader:\n    torch.save({'model': m.state_dict(), 'optimizer': opt.state_dict(),\n"
+           "                'rng': torch.get_rng_state(), 'sampler': sampler.state_dict()}, p)\n"),
     ("fsdp1-clip-grad",
      PRE + "from torch.distributed.fsdp import FullyShardedDataParallel as FSDP\n"
            "model = FSDP(nn.Linear(2, 2).cuda())\nopt = torch.optim.AdamW(model.parameters())\n"

@@ -31,7 +31,8 @@ def save_checkpoint(model, optimizer, epoch, path):
     tmp = f"{path}.tmp"
     torch.save({"model": model.module.state_dict(),
                 "optimizer": optimizer.state_dict(),
-                "epoch": epoch}, tmp)
+                "epoch": epoch,
+                "rng": torch.get_rng_state()}, tmp)
     os.replace(tmp, path)
 
 

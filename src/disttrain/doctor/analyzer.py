@@ -12,7 +12,8 @@ import os
 from pathlib import Path
 
 # Importing the rule modules fills the registry (each rule registers itself).
-from disttrain.doctor import rules_ddp, rules_io, rules_launch, rules_step  # noqa: F401
+from disttrain.doctor import (  # noqa: F401
+    rules_ddp, rules_fsdp2, rules_io, rules_launch, rules_resume, rules_step, rules_sync)
 from disttrain.doctor.facts import Facts
 from disttrain.doctor.findings import ERROR, RULES, Finding, ignore_comments, suppressed
 from disttrain.errors import UserError

@@ -61,17 +61,50 @@ def loss_divided_twice(facts: Facts):
                           f"the loss is divided by the accumulation steps {len(sites)} times before "
                           "backward(): gradients end up accum_steps times too small.",
                           "divide exactly once, right before backward().")
+    for div in _lightning_divisions(facts):
+        yield finding(facts, div, "loss-divided-twice",
+                      "training_step returns the loss divided by the accumulation steps, and "
+                      "Lightning divides it by accumulate_grad_batches again before backward(): "
+                      "gradients end up accumulate_grad_batches times too small.",
+                      "return the plain loss; Lightning scales it for accumulation itself.")
 
 
 def _accumulator_names(facts: Facts) -> set[str]:
-    """Names bound to `disttrain.Accumulator(...)`, whose backward() divides the loss."""
+    """Names bound to `disttrain.Accumulator(...)` or to an Accelerate
+    `Accelerator(gradient_accumulation_steps=N)`: their backward() divides the loss by
+    the accumulation steps itself (accelerate's `loss / self.gradient_accumulation_steps`)."""
     out = set()
-    for call in facts.calls_to("disttrain.Accumulator", "disttrain.train.loop.Accumulator",
-                                  "disttrain.loop.Accumulator"):
+    makers = facts.calls_to("disttrain.Accumulator", "disttrain.train.loop.Accumulator",
+                            "disttrain.loop.Accumulator")
+    makers += [c for c in facts.calls_to("accelerate.Accelerator")
+               if (k := kwarg(c, "gradient_accumulation_steps")) is not None and not _is_one(k)]
+    for call in makers:
         parent = facts.parents.get(call)
         if isinstance(parent, ast.Assign) and len(parent.targets) == 1 and ref(parent.targets[0]):
             out.add(ref(parent.targets[0]))
     return out
+
+
+def _is_one(node: ast.AST) -> bool:
+    return isinstance(node, ast.Constant) and node.value == 1
+
+
+def _lightning_divisions(facts: Facts):
+    """Divisions by the accumulation count in a LightningModule's training_step return:
+    under automatic optimization Lightning divides the returned loss by
+    accumulate_grad_batches itself (ClosureResult.from_training_step_output)."""
+    if any(isinstance(n, ast.Assign) and any(isinstance(t, ast.Attribute) and
+           t.attr == "automatic_optimization" for t in n.targets) for n in facts.nodes):
+        return
+    for cls in facts.nodes:
+        if not isinstance(cls, ast.ClassDef) or not any(
+                (facts.qualname(b) or "").endswith("LightningModule") for b in cls.bases):
+            continue
+        for fn in cls.body:
+            if isinstance(fn, ast.FunctionDef) and fn.name == "training_step":
+                for n in ast.walk(fn):
+                    if isinstance(n, ast.Return) and n.value is not None:
+                        yield from _divisions(n.value)
 
 
 def _loss_name(expr: ast.AST) -> str | None:
@@ -157,8 +190,10 @@ _SYNC_WORDS = ("inf", "found", "overflow", "finite", "nan", "skip")
       gradients are all-reduced before unscale, so all ranks see the same inf/nan). With
       FSDP1 (each rank holds a different shard) or a hand-written loop (no DDP), a plain
       GradScaler only sees its own gradients: one rank skips, the others step, and the
-      replicas diverge silently. Use ShardedGradScaler for FSDP, or all-reduce the
-      found-inf flag (MAX) before deciding to step.""")
+      replicas diverge silently. Use ShardedGradScaler for FSDP1, or all-reduce the
+      found-inf flag (MAX) before deciding to step. Under FSDP2 (fully_shard) the plain
+      torch.amp.GradScaler is right: the gradients are DTensors and the found-inf check
+      is reduced across the mesh, so it is not reported there.""")
 def gradscaler_unsynced(facts: Facts):
     if not facts.distributed:
         return

@@ -1,0 +1,186 @@
+"""Rules about collectives: one under a rank guard (a hang), padded evaluation shards.
+
+A collective (`dist.barrier`, `all_reduce`, `accelerator.wait_for_everyone`, a DCP
+save ...) completes only when every rank of the group calls it. Each check takes
+`Facts` and yields `Finding`s; each stays silent unless the source shows the pitfall
+(a false positive is a bug: when in doubt, say nothing).
+"""
+
+from __future__ import annotations
+
+import ast
+
+from disttrain.doctor import control_flow
+from disttrain.doctor.facts import Facts, arg, is_const, mentions, ref
+from disttrain.doctor.findings import ERROR, WARNING, finding, rule
+from disttrain.doctor.rules_launch import _is_eval_name, _sampler_names
+
+# torch.distributed functions every rank of the group must call.
+_TORCH_COLLECTIVES = {
+    "barrier", "monitored_barrier", "all_reduce", "all_gather", "all_gather_object",
+    "all_gather_into_tensor", "broadcast", "broadcast_object_list", "reduce", "reduce_scatter",
+    "reduce_scatter_tensor", "gather", "gather_object", "scatter", "scatter_object_list",
+    "all_to_all", "all_to_all_single"}
+_DCP = {"save", "load", "async_save", "save_state_dict", "load_state_dict"}
+# Methods of Accelerate's Accelerator and Lightning Fabric / strategies that are collectives.
+_WRAPPER_COLLECTIVES = {
+    "accelerator": {"wait_for_everyone", "gather", "gather_for_metrics", "reduce", "pad_across_processes"},
+    "fabric": {"barrier", "all_reduce", "all_gather", "broadcast"},
+    "strategy": {"barrier", "all_reduce", "all_gather", "broadcast"},
+}
+# Results of these are gathered or summed across ranks: padded duplicates get counted.
+_GATHERS = {"all_gather", "all_gather_object", "all_gather_into_tensor", "gather", "gather_object",
+            "all_reduce", "reduce"}
+
+
+def collectives(facts: Facts) -> list[tuple[ast.Call, str]]:
+    """Every collective call with its short name (`barrier`, `wait_for_everyone`, ...)."""
+    out = []
+    for call, q in facts.calls:
+        parts = q.split(".")
+        if q.startswith("torch.distributed.checkpoint.") and parts[-1] in _DCP:
+            out.append((call, f"dcp.{parts[-1]}"))
+        elif q.startswith("torch.distributed.") and parts[-1] in _TORCH_COLLECTIVES and \
+                "checkpoint" not in parts:
+            out.append((call, parts[-1]))
+        elif isinstance(call.func, ast.Attribute):
+            owner = (ref(call.func.value) or "").split(".")[-1].lower()
+            for word, names in _WRAPPER_COLLECTIVES.items():
+                if word in owner and call.func.attr in names:
+                    out.append((call, call.func.attr))
+    return out
+
+
+def _guarding_ifs(facts: Facts, node: ast.AST) -> list[tuple[ast.If, bool]]:
+    """The `if`s testing the rank around `node` in its function, innermost first, with the
+    branch (True: body) it sits in. `if local_rank != -1` asks "distributed at all?", the
+    same answer on every rank, and is no guard."""
+    out, child = [], node
+    for a in facts.ancestors(node):
+        if isinstance(a, ast.If) and child is not a.test and control_flow.is_rank_test(facts, a.test) \
+                and not _is_distributed_check(a.test):
+            out.append((a, child in a.body))
+        if isinstance(a, (ast.FunctionDef, ast.AsyncFunctionDef, ast.Lambda)):
+            break
+        child = a
+    return out
+
+
+def _is_distributed_check(test: ast.AST) -> bool:
+    """`args.local_rank != -1` / `== -1`: a comparison with -1 only."""
+    if not isinstance(test, ast.Compare) or len(test.comparators) != 1:
+        return False
+    c = test.comparators[0]
+    return isinstance(c, ast.UnaryOp) and isinstance(c.op, ast.USub) and \
+        isinstance(c.operand, ast.Constant) and c.operand.value == 1
+
+
+def _has_partner(facts: Facts, call: ast.Call, name: str, ifs, all_calls) -> bool:
+    """True when the ranks the guard leaves out call the same collective elsewhere in the
+    function: the other branch of the same `if`, or another rank-guarded `if` with a
+    different test (HF's `if local_rank not in [-1, 0]: barrier()` ... `if local_rank ==
+    0: barrier()`, main process first)."""
+    guard, in_body = ifs[0]
+    scope = facts.scope_of(call)
+    test = ast.unparse(guard.test)
+    for other, other_name in all_calls:
+        if other is call or other_name != name or facts.scope_of(other) is not scope:
+            continue
+        other_ifs = _guarding_ifs(facts, other)
+        if not other_ifs:
+            continue
+        o_guard, o_body = other_ifs[0]
+        if o_guard is guard and o_body != in_body:
+            return True
+        if o_guard is not guard and ast.unparse(o_guard.test) != test:
+            return True
+    return False
+
+
+@rule("collective-under-rank-guard", ("P-LOOP-1", "P-DEBUG-1"), ERROR,
+      "a collective that only some ranks reach",
+      """A collective (dist.barrier, all_reduce, all_gather, broadcast, a DCP save or load,
+      accelerator.wait_for_everyone/gather, fabric.barrier ...) returns only when every rank
+      of the group has called it. Under `if rank == 0:` (or its else branch, after an early
+      `if rank != 0: return`, or in a function called only under such a guard, like
+      `@rank_zero_only`) the other ranks never arrive and the job hangs until the collective
+      timeout. Run the collective on every rank and guard only the file or log write. The
+      main-process-first pattern, the same collective under complementary guards (`if
+      rank != 0: barrier()` ... `if rank == 0: barrier()`), is balanced and not reported.""")
+def collective_under_rank_guard(facts: Facts):
+    found = collectives(facts)
+    for call, name in found:
+        kind = facts.rank_guard(call)
+        if kind is None:
+            continue
+        ifs = _guarding_ifs(facts, call)
+        if ifs and _has_partner(facts, call, name, ifs, found):
+            continue
+        if not ifs and _only_distributed_checks(facts, call):
+            continue
+        yield finding(facts, call, "collective-under-rank-guard",
+                      f"{name}() is a collective but runs under a rank guard: the ranks the guard "
+                      "leaves out never call it, and the job hangs until the collective timeout.",
+                      "call it on every rank (outside the `if`), and guard only the work that must "
+                      "happen once (the write, the log).")
+
+
+def _only_distributed_checks(facts: Facts, call: ast.Call) -> bool:
+    """The guard rank_guard saw is an `if local_rank != -1` test (no real guard)."""
+    child = call
+    for a in facts.ancestors(call):
+        if isinstance(a, ast.If) and child is not a.test and control_flow.is_rank_test(facts, a.test):
+            return _is_distributed_check(a.test)
+        if isinstance(a, (ast.FunctionDef, ast.AsyncFunctionDef, ast.Lambda)):
+            return False
+        child = a
+    return False
+
+
+@rule("eval-gather-padded", ("P-DATA-1", "P-LOOP-2"), WARNING,
+      "evaluation shards padded with duplicates, then gathered or summed",
+      """DistributedSampler (drop_last=False, the default) and Accelerate's prepared
+      loaders pad the last shard by repeating samples so every rank gets as many. Training
+      does not mind; evaluation does: results gathered (all_gather, accelerator.gather) or
+      summed (all_reduce) across ranks count up to world_size - 1 samples twice, and the
+      metric changes with the number of GPUs. Truncate the gathered results to
+      len(dataset), count only real samples, or use accelerator.gather_for_metrics, which
+      drops the padding. drop_last=True is no fix: it drops samples instead.""")
+def eval_gather_padded(facts: Facts):
+    names = {n for _, n in collectives(facts)}
+    if not names & _GATHERS or _truncates(facts):
+        return
+    for call in facts.calls_to("DistributedSampler"):
+        if is_const(arg(call, 5, "drop_last"), True):
+            continue
+        sampler = _sampler_names(facts, call)
+        dataset = ref(arg(call, 0, "dataset") or call) or ""
+        if any(_is_eval_name(n) for n in sampler | {dataset}):
+            yield finding(facts, call, "eval-gather-padded",
+                          "this evaluation sampler pads the last shard with repeated samples "
+                          "(drop_last=False), and the script gathers or sums results across ranks: "
+                          "the metric counts up to world_size - 1 samples twice.",
+                          "truncate the gathered predictions to len(dataset) (or count only real "
+                          "samples); drop_last=True would drop samples instead.")
+    loops = set()  # one finding per evaluation loop
+    for call, name in collectives(facts):
+        if name != "gather" or not isinstance(call.func, ast.Attribute):
+            continue
+        loop = facts.enclosing_loop(call)
+        if loop is not None and loop not in loops and isinstance(loop, (ast.For, ast.AsyncFor)) and \
+                mentions(loop.iter, _is_eval_name):
+            loops.add(loop)
+            yield finding(facts, call, "eval-gather-padded",
+                          "accelerator.gather() over an evaluation loader keeps the samples "
+                          "Accelerate repeated to fill the last batch: the metric counts them twice.",
+                          "use accelerator.gather_for_metrics(...), which drops the padding.")
+
+
+def _truncates(facts: Facts) -> bool:
+    """The script cuts gathered results back to the dataset's length: `x[: len(ds)]`."""
+    for n in facts.nodes:
+        if isinstance(n, ast.Subscript) and isinstance(n.slice, ast.Slice) and n.slice.upper is not None \
+                and any(isinstance(c, ast.Call) and isinstance(c.func, ast.Name) and c.func.id == "len"
+                        for c in ast.walk(n.slice.upper)):
+            return True
+    return False
