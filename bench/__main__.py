@@ -34,6 +34,7 @@ OTHERS = {
                             ["--repeat", "1"]),
     "recovery_bench.py": (0, [], []),
     "guard_overhead.py": (2, ["--out", "{results}/guard.md"], ["--steps", "60"]),
+    "doctor_corpus.py": (0, ["--out", "{results}/doctor.md"], []),
 }
 
 

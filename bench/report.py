@@ -5,7 +5,8 @@ command, the machine and the date that produced them), so running one section
 rewrites its table and leaves the others as they were last measured. Markdown
 files in bench/results/ written by other benchmarks are merged in: names starting
 with `checkpoint` as section 5, `recovery` or `elastic` as section 6, `gpu` as the
-GPU section, any other one after section 7. Their text is included as written.
+GPU section, `doctor` (bench/doctor_corpus.py) last, any other one after section 7.
+Their text is included as written.
 """
 
 from __future__ import annotations
@@ -92,7 +93,8 @@ def write(opts: Options, modules: list) -> Path:
     if "imports" in sections:
         out += _section(by_name["imports"], sections["imports"], results)
     gpu = _external(results, ("gpu",))
-    used.update(gpu)
+    doctor = _external(results, ("doctor",))  # static analysis: after the timings, at the end
+    used.update(gpu + doctor)
     for path in sorted(set(results.glob("*.md")) - used):
         out += _include(path, None)
     out += ["## GPU (NVIDIA H200)", ""]
@@ -106,6 +108,8 @@ def write(opts: Options, modules: list) -> Path:
                 "stall; under 8 minutes). Copy OUTDIR/gpu.md to bench/results/gpu.md and rerun "
                 "`python -m bench --report-only` to include it. A CPU dry run of the same script "
                 "is a test (tests/test_bench_smoke.py).", ""]
+    for path in doctor:
+        out += _include(path, None)
     path = opts.out_dir / "BENCHMARKS.md"
     path.write_text("\n".join(out).rstrip() + "\n")
     return path
