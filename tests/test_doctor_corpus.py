@@ -19,8 +19,9 @@ from conftest import ROOT
 
 sys.path.insert(0, str(ROOT))
 
+from bench import common, report  # noqa: E402
 from bench.doctor_corpus import (  # noqa: E402
-    bugs_table, family_recall, load_case, measure_bugs, measure_real, real_table, totals)
+    bugs_table, family_recall, load_case, main, measure_bugs, measure_real, real_table, totals)
 
 
 def test_doctor_on_real_scripts():
@@ -45,6 +46,15 @@ def test_real_bug_recall_per_family():
     assert len(fams) >= 8
     for fam, (hit, total, _) in fams.items():
         assert hit / total >= 0.9, f"real-bug recall of {fam!r} under 90% ({hit} of {total})"
+
+
+def test_the_bench_command_writes_the_section_benchmarks_md_ends_with(tmp_path):
+    results = tmp_path / "bench" / "results"
+    assert main(["--out", str(results / "doctor.md")]) == 0
+    text = report.write(common.Options(out_dir=tmp_path), []).read_text()
+    gpu, doctor = text.index("## GPU (NVIDIA H200)"), text.index("## Doctor on real code")
+    assert gpu < doctor and "### Real reported bugs" in text[doctor:]
+    assert "[pytorch/pytorch#31771](https://github.com/pytorch/pytorch/issues/31771)" in text
 
 
 def test_a_bug_case_without_expectations_is_refused(tmp_path):
