@@ -31,6 +31,7 @@ from datetime import timedelta
 
 from disttrain.errors import UserError
 from disttrain.launch.check_facts import Limits, NodeFacts, is_local_address, node_facts, problems, reach, render
+from disttrain.launch.launch_files import OneLineParser
 from disttrain.launch.run_command import _split_script
 
 ALLREDUCE_BYTES = 8 * 1024 * 1024
@@ -58,7 +59,7 @@ class CheckArgs:
 
 
 def _parser() -> argparse.ArgumentParser:
-    p = argparse.ArgumentParser(prog="disttrain check", add_help=True,
+    p = OneLineParser(prog="disttrain check",
                                 description="Preflight of a multi-node job: run it on every node "
                                             "with the flags of `disttrain run`.")
     p.add_argument("--nnodes", default="1")

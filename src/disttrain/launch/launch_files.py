@@ -1,0 +1,118 @@
+"""`disttrain launch-file slurm|k8s CONFIG.toml --nodes N ...`: write a cluster's launch file.
+
+slurm: an sbatch script (see `launch_templates.sbatch`): srun starts one `disttrain run`
+       per node, the c10d rendezvous sits on the allocation's first node, a `disttrain
+       check` step runs first (--no-check drops it), and SIGTERM (preemption, or shortly
+       before --time runs out) makes every rank save and exit 0 before `scontrol requeue`.
+k8s:   a Kubeflow PyTorchJob (kubeflow.org/v1) with elastic min..max replicas, an etcd
+       Deployment and Service for torch's etcd-v2 rendezvous, and a ConfigMap holding the
+       TOML; `--pvc CLAIM` mounts a shared volume for the run's output and checkpoints.
+
+The config is loaded and validated first, so a typo fails here, not on the cluster.
+Every mistake is a `UserError` naming the flag. The file is written to --output
+(default NAME.sbatch / NAME.yaml); `-o -` prints it. The k8s file is one JSON document
+per object, separated by `---`: JSON is YAML, and it needs no YAML library.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import math
+import re
+import sys
+from pathlib import Path
+
+from disttrain.errors import UserError
+from disttrain.launch.launch_templates import (LaunchSpec, config_map, etcd_objects, pytorchjob,
+                                               sbatch)
+from disttrain.launch.run_command import SHUTDOWN_MARGIN_S
+
+DEFAULT_ETCD_IMAGE = "quay.io/coreos/etcd:v3.5.17"  # 3.5 still serves the v2 API torch needs
+SLURM_TIME = re.compile(r"^(\d+-)?\d+(:\d{1,2}){0,2}$|^\d+-\d+$")  # sbatch's forms: M, H:M:S, D-H ...
+K8S_NAME = re.compile(r"^[a-z]([-a-z0-9]{0,40}[a-z0-9])?$")  # a DNS label, room for '-etcd'
+
+
+class OneLineParser(argparse.ArgumentParser):
+    """argparse that raises `UserError` (one line, exit 2) instead of printing usage and exiting."""
+
+    def error(self, message: str):
+        raise UserError(f"{message}. See: {self.prog} --help")
+
+
+def _parser() -> argparse.ArgumentParser:
+    p = OneLineParser(prog="disttrain launch-file",
+                                description="Write a Slurm sbatch script or a Kubernetes PyTorchJob.")
+    p.add_argument("kind", choices=("slurm", "k8s"))
+    p.add_argument("config", help="the trainer's TOML (validated now)")
+    p.add_argument("--nodes", type=int, required=True, help="nodes (k8s: the most replicas)")
+    p.add_argument("--min-nodes", type=int, default=None, help="k8s: the fewest replicas (default --nodes)")
+    p.add_argument("--gpus-per-node", type=int, default=0, help="0 on CPU nodes (then parallel.nproc processes)")
+    p.add_argument("--partition", default="")
+    p.add_argument("--time", default="", help="Slurm time limit, e.g. 04:00:00 or 1-00:00:00")
+    p.add_argument("--max-restarts", type=int, default=3)
+    p.add_argument("--name", default="", help="job name (default: the config's file name)")
+    p.add_argument("--no-check", action="store_true", help="slurm: no `disttrain check` step")
+    p.add_argument("--image", default="", help="k8s: the container image with disttrain installed")
+    p.add_argument("--etcd-image", default=DEFAULT_ETCD_IMAGE)
+    p.add_argument("--namespace", default="")
+    p.add_argument("--pvc", default="", help="k8s: a ReadWriteMany claim for output and checkpoints")
+    p.add_argument("-o", "--output", default="", help="file to write; '-' prints it")
+    return p
+
+
+def spec_from(ns: argparse.Namespace) -> tuple[LaunchSpec, str]:
+    """The job and the config's text. Raises `UserError`/`ConfigError` for any bad value."""
+    from disttrain.config import load_config
+
+    cfg = load_config(ns.config)  # ConfigError names the file and the key
+    if ns.nodes < 1:
+        raise UserError(f"--nodes is {ns.nodes}; a job needs at least one node.")
+    min_nodes = ns.nodes if ns.min_nodes is None else ns.min_nodes
+    if not 1 <= min_nodes <= ns.nodes:
+        raise UserError(f"--min-nodes {min_nodes} must be between 1 and --nodes {ns.nodes}.")
+    if ns.kind == "slurm" and min_nodes != ns.nodes:
+        raise UserError("--min-nodes is for k8s; a Slurm allocation has a fixed node count.")
+    if ns.gpus_per_node < 0 or ns.max_restarts < 0:
+        raise UserError("--gpus-per-node and --max-restarts must be >= 0.")
+    if ns.time and not SLURM_TIME.match(ns.time):
+        raise UserError(f"--time {ns.time!r} is not a Slurm time; write MINUTES, HH:MM:SS or D-HH:MM:SS.")
+    name = ns.name or Path(ns.config).stem.replace("_", "-").lower()
+    if ns.kind == "k8s" and not K8S_NAME.match(name):
+        raise UserError(f"job name {name!r} is not a Kubernetes name; pass --name with lower-case "
+                        f"letters, digits and '-' (at most 42 characters).")
+    if ns.kind == "slurm" and not re.match(r"^[\w.-]+$", name):
+        raise UserError(f"job name {name!r} has characters Slurm file names cannot take; pass --name.")
+    if ns.kind == "k8s" and not ns.image:
+        raise UserError("k8s needs --image IMAGE: a container image with disttrain and your code installed.")
+    grace = math.ceil(cfg.elastic.preempt_grace_s) + SHUTDOWN_MARGIN_S
+    config = str(Path(ns.config).resolve()) if ns.kind == "slurm" else ns.config
+    spec = LaunchSpec(config=config, name=name, nodes=ns.nodes, min_nodes=min_nodes,
+                      nproc=ns.gpus_per_node or cfg.parallel.nproc, gpus=ns.gpus_per_node,
+                      max_restarts=ns.max_restarts, grace_s=grace, partition=ns.partition,
+                      time=ns.time, check=not ns.no_check, image=ns.image, etcd_image=ns.etcd_image,
+                      namespace=ns.namespace, pvc=ns.pvc)
+    return spec, Path(ns.config).read_text()
+
+
+def render(ns: argparse.Namespace) -> tuple[str, str]:
+    """(file text, default file name) for the parsed arguments."""
+    spec, toml_text = spec_from(ns)
+    if ns.kind == "slurm":
+        return sbatch(spec), f"{spec.name}.sbatch"
+    docs = [*etcd_objects(spec), config_map(spec, toml_text), pytorchjob(spec)]
+    text = "".join(f"---\n{json.dumps(d, indent=2)}\n" for d in docs)
+    return text, f"{spec.name}.yaml"
+
+
+def main(argv: list[str]) -> int:
+    ns = _parser().parse_args(argv)
+    text, default = render(ns)
+    out = ns.output or default
+    if out == "-":
+        sys.stdout.write(text)
+        return 0
+    Path(out).write_text(text)
+    how = f"sbatch {out}" if ns.kind == "slurm" else f"kubectl apply -f {out}"
+    print(f"disttrain launch-file: wrote {out}; submit with: {how}", file=sys.stderr)
+    return 0
