@@ -202,7 +202,8 @@ def render(real: RealResult, cases: list[BugCase]) -> str:
         "numbers). Static analysis: no timing, so the machine load does not matter.", "",
         "## Public training scripts", "",
         "Corpus: `tests/doctor_corpus/real/`, public scripts copied verbatim (pytorch/examples, "
-        "huggingface/accelerate, Lightning Fabric examples; `tests/doctor_corpus/SOURCES.md`), "
+        "huggingface/accelerate, Lightning Fabric examples, torchtitan; "
+        "`tests/doctor_corpus/SOURCES.md`), "
         "checked in one run; each finding judged true or false by a reviewer in "
         "`tests/doctor_corpus/review.json`. Precision = true / (true + false); recall = true / "
         "(true + missed). Targets: no false error, at most one false warning per 500 lines, "
