@@ -70,8 +70,8 @@ def test_marks_from_metrics_alone(tmp_path):
     data = load_run(tmp_path)
     assert data.source == "metrics.jsonl"
     assert [(m.step, m.kind, m.label) for m in data.marks] == [
-        (4, "restart", "restart 1 (from step 4)"), (8, "restart", "restart 2 (from step 8)"),
-        (8, "world_size", "2 -> 4 ranks")]
+        (4, "restart", "restart 1: resumed at step 4"), (8, "restart", "restart 2: resumed at step 8"),
+        (8, "world_size", "world size 2 -> 4")]
 
 
 @pytest.mark.parametrize("case", ["missing", "no_metrics", "empty", "not_png"])

@@ -84,7 +84,7 @@ def test_report_marks_the_kill_and_the_new_world_size(killed_and_shrunk, tmp_pat
     assert png.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n" and side["steps"] == STEPS
     assert [(m["step"], m["kind"]) for m in side["marks"]] == [(CKPT_EVERY, "restart"),
                                                                (CKPT_EVERY, "world_size")]
-    assert side["marks"][1]["label"] == "2 -> 1 ranks"
+    assert side["marks"][1]["label"] == "world size 2 -> 1"
 
 
 def test_tensorboard_false_writes_no_event_files(tmp_path):

@@ -36,7 +36,7 @@ def _label_marks(ax, data: RunData) -> None:
 def _loss(ax, data: RunData) -> None:
     if data.superseded:
         x, y = data.series("loss", data.superseded)
-        ax.plot(x, y, ".", color="0.65", markersize=4, label="train (killed attempt, trained again)")
+        ax.plot(x, y, "x", color="0.45", markersize=5, label="train, killed attempt (trained again)")
     x, y = data.series("loss")
     ax.plot(x, y, color="#1f77b4", linewidth=1.4, label="train")
     x, y = data.series("heldout_loss")
@@ -76,7 +76,7 @@ def _step_time(ax, data: RunData) -> None:
     ax.fill_between(x, [min(t) for _, t in rows], [max(t) for _, t in rows], step="mid",
                     color="#9467bd", alpha=0.3, label="fastest to slowest rank")
     ax.plot(x, [statistics.median(t) for _, t in rows], color="#9467bd", linewidth=1.2,
-            label="median rank")
+            drawstyle="steps-mid", label="median rank")
     # Clip the axis at a high percentile: evaluation and checkpoint windows are spikes that
     # would flatten every other step.
     tops = sorted(max(t) for _, t in rows)
@@ -102,9 +102,9 @@ def render(data: RunData, png: str | Path) -> Path:
     for kind in sorted({m.kind for m in data.marks}):
         handles.append(Line2D([], [], **MARK_STYLE[kind]))
         labels.append(MARK_NAME[kind])
-    axes[0].legend(handles, labels, loc="upper right", fontsize=9, framealpha=0.9)
+    axes[0].legend(handles, labels, loc="center right", fontsize=9, framealpha=0.9)
     axes[1].legend(loc="upper left", fontsize=9)
-    axes[2].legend(loc="upper right", fontsize=9)
+    axes[2].legend(loc="upper left", fontsize=9)
     axes[2].set_xlabel("optimizer step")
     restarts = sum(m.kind == "restart" for m in data.marks)
     fig.suptitle(f"disttrain run {data.run_dir.name}: {data.records[-1]['step']} steps, "

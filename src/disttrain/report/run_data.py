@@ -95,9 +95,9 @@ def _marks(starts: list[tuple[int, int, int]]) -> list[Mark]:
     """Marks from (attempt, step, world size) of each attempt's start, in time order."""
     marks = []
     for (_, _, before), (attempt, step, world) in zip(starts, starts[1:]):
-        marks.append(Mark(step, "restart", f"restart {attempt} (from step {step})"))
+        marks.append(Mark(step, "restart", f"restart {attempt}: resumed at step {step}"))
         if world != before:
-            marks.append(Mark(step, "world_size", f"{before} -> {world} ranks"))
+            marks.append(Mark(step, "world_size", f"world size {before} -> {world}"))
     return sorted(marks, key=lambda m: (m.step, m.kind))
 
 
