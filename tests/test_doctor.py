@@ -126,12 +126,14 @@ CASES = [
      PRE + "if rank != 0:\n    dist.barrier()\nprepare()\nif rank == 0:\n    dist.barrier()\n"
            "if args.local_rank != -1:\n    dist.all_reduce(t)\n"),
     ("eval-gather-padded",
-     PRE + "from torch.utils.data import DistributedSampler\n"
-           "val_sampler = DistributedSampler(val_set, shuffle=False)\n"
-           "out = [None] * 2\ndist.all_gather_object(out, preds)\n",
-     PRE + "from torch.utils.data import DistributedSampler\n"
-           "val_sampler = DistributedSampler(val_set, shuffle=False)\n"
-           "out = [None] * 2\ndist.all_gather_object(out, preds)\nout = out[:len(val_set)]\n"),
+     PRE + "from torch.utils.data import DataLoader, DistributedSampler\n"
+           "loader = DataLoader(val_set, sampler=DistributedSampler(val_set, shuffle=False))\n"
+           "def evaluate():\n    preds = [model(x) for x in loader]\n    for x in loader:\n        pass\n"
+           "    out = [None] * 2\n    dist.all_gather_object(out, preds)\n",
+     PRE + "from torch.utils.data import DataLoader, DistributedSampler\n"
+           "loader = DataLoader(val_set, sampler=DistributedSampler(val_set, shuffle=False))\n"
+           "def evaluate():\n    preds = [model(x) for x in loader]\n    for x in loader:\n        pass\n"
+           "    out = [None] * 2\n    dist.all_gather_object(out, preds)\n    return out[:len(val_set)]\n"),
     ("fsdp2-no-sync",
      PRE + "from torch.distributed.fsdp import fully_shard\nfully_shard(model)\n"
            "with model.no_sync():\n    model(x).sum().backward()\n",

@@ -124,3 +124,13 @@ def test_accelerate_no_sync_under_fsdp2_is_the_library_s_business():
 PRE_FSDP2 = ("import datetime, torch, torch.distributed as dist\n"
              "from torch.distributed.fsdp import fully_shard, MixedPrecisionPolicy\n"
              "dist.init_process_group('nccl', timeout=datetime.timedelta(minutes=5))\n")
+
+
+def test_a_training_all_reduce_does_not_make_an_eval_sampler_a_finding():
+    src = (PRE_FSDP2 + "from torch.utils.data import DataLoader, DistributedSampler\n"
+           "val_loader = DataLoader(val_set, sampler=DistributedSampler(val_set, shuffle=False))\n"
+           "def train(loader):\n    for x in loader:\n        dist.all_reduce(x)\n"
+           "def evaluate():\n    return [model(x) for x in val_loader]\n")
+    assert not [r for r in _rules(src) if r[0] == "eval-gather-padded"]
+    src += "def report(t):\n    for x in val_loader:\n        dist.all_reduce(t)\n"
+    assert ("eval-gather-padded", "warning") in _rules(src)

@@ -147,21 +147,38 @@ def _only_distributed_checks(facts: Facts, call: ast.Call) -> bool:
       len(dataset), count only real samples, or use accelerator.gather_for_metrics, which
       drops the padding. drop_last=True is no fix: it drops samples instead.""")
 def eval_gather_padded(facts: Facts):
-    names = {n for _, n in collectives(facts)}
-    if not names & _GATHERS or _truncates(facts):
+    if _truncates(facts):
+        return
+    yield from _padded_samplers(facts)
+    yield from _accelerate_gathers(facts)
+
+
+def _padded_samplers(facts: Facts):
+    """Evaluation DistributedSamplers whose loader is looped over in a function that
+    gathers or sums across ranks."""
+    gathers = [c for c, name in collectives(facts) if name in _GATHERS]
+    if not gathers:
         return
     for call in facts.calls_to("DistributedSampler"):
         if is_const(arg(call, 5, "drop_last"), True):
             continue
-        sampler = _sampler_names(facts, call)
+        names = _sampler_names(facts, call)
         dataset = ref(arg(call, 0, "dataset") or call) or ""
-        if any(_is_eval_name(n) for n in sampler | {dataset}):
+        if not any(_is_eval_name(n) for n in names | {dataset}):
+            continue
+        loops = {facts.scope_of(n) for n in facts.nodes if isinstance(n, (ast.For, ast.AsyncFor)) and
+                 mentions(n.iter, lambda w: _is_eval_name(w) or w in names)}
+        if any(facts.scope_of(c) in loops for c in gathers):
             yield finding(facts, call, "eval-gather-padded",
                           "this evaluation sampler pads the last shard with repeated samples "
-                          "(drop_last=False), and the script gathers or sums results across ranks: "
-                          "the metric counts up to world_size - 1 samples twice.",
+                          "(drop_last=False), and the evaluation loop gathers or sums results across "
+                          "ranks: the metric counts up to world_size - 1 samples twice.",
                           "truncate the gathered predictions to len(dataset) (or count only real "
                           "samples); drop_last=True would drop samples instead.")
+
+
+def _accelerate_gathers(facts: Facts):
+    """accelerator.gather (not gather_for_metrics) inside a loop over an evaluation loader."""
     loops = set()  # one finding per evaluation loop
     for call, name in collectives(facts):
         if name != "gather" or not isinstance(call.func, ast.Attribute):
