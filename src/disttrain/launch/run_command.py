@@ -27,6 +27,9 @@ What it changes, and why:
   A user's `--shutdown-timeout` (or PET_SHUTDOWN_TIMEOUT, TORCH_ELASTIC_SHUTDOWN_TIMEOUT)
   wins.
 - A `DISTTRAIN_FAULT` spec with a typo is refused before any worker starts.
+- `-m disttrain.train CONFIG` whose config sets `[elastic] fast_recovery = true`: each
+  worker slot runs `disttrain.launch.slot_supervisor`, which keeps the training
+  process and a warm spare as its children (docs/elastic.md).
 Every other torchrun flag passes through unchanged.
 """
 
@@ -205,6 +208,11 @@ def build_torchrun_args(argv: list[str]) -> tuple[list[str], dict[str, str]]:
         raise UserError(f"script {script[0]!r} not found. Pass the path of a Python file "
                         f"(or -m package.module).")
     grace = preempt_grace_s(script, is_module)
+    if is_module and len(script) > 1 and script[0] == "disttrain.train":
+        from disttrain.config import load_config
+
+        if load_config(script[1], script[2:]).elastic.fast_recovery:
+            script = ["disttrain.launch.slot_supervisor", *script]
     env["DISTTRAIN_PREEMPT_GRACE_S"] = f"{grace:g}"
     if (_flag_value(flags, *SHUTDOWN_FLAGS) is None and not any(os.environ.get(k) for k in SHUTDOWN_ENV)
             and torchrun_has_shutdown_timeout()):

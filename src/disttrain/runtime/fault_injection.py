@@ -14,8 +14,9 @@ Phases (`PHASES`, the one list) are the points where disttrain calls `inject`:
 forward, backward, step (optimizer), and the checkpoint phases checkpoint.shards,
 checkpoint.after_shards and checkpoint.during_commit (see
 disttrain.checkpoint.fault_points). An unknown action or phase is a `UserError`. Keys: rank (default
-any), step (default any), restart (the TORCHELASTIC_RESTART_COUNT it fires in,
-default 0, so a restarted job does not fail again at the same point).
+any), step (default any), restart (the attempt it fires in: TORCHELASTIC_RESTART_COUNT
+plus the in-memory recoveries of `elastic.fast_recovery` so far; default 0, so a
+restarted or recovered job does not fail again at the same point).
 """
 
 from __future__ import annotations
@@ -77,6 +78,14 @@ def parse(spec: str) -> list[Fault]:
 
 
 _faults: list[Fault] | None = None
+_attempt = 0
+
+
+def set_attempt(n: int) -> None:
+    """The in-memory recoveries so far (the fast-recovery generation), added to
+    TORCHELASTIC_RESTART_COUNT when a fault's `restart` is matched."""
+    global _attempt
+    _attempt = n
 
 
 def set_faults(spec: str | None) -> None:
@@ -99,7 +108,7 @@ def inject(phase: str, step: int, rank: int | None = None) -> None:
         return
     if rank is None:
         rank = int(os.environ.get("RANK", "0"))
-    restart = int(os.environ.get("TORCHELASTIC_RESTART_COUNT", "0"))
+    restart = int(os.environ.get("TORCHELASTIC_RESTART_COUNT", "0")) + _attempt
     for f in faults:
         if f.phase != phase or f.rank not in (None, rank) or f.step not in (None, step):
             continue

@@ -139,7 +139,7 @@ def group_backend(device_type: str, backend: str = "auto") -> str:
 
 
 def init(*, backend: str = "auto", device: str = "auto", timeout_s: float = 300.0,
-         seed: int = 0) -> RankInfo:
+         seed: int = 0, store: "dist.Store | None" = None) -> RankInfo:
     """Start the process group from the torchrun environment and return `RankInfo`.
 
     Seeds every RNG with `seed` on every rank, so the model initialisation is the same
@@ -151,6 +151,8 @@ def init(*, backend: str = "auto", device: str = "auto", timeout_s: float = 300.
     Raises `UserError` for an inconsistent environment; a rendezvous that cannot
     complete fails after `timeout_s` instead of torch's 10-30 minutes. Creating a
     process group is not thread-safe: call from the main thread (P-INIT-3).
+    `store`: rendezvous on this store instead of MASTER_ADDR:MASTER_PORT (the
+    generations of `elastic.fast_recovery`, each on its own prefix).
     """
     global _current
     world = _env_int("WORLD_SIZE", 1)
@@ -169,6 +171,7 @@ def init(*, backend: str = "auto", device: str = "auto", timeout_s: float = 300.
             dist.init_process_group(
                 backend=chosen, timeout=datetime.timedelta(seconds=timeout_s),
                 device_id=dev if dev.type == "cuda" else None,
+                **({"store": store, "rank": rank, "world_size": world} if store is not None else {}),
             )
     seed_all(seed)
     _current = RankInfo(rank=rank, local_rank=local_rank, world_size=world,

@@ -21,7 +21,7 @@ from disttrain.checkpoint import Checkpointer, CheckpointSaveError, TrainState, 
 from disttrain.config import Config, to_dict
 from disttrain.data import ElasticSampler
 from disttrain.demo.corpus import ChunkDataset
-from disttrain.elastic import PreemptionHandler, SampleAudit, generation_id
+from disttrain.elastic import PreemptionHandler, SampleAudit, fast_recovery, generation_id
 from disttrain.guard import path_nbytes, start_guard, tensor_nbytes
 from disttrain.guard.run_guard import logical_name
 from disttrain.parallel import make_optimizer, unwrap, wrap
@@ -90,6 +90,15 @@ def train(cfg: Config, config_dir: str | Path | None = None) -> dict:
     after the same step, saves, and returns with `summary["preempted"]` True.
     """
     p, t = cfg.parallel, cfg.train
+    if fast_recovery.enabled():  # a child of the slot supervisor: elastic.fast_recovery
+        def attempt(info: runtime.RankInfo, handoff: fast_recovery.Handoff) -> dict:
+            preempt = PreemptionHandler(cfg.elastic.preempt_grace_s).install()
+            try:
+                return _train(cfg, info, preempt, config_dir, handoff)
+            finally:
+                preempt.uninstall()
+        return fast_recovery.run(attempt, backend=p.backend, device=p.device, timeout_s=p.timeout_s,
+                                 seed=t.seed, prepare=lambda h: _datasets(cfg, config_dir, h))
     with runtime.distributed(backend=p.backend, device=p.device, timeout_s=p.timeout_s,
                              seed=t.seed) as info:
         preempt = PreemptionHandler(cfg.elastic.preempt_grace_s).install()
@@ -99,7 +108,16 @@ def train(cfg: Config, config_dir: str | Path | None = None) -> dict:
             preempt.uninstall()
 
 
-def _train(cfg: Config, info: runtime.RankInfo, preempt: PreemptionHandler, config_dir) -> dict:
+def _datasets(cfg: Config, config_dir, handoff: fast_recovery.Handoff | None):
+    """`sources.build_datasets`, kept across the attempts of a fast recovery (a spare
+    builds them while it waits)."""
+    if handoff is None:
+        return sources.build_datasets(cfg, config_dir)
+    return handoff.cached("datasets", lambda: sources.build_datasets(cfg, config_dir))
+
+
+def _train(cfg: Config, info: runtime.RankInfo, preempt: PreemptionHandler, config_dir,
+           handoff: fast_recovery.Handoff | None = None) -> dict:
     t0 = time.perf_counter()
     p, t = cfg.parallel, cfg.train
     # The newest checkpoint's config against this one: a changed model or dataset is
@@ -109,7 +127,7 @@ def _train(cfg: Config, info: runtime.RankInfo, preempt: PreemptionHandler, conf
         print_main(resume.complete_message(plan))
         return {"steps": plan.step, "world_size": info.world_size, "complete": True, "preempted": False}
     # The built-in GPT on the stdlib corpus, or the config's factories (train/sources.py).
-    train_set, heldout_set, data_info = sources.build_datasets(cfg, config_dir)
+    train_set, heldout_set, data_info = _datasets(cfg, config_dir, handoff)
     loss_fn = sources.build_loss(cfg, config_dir)
     builtin = sources.uses_builtin_model(cfg) and not cfg.data.factory and loss_fn is None
     # The byte corpus counts tokens (block_size per sample); a user's dataset counts samples.
@@ -124,6 +142,8 @@ def _train(cfg: Config, info: runtime.RankInfo, preempt: PreemptionHandler, conf
                                 torch.utils.data.default_collate)
     # Fingerprint, launch checks and hang watchdog, before wrap (P-DEBUG-1,3).
     guard = start_guard(cfg.guard, config=cfg, timeout_s=p.timeout_s, dataset_len=len(train_set))
+    if handoff is not None:
+        handoff.keep(guard=guard)
     raw = sources.build_model(cfg, config_dir)
     ndims = {n: q.dim() for n, q in raw.named_parameters()}
     model = wrap(raw, p, precision=t.precision)  # bf16/fp16 (P-DDP-7, P-FSDP-5)
@@ -143,10 +163,18 @@ def _train(cfg: Config, info: runtime.RankInfo, preempt: PreemptionHandler, conf
     out = Path(t.out_dir)
     ckpt, state = _checkpointing(cfg, out, model, optimizer, scheduler, acc.scaler, sampler)
     fresh = resume.fresh_hyperparams(optimizer, scheduler)
+    in_memory = False
+    if handoff is not None:  # fast recovery: the state comes from a survivor's memory
+        state = state or TrainState(model=model, optimizer=optimizer, scheduler=scheduler, scaler=acc.scaler,
+                                    sampler=sampler, config=to_dict(cfg))
+        handoff.keep(state=state, acc=acc)
+        in_memory = handoff.gen > 0 and handoff.restore(state)  # a collective in generations > 0
     with guard.slow_phase("checkpoint.load", nbytes=path_nbytes(ckpt.root if ckpt else None)):
-        loaded = ckpt.load(state) if ckpt is not None else None  # automatic resume (P-ELASTIC-3)
-    resumed = loaded is not None
-    if resumed:
+        loaded = ckpt.load(state) if ckpt is not None and not in_memory else None  # automatic resume (P-ELASTIC-3)
+    resumed = loaded is not None or in_memory
+    if in_memory:
+        resume.rejoin("train", state.step, acc, sampler, cfg.elastic.batch_policy, info, optimizer, scheduler)
+    elif resumed:
         if plan is None or plan.directory != str(loaded):  # the load fell back to another one
             plan = resume.plan_for(loaded, cfg)
             plan = plan.check() if plan is not None else None
@@ -160,7 +188,7 @@ def _train(cfg: Config, info: runtime.RankInfo, preempt: PreemptionHandler, conf
     tokens_per_step = t.batch_size * per_item * acc.accum_steps * info.world_size
     t_eval = time.perf_counter()
     with guard.slow_phase("eval"):  # slow phases: not steps to the hang watchdog
-        first_eval = run_eval()
+        first_eval = run_eval() if not in_memory else float("nan")  # a recovery does not wait for it
     eval_s = time.perf_counter() - t_eval  # after a SIGTERM, an eval that no longer fits is skipped
     progress = TrainProgress(t.steps, enabled=info.is_main, start=step,
                              unit=unit)

@@ -1,0 +1,199 @@
+"""In-process recovery: a dead rank is replaced by a warm spare and the survivors keep
+the model in their memory (`[elastic] fast_recovery = true`, docs/elastic.md).
+
+The training processes of one torchrun worker slot are children of
+`disttrain.launch.slot_supervisor`, which hosts (on global rank 0's slot) a
+`TCPStore` at MASTER_ADDR:MASTER_PORT that outlives every training process. The
+role a child plays comes from `ROLE_ENV`:
+- "first": the slot's first training process; it joins generation 0 (or a later one).
+- "spare": imported torch and disttrain and built its datasets, then blocks until
+  its supervisor writes a line on its stdin (the slot's training process died). It
+  then bumps the generation counter and joins that generation as the newcomer.
+
+A generation is one process group: every member adds itself to the generation's
+join counter and the group is created with `init_process_group(store=PrefixStore(
+"disttrain/fast/g<N>", store))`. When a collective fails (gloo raises on a closed
+peer) a survivor keeps a snapshot of its committed state (`TrainState.state_dict`,
+which under DDP needs no collective), destroys the group and joins the next
+generation. There the member(s) with the highest committed step broadcast their
+state to the others, so the failed step is redone with the same samples and the same
+dropout stream (`runtime.seed_step`), and nothing is read from disk. When no member
+holds a state (every holder died), the disk checkpoint is the source, as on a restart.
+
+A process that waits for a generation longer than `wait_s` raises the collective
+error it saw (no rank died: a real error); a supervisor's loss falls back to
+torchrun's restart and the disk checkpoint.
+"""
+
+from __future__ import annotations
+
+import datetime
+import os
+import sys
+import time
+from dataclasses import dataclass, field
+from typing import Any, Callable
+
+import torch.distributed as dist
+
+from disttrain import runtime
+from disttrain.runtime import fault_injection
+
+ROLE_ENV = "DISTTRAIN_FAST_ROLE"
+"""Set by the slot supervisor on its children: "first" or "spare"."""
+GEN_KEY = "disttrain/fast/gen"
+DONE_KEY = "disttrain/fast/done"
+"""Each training process adds 1 when its job is over, so the supervisor that hosts
+the store keeps it until every rank has finished with it."""
+
+
+def enabled() -> bool:
+    """True in a training process started by a slot supervisor."""
+    return os.environ.get(ROLE_ENV) in ("first", "spare")
+
+
+def is_spare() -> bool:
+    return os.environ.get(ROLE_ENV) == "spare"
+
+
+def wait_for_promotion() -> None:
+    """Block until the supervisor says this spare takes over (one line on stdin).
+    End of input (the job is over, or the supervisor died): exit 0 at once."""
+    line = sys.stdin.readline()
+    if not line:
+        os._exit(0)
+    os.environ[ROLE_ENV] = "newcomer"
+
+
+def connect_store(timeout_s: float) -> dist.TCPStore:
+    """A client of the supervisor's store (it may still be starting: the client retries)."""
+    return dist.TCPStore(os.environ.get("MASTER_ADDR", "127.0.0.1"), int(os.environ["MASTER_PORT"]),
+                         is_master=False, timeout=datetime.timedelta(seconds=timeout_s))
+
+
+def join(store: dist.Store, gen: int, world: int, wait_s: float) -> int:
+    """Join generation `gen` or a later one; return it once all `world` ranks are in.
+
+    A generation someone bumps past (another death during the wait) is left for the
+    newer one. Raises `TimeoutError` after `wait_s` without a full generation."""
+    deadline = time.monotonic() + wait_s
+    while True:
+        key = f"disttrain/fast/g{gen}/joined"
+        store.add(key, 1)
+        while True:
+            if store.add(key, 0) >= world:
+                return gen
+            current = store.add(GEN_KEY, 0)
+            if current > gen:
+                gen = current
+                break
+            if time.monotonic() > deadline:
+                raise TimeoutError(f"generation {gen}: only {store.add(key, 0)} of {world} ranks "
+                                   f"joined within {wait_s:.0f} s")
+            time.sleep(0.002)
+
+
+@dataclass
+class Handoff:
+    """What one attempt (one generation) of the training function gets and leaves.
+
+    `memory`: this process's committed state from the failed attempt (None on a
+    newcomer or a first start); `cache`: objects kept across attempts (datasets);
+    `live`: what the running attempt registered with `keep` (its `TrainState`, the
+    accumulator and the guard), read after a failure."""
+
+    gen: int
+    memory: dict | None = None
+    cache: dict = field(default_factory=dict)
+    live: dict = field(default_factory=dict)
+
+    def keep(self, **objects: Any) -> None:
+        self.live.update(objects)
+
+    def cached(self, name: str, build: Callable[[], Any]) -> Any:
+        if name not in self.cache:
+            self.cache[name] = build()
+        return self.cache[name]
+
+    def restore(self, state) -> bool:
+        """A collective of the new generation: every rank offers its committed step
+        (-1 without a state); the lowest rank with the highest step broadcasts its
+        state and every rank loads it into `state` (a `TrainState`). Returns False
+        when no rank holds one (the caller loads the disk checkpoint)."""
+        mine = -1 if self.memory is None else int(self.memory["meta"]["step"])
+        steps: list[int] = [0] * dist.get_world_size()
+        dist.all_gather_object(steps, mine)
+        best = max(steps)
+        if best < 0:
+            return False
+        src = steps.index(best)
+        box = [self.memory if dist.get_rank() == src else None]
+        dist.broadcast_object_list(box, src=src)
+        state.load_state_dict(box[0])
+        self.memory = None
+        if dist.get_rank() == 0:
+            print(f"disttrain train: generation {self.gen}: state of step {best} taken from rank "
+                  f"{src}'s memory (ranks' steps {steps})", file=sys.stderr, flush=True)
+        return True
+
+    def snapshot(self) -> None:
+        """After a failed collective: keep this rank's committed state in memory and
+        stop the attempt's watchdog. The snapshot is taken from the live objects,
+        whose tensors nothing changes any more."""
+        guard = self.live.get("guard")
+        if guard is not None:
+            guard.close()
+        state, acc = self.live.get("state"), self.live.get("acc")
+        if state is None or acc is None:  # failed before the model was built: keep the older one
+            return
+        state.step, state.epoch = acc.optimizer_steps, state.sampler.epoch
+        self.memory = state.state_dict()
+        self.live = {}
+
+
+def _is_peer_failure(e: BaseException) -> bool:
+    """A collective that failed because a peer went away (gloo closes the pair)."""
+    return isinstance(e, (RuntimeError, ConnectionError, TimeoutError)) and dist.is_initialized()
+
+
+def run(body: Callable[[runtime.RankInfo, Handoff], Any], *, backend: str, device: str,
+        timeout_s: float, seed: int, prepare: Callable[[Handoff], None] | None = None) -> Any:
+    """Run `body(info, handoff)` in process groups of successive generations until it
+    returns. `prepare(handoff)` runs before the first group (a spare: before it waits,
+    so its datasets are built while it is idle). A failure that is not a peer's loss,
+    or a generation that does not fill within `timeout_s`, propagates."""
+    world = int(os.environ["WORLD_SIZE"])
+    handoff = Handoff(gen=0)
+    if prepare is not None:
+        prepare(handoff)
+    if is_spare():
+        wait_for_promotion()
+    store = connect_store(timeout_s)
+    gen = store.add(GEN_KEY, 1) if os.environ.get(ROLE_ENV) == "newcomer" else store.add(GEN_KEY, 0)
+    failure: BaseException | None = None
+    try:
+        while True:
+            try:
+                gen = join(store, gen, world, timeout_s)
+            except TimeoutError:
+                if failure is not None:
+                    raise failure
+                raise
+            handoff.gen = gen
+            fault_injection.set_attempt(gen)  # a fault for attempt k fires once, in generation k
+            info = runtime.init(backend=backend, device=device, timeout_s=timeout_s, seed=seed,
+                                store=dist.PrefixStore(f"disttrain/fast/g{gen}/pg", store))
+            try:
+                return body(info, handoff)
+            except Exception as e:
+                if not _is_peer_failure(e):
+                    raise
+                failure = e
+                print(f"disttrain train: rank {info.rank}: generation {gen} lost a peer "
+                      f"({type(e).__name__}); recovering in memory", file=sys.stderr, flush=True)
+                handoff.snapshot()
+            finally:
+                runtime.shutdown()
+            gen = max(gen + 1, store.add(GEN_KEY, 0))
+    finally:
+        store.add(DONE_KEY, 1)

@@ -1,0 +1,139 @@
+"""`python -m disttrain.launch.slot_supervisor MODULE ARGS...`: one torchrun worker slot
+under `[elastic] fast_recovery = true` (docs/elastic.md). `disttrain run` starts it in
+place of `-m disttrain.train` when the config asks for fast recovery.
+
+The supervisor is the process torchrun watches. It starts the slot's training process
+(`python -m MODULE ARGS`) as its child, and a warm spare: the same command, which
+imports torch and disttrain, builds its datasets and then waits on its stdin. When
+the training process is killed by a signal, the supervisor promotes the spare (one
+line on its stdin) and starts a new spare in the background; torchrun sees nothing.
+A spare that dies is replaced the same way. Global rank 0's supervisor also hosts the
+`TCPStore` (at MASTER_ADDR:MASTER_PORT) on which the training processes agree on
+generations, so the store outlives any training process.
+
+What falls back to torchrun's restart and the disk checkpoint: a training process
+that exits with a status (an error, a hang the watchdog reported), more than
+`MAX_PROMOTIONS` deaths, or the loss of a supervisor (its children get SIGKILL from
+the kernel: `PR_SET_PDEATHSIG`). SIGTERM and SIGINT are passed to the training
+process (a preemption: it saves and exits 0). The supervisor exits with its training
+process's status (128 + signal when killed by one).
+"""
+
+from __future__ import annotations
+
+import ctypes
+import datetime
+import os
+import signal
+import subprocess
+import sys
+import time
+
+ROLE_ENV = "DISTTRAIN_FAST_ROLE"  # elastic.fast_recovery.ROLE_ENV; not imported: that imports torch
+DONE_KEY = "disttrain/fast/done"
+MAX_PROMOTIONS = 1000
+POLL_S = 0.01
+"""How often the children are polled: the detection delay of a death."""
+STORE_LINGER_S = 60.0
+"""How long the store's host waits for every rank to finish with it after its own
+training process is done."""
+
+
+def _die_with_parent() -> None:
+    """In the child, before exec: SIGKILL when the supervisor dies (Linux)."""
+    try:
+        ctypes.CDLL(None, use_errno=True).prctl(1, signal.SIGKILL)  # PR_SET_PDEATHSIG
+    except (OSError, AttributeError):  # not Linux: an orphan ends at its next collective
+        pass
+
+
+def _spawn(cmd: list[str], role: str) -> subprocess.Popen:
+    env = {**os.environ, ROLE_ENV: role}
+    stdin = subprocess.PIPE if role == "spare" else subprocess.DEVNULL
+    return subprocess.Popen(cmd, env=env, stdin=stdin, preexec_fn=_die_with_parent)
+
+
+def _host_store(world: int):
+    """Global rank 0's slot: the store every generation rendezvouses on."""
+    import torch.distributed as dist
+
+    return dist.TCPStore(os.environ.get("MASTER_ADDR", "127.0.0.1"), int(os.environ["MASTER_PORT"]),
+                         world_size=None, is_master=True, wait_for_workers=False,
+                         timeout=datetime.timedelta(seconds=300))
+
+
+def _end(proc: subprocess.Popen | None) -> None:
+    """End a spare: end of input makes it exit 0; SIGKILL if it does not within 5 s."""
+    if proc is None or proc.poll() is not None:
+        return
+    try:
+        proc.stdin.close()
+        proc.wait(timeout=5)
+    except (OSError, subprocess.TimeoutExpired):
+        proc.kill()
+        proc.wait()
+
+
+def supervise(cmd: list[str], rank: int, world: int) -> int:
+    """Run the slot until its training process is done; return the exit status."""
+    store = _host_store(world) if rank == 0 else None
+    child = _spawn(cmd, "first")
+    spare = _spawn(cmd, "spare")
+    stopping = []
+
+    def forward(signum, _frame):
+        stopping.append(signum)
+        if child.poll() is None:
+            child.send_signal(signum)
+
+    for sig in (signal.SIGTERM, signal.SIGINT):
+        signal.signal(sig, forward)
+    promotions = 0
+    while True:
+        rc = child.poll()
+        if rc is None:
+            if spare.poll() is not None and not stopping:  # a killed spare: replaced in the background
+                print(f"disttrain run: rank {rank}'s spare exited ({spare.returncode}); starting another",
+                      file=sys.stderr, flush=True)
+                spare = _spawn(cmd, "spare")
+            time.sleep(POLL_S)
+            continue
+        if rc < 0 and not stopping and promotions < MAX_PROMOTIONS:
+            if spare.poll() is not None:
+                spare = _spawn(cmd, "spare")
+            try:
+                spare.stdin.write(b"go\n")
+                spare.stdin.flush()
+            except OSError:  # the spare died just now: a fresh one takes the line
+                spare = _spawn(cmd, "spare")
+                spare.stdin.write(b"go\n")
+                spare.stdin.flush()
+            promotions += 1
+            print(f"disttrain run: rank {rank}'s training process died ({signal.Signals(-rc).name}); "
+                  f"its warm spare took over (promotion {promotions})", file=sys.stderr, flush=True)
+            child, spare = spare, _spawn(cmd, "spare")
+            continue
+        break
+    _end(spare)
+    if store is not None and rc == 0:  # keep the store up until every rank is done with it
+        deadline = time.monotonic() + STORE_LINGER_S
+        while store.add(DONE_KEY, 0) < world and time.monotonic() < deadline:
+            time.sleep(0.05)
+    return rc if rc >= 0 else 128 - rc
+
+
+def main(argv: list[str]) -> int:
+    if not argv:
+        print("usage: python -m disttrain.launch.slot_supervisor MODULE [ARGS...] (started by "
+              "`disttrain run` for [elastic] fast_recovery = true)", file=sys.stderr)
+        return 2
+    if "RANK" not in os.environ or "MASTER_PORT" not in os.environ:
+        print("disttrain: the slot supervisor runs under torchrun (`disttrain run` or `disttrain "
+              "train` start it); RANK or MASTER_PORT is not set.", file=sys.stderr)
+        return 2
+    return supervise([sys.executable, "-m", *argv], int(os.environ["RANK"]),
+                     int(os.environ["WORLD_SIZE"]))
+
+
+if __name__ == "__main__":
+    sys.exit(main(sys.argv[1:]))
