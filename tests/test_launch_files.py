@@ -1,0 +1,246 @@
+"""`disttrain launch-file`: the sbatch script passes `bash -n` and shellcheck and runs to
+completion on a one-node Slurm the test starts (Debian's slurm-wlm, auth/none, its own
+ports and directories); the Kubernetes objects validate against the schemas shipped by
+`kubernetes-validate` (strict) and the PyTorchJob against the training operator's
+schema (tests/data/kubeflow, see SOURCE.md there), and a wrong manifest fails them."""
+
+from __future__ import annotations
+
+import json
+import os
+import shutil
+import socket
+import subprocess
+import time
+from pathlib import Path
+
+import jsonschema
+import pytest
+import yaml
+
+from conftest import ROOT, worker_env
+from disttrain import cli
+
+K8S_VERSION = "1.30"
+SCHEMA = ROOT / "tests" / "data" / "kubeflow" / "pytorchjob_v1.schema.json"
+TINY = """[model]
+block_size = 32
+n_layer = 1
+n_head = 2
+n_embd = 32
+[data]
+max_bytes = 24577
+[parallel]
+nproc = 1
+[train]
+steps = 3
+batch_size = 4
+eval_every = 0
+log_every = 1
+out_dir = "{out}"
+"""
+
+
+def _cli(capsys, *args: str) -> tuple[int, str]:
+    """`disttrain ARGS` in this process (no torch is imported): (exit code, stderr)."""
+    rc = cli.main(list(args))
+    return rc, capsys.readouterr().err
+
+
+def _write(tmp: Path, capsys, kind: str, *flags: str) -> str:
+    cfg = tmp / "tiny_job.toml"
+    if not cfg.exists():
+        cfg.write_text(TINY.format(out=tmp / "out"))
+    out = tmp / f"job.{kind}"
+    rc, err = _cli(capsys, "launch-file", kind, str(cfg), "-o", str(out), *flags)
+    assert rc == 0, err
+    return out.read_text()
+
+
+# --- Slurm ------------------------------------------------------------------------------
+
+def test_sbatch_passes_bash_n_and_shellcheck(tmp_path, capsys):
+    text = _write(tmp_path, capsys, "slurm", "--nodes", "4", "--gpus-per-node", "8", "--partition", "gpu",
+                  "--time", "1-00:00:00", "--max-restarts", "5")
+    for line in ("#SBATCH --nodes=4", "#SBATCH --gpus-per-node=8", "#SBATCH --partition=gpu",
+                 "#SBATCH --time=1-00:00:00", "#SBATCH --requeue", "#SBATCH --signal=B:TERM@100",
+                 'scontrol requeue "$SLURM_JOB_ID"', "--max-restarts 5 -m disttrain.train",
+                 'srun --ntasks-per-node=1 --kill-on-bad-exit=1 disttrain check'):
+        assert line in text, line
+    script = tmp_path / "job.slurm"
+    subprocess.run(["bash", "-n", str(script)], check=True, timeout=30)
+    if shutil.which("shellcheck") is None:
+        pytest.skip("shellcheck is not installed (scripts/setup.sh installs it)")
+    lint = subprocess.run(["shellcheck", "--severity=info", str(script)], capture_output=True,
+                          text=True, timeout=60)
+    assert lint.returncode == 0, lint.stdout
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def _slurm_conf(root: Path) -> Path:
+    host = socket.gethostname().split(".")[0]
+    (root / "state").mkdir()
+    (root / "spool").mkdir()
+    conf = root / "slurm.conf"
+    conf.write_text(f"""ClusterName=disttrain-test
+SlurmctldHost={host}(127.0.0.1)
+SlurmUser=root
+SlurmdUser=root
+AuthType=auth/none
+CredType=cred/none
+SlurmctldPort={_free_port()}
+SlurmdPort={_free_port()}
+StateSaveLocation={root}/state
+SlurmdSpoolDir={root}/spool
+SlurmctldPidFile={root}/slurmctld.pid
+SlurmdPidFile={root}/slurmd.pid
+ProctrackType=proctrack/pgid
+TaskPlugin=task/none
+MpiDefault=none
+ReturnToService=2
+SchedulerType=sched/builtin
+SelectType=select/linear
+JobCompType=jobcomp/none
+AccountingStorageType=accounting_storage/none
+NodeName={host} NodeAddr=127.0.0.1 CPUs={os.cpu_count()} State=UNKNOWN
+PartitionName=debug Nodes={host} Default=YES MaxTime=INFINITE State=UP
+""")
+    return conf
+
+
+def _wait(predicate, seconds: float, what: str, logs: list[Path]):
+    deadline = time.monotonic() + seconds
+    while time.monotonic() < deadline:
+        value = predicate()
+        if value:
+            return value
+        time.sleep(0.3)
+    tails = "\n".join(f"--- {p}\n{p.read_text()[-2000:]}" for p in logs if p.exists())
+    pytest.fail(f"timed out waiting for {what}\n{tails}")
+
+
+@pytest.mark.timeout(150)
+def test_sbatch_runs_on_a_one_node_slurm(tmp_path, capsys):
+    """The generated script as written: its `disttrain check` step and the training."""
+    if shutil.which("slurmctld") is None or shutil.which("slurmd") is None or os.geteuid() != 0:
+        pytest.skip("a one-node Slurm needs Debian's slurm-wlm and root (scripts/setup.sh installs it)")
+    root = tmp_path / "slurm"
+    root.mkdir()
+    conf = _slurm_conf(root)
+    env = worker_env(SLURM_CONF=str(conf), PATH=f"{ROOT / '.venv' / 'bin'}{os.pathsep}{os.environ['PATH']}")
+    logs = [root / "slurmctld.log", root / "slurmd.log"]
+    daemons = [subprocess.Popen([daemon, "-D", "-f", str(conf)], env=env, stdout=log.open("w"),
+                                stderr=subprocess.STDOUT, start_new_session=True)
+               for daemon, log in zip(("slurmctld", "slurmd"), logs)]
+
+    def sh(*cmd: str) -> str:
+        return subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=30, cwd=tmp_path).stdout
+
+    try:
+        _wait(lambda: "idle" in sh("sinfo", "-h", "-o", "%T"), 30, "the Slurm node to come up", logs)
+        _write(tmp_path, capsys, "slurm", "--nodes", "1", "--time", "10", "--name", "tiny")
+        job = sh("sbatch", "--parsable", str(tmp_path / "job.slurm")).strip().split(";")[0]
+        assert job.isdigit(), f"sbatch said {job!r}"
+
+        def finished() -> str:
+            state = sh("scontrol", "show", "job", job)
+            return state if any(f"JobState={s}" in state for s in ("COMPLETED", "FAILED", "CANCELLED",
+                                                                      "TIMEOUT", "NODE_FAIL")) else ""
+        state = _wait(finished, 120, f"Slurm job {job}", logs + [tmp_path / f"tiny-{job}.out"])
+        output = (tmp_path / f"tiny-{job}.out").read_text()
+        assert "JobState=COMPLETED" in state and "ExitCode=0:0" in state, state + output
+        assert "1 node(s) healthy" in output  # the check step ran before the training
+        steps = [json.loads(line)["step"] for line in (tmp_path / "out" / "metrics.jsonl").open()]
+        assert steps[-1] == 3 and (tmp_path / "out" / "model.pt").exists()
+    finally:
+        for d in daemons:
+            os.killpg(d.pid, 9)
+            d.wait(timeout=10)
+
+
+# --- Kubernetes ---------------------------------------------------------------------------
+
+def _k8s(tmp: Path, capsys, *flags: str) -> list[dict]:
+    text = _write(tmp, capsys, "k8s", "--nodes", "4", "--min-nodes", "2", "--gpus-per-node", "8",
+                  "--image", "registry.example/train:1", "--pvc", "shared-data", *flags)
+    return [d for d in yaml.safe_load_all(text) if d]
+
+
+def _pytorchjob_validator():
+    from referencing import Registry, Resource
+    from kubernetes_validate.utils import schema_contents
+
+    defs = schema_contents(f"kubernetes-json-schema/v{K8S_VERSION}.0-local-strict/_definitions.json",
+                           K8S_VERSION)
+    registry = Registry().with_resource(defs["$id"], Resource.from_contents(defs))
+    return jsonschema.Draft202012Validator(json.loads(SCHEMA.read_text()), registry=registry)
+
+
+def test_k8s_manifest_validates_against_the_schemas(tmp_path, capsys):
+    import kubernetes_validate
+
+    docs = _k8s(tmp_path, capsys)
+    kinds = [d["kind"] for d in docs]
+    assert kinds == ["Service", "Deployment", "ConfigMap", "PyTorchJob"]
+    for doc in docs[:3]:
+        kubernetes_validate.validate(doc, K8S_VERSION, strict=True)
+    job = docs[3]
+    _pytorchjob_validator().validate(job)
+    # The parts must also fit together: the workers' endpoint is the etcd Service,
+    # which selects the etcd pods; the elastic range is the one asked for.
+    service, deployment = docs[0], docs[1]
+    assert service["spec"]["selector"] == deployment["spec"]["template"]["metadata"]["labels"]
+    assert "--enable-v2=true" in deployment["spec"]["template"]["spec"]["containers"][0]["command"]
+    policy = job["spec"]["elasticPolicy"]
+    assert (policy["minReplicas"], policy["maxReplicas"], policy["nProcPerNode"]) == (2, 4, 8)
+    worker = job["spec"]["pytorchReplicaSpecs"]["Worker"]
+    pod = worker["template"]["spec"]
+    command = pod["containers"][0]["command"]
+    assert pod["containers"][0]["name"] == "pytorch"  # the operator finds its container by name
+    i = command.index("--rdzv-endpoint")
+    assert command[i + 1] == f"{service['metadata']['name']}:{service['spec']['ports'][0]['port']}"
+    assert command[command.index("--nnodes") + 1] == "2:4" and worker["replicas"] == 4
+    assert pod["terminationGracePeriodSeconds"] > 60  # the default grace of 60 s fits in it
+    assert docs[2]["data"]["config.toml"] == (tmp_path / "tiny_job.toml").read_text()
+
+
+@pytest.mark.parametrize("breakage", ["unknown elastic field", "replicas as text", "bad pod field"])
+def test_a_broken_pytorchjob_fails_the_schema(tmp_path, capsys, breakage):
+    job = _k8s(tmp_path, capsys)[3]
+    if breakage == "unknown elastic field":
+        job["spec"]["elasticPolicy"]["minNodes"] = 2
+    elif breakage == "replicas as text":
+        job["spec"]["pytorchReplicaSpecs"]["Worker"]["replicas"] = "4"
+    else:
+        job["spec"]["pytorchReplicaSpecs"]["Worker"]["template"]["spec"]["containers"][0]["cmd"] = ["x"]
+    with pytest.raises(jsonschema.ValidationError):
+        _pytorchjob_validator().validate(job)
+
+
+# --- mistakes: one line each, exit 2 ------------------------------------------------------
+
+@pytest.mark.parametrize("flags, message", [
+    (["k8s", "--nodes", "2"], "k8s needs --image IMAGE"),
+    (["slurm", "--nodes", "2", "--time", "4 hours"], "is not a Slurm time"),
+    (["slurm", "--nodes", "0"], "--nodes is 0"),
+    (["slurm", "--nodes", "4", "--min-nodes", "2"], "--min-nodes is for k8s"),
+    (["k8s", "--nodes", "2", "--image", "x", "--name", "Big_Name"], "is not a Kubernetes name"),
+])
+def test_launch_file_mistakes_are_one_line(tmp_path, capsys, flags, message):
+    cfg = tmp_path / "c.toml"
+    cfg.write_text(TINY.format(out=tmp_path / "out"))
+    rc, err = _cli(capsys, "launch-file", flags[0], str(cfg), *flags[1:], "-o", str(tmp_path / "x"))
+    assert rc == 2 and message in err, err
+    assert len(err.strip().splitlines()) == 1 and not (tmp_path / "x").exists()
+
+
+def test_launch_file_names_a_bad_config_key(tmp_path, capsys):
+    cfg = tmp_path / "c.toml"
+    cfg.write_text("[train]\nstepz = 3\n")
+    rc, err = _cli(capsys, "launch-file", "slurm", str(cfg), "--nodes", "2")
+    assert rc == 2 and "stepz" in err and len(err.strip().splitlines()) == 1, err
