@@ -1,7 +1,8 @@
 #!/usr/bin/env bash
 # Create .venv (when missing) and install disttrain with its test extras, plus the
 # system packages the tests start themselves: etcd (Debian's etcd-server) for the
-# elastic rendezvous tests, iproute2 for the multi-node network-namespace tests.
+# elastic rendezvous tests, iproute2 for the multi-node network-namespace tests,
+# shellcheck and Slurm (slurmctld, slurmd, slurm-client: a one-node Slurm) for the tests of `disttrain launch-file slurm`.
 # torch is pinned by constraints.txt so pip takes the CPU build, never a CUDA one.
 set -euo pipefail
 cd "$(dirname "$0")/.."
@@ -9,6 +10,8 @@ cd "$(dirname "$0")/.."
 missing=()
 command -v etcd >/dev/null 2>&1 || [ -x /usr/bin/etcd ] || missing+=(etcd-server)
 command -v ip >/dev/null 2>&1 || missing+=(iproute2)
+command -v shellcheck >/dev/null 2>&1 || missing+=(shellcheck)
+command -v slurmctld >/dev/null 2>&1 || missing+=(slurmctld slurmd slurm-client)
 if [ ${#missing[@]} -gt 0 ]; then
   SUDO=""
   [ "$(id -u)" -ne 0 ] && command -v sudo >/dev/null 2>&1 && SUDO="sudo"
@@ -21,7 +24,7 @@ if [ ${#missing[@]} -gt 0 ]; then
   fi
 fi
 
-if [ ! -x .venv/bin/python ] || ! .venv/bin/python -c "import disttrain, pytest" 2>/dev/null; then
+if [ ! -x .venv/bin/python ] || ! .venv/bin/python -c "import disttrain, pytest, kubernetes_validate" 2>/dev/null; then
   python3 -m venv .venv
   .venv/bin/python -m pip install -q --disable-pip-version-check -c constraints.txt -e ".[test]"
 fi
