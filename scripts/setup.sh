@@ -2,7 +2,8 @@
 # Create .venv (when missing) and install disttrain with its test extras, plus the
 # system packages the tests start themselves: etcd (Debian's etcd-server) for the
 # elastic rendezvous tests, iproute2 for the multi-node network-namespace tests,
-# shellcheck and Slurm (slurmctld, slurmd, slurm-client: a one-node Slurm) for the tests of `disttrain launch-file slurm`.
+# and, for the tests of `disttrain launch-file slurm`, the shellcheck linter and a
+# one-node Slurm (slurmctld, slurmd, slurm-client).
 # torch is pinned by constraints.txt so pip takes the CPU build, never a CUDA one.
 set -euo pipefail
 cd "$(dirname "$0")/.."
