@@ -1,157 +1,229 @@
 """Checkpoint benchmark (not a test): save/load throughput against a raw sequential
-write/read of the same number of bytes on the same disk, and the training stall of
-an async save against a synchronous one.
+write/read of the same bytes on the same disk, and the training stall of an async
+save against a synchronous one, at world sizes 2 and 4.
 
-    python -m torch.distributed.run --standalone --nproc-per-node=2 \\
-        bench/checkpoint_bench.py --dir CKPT_DIR [--layers 6 --width 384]
+    python bench/checkpoint_bench.py --dir CKPT_DIR [--worlds 2,4 --layers 6 --width 384]
 
-Rank 0 writes the Markdown table to bench/results/checkpoint.md (or --results).
-Every number is the median of --repeat runs. Reads may be served from the page
-cache for both DCP and the raw baseline (the same conditions for both).
+Run with plain python it launches one torchrun job per world size and writes all of
+them to bench/results/checkpoint.md (or --results). Launched under torchrun (as
+`python -m bench --others` does) it measures that one world size and replaces only
+its section of the file.
+
+Within each repeat, on every rank at once: raw write + fsync of this rank's share of
+the checkpoint's bytes, raw read of it, DCP alone (save with fsync, load; no
+checksums, no manifest, no commit), the disttrain sync save, the load, and the async
+save, one after the other, so every ratio compares figures of the same minute.
+Before each read the files are dropped from the page cache (posix_fadvise
+DONTNEED), so reads come from the disk for the raw file and the checkpoint alike.
+Every number is the median of --repeat repeats.
 """
 
 from __future__ import annotations
 
 import argparse
 import os
+import re
 import shutil
 import statistics
+import subprocess
 import sys
 import time
 from pathlib import Path
 
-import torch
-import torch.distributed as dist
-
-import disttrain as dt
-from disttrain.checkpoint import Checkpointer, TrainState
-from disttrain.demo import GPT, GPTConfig
+RESULTS = Path(__file__).parent / "results" / "checkpoint.md"
 
 
-def dir_bytes(path: Path) -> int:
-    return sum(p.stat().st_size for p in path.rglob("*") if p.is_file())
+def evict(path: Path) -> None:
+    """Drop a file (or every file under a folder) from the page cache; best effort."""
+    for p in [path] if path.is_file() else [q for q in path.rglob("*") if q.is_file()]:
+        fd = os.open(p, os.O_RDONLY)
+        try:
+            os.fdatasync(fd)
+            os.posix_fadvise(fd, 0, 0, os.POSIX_FADV_DONTNEED)
+        finally:
+            os.close(fd)
 
 
-def barrier() -> None:
-    if dist.is_initialized():
+def main_world(args) -> None:
+    import torch
+    import torch.distributed as dist
+    import torch.distributed.checkpoint as dcp
+
+    import disttrain as dt
+    from disttrain.checkpoint import Checkpointer, TrainState
+    from disttrain.demo import GPT, GPTConfig
+
+    def barrier() -> None:
         dist.barrier()
 
+    def timed(fn) -> float:
+        barrier()
+        t0 = time.perf_counter()
+        fn()
+        barrier()
+        return time.perf_counter() - t0
 
-def raw_write_read(path: Path, nbytes: int) -> tuple[float, float]:
-    """Seconds to write `nbytes` sequentially (4 MiB chunks, fsync) and read them back."""
-    chunk = os.urandom(1 << 22)
-    barrier()
-    t0 = time.perf_counter()
-    with open(path, "wb") as f:
-        left = nbytes
-        while left > 0:
-            left -= f.write(chunk[: min(left, len(chunk))])
-        f.flush()
-        os.fsync(f.fileno())
-    barrier()
-    t_write = time.perf_counter() - t0
-    t0 = time.perf_counter()
-    with open(path, "rb") as f:
-        while f.read(1 << 22):
-            pass
-    barrier()
-    t_read = time.perf_counter() - t0
-    path.unlink()
-    return t_write, t_read
+    def raw_write(path: Path, nbytes: int) -> None:
+        chunk = os.urandom(1 << 22)
+        with open(path, "wb") as f:
+            left = nbytes
+            while left > 0:
+                left -= f.write(chunk[: min(left, len(chunk))])
+            f.flush()
+            os.fsync(f.fileno())
 
+    def raw_read(path: Path) -> None:
+        buf = bytearray(1 << 22)
+        with open(path, "rb", buffering=0) as f:
+            while f.readinto(buf):
+                pass
 
-def train_step(state: TrainState, batch: torch.Tensor) -> None:
-    _, loss = state.model(batch[:, :-1], batch[:, 1:])
-    loss.backward()
-    state.optimizer.step()
-    state.optimizer.zero_grad(set_to_none=True)
-    state.step += 1
+    def train_step(state: TrainState, batch: torch.Tensor) -> float:
+        t0 = time.perf_counter()
+        _, loss = state.model(batch[:, :-1], batch[:, 1:])
+        loss.backward()
+        state.optimizer.step()
+        state.optimizer.zero_grad(set_to_none=True)
+        state.step += 1
+        return time.perf_counter() - t0
 
-
-def main() -> None:
-    ap = argparse.ArgumentParser()
-    ap.add_argument("--dir", required=True)
-    ap.add_argument("--layers", type=int, default=6)
-    ap.add_argument("--width", type=int, default=384)
-    ap.add_argument("--repeat", type=int, default=3)
-    ap.add_argument("--results", default=str(Path(__file__).parent / "results" / "checkpoint.md"))
-    args = ap.parse_args()
     root = Path(args.dir)
     with dt.distributed(seed=0) as info:
+        rank, world = info.rank, info.world_size
         cfg = GPTConfig(block_size=64, n_layer=args.layers, n_head=6, n_embd=args.width)
         model = dt.wrap(GPT(cfg), strategy="ddp")
         state = TrainState(model=model, optimizer=torch.optim.AdamW(model.parameters(), lr=1e-4))
         batch = torch.randint(0, 256, (4, cfg.block_size + 1))
         train_step(state, batch)  # optimizer state exists
         n_params = sum(p.numel() for p in model.parameters())
-        rows = {}
-        for mode in ("off", "thread"):
-            if info.is_main:
-                shutil.rmtree(root / mode, ignore_errors=True)
+        if rank == 0:
+            shutil.rmtree(root, ignore_errors=True)
+            root.mkdir(parents=True)
+        barrier()
+        sync_ck = Checkpointer(root / "off", keep_last=1)
+        async_ck = Checkpointer(root / "thread", keep_last=1, async_mode="thread")
+        pg = dist.new_group(backend="gloo")
+        sync_ck.save(state)  # warm-up: first-use imports and plans are not timed
+        sync_ck.load(state)
+        rows: dict[str, list[float]] = {}
+        nbytes = 0
+        for i in range(args.repeat):
+            rows.setdefault("step", []).append(train_step(state, batch))
+            if not nbytes:
+                nbytes = sum(p.stat().st_size for p in sync_ck.last_saved.iterdir())
+            raw = root / f"raw-{rank}.bin"
+            rows.setdefault("raw_write", []).append(timed(lambda: raw_write(raw, nbytes // world)))
+            evict(raw)
+            rows.setdefault("raw_read", []).append(timed(lambda: raw_read(raw)))
+            raw.unlink()
+            plain = root / f"dcp-{i}"
+            tensors = state.state_dict()["tensors"]
+            rows.setdefault("dcp_save", []).append(timed(lambda: dcp.save(
+                tensors, storage_writer=dcp.FileSystemWriter(str(plain), sync_files=True), process_group=pg)))
+            if rank == 0:
+                evict(plain)
+            rows.setdefault("dcp_load", []).append(timed(lambda: dcp.load(
+                tensors, storage_reader=dcp.FileSystemReader(str(plain)), process_group=pg)))
+            state.step += 1
+            rows.setdefault("save", []).append(timed(lambda: sync_ck.save(state)))
+            if rank == 0:
+                evict(sync_ck.last_saved)
+            rows.setdefault("load", []).append(timed(lambda: sync_ck.load(state)))
+            state.step += 1
             barrier()
-            ck = Checkpointer(root / mode, keep_last=1, async_mode=mode)
-            saves, stalls, loads, steps = [], [], [], []
-            for _ in range(args.repeat):
-                t0 = time.perf_counter()
-                train_step(state, batch)
-                steps.append(time.perf_counter() - t0)
-                barrier()
-                t0 = time.perf_counter()
-                ck.save(state)
-                stalls.append(time.perf_counter() - t0)  # the loop is blocked this long
-                ck.wait()
-                barrier()
-                saves.append(time.perf_counter() - t0)  # until committed
             t0 = time.perf_counter()
-            for _ in range(args.repeat):
-                t0 = time.perf_counter()
-                ck.load(state)
-                barrier()
-                loads.append(time.perf_counter() - t0)
+            async_ck.save(state)
+            rows.setdefault("stall", []).append(time.perf_counter() - t0)  # the loop is blocked this long
+            async_ck.wait()
+            barrier()
+            rows.setdefault("async_save", []).append(time.perf_counter() - t0)
+            if rank == 0:
+                shutil.rmtree(plain)
+        for ck in (sync_ck, async_ck):
             ck.close()
-            rows[mode] = dict(save=statistics.median(saves), stall=statistics.median(stalls),
-                              load=statistics.median(loads), step=statistics.median(steps),
-                              nbytes=dir_bytes(ck.last_saved))
-        nbytes = rows["off"]["nbytes"]
-        share = nbytes // info.world_size
-        raw = [raw_write_read(root / f"raw-{info.rank}.bin", share) for _ in range(args.repeat)]
-        raw_w = statistics.median(r[0] for r in raw)
-        raw_r = statistics.median(r[1] for r in raw)
-        if info.is_main:
-            gb = nbytes / 1e9
-            lines = [
-                "## Checkpoint save/load (disttrain.checkpoint, DCP, gloo, CPU)",
-                "",
-                f"Command: `python -m torch.distributed.run --standalone --nproc-per-node="
-                f"{info.world_size} bench/checkpoint_bench.py --dir CKPT_DIR --layers {args.layers} "
-                f"--width {args.width}`",
-                "",
-                f"GPT {n_params / 1e6:.1f}M parameters + AdamW state, DDP at world size "
-                f"{info.world_size}; checkpoint {nbytes / 1e6:.1f} MB on disk; torch "
-                f"{torch.__version__}; median of {args.repeat}.",
-                "",
-                "| measurement | seconds | GB/s |",
-                "|---|---:|---:|",
-                f"| raw sequential write + fsync (same bytes, same disk) | {raw_w:.3f} | {gb / raw_w:.2f} |",
-                f"| checkpoint save, sync (shards + sha256 manifest + commit) | {rows['off']['save']:.3f} "
-                f"| {gb / rows['off']['save']:.2f} |",
-                f"| checkpoint save, async thread, until committed | {rows['thread']['save']:.3f} "
-                f"| {gb / rows['thread']['save']:.2f} |",
-                f"| raw sequential read (same bytes) | {raw_r:.3f} | {gb / raw_r:.2f} |",
-                f"| checkpoint load (verify sha256 + DCP load) | {rows['off']['load']:.3f} "
-                f"| {gb / rows['off']['load']:.2f} |",
-                "",
-                "| training stall per save | seconds | x one train step |",
-                "|---|---:|---:|",
-                f"| sync save | {rows['off']['stall']:.3f} | {rows['off']['stall'] / rows['off']['step']:.1f} |",
-                f"| async save (thread): staging copy only | {rows['thread']['stall']:.3f} "
-                f"| {rows['thread']['stall'] / rows['off']['step']:.1f} |",
-                "",
-            ]
-            out = Path(args.results)
-            out.parent.mkdir(parents=True, exist_ok=True)
-            out.write_text("\n".join(lines))
-            print("\n".join(lines))
+        if rank == 0:
+            med = {k: statistics.median(v) for k, v in rows.items()}
+            write_section(args, world, med, nbytes, n_params, torch.__version__)
+
+
+def write_section(args, world: int, med: dict, nbytes: int, n_params: int, torch_version: str) -> None:
+    gb = nbytes / 1e9
+    load = os.getloadavg()[0]
+
+    def row(label: str, key: str, base: str | None) -> str:
+        ratio = f"{med[base] / med[key]:.2f}x" if base else "1.00x"
+        return f"| {label} | {med[key]:.3f} | {gb / med[key]:.2f} | {ratio} |"
+
+    save_x, load_x = med["raw_write"] / med["save"], med["raw_read"] / med["load"]
+    verdict = lambda x: "met" if x >= 0.8 else "MISSED"  # noqa: E731
+    lines = [
+        f"<!-- world {world} -->",
+        f"### World size {world}",
+        "",
+        f"GPT {n_params / 1e6:.1f}M parameters + AdamW state, DDP, {world} ranks on one machine; "
+        f"checkpoint {nbytes / 1e6:.1f} MB; torch {torch_version}; median of {args.repeat}; "
+        f"load average {load:.1f} at the end ({os.cpu_count()} cores).",
+        "",
+        "| measurement (all ranks at once) | seconds | GB/s | x raw |",
+        "|---|---:|---:|---:|",
+        row("raw sequential write + fsync of the same bytes", "raw_write", None),
+        row("DCP alone: save with fsync (no checksums, manifest, commit)", "dcp_save", "raw_write"),
+        row("disttrain save, sync (shards hashed as written + manifest + commit)", "save", "raw_write"),
+        row("disttrain save, async thread, until committed", "async_save", "raw_write"),
+        row("raw sequential read of the same bytes (dropped from the page cache)", "raw_read", None),
+        row("DCP alone: load (dropped from the page cache)", "dcp_load", "raw_read"),
+        row("disttrain load (each rank verifies its share, then DCP load)", "load", "raw_read"),
+        "",
+        f"Target save >= 0.8x raw write: **{verdict(save_x)}** ({save_x:.2f}x); "
+        f"load >= 0.8x raw read: **{verdict(load_x)}** ({load_x:.2f}x).",
+        "",
+        f"Training stall per save: sync {med['save']:.3f} s ({med['save'] / med['step']:.1f} train "
+        f"steps), async (thread) {med['stall']:.3f} s ({med['stall'] / med['step']:.1f} train steps: "
+        f"the staging copy only).",
+        f"<!-- end world {world} -->",
+    ]
+    out = Path(args.results)
+    out.parent.mkdir(parents=True, exist_ok=True)
+    old = out.read_text() if out.exists() else ""
+    section = "\n".join(lines)
+    pattern = re.compile(rf"<!-- world {world} -->.*?<!-- end world {world} -->", re.S)
+    if pattern.search(old):
+        text = pattern.sub(lambda _: section, old)
+    elif "<!-- world " in old:
+        text = old.rstrip() + "\n\n" + section + "\n"
+    else:
+        text = header(args) + section + "\n"
+    out.write_text(text)
+    print(section)
+
+
+def header(args) -> str:
+    return ("## Checkpoint save/load (disttrain.checkpoint, DCP, gloo, CPU)\n\n"
+            f"Command: `python bench/checkpoint_bench.py --dir CKPT_DIR --worlds {args.worlds} "
+            f"--layers {args.layers} --width {args.width} --repeat {args.repeat}`\n\n"
+            "Each world size is one torchrun job; within each repeat the raw write/read and "
+            "the checkpoint operations run one after the other on all ranks at once.\n\n")
+
+
+def main() -> int:
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--dir", required=True)
+    ap.add_argument("--worlds", default="2,4", help="world sizes, one torchrun job each")
+    ap.add_argument("--layers", type=int, default=6)
+    ap.add_argument("--width", type=int, default=384)
+    ap.add_argument("--repeat", type=int, default=5)
+    ap.add_argument("--results", default=str(RESULTS))
+    args = ap.parse_args()
+    if "RANK" in os.environ:
+        main_world(args)
+        return 0
+    Path(args.results).write_text(header(args))
+    for world in map(int, args.worlds.split(",")):
+        cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc-per-node={world}",
+               __file__, *sys.argv[1:]]
+        if subprocess.run(cmd, timeout=1200).returncode:
+            return 1
+    return 0
 
 
 if __name__ == "__main__":

@@ -46,7 +46,7 @@ from disttrain.checkpoint.checkpoint_errors import (CheckpointCorrupt, Checkpoin
                                          CheckpointSaveError, StaleWriterError)
 from disttrain.checkpoint.digests import digest_bytes
 from disttrain.checkpoint.files import atomic_write_bytes
-from disttrain.checkpoint.state import TrainState, config_hash
+from disttrain.checkpoint.state import TrainState, config_hash, strategy_of
 from disttrain.runtime import rank_info
 
 # DCP (torch.distributed.checkpoint) pulls in DTensor and sympy, about half a second:
@@ -58,18 +58,6 @@ def _failures() -> tuple:
     from torch.distributed.checkpoint.api import CheckpointException
 
     return (Exception, CheckpointException)  # DCP's CheckpointException is a BaseException
-
-
-def strategy_of(model: torch.nn.Module) -> str:
-    """'fsdp', 'ddp', 'dp' or 'single', from the module's wrapper type."""
-    from torch.distributed.fsdp import FSDPModule
-    from torch.nn.parallel import DataParallel, DistributedDataParallel
-
-    if isinstance(model, FSDPModule) or any(isinstance(m, FSDPModule) for m in model.modules()):
-        return "fsdp"
-    if isinstance(model, DistributedDataParallel):
-        return "ddp"
-    return "dp" if isinstance(model, DataParallel) else "single"
 
 
 # DCP warns on every save and load of a world of 1 (no process group) that it assumes a

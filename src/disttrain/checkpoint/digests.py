@@ -1,7 +1,7 @@
 """Checksums computed where the bytes are (P-CKPT-3): each rank hashes the files it
 writes while it writes them, and on load each rank verifies its own share.
 
-Save: DCP writes through `HashingFileSystem`, whose streams feed every byte to
+Save: DCP writes through `hashing_fs.HashingFileSystem`, whose streams feed every byte to
 sha256 on its way to the file and fsync the file on close. Only the digests
 (`{name: {"size", "sha256"}}`) travel to rank 0, which writes the manifest: no
 file is read back before the commit, and the hashing runs on every rank at once
@@ -49,18 +49,24 @@ def share(name: str, world: int) -> int:
 
 
 class HashingStream:
-    """A write stream that hashes every byte it passes on, and on close checks that
-    the file holds exactly those bytes (no seek rewrote them) and fsyncs it."""
+    """A write stream that feeds every byte it passes on to sha256, in the writing
+    thread: the writer's own serialization already keeps this rank's core busy, and
+    a second hashing thread measured slower here (GIL hand-offs on DCP's many small
+    writes). On close it flushes and fsyncs the file and calls
+    `on_close(length, size, sha256)`, `length` being the file's final length (a
+    writer that seeked back makes it differ from the bytes hashed).
+    """
 
     def __init__(self, stream, on_close):
-        self._stream, self._on_close = stream, on_close
-        self._hash, self._size, self._closed = hashlib.sha256(), 0, False
+        self._stream, self._on_close, self._closed = stream, on_close, False
+        self._hash, self._size = hashlib.sha256(), 0
 
     def write(self, data) -> int:
-        n = self._stream.write(data)  # hashed now: `data` may view memory reused after this call
+        n = self._stream.write(data)
         view = memoryview(data).cast("B")
-        self._hash.update(view if n is None or n == len(view) else view[:n])
-        self._size += len(view) if n is None else n
+        n = len(view) if n is None else n
+        self._hash.update(view[:n])  # now: `data` may view memory reused after this call
+        self._size += n
         return n
 
     def close(self) -> None:

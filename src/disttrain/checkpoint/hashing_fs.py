@@ -46,7 +46,7 @@ class HashingFileSystem(FileSystem):
         with self.inner.create_stream(path, mode) as stream:
             hashing = HashingStream(stream, record)
             yield hashing
-            hashing.close()
+            hashing.close()  # a no-op when DCP closed it
 
     def rename(self, path, new_path) -> None:
         super().rename(path, new_path)  # DCP writes `.metadata.tmp`, then renames it

@@ -31,6 +31,18 @@ import torch.nn as nn
 from disttrain.checkpoint.zero_state import ZeroView, is_zero
 
 
+def strategy_of(model: torch.nn.Module) -> str:
+    """'fsdp', 'ddp', 'dp' or 'single', from the module's wrapper type."""
+    from torch.distributed.fsdp import FSDPModule
+    from torch.nn.parallel import DataParallel, DistributedDataParallel
+
+    if isinstance(model, FSDPModule) or any(isinstance(m, FSDPModule) for m in model.modules()):
+        return "fsdp"
+    if isinstance(model, DistributedDataParallel):
+        return "ddp"
+    return "dp" if isinstance(model, DataParallel) else "single"
+
+
 # ---------------------------------------------------------------- plain data <-> JSON
 
 
