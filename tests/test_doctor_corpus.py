@@ -134,3 +134,11 @@ def test_a_training_all_reduce_does_not_make_an_eval_sampler_a_finding():
     assert not [r for r in _rules(src) if r[0] == "eval-gather-padded"]
     src += "def report(t):\n    for x in val_loader:\n        dist.all_reduce(t)\n"
     assert ("eval-gather-padded", "warning") in _rules(src)
+
+
+def test_a_mode_flag_or_a_launcher_check_is_no_rank_guard():  # torch's FSDP optim utils; bench code
+    flag = PRE_FSDP2 + "def load(rank0_only, objects):\n    if rank0_only:\n        dist.broadcast_object_list(objects)\n"
+    env = PRE_FSDP2 + "import os\nif 'RANK' in os.environ:\n    dist.barrier()\nif os.environ.get('RANK') is not None:\n    dist.barrier()\n"
+    for src in (flag, env):
+        assert not [r for r in _rules(src) if r[0] == "collective-under-rank-guard"], src
+    assert ("collective-under-rank-guard", "error") in _rules(env.replace("'RANK' in os.environ", "rank == 0"))

@@ -112,10 +112,14 @@ def _rank_source(value: ast.AST) -> str | None:
 def guard_kind(facts, test: ast.AST) -> str | None:
     """"global" or "local" when an `if` test checks the rank, None otherwise. A test
     that checks both (`rank == 0 and local_rank == 0`) is global."""
+    if _is_env_presence(test):
+        return None
     variables = facts.rank_variables
     kinds = set()
     for n in ast.walk(test):
         word, name = _word(n), _ref(n)
+        if word and word.lower().endswith("_only"):
+            continue  # a mode flag (`if rank0_only:`, FSDP's option): the same on every rank
         if name in variables:
             kinds.add(variables[name])
         elif word and _is_local_word(word):
@@ -125,6 +129,24 @@ def guard_kind(facts, test: ast.AST) -> str | None:
         elif isinstance(n, ast.Constant) and n.value in ("RANK", "LOCAL_RANK"):
             kinds.add(LOCAL if n.value == "LOCAL_RANK" else GLOBAL)
     return GLOBAL if GLOBAL in kinds else LOCAL if kinds else None
+
+
+_ENV_KEYS = ("RANK", "LOCAL_RANK", "WORLD_SIZE")
+
+
+def _is_env_presence(test: ast.AST) -> bool:
+    """`"RANK" in os.environ`, `os.environ.get("RANK") is not None`, `os.getenv("RANK")`:
+    "launched by torchrun?", the same answer on every rank, so no rank guard."""
+    while isinstance(test, ast.UnaryOp) and isinstance(test.op, ast.Not):
+        test = test.operand
+    if isinstance(test, ast.Compare) and len(test.ops) == 1:
+        op, right = test.ops[0], test.comparators[0]
+        if isinstance(op, (ast.In, ast.NotIn)):
+            return isinstance(test.left, ast.Constant) and test.left.value in _ENV_KEYS
+        if isinstance(op, (ast.Is, ast.IsNot)) and isinstance(right, ast.Constant) and right.value is None:
+            test = test.left
+    return isinstance(test, ast.Call) and _word(test.func) in ("get", "getenv") and bool(test.args) \
+        and isinstance(test.args[0], ast.Constant) and test.args[0].value in _ENV_KEYS
 
 
 def is_rank_test(facts, test: ast.AST) -> bool:
