@@ -1,0 +1,140 @@
+"""`[elastic] fast_recovery`: a killed worker is replaced by a warm spare and the state
+comes from the survivors' memory, under a real torchrun with real SIGKILLs. Each run
+must end bit-identical to an uninterrupted one, every sample exactly once. Every wait
+has a timeout: a hang fails the test."""
+
+from __future__ import annotations
+
+import os
+import random
+import signal
+import subprocess
+import sys
+from collections import Counter
+from pathlib import Path
+
+import pytest
+import torch
+
+from conftest import worker_env
+from elastic_helpers import audit_timeline, descendants, load_params, metrics, start, trainer_cmd, wait_for
+from disttrain.config import load_config
+from disttrain.errors import ConfigError
+
+STEPS = 24
+FAST = ("--elastic.fast_recovery=true", "--checkpoint.every=3")
+PHASES = ["forward", "backward", "step", "checkpoint.shards"]
+
+
+@pytest.fixture(scope="module")
+def reference(tmp_path_factory) -> Path:
+    """The uninterrupted run (plain torchrun path, no supervisor)."""
+    out = tmp_path_factory.mktemp("ref")
+    log = out / "log.txt"
+    proc = start(trainer_cmd(out, f"--train.steps={STEPS}", "--checkpoint.every=3"), log)
+    assert proc.wait(timeout=180) == 0, log.read_text()[-3000:]
+    return out
+
+
+def run_fast(out: Path, spec: str, timeout: float = 240) -> str:
+    log = out / "log.txt"
+    proc = start(trainer_cmd(out, f"--train.steps={STEPS}", *FAST), log, DISTTRAIN_FAULT=spec)
+    assert proc.wait(timeout=timeout) == 0, log.read_text()[-4000:]
+    return log.read_text()
+
+
+def assert_same_run(ref: Path, out: Path) -> None:
+    a, b = load_params(ref / "model.pt"), load_params(out / "model.pt")
+    assert a.keys() == b.keys()
+    for k in a:
+        assert torch.equal(a[k], b[k]), f"{k} differs from the uninterrupted run"
+    ref_loss = {m["step"]: m["loss"] for m in metrics(ref)}
+    got = {m["step"]: m["loss"] for m in metrics(out)}
+    # A step whose log all-reduce lost the peer is committed but has no record.
+    assert len(got) >= STEPS - 3 and all(got[s] == ref_loss[s] for s in got)
+
+
+def assert_exactly_once(out: Path) -> None:
+    timeline = audit_timeline(out)
+    assert sorted(timeline) == list(range(1, STEPS + 1))
+    counts = Counter(i for step in timeline.values() for i in step)
+    assert len(counts) == STEPS * 8 and set(counts.values()) == {1}  # 8 samples per step
+
+
+def test_kill_9_at_random_points_recovers_in_memory_bit_exactly(reference, tmp_path):
+    """Three kill -9 at random (step, phase, rank) points: each is recovered by a warm
+    spare from the survivor's memory (no torchrun restart, no checkpoint load)."""
+    seed = int(os.environ.get("DISTTRAIN_TEST_SEED", random.randrange(10**6)))
+    rng = random.Random(seed)
+    points = []
+    for s in sorted(rng.sample(range(2, STEPS - 1), 3)):
+        phase = rng.choice(PHASES)
+        points.append((s - s % 3 if phase.startswith("checkpoint") else s, phase, rng.randrange(2)))
+    print(f"fault seed {seed}: {points}")
+    spec = ";".join(f"kill@{phase}:rank={rank},step={s},restart={k}" for k, (s, phase, rank) in enumerate(points))
+    text = run_fast(tmp_path, spec)
+    assert text.count("disttrain fault: kill") == 3, f"seed {seed}"
+    assert text.count("its warm spare took over") == 3, f"seed {seed}"
+    assert "taken from rank" in text and "will restart worker group" not in text  # torchrun saw nothing
+    assert_same_run(reference, tmp_path)
+    assert_exactly_once(tmp_path)
+
+
+def test_two_kills_in_quick_succession(reference, tmp_path):
+    """Rank 1 dies in step 7; rank 0 dies while the newcomer redoes step 7: the state
+    survives in the newcomer, which received it from rank 0 a moment before."""
+    text = run_fast(tmp_path, "kill@backward:rank=1,step=7,restart=0;kill@forward:rank=0,step=7,restart=1")
+    assert text.count("its warm spare took over") == 2
+    assert_same_run(reference, tmp_path)
+    assert_exactly_once(tmp_path)
+
+
+def _spares(root_pid: int) -> list[int]:
+    found = []
+    for pid in descendants(root_pid):
+        try:
+            env = Path(f"/proc/{pid}/environ").read_bytes()
+        except OSError:
+            continue
+        if b"DISTTRAIN_FAST_ROLE=spare" in env.split(b"\0"):
+            found.append(pid)
+    return found
+
+
+def test_killed_spare_is_replaced_and_then_used(reference, tmp_path):
+    """kill -9 of a waiting spare: its supervisor starts another; a later worker kill
+    is still recovered in memory."""
+    log = tmp_path / "log.txt"
+    agent = start(trainer_cmd(tmp_path, f"--train.steps={STEPS}", *FAST), log,
+                  DISTTRAIN_FAULT="kill@step:rank=1,step=18;delay@step:ms=150")
+    try:
+        wait_for(lambda: any(m["step"] >= 3 for m in metrics(tmp_path)), 120, "step 3", [log])
+        victims = _spares(agent.pid)
+        assert len(victims) == 2, f"expected a spare per slot, found {victims}"
+        os.kill(victims[0], signal.SIGKILL)
+        assert agent.wait(timeout=180) == 0, log.read_text()[-4000:]
+    finally:
+        if agent.poll() is None:
+            agent.kill()
+    text = log.read_text()
+    assert "spare exited (-9); starting another" in text
+    assert text.count("its warm spare took over") == 1
+    assert_same_run(reference, tmp_path)
+    assert_exactly_once(tmp_path)
+
+
+@pytest.mark.parametrize("override, words", [
+    ("--parallel.strategy=fsdp", "parallel.strategy = 'ddp' only"),
+    ("--parallel.device=cuda", "CPU (gloo) only"),
+])
+def test_fast_recovery_refuses_what_it_does_not_cover(override, words):
+    with pytest.raises(ConfigError, match=words.replace("(", r"\(").replace(")", r"\)")):
+        load_config("examples/tiny_gpt.toml", ["--elastic.fast_recovery=true", override])
+
+
+def test_supervisor_outside_torchrun_says_how_to_start_it():
+    env = {k: v for k, v in worker_env().items() if k not in ("RANK", "MASTER_PORT")}
+    out = subprocess.run([sys.executable, "-m", "disttrain.launch.slot_supervisor", "disttrain.train", "x.toml"],
+                         capture_output=True, text=True, timeout=60, env=env)
+    assert out.returncode == 2
+    assert "runs under torchrun" in out.stderr and "Traceback" not in out.stderr
