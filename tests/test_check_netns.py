@@ -20,12 +20,12 @@ from test_netns import _ip, _netns_or_skip
 PORT = 29400
 
 
-def _check(nodes, node: str, tmp: Path, first_on_path: str = "") -> subprocess.Popen:
+def _check(nodes, node: str, tmp: Path, first_on_path: str = "", *extra: str) -> subprocess.Popen:
     """`disttrain check` for a 2-node c10d job whose store is on node a."""
     cmd = [*nodes.prefix(node), sys.executable, "-m", "disttrain.cli", "check", "--nnodes", "2",
            "--nproc-per-node", "1", "--rdzv-backend", "c10d", "--rdzv-endpoint",
            f"{nodes.addr['a']}:{PORT}", "--rdzv-id", "job", "--local-addr", nodes.addr[node],
-           "--checkpoint-dir", str(tmp / "ckpt")]
+           "--checkpoint-dir", str(tmp / "ckpt"), *extra]
     env = worker_env(GLOO_SOCKET_IFNAME=nodes.veth[node])
     if first_on_path:
         env["PYTHONPATH"] = first_on_path + os.pathsep + env["PYTHONPATH"]
@@ -33,8 +33,8 @@ def _check(nodes, node: str, tmp: Path, first_on_path: str = "") -> subprocess.P
                             stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
 
 
-def _both(nodes, tmp: Path, path_b: str = "", timeout: float = 60) -> dict[str, tuple[int, str]]:
-    procs = {"a": _check(nodes, "a", tmp), "b": _check(nodes, "b", tmp, path_b)}
+def _both(nodes, tmp: Path, path_b: str = "", *extra: str, timeout: float = 60) -> dict[str, tuple[int, str]]:
+    procs = {"a": _check(nodes, "a", tmp, "", *extra), "b": _check(nodes, "b", tmp, path_b, *extra)}
     out = {}
     for node, proc in procs.items():
         try:
@@ -68,10 +68,11 @@ def test_check_passes_on_two_healthy_nodes(nodes, tmp_path):
 @pytest.mark.timeout(90)
 def test_check_names_the_node_whose_link_is_cut(nodes, tmp_path):
     _ip("-n", nodes.ns["b"], "link", "set", nodes.veth["b"], "down")
-    out = _both(nodes, tmp_path, timeout=45)  # the default --timeout is 10 s a phase
+    # 5 s instead of the default 10 (test_check.py pins the default): the same path, sooner.
+    out = _both(nodes, tmp_path, "", "--timeout", "5", timeout=45)
     rc_b, text_b = out["b"]
     assert rc_b == 2, text_b
-    assert f"node {nodes.addr['b']}: cannot reach the rendezvous endpoint {nodes.addr['a']}:{PORT} within 10 s" in text_b
+    assert f"node {nodes.addr['b']}: cannot reach the rendezvous endpoint {nodes.addr['a']}:{PORT} within 5 s" in text_b
     rc_a, text_a = out["a"]
     assert rc_a == 2 and "not all 2 nodes joined the rendezvous" in text_a, text_a
     assert "Traceback" not in text_a + text_b
@@ -79,11 +80,19 @@ def test_check_names_the_node_whose_link_is_cut(nodes, tmp_path):
 
 @pytest.mark.timeout(90)
 def test_check_names_the_node_with_another_disttrain(nodes, tmp_path):
+    """Node b runs a real copy of the package with another version, and its checkpoint
+    directory cannot be created: both are named, on both nodes, after the table."""
     fake = tmp_path / "other"
     shutil.copytree(ROOT / "src" / "disttrain", fake / "disttrain",
                     ignore=shutil.ignore_patterns("__pycache__"))
     (fake / "disttrain" / "version.py").write_text('__version__ = "9.9.9"\n')
-    out = _both(nodes, tmp_path, path_b=str(fake))
-    for node, (rc, text) in out.items():
-        assert rc == 2, f"node {node}:\n{text}"
-        assert f"node {nodes.addr['b']} " in text and "disttrain 9.9.9 differs from 0.2.0" in text, text
+    blocker = tmp_path / "file"
+    blocker.write_text("a file where a directory should be")
+    procs = {"a": _check(nodes, "a", tmp_path),
+             "b": _check(nodes, "b", tmp_path, str(fake), "--checkpoint-dir", str(blocker / "ckpt"))}
+    for node, proc in procs.items():
+        text, _ = proc.communicate(timeout=60)
+        assert proc.returncode == 2, f"node {node}:\n{text}"
+        assert f"node {nodes.addr['b']} (" in text and "disttrain 9.9.9 differs from 0.2.0" in text, text
+        assert "checkpoint directory" in text and "not writable" in text, text
+        assert "Traceback" not in text and "problem(s)" in text  # the table, then the lines

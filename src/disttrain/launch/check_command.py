@@ -186,12 +186,18 @@ def _rendezvous(args: CheckArgs, addr: str, deadline: float):
     return get_rendezvous_handler(params).next_rendezvous()
 
 
-def _exchange(store, rank: int, world: int, mine: NodeFacts, left: float) -> list[NodeFacts]:
-    store.set_timeout(timedelta(seconds=max(1.0, left)))
+def _exchange(store, rank: int, world: int, mine: NodeFacts, hosting: bool, deadline: float) -> list[NodeFacts]:
+    """Every node's facts, in rank order. The store's host returns only once every node
+    has read them: its exit closes the store under a node still reading."""
+    store.set_timeout(timedelta(seconds=max(1.0, deadline - time.monotonic())))
     store.set(f"facts/{rank}", json.dumps(mine.to_json()))
     keys = [f"facts/{r}" for r in range(world)]
     store.wait(keys)
-    return [NodeFacts(**json.loads(store.get(k))) for k in keys]
+    nodes = [NodeFacts(**json.loads(store.get(k))) for k in keys]
+    store.add("facts-read", 1)
+    while hosting and store.add("facts-read", 0) < world and time.monotonic() < deadline:
+        time.sleep(0.05)
+    return nodes
 
 
 def _bus_gbps(backend: str, device: str, world: int) -> float:
@@ -303,7 +309,7 @@ def check(args: CheckArgs) -> tuple[list[NodeFacts], dict[str, float], list[str]
                          f"{_first_line(e)}") from None
     mine.rank = info.rank
     try:
-        nodes = _exchange(info.store, info.rank, info.world_size, mine, deadline - time.monotonic())
+        nodes = _exchange(info.store, info.rank, info.world_size, mine, hosting, deadline)
     except Exception as e:
         raise NodeFailed(f"node {mine.name}: the other nodes' facts did not arrive through the store "
                          f"within {args.timeout_s:g} s ({_first_line(e)}).") from None
