@@ -18,33 +18,41 @@ _RNG_WORDS = ("rng", "random", "generator")
 _DATA_WORDS = ("sampler", "loader", "data", "batch", "sample", "iter", "step", "consumed", "offset")
 
 
-def _checkpoint_dict(facts: Facts, call: ast.Call) -> ast.Dict | None:
-    """The dict literal saved by `torch.save(obj, ...)`: inline, or the last assignment
-    of `obj` before the save in the same function."""
-    obj = arg(call, 0, "obj")
-    if isinstance(obj, ast.Dict):
-        return obj
-    name = ref(obj) if obj is not None else None
-    if not name:
-        return None
+def _checkpoint_items(facts: Facts, call: ast.Call) -> list[tuple[str, ast.AST]] | None:
+    """(key, value) pairs of what `torch.save(obj, ...)` writes: a dict literal, or a
+    record built with keywords (`Snapshot(model_state=..., optimizer_state=...)`, minGPT),
+    inline or assigned to `obj` earlier in the same function (through `asdict(obj)`)."""
+    node, before = arg(call, 0, "obj"), call.lineno
+    for _ in range(6):  # snapshot = asdict(snapshot) <- snapshot = Snapshot(...)
+        if isinstance(node, ast.Dict):
+            return [(k.value.lower() if isinstance(k, ast.Constant) and isinstance(k.value, str) else "", v)
+                    for k, v in zip(node.keys, node.values)]
+        if isinstance(node, ast.Call) and node.keywords and not node.args:
+            return [((k.arg or "").lower(), k.value) for k in node.keywords]
+        if isinstance(node, ast.Call) and len(node.args) == 1 and \
+                (facts.qualname(node.func) or "").split(".")[-1] == "asdict":
+            node = node.args[0]
+            continue
+        name = ref(node) if node is not None else None
+        assign = _last_assignment(facts, name, call, before) if name else None
+        if assign is None:
+            return None
+        node, before = assign.value, assign.lineno
+    return None
+
+
+def _last_assignment(facts: Facts, name: str, call: ast.Call, before: int) -> ast.Assign | None:
+    """The last `name = ...` above line `before` in `call`'s function."""
     scope = facts.scope_of(call)
-    found = None
-    for n in facts.nodes:
-        if isinstance(n, ast.Assign) and isinstance(n.value, ast.Dict) and n.lineno <= call.lineno and \
-                facts.scope_of(n) is scope and any(ref(t) == name for t in n.targets):
-            if found is None or n.lineno > found.lineno:
-                found = n
-    return found.value if found is not None else None
+    found = [n for n in facts.nodes if isinstance(n, ast.Assign) and n.lineno < before and
+             facts.scope_of(n) is scope and any(ref(t) == name for t in n.targets)]
+    return max(found, key=lambda n: n.lineno) if found else None
 
 
-def _keys(d: ast.Dict) -> list[str]:
-    return [k.value.lower() for k in d.keys if isinstance(k, ast.Constant) and isinstance(k.value, str)]
-
-
-def _holds_optimizer(d: ast.Dict) -> bool:
-    return any("optim" in k for k in _keys(d)) or any(
+def _holds_optimizer(items: list[tuple[str, ast.AST]]) -> bool:
+    return any("optim" in k for k, _ in items) or any(
         isinstance(v, ast.Call) and isinstance(v.func, ast.Attribute) and v.func.attr == "state_dict"
-        and mentions(v.func.value, lambda w: "optim" in w.lower()) for v in d.values)
+        and mentions(v.func.value, lambda w: "optim" in w.lower()) for _, v in items)
 
 
 def _batch_loop(facts: Facts, call: ast.Call) -> bool:
@@ -73,10 +81,10 @@ def checkpoint_missing_state(facts: Facts):
     rng_elsewhere = any(facts.method_calls(n) for n in _RNG_CALLS) or \
         any(facts.calls_to(f"torch.{n}") for n in _RNG_CALLS)
     for call in facts.calls_to("torch.save"):
-        d = _checkpoint_dict(facts, call)
-        if d is None or not _holds_optimizer(d):
+        items = _checkpoint_items(facts, call)
+        if items is None or not _holds_optimizer(items):
             continue
-        keys = _keys(d)
+        keys = [k for k, _ in items]
         missing = []
         if not rng_elsewhere and not any(w in k for k in keys for w in _RNG_WORDS):
             missing.append("no RNG state (dropout and any global-generator shuffle restart "
