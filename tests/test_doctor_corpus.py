@@ -142,3 +142,13 @@ def test_a_mode_flag_or_a_launcher_check_is_no_rank_guard():  # torch's FSDP opt
     for src in (flag, env):
         assert not [r for r in _rules(src) if r[0] == "collective-under-rank-guard"], src
     assert ("collective-under-rank-guard", "error") in _rules(env.replace("'RANK' in os.environ", "rank == 0"))
+
+
+def test_fabric_gathers_over_its_padded_eval_loader():  # Lightning Fabric examples
+    src = ("from lightning.fabric import Fabric\nfabric = Fabric()\n"
+           "test_loader = fabric.setup_dataloaders(test_loader)\n"
+           "def validate(model, data_loader):\n    loss = 0\n    for x, y in data_loader:\n"
+           "        loss += model(x)\n    return fabric.all_gather(loss).sum()\n")
+    assert ("eval-gather-padded", "warning") in _rules(src)
+    off = src.replace("Fabric()", "Fabric(use_distributed_sampler=False)")
+    assert not [r for r in _rules(off) if r[0] == "eval-gather-padded"]

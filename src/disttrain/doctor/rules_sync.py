@@ -11,7 +11,7 @@ from __future__ import annotations
 import ast
 
 from disttrain.doctor import control_flow
-from disttrain.doctor.facts import Facts, arg, is_const, mentions, ref
+from disttrain.doctor.facts import Facts, arg, is_const, kwarg, mentions, ref
 from disttrain.doctor.findings import ERROR, WARNING, finding, rule
 from disttrain.doctor.rules_launch import _is_eval_name, _sampler_names
 
@@ -151,6 +151,7 @@ def eval_gather_padded(facts: Facts):
         return
     yield from _padded_samplers(facts)
     yield from _accelerate_gathers(facts)
+    yield from _fabric_reductions(facts)
 
 
 def _padded_samplers(facts: Facts):
@@ -191,6 +192,33 @@ def _accelerate_gathers(facts: Facts):
                           "accelerator.gather() over an evaluation loader keeps the samples "
                           "Accelerate repeated to fill the last batch: the metric counts them twice.",
                           "use accelerator.gather_for_metrics(...), which drops the padding.")
+
+
+def _fabric_reductions(facts: Facts):
+    """fabric.all_gather/all_reduce in an evaluation function of a script whose loaders go
+    through `fabric.setup_dataloaders` (a padding DistributedSampler by default)."""
+    if not facts.method_calls("setup_dataloaders") or any(
+            is_const(kwarg(c, "use_distributed_sampler"), False) for c in facts.calls_to("Fabric")):
+        return
+    for call, name in collectives(facts):
+        owner = (ref(call.func.value) or "").lower() if isinstance(call.func, ast.Attribute) else ""
+        if "fabric" not in owner or name not in ("all_gather", "all_reduce"):
+            continue
+        scope = facts.scope_of(call)
+        named = isinstance(scope, (ast.FunctionDef, ast.AsyncFunctionDef)) and _is_eval_function(scope.name)
+        looped = any(isinstance(n, (ast.For, ast.AsyncFor)) and facts.scope_of(n) is scope and
+                     mentions(n.iter, lambda w: "loader" in w.lower()) for n in facts.nodes)
+        if looped and (named or any(isinstance(n, (ast.For, ast.AsyncFor)) and facts.scope_of(n) is scope
+                                    and mentions(n.iter, _is_eval_name) for n in facts.nodes)):
+            yield finding(facts, call, "eval-gather-padded",
+                          f"fabric.{name}() over an evaluation loader that setup_dataloaders gave a "
+                          "DistributedSampler: the padded repeats of the last shard are counted.",
+                          "count only real samples (sum a per-sample mask with the values), or "
+                          "evaluate with Fabric(use_distributed_sampler=False) on one rank.")
+
+
+def _is_eval_function(name: str) -> bool:
+    return _is_eval_name(name) or name.lower().startswith(("validate", "evaluate"))
 
 
 def _truncates(facts: Facts) -> bool:
