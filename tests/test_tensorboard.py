@@ -5,9 +5,11 @@ killed -9 at step 5, the same command resumed on one rank from the step-3 checkp
 from __future__ import annotations
 
 import json
+import sys
 import textwrap
 
 import pytest
+import torch
 from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
 
 from conftest import run_disttrain, worker_env
@@ -125,3 +127,16 @@ def test_job_log_is_one_call(tmp_path):
         assert sorted(scalars(acc, tag)) == [1, 2, 3, 4], tag
     records = metrics(out)
     assert [r["step"] for r in records] == [1, 2, 3, 4] and records[0]["world_size"] == 2
+
+
+def test_missing_tensorboard_is_one_clear_error(tmp_path, monkeypatch):
+    from disttrain.errors import UserError
+    from disttrain.runtime import RankInfo
+    from disttrain.train.run_log import RunLog
+
+    monkeypatch.setitem(sys.modules, "torch.utils.tensorboard", None)  # import raises ImportError
+    info = RankInfo(rank=0, local_rank=0, world_size=1, local_world_size=1, device=torch.device("cpu"),
+                    backend="gloo", seed=0)
+    with pytest.raises(UserError, match=r"pip install tensorboard.*\[log\] tensorboard = false"):
+        RunLog(tmp_path, info, 0, False, tensorboard=True)
+    assert RunLog(tmp_path, info, 0, False, tensorboard=False).writer is None

@@ -28,6 +28,7 @@ from pathlib import Path
 
 import torch
 
+from disttrain.errors import UserError
 from disttrain.runtime import RankInfo
 from disttrain.train.metrics import JsonlWriter, StepClock, gather_floats, peak_memory_mb
 
@@ -75,7 +76,8 @@ class RunLog:
     `run/events` plus the scalars `run/attempt` and `run/world_size` at that step. A
     restart opens it with `purge_step` after the resumed step, so TensorBoard hides the
     steps the killed attempt logged after its checkpoint (they are trained again).
-    Other ranks write nothing. An unwritable `out_dir` raises `OSError` on rank 0.
+    Other ranks write nothing. An unwritable `out_dir` raises `OSError` on rank 0; a
+    missing tensorboard package, a `UserError` there.
     """
 
     def __init__(self, out_dir: str | os.PathLike, info: RankInfo, step: int, resumed: bool,
@@ -95,7 +97,12 @@ class RunLog:
         JsonlWriter(out / EVENTS).write(self.event)
         if tensorboard:
             # Imported here: only rank 0 of a run with TensorBoard on pays for it.
-            from torch.utils.tensorboard import SummaryWriter
+            try:
+                from torch.utils.tensorboard import SummaryWriter
+            except ImportError as e:  # torch checks for the tensorboard package
+                raise UserError(f"TensorBoard logging needs the tensorboard package ({e}). Install it "
+                                f"(pip install tensorboard), or turn it off with [log] tensorboard = "
+                                f"false (dt.Job(..., tensorboard=False)).") from None
 
             # Steps after `step` are trained again: hide what an earlier attempt logged for them.
             self.writer = SummaryWriter(str(out / TB_DIR), purge_step=step + 1 if past else None)
