@@ -152,3 +152,9 @@ def test_fabric_gathers_over_its_padded_eval_loader():  # Lightning Fabric examp
     assert ("eval-gather-padded", "warning") in _rules(src)
     off = src.replace("Fabric()", "Fabric(use_distributed_sampler=False)")
     assert not [r for r in _rules(off) if r[0] == "eval-gather-padded"]
+
+
+def test_a_lightning_ddp_trainer_makes_the_script_multi_process():  # Lightning#4761
+    src = "import lightning as L, torch\ntrainer = L.Trainer(strategy={s!r})\ntorch.save(m, 'm.pt')\n"
+    assert ("unguarded-save", "error") in _rules(src.format(s="ddp"))
+    assert not [r for r in _rules(src.format(s="auto")) if r[0] == "unguarded-save"]

@@ -186,6 +186,9 @@ class Facts:
             return True
         if any(w.kind != "dp" for w in self.wraps):
             return True
+        if any(_multi_process_trainer(c) for c in self.calls_to("lightning.Trainer", "pytorch.Trainer",
+                                                                 "pytorch_lightning.Trainer")):
+            return True  # Lightning runs the whole script once per device
         return bool({"LOCAL_RANK", "WORLD_SIZE", "RANK"} & self.strings)
 
     # ----- paths and rank guards (control_flow.py) ---------------------------------
@@ -215,6 +218,16 @@ class Facts:
     def project_functions(self, name: str) -> list[tuple["Facts", ast.AST]]:
         """Definitions of `name` in this file and the other files given on the command line."""
         return [(f, d) for f in [self, *self.others] for d in f.functions.get(name, [])]
+
+
+def _multi_process_trainer(call: ast.Call) -> bool:
+    """A Lightning Trainer with a ddp/fsdp/deepspeed strategy or more than one device."""
+    strategy = kwarg(call, "strategy")
+    if isinstance(strategy, ast.Constant) and isinstance(strategy.value, str) and \
+            any(w in strategy.value for w in ("ddp", "fsdp", "deepspeed")):
+        return True
+    devices = kwarg(call, "devices") or kwarg(call, "gpus")
+    return isinstance(devices, ast.Constant) and isinstance(devices.value, int) and devices.value > 1
 
 
 def ends_with(qualname: str, name: str) -> bool:
