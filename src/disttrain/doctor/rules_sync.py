@@ -27,6 +27,8 @@ _WRAPPER_COLLECTIVES = {
     "accelerator": {"wait_for_everyone", "gather", "gather_for_metrics", "reduce", "pad_across_processes"},
     "fabric": {"barrier", "all_reduce", "all_gather", "broadcast"},
     "strategy": {"barrier", "all_reduce", "all_gather", "broadcast"},
+    # Lightning's Trainer.save_checkpoint ends in strategy.barrier("Trainer.save_checkpoint").
+    "trainer": {"save_checkpoint"},
 }
 # Results of these are gathered or summed across ranks: padded duplicates get counted.
 _GATHERS = {"all_gather", "all_gather_object", "all_gather_into_tensor", "gather", "gather_object",
