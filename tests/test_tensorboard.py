@@ -140,3 +140,25 @@ def test_missing_tensorboard_is_one_clear_error(tmp_path, monkeypatch):
     with pytest.raises(UserError, match=r"pip install tensorboard.*\[log\] tensorboard = false"):
         RunLog(tmp_path, info, 0, False, tensorboard=True)
     assert RunLog(tmp_path, info, 0, False, tensorboard=False).writer is None
+
+
+def test_job_log_misuse_is_one_user_error(tmp_path):
+    import disttrain as dt
+    from disttrain.demo import MLP, MLPConfig
+    from disttrain.errors import UserError
+
+    x = torch.randn(64, 16, generator=torch.Generator().manual_seed(0))
+    with dt.Job(tmp_path, checkpoint_every=0, tensorboard=False) as job:
+        loader = job.loader(torch.utils.data.TensorDataset(x, x[:, :4]), batch_size=16)
+        model = job.wrap(MLP(MLPConfig()))
+        job.resume(model=model, optimizer=torch.optim.SGD(model.parameters(), lr=0.1))
+        with pytest.raises(UserError, match=r"inside `for batch in job.steps"):
+            job.log(loss=1.0)
+        for xb, yb in job.steps(loader, max_steps=1):
+            _, loss = model(xb, yb)
+            job.backward(loss)
+            with pytest.raises(UserError, match=r"dt.Job.log\(hist=...\) got Tensor; pass a number"):
+                job.log(hist=torch.ones(3))
+            job.log(loss=loss)
+    assert [r["step"] for r in map(json.loads, (tmp_path / "metrics.jsonl").read_text().splitlines())] == [1]
+    assert not (tmp_path / "tb").exists()
