@@ -18,12 +18,22 @@ from disttrain.doctor.findings import ERROR, WARNING, finding, rule
 
 
 def _fsdp2_only(facts: Facts) -> list[str]:
-    """Targets of `fully_shard(...)` when the script has no DDP/FSDP1 wrap (whose
-    no_sync is real); empty otherwise."""
-    kinds = {w.kind for w in facts.wraps}
-    if "fsdp2" not in kinds or kinds & {"ddp", "fsdp1", "disttrain"}:
+    """Names of the FSDP2 modules when the program is FSDP2 and nothing else (DDP's and
+    FSDP1's no_sync is real): `fully_shard(...)` in this file or the others checked with
+    it, or an FSDP2 import (`FSDPModule`, `fully_shard`) in a file sharded elsewhere, like
+    torchtitan's train step. Empty otherwise."""
+    wraps = [w for f in [facts, *facts.others] for w in f.wraps]
+    kinds = {w.kind for w in wraps}
+    imports = [q.rsplit(".", 1)[-1] for q in facts.aliases.values()]
+    if kinds & {"ddp", "fsdp1", "disttrain"}:
         return []
-    return [w.target or w.arg or "model" for w in facts.wraps if w.kind == "fsdp2"]
+    own = [w.target or w.arg or "model" for w in facts.wraps if w.kind == "fsdp2"]
+    if own or "fsdp2" in kinds:
+        return own or ["model"]
+    if {"fully_shard", "FSDPModule"} & set(imports) and \
+            not {"DistributedDataParallel", "FullyShardedDataParallel"} & set(imports):
+        return ["model"]  # sharded in another module
+    return []
 
 
 @rule("fsdp2-no-sync", ("P-DDP-5", "P-FSDP-9"), ERROR,
