@@ -20,6 +20,7 @@ import yaml
 
 from conftest import ROOT, worker_env
 from disttrain import cli
+from disttrain.launch.etcd_server import free_port
 
 K8S_VERSION = "1.30"
 SCHEMA = ROOT / "tests" / "data" / "kubeflow" / "pytorchjob_v1.schema.json"
@@ -76,12 +77,6 @@ def test_sbatch_passes_bash_n_and_shellcheck(tmp_path, capsys):
     assert lint.returncode == 0, lint.stdout
 
 
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
 def _slurm_conf(root: Path) -> Path:
     host = socket.gethostname().split(".")[0]
     (root / "state").mkdir()
@@ -93,8 +88,8 @@ SlurmUser=root
 SlurmdUser=root
 AuthType=auth/none
 CredType=cred/none
-SlurmctldPort={_free_port()}
-SlurmdPort={_free_port()}
+SlurmctldPort={free_port()}
+SlurmdPort={free_port()}
 StateSaveLocation={root}/state
 SlurmdSpoolDir={root}/spool
 SlurmctldPidFile={root}/slurmctld.pid

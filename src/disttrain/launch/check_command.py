@@ -32,7 +32,7 @@ from datetime import timedelta
 from disttrain.errors import UserError
 from disttrain.launch.check_facts import Limits, NodeFacts, is_local_address, node_facts, problems, reach, render
 from disttrain.launch.launch_files import OneLineParser
-from disttrain.launch.run_command import _split_script
+from disttrain.launch.run_command import DEFAULT_ENV, _split_script
 
 ALLREDUCE_BYTES = 8 * 1024 * 1024
 ALLREDUCE_ITERS = 3
@@ -183,16 +183,18 @@ def _rendezvous(args: CheckArgs, addr: str, deadline: float):
     params = RendezvousParameters(backend=args.backend, endpoint=f"{args.host}:{args.port}",
                                   run_id=args.run_id, min_nodes=args.nnodes, max_nodes=args.nnodes,
                                   local_addr=addr, **conf)
-    return get_rendezvous_handler(params).next_rendezvous()
+    handler = get_rendezvous_handler(params)
+    # The handler must outlive the check: it owns the store behind `info.store` (for
+    # etcd-v2 a Python store, which a PrefixStore cannot use once it is collected).
+    return handler, handler.next_rendezvous()
 
 
 def _exchange(store, rank: int, world: int, mine: NodeFacts, hosting: bool, deadline: float) -> list[NodeFacts]:
     """Every node's facts, in rank order. The store's host returns only once every node
     has read them: its exit closes the store under a node still reading."""
-    store.set_timeout(timedelta(seconds=max(1.0, deadline - time.monotonic())))
     store.set(f"facts/{rank}", json.dumps(mine.to_json()))
     keys = [f"facts/{r}" for r in range(world)]
-    store.wait(keys)
+    store.wait(keys, timedelta(seconds=max(1.0, deadline - time.monotonic())))
     nodes = [NodeFacts(**json.loads(store.get(k))) for k in keys]
     store.add("facts-read", 1)
     while hosting and store.add("facts-read", 0) < world and time.monotonic() < deadline:
@@ -236,16 +238,22 @@ def _clock_offsets(world: int) -> list[float]:
     return [statistics.median(r[i] for r in rounds) for i in range(world)]
 
 
-def _collectives(store, rank: int, nodes: list[NodeFacts], args: CheckArgs) -> dict[str, float]:
-    """gloo (and nccl where every node has CUDA) on the rendezvous store: bandwidth per
-    backend, and each node's clock offset written into `nodes`."""
+def _collectives(info, nodes: list[NodeFacts], args: CheckArgs) -> dict[str, float]:
+    """gloo (and nccl where every node has CUDA) on the rendezvous store (etcd-v2: on a
+    TCPStore at rank 0's node): bandwidth per backend; each node's clock offset is
+    written into `nodes`. Raises `NodeFailed` when the group cannot form in time."""
     import torch.distributed as dist
 
-    world = len(nodes)
+    store, rank, world = info.store, info.rank, len(nodes)
     me = nodes[rank]
+    timeout = timedelta(seconds=args.timeout_s)
     try:
+        if args.backend == "etcd-v2":  # as torchrun: a TCPStore on rank 0's node, not etcd, for the group
+            where = info.bootstrap_store_info
+            store = dist.TCPStore(where.master_addr, where.master_port, world_size=world,
+                                  is_master=rank == 0, timeout=timeout, multi_tenant=True)
         dist.init_process_group("gloo", store=dist.PrefixStore("check-pg", store), rank=rank,
-                                world_size=world, timeout=timedelta(seconds=args.timeout_s))
+                                world_size=world, timeout=timeout)
     except Exception as e:  # gloo's own error types differ by version; all mean "no mesh"
         raise NodeFailed(f"node {me.name}: the nodes met at the store but gloo could not connect "
                          f"them within {args.timeout_s:g} s ({_first_line(e)}). Set "
@@ -299,7 +307,7 @@ def check(args: CheckArgs) -> tuple[list[NodeFacts], dict[str, float], list[str]
         addr = args.local_addr or addr
     mine = node_facts(addr, args.nproc, args.ckpt_dir)
     try:
-        info = _rendezvous(args, addr, deadline)
+        handler, info = _rendezvous(args, addr, deadline)
     except RendezvousTimeoutError:
         raise NodeFailed(f"node {mine.name}: not all {args.nnodes} nodes joined the rendezvous at "
                          f"{args.host}:{args.port} within {args.timeout_s:g} s; a missing node cannot "
@@ -316,8 +324,9 @@ def check(args: CheckArgs) -> tuple[list[NodeFacts], dict[str, float], list[str]
     bad = problems(nodes, args.limits)
     gbps: dict[str, float] = {}
     if not bad:  # mismatched versions could hang a collective: only healthy nodes go on
-        gbps = _collectives(info.store, info.rank, nodes, args)
+        gbps = _collectives(info, nodes, args)
         bad = problems(nodes, args.limits)
+    del handler  # kept alive until here on purpose
     return nodes, gbps, bad
 
 
@@ -334,6 +343,9 @@ def main(argv: list[str]) -> int:
         _parser().print_help()
         return 0
     os.environ.setdefault("TORCH_CPP_LOG_LEVEL", "ERROR")  # the store's retry chatter; before torch loads
+    # As `disttrain run` sets for its agents: rank 0's node serves a fresh TCPStore for the
+    # group (its address and port come with the rendezvous), as the job's workers will use.
+    os.environ.update(DEFAULT_ENV)
     args = parse(argv)
     nodes, gbps, bad = check(args)
     render(nodes, gbps, bad)
