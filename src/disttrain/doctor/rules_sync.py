@@ -102,8 +102,8 @@ def _has_partner(facts: Facts, call: ast.Call, name: str, ifs, all_calls) -> boo
 @rule("collective-under-rank-guard", ("P-LOOP-1", "P-DEBUG-1"), ERROR,
       "a collective that only some ranks reach",
       """A collective (dist.barrier, all_reduce, all_gather, broadcast, a DCP save or load,
-      accelerator.wait_for_everyone/gather, fabric.barrier ...) returns only when every rank
-      of the group has called it. Under `if rank == 0:` (or its else branch, after an early
+      accelerator.wait_for_everyone/gather, fabric.barrier, Lightning's
+      trainer.save_checkpoint ...) returns only when every rank of the group has called it. Under `if rank == 0:` (or its else branch, after an early
       `if rank != 0: return`, or in a function called only under such a guard, like
       `@rank_zero_only`) the other ranks never arrive and the job hangs until the collective
       timeout. Run the collective on every rank and guard only the file or log write. The
