@@ -6,7 +6,7 @@
     python -m bench --others            # also run bench/*_bench.py written by other benchmarks
     python -m bench --report-only       # re-render BENCHMARKS.md from bench/results/
 
-The timing sections (overhead, peers, scaling) share one interleaved job matrix
+The timing sections (overhead, product, peers, scaling) share one interleaved job matrix
 (bench/matrix.py), so their side-by-side ratios come from the same repeats.
 Exit status 0 even when a target is missed: targets are reported, not asserted;
 1 when a section could not run at all.
@@ -22,18 +22,17 @@ import tempfile
 import time
 from pathlib import Path
 
-from bench import imports, memory, overhead, peers, report, scaling
+from bench import guard_overhead, imports, memory, overhead, peers, report, scaling
 from bench.common import BENCH, ROOT, Options, base_env, command_line, save
 from bench.matrix import Matrix
 
-SECTIONS = [overhead, peers, scaling, memory, imports]
+SECTIONS = [overhead, guard_overhead, peers, scaling, memory, imports]
 # Other engineers' benchmarks: script -> (ranks under torchrun, 0 = plain python; arguments;
 # extra arguments for --quick). Each writes its own bench/results/*.md, merged by report.
 OTHERS = {
     "checkpoint_bench.py": (2, ["--dir", "{tmp}", "--results", "{results}/checkpoint.md"],
                             ["--repeat", "1"]),
     "recovery_bench.py": (0, [], []),
-    "guard_overhead.py": (2, ["--out", "{results}/guard.md"], ["--steps", "60"]),
     "doctor_corpus.py": (0, ["--out", "{results}/doctor.md"], []),
 }
 

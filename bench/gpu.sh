@@ -1,13 +1,14 @@
 #!/usr/bin/env bash
 # One prepared run for a single NVIDIA H200 (see bench/gpu_train.py for what and why):
-# bf16 GPT of about 1B parameters, sequence 2048, `fsdp full` at world 1 through
-# disttrain and a hand-written FSDP2 baseline; tokens/s, MFU, peak memory and the
+# bf16 GPT of about 1B parameters, sequence 2048, at world 1 through disttrain
+# (`fsdp`, which one device runs unsharded) and the same unsharded bf16-autocast step
+# written by hand (like for like); tokens/s, MFU, peak memory and the
 # async-checkpoint stall, after bench/gpu_trainer.sh (the trainer's NCCL path). Finishes in
 # under 10 minutes (each variant is capped at 210 s).
 #
 #   bench/gpu.sh [--dry-run] [OUTDIR]    OUTDIR defaults to $OUT, else bench/results/gpu_run
 #
-# Writes OUTDIR/{torch_fsdp2,disttrain_fsdp}.json, OUTDIR/*.log and OUTDIR/gpu.md.
+# Writes OUTDIR/{torch_autocast,disttrain_fsdp}.json, OUTDIR/*.log and OUTDIR/gpu.md.
 # --dry-run: the same code on the CPU with a tiny model (the test that keeps it working).
 # PYTHON picks the interpreter (default python3).
 set -uo pipefail
@@ -31,7 +32,7 @@ if [[ ${#DRY[@]} -eq 0 ]]; then
     # The trainer's NCCL path first (a process group at world 1; about 2 minutes).
     PYTHON="$PY" bash bench/gpu_trainer.sh "$OUTDIR" || status=1
 fi
-for variant in torch_fsdp2 disttrain_fsdp; do
+for variant in torch_autocast disttrain_fsdp; do
     echo "== $variant"
     if ! timeout "$LIMIT" "$PY" -m bench.gpu_train --variant "$variant" --out "$OUTDIR" "${DRY[@]}" \
             > "$OUTDIR/$variant.log" 2>&1; then

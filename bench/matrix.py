@@ -19,7 +19,7 @@ from dataclasses import dataclass, field
 
 from bench.common import JobError, Options, disttrain_strategies, launch, summary
 
-# name -> (script in bench/workloads, what it needs, label in tables)
+# name -> (script in bench/workloads, what it needs, label in tables[, environment])
 WORKLOADS = {
     "plain": ("plain.py", None, "single device (the starting script)"),
     "torch_ddp": ("torch_ddp.py", None, "hand-written torch DDP"),
@@ -29,6 +29,20 @@ WORKLOADS = {
     "disttrain_job": ("disttrain_job.py", "ddp", "disttrain Job (resumable)"),
     "accelerate": ("accelerate_run.py", "accelerate", "HF Accelerate"),
     "fabric": ("fabric_run.py", "lightning", "Lightning Fabric"),
+    # The product A/B (bench/guard_overhead.py): `disttrain train` with one feature off at a
+    # time through its config keys, against the same work written by hand.
+    "hand_train": ("hand_train.py", None, "hand-written loop, same work"),
+    "hand_train_vote": ("hand_train.py", None, "hand-written + 1 all-reduce / step",
+                        {"BENCH_VOTE": "1"}),
+    "hand_train_no_ckpt": ("hand_train.py", None, "hand-written, no checkpoints",
+                           {"BENCH_TRAIN_CKPT": "0"}),
+    "dt_train": ("trainer_run.py", "ddp", "disttrain train, everything on"),
+    "dt_train_no_guard": ("trainer_run.py", "ddp", "disttrain train, guard.enabled=false",
+                          {"BENCH_TRAIN_ARGS": "--guard.enabled=false"}),
+    "dt_train_no_audit": ("trainer_run.py", "ddp", "disttrain train, elastic.record_samples=false",
+                          {"BENCH_TRAIN_ARGS": "--elastic.record_samples=false"}),
+    "dt_train_no_ckpt": ("trainer_run.py", "ddp", "disttrain train, checkpoint.enabled=false",
+                         {"BENCH_TRAIN_ARGS": "--checkpoint.enabled=false"}),
 }
 
 EXTRA_HINT = "pip install -e '.[bench]' (accelerate, lightning)"
@@ -40,6 +54,12 @@ def label(name: str) -> str:
 
 def script(name: str) -> str:
     return WORKLOADS[name][0]
+
+
+def workload_env(name: str) -> dict[str, str]:
+    """The environment a job adds to its launch (the A/B switches)."""
+    spec = WORKLOADS[name]
+    return dict(spec[3]) if len(spec) > 3 else {}
 
 
 @dataclass
@@ -128,7 +148,7 @@ class Matrix:
                     continue
                 log(f"  repeat {repeat + 1}/{self.opts.repeats}: {job.key}")
                 try:
-                    res = launch(script(job.name), job.world, self.opts)
+                    res = self._launch(job)
                 except JobError as e:
                     job.error = str(e)
                     log(f"    failed: {str(e).splitlines()[0]}")
@@ -137,6 +157,15 @@ class Matrix:
                                  "first_step_s": res.first_step_s, "rss_mb": res.rss_mb,
                                  "tokens_per_s": res.tokens_per_s})
             sys.stdout.flush()
+
+    def _launch(self, job: JobResult):
+        """One launch; a failure is tried once more (a port taken between `free_port` and
+        the rendezvous, on a shared machine, is not the workload's fault)."""
+        try:
+            return launch(script(job.name), job.world, self.opts, env=workload_env(job.name))
+        except JobError as e:
+            print(f"    retrying once: {str(e).splitlines()[0]}")
+            return launch(script(job.name), job.world, self.opts, env=workload_env(job.name))
 
     def profile(self, name: str, world: int, kind: str = "steps") -> dict | None:
         """A cProfile of one launch of the job (cached): 'steps' profiles the timed steps,

@@ -84,8 +84,68 @@ def test_gpu_script_dry_run_on_cpu(tmp_path):
     proc = subprocess.run(["bash", str(ROOT / "bench" / "gpu.sh"), "--dry-run", str(tmp_path)],
                           cwd=ROOT, env=env, capture_output=True, text=True, timeout=230)
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
-    for variant in ("torch_fsdp2", "disttrain_fsdp"):
+    for variant in ("torch_autocast", "disttrain_fsdp"):
         r = json.loads((tmp_path / f"{variant}.json").read_text())
         assert r["dry_run"] and r["tokens_per_s"] > 0 and 0 <= r["mfu"] < 1
         assert "ckpt_async_stall_s" in r, r.get("ckpt_error")
+        assert r["sharded"] is False, variant  # like for like: both unsharded at world 1
     assert "| disttrain_fsdp |" in (tmp_path / "gpu.md").read_text()
+
+
+def test_product_ab_switches_are_trainer_keys_and_both_sides_do_the_same_work():
+    """Every A/B variant's switches load as a config; the hand-written loop reads the
+    same model, batch, steps and cadence as the trainer."""
+    from bench.matrix import workload_env
+    from disttrain.config import load_config
+
+    sys.path.insert(0, str(common.WORKLOADS))
+    import train_spec
+
+    hand = train_spec.config()
+    for name in [n for n in WORKLOADS if WORKLOADS[n][0] == "trainer_run.py"]:
+        os.environ["BENCH_TRAIN_ARGS"] = workload_env(name).get("BENCH_TRAIN_ARGS", "")
+        try:
+            cfg = load_config(train_spec.CONFIG, train_spec.overrides())
+        finally:
+            del os.environ["BENCH_TRAIN_ARGS"]
+        for section, key in [("model", "block_size"), ("model", "n_layer"), ("train", "batch_size"),
+                             ("train", "steps"), ("train", "eval_every"), ("checkpoint", "every")]:
+            assert getattr(getattr(cfg, section), key) == hand[section][key], (name, section, key)
+    assert train_spec.step_seconds({10: 1.0, train_spec.STEPS: 1.0 + train_spec.TIMED * 0.5}) == 0.5
+
+
+def _job(name, times):
+    from bench.matrix import JobResult
+
+    return JobResult(name, 2, [{"repeat": i, "step_s": t, "rss_mb": 300.0} for i, t in enumerate(times)])
+
+
+def test_product_section_shares_come_from_paired_repeats():
+    from bench import guard_overhead as product
+
+    class FakeMatrix:
+        jobs = {"hand_train": [1.0, 2.0], "dt_train": [1.1, 2.2], "dt_train_no_guard": [1.0, 2.0]}
+
+        def get(self, name, world):
+            return _job(name, self.jobs.get(name, [1.0, 2.0]))
+
+    data = product.analyse(FakeMatrix(), common.Options())
+    assert round(data["ratio"]["median"], 6) == 1.1 and data["ratio"]["n"] == 2
+    assert round(data["shares"][0]["ratio"]["median"], 6) == 1.1  # guard on / off
+    text = product.render({**data, "command": "python -m bench"})
+    assert "**MISSED** (1.100" in text and "+10.0 %" in text
+    assert "+10.0 %" in product.guard_md({**data, "command": "python -m bench"})
+
+
+def test_memory_checks_compare_grad_op_and_full_peaks_and_the_plan():
+    from bench import memory
+
+    rows = [{"spec": "fsdp:full", "world": 2, "peak": 100, "plan_error": 0.1},
+            {"spec": "fsdp:grad_op", "world": 2, "peak": 120, "plan_error": -0.3}]
+    text = " ".join(memory.checks(rows))
+    assert "w=2" in text and "**met** (0.00" in text  # grad_op above full
+    assert "**MISSED** (worst -30.0%, fsdp:grad_op" in text
+    rows[1]["peak"] = 90
+    assert "fsdp:full at w=2 (it keeps every gathered parameter from forward to backward): **MISSED**" \
+        in " ".join(memory.checks(rows))
+    assert memory.plan_bytes("fsdp:grad_op", 2) > memory.plan_bytes("fsdp:full", 2) > 0
