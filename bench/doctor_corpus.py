@@ -202,7 +202,7 @@ def render(real: RealResult, cases: list[BugCase]) -> str:
         "numbers). Static analysis: no timing, so the machine load does not matter.", "",
         "## Public training scripts", "",
         "Corpus: `tests/doctor_corpus/real/`, public scripts copied verbatim (pytorch/examples, "
-        "huggingface/accelerate, Lightning Fabric examples, torchtitan; "
+        "huggingface/accelerate, transformers, Lightning Fabric examples, torchtitan; "
         "`tests/doctor_corpus/SOURCES.md`), "
         "checked in one run; each finding judged true or false by a reviewer in "
         "`tests/doctor_corpus/review.json`. Precision = true / (true + false); recall = true / "

@@ -149,8 +149,6 @@ def _only_distributed_checks(facts: Facts, call: ast.Call) -> bool:
       len(dataset), count only real samples, or use accelerator.gather_for_metrics, which
       drops the padding. drop_last=True is no fix: it drops samples instead.""")
 def eval_gather_padded(facts: Facts):
-    if _truncates(facts):
-        return
     yield from _padded_samplers(facts)
     yield from _accelerate_gathers(facts)
     yield from _fabric_reductions(facts)
@@ -159,7 +157,8 @@ def eval_gather_padded(facts: Facts):
 def _padded_samplers(facts: Facts):
     """Evaluation DistributedSamplers whose loader is looped over in a function that
     gathers or sums across ranks."""
-    gathers = [c for c, name in collectives(facts) if name in _GATHERS]
+    gathers = [c for c, name in collectives(facts) if name in _GATHERS
+               and not _truncates(facts.scope_of(c))]
     if not gathers:
         return
     for call in facts.calls_to("DistributedSampler"):
@@ -188,7 +187,7 @@ def _accelerate_gathers(facts: Facts):
             continue
         loop = facts.enclosing_loop(call)
         if loop is not None and loop not in loops and isinstance(loop, (ast.For, ast.AsyncFor)) and \
-                mentions(loop.iter, _is_eval_name):
+                mentions(loop.iter, _is_eval_name) and not _truncates(loop):
             loops.add(loop)
             yield finding(facts, call, "eval-gather-padded",
                           "accelerator.gather() over an evaluation loader keeps the samples "
@@ -207,6 +206,8 @@ def _fabric_reductions(facts: Facts):
         if "fabric" not in owner or name not in ("all_gather", "all_reduce"):
             continue
         scope = facts.scope_of(call)
+        if _truncates(scope):
+            continue
         named = isinstance(scope, (ast.FunctionDef, ast.AsyncFunctionDef)) and _is_eval_function(scope.name)
         looped = any(isinstance(n, (ast.For, ast.AsyncFor)) and facts.scope_of(n) is scope and
                      mentions(n.iter, lambda w: "loader" in w.lower()) for n in facts.nodes)
@@ -223,9 +224,10 @@ def _is_eval_function(name: str) -> bool:
     return _is_eval_name(name) or name.lower().startswith(("validate", "evaluate"))
 
 
-def _truncates(facts: Facts) -> bool:
-    """The script cuts gathered results back to the dataset's length: `x[: len(ds)]`."""
-    for n in facts.nodes:
+def _truncates(node: ast.AST) -> bool:
+    """The code cuts gathered results back to the dataset's length: `x[: len(ds)]`
+    (HF's no_trainer scripts: `predictions[: len(eval_dataloader.dataset) - samples_seen]`)."""
+    for n in ast.walk(node):
         if isinstance(n, ast.Subscript) and isinstance(n.slice, ast.Slice) and n.slice.upper is not None \
                 and any(isinstance(c, ast.Call) and isinstance(c.func, ast.Name) and c.func.id == "len"
                         for c in ast.walk(n.slice.upper)):
