@@ -187,7 +187,7 @@ def _accelerate_gathers(facts: Facts):
             continue
         loop = facts.enclosing_loop(call)
         if loop is not None and loop not in loops and isinstance(loop, (ast.For, ast.AsyncFor)) and \
-                mentions(loop.iter, _is_eval_name) and not _truncates(loop):
+                mentions(loop.iter, _is_eval_name) and not _truncates_after(facts, loop):
             loops.add(loop)
             yield finding(facts, call, "eval-gather-padded",
                           "accelerator.gather() over an evaluation loader keeps the samples "
@@ -222,6 +222,17 @@ def _fabric_reductions(facts: Facts):
 
 def _is_eval_function(name: str) -> bool:
     return _is_eval_name(name) or name.lower().startswith(("validate", "evaluate"))
+
+
+def _truncates_after(facts: Facts, loop: ast.AST) -> bool:
+    """The loop, or a statement after it in the same block, cuts the gathered results
+    (run_clm_no_trainer: `losses = losses[: len(eval_dataset)]` after the eval loop)."""
+    parent = facts.parents.get(loop)
+    for field in ("body", "orelse", "finalbody"):
+        block = getattr(parent, field, None)
+        if isinstance(block, list) and loop in block:
+            return any(_truncates(stmt) for stmt in block[block.index(loop):])
+    return _truncates(loop)
 
 
 def _truncates(node: ast.AST) -> bool:
