@@ -65,7 +65,8 @@ def test_sbatch_passes_bash_n_and_shellcheck(tmp_path, capsys):
                   "--time", "1-00:00:00", "--max-restarts", "5")
     for line in ("#SBATCH --nodes=4", "#SBATCH --gpus-per-node=8", "#SBATCH --partition=gpu",
                  "#SBATCH --time=1-00:00:00", "#SBATCH --requeue", "#SBATCH --signal=B:TERM@100",
-                 'scontrol requeue "$SLURM_JOB_ID"', "--max-restarts 5 -m disttrain.train",
+                 'scontrol requeue "$SLURM_JOB_ID"', 'scancel --signal=TERM "$SLURM_JOB_ID"',
+                 "--max-restarts 5 -m disttrain.train",
                  'srun --ntasks-per-node=1 --kill-on-bad-exit=1 disttrain check'):
         assert line in text, line
     script = tmp_path / "job.slurm"

@@ -77,17 +77,20 @@ def sbatch(s: LaunchSpec) -> str:
     lines += ["# Preemption (or the time limit's SIGTERM above): every rank finishes its step, saves",
               "# and exits 0; then the job is requeued and the same command resumes.",
               "preempted=0",
+              "# scancel --signal (not --batch) passes SIGTERM to the step's processes without",
+              "# cancelling it: srun itself would cancel the step on a SIGTERM of its own.",
               "trap 'preempted=1; echo \"disttrain: SIGTERM: saving, then requeueing job $SLURM_JOB_ID\" >&2; "
-              "kill -TERM \"$train_pid\" 2>/dev/null || true' TERM",
+              "scancel --signal=TERM \"$SLURM_JOB_ID\" || true' TERM",
               'srun --ntasks-per-node=1 --kill-on-bad-exit=0 disttrain run "${run_flags[@]}" '
               f'--max-restarts {s.max_restarts} -m disttrain.train "$config" &',
               "train_pid=$!",
               "rc=0",
               'wait "$train_pid" || rc=$?',
               'if [ "$preempted" -eq 1 ]; then',
-              "  rc=0",
-              '  wait "$train_pid" || rc=$?  # the save in progress',
+              "  # The ranks save and exit 0; torchrun's agent itself exits 1 on its SIGTERM.",
+              '  wait "$train_pid" || true',
               '  scontrol requeue "$SLURM_JOB_ID" || true  # already queued again under PreemptMode=REQUEUE',
+              "  rc=0",
               "fi",
               'exit "$rc"',
               ""]
