@@ -14,13 +14,14 @@ Run it on each node with the flags of `disttrain run` (a trailing script, or
 4. starts a gloo process group on that store (plus an nccl group where every node has
    CUDA), times an all-reduce per backend and measures each clock against rank 0's.
 Every node prints the same rich table; exit 0 when healthy, else one line per problem,
-each naming the node (exit 2). Nothing waits past `--timeout` seconds (default 10) per
-phase: a cut link is reported instead of a hang.
+each naming the node (exit 2). Steps 1-3 share one `--timeout` (default 10 s) and the
+process group gets another: a cut link is reported instead of a hang.
 """
 
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import json
 import os
 import statistics
@@ -291,7 +292,7 @@ def check(args: CheckArgs) -> tuple[list[NodeFacts], dict[str, float], list[str]
         from disttrain.launch.etcd_server import free_port
 
         port = free_port()
-    args = CheckArgs(**{**args.__dict__, "port": port})
+    args = dataclasses.replace(args, port=port)
     hosting = args.backend in ("c10d", "static") and (
         is_local_address(args.host) if args.backend == "c10d" else args.node_rank == 0)
     if hosting:
