@@ -164,7 +164,8 @@ def init(*, backend: str = "auto", device: str = "auto", timeout_s: float = 300.
                         f"is inconsistent. Launch with `disttrain run`.")
     dev = _pick_device(device, local_rank)
     chosen = None
-    _release_lingering()  # a new group may need the port a lingering one's store holds
+    if store is None:  # a recovery's generations skip the collection (0.3-0.6 s on a loaded host)
+        _release_lingering()  # a new group may need the port a lingering one's store holds
     if "WORLD_SIZE" in os.environ:
         chosen = group_backend(dev.type, backend)
         if not dist.is_initialized():
@@ -179,8 +180,11 @@ def init(*, backend: str = "auto", device: str = "auto", timeout_s: float = 300.
     return _current
 
 
-def shutdown() -> None:
+def shutdown(*, collect: bool = True) -> None:
     """Destroy the process group if one is running. Safe to call twice.
+
+    `collect=False` (an in-memory recovery, where a garbage collection costs tenths of
+    a second) holds every destroyed group, as below, without looking for other holders.
 
     A group that something still references after the destroy (a DDP module's reducer,
     a DeviceMesh, a user's global) must not be destructed during interpreter
@@ -197,8 +201,11 @@ def shutdown() -> None:
 
         groups = list(_world.pg_map)
         dist.destroy_process_group()
-        gc.collect()
-        _lingering.extend(g for g in groups if sys.getrefcount(g) > 3)  # more than groups, g, argument
+        if collect:
+            gc.collect()
+            _lingering.extend(g for g in groups if sys.getrefcount(g) > 3)  # more than groups, g, argument
+        else:
+            _lingering.extend(groups)
         del groups
         if not _exit_hook:
             _exit_hook.append(atexit.register(_release_lingering, True))
