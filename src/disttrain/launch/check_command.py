@@ -196,7 +196,7 @@ def _exchange(store, rank: int, world: int, mine: NodeFacts, hosting: bool, dead
     store.set(f"facts/{rank}", json.dumps(mine.to_json()))
     keys = [f"facts/{r}" for r in range(world)]
     store.wait(keys, timedelta(seconds=max(1.0, deadline - time.monotonic())))
-    nodes = [NodeFacts(**json.loads(store.get(k))) for k in keys]
+    nodes = [NodeFacts.from_json(json.loads(store.get(k))) for k in keys]
     store.add("facts-read", 1)
     while hosting and store.add("facts-read", 0) < world and time.monotonic() < deadline:
         time.sleep(0.05)

@@ -15,7 +15,7 @@ import socket
 import tempfile
 import time
 from collections import Counter
-from dataclasses import asdict, dataclass, field
+from dataclasses import asdict, dataclass, fields
 from pathlib import Path
 
 GIB = 1024**3
@@ -38,7 +38,6 @@ class NodeFacts:
     ckpt_error: str = ""
     clock_offset_s: float | None = None
     rank: int = 0
-    extra: dict = field(default_factory=dict)
 
     @property
     def name(self) -> str:
@@ -46,6 +45,11 @@ class NodeFacts:
 
     def to_json(self) -> dict:
         return asdict(self)
+
+    @classmethod
+    def from_json(cls, data: dict) -> "NodeFacts":
+        """Fields another disttrain version added are dropped, so its version can be named."""
+        return cls(**{f.name: data[f.name] for f in fields(cls) if f.name in data})
 
 
 def visible_devices() -> int:
