@@ -281,12 +281,13 @@ def _first_line(e: BaseException) -> str:
     return text[0][:200] if text else type(e).__name__
 
 
-def check(args: CheckArgs) -> tuple[list[NodeFacts], dict[str, float], list[str]]:
+def check(args: CheckArgs, started: float | None = None) -> tuple[list[NodeFacts], dict[str, float], list[str]]:
     """Run the phases on this node; returns (every node's facts, bandwidth, problems).
-    Raises `NodeFailed` naming this node when it cannot reach the others in time."""
+    Raises `NodeFailed` naming this node when it cannot reach the others within
+    `args.timeout_s` of `started` (time.monotonic(); default now: torch's import counts)."""
     from torch.distributed.elastic.rendezvous.api import RendezvousTimeoutError
 
-    deadline = time.monotonic() + args.timeout_s
+    deadline = (time.monotonic() if started is None else started) + args.timeout_s
     port = args.port
     if args.backend == "c10d" and not port:  # one node: a free local port for the store
         from disttrain.launch.etcd_server import free_port
@@ -301,7 +302,7 @@ def check(args: CheckArgs) -> tuple[list[NodeFacts], dict[str, float], list[str]
         try:
             addr = reach(args.host, args.port, deadline)
         except OSError as e:
-            who = args.local_addr or _own_name()
+            who = f"{args.local_addr} ({_own_name()})" if args.local_addr else _own_name()
             raise NodeFailed(f"node {who}: cannot reach the rendezvous endpoint {args.host}:{args.port} "
                              f"within {args.timeout_s:g} s ({e.strerror or e}); check this node's "
                              f"link, route and firewall to {args.host}.") from None
@@ -340,6 +341,7 @@ def _own_name() -> str:
 def main(argv: list[str]) -> int:
     """`disttrain check [run flags] [script | -m disttrain.train CONFIG]`: 0 when healthy;
     otherwise a `UserError` with one line per problem (exit 2)."""
+    started = time.monotonic()
     if any(a in ("-h", "--help") for a in argv):
         _parser().print_help()
         return 0
@@ -348,7 +350,7 @@ def main(argv: list[str]) -> int:
     # group (its address and port come with the rendezvous), as the job's workers will use.
     os.environ.update(DEFAULT_ENV)
     args = parse(argv)
-    nodes, gbps, bad = check(args)
+    nodes, gbps, bad = check(args, started)
     render(nodes, gbps, bad)
     if bad:
         raise UserError("\n".join(bad))
