@@ -36,6 +36,7 @@ def test_parse_takes_the_flags_of_disttrain_run(tmp_path):
     (["--nnodes", "0", "--nproc", "1"], "--nnodes is '0'"),
     (["--nproc", "1", "--timeout", "0"], "--timeout is 0"),
     (["--nproc", "1", "--timeout", "soon"], "argument --timeout"),
+    (["--nproc", "1", "--checkpoint-dri", "/ck"], "unknown flag --checkpoint-dri"),
 ])
 def test_check_flag_mistakes_name_the_flag(argv, message):
     with pytest.raises(UserError, match=message):

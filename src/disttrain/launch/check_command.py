@@ -111,7 +111,8 @@ def parse(argv: list[str]) -> CheckArgs:
     check has no use for (--max-restarts, --log-dir, ...) are ignored."""
     own, rest = _own_flags(argv)
     flags, script = _split_script(rest)
-    ns, _unused = _parser().parse_known_args(flags + own)
+    ns, unused = _parser().parse_known_args(flags + own)
+    _refuse_unknown(unused)
     config, overrides = ns.config, []
     if script[:1] == ["disttrain.train"] and len(script) > 1 and config is None:
         config, overrides = script[1], script[2:]
@@ -150,6 +151,18 @@ def parse(argv: list[str]) -> CheckArgs:
                      run_id=f"{ns.run_id}-check", node_rank=ns.node_rank, local_addr=ns.local_addr,
                      ckpt_dir=_ckpt_dir(ns.checkpoint_dir, config, overrides), timeout_s=ns.timeout,
                      limits=Limits(min_free_gib=ns.min_free_gib, max_clock_skew_s=ns.max_clock_skew))
+
+
+def _refuse_unknown(unused: list[str]) -> None:
+    """Flags of torchrun's that the check does not need pass silently (the same command
+    line serves both); any other flag is a typo."""
+    from torch.distributed.run import get_args_parser
+
+    torchrun = get_args_parser()._option_string_actions
+    bad = [a for a in unused if a.startswith("--") and a.split("=", 1)[0] not in torchrun]
+    if bad:
+        raise UserError(f"unknown flag {bad[0]}; see `disttrain check --help` (torchrun's own flags "
+                        f"are accepted too).")
 
 
 def _ckpt_dir(explicit: str | None, config: str | None, overrides: list[str]) -> str:
