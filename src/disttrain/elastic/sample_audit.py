@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import json
 import os
+import time
 from pathlib import Path
 
 import torch
@@ -26,7 +27,7 @@ def generation_id() -> int:
 
 
 class SampleAudit:
-    """Appends {"step", "rank", "world", "generation", "indices"} lines, one file per
+    """Appends {"step", "rank", "world", "generation", "time_ns", "indices"} lines, one file per
     rank and attempt, under `root`. A no-op when disabled."""
 
     def __init__(self, root: str | os.PathLike, rank: int, world_size: int, enabled: bool,
@@ -48,7 +49,8 @@ class SampleAudit:
         if self.enabled:
             with self.path.open("a") as f:
                 f.write(json.dumps({"step": step, "rank": self.rank, "world": self.world,
-                                    "generation": self.generation, "indices": self._pending}) + "\n")
+                                    "generation": self.generation, "time_ns": time.time_ns(),
+                                    "indices": self._pending}) + "\n")
         self._pending = []
 
 

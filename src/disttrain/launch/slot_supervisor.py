@@ -32,8 +32,6 @@ import time
 ROLE_ENV = "DISTTRAIN_FAST_ROLE"  # elastic.fast_recovery.ROLE_ENV; not imported: that imports torch
 DONE_KEY = "disttrain/fast/done"
 MAX_PROMOTIONS = 1000
-POLL_S = 0.01
-"""How often the children are polled: the detection delay of a death."""
 STORE_LINGER_S = 60.0
 """How long the store's host waits for every rank to finish with it after its own
 training process is done."""
@@ -83,28 +81,34 @@ def supervise(cmd: list[str], rank: int, world: int) -> int:
 
     def forward(signum, _frame):
         stopping.append(signum)
-        if child.poll() is None:
-            child.send_signal(signum)
+        try:  # os.kill, not Popen.send_signal: that would reap the child behind os.wait's back
+            os.kill(child.pid, signum)
+        except ProcessLookupError:
+            pass
 
     for sig in (signal.SIGTERM, signal.SIGINT):
         signal.signal(sig, forward)
     promotions = 0
     while True:
-        rc = child.poll()
-        if rc is None:
-            if spare.poll() is not None and not stopping:  # a killed spare: replaced in the background
-                print(f"disttrain run: rank {rank}'s spare exited ({spare.returncode}); starting another",
+        # Block until a child ends: no polling, so nothing competes with training.
+        pid, status = os.wait()
+        code = os.waitstatus_to_exitcode(status)
+        if pid == spare.pid:  # a killed spare: replaced in the background
+            spare.returncode = code
+            if not stopping:
+                print(f"disttrain run: rank {rank}'s spare exited ({code}); starting another",
                       file=sys.stderr, flush=True)
                 spare = _spawn(cmd, "spare")
-            time.sleep(POLL_S)
             continue
+        if pid != child.pid:
+            continue
+        child.returncode = rc = code
         if rc < 0 and not stopping and promotions < MAX_PROMOTIONS:
-            if spare.poll() is not None:
-                spare = _spawn(cmd, "spare")
             try:
                 spare.stdin.write(b"go\n")
                 spare.stdin.flush()
-            except OSError:  # the spare died just now: a fresh one takes the line
+            except OSError:  # the spare died just now (not yet reaped): a fresh one takes over
+                spare.kill()
                 spare = _spawn(cmd, "spare")
                 spare.stdin.write(b"go\n")
                 spare.stdin.flush()
