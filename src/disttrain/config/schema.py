@@ -189,8 +189,7 @@ class ElasticConfig:
     record_samples: bool = False
     """Each rank appends (step, sample indices) to {out_dir}/samples/ for audits."""
     fast_recovery: bool = False
-    """Replace a killed worker by a warm spare and recover from the survivors' memory,
-    without a torchrun restart (docs/elastic.md). DDP on CPU (gloo) only."""
+    """A killed worker is replaced by a warm spare with the survivors' state (docs/elastic.md)."""
 
 
 def _check_checkpoint(c: CheckpointConfig) -> None:
@@ -204,14 +203,6 @@ def _check_elastic(e: ElasticConfig) -> None:
     _one_of("elastic.batch_policy", e.batch_policy, ("keep_global", "rescale_lr"))
     _require(e.preempt_grace_s > 0, f"elastic.preempt_grace_s is {e.preempt_grace_s}; it must be positive.")
 
-
-def _check_fast_recovery(cfg: "Config") -> None:
-    p = cfg.parallel
-    _require(p.strategy == "ddp", f"elastic.fast_recovery = true works with parallel.strategy = 'ddp' only "
-             f"(got {p.strategy!r}); set parallel.strategy = 'ddp' or elastic.fast_recovery = false.")
-    _require(p.device == "cpu" or (p.device == "auto" and not _cuda_count()),
-             f"elastic.fast_recovery = true works on CPU (gloo) only (parallel.device is {p.device!r}); "
-             f"set parallel.device = 'cpu' or elastic.fast_recovery = false.")
 
 
 @dataclass(kw_only=True)
@@ -293,11 +284,12 @@ def validate(cfg: Config) -> None:
              "and hang_cap_s >= hang_min_s.")
     _check_checkpoint(cfg.checkpoint)
     _check_elastic(cfg.elastic)
-    if cfg.elastic.fast_recovery:
-        _check_fast_recovery(cfg)
     check_sources(cfg)  # model.factory, data.factory, train.loss (config/user_code.py)
     _check_hardware(p)
     device = p.device if p.device != "auto" else ("cuda" if _cuda_count() else "cpu")
+    _require(not cfg.elastic.fast_recovery or (p.strategy, device) == ("ddp", "cpu"),
+             f"elastic.fast_recovery = true works with parallel.strategy = 'ddp' on CPU (gloo) only, not "
+             f"{p.strategy!r} on {device}; set elastic.fast_recovery = false, or that strategy and device.")
     validate_parallel(p, t.precision, world_size=p.nproc, local_world_size=p.nproc, device_type=device)
 
 
