@@ -142,3 +142,13 @@ def test_supervisor_outside_torchrun_says_how_to_start_it():
                          capture_output=True, text=True, timeout=60, env=env)
     assert out.returncode == 2
     assert "runs under torchrun" in out.stderr and "Traceback" not in out.stderr
+
+
+def test_disttrain_run_starts_a_supervisor_per_slot_only_when_asked():
+    from disttrain.launch.run_command import build_torchrun_args
+
+    base = ["--nproc", "2", "-m", "disttrain.train", "examples/tiny_gpt.toml"]
+    args, _ = build_torchrun_args([*base, "--elastic.fast_recovery=true"])
+    assert args[-4:-2] == ["disttrain.launch.slot_supervisor", "disttrain.train"] and "-m" in args
+    args, _ = build_torchrun_args(base)
+    assert "disttrain.launch.slot_supervisor" not in args
