@@ -159,26 +159,34 @@ def _first_step_once(kind: str, tmp: Path, timeout: float = 180.0) -> float:
         time.sleep(0.005)
     _, err = proc.communicate(timeout=timeout)
     if proc.returncode or first is None:
-        raise RuntimeError(f"{kind} first-step run failed ({proc.returncode}): {err.decode()[-800:]}")
+        lines = [ln for ln in err.decode(errors="replace").splitlines() if "rror" in ln or "signal" in ln]
+        raise RuntimeError(f"{kind} run exited {proc.returncode}: " + " / ".join(lines[-4:])[-600:])
     return first - t0
 
 
 def measure_first_step(opts: Options, log=print) -> dict:
     """{'disttrain', 'hand': summary of seconds, 'ratio': summary of paired ratios}."""
     repeats = max(3, opts.repeats if not opts.quick else 2)
-    ours, hand = [], []
+    ours, hand, failures = [], [], []
     for repeat in range(repeats + 1):  # round 0 warms the caches, unrecorded
         with tempfile.TemporaryDirectory(prefix="bench-first-") as tmp:
             a_dir, b_dir = Path(tmp, "a"), Path(tmp, "b")
             a_dir.mkdir()
             b_dir.mkdir()
-            a = _first_step_once("disttrain", a_dir)
-            b = _first_step_once("hand", b_dir)
+            try:  # a failed launch costs its repeat (reported), not the section
+                a = _first_step_once("disttrain", a_dir)
+                b = _first_step_once("hand", b_dir)
+            except RuntimeError as e:
+                failures.append(str(e))
+                log(f"  first step: {e}")
+                continue
         if repeat:
             ours.append(a)
             hand.append(b)
             log(f"  first step: disttrain {a:.2f} s, hand-written {b:.2f} s")
-    return {"disttrain": summary(ours), "hand": summary(hand),
+    if not ours:
+        raise RuntimeError("; ".join(failures) or "no repeat")
+    return {"disttrain": summary(ours), "hand": summary(hand), "failures": failures,
             "ratio": summary([x / y for x, y in zip(ours, hand)]), "load": os.getloadavg()[0]}
 
 
@@ -248,6 +256,9 @@ def render(data: dict) -> str:
                 "", f"Target: launch -> first step within {FIRST_STEP_TARGET}x the hand-written loop's: "
                 f"**{verdict}** (median ratio {fs['ratio']['median']:.2f}; load average "
                 f"{fs['load']:.1f} at the end)."]
+        if fs.get("failures"):
+            out += ["", f"{len(fs['failures'])} launch(es) failed and were left out: "
+                    + "; ".join(f"`{f[:300]}`" for f in fs["failures"])]
     if data.get("profile"):
         out += ["", "Why (`-X importtime`, modules loaded after torch, by cumulative time):", "",
                 "```", data["profile"], "```"]
