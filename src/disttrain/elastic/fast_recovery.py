@@ -117,7 +117,12 @@ class Handoff:
     live: dict = field(default_factory=dict)
 
     def keep(self, **objects: Any) -> None:
+        """Register the attempt's objects. Registering `state` (with `acc`) says that
+        they now hold the committed state, so the older in-memory copy is dropped; until
+        then a failure (one during `restore`, say) keeps that copy for the next try."""
         self.live.update(objects)
+        if "state" in objects:
+            self.memory = None
 
     def cached(self, name: str, build: Callable[[], Any]) -> Any:
         if name not in self.cache:
@@ -133,13 +138,16 @@ class Handoff:
         steps: list[int] = [0] * dist.get_world_size()
         dist.all_gather_object(steps, mine)
         best = max(steps)
+        fault_injection.inject("recovery", best, dist.get_rank())
         if best < 0:
+            if dist.get_rank() == 0:
+                print(f"disttrain train: generation {self.gen}: no rank holds the state in memory; "
+                      f"loading the newest checkpoint", file=sys.stderr, flush=True)
             return False
         src = steps.index(best)
         box = [self.memory if dist.get_rank() == src else None]
         dist.broadcast_object_list(box, src=src)
         state.load_state_dict(box[0])
-        self.memory = None
         if dist.get_rank() == 0:
             print(f"disttrain train: generation {self.gen}: state of step {best} taken from rank "
                   f"{src}'s memory (ranks' steps {steps})", file=sys.stderr, flush=True)
@@ -153,11 +161,11 @@ class Handoff:
         if guard is not None:
             guard.close()
         state, acc = self.live.get("state"), self.live.get("acc")
-        if state is None or acc is None:  # failed before the model was built: keep the older one
+        self.live = {}
+        if state is None or acc is None:  # the attempt did not hold the state yet: keep the older copy
             return
         state.step, state.epoch = acc.optimizer_steps, state.sampler.epoch
         self.memory = state.state_dict()
-        self.live = {}
 
 
 def _is_peer_failure(e: BaseException) -> bool:

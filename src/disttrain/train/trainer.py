@@ -167,7 +167,6 @@ def _train(cfg: Config, info: runtime.RankInfo, preempt: PreemptionHandler, conf
     if handoff is not None:  # fast recovery: the state comes from a survivor's memory
         state = state or TrainState(model=model, optimizer=optimizer, scheduler=scheduler, scaler=acc.scaler,
                                     sampler=sampler, config=to_dict(cfg))
-        handoff.keep(state=state, acc=acc)
         in_memory = handoff.gen > 0 and handoff.restore(state)  # a collective in generations > 0
     with guard.slow_phase("checkpoint.load", nbytes=path_nbytes(ckpt.root if ckpt else None)):
         loaded = ckpt.load(state) if ckpt is not None and not in_memory else None  # automatic resume (P-ELASTIC-3)
@@ -181,6 +180,8 @@ def _train(cfg: Config, info: runtime.RankInfo, preempt: PreemptionHandler, conf
         resume.apply(plan, optimizer, scheduler, fresh)  # before the batch policy scales the LR
         resume.rejoin("train", state.step, acc, sampler, cfg.elastic.batch_policy, info, optimizer, scheduler)
         resume.print_changes(plan, cfg.elastic.batch_policy)
+    if handoff is not None:  # from here this attempt's objects hold the state a recovery keeps
+        handoff.keep(state=state, acc=acc)
     audit = SampleAudit(out / "samples", info.rank, info.world_size, cfg.elastic.record_samples,
                         generation_id())
     saved_at = step = acc.optimizer_steps
