@@ -260,7 +260,7 @@ def render(m: dict, k: dict, c: dict, g: list[dict], argv: list[str], took: floa
     cost = summary(c["ratio"])
     lines = [
         "## Fast recovery: warm spares and in-memory state (issue 13)", "",
-        f"Command: `python bench/goodput_bench.py {' '.join(argv)}`".rstrip() + "  ",
+        f"Command: `{' '.join(['python bench/goodput_bench.py', *argv])}`  ",
         f"Machine: {m['cores']} cores ({m['cpu']}), torch {m['torch']}, Python {m['python']}; {m['date']}; "
         f"1-minute load {m['load_1min']} at the start, {load_end:.2f} at the end (the machine is shared: "
         f"other engineers' test suites ran alongside, so times are pessimistic and spread). "
@@ -298,6 +298,8 @@ def render(m: dict, k: dict, c: dict, g: list[dict], argv: list[str], took: floa
             lines.append(f"| every {r['every']} | {r['kills']} | {r['promotions']} | {r['restarts']} | "
                          f"{fmt(summary(r['recovery']), digits=2)} | {fmt(summary(r['redone']), digits=0)} | "
                          f"{r['epochs']} | {'exactly once' if not r['problems'] else '; '.join(r['problems'])} |")
+        lines += ["", "Goodput counts every slowdown against the undisturbed (median) step, the "
+                  "shared machine's load included, not only the recoveries."]
         lines.append("")
     return "\n".join(lines) + "\n"
 
