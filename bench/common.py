@@ -128,6 +128,12 @@ class Job:
         return max(r["first_step_s"] for r in self.ranks)
 
     @property
+    def cpu_s(self) -> float | None:
+        """CPU seconds per step of the busiest rank, for workloads that report it."""
+        values = [r["cpu_s"] for r in self.ranks if "cpu_s" in r]
+        return max(values) if values else None
+
+    @property
     def rss_mb(self) -> float:
         """Peak resident memory of the largest rank, MiB."""
         return max(r["peak_rss_mb"] for r in self.ranks)

@@ -34,8 +34,6 @@ WORKLOADS = {
     "hand_train": ("hand_train.py", None, "hand-written loop, same work"),
     "hand_train_vote": ("hand_train.py", None, "hand-written + 1 all-reduce / step",
                         {"BENCH_VOTE": "1"}),
-    "hand_train_no_ckpt": ("hand_train.py", None, "hand-written, no checkpoints",
-                           {"BENCH_TRAIN_CKPT": "0"}),
     "dt_train": ("trainer_run.py", "ddp", "disttrain train, everything on"),
     "dt_train_no_guard": ("trainer_run.py", "ddp", "disttrain train, guard.enabled=false",
                           {"BENCH_TRAIN_ARGS": "--guard.enabled=false"}),
@@ -155,7 +153,7 @@ class Matrix:
                     continue
                 job.runs.append({"repeat": repeat, "step_s": res.step_s,
                                  "first_step_s": res.first_step_s, "rss_mb": res.rss_mb,
-                                 "tokens_per_s": res.tokens_per_s})
+                                 "tokens_per_s": res.tokens_per_s, "cpu_s": res.cpu_s})
             sys.stdout.flush()
 
     def _launch(self, job: JobResult):

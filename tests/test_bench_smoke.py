@@ -117,7 +117,8 @@ def test_product_ab_switches_are_trainer_keys_and_both_sides_do_the_same_work():
 def _job(name, times):
     from bench.matrix import JobResult
 
-    return JobResult(name, 2, [{"repeat": i, "step_s": t, "rss_mb": 300.0} for i, t in enumerate(times)])
+    return JobResult(name, 2, [{"repeat": i, "step_s": t, "cpu_s": t / 2, "rss_mb": 300.0}
+                               for i, t in enumerate(times)])
 
 
 def test_product_section_shares_come_from_paired_repeats():
@@ -130,10 +131,10 @@ def test_product_section_shares_come_from_paired_repeats():
             return _job(name, self.jobs.get(name, [1.0, 2.0]))
 
     data = product.analyse(FakeMatrix(), common.Options())
-    assert round(data["ratio"]["median"], 6) == 1.1 and data["ratio"]["n"] == 2
-    assert round(data["shares"][0]["ratio"]["median"], 6) == 1.1  # guard on / off
+    assert round(data["ratio"]["step_s"]["median"], 6) == 1.1 and data["ratio"]["step_s"]["n"] == 2
+    assert round(data["shares"][0]["ratio"]["cpu_s"]["median"], 6) == 1.1  # guard on / off
     text = product.render({**data, "command": "python -m bench"})
-    assert "**MISSED** (1.100" in text and "+10.0 %" in text
+    assert "wall **MISSED** (1.100" in text and "CPU **MISSED**" in text and "+10.0 %" in text
     assert "+10.0 %" in product.guard_md({**data, "command": "python -m bench"})
 
 

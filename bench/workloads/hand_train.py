@@ -7,17 +7,14 @@ LOG_EVERY steps, an evaluation (the first eval_batches x batch x world held-out 
 sharded by rank, one all-reduce) and a DCP checkpoint of model and optimizer every
 EVERY steps, keeping the newest keep_last. Without disttrain's guard, sample audit,
 preemption vote, manifest and resume bookkeeping: those are what the A/B measures.
-BENCH_VOTE=1 adds one all-reduce of a stop flag per step, as a preemption vote does;
-BENCH_TRAIN_CKPT=0 leaves the checkpoints out.
+BENCH_VOTE=1 adds one all-reduce of a stop flag per step, as a preemption vote does.
 The clock is train_spec's: from the log line of step LOG_EVERY to the last one.
 """
 
 import json
 import math
 import os
-import resource
 import shutil
-import time
 from pathlib import Path
 
 import torch
@@ -29,7 +26,7 @@ from torch.utils.data import DataLoader, DistributedSampler
 
 from disttrain.demo.corpus import ChunkDataset, load_stdlib_corpus
 from disttrain.demo.gpt import GPT, GPTConfig
-from train_spec import LOG_EVERY, config, step_seconds
+from train_spec import LOG_EVERY, clocks, config, result
 
 
 def lr_factor(step: int, total: int) -> float:
@@ -71,7 +68,7 @@ def main() -> None:
          {"params": [p for p in params if p.dim() < 2], "weight_decay": 0.0}],
         lr=o["lr"], betas=(0.9, 0.95))
     steps = t["steps"]
-    every = c["every"] if os.environ.get("BENCH_TRAIN_CKPT", "1") == "1" else 0
+    every = c["every"]
     scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, lambda s: lr_factor(s, steps))
     sampler = DistributedSampler(train_set, seed=t.get("seed", 1337))
     loader = DataLoader(train_set, batch_size=t["batch_size"], sampler=sampler, drop_last=True)
@@ -94,7 +91,7 @@ def main() -> None:
             loss_sum += torch.tensor([float(loss.detach()) * y.numel(), y.numel()], dtype=torch.float64)
             if step % LOG_EVERY == 0 or step == steps:
                 dist.all_reduce(loss_sum)
-                log_times[step] = time.perf_counter()
+                log_times[step] = clocks()
                 loss_sum.zero_()
                 if t["eval_every"] and step % t["eval_every"] == 0 and step < steps:
                     evaluate(model, heldout, t["batch_size"], t["eval_batches"], rank, world)
@@ -110,10 +107,8 @@ def main() -> None:
                     shutil.rmtree(saved.pop(0), ignore_errors=True)
             if step >= steps:
                 break
-    result = {"rank": rank, "world": world, "step_s": [step_seconds(log_times)],
-              "first_step_s": 0.0, "tokens_per_step": t["batch_size"] * m["block_size"],
-              "peak_rss_mb": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024}
-    Path(os.environ["BENCH_OUT"], f"rank{rank}.json").write_text(json.dumps(result))
+    out = result(rank, world, log_times, t["batch_size"] * m["block_size"])
+    Path(os.environ["BENCH_OUT"], f"rank{rank}.json").write_text(json.dumps(out))
     dist.destroy_process_group()
 
 

@@ -6,7 +6,8 @@ examples/tiny_gpt.toml with SETTINGS on top: the GPT of the other sections (cont
 the metrics all-reduce every LOG_EVERY steps. The clock runs from the log line of step
 LOG_EVERY to the log line of the last step, so it holds steps LOG_EVERY+1 .. STEPS and
 the evaluations and checkpoints of steps LOG_EVERY .. STEPS-1 (the final evaluation and
-save come after it on both sides). Its mean is the step time with every cost amortised.
+save come after it on both sides). Its mean is the step time with every cost amortised,
+in wall seconds and in CPU seconds of the process (all its threads).
 
 Environment: BENCH_STEPS (as for every workload; 20 gives 110 steps, a checkpoint and
 an evaluation every 50), BENCH_TRAIN_ARGS (extra `--section.key=value` for the trainer:
@@ -16,6 +17,8 @@ the A/B switches).
 from __future__ import annotations
 
 import os
+import resource
+import time
 import tomllib
 from pathlib import Path
 
@@ -55,3 +58,17 @@ def config() -> dict:
 def step_seconds(log_times: dict[int, float]) -> float:
     """Mean seconds per step between the log line of LOG_EVERY and that of STEPS."""
     return (log_times[STEPS] - log_times[LOG_EVERY]) / (STEPS - LOG_EVERY)
+
+
+def clocks() -> tuple[float, float]:
+    """(wall, CPU) now: `time.process_time` counts every thread of this process (the
+    watchdog's, gloo's), and little of the other jobs on a shared machine."""
+    return time.perf_counter(), time.process_time()
+
+
+def result(rank: int, world: int, log_times: dict[int, tuple[float, float]], tokens: int) -> dict:
+    """This rank's JSON for bench.launch: wall and CPU seconds per timed step, peak RSS."""
+    return {"rank": rank, "world": world, "first_step_s": 0.0, "tokens_per_step": tokens,
+            "step_s": [step_seconds({k: v[0] for k, v in log_times.items()})],
+            "cpu_s": step_seconds({k: v[1] for k, v in log_times.items()}),
+            "peak_rss_mb": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024}
