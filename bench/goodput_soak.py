@@ -86,7 +86,7 @@ def soak(tmp: Path, events: int, steps: int, rng: random.Random) -> dict:
     text = run.log.read_text(errors="replace")
     return {"events": done, "exit": code, "same": same, "epochs": epochs, "problems": problems,
             "promotions": run.promotions(), "restarts": text.count("will restart worker group"),
-            "from_disk": text.count("resumed at step") - text.count("memory (ranks' steps"),
+            "from_disk": text.count("no rank holds the state in memory"),
             "last_step": run.last_step()}
 
 
@@ -96,10 +96,13 @@ def main(argv: list[str]) -> int:
     ap.add_argument("--steps", type=int, default=1200)
     ap.add_argument("--out", default=str(ROOT / "bench/results/recovery_fast.md"))
     ap.add_argument("--seed", type=int, default=0)
+    ap.add_argument("--keep", help="run in this folder and keep it (logs, audit) instead of a temporary one")
     a = ap.parse_args(argv)
     m, t0 = machine(), time.monotonic()
     with tempfile.TemporaryDirectory(prefix="soak-") as d:
-        r = soak(Path(d), a.events, a.steps, random.Random(a.seed))
+        if a.keep:
+            Path(a.keep).mkdir(parents=True, exist_ok=True)
+        r = soak(Path(a.keep or d), a.events, a.steps, random.Random(a.seed))
     ok = r["exit"] == 0 and r["same"] and not r["problems"] and r["restarts"] == 0
     e = r["events"]
     section = (
@@ -110,7 +113,7 @@ def main(argv: list[str]) -> int:
         f"Events: {e['worker']} kill -9 of a training process, {e['spare']} of a waiting spare, "
         f"{e['both']} of both ranks 0.1 s apart. Spares promoted: {r['promotions']}; torchrun "
         f"restarts: {r['restarts']}; recoveries that had to read the disk checkpoint (every holder "
-        f"of the state died): {max(0, r['from_disk'])}. The run ended at step {r['last_step']} with "
+        f"of the state died): {r['from_disk']}. The run ended at step {r['last_step']} with "
         f"exit status {r['exit']}; final model {'bit-identical to' if r['same'] else '**differs from**'} "
         f"the uninterrupted run's; {r['epochs']} complete epoch(s) audited: "
         f"{'zero duplicated and zero dropped samples' if not r['problems'] else '; '.join(r['problems'])}. "
