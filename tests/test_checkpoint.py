@@ -82,7 +82,7 @@ def test_a_corrupt_shard_of_either_rank_fails_the_load_on_every_rank_P_CKPT_5(ru
     """Each rank hashes only its share of the files on load; the ranks agree."""
     resume = runs[3]
     message = resume[0][f"corrupt_{victim}"]
-    assert f"__{victim}_0.distcp fails its sha256 check" in message and "Refusing to load" in message
+    assert f"__{victim}_0.distcp fails its xxh3_128 checksum" in message and "Refusing to load" in message
     assert all(r[f"corrupt_{victim}"] == message for r in resume)
 
 

@@ -2,6 +2,8 @@
 models, writer fencing, the `disttrain ckpt` commands and the safetensors export
 (P-CKPT-2,4,5, P-ELASTIC-5)."""
 
+import hashlib
+import json
 import shutil
 import sys
 
@@ -69,6 +71,29 @@ def test_corruption_is_named_refused_and_falls_back_only_when_asked_P_CKPT_5(sav
     assert latest_valid(root).name == "step-00000001"
 
 
+def _as_older_version(step_dir):
+    """Rewrite the manifest as versions before xxh3 wrote it: {"size", "sha256"} per file."""
+    path = step_dir / "manifest.json"
+    manifest = json.loads(path.read_text())
+    manifest["files"] = {name: {"size": rec["size"],
+                                "sha256": hashlib.sha256((step_dir / name).read_bytes()).hexdigest()}
+                         for name, rec in manifest["files"].items()}
+    path.write_text(json.dumps(manifest))
+
+
+def test_an_older_sha256_manifest_still_loads_and_still_catches_a_flipped_byte(saved, tmp_path):
+    root, step2 = _copy(saved, tmp_path)
+    assert all(r["digest"].startswith("xxh3_128:") for r in verify(step2)["files"].values())
+    _as_older_version(step2)
+    state = build("ddp")
+    assert Checkpointer(root).load(state).name == "step-00000002"
+    assert mismatches(full_state(state), saved[1]) == []
+    shard = next(step2.glob("*.distcp"))
+    _flip_byte(shard)
+    with pytest.raises(CheckpointCorrupt, match=f"{shard.name} fails its sha256 checksum.*Refusing"):
+        Checkpointer(root).load(build("ddp"))
+
+
 def _truncate_manifest(step_dir):
     manifest = step_dir / "manifest.json"
     manifest.write_bytes(manifest.read_bytes()[:40])
@@ -113,7 +138,7 @@ def test_cli_verify_names_the_first_bad_file(saved, tmp_path, capsys):
     _flip_byte(shard)
     assert cli(["ckpt", "verify", str(root)]) == 1  # the root: its newest step is checked
     out = capsys.readouterr().out
-    assert shard.name in out and "sha256" in out
+    assert shard.name in out and "xxh3_128 checksum" in out
 
 
 @pytest.mark.parametrize("change", [{"n_embd": 32}, {"bias": False}])

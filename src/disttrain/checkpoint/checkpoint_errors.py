@@ -10,13 +10,16 @@ class CheckpointError(UserError):
 
 
 class CheckpointCorrupt(CheckpointError):
-    """A committed checkpoint is incomplete or a file fails its size/sha256 check.
+    """A committed checkpoint is incomplete or a file fails its size or checksum check.
 
     `bad_file` is the first file that failed (relative to the step directory)."""
 
     def __init__(self, message: str, bad_file: str = ""):
         super().__init__(message)
         self.bad_file = bad_file
+
+    def __reduce__(self):  # DCP pickles a rank's failure to the others: keep `bad_file`
+        return type(self), (str(self), self.bad_file)
 
 
 class CheckpointMismatch(CheckpointError):

@@ -18,12 +18,12 @@ flight: the next `load` or `wait` first completes it and raises its error; the n
 A `StaleWriterError` (this writer was fenced) is never a `CheckpointSaveError`.
 The process-based mode of torch 2.13 is not offered (see docs/checkpoints.md).
 
-Load: rank 0 lists the committed directories, newest first; every rank verifies
-its share of the checksums (`digests.share`) before anything is unpickled and the
-ranks agree on the outcome, so a damaged file of any rank fails the load on every
-rank with one message; a bad one is refused unless `fallback=True`.
-Keys and shapes are compared with DCP's metadata, then DCP loads in place,
-resharding to the current strategy and world size.
+Load: rank 0 lists the committed directories, newest first; each file is read
+once and checked before it is deserialised (`_load_one`), and the ranks agree on
+the outcome, so a damaged file of any rank fails the load on every rank with one
+message; a bad one is refused unless `fallback=True`. Keys and shapes are compared
+with DCP's metadata, then DCP loads in place, resharding to the current strategy
+and world size.
 """
 
 from __future__ import annotations
@@ -280,37 +280,45 @@ class Checkpointer:
 
     # ------------------------------------------------------------ load
 
-    def _verify_shared(self, candidate: Path) -> str | None:
-        """A collective: every rank checks all sizes and hashes its share of the files
-        (`digests.share`); returns the same verdict on every rank: None, or the
-        message of the first bad file by name (whichever rank found it)."""
+    def _verify_shared(self, candidate: Path, select) -> str | None:
+        """A collective: every rank checks all sizes and hashes the files `select`
+        accepts; returns the same verdict on every rank: None, or the message of
+        the first bad file by name (whichever rank found it)."""
         mine = None
         try:
-            layout.verify(candidate, part=(self.rank, self.world))
+            layout.verify(candidate, select=select)
         except CheckpointCorrupt as e:
             mine = (e.bad_file, str(e))
         found = [f for f in self._gather(mine) if f]
         return min(found)[1] if found else None
 
-    def _pick(self, path: Path | None) -> tuple[str | None, str | None, list[str]]:
-        """A collective: (chosen directory, error, notes), the same on every rank."""
-        notes: list[str] = []
-        if path is not None and path.name.startswith("step-"):
-            candidates = [str(path)]
-        else:
-            candidates = self._bcast([str(p) for _, _, p in layout.committed(path or self.root)]
-                                     if self.rank == 0 else None)
-        for candidate in map(Path, candidates):
-            err = self._verify_shared(candidate)
-            if err is None:
-                return str(candidate), None, notes
-            if not self.fallback or len(candidates) == 1 and path is not None:
-                return None, (f"{err} Refusing to load {candidate.name}. Set checkpoint.fallback "
-                              f"= true to load the previous valid checkpoint instead."), notes
-            notes.append(f"skipped corrupt checkpoint {candidate.name}: {err}")
-        if candidates:
-            return None, f"no valid checkpoint in {path or self.root} ({'; '.join(notes)}).", notes
-        return None, None, notes
+    def _load_one(self, step_dir: Path, tensors: dict, strict: bool) -> str | None:
+        """A collective: load `step_dir` into `tensors`, every file checked once;
+        returns None or the first bad file's message, the same on every rank.
+
+        Before anything is unpickled every rank hashes the small files it parses
+        (`.metadata`, `state.json`, its RNG file); DCP's shards are checked as they
+        are read (`hashing_fs.load_verified`, from the same buffer); then each rank
+        hashes the files of its share (`digests.share`) that DCP did not make it read."""
+        from disttrain.checkpoint.compat import check_compatible
+        from disttrain.checkpoint.digests import share
+        from disttrain.checkpoint.hashing_fs import load_verified
+
+        first = {".metadata", "state.json", f"rank-{self.rank:05d}.json"}
+        if err := self._verify_shared(step_dir, first.__contains__):
+            return err
+        problem = None
+        try:
+            check_compatible(tensors, step_dir, strict=strict)
+        except CheckpointMismatch as e:
+            problem = str(e)
+        if problem := next((p for p in self._gather(problem) if p), None):
+            raise CheckpointMismatch(problem)  # the same message on every rank
+        err, read = load_verified(tensors, step_dir, layout.read_manifest(step_dir)["files"], self.pg)
+        if err:
+            return err
+        done = first | read
+        return self._verify_shared(step_dir, lambda n: n not in done and share(n, self.world) == self.rank)
 
     def load(self, state: TrainState, path: str | Path | None = None, *, strict: bool = True) -> Path | None:
         """Load the newest valid checkpoint under `root` (or the step directory
@@ -319,34 +327,31 @@ class Checkpointer:
         Returns the loaded directory, or None when there is none (a fresh start).
         Raises `CheckpointCorrupt` (the newest is damaged and `fallback` is off, or
         none is valid) or `CheckpointMismatch` (another model), the same on every rank.
+        A damaged file may be found after part of `state` was overwritten: after
+        an error, load again (or start afresh) before training on.
         """
         self.wait()
-        choice, err, notes = self._pick(Path(path) if path else None)
-        if self.rank == 0:
-            for note in notes:
-                print(f"disttrain checkpoint: warning: {note}", file=sys.stderr)
-        if err:
-            raise CheckpointCorrupt(err)
-        if choice is None:
+        path = Path(path) if path else None
+        if path is not None and path.name.startswith("step-"):
+            candidates = [path]
+        else:
+            candidates = list(map(Path, self._bcast([str(p) for _, _, p in layout.committed(path or self.root)]
+                                                    if self.rank == 0 else None)))
+        sd, notes = state.state_dict(), []
+        for step_dir in candidates:
+            err = self._load_one(step_dir, sd["tensors"], strict)
+            if err is None:
+                break
+            if not self.fallback or len(candidates) == 1 and path is not None:
+                raise CheckpointCorrupt(f"{err} Refusing to load {step_dir.name}. Set checkpoint.fallback "
+                                        f"= true to load the previous valid checkpoint instead.")
+            notes.append(f"skipped corrupt checkpoint {step_dir.name}: {err}")
+            if self.rank == 0:
+                print(f"disttrain checkpoint: warning: {notes[-1]}", file=sys.stderr)
+        else:
+            if candidates:
+                raise CheckpointCorrupt(f"no valid checkpoint in {path or self.root} ({'; '.join(notes)}).")
             return None
-        import torch.distributed.checkpoint as dcp
-        from torch.distributed.checkpoint import FileSystemReader
-
-        from disttrain.checkpoint.compat import check_compatible
-
-        step_dir = Path(choice)
-        sd = state.state_dict()
-        problem = None
-        try:
-            check_compatible(sd["tensors"], step_dir, strict=strict)
-        except CheckpointMismatch as e:
-            problem = str(e)
-        if problem := next((p for p in self._gather(problem) if p), None):
-            raise CheckpointMismatch(problem)  # the same message on every rank
-        try:
-            dcp.load(sd["tensors"], storage_reader=FileSystemReader(str(step_dir)), process_group=self.pg)
-        except _failures() as e:
-            raise CheckpointCorrupt(f"{step_dir} could not be loaded: {describe(e)}") from None
         manifest = json.loads((step_dir / layout.MANIFEST).read_text())
         rng_file = step_dir / f"rank-{self.rank:05d}.json"
         same_world = manifest.get("world_size") == self.world

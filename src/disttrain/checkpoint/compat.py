@@ -58,7 +58,7 @@ def check_compatible(tensors: dict, step_dir: Path, *, strict: bool = True) -> N
             f"{step_dir}`), or start a fresh run in another checkpoint directory.")
 
 
-def _walk(exc: BaseException):
+def walk_causes(exc: BaseException):
     from torch.distributed.checkpoint.api import CheckpointException
 
     seen = set()
@@ -79,7 +79,7 @@ def describe(exc: BaseException) -> str:
     from torch.distributed.checkpoint.api import CheckpointException
 
     root = exc
-    for e in _walk(exc):
+    for e in walk_causes(exc):
         if isinstance(e, OSError) and e.errno == errno.ENOSPC:
             return f"disk full (ENOSPC: {e.strerror})"
         if not isinstance(e, CheckpointException):

@@ -1,21 +1,23 @@
-"""DCP's local filesystem with checksums on the way to disk (see `digests`): the
-save path of every checkpoint. Imported when a checkpoint is written, so DCP stays
-out of start-up.
+"""DCP's local filesystem with checksums on the way to disk and on the way back
+(see `digests`): the save and load path of every checkpoint. Imported when a
+checkpoint is written or read, so DCP stays out of start-up.
 """
 
 from __future__ import annotations
 
+import io
 import threading
 from contextlib import contextmanager
 from pathlib import Path
 
 from torch.distributed.checkpoint.filesystem import FileSystem
 
-from disttrain.checkpoint.digests import HashingStream, sha256_file
+from disttrain.checkpoint.checkpoint_errors import CheckpointCorrupt
+from disttrain.checkpoint.digests import HashingStream, corrupt_message, file_digest, matches, record
 
 
 class HashingFileSystem(FileSystem):
-    """DCP's local `FileSystem` that records size + sha256 of every file it
+    """DCP's local `FileSystem` that records size + digest of every file it
     writes (`digests`, keyed by file name) and fsyncs each one on close.
 
     `inner` (a `FileSystem`, e.g. the fault-injecting one) opens the streams.
@@ -37,14 +39,14 @@ class HashingFileSystem(FileSystem):
             return
         name = Path(path).name
 
-        def record(length: int, size: int, digest: str) -> None:
+        def on_close(length: int, size: int, digest: str) -> None:
             if length != size:
-                size, digest = sha256_file(path)
+                size, digest = file_digest(path)
             with self._lock:
-                self.digests[name] = {"size": size, "sha256": digest}
+                self.digests[name] = record(size, digest)
 
         with self.inner.create_stream(path, mode) as stream:
-            hashing = HashingStream(stream, record)
+            hashing = HashingStream(stream, on_close)
             yield hashing
             hashing.close()  # a no-op when DCP closed it
 
@@ -53,3 +55,65 @@ class HashingFileSystem(FileSystem):
         with self._lock:
             if (entry := self.digests.pop(Path(path).name, None)) is not None:
                 self.digests[Path(new_path).name] = entry
+
+
+class VerifyingFileSystem(FileSystem):
+    """DCP's local `FileSystem` for a load: a file listed in `files` (the manifest's
+    {name: record}) is read whole in one sequential read, its size and digest are
+    checked, and only then are the same bytes handed to DCP (from memory: DCP's many
+    small reads of one tensor record each no longer reach the disk). `verified` holds
+    the names checked.
+
+    A file that fails raises `CheckpointCorrupt` naming it before any of its bytes is
+    deserialised; DCP then fails the load on every rank. Files not in `files` and
+    writes pass through unchanged.
+    """
+
+    def __init__(self, step_dir: Path, files: dict[str, dict]):
+        super().__init__()
+        self.step_dir, self.files = Path(step_dir), files
+        self.verified: set[str] = set()
+
+    @contextmanager
+    def create_stream(self, path, mode):
+        name = Path(path).name
+        want = self.files.get(name)
+        if "r" not in mode or want is None:
+            with super().create_stream(path, mode) as stream:
+                yield stream
+            return
+        with open(path, "rb", buffering=0) as f:
+            data = f.read()  # one read of the whole file, sized from fstat
+        if not matches(data, want):
+            raise CheckpointCorrupt(corrupt_message(self.step_dir / name, len(data), want), name)
+        self.verified.add(name)
+        yield io.BytesIO(data)  # shares `data`'s memory until written to
+
+
+
+def load_verified(tensors: dict, step_dir: Path, files: dict[str, dict], pg) -> tuple[str | None, set[str]]:
+    """DCP-load `tensors` in place from `step_dir`, each file read once and checked
+    against `files` (the manifest's records) before DCP deserialises it. A collective.
+
+    Returns (None, the names this rank checked), or (the message of the first bad
+    file, ...) when a file of any rank fails its check: DCP gathers every rank's
+    failure, so the message is the same on every rank. The tensors may then be
+    partly overwritten: load them again before use. Raises `CheckpointCorrupt`
+    (one line, the root cause) for any other failure of DCP.
+    """
+    import torch.distributed.checkpoint as dcp
+    from torch.distributed.checkpoint import FileSystemReader
+    from torch.distributed.checkpoint.api import CheckpointException
+
+    from disttrain.checkpoint.compat import describe, walk_causes
+
+    reader = FileSystemReader(str(step_dir))
+    fs = reader.fs = VerifyingFileSystem(step_dir, files)
+    try:
+        dcp.load(tensors, storage_reader=reader, process_group=pg)
+    except (Exception, CheckpointException) as e:  # DCP's is a BaseException
+        bad = [c for c in walk_causes(e) if isinstance(c, CheckpointCorrupt)]
+        if bad:
+            return str(min(bad, key=lambda c: (c.bad_file, str(c)))), fs.verified
+        raise CheckpointCorrupt(f"{step_dir} could not be loaded: {describe(e)}") from None
+    return None, fs.verified

@@ -7,7 +7,7 @@
         .metadata  __0_0.distcp ...  DCP's files (tensors, sharded)
         state.json                   global non-tensor state (step, scheduler, ...)
         rank-00000.json ...          per-rank RNG state
-        manifest.json                written last: sizes + sha256 of every file
+        manifest.json                written last: size + checksum of every file
       .tmp-step-00001300-g3-1a2b3c/  being written; never read
       .corrupt-step-00001100-1a2b3c/ a damaged step directory moved aside by a re-save; kept
 
@@ -28,9 +28,10 @@ import os
 import re
 import shutil
 from pathlib import Path
+from typing import Callable
 
 from disttrain.checkpoint.checkpoint_errors import CheckpointCorrupt, StaleWriterError
-from disttrain.checkpoint.digests import sha256_file, share
+from disttrain.checkpoint.digests import corrupt_message, file_matches
 from disttrain.checkpoint.files import atomic_write_bytes, fsync_dir
 
 MANIFEST = "manifest.json"
@@ -49,7 +50,7 @@ def tmp_name(step: int, generation: int, run_id: str) -> str:
 
 def write_manifest(tmp_dir: Path, info: dict, files: dict[str, dict]) -> dict:
     """Write `manifest.json` last, atomically, from the digests the ranks computed
-    while writing (`files`: {name: {"size", "sha256"}}); no file is read back.
+    while writing (`files`: {name: {"size", "digest"}}); no file is read back.
 
     `info` (step, world layout, strategy, versions, ...) is stored beside the file
     table. The directory must hold exactly the files in `files`, with their sizes:
@@ -84,14 +85,14 @@ def read_manifest(step_dir: Path) -> dict:
 
 
 def verify(step_dir: str | os.PathLike, *, checksums: bool = True,
-           part: tuple[int, int] | None = None) -> dict:
-    """Check that every file in the manifest exists with its size and sha256, that
+           select: Callable[[str], bool] | None = None) -> dict:
+    """Check that every file in the manifest exists with its size and checksum, that
     DCP's `.metadata` is among them, and that no unlisted shard is present.
 
     Returns the manifest. Raises `CheckpointCorrupt` naming the first bad file.
     `checksums=False` checks existence and sizes only (cheap; used by retention).
-    `part=(rank, world)` hashes only that rank's share of the files
-    (`digests.share`); sizes are still checked for all of them.
+    `select(name)` limits the hashing to the files it accepts (a load hashes most
+    files as DCP reads them); sizes are still checked for all of them.
     """
     step_dir = Path(step_dir)
     if not step_dir.is_dir():
@@ -106,12 +107,9 @@ def verify(step_dir: str | os.PathLike, *, checksums: bool = True,
             raise CheckpointCorrupt(f"{path} is missing (listed in the manifest).", name)
         size = path.stat().st_size
         if size != want["size"]:
-            raise CheckpointCorrupt(f"{path} has {size} bytes, the manifest says {want['size']} "
-                                    f"(truncated or overwritten).", name)
-        mine = part is None or share(name, part[1]) == part[0]
-        if checksums and mine and sha256_file(path)[1] != want["sha256"]:
-            raise CheckpointCorrupt(f"{path} fails its sha256 check (the bytes changed after "
-                                    f"the save).", name)
+            raise CheckpointCorrupt(corrupt_message(path, size, want), name)
+        if checksums and (select is None or select(name)) and not file_matches(path, want):
+            raise CheckpointCorrupt(corrupt_message(path, size, want), name)
     for path in step_dir.iterdir():
         if path.suffix == ".distcp" and path.name not in files:
             raise CheckpointCorrupt(f"{path} is not in the manifest (a foreign shard).", path.name)
