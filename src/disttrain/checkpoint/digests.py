@@ -14,8 +14,8 @@ digests travel to rank 0, which writes the manifest: no file is read back before
 the commit, and the hashing runs on every rank at once (on the checkpoint thread
 in async mode, not the training thread).
 
-Load: `hashing_fs.VerifyingFileSystem` reads each file DCP opens in one read,
-checks it against the manifest and only then hands the bytes to DCP. `share(name,
+Load: `hashing_fs.VerifyingFileSystem` hashes each file DCP opens right then, in
+one sequential pass, before DCP reads it (from the page cache by then). `share(name,
 world)` assigns every file to one rank (its writer's rank modulo the world size;
 `.metadata` and `state.json` to rank 0): a rank also hashes the files of its share
 that DCP did not make it read, so every file is checked by at least one rank.
@@ -58,16 +58,6 @@ def expected(want: dict) -> tuple[str, str]:
 def digest_bytes(data) -> dict:
     """The manifest record of an in-memory file: {"size", "digest"}."""
     return record(len(data), xxhash.xxh3_128_hexdigest(data))
-
-
-def matches(data, want: dict) -> bool:
-    """True when the bytes `data` have the size and digest of the record `want`."""
-    algorithm, hexdigest = expected(want)
-    if len(data) != want["size"]:
-        return False
-    h = new_hash(algorithm)
-    h.update(data)
-    return h.hexdigest() == hexdigest
 
 
 def file_digest(path: str | os.PathLike, algorithm: str = ALGORITHM) -> tuple[int, str]:
