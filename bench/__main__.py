@@ -30,7 +30,7 @@ SECTIONS = [overhead, guard_overhead, peers, scaling, memory, imports]
 # Other engineers' benchmarks: script -> (ranks under torchrun, 0 = plain python; arguments;
 # extra arguments for --quick). Each writes its own bench/results/*.md, merged by report.
 OTHERS = {
-    "checkpoint_bench.py": (2, ["--dir", "{tmp}", "--results", "{results}/checkpoint.md"],
+    "checkpoint_bench.py": (0, ["--dir", "{tmp}", "--results", "{results}/checkpoint.md"],
                             ["--repeat", "1"]),
     "recovery_bench.py": (0, [], []),
     "doctor_corpus.py": (0, ["--out", "{results}/doctor.md"], []),

@@ -2,12 +2,15 @@
 write/read of the same bytes on the same disk, and the training stall of an async
 save against a synchronous one, at world sizes 2 and 4.
 
-    python bench/checkpoint_bench.py --dir CKPT_DIR [--worlds 2,4 --layers 6 --width 384]
+    python bench/checkpoint_bench.py --dir CKPT_DIR [--worlds 2,4 --sizes 6x384,12x768]
 
-Run with plain python it launches one torchrun job per world size and writes all of
-them to bench/results/checkpoint.md (or --results). Launched under torchrun (as
-`python -m bench --others` does) it measures that one world size. Either way each
-world size replaces only its own section of the file; the notes below stay.
+Run with plain python (as `python -m bench --others` does) it launches one torchrun
+job per world size and model size (`LAYERSxWIDTH` of the demo GPT: 6x384 is 10.8M
+parameters, where fixed costs show; 12x768 is 85M, where I/O dominates) and writes
+them to bench/results/checkpoint.md (or --results). Each job replaces only its own
+section of the file; the notes below stay. `--before-pkg NAME` adds rows for the
+`Checkpointer` of an earlier tree importable as package NAME (its `disttrain.`
+imports renamed), measured in the same repeats.
 
 Within each repeat, on every rank at once: raw write + fsync of this rank's share of
 the checkpoint's bytes, raw read of it, DCP alone (save with fsync, load; no
@@ -49,9 +52,13 @@ def main_world(args) -> None:
     import torch.distributed as dist
     import torch.distributed.checkpoint as dcp
 
+    import importlib
+
     import disttrain as dt
     from disttrain.checkpoint import Checkpointer, TrainState
     from disttrain.demo import GPT, GPTConfig
+
+    layers, width = map(int, args.size.split("x"))
 
     def barrier() -> None:
         dist.barrier()
@@ -72,11 +79,12 @@ def main_world(args) -> None:
             f.flush()
             os.fsync(f.fileno())
 
-    def raw_read(path: Path) -> None:
+    def raw_read(*paths: Path) -> None:
         buf = bytearray(1 << 22)
-        with open(path, "rb", buffering=0) as f:
-            while f.readinto(buf):
-                pass
+        for path in paths:
+            with open(path, "rb", buffering=0) as f:
+                while f.readinto(buf):
+                    pass
 
     def train_step(state: TrainState, batch: torch.Tensor) -> float:
         t0 = time.perf_counter()
@@ -90,7 +98,7 @@ def main_world(args) -> None:
     root = Path(args.dir)
     with dt.distributed(seed=0) as info:
         rank, world = info.rank, info.world_size
-        cfg = GPTConfig(block_size=64, n_layer=args.layers, n_head=6, n_embd=args.width)
+        cfg = GPTConfig(block_size=64, n_layer=layers, n_head=6, n_embd=width)
         model = dt.wrap(GPT(cfg), strategy="ddp")
         state = TrainState(model=model, optimizer=torch.optim.AdamW(model.parameters(), lr=1e-4))
         batch = torch.randint(0, 256, (4, cfg.block_size + 1))
@@ -103,8 +111,15 @@ def main_world(args) -> None:
         sync_ck = Checkpointer(root / "off", keep_last=1)
         async_ck = Checkpointer(root / "thread", keep_last=1, async_mode="thread")
         pg = dist.new_group(backend="gloo")
-        sync_ck.save(state)  # warm-up: first-use imports and plans are not timed
-        sync_ck.load(state)
+        cks = [sync_ck]
+        if args.before_pkg:
+            old = importlib.import_module(f"{args.before_pkg}.checkpoint").Checkpointer
+            before_ck = old(root / "before", keep_last=1)
+            before_ck.rank, before_ck.world = rank, world  # its runtime module never saw the init
+            cks.append(before_ck)
+        for ck in cks:  # warm-up: first-use imports and plans are not timed
+            ck.save(state)
+            ck.load(state)
         rows: dict[str, list[float]] = {}
         nbytes = 0
         for i in range(args.repeat):
@@ -115,6 +130,12 @@ def main_world(args) -> None:
             rows.setdefault("raw_write", []).append(timed(lambda: raw_write(raw, nbytes // world)))
             evict(raw)
             rows.setdefault("raw_read", []).append(timed(lambda: raw_read(raw)))
+            barrier()
+            if rank == 0:
+                evict(root)
+            every = [root / f"raw-{r}.bin" for r in range(world)]
+            rows.setdefault("raw_read_all", []).append(timed(lambda: raw_read(*every)))
+            barrier()
             raw.unlink()
             plain = root / f"dcp-{i}"
             tensors = state.state_dict()["tensors"]
@@ -129,6 +150,12 @@ def main_world(args) -> None:
             if rank == 0:
                 evict(sync_ck.last_saved)
             rows.setdefault("load", []).append(timed(lambda: sync_ck.load(state)))
+            if args.before_pkg:
+                state.step += 1
+                rows.setdefault("before_save", []).append(timed(lambda: before_ck.save(state)))
+                if rank == 0:
+                    evict(before_ck.last_saved)
+                rows.setdefault("before_load", []).append(timed(lambda: before_ck.load(state)))
             state.step += 1
             barrier()
             t0 = time.perf_counter()
@@ -139,7 +166,7 @@ def main_world(args) -> None:
             rows.setdefault("async_save", []).append(time.perf_counter() - t0)
             if rank == 0:
                 shutil.rmtree(plain)
-        for ck in (sync_ck, async_ck):
+        for ck in cks + [async_ck]:
             ck.close()
         if rank == 0:
             write_section(args, world, rows, nbytes, n_params, torch.__version__)
@@ -160,9 +187,12 @@ def write_section(args, world: int, rows: dict, nbytes: int, n_params: int, torc
 
     save_x, load_x = paired("raw_write", "save"), paired("raw_read", "load")
     verdict = lambda x: "met" if x >= 0.8 else "MISSED"  # noqa: E731
+    key = f"world {world} size {args.size}"
+    before = [row("before (previous commit): save, sync", "before_save", "raw_write"),
+              row("before (previous commit): load", "before_load", "raw_read")] if args.before_pkg else []
     lines = [
-        f"<!-- world {world} -->",
-        f"### World size {world}",
+        f"<!-- {key} -->",
+        f"### World size {world}, GPT {args.size} ({n_params / 1e6:.1f}M parameters)",
         "",
         f"GPT {n_params / 1e6:.1f}M parameters + AdamW state, DDP, {world} ranks on one machine; "
         f"checkpoint {nbytes / 1e6:.1f} MB; torch {torch_version}; median of {args.repeat}; "
@@ -176,22 +206,26 @@ def write_section(args, world: int, rows: dict, nbytes: int, n_params: int, torc
         row("disttrain save, async thread, until committed", "async_save", "raw_write"),
         row("raw sequential read of the same bytes (dropped from the page cache)", "raw_read", None),
         row("DCP alone: load (dropped from the page cache)", "dcp_load", "raw_read"),
-        row("disttrain load (each rank verifies its share, then DCP load)", "load", "raw_read"),
+        row("disttrain load (each file read once, checked, then deserialised)", "load", "raw_read"),
+        *before,
+        row("raw read of the whole checkpoint's bytes on every rank (what a DDP load reads)",
+            "raw_read_all", "raw_read"),
         "",
         f"Target save >= 0.8x raw write: **{verdict(save_x)}** ({save_x:.2f}x); "
         f"load >= 0.8x raw read: **{verdict(load_x)}** ({load_x:.2f}x). Against DCP alone in the "
-        f"same repeats: save {paired('dcp_save', 'save'):.2f}x, load {paired('dcp_load', 'load'):.2f}x.",
+        f"same repeats: save {paired('dcp_save', 'save'):.2f}x, load {paired('dcp_load', 'load'):.2f}x. "
+        f"Load against every rank reading the whole checkpoint: {paired('raw_read_all', 'load'):.2f}x.",
         "",
         f"Training stall per save: sync {med['save']:.3f} s ({med['save'] / med['step']:.1f} train "
         f"steps), async (thread) {med['stall']:.3f} s ({med['stall'] / med['step']:.1f} train steps: "
         f"the staging copy only).",
-        f"<!-- end world {world} -->",
+        f"<!-- end {key} -->",
     ]
     out = Path(args.results)
     out.parent.mkdir(parents=True, exist_ok=True)
     old = out.read_text() if out.exists() else ""
     section = "\n".join(lines)
-    pattern = re.compile(rf"<!-- world {world} -->.*?<!-- end world {world} -->", re.S)
+    pattern = re.compile(rf"<!-- {key} -->.*?<!-- end {key} -->", re.S)
     if pattern.search(old):
         text = pattern.sub(lambda _: section, old)
     elif "<!-- world " in old:
@@ -205,8 +239,8 @@ def write_section(args, world: int, rows: dict, nbytes: int, n_params: int, torc
 def header(args) -> str:
     return ("## Checkpoint save/load (disttrain.checkpoint, DCP, gloo, CPU)\n\n"
             f"Command: `python bench/checkpoint_bench.py --dir CKPT_DIR --worlds {args.worlds} "
-            f"--layers {args.layers} --width {args.width} --repeat {args.repeat}`\n\n"
-            "Each world size is one torchrun job; within each repeat the raw write/read and "
+            f"--sizes {args.sizes} --repeat {args.repeat}`\n\n"
+            "Each world and model size is one torchrun job; within each repeat the raw write/read and "
             "the checkpoint operations run one after the other on all ranks at once.\n\n")
 
 
@@ -214,8 +248,9 @@ def main() -> int:
     ap = argparse.ArgumentParser()
     ap.add_argument("--dir", required=True)
     ap.add_argument("--worlds", default="2,4", help="world sizes, one torchrun job each")
-    ap.add_argument("--layers", type=int, default=6)
-    ap.add_argument("--width", type=int, default=384)
+    ap.add_argument("--sizes", default="6x384,12x768", help="demo GPT sizes, LAYERSxWIDTH, one job each")
+    ap.add_argument("--size", default="6x384", help=argparse.SUPPRESS)  # the one size of a torchrun job
+    ap.add_argument("--before-pkg", default="", help="package name of an earlier tree, for before rows")
     ap.add_argument("--repeat", type=int, default=5)
     ap.add_argument("--results", default=str(RESULTS))
     args = ap.parse_args()
@@ -225,11 +260,12 @@ def main() -> int:
     out = Path(args.results)
     if not out.exists() or "<!-- world " not in out.read_text():
         out.write_text(header(args))  # else each section is replaced in place, notes kept
-    for world in map(int, args.worlds.split(",")):
-        cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc-per-node={world}",
-               __file__, *sys.argv[1:]]
-        if subprocess.run(cmd, timeout=1200).returncode:
-            return 1
+    for size in args.sizes.split(","):
+        for world in map(int, args.worlds.split(",")):
+            cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc-per-node={world}",
+                   __file__, *sys.argv[1:], "--size", size]
+            if subprocess.run(cmd, timeout=1200).returncode:
+                return 1
     return 0
 
 
