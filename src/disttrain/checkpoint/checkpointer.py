@@ -298,8 +298,8 @@ class Checkpointer:
 
         Before anything is unpickled every rank hashes the small files it parses
         (`.metadata`, `state.json`, its RNG file); DCP's shards are checked as they
-        are read (`hashing_fs.load_verified`, from the same buffer); then each rank
-        hashes the files of its share (`digests.share`) that DCP did not make it read."""
+        read, each by the rank of its share (`digests.share`, `hashing_fs.load_verified`);
+        then each rank hashes the files of its share that DCP did not make it read."""
         from disttrain.checkpoint.compat import check_compatible
         from disttrain.checkpoint.digests import share
         from disttrain.checkpoint.hashing_fs import load_verified
@@ -314,11 +314,12 @@ class Checkpointer:
             problem = str(e)
         if problem := next((p for p in self._gather(problem) if p), None):
             raise CheckpointMismatch(problem)  # the same message on every rank
-        err, read = load_verified(tensors, step_dir, layout.read_manifest(step_dir)["files"], self.pg)
+        mine = lambda n: share(n, self.world) == self.rank  # noqa: E731
+        err, read = load_verified(tensors, step_dir, layout.read_manifest(step_dir)["files"], self.pg, mine)
         if err:
             return err
         done = first | read
-        return self._verify_shared(step_dir, lambda n: n not in done and share(n, self.world) == self.rank)
+        return self._verify_shared(step_dir, lambda n: n not in done and mine(n))
 
     def load(self, state: TrainState, path: str | Path | None = None, *, strict: bool = True) -> Path | None:
         """Load the newest valid checkpoint under `root` (or the step directory

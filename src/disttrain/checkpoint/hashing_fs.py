@@ -58,9 +58,11 @@ class HashingFileSystem(FileSystem):
 
 class VerifyingFileSystem(FileSystem):
     """DCP's local `FileSystem` for a load: a file listed in `files` (the manifest's
-    {name: record}) is hashed in one sequential pass right when DCP opens it, and
-    only then handed to DCP, whose reads of it then come from the page cache: the
-    disk is read once. `verified` holds the names checked.
+    {name: record}) that `select(name)` accepts is hashed in one sequential pass
+    right when DCP opens it, and only then handed to DCP, whose reads of it then
+    come from the page cache: the disk is read once. `verified` holds the names
+    checked. (Each rank selects its own share: under DDP every rank reads every
+    shard, and a corrupt one fails the load on all ranks through DCP either way.)
 
     (Reading the whole file into one buffer instead, and handing DCP that buffer,
     measured slower: faulting in fresh memory for a file of 500 MB cost more than
@@ -69,16 +71,16 @@ class VerifyingFileSystem(FileSystem):
     Files not in `files`, and writes, pass through unchanged.
     """
 
-    def __init__(self, step_dir: Path, files: dict[str, dict]):
+    def __init__(self, step_dir: Path, files: dict[str, dict], select=lambda name: True):
         super().__init__()
-        self.step_dir, self.files = Path(step_dir), files
+        self.step_dir, self.files, self.select = Path(step_dir), files, select
         self.verified: set[str] = set()
 
     @contextmanager
     def create_stream(self, path, mode):
         name = Path(path).name
         want = self.files.get(name)
-        if "r" in mode and want is not None and name not in self.verified:
+        if "r" in mode and want is not None and name not in self.verified and self.select(name):
             algorithm, hexdigest = expected(want)
             size, digest = file_digest(path, algorithm)
             if (size, digest) != (want["size"], hexdigest):
@@ -88,9 +90,11 @@ class VerifyingFileSystem(FileSystem):
             yield stream
 
 
-def load_verified(tensors: dict, step_dir: Path, files: dict[str, dict], pg) -> tuple[str | None, set[str]]:
-    """DCP-load `tensors` in place from `step_dir`, each file read once and checked
-    against `files` (the manifest's records) before DCP deserialises it. A collective.
+def load_verified(tensors: dict, step_dir: Path, files: dict[str, dict], pg,
+                  select=lambda name: True) -> tuple[str | None, set[str]]:
+    """DCP-load `tensors` in place from `step_dir`, each file `select` accepts read
+    once and checked against `files` (the manifest's records) before DCP
+    deserialises it. A collective.
 
     Returns (None, the names this rank checked), or (the message of the first bad
     file, ...) when a file of any rank fails its check: DCP gathers every rank's
@@ -105,7 +109,7 @@ def load_verified(tensors: dict, step_dir: Path, files: dict[str, dict], pg) -> 
     from disttrain.checkpoint.compat import describe, walk_causes
 
     reader = FileSystemReader(str(step_dir))
-    fs = reader.fs = VerifyingFileSystem(step_dir, files)
+    fs = reader.fs = VerifyingFileSystem(step_dir, files, select)
     try:
         dcp.load(tensors, storage_reader=reader, process_group=pg)
     except (Exception, CheckpointException) as e:  # DCP's is a BaseException
