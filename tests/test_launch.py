@@ -130,3 +130,26 @@ def test_a_torchrun_without_shutdown_timeout_is_not_given_one(monkeypatch):
     monkeypatch.setattr(launch, "torchrun_has_shutdown_timeout", lambda: False)
     args, _ = launch.build_torchrun_args(["--nproc", "2", SCRIPT])
     assert "--shutdown-timeout" not in args and args[-1] == SCRIPT
+
+
+def test_sigterm_to_the_agent_saves_and_exits_zero_without_a_traceback(tmp_path):
+    """Kubernetes and Slurm signal the launcher, not the workers: torchrun passes SIGTERM
+    on (the workers save and exit 0) and `disttrain run` then exits 0 with one line, where
+    plain torchrun raises SignalException and exits 1."""
+    import signal
+    import time
+
+    cmd = [sys.executable, "-m", "disttrain.cli", "run", "--nproc", "2",
+           str(WORKERS / "sigterm_saver.py"), str(tmp_path)]
+    agent = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+                             env=worker_env(), cwd=ROOT)
+    deadline = time.monotonic() + 90
+    while not all((tmp_path / f"ready{r}").exists() for r in range(2)):
+        assert agent.poll() is None and time.monotonic() < deadline, agent.communicate()
+        time.sleep(0.1)
+    agent.send_signal(signal.SIGTERM)
+    _, err = agent.communicate(timeout=60)
+    assert agent.returncode == 0, err
+    assert "Traceback" not in err
+    assert "disttrain run: stopped by SIGTERM" in err
+    assert all((tmp_path / f"saved{r}").exists() for r in range(2))

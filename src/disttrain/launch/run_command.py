@@ -37,6 +37,7 @@ from __future__ import annotations
 
 import math
 import os
+import signal
 import sys
 
 from disttrain.errors import UserError
@@ -230,6 +231,7 @@ def torchrun_has_shutdown_timeout() -> bool:
 
 def main(argv: list[str]) -> int:
     """Run torchrun in this process and return the job's exit code."""
+    from torch.distributed.elastic.multiprocessing import SignalException
     from torch.distributed.elastic.multiprocessing.errors import ChildFailedError
     from torch.distributed.run import parse_args, run
 
@@ -266,4 +268,14 @@ def main(argv: list[str]) -> int:
         print(f"disttrain run: rank {rank} failed first with {how}{more}. "
               f"Its error is above; per-rank logs: --log-dir DIR --tee 3.", file=sys.stderr)
         return code or 1
+    except SignalException as e:
+        # The agent itself was signalled (Kubernetes signals PID 1, Slurm the step). torchrun
+        # has already passed the signal on and waited --shutdown-timeout for the workers; a
+        # SIGTERMed disttrain worker saves and exits 0, so the job says so and exits 0 too
+        # (the requeue path of docs/elastic.md), instead of a traceback and exit 1.
+        name = signal.Signals(e.sigval).name
+        print(f"disttrain run: stopped by {name}; the workers were passed it and given "
+              f"--shutdown-timeout to save. The same command resumes from the newest "
+              f"checkpoint.", file=sys.stderr)
+        return 0 if e.sigval == signal.SIGTERM else 128 + int(e.sigval)
     return 0
