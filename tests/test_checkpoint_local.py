@@ -194,3 +194,15 @@ def test_inspect_prints_tensors_and_layout(saved, capsys):
 def test_cli_errors_are_one_line_exit_2(tmp_path, capsys):
     assert cli(["ckpt", "verify", str(tmp_path)]) == 2
     assert "holds no committed checkpoint" in capsys.readouterr().err
+
+
+def test_a_fresh_start_leaves_the_optimizer_untouched(tmp_path):
+    """No checkpoint yet: `load` returns None without building a state dict, whose
+    optimizer-state initialisation (one zero-gradient step) would start Adam's step
+    counter at 1 and shift every bias correction of the run."""
+    model = GPT(CFG)
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-3)
+    from disttrain.checkpoint import TrainState
+
+    assert Checkpointer(tmp_path / "empty").load(TrainState(model=model, optimizer=opt)) is None
+    assert not opt.state

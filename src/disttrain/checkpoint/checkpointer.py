@@ -338,6 +338,8 @@ class Checkpointer:
         else:
             candidates = list(map(Path, self._bcast([str(p) for _, _, p in layout.committed(path or self.root)]
                                                     if self.rank == 0 else None)))
+        if not candidates:
+            return None  # a fresh start: no state_dict(), whose optimizer-state init counts a step
         sd, notes = state.state_dict(), []
         for step_dir in candidates:
             err = self._load_one(step_dir, sd["tensors"], strict)
@@ -350,9 +352,7 @@ class Checkpointer:
             if self.rank == 0:
                 print(f"disttrain checkpoint: warning: {notes[-1]}", file=sys.stderr)
         else:
-            if candidates:
-                raise CheckpointCorrupt(f"no valid checkpoint in {path or self.root} ({'; '.join(notes)}).")
-            return None
+            raise CheckpointCorrupt(f"no valid checkpoint in {path or self.root} ({'; '.join(notes)}).")
         manifest = json.loads((step_dir / layout.MANIFEST).read_text())
         rng_file = step_dir / f"rank-{self.rank:05d}.json"
         same_world = manifest.get("world_size") == self.world
