@@ -91,8 +91,9 @@ def write(opts: Options, modules: list) -> Path:
         if not found:
             out += [f"## {heading}", "", "Pending: no bench/results/" + prefixes[0] +
                     "*.md yet (written by bench/" + prefixes[0] + "_bench.py when it lands).", ""]
-        for path in found:
-            out += _include(path, heading)
+        for i, path in enumerate(found):  # several files of one section share its heading
+            out += _include(path, heading) if i == 0 else _include(path, None)[:1] + [
+                _demote(path.read_text().strip(), 3), ""]
     if "imports" in sections:
         out += _section(by_name["imports"], sections["imports"], results)
     gpu = _external(results, ("gpu",))
