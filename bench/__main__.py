@@ -27,7 +27,7 @@ from bench.common import BENCH, ROOT, Options, base_env, command_line, save
 from bench.matrix import Matrix
 
 SECTIONS = [overhead, guard_overhead, peers, scaling, memory, imports]
-# Other engineers' benchmarks: script -> (ranks under torchrun, 0 = plain python; arguments;
+# Benchmarks with their own scripts: script -> (ranks under torchrun, 0 = plain python; arguments;
 # extra arguments for --quick). Each writes its own bench/results/*.md, merged by report.
 OTHERS = {
     "checkpoint_bench.py": (0, ["--dir", "{tmp}", "--results", "{results}/checkpoint.md"],

@@ -262,8 +262,8 @@ def render(m: dict, k: dict, c: dict, g: list[dict], argv: list[str], took: floa
         "## Fast recovery: warm spares and in-memory state (issue 13)", "",
         f"Command: `{' '.join(['python bench/goodput_bench.py', *argv])}`  ",
         f"Machine: {m['cores']} cores ({m['cpu']}), torch {m['torch']}, Python {m['python']}; {m['date']}; "
-        f"1-minute load {m['load_1min']} at the start, {load_end:.2f} at the end (the machine is shared: "
-        f"other engineers' test suites ran alongside, so times are pessimistic and spread). "
+        f"1-minute load {m['load_1min']} at the start, {load_end:.2f} at the end (a load near or above "
+        f"the core count means other work ran alongside: times are then pessimistic and spread). "
         f"The run took {took:.0f} s.", "",
         "The tiny job of the elastic tests (1-layer GPT, gloo, CPU, 2 ranks, standalone), "
         "`[elastic] fast_recovery = true`, 200 ms of injected delay per step, a disk checkpoint "
