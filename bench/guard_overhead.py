@@ -34,7 +34,7 @@ FEATURES = [
      FULL, "dt_train_no_guard", "guard.enabled=false"),
     ("sample audit (each rank appends its sample indices)", FULL, "dt_train_no_audit",
      "elastic.record_samples=false"),
-    ("checkpoints, disttrain (DCP, sha256 manifest, atomic commit, retention)", FULL,
+    ("checkpoints, disttrain (DCP, xxh3 digests per rank, atomic commit, retention)", FULL,
      "dt_train_no_ckpt", "checkpoint.enabled=false"),
     ("preemption vote: one all-reduce per step, in the hand-written loop", "hand_train_vote",
      BASE, "no config key in the trainer: measured on the baseline (BENCH_VOTE=1)"),
