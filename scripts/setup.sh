@@ -25,7 +25,7 @@ if [ ${#missing[@]} -gt 0 ]; then
   fi
 fi
 
-if [ ! -x .venv/bin/python ] || ! .venv/bin/python -c "import disttrain, pytest, kubernetes_validate" 2>/dev/null; then
+if [ ! -x .venv/bin/python ] || ! .venv/bin/python -c "import disttrain, pytest, kubernetes_validate, xxhash, tensorboard" 2>/dev/null; then
   python3 -m venv .venv
   .venv/bin/python -m pip install -q --disable-pip-version-check -c constraints.txt -e ".[test]"
 fi
