@@ -15,6 +15,7 @@ import json
 import math
 import os
 import shutil
+import sys
 from pathlib import Path
 
 import torch
@@ -110,6 +111,11 @@ def main() -> None:
     out = result(rank, world, log_times, t["batch_size"] * m["block_size"])
     Path(os.environ["BENCH_OUT"], f"rank{rank}.json").write_text(json.dumps(out))
     dist.destroy_process_group()
+    # Freeing the DDP model after this destroys torch 2.13's gloo group, whose destructor
+    # joins a worker thread that waits for the GIL the destructor holds (py-spy: a hang,
+    # or an abort at interpreter exit); runtime.shutdown guards disttrain's side of it.
+    sys.stdout.flush()
+    os._exit(0)
 
 
 if __name__ == "__main__":
