@@ -17,14 +17,27 @@ def comm_device() -> torch.device:
     return torch.device("cpu")
 
 
+def _all_gather_row(values: list, dtype: torch.dtype) -> list[torch.Tensor]:
+    """Every rank's `values` as one tensor each, in rank order (one all-gather)."""
+    local = torch.tensor(values, dtype=dtype, device=comm_device())
+    out = [torch.empty_like(local) for _ in range(dist.get_world_size())]
+    dist.all_gather(out, local)
+    return out
+
+
 def gather_ints(value: int) -> list[int]:
     """Every rank's `value`, in rank order. `[value]` in a world of 1."""
     if not dist.is_initialized():
         return [value]
-    local = torch.tensor([value], dtype=torch.int64, device=comm_device())
-    out = [torch.zeros_like(local) for _ in range(dist.get_world_size())]
-    dist.all_gather(out, local)
-    return [int(t.item()) for t in out]
+    return [int(t.item()) for t in _all_gather_row([value], torch.int64)]
+
+
+def gather_floats(values: list[float]) -> list[list[float]]:
+    """Every rank's `values` (the same length on every rank), in rank order; one
+    all-gather. A collective: every rank must call it. `[values]` without a group."""
+    if not dist.is_initialized():
+        return [list(values)]
+    return [t.tolist() for t in _all_gather_row(values, torch.float64)]
 
 
 def assert_same_across_ranks(name: str, value: int) -> None:

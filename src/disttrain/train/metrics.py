@@ -16,7 +16,6 @@ import torch
 import torch.distributed as dist
 
 from disttrain.runtime import rank_info
-from disttrain.runtime.collectives import comm_device
 
 
 def global_sum(values: list[float]) -> list[float]:
@@ -53,17 +52,6 @@ class MeanTracker:
 
     def reset(self) -> None:
         self.sum, self.count = 0.0, 0.0
-
-
-def gather_floats(values: list[float]) -> list[list[float]]:
-    """Every rank's `values` (the same length on every rank), in rank order; one
-    all-gather. A collective: every rank must call it. `[values]` without a group."""
-    if not dist.is_initialized():
-        return [list(values)]
-    local = torch.tensor(values, dtype=torch.float64, device=comm_device())
-    out = [torch.empty_like(local) for _ in range(dist.get_world_size())]
-    dist.all_gather(out, local)
-    return [t.tolist() for t in out]
 
 
 def peak_memory_mb(device: torch.device) -> float:

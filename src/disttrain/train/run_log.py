@@ -30,7 +30,8 @@ import torch
 
 from disttrain.errors import UserError
 from disttrain.runtime import RankInfo
-from disttrain.train.metrics import JsonlWriter, StepClock, gather_floats, peak_memory_mb
+from disttrain.runtime.collectives import gather_floats
+from disttrain.train.metrics import JsonlWriter, StepClock, peak_memory_mb
 
 EVENTS = "run_events.jsonl"
 TB_DIR = "tb"
