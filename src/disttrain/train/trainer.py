@@ -165,8 +165,6 @@ def _train(cfg: Config, info: runtime.RankInfo, preempt: PreemptionHandler, conf
     fresh = resume.fresh_hyperparams(optimizer, scheduler)
     in_memory = False
     if handoff is not None:  # fast recovery: the state comes from a survivor's memory
-        state = state or TrainState(model=model, optimizer=optimizer, scheduler=scheduler, scaler=acc.scaler,
-                                    sampler=sampler, config=to_dict(cfg))
         in_memory = handoff.gen > 0 and handoff.restore(state)  # a collective in generations > 0
     with guard.slow_phase("checkpoint.load", nbytes=path_nbytes(ckpt.root if ckpt else None)):
         loaded = ckpt.load(state) if ckpt is not None and not in_memory else None  # automatic resume (P-ELASTIC-3)
@@ -267,14 +265,15 @@ def _train(cfg: Config, info: runtime.RankInfo, preempt: PreemptionHandler, conf
 
 
 def _checkpointing(cfg: Config, out: Path, model, optimizer, scheduler, scaler, sampler):
-    """The run's `Checkpointer` and `TrainState`, or (None, None) when disabled."""
+    """The run's `Checkpointer` (None when disabled) and its `TrainState` (also what a
+    fast recovery hands over, with or without disk checkpoints)."""
     c = cfg.checkpoint
+    state = TrainState(model=model, optimizer=optimizer, scheduler=scheduler, scaler=scaler,
+                       sampler=sampler, config=to_dict(cfg))
     if not c.enabled:
-        return None, None
-    ckpt = Checkpointer(resume.checkpoint_root(cfg), keep_last=c.keep_last,
-                        async_mode=c.async_mode, fallback=c.fallback)
-    return ckpt, TrainState(model=model, optimizer=optimizer, scheduler=scheduler, scaler=scaler,
-                            sampler=sampler, config=to_dict(cfg))
+        return None, state
+    return Checkpointer(resume.checkpoint_root(cfg), keep_last=c.keep_last,
+                        async_mode=c.async_mode, fallback=c.fallback), state
 
 
 def _save(ckpt, state, step: int, on_error: str, saved_at: int) -> int:
