@@ -8,11 +8,11 @@ and, when `elastic.record_samples` was on, the sample audit `samples/*.jsonl`. N
 
 from __future__ import annotations
 
-import json
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 
 from disttrain.errors import UserError
+from disttrain.jsonl import read_jsonl
 
 
 @dataclass(frozen=True)
@@ -48,19 +48,6 @@ class RunData:
         return [asdict(m) for m in self.marks]
 
 
-def _jsonl(path: Path) -> list[dict]:
-    """The objects of a JSON-lines file; a line cut short by a kill -9 is skipped."""
-    out = []
-    for line in path.read_text().splitlines():
-        try:
-            item = json.loads(line)
-        except ValueError:
-            continue
-        if isinstance(item, dict):
-            out.append(item)
-    return out
-
-
 def load_run(run_dir: str | Path) -> RunData:
     """Read `run_dir`. Raises `UserError` (one line, with the fix) when the directory
     does not exist or holds no metrics records."""
@@ -69,7 +56,7 @@ def load_run(run_dir: str | Path) -> RunData:
         raise UserError(f"run directory {str(run)!r} does not exist. Pass the train.out_dir of a "
                         f"run (the folder that holds metrics.jsonl).")
     path = run / "metrics.jsonl"
-    raw = [r for r in _jsonl(path) if isinstance(r.get("step"), int)] if path.is_file() else []
+    raw = [r for r in read_jsonl(path) if isinstance(r.get("step"), int)]
     if not raw:
         what = "an empty metrics.jsonl" if path.is_file() else "no metrics.jsonl"
         raise UserError(f"{str(run)!r} has {what}, so there is nothing to draw. Pass the "
@@ -103,7 +90,7 @@ def _marks(starts: list[tuple[int, int, int]]) -> list[Mark]:
 
 def _from_events(run: Path, raw: list[dict]):
     path = run / "run_events.jsonl"
-    events = [e for e in _jsonl(path) if {"step", "world_size"} <= e.keys()] if path.is_file() else []
+    events = [e for e in read_jsonl(path) if {"step", "world_size"} <= e.keys()]
     if not events:
         return None
     return _marks([(i, int(e["step"]), int(e["world_size"])) for i, e in enumerate(events)]), len(events)
@@ -114,7 +101,7 @@ def _from_audit(run: Path, raw: list[dict]):
     step it resumed from."""
     files = sorted((run / "samples").glob("*.jsonl")) if (run / "samples").is_dir() else []
     first: dict[int, tuple[int, int]] = {}  # generation -> (first step, world)
-    for rec in (r for f in files for r in _jsonl(f)):
+    for rec in (r for f in files for r in read_jsonl(f)):
         g, s = rec.get("generation"), rec.get("step")
         if isinstance(g, int) and isinstance(s, int) and (g not in first or s < first[g][0]):
             first[g] = (s, int(rec.get("world", 0)))

@@ -20,7 +20,6 @@ lifetime) and call `RunLog.log(record)` at their log steps. Files under `out_dir
 from __future__ import annotations
 
 import atexit
-import json
 import math
 import os
 import time
@@ -29,6 +28,7 @@ from pathlib import Path
 import torch
 
 from disttrain.errors import UserError
+from disttrain.jsonl import read_jsonl
 from disttrain.runtime import RankInfo
 from disttrain.runtime.collectives import gather_floats
 from disttrain.train.metrics import JsonlWriter, StepClock, peak_memory_mb
@@ -42,21 +42,6 @@ _TAGS = {"loss": "loss/train", "heldout_loss": "loss/heldout", "lr": "optim/lr",
          "samples_per_s": "throughput/samples_per_s", "step_time_max_s": "step_time/slowest_rank_s",
          "step_time_min_s": "step_time/fastest_rank_s", "world_size": "run/world_size"}
 _NOT_SCALARS = {"step", "attempt", "step_time_s", "peak_mem_mb"}
-
-
-def read_events(path: str | os.PathLike) -> list[dict]:
-    """The lines of a `run_events.jsonl`; [] when it does not exist. A line cut short by
-    a kill is skipped."""
-    path = Path(path)
-    if not path.exists():
-        return []
-    out = []
-    for line in path.read_text().splitlines():
-        try:
-            out.append(json.loads(line))
-        except ValueError:
-            continue
-    return out
 
 
 def _event_text(event: dict) -> str:
@@ -88,7 +73,7 @@ class RunLog:
         if not info.is_main:
             return
         out = Path(out_dir)
-        past = read_events(out / EVENTS)
+        past = read_jsonl(out / EVENTS)
         self.attempt = len(past)
         self.event = {"attempt": self.attempt, "step": step, "resumed": resumed,
                       "world_size": info.world_size,
