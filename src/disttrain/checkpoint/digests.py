@@ -73,17 +73,26 @@ def file_digest(path: str | os.PathLike, algorithm: str = ALGORITHM) -> tuple[in
     return size, h.hexdigest()
 
 
-def file_matches(path: str | os.PathLike, want: dict) -> bool:
-    """True when the file at `path` has the size and digest of the record `want`."""
-    algorithm, hexdigest = expected(want)
-    return file_digest(path, algorithm) == (want["size"], hexdigest)
-
-
 def corrupt_message(path, size: int, want: dict) -> str:
     """The one line for a file whose bytes differ from its manifest record."""
     if size != want["size"]:
         return f"{path} has {size} bytes, the manifest says {want['size']} (truncated or overwritten)."
     return f"{path} fails its {expected(want)[0]} checksum (the bytes changed after the save)."
+
+
+def file_mismatch(path: str | os.PathLike, want: dict, shown=None) -> str | None:
+    """Hash the file at `path` in one sequential pass and compare the size and digest
+    it read with the manifest record `want` (of this version or an older one).
+
+    Returns None when both match, else the one line (`corrupt_message`, naming
+    `shown`, default `path`) with the size as read, so a file cut after an earlier
+    size check is reported as truncated. Raises `OSError` when the file cannot be
+    read, `ValueError` for a record that names no digest."""
+    algorithm, hexdigest = expected(want)
+    size, digest = file_digest(path, algorithm)
+    if (size, digest) == (want["size"], hexdigest):
+        return None
+    return corrupt_message(path if shown is None else shown, size, want)
 
 
 def share(name: str, world: int) -> int:

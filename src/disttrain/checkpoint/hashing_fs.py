@@ -12,7 +12,7 @@ from pathlib import Path
 from torch.distributed.checkpoint.filesystem import FileSystem
 
 from disttrain.checkpoint.checkpoint_errors import CheckpointCorrupt
-from disttrain.checkpoint.digests import HashingStream, corrupt_message, expected, file_digest, record
+from disttrain.checkpoint.digests import HashingStream, file_digest, file_mismatch, record
 
 
 class HashingFileSystem(FileSystem):
@@ -81,10 +81,8 @@ class VerifyingFileSystem(FileSystem):
         name = Path(path).name
         want = self.files.get(name)
         if "r" in mode and want is not None and name not in self.verified and self.select(name):
-            algorithm, hexdigest = expected(want)
-            size, digest = file_digest(path, algorithm)
-            if (size, digest) != (want["size"], hexdigest):
-                raise CheckpointCorrupt(corrupt_message(self.step_dir / name, size, want), name)
+            if (bad := file_mismatch(path, want, shown=self.step_dir / name)) is not None:
+                raise CheckpointCorrupt(bad, name)
             self.verified.add(name)
         with super().create_stream(path, mode) as stream:
             yield stream

@@ -31,7 +31,7 @@ from pathlib import Path
 from typing import Callable
 
 from disttrain.checkpoint.checkpoint_errors import CheckpointCorrupt, StaleWriterError
-from disttrain.checkpoint.digests import corrupt_message, file_matches
+from disttrain.checkpoint.digests import corrupt_message, file_mismatch
 from disttrain.checkpoint.files import atomic_write_bytes, fsync_dir
 
 MANIFEST = "manifest.json"
@@ -108,8 +108,8 @@ def verify(step_dir: str | os.PathLike, *, checksums: bool = True,
         size = path.stat().st_size
         if size != want["size"]:
             raise CheckpointCorrupt(corrupt_message(path, size, want), name)
-        if checksums and (select is None or select(name)) and not file_matches(path, want):
-            raise CheckpointCorrupt(corrupt_message(path, size, want), name)
+        if checksums and (select is None or select(name)) and (bad := file_mismatch(path, want)):
+            raise CheckpointCorrupt(bad, name)
     for path in step_dir.iterdir():
         if path.suffix == ".distcp" and path.name not in files:
             raise CheckpointCorrupt(f"{path} is not in the manifest (a foreign shard).", path.name)
