@@ -88,6 +88,21 @@ def fmt(s: dict, scale: float = 1.0, digits: int = 3, unit: str = "") -> str:
             f"({f.format(s['min'] * scale)}-{f.format(s['max'] * scale)})")
 
 
+def variant_table(first: str, columns: list[tuple[str, str, int]], rows: list[dict]) -> list[str]:
+    """The markdown lines of a table of variants: a header of `first`, each column's
+    heading and "runs", then one line per row of `analyse` ({"label", "note", "runs",
+    KEY: summary}). `columns` are (heading, KEY, digits): each cell is `fmt` of
+    row[KEY] ("n/a" when the row lacks it). A row with a note (a failed or pending
+    job) shows the note in place of its figures and 0 runs."""
+    out = ["| " + " | ".join([first, *(c[0] for c in columns), "runs"]) + " |",
+           "|" + "---|" * (len(columns) + 2)]
+    for row in rows:
+        cells = ([row["note"], *[""] * (len(columns) - 1), "0"] if row["note"] else
+                 [*(fmt(row.get(key, {}), digits=d) for _, key, d in columns), str(row["runs"])])
+        out.append(" ".join(["|", row["label"], "|", *(f"{c} |" if c else "|" for c in cells)]))
+    return out
+
+
 def free_port() -> int:
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))

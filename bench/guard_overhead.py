@@ -20,7 +20,7 @@ measured as the same all-reduce per step added to the hand-written loop.
 
 from __future__ import annotations
 
-from bench.common import Options, fmt
+from bench.common import Options, fmt, variant_table
 from bench.matrix import Matrix, label, paired
 
 NAME = "product"
@@ -80,16 +80,10 @@ def _pct(s: dict | None) -> str:
 
 
 def render(data: dict) -> str:
-    out = ["| variant (2 ranks, gloo, 1 thread each) | wall s / step, evals and checkpoints "
-           "included | CPU s / step (busiest rank) | peak RSS / rank MiB | runs |",
-           "|---|---|---|---|---|"]
-    for r in data["rows"]:
-        if r["note"]:
-            out.append(f"| {r['label']} | {r['note']} | | | 0 |")
-        else:
-            out.append(f"| {r['label']} | {fmt(r['step_s'], digits=4)} | "
-                       f"{fmt(r.get('cpu_s', {}), digits=4)} | {fmt(r['rss_mb'], digits=0)} | "
-                       f"{r['runs']} |")
+    out = variant_table("variant (2 ranks, gloo, 1 thread each)",
+                        [("wall s / step, evals and checkpoints included", "step_s", 4),
+                         ("CPU s / step (busiest rank)", "cpu_s", 4),
+                         ("peak RSS / rank MiB", "rss_mb", 0)], data["rows"])
     out += ["", "Each feature's share: the run with it / without it, paired within each repeat "
             "(median, min to max). CPU time (`time.process_time`, every thread of the rank) is "
             "what the work costs; wall time also holds whatever else the shared machine ran "

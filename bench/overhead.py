@@ -10,7 +10,7 @@ disttrain / hand-written within the same repeat.
 
 from __future__ import annotations
 
-from bench.common import Options, fmt
+from bench.common import Options, fmt, variant_table
 from bench.matrix import Matrix, JobResult, label, paired
 from bench.profiles import excess_table
 
@@ -56,16 +56,10 @@ def analyse(matrix: Matrix, opts: Options) -> dict:
 def render(data: dict) -> str:
     out = ["These are thin user-loop scripts (`dt.wrap`, `dt.Accumulator`, the sampler): the "
            "trainer behind `disttrain train`, with its guard, preemption vote, audit, evaluations "
-           "and checkpoints, is measured against the same work by hand in section 1b.", "",
-           "| variant (2 ranks, gloo, 1 thread each) | s / step | s to first step | peak RSS / rank MiB | runs |",
-           "|---|---|---|---|---|"]
-    for row in data["rows"]:
-        if row["note"]:
-            out.append(f"| {row['label']} | {row['note']} | | | 0 |")
-        else:
-            out.append(f"| {row['label']} | {fmt(row['step_s'], digits=4)} | "
-                       f"{fmt(row['first_step_s'], digits=2)} | {fmt(row['rss_mb'], digits=0)} | "
-                       f"{row['runs']} |")
+           "and checkpoints, is measured against the same work by hand in section 1b.", ""]
+    out += variant_table("variant (2 ranks, gloo, 1 thread each)",
+                         [("s / step", "step_s", 4), ("s to first step", "first_step_s", 2),
+                          ("peak RSS / rank MiB", "rss_mb", 0)], data["rows"])
     out += ["", "Ratios disttrain / hand-written, paired within each repeat "
             "(targets: step time <= 1.02, time to first step <= 1.10):", "",
             "| strategy | step time | time to first step | peak RSS | targets |", "|---|---|---|---|---|"]
