@@ -12,7 +12,7 @@ $BENCH_RESULTS/doctor.md from `python -m bench --others`), merged into BENCHMARK
     precision = true / (true + false), recall = true / (true + missed); false warnings
     per 500 lines.
 (b) tests/doctor_corpus/bugs/: small scripts rebuilt from bugs reported in the issue
-    trackers of PyTorch, torchtitan, Accelerate and Lightning, each checked alone. A
+    trackers of PyTorch, torchtitan, Accelerate, transformers and Lightning, each checked alone. A
     case's header names the issue (`# issue: URL`), what went wrong (`# summary:`) and
     its family (`# family:`); `# expect: RULE` on a line is a finding the doctor must
     give there. Recall per family = expected findings given / expected findings.
@@ -211,7 +211,7 @@ def render(real: RealResult, cases: list[BugCase]) -> str:
         real_table(real), "",
         "## Real reported bugs", "",
         "Cases: `tests/doctor_corpus/bugs/`, one small script per bug reported in the PyTorch, "
-        "torchtitan, Accelerate or Lightning tracker, each checked alone; the lines marked "
+        "torchtitan, Accelerate, transformers or Lightning tracker, each checked alone; the lines marked "
         "`# expect: RULE` are the findings the doctor must give. Target: recall >= 90% per "
         "family.", "",
         bugs_table(cases), ""])

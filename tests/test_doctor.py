@@ -93,6 +93,11 @@ CASES = [
            "    with (contextlib.nullcontext() if boundary else model.no_sync()):\n"
            "        (model(x).sum() / accum).backward()\n"
            "    if boundary:\n        optimizer.step()\n        optimizer.zero_grad()\n"),
+    ("accumulation-off-by-one",
+     PRE + "accum = 4\nfor i, x in enumerate(data):\n    (model(x).sum() / accum).backward()\n"
+           "    if i % accum == 0:\n        optimizer.step()\n        optimizer.zero_grad()\n",
+     PRE + "accum = 4\nfor i, x in enumerate(data):\n    (model(x).sum() / accum).backward()\n"
+           "    if (i + 1) % accum == 0:\n        optimizer.step()\n        optimizer.zero_grad()\n"),
     ("find-unused-parameters",
      PRE + "model = DDP(nn.Linear(2, 2).cuda(), device_ids=[local_rank], find_unused_parameters=True)\n",
      PRE + "class Gate(nn.Module):\n    def forward(self, x):\n        if x.sum() > 0:\n"
@@ -292,6 +297,25 @@ for i, x in enumerate(data):
         loss = model(x).sum() / accum_steps
         loss.backward()
 """,
+    "accumulation counted from 1, or a window zeroed at its first micro-batch": PRE + """
+accum = 4
+for i, x in enumerate(data, start=1):
+    (model(x).sum() / accum).backward()
+    if i % accum == 0:
+        optimizer.step()
+        optimizer.zero_grad()
+for i, x in enumerate(data):
+    if i % accum == 0:
+        optimizer.zero_grad()
+    (model(x).sum() / accum).backward()
+    if i % accum == accum - 1:
+        optimizer.step()
+for i, x in enumerate(data):
+    if i % 100 == 0:
+        evaluate(model)
+    model(x).sum().backward()
+    optimizer.step()
+""",
     "optimizer rebuilt after the wrap": PRE + """
 model = nn.Linear(2, 2).cuda()
 opt = torch.optim.SGD(model.parameters(), lr=0.1)
@@ -318,3 +342,23 @@ def test_examples_directory_has_zero_findings():
         pytest.skip("examples/ holds no Python scripts yet")
     _, findings = analyze_paths([str(examples)])
     assert [f"{f.file}:{f.line} {f.rule}: {f.message}" for f in findings] == []
+
+
+OFF_BY_ONE = {  # other spellings of "the step index % N is 0" around an optimizer step
+    "else of != 0, with no_sync": "if step % accum != 0:\n        with model.no_sync():\n"
+                                  "            loss.backward()\n    else:\n        loss.backward()\n"
+                                  "        scaler.step(optimizer)\n",
+    "not step % N, or the last batch": "loss.backward()\n"
+                                       "    if not step % accum or step == len(data) - 1:\n"
+                                       "        self.optimizer.step()\n",
+}
+
+
+@pytest.mark.parametrize("body", OFF_BY_ONE.values(), ids=OFF_BY_ONE.keys())
+def test_accumulation_off_by_one_in_its_other_spellings(body):
+    src = PRE + f"accum = 4\nfor step, x in enumerate(data):\n    loss = model(x).sum() / accum\n    {body}"
+    assert rules_of(src) == ["accumulation-off-by-one"]
+    [f] = analyze_source("s.py", src)
+    assert "`step % accum` is 0" in f.message and f.fix.startswith("test `(step + 1) % accum == 0`")
+    # the same loop with the index rebound (a 1-based counter made from it) is not judged
+    assert rules_of(src.replace("    loss = ", "    step = step + 1\n    loss = ")) == []

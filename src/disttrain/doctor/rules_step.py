@@ -19,6 +19,10 @@ def _is_accum_word(word: str) -> bool:
     return any(w in low for w in _ACCUM_WORDS)
 
 
+def _is_optim_word(word: str) -> bool:
+    return "optim" in word.lower() or word == "opt"
+
+
 def _divisions(node: ast.AST) -> list[ast.AST]:
     """Divisions by an accumulation count inside `node`: `x / accum_steps`."""
     return [n for n in ast.walk(node)
@@ -167,7 +171,7 @@ def accumulation_without_no_sync(facts: Facts):
     if text_names & {"no_sync", "require_backward_grad_sync", "set_requires_gradient_sync"}:
         return
     for step in facts.method_calls("step"):
-        if not mentions(step.func, lambda w: "optim" in w.lower() or w == "opt"):
+        if not mentions(step.func, _is_optim_word):
             continue
         for a in facts.ancestors(step):
             if isinstance(a, ast.If) and (mentions(a.test, _is_accum_word) or any(
@@ -233,3 +237,89 @@ def fsdp1_clip_grad(facts: Facts):
                       "torch.nn.utils.clip_grad_norm_ on FSDP-sharded gradients clips each rank's "
                       "shard by its own local norm, not the global one.",
                       f"call {name}.clip_grad_norm_(max_norm) on the FSDP module instead.")
+
+
+def _is_optimizer_step(call: ast.Call) -> bool:
+    """`optimizer.step()`, `self.opt.step()`, `scaler.step(optimizer)`; not a scheduler's."""
+    return mentions(call.func, _is_optim_word) or any(mentions(a, _is_optim_word) for a in call.args)
+
+
+def _mod_zero(test: ast.AST, branch: str) -> ast.BinOp | None:
+    """The `i % n` whose being 0 sends control into `branch` ("body" or "orelse") of an
+    `if` with this test: `i % n == 0` or `not i % n` (a part of an `or` included) for
+    the body, `i % n != 0` or a bare `i % n` for the else branch. None otherwise."""
+    if branch == "body" and isinstance(test, ast.BoolOp) and isinstance(test.op, ast.Or):
+        return next((m for v in test.values if (m := _mod_zero(v, "body"))), None)
+    if branch == "body" and isinstance(test, ast.UnaryOp) and isinstance(test.op, ast.Not):
+        test, branch = test.operand, "orelse"  # `not i % n` is true when `i % n` is falsy
+    if isinstance(test, ast.Compare) and len(test.ops) == 1 and _is_zero(test.comparators[0]):
+        wanted = ast.Eq if branch == "body" else ast.NotEq
+        test = test.left if isinstance(test.ops[0], wanted) else None
+    elif branch == "body":
+        return None
+    if isinstance(test, ast.BinOp) and isinstance(test.op, ast.Mod) and isinstance(test.left, ast.Name) \
+            and not (isinstance(test.right, ast.Constant) and test.right.value in (0, 1)):
+        return test
+    return None
+
+
+def _is_zero(node: ast.AST) -> bool:
+    return isinstance(node, ast.Constant) and node.value == 0 and not isinstance(node.value, bool)
+
+
+def _zero_based_index_loop(facts: Facts, start: ast.AST, name: str) -> ast.For | None:
+    """The loop around `start` that binds `name` as enumerate()'s index counting from 0
+    (`for name, batch in enumerate(loader)`), runs a backward() and never reassigns
+    `name` in its body; None when there is none (or the index starts at 1)."""
+    for a in facts.ancestors(start):
+        if isinstance(a, (ast.FunctionDef, ast.AsyncFunctionDef, ast.Lambda)):
+            return None
+        if not isinstance(a, ast.For):
+            continue
+        target, it = a.target, a.iter
+        if not (isinstance(target, ast.Tuple) and target.elts and isinstance(target.elts[0], ast.Name)
+                and target.elts[0].id == name):
+            continue
+        if not (isinstance(it, ast.Call) and isinstance(it.func, ast.Name) and it.func.id == "enumerate"):
+            return None
+        start = kwarg(it, "start") or (it.args[1] if len(it.args) > 1 else None)
+        if start is not None and not _is_zero(start):
+            return None
+        body = [n for s in a.body for n in ast.walk(s)]
+        rebinds = any(isinstance(n, ast.Name) and n.id == name and isinstance(n.ctx, ast.Store) for n in body)
+        backward = any(isinstance(n, ast.Call) and isinstance(n.func, ast.Attribute) and
+                       n.func.attr == "backward" for n in body)
+        return a if backward and not rebinds else None
+    return None
+
+
+@rule("accumulation-off-by-one", ("P-DDP-5",), WARNING,
+      "optimizer step when a 0-based enumerate index % N == 0",
+      """With gradient accumulation over N micro-batches, `for step, batch in
+      enumerate(loader): ... if step % N == 0: optimizer.step()` steps at step 0, after
+      the first micro-batch alone, and only then every N: each epoch starts with a
+      one-micro-batch update and every later window is shifted by one. The else branch
+      of `if step % N != 0` is the same test. enumerate() counts from 0: test `(step + 1) % N == 0`, or count
+      from 1 with `enumerate(loader, start=1)`. (transformers' `*_no_trainer.py`
+      examples and Accelerate's nlp_example.py carried this test; huggingface/transformers#15801.)""")
+def accumulation_off_by_one(facts: Facts):
+    for call in facts.method_calls("step"):
+        if not _is_optimizer_step(call):
+            continue
+        child: ast.AST = call
+        for a in facts.ancestors(call):
+            if isinstance(a, (ast.FunctionDef, ast.AsyncFunctionDef, ast.Lambda, ast.For, ast.While)):
+                break  # the test must guard the step within one iteration of the loop
+            if isinstance(a, ast.If) and child is not a.test:
+                mod = _mod_zero(a.test, "body" if child in a.body else "orelse")
+                if mod is not None and _zero_based_index_loop(facts, a, mod.left.id):
+                    i, n = mod.left.id, ast.unparse(mod.right)
+                    yield finding(facts, call, "accumulation-off-by-one",
+                                  f"the optimizer steps when `{i} % {n}` is 0, and `{i}` comes from "
+                                  f"enumerate(), which counts from 0: the first step comes after one "
+                                  f"micro-batch, then every {n}, so each epoch's first update "
+                                  "accumulates a single micro-batch.",
+                                  f"test `({i} + 1) % {n} == 0`, or count from 1 with "
+                                  f"`enumerate(..., start=1)`.")
+                    break
+            child = a
