@@ -61,11 +61,12 @@ def test_kill_9_resumes_bit_exactly_each_sample_once(reference, tmp_path):
 
 def test_sigterm_saves_exits_zero_then_resumes(reference, tmp_path):
     log = ok(launch(tmp_path, fault="term@step:rank=0,step=5"))
-    assert "preempted" in log and "saved step 5" in log
-    assert (tmp_path / "checkpoints" / "step-00000005").is_dir()
+    # the vote started at step 5 is read at step 6: every rank stops after step 6
+    assert "preempted" in log and "saved step 6" in log
+    assert (tmp_path / "checkpoints" / "step-00000006").is_dir()
     assert not (tmp_path / "model.pt").exists()  # code after the loop did not run
     log = ok(launch(tmp_path))
-    assert "resumed at step 5" in log
+    assert "resumed at step 6" in log
     got = weights(tmp_path)
     assert all(torch.equal(got[k], reference[k]) for k in reference)
 

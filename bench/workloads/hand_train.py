@@ -7,7 +7,8 @@ LOG_EVERY steps, an evaluation (the first eval_batches x batch x world held-out 
 sharded by rank, one all-reduce) and a DCP checkpoint of model and optimizer every
 EVERY steps, keeping the newest keep_last. Without disttrain's guard, sample audit,
 preemption vote, manifest and resume bookkeeping: those are what the A/B measures.
-BENCH_VOTE=1 adds one all-reduce of a stop flag per step, as a preemption vote does.
+BENCH_VOTE=1 adds disttrain's preemption vote (`PreemptionHandler.should_stop`, one
+all-reduce of a stop flag per step, read a step later) where the trainer calls it.
 The clock is train_spec's: from the log line of step LOG_EVERY to the last one.
 """
 
@@ -27,6 +28,7 @@ from torch.utils.data import DataLoader, DistributedSampler
 
 from disttrain.demo.corpus import ChunkDataset, load_stdlib_corpus
 from disttrain.demo.gpt import GPT, GPTConfig
+from disttrain.elastic.preemption import PreemptionHandler
 from train_spec import LOG_EVERY, clocks, config, result
 
 
@@ -73,7 +75,7 @@ def main() -> None:
     scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, lambda s: lr_factor(s, steps))
     sampler = DistributedSampler(train_set, seed=t.get("seed", 1337))
     loader = DataLoader(train_set, batch_size=t["batch_size"], sampler=sampler, drop_last=True)
-    vote = os.environ.get("BENCH_VOTE") == "1"
+    preempt = PreemptionHandler().install() if os.environ.get("BENCH_VOTE") == "1" else None
     out = Path(t["out_dir"])
     evaluate(model, heldout, t["batch_size"], t["eval_batches"], rank, world)
     step, epoch, log_times, saved = 0, 0, {}, []
@@ -96,9 +98,8 @@ def main() -> None:
                 loss_sum.zero_()
                 if t["eval_every"] and step % t["eval_every"] == 0 and step < steps:
                     evaluate(model, heldout, t["batch_size"], t["eval_batches"], rank, world)
-            if vote:
-                flag = torch.zeros(1)
-                dist.all_reduce(flag)
+            if preempt is not None:
+                preempt.should_stop()  # no signal is sent in the benchmark: only its cost
             if every and step % every == 0 and step < steps:
                 msd, osd = get_state_dict(model, optimizer)
                 path = out / f"step_{step}"

@@ -16,13 +16,16 @@ import torch
 import torch.distributed as dist
 
 from disttrain.runtime import rank_info
+from disttrain.runtime.collectives import comm_device
 
 
 def global_sum(values: list[float]) -> list[float]:
-    """Element-wise sum of `values` over all ranks (float64, one all-reduce)."""
-    t = torch.tensor(values, dtype=torch.float64)
-    if dist.is_initialized():
-        dist.all_reduce(t, op=dist.ReduceOp.SUM)
+    """Element-wise sum of `values` over all ranks (float64, one all-reduce, on the
+    device the backend moves: CUDA under NCCL). `values` without a group."""
+    if not dist.is_initialized():
+        return [float(v) for v in values]
+    t = torch.tensor(values, dtype=torch.float64, device=comm_device())
+    dist.all_reduce(t, op=dist.ReduceOp.SUM)
     return t.tolist()
 
 
