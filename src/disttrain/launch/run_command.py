@@ -30,6 +30,10 @@ What it changes, and why:
 - `-m disttrain.train CONFIG` whose config sets `[elastic] fast_recovery = true`: each
   worker slot runs `disttrain.launch.slot_supervisor`, which keeps the training
   process and a warm spare as its children (docs/elastic.md).
+- `-m disttrain.train CONFIG` in an elastic or multi-node job (not `--standalone`, not
+  fast recovery): warm workers (`disttrain.launch.warm_workers`): each restart forks
+  its workers from a process that has imported torch and disttrain, instead of
+  starting fresh interpreters. `DISTTRAIN_WARM_WORKERS=0` turns it off.
 Every other torchrun flag passes through unchanged.
 """
 
@@ -37,12 +41,14 @@ from __future__ import annotations
 
 import math
 import os
+import shutil
 import signal
 import sys
 
 from disttrain.errors import UserError
 
 DEFAULT_ENV = {"TORCH_DISABLE_SHARE_RDZV_TCP_STORE": "1"}
+WARM_SWITCH_ENV = "DISTTRAIN_WARM_WORKERS"  # disttrain.launch.warm_workers.SWITCH_ENV
 
 SHUTDOWN_MARGIN_S = 10
 """Seconds torchrun waits past the preemption grace before SIGKILL: a rank's exit
@@ -165,6 +171,27 @@ def preempt_grace_s(script: list[str], is_module: bool) -> float:
     return grace
 
 
+def warm_workers_wanted(argv: list[str]) -> bool:
+    """Whether `disttrain run ARGV` forks its workers from a warm server: `-m
+    disttrain.train CONFIG`, a rendezvous other than `--standalone`, no fast recovery,
+    and DISTTRAIN_WARM_WORKERS not 0. Raises `UserError` for a switch other than 0 or 1
+    or a bad config."""
+    switch = os.environ.get(WARM_SWITCH_ENV, "1")
+    if switch not in ("0", "1"):
+        raise UserError(f"{WARM_SWITCH_ENV} is {switch!r}; set it to 1 (fork restarted workers from "
+                        f"a process with torch imported, the default) or 0 (fresh interpreters).")
+    flags, script = _split_script(argv)
+    nnodes = _flag_value(flags, "--nnodes") or "1"
+    endpoint = _flag_value(flags, "--rdzv-endpoint", "--rdzv_endpoint")
+    if (switch == "0" or "--standalone" in flags or (nnodes in ("1", "1:1") and endpoint is None)
+            or not any(f in flags for f in ("-m", "--module")) or len(script) < 2
+            or script[0] != "disttrain.train"):
+        return False
+    from disttrain.config import load_config
+
+    return not load_config(script[1], script[2:]).elastic.fast_recovery
+
+
 def build_torchrun_args(argv: list[str]) -> tuple[list[str], dict[str, str]]:
     """Translate `disttrain run` arguments into torchrun arguments plus env defaults.
 
@@ -214,6 +241,8 @@ def build_torchrun_args(argv: list[str]) -> tuple[list[str], dict[str, str]]:
 
         if load_config(script[1], script[2:]).elastic.fast_recovery:
             script = ["disttrain.launch.slot_supervisor", *script]
+    if warm_workers_wanted(argv):
+        script = ["disttrain.launch.warm_workers", *script]
     env["DISTTRAIN_PREEMPT_GRACE_S"] = f"{grace:g}"
     if (_flag_value(flags, *SHUTDOWN_FLAGS) is None and not any(os.environ.get(k) for k in SHUTDOWN_ENV)
             and torchrun_has_shutdown_timeout()):
@@ -231,13 +260,32 @@ def torchrun_has_shutdown_timeout() -> bool:
 
 def main(argv: list[str]) -> int:
     """Run torchrun in this process and return the job's exit code."""
+    from disttrain.launch import warm_workers
+
+    # The warm-worker server starts first (before this process imports torch): its
+    # imports overlap the agent's and the rendezvous.
+    server = warm_workers.start_server() if warm_workers_wanted(argv) else None
+    try:
+        from disttrain.runtime.fault_injection import parse as parse_faults
+
+        parse_faults(os.environ.get("DISTTRAIN_FAULT", ""))  # a typo fails here, not in every rank
+        if server:
+            os.environ[warm_workers.SOCKET_ENV] = server[1]
+        return _launch(argv)
+    finally:
+        if server:
+            server[0].kill()
+            server[0].wait()
+            shutil.rmtree(os.path.dirname(server[1]), ignore_errors=True)
+            os.environ.pop(warm_workers.SOCKET_ENV, None)
+
+
+def _launch(argv: list[str]) -> int:
+    """torchrun with `build_torchrun_args`; failures reported in one line (see `main`)."""
     from torch.distributed.elastic.multiprocessing import SignalException
     from torch.distributed.elastic.multiprocessing.errors import ChildFailedError
     from torch.distributed.run import parse_args, run
 
-    from disttrain.runtime.fault_injection import parse as parse_faults
-
-    parse_faults(os.environ.get("DISTTRAIN_FAULT", ""))  # a typo fails here, not in every rank
     args, env = build_torchrun_args(argv)
     for key, value in env.items():
         os.environ.setdefault(key, value)
