@@ -153,3 +153,85 @@ def test_sigterm_to_the_agent_saves_and_exits_zero_without_a_traceback(tmp_path)
     assert "Traceback" not in err
     assert "disttrain run: stopped by SIGTERM" in err
     assert all((tmp_path / f"saved{r}").exists() for r in range(2))
+
+
+ELASTIC = ["--nnodes", "1:2", "--rdzv-backend", "c10d", "--rdzv-endpoint", "127.0.0.1:29400"]
+TRAIN = ["-m", "disttrain.train", "examples/tiny_gpt.toml"]
+
+
+def test_warm_workers_for_elastic_trainer_jobs_only(monkeypatch):
+    monkeypatch.delenv("DISTTRAIN_WARM_WORKERS", raising=False)
+    args, _ = launch.build_torchrun_args(ELASTIC + TRAIN)
+    assert args[-3:] == ["disttrain.launch.warm_workers", "disttrain.train", "examples/tiny_gpt.toml"]
+    for argv in (["--nproc", "2"] + TRAIN, ELASTIC + [SCRIPT], ELASTIC + TRAIN + ["--elastic.fast_recovery=true"]):
+        assert "disttrain.launch.warm_workers" not in launch.build_torchrun_args(argv)[0]
+    monkeypatch.setenv("DISTTRAIN_WARM_WORKERS", "0")
+    assert "disttrain.launch.warm_workers" not in launch.build_torchrun_args(ELASTIC + TRAIN)[0]
+
+
+def test_a_bad_warm_workers_switch_is_one_clear_message():
+    proc = run_disttrain(["run", *ELASTIC, *TRAIN], timeout=60, env=worker_env(DISTTRAIN_WARM_WORKERS="yes"))
+    assert proc.returncode == 2
+    assert "DISTTRAIN_WARM_WORKERS is 'yes'; set it to 1" in proc.stderr and "Traceback" not in proc.stderr
+
+
+PROBE = '''import os, signal, sys, time
+print("warm" if "torch" in sys.modules else "cold", os.environ.get("PROBE_TAG"), os.getcwd(), sys.argv[1:], flush=True)
+(open(sys.argv[2], "w").write(str(os.getpid())) if len(sys.argv) > 2 else None)
+if sys.argv[1] == "exit3":
+    sys.exit(3)
+if sys.argv[1] == "kill":
+    os.kill(os.getpid(), signal.SIGKILL)
+if sys.argv[1] == "wait":
+    signal.signal(signal.SIGTERM, lambda *_: (print("saved on SIGTERM", flush=True), sys.exit(0)))
+    time.sleep(120)
+'''
+
+
+def _stub(tmp_path, *args: str, **env: str) -> subprocess.Popen:
+    return subprocess.Popen([sys.executable, "-u", "-m", "disttrain.launch.warm_workers", "warm_probe", *args],
+                            cwd=tmp_path, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
+                            env=worker_env(PYTHONPATH=f"{ROOT / 'src'}:{tmp_path}", PROBE_TAG="tag", **env))
+
+
+def test_warm_worker_stub_acts_as_the_worker_process(tmp_path, monkeypatch):
+    """The stub torchrun watches: the child runs with torch already imported, the stub's
+    environment and directory; exit status and death by signal pass through; SIGTERM
+    reaches the child; a killed stub takes its child with it; no server: runs itself."""
+    import os
+    import signal
+    import time
+
+    from disttrain.launch import warm_workers
+
+    (tmp_path / "warm_probe.py").write_text(PROBE)
+    proc = _stub(tmp_path, "exit3")  # no server: the module runs in the stub itself
+    assert proc.wait(timeout=60) == 3 and proc.stdout.read().startswith("cold tag")
+    monkeypatch.setenv("PYTHONPATH", f"{ROOT / 'src'}:{tmp_path}")
+    server, path = warm_workers.start_server()
+    try:
+        proc = _stub(tmp_path, "exit3", DISTTRAIN_WARM_SOCKET=path)
+        assert proc.wait(timeout=120) == 3
+        assert proc.stdout.read().split()[:3] == ["warm", "tag", str(tmp_path)]
+        proc = _stub(tmp_path, "kill", DISTTRAIN_WARM_SOCKET=path)
+        assert proc.wait(timeout=60) == -signal.SIGKILL
+        pid_file = tmp_path / "pid"
+        proc = _stub(tmp_path, "wait", str(pid_file), DISTTRAIN_WARM_SOCKET=path)
+        while not pid_file.exists() or not pid_file.read_text():
+            time.sleep(0.05)
+        proc.send_signal(signal.SIGTERM)
+        assert proc.wait(timeout=60) == 0 and "saved on SIGTERM" in proc.stdout.read()
+        pid_file.unlink()
+        proc = _stub(tmp_path, "wait", str(pid_file), DISTTRAIN_WARM_SOCKET=path)
+        while not pid_file.exists() or not pid_file.read_text():
+            time.sleep(0.05)
+        child = int(pid_file.read_text())
+        proc.kill()
+        proc.wait(timeout=60)
+        deadline = time.monotonic() + 60
+        while os.path.exists(f"/proc/{child}") and open(f"/proc/{child}/stat").read().split()[2] != "Z":
+            assert time.monotonic() < deadline, "the killed stub's child still runs"
+            time.sleep(0.05)
+    finally:
+        server.kill()
+        server.wait()
