@@ -38,11 +38,22 @@ from disttrain.launch.etcd_server import EtcdServer  # noqa: E402
 
 from bench.recovery_job import TARGETS, Hung, Job, children, kill_tree, phases  # noqa: E402
 
+TARGETS = {**TARGETS, "down": 3.0, "up": 3.0}  # issue 13: scale-down / scale-up <= 3 s
+FLAVORS = {  # scale-cycle launchers: (label, extra environment, extra rendezvous settings)
+    "disttrain": ("`disttrain run` defaults (warm workers)", {}, ""),
+    "cold": ("`disttrain run`, `DISTTRAIN_WARM_WORKERS=0` (fresh interpreters, as before)",
+             {"DISTTRAIN_WARM_WORKERS": "0"}, ""),
+    "fast": ("`disttrain run`, `--rdzv-conf keep_alive_max_attempt=3,last_call_timeout=1`", {},
+             "keep_alive_max_attempt=3,last_call_timeout=1"),
+    "plain": ("plain torchrun defaults", {}, ""),
+}
 
-def elastic_flags(backend: str, endpoint: str, plain: bool) -> list[str]:
+
+def elastic_flags(backend: str, endpoint: str, plain: bool, conf: str = "") -> list[str]:
     rdzv = "etcd-v2" if plain and backend == "etcd" else backend  # disttrain maps etcd -> etcd-v2
     return ["--nnodes", "1:2", "--nproc-per-node", "1", "--rdzv-backend", rdzv, "--rdzv-endpoint",
-            endpoint, "--rdzv-id", f"bench-{backend}", "--max-restarts", "100"]
+            endpoint, "--rdzv-id", f"bench-{backend}", "--max-restarts", "100",
+            *(["--rdzv-conf", conf] if conf else [])]
 
 
 def kill_workers(tmp: Path, backend: str, kills: int, rng: random.Random) -> dict:
@@ -80,18 +91,34 @@ def kill_workers(tmp: Path, backend: str, kills: int, rng: random.Random) -> dic
     return {**out, "problems": job.audit()}
 
 
-def scale_cycles(tmp: Path, backend: str, cycles: int, plain: bool, timeouts: tuple[float, float]) -> dict:
+def scale_cycles(tmp: Path, backend: str, cycles: int, flavor: str, timeouts: tuple[float, float]) -> dict:
     """(b), (c): kill one agent's node and start a new one, `cycles` times. c10d loses
     the newest agent (the first hosts the store, a single point of failure); etcd loses
-    the oldest, so the first agent dies too."""
-    job = Job(tmp, f"scale-{backend}-{'plain' if plain else 'disttrain'}", plain=plain)
+    the oldest, so the first agent dies too. `flavor`: a key of FLAVORS."""
+    plain, (_, env, conf) = flavor == "plain", FLAVORS[flavor]
+    saved = {k: os.environ.get(k) for k in env}
+    os.environ.update(env)  # the agents' environment (Job copies it at each start)
+    try:
+        return _scale_cycles(tmp, backend, cycles, flavor, timeouts, conf)
+    finally:
+        for k, v in saved.items():
+            if v is None:
+                os.environ.pop(k, None)
+            else:
+                os.environ[k] = v
+
+
+def _scale_cycles(tmp: Path, backend: str, cycles: int, flavor: str, timeouts: tuple[float, float],
+                  conf: str) -> dict:
+    plain = flavor == "plain"
+    job = Job(tmp, f"scale-{backend}-{flavor}", plain=plain)
     server = EtcdServer().start() if backend == "etcd" else None
     endpoint = server.endpoint if server else f"127.0.0.1:{free_port()}"
     down, up, result, phase = [], [], {}, "start"
     try:
-        job.start_agent(elastic_flags(backend, endpoint, plain))
+        job.start_agent(elastic_flags(backend, endpoint, plain, conf))
         time.sleep(1.0)  # the first agent hosts the c10d store
-        job.start_agent(elastic_flags(backend, endpoint, plain))
+        job.start_agent(elastic_flags(backend, endpoint, plain, conf))
         job.wait_first(0, 2, 120, "world 2")
         job.wait_steps(0, 3)
         for _ in range(cycles):
@@ -102,7 +129,7 @@ def scale_cycles(tmp: Path, backend: str, cycles: int, plain: bool, timeouts: tu
             first = job.wait_first(t_kill, 1, timeouts[0], "world 1")
             down.append(phases(t_kill, job, first, failure=True))
             t_start, phase = time.time_ns(), "scale-up"
-            job.start_agent(elastic_flags(backend, endpoint, plain))
+            job.start_agent(elastic_flags(backend, endpoint, plain, conf))
             first = job.wait_first(t_start, 2, timeouts[1], "world 2")
             up.append(phases(t_start, job, first, failure=False))
             phase = "training at world 2"
@@ -156,18 +183,21 @@ def import_seconds() -> dict:
 def render(res: dict, args, command: str) -> str:
     """The markdown section: tables (a), (b), the time breakdown, (c), and the misses."""
     m, imports, rows = machine(), res["imports"], []  # rows: (label, events) for the breakdown
-    out = ["## Recovery: kill -9, scale-down and scale-up (issue 5)", "", f"Command: `{command}`  ",
+    title = ("## Recovery: scale-down and scale-up on the torchrun path (issue 13)" if args.scale_only else
+             "## Recovery: kill -9, scale-down and scale-up (issue 5)")
+    out = [title, "", f"Command: `{command}`  ",
            f"Machine: {m['cores']} cores ({m['cpu']}), torch {m['torch']}, Python {m['python']}, {m['os']}; "
            f"{m['date']}; 1-minute load {res['load_start']} at the start, {m['load_1min']} at the end.", ""]
     if args.quick:
         out += ["**Preliminary** (`--quick`: few kills and cycles; not for conclusions).", ""]
     out += ["The tiny job of the elastic tests (1-layer GPT, gloo, CPU), 200 ms of injected delay per "
             "step, a checkpoint every 2 steps. Times run from the kill (or the new agent's start) to the "
-            "first optimizer step completed by the new attempt, read from the sample audit. Median (min-max).",
-            "", "### Kill -9 of one worker", "",
-            "| job | kills | kill -> next step (s) | steps redone | target |", "|---|---:|---|---|---|"]
-    for key, label in (("standalone", "standalone, `--nproc 2 --max-restarts` (c10d)"),
-                       ("etcd", "2 agents x 1 worker, `--nnodes 1:2 --rdzv-backend etcd`")):
+            "first optimizer step completed by the new attempt, read from the sample audit. Median (min-max).", ""]
+    if res["kill"]:
+        out += ["### Kill -9 of one worker", "",
+                "| job | kills | kill -> next step (s) | steps redone | target |", "|---|---:|---|---|---|"]
+    for key, label in [(k, v) for k, v in (("standalone", "standalone, `--nproc 2 --max-restarts` (c10d)"),
+                       ("etcd", "2 agents x 1 worker, `--nnodes 1:2 --rdzv-backend etcd`")) if k in res["kill"]]:
         r = res["kill"][key]
         err = f" ({r['error']})" if r.get("error") else ""
         target = verdict(r["recovery"], TARGETS["kill"]) if key == "standalone" else "-"
@@ -180,12 +210,13 @@ def render(res: dict, args, command: str) -> str:
         err = r.get("error")
         other = f" ({err})" if err and not err.startswith(("scale-down", "scale-up")) else ""
         targets = (f"down {verdict(r['down'], TARGETS['down'])}; up {verdict(r['up'], TARGETS['up'])}"
-                   if flavor == "disttrain" else "the baseline")
-        out.append(f"| {backend} | {'`disttrain run`' if flavor == 'disttrain' else 'plain torchrun'} defaults "
+                   if flavor != "plain" else "the baseline")
+        out.append(f"| {backend} | {FLAVORS[flavor][0]} "
                    f"| {len(r['down'])}{other} | {_cell(r['down'], err, 'scale-down')} | "
                    f"{_cell(r['up'], err, 'scale-up')} | {targets} |")
         rows += [(f"{backend} scale-down, {flavor}", r["down"]), (f"{backend} scale-up, {flavor}", r["up"])]
-    out += ["", "Where the time goes (medians, s): *agent notices* = torchrun logs the failed worker; "
+    out += ["", "Where the time goes (medians, s): *agent notices* = torchrun logs the failed worker "
+            "(for a scale-down: the survivor's worker has seen its collective fail and exited); "
             "*workers ready* = the new attempt's ranks have started, imported, joined the process group "
             "and loaded the checkpoint; *first step* = a held-out eval and one step. Fresh interpreters, "
             f"two at once, on this machine: `import torch` {imports['torch']:.2f} s, "
@@ -208,20 +239,26 @@ def render(res: dict, args, command: str) -> str:
 
 def notes(res: dict) -> list[str]:
     """Plain words on each missed target, from the phases measured."""
-    checks = [("kill -> next step", res["kill"]["standalone"]["recovery"], TARGETS["kill"])]
-    checks += [(f"{b} scale-{k}", r[k], TARGETS[k]) for (b, f), r in res["scale"].items()
-               if f == "disttrain" for k in ("down", "up")]
+    checks = [("kill -> next step", res["kill"]["standalone"]["recovery"], TARGETS["kill"])] if res["kill"] else []
+    checks += [(f"{b} scale-{k}, {f}", r[k], TARGETS[k]) for (b, f), r in res["scale"].items()
+               if f != "plain" for k in ("down", "up")]
     lines = []
     for what, events, target in checks:
         if events and summary(totals(events))["median"] > target:
             noticed = f" (the agent notices in {_median(events, 'detect')} s)" if "up" not in what else ""
             why = (f"the new attempt's workers are ready {_median(events, 'ready')} s after the "
-                   f"{'new agent starts' if 'up' in what else 'kill'}{noticed}; that includes fresh "
-                   f"interpreters importing disttrain and torch (two at once: "
-                   f"{res['imports']['disttrain']:.2f} s here, torch alone {res['imports']['torch']:.2f} s)")
+                   f"{'new agent starts' if 'up' in what else 'kill'}{noticed}")
+            if "cold" in what or "kill" in what:
+                why += (f"; that includes fresh interpreters importing disttrain and torch (two at once: "
+                        f"{res['imports']['disttrain']:.2f} s here, torch alone {res['imports']['torch']:.2f} s)")
             if "down" in what:
-                why += ("; scale-down also waits out the dead node's heartbeats (5 x 1 s: fewer "
-                        "missed beats caused a split brain) and the 2 s last call")
+                why += ("; the rendezvous waits out the dead node's heartbeats (keep_alive_interval x "
+                        "keep_alive_max_attempt, from its last beat: 5 s by default, 3 s in `fast`), then "
+                        "the last call (2 s, 1 s in `fast`), each seen at torch's fixed 1 s polling")
+            else:
+                why += ("; the new agent starts and imports torch, the running agent notices it at its next "
+                        "state sync (cached up to 1 s), stops its worker (SIGTERM: the step finishes, a "
+                        "checkpoint is saved), and both finish the rendezvous at torch's 1 s polling")
             lines.append(f"- {what} missed {target:g} s: {why}.")
     return ["Where targets are missed, and why:", *lines, ""] if lines else []
 
@@ -230,14 +267,17 @@ def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(prog="python bench/recovery_bench.py", description=__doc__.splitlines()[0])
     ap.add_argument("--quick", action="store_true", default=os.environ.get("BENCH_QUICK") == "1",
                     help="2 kills, 2 cycles, shorter hang timeouts (default from BENCH_QUICK)")
-    ap.add_argument("--out", type=Path, default=Path(os.environ.get("BENCH_RESULTS", ROOT / "bench" / "results"))
-                    / "recovery.md")
+    ap.add_argument("--out", type=Path, help="default: recovery.md, or recovery_scale.md with --scale-only")
     ap.add_argument("--kills", type=int, help="kills per job in (a) (default 5, quick 2)")
     ap.add_argument("--cycles", type=int, help="scale-down/up cycles, split between c10d and etcd "
                     "(default 20, quick 2)")
     ap.add_argument("--no-plain", action="store_true", help="skip the plain torchrun comparison")
+    ap.add_argument("--scale-only", action="store_true",
+                    help="only (b) and (c): the scale cycles (c10d: default, cold and fast; etcd: default)")
     ap.add_argument("--seed", type=int, default=0)
     args = ap.parse_args(sys.argv[1:] if argv is None else argv)
+    args.out = args.out or (Path(os.environ.get("BENCH_RESULTS", ROOT / "bench" / "results"))
+                            / ("recovery_scale.md" if args.scale_only else "recovery.md"))
     kills = args.kills or (2 if args.quick else 5)
     cycles = args.cycles or (2 if args.quick else 20)
     hang = (60.0, 20.0) if args.quick else (70.0, 30.0)  # plain torchrun: 46.6 s scale-down measured
@@ -251,14 +291,15 @@ def main(argv: list[str] | None = None) -> int:
 
     res = {"kill": {}, "scale": {}, "load_start": round(os.getloadavg()[0], 2), "imports": import_seconds()}
     with tempfile.TemporaryDirectory(prefix="recovery-bench-") as tmp:
-        for key in ("standalone", "etcd"):
+        for key in ([] if args.scale_only else ["standalone", "etcd"]):
             done(f"kill {key}", res["kill"].setdefault(key, kill_workers(Path(tmp), key, kills, rng)))
-        for backend, n in (("c10d", (cycles + 1) // 2), ("etcd", cycles // 2)):
-            r = res["scale"][(backend, "disttrain")] = scale_cycles(Path(tmp), backend, n, False, (60.0, 45.0))
-            done(f"{backend} disttrain", r)
-        for backend in ([] if args.no_plain else ["c10d", "etcd"]):
+        for backend, flavor, n in (("c10d", "disttrain", (cycles + 1) // 2), ("etcd", "disttrain", cycles // 2),
+                                   ("c10d", "cold", (cycles + 1) // 2), ("c10d", "fast", (cycles + 1) // 2)):
+            r = res["scale"][(backend, flavor)] = scale_cycles(Path(tmp), backend, n, flavor, (60.0, 45.0))
+            done(f"{backend} {flavor}", r)
+        for backend in ([] if args.no_plain or args.scale_only else ["c10d", "etcd"]):
             done(f"{backend} plain", res["scale"].setdefault((backend, "plain"),
-                                                            scale_cycles(Path(tmp), backend, 1, True, hang)))
+                                                            scale_cycles(Path(tmp), backend, 1, "plain", hang)))
     args.out.parent.mkdir(parents=True, exist_ok=True)
     args.out.write_text(render(res, args, command))
     print(f"[recovery] wrote {args.out} in {time.monotonic() - t0:.0f} s")
