@@ -92,6 +92,9 @@ def serve(fd: int) -> NoReturn:
     for name in PRELOAD:
         importlib.import_module(name)
     listener = socket.socket(fileno=fd)
+    if sys.modules["torch"].cuda.is_initialized():  # a CUDA context does not survive fork:
+        listener.close()  # stubs find no server and start their workers fresh
+        os._exit(0)
     sel = selectors.DefaultSelector()
     sel.register(listener, selectors.EVENT_READ, None)
     while True:
