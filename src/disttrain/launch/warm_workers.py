@@ -109,13 +109,19 @@ def serve(fd: int) -> NoReturn:
                 pid = os.fork()
                 if pid == 0:  # close what belongs to the server and the other workers
                     for other in list(sel.get_map().values()):
-                        os.close(other.fd)
+                        if isinstance(other.fileobj, socket.socket):
+                            other.fileobj.close()  # (os.close would leave the object to close a reused fd)
+                        else:
+                            os.close(other.fd)
                     sel.close()
                     _child(request, fds, conn)
                 for fd in fds:
                     os.close(fd)
-                conn.sendall(_HEADER.pack(pid))
                 pidfd = os.pidfd_open(pid)
+                try:
+                    conn.sendall(_HEADER.pack(pid))
+                except OSError:  # the stub is gone already: so is its worker
+                    os.kill(pid, signal.SIGKILL)
                 sel.register(pidfd, selectors.EVENT_READ, (pid, conn))
                 sel.register(conn, selectors.EVENT_READ, (pid, None))
             elif key.data[1] is not None:  # the child ended: its status to the stub
