@@ -1,6 +1,7 @@
 """The preemption vote on real gloo ranks under torchrun: a SIGTERM that reaches one
-rank stops every rank after the same step (the step after the one it arrived in), and
-a vote left in flight on a destroyed group is dropped without waiting on it."""
+rank stops every rank after the same step (with short steps the step after the one it
+arrived in, with long ones that step itself), and a vote left in flight on a destroyed
+group is dropped without waiting on it."""
 
 import json
 import subprocess
@@ -13,9 +14,13 @@ from conftest import worker_env
 
 pytestmark = pytest.mark.timeout(180)
 
-# Rounds of (rank signalled, step of the signal); a fresh handler per round. The last
-# round has no signal: nobody may stop.
-ROUNDS = [(1, 3), (2, 6), (0, 1), (None, None)]
+# Rounds of (rank signalled, step of the signal, each rank's grace, step every rank must
+# stop after); a fresh handler per round. Steps take 0-5 ms, 10-30 ms on rank 2. A grace
+# of 1e4 s makes every step short (the vote is read a step late); rank 2's grace of
+# 0.5 s makes steps long (over 1 % of it: from the third call each vote is read at
+# once), and the ranks with a long grace must follow. The last round has no signal.
+LONG, SHORT = [1e4] * 3, [1e4, 1e4, 0.5]
+ROUNDS = [(1, 3, LONG, 4), (2, 6, LONG, 7), (0, 1, LONG, 2), (0, 6, SHORT, 6), (None, None, LONG, None)]
 STEPS = 10
 
 AGREEMENT = """
@@ -28,11 +33,11 @@ AGREEMENT = """
     info = runtime.init(backend="gloo", device="cpu", timeout_s=60)
     random.seed(info.rank)
     seen = []
-    for signalled, at in rounds:
-        h = PreemptionHandler(grace_s=30).install()
+    for signalled, at, graces, _ in rounds:
+        h = PreemptionHandler(grace_s=graces[info.rank]).install()
         stopped = None
-        for step in range(1, steps + 1):
-            time.sleep(random.random() * 0.02)  # ranks reach the vote at different times
+        for step in range(1, steps + 1):  # ranks reach the vote at different times
+            time.sleep(0.01 + random.random() * 0.02 if info.rank == 2 else random.random() * 0.005)
             if info.rank == signalled and step == at:
                 os.kill(os.getpid(), signal.SIGTERM)
             if h.should_stop():
@@ -46,24 +51,29 @@ AGREEMENT = """
 """
 
 DEAD_GROUP = """
-    import json, os, signal, sys
+    import json, os, signal, sys, time
     import torch.distributed as dist
     from disttrain import runtime
     from disttrain.elastic.preemption import PreemptionHandler
 
     out = sys.argv[1]
     info = runtime.init(backend="gloo", device="cpu", timeout_s=60)
-    h = PreemptionHandler(grace_s=30).install()
-    assert not h.should_stop() and not h.should_stop()
+    h = PreemptionHandler(grace_s=1e4).install()
+    assert not h.should_stop() and not h.should_stop()  # on every rank: vote 2 in flight
+    if info.rank == 2:
+        while not all(os.path.exists(f"{out}/posted{r}") for r in (0, 1)):
+            time.sleep(0.05)
+        os._exit(0)  # a peer dies: vote 3 of ranks 0 and 1 can never complete
+    h.should_stop()  # reads vote 2, starts vote 3, which rank 2 never joins
+    open(f"{out}/posted{info.rank}", "w").close()
+    runtime.shutdown(collect=False)  # as an in-memory recovery does, then a new group
+    dist.init_process_group("gloo", store=dist.FileStore(f"{out}/store", 2), rank=info.rank,
+                            world_size=2)
+    seen = [h.should_stop()]  # must not wait on (or raise from) the dead group's vote 3
     if info.rank == 1:
-        os._exit(0)  # a peer dies: rank 0's next vote can never complete
-    h.should_stop()  # a vote in flight on a group that is about to lose rank 1
-    runtime.shutdown(collect=False)  # as an in-memory recovery does
-    dist.init_process_group("gloo", store=dist.HashStore(), rank=0, world_size=1)
-    first = h.should_stop()  # must not wait on (or raise from) the dead group's vote
-    os.kill(os.getpid(), signal.SIGTERM)
-    second = h.should_stop()  # a world of 1 answers at once
-    open(f"{out}/rank0.json", "w").write(json.dumps([first, second, h.signal_name]))
+        os.kill(os.getpid(), signal.SIGTERM)
+    seen += [h.should_stop(), h.should_stop(), h.signal_name]
+    open(f"{out}/rank{info.rank}.json", "w").write(json.dumps(seen))
     h.uninstall()
     runtime.shutdown()
 """
@@ -82,9 +92,8 @@ def torchrun(tmp_path, code: str, nproc: int, *args: str) -> list:
 def test_a_signal_to_one_rank_stops_every_rank_after_the_same_next_step(tmp_path):
     ranks = torchrun(tmp_path, AGREEMENT, 3, json.dumps(ROUNDS), str(STEPS))
     assert len(ranks) == 3
-    for k, (signalled, at) in enumerate(ROUNDS):
+    for k, (signalled, at, _, expected) in enumerate(ROUNDS):
         stops = [r[k]["stopped"] for r in ranks]
-        expected = None if at is None else at + 1  # the vote of step `at` is read at `at` + 1
         assert stops == [expected] * 3, f"round {k}: rank {signalled} signalled at {at}: {stops}"
         if signalled is not None:
             names = [r[k]["signal"] for r in ranks]
@@ -92,5 +101,6 @@ def test_a_signal_to_one_rank_stops_every_rank_after_the_same_next_step(tmp_path
 
 
 def test_a_vote_in_flight_on_a_dead_group_is_dropped_not_waited_on(tmp_path):
-    (rank0,) = torchrun(tmp_path, DEAD_GROUP, 2)
-    assert rank0 == [False, True, "SIGTERM"]
+    ranks = torchrun(tmp_path, DEAD_GROUP, 3)
+    # a new group votes afresh: the signal of the second call is read at the third
+    assert ranks == [[False, False, True, "peer"], [False, False, True, "SIGTERM"]]
