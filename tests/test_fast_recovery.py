@@ -72,7 +72,10 @@ def test_kill_9_at_random_points_and_in_quick_succession(reference, tmp_path):
     points = []
     for s in sorted(rng.sample(range(2, 16), 2)):
         phase = rng.choice(PHASES)
-        points.append((s - s % 3 if phase.startswith("checkpoint") else s, phase, rng.randrange(2)))
+        s = s - s % 3 if phase.startswith("checkpoint") else s
+        if points and s <= points[-1][0]:  # the recovered attempt starts after the first fault's step
+            s, phase = points[-1][0] + 1, "forward"
+        points.append((s, phase, rng.randrange(2)))
     points += [(19, "backward", 1), (19, "forward", 0), (18, "recovery", 1)]
     print(f"fault seed {seed}: {points}")
     spec = ";".join(f"kill@{phase}:rank={rank},step={s},restart={k}" for k, (s, phase, rank) in enumerate(points))
@@ -121,9 +124,10 @@ def test_killed_spare_is_replaced_and_then_used(reference, tmp_path):
     assert_exactly_once(tmp_path)
 
 
-def test_fast_recovery_refuses_fsdp():
-    with pytest.raises(ConfigError, match=r"'ddp' on CPU \(gloo\) only, not 'fsdp' on cpu"):
-        load_config("examples/tiny_gpt.toml", ["--elastic.fast_recovery=true", "--parallel.strategy=fsdp"])
+@pytest.mark.parametrize("strategy", ["zero1", "fsdp1"])
+def test_fast_recovery_refuses_other_strategies(strategy):
+    with pytest.raises(ConfigError, match=rf"'ddp' or 'fsdp' on CPU \(gloo\) only, not '{strategy}' on cpu"):
+        load_config("examples/tiny_gpt.toml", ["--elastic.fast_recovery=true", f"--parallel.strategy={strategy}"])
 
 
 @pytest.mark.parametrize("override", ["--parallel.device=cuda", "--parallel.device=auto"])
@@ -135,7 +139,7 @@ def test_fast_recovery_refuses_gpus_mocked_cuda(override, monkeypatch):
     monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
     monkeypatch.setattr(torch.cuda, "device_count", lambda: 2)
     words = "not 'ddp' on cuda"
-    with pytest.raises(ConfigError, match=f"'ddp' on CPU \\(gloo\\) only, {words}"):
+    with pytest.raises(ConfigError, match=f"'ddp' or 'fsdp' on CPU \\(gloo\\) only, {words}"):
         load_config("examples/tiny_gpt.toml", ["--elastic.fast_recovery=true", "--parallel.nproc=2", override])
 
 

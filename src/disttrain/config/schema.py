@@ -22,9 +22,9 @@ from disttrain.config.user_code import check_model_keys, check_sources
 from disttrain.errors import ConfigError
 
 STRATEGIES = ("ddp", "fsdp", "zero1", "dp", "fsdp1")
+FAST_RECOVERY_STRATEGIES = ("ddp", "fsdp")  # fsdp: each shard also in a buddy's memory
 SHARDINGS = ("full", "grad_op", "hybrid", "none")
 PRECISIONS = ("fp32", "bf16", "fp16")
-
 
 @dataclass(kw_only=True)
 class ModelConfig(GPTConfig):
@@ -287,8 +287,8 @@ def validate(cfg: Config) -> None:
     check_sources(cfg)  # model.factory, data.factory, train.loss (config/user_code.py)
     _check_hardware(p)
     device = p.device if p.device != "auto" else ("cuda" if _cuda_count() else "cpu")
-    _require(not cfg.elastic.fast_recovery or (p.strategy, device) == ("ddp", "cpu"),
-             f"elastic.fast_recovery = true works with parallel.strategy = 'ddp' on CPU (gloo) only, not "
+    _require(not cfg.elastic.fast_recovery or (p.strategy in FAST_RECOVERY_STRATEGIES and device == "cpu"),
+             f"elastic.fast_recovery = true works with parallel.strategy 'ddp' or 'fsdp' on CPU (gloo) only, not "
              f"{p.strategy!r} on {device}; set elastic.fast_recovery = false, or that strategy and device.")
     validate_parallel(p, t.precision, world_size=p.nproc, local_world_size=p.nproc, device_type=device)
 

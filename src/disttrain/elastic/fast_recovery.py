@@ -30,6 +30,7 @@ from __future__ import annotations
 import datetime
 import gc
 import os
+import socket
 import sys
 import time
 from dataclasses import dataclass, field
@@ -38,6 +39,7 @@ from typing import Any, Callable
 import torch.distributed as dist
 
 from disttrain import runtime
+from disttrain.elastic.buddy_copy import BuddyCopy
 from disttrain.runtime import fault_injection
 
 ROLE_ENV = "DISTTRAIN_FAST_ROLE"
@@ -109,12 +111,24 @@ class Handoff:
     `memory`: this process's committed state from the failed attempt (None on a
     newcomer or a first start); `cache`: objects kept across attempts (datasets);
     `live`: what the running attempt registered with `keep` (its `TrainState`, the
-    accumulator and the guard), read after a failure."""
+    accumulator and the guard), read after a failure. `buddy`: under a sharded
+    strategy, the packs of `elastic.buddy_copy` (they replace `memory`: no rank holds
+    the whole state)."""
 
     gen: int
     memory: dict | None = None
     cache: dict = field(default_factory=dict)
     live: dict = field(default_factory=dict)
+    buddy: BuddyCopy | None = None
+
+    def committed(self, step: int, state) -> None:
+        """After each committed step (and once when an attempt starts): under a sharded
+        strategy, the buddy copy of `state` at `step`. A collective. Step 0 is not
+        copied: a fresh start rebuilds it, and torch's state-dict helpers would give an
+        optimizer without state one zero-gradient step (Adam's step count off by one)."""
+        if self.buddy is not None and step > 0:
+            state.step, state.epoch = step, getattr(state.sampler, "epoch", state.epoch)
+            self.buddy.start(step, state)
 
     def keep(self, **objects: Any) -> None:
         """Register the attempt's objects. Registering `state` (with `acc`) says that
@@ -132,8 +146,12 @@ class Handoff:
     def restore(self, state) -> bool:
         """A collective of the new generation: every rank offers its committed step
         (-1 without a state); the lowest rank with the highest step broadcasts its
-        state and every rank loads it into `state` (a `TrainState`). Returns False
-        when no rank holds one (the caller loads the disk checkpoint)."""
+        state and every rank loads it into `state` (a `TrainState`). Under a sharded
+        strategy the buddies hand the newcomers their shards instead
+        (`BuddyCopy.restore`). Returns False when no rank holds one (the caller loads
+        the disk checkpoint)."""
+        if self.buddy is not None:
+            return self.buddy.restore(state, newcomer=not self.buddy.mine, gen=self.gen)
         mine = -1 if self.memory is None else int(self.memory["meta"]["step"])
         steps: list[int] = [0] * dist.get_world_size()
         dist.all_gather_object(steps, mine)
@@ -162,10 +180,51 @@ class Handoff:
             guard.close()
         state, acc = self.live.get("state"), self.live.get("acc")
         self.live = {}
+        if self.buddy is not None:  # the packs are the memory: no collective after a failure
+            self.buddy.salvage()
+            return
         if state is None or acc is None:  # the attempt did not hold the state yet: keep the older copy
             return
         state.step, state.epoch = acc.optimizer_steps, state.sampler.epoch
         self.memory = state.state_dict()
+
+
+def _socket_inodes() -> dict[int, str]:
+    """This process's open sockets: fd -> 'socket:[inode]' (empty where /proc is absent)."""
+    found = {}
+    try:
+        for name in os.listdir("/proc/self/fd"):
+            try:
+                link = os.readlink(f"/proc/self/fd/{name}")
+            except OSError:
+                continue
+            if link.startswith("socket:"):
+                found[int(name)] = link
+    except OSError:
+        pass
+    return found
+
+
+def _cut_connections(before: set[str], store_port: int) -> int:
+    """Shut down the TCP connections opened since `before` (the generation's gloo
+    groups), except those to the store. torch 2.13's gloo group has no abort and closes
+    its connections only when destructed, which references that torch's FSDP2 keeps
+    prevent; a survivor blocked in a collective on this rank (not on the dead one)
+    would wait for the group's whole timeout. A shut connection fails its wait at once.
+    Returns how many were shut."""
+    shut = 0
+    for fd, link in _socket_inodes().items():
+        if link in before:
+            continue
+        try:
+            with socket.socket(fileno=os.dup(fd)) as s:
+                if s.type != socket.SOCK_STREAM or s.getpeername()[1] == store_port:
+                    continue
+                s.shutdown(socket.SHUT_RDWR)
+                shut += 1
+        except OSError:  # a listening or already closed socket; not an inet one
+            continue
+    return shut
 
 
 def _is_peer_failure(e: BaseException) -> bool:
@@ -174,13 +233,16 @@ def _is_peer_failure(e: BaseException) -> bool:
 
 
 def run(body: Callable[[runtime.RankInfo, Handoff], Any], *, backend: str, device: str,
-        timeout_s: float, seed: int, prepare: Callable[[Handoff], None] | None = None) -> Any:
+        timeout_s: float, seed: int, prepare: Callable[[Handoff], None] | None = None,
+        sharded: bool = False) -> Any:
     """Run `body(info, handoff)` in process groups of successive generations until it
     returns. `prepare(handoff)` runs before the first group (a spare: before it waits,
-    so its datasets are built while it is idle). A failure that is not a peer's loss,
-    or a generation that does not fill within `timeout_s`, propagates."""
+    so its datasets are built while it is idle). `sharded`: each rank's state is its
+    own (FSDP), so it is copied to a buddy (`elastic.buddy_copy`) on a gloo group of
+    its own. A failure that is not a peer's loss, or a generation that does not fill
+    within `timeout_s`, propagates."""
     world = int(os.environ["WORLD_SIZE"])
-    handoff = Handoff(gen=0)
+    handoff = Handoff(gen=0, buddy=BuddyCopy() if sharded else None)
     warm_up()
     if prepare is not None:
         prepare(handoff)
@@ -189,7 +251,7 @@ def run(body: Callable[[runtime.RankInfo, Handoff], Any], *, backend: str, devic
         wait_for_promotion()
     store = connect_store(timeout_s)
     gen = store.add(GEN_KEY, 1) if os.environ.get(ROLE_ENV) == "newcomer" else store.add(GEN_KEY, 0)
-    failure: BaseException | None = None
+    failure: RuntimeError | None = None
     try:
         while True:
             try:
@@ -200,17 +262,22 @@ def run(body: Callable[[runtime.RankInfo, Handoff], Any], *, backend: str, devic
                 raise
             handoff.gen = gen
             fault_injection.set_attempt(gen)  # a fault for attempt k fires once, in generation k
+            sockets_before = set(_socket_inodes().values())
             info = runtime.init(backend=backend, device=device, timeout_s=timeout_s, seed=seed,
                                 store=dist.PrefixStore(f"disttrain/fast/g{gen}/pg", store))
+            if handoff.buddy is not None:  # CPU buffers whatever the training backend
+                handoff.buddy.attach(dist.new_group(backend="gloo"))
             try:
                 return body(info, handoff)
             except Exception as e:
                 if not _is_peer_failure(e):
                     raise
-                failure = e
+                # Kept without its traceback, whose frames would hold the model and its groups.
+                failure = RuntimeError(f"{type(e).__name__}: {e}")
                 print(f"disttrain train: rank {info.rank}: generation {gen} lost a peer "
                       f"({type(e).__name__}); recovering in memory", file=sys.stderr, flush=True)
                 handoff.snapshot()
+                _cut_connections(sockets_before, int(os.environ["MASTER_PORT"]))
             finally:
                 runtime.shutdown(collect=False)
             gen = max(gen + 1, store.add(GEN_KEY, 0))

@@ -16,6 +16,7 @@ silently stops syncing gradients across replicas at w=2 on torch 2.13).
 
 from __future__ import annotations
 
+import weakref
 from dataclasses import dataclass
 
 import torch.distributed as dist
@@ -28,8 +29,10 @@ REPLICATE, SHARD = "replicate", "shard"
 
 # Meshes already built in this process group, so that wrapping several models (tests,
 # evaluation copies) reuses their sub-groups instead of creating new ones each time.
-# The key holds the default group object itself: a new process group never matches.
-_meshes: dict[tuple, DeviceMesh] = {}
+# Keyed weakly by the default group object: a new process group never matches, and a
+# destroyed one is not kept alive here (a gloo group closes its connections only when
+# it is destructed, which an in-memory recovery relies on).
+_meshes: "weakref.WeakKeyDictionary[dist.ProcessGroup, dict[tuple, DeviceMesh]]" = weakref.WeakKeyDictionary()
 
 
 @dataclass(frozen=True)
@@ -75,14 +78,12 @@ class Layout:
         order); later calls in the same process group return the same mesh. Needs a
         started process group.
         """
-        world = dist.group.WORLD
-        key = (world, self.device_type, self.replicate, self.shard)
-        if key not in _meshes:
-            if len(_meshes) > 8:  # a long-lived process that re-created its group
-                _meshes.clear()
+        built = _meshes.setdefault(dist.group.WORLD, {})
+        key = (self.device_type, self.replicate, self.shard)
+        if key not in built:
             if self.replicate == 1:
-                _meshes[key] = init_device_mesh(self.device_type, (self.shard,), mesh_dim_names=(SHARD,))
+                built[key] = init_device_mesh(self.device_type, (self.shard,), mesh_dim_names=(SHARD,))
             else:
-                _meshes[key] = init_device_mesh(self.device_type, (self.replicate, self.shard),
-                                                mesh_dim_names=(REPLICATE, SHARD))
-        return _meshes[key]
+                built[key] = init_device_mesh(self.device_type, (self.replicate, self.shard),
+                                              mesh_dim_names=(REPLICATE, SHARD))
+        return built[key]

@@ -14,7 +14,8 @@ Phases (`PHASES`, the one list) are the points where disttrain calls `inject`:
 forward, backward, step (optimizer), and the checkpoint phases checkpoint.shards,
 checkpoint.after_shards and checkpoint.during_commit (see
 disttrain.checkpoint.fault_points), and recovery (an in-memory recovery's state hand-off,
-`elastic.fast_recovery`; its step is the one handed over). An unknown action or phase is a `UserError`. Keys: rank (default
+`elastic.fast_recovery`; its step is the one handed over; -1 when none is) and buddy
+(the buddy copy of a step's shards, posted and in flight). An unknown action or phase is a `UserError`. Keys: rank (default
 any), step (default any), restart (the attempt it fires in: TORCHELASTIC_RESTART_COUNT
 plus the in-memory recoveries of `elastic.fast_recovery` so far; default 0, so a
 restarted or recovered job does not fail again at the same point).
@@ -33,7 +34,8 @@ from disttrain.errors import UserError
 
 ACTIONS = ("kill", "stop", "term", "exit", "raise", "enospc", "delay")
 PHASES = ("forward", "backward", "step",
-          "checkpoint.shards", "checkpoint.after_shards", "checkpoint.during_commit", "recovery")
+          "checkpoint.shards", "checkpoint.after_shards", "checkpoint.during_commit", "recovery",
+          "buddy")
 """Every point where disttrain calls `inject`: the trainer's, then the checkpoint
 writer's (disttrain.checkpoint.fault_points). A new fault point is added here, so a
 spec naming it is accepted; any other phase is refused, so a typo cannot make a

@@ -98,7 +98,8 @@ def train(cfg: Config, config_dir: str | Path | None = None) -> dict:
             finally:
                 preempt.uninstall()
         return fast_recovery.run(attempt, backend=p.backend, device=p.device, timeout_s=p.timeout_s,
-                                 seed=t.seed, prepare=lambda h: _datasets(cfg, config_dir, h))
+                                 seed=t.seed, prepare=lambda h: _datasets(cfg, config_dir, h),
+                                 sharded=p.strategy != "ddp")
     with runtime.distributed(backend=p.backend, device=p.device, timeout_s=p.timeout_s,
                              seed=t.seed) as info:
         preempt = PreemptionHandler(cfg.elastic.preempt_grace_s).install()
@@ -180,6 +181,7 @@ def _train(cfg: Config, info: runtime.RankInfo, preempt: PreemptionHandler, conf
         resume.print_changes(plan, cfg.elastic.batch_policy)
     if handoff is not None:  # from here this attempt's objects hold the state a recovery keeps
         handoff.keep(state=state, acc=acc)
+        handoff.committed(acc.optimizer_steps, state)  # the buddy copy of the starting state
     audit = SampleAudit(out / "samples", info.rank, info.world_size, cfg.elastic.record_samples,
                         generation_id())
     saved_at = step = acc.optimizer_steps
@@ -213,6 +215,8 @@ def _train(cfg: Config, info: runtime.RankInfo, preempt: PreemptionHandler, conf
             step = acc.optimizer_steps
             sampler.commit_step()
             audit.commit(step)
+            if handoff is not None:
+                handoff.committed(step, state)
             inject("step", step, info.rank)
             guard.step(step, model)
             if step % t.log_every == 0 or step == t.steps:
