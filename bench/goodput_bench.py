@@ -1,12 +1,13 @@
 """Fast recovery benchmark (issue 13): `[elastic] fast_recovery = true` under kill -9.
 
-    python bench/goodput_bench.py [--quick] [--out FILE] [--kills 8] [--pairs 3]
+    python bench/goodput_bench.py [--quick] [--out FILE] [--kills 8] [--pairs 3] [--strategy ddp|fsdp]
                                   [--minutes 10] [--every-s 60] [--steps-minutes 3] [--every-steps 20]
 
 The tiny job of the elastic tests (bench/recovery_job.py's TINY: 1-layer GPT, gloo,
 2 CPU ranks, standalone torchrun), 200 ms of injected delay per step, a disk checkpoint
-every 50 steps. Writes a markdown section to --out (default
-bench/results/recovery_fast.md):
+every 50 steps; `--strategy fsdp` shards it (each rank's shard also in its buddy's CPU
+memory, `elastic.buddy_copy`). Writes a markdown section to --out (default
+bench/results/recovery_fast.md, recovery_fast_fsdp.md under fsdp):
 (a) kill -9 of a random training process at a random point of a step -> the next step
     committed by every rank, and the steps redone (completed steps done again);
 (b) the step-time cost of the machinery with nothing failing: interleaved runs without
@@ -47,6 +48,8 @@ SPARE_WARM_S = 12.0
 """Between the kills of (a): a new spare's imports take 3-5 s here (more under load); a
 kill before it is warm waits for the rest of them."""
 TARGETS = {"kill": 1.0, "redone": 1, "goodput": 0.95, "cost": 0.02}
+STRATEGY = ["--parallel.strategy=ddp"]
+"""Given to every run of the benchmark (set by --strategy)."""
 
 
 class Run:
@@ -54,6 +57,7 @@ class Run:
 
     def __init__(self, tmp: Path, name: str, extra: list[str], fault: str | None = SLOW):
         self.out = Path(tempfile.mkdtemp(prefix=f"{name}-", dir=tmp))
+        extra = [*STRATEGY, *extra]
         self.log = self.out / "log.txt"
         env = base_env(threads=1)
         if fault:
@@ -259,7 +263,7 @@ def render(m: dict, k: dict, c: dict, g: list[dict], argv: list[str], took: floa
     rec, red = summary(k["recovery"]), summary(k["redone"])
     cost = summary(c["ratio"])
     lines = [
-        "## Fast recovery: warm spares and in-memory state (issue 13)", "",
+        f"## Fast recovery: warm spares and in-memory state, {STRATEGY[0].split('=')[1]} (issue 13)", "",
         f"Command: `{' '.join(['python bench/goodput_bench.py', *argv])}`  ",
         f"Machine: {m['cores']} cores ({m['cpu']}), torch {m['torch']}, Python {m['python']}; {m['date']}; "
         f"1-minute load {m['load_1min']} at the start, {load_end:.2f} at the end (a load near or above "
@@ -307,7 +311,8 @@ def render(m: dict, k: dict, c: dict, g: list[dict], argv: list[str], took: floa
 def main(argv: list[str]) -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--quick", action="store_true", help="fewer kills, 1 pair, 2 + 1 minutes of goodput")
-    ap.add_argument("--out", default=str(ROOT / "bench/results/recovery_fast.md"))
+    ap.add_argument("--out", default=None, help="default bench/results/recovery_fast[_fsdp].md")
+    ap.add_argument("--strategy", choices=("ddp", "fsdp"), default="ddp")
     ap.add_argument("--kills", type=int, default=8)
     ap.add_argument("--pairs", type=int, default=3)
     ap.add_argument("--ab-steps", type=int, default=1500)
@@ -319,6 +324,8 @@ def main(argv: list[str]) -> int:
     a = ap.parse_args(argv)
     if a.quick:
         a.kills, a.pairs, a.minutes, a.steps_minutes = 4, 1, 2.0, 1.0
+    STRATEGY[:] = [f"--parallel.strategy={a.strategy}"]
+    a.out = a.out or str(ROOT / f"bench/results/recovery_fast{'_fsdp' if a.strategy == 'fsdp' else ''}.md")
     rng, m, t0 = random.Random(a.seed), machine(), time.monotonic()
     with tempfile.TemporaryDirectory(prefix="goodput-") as d:
         tmp = Path(d)

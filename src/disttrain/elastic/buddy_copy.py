@@ -4,7 +4,7 @@ under a sharded strategy (FSDP) gives a newcomer the dead rank's shard
 
 After every committed step the trainer calls `BuddyCopy.start(step, state)`: the rank
 packs its own part of the `TrainState` (the local shards of the model and optimizer,
-and the meta: scheduler, sampler, RNG) into a CPU buffer and posts an `isend` of it
+and the meta: step, scheduler, sampler, scaler) into a CPU buffer and posts an `isend` of it
 to its buddy, rank (r + 1) % world, and an `irecv` of its left neighbour's pack, on a
 gloo group of their own (CPU buffers, whatever the training backend). The copy runs
 while the next step computes and is waited at the next `start`: a rank always holds
@@ -63,15 +63,16 @@ def _skeleton(tree: Any, leaves: list[tuple[_Slot, torch.Tensor]], offset: list[
         local = tree.to_local() if _is_dtensor(tree) else tree
         nbytes = local.numel() * local.element_size()
         slot = _Slot(offset[0], nbytes, local.dtype, tuple(local.shape), _is_dtensor(tree))
-        offset[0] += -(-nbytes // 8) * 8  # 8-byte aligned, so every dtype views in place
+        offset[0] += nbytes
         leaves.append((slot, local))
         return slot
     return tree
 
 
-def pack(sd: dict, capacity: int | None = None) -> torch.Tensor:
-    """`sd` (a `TrainState.state_dict()`) as one flat uint8 CPU tensor of `capacity`
-    bytes (None: exactly what it needs). Raises `OverflowError` when it does not fit."""
+def pack(sd: dict, capacity: int | None = None, into: torch.Tensor | None = None) -> torch.Tensor:
+    """`sd` (a nested state dict: `live_state`) as one flat uint8 CPU tensor of `capacity`
+    bytes (None: exactly what it needs), written into `into` when it has that size
+    (the buffer of an older pack, reused). Raises `OverflowError` when it does not fit."""
     leaves: list[tuple[_Slot, torch.Tensor]] = []
     offset = [0]
     skeleton = pickle.dumps(_skeleton(sd, leaves, offset), protocol=pickle.HIGHEST_PROTOCOL)
@@ -80,20 +81,19 @@ def pack(sd: dict, capacity: int | None = None) -> torch.Tensor:
     size = need if capacity is None else capacity
     if need > size:
         raise OverflowError(f"the state needs {need} bytes, the buffer holds {size}")
-    buf = torch.empty(size, dtype=torch.uint8)
+    buf = into if into is not None and into.numel() == size else torch.empty(size, dtype=torch.uint8)
     buf[:8].view(torch.int64)[0] = len(skeleton)
     buf[_HEADER:_HEADER + len(skeleton)].copy_(torch.frombuffer(bytearray(skeleton), dtype=torch.uint8))
-    data = buf[start:]
-    for slot, local in leaves:
-        if slot.nbytes:
-            data[slot.offset:slot.offset + slot.nbytes].copy_(local.detach().reshape(-1).view(torch.uint8))
+    if leaves:  # one copy kernel for every tensor, back to back
+        torch.cat([local.detach().reshape(-1).view(torch.uint8) for _, local in leaves],
+                  out=buf[start:need])
     return buf
 
 
 def unpack(buf: torch.Tensor, template: dict) -> dict:
-    """The state dict packed in `buf`, its tensors copied out of the buffer. A DTensor
-    leaf takes its mesh and placements from `template` (this rank's own
-    `state_dict()`, same structure). Raises `KeyError` when the structures differ."""
+    """The state dict packed in `buf`, its tensors copied out of the buffer (on the
+    CPU). A DTensor leaf takes its mesh and placements from the same place in
+    `template`. Raises `KeyError` when the template has no DTensor there."""
     n = int(buf[:8].view(torch.int64)[0])
     skeleton = pickle.loads(buf[_HEADER:_HEADER + n].numpy().tobytes())
     data = buf[_HEADER + -(-n // 16) * 16:]
@@ -109,16 +109,65 @@ def _fill(tree: Any, data: torch.Tensor, template: Any) -> Any:
                                 and i < len(template) else None) for i, v in enumerate(tree))
     if not isinstance(tree, _Slot):
         return tree
-    raw = data[tree.offset:tree.offset + tree.nbytes]
-    local = (raw.view(tree.dtype) if tree.nbytes else torch.empty(0, dtype=tree.dtype)).reshape(tree.shape).clone()
-    if not tree.dtensor:
-        return local.to(template.device) if isinstance(template, torch.Tensor) else local
+    # cloned first: a fresh, aligned storage that views as any dtype
+    raw = data[tree.offset:tree.offset + tree.nbytes].clone()
+    local = (raw.view(tree.dtype) if tree.nbytes else torch.empty(0, dtype=tree.dtype)).reshape(tree.shape)
+    if not tree.dtensor:  # stays on the CPU: load_state_dict moves it where it belongs
+        return local
     if not _is_dtensor(template):
         raise KeyError("a sharded tensor of the buddy copy has no DTensor in this rank's state")
     from torch.distributed.tensor import DTensor
 
     return DTensor.from_local(local.to(template.device), template.device_mesh, template.placements,
                               shape=template.shape, stride=template.stride(), run_check=False)
+
+
+def live_state(state) -> dict:
+    """The part of a `TrainState` a buddy pack holds, in the modules' own state-dict
+    form: cheap (no DCP name mapping, nothing gathered; FSDP2 gives this rank's DTensor
+    shards, aliases of the live tensors). The RNG is left out: the trainer reseeds at
+    every step from (seed, step, rank) (`runtime.seed_step`)."""
+    opt, meta = state.optimizer, {"step": state.step, "epoch": state.epoch}
+    for name in ("scheduler", "sampler", "scaler"):
+        obj = getattr(state, name)
+        meta[name] = obj.state_dict() if obj is not None and hasattr(obj, "state_dict") else None
+    return {"model": state.model.state_dict(), "optim": opt.state_dict() if opt is not None else None,
+            "meta": meta}
+
+
+def load_live_state(state, sd: dict) -> None:
+    """Load what `live_state` took (strict: a missing or unexpected key raises)."""
+    state.model.load_state_dict(sd["model"])
+    if state.optimizer is not None:
+        state.optimizer.load_state_dict(sd["optim"])
+    meta = sd["meta"]
+    for name in ("scheduler", "sampler", "scaler"):
+        obj = getattr(state, name)
+        if obj is not None and meta[name] is not None:
+            obj.load_state_dict(meta[name])
+    state.step, state.epoch = int(meta["step"]), int(meta["epoch"])
+
+
+class _AnyKey(dict):
+    """A template whose every key holds `value`: an optimizer state entry's tensors have
+    their parameter's mesh, placements and shape."""
+
+    def __init__(self, value: Any):
+        super().__init__()
+        self.value = value
+
+    def __contains__(self, key: object) -> bool:
+        return True
+
+    def __getitem__(self, key: Any) -> Any:
+        return self.value
+
+
+def _template(state) -> dict:
+    """Where `unpack` finds each DTensor's mesh and placements on this rank (a newcomer's
+    optimizer has no state yet: its parameters stand in)."""
+    params = [p for g in state.optimizer.param_groups for p in g["params"]] if state.optimizer else []
+    return {"model": state.model.state_dict(), "optim": {"state": {i: _AnyKey(p) for i, p in enumerate(params)}}}
 
 
 def choose_step(offers: list[dict]) -> int | None:
@@ -148,6 +197,7 @@ class BuddyCopy:
         self.group = None
         self._capacity: list[int] | None = None
         self._pending: tuple[int, list, torch.Tensor] | None = None
+        self._spare: torch.Tensor | None = None
         self.disabled = False
 
     def attach(self, group) -> None:
@@ -162,7 +212,7 @@ class BuddyCopy:
         if self.disabled or self.group is None:
             return
         self.finish()
-        sd = state.state_dict()
+        sd = live_state(state)
         rank, world = dist.get_rank(self.group), dist.get_world_size(self.group)
         if self._capacity is None:
             need = pack(sd).numel()
@@ -170,17 +220,18 @@ class BuddyCopy:
             caps: list[int] = [0] * world
             dist.all_gather_object(caps, mine_cap, group=self.group)
             self._capacity = caps
-        try:
-            buf = pack(sd, self._capacity[rank])
+        oldest = min(self.mine) if len(self.mine) >= 2 else None
+        try:  # the oldest pack's buffer is reused: nothing sends it any more (waited above)
+            buf = pack(sd, self._capacity[rank], into=self.mine.pop(oldest) if oldest is not None else None)
         except OverflowError as e:
             self.disabled = True  # every later copy would not fit either; the disk checkpoint remains
             print(f"disttrain train: rank {rank}: the buddy copy is off for this run ({e})",
                   file=sys.stderr, flush=True)
             return
         self.mine[step] = buf
-        for old in sorted(self.mine)[:-2]:
-            del self.mine[old]
-        incoming = torch.empty(self._capacity[(rank - 1) % world], dtype=torch.uint8)
+        size = self._capacity[(rank - 1) % world]
+        spare, self._spare = self._spare, None
+        incoming = spare if spare is not None and spare.numel() == size else torch.empty(size, dtype=torch.uint8)
         # The group spans the whole world in rank order: its ranks are the global ones.
         works = [dist.isend(buf, dst=(rank + 1) % world, group=self.group),
                  dist.irecv(incoming, src=(rank - 1) % world, group=self.group)]
@@ -195,6 +246,7 @@ class BuddyCopy:
         self._pending = None
         for w in works:
             w.wait()
+        self._spare = next(iter(self.theirs.values()), None)  # the next receive goes there
         self.theirs = {step: incoming}
 
     def salvage(self) -> None:
@@ -239,7 +291,7 @@ class BuddyCopy:
         for w in works:
             w.wait()
         own = buf if newcomer else self.mine[step]
-        state.load_state_dict(unpack(own, state.state_dict()))
+        load_live_state(state, unpack(own, _template(state)))
         self.mine = {step: own}
         self.theirs = {}
         if rank == 0:

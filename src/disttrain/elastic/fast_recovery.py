@@ -124,8 +124,7 @@ class Handoff:
     def committed(self, step: int, state) -> None:
         """After each committed step (and once when an attempt starts): under a sharded
         strategy, the buddy copy of `state` at `step`. A collective. Step 0 is not
-        copied: a fresh start rebuilds it, and torch's state-dict helpers would give an
-        optimizer without state one zero-gradient step (Adam's step count off by one)."""
+        copied: a fresh start rebuilds it."""
         if self.buddy is not None and step > 0:
             state.step, state.epoch = step, getattr(state.sampler, "epoch", state.epoch)
             self.buddy.start(step, state)
