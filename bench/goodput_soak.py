@@ -1,6 +1,6 @@
 """Fast recovery soak (issue 13), a command, not a test:
 
-    python bench/goodput_soak.py [--events 100] [--steps 1200] [--out FILE] [--seed 0]
+    python bench/goodput_soak.py [--events 100] [--steps 1200] [--out FILE] [--seed 0] [--strategy ddp|fsdp]
 
 One long run of the tiny job with `[elastic] fast_recovery = true` (200 ms of delay
 per step, a disk checkpoint every 50 steps) takes `--events` random events, 1-4 s
@@ -9,7 +9,8 @@ kill -9 of both ranks' training processes 0.1 s apart (15 %; when both die befor
 state is handed over, the disk checkpoint is the source). The run must then end
 bit-identical to an uninterrupted run of the same steps, every sample of each complete
 epoch exactly once, with no torchrun restart. Appends its section to --out (default
-bench/results/recovery_fast.md). Exit status 1 when a check fails.
+bench/results/recovery_fast.md, recovery_fast_fsdp.md under `--strategy fsdp`, where a
+newcomer's shard comes from its buddy's memory). Exit status 1 when a check fails.
 Not covered here: the loss of a whole agent and scale-down / scale-up, which take
 torchrun's restart path (bench/recovery_bench.py times them).
 """
@@ -31,7 +32,7 @@ sys.path[:0] = [str(ROOT), str(ROOT / "src")]
 import torch  # noqa: E402
 
 from bench.common import machine  # noqa: E402
-from bench.goodput_bench import FAST, Run, _children, _start_ticks, exactly_once  # noqa: E402
+from bench.goodput_bench import FAST, STRATEGY, Run, _children, _start_ticks, exactly_once  # noqa: E402
 
 
 def spares(run: Run) -> list[int]:
@@ -86,7 +87,8 @@ def soak(tmp: Path, events: int, steps: int, rng: random.Random) -> dict:
     text = run.log.read_text(errors="replace")
     return {"events": done, "exit": code, "same": same, "epochs": epochs, "problems": problems,
             "promotions": run.promotions(), "restarts": text.count("will restart worker group"),
-            "from_disk": text.count("no rank holds the state in memory"),
+            "from_disk": text.count("no rank holds the state in memory")
+            + text.count("no step has every shard in memory"),
             "last_step": run.last_step()}
 
 
@@ -94,10 +96,13 @@ def main(argv: list[str]) -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--events", type=int, default=100)
     ap.add_argument("--steps", type=int, default=1200)
-    ap.add_argument("--out", default=str(ROOT / "bench/results/recovery_fast.md"))
+    ap.add_argument("--out", default=None, help="default bench/results/recovery_fast[_fsdp].md")
     ap.add_argument("--seed", type=int, default=0)
+    ap.add_argument("--strategy", choices=("ddp", "fsdp"), default="ddp")
     ap.add_argument("--keep", help="run in this folder and keep it (logs, audit) instead of a temporary one")
     a = ap.parse_args(argv)
+    STRATEGY[:] = [f"--parallel.strategy={a.strategy}"]
+    a.out = a.out or str(ROOT / f"bench/results/recovery_fast{'_fsdp' if a.strategy == 'fsdp' else ''}.md")
     m, t0 = machine(), time.monotonic()
     with tempfile.TemporaryDirectory(prefix="soak-") as d:
         if a.keep:
@@ -106,7 +111,7 @@ def main(argv: list[str]) -> int:
     ok = r["exit"] == 0 and r["same"] and not r["problems"] and r["restarts"] == 0
     e = r["events"]
     section = (
-        f"\n### Soak: {sum(e.values())} random events over one run\n\n"
+        f"\n### Soak ({a.strategy}): {sum(e.values())} random events over one run\n\n"
         f"Command: `python bench/goodput_soak.py {' '.join(argv)}`".rstrip() + "  \n"
         f"{m['date']}, 1-minute load {m['load_1min']} at the start, {os.getloadavg()[0]:.2f} at the end; "
         f"{time.monotonic() - t0:.0f} s.\n\n"
