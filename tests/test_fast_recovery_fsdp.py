@@ -96,6 +96,24 @@ def test_w4_two_ranks_at_once_then_a_buddy_during_the_hand_over(references, tmp_
     assert_same_run(references[4], tmp_path, 4)
 
 
+def test_buddy_every_3_goes_back_to_the_last_copy(references, tmp_path):
+    """`elastic.buddy_every = 3`: copies at steps 3, 6, 9...; a kill in step 8 goes back
+    to step 6 (from memory, not the disk checkpoint of step 4) and redoes 7 and 8."""
+    text = _run(tmp_path, 2, *FSDP, "--elastic.buddy_every=3", fault=_kill(8, "backward", 1, 0))
+    assert "generation 1: step 6 restored from memory" in text
+    assert "loading the newest checkpoint" not in text
+    assert_same_run(references[2], tmp_path, 2)
+
+
+@pytest.mark.parametrize("value", ["0", "-2"])
+def test_a_bad_buddy_every_is_one_clear_error(value):
+    from disttrain.config import load_config
+    from disttrain.errors import ConfigError
+
+    with pytest.raises(ConfigError, match="elastic.buddy_every is .* a whole number >= 1"):
+        load_config("examples/tiny_gpt.toml", [f"--elastic.buddy_every={value}"])
+
+
 # ---------------------------------------------------------------- the parts, in one process
 
 

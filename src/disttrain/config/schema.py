@@ -16,6 +16,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from disttrain.config.gpt_shape import GPTConfig
+from disttrain.config.elastic_config import ElasticConfig, check_elastic
 from disttrain.config.log_config import LogConfig
 from disttrain.config.tomlfile import apply_overrides, build, read_toml
 from disttrain.config.user_code import check_model_keys, check_sources
@@ -176,33 +177,11 @@ class CheckpointConfig:
     """A failed save: 'stop' the run, or 'continue' training (the previous checkpoint stays)."""
 
 
-@dataclass(kw_only=True)
-class ElasticConfig:
-    """Behaviour across restarts and world-size changes (P-ELASTIC-3,5, P-DATA-3)."""
-
-    batch_policy: str = "keep_global"
-    """On a world-size change: 'keep_global' keeps the global batch by re-deriving
-    train.accum_steps (an error names the sizes that work when it does not divide);
-    'rescale_lr' keeps accum_steps and scales the LR by the rule of P-LOOP-4."""
-    preempt_grace_s: float = 60.0
-    """After SIGTERM: seconds to finish the step and save before exiting 0."""
-    record_samples: bool = False
-    """Each rank appends (step, sample indices) to {out_dir}/samples/ for audits."""
-    fast_recovery: bool = False
-    """A killed worker is replaced by a warm spare with the survivors' state (docs/elastic.md)."""
-
-
 def _check_checkpoint(c: CheckpointConfig) -> None:
     _require(c.every >= 0 and c.keep_last >= 0,
              f"checkpoint.every ({c.every}) and checkpoint.keep_last ({c.keep_last}) must be >= 0.")
     _one_of("checkpoint.async_mode", c.async_mode, ("off", "thread"))
     _one_of("checkpoint.on_error", c.on_error, ("stop", "continue"))
-
-
-def _check_elastic(e: ElasticConfig) -> None:
-    _one_of("elastic.batch_policy", e.batch_policy, ("keep_global", "rescale_lr"))
-    _require(e.preempt_grace_s > 0, f"elastic.preempt_grace_s is {e.preempt_grace_s}; it must be positive.")
-
 
 
 @dataclass(kw_only=True)
@@ -283,7 +262,7 @@ def validate(cfg: Config) -> None:
              "guard: divergence_every must be >= 0, hang_factor > 1, hang_min_s and tick_s > 0, "
              "and hang_cap_s >= hang_min_s.")
     _check_checkpoint(cfg.checkpoint)
-    _check_elastic(cfg.elastic)
+    check_elastic(cfg.elastic)
     check_sources(cfg)  # model.factory, data.factory, train.loss (config/user_code.py)
     _check_hardware(p)
     device = p.device if p.device != "auto" else ("cuda" if _cuda_count() else "cpu")

@@ -191,7 +191,8 @@ class BuddyCopy:
     neighbour's pack (the newest complete one). `attach(group)` binds the gloo group
     of the current generation."""
 
-    def __init__(self) -> None:
+    def __init__(self, every: int = 1) -> None:
+        self.every = every
         self.mine: dict[int, torch.Tensor] = {}
         self.theirs: dict[int, torch.Tensor] = {}
         self.group = None
@@ -205,11 +206,12 @@ class BuddyCopy:
         self.group, self._capacity, self._pending = group, None, None
 
     # ------------------------------------------------------------ every step
-    def start(self, step: int, state) -> None:
+    def start(self, step: int, state, force: bool = False) -> None:
         """Pack this rank's committed `state` of `step` and post the exchange with the
-        buddies; the previous exchange is waited first. A collective of the buddy group
-        (call it at the same step on every rank)."""
-        if self.disabled or self.group is None:
+        buddies, at steps that are multiples of `every` (any step with `force`); the
+        previous exchange is waited first. A collective of the buddy group (call it at
+        the same step on every rank)."""
+        if self.disabled or self.group is None or (step % self.every and not force):
             return
         self.finish()
         sd = live_state(state)

@@ -121,13 +121,14 @@ class Handoff:
     live: dict = field(default_factory=dict)
     buddy: BuddyCopy | None = None
 
-    def committed(self, step: int, state) -> None:
-        """After each committed step (and once when an attempt starts): under a sharded
-        strategy, the buddy copy of `state` at `step`. A collective. Step 0 is not
-        copied: a fresh start rebuilds it."""
+    def committed(self, step: int, state, first: bool = False) -> None:
+        """After each committed step, and once when an attempt starts (`first`: copied
+        whatever `elastic.buddy_every` says, so a newcomer's shard has a buddy at once):
+        under a sharded strategy, the buddy copy of `state` at `step`. A collective.
+        Step 0 is not copied: a fresh start rebuilds it."""
         if self.buddy is not None and step > 0:
             state.step, state.epoch = step, getattr(state.sampler, "epoch", state.epoch)
-            self.buddy.start(step, state)
+            self.buddy.start(step, state, force=first)
 
     def keep(self, **objects: Any) -> None:
         """Register the attempt's objects. Registering `state` (with `acc`) says that
@@ -233,15 +234,15 @@ def _is_peer_failure(e: BaseException) -> bool:
 
 def run(body: Callable[[runtime.RankInfo, Handoff], Any], *, backend: str, device: str,
         timeout_s: float, seed: int, prepare: Callable[[Handoff], None] | None = None,
-        sharded: bool = False) -> Any:
+        sharded: bool = False, buddy_every: int = 1) -> Any:
     """Run `body(info, handoff)` in process groups of successive generations until it
     returns. `prepare(handoff)` runs before the first group (a spare: before it waits,
     so its datasets are built while it is idle). `sharded`: each rank's state is its
     own (FSDP), so it is copied to a buddy (`elastic.buddy_copy`) on a gloo group of
-    its own. A failure that is not a peer's loss, or a generation that does not fill
+    its own, every `buddy_every` steps. A failure that is not a peer's loss, or a generation that does not fill
     within `timeout_s`, propagates."""
     world = int(os.environ["WORLD_SIZE"])
-    handoff = Handoff(gen=0, buddy=BuddyCopy() if sharded else None)
+    handoff = Handoff(gen=0, buddy=BuddyCopy(buddy_every) if sharded else None)
     warm_up()
     if prepare is not None:
         prepare(handoff)

@@ -99,7 +99,7 @@ def train(cfg: Config, config_dir: str | Path | None = None) -> dict:
                 preempt.uninstall()
         return fast_recovery.run(attempt, backend=p.backend, device=p.device, timeout_s=p.timeout_s,
                                  seed=t.seed, prepare=lambda h: _datasets(cfg, config_dir, h),
-                                 sharded=p.strategy != "ddp")
+                                 sharded=p.strategy != "ddp", buddy_every=cfg.elastic.buddy_every)
     with runtime.distributed(backend=p.backend, device=p.device, timeout_s=p.timeout_s,
                              seed=t.seed) as info:
         preempt = PreemptionHandler(cfg.elastic.preempt_grace_s).install()
@@ -181,7 +181,7 @@ def _train(cfg: Config, info: runtime.RankInfo, preempt: PreemptionHandler, conf
         resume.print_changes(plan, cfg.elastic.batch_policy)
     if handoff is not None:  # from here this attempt's objects hold the state a recovery keeps
         handoff.keep(state=state, acc=acc)
-        handoff.committed(acc.optimizer_steps, state)  # the buddy copy of the starting state
+        handoff.committed(acc.optimizer_steps, state, first=True)  # the buddy copy of the starting state
     audit = SampleAudit(out / "samples", info.rank, info.world_size, cfg.elastic.record_samples,
                         generation_id())
     saved_at = step = acc.optimizer_steps
