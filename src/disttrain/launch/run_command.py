@@ -46,9 +46,9 @@ import signal
 import sys
 
 from disttrain.errors import UserError
+from disttrain.launch import warm_workers
 
 DEFAULT_ENV = {"TORCH_DISABLE_SHARE_RDZV_TCP_STORE": "1"}
-WARM_SWITCH_ENV = "DISTTRAIN_WARM_WORKERS"  # disttrain.launch.warm_workers.SWITCH_ENV
 
 SHUTDOWN_MARGIN_S = 10
 """Seconds torchrun waits past the preemption grace before SIGKILL: a rank's exit
@@ -176,9 +176,9 @@ def warm_workers_wanted(argv: list[str]) -> bool:
     disttrain.train CONFIG`, a rendezvous other than `--standalone`, no fast recovery,
     and DISTTRAIN_WARM_WORKERS not 0. Raises `UserError` for a switch other than 0 or 1
     or a bad config."""
-    switch = os.environ.get(WARM_SWITCH_ENV, "1")
+    switch = os.environ.get(warm_workers.SWITCH_ENV, "1")
     if switch not in ("0", "1"):
-        raise UserError(f"{WARM_SWITCH_ENV} is {switch!r}; set it to 1 (fork restarted workers from "
+        raise UserError(f"{warm_workers.SWITCH_ENV} is {switch!r}; set it to 1 (fork restarted workers from "
                         f"a process with torch imported, the default) or 0 (fresh interpreters).")
     flags, script = _split_script(argv)
     nnodes = _flag_value(flags, "--nnodes") or "1"
@@ -260,8 +260,6 @@ def torchrun_has_shutdown_timeout() -> bool:
 
 def main(argv: list[str]) -> int:
     """Run torchrun in this process and return the job's exit code."""
-    from disttrain.launch import warm_workers
-
     # The warm-worker server starts first (before this process imports torch): its
     # imports overlap the agent's and the rendezvous.
     server = warm_workers.start_server() if warm_workers_wanted(argv) else None
