@@ -163,20 +163,22 @@ def test_warm_workers_for_elastic_trainer_jobs_only(monkeypatch):
     monkeypatch.delenv("DISTTRAIN_WARM_WORKERS", raising=False)
     args, _ = launch.build_torchrun_args(ELASTIC + TRAIN)
     assert args[-3:] == ["disttrain.launch.warm_workers", "disttrain.train", "examples/tiny_gpt.toml"]
-    for argv in (["--nproc", "2"] + TRAIN, ELASTIC + [SCRIPT], ELASTIC + TRAIN + ["--elastic.fast_recovery=true"]):
+    for argv in (["--nproc", "2"] + TRAIN, ELASTIC + [SCRIPT],
+                 ELASTIC + TRAIN + ["--elastic.fast_recovery=true"]):
         assert "disttrain.launch.warm_workers" not in launch.build_torchrun_args(argv)[0]
     monkeypatch.setenv("DISTTRAIN_WARM_WORKERS", "0")
     assert "disttrain.launch.warm_workers" not in launch.build_torchrun_args(ELASTIC + TRAIN)[0]
 
 
 def test_a_bad_warm_workers_switch_is_one_clear_message():
-    proc = run_disttrain(["run", *ELASTIC, *TRAIN], timeout=60, env=worker_env(DISTTRAIN_WARM_WORKERS="yes"))
+    proc = run_disttrain(["run", *ELASTIC, *TRAIN], timeout=60,
+                         env=worker_env(DISTTRAIN_WARM_WORKERS="yes"))
     assert proc.returncode == 2
     assert "DISTTRAIN_WARM_WORKERS is 'yes'; set it to 1" in proc.stderr and "Traceback" not in proc.stderr
 
 
 PROBE = '''import os, signal, sys, time
-print("warm" if "torch" in sys.modules else "cold", os.environ.get("PROBE_TAG"), os.getcwd(), sys.argv[1:], flush=True)
+print("warm" if "torch" in sys.modules else "cold", os.environ.get("PROBE_TAG"), os.getcwd(), flush=True)
 (open(sys.argv[2], "w").write(str(os.getpid())) if len(sys.argv) > 2 else None)
 if sys.argv[1] == "exit3":
     sys.exit(3)
@@ -189,16 +191,33 @@ if sys.argv[1] == "wait":
 
 
 def _stub(tmp_path, *args: str, **env: str) -> subprocess.Popen:
-    return subprocess.Popen([sys.executable, "-u", "-m", "disttrain.launch.warm_workers", "warm_probe", *args],
+    stub = [sys.executable, "-u", "-m", "disttrain.launch.warm_workers", "warm_probe", *args]
+    return subprocess.Popen(stub,
                             cwd=tmp_path, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
                             env=worker_env(PYTHONPATH=f"{ROOT / 'src'}:{tmp_path}", PROBE_TAG="tag", **env))
+
+
+def _running(pid: int) -> bool:
+    try:
+        with open(f"/proc/{pid}/stat") as f:
+            return f.read().rsplit(")", 1)[1].split()[0] != "Z"  # a zombie has ended
+    except FileNotFoundError:
+        return False
+
+
+def _wait_for_pid(pid_file, proc: subprocess.Popen, timeout: float = 120) -> None:
+    import time
+
+    deadline = time.monotonic() + timeout
+    while not pid_file.exists() or not pid_file.read_text():
+        assert proc.poll() is None and time.monotonic() < deadline, proc.stdout.read()
+        time.sleep(0.05)
 
 
 def test_warm_worker_stub_acts_as_the_worker_process(tmp_path, monkeypatch):
     """The stub torchrun watches: the child runs with torch already imported, the stub's
     environment and directory; exit status and death by signal pass through; SIGTERM
     reaches the child; a killed stub takes its child with it; no server: runs itself."""
-    import os
     import signal
     import time
 
@@ -217,19 +236,17 @@ def test_warm_worker_stub_acts_as_the_worker_process(tmp_path, monkeypatch):
         assert proc.wait(timeout=60) == -signal.SIGKILL
         pid_file = tmp_path / "pid"
         proc = _stub(tmp_path, "wait", str(pid_file), DISTTRAIN_WARM_SOCKET=path)
-        while not pid_file.exists() or not pid_file.read_text():
-            time.sleep(0.05)
+        _wait_for_pid(pid_file, proc)
         proc.send_signal(signal.SIGTERM)
         assert proc.wait(timeout=60) == 0 and "saved on SIGTERM" in proc.stdout.read()
         pid_file.unlink()
         proc = _stub(tmp_path, "wait", str(pid_file), DISTTRAIN_WARM_SOCKET=path)
-        while not pid_file.exists() or not pid_file.read_text():
-            time.sleep(0.05)
+        _wait_for_pid(pid_file, proc)
         child = int(pid_file.read_text())
         proc.kill()
         proc.wait(timeout=60)
         deadline = time.monotonic() + 60
-        while os.path.exists(f"/proc/{child}") and open(f"/proc/{child}/stat").read().split()[2] != "Z":
+        while _running(child):
             assert time.monotonic() < deadline, "the killed stub's child still runs"
             time.sleep(0.05)
     finally:
