@@ -1,7 +1,7 @@
 """The preemption vote on real gloo ranks under torchrun: a SIGTERM that reaches one
-rank stops every rank after the same step (with short steps the step after the one it
-arrived in, with long ones that step itself), and a vote left in flight on a destroyed
-group is dropped without waiting on it."""
+rank stops every rank after the same step (with short steps at the next vote's read,
+with long ones the signal's own step), and a vote left in flight on a destroyed group
+is dropped without waiting on it."""
 
 import json
 import subprocess
@@ -11,17 +11,22 @@ import textwrap
 import pytest
 
 from conftest import worker_env
+from disttrain.elastic.preemption import VOTE_EVERY_MAX
 
 pytestmark = pytest.mark.timeout(180)
 
 # Rounds of (rank signalled, step of the signal, each rank's grace, step every rank must
-# stop after); a fresh handler per round. Steps take 0-5 ms, 10-30 ms on rank 2. A grace
-# of 1e4 s makes every step short (the vote is read a step late); rank 2's grace of
-# 0.5 s makes steps long (over 1 % of it: from the third call each vote is read at
-# once), and the ranks with a long grace must follow. The last round has no signal.
+# stop after); a fresh handler per round. Steps take 0-5 ms, 10-30 ms on rank 2.
+# A grace of 1e4 s makes every step short: votes start at calls 1, 2 (the step time is
+# known from then), 2 + E, 2 + 2E, ... and are read at the next call. Rank 2's grace
+# of 0.5 s makes steps long (over 1 % of it): from the third call every call votes and
+# reads its own vote, and the ranks with a long grace must follow. The last round has
+# no signal: nobody stops.
+E = VOTE_EVERY_MAX
 LONG, SHORT = [1e4] * 3, [1e4, 1e4, 0.5]
-ROUNDS = [(1, 3, LONG, 4), (2, 6, LONG, 7), (0, 1, LONG, 2), (0, 6, SHORT, 6), (None, None, LONG, None)]
-STEPS = 10
+ROUNDS = [(1, 3, LONG, 3 + E), (2, 2 + E, LONG, 3 + E), (0, 3 + E, LONG, 3 + 2 * E),
+          (0, 1, LONG, 2), (0, 6, SHORT, 6), (None, None, LONG, None)]
+STEPS = 3 * E
 
 AGREEMENT = """
     import json, os, random, signal, sys, time
@@ -54,7 +59,7 @@ DEAD_GROUP = """
     import json, os, signal, sys, time
     import torch.distributed as dist
     from disttrain import runtime
-    from disttrain.elastic.preemption import PreemptionHandler
+    from disttrain.elastic.preemption import VOTE_EVERY_MAX, PreemptionHandler
 
     out = sys.argv[1]
     info = runtime.init(backend="gloo", device="cpu", timeout_s=60)
@@ -63,13 +68,14 @@ DEAD_GROUP = """
     if info.rank == 2:
         while not all(os.path.exists(f"{out}/posted{r}") for r in (0, 1)):
             time.sleep(0.05)
-        os._exit(0)  # a peer dies: vote 3 of ranks 0 and 1 can never complete
-    h.should_stop()  # reads vote 2, starts vote 3, which rank 2 never joins
+        os._exit(0)  # a peer dies: the next vote of ranks 0 and 1 can never complete
+    for _ in range(VOTE_EVERY_MAX):  # reads vote 2, starts vote 2 + E, which rank 2 never joins
+        h.should_stop()
     open(f"{out}/posted{info.rank}", "w").close()
     runtime.shutdown(collect=False)  # as an in-memory recovery does, then a new group
     dist.init_process_group("gloo", store=dist.FileStore(f"{out}/store", 2), rank=info.rank,
                             world_size=2)
-    seen = [h.should_stop()]  # must not wait on (or raise from) the dead group's vote 3
+    seen = [h.should_stop()]  # must not wait on (or raise from) the dead group's vote
     if info.rank == 1:
         os.kill(os.getpid(), signal.SIGTERM)
     seen += [h.should_stop(), h.should_stop(), h.signal_name]

@@ -7,8 +7,8 @@ LOG_EVERY steps, an evaluation (the first eval_batches x batch x world held-out 
 sharded by rank, one all-reduce) and a DCP checkpoint of model and optimizer every
 EVERY steps, keeping the newest keep_last. Without disttrain's guard, sample audit,
 preemption vote, manifest and resume bookkeeping: those are what the A/B measures.
-BENCH_VOTE=1 adds disttrain's preemption vote (`PreemptionHandler.should_stop`, one
-all-reduce of a stop flag per step, read a step later) where the trainer calls it.
+BENCH_VOTE=1 adds disttrain's preemption vote (`PreemptionHandler.should_stop`: an
+all-reduce of a stop flag every few steps, read a step later) where the trainer calls it.
 The clock is train_spec's: from the log line of step LOG_EVERY to the last one.
 """
 

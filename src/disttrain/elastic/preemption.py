@@ -6,13 +6,15 @@ On SIGTERM (or a first SIGINT) a flag is set; the training loop asks
 the signal reached only one of them. The trainer then saves a checkpoint and exits
 with status 0 so a scheduler requeues the job. A second SIGINT exits at once (130).
 
-The vote costs no wait where steps are short: the all-reduce started at step s runs
-behind step s+1's work and is read at step s+1, so a signal stops the job one step
-later than it arrived. Where a step takes 1 % of the grace or more (a step more
-would eat into it), the vote is read where it is started: the stop comes after the
-step the signal arrived in, and the wait is small next to the step. Every vote
-carries the slowest rank's step time, so all ranks switch between the two at the
-same step.
+The vote is kept off the step's path. Each vote is an all-reduce started at one
+step and read at the next, so no rank waits for the others; and where steps are short
+only every `every`-th step votes, so that a vote lags the signal by about 1 % of the
+grace (`VOTE_BUDGET`), at most `VOTE_EVERY_MAX` steps. A signal thus stops the job
+some steps after the one it arrived in: within about 2 % of the grace, or
+`VOTE_EVERY_MAX` + 1 steps if steps suddenly grow. Where a step takes 1 % of the grace
+or more, every step votes and reads its own vote at once (the stop after the signal's
+own step; the wait is small next to such a step). Every vote carries the slowest
+rank's step time and the smallest budget, so all ranks choose the same steps.
 
 The grace (`grace_s`) is the time from the signal to the kill: `disttrain run` gives
 torchrun a `--shutdown-timeout` just above it. Optional work between the signal and
@@ -25,13 +27,31 @@ from __future__ import annotations
 import os
 import signal
 import time
+from dataclasses import dataclass
 
 import torch
 import torch.distributed as dist
 
-# Steps shorter than this fraction of the grace read their vote a step later (no wait);
-# longer ones read it at once, as one more step before the stop would cost the grace.
-ASYNC_BELOW = 0.01
+VOTE_BUDGET = 0.01
+"""How long a vote may lag a signal, as a fraction of the grace: shorter steps read
+their vote a step late and vote every budget / step-time steps; longer steps read it
+at once."""
+VOTE_EVERY_MAX = 10
+"""The most steps between two votes (their spacing comes from past step times)."""
+
+
+@dataclass
+class _Vote:
+    """The vote's state in one process group (a new group starts a new one)."""
+
+    group: object
+    calls: int = 0  # should_stop calls in this group, equal on every rank
+    next_at: int = 1  # the call that starts the next vote
+    every: int = 1
+    late: bool = True  # read a vote at the call after the one that started it
+    slowest: float = 0.0  # this rank's longest step since the last vote started
+    last_call: float | None = None
+    pending: tuple | None = None  # (work, tensor, call that started it)
 
 
 class PreemptionHandler:
@@ -47,11 +67,7 @@ class PreemptionHandler:
         self.requested_at: float | None = None
         self.signal_name: str | None = None
         self._previous: dict[int, object] = {}
-        # The vote's state in one group: the vote in flight (work, tensor), whether votes
-        # are read a step late (agreed by the last vote read), the last call's time.
-        self._group: object | None = None
-        self._pending: tuple | None = None
-        self._late, self._last_call = True, None
+        self._vote = _Vote(group=None)
 
     def install(self) -> "PreemptionHandler":
         for sig in (signal.SIGTERM, signal.SIGINT):
@@ -65,7 +81,7 @@ class PreemptionHandler:
         for sig, handler in self._previous.items():
             signal.signal(sig, handler)
         self._previous.clear()
-        self._pending = None
+        self._vote.pending = None
 
     def _on_signal(self, signum, frame) -> None:
         if signum == signal.SIGINT and self.requested_at is not None:
@@ -81,12 +97,11 @@ class PreemptionHandler:
         """True on every rank, after the same step, when any rank got the signal.
 
         A collective when the process group is up (more than one rank): call it once
-        per optimizer step at the same point on every rank. Each call starts one vote
-        (`all_reduce(async_op=True)`). With short steps it returns the answer of the
-        previous call's vote, so no call waits for the other ranks and the first call
-        in a group answers False; with steps of `ASYNC_BELOW` x the grace or more it
-        waits for its own vote. Without a group, or in a world of 1, the answer is this
-        process's flag, at once.
+        per optimizer step at the same point on every rank. A call reads the vote the
+        previous call started, if any, and starts one when its turn has come
+        (`all_reduce(async_op=True)`), so no call waits for the other ranks unless
+        steps are long (see the module's docstring). Without a group, or in a world
+        of 1, the answer is this process's flag, at once.
 
         A vote in flight on a group that has since been destroyed (an in-memory
         recovery after a peer died) is dropped without waiting on it: it may never
@@ -94,34 +109,43 @@ class PreemptionHandler:
         blocking all-reduce would.
         """
         group = dist.group.WORLD if dist.is_initialized() else None
-        if group is not self._group:  # a new group: start as a new handler would
-            self._group, self._pending, self._late, self._last_call = group, None, True, None
+        if group is not self._vote.group:  # a new group: the old one's vote is never read
+            self._vote = _Vote(group=group)
         if group is None or dist.get_world_size() == 1:
             return self._agreed(self.requested)
-        now = time.monotonic()
-        step_s = 0.0 if self._last_call is None else now - self._last_call
-        self._last_call = now
-        if self._pending is not None and self._read_vote():
+        v, now = self._vote, time.monotonic()
+        if v.last_call is not None:
+            v.slowest = max(v.slowest, now - v.last_call)
+        v.calls, v.last_call = v.calls + 1, now
+        if v.pending is not None and self._read_vote():
             return self._agreed(True)
-        self._start_vote(step_s)
-        return False if self._late else self._agreed(self._read_vote())
+        if v.calls < v.next_at:
+            return False
+        self._start_vote()
+        return False if v.late else self._agreed(self._read_vote())
 
-    def _start_vote(self, step_s: float) -> None:
+    def _start_vote(self) -> None:
         from disttrain.runtime.collectives import comm_device
 
-        # MAX of (flag, step time, -limit): one signalled rank is enough, and every rank
-        # learns the slowest step and the smallest limit, so all choose the same mode.
-        vote = torch.tensor([1.0 if self.requested else 0.0, step_s, -ASYNC_BELOW * self.grace_s],
+        v = self._vote
+        # MAX of (flag, step time, -budget): one signalled rank is enough, and every rank
+        # learns the slowest step and the smallest budget, so all choose the same steps.
+        vote = torch.tensor([1.0 if self.requested else 0.0, v.slowest, -VOTE_BUDGET * self.grace_s],
                             dtype=torch.float64, device=comm_device())  # NCCL: CUDA
         work = dist.all_reduce(vote, op=dist.ReduceOp.MAX, async_op=True)
-        self._pending = (work, vote)  # the tensor lives until the vote is read
+        v.pending, v.slowest = (work, vote, v.calls), 0.0  # the tensor lives until read
 
     def _read_vote(self) -> bool:
-        work, vote = self._pending
-        self._pending = None
+        v = self._vote
+        work, vote, started = v.pending
+        v.pending = None
         work.wait()
-        flag, slowest, neg_limit = vote.tolist()
-        self._late = slowest < -neg_limit
+        flag, slowest, neg_budget = vote.tolist()
+        budget = -neg_budget
+        v.late = slowest < budget
+        # An unknown step time (the group's first vote) votes again at the next step.
+        v.every = 1 if not v.late or slowest <= 0 else max(1, min(VOTE_EVERY_MAX, int(budget / slowest)))
+        v.next_at = started + v.every
         return flag > 0
 
     def _agreed(self, stop: bool) -> bool:
