@@ -9,13 +9,12 @@ from __future__ import annotations
 import os
 import random
 import re
-from collections import Counter
 from pathlib import Path
 
 import pytest
 import torch
 
-from elastic_helpers import audit_timeline, load_params, metrics, start, trainer_cmd
+from elastic_helpers import assert_same_fast_run, start, trainer_cmd
 from disttrain.elastic.buddy_copy import choose_step, pack, unpack
 
 STEPS = 18
@@ -47,17 +46,7 @@ def references(tmp_path_factory) -> dict[int, Path]:
 
 
 def assert_same_run(ref: Path, out: Path, nproc: int) -> None:
-    a, b = load_params(ref / "model.pt"), load_params(out / "model.pt")
-    assert a.keys() == b.keys()
-    for k in a:
-        assert torch.equal(a[k], b[k]), f"{k} differs from the uninterrupted run"
-    ref_loss = {m["step"]: m["loss"] for m in metrics(ref)}
-    got = {m["step"]: m["loss"] for m in metrics(out)}
-    assert len(got) >= STEPS - 4 and all(got[s] == ref_loss[s] for s in got)
-    timeline = audit_timeline(out)
-    assert sorted(timeline) == list(range(1, STEPS + 1))
-    counts = Counter(i for step in timeline.values() for i in step)
-    assert len(counts) == STEPS * 4 * nproc and set(counts.values()) == {1}  # 4 samples a rank a step
+    assert_same_fast_run(ref, out, steps=STEPS, samples_per_step=4 * nproc, unlogged=4)
 
 
 def _kill(step: int, phase: str, rank: int, attempt: int) -> str:
