@@ -1,12 +1,13 @@
 """Fast recovery benchmark (issue 13): `[elastic] fast_recovery = true` under kill -9.
 
     python bench/goodput_bench.py [--quick] [--out FILE] [--kills 8] [--pairs 3] [--strategy ddp|fsdp]
+                                  [--buddy-every N]
                                   [--minutes 10] [--every-s 60] [--steps-minutes 3] [--every-steps 20]
 
 The tiny job of the elastic tests (bench/recovery_job.py's TINY: 1-layer GPT, gloo,
 2 CPU ranks, standalone torchrun), 200 ms of injected delay per step, a disk checkpoint
 every 50 steps; `--strategy fsdp` shards it (each rank's shard also in its buddy's CPU
-memory, `elastic.buddy_copy`). Writes a markdown section to --out (default
+memory, `elastic.buddy_copy`, every `--buddy-every` steps). Writes a markdown section to --out (default
 bench/results/recovery_fast.md, recovery_fast_fsdp.md under fsdp):
 (a) kill -9 of a random training process at a random point of a step -> the next step
     committed by every rank, and the steps redone (completed steps done again);
@@ -255,6 +256,13 @@ def bench_goodput(tmp: Path, minutes: float, rng: random.Random, every_s: float 
             "restarts": run.log.read_text().count("will restart worker group")}
 
 
+def _label() -> str:
+    """'ddp', or 'fsdp, buddy copy every N steps'."""
+    opts = dict(a.lstrip("-").split("=") for a in STRATEGY)
+    strategy = opts["parallel.strategy"]
+    return strategy if strategy == "ddp" else f"{strategy}, buddy copy every {opts['elastic.buddy_every']} step(s)"
+
+
 def verdict(ok: bool) -> str:
     return "met" if ok else "**missed**"
 
@@ -263,7 +271,7 @@ def render(m: dict, k: dict, c: dict, g: list[dict], argv: list[str], took: floa
     rec, red = summary(k["recovery"]), summary(k["redone"])
     cost = summary(c["ratio"])
     lines = [
-        f"## Fast recovery: warm spares and in-memory state, {STRATEGY[0].split('=')[1]} (issue 13)", "",
+        f"## Fast recovery: warm spares and in-memory state, {_label()} (issue 13)", "",
         f"Command: `{' '.join(['python bench/goodput_bench.py', *argv])}`  ",
         f"Machine: {m['cores']} cores ({m['cpu']}), torch {m['torch']}, Python {m['python']}; {m['date']}; "
         f"1-minute load {m['load_1min']} at the start, {load_end:.2f} at the end (a load near or above "
@@ -313,6 +321,7 @@ def main(argv: list[str]) -> int:
     ap.add_argument("--quick", action="store_true", help="fewer kills, 1 pair, 2 + 1 minutes of goodput")
     ap.add_argument("--out", default=None, help="default bench/results/recovery_fast[_fsdp].md")
     ap.add_argument("--strategy", choices=("ddp", "fsdp"), default="ddp")
+    ap.add_argument("--buddy-every", type=int, default=1, help="[elastic] buddy_every under fsdp")
     ap.add_argument("--kills", type=int, default=8)
     ap.add_argument("--pairs", type=int, default=3)
     ap.add_argument("--ab-steps", type=int, default=1500)
@@ -324,7 +333,7 @@ def main(argv: list[str]) -> int:
     a = ap.parse_args(argv)
     if a.quick:
         a.kills, a.pairs, a.minutes, a.steps_minutes = 4, 1, 2.0, 1.0
-    STRATEGY[:] = [f"--parallel.strategy={a.strategy}"]
+    STRATEGY[:] = [f"--parallel.strategy={a.strategy}", f"--elastic.buddy_every={a.buddy_every}"]
     a.out = a.out or str(ROOT / f"bench/results/recovery_fast{'_fsdp' if a.strategy == 'fsdp' else ''}.md")
     rng, m, t0 = random.Random(a.seed), machine(), time.monotonic()
     with tempfile.TemporaryDirectory(prefix="goodput-") as d:
