@@ -15,7 +15,7 @@ Each feature's share comes from launches of the whole job with that feature swit
 off through its config key, in the same interleaved repeats (bench/matrix.py rotates
 the order each repeat), so every share is a ratio of two runs minutes apart, never a
 sum of separately timed pieces. The preemption vote has no config key: its cost is
-measured as the same all-reduce per step added to the hand-written loop.
+measured as the same vote (`PreemptionHandler.should_stop`) added to the hand-written loop.
 """
 
 from __future__ import annotations
@@ -36,7 +36,7 @@ FEATURES = [
      "elastic.record_samples=false"),
     ("checkpoints, disttrain (DCP, xxh3 digests per rank, atomic commit, retention)", FULL,
      "dt_train_no_ckpt", "checkpoint.enabled=false"),
-    ("preemption vote: one all-reduce per step, in the hand-written loop", "hand_train_vote",
+    ("preemption vote (`should_stop`), in the hand-written loop", "hand_train_vote",
      BASE, "no config key in the trainer: measured on the baseline (BENCH_VOTE=1)"),
 ]
 JOBS = [BASE, FULL, "dt_train_no_guard", "dt_train_no_audit", "dt_train_no_ckpt",
