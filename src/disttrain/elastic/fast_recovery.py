@@ -208,10 +208,11 @@ def _socket_inodes() -> dict[int, str]:
 def _cut_connections(before: set[str], store_port: int) -> int:
     """Shut down the TCP connections opened since `before` (the generation's gloo
     groups), except those to the store. torch 2.13's gloo group has no abort and closes
-    its connections only when destructed, which references that torch's FSDP2 keeps
-    prevent; a survivor blocked in a collective on this rank (not on the dead one)
-    would wait for the group's whole timeout. A shut connection fails its wait at once.
-    Returns how many were shut."""
+    its connections only when destructed, and a destroyed group stays referenced (by
+    FSDP2's state, and by `runtime.shutdown`, which never destructs one mid-run); a
+    survivor blocked in a collective on this rank (not on the dead one) would wait for
+    the group's whole timeout. A shut connection fails its wait at once. Returns how
+    many were shut."""
     shut = 0
     for fd, link in _socket_inodes().items():
         if link in before:
@@ -239,8 +240,8 @@ def run(body: Callable[[runtime.RankInfo, Handoff], Any], *, backend: str, devic
     returns. `prepare(handoff)` runs before the first group (a spare: before it waits,
     so its datasets are built while it is idle). `sharded`: each rank's state is its
     own (FSDP), so it is copied to a buddy (`elastic.buddy_copy`) on a gloo group of
-    its own, every `buddy_every` steps. A failure that is not a peer's loss, or a generation that does not fill
-    within `timeout_s`, propagates."""
+    its own, every `buddy_every` steps. A failure that is not a peer's loss, or a
+    generation that does not fill within `timeout_s`, propagates."""
     world = int(os.environ["WORLD_SIZE"])
     handoff = Handoff(gen=0, buddy=BuddyCopy(buddy_every) if sharded else None)
     warm_up()
@@ -272,7 +273,7 @@ def run(body: Callable[[runtime.RankInfo, Handoff], Any], *, backend: str, devic
             except Exception as e:
                 if not _is_peer_failure(e):
                     raise
-                # Kept without its traceback, whose frames would hold the model and its groups.
+                # Kept without its traceback, whose frames would keep this attempt's model alive.
                 failure = RuntimeError(f"{type(e).__name__}: {e}")
                 print(f"disttrain train: rank {info.rank}: generation {gen} lost a peer "
                       f"({type(e).__name__}); recovering in memory", file=sys.stderr, flush=True)
