@@ -60,9 +60,10 @@ def _skeleton(tree: Any, leaves: list[tuple[_Slot, torch.Tensor]], offset: list[
     if isinstance(tree, (list, tuple)):
         return type(tree)(_skeleton(v, leaves, offset) for v in tree)
     if isinstance(tree, torch.Tensor):
-        local = tree.to_local() if _is_dtensor(tree) else tree
+        sharded = _is_dtensor(tree)
+        local = tree.to_local() if sharded else tree
         nbytes = local.numel() * local.element_size()
-        slot = _Slot(offset[0], nbytes, local.dtype, tuple(local.shape), _is_dtensor(tree))
+        slot = _Slot(offset[0], nbytes, local.dtype, tuple(local.shape), sharded)
         offset[0] += nbytes
         leaves.append((slot, local))
         return slot
@@ -297,7 +298,7 @@ class BuddyCopy:
         self.mine = {step: own}
         self.theirs = {}
         if rank == 0:
-            holders = [i for i, o in enumerate(offers) if o["new"]]
+            newcomers = [i for i, o in enumerate(offers) if o["new"]]
             print(f"disttrain train: generation {gen}: step {step} restored from memory "
-                  f"(shards of ranks {holders} from their buddies)", file=sys.stderr, flush=True)
+                  f"(shards of ranks {newcomers} from their buddies)", file=sys.stderr, flush=True)
         return True
