@@ -3,7 +3,7 @@
     disttrain doctor [--format text|json|sarif] [-o FILE] [--select IDS] [--ignore IDS] PATH...
 
 Parses each script with `ast` (never imports or runs it, never imports torch) and
-reports every pitfall with its practice ID (docs: PRACTICES.md), place, cause and fix.
+reports every pitfall with its practice ID (docs/practices.md), place, cause and fix.
 Exit status: 1 when an error-severity finding exists, 0 otherwise (warnings alone: 0);
 user mistakes (missing file, syntax error, unknown rule id) raise `UserError`, which
 the CLI prints as one line with status 2.

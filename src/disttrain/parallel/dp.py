@@ -3,8 +3,8 @@
 Kept for comparison and tiny single-node jobs. Each forward copies the parameters
 to every GPU, scatters the batch, runs one thread per GPU (bounded by the GIL) and
 gathers the outputs on device 0, so DDP (one process per device) is faster: 3.6x vs
-2.3x on 4 GPUs in the measurements behind PRACTICES.md. DataParallel is never nested
-inside DDP (P-DDP-3): `dp` runs only in a world of one process.
+2.3x on 4 GPUs in the measurement cited by docs/practices.md. DataParallel is never
+nested inside DDP (P-DDP-3): `dp` runs only in a world of one process.
 """
 
 from __future__ import annotations
