@@ -7,6 +7,7 @@ exportable (P-CKPT-1..5, P-FSDP-8).
 - `export`: consolidated safetensors export and inspection, offline, tensor by tensor.
 - `faults`: the `DISTTRAIN_FAULT` hooks the crash tests use.
 - `files`: atomic single files (`save_model`/`load_model` for plain weights).
+- `finite`: `check_finite(loss_or_tensors, step)`, the guard a loop calls before a save.
 
 Trust: a checkpoint is read only after its JSON manifest verifies (sizes and
 sha256 of every file). DCP's `.metadata` and the optimizer's non-tensor values
@@ -19,11 +20,13 @@ from disttrain.checkpoint.checkpointer import Checkpointer, load, save
 from disttrain.checkpoint.checkpoint_errors import (CheckpointCorrupt, CheckpointError, CheckpointMismatch,
                                          CheckpointSaveError, StaleWriterError)
 from disttrain.checkpoint.files import atomic_torch_save, load_model, save_model, strip_prefix
+from disttrain.checkpoint.finite import NonFiniteError, check_finite
 from disttrain.checkpoint.layout import latest_valid, verify
 from disttrain.checkpoint.state import TrainState
 
 __all__ = [
     "CheckpointCorrupt", "CheckpointError", "CheckpointMismatch", "CheckpointSaveError",
-    "Checkpointer", "StaleWriterError", "TrainState", "atomic_torch_save", "latest_valid", "load",
+    "Checkpointer", "NonFiniteError", "StaleWriterError", "TrainState", "atomic_torch_save",
+    "check_finite", "latest_valid", "load",
     "load_model", "save", "save_model", "strip_prefix", "verify",
 ]

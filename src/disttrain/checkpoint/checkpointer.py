@@ -41,11 +41,12 @@ import torch
 import torch.distributed as dist
 
 from disttrain.checkpoint import layout
-from disttrain.checkpoint.compat import describe
+from disttrain.checkpoint.compat import describe, failed_ranks
 from disttrain.checkpoint.checkpoint_errors import (CheckpointCorrupt, CheckpointError, CheckpointMismatch,
                                          CheckpointSaveError, StaleWriterError)
 from disttrain.checkpoint.digests import digest_bytes
 from disttrain.checkpoint.files import atomic_write_bytes
+from disttrain.checkpoint.finite import all_finite
 from disttrain.checkpoint.state import TrainState, config_hash, strategy_of
 from disttrain.runtime import rank_info
 
@@ -182,6 +183,7 @@ class Checkpointer:
 
         sd = state.state_dict()
         info = self._manifest_info(state, sd)
+        finite = all_finite(sd["tensors"].get("model", {}))  # before an async save's copy
         local, rng_name = None, f"rank-{self.rank:05d}.json"
         rng = json.dumps(sd["rng"]).encode()
         try:
@@ -197,33 +199,43 @@ class Checkpointer:
             try:
                 dcp.save(sd["tensors"], storage_writer=writer, process_group=self.pg)
             except _failures() as e:
-                local = f"rank {self.rank}: {describe(e)}"
-            return self._finish(step, tmp, final, sd["meta"], info, local, fs.digests)
+                local = self._describe(e)
+            return self._finish(step, tmp, final, sd["meta"], info, local, (fs.digests, finite))
         future = dcp.async_save(sd["tensors"], storage_writer=writer, process_group=self.pg,
                                 async_checkpointer_type=AsyncCheckpointerType.THREAD)
         self._inflight = self._pool.submit(self._complete, future, step, tmp, final, sd["meta"],
-                                           info, fs.digests)
+                                           info, (fs.digests, finite))
         return None
 
-    def _complete(self, future, step, tmp, final, meta, info, digests) -> Path:
+    def _describe(self, e: BaseException) -> str:
+        """'rank R: why' for a failed DCP save. DCP raises the failure of any rank on
+        every rank, so R is the rank that failed (from DCP's failures), not this one."""
+        ranks = failed_ranks(e) or [self.rank]
+        who = f"rank {ranks[0]}" if len(ranks) == 1 else f"ranks {', '.join(map(str, ranks))}"
+        return f"{who}: {describe(e)}"
+
+    def _complete(self, future, step, tmp, final, meta, info, outcome) -> Path:
         local = None
         try:
             future.result()
         except _failures() as e:
-            local = f"rank {self.rank}: {describe(e)}"
-        return self._finish(step, tmp, final, meta, info, local, digests)
+            local = self._describe(e)
+        return self._finish(step, tmp, final, meta, info, local, outcome)
 
     def _finish(self, step: int, tmp: Path, final: Path, meta: dict, info: dict,
-                local: str | None, digests: dict[str, dict]) -> Path:
+                local: str | None, outcome: tuple[dict[str, dict], bool]) -> Path:
         from disttrain.checkpoint.fault_points import fault_point
 
-        # one all-gather carries every rank's outcome and the digests of its files
-        gathered = self._gather((local, digests if local is None else {}))
-        err = next((e for e, _ in gathered if e), None)
+        # one all-gather carries every rank's outcome, the digests of its files and
+        # whether its share of the weights is finite (the manifest records it)
+        digests, finite = outcome
+        gathered = self._gather((local, digests if local is None else {}, finite))
+        err = next((e for e, _, _ in gathered if e), None)
         fault_point("after_shards", self.rank, step)
         if self.rank == 0 and err is None:
             try:
-                files = {name: d for _, part in gathered for name, d in part.items()}
+                info = {**info, "finite": all(f for _, _, f in gathered)}
+                files = {name: d for _, part, _ in gathered for name, d in part.items()}
                 state_json = json.dumps(meta).encode()
                 atomic_write_bytes(state_json, tmp / "state.json")
                 files["state.json"] = digest_bytes(state_json)
@@ -336,6 +348,10 @@ class Checkpointer:
         if path is not None and path.name.startswith("step-"):
             candidates = [path]
         else:
+            if self.rank == 0:
+                for empty in layout.empty_step_dirs(path or self.root):
+                    print(f"disttrain checkpoint: note: {empty} is an empty folder, not a checkpoint; "
+                          f"it is ignored (remove it with rmdir).", file=sys.stderr)
             candidates = list(map(Path, self._bcast([str(p) for _, _, p in layout.committed(path or self.root)]
                                                     if self.rank == 0 else None)))
         if not candidates:

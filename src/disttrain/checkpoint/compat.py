@@ -74,6 +74,18 @@ def walk_causes(exc: BaseException):
         stack += [e.__cause__, e.__context__]
 
 
+def failed_ranks(exc: BaseException) -> list[int]:
+    """The ranks whose failure a DCP `CheckpointException` carries (DCP gathers every
+    rank's failure and raises it on all ranks), sorted; [] for any other error."""
+    from torch.distributed.checkpoint.api import CheckpointException
+
+    ranks = set()
+    for e in walk_causes(exc):
+        if isinstance(e, CheckpointException):
+            ranks.update(int(r) for r in e.failures)
+    return sorted(ranks)
+
+
 def describe(exc: BaseException) -> str:
     """One line for any save/load failure: the root cause, ENOSPC named as disk full."""
     from torch.distributed.checkpoint.api import CheckpointException

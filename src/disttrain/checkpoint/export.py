@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import json
 import os
+import tempfile
 import warnings
 from pathlib import Path
 
@@ -22,6 +23,7 @@ from torch.distributed.checkpoint.state_dict_loader import _load_state_dict_from
 
 from disttrain.checkpoint import layout
 from disttrain.checkpoint.files import atomic_torch_save
+from disttrain.config.paths import output_file
 from disttrain.errors import UserError
 
 _ST_DTYPES = {torch.float64: "F64", torch.float32: "F32", torch.float16: "F16",
@@ -62,13 +64,34 @@ def _find(tree):
     return tree
 
 
+def is_disttrain_export(path: Path) -> bool:
+    """True for a safetensors file that `export_safetensors` wrote (its header says
+    source "disttrain"): the only existing file an export may replace."""
+    try:
+        with open(path, "rb") as f:
+            n = int.from_bytes(f.read(8), "little")
+            if not 0 < n <= 100_000_000:
+                return False
+            header = json.loads(f.read(n))
+        return header.get("__metadata__", {}).get("source") == "disttrain"
+    except (OSError, ValueError, AttributeError):
+        return False
+
+
 def export_safetensors(step_dir: str | os.PathLike, to: str | os.PathLike,
                        optim_to: str | os.PathLike | None = None) -> dict:
     """Write the model as one safetensors file, tensor by tensor; optionally the full
     optimizer state (consolidated, fqn-keyed) as a torch file loadable with
-    `weights_only=True`. Returns a summary. Raises `UserError` for a bad directory.
+    `weights_only=True`. Returns a summary. Raises `UserError` for a bad directory, or
+    for a target that exists (only an earlier disttrain export at `to` is replaced) or
+    cannot be written; the checks run before anything is written.
     """
-    step_dir, to = Path(step_dir), Path(to)
+    step_dir = Path(step_dir)
+    to = output_file(to, "--to", replaceable=is_disttrain_export)
+    if optim_to is not None:
+        optim_to = output_file(optim_to, "--optim")
+        if Path(optim_to).resolve() == to.resolve():
+            raise UserError(f"--to and --optim both name {to}; give them two different files.")
     rows = [r for r in tensor_table(step_dir) if r[0].startswith("model.")]
     if not rows:
         raise UserError(f"{step_dir} holds no model tensors; is it a disttrain checkpoint?")
@@ -84,10 +107,14 @@ def export_safetensors(step_dir: str | os.PathLike, to: str | os.PathLike,
                               "source": "disttrain"}
     blob = json.dumps(header, separators=(",", ":")).encode()
     blob += b" " * (-len(blob) % 8)  # the data section starts 8-byte aligned
-    to.parent.mkdir(parents=True, exist_ok=True)
-    tmp = to.with_name(f".{to.name}.tmp")
     try:
-        with open(tmp, "wb") as f:
+        to.parent.mkdir(parents=True, exist_ok=True)
+        fd, tmp_name = tempfile.mkstemp(prefix=f".{to.name}.", suffix=".tmp", dir=to.parent)
+    except OSError as e:
+        raise UserError(f"cannot write --to {to}: {e.strerror or e}.") from None
+    tmp = Path(tmp_name)  # a fresh name: never an existing file beside the target
+    try:
+        with os.fdopen(fd, "wb") as f:
             f.write(len(blob).to_bytes(8, "little"))
             f.write(blob)
             for key, shape, dtype, _ in rows:
@@ -99,12 +126,18 @@ def export_safetensors(step_dir: str | os.PathLike, to: str | os.PathLike,
             f.flush()
             os.fsync(f.fileno())
         os.replace(tmp, to)
+    except OSError as e:
+        tmp.unlink(missing_ok=True)
+        raise UserError(f"cannot write --to {to}: {e.strerror or e}; nothing was written.") from None
     except BaseException:
         tmp.unlink(missing_ok=True)
         raise
     summary = {"tensors": len(rows), "bytes": offset, "to": str(to)}
     if optim_to is not None:
-        summary["optimizer"] = str(export_optimizer(step_dir, optim_to))
+        try:
+            summary["optimizer"] = str(export_optimizer(step_dir, optim_to))
+        except OSError as e:
+            raise UserError(f"cannot write --optim {optim_to}: {e.strerror or e}.") from None
     return summary
 
 

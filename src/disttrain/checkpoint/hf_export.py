@@ -171,10 +171,7 @@ def export_hf(step_dir: str | os.PathLike, out_dir: str | os.PathLike,
         value = _read_one(step_dir, key).detach().to("cpu")
         new = torch.nn.Parameter(value, requires_grad=False) if isinstance(old, torch.nn.Parameter) else value
         for module, attr, _ in holders:
-            if isinstance(new, torch.nn.Parameter):
-                setattr(module, attr, new)
-            else:
-                module._buffers[attr] = new
+            setattr(module, attr, new)  # nn.Module files a known buffer's name under its buffers
     extra = sorted(k[len(prefix):] for k in rows if k.startswith(prefix) and k not in used)
     if missing or wrong or extra:
         parts = ([f"missing {', '.join(missing[:5])}"] if missing else []) + wrong[:5] + \

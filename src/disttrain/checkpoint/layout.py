@@ -79,6 +79,10 @@ def read_manifest(step_dir: Path) -> dict:
             raise ValueError("unknown format")
         return manifest
     except FileNotFoundError:
+        if is_empty_dir(step_dir):
+            raise CheckpointCorrupt(f"{step_dir} is an empty folder, not a checkpoint (a commit renames a "
+                                    f"complete folder into place, so disttrain never leaves one empty); "
+                                    f"remove it with rmdir.", MANIFEST) from None
         raise CheckpointCorrupt(f"{step_dir}: no {MANIFEST}; the commit is incomplete.", MANIFEST) from None
     except (ValueError, OSError) as e:
         raise CheckpointCorrupt(f"{path} is unreadable ({e}); the checkpoint is damaged.", MANIFEST) from None
@@ -98,6 +102,8 @@ def verify(step_dir: str | os.PathLike, *, checksums: bool = True,
     if not step_dir.is_dir():
         raise CheckpointCorrupt(f"{step_dir} is not a checkpoint directory.", "")
     manifest = read_manifest(step_dir)
+    if (wrong := misnamed(step_dir, manifest)) is not None:
+        raise CheckpointCorrupt(wrong, MANIFEST)
     files = manifest["files"]
     if ".metadata" not in files:
         raise CheckpointCorrupt(f"{step_dir}: the manifest lists no .metadata.", ".metadata")
@@ -116,6 +122,34 @@ def verify(step_dir: str | os.PathLike, *, checksums: bool = True,
     return manifest
 
 
+def is_empty_dir(path: Path) -> bool:
+    try:
+        return path.is_dir() and not any(path.iterdir())
+    except OSError:
+        return False
+
+
+def misnamed(step_dir: Path, manifest: dict) -> str | None:
+    """Why `step_dir` is not the checkpoint its name says (its manifest records another
+    step: a copy or a rename), or None. The manifest, not the folder name, says which
+    step a checkpoint holds; a folder under a false name is never trusted."""
+    m = _STEP_RE.match(step_dir.name)
+    step = manifest.get("step")
+    if m is None or not isinstance(step, int) or isinstance(step, bool) or step == int(m.group(1)):
+        return None
+    return (f"{step_dir} holds step {step} by its manifest (run {manifest.get('run_id')!r}, generation "
+            f"{manifest.get('generation')}), not step {int(m.group(1))}: the folder was copied or renamed. "
+            f"It is not trusted; move it out of {step_dir.parent}, or name it {step_name(step)}.")
+
+
+def _manifest_or_none(step_dir: Path) -> dict | None:
+    try:
+        manifest = json.loads((step_dir / MANIFEST).read_text())
+        return manifest if isinstance(manifest, dict) else None
+    except (OSError, ValueError):
+        return None
+
+
 def manifest_owner(step_dir: Path) -> tuple[str, int] | None:
     """(run_id, generation) from the manifest of `step_dir`, or None when it cannot be
     read (missing, truncated, not JSON)."""
@@ -126,25 +160,47 @@ def manifest_owner(step_dir: Path) -> tuple[str, int] | None:
         return None
 
 
+def _identity(step_dir: Path, name_step: int) -> tuple[int | None, int]:
+    """(generation, step) by which `step_dir` ranks: both from its manifest; the folder
+    name's step (and no generation) when the manifest cannot be read."""
+    manifest = _manifest_or_none(step_dir)
+    owner = manifest_owner(step_dir) if manifest is not None else None
+    if owner is None:
+        return None, name_step
+    step = manifest.get("step")
+    return owner[1], step if isinstance(step, int) and not isinstance(step, bool) else name_step
+
+
 def committed(root: str | os.PathLike) -> list[tuple[int, int, Path]]:
     """(generation, step, dir) of every committed step directory, newest first.
 
-    A directory whose manifest cannot be read has no known generation: it ranks by
-    its step within the newest generation seen, so a damaged newest checkpoint is
-    still the newest (loading it fails, naming it) instead of being silently passed
-    over for an older one."""
+    The generation and step come from each directory's manifest (a copy of step 2
+    under the name step-10 ranks as step 2; loading or verifying it fails, naming
+    it). A directory whose manifest cannot be read has no known generation: it ranks
+    by its name's step within the newest generation seen, so a damaged newest
+    checkpoint is still the newest (loading it fails, naming it) instead of being
+    silently passed over for an older one. An empty `step-*` folder holds nothing and
+    is no checkpoint: it is not listed (`empty_step_dirs` names them)."""
     root = Path(root)
     found = []
     if not root.is_dir():
         return []
     for path in root.iterdir():
         m = _STEP_RE.match(path.name)
-        if m and path.is_dir():
-            owner = manifest_owner(path)
-            found.append((None if owner is None else owner[1], int(m.group(1)), path))
+        if m and path.is_dir() and not is_empty_dir(path):
+            generation, step = _identity(path, int(m.group(1)))
+            found.append((generation, step, path))
     newest = max((g for g, _, _ in found if g is not None), default=0)
     out = [(newest if g is None else g, step, path) for g, step, path in found]
     return sorted(out, key=lambda t: (t[0], t[1]), reverse=True)
+
+
+def empty_step_dirs(root: str | os.PathLike) -> list[Path]:
+    """The empty `step-*` folders under `root`, which `committed` does not list."""
+    root = Path(root)
+    if not root.is_dir():
+        return []
+    return sorted(p for p in root.iterdir() if _STEP_RE.match(p.name) and is_empty_dir(p))
 
 
 def latest_valid(root: str | os.PathLike, *, checksums: bool = True) -> Path | None:
@@ -201,31 +257,44 @@ def committed_by(final: Path, run_id: str, generation: int) -> bool:
         return False
 
 
+def _aside_name(root: Path, base: str) -> Path:
+    """`root/base`, or `root/base-2`, `-3`, ...: a name no kept directory has yet."""
+    path, n = root / base, 1
+    while os.path.lexists(path):
+        n += 1
+        path = root / f"{base}-{n}"
+    return path
+
+
 def commit(tmp_dir: Path, final: Path, run_id: str, generation: int) -> None:
     """Atomically publish `tmp_dir` as `final` (rank 0 only).
 
     Raises `StaleWriterError` when this writer no longer holds the lease (it was
     fenced), or when `final` belongs to another writer of this or a newer
-    generation. An existing `final` of an older generation (an abandoned timeline
-    after a resume from an earlier step), or this writer's own damaged one, is
-    moved aside first and pruned; one whose manifest is unreadable is moved to
-    `.corrupt-step-N-RUNID/` and kept for inspection. Never writes into an existing
-    step directory.
+    generation. An existing, intact `final` of an older generation (an abandoned
+    timeline after a resume from an earlier step), or this writer's own, is moved
+    aside first and pruned. A damaged one (its manifest unreadable, or a file failing
+    its size or checksum: the one a `fallback` load skipped) is moved to
+    `.corrupt-step-N-...` and kept for inspection, never deleted. Never writes into
+    an existing step directory.
     """
     root = final.parent
     check_fence(root, run_id, generation)
     if final.exists():
         owner = manifest_owner(final)
-        if owner is None:
-            aside = root / f".corrupt-{final.name}-{run_id}"
-        elif owner == (run_id, generation) or owner[1] < generation:
-            aside = root / f".replaced-{final.name}-g{owner[1]}-{run_id}"
-        else:
+        if owner is not None and owner[1] >= generation and owner != (run_id, generation):
             raise StaleWriterError(
                 f"{final} was already committed by run {owner[0]!r}, generation {owner[1]}; "
                 f"this writer (run {run_id!r}, generation {generation}) is stale and does not "
                 f"overwrite it. Stop this job: two jobs must never train into one directory.")
-        shutil.rmtree(aside, ignore_errors=True)
+        try:
+            if owner is None:
+                raise CheckpointCorrupt("unreadable manifest")
+            verify(final)
+            aside = root / f".replaced-{final.name}-g{owner[1]}-{run_id}"
+            shutil.rmtree(aside, ignore_errors=True)
+        except CheckpointCorrupt:
+            aside = _aside_name(root, f".corrupt-{final.name}-{run_id}")
         os.rename(final, aside)
     os.rename(tmp_dir, final)  # the commit: atomic on one filesystem
     fsync_dir(root)
@@ -238,26 +307,34 @@ def prune(root: Path, keep_last: int, generation: int) -> list[Path]:
     """Delete committed directories beyond the newest `keep_last` valid ones, leftover
     temporary directories of older generations, and replaced directories.
 
-    Call only right after a commit: the newest valid directory is then the new one,
-    so the last valid checkpoint is never deleted. A corrupt directory newer than
-    the kept ones, and any directory whose manifest cannot be read (its age is
-    unknown), is left for inspection. `keep_last <= 0` keeps everything.
-    Returns the deleted paths.
+    Call only right after a commit. Never deleted: the newest valid (size-checked)
+    checkpoint whose manifest does not mark its weights non-finite, even when
+    `keep_last` newer ones (say NaN ones) exist; a corrupt directory newer than the
+    kept ones; any directory whose manifest cannot be read (its age is unknown) or
+    names another step than its folder (a copy: not this run's to delete).
+    `keep_last <= 0` keeps everything. Returns the deleted paths.
     """
     deleted = []
     if keep_last > 0:
-        kept = 0
+        kept, anchored = 0, False  # anchored: the newest valid, finite one is kept
         for _, _, path in committed(root):
-            if manifest_owner(path) is None:
-                continue
-            if kept >= keep_last:
-                deleted.append(path)
+            manifest = _manifest_or_none(path)
+            if manifest is None or manifest_owner(path) is None or misnamed(path, manifest):
                 continue
             try:
                 verify(path, checksums=False)
-                kept += 1
+                valid = True
             except CheckpointCorrupt:
-                pass
+                valid = False
+            finite = manifest.get("finite") is not False  # older manifests do not say
+            if kept < keep_last:
+                kept += valid
+                anchored = anchored or (valid and finite)
+                continue
+            if valid and finite and not anchored:
+                anchored = True
+                continue
+            deleted.append(path)
     for path in root.iterdir():
         m = re.match(r"^\.(tmp|replaced)-step-\d{8}-g(-?\d+)-", path.name)
         if m and (m.group(1) == "replaced" or int(m.group(2)) < generation):

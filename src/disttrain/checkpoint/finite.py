@@ -1,0 +1,99 @@
+"""Finiteness of what a checkpoint would keep: a NaN or an infinity must stop a run
+before it saves, and retention must know which checkpoints hold finite weights.
+
+`check_finite(loss_or_tensors, step)` is the loop's guard before each save: it raises
+`NonFiniteError`, one line naming the step, when the loss or any tensor is not
+finite. `all_finite(tree)` is the Checkpointer's per-rank answer for the model part
+of a state dict, recorded in the manifest as `"finite"` so that `layout.prune` never
+deletes the newest finite checkpoint for newer NaN ones.
+
+Cost: one `isfinite(...).all()` per tensor, reduced on each device, and one host
+sync per device, about one read of the weights.
+"""
+
+from __future__ import annotations
+
+import math
+from typing import Any, Iterable
+
+import torch
+
+from disttrain.errors import UserError
+
+
+class NonFiniteError(UserError):
+    """The loss or the weights are NaN or infinite at a step; the run stops before it
+    saves, so every checkpoint on disk stays finite."""
+
+    def __init__(self, message: str, step: int):
+        super().__init__(message)
+        self.step = step
+
+    def __reduce__(self):
+        return type(self), (str(self), self.step)
+
+
+def _local(t: torch.Tensor) -> torch.Tensor:
+    to_local = getattr(t, "to_local", None)  # a DTensor: this rank's shard
+    return to_local() if callable(to_local) else t
+
+
+def _tensors(tree: Any) -> Iterable[tuple[str, torch.Tensor]]:
+    """(name, tensor) of every floating-point tensor in a module, dict, list or tensor."""
+    if isinstance(tree, torch.nn.Module):
+        # parameters and buffers, not state_dict(): FSDP1's state_dict is a collective
+        yield from tree.named_parameters()
+        yield from tree.named_buffers()
+    elif isinstance(tree, torch.Tensor):
+        yield "", tree
+    elif isinstance(tree, dict):
+        for key, value in tree.items():
+            for name, t in _tensors(value):
+                yield (f"{key}.{name}" if name else str(key)), t
+    elif isinstance(tree, (list, tuple)):
+        for i, value in enumerate(tree):
+            for name, t in _tensors(value):
+                yield (f"{i}.{name}" if name else str(i)), t
+
+
+def first_non_finite(tree: Any) -> str | None:
+    """The name of the first floating-point tensor of `tree` holding a NaN or an
+    infinity ('' for a bare tensor), or None when all are finite. One host sync per
+    device when all are finite."""
+    per_device: dict[torch.device, list[tuple[str, torch.Tensor]]] = {}
+    for name, t in _tensors(tree):
+        t = _local(t)
+        if t.is_floating_point() or t.is_complex():
+            if t.numel() and t.device.type != "meta":
+                per_device.setdefault(t.device, []).append((name, t))
+    for items in per_device.values():
+        flags = torch.stack([torch.isfinite(t).all() for _, t in items])
+        if not bool(flags.all()):
+            return items[int((~flags).nonzero()[0])][0]
+    return None
+
+
+def all_finite(tree: Any) -> bool:
+    """True when every floating-point tensor of `tree` is finite (this rank's shards)."""
+    return first_non_finite(tree) is None
+
+
+def check_finite(loss_or_tensors: Any, step: int) -> None:
+    """Raise `NonFiniteError` (one line naming `step`) when `loss_or_tensors` is not
+    finite: a Python number, a tensor (a loss), a module (its parameters and buffers),
+    or a dict/list of tensors. Call it on every rank before a save, with the loss all
+    ranks agree on (an all-reduced one) or with the model, so that every rank stops
+    together. Returns None when all is finite."""
+    if isinstance(loss_or_tensors, (int, float)) and not isinstance(loss_or_tensors, bool):
+        bad = None if math.isfinite(loss_or_tensors) else ""
+        value = f" ({loss_or_tensors})"
+    else:
+        bad = first_non_finite(loss_or_tensors)
+        value = ""
+    if bad is None:
+        return
+    what = f"tensor {bad!r}" if bad else "the loss" + value
+    raise NonFiniteError(
+        f"step {step}: {what} is not finite (NaN or infinity), so the run stops before saving; the "
+        f"checkpoints on disk are those of earlier steps. Lower optim.lr, keep optim.grad_clip > 0, "
+        f"or use precision bf16 instead of fp16, then resume.", step)
