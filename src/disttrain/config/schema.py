@@ -58,9 +58,51 @@ class DataConfig:
     max_bytes: int = 4_000_000
     """Cap on training bytes read from the corpus (held-out files are read in addition)."""
     heldout_fraction: float = 0.1
-    """Fraction of files, chosen by a hash of their path, kept out of training."""
+    """Fraction of files, chosen by a hash of their path, kept out of training (data.tokens
+    without held-out files: the last fraction of the windows)."""
     drop_last: bool = False
     """False pads the last global batch by repeating samples (DistributedSampler default)."""
+    tokens: str = ""
+    """Token files (nanoGPT raw .bin, llm.c shards): a folder of *.bin, a glob, or a file,
+    relative to the config file's folder (docs/data.md). '' = the corpus."""
+    tokens_heldout: str = ""
+    """Held-out token files (a glob or path); '' = the files named like val.bin / *_val_*.bin,
+    else the last data.heldout_fraction of the windows."""
+    tokens_dtype: str = "uint16"
+    """The dtype of raw (headerless, nanoGPT) token files: uint16, uint32 or int32; llm.c
+    files carry theirs in the header."""
+    hf_dataset: str = ""
+    """A Hugging Face `datasets` folder written by save_to_disk (load_from_disk), relative
+    to the config file's folder. Needs disttrain[data]."""
+    hf_columns: list[str] = field(default_factory=lambda: ["input_ids"])
+    """The columns a sample is made of: one column of block_size + 1 token ids gives (x, y)
+    next-token pairs; several give a dict {column: tensor} for model(**batch)."""
+    hf_split: str = "train"
+    """The split to train on when the folder holds a DatasetDict."""
+    hf_heldout_split: str = "validation"
+    """The held-out split of a DatasetDict; missing or '' means no held-out set."""
+    num_workers: int = 0
+    """DataLoader worker processes per rank (0: load in the training process). Resume stays
+    exact: the sampler, not the workers, decides the order."""
+    pin_memory: bool = False
+    """DataLoader: page-locked host batches (faster copies to a GPU)."""
+    persistent_workers: bool = False
+    """DataLoader: keep the workers between epochs (needs data.num_workers > 0)."""
+
+
+TOKEN_DTYPES = ("uint16", "uint32", "int32")
+
+
+def check_data_source(d: DataConfig) -> None:
+    """At most one of data.factory, data.tokens, data.hf_dataset; known dtype; columns.
+    Raises `ConfigError` naming the keys."""
+    chosen = [k for k in ("factory", "tokens", "hf_dataset") if getattr(d, k)]
+    _require(len(chosen) <= 1, f"config keys {', '.join('data.' + k for k in chosen)} are all set; the "
+                               f"training data comes from one of them. Remove the others.")
+    _one_of("data.tokens_dtype", d.tokens_dtype, TOKEN_DTYPES)
+    _require(not d.hf_dataset or (d.hf_columns and all(isinstance(c, str) and c for c in d.hf_columns)),
+             f"data.hf_columns is {d.hf_columns!r}; name the column(s) a sample is made of, for "
+             f"example [\"input_ids\"].")
 
 
 @dataclass(kw_only=True)
@@ -133,6 +175,8 @@ class TrainConfig:
     """Optional 'module:fn': fn(model, batch) -> scalar loss tensor; '' = the model's output."""
     out_dir: str = "runs/tiny_gpt"
     """Where rank 0 writes metrics.jsonl, the summary and checkpoints."""
+    compile: bool = False
+    """torch.compile each block before sharding (torchtitan's order); dt.wrap(compile=True)."""
 
 
 @dataclass(kw_only=True)
@@ -166,7 +210,10 @@ class CheckpointConfig:
     dir: str = ""
     """Checkpoint root; '' means {train.out_dir}/checkpoints. Shared by all nodes."""
     every: int = 0
-    """Optimizer steps between saves; 0 saves only at the end."""
+    """Optimizer steps between saves; 0: none by step count (every_s and the end still save)."""
+    every_s: float = 600.0
+    """Seconds of training between saves, agreed by all ranks; 0 turns the clock off. A kill
+    of a default run loses at most this much."""
     keep_last: int = 3
     """Committed checkpoints kept; older ones are deleted after a newer commit. 0 keeps all."""
     async_mode: str = "off"
@@ -180,6 +227,8 @@ class CheckpointConfig:
 def _check_checkpoint(c: CheckpointConfig) -> None:
     _require(c.every >= 0 and c.keep_last >= 0,
              f"checkpoint.every ({c.every}) and checkpoint.keep_last ({c.keep_last}) must be >= 0.")
+    _require(c.every_s >= 0 and c.every_s != float("inf"),
+             f"checkpoint.every_s ({c.every_s}) must be a finite number of seconds >= 0 (0 turns it off).")
     _one_of("checkpoint.async_mode", c.async_mode, ("off", "thread"))
     _one_of("checkpoint.on_error", c.on_error, ("stop", "continue"))
 
@@ -262,8 +311,14 @@ def validate(cfg: Config) -> None:
              "guard: divergence_every must be >= 0, hang_factor > 1, hang_min_s and tick_s > 0, "
              "and hang_cap_s >= hang_min_s.")
     _check_checkpoint(cfg.checkpoint)
+    d = cfg.data
+    _require(d.num_workers >= 0, f"data.num_workers is {d.num_workers}; use 0 (load in the training "
+                                 f"process) or a positive number of worker processes.")
+    _require(not d.persistent_workers or d.num_workers > 0,
+             "data.persistent_workers = true needs data.num_workers > 0 (there are no workers to keep).")
     check_elastic(cfg.elastic)
     check_sources(cfg)  # model.factory, data.factory, train.loss (config/user_code.py)
+    check_data_source(cfg.data)
     _check_hardware(p)
     device = p.device if p.device != "auto" else ("cuda" if _cuda_count() else "cpu")
     _require(not cfg.elastic.fast_recovery or (p.strategy in FAST_RECOVERY_STRATEGIES and device == "cpu"),

@@ -120,6 +120,7 @@ class Handoff:
     cache: dict = field(default_factory=dict)
     live: dict = field(default_factory=dict)
     buddy: BuddyCopy | None = None
+    _buddy_gen: int = -1
 
     def committed(self, step: int, state, first: bool = False) -> None:
         """After each committed step, and once when an attempt starts (`first`: copied
@@ -129,6 +130,20 @@ class Handoff:
         if self.buddy is not None and step > 0:
             state.step, state.epoch = step, getattr(state.sampler, "epoch", state.epoch)
             self.buddy.start(step, state, force=first)
+
+    def attach_buddy(self, sharded: bool, every: int = 1) -> None:
+        """Under a sharded strategy (each rank's state is its own: FSDP, ZeRO-1), keep a
+        buddy copy (`elastic.buddy_copy`) on a gloo group of its own (CPU buffers
+        whatever the training backend), made anew in each generation. Called by every
+        rank at the same point of each attempt (`dt.Job.wrap`): a collective. A
+        newcomer's first call creates its (empty) copy."""
+        if not sharded:
+            return
+        if self.buddy is None:
+            self.buddy = BuddyCopy(every)
+        if self._buddy_gen != self.gen:
+            self.buddy.attach(dist.new_group(backend="gloo"))
+            self._buddy_gen = self.gen
 
     def keep(self, **objects: Any) -> None:
         """Register the attempt's objects. Registering `state` (with `acc`) says that
@@ -233,17 +248,25 @@ def _is_peer_failure(e: BaseException) -> bool:
     return isinstance(e, (RuntimeError, ConnectionError, TimeoutError)) and dist.is_initialized()
 
 
+_current: Handoff | None = None
+
+
+def current() -> Handoff | None:
+    """The running attempt's `Handoff` inside `run`'s body (None elsewhere): how a
+    `dt.Job` finds out that it runs under fast recovery."""
+    return _current
+
+
 def run(body: Callable[[runtime.RankInfo, Handoff], Any], *, backend: str, device: str,
-        timeout_s: float, seed: int, prepare: Callable[[Handoff], None] | None = None,
-        sharded: bool = False, buddy_every: int = 1) -> Any:
+        timeout_s: float, seed: int, prepare: Callable[[Handoff], None] | None = None) -> Any:
     """Run `body(info, handoff)` in process groups of successive generations until it
     returns. `prepare(handoff)` runs before the first group (a spare: before it waits,
-    so its datasets are built while it is idle). `sharded`: each rank's state is its
-    own (FSDP), so it is copied to a buddy (`elastic.buddy_copy`) on a gloo group of
-    its own, every `buddy_every` steps. A failure that is not a peer's loss, or a
-    generation that does not fill within `timeout_s`, propagates."""
+    so its datasets are built while it is idle). The body's `dt.Job` asks for a buddy
+    copy under a sharded strategy (`Handoff.attach_buddy`). A failure that is not a
+    peer's loss, or a generation that does not fill within `timeout_s`, propagates."""
+    global _current
     world = int(os.environ["WORLD_SIZE"])
-    handoff = Handoff(gen=0, buddy=BuddyCopy(buddy_every) if sharded else None)
+    handoff = Handoff(gen=0)
     warm_up()
     if prepare is not None:
         prepare(handoff)
@@ -266,8 +289,7 @@ def run(body: Callable[[runtime.RankInfo, Handoff], Any], *, backend: str, devic
             sockets_before = set(_socket_inodes().values())
             info = runtime.init(backend=backend, device=device, timeout_s=timeout_s, seed=seed,
                                 store=dist.PrefixStore(f"disttrain/fast/g{gen}/pg", store))
-            if handoff.buddy is not None:  # CPU buffers whatever the training backend
-                handoff.buddy.attach(dist.new_group(backend="gloo"))
+            _current = handoff
             try:
                 return body(info, handoff)
             except Exception as e:
@@ -280,6 +302,7 @@ def run(body: Callable[[runtime.RankInfo, Handoff], Any], *, backend: str, devic
                 handoff.snapshot()
                 _cut_connections(sockets_before, int(os.environ["MASTER_PORT"]))
             finally:
+                _current = None
                 runtime.shutdown(collect=False)
             gen = max(gen + 1, store.add(GEN_KEY, 0))
     finally:

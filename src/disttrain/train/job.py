@@ -1,29 +1,37 @@
-"""`Job`: a resumable training loop for people who write their own.
+"""`Job`: the training loop of disttrain, for people who write their own and for
+`disttrain train` (which builds its model, data and optimizer from the TOML and drives
+a Job: train/trainer.py).
 
-One object owns what `disttrain train` does around a user's model and data: the
-process group, the checkpoint root and resume, the `ElasticSampler`'s commits, the
-per-step dropout seed, preemption (SIGTERM -> an agreed stop, a save, exit 0), the
-guard and the final save. It is built on the parts (runtime, parallel, data,
-checkpoint, elastic, guard, `Accumulator`) and re-implements none of them::
+One object owns what a run needs around a user's model and data: the process group,
+the checkpoint root and resume (with the "checkpoint -> now" comparison of the
+hyper-parameters), the `ElasticSampler`'s commits, the per-step dropout seed,
+preemption (SIGTERM -> an agreed stop, a save, exit 0), the guard and its slow phases,
+evaluation, the run log, the progress bar, the summary and the final save, and, under
+`disttrain run --fast-recovery`, the in-memory recovery. It is built on the parts
+(runtime, parallel, data, checkpoint, elastic, guard, `Accumulator`)::
 
     import disttrain as dt
     with dt.Job(out_dir="runs/x", strategy="fsdp", checkpoint_every=100) as job:
         model = job.wrap(MyModel())
         opt = torch.optim.AdamW(model.parameters(), lr=3e-4)  # after wrap
+        sched = torch.optim.lr_scheduler.LambdaLR(opt, warmup)  # Job steps it
         loader = job.loader(dataset, batch_size=32)
-        job.resume(model=model, optimizer=opt)           # newest valid checkpoint, if any
+        evaluator = job.evaluator(eval_set, batch_size=64, every=50)  # and at the last step
+        job.resume(model=model, optimizer=opt, scheduler=sched)  # newest valid checkpoint
         for batch in job.steps(loader, max_steps=1000):
             loss = model(**batch).loss
-            job.backward(loss)
+            job.backward(loss)                           # steps optimizer and scheduler
             job.log(loss=loss)                           # metrics.jsonl and TensorBoard
 
-The order is the contract: wrap, optimizer, loader, resume, steps; each call out of
-order, and each object that did not come from this job, is one `UserError`.
+The order is the contract: wrap, optimizer, loader (and evaluator), resume, steps;
+each call out of order, and each object that did not come from this job, is one
+`UserError`. Job steps what it was given: a script's own `optimizer.step()`,
+`scheduler.step()` or `loss.backward()` inside the loop is one `UserError`.
 """
 
 from __future__ import annotations
 
-import collections
+import signal
 from pathlib import Path
 from typing import Any, Iterator
 
@@ -31,94 +39,118 @@ import torch
 from torch.utils.data import DataLoader
 
 from disttrain import runtime
-from disttrain.checkpoint import Checkpointer, TrainState, save_model
+from disttrain.checkpoint import Checkpointer, TrainState
 from disttrain.data import ElasticSampler
-from disttrain.elastic import PreemptionHandler, SampleAudit, generation_id
+from disttrain.elastic import PreemptionHandler, fast_recovery
 from disttrain.errors import UserError
-from disttrain.guard import start_guard, tensor_nbytes
+from disttrain.guard import start_guard
 from disttrain.parallel import wrap
 from disttrain.runtime.fault_injection import inject
+from disttrain.train import job_resume, step_loop
+from disttrain.train.evaluation import Evaluator
 from disttrain.train.loop import Accumulator
-from disttrain.train.metrics import JsonlWriter, global_sum, print_main
-from disttrain.train.resume import rejoin
-from disttrain.train.run_log import RunLog
-from disttrain.train.sources import to_device
+from disttrain.train.misuse import BACKWARD_MESSAGE, Ownership
+from disttrain.train.recorded import Recorded, optimizers_of
 
 
-class _Recorded(torch.utils.data.Sampler[int]):
-    """The job's `ElasticSampler` as the DataLoader reads it: every index it hands out
-    is queued, so each batch the loop receives knows its samples (the audit), whatever
-    the dataset's items look like and however far the loader prefetches."""
-
-    def __init__(self, sampler: ElasticSampler):
-        self.sampler, self.queue = sampler, collections.deque()
-
-    def __len__(self) -> int:
-        return len(self.sampler)
-
-    def __iter__(self) -> Iterator[int]:
-        self.queue.clear()
-        for i in self.sampler:
-            self.queue.append(i)
-            yield i
-
-    def take(self, n: int) -> list[int]:
-        return [self.queue.popleft() for _ in range(min(n, len(self.queue)))]
+def _ignore_stop_signals(worker_id: int, chain=None) -> None:
+    """A DataLoader worker's start: SIGTERM/SIGINT are the job's to handle (an agreed stop
+    and a save); a worker that died of them would crash the rank before it saves. The
+    workers end when the rank's loader is done with them."""
+    signal.signal(signal.SIGTERM, signal.SIG_IGN)
+    signal.signal(signal.SIGINT, signal.SIG_IGN)
+    if chain is not None:
+        chain(worker_id)
 
 
 class Job:
     """A resumable data-parallel training job; use it as a context manager.
 
-    `out_dir` holds `checkpoints/`, the final `model.pt` and (with `record_samples`)
-    `samples/`, the audit of which samples each step trained on. `strategy` and
+    `out_dir` holds `checkpoints/` (or `checkpoint_dir`), `metrics.jsonl`, the final
+    `model.pt`, `summary.json` and (with `record_samples`) `samples/`. `strategy` and
     `wrap_options` go to `dt.wrap`; `accum_steps`, `grad_clip` to the `Accumulator`;
     `batch_policy` ('keep_global' or 'rescale_lr') applies when a checkpoint comes
-    from another world size. `checkpoint_every` (0: only at the end and on
-    preemption) and `keep_last` to the `Checkpointer`. `preempt_grace_s` None reads
-    DISTTRAIN_PREEMPT_GRACE_S (set by `disttrain run`), else 60. `tensorboard` False
-    keeps `job.log` to `out_dir/metrics.jsonl` (no `out_dir/tb` event files).
+    from another world size. Checkpoints: every `checkpoint_every` steps and every
+    `checkpoint_every_s` seconds (agreed by the ranks; 0 turns either off), on
+    preemption and at the end; `keep_last`, `async_save` ('off', 'thread'),
+    `fallback` (a damaged newest checkpoint is set aside and the one before loaded)
+    and `on_error` ('stop', 'continue') as in `[checkpoint]`. `preempt_grace_s` None
+    reads DISTTRAIN_PREEMPT_GRACE_S (set by `disttrain run`), else 60. `log_every`:
+    steps per metrics record; `tensorboard`, `progress` (rank 0's bar) as named.
+
+    For adapters (`disttrain train`): `guard` (a `GuardConfig`) and `guard_fields`
+    (the start check's), `config` (a dict stored with every checkpoint and compared on
+    resume: `train/resume.py`), `checkpoints` (False: none at all), `exit_on_preempt`
+    (False: `steps()` returns and `preempted` is True), `tokens_per_sample`
+    (throughput and the summary in tokens), `summary_config`, `summary_extra`.
 
     Entering starts the process group (from the torchrun environment; none under a
-    plain `python`), installs the SIGTERM/SIGINT handler and runs the guard's start
-    checks (a collective: every rank enters with the same arguments). Leaving
-    restores the handlers and shuts the group down on every path, exceptions
-    included. A checkpoint that cannot be written or read raises the checkpoint
-    layer's error on every rank; nothing is retried silently.
+    plain `python`; under fast recovery the generation's group), installs the
+    SIGTERM/SIGINT handler and runs the guard's start checks (a collective). Leaving
+    restores the handlers and shuts down the group it started, on every path.
     """
 
     def __init__(self, out_dir: str | Path, *, strategy: str = "ddp", checkpoint_every: int = 100,
-                 accum_steps: int = 1, seed: int = 0, grad_clip: float = 0.0, precision: str = "fp32",
-                 keep_last: int = 3, batch_policy: str = "keep_global", record_samples: bool = False,
+                 checkpoint_every_s: float = 600.0, accum_steps: int = 1, seed: int = 0,
+                 grad_clip: float = 0.0, precision: str = "fp32", keep_last: int = 3,
+                 batch_policy: str = "keep_global", record_samples: bool = False,
                  preempt_grace_s: float | None = None, backend: str = "auto", device: str = "auto",
-                 timeout_s: float = 300.0, tensorboard: bool = True, **wrap_options: Any):
-        if checkpoint_every < 0 or accum_steps < 1:
-            raise UserError(f"dt.Job: checkpoint_every ({checkpoint_every}) must be >= 0 and "
-                            f"accum_steps ({accum_steps}) >= 1.")
-        if batch_policy not in ("keep_global", "rescale_lr"):
-            raise UserError(f"dt.Job: batch_policy {batch_policy!r} is not one of 'keep_global', "
-                            f"'rescale_lr'.")
+                 timeout_s: float = 300.0, tensorboard: bool = True, checkpoint_dir: str | Path | None = None,
+                 async_save: str = "off", fallback: bool = False, on_error: str = "stop",
+                 log_every: int = 1, progress: bool = True, guard=None, config: dict | None = None,
+                 exit_on_preempt: bool = True, tokens_per_sample: int = 0, buddy_every: int = 1,
+                 checkpoints: bool = True, guard_fields: dict | None = None,
+                 summary_config: dict | None = None, summary_extra: dict | None = None,
+                 **wrap_options: Any):
+        if checkpoint_every < 0 or checkpoint_every_s < 0 or accum_steps < 1 or log_every < 1:
+            raise UserError(f"dt.Job: checkpoint_every ({checkpoint_every}) and checkpoint_every_s "
+                            f"({checkpoint_every_s}) must be >= 0, accum_steps ({accum_steps}) and "
+                            f"log_every ({log_every}) >= 1.")
+        for name, value, allowed in (("batch_policy", batch_policy, ("keep_global", "rescale_lr")),
+                                     ("on_error", on_error, ("stop", "continue"))):
+            if value not in allowed:
+                raise UserError(f"dt.Job: {name} {value!r} is not one of {', '.join(map(repr, allowed))}.")
         self.out_dir = Path(out_dir)
+        self.checkpoint_dir = Path(checkpoint_dir) if checkpoint_dir else self.out_dir / "checkpoints"
         self.strategy, self.precision, self.wrap_options = strategy, precision, wrap_options
-        self.checkpoint_every, self.accum_steps, self.seed = checkpoint_every, accum_steps, seed
-        self.grad_clip, self.keep_last, self.batch_policy = grad_clip, keep_last, batch_policy
-        self.record_samples, self.preempt_grace_s = record_samples, preempt_grace_s
-        self.tensorboard, self._run_log, self._logged = tensorboard, None, {}
+        self.checkpoint_every, self.checkpoint_every_s = checkpoint_every, checkpoint_every_s
+        self.accum_steps, self.seed, self.grad_clip = accum_steps, seed, grad_clip
+        self.keep_last, self.batch_policy, self.record_samples = keep_last, batch_policy, record_samples
+        self.async_save, self.fallback, self.on_error = async_save, fallback, on_error
+        self.preempt_grace_s, self.log_every, self.tensorboard = preempt_grace_s, log_every, tensorboard
+        self.show_progress, self.guard_cfg, self.exit_on_preempt = progress, guard, exit_on_preempt
+        self.tokens_per_sample, self.buddy_every = tokens_per_sample, buddy_every
+        self.summary_extra, self.summary_config = summary_extra or {}, summary_config
+        self.user_config, self.checkpoints, self.guard_fields = config, checkpoints, guard_fields or {}
         self._init = dict(backend=backend, device=device, timeout_s=timeout_s, seed=seed)
         self.info: runtime.RankInfo | None = None
-        self.model = self._sampler = self._loader = self._acc = self._ckpt = self._state = None
-        self._audit = self._guard = self._preempt = None
+        self.model = self._sampler = self._loader = self._acc = self._state = None
+        self._evaluator: Evaluator | None = None
+        self._guard = self._preempt = self._handoff = self._saving = self._loop = None
+        self._owns_group, self._before_wrap = False, set()
+        self._owner = Ownership()
         self.step = 0
-        """Optimizer steps done (after `resume`, the checkpoint's)."""
-        self.resumed = self.preempted = False
+        """Optimizer steps done: after `resume`, the checkpoint's step; inside
+        `steps()`, the steps completed before the current batch (the batch belongs to
+        step `job.step + 1`); after the loop, `max_steps`."""
+        self.resumed = self.preempted = self.in_memory = False
+        self.summary: dict | None = None
         self._in_step = self._backward_done = False
 
     # ------------------------------------------------------------------ setup
 
     def __enter__(self) -> "Job":
+        import torch.distributed as dist
+
+        self._handoff = fast_recovery.current()
+        self._owns_group = not dist.is_initialized()
         self.info = runtime.init(**self._init)
         try:
             self._preempt = PreemptionHandler(self.preempt_grace_s).install()
-            self._guard = start_guard(config=self._config(), timeout_s=self._init["timeout_s"])
+            self._guard = start_guard(self.guard_cfg, config=self.config(),
+                                      timeout_s=self._init["timeout_s"], **self.guard_fields)
+            if self._handoff is not None:
+                self._handoff.keep(guard=self._guard)
         except BaseException:
             self._close()
             raise
@@ -128,15 +160,23 @@ class Job:
         self._close()
 
     def _close(self) -> None:
+        self._owner.close()
         if self._guard is not None:
             self._guard.close()
         if self._preempt is not None:
             self._preempt.uninstall()
-        runtime.shutdown()
+        if self._owns_group:
+            runtime.shutdown()
 
-    def _config(self) -> dict:
-        return {"strategy": self.strategy, "accum_steps": self.accum_steps, "seed": self.seed,
-                "precision": self.precision, **{k: repr(v) for k, v in self.wrap_options.items()}}
+    def config(self) -> dict:
+        """What each checkpoint stores as the run's config (and a resume compares): the
+        adapter's `config`, or this job's settings and, after `resume`, the optimizer's
+        hyper-parameters (`job_resume.optim_config`)."""
+        if self.user_config is not None:
+            return self.user_config
+        own = {"strategy": self.strategy, "accum_steps": self.accum_steps, "seed": self.seed,
+               "precision": self.precision, **{k: repr(v) for k, v in self.wrap_options.items()}}
+        return {"job": own}
 
     def _need(self, done: bool, message: str) -> None:
         if self.info is None:
@@ -151,10 +191,14 @@ class Job:
 
     def wrap(self, model: torch.nn.Module) -> torch.nn.Module:
         """`dt.wrap(model, strategy=..., precision=...)` once per job; build the optimizer
-        from the returned module afterwards. A second call is a `UserError`."""
+        from the returned module afterwards (one built before is refused by `resume`).
+        A second call is a `UserError`."""
         self._need(self.model is None, "dt.Job.wrap() is called once per job; this job already "
                                        "wrapped a model.")
+        self._before_wrap = optimizers_of(model)
         self.model = wrap(model, strategy=self.strategy, precision=self.precision, **self.wrap_options)
+        if self._handoff is not None:
+            self._handoff.attach_buddy(self.strategy != "ddp", self.buddy_every)
         return self.model
 
     def loader(self, dataset, batch_size: int, *, drop_last: bool = False, shuffle: bool = True,
@@ -163,33 +207,58 @@ class Job:
         `ElasticSampler`: this rank's share of a global order that depends on (seed,
         epoch) only, resumable mid-epoch at any world size; the epoch advances by
         itself. `batch_size` is per rank and micro-step. `loader_kwargs` go to
-        `DataLoader` (num_workers, collate_fn, ...); `sampler`, `shuffle` and
-        `batch_sampler` are the job's. One loader per job."""
-        self._need(self._loader is None, "dt.Job.loader() is called once per job; iterate the "
-                                         "loader it returned.")
+        `DataLoader` (num_workers, pin_memory, persistent_workers, collate_fn, ...);
+        workers ignore SIGTERM/SIGINT, which are the job's. `sampler`, `shuffle` and
+        `batch_sampler` are the job's. One training loader per job (`evaluator` for
+        an eval set)."""
+        self._need(self._loader is None, "dt.Job.loader() is called once per job, for the training "
+                                         "set; pass an eval set to job.evaluator(...) instead.")
         taken = {"sampler", "batch_sampler", "generator"} & set(loader_kwargs)
         if taken:
             raise UserError(f"dt.Job.loader(): {', '.join(sorted(taken))} are the job's (an "
                             f"ElasticSampler makes resume exact); pass shuffle=, drop_last= instead.")
+        if loader_kwargs.get("num_workers", 0) > 0:
+            chain = loader_kwargs.pop("worker_init_fn", None)
+            loader_kwargs["worker_init_fn"] = lambda i: _ignore_stop_signals(i, chain)
         self._sampler = ElasticSampler(dataset, batch_size=batch_size, accum_steps=self.accum_steps,
                                        seed=self.seed, shuffle=shuffle, drop_last=drop_last)
         # A private generator: iter(loader) must not draw from the global (dropout) RNG.
-        self._loader = DataLoader(dataset, batch_size=batch_size, sampler=_Recorded(self._sampler),
+        self._loader = DataLoader(dataset, batch_size=batch_size, sampler=Recorded(self._sampler),
                                   drop_last=True, generator=torch.Generator().manual_seed(self.seed),
                                   **loader_kwargs)
         return self._loader
 
+    def evaluator(self, dataset, batch_size: int, *, every: int = 0, max_batches: int | None = None,
+                  metric=None, collate_fn=None, at_start: bool = False) -> Evaluator:
+        """Evaluate on `dataset` every `every` steps and at the last step, split across
+        the ranks (`train/evaluation.py`: equal forwards per rank, global means from
+        (sum, count)); `metric(model, batch) -> {name: value}` adds metrics beyond the
+        loss (default: {"loss": the model's loss}). Each result goes into metrics.jsonl
+        as `heldout_<name>` and `evaluator.last`; the watchdog treats the evaluation as
+        a slow phase. Call it before `resume`; one per job."""
+        self._need(self._evaluator is None and self._acc is None,
+                   "dt.Job.evaluator() is called once per job, before job.resume().")
+        self._evaluator = Evaluator(dataset, batch_size, every=every, max_batches=max_batches,
+                                    metric=metric, collate=collate_fn, at_start=at_start)
+        return self._evaluator
+
     def resume(self, *, model: torch.nn.Module, optimizer: torch.optim.Optimizer, scheduler=None,
                scaler=None, extras: dict | None = None) -> bool:
-        """Load the newest valid checkpoint under `out_dir/checkpoints` into the model,
-        optimizer, scheduler, scaler, extras and the loader's sampler; True when one
-        was loaded, False on a fresh start. At another world size the batch policy
-        applies. A collective. Raises `UserError` for a model that is not this job's
-        `wrap()` result, an optimizer built before wrap, or a call before `loader()`;
-        a damaged or mismatched checkpoint raises the checkpoint layer's error."""
+        """Load the newest valid checkpoint into the model, optimizer, scheduler, scaler,
+        extras and the loader's sampler; True when one was loaded (or, under fast
+        recovery, the state came from a survivor's memory), False on a fresh start.
+        Changed hyper-parameters (the optimizer's lr, weight decay, betas, momentum; a
+        `disttrain train` config's applied keys) take effect, shown as a "checkpoint ->
+        now" table; at another world size the batch policy applies. A collective.
+        Raises `UserError` for a model that is not this job's `wrap()` result, an
+        optimizer built before wrap, or a call before `loader()`; a damaged or
+        mismatched checkpoint raises the checkpoint layer's error."""
         self._need(self.model is not None, "dt.Job.resume(): wrap the model with job.wrap() first.")
         self._need(model is self.model, "dt.Job.resume(model=...) must be the module job.wrap() "
                                         "returned (the wrapped one).")
+        self._need(optimizer not in self._before_wrap,
+                   "dt.Job.resume(): the optimizer was built before job.wrap(); build it after, from "
+                   "the module job.wrap() returned (under FSDP the old parameters no longer train).")
         self._need(self._loader is not None, "dt.Job.resume(): build the loader with job.loader() "
                                              "first; its sampler position is part of the checkpoint.")
         self._need(self._acc is None, "dt.Job.resume() is called once per job, before job.steps().")
@@ -197,19 +266,13 @@ class Job:
         acc = Accumulator(model, optimizer, self.accum_steps, scheduler=scheduler,
                           grad_clip=self.grad_clip, scaler=scaler)
         self._guard.check_model(model, optimizer)
-        self._ckpt = Checkpointer(self.out_dir / "checkpoints", keep_last=self.keep_last)
+        self._owner.watch(optimizer, scheduler)
         self._state = TrainState(model=model, optimizer=optimizer, scheduler=scheduler, scaler=scaler,
-                                 sampler=self._sampler, extras=extras or {}, config=self._config())
-        with self._guard.slow_phase("checkpoint.load"):
-            loaded = self._ckpt.load(self._state)
-        self.resumed = loaded is not None
-        if self.resumed:
-            self.step = self._state.step
-            rejoin("job", self.step, acc, self._sampler, self.batch_policy, self.info, optimizer, scheduler)
-        self._audit = SampleAudit(self.out_dir / "samples", self.info.rank, self.info.world_size,
-                                  self.record_samples, generation_id())
+                                 sampler=self._sampler, extras=extras or {})
+        ckpt = Checkpointer(self.checkpoint_dir, keep_last=self.keep_last, async_mode=self.async_save,
+                            fallback=self.fallback) if self.checkpoints else None
         self._acc = acc
-        self._run_log = RunLog(self.out_dir, self.info, self.step, self.resumed, self.tensorboard)
+        self.resumed = job_resume.load(self, ckpt, acc)
         return self.resumed
 
     # ------------------------------------------------------------------ the loop
@@ -218,114 +281,48 @@ class Job:
         """Yield micro-batches (moved to this rank's device) until `max_steps` optimizer
         steps are done; the epoch advances by itself. Call `job.backward(loss)` exactly
         once per batch. Each step: dropout seeded from (seed, step, rank), the sampler
-        committed, a checkpoint every `checkpoint_every` steps. At `max_steps`: a
-        checkpoint and `out_dir/model.pt` (rank 0, prefix-free). On SIGTERM every rank
-        stops after the same step, saves and exits 0 (`SystemExit(0)`), so the same
-        command resumes; code after the loop does not run. A job whose checkpoint is
-        already at `max_steps` yields nothing and says so. Breaking out of the loop ends
-        it without a save (the newest checkpoint stays the resume point)."""
+        committed, checkpoints and evaluations at their periods. At `max_steps`: a
+        checkpoint, `out_dir/model.pt` (rank 0, prefix-free) and `summary.json`. On
+        SIGTERM every rank stops after the same step, saves and exits 0
+        (`SystemExit(0)`), so the same command resumes; code after the loop does not
+        run. A job whose checkpoint is already at `max_steps` yields nothing and says
+        so. Breaking out of the loop ends it without a save."""
         self._need(self._acc is not None, "dt.Job.steps(): call job.resume(model=..., "
                                           "optimizer=...) first (it loads the newest checkpoint).")
         self._need(loader is self._loader, "dt.Job.steps() takes the loader job.loader() returned; "
                                            "another loader's position is not checkpointed.")
-        self._need(not self._in_step, "dt.Job.steps() is already running; one loop per job.")
-        if self.step >= max_steps:
-            print_main(f"disttrain job: complete, the checkpoint is at step {self.step} of "
-                       f"{max_steps}; nothing to train (use a new out_dir or a larger max_steps).")
-            return
-        acc, rank, guard = self._acc, self.info.rank, self._guard
-        saved_at, stopping = self.step, False
-        while self.step < max_steps and not stopping:
-            for batch in loader:  # each pass is a new epoch: the sampler advances itself
-                guard.first_batch(batch)
-                if acc.window_start:  # dropout from (seed, step, rank): exact resume
-                    runtime.seed_step(self.step)
-                inject("forward", self.step + 1, rank)
-                with acc.micro_step():
-                    self._in_step, self._backward_done = True, False
-                    try:
-                        yield to_device(batch, self.info.device)
-                    finally:
-                        self._in_step = False
-                    if not self._backward_done:
-                        raise UserError("each batch from job.steps() needs one job.backward(loss) "
-                                        "before the next; this one had none.")
-                self._audit.add(torch.tensor(self._loader.sampler.take(loader.batch_size)))
-                if not acc.stepped:
-                    continue
-                self.step = acc.optimizer_steps
-                self._sampler.commit_step()
-                self._audit.commit(self.step)
-                inject("step", self.step, rank)
-                guard.step(self.step, self.model)
-                self._write_log()
-                stopping = self._preempt.should_stop()  # agreed by all ranks (one all-reduce)
-                if stopping or (self.checkpoint_every and self.step % self.checkpoint_every == 0):
-                    saved_at = self._save()
-                if stopping or self.step >= max_steps:
-                    break
-        if saved_at != self.step:
-            self._save()
-        self._ckpt.close()
-        guard.close()
-        if stopping:
-            self.preempted = True
-            print_main(f"disttrain job: preempted ({self._preempt.signal_name}); saved step "
-                       f"{self.step} and stopped. Start the same command again to resume.")
-            raise SystemExit(0)
-        save_model(self.model, self.out_dir / "model.pt")
+        self._need(not self._in_step and self._loop is None, "dt.Job.steps() runs once per job.")
+        return step_loop.run(self, max_steps)
 
     def backward(self, loss: torch.Tensor) -> None:
         """Backward of `loss` inside `job.steps()`: divided by the accumulation window,
         no gradient sync except on its last micro-batch, where the optimizer (and the
-        scheduler) step. Raises `UserError` outside the loop or twice per batch."""
+        scheduler given to `resume`) step. Raises `UserError` outside the loop, twice
+        per batch, or after the script's own `loss.backward()` of the same loss."""
         self._need(self._in_step, "dt.Job.backward() is called inside `for batch in job.steps(...)`, "
                                   "once per batch.")
         self._need(not self._backward_done, "dt.Job.backward() was already called for this batch; "
                                             "add the losses and call it once.")
         inject("backward", self.step + 1, self.info.rank)
-        self._acc.backward(loss)
+        self._loop.watch_loss(loss)
+        try:
+            self._acc.backward(loss)
+        except RuntimeError as e:
+            if self._owner.second_backward(e):
+                raise UserError(BACKWARD_MESSAGE) from None
+            raise
         self._backward_done = True
 
     def log(self, **values: float | torch.Tensor) -> None:
         """Record numbers for the optimizer step this batch belongs to, e.g.
         `job.log(loss=loss)`; call it inside `for batch in job.steps(...)`, on every rank
-        (the record is a collective). Values given several times in one step (one call
-        per micro-batch) are averaged. After the step, each value is averaged over the
-        ranks (one all-reduce: every rank's batches have one size, so a per-batch mean
-        loss becomes the global mean), the optimizer's learning rate ("lr"), the
-        gradient norm (with `grad_clip`), samples/s, every rank's step time and peak
-        memory are added, and rank 0 appends the record to `out_dir/metrics.jsonl` and
-        writes it to TensorBoard (`out_dir/tb`). Raises `UserError` outside the loop or
-        for a value that is not a number or a one-element tensor."""
+        (the record is a collective). Every `log_every` steps each value becomes one
+        number: its mean over the calls of those steps on every rank (one all-reduce of
+        (sum, count)); the learning rate ("lr"), the gradient norm (with `grad_clip`),
+        samples/s (tokens/s), every rank's step time and peak memory are added, and
+        rank 0 appends the record to `out_dir/metrics.jsonl` and TensorBoard
+        (`out_dir/tb`). Raises `UserError` outside the loop or for a value that is
+        not a number or a one-element tensor."""
         self._need(self._in_step, "dt.Job.log() is called inside `for batch in job.steps(...)`, "
                                   "on every rank.")
-        for key, value in values.items():
-            if isinstance(value, torch.Tensor) and value.numel() == 1:
-                value = value.item()
-            if not isinstance(value, (int, float)) or isinstance(value, bool):
-                raise UserError(f"dt.Job.log({key}=...) got {type(value).__name__}; pass a number "
-                                f"or a one-element tensor, e.g. job.log(loss=loss).")
-            total, count = self._logged.get(key, (0.0, 0))
-            self._logged[key] = (total + float(value), count + 1)
-
-    def _write_log(self) -> None:
-        """The step's `log` values as one record (a collective; see `log`)."""
-        if not self._logged:
-            return
-        keys = sorted(self._logged)  # the same order on every rank
-        means = global_sum([self._logged[k][0] / self._logged[k][1] for k in keys])
-        world = self.info.world_size
-        record = {**{k: v / world for k, v in zip(keys, means)}, "step": self.step, "world_size": world}
-        record.setdefault("lr", self._state.optimizer.param_groups[0]["lr"])
-        self._logged = {}
-        self._run_log.log(record, self._acc.last_grad_norm,
-                          samples_per_step=self._loader.batch_size * self._acc.accum_steps * world)
-        JsonlWriter(self.out_dir / "metrics.jsonl").write(record)
-
-    def _save(self) -> int:
-        self._state.step, self._state.epoch = self.step, self._sampler.epoch
-        nbytes = tensor_nbytes(self.model, self._state.optimizer)
-        with self._guard.slow_phase("checkpoint.save", nbytes=nbytes):
-            self._ckpt.save(self._state)
-        return self.step
+        self._loop.log(values)

@@ -46,25 +46,31 @@ class TrainProgress:
 
 
 def print_summary(summary: dict) -> None:
-    """One table with the final train and held-out loss, steps, wall time, checkpoint.
-    Losses are in nats/byte on the built-in byte corpus; a user's dataset counts samples."""
+    """One table with the final train and held-out loss, steps, wall time, the model file
+    (`run_summary.build`'s dict). Losses are in nats/byte on the built-in byte corpus."""
     from rich.console import Console  # loaded at the end of a run, not at start-up
     from rich.table import Table
 
-    bytes_ = summary.get("unit", "token") == "token"
-    unit, per = ("token", " (nats/byte)") if bytes_ else ("sample", "")
+    tokens = "tokens_seen" in summary
+    per = " (nats/byte)" if summary.get("unit") == "token" else ""
     table = Table(title="disttrain: run summary", show_header=False)
     table.add_column("what", style="bold")
     table.add_column("value")
+    seen = f"{summary['tokens_seen']:,} tokens" if tokens else f"{summary['samples_seen']:,} samples"
+    wall = f"{summary['wall_time_s']:.1f} s"
+    if summary.get("resumed"):  # a run of several attempts: the whole run, then this attempt
+        wall += f" since the first start ({summary['attempt_wall_time_s']:.1f} s this attempt)"
     rows = [
         ("strategy / world size", f"{summary['strategy']} x {summary['world_size']}"),
         ("optimizer steps", str(summary["steps"])),
-        (f"{unit}s seen", f"{summary['tokens_seen']:,}"),
+        ("seen", seen),
         (f"held-out loss at start{per}", _fmt(summary["initial_heldout_loss"])),
         (f"final train loss{per}", _fmt(summary["final_train_loss"])),
         (f"final held-out loss{per}", _fmt(summary["final_heldout_loss"])),
-        ("wall time", f"{summary['wall_time_s']:.1f} s"),
-        ("checkpoint", summary["checkpoint"]),
+        *((k.replace("final_heldout_", "final held-out "), _fmt(v)) for k, v in summary.items()
+          if k.startswith("final_heldout_") and k != "final_heldout_loss"),
+        ("wall time", wall),
+        ("model", summary["checkpoint"]),
     ]
     for what, value in rows:
         table.add_row(what, value)

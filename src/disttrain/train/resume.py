@@ -99,9 +99,10 @@ class ResumePlan:
         return self
 
 
-def plan_for(directory: str | Path, cfg: Config) -> ResumePlan | None:
+def plan_for(directory: str | Path, cfg: Config | dict) -> ResumePlan | None:
     """Read `directory/state.json` (plain JSON, nothing unpickled) and compare its config
-    with `cfg`. None when the file is missing or unreadable (the load reports that)."""
+    with `cfg` (a `Config`, or the dict a `dt.Job` stores). None when the file is
+    missing or unreadable (the load reports that)."""
     try:
         meta = json.loads((Path(directory) / "state.json").read_text())
         step, saved = int(meta["step"]), meta.get("config")
@@ -111,7 +112,7 @@ def plan_for(directory: str | Path, cfg: Config) -> ResumePlan | None:
     if plan.saved_config is None:
         return plan
     old = _flatten(plan.saved_config)
-    now = _flatten(json.loads(json.dumps(to_dict(cfg))))  # the form the checkpoint stores
+    now = _flatten(json.loads(json.dumps(cfg if isinstance(cfg, dict) else to_dict(cfg))))  # as stored
     for key in sorted(old.keys() & now.keys()):
         if old[key] != now[key] and (kind := classify(key)) != "ignore":
             (plan.refused if kind == "refuse" else plan.changes).append((key, old[key], now[key]))
@@ -124,15 +125,20 @@ def checkpoint_root(cfg: Config) -> Path:
 
 
 def inspect(cfg: Config) -> ResumePlan | None:
-    """The plan for the newest committed checkpoint, the same on every rank (rank 0 reads,
-    one broadcast): None on a fresh start or with checkpoints disabled. A collective.
+    """`inspect_root` for a `disttrain train` config: None with checkpoints disabled."""
+    return inspect_root(checkpoint_root(cfg), cfg) if cfg.checkpoint.enabled else None
+
+
+def inspect_root(root: str | Path, cfg: Config | dict) -> ResumePlan | None:
+    """The plan for the newest committed checkpoint under `root`, the same on every rank
+    (rank 0 reads, one broadcast): None on a fresh start. A collective.
 
     Raises `CheckpointMismatch` on every rank when a refused key differs. Reads only;
     the load later verifies the checkpoint's checksums.
     """
     plan = None
-    if cfg.checkpoint.enabled and (not dist.is_initialized() or dist.get_rank() == 0):
-        newest = committed(checkpoint_root(cfg))
+    if not dist.is_initialized() or dist.get_rank() == 0:
+        newest = committed(Path(root))
         plan = plan_for(newest[0][2], cfg) if newest else None
     if dist.is_initialized() and dist.get_world_size() > 1:
         box = [plan]
@@ -185,7 +191,8 @@ def apply(plan: ResumePlan | None, optimizer: torch.optim.Optimizer, scheduler, 
     for i, (group, base) in enumerate(zip(groups, scheduler.base_lrs)):
         group["initial_lr"] = base
         group["lr"] = base * scheduler.lr_lambdas[i](step)  # as LambdaLR.get_lr computes it
-    scheduler._last_lr = [g["lr"] for g in groups]
+    from disttrain.runtime.torch_compat import set_last_lr  # the one place torch's private names live
+    set_last_lr(scheduler, [g["lr"] for g in groups])
 
 
 def print_changes(plan: ResumePlan | None, batch_policy: str) -> None:

@@ -102,6 +102,9 @@ def build_datasets(cfg: Config, config_dir: str | Path | None) -> tuple[Any, Any
     a map-style dataset (`__len__` and `__getitem__`) or a (train, eval) pair of them.
     Raises `ConfigError` for any other return value or an empty train set."""
     d = cfg.data
+    # ---- hook: token files and Hugging Face datasets on disk (disttrain.data, lazily) ----
+    if d.tokens or d.hf_dataset:
+        return _disk_datasets(cfg, config_dir)
     if not d.factory:
         from disttrain.demo.corpus import ChunkDataset, load_stdlib_corpus
 
@@ -126,6 +129,23 @@ def build_datasets(cfg: Config, config_dir: str | Path | None) -> tuple[Any, Any
     if len(train) == 0:
         raise ConfigError(f"config key 'data.factory' = {d.factory!r} returned an empty train set.")
     return train, heldout, {}
+
+
+def _disk_datasets(cfg: Config, config_dir: str | Path | None) -> tuple[Any, Any | None, dict]:
+    """data.tokens (disttrain.data.token_files) or data.hf_dataset (disttrain.data.hf_data),
+    relative to the config file's folder. The built-in GPT's block_size and vocab_size
+    bound the windows and the token files' vocabulary."""
+    d, builtin = cfg.data, uses_builtin_model(cfg)
+    if d.tokens:
+        from disttrain.data.token_files import token_datasets
+
+        return token_datasets(d.tokens, cfg.model.block_size, heldout=d.tokens_heldout,
+                              heldout_fraction=d.heldout_fraction, raw_dtype=d.tokens_dtype, base=config_dir,
+                              vocab_size=cfg.model.vocab_size if builtin else None)
+    from disttrain.data.hf_data import hf_datasets
+
+    return hf_datasets(d.hf_dataset, d.hf_columns, split=d.hf_split, heldout_split=d.hf_heldout_split,
+                       block_size=cfg.model.block_size if builtin else None, base=config_dir)
 
 
 def build_loss(cfg: Config, config_dir: str | Path | None) -> Callable | None:
