@@ -28,6 +28,7 @@ import torch.distributed as dist
 import torch.nn as nn
 
 from disttrain.errors import DistributedMismatchError
+from disttrain.runtime import torch_compat
 from disttrain.runtime.collectives import comm_device
 
 
@@ -41,35 +42,13 @@ def _plain(module: nn.Module) -> nn.Module:
     return module
 
 
-_WRAPPER_PARTS = ("_fsdp_wrapped_module", "_checkpoint_wrapped_module", "_orig_mod")
+_WRAPPER_PARTS = torch_compat.WRAPPER_NAME_PARTS
 """Name parts that wrappers (FSDP1, activation checkpointing, torch.compile) insert."""
 
 
 def logical_name(name: str) -> str:
     """A parameter or buffer name with every wrapper's part removed."""
     return ".".join(part for part in name.split(".") if part not in _WRAPPER_PARTS)
-
-
-def _flat_shapes(model: nn.Module) -> dict[int, tuple[int, ...]]:
-    """id(original parameter) -> unsharded shape, for parameters that FSDP1 (flat
-    parameters, `use_orig_params=True`) turned into views of this rank's flat shard.
-    Read from each flat parameter's metadata: no collective, no gathered copy."""
-    shapes: dict[int, tuple[int, ...]] = {}
-    for module in model.modules():
-        handle = getattr(module, "_handle", None)
-        flat = getattr(handle, "flat_param", None)
-        if flat is None or not hasattr(flat, "_param_infos"):
-            continue
-        for info, shape in zip(flat._param_infos, flat._shapes):
-            param = getattr(info.module, info.param_name, None)
-            if param is not None:
-                shapes[id(param)] = tuple(shape)
-        for info in getattr(flat, "_shared_param_infos", ()):
-            param = getattr(info.module, info.param_name, None)
-            prim = getattr(info.prim_module, info.prim_param_name, None)
-            if param is not None and id(prim) in shapes:
-                shapes[id(param)] = shapes[id(prim)]
-    return shapes
 
 
 def model_structure(model: nn.Module) -> list[str]:
@@ -80,7 +59,7 @@ def model_structure(model: nn.Module) -> list[str]:
     their original shapes). So ranks that hold different shards of one model agree,
     and a rank with a different model does not. No collective."""
     m = _plain(model)
-    flat = _flat_shapes(model)  # the root FSDP1 unit sits above `m`
+    flat = torch_compat.fsdp1_unsharded_shapes(model)  # the root FSDP1 unit sits above `m`
     items = [(n, t) for n, t in m.named_parameters()] + [(n, t) for n, t in m.named_buffers()]
     return [f"{logical_name(n)}:{flat.get(id(t), tuple(t.shape))}:{str(t.dtype).replace('torch.', '')}"
             for n, t in items]

@@ -156,9 +156,9 @@ def parse(argv: list[str]) -> CheckArgs:
 def _refuse_unknown(unused: list[str]) -> None:
     """Flags of torchrun's that the check does not need pass silently (the same command
     line serves both); any other flag is a typo."""
-    from torch.distributed.run import get_args_parser
+    from disttrain.runtime.torch_compat import torchrun_flags  # imports torch: only when asked
 
-    torchrun = get_args_parser()._option_string_actions
+    torchrun = torchrun_flags()
     bad = [a for a in unused if a.startswith("--") and a.split("=", 1)[0] not in torchrun]
     if bad:
         raise UserError(f"unknown flag {bad[0]}; see `disttrain check --help` (torchrun's own flags "

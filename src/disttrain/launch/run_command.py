@@ -253,9 +253,9 @@ def build_torchrun_args(argv: list[str]) -> tuple[list[str], dict[str, str]]:
 def torchrun_has_shutdown_timeout() -> bool:
     """Whether this torch's torchrun takes `--shutdown-timeout` (2.11 does not: it then
     keeps its fixed 30 s wait, and a longer preemption grace is cut short there)."""
-    from torch.distributed.run import get_args_parser
+    from disttrain.runtime.torch_compat import torchrun_flags  # imports torch: only when asked
 
-    return "--shutdown-timeout" in get_args_parser()._option_string_actions
+    return "--shutdown-timeout" in torchrun_flags()
 
 
 def main(argv: list[str]) -> int:

@@ -41,10 +41,10 @@ from typing import NoReturn
 
 SOCKET_ENV = "DISTTRAIN_WARM_SOCKET"
 SWITCH_ENV = "DISTTRAIN_WARM_WORKERS"
-PRELOAD = ("torch", "torch.distributed", "torch._dynamo", "torch.distributed.checkpoint.state_dict",
-           "disttrain.train.trainer")
-"""What the server imports. torch._dynamo: DistributedDataParallel.__init__ reads its
-config (3 s on first use); the state-dict helpers: the checkpoint load."""
+PRELOAD = ("torch", "torch.distributed", "torch.distributed.checkpoint.state_dict", "disttrain.train.trainer")
+"""What the server imports (and torch._dynamo, through `torch_compat.import_dynamo`:
+DistributedDataParallel.__init__ reads its config, 3 s on first use); the state-dict
+helpers: the checkpoint load."""
 FORWARDED = (signal.SIGTERM, signal.SIGINT, signal.SIGHUP, signal.SIGQUIT, signal.SIGUSR1, signal.SIGUSR2)
 _HEADER = struct.Struct("!Q")
 
@@ -91,6 +91,9 @@ def serve(fd: int) -> NoReturn:
 
     for name in PRELOAD:
         importlib.import_module(name)
+    from disttrain.runtime.torch_compat import import_dynamo
+
+    import_dynamo()
     listener = socket.socket(fileno=fd)
     if sys.modules["torch"].cuda.is_initialized():  # a CUDA context does not survive fork:
         listener.close()  # stubs find no server and start their workers fresh
@@ -162,9 +165,7 @@ def _child(request: dict, fds: list[int], conn: socket.socket) -> NoReturn:
     The exit waits for non-daemon threads and runs atexit handlers, as the interpreter
     does, then skips the teardown of every module (torch's: about 0.9 s on 2 cores, which
     a restart would wait for: torchrun notices a failed worker only once it has exited)."""
-    import atexit
     import io
-    import threading
 
     _die_with_parent()
     for sig in FORWARDED:
@@ -188,8 +189,9 @@ def _child(request: dict, fds: list[int], conn: socket.socket) -> NoReturn:
     if threads.isdigit() and int(threads) > 0:
         torch.set_num_threads(int(threads))  # the server's OpenMP read the agent's value
     code = _run_module(request["module"], request["args"])
-    threading._shutdown()  # noqa: SLF001  (what the interpreter calls at exit)
-    atexit._run_exitfuncs()  # noqa: SLF001
+    from disttrain.runtime.torch_compat import finish_interpreter
+
+    finish_interpreter()  # what the interpreter does at exit: join threads, run atexit
     for stream in (sys.stdout, sys.stderr):
         stream.flush()
     os._exit(code)

@@ -11,12 +11,9 @@ whole-model wrapping with `wrap = "model"`.
 from __future__ import annotations
 
 import torch.nn as nn
-from torch.distributed.algorithms._checkpoint.checkpoint_wrapper import (
-    CheckpointImpl,
-    checkpoint_wrapper,
-)
 
 from disttrain.errors import ConfigError
+from disttrain.runtime import torch_compat
 
 
 def _no_split_names(model: nn.Module) -> list[str]:
@@ -102,7 +99,7 @@ def apply_activation_checkpointing(model: nn.Module, blocks: list[nn.Module]) ->
         for name, child in list(parent.named_children()):
             if id(child) in targets:
                 # Non-reentrant: works with FSDP2 hooks and with inputs that need no grad.
-                ac = checkpoint_wrapper(child, checkpoint_impl=CheckpointImpl.NO_REENTRANT)
+                ac = torch_compat.checkpoint_wrap(child)
                 setattr(parent, name, ac)
                 wrapped.append(ac)
     return wrapped

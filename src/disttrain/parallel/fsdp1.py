@@ -23,6 +23,7 @@ from torch.distributed.fsdp.wrap import ModuleWrapPolicy
 from disttrain.config import check_fsdp1
 from disttrain.parallel.blocks import apply_activation_checkpointing, check_tied_weights, find_blocks
 from disttrain.parallel.mesh import Layout
+from disttrain.runtime import torch_compat
 
 STRATEGY_NAMES = {
     "full": ShardingStrategy.FULL_SHARD,
@@ -61,9 +62,7 @@ def apply_fsdp1(model: nn.Module, layout: Layout, device: torch.device, *, shard
         # A degenerate grid is one of the plain strategies; HYBRID_SHARD needs two real dims.
         strategy = ShardingStrategy.FULL_SHARD if layout.replicate == 1 else ShardingStrategy.NO_SHARD
     if activation_checkpointing:
-        from torch.distributed.algorithms._checkpoint.checkpoint_wrapper import CheckpointWrapper
-
-        classes = {CheckpointWrapper}
+        classes = {torch_compat.checkpoint_wrapper_class()}
     return FullyShardedDataParallel(
         model,
         sharding_strategy=strategy,

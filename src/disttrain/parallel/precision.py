@@ -21,6 +21,8 @@ import torch
 import torch.distributed as dist
 import torch.nn as nn
 
+from disttrain.runtime import torch_compat
+
 DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
 
 
@@ -122,7 +124,7 @@ class AgreedGradScaler:
         for (dev, _), bucket in buckets.items():
             found_here = torch.zeros(1, device=dev)
             inv = torch.full((1,), 1.0 / self._scale, device=dev)
-            torch._amp_foreach_non_finite_check_and_unscale_(bucket, found_here, inv)
+            torch_compat.unscale_and_check_(bucket, found_here, inv)
             found = torch.maximum(found, found_here.to(device))
         if dist.is_available() and dist.is_initialized():
             # The agreement: any rank's overflow becomes every rank's overflow.

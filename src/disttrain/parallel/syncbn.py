@@ -21,8 +21,10 @@ import torch.distributed as dist
 import torch.distributed.nn.functional as dist_fn
 import torch.nn as nn
 
+from disttrain.runtime import torch_compat
 
-class GlooSyncBatchNorm(nn.modules.batchnorm._BatchNorm):
+
+class GlooSyncBatchNorm(torch_compat.batchnorm_base()):
     """BatchNorm over the global batch of all ranks, for any device and backend.
 
     Training: mean and variance come from an all-reduce of per-channel sums, whose
@@ -76,7 +78,7 @@ def convert_sync_batchnorm(model: nn.Module, device_type: str) -> nn.Module:
 
 def _convert_cpu(module: nn.Module) -> nn.Module:
     out = module
-    if isinstance(module, nn.modules.batchnorm._BatchNorm) and not isinstance(module, GlooSyncBatchNorm):
+    if isinstance(module, torch_compat.batchnorm_base()) and not isinstance(module, GlooSyncBatchNorm):
         out = GlooSyncBatchNorm(module.num_features, module.eps, module.momentum, module.affine,
                                 module.track_running_stats)
         if module.affine:
@@ -94,5 +96,5 @@ def _convert_cpu(module: nn.Module) -> nn.Module:
 
 
 def has_batchnorm(model: nn.Module) -> bool:
-    return any(isinstance(m, nn.modules.batchnorm._BatchNorm) for m in model.modules())
+    return any(isinstance(m, torch_compat.batchnorm_base()) for m in model.modules())
 

@@ -12,7 +12,6 @@ from __future__ import annotations
 
 import atexit
 import contextlib
-import ctypes
 import datetime
 import gc
 import os
@@ -25,6 +24,7 @@ import torch
 import torch.distributed as dist
 
 from disttrain.errors import UserError
+from disttrain.runtime import torch_compat
 
 # Seed offsets: the model stream is shared; the data/dropout stream is per rank.
 _RANK_STREAM = 1_000_003
@@ -197,9 +197,7 @@ def shutdown(*, collect: bool = True) -> None:
     """
     global _current
     if dist.is_available() and dist.is_initialized():
-        from torch.distributed.distributed_c10d import _world
-
-        groups = list(_world.pg_map)
+        groups = torch_compat.process_groups()
         dist.destroy_process_group()
         if collect:
             gc.collect()
@@ -226,7 +224,7 @@ def _release_lingering(at_exit: bool = False) -> None:
         if sys.getrefcount(group) <= 3:  # held, group, the argument: ours alone
             continue
         if at_exit:
-            ctypes.pythonapi.Py_IncRef(ctypes.py_object(group))
+            torch_compat.make_immortal(group)
         else:
             _lingering.append(group)
     del held

@@ -1,0 +1,223 @@
+"""Every private name of torch (and of the interpreter) that disttrain relies on, in one file.
+
+A private name (one leading underscore, or a module path with such a part) carries no
+promise across releases. Each function below is the only place its name is used, says
+the releases it was checked on, and what it does when a release no longer has the name:
+a public equivalent, a slower exact substitute, or an error that says what is missing.
+`tests/test_torch_private.py` fails on a private torch name anywhere else in
+`src/disttrain`, so a new release breaks at most this file.
+
+Heavy modules (DCP, FSDP, the checkpoint wrapper, dynamo) are imported inside the
+function that needs them: importing this module costs no more than `import torch`.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import re
+from typing import Any, Callable
+
+import torch
+import torch.nn as nn
+
+CHECKED_ON = ("2.13.0",)
+"""The torch releases every function here was checked on (the suite's pinned release)."""
+
+WRAPPER_NAME_PARTS = ("_fsdp_wrapped_module", "_checkpoint_wrapped_module", "_orig_mod")
+"""Parts that wrappers insert into parameter names: FSDP1, the activation-checkpoint
+wrapper and `torch.compile`. Checked on 2.13.0; a release that renames one leaves that
+part in the names, which shows up as a structure mismatch, never as silent damage."""
+
+_IMMORTAL: list = []
+
+
+def process_groups() -> list:
+    """Every live process group of this process (`distributed_c10d._world.pg_map`).
+
+    Checked on 2.13.0. Fallback (no `_world`): the default group only, so groups made
+    by `new_group` or a DeviceMesh are not seen by the caller's bookkeeping."""
+    import torch.distributed as dist
+
+    try:
+        from torch.distributed.distributed_c10d import _world
+        return list(_world.pg_map)
+    except (ImportError, AttributeError):
+        return [dist.group.WORLD] if dist.is_initialized() else []
+
+
+def make_immortal(obj: Any) -> None:
+    """Give `obj` one reference nobody ever drops, so it is never destructed, not even
+    during interpreter finalization (`ctypes.pythonapi.Py_IncRef`, CPython only).
+
+    Checked on CPython 3.11 with torch 2.13.0. Fallback (no `pythonapi`, another
+    interpreter): a module-level list holds it, which protects it until the module
+    globals are cleared late in finalization."""
+    try:
+        ctypes.pythonapi.Py_IncRef(ctypes.py_object(obj))
+    except AttributeError:
+        _IMMORTAL.append(obj)
+
+
+def unscale_and_check_(grads: list[torch.Tensor], found_inf: torch.Tensor, inv_scale: torch.Tensor) -> None:
+    """Multiply `grads` (one device and dtype) by `inv_scale` in place and set
+    `found_inf` to 1 when any of them holds inf or nan
+    (`torch._amp_foreach_non_finite_check_and_unscale_`, fused, no host sync).
+
+    Checked on 2.13.0. Fallback: the same result per tensor with public ops."""
+    fused = getattr(torch, "_amp_foreach_non_finite_check_and_unscale_", None)
+    if fused is not None:
+        fused(grads, found_inf, inv_scale)
+        return
+    for g in grads:
+        found_inf.copy_(torch.maximum(found_inf, (~torch.isfinite(g)).any().to(found_inf.dtype)))
+        g.mul_(inv_scale.to(g.dtype))
+
+
+def batchnorm_base() -> type:
+    """The common base class of `nn.BatchNorm1d/2d/3d` and `nn.SyncBatchNorm`
+    (`nn.modules.batchnorm._BatchNorm`).
+
+    Checked on 2.13.0. Fallback: `BatchNorm1d`'s direct base, the same class under
+    whatever name a release gives it."""
+    return getattr(nn.modules.batchnorm, "_BatchNorm", None) or nn.BatchNorm1d.__mro__[1]
+
+
+def _checkpoint_wrapper_module():
+    try:
+        from torch.distributed.algorithms._checkpoint import checkpoint_wrapper
+    except ImportError as e:
+        raise ImportError(f"torch {torch.__version__} has no activation-checkpoint wrapper where "
+                          f"disttrain looks for it (checked on {', '.join(CHECKED_ON)}); "
+                          f"turn activation_checkpointing off") from e
+    return checkpoint_wrapper
+
+
+def checkpoint_wrap(module: nn.Module) -> nn.Module:
+    """`module` wrapped for non-reentrant activation checkpointing (recomputed in
+    backward), with `_checkpoint_wrapped_module` inserted in its parameter names
+    (`torch.distributed.algorithms._checkpoint.checkpoint_wrapper`).
+
+    Checked on 2.13.0. No fallback: a release without it raises ImportError that
+    names the switch to turn off."""
+    wrapper = _checkpoint_wrapper_module()
+    return wrapper.checkpoint_wrapper(module, checkpoint_impl=wrapper.CheckpointImpl.NO_REENTRANT)
+
+
+def checkpoint_wrapper_class() -> type:
+    """The class `checkpoint_wrap` returns (FSDP1's wrap policy names it). Checked on
+    2.13.0; no fallback, as `checkpoint_wrap`."""
+    return _checkpoint_wrapper_module().CheckpointWrapper
+
+
+def flatten_state_dict(state: dict) -> dict:
+    """`state` flattened the way DCP keys it (`"model.layer.weight"`), leaves unchanged
+    (`torch.distributed.checkpoint._nested_dict.flatten_state_dict`).
+
+    Checked on 2.13.0. Fallback: nested mappings joined with "." (DCP's rule for dicts;
+    lists stay leaves)."""
+    try:
+        from torch.distributed.checkpoint._nested_dict import flatten_state_dict as dcp_flatten
+    except ImportError:
+        return _flatten(state, "")
+    return dcp_flatten(state)[0]
+
+
+def _flatten(tree: Any, prefix: str) -> dict:
+    if not isinstance(tree, dict):
+        return {prefix: tree}
+    out: dict = {}
+    for key, value in tree.items():
+        out.update(_flatten(value, f"{prefix}.{key}" if prefix else str(key)))
+    return out
+
+
+def load_keys(keys: set[str], checkpoint_id: str) -> dict:
+    """The nested state dict of just `keys` (DCP's flattened names) from a DCP
+    checkpoint, read without a process group
+    (`torch.distributed.checkpoint.state_dict_loader._load_state_dict_from_keys`).
+
+    Checked on 2.13.0. No fallback: a release without it raises ImportError naming
+    the release (exports need it; training does not)."""
+    try:
+        from torch.distributed.checkpoint.state_dict_loader import _load_state_dict_from_keys
+    except ImportError as e:
+        raise ImportError(f"torch {torch.__version__} cannot read single keys of a checkpoint "
+                          f"(checked on {', '.join(CHECKED_ON)})") from e
+    return _load_state_dict_from_keys(keys, checkpoint_id=checkpoint_id)
+
+
+def fsdp1_unsharded_shapes(model: nn.Module) -> dict[int, tuple[int, ...]]:
+    """id(original parameter) -> unsharded shape, for parameters that FSDP1
+    (`use_orig_params=True`) turned into views of this rank's flat shard, read from
+    each flat parameter's metadata (`module._handle.flat_param._param_infos`,
+    `._shapes`, `._shared_param_infos`): no collective, no gathered copy.
+
+    Checked on 2.13.0. Fallback (the metadata is gone): the parameters missing from
+    the result, so callers see this rank's local shapes."""
+    shapes: dict[int, tuple[int, ...]] = {}
+    for module in model.modules():
+        flat = getattr(getattr(module, "_handle", None), "flat_param", None)
+        if flat is None or not hasattr(flat, "_param_infos"):
+            continue
+        for info, shape in zip(flat._param_infos, flat._shapes):
+            param = getattr(info.module, info.param_name, None)
+            if param is not None:
+                shapes[id(param)] = tuple(shape)
+        for info in getattr(flat, "_shared_param_infos", ()):
+            param = getattr(info.module, info.param_name, None)
+            prim = getattr(info.prim_module, info.prim_param_name, None)
+            if param is not None and id(prim) in shapes:
+                shapes[id(param)] = shapes[id(prim)]
+    return shapes
+
+
+def set_last_lr(scheduler: Any, lrs: list[float]) -> None:
+    """Make `scheduler.get_last_lr()` return `lrs` after the caller changed the groups'
+    learning rates by hand (LRScheduler's `_last_lr`).
+
+    Checked on 2.13.0. Fallback: the same attribute set anyway; a release that reads
+    another one reports the rates of the last `step()` until the next step."""
+    scheduler._last_lr = list(lrs)
+
+
+def torchrun_flags() -> set[str]:
+    """Every option string torchrun's parser accepts (`--nproc-per-node`, ...), read
+    from argparse's `_option_string_actions`.
+
+    Checked on 2.13.0 with CPython 3.11. Fallback: the option strings that the public
+    `format_help()` text shows."""
+    from torch.distributed.run import get_args_parser
+
+    parser = get_args_parser()
+    actions = getattr(parser, "_option_string_actions", None)
+    if actions is not None:
+        return set(actions)
+    return set(re.findall(r"(?<![\w-])(--?[A-Za-z][\w-]*)", parser.format_help()))
+
+
+def import_dynamo() -> None:
+    """Import `torch._dynamo` now (DistributedDataParallel's first construction reads
+    its config: about 3 s), so a later step does not pay for it.
+
+    Checked on 2.13.0. Fallback: nothing (a release without it has nothing to warm)."""
+    try:
+        import torch._dynamo  # noqa: F401
+    except ImportError:
+        pass
+
+
+def finish_interpreter() -> None:
+    """What the interpreter does at a normal exit before finalizing: join non-daemon
+    threads (`threading._shutdown`), then run the atexit functions
+    (`atexit._run_exitfuncs`); for a forked child that leaves with `os._exit`.
+
+    Checked on CPython 3.11. Fallback: a step whose function is missing is
+    skipped (threads are then abandoned, or atexit functions not run)."""
+    import atexit
+    import threading
+
+    steps: list[Callable[[], Any] | None] = [getattr(threading, "_shutdown", None),
+                                             getattr(atexit, "_run_exitfuncs", None)]
+    for step in steps:
+        if step is not None:
+            step()
