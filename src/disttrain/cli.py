@@ -21,6 +21,7 @@ commands:
   check    preflight on every node (same flags as run): rendezvous, all-reduce, versions, disk, clock
   launch-file  write a Slurm sbatch or Kubernetes PyTorchJob:  disttrain launch-file slurm CONFIG.toml --nodes N
   report   a PNG of a run (loss, throughput, step time, restarts):  disttrain report RUN_DIR
+  data     tokenize text files for [data] tokens:  disttrain data prepare TEXT_FILES... --out DIR
 """
 
 
@@ -44,6 +45,8 @@ def _command(name: str):
         from disttrain.launch.launch_files import main
     elif name == "report":
         from disttrain.report import main
+    elif name == "data":
+        from disttrain.data.data_command import main
     else:
         return None
     return main

@@ -1,0 +1,263 @@
+"""Token files on disk as a map-style dataset: nanoGPT's raw `train.bin` and llm.c's
+headered shards, memory-mapped, cut into `block_size + 1` windows.
+
+Two formats, told apart by the first int32 of the file:
+
+    llm.c    256 int32 header: [20240520, version, token count, 0...], then the tokens
+             (version 1: uint16, the GPT-2 vocabulary; version 2: uint32, larger ones)
+    nanoGPT  raw tokens, no header; the dtype is a config key (uint16 by default)
+
+A sample is one window: `(x, y)` = (tokens[s : s + block], tokens[s + 1 : s + block + 1])
+with s = i x block within one file (windows never cross files, so a document stream
+never runs into the next file's). Index i is the same on every rank and run, so the
+ElasticSampler's (epoch, cursor) resumes it exactly at any world size.
+
+Nothing is read at construction except the headers and sizes: a token file of tens
+of GB costs only its page cache. Each process maps the files itself on first use (a
+DataLoader worker or a forked rank never inherits another's maps) and keeps at most
+`MAX_OPEN` of them open, as a data set of a thousand small files would otherwise
+hold a thousand file descriptors.
+"""
+
+from __future__ import annotations
+
+import bisect
+import glob
+import json
+import os
+import re
+from collections import OrderedDict
+from dataclasses import dataclass
+from pathlib import Path
+
+import numpy as np
+import torch
+from torch.utils.data import Dataset
+
+from disttrain.errors import UserError
+
+LLMC_MAGIC = 20240520
+LLMC_HEADER_INTS = 256
+LLMC_HEADER_BYTES = LLMC_HEADER_INTS * 4
+LLMC_DTYPES = {1: np.uint16, 2: np.uint32}
+"""llm.c header version -> token dtype."""
+RAW_DTYPES = {"uint16": np.uint16, "uint32": np.uint32, "int32": np.int32}
+"""The dtypes a raw (nanoGPT) token file may hold: `data.tokens_dtype`."""
+MAX_OPEN = 64
+META = "meta.json"
+"""The record `disttrain data prepare` keeps in its folder: tokenizer, vocabulary size,
+dtype, and every file written."""
+
+
+@dataclass(frozen=True)
+class TokenFile:
+    """One token file: where its tokens start, how many, and their dtype."""
+
+    path: Path
+    offset: int
+    """Bytes before the first token (the llm.c header, or 0)."""
+    count: int
+    dtype: type
+    format: str
+    """'llmc' or 'nanogpt'."""
+
+
+def read_token_file(path: str | os.PathLike, raw_dtype: str = "uint16") -> TokenFile:
+    """The layout of one token file, from its header and size (no token is read).
+
+    A file that starts with the llm.c magic is llm.c; any other is raw tokens of
+    `raw_dtype`. Raises `UserError` naming the file for a header of an unknown
+    version, a header whose token count disagrees with the file size, or a raw file
+    whose size is not a multiple of the dtype's size.
+    """
+    path = Path(path)
+    if raw_dtype not in RAW_DTYPES:
+        raise UserError(f"data.tokens_dtype is {raw_dtype!r}; choose one of {', '.join(RAW_DTYPES)}.")
+    try:
+        size = path.stat().st_size
+        with path.open("rb") as f:
+            raw = f.read(LLMC_HEADER_BYTES)
+        head = np.frombuffer(raw[: len(raw) // 4 * 4], dtype="<i4")
+    except OSError as e:
+        raise UserError(f"token file {path}: cannot read it ({e.strerror or e}).") from None
+    if len(head) and int(head[0]) == LLMC_MAGIC:
+        if len(head) < LLMC_HEADER_INTS:
+            raise UserError(f"token file {path}: it starts with the llm.c magic but has {size} bytes, "
+                            f"less than the {LLMC_HEADER_BYTES}-byte header; it is truncated. Rewrite "
+                            f"it with `disttrain data prepare`.")
+        version, count = int(head[1]), int(head[2])
+        if version not in LLMC_DTYPES:
+            raise UserError(f"token file {path}: llm.c header version {version} is unknown (1 = uint16, "
+                            f"2 = uint32 tokens); rewrite it with `disttrain data prepare`.")
+        dtype = LLMC_DTYPES[version]
+        want = LLMC_HEADER_BYTES + count * np.dtype(dtype).itemsize
+        if count < 0 or size != want:
+            raise UserError(f"token file {path}: its llm.c header says {count} tokens ({want} bytes), "
+                            f"but the file has {size} bytes; it is truncated or not an llm.c file. "
+                            f"Rewrite it with `disttrain data prepare`.")
+        return TokenFile(path, LLMC_HEADER_BYTES, count, dtype, "llmc")
+    dtype = RAW_DTYPES[raw_dtype]
+    item = np.dtype(dtype).itemsize
+    if size % item:
+        raise UserError(f"token file {path}: {size} bytes is not a whole number of {raw_dtype} tokens "
+                        f"({item} bytes each), and it has no llm.c header; it is truncated, or set "
+                        f"data.tokens_dtype to the dtype it was written with.")
+    return TokenFile(path, 0, size // item, dtype, "nanogpt")
+
+
+_VAL_NAME = re.compile(r"(^|[_.-])(val|valid|validation)([_.-]|$)")
+
+
+def read_meta(folder: Path) -> dict:
+    """A prepared folder's meta.json, or {} when there is none (or it is unreadable)."""
+    try:
+        return json.loads((folder / META).read_text())
+    except (OSError, ValueError):
+        return {}
+
+
+def check_vocab(files: list[Path], vocab_size: int | None) -> None:
+    """Refuse token files whose prepare record names a vocabulary larger than the
+    model's (an out-of-range token would fail deep in the embedding). Files without a
+    meta.json are not checked."""
+    if vocab_size is None:
+        return
+    for folder in sorted({p.parent for p in files}):
+        need = read_meta(folder).get("vocab_size")
+        if isinstance(need, int) and need > vocab_size:
+            raise UserError(f"token files in {folder} were prepared with a vocabulary of {need} "
+                            f"({read_meta(folder).get('tokenizer')}), but model.vocab_size is {vocab_size}; "
+                            f"set model.vocab_size to at least {need}.")
+
+
+def _is_val_name(path: Path) -> bool:
+    # nanoGPT writes val.bin; llm.c writes NAME_val_000000.bin.
+    return _VAL_NAME.search(path.stem.lower()) is not None
+
+
+def expand_tokens(spec: str, base: str | os.PathLike | None = None) -> list[Path]:
+    """The token files a `data.tokens` value names, sorted: a directory (its `*.bin`
+    files), a glob, or one file; a relative value is taken from `base`. Raises
+    `UserError` when it names no file."""
+    base_dir = Path(base) if base is not None else Path.cwd()
+    full = Path(spec).expanduser()
+    full = full if full.is_absolute() else base_dir / full
+    if full.is_dir():
+        files = sorted(full.glob("*.bin"))
+    elif any(c in spec for c in "*?["):
+        files = sorted(Path(p) for p in glob.glob(str(full)) if Path(p).is_file())
+    else:
+        files = [full] if full.is_file() else []
+    if not files:
+        what = "has no *.bin file" if full.is_dir() else "matches no file"
+        raise UserError(f"data.tokens = {spec!r} {what} (looked at {full}); write token files with "
+                        f"`disttrain data prepare TEXT_FILES... --out DIR`.")
+    return files
+
+
+def split_files(files: list[Path], heldout: str, base: str | os.PathLike | None = None
+                ) -> tuple[list[Path], list[Path]]:
+    """(train files, held-out files). `heldout` is a glob or path (relative to `base`)
+    naming the held-out files; '' picks the files named like a validation split
+    (`val.bin`, `NAME_val_000000.bin`). Either list may come back empty: no held-out
+    file means the held-out windows are a fraction of the data (`token_datasets`)."""
+    if heldout:
+        held = expand_tokens(heldout, base)
+        return [p for p in files if p not in set(held)], held
+    held_files = [p for p in files if _is_val_name(p)]
+    return [p for p in files if not _is_val_name(p)], held_files
+
+
+class TokenWindows(Dataset):
+    """Non-overlapping windows of `block_size + 1` tokens over token files, as
+    (input, next-token target) int64 pairs. Optionally only windows [start, stop) of
+    the whole sequence of windows (a held-out fraction)."""
+
+    def __init__(self, files: list[TokenFile], block_size: int, start: int = 0, stop: int | None = None):
+        if block_size < 1:
+            raise UserError(f"model.block_size is {block_size}; it must be at least 1.")
+        self.files, self.block_size = list(files), block_size
+        # windows per file: a file of n tokens holds (n - 1) // block windows
+        self.ends = np.cumsum([max(0, (f.count - 1) // block_size) for f in self.files]).tolist()
+        total = self.ends[-1] if self.ends else 0
+        self.start, self.stop = start, total if stop is None else min(stop, total)
+        self._maps: OrderedDict[int, np.ndarray] = OrderedDict()
+        self._pid = os.getpid()
+
+    @property
+    def tokens(self) -> int:
+        return sum(f.count for f in self.files)
+
+    def __len__(self) -> int:
+        return max(0, self.stop - self.start)
+
+    def __getstate__(self) -> dict:
+        # A pickled memmap would copy its whole file; the receiver maps it again.
+        state = dict(self.__dict__)
+        state["_maps"] = OrderedDict()
+        return state
+
+    def _map(self, k: int) -> np.ndarray:
+        if self._pid != os.getpid():  # a forked worker: its own maps
+            self._maps, self._pid = OrderedDict(), os.getpid()
+        tokens = self._maps.get(k)
+        if tokens is None:
+            f = self.files[k]
+            tokens = np.memmap(f.path, dtype=f.dtype, mode="r", offset=f.offset, shape=(f.count,))
+            self._maps[k] = tokens
+            if len(self._maps) > MAX_OPEN:
+                self._maps.popitem(last=False)
+        else:
+            self._maps.move_to_end(k)
+        return tokens
+
+    def locate(self, i: int) -> tuple[int, int]:
+        """(file number, first token) of window i."""
+        if not 0 <= i < len(self):
+            raise IndexError(f"window {i} is out of range for {len(self)} windows")
+        g = self.start + i
+        k = bisect.bisect_right(self.ends, g)
+        first = g - (self.ends[k - 1] if k else 0)
+        return k, first * self.block_size
+
+    def __getitem__(self, i: int) -> tuple[torch.Tensor, torch.Tensor]:
+        k, s = self.locate(int(i))
+        window = torch.from_numpy(self._map(k)[s : s + self.block_size + 1].astype(np.int64))
+        return window[:-1], window[1:]
+
+
+def token_datasets(spec: str, block_size: int, *, heldout: str = "", heldout_fraction: float = 0.1,
+                   raw_dtype: str = "uint16", base: str | os.PathLike | None = None,
+                   vocab_size: int | None = None) -> tuple[TokenWindows, TokenWindows, dict]:
+    """(train windows, held-out windows, summary fields) for `data.tokens`.
+
+    Held-out by file when `heldout` names files or some files are named like a
+    validation split; otherwise the last `heldout_fraction` of the windows (at least
+    one), so training never sees a held-out window. `vocab_size` (the model's), when
+    given, is checked against the folders' meta.json. Raises `UserError` for a
+    malformed file (naming it), too small a vocabulary, and too little data for one
+    training window.
+    """
+    train_paths, held_paths = split_files(expand_tokens(spec, base), heldout, base)
+    check_vocab(train_paths + held_paths, vocab_size)
+    if not train_paths:
+        raise UserError(f"data.tokens = {spec!r}: every file is held out ({', '.join(p.name for p in held_paths)}); "
+                        f"name the training files in data.tokens, the held-out ones in data.tokens_heldout.")
+    train_files = [read_token_file(p, raw_dtype) for p in train_paths]
+    held_files = [read_token_file(p, raw_dtype) for p in held_paths]
+    if held_files:
+        train, held = TokenWindows(train_files, block_size), TokenWindows(held_files, block_size)
+        split = "file"
+    else:
+        everything = TokenWindows(train_files, block_size)
+        cut = len(everything) - max(1, int(len(everything) * heldout_fraction))
+        train, held = TokenWindows(train_files, block_size, 0, cut), TokenWindows(train_files, block_size, cut)
+        split = "fraction"
+    if len(train) == 0:
+        raise UserError(f"data.tokens = {spec!r}: {sum(f.count for f in train_files)} tokens in "
+                        f"{len(train_files)} file(s) give no training window of block_size + 1 = "
+                        f"{block_size + 1} tokens (windows do not cross files); lower model.block_size "
+                        f"or add data.")
+    summary = {"train_files": len(train_files), "heldout_files": len(held_files), "heldout_split": split,
+               "train_tokens": sum(f.count for f in train_files), "train_windows": len(train)}
+    return train, held, summary
