@@ -19,6 +19,7 @@ from disttrain.config.gpt_shape import GPTConfig
 from disttrain.config.data_config import DataConfig, check_data_source
 from disttrain.config.elastic_config import ElasticConfig, check_elastic
 from disttrain.config.log_config import LogConfig
+from disttrain.config.rules import check_values
 from disttrain.config.tomlfile import apply_overrides, build, read_toml
 from disttrain.config.user_code import check_model_keys, check_sources
 from disttrain.errors import ConfigError
@@ -248,6 +249,7 @@ def validate(cfg: Config) -> None:
     _one_of("parallel.backend", p.backend, ("auto", "gloo", "nccl"))
     _one_of("data.corpus", cfg.data.corpus, ("stdlib",))
     _require(p.timeout_s > 0, f"parallel.timeout_s is {p.timeout_s}; it must be positive.")
+    check_values(cfg)  # the table of ranges, finiteness and cross-key rules (config/rules.py)
     g = cfg.guard
     _require(g.divergence_every >= 0 and g.hang_factor > 1 and g.hang_min_s > 0 and g.tick_s > 0
              and g.hang_cap_s >= g.hang_min_s,

@@ -27,11 +27,19 @@ from disttrain.errors import ConfigError
 def read_toml(path: str | os.PathLike) -> dict:
     """The parsed file. Raises `ConfigError` for a missing file or bad TOML."""
     p = Path(path)
+    if p.is_dir():
+        raise ConfigError(f"config file {p} is a directory; pass the path of a TOML file inside it, "
+                          f"for example examples/tiny_gpt.toml.")
     if not p.is_file():
         raise ConfigError(f"config file not found: {p}. Pass the path of a TOML file, "
                           f"for example examples/tiny_gpt.toml.")
     try:
-        return tomllib.loads(p.read_text())
+        return tomllib.loads(p.read_bytes().decode("utf-8"))
+    except UnicodeDecodeError as e:
+        raise ConfigError(f"{p} is not UTF-8 text (byte {e.start} is {e.object[e.start]:#04x}); TOML "
+                          f"files are UTF-8: save it in that encoding.") from None
+    except OSError as e:
+        raise ConfigError(f"cannot read config file {p}: {e.strerror or e}.") from None
     except tomllib.TOMLDecodeError as e:
         raise ConfigError(f"{p} is not valid TOML: {e}. Fix the syntax at that line.") from None
 
