@@ -15,7 +15,7 @@ from ckpt_common import build, train  # noqa: E402
 from disttrain.checkpoint import (Checkpointer, CheckpointError, CheckpointSaveError,  # noqa: E402
                                   StaleWriterError, latest_valid, verify)
 from disttrain.runtime.fault_injection import set_faults  # noqa: E402
-from disttrain.train import trainer  # noqa: E402
+from disttrain.train.saving import Saving  # noqa: E402
 
 
 @pytest.fixture(autouse=True)
@@ -62,17 +62,18 @@ def test_trainer_save_and_close_let_a_stale_writer_stop_the_run_with_on_error_co
     state = build("ddp")
     a = Checkpointer(root, async_mode=mode)
     train(state, 1)
-    assert trainer._save(a, state, 1, "continue", 0) == 1
+    saving = Saving(a, state, None, on_error="continue")
+    saving.save(1)
     a.wait()
     Checkpointer(root).save(build("ddp"))  # fenced by a second job
     train(state, 1)
     if mode == "off":
         with pytest.raises(StaleWriterError):
-            trainer._save(a, state, 2, "continue", 1)
-    else:  # the stale commit fails on the background thread: close() reports it
-        assert trainer._save(a, state, 2, "continue", 1) == 2
+            saving.save(2)
+    else:  # the stale commit fails on the background thread: finish() reports it
+        saving.save(2)
         with pytest.raises(StaleWriterError):
-            trainer._close(a, "continue")
+            saving.finish(2)
     assert not (root / "step-00000002").exists()
 
 
@@ -97,16 +98,17 @@ def test_a_failed_async_save_does_not_skip_the_next_save(tmp_path):
     ck.close()
 
 
-def test_trainer_on_error_continue_warns_after_the_next_async_save(tmp_path, capsys):
+def test_trainer_on_error_continue_warns_after_the_next_async_save(tmp_path, capsys, caplog):
     root = tmp_path / "run"
     state = build("ddp")
     ck = Checkpointer(root, async_mode="thread")
     set_faults("enospc@checkpoint.shards:step=1")
     train(state, 1)
-    assert trainer._save(ck, state, 1, "continue", 0) == 1
+    saving = Saving(ck, state, None, on_error="continue")
+    saving.save(1)
     train(state, 1)
-    assert trainer._save(ck, state, 2, "continue", 1) == 2
-    trainer._close(ck, "continue")
-    err = capsys.readouterr().err
+    saving.save(2)
+    saving.finish(2)  # step 2 is saved: only the close
+    err = capsys.readouterr().err + caplog.text  # the "disttrain" logger's warning
     assert "step-00000001" in err and "disk full" in err and "Training continues" in err
     assert latest_valid(root).name == "step-00000002"

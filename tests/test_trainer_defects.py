@@ -35,7 +35,7 @@ RANK_SCRIPT = textwrap.dedent('''
     from disttrain.errors import DistributedMismatchError
     from disttrain.guard.run_guard import check_consistency, model_structure
     from disttrain.parallel import wrap
-    from disttrain.train.trainer import evaluate
+    from disttrain.train.evaluation import Evaluator
 
     out = Path(sys.argv[1])
     res = {}
@@ -71,7 +71,7 @@ RANK_SCRIPT = textwrap.dedent('''
         calls = []
         model.register_forward_hook(lambda *a: calls.append(1))
         data = ChunkDataset(torch.randint(0, 256, (5 * 16 + 1,), generator=torch.Generator().manual_seed(1)), 16)
-        res["eval_loss"] = evaluate(model, data, batch_size=2, max_batches=2)
+        res["eval_loss"] = Evaluator(data, 2, max_batches=2).run(model)["loss"]
         res["eval_forwards"] = len(calls)
         with torch.no_grad():
             x, y = (torch.stack(t) for t in zip(*(data[i] for i in range(5))))

@@ -35,7 +35,13 @@ class NonFiniteError(UserError):
 
 def _local(t: torch.Tensor) -> torch.Tensor:
     to_local = getattr(t, "to_local", None)  # a DTensor: this rank's shard
-    return to_local() if callable(to_local) else t
+    if callable(to_local):
+        return to_local()
+    shards = getattr(t, "local_shards", None)  # FSDP1's ShardedTensor: this rank's shards
+    if callable(shards):
+        parts = [s.tensor.reshape(-1) for s in shards()]
+        return torch.cat(parts) if parts else torch.empty(0)
+    return t
 
 
 def _tensors(tree: Any) -> Iterable[tuple[str, torch.Tensor]]:

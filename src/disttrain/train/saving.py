@@ -14,6 +14,7 @@ directory over) always propagates.
 
 from __future__ import annotations
 
+import contextlib
 import logging
 import math
 import time
@@ -61,12 +62,20 @@ class SaveClock:
         return False
 
 
+class _NoGuard:
+    """Saving without a run guard (a test, a tool): no slow phases."""
+
+    @staticmethod
+    def slow_phase(name: str, nbytes: int = 0):
+        return contextlib.nullcontext()
+
+
 class Saving:
     """The run's checkpointer with its cadence and error policy (see the module)."""
 
     def __init__(self, ckpt: Checkpointer | None, state: TrainState, guard, *, every: int = 0,
                  every_s: float = 0.0, on_error: str = "stop", who: str = "disttrain"):
-        self.ckpt, self.state, self.guard = ckpt, state, guard
+        self.ckpt, self.state, self.guard = ckpt, state, guard or _NoGuard()
         self.every, self.clock, self.on_error, self.who = every, SaveClock(every_s), on_error, who
         self.saved_at = state.step
         self.check = None
