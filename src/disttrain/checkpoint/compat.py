@@ -11,6 +11,7 @@ from pathlib import Path
 import torch
 
 from disttrain.checkpoint.checkpoint_errors import CheckpointMismatch
+from disttrain.runtime import torch_compat
 
 SHOW = 5
 
@@ -24,11 +25,10 @@ def check_compatible(tensors: dict, step_dir: Path, *, strict: bool = True) -> N
     """
     # DCP is imported here, on a load, not when the trainer starts (it pulls in sympy)
     from torch.distributed.checkpoint import FileSystemReader
-    from torch.distributed.checkpoint._nested_dict import flatten_state_dict
     from torch.distributed.checkpoint.metadata import TensorStorageMetadata
 
     saved = FileSystemReader(str(step_dir)).read_metadata().state_dict_metadata
-    flat, _ = flatten_state_dict(tensors)
+    flat = torch_compat.flatten_state_dict(tensors)
     problems = []
     for key, value in flat.items():
         if key not in saved:
@@ -84,6 +84,14 @@ def failed_ranks(exc: BaseException) -> list[int]:
         if isinstance(e, CheckpointException):
             ranks.update(int(r) for r in e.failures)
     return sorted(ranks)
+
+
+def describe_failure(exc: BaseException, rank: int) -> str:
+    """'rank R: why' for a failed DCP save or load. DCP raises the failure of any rank
+    on every rank, so R is the rank that failed (from DCP's failures), else `rank`."""
+    ranks = failed_ranks(exc) or [rank]
+    who = f"rank {ranks[0]}" if len(ranks) == 1 else f"ranks {', '.join(map(str, ranks))}"
+    return f"{who}: {describe(exc)}"
 
 
 def describe(exc: BaseException) -> str:

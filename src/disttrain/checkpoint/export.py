@@ -19,12 +19,12 @@ from pathlib import Path
 import torch
 from torch.distributed.checkpoint import FileSystemReader
 from torch.distributed.checkpoint.metadata import TensorStorageMetadata
-from torch.distributed.checkpoint.state_dict_loader import _load_state_dict_from_keys
 
 from disttrain.checkpoint import layout
 from disttrain.checkpoint.files import atomic_torch_save
 from disttrain.config.paths import output_file
 from disttrain.errors import UserError
+from disttrain.runtime import torch_compat
 
 _ST_DTYPES = {torch.float64: "F64", torch.float32: "F32", torch.float16: "F16",
               torch.bfloat16: "BF16", torch.int64: "I64", torch.int32: "I32", torch.int16: "I16",
@@ -50,7 +50,7 @@ def tensor_table(step_dir: Path) -> list[tuple[str, tuple, torch.dtype, int]]:
 def _read_one(step_dir: Path, key: str) -> torch.Tensor:
     with warnings.catch_warnings():  # "no process group: single process" is the intent here
         warnings.simplefilter("ignore")
-        sd = _load_state_dict_from_keys({key}, checkpoint_id=str(step_dir))
+        sd = torch_compat.load_keys({key}, checkpoint_id=str(step_dir))
     for part in key.split("."):  # DCP returns the nested form of the flattened key
         sd = sd[part] if isinstance(sd, dict) and part in sd else sd
     if isinstance(sd, dict):
@@ -148,5 +148,5 @@ def export_optimizer(step_dir: Path, to: str | os.PathLike) -> Path:
     keys = {r[0] for r in tensor_table(step_dir) if r[0].startswith("optim.")}
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")
-        sd = _load_state_dict_from_keys(keys | {"optim.param_groups"}, checkpoint_id=str(step_dir))
+        sd = torch_compat.load_keys(keys | {"optim.param_groups"}, checkpoint_id=str(step_dir))
     return atomic_torch_save(sd.get("optim", sd), to)

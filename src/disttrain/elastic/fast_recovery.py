@@ -40,7 +40,7 @@ import torch.distributed as dist
 
 from disttrain import runtime
 from disttrain.elastic.buddy_copy import BuddyCopy
-from disttrain.runtime import fault_injection
+from disttrain.runtime import fault_injection, torch_compat
 
 ROLE_ENV = "DISTTRAIN_FAST_ROLE"
 """Set by the slot supervisor on its children: "first" or "spare"."""
@@ -72,7 +72,7 @@ def warm_up() -> None:
     """Import now what the first DDP construction and the state hand-off import lazily
     (torch._dynamo: about 3 s; DCP's state-dict helpers), so a promoted spare does
     not pay for it during a recovery."""
-    import torch._dynamo  # noqa: F401  (DistributedDataParallel.__init__ reads its config)
+    torch_compat.import_dynamo()  # DistributedDataParallel.__init__ reads its config
     import torch.distributed.checkpoint.state_dict  # noqa: F401  (TrainState.load_state_dict)
 
 
