@@ -41,7 +41,7 @@ import torch
 import torch.distributed as dist
 
 from disttrain.checkpoint import layout
-from disttrain.checkpoint.compat import describe, failed_ranks
+from disttrain.checkpoint.compat import describe, describe_failure
 from disttrain.checkpoint.checkpoint_errors import (CheckpointCorrupt, CheckpointError, CheckpointMismatch,
                                          CheckpointSaveError, StaleWriterError)
 from disttrain.checkpoint.digests import digest_bytes
@@ -143,9 +143,7 @@ class Checkpointer:
         of raising it (a `StaleWriterError` is raised: a fenced writer stops)."""
         try:
             self.wait()
-        except StaleWriterError:
-            raise
-        except CheckpointSaveError as e:
+        except CheckpointSaveError as e:  # a StaleWriterError is none: it propagates
             return e
         return None
 
@@ -199,7 +197,7 @@ class Checkpointer:
             try:
                 dcp.save(sd["tensors"], storage_writer=writer, process_group=self.pg)
             except _failures() as e:
-                local = self._describe(e)
+                local = describe_failure(e, self.rank)
             return self._finish(step, tmp, final, sd["meta"], info, local, (fs.digests, finite))
         future = dcp.async_save(sd["tensors"], storage_writer=writer, process_group=self.pg,
                                 async_checkpointer_type=AsyncCheckpointerType.THREAD)
@@ -207,28 +205,19 @@ class Checkpointer:
                                            info, (fs.digests, finite))
         return None
 
-    def _describe(self, e: BaseException) -> str:
-        """'rank R: why' for a failed DCP save. DCP raises the failure of any rank on
-        every rank, so R is the rank that failed (from DCP's failures), not this one."""
-        ranks = failed_ranks(e) or [self.rank]
-        who = f"rank {ranks[0]}" if len(ranks) == 1 else f"ranks {', '.join(map(str, ranks))}"
-        return f"{who}: {describe(e)}"
-
     def _complete(self, future, step, tmp, final, meta, info, outcome) -> Path:
         local = None
         try:
             future.result()
         except _failures() as e:
-            local = self._describe(e)
+            local = describe_failure(e, self.rank)
         return self._finish(step, tmp, final, meta, info, local, outcome)
 
     def _finish(self, step: int, tmp: Path, final: Path, meta: dict, info: dict,
                 local: str | None, outcome: tuple[dict[str, dict], bool]) -> Path:
         from disttrain.checkpoint.fault_points import fault_point
 
-        # one all-gather carries every rank's outcome, the digests of its files and
-        # whether its share of the weights is finite (the manifest records it)
-        digests, finite = outcome
+        digests, finite = outcome  # one all-gather: each rank's outcome, digests, finiteness
         gathered = self._gather((local, digests if local is None else {}, finite))
         err = next((e for e, _, _ in gathered if e), None)
         fault_point("after_shards", self.rank, step)
@@ -348,10 +337,7 @@ class Checkpointer:
         if path is not None and path.name.startswith("step-"):
             candidates = [path]
         else:
-            if self.rank == 0:
-                for empty in layout.empty_step_dirs(path or self.root):
-                    print(f"disttrain checkpoint: note: {empty} is an empty folder, not a checkpoint; "
-                          f"it is ignored (remove it with rmdir).", file=sys.stderr)
+            layout.note_empty_step_dirs(path or self.root, self.rank)
             candidates = list(map(Path, self._bcast([str(p) for _, _, p in layout.committed(path or self.root)]
                                                     if self.rank == 0 else None)))
         if not candidates:

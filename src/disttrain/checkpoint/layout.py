@@ -27,6 +27,7 @@ import json
 import os
 import re
 import shutil
+import sys
 from pathlib import Path
 from typing import Callable
 
@@ -201,6 +202,13 @@ def empty_step_dirs(root: str | os.PathLike) -> list[Path]:
     if not root.is_dir():
         return []
     return sorted(p for p in root.iterdir() if _STEP_RE.match(p.name) and is_empty_dir(p))
+
+
+def note_empty_step_dirs(root: str | os.PathLike, rank: int = 0) -> None:
+    """On rank 0, one note per empty `step-*` folder under `root` (which `committed` skips)."""
+    for empty in empty_step_dirs(root) if rank == 0 else []:
+        print(f"disttrain checkpoint: note: {empty} is an empty folder, not a checkpoint; it is "
+              f"ignored (remove it with rmdir).", file=sys.stderr)
 
 
 def latest_valid(root: str | os.PathLike, *, checksums: bool = True) -> Path | None:
