@@ -76,9 +76,9 @@ class Loop:
             local = [p.to_local() if hasattr(p, "to_local") else p for p in self.job.model.parameters()]
             if local and not bool(torch.isfinite(torch.stack([t.detach().float().sum() for t in local]).sum())):
                 bad = step
-        first = torch.tensor([float(bad) if bad is not None else math.inf], dtype=torch.float64,
-                             device=comm_device())
+        first = torch.tensor([float(bad) if bad is not None else math.inf], dtype=torch.float64)
         if dist.is_initialized() and dist.get_world_size() > 1:
+            first = first.to(comm_device())
             dist.all_reduce(first, op=dist.ReduceOp.MIN)
         if math.isfinite(float(first.item())):
             raise UserError(f"training diverged: the loss or the weights became non-finite (nan/inf) "
