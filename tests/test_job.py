@@ -73,11 +73,17 @@ def test_sigterm_saves_exits_zero_then_resumes(reference, tmp_path):
     assert all(torch.equal(got[k], reference[k]) for k in reference)
 
 
-def test_optimizer_before_wrap_is_one_user_error(tmp_path):
-    proc = run_disttrain(["run", "--nproc", "2", str(WORKERS / "job_misuse.py"), str(tmp_path)],
-                         timeout=120)
-    assert proc.returncode != 0
-    assert "built before dt.wrap()" in proc.stdout + proc.stderr
+@pytest.mark.parametrize("strategy", ["ddp", "fsdp"])
+def test_optimizer_before_wrap_is_one_line_exit_2_and_never_retried(tmp_path, strategy):
+    """Under every strategy (DDP keeps the parameters, so the mistake used to pass), and
+    with restarts on: one line from the launcher, no traceback, no second start."""
+    proc = run_disttrain(["run", "--nproc", "2", "--max-restarts", "3", str(WORKERS / "job_misuse.py"),
+                          str(tmp_path), strategy], timeout=150)
+    out = proc.stdout + proc.stderr
+    assert proc.returncode == 2, out[-3000:]
+    assert out.count("the optimizer was built before job.wrap()") == 1, out[-3000:]
+    assert "Traceback" not in out
+    assert sorted((tmp_path / "starts").read_text().split("\n")[:-1]) == ["0 0", "1 0"]  # no restart
 
 
 # ---------------------------------------------------------------- in one process (a world of 1)

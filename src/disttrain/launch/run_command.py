@@ -27,6 +27,11 @@ What it changes, and why:
   A user's `--shutdown-timeout` (or PET_SHUTDOWN_TIMEOUT, TORCH_ELASTIC_SHUTDOWN_TIMEOUT)
   wins.
 - A `DISTTRAIN_FAULT` spec with a typo is refused before any worker starts.
+- Every worker starts through `disttrain.launch.worker_entry`, which gives it a
+  parent-death signal: a launcher killed with SIGKILL leaves no orphan workers.
+- `--nproc` and `--nnodes` that torchrun cannot use are refused in one line; for `-m
+  disttrain.train CONFIG` the checks of `disttrain.launch.preflight` (writable out_dir
+  and checkpoint root, a first step that fits in memory) run before any worker starts.
 - `-m disttrain.train CONFIG` whose config sets `[elastic] fast_recovery = true`: each
   worker slot runs `disttrain.launch.slot_supervisor`, which keeps the training
   process and a warm spare as its children (docs/elastic.md).
@@ -46,7 +51,8 @@ import signal
 import sys
 
 from disttrain.errors import UserError
-from disttrain.launch import warm_workers
+from disttrain.launch import user_notes, warm_workers
+from disttrain.launch.worker_entry import LAUNCHER_ENV
 
 DEFAULT_ENV = {"TORCH_DISABLE_SHARE_RDZV_TCP_STORE": "1"}
 
@@ -133,6 +139,24 @@ def _split_script(argv: list[str]) -> tuple[list[str], list[str]]:
     return argv, []
 
 
+NPROC_WORDS = ("auto", "cpu", "gpu", "xpu")
+"""The words torchrun takes for --nproc-per-node besides a number."""
+
+
+def check_counts(nproc: str, nnodes: str | None) -> None:
+    """Refuse an --nproc or --nnodes torchrun cannot use (`UserError`, one line)."""
+    if not (nproc.isdigit() or nproc in NPROC_WORDS):
+        raise UserError(f"--nproc is {nproc!r}; give a number of processes per node (or one of "
+                        f"{', '.join(NPROC_WORDS)}), for example --nproc 2.")
+    if nnodes is None:
+        return
+    parts = nnodes.split(":")
+    if (len(parts) > 2 or not all(p.isdigit() for p in parts) or int(parts[0]) < 1
+            or int(parts[-1]) < int(parts[0])):
+        raise UserError(f"--nnodes is {nnodes!r}; give a number of nodes >= 1, or MIN:MAX with "
+                        f"1 <= MIN <= MAX for an elastic job, for example --nnodes 2 or --nnodes 1:4.")
+
+
 def visible_gpus() -> int:
     import torch
 
@@ -211,6 +235,7 @@ def build_torchrun_args(argv: list[str]) -> tuple[list[str], dict[str, str]]:
     if nproc is None:
         nproc = str(gpus or 2)
         flags = ["--nproc-per-node", nproc] + flags
+    check_counts(nproc, _flag_value(flags, "--nnodes"))
     if nproc.isdigit():
         if int(nproc) < 1:
             raise UserError(f"--nproc is {nproc}; start at least one process.")
@@ -238,11 +263,19 @@ def build_torchrun_args(argv: list[str]) -> tuple[list[str], dict[str, str]]:
     grace = preempt_grace_s(script, is_module)
     if is_module and len(script) > 1 and script[0] == "disttrain.train":
         from disttrain.config import load_config
+        from disttrain.launch.preflight import preflight
 
-        if load_config(script[1], script[2:]).elastic.fast_recovery:
+        cfg = load_config(script[1], script[2:])
+        nodes = nnodes.split(":")[-1]
+        preflight(cfg, world=int(nproc) * int(nodes) if nproc.isdigit() and nodes.isdigit() else None)
+        if cfg.elastic.fast_recovery:
             script = ["disttrain.launch.slot_supervisor", *script]
     if warm_workers_wanted(argv):
         script = ["disttrain.launch.warm_workers", *script]
+    if not any(f in flags for f in ("--no-python", "--no_python")):
+        # every worker gets a parent-death signal (launch/worker_entry.py)
+        script = ["disttrain.launch.worker_entry", *(["-m"] if is_module else []), *script]
+        flags = flags if is_module else flags + ["-m"]
     env["DISTTRAIN_PREEMPT_GRACE_S"] = f"{grace:g}"
     if (_flag_value(flags, *SHUTDOWN_FLAGS) is None and not any(os.environ.get(k) for k in SHUTDOWN_ENV)
             and torchrun_has_shutdown_timeout()):
@@ -278,6 +311,18 @@ def main(argv: list[str]) -> int:
             os.environ.pop(warm_workers.SOCKET_ENV, None)
 
 
+def _others(failures: dict, first: int) -> str:
+    """The clause on the ranks besides the first failure: those that failed of their own,
+    and apart from them those the agent stopped with SIGTERM once the first failed (they
+    were healthy; naming them as failed sends the user to the wrong rank)."""
+    stopped = sorted(r for r, f in failures.items() if r != first and f.exitcode == -signal.SIGTERM)
+    failed = sorted(r for r in failures if r != first and r not in stopped)
+    parts = [f"also failed: ranks {failed}"] if failed else []
+    if stopped:
+        parts.append(f"ranks {stopped} were stopped by the launcher after that")
+    return f" ({'; '.join(parts)})" if parts else ""
+
+
 def _launch(argv: list[str]) -> int:
     """torchrun with `build_torchrun_args`; failures reported in one line (see `main`)."""
     from torch.distributed.elastic.multiprocessing import SignalException
@@ -287,6 +332,7 @@ def _launch(argv: list[str]) -> int:
     args, env = build_torchrun_args(argv)
     for key, value in env.items():
         os.environ.setdefault(key, value)
+    os.environ[LAUNCHER_ENV] = str(os.getpid())  # this job's own launcher, never an outer one
     # Not a user setting: always this job's own count (a value left by an earlier job in
     # this process, or an outer launcher, would be wrong), and none for elastic sizes.
     os.environ.pop("DISTTRAIN_EXPECTED_WORLD_SIZE", None)
@@ -300,15 +346,17 @@ def _launch(argv: list[str]) -> int:
         switches = " ".join(f"{k}={os.environ[k]}" for k in sorted(env) if k.startswith(("TORCH_", "NCCL_"))
                              and k not in DEFAULT_ENV)
         print(f"disttrain run --debug: {switches}. Logs: {where}.", file=sys.stderr, flush=True)
+    notes = user_notes.watch()
     try:
         run(parse_args(args))
     except ChildFailedError as e:
+        if notes.user_error():
+            return notes.report()
         rank, failure = e.get_first_failure()
         code = failure.exitcode if failure.exitcode >= 0 else 128 - failure.exitcode
         how = (f"exit code {failure.exitcode}" if failure.exitcode >= 0
                else f"signal {failure.signal_name()}")
-        others = sorted(r for r in e.failures if r != rank)
-        more = f" (also failed: ranks {others})" if others else ""
+        more = _others(e.failures, rank)
         if failure.exitcode == 124:  # watchdog.HANG_EXIT_CODE; the reporter is not the culprit
             more += " after reporting a hang; the guard's summary above names the lagging rank"
         print(f"disttrain run: rank {rank} failed first with {how}{more}. "
@@ -319,9 +367,17 @@ def _launch(argv: list[str]) -> int:
         # has already passed the signal on and waited --shutdown-timeout for the workers; a
         # SIGTERMed disttrain worker saves and exits 0, so the job says so and exits 0 too
         # (the requeue path of docs/elastic.md), instead of a traceback and exit 1.
+        if notes.user_error():
+            return notes.report()
         name = signal.Signals(e.sigval).name
-        print(f"disttrain run: stopped by {name}; the workers were passed it and given "
-              f"--shutdown-timeout to save. The same command resumes from the newest "
-              f"checkpoint.", file=sys.stderr)
-        return 0 if e.sigval == signal.SIGTERM else 128 + int(e.sigval)
+        saved = notes.saved_step()
+        then = (f"saved step {saved}. The same command resumes from it." if saved is not None else
+                "had --shutdown-timeout to save, but no rank reported a committed checkpoint "
+                "(a script without dt.Job saves nothing on SIGTERM).")
+        print(f"disttrain run: stopped by {name}; the workers were passed it and {then}", file=sys.stderr)
+        if e.sigval != signal.SIGTERM:
+            return 128 + int(e.sigval)
+        return 0 if saved is not None else 128 + int(signal.SIGTERM)
+    finally:
+        notes.close()
     return 0

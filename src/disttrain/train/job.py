@@ -38,7 +38,7 @@ from typing import Any, Iterator
 import torch
 from torch.utils.data import DataLoader
 
-from disttrain import runtime
+from disttrain import launcher_notes, runtime
 from disttrain.checkpoint import Checkpointer, TrainState
 from disttrain.data import ElasticSampler
 from disttrain.elastic import PreemptionHandler, fast_recovery
@@ -156,8 +156,17 @@ class Job:
             raise
         return self
 
-    def __exit__(self, *exc) -> None:
+    def __exit__(self, exc_type, exc, tb) -> None:
         self._close()
+        if exc is None or not launcher_notes.under_launcher():
+            return
+        # Under `disttrain run`: a user's mistake is one line from the launcher and is not
+        # retried; a rank that failed only because another one stopped on such a mistake
+        # (its peer's connection closed) exits quietly.
+        if isinstance(exc, UserError):
+            raise SystemExit(launcher_notes.report_user_error(self.name, exc))
+        if isinstance(exc, Exception) and launcher_notes.earlier_user_error():
+            raise SystemExit(2)
 
     def _close(self) -> None:
         self._owner.close()
@@ -184,6 +193,11 @@ class Job:
                             "first (it starts the process group).")
         if not done:
             raise UserError(message)
+
+    @property
+    def name(self) -> str:
+        """How the job speaks: 'job' (a script's dt.Job) or 'train' (`disttrain train`)."""
+        return "job" if self.user_config is None else "train"
 
     @property
     def device(self) -> torch.device:

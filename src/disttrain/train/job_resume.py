@@ -46,7 +46,7 @@ def load(job, ckpt, acc) -> bool:
     if job.checkpoints and not in_memory:
         with job._guard.slow_phase("checkpoint.load", nbytes=path_nbytes(job.checkpoint_dir)):
             loaded = ckpt.load(state)
-    who = "job" if job.user_config is None else "train"
+    who = job.name
     if loaded is not None:
         if plan is None or plan.directory != str(loaded):  # the load fell back to another one
             plan = resume.plan_for(loaded, state.config)

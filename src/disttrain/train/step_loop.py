@@ -19,7 +19,7 @@ from typing import Any, Iterator
 import torch
 import torch.distributed as dist
 
-from disttrain import runtime
+from disttrain import launcher_notes, runtime
 from disttrain.checkpoint import save_model
 from disttrain.elastic import SampleAudit, generation_id
 from disttrain.errors import UserError
@@ -155,6 +155,8 @@ class Loop:
         job._guard.close()
         if stopping:
             job.preempted = True
+            if job._saving.ckpt is not None and job._saving.saved_at == job.step:
+                launcher_notes.note_saved(job.info.rank, job.step)  # the launcher says "saved"
             print_main(f"disttrain job: preempted ({job._preempt.signal_name}); saved step "
                        f"{job.step} and stopped. Start the same command again to resume.")
             if job.exit_on_preempt:

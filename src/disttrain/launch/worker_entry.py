@@ -1,0 +1,73 @@
+"""`python -m disttrain.launch.worker_entry (-m MODULE | SCRIPT) [ARGS]`: how `disttrain
+run` starts each worker, so that no worker outlives its launcher.
+
+torchrun starts every worker in a session of its own, so a launcher killed with
+SIGKILL (an OOM killer, `kill -9`, a lost terminal) leaves them running as orphans,
+holding memory, devices and ports. This entry asks the kernel for a parent-death
+signal (`prctl(PR_SET_PDEATHSIG, SIGKILL)`, Linux) before the user's code runs, then
+runs the script or module as `__main__`, exactly as `python SCRIPT` or `python -m
+MODULE` would (sys.argv, sys.path[0], `__main__`).
+
+The signal is asked for only when this process's parent is the launcher itself
+(`LAUNCHER_ENV` holds its pid): a process that the launcher did not start directly
+(a warm-worker fork, a slot supervisor's child) has another parent. A launcher that
+died before the request took effect is seen (the parent pid is no longer it), and the
+worker exits at once.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import os
+import runpy
+import signal
+import sys
+
+LAUNCHER_ENV = "DISTTRAIN_LAUNCHER_PID"
+"""The launching process's pid, set by `disttrain run` for its workers."""
+PR_SET_PDEATHSIG = 1
+ORPHAN_EXIT_CODE = 129
+"""Exit status of a worker that found its launcher already gone (128 + SIGHUP)."""
+
+
+def die_with_launcher() -> bool:
+    """Ask for SIGKILL when the launcher dies. Returns True when the request was made;
+    exits when the launcher is already gone. A no-op off Linux or outside `disttrain run`."""
+    launcher = os.environ.get(LAUNCHER_ENV, "")
+    if not launcher.isdigit() or not sys.platform.startswith("linux"):
+        return False
+    if os.getppid() != int(launcher):
+        return False  # started by another process of the job, which has its own parent
+    try:
+        libc = ctypes.CDLL(None, use_errno=True)
+        if libc.prctl(PR_SET_PDEATHSIG, int(signal.SIGKILL), 0, 0, 0) != 0:
+            return False
+    except (OSError, AttributeError):
+        return False
+    if os.getppid() != int(launcher):  # it died between our start and the request
+        os._exit(ORPHAN_EXIT_CODE)
+    return True
+
+
+def main(argv: list[str]) -> None:
+    """Run `argv` (`-m MODULE ARGS` or `SCRIPT ARGS`) as `__main__` after `die_with_launcher`."""
+    die_with_launcher()
+    from disttrain.launcher_notes import earlier_user_error
+
+    if earlier_user_error():  # a restart after a rank's user error: the mistake would repeat
+        os._exit(2)
+    os.environ.pop(LAUNCHER_ENV, None)  # the worker's own children have another parent
+    if argv[:1] == ["-m"] and len(argv) > 1:
+        sys.argv = [argv[1], *argv[2:]]
+        runpy.run_module(argv[1], run_name="__main__", alter_sys=True)
+        return
+    script = argv[0]
+    sys.argv = list(argv)
+    sys.path[0] = os.path.dirname(os.path.abspath(script))  # as `python SCRIPT` sets it
+    runpy.run_path(script, run_name="__main__")
+
+
+if __name__ == "__main__":
+    if len(sys.argv) < 2:
+        sys.exit("usage: python -m disttrain.launch.worker_entry (-m MODULE | SCRIPT) [ARGS]")
+    main(sys.argv[1:])
