@@ -27,6 +27,9 @@ def main(argv: list[str]) -> int:
         from disttrain.train.sources import check_references
 
         check_references(cfg, config_dir)
+    from disttrain.launch.preflight import preflight
+
+    preflight(cfg)  # writable out_dir and checkpoint root; the first step fits in memory
     if "WORLD_SIZE" not in os.environ and cfg.parallel.nproc > 1:
         # The newest checkpoint against this config, here, so that a refused change is
         # one line and a finished run starts no worker (each rank checks again).
