@@ -23,13 +23,15 @@ import re
 import sys
 from pathlib import Path
 
+from disttrain.config.paths import output_file
 from disttrain.errors import UserError
 from disttrain.launch.launch_templates import (LaunchSpec, config_map, etcd_objects, pytorchjob,
                                                sbatch)
 from disttrain.launch.run_command import SHUTDOWN_MARGIN_S
 
 DEFAULT_ETCD_IMAGE = "quay.io/coreos/etcd:v3.5.17"  # 3.5 still serves the v2 API torch needs
-SLURM_TIME = re.compile(r"^(\d+-)?\d+(:\d{1,2}){0,2}$|^\d+-\d+$")  # sbatch's forms: M, H:M:S, D-H ...
+SLURM_TIME = re.compile(r"^(?:(\d+)-)?(\d+)(?::(\d{1,2}))?(?::(\d{1,2}))?$")  # M, M:S, H:M:S, D-H, D-H:M[:S]
+SLURM_PARTITION = re.compile(r"^[\w.-]+(,[\w.-]+)*$")  # a name, or a comma-separated list of names
 K8S_NAME = re.compile(r"^[a-z]([-a-z0-9]{0,40}[a-z0-9])?$")  # a DNS label, room for '-etcd'
 
 
@@ -61,6 +63,40 @@ def _parser() -> argparse.ArgumentParser:
     return p
 
 
+def slurm_seconds(text: str) -> int:
+    """Seconds of a Slurm time limit (MINUTES, MM:SS, HH:MM:SS, D-HH, D-HH:MM, D-HH:MM:SS).
+    Raises `UserError` for another form, a field out of range (minutes or seconds over
+    59, hours over 23 after days) or a limit of zero."""
+    m = SLURM_TIME.match(text)
+    bad = f"--time {text!r} is not a Slurm time limit; write MINUTES, HH:MM:SS or D-HH:MM:SS"
+    if not m:
+        raise UserError(bad + ".")
+    days, first, second, third = m.groups()
+    if days is not None:  # D-H, D-H:M, D-H:M:S
+        h, mi, se = int(first), int(second or 0), int(third or 0)
+        total, ok = ((int(days) * 24 + h) * 60 + mi) * 60 + se, h < 24 and mi < 60 and se < 60
+    elif third is not None:  # H:M:S
+        h, mi, se = int(first), int(second), int(third)
+        total, ok = (h * 60 + mi) * 60 + se, mi < 60 and se < 60
+    elif second is not None:  # M:S
+        total, ok = int(first) * 60 + int(second), int(second) < 60
+    else:  # M
+        total, ok = int(first) * 60, True
+    if not ok:
+        raise UserError(bad + " (minutes and seconds at most 59, hours at most 23 after days).")
+    if total <= 0:
+        raise UserError(f"--time {text!r} is no time at all; give the job's limit, e.g. 04:00:00.")
+    return total
+
+
+def _one_line(flag: str, value: str) -> None:
+    """A value written into the launch file must be one line of printable text: a newline
+    would start another #SBATCH directive or shell command (an injection)."""
+    if any(ord(c) < 32 or ord(c) == 127 for c in value):
+        raise UserError(f"{flag} {value!r} contains a newline or another control character; "
+                        f"give it on one line.")
+
+
 def spec_from(ns: argparse.Namespace) -> tuple[LaunchSpec, str]:
     """The job and the config's text. Raises `UserError`/`ConfigError` for any bad value."""
     from disttrain.config import load_config
@@ -75,8 +111,15 @@ def spec_from(ns: argparse.Namespace) -> tuple[LaunchSpec, str]:
         raise UserError("--min-nodes is for k8s; a Slurm allocation has a fixed node count.")
     if ns.gpus_per_node < 0 or ns.max_restarts < 0:
         raise UserError("--gpus-per-node and --max-restarts must be >= 0.")
-    if ns.time and not SLURM_TIME.match(ns.time):
-        raise UserError(f"--time {ns.time!r} is not a Slurm time; write MINUTES, HH:MM:SS or D-HH:MM:SS.")
+    for flag in ("partition", "time", "name", "image", "etcd_image", "namespace", "pvc", "config"):
+        _one_line(f"--{flag.replace('_', '-')}" if flag != "config" else "the config path", getattr(ns, flag))
+    if ns.partition and not SLURM_PARTITION.match(ns.partition):
+        raise UserError(f"--partition {ns.partition!r} is not a Slurm partition name; use letters, "
+                        f"digits, '_', '.', '-' (several: comma-separated).")
+    grace = math.ceil(cfg.elastic.preempt_grace_s) + SHUTDOWN_MARGIN_S
+    if ns.time and slurm_seconds(ns.time) <= grace:
+        raise UserError(f"--time {ns.time!r} is not longer than the {grace} s the job needs to save "
+                        f"on its SIGTERM (elastic.preempt_grace_s + {SHUTDOWN_MARGIN_S} s); give more time.")
     name = ns.name or Path(ns.config).stem.replace("_", "-").lower()
     if ns.kind == "k8s" and not K8S_NAME.match(name):
         raise UserError(f"job name {name!r} is not a Kubernetes name; pass --name with lower-case "
@@ -85,7 +128,6 @@ def spec_from(ns: argparse.Namespace) -> tuple[LaunchSpec, str]:
         raise UserError(f"job name {name!r} has characters Slurm file names cannot take; pass --name.")
     if ns.kind == "k8s" and not ns.image:
         raise UserError("k8s needs --image IMAGE: a container image with disttrain and your code installed.")
-    grace = math.ceil(cfg.elastic.preempt_grace_s) + SHUTDOWN_MARGIN_S
     config = str(Path(ns.config).resolve()) if ns.kind == "slurm" else ns.config
     spec = LaunchSpec(config=config, name=name, nodes=ns.nodes, min_nodes=min_nodes,
                       nproc=ns.gpus_per_node or cfg.parallel.nproc, gpus=ns.gpus_per_node,
@@ -105,6 +147,16 @@ def render(ns: argparse.Namespace) -> tuple[str, str]:
     return text, f"{spec.name}.yaml"
 
 
+def _earlier(path: Path, first: list[str]) -> bool:
+    """True for a launch file written before by this command (its first lines match and
+    it names disttrain)."""
+    try:
+        text = path.read_text(errors="replace")
+        return text.split("\n", 2)[:2] == first and "disttrain" in text
+    except OSError:
+        return False
+
+
 def main(argv: list[str]) -> int:
     ns = _parser().parse_args(argv)
     text, default = render(ns)
@@ -112,7 +164,12 @@ def main(argv: list[str]) -> int:
     if out == "-":
         sys.stdout.write(text)
         return 0
-    Path(out).write_text(text)
+    first = text.split("\n", 2)[:2]
+    path = output_file(out, "-o", replaceable=lambda p: _earlier(p, first))
+    try:
+        path.write_text(text)
+    except OSError as e:
+        raise UserError(f"cannot write -o {out}: {e.strerror or e}.") from None
     how = f"sbatch {out}" if ns.kind == "slurm" else f"kubectl apply -f {out}"
     print(f"disttrain launch-file: wrote {out}; submit with: {how}", file=sys.stderr)
     return 0

@@ -9,6 +9,7 @@ from __future__ import annotations
 import argparse
 from pathlib import Path
 
+from disttrain.config.paths import PNG_SIGNATURE, has_prefix, output_file
 from disttrain.errors import UserError
 from disttrain.plan.memory import OPTIMIZERS, PRECISIONS
 
@@ -83,6 +84,8 @@ def run(argv: list[str]) -> int:
     from disttrain.plan.planner import estimate
 
     args = build_parser().parse_args(argv)
+    if args.png:  # before any work: never overwrite a file that is not an earlier chart
+        output_file(args.png, "--png", replaceable=has_prefix(PNG_SIGNATURE))
     given = [k for k in ("params", "gpt", "hf") if getattr(args, k) is not None]
     if len(given) != 1:
         raise UserError("give exactly one model: --params 1.3e9, --gpt n_layer=4,n_embd=128 "

@@ -125,6 +125,10 @@ def write_png(plan: Plan, path: str | Path) -> Path:
     ax.set_title(title(plan) + "\n* recommended", fontsize=8)
     ax.legend(fontsize=8, loc="upper right")
     fig.tight_layout()
-    fig.savefig(path, dpi=100)
-    plt.close(fig)
+    try:
+        fig.savefig(path, dpi=100)
+    except OSError as e:
+        raise UserError(f"cannot write --png {path}: {e.strerror or e}.") from None
+    finally:
+        plt.close(fig)
     return path

@@ -28,6 +28,8 @@ from disttrain.plan.memory import Variant, Workload, all_variants, fmt_bytes, me
 from disttrain.plan.model_size import ModelSpec, resolve_model
 
 FITS, TIGHT, NO_FIT = "fits", "tight", "does not fit"
+MAX_WORLD = 65536
+"""Most ranks a plan models: FSDP and ZeRO-1 layouts are per rank, so memory grows with it."""
 _UNITS = {"": None, "b": 1, "kb": 10**3, "mb": 10**6, "gb": 10**9, "tb": 10**12,
           "kib": 2**10, "mib": 2**20, "gib": 2**30, "tib": 2**40, "k": 2**10, "m": 2**20,
           "g": 2**30, "t": 2**40}
@@ -143,6 +145,9 @@ def estimate(model: Any, *, devices: int = 1, nodes: int = 1, device_mem: str | 
     """
     _check_int("--devices", devices)
     _check_int("--nodes", nodes)
+    if devices * nodes > MAX_WORLD:
+        raise UserError(f"--devices x --nodes is {devices * nodes:,} ranks; the planner models up to "
+                        f"{MAX_WORLD:,} (per-rank layouts are computed rank by rank).")
     mem = parse_bytes(device_mem)
     if not (isinstance(headroom, (int, float)) and 0 <= headroom < 1):
         raise UserError(f"--headroom is {headroom!r}; use a fraction in [0, 1), e.g. 0.1.")
@@ -211,7 +216,7 @@ def _devices_needed(spec: ModelSpec, work: Workload, world: int, mem: int,
     """Smallest power-of-two multiple of `world` (up to 64x) where FSDP full + AC fits."""
     lean = dataclasses.replace(spec, param_shapes=None)  # even split is close enough here
     w = world * 2
-    while w <= world * 64:
+    while w <= min(world * 64, MAX_WORLD):
         if memory(lean, work, w, Variant("fsdp_full", False, True)).total <= mem * (1 - headroom):
             return w
         w *= 2

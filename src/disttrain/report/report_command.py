@@ -10,6 +10,7 @@ from pathlib import Path
 from rich.console import Console
 from rich.table import Table
 
+from disttrain.config.paths import PNG_SIGNATURE, has_prefix, output_file
 from disttrain.errors import UserError
 from disttrain.report.figure import render
 from disttrain.report.run_data import RunData, load_run
@@ -21,12 +22,28 @@ def report(run_dir: str | Path, out: str | Path | None = None) -> dict:
     "label"}], "marks_from"}. Returns the sidecar's dict. Raises `UserError` for a
     missing directory or one without metrics."""
     data = load_run(run_dir)
-    png = render(data, Path(out) if out else data.run_dir / "report.png")
-    side = {"png": str(png), "steps": data.records[-1]["step"], "attempts": data.attempts,
-            "marks": data.marks_json(), "marks_from": data.source}
-    png.with_suffix(".json").write_text(json.dumps(side, indent=2) + "\n")
+    target = Path(out) if out else data.run_dir / "report.png"
+    # before drawing: never overwrite what is not an earlier report (a PNG, its sidecar)
+    output_file(target, "--out", replaceable=has_prefix(PNG_SIGNATURE))
+    output_file(target.with_suffix(".json"), "--out's sidecar", replaceable=_is_sidecar)
+    try:
+        png = render(data, target)
+        side = {"png": str(png), "steps": data.records[-1]["step"], "attempts": data.attempts,
+                "marks": data.marks_json(), "marks_from": data.source, "skipped_lines": data.skipped}
+        png.with_suffix(".json").write_text(json.dumps(side, indent=2) + "\n")
+    except OSError as e:
+        raise UserError(f"cannot write the report {target}: {e.strerror or e}.") from None
     side["table"] = summary_rows(data)
     return side
+
+
+def _is_sidecar(path: Path) -> bool:
+    """True for the .json a report wrote beside its PNG (it may be replaced)."""
+    try:
+        side = json.loads(path.read_text())
+        return isinstance(side, dict) and {"png", "marks"} <= side.keys()
+    except (OSError, ValueError):
+        return False
 
 
 def _last(data: RunData, key: str) -> str:
@@ -62,6 +79,9 @@ def summary_rows(data: RunData) -> list[tuple[str, str]]:
     for m in data.marks:
         if m.kind == "world_size":
             rows.append(("world-size change", f"step {m.step}: {m.label}"))
+    if data.skipped:
+        shown = ", ".join(map(str, data.skipped[:5])) + (", ..." if len(data.skipped) > 5 else "")
+        rows.append(("metrics.jsonl lines skipped (not records)", f"{len(data.skipped)}: line(s) {shown}"))
     return rows
 
 

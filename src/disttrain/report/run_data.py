@@ -8,6 +8,7 @@ and, when `elastic.record_samples` was on, the sample audit `samples/*.jsonl`. N
 
 from __future__ import annotations
 
+import json
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 
@@ -37,6 +38,9 @@ class RunData:
     marks: list[Mark] = field(default_factory=list)
     attempts: int = 1
     source: str = "metrics.jsonl"
+    skipped: list[int] = field(default_factory=list)
+    """Line numbers of metrics.jsonl that are not metrics records (not JSON, not an
+    object, no whole step >= 0, or nothing but the step): left out, and reported."""
 
     def series(self, key: str, records: list[dict] | None = None) -> tuple[list[int], list[float]]:
         """(steps, values) of the records that hold a number under `key`."""
@@ -52,13 +56,17 @@ def load_run(run_dir: str | Path) -> RunData:
     """Read `run_dir`. Raises `UserError` (one line, with the fix) when the directory
     does not exist or holds no metrics records."""
     run = Path(run_dir)
+    if run.exists() and not run.is_dir():
+        raise UserError(f"{str(run)!r} is a file, not a run directory. Pass the train.out_dir of a "
+                        f"run (the folder that holds metrics.jsonl).")
     if not run.is_dir():
         raise UserError(f"run directory {str(run)!r} does not exist. Pass the train.out_dir of a "
                         f"run (the folder that holds metrics.jsonl).")
     path = run / "metrics.jsonl"
-    raw = [r for r in read_jsonl(path) if isinstance(r.get("step"), int)]
+    raw, skipped, lines = _metrics(path)
     if not raw:
-        what = "an empty metrics.jsonl" if path.is_file() else "no metrics.jsonl"
+        what = (f"a metrics.jsonl with no metrics record in its {lines} line(s)" if lines else
+                "an empty metrics.jsonl" if path.is_file() else "no metrics.jsonl")
         raise UserError(f"{str(run)!r} has {what}, so there is nothing to draw. Pass the "
                         f"train.out_dir of a run that reached its first log step (train.log_every).")
     latest: dict[int, dict] = {}
@@ -67,7 +75,7 @@ def load_run(run_dir: str | Path) -> RunData:
         if r["step"] in latest:
             superseded.append(latest[r["step"]])
         latest[r["step"]] = r
-    data = RunData(run, [latest[s] for s in sorted(latest)], superseded)
+    data = RunData(run, [latest[s] for s in sorted(latest)], superseded, skipped=skipped)
     for source, find in (("run_events.jsonl", _from_events), ("samples/", _from_audit),
                          ("metrics.jsonl", _from_metrics)):
         found = find(run, raw)
@@ -76,6 +84,34 @@ def load_run(run_dir: str | Path) -> RunData:
             data.source = source
             break
     return data
+
+
+def _is_record(item) -> bool:
+    step = item.get("step") if isinstance(item, dict) else None
+    return (isinstance(step, int) and not isinstance(step, bool) and step >= 0
+            and any(k != "step" for k in item))
+
+
+def _metrics(path: Path) -> tuple[list[dict], list[int], int]:
+    """(records, line numbers that are not records, non-blank lines) of metrics.jsonl."""
+    try:
+        text = path.read_text(errors="replace") if path.is_file() else ""
+    except OSError as e:
+        raise UserError(f"cannot read {path}: {e.strerror or e}.") from None
+    records, skipped, lines = [], [], 0
+    for number, line in enumerate(text.splitlines(), 1):
+        if not line.strip():
+            continue
+        lines += 1
+        try:
+            item = json.loads(line)
+        except ValueError:
+            item = None
+        if _is_record(item):
+            records.append(item)
+        else:
+            skipped.append(number)
+    return records, skipped, lines
 
 
 def _marks(starts: list[tuple[int, int, int]]) -> list[Mark]:
@@ -116,7 +152,7 @@ def _from_metrics(run: Path, raw: list[dict]):
     an attempt; it resumed from the step before its first record."""
     starts, prev = [], None
     for r in raw:
-        key = r.get("attempt", 0)
+        key = r.get("attempt", prev[0] if prev else 0)  # a record without one keeps the attempt
         if prev is None or key != prev[0] or r["step"] <= prev[1]:
             starts.append((len(starts), r["step"] - 1 if starts else 0, int(r.get("world_size", 1))))
         prev = (key, r["step"])
