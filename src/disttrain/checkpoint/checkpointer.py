@@ -30,7 +30,6 @@ from __future__ import annotations
 
 import json
 import shutil
-import sys
 import time
 import uuid
 import warnings
@@ -49,6 +48,7 @@ from disttrain.checkpoint.files import atomic_write_bytes
 from disttrain.checkpoint.finite import all_finite
 from disttrain.checkpoint.state import TrainState, config_hash, strategy_of
 from disttrain.runtime import rank_info
+from disttrain.runtime.log import LOGGER
 
 # DCP (torch.distributed.checkpoint) pulls in DTensor and sympy, about half a second:
 # it is imported on the first save or load, not when the trainer starts.
@@ -351,8 +351,7 @@ class Checkpointer:
                 raise CheckpointCorrupt(f"{err} Refusing to load {step_dir.name}. Set checkpoint.fallback "
                                         f"= true to load the previous valid checkpoint instead.")
             notes.append(f"skipped corrupt checkpoint {step_dir.name}: {err}")
-            if self.rank == 0:
-                print(f"disttrain checkpoint: warning: {notes[-1]}", file=sys.stderr)
+            LOGGER.warning(f"disttrain checkpoint: warning: {notes[-1]}")
         else:
             raise CheckpointCorrupt(f"no valid checkpoint in {path or self.root} ({'; '.join(notes)}).")
         manifest = json.loads((step_dir / layout.MANIFEST).read_text())
@@ -361,10 +360,10 @@ class Checkpointer:
         sd["meta"] = json.loads((step_dir / "state.json").read_text())
         sd["rng"] = json.loads(rng_file.read_text()) if same_world and rng_file.is_file() else None
         state.load_state_dict(sd)
-        if not same_world and self.rank == 0:
-            print(f"disttrain checkpoint: note: {step_dir.name} was saved at world size "
-                  f"{manifest.get('world_size')}, loaded at {self.world}: weights and optimizer "
-                  f"are resharded; per-rank RNG streams start fresh.", file=sys.stderr)
+        if not same_world:
+            LOGGER.info(f"disttrain checkpoint: note: {step_dir.name} was saved at world size "
+                        f"{manifest.get('world_size')}, loaded at {self.world}: weights and optimizer "
+                        f"are resharded; per-rank RNG streams start fresh.")
         return step_dir
 
 

@@ -18,6 +18,7 @@ import torch.nn as nn
 from disttrain.errors import UserError
 from disttrain.parallel import unwrap
 from disttrain.runtime import barrier, rank_info
+from disttrain.runtime.log import LOGGER
 
 
 def _atomic_write(path: str | os.PathLike, write) -> Path:
@@ -115,7 +116,7 @@ def load_model(model: nn.Module, path: str | os.PathLike) -> None:
         raise UserError(f"checkpoint file not found: {path}.")
     state = torch.load(path, map_location="cpu", weights_only=True)
     if any(k.startswith("module.") for k in state):
-        print(f"note: {path} has DDP's 'module.' prefix; it was stripped for loading (P-CKPT-4).")
+        LOGGER.info(f"note: {path} has DDP's 'module.' prefix; it was stripped for loading (P-CKPT-4).")
         state = strip_prefix(state)
     try:
         unwrap(model).load_state_dict(state, strict=True)

@@ -27,13 +27,13 @@ import json
 import os
 import re
 import shutil
-import sys
 from pathlib import Path
 from typing import Callable
 
 from disttrain.checkpoint.checkpoint_errors import CheckpointCorrupt, StaleWriterError
 from disttrain.checkpoint.digests import corrupt_message, file_mismatch
 from disttrain.checkpoint.files import atomic_write_bytes, fsync_dir
+from disttrain.runtime.log import LOGGER
 
 MANIFEST = "manifest.json"
 LEASE = "WRITER.json"
@@ -207,8 +207,8 @@ def empty_step_dirs(root: str | os.PathLike) -> list[Path]:
 def note_empty_step_dirs(root: str | os.PathLike, rank: int = 0) -> None:
     """On rank 0, one note per empty `step-*` folder under `root` (which `committed` skips)."""
     for empty in empty_step_dirs(root) if rank == 0 else []:
-        print(f"disttrain checkpoint: note: {empty} is an empty folder, not a checkpoint; it is "
-              f"ignored (remove it with rmdir).", file=sys.stderr)
+        LOGGER.info(f"disttrain checkpoint: note: {empty} is an empty folder, not a checkpoint; it is "
+                    f"ignored (remove it with rmdir).")
 
 
 def latest_valid(root: str | os.PathLike, *, checksums: bool = True) -> Path | None:

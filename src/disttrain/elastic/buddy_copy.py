@@ -22,7 +22,6 @@ from __future__ import annotations
 
 import datetime
 import pickle
-import sys
 from dataclasses import dataclass
 from typing import Any
 
@@ -30,6 +29,7 @@ import torch
 import torch.distributed as dist
 
 from disttrain.runtime import fault_injection
+from disttrain.runtime.log import EVERY_RANK, LOGGER
 
 _HEADER = 16  # int64 skeleton length, then padding to 16 bytes
 SALVAGE_WAIT_MS = 200
@@ -228,8 +228,8 @@ class BuddyCopy:
             buf = pack(sd, self._capacity[rank], into=self.mine.pop(oldest) if oldest is not None else None)
         except OverflowError as e:
             self.disabled = True  # every later copy would not fit either; the disk checkpoint remains
-            print(f"disttrain train: rank {rank}: the buddy copy is off for this run ({e})",
-                  file=sys.stderr, flush=True)
+            LOGGER.warning(f"disttrain train: rank {rank}: the buddy copy is off for this run ({e})",
+                           extra=EVERY_RANK)
             return
         self.mine[step] = buf
         size = self._capacity[(rank - 1) % world]
@@ -280,9 +280,8 @@ class BuddyCopy:
         step = choose_step(offers)
         fault_injection.inject("recovery", -1 if step is None else step, rank)
         if step is None:
-            if rank == 0:
-                print(f"disttrain train: generation {gen}: no step has every shard in memory; "
-                      f"loading the newest checkpoint", file=sys.stderr, flush=True)
+            LOGGER.info(f"disttrain train: generation {gen}: no step has every shard in memory; "
+                        f"loading the newest checkpoint")
             return False
         left, right = (rank - 1) % world, (rank + 1) % world
         works = []
@@ -297,8 +296,7 @@ class BuddyCopy:
         load_live_state(state, unpack(own, _template(state)))
         self.mine = {step: own}
         self.theirs = {}
-        if rank == 0:
-            newcomers = [i for i, o in enumerate(offers) if o["new"]]
-            print(f"disttrain train: generation {gen}: step {step} restored from memory "
-                  f"(shards of ranks {newcomers} from their buddies)", file=sys.stderr, flush=True)
+        newcomers = [i for i, o in enumerate(offers) if o["new"]]
+        LOGGER.info(f"disttrain train: generation {gen}: step {step} restored from memory "
+                    f"(shards of ranks {newcomers} from their buddies)")
         return True

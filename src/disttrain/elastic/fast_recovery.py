@@ -41,6 +41,7 @@ import torch.distributed as dist
 from disttrain import runtime
 from disttrain.elastic.buddy_copy import BuddyCopy
 from disttrain.runtime import fault_injection, torch_compat
+from disttrain.runtime.log import EVERY_RANK, LOGGER
 
 ROLE_ENV = "DISTTRAIN_FAST_ROLE"
 """Set by the slot supervisor on its children: "first" or "spare"."""
@@ -173,17 +174,15 @@ class Handoff:
         best = max(steps)
         fault_injection.inject("recovery", best, dist.get_rank())
         if best < 0:
-            if dist.get_rank() == 0:
-                print(f"disttrain train: generation {self.gen}: no rank holds the state in memory; "
-                      f"loading the newest checkpoint", file=sys.stderr, flush=True)
+            LOGGER.info(f"disttrain train: generation {self.gen}: no rank holds the state in memory; "
+                        f"loading the newest checkpoint")
             return False
         src = steps.index(best)
         box = [self.memory if dist.get_rank() == src else None]
         dist.broadcast_object_list(box, src=src)
         state.load_state_dict(box[0])
-        if dist.get_rank() == 0:
-            print(f"disttrain train: generation {self.gen}: state of step {best} taken from rank "
-                  f"{src}'s memory (ranks' steps {steps})", file=sys.stderr, flush=True)
+        LOGGER.info(f"disttrain train: generation {self.gen}: state of step {best} taken from rank "
+                    f"{src}'s memory (ranks' steps {steps})")
         return True
 
     def snapshot(self) -> None:
@@ -297,8 +296,8 @@ def run(body: Callable[[runtime.RankInfo, Handoff], Any], *, backend: str, devic
                     raise
                 # Kept without its traceback, whose frames would keep this attempt's model alive.
                 failure = RuntimeError(f"{type(e).__name__}: {e}")
-                print(f"disttrain train: rank {info.rank}: generation {gen} lost a peer "
-                      f"({type(e).__name__}); recovering in memory", file=sys.stderr, flush=True)
+                LOGGER.warning(f"disttrain train: rank {info.rank}: generation {gen} lost a peer "
+                               f"({type(e).__name__}); recovering in memory", extra=EVERY_RANK)
                 handoff.snapshot()
                 _cut_connections(sockets_before, int(os.environ["MASTER_PORT"]))
             finally:

@@ -37,6 +37,7 @@ from collections import deque
 from pathlib import Path
 
 from disttrain.guard.hang_report import diagnose, format_summary
+from disttrain.runtime.log import EVERY_RANK, LOGGER
 
 HANG_EXIT_CODE = 124
 """Exit status of a rank that reported a hang (the `timeout` command's convention)."""
@@ -247,8 +248,8 @@ class Watchdog:
                 reason = self._check()
             except Exception as e:  # e.g. a foreign file in the directory; keep watching
                 if not warned:
-                    print(f"disttrain guard: watchdog on rank {self.rank}: {type(e).__name__}: {e}",
-                          file=sys.stderr, flush=True)
+                    LOGGER.warning(f"disttrain guard: watchdog on rank {self.rank}: {type(e).__name__}: {e}",
+                                   extra=EVERY_RANK)
                     warned = True
                 continue
             if reason:
@@ -301,8 +302,8 @@ class Watchdog:
         try:
             self._report(reason)
         except Exception as e:  # a bug in the report must never turn back into a hang
-            print(f"disttrain guard: HANG detected by rank {self.rank}: {reason}. (The full "
-                  f"report failed: {type(e).__name__}: {e}.)", file=sys.stderr, flush=True)
+            LOGGER.error(f"disttrain guard: HANG detected by rank {self.rank}: {reason}. (The full "
+                         f"report failed: {type(e).__name__}: {e}.)", extra=EVERY_RANK)
         os._exit(self.exit_code)
 
     def _report(self, reason: str) -> None:
@@ -322,7 +323,7 @@ class Watchdog:
             (self.dir / "hang_report.txt").write_text(full)
         except OSError:
             pass
-        print(summary, file=sys.stderr, flush=True)
+        LOGGER.error(summary, extra=EVERY_RANK)
         for b in local:  # let stopped peers receive the launcher's SIGTERM
             if b.get("proc_state") == "T":
                 try:

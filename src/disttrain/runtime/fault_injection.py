@@ -31,6 +31,7 @@ import time
 from dataclasses import dataclass
 
 from disttrain.errors import UserError
+from disttrain.runtime.log import EVERY_RANK, LOGGER
 
 ACTIONS = ("kill", "stop", "term", "exit", "raise", "enospc", "delay")
 PHASES = ("forward", "backward", "step",
@@ -120,8 +121,7 @@ def inject(phase: str, step: int, rank: int | None = None) -> None:
             continue
         if f.restart != restart:
             continue
-        print(f"disttrain fault: {f.action} at {phase}, step {step}, rank {rank}", file=sys.stderr,
-              flush=True)
+        LOGGER.warning(f"disttrain fault: {f.action} at {phase}, step {step}, rank {rank}", extra=EVERY_RANK)
         if f.action == "kill":
             os.kill(os.getpid(), signal.SIGKILL)
         elif f.action == "stop":
