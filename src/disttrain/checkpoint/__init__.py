@@ -1,19 +1,27 @@
 """Checkpoints that cannot lie: complete, atomic, verified, async, reshardable,
 exportable (P-CKPT-1..5, P-FSDP-8).
 
-- `state`: `TrainState`, everything a resume needs behind one `state_dict`.
+- `state`: `TrainState`, everything a resume needs behind one `state_dict`;
+  `zero_state`: ZeRO-1 optimizer state without consolidation.
 - `layout`: step directories, the manifest, verification, "latest", fencing, retention.
 - `checkpointer`: save/load across ranks with DCP, sync or async; `save`/`load`.
-- `export`: consolidated safetensors export and inspection, offline, tensor by tensor.
-- `faults`: the `DISTTRAIN_FAULT` hooks the crash tests use.
+- `hashing_fs` and `digests`: DCP's filesystem with checksums computed while writing
+  and reading.
+- `compat`: does a checkpoint fit the state it is loaded into; one-line failures.
+- `checkpoint_errors`: the errors, each naming the file and the fix.
+- `export`: consolidated safetensors export and inspection, offline, tensor by tensor;
+  `hf_export`: a Hugging Face model folder.
+- `ckpt_command`: `disttrain ckpt inspect|verify|export`.
+- `fault_points`: the `DISTTRAIN_FAULT` points inside a save, for crash tests.
 - `files`: atomic single files (`save_model`/`load_model` for plain weights).
 - `finite`: `check_finite(loss_or_tensors, step)`, the guard a loop calls before a save.
 
 Trust: a checkpoint is read only after its JSON manifest verifies (sizes and
-sha256 of every file). DCP's `.metadata` and the optimizer's non-tensor values
-are pickles that DCP itself unpickles; the manifest proves they are the bytes the
-writer produced, not that the writer was honest. Load checkpoints you or your
-jobs wrote; share models as the safetensors export.
+xxh3_128 digests of every file; manifests of older versions carry sha256). DCP's
+`.metadata` and the optimizer's non-tensor values are pickles that DCP itself
+unpickles; the manifest proves they are the bytes the writer produced, not that the
+writer was honest. Load checkpoints you or your jobs wrote; share models as the
+safetensors export.
 """
 
 from disttrain.checkpoint.checkpointer import Checkpointer, load, save
