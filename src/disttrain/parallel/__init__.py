@@ -26,6 +26,7 @@ from torch.nn.parallel import DataParallel, DistributedDataParallel
 from disttrain.config import ParallelConfig, STRATEGIES, validate_parallel
 from disttrain.errors import ConfigError, UserError
 from disttrain.parallel.blocks import apply_activation_checkpointing, find_blocks
+from disttrain.parallel.compile import check_compile, compile_blocks, plain_module
 from disttrain.parallel.ddp import apply_ddp
 from disttrain.parallel.dp import apply_dp
 from disttrain.parallel.join import join
@@ -83,24 +84,34 @@ def _refuse_nested(model: nn.Module) -> None:
 
 
 def wrap(model: nn.Module, cfg: ParallelConfig | None = None, *, precision: str = "fp32",
-         **options) -> nn.Module:
+         compile: bool | dict = False, **options) -> nn.Module:
     """Apply the configured strategy and return the module to train.
 
     `options` override fields of `cfg` (for example `strategy="fsdp"`,
     `sharding="hybrid"`, `shard_group_size=2`). `precision` is 'fp32', 'bf16' or
-    'fp16' (pair fp16 with `precision.make_grad_scaler`). In a world of 1 every
+    'fp16' (pair fp16 with `precision.make_grad_scaler`). `compile=True` compiles
+    each block in place after activation checkpointing and before sharding
+    (`parallel.compile`; state-dict keys unchanged); a dict compiles with those
+    `torch.compile` options (`{"backend": "aot_eager"}`); a `torch.compile(model)` wrapper
+    is unwrapped and compiled the same way. In a world of 1 every
     strategy except `dp` leaves the module unwrapped (no process group exists);
     precision, SyncBN conversion and activation checkpointing still apply.
     A collective when the world is larger: every rank calls it with the same
     arguments. Raises `UserError` for a model that is already wrapped (nested
     wrapping, P-DDP-3) and `ConfigError` for an unknown option or an illegal
-    combination, before anything is changed.
+    combination (compile with dp, fsdp1 or cpu_offload included), before anything
+    is changed.
     """
     cfg = _parallel_config(cfg, options)
     info = rank_info()
     device_type = info.device.type
     validate_parallel(cfg, precision, world_size=info.world_size,
                       local_world_size=info.local_world_size, device_type=device_type)
+    model, was_compiled = plain_module(model)
+    compile_options = compile if isinstance(compile, dict) else {}
+    compile = bool(compile) or isinstance(compile, dict) or was_compiled
+    if compile:
+        check_compile(cfg.strategy, cpu_offload=cfg.cpu_offload)
     _refuse_nested(model)
     model = model.to(info.device)
     if cfg.sync_batchnorm:
@@ -109,8 +120,13 @@ def wrap(model: nn.Module, cfg: ParallelConfig | None = None, *, precision: str 
                                  shard_group_size=cfg.shard_group_size,
                                  local_world_size=info.local_world_size, device_type=device_type)
     sharded = cfg.strategy in ("fsdp", "fsdp1") and info.world_size > 1
-    if cfg.activation_checkpointing and not sharded:
-        apply_activation_checkpointing(model, find_blocks(model, cfg.wrap))
+    if not sharded and (cfg.activation_checkpointing or compile):
+        # torchtitan's order: checkpointing, then compile per block, then DDP
+        blocks = find_blocks(model, cfg.wrap)
+        if cfg.activation_checkpointing:
+            blocks = apply_activation_checkpointing(model, blocks)
+        if compile:
+            compile_blocks(model, blocks, **compile_options)
     ddp_options = dict(bucket_cap_mb=cfg.bucket_cap_mb, gradient_as_bucket_view=cfg.gradient_as_bucket_view,
                        static_graph=cfg.static_graph, find_unused_parameters=cfg.find_unused_parameters)
     mesh = None
@@ -128,7 +144,8 @@ def wrap(model: nn.Module, cfg: ParallelConfig | None = None, *, precision: str 
 
         model = apply_fsdp(model, mesh, sharding=cfg.sharding, wrap=cfg.wrap, precision=precision,
                            cpu_offload=cfg.cpu_offload,
-                           activation_checkpointing=cfg.activation_checkpointing)
+                           activation_checkpointing=cfg.activation_checkpointing,
+                           compile=compile_options if compile_options else compile)
     elif cfg.strategy == "fsdp1":
         from disttrain.parallel.fsdp1 import apply_fsdp1
 
@@ -138,7 +155,7 @@ def wrap(model: nn.Module, cfg: ParallelConfig | None = None, *, precision: str 
     if not sharded:
         # Replicated strategies compute under autocast; FSDP casts via its own policy.
         apply_autocast(model, precision, device_type)
-    setattr(model, WRAP_INFO, {"strategy": cfg.strategy, "precision": precision,
+    setattr(model, WRAP_INFO, {"strategy": cfg.strategy, "precision": precision, "compile": compile,
                                "world_size": info.world_size, "layout": layout, "mesh": mesh})
     seed_rank_stream(info)
     return model

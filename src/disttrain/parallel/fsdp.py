@@ -1,6 +1,7 @@
 """FSDP2 (`fully_shard`, DTensor parameters) per block, then the root (P-FSDP-2..7).
 
 Order, as in torchtitan: activation checkpointing wraps each block first, then
+each block is compiled (`compile=True`, `compile.compile_blocks`), then
 each block is sharded bottom-up, then the root takes every parameter left over
 (embeddings, final norm, the tied LM head). Each block is one communication unit:
 one all-gather before its forward and one reduce-scatter of its gradients.
@@ -24,6 +25,7 @@ from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.fsdp import CPUOffloadPolicy, MixedPrecisionPolicy, OffloadPolicy, fully_shard
 
 from disttrain.parallel.blocks import apply_activation_checkpointing, check_tied_weights, find_blocks
+from disttrain.parallel.compile import compile_blocks
 
 # Whether parameters stay gathered between forward and backward.
 _RESHARD_AFTER_FORWARD = {"full": True, "grad_op": False, "hybrid": True, "none": False}
@@ -54,19 +56,24 @@ def offload_policy(cpu_offload: bool, device_type: str) -> OffloadPolicy:
 
 def apply_fsdp(model: nn.Module, mesh: DeviceMesh, *, sharding: str = "full", wrap: str = "auto",
                precision: str = "fp32", cpu_offload: bool = False,
-               activation_checkpointing: bool = False) -> nn.Module:
+               activation_checkpointing: bool = False, compile: bool | dict = False) -> nn.Module:
     """Shard `model` in place with FSDP2 on `mesh` and return it.
 
     `wrap` chooses the units (`blocks.find_blocks`): 'auto' per block from
     `_no_split_modules`, class names, or 'model'. Tied weights must sit in one unit:
     a plan that splits them raises `ConfigError`. The returned module is the same
     object, now an `FSDPModule` with `set_requires_gradient_sync` (used by
-    `loop.no_sync`). A collective: every rank must call it with the same arguments.
+    `loop.no_sync`). `compile` (True, or a dict of torch.compile options) compiles
+    each block (or the whole model when there are none) after checkpointing and
+    before sharding (`compile.compile_blocks`). A
+    collective: every rank must call it with the same arguments.
     """
     blocks = find_blocks(model, wrap)
     check_tied_weights(model, blocks)
     if activation_checkpointing:
         blocks = apply_activation_checkpointing(model, blocks)
+    if compile:
+        compile_blocks(model, blocks, **(compile if isinstance(compile, dict) else {}))
     reshard = _RESHARD_AFTER_FORWARD[sharding]
     offload = offload_policy(cpu_offload, mesh.device_type)
     for block in blocks:
