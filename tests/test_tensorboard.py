@@ -42,7 +42,7 @@ def texts(acc: EventAccumulator, tag: str = "run/events/text_summary") -> dict[i
 @pytest.fixture(scope="module")
 def killed_and_shrunk(tmp_path_factory):
     out = tmp_path_factory.mktemp("run")
-    first = run_disttrain([*TRAIN, f"--train.out_dir={out}"], timeout=180,
+    first = run_disttrain([*TRAIN, f"--train.out_dir={out}", "--max-restarts", "0"], timeout=180,
                           env=worker_env(DISTTRAIN_FAULT=f"kill@step:rank=1,step={KILL_AT}"))
     assert first.returncode != 0 and "disttrain fault: kill" in first.stdout + first.stderr
     log = ok(run_disttrain([*TRAIN, f"--train.out_dir={out}", "--parallel.nproc=1"], timeout=180))

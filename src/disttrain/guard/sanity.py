@@ -90,7 +90,11 @@ def check_threads(*, local_world: int | None = None, strict: bool = False) -> No
     """
     ranks = local_world or int(os.environ.get("LOCAL_WORLD_SIZE", 1))
     threads, cores = torch.get_num_threads(), usable_cores()
-    if ranks > 1 and threads * ranks > cores:
+    if ranks > 1 and threads == 1 and ranks > cores:  # OMP_NUM_THREADS=1 already: too many ranks
+        _report(f"CPU oversubscribed: {ranks} ranks on this host for {cores} cores, each already on "
+                f"1 thread, so steps run much slower. Start at most {cores} processes per host "
+                f"(--nproc {cores}).", certain=False, strict=strict)
+    elif ranks > 1 and threads * ranks > cores:
         _report(f"CPU oversubscribed: {ranks} ranks on this host x {threads} threads each = "
                 f"{threads * ranks} threads for {cores} cores, so steps run much slower "
                 f"(2.35x measured). Set OMP_NUM_THREADS={max(1, cores // ranks)} or call "

@@ -32,9 +32,11 @@ What it changes, and why:
 - `--nproc` and `--nnodes` that torchrun cannot use are refused in one line; for `-m
   disttrain.train CONFIG` the checks of `disttrain.launch.preflight` (writable out_dir
   and checkpoint root, a first step that fits in memory) run before any worker starts.
-- `-m disttrain.train CONFIG` whose config sets `[elastic] fast_recovery = true`: each
-  worker slot runs `disttrain.launch.slot_supervisor`, which keeps the training
-  process and a warm spare as its children (docs/elastic.md).
+- `-m disttrain.train CONFIG` whose config sets `[elastic] fast_recovery = true`, and
+  `--fast-recovery script.py` (a `dt.Job` script): each worker slot runs
+  `disttrain.launch.slot_supervisor`, which keeps the training process and a warm
+  spare as its children (docs/elastic.md); a script runs under
+  `disttrain.train.script_runner`, once per generation of the in-memory recovery.
 - `-m disttrain.train CONFIG` in an elastic or multi-node job (not `--standalone`, not
   fast recovery): warm workers (`disttrain.launch.warm_workers`): each restart forks
   its workers from a process that has imported torch and disttrain, instead of
@@ -223,8 +225,8 @@ def build_torchrun_args(argv: list[str]) -> tuple[list[str], dict[str, str]]:
     bad preemption grace (see `preempt_grace_s`).
     """
     flags, script = _split_script(argv)
-    debug = "--debug" in flags
-    flags = [f for f in flags if f != "--debug"]
+    debug, fast = "--debug" in flags, "--fast-recovery" in flags
+    flags = [f for f in flags if f not in ("--debug", "--fast-recovery")]
     if not script:
         raise UserError("no script given. Usage: disttrain run [torchrun flags] script.py [args]")
     flags = ["--nproc-per-node" if f == "--nproc" else
@@ -270,6 +272,14 @@ def build_torchrun_args(argv: list[str]) -> tuple[list[str], dict[str, str]]:
         preflight(cfg, world=int(nproc) * int(nodes) if nproc.isdigit() and nodes.isdigit() else None)
         if cfg.elastic.fast_recovery:
             script = ["disttrain.launch.slot_supervisor", *script]
+    if fast and not (script[:1] == ["disttrain.train"] and is_module):
+        if is_module or not script[0].endswith(".py"):
+            raise UserError("--fast-recovery runs a Python script that uses dt.Job (disttrain run "
+                            "--fast-recovery --nproc N script.py); for disttrain train set "
+                            "[elastic] fast_recovery = true in the config.")
+        # each worker slot: a supervisor with the training process and a warm spare
+        script = ["disttrain.launch.slot_supervisor", "disttrain.train.script_runner", *script]
+        flags, is_module = flags + ["-m"], True
     if warm_workers_wanted(argv):
         script = ["disttrain.launch.warm_workers", *script]
     if not any(f in flags for f in ("--no-python", "--no_python")):

@@ -15,12 +15,35 @@ from disttrain.config import load_config
 from disttrain.errors import UserError
 
 WORKER_MODULE = "disttrain.train"
+DEFAULT_MAX_RESTARTS = 3
+"""Restarts of a multi-process `disttrain train` after a worker dies (torchrun's
+--max-restarts): with periodic checkpoints on by default, a kill loses at most
+checkpoint.every_s of training. A user error is never retried (launcher_notes)."""
+
+
+def split_restarts(argv: list[str]) -> tuple[list[str], int]:
+    """`--max-restarts N` / `--max-restarts=N` taken out of the config arguments."""
+    rest, restarts, i = [], DEFAULT_MAX_RESTARTS, 0
+    while i < len(argv):
+        arg = argv[i]
+        if arg == "--max-restarts" or arg.startswith("--max-restarts="):
+            value = arg.split("=", 1)[1] if "=" in arg else (argv[i + 1] if i + 1 < len(argv) else "")
+            i += 1 if "=" in arg else 2
+            if not value.isdigit():
+                raise UserError(f"--max-restarts {value!r}: give a whole number >= 0 (default "
+                                f"{DEFAULT_MAX_RESTARTS}), e.g. --max-restarts 3.")
+            restarts = int(value)
+            continue
+        rest.append(arg)
+        i += 1
+    return rest, restarts
 
 
 def main(argv: list[str]) -> int:
     """CLI entry. Raises `UserError` (printed as one line by the CLI) for a bad config."""
     if not argv or argv[0].startswith("-"):
-        raise UserError("usage: disttrain train CONFIG.toml [--section.key=value ...]")
+        raise UserError("usage: disttrain train CONFIG.toml [--section.key=value ...] [--max-restarts N]")
+    argv, restarts = split_restarts(argv)
     cfg = load_config(argv[0], argv[1:])
     config_dir = Path(argv[0]).parent
     if cfg.model.factory or cfg.data.factory or cfg.train.loss:  # user code: import it here first
@@ -41,7 +64,8 @@ def main(argv: list[str]) -> int:
             return 0
         from disttrain.launch.run_command import main as launch
 
-        return launch(["--nproc", str(cfg.parallel.nproc), "-m", WORKER_MODULE, *argv])
+        return launch(["--nproc", str(cfg.parallel.nproc), "--max-restarts", str(restarts),
+                       "-m", WORKER_MODULE, *argv])
     from disttrain.train.trainer import train
 
     train(cfg, config_dir=config_dir)
