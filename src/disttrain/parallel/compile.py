@@ -25,6 +25,7 @@ from __future__ import annotations
 import torch.nn as nn
 
 from disttrain.errors import ConfigError
+from disttrain.runtime import torch_compat
 
 _REFUSED = {
     "dp": "DataParallel copies the module into a thread per device on every forward, so "
@@ -49,11 +50,8 @@ def check_compile(strategy: str, *, cpu_offload: bool = False) -> None:
 def plain_module(model: nn.Module) -> tuple[nn.Module, bool]:
     """(the module inside a `torch.compile(model)` wrapper, whether it was one). Its
     keys carry `_orig_mod.`; `wrap` takes the inner module and compiles per block."""
-    inner = getattr(model, "_orig_mod", None)
-    # by name: importing torch._dynamo to ask costs a second on every wrap
-    if type(model).__name__ == "OptimizedModule" and isinstance(inner, nn.Module):
-        return inner, True
-    return model, False
+    inner = torch_compat.compiled_inner(model)
+    return (inner, True) if inner is not None else (model, False)
 
 
 def compile_blocks(model: nn.Module, blocks: list[nn.Module], **options) -> list[nn.Module]:
