@@ -223,3 +223,15 @@ def test_hf_dataset_config_and_errors_are_one_line(tmp_path):
         assert "\n" not in str(err.value)
     with pytest.raises(UserError, match="not a Hugging Face datasets folder"):
         build_datasets(load_config(config, [f"--data.hf_dataset={tmp_path}"]), tmp_path)
+
+
+def test_workers_map_the_files_themselves_and_a_pickle_carries_no_tokens(tmp_path):
+    import pickle
+
+    write_llmc(tmp_path / "a.bin", np.arange(4001) % 60_000)
+    train, _, _ = token_datasets(str(tmp_path), 8, heldout_fraction=0.01)
+    first = train[3]  # maps the file in this process
+    assert len(pickle.dumps(train)) < 2000
+    loader = DataLoader(train, batch_size=4, num_workers=1, sampler=list(range(8)))
+    x, _ = next(iter(loader))
+    assert x[3].tolist() == first[0].tolist()
