@@ -1,0 +1,168 @@
+"""Issue 22, the commands' side: what a user types gets one line and exit 2 (or works),
+never a traceback, and nothing they had is overwritten. Items 7 (no orphan workers),
+10 (commands that write, counts, sizes), 11 (Slurm launch files), 12 (messages).
+"""
+
+import json
+import os
+import signal
+import subprocess
+import sys
+import time
+from types import SimpleNamespace
+
+import pytest
+
+from conftest import ROOT, run_disttrain, worker_env
+from disttrain.cli import main as cli
+from disttrain.launch.run_command import _others
+
+pytestmark = pytest.mark.timeout(180)
+
+TINY_TOML = "[train]\nout_dir = \"{out}\"\n"
+
+
+def _one_line_error(capsys, *argv) -> str:
+    rc = cli(list(argv))
+    err = capsys.readouterr().err
+    assert rc == 2, err
+    assert len(err.strip().splitlines()) == 1 and "Traceback" not in err, err
+    return err
+
+
+def test_10_commands_that_write_refuse_unwritable_or_existing_paths(tmp_path, capsys):
+    keep = tmp_path / "keep.txt"
+    keep.write_text("mine")
+    under_a_file = str(keep / "x.png")
+    assert "is a file" in _one_line_error(capsys, "plan", "--params", "1B", "--png", under_a_file)
+    assert "already exists" in _one_line_error(capsys, "plan", "--params", "1B", "--png", str(keep))
+    cfg = tmp_path / "job.toml"
+    cfg.write_text(TINY_TOML.format(out=tmp_path / "out"))
+    assert "already exists" in _one_line_error(capsys, "launch-file", "slurm", str(cfg), "--nodes", "1",
+                                               "-o", str(keep))
+    assert "is a file" in _one_line_error(capsys, "launch-file", "slurm", str(cfg), "--nodes", "1",
+                                          "-o", str(keep / "job.sbatch"))
+    run = tmp_path / "run"
+    run.mkdir()
+    (run / "metrics.jsonl").write_text(json.dumps({"step": 1, "loss": 2.0}) + "\n")
+    assert "is a file" in _one_line_error(capsys, "report", str(run), "--out", under_a_file)
+    not_a_png = tmp_path / "k.png"
+    not_a_png.write_bytes(b"not a png")
+    assert "already exists" in _one_line_error(capsys, "report", str(run), "--out", str(not_a_png))
+    assert not_a_png.read_bytes() == b"not a png"
+    assert keep.read_text() == "mine"
+    sbatch = tmp_path / "job.sbatch"  # an earlier launch file of its own is replaced
+    for _ in range(2):
+        assert cli(["launch-file", "slurm", str(cfg), "--nodes", "1", "-o", str(sbatch)]) == 0
+
+
+def test_10_counts_and_sizes_that_cannot_work_are_one_line(capsys):
+    assert "--nproc is 'abc'" in _one_line_error(capsys, "run", "--nproc", "abc", "x.py")
+    assert "--nnodes is '0'" in _one_line_error(capsys, "run", "--nnodes", "0", "x.py")
+    assert "65,536" in _one_line_error(capsys, "plan", "--params", "7B", "--devices", "100000000")
+
+
+@pytest.mark.parametrize("flags, words", [
+    (["--time", "25:99:99"], "is not a Slurm time limit"),
+    (["--time", "0"], "is no time at all"),
+    (["--time", "1"], "not longer than"),
+    (["--partition", "gpu\n#SBATCH --account=other"], "contains a newline"),
+    (["--partition", "gpu;rm"], "is not a Slurm partition name"),
+])
+def test_11_slurm_time_and_partition_are_checked(tmp_path, capsys, flags, words):
+    cfg = tmp_path / "job.toml"
+    cfg.write_text(TINY_TOML.format(out=tmp_path / "out"))
+    out = tmp_path / "job.sbatch"
+    assert words in _one_line_error(capsys, "launch-file", "slurm", str(cfg), "--nodes", "2", *flags,
+                                    "-o", str(out))
+    assert not out.exists()
+
+
+def test_11_valid_slurm_times_pass(tmp_path):
+    from disttrain.launch.launch_files import slurm_seconds
+
+    assert [slurm_seconds(t) for t in ("90", "30:00", "04:00:00", "1-00", "1-02:03", "1-02:03:04")] == \
+           [5400, 1800, 14400, 86400, 93780, 93784]
+
+
+def test_12_report_says_what_is_wrong_with_the_run_directory(tmp_path, capsys):
+    a_file = tmp_path / "a_file"
+    a_file.write_text("x")
+    assert "is a file, not a run directory" in _one_line_error(capsys, "report", str(a_file))
+    run = tmp_path / "run"
+    run.mkdir()
+    (run / "metrics.jsonl").write_text("garbage\n{not json\n")
+    assert "no metrics record in its 2 line(s)" in _one_line_error(capsys, "report", str(run))
+    lines = [{"step": 1, "loss": 3.0, "attempt": 1}, "garbage", {"step": 2, "loss": 2.5, "attempt": 1},
+             {"step": 2}, {"step": 3, "loss": 2.0, "attempt": 1}]
+    (run / "metrics.jsonl").write_text("\n".join(x if isinstance(x, str) else json.dumps(x) for x in lines))
+    from disttrain.report.report_command import report
+
+    side = report(run)
+    assert side["skipped_lines"] == [2, 4] and side["attempts"] == 1  # a bad line is no restart
+    assert any("skipped" in what for what, _ in side["table"])
+
+
+def test_12_ranks_the_launcher_stopped_are_not_named_as_failed():
+    fail = lambda code: SimpleNamespace(exitcode=code)  # noqa: E731
+    assert _others({1: fail(3), 0: fail(-signal.SIGTERM)}, 1) == \
+        " (ranks [0] were stopped by the launcher after that)"
+    assert _others({1: fail(3), 2: fail(1), 0: fail(-signal.SIGTERM)}, 1) == \
+        " (also failed: ranks [2]; ranks [0] were stopped by the launcher after that)"
+    assert _others({1: fail(3)}, 1) == ""
+
+
+SLEEPER = """
+import os, sys, time
+open(sys.argv[1] + "." + os.environ["RANK"], "w").write(str(os.getpid()))
+time.sleep(600)
+"""
+
+
+def _alive(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    try:  # a zombie waiting for its reaper is gone for our purpose
+        with open(f"/proc/{pid}/stat") as f:
+            return f.read().split(")")[-1].split()[0] != "Z"
+    except OSError:
+        return False
+
+
+def test_7_workers_die_with_a_killed_launcher(tmp_path):
+    script = tmp_path / "sleeper.py"
+    script.write_text(SLEEPER)
+    marker = tmp_path / "pid"
+    launcher = subprocess.Popen([sys.executable, "-m", "disttrain.cli", "run", "--nproc", "2", str(script),
+                                 str(marker)], env=worker_env(), cwd=ROOT, stdout=subprocess.DEVNULL,
+                                stderr=subprocess.DEVNULL)
+    try:
+        deadline = time.monotonic() + 90
+        while not all(os.path.exists(f"{marker}.{r}") for r in range(2)):
+            assert launcher.poll() is None and time.monotonic() < deadline
+            time.sleep(0.2)
+        pids = [int(open(f"{marker}.{r}").read()) for r in range(2)]
+        launcher.send_signal(signal.SIGKILL)
+        launcher.wait(timeout=30)
+        deadline = time.monotonic() + 30
+        while any(map(_alive, pids)) and time.monotonic() < deadline:
+            time.sleep(0.2)
+        assert not any(map(_alive, pids)), f"orphan workers {pids} outlived their launcher"
+    finally:
+        for r in range(2):
+            try:
+                os.kill(int(open(f"{marker}.{r}").read()), signal.SIGKILL)
+            except (OSError, ValueError):
+                pass
+
+
+def test_3_cli_refuses_a_checkpoint_dir_that_is_a_file_before_any_worker(tmp_path):
+    a_file = tmp_path / "ckpt"
+    a_file.write_text("keep me")
+    proc = run_disttrain(["train", "examples/tiny_gpt.toml", "--parallel.nproc=2", f"--checkpoint.dir={a_file}",
+                          f"--train.out_dir={tmp_path / 'run'}"], timeout=120)
+    assert proc.returncode == 2 and "is a file, not a directory" in proc.stderr
+    assert len(proc.stderr.strip().splitlines()) == 1 and a_file.read_text() == "keep me"
+    assert not (tmp_path / "run").exists()
