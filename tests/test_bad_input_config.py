@@ -182,9 +182,9 @@ def test_cli_refusals_are_one_line_exit_2_and_start_no_worker(tmp_path, bad):
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("accepted", ["--optim.name=sgd", "--train.accum_steps=2"])
-def test_accepted_values_train_one_step(tmp_path, accepted):
-    proc = run_disttrain(["train", "examples/tiny_gpt.toml", *TINY, accepted, "--checkpoint.enabled=false",
+def test_accepted_values_train_one_step(tmp_path):
+    accepted = ["--optim.name=sgd", "--optim.momentum=0.5", "--train.accum_steps=2", "--model.dropout=0.5"]
+    proc = run_disttrain(["train", "examples/tiny_gpt.toml", *TINY, *accepted, "--checkpoint.enabled=false",
                           "--log.tensorboard=false", f"--train.out_dir={tmp_path}"], timeout=180)
     assert proc.returncode == 0, proc.stderr[-3000:]
     assert "Traceback" not in proc.stderr
