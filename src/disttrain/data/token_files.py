@@ -259,5 +259,5 @@ def token_datasets(spec: str, block_size: int, *, heldout: str = "", heldout_fra
                         f"{block_size + 1} tokens (windows do not cross files); lower model.block_size "
                         f"or add data.")
     summary = {"train_files": len(train_files), "heldout_files": len(held_files), "heldout_split": split,
-               "train_tokens": sum(f.count for f in train_files), "train_windows": len(train)}
+               "train_windows": len(train), "train_tokens": len(train) * block_size}
     return train, held, summary
