@@ -108,7 +108,8 @@ def test_complete_job_yields_no_steps(tmp_path, capsys):
             model, _, loader = setup(job)
             seen = [job.backward(model(x, y)[1]) for x, y in job.steps(loader, max_steps=3)]
     assert seen == []
-    assert job.step == 3 and "complete" in capsys.readouterr().out
+    captured = capsys.readouterr()
+    assert job.step == 3 and "complete" in captured.out + captured.err
     assert (tmp_path / "model.pt").exists()
 
 

@@ -67,7 +67,7 @@ def test_complete_run_is_left_untouched(finished, tmp_path):
     before = _snapshot(out)
     proc = _train(out)
     assert proc.returncode == 0, proc.stderr[-3000:]
-    assert COMPLETE in proc.stdout.splitlines()
+    assert COMPLETE in (proc.stdout + proc.stderr).splitlines()
     assert "resumed" not in proc.stdout and "summary" not in proc.stdout
     assert _snapshot(out) == before  # model.pt, summary.json, metrics.jsonl, checkpoints
 

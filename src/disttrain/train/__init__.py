@@ -1,9 +1,21 @@
-"""The training loop's parts and the config-driven trainer.
+"""The training loop of disttrain (`dt.Job`) and `disttrain train`'s adapter over it.
 
-    loop.py      Accumulator (no_sync, loss scaled once, clip, step), warmup_cosine
-    metrics.py   global (sum, count) means, rank-0 JSONL writer
-    job.py       dt.Job: a user's own loop with resume, checkpoints, SIGTERM and the final save
-    progress.py  rich progress bar and summary table
-    trainer.py   `disttrain train`'s per-rank job, written on the layers below
-    __main__.py  `python -m disttrain.train CONFIG.toml [overrides]`: what torchrun runs
+    job.py           dt.Job: the one loop's object (wrap, loader, evaluator, resume, steps)
+    step_loop.py     the body of Job.steps: seed, user code, commit, each part's cadence
+    job_resume.py    where a Job starts: memory (fast recovery), a checkpoint, or step 0
+    saving.py        checkpoint cadence (steps, seconds agreed by the ranks) and on_error
+    evaluation.py    the eval set sharded across ranks, (sum, count) metrics, its period
+    misuse.py        Job steps what it was given: a script's own step/backward is an error
+    recorded.py      which samples a batch holds; which optimizers existed before wrap
+    run_summary.py   summary.json and the table, over every attempt of a run
+    run_log.py       per-rank step time and memory, run_events.jsonl, TensorBoard
+    loop.py          Accumulator (no_sync, loss scaled once, clip, step), warmup_cosine
+    metrics.py       global (sum, count) means, rank-0 JSONL writer, print_main
+    progress.py      rich progress bar and summary table
+    resume.py        the "checkpoint -> now" config comparison on resume
+    sources.py       the model, data and loss a config names (built-in or the user's)
+    hf_models.py     Hugging Face models for [model] hf / hf_path
+    trainer.py       `disttrain train`'s per-rank job: the TOML driving a Job
+    script_runner.py a Job script under `disttrain run --fast-recovery`
+    __main__.py      `python -m disttrain.train CONFIG.toml [overrides]`: what torchrun runs
 """

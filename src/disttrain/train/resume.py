@@ -32,7 +32,7 @@ from disttrain.checkpoint import CheckpointMismatch
 from disttrain.checkpoint.layout import committed
 from disttrain.config import Config, to_dict
 from disttrain.elastic import apply_batch_policy
-from disttrain.train.metrics import print_main
+from disttrain.runtime.log import LOGGER
 
 REFUSED = frozenset({"optim.name", "train.seed", "train.loss"})
 """Refused besides model.* and data.*: another optimizer's state, another sample order,
@@ -223,5 +223,5 @@ def rejoin(who: str, step: int, acc, sampler, batch_policy: str, info, optimizer
         batch_policy, saved_global_batch=sampler.saved_global_batch, batch_size=sampler.batch_size,
         world_size=info.world_size, accum_steps=acc.accum_steps, optimizer=optimizer, scheduler=scheduler)
     sampler.reconfigure(world_size=info.world_size, rank=info.rank, accum_steps=acc.accum_steps)
-    print_main(f"disttrain {who}: resumed at step {step} (epoch {sampler.epoch}, sample "
+    LOGGER.info(f"disttrain {who}: resumed at step {step} (epoch {sampler.epoch}, sample "
                f"{sampler.cursor}) on {info.world_size} rank(s)" + (f"; {note}" if note else ""))

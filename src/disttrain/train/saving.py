@@ -15,7 +15,6 @@ directory over) always propagates.
 from __future__ import annotations
 
 import contextlib
-import logging
 import math
 import time
 
@@ -25,8 +24,8 @@ import torch.distributed as dist
 from disttrain.checkpoint import Checkpointer, CheckpointSaveError, TrainState
 from disttrain.guard import tensor_nbytes
 from disttrain.runtime.collectives import comm_device
+from disttrain.runtime.log import LOGGER
 
-log = logging.getLogger("disttrain")
 
 CLOCK_CHECK_FRACTION = 0.05
 """The time-based cadence asks the ranks (one all-reduce) at most once per this
@@ -127,5 +126,5 @@ class Saving:
         if self.on_error == "stop":
             raise e
         if not dist.is_initialized() or dist.get_rank() == 0:
-            log.warning("%s: warning: %s Training continues (checkpoint.on_error = 'continue').",
+            LOGGER.warning("%s: warning: %s Training continues (checkpoint.on_error = 'continue').",
                         self.who, e)

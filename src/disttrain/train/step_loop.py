@@ -26,7 +26,8 @@ from disttrain.errors import UserError
 from disttrain.runtime.collectives import comm_device
 from disttrain.runtime.fault_injection import inject
 from disttrain.train import run_summary
-from disttrain.train.metrics import JsonlWriter, global_sum, print_main
+from disttrain.runtime.log import LOGGER
+from disttrain.train.metrics import JsonlWriter, global_sum
 from disttrain.train.progress import TrainProgress
 from disttrain.train.run_log import RunLog
 from disttrain.train.sources import to_device
@@ -157,7 +158,7 @@ class Loop:
             job.preempted = True
             if job._saving.ckpt is not None and job._saving.saved_at == job.step:
                 launcher_notes.note_saved(job.info.rank, job.step)  # the launcher says "saved"
-            print_main(f"disttrain job: preempted ({job._preempt.signal_name}); saved step "
+            LOGGER.info(f"disttrain {job.name}: preempted ({job._preempt.signal_name}); saved step "
                        f"{job.step} and stopped. Start the same command again to resume.")
             if job.exit_on_preempt:
                 raise SystemExit(0)
@@ -177,7 +178,7 @@ class Loop:
 def run(job, max_steps: int) -> Iterator[Any]:
     """The generator `Job.steps` returns (see there)."""
     if job.step >= max_steps:
-        print_main(f"disttrain job: complete, the checkpoint is at step {job.step} of {max_steps}; "
+        LOGGER.info(f"disttrain {job.name}: complete, the checkpoint is at step {job.step} of {max_steps}; "
                    f"nothing to train (use a new out_dir or a larger max_steps).")
         return
     loop = job._loop = Loop(job, max_steps)

@@ -18,11 +18,11 @@ from disttrain.elastic import fast_recovery
 from disttrain.guard.run_guard import logical_name
 from disttrain.parallel import make_optimizer, unwrap
 from disttrain.parallel.precision import make_grad_scaler
+from disttrain.runtime.log import LOGGER
 from disttrain.train import resume, run_summary, sources
 from disttrain.train.evaluation import loss_metric
 from disttrain.train.job import Job
 from disttrain.train.loop import warmup_cosine
-from disttrain.train.metrics import print_main
 
 
 def build_optimizer(model: torch.nn.Module, cfg: Config, ndims: dict[str, int]) -> torch.optim.Optimizer:
@@ -100,7 +100,7 @@ def _train(cfg: Config, config_dir, handoff) -> dict:
         # refused before anything is built; a finished run is left as it is.
         plan = resume.inspect(cfg)
         if plan is not None and plan.step >= t.steps:
-            print_main(resume.complete_message(plan))
+            LOGGER.info(resume.complete_message(plan))
             return {"steps": plan.step, "world_size": job.info.world_size, "complete": True,
                     "preempted": False}
         raw = sources.build_model(cfg, config_dir)
