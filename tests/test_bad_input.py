@@ -166,3 +166,15 @@ def test_3_cli_refuses_a_checkpoint_dir_that_is_a_file_before_any_worker(tmp_pat
     assert proc.returncode == 2 and "is a file, not a directory" in proc.stderr
     assert len(proc.stderr.strip().splitlines()) == 1 and a_file.read_text() == "keep me"
     assert not (tmp_path / "run").exists()
+
+
+def test_10_doctor_analyses_a_3000_term_expression(tmp_path, capsys):
+    script = tmp_path / "long.py"
+    script.write_text("import torch\nx = " + " + ".join(["a"] * 3000) + "\n")
+    assert cli(["doctor", str(script)]) == 0
+    assert "Traceback" not in capsys.readouterr().err
+
+
+def test_12_doctor_refuses_a_folder_without_python_files(tmp_path, capsys):
+    (tmp_path / "notes.txt").write_text("no scripts here")
+    assert "no Python files in this folder" in _one_line_error(capsys, "doctor", str(tmp_path))

@@ -15,6 +15,7 @@ the analyzer and renderers load when called.
 from __future__ import annotations
 
 import argparse
+import os
 import sys
 
 __all__ = ["main"]
@@ -42,6 +43,49 @@ def _parser() -> argparse.ArgumentParser:
     return p
 
 
+DEEP_STACK = 512 * 2**20
+"""Stack of the thread that re-runs an analysis too deep for the main thread's."""
+
+
+def _deep(fn, *args):
+    """`fn(*args)`; on a RecursionError (a very long expression: the parser and the rules
+    walk the tree recursively) once more on a thread with a large stack and a high
+    recursion limit; a `UserError` if even that is not enough."""
+    try:
+        return fn(*args)
+    except RecursionError:
+        pass
+    import threading
+
+    from disttrain.errors import UserError
+
+    box: dict = {}
+
+    def run():
+        limit = sys.getrecursionlimit()
+        sys.setrecursionlimit(200_000)
+        try:
+            box["out"] = fn(*args)
+        except BaseException as e:  # handed to the caller's thread
+            box["err"] = e
+        finally:
+            sys.setrecursionlimit(limit)
+
+    old = threading.stack_size(DEEP_STACK)
+    try:
+        worker = threading.Thread(target=run, name="disttrain-doctor-deep")
+        worker.start()
+        worker.join()
+    finally:
+        threading.stack_size(old)
+    if isinstance(box.get("err"), RecursionError):
+        raise UserError("a script is nested too deeply for doctor to analyse (a very long expression or "
+                        "deeply nested code); split it into smaller statements") from None
+    if "err" in box:
+        raise box["err"]
+    return box["out"]
+
+
 def main(argv: list[str]) -> int:
     """Run the doctor on `argv` (without the `doctor` word). Returns the exit status."""
     from disttrain.errors import UserError
@@ -54,7 +98,11 @@ def main(argv: list[str]) -> int:
         return 0
     if not args.paths:
         raise UserError("no script given: disttrain doctor SCRIPT.py [DIR ...] (see --help)")
-    files, findings = analyzer.analyze_paths(args.paths, args.select, args.ignore)
+    for path in args.paths:  # a folder without scripts must not pass as checked and clean
+        if os.path.isdir(path) and not analyzer.collect_files([path]):
+            raise UserError(f"{path}: no Python files in this folder (hidden, build and virtualenv "
+                            f"folders are skipped); give the training script(s) to check")
+    files, findings = _deep(analyzer.analyze_paths, args.paths, args.select, args.ignore)
     if args.format == "json":
         text = report.render_json(files, findings)
     elif args.format == "sarif":
