@@ -178,3 +178,11 @@ def test_10_doctor_analyses_a_3000_term_expression(tmp_path, capsys):
 def test_12_doctor_refuses_a_folder_without_python_files(tmp_path, capsys):
     (tmp_path / "notes.txt").write_text("no scripts here")
     assert "no Python files in this folder" in _one_line_error(capsys, "doctor", str(tmp_path))
+
+
+def test_12_doctor_reads_a_bom_and_a_latin1_coding_line_as_python_does(tmp_path, capsys):
+    latin = tmp_path / "latin.py"
+    latin.write_bytes('# -*- coding: latin-1 -*-\nimport torch\nname = "r\xe9sum\xe9"\n'.encode("latin-1"))
+    bom = tmp_path / "bom.py"
+    bom.write_bytes(b"\xef\xbb\xbfimport torch\nx = 1\n")
+    assert cli(["doctor", str(latin), str(bom)]) == 0, capsys.readouterr().err

@@ -15,6 +15,7 @@ from pathlib import Path
 from disttrain.doctor import (  # noqa: F401
     rules_ddp, rules_fsdp2, rules_io, rules_launch, rules_resume, rules_step, rules_sync)
 from disttrain.doctor.facts import Facts
+from disttrain.doctor.source_text import read_source
 from disttrain.doctor.findings import ERROR, RULES, Finding, ignore_comments, suppressed
 from disttrain.errors import UserError
 
@@ -87,7 +88,7 @@ def analyze_paths(paths: list[str], select: set[str] | None = None,
     parsed: list[Facts] = []
     for f in files:
         try:
-            source = f.read_text(encoding="utf-8")
+            source = read_source(f)  # PEP 263: a BOM or a coding line, else UTF-8
         except UnicodeDecodeError:
             raise UserError(f"{f}: not UTF-8 text; doctor checks Python source files") from None
         except OSError as e:
