@@ -158,7 +158,8 @@ def test_trainer_checkpoints_by_time_and_restarts_by_default(tmp_path):
     """Row 4: `disttrain train` with model/data factories killed -9 lost every step (no
     periodic checkpoint, no restarts) and refused --max-restarts."""
     proc = run_disttrain(["train", str(ROOT / "tests" / "byo" / "byo.toml"), "--train.steps=40",
-                          "--checkpoint.every=0", "--checkpoint.every_s=0.3", f"--train.out_dir={tmp_path}", "--max-restarts", "2"],
+                          "--checkpoint.every=0", "--checkpoint.every_s=0.3", "--data.num_workers=1",
+                          f"--train.out_dir={tmp_path}", "--max-restarts", "2"],
                          timeout=240, env=worker_env(DISTTRAIN_FAULT="kill@backward:rank=1,step=30"))
     out = ok(proc)
     assert "disttrain fault: kill" in out and "resumed at step" in out, out[-3000:]
@@ -168,6 +169,26 @@ def test_trainer_checkpoints_by_time_and_restarts_by_default(tmp_path):
     assert summary["resumed"] and summary["wall_time_s"] > summary["attempt_wall_time_s"]
     assert "n_layer" not in summary["config"]["model"]  # only the keys that apply
     assert "samples_seen" in summary and "tokens_seen" not in summary
+
+
+def test_job_has_the_trainers_checkpoint_options(tmp_path):
+    """Job lacked checkpoint.dir, async saves, fallback and on_error; a changed LR in a Job
+    script was silently replaced by the checkpoint's."""
+    def run(lr: float, steps: int) -> float:
+        with dt.Job(tmp_path / "out", checkpoint_dir=tmp_path / "ckpts", async_save="thread",
+                    fallback=True, on_error="continue", checkpoint_every=2, progress=False) as job:
+            model = job.wrap(torch.nn.Linear(4, 1))
+            opt = torch.optim.SGD(model.parameters(), lr=lr)
+            loader = job.loader(torch.utils.data.TensorDataset(torch.randn(32, 4)), batch_size=4)
+            job.resume(model=model, optimizer=opt)
+            for (x,) in job.steps(loader, max_steps=steps):
+                job.backward(model(x).square().mean())
+            return opt.param_groups[0]["lr"]
+
+    assert run(0.1, 4) == 0.1
+    assert sorted(p.name for p in (tmp_path / "ckpts").glob("step-*"))[-1] == "step-00000004"
+    assert not (tmp_path / "out" / "checkpoints").exists()
+    assert run(0.05, 6) == 0.05  # this run's LR, not the checkpoint's
 
 
 def test_oversubscription_with_one_thread_says_to_start_fewer_processes(monkeypatch):
