@@ -368,7 +368,7 @@ def _launch(argv: list[str]) -> int:
                else f"signal {failure.signal_name()}")
         more = _others(e.failures, rank)
         if failure.exitcode == 124:  # watchdog.HANG_EXIT_CODE; the reporter is not the culprit
-            more += " after reporting a hang; the guard's summary above names the lagging rank"
+            more += " after reporting a hang (it is the reporter, not the culprit: see the guard's summary above)"
         print(f"disttrain run: rank {rank} failed first with {how}{more}. "
               f"Its error is above; per-rank logs: --log-dir DIR --tee 3.", file=sys.stderr)
         return code or 1
