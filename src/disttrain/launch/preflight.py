@@ -6,10 +6,11 @@ process before any worker starts (`disttrain train`, `disttrain run -m disttrain
   first save that it cannot write (`disttrain.config.paths.writable_dir`).
 - `check_memory`: the first step of the built-in GPT fits in the memory each process
   has, estimated with the planner's model (`disttrain.plan.memory`): weights,
-  gradients, optimizer state and the activations of one micro-batch, plus the
-  interpreter and torch of every process. Only a request that cannot fit is
-  refused, in one line with the numbers; a model of the user's own (model.factory,
-  model.hf) is not estimated.
+  gradients, optimizer state and the activations of one micro-batch, against the
+  whole memory of the device (a GPU), or the host's physical memory shared by the
+  processes (CPU). Only a request that can never fit is refused, in one line with
+  the numbers, so a busy machine never refuses a job that would run; a model of the
+  user's own (model.factory, model.hf) is not estimated.
 """
 
 from __future__ import annotations
@@ -19,10 +20,6 @@ from pathlib import Path
 from disttrain.config import Config
 from disttrain.config.paths import writable_dir
 from disttrain.errors import ConfigError
-
-PROCESS_BASELINE = 300 * 2**20
-"""Bytes each worker holds before its first tensor: the interpreter, torch, gloo."""
-
 
 def checkpoint_root(cfg: Config) -> Path:
     """checkpoint.dir, or {train.out_dir}/checkpoints (the trainer's rule)."""
@@ -63,12 +60,12 @@ def _variant(cfg: Config):
                    act_ckpt=p.activation_checkpointing)
 
 
-def _host_available() -> int | None:
-    """MemAvailable of this host in bytes, or None where it cannot be read."""
+def _host_memory() -> int | None:
+    """This host's physical memory (MemTotal) in bytes, or None where it cannot be read."""
     try:
         with open("/proc/meminfo") as f:
             for line in f:
-                if line.startswith("MemAvailable:"):
+                if line.startswith("MemTotal:"):
                     return int(line.split()[1]) * 1024
     except (OSError, ValueError, IndexError):
         pass
@@ -82,10 +79,10 @@ def _device_memory(cfg: Config) -> tuple[int | None, str]:
     device = cfg.parallel.device
     if device != "cpu" and torch.cuda.is_available() and torch.cuda.device_count():
         return torch.cuda.get_device_properties(0).total_memory, "one GPU's memory"
-    host = _host_available()
+    host = _host_memory()
     if host is None:
         return None, ""
-    return host // cfg.parallel.nproc, f"this host's available memory shared by {cfg.parallel.nproc} process(es)"
+    return host // cfg.parallel.nproc, f"this host's memory shared by {cfg.parallel.nproc} process(es)"
 
 
 def check_memory(cfg: Config, world: int | None = None) -> None:
@@ -107,8 +104,7 @@ def check_memory(cfg: Config, world: int | None = None) -> None:
     if cfg.parallel.strategy == "dp":  # one process holds the whole batch of every device
         world = 1
     est = memory(_gpt_spec(cfg), work, world, _variant(cfg))
-    on_host = where.startswith("this host")
-    need = est.total + (est.host + PROCESS_BASELINE if on_host else 0)
+    need = est.total + (est.host if where.startswith("this host") else 0)
     if need <= avail:
         return
     state = est.params + est.grads + est.optim + est.host
