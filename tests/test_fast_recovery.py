@@ -109,21 +109,21 @@ def test_killed_spare_is_replaced_and_then_used(reference, tmp_path):
 
 @pytest.mark.parametrize("strategy", ["zero1", "fsdp1"])
 def test_fast_recovery_refuses_other_strategies(strategy):
-    with pytest.raises(ConfigError, match=rf"'ddp' or 'fsdp' on CPU \(gloo\) only, not '{strategy}' on cpu"):
+    with pytest.raises(ConfigError, match=rf"'ddp' or 'fsdp', not '{strategy}' on cpu"):
         load_config("examples/tiny_gpt.toml", ["--elastic.fast_recovery=true", f"--parallel.strategy={strategy}"])
 
 
 @pytest.mark.parametrize("override", ["--parallel.device=cuda", "--parallel.device=auto"])
-def test_fast_recovery_refuses_gpus_mocked_cuda(override, monkeypatch):
-    """CUDA is mocked (two visible devices); the rule is pure config validation."""
+def test_fast_recovery_accepts_gpus_mocked_cuda(override, monkeypatch):
+    """CUDA is mocked (two visible devices); the rule is pure config validation: a GPU
+    run is accepted (and says at its start that NCCL recovery is unproven)."""
     import disttrain.config.schema as schema
 
     monkeypatch.setattr(schema, "_cuda_count", lambda: 2)
     monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
     monkeypatch.setattr(torch.cuda, "device_count", lambda: 2)
-    words = "not 'ddp' on cuda"
-    with pytest.raises(ConfigError, match=f"'ddp' or 'fsdp' on CPU \\(gloo\\) only, {words}"):
-        load_config("examples/tiny_gpt.toml", ["--elastic.fast_recovery=true", "--parallel.nproc=2", override])
+    cfg = load_config("examples/tiny_gpt.toml", ["--elastic.fast_recovery=true", "--parallel.nproc=2", override])
+    assert cfg.elastic.fast_recovery
 
 
 def test_supervisor_outside_torchrun_says_how_to_start_it():

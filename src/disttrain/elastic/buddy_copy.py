@@ -28,6 +28,7 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
+from disttrain.elastic.host_copy import HostCopy, host_buffer, on_cuda
 from disttrain.runtime import fault_injection
 from disttrain.runtime.log import EVERY_RANK, LOGGER
 
@@ -70,10 +71,14 @@ def _skeleton(tree: Any, leaves: list[tuple[_Slot, torch.Tensor]], offset: list[
     return tree
 
 
-def pack(sd: dict, capacity: int | None = None, into: torch.Tensor | None = None) -> torch.Tensor:
+def pack(sd: dict, capacity: int | None = None, into: torch.Tensor | None = None,
+         copier: HostCopy | None = None) -> torch.Tensor:
     """`sd` (a nested state dict: `live_state`) as one flat uint8 CPU tensor of `capacity`
     bytes (None: exactly what it needs), written into `into` when it has that size
-    (the buffer of an older pack, reused). Raises `OverflowError` when it does not fit."""
+    (the buffer of an older pack, reused). Device tensors go through `copier` (a side
+    stream into pinned memory, `elastic.host_copy`); the caller waits on it before the
+    buffer is read (a fresh copier is waited here). Raises `OverflowError` when it does
+    not fit."""
     leaves: list[tuple[_Slot, torch.Tensor]] = []
     offset = [0]
     skeleton = pickle.dumps(_skeleton(sd, leaves, offset), protocol=pickle.HIGHEST_PROTOCOL)
@@ -82,12 +87,20 @@ def pack(sd: dict, capacity: int | None = None, into: torch.Tensor | None = None
     size = need if capacity is None else capacity
     if need > size:
         raise OverflowError(f"the state needs {need} bytes, the buffer holds {size}")
-    buf = into if into is not None and into.numel() == size else torch.empty(size, dtype=torch.uint8)
+    device = on_cuda(local for _, local in leaves)
+    buf = into if into is not None and into.numel() == size else host_buffer(size, pinned=device)
     buf[:8].view(torch.int64)[0] = len(skeleton)
     buf[_HEADER:_HEADER + len(skeleton)].copy_(torch.frombuffer(bytearray(skeleton), dtype=torch.uint8))
-    if leaves:  # one copy kernel for every tensor, back to back
+    if leaves and not device:  # one copy kernel for every tensor, back to back
         torch.cat([local.detach().reshape(-1).view(torch.uint8) for _, local in leaves],
                   out=buf[start:need])
+    elif leaves:
+        own = copier is None
+        copier = copier or HostCopy()
+        copier.copy([(buf[start + slot.offset:start + slot.offset + slot.nbytes],
+                      local.detach().reshape(-1).view(torch.uint8)) for slot, local in leaves])
+        if own:
+            copier.wait()
     return buf
 
 
@@ -201,6 +214,7 @@ class BuddyCopy:
         self._pending: tuple[int, list, torch.Tensor] | None = None
         self._spare: torch.Tensor | None = None
         self.disabled = False
+        self.copier = HostCopy()
 
     def attach(self, group) -> None:
         """A new generation's group: exchanges start over (capacities are gathered again)."""
@@ -225,7 +239,8 @@ class BuddyCopy:
             self._capacity = caps
         oldest = min(self.mine) if len(self.mine) >= 2 else None
         try:  # the oldest pack's buffer is reused: nothing sends it any more (waited above)
-            buf = pack(sd, self._capacity[rank], into=self.mine.pop(oldest) if oldest is not None else None)
+            buf = pack(sd, self._capacity[rank], into=self.mine.pop(oldest) if oldest is not None else None,
+                       copier=self.copier)
         except OverflowError as e:
             self.disabled = True  # every later copy would not fit either; the disk checkpoint remains
             LOGGER.warning(f"disttrain train: rank {rank}: the buddy copy is off for this run ({e})",
@@ -235,6 +250,7 @@ class BuddyCopy:
         size = self._capacity[(rank - 1) % world]
         spare, self._spare = self._spare, None
         incoming = spare if spare is not None and spare.numel() == size else torch.empty(size, dtype=torch.uint8)
+        self.copier.wait()  # on CUDA: the side stream's copy is in the buffer before gloo reads it
         # The group spans the whole world in rank order: its ranks are the global ones.
         works = [dist.isend(buf, dst=(rank + 1) % world, group=self.group),
                  dist.irecv(incoming, src=(rank - 1) % world, group=self.group)]

@@ -36,10 +36,11 @@ import time
 from dataclasses import dataclass, field
 from typing import Any, Callable
 
+import torch
 import torch.distributed as dist
 
 from disttrain import runtime
-from disttrain.elastic.buddy_copy import BuddyCopy
+from disttrain.elastic.buddy_copy import BuddyCopy, pack, unpack
 from disttrain.runtime import fault_injection, torch_compat
 from disttrain.runtime.log import EVERY_RANK, LOGGER
 
@@ -178,9 +179,7 @@ class Handoff:
                         f"loading the newest checkpoint")
             return False
         src = steps.index(best)
-        box = [self.memory if dist.get_rank() == src else None]
-        dist.broadcast_object_list(box, src=src)
-        state.load_state_dict(box[0])
+        state.load_state_dict(broadcast_state(self.memory if dist.get_rank() == src else None, src))
         LOGGER.info(f"disttrain train: generation {self.gen}: state of step {best} taken from rank "
                     f"{src}'s memory (ranks' steps {steps})")
         return True
@@ -201,6 +200,21 @@ class Handoff:
             return
         state.step, state.epoch = acc.optimizer_steps, state.sampler.epoch
         self.memory = state.state_dict()
+
+
+def broadcast_state(memory: dict | None, src: int) -> dict:
+    """`memory` (a `TrainState.state_dict()`, given on rank `src` only) on every rank, as
+    one raw buffer (`buddy_copy.pack`: the tensors' bytes back to back, only a small
+    skeleton pickled) broadcast on the backend's device (CUDA under NCCL), not as one
+    pickled object. A collective."""
+    from disttrain.runtime.collectives import comm_device
+
+    buf = pack(memory) if memory is not None else None
+    size = [buf.numel() if buf is not None else 0]
+    dist.broadcast_object_list(size, src=src)
+    wire = (buf if buf is not None else torch.empty(size[0], dtype=torch.uint8)).to(comm_device())
+    dist.broadcast(wire, src=src)
+    return unpack(wire.cpu(), template=None)
 
 
 def _socket_inodes() -> dict[int, str]:
@@ -248,6 +262,16 @@ def _is_peer_failure(e: BaseException) -> bool:
 
 
 _current: Handoff | None = None
+UNPROVEN_NCCL = ("disttrain: fast recovery on NCCL is unproven: its test (tests/test_fast_recovery_cuda.py) "
+                 "needs a machine with 2 GPUs and has not run on one yet; a failed recovery falls back "
+                 "to torchrun's restart and the disk checkpoint.")
+
+
+def nccl_expected(backend: str, device: str) -> bool:
+    """Whether the training groups will use NCCL (CUDA visible and not forced to gloo/CPU)."""
+    if backend == "gloo" or device == "cpu":
+        return False
+    return backend == "nccl" or torch.cuda.is_available()
 
 
 def current() -> Handoff | None:
@@ -266,6 +290,12 @@ def run(body: Callable[[runtime.RankInfo, Handoff], Any], *, backend: str, devic
     global _current
     world = int(os.environ["WORLD_SIZE"])
     handoff = Handoff(gen=0)
+    if nccl_expected(backend, device):
+        # The survivors abort NCCL themselves (torch_compat.abort_process_groups); the NCCL
+        # watchdog must not end them first.
+        os.environ["TORCH_NCCL_ASYNC_ERROR_HANDLING"] = "0"
+        if int(os.environ.get("RANK", "0")) == 0:
+            LOGGER.warning(UNPROVEN_NCCL)
     warm_up()
     if prepare is not None:
         prepare(handoff)
@@ -299,6 +329,8 @@ def run(body: Callable[[runtime.RankInfo, Handoff], Any], *, backend: str, devic
                 LOGGER.warning(f"disttrain train: rank {info.rank}: generation {gen} lost a peer "
                                f"({type(e).__name__}); recovering in memory", extra=EVERY_RANK)
                 handoff.snapshot()
+                if "nccl" in str(info.backend):  # NCCL's communicators do not fail by themselves
+                    torch_compat.abort_process_groups()
                 _cut_connections(sockets_before, int(os.environ["MASTER_PORT"]))
             finally:
                 _current = None
