@@ -188,3 +188,16 @@ def test_accepted_values_train_one_step(tmp_path):
                           "--log.tensorboard=false", f"--train.out_dir={tmp_path}"], timeout=180)
     assert proc.returncode == 0, proc.stderr[-3000:]
     assert "Traceback" not in proc.stderr
+
+
+def test_3_a_read_only_filesystem_is_named(tmp_path, monkeypatch):
+    import errno
+
+    from disttrain.config import paths
+
+    def read_only(*args, **kwargs):
+        raise OSError(errno.EROFS, "Read-only file system")
+
+    monkeypatch.setattr(paths.tempfile, "mkstemp", read_only)  # root passes every permission bit
+    with pytest.raises(UserError, match="train.out_dir .* cannot be written: .*read-only filesystem"):
+        launcher_checks(TINY + [f"--train.out_dir={tmp_path / 'run'}"])
