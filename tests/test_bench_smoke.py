@@ -84,12 +84,14 @@ def test_gpu_script_dry_run_on_cpu(tmp_path):
     proc = subprocess.run(["bash", str(ROOT / "bench" / "gpu.sh"), "--dry-run", str(tmp_path)],
                           cwd=ROOT, env=env, capture_output=True, text=True, timeout=230)
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
-    for variant in ("torch_autocast", "disttrain_fsdp"):
+    for variant in ("torch_autocast", "disttrain_fsdp", "disttrain_fsdp_compiled"):
         r = json.loads((tmp_path / f"{variant}.json").read_text())
         assert r["dry_run"] and r["tokens_per_s"] > 0 and 0 <= r["mfu"] < 1
         assert "ckpt_async_stall_s" in r, r.get("ckpt_error")
+        assert r["ckpt_gbps"] > 0 and r["raw_write_gbps"] > 0 and r["state_bytes"] > 0
         assert r["sharded"] is False, variant  # like for like: both unsharded at world 1
-    assert "| disttrain_fsdp |" in (tmp_path / "gpu.md").read_text()
+    md = (tmp_path / "gpu.md").read_text()
+    assert "| disttrain_fsdp |" in md and "| disttrain_fsdp_compiled |" in md and "save GB/s" in md
 
 
 def test_product_ab_switches_are_trainer_keys_and_both_sides_do_the_same_work():
