@@ -58,3 +58,12 @@ def test_nccl_kill_9_recovers_in_memory_bit_identical(tmp_path):
     a = torch.load(tmp_path / "ref" / "model.pt", weights_only=True)
     b = torch.load(tmp_path / "got" / "model.pt", weights_only=True)
     assert all(torch.equal(a[k], b[k]) for k in a)
+
+
+def test_nccl_abort_is_harmless_without_nccl_groups():
+    """The failure path's abort runs on CPU too: no NCCL group, nothing aborted, no error."""
+    from disttrain.elastic.fast_recovery import nccl_expected
+    from disttrain.runtime import torch_compat
+
+    assert torch_compat.abort_process_groups() is False
+    assert nccl_expected("gloo", "auto") is False and nccl_expected("auto", "cpu") is False
