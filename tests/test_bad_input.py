@@ -186,3 +186,21 @@ def test_12_doctor_reads_a_bom_and_a_latin1_coding_line_as_python_does(tmp_path,
     bom = tmp_path / "bom.py"
     bom.write_bytes(b"\xef\xbb\xbfimport torch\nx = 1\n")
     assert cli(["doctor", str(latin), str(bom)]) == 0, capsys.readouterr().err
+
+
+def test_6_a_python_level_hang_is_named_by_the_stacks():
+    from disttrain.guard.hang_report import diagnose
+
+    def beat(rank):
+        return {"rank": rank, "step": 5, "phase": "step", "state": "running", "alive": 100.0,
+                "counts": {"step": 5}, "history": {"step": [5]}}
+
+    waiting = ('Thread 1 (idle): "MainThread"\n    all_reduce (torch/distributed/distributed_c10d.py:3252)\n'
+               '    step (disttrain/train/job.py:200)\n    <module> (train.py:39)\n')
+    looping = 'Thread 1 (active): "MainThread"\n    spin (train.py:12)\n    <module> (train.py:39)\n'
+    beats = [beat(0), beat(1)]
+    verdict, lagging = diagnose(beats, 101.0, 3)
+    assert lagging == [] and "communication problem" in verdict  # the heartbeats alone cannot tell
+    verdict, lagging = diagnose(beats, 101.0, 3, stacks={0: waiting, 1: looping})
+    assert lagging == [1] and "rank(s) [1] are not in a collective" in verdict and "spin (train.py:12)" in verdict
+    assert diagnose(beats, 101.0, 3, stacks={0: waiting, 1: waiting})[1] == []

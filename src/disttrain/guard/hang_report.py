@@ -9,7 +9,10 @@ the reasoning is unit-testable without processes. The rules, in order:
    entered at that step skipped it: a rank-specific branch around a collective.
 3. Ranks at an earlier step than the others lag (often data loading, P-DEBUG-4).
 4. At the same step, ranks outside the phase where most ranks wait lag.
-5. Everyone in the same step and phase: a communication problem, not a slow rank.
+5. Everyone in the same step and phase (or in different phases, none of them most
+   ranks'): the stacks decide when they are known. Ranks whose main thread is not in
+   a collective, while the others' is, stopped making progress in Python code (a
+   loop, a sleep, a lock) and lag; otherwise a communication problem.
 """
 
 from __future__ import annotations
@@ -45,8 +48,39 @@ def _skipped(beats: list[dict]) -> list[tuple[int, str, int | None]]:
     return found
 
 
-def diagnose(beats: list[dict], now: float, stale_after: float) -> tuple[str, list[int]]:
-    """(verdict sentence, lagging ranks) from every rank's last heartbeat."""
+def diagnose(beats: list[dict], now: float, stale_after: float,
+             stacks: dict[int, str] | None = None) -> tuple[str, list[int]]:
+    """(verdict sentence, lagging ranks) from every rank's last heartbeat, and from the
+    ranks' stack dumps (`stacks`, by rank) where the heartbeats single out none."""
+    verdict, lagging = _by_beats(beats, now, stale_after)
+    if not lagging and stacks:
+        return _by_stacks(beats, stacks) or (verdict, lagging)
+    return verdict, lagging
+
+
+COLLECTIVE_WORDS = ("all_reduce", "allreduce", "all_gather", "allgather", "reduce_scatter", "broadcast",
+                    "barrier", "all_to_all", "alltoall", "isend", "irecv", "torch/distributed/", "c10d")
+"""Words of a frame that waits for the other ranks: a collective or point-to-point op,
+or any frame inside torch.distributed (a work handle's wait, DDP's reducer)."""
+
+
+def _by_stacks(beats: list[dict], stacks: dict[int, str]) -> tuple[str, list[int]] | None:
+    """(verdict, lagging) when some ranks' main threads wait in a collective and others'
+    do not; None when the stacks cannot tell (unknown, or all alike)."""
+    known = {b["rank"]: main_frames(stacks[b["rank"]]) for b in beats if stacks.get(b["rank"])}
+    known = {r: f for r, f in known.items() if f}
+    waiting = {r for r, frames in known.items()
+               if any(w in frame.lower() for frame in frames for w in COLLECTIVE_WORDS)}
+    lagging = sorted(set(known) - waiting)
+    if len(known) < 2 or not waiting or not lagging:
+        return None
+    where = "; ".join(f"rank {r} at {where_in_stack(stacks[r])}" for r in lagging)
+    return (f"rank(s) {lagging} are not in a collective while rank(s) {sorted(waiting)} wait in one: "
+            f"they stopped making progress in their own code ({where})."), lagging
+
+
+def _by_beats(beats: list[dict], now: float, stale_after: float) -> tuple[str, list[int]]:
+    """Rules 1 to 5 of the module docstring, on the heartbeats alone."""
     running = [b for b in beats if b.get("state") == "running"]
     frozen = [b for b in running
               if b.get("proc_state") in _SIGNALS or now - b["alive"] > stale_after]
@@ -95,22 +129,28 @@ def diagnose(beats: list[dict], now: float, stale_after: float) -> tuple[str, li
             "`disttrain run --debug` (P-DEBUG-2)."), []
 
 
-def where_in_stack(stack: str) -> str:
-    """The main thread's innermost frame (and first frame outside torch) in a py-spy
-    dump ('... "MainThread"') or a faulthandler dump ('Current thread ...': signal
-    handlers run on the main thread)."""
+def main_frames(stack: str) -> list[str]:
+    """The main thread's frames, innermost first, of a py-spy or faulthandler dump."""
     lines = stack.splitlines()
     heads = [i for i, line in enumerate(lines) if "MainThread" in line or line.startswith("Current thread")]
     if not heads:
         heads = [i for i, line in enumerate(lines) if line.startswith("Thread")]
     if not heads:
-        return ""
+        return []
     frames = []
     for frame in lines[heads[0] + 1:]:
         frame = frame.strip()
         if not frame or frame.startswith(("Thread", "Current thread")):
             break
         frames.append(frame.removeprefix("File "))
+    return frames
+
+
+def where_in_stack(stack: str) -> str:
+    """The main thread's innermost frame (and first frame outside torch) in a py-spy
+    dump ('... "MainThread"') or a faulthandler dump ('Current thread ...': signal
+    handlers run on the main thread)."""
+    frames = main_frames(stack)
     if not frames:
         return ""
     # The innermost frame is usually torch's; the first frame outside torch is the

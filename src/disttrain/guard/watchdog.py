@@ -313,7 +313,7 @@ class Watchdog:
         for b in local:
             b["proc_state"] = proc_state(b["pid"])
         stacks = dump_stacks(local, self.dir)
-        verdict, lagging = diagnose(beats, now, stale_after=max(self.bound(), 5 * self.tick_s))
+        verdict, lagging = diagnose(beats, now, stale_after=max(self.bound(), 5 * self.tick_s), stacks=stacks)
         summary = format_summary(reason=reason, reporter=self.rank, world=self.world, beats=beats,
                                  verdict=verdict, lagging=lagging, stacks=stacks,
                                  report=self.dir / "hang_report.txt")
