@@ -282,7 +282,7 @@ def build_torchrun_args(argv: list[str]) -> tuple[list[str], dict[str, str]]:
         flags, is_module = flags + ["-m"], True
     if warm_workers_wanted(argv):
         script = ["disttrain.launch.warm_workers", *script]
-    if not any(f in flags for f in ("--no-python", "--no_python")):
+    if not any(f in flags for f in ("--no-python", "--no_python", "--run-path", "--run_path")):
         # every worker gets a parent-death signal (launch/worker_entry.py)
         script = ["disttrain.launch.worker_entry", *(["-m"] if is_module else []), *script]
         flags = flags if is_module else flags + ["-m"]
