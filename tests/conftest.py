@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import json
 import os
+import re
 import subprocess
 import sys
 from pathlib import Path
@@ -39,3 +40,25 @@ def launch_worker(script: str, nproc: int, out_dir: Path, *args: str, timeout: f
         pytest.fail(f"{script} at nproc={nproc} exited {proc.returncode}:\n{proc.stdout[-4000:]}\n"
                     f"{proc.stderr[-6000:]}")
     return [json.loads((out_dir / f"rank{r}.json").read_text()) for r in range(nproc)]
+
+
+CORE_TIERS = (
+    # The core tiers: config, the loop (dt.Job), checkpoints, strategies and resume, in a
+    # few minutes on 2 cores. `pytest -m core` runs them; scripts/compat.sh runs them on
+    # another torch release. Each entry is a regular expression matched at the start of
+    # a test's node id.
+    r"tests/test_config\.py::",
+    r"tests/test_strategies_config\.py::",
+    r"tests/test_strategies\.py::.*\[2\b",  # every strategy at a world of 2 (one launch)
+    r"tests/test_job\.py::test_(kill_9_resumes|complete_job|misuse|elastic_sampler)",
+    r"tests/test_checkpoint\.py::",
+    r"tests/test_checkpoint_writer\.py::",
+    r"tests/test_resume_config\.py::test_(complete_run|changed_|apply_matches|classes_of_keys)",
+)
+
+
+def pytest_collection_modifyitems(config, items):
+    core = re.compile("|".join(f"(?:{p})" for p in CORE_TIERS))
+    for item in items:
+        if core.match(item.nodeid):
+            item.add_marker(pytest.mark.core)
