@@ -8,7 +8,8 @@
 #
 #   bench/gpu.sh [--dry-run] [OUTDIR]    OUTDIR defaults to $OUT, else bench/results/gpu_run
 #
-# Writes OUTDIR/{torch_autocast,disttrain_fsdp}.json, OUTDIR/*.log and OUTDIR/gpu.md.
+# Writes OUTDIR/{torch_autocast,disttrain_fsdp}.json, OUTDIR/*.log and OUTDIR/gpu.md (which
+# ends with a line `torch X.Y.Z`: the release it ran on).
 # --dry-run: the same code on the CPU with a tiny model (the test that keeps it working).
 # PYTHON picks the interpreter (default python3).
 set -uo pipefail
@@ -45,4 +46,6 @@ for variant in "${VARIANTS[@]}"; do
     fi
 done
 "$PY" -m bench.gpu_train --summarize "$OUTDIR" --command "bench/gpu.sh ${DRY[*]} OUTDIR"
+# The image's torch release, for the README's "Supported torch releases".
+printf '\ntorch %s\n' "$("$PY" -c 'import torch; print(torch.__version__)')" | tee -a "$OUTDIR/gpu.md"
 exit $status

@@ -92,6 +92,9 @@ def test_gpu_script_dry_run_on_cpu(tmp_path):
         assert r["sharded"] is False, variant  # like for like: both unsharded at world 1
     md = (tmp_path / "gpu.md").read_text()
     assert "| disttrain_fsdp |" in md and "| disttrain_fsdp_compiled |" in md and "save GB/s" in md
+    import torch
+
+    assert f"\ntorch {torch.__version__}\n" in md  # the release it ran on, for the README
 
 
 def test_product_ab_switches_are_trainer_keys_and_both_sides_do_the_same_work():
