@@ -385,9 +385,7 @@ def _launch(argv: list[str]) -> int:
                 "had --shutdown-timeout to save, but no rank reported a committed checkpoint "
                 "(a script without dt.Job saves nothing on SIGTERM).")
         print(f"disttrain run: stopped by {name}; the workers were passed it and {then}", file=sys.stderr)
-        if e.sigval != signal.SIGTERM:
-            return 128 + int(e.sigval)
-        return 0 if saved is not None else 128 + int(signal.SIGTERM)
+        return 0 if e.sigval == signal.SIGTERM else 128 + int(e.sigval)
     finally:
         notes.close()
     return 0
