@@ -16,6 +16,7 @@ import pytest
 from disttrain.doctor import main
 from disttrain.doctor.analyzer import analyze_paths, analyze_source
 from disttrain.doctor.findings import RULES
+from doctor_cases import new_cases
 
 HERE = Path(__file__).parent
 SAMPLES = HERE / "doctor_samples"
@@ -163,7 +164,7 @@ CASES = [
      PRE + "from torch.distributed.fsdp import FullyShardedDataParallel as FSDP\n"
            "model = FSDP(nn.Linear(2, 2).cuda())\nopt = torch.optim.AdamW(model.parameters())\n"
            "model.clip_grad_norm_(1.0)\n"),
-]
+] + new_cases(PRE)
 
 
 def rules_of(source: str, path: str = "script.py") -> list[str]:

@@ -13,7 +13,8 @@ from pathlib import Path
 
 # Importing the rule modules fills the registry (each rule registers itself).
 from disttrain.doctor import (  # noqa: F401
-    rules_ddp, rules_fsdp2, rules_io, rules_launch, rules_resume, rules_step, rules_sync)
+    rules_behaviour, rules_ddp, rules_device, rules_fsdp2, rules_io, rules_job, rules_launch, rules_resume,
+    rules_step, rules_sync)
 from disttrain.doctor.facts import Facts
 from disttrain.doctor.source_text import read_source
 from disttrain.doctor.findings import ERROR, RULES, Finding, ignore_comments, suppressed
@@ -95,9 +96,13 @@ def analyze_paths(paths: list[str], select: set[str] | None = None,
             raise UserError(f"{f}: cannot be read ({e.strerror})") from None
         parsed.append(parse(str(f), source))
     findings: list[Finding] = []
+    from disttrain.doctor.dataflow import Project
+    project = Project(parsed)  # one data-flow view of the whole run, shared by its files
     for facts in parsed:
         # Rules may follow a call into the other files of the run (a train() in utils/).
         facts.others = [o for o in parsed if o is not facts]
+        facts.__dict__["project"] = project
+    for facts in parsed:
         findings += analyze_source(facts.path, facts.source, select, ignore, facts)
     return files, findings
 

@@ -15,6 +15,7 @@ import ast
 
 GLOBAL = "global"
 LOCAL = "local"
+SOLO = "solo"  # a single-process path: no other rank runs it at all
 
 # Words that make an `if` test a rank guard: `if rank == 0`, `if dist.get_rank() == 0`,
 # `if is_main_process():`, `if accelerator.is_main_process`, `if trainer.is_global_zero`.
@@ -25,6 +26,9 @@ _GUARD_WORDS = ("rank", "is_main", "main_process", "is_master", "master_process"
 # A function so named or decorated runs on rank 0 only (`@rank_zero_only`, `log_rank0`).
 _ZERO_ONLY_WORDS = ("rank0", "rank_0", "rank_zero", "main_process_only", "master_only",
                     "main_only", "zero_only", "on_main_process")
+# Decorators that run the function on the main process only (LAVIS' `@main_process`).
+_ZERO_ONLY_DECORATORS = ("main_process", "master_process", "is_main_process", "rank_zero_only",
+                         "only_main", "on_rank_0", "rank0_only")
 
 # Statements that end a block: after `if rank != 0: return`, the rest is rank 0 only.
 _EXITS = (ast.Return, ast.Continue, ast.Break, ast.Raise)
@@ -79,42 +83,21 @@ def is_guard_word(text: str) -> bool:
     return any(w in low for w in _GUARD_WORDS)
 
 
-def rank_variables(facts) -> dict[str, str]:
-    """Names the script reads a rank into, with the kind: `self.gpu_id =
-    int(os.environ["LOCAL_RANK"])` -> {"self.gpu_id": "local"}; `r = dist.get_rank()` ->
-    {"r": "global"}. Only plain reads count (not `torch.device(f"cuda:{local_rank}")`)."""
-    out: dict[str, str] = {}
-    for n in facts.nodes:
-        if isinstance(n, ast.Assign):
-            kind = _rank_source(n.value)
-            if kind:
-                out.update({name: kind for t in n.targets if (name := _ref(t))})
-    return out
-
-
-def _rank_source(value: ast.AST) -> str | None:
-    while isinstance(value, ast.Call) and isinstance(value.func, ast.Name) and \
-            value.func.id == "int" and value.args:
-        value = value.args[0]
-    key = None
-    if isinstance(value, ast.Subscript):
-        key = value.slice
-    elif isinstance(value, ast.Call) and _word(value.func) in ("get", "getenv") and value.args:
-        key = value.args[0]
-    if isinstance(key, ast.Constant) and key.value in ("LOCAL_RANK", "RANK"):
-        return LOCAL if key.value == "LOCAL_RANK" else GLOBAL
-    word = _word(value.func) if isinstance(value, ast.Call) else _word(value)
-    if word in ("get_local_rank", "get_node_local_rank") or (word or "").lower() == "local_rank":
-        return LOCAL
-    return GLOBAL if word == "get_rank" else None
-
-
 def guard_kind(facts, test: ast.AST) -> str | None:
     """"global" or "local" when an `if` test checks the rank, None otherwise. A test
     that checks both (`rank == 0 and local_rank == 0`) is global."""
+    cache = facts.__dict__.setdefault("_guard_kinds", {})
+    key = id(test)
+    if key not in cache:
+        cache[key] = _guard_kind(facts, test)
+    return cache[key]
+
+
+def _guard_kind(facts, test: ast.AST) -> str | None:
     if _is_env_presence(test):
         return None
     variables = facts.rank_variables
+    funcs = facts.project.rank_flag_functions
     kinds = set()
     for n in ast.walk(test):
         word, name = _word(n), _ref(n)
@@ -122,6 +105,8 @@ def guard_kind(facts, test: ast.AST) -> str | None:
             continue  # a mode flag (`if rank0_only:`, FSDP's option): the same on every rank
         if name in variables:
             kinds.add(variables[name])
+        elif isinstance(n, ast.Call) and _word(n.func) in funcs:
+            kinds.add(funcs[_word(n.func)])
         elif word and _is_local_word(word):
             kinds.add(LOCAL)
         elif word and is_guard_word(word):
@@ -129,6 +114,49 @@ def guard_kind(facts, test: ast.AST) -> str | None:
         elif isinstance(n, ast.Constant) and n.value in ("RANK", "LOCAL_RANK"):
             kinds.add(LOCAL if n.value == "LOCAL_RANK" else GLOBAL)
     return GLOBAL if GLOBAL in kinds else LOCAL if kinds else None
+
+
+_DIST_WORDS = {"distributed", "ddp", "is_distributed", "use_ddp", "multiprocessing_distributed",
+               "use_distributed", "is_ddp", "dist_on", "use_dist", "distributed_run"}
+_DIST_CALLS = {"is_initialized", "is_dist_avail_and_initialized", "is_dist_initialized", "is_distributed",
+               "is_dist", "dist_is_initialized"}
+
+
+def distributed_test(test: ast.AST) -> int:
+    """+1 when `test` is true exactly in a multi-process run (`if args.distributed:`,
+    `if dist.is_initialized()`, `world_size > 1`, `local_rank != -1`), -1 when it is true
+    exactly in a single-process one (`if not args.distributed`, `world_size == 1`), 0 for
+    any other test. The same answer on every rank: no rank guard, but the single-process
+    branch runs as one process."""
+    if isinstance(test, ast.UnaryOp) and isinstance(test.op, ast.Not):
+        return -distributed_test(test.operand)
+    if isinstance(test, ast.BoolOp) and isinstance(test.op, ast.And):
+        signs = {distributed_test(v) for v in test.values}
+        # true only when single-process (`cuda and RANK == -1 and n_gpu > 1`): -1
+        return 1 if signs == {1} else -1 if -1 in signs and 1 not in signs else 0
+    if isinstance(test, (ast.Name, ast.Attribute)):
+        return 1 if (_word(test) or "").lower() in _DIST_WORDS else 0
+    if isinstance(test, ast.Call):
+        return 1 if _word(test.func) in _DIST_CALLS else 0
+    if isinstance(test, ast.Compare) and len(test.ops) == 1:
+        w = (_word(test.left) or "").lower()
+        if isinstance(test.left, ast.Call) and _word(test.left.func) in ("get_world_size",):
+            w = "world_size"
+        c, op = test.comparators[0], test.ops[0]
+        value = c.value if isinstance(c, ast.Constant) else -c.operand.value if (
+            isinstance(c, ast.UnaryOp) and isinstance(c.op, ast.USub) and isinstance(c.operand, ast.Constant)) else None
+        if not isinstance(value, int):
+            return 0
+        if w in ("world_size", "num_gpus", "n_gpu", "ngpus", "nprocs", "num_processes", "gpus"):
+            if (isinstance(op, ast.Gt) and value == 1) or (isinstance(op, ast.GtE) and value == 2):
+                return 1
+            if isinstance(op, (ast.Eq, ast.LtE)) and value == 1:
+                return -1
+        if (_is_local_word(w) or "rank" in w) and value == -1:
+            return 1 if isinstance(op, (ast.NotEq, ast.Gt, ast.GtE)) else -1 if isinstance(op, (ast.Eq, ast.Lt, ast.LtE)) else 0
+        if "rank" in w and value == 0 and isinstance(op, (ast.GtE, ast.Lt)):
+            return 1 if isinstance(op, ast.GtE) else -1  # `rank >= 0`: set up at all?
+    return 0
 
 
 _ENV_KEYS = ("RANK", "LOCAL_RANK", "WORLD_SIZE")
@@ -153,67 +181,101 @@ def is_rank_test(facts, test: ast.AST) -> bool:
     return guard_kind(facts, test) is not None
 
 
-def rank_guard(facts, node: ast.AST) -> str | None:
-    """The kind of rank guard `node` runs under ("global", "local"), None when it runs on
-    every rank as far as the source shows. Recognised: either branch of an `if` that tests
-    the rank; after an early exit `if rank != 0: return` in the same block; inside a
-    function decorated or named rank-zero-only, or whose every call site is guarded."""
+def rank_guard(facts, node: ast.AST, subset: bool = False, local: bool = False) -> str | None:
+    """The kind of guard `node` runs under: "global" (one rank of the job), "local" (one
+    per node), "solo" (a single-process path: the else branch of `if args.distributed:`,
+    the launcher's parent around `mp.spawn`), None when it runs on every rank as far as
+    the source shows. Recognised: either branch of an `if` or a conditional expression
+    that tests the rank (through any rank-derived value), the right side of `rank == 0
+    and ...`, an early exit `if rank != 0: return` before it in the same block, inside
+    a function decorated or named rank-zero-only, or whose every call site in the run is
+    guarded. `subset=True` asks instead whether some rank may not reach `node`: an exit
+    on rank 0 (`if rank == 0: return`) counts too (the rest runs without rank 0).
+    `local=True` leaves out the guard a function gets from its call sites (not its name):
+    the guard written around `node` in its own function."""
     kinds = set()
     child = node
     for a in facts.ancestors(node):
-        if isinstance(a, ast.If) and child is not a.test:
-            k = guard_kind(facts, a.test)
-            if k:
-                kinds.add(k)
+        if isinstance(a, (ast.If, ast.IfExp)) and child is not a.test:
+            sign = distributed_test(a.test)
+            if sign:
+                in_body = child is a.body or (isinstance(a.body, list) and child in a.body)
+                if (sign == 1) != in_body:
+                    kinds.add(SOLO)
+            else:
+                k = guard_kind(facts, a.test)
+                if k:
+                    kinds.add(k)
+        elif isinstance(a, ast.BoolOp) and isinstance(a.op, ast.And) and child in a.values:
+            for v in a.values[:a.values.index(child)]:
+                k = guard_kind(facts, v)
+                if k:
+                    kinds.add(k)
         for block in _blocks(a):
             if child in block:
-                k = _early_exit_before(facts, block, block.index(child))
+                k = _early_exit_before(facts, block, block.index(child), subset)
                 if k:
                     kinds.add(k)
         if isinstance(a, (ast.FunctionDef, ast.AsyncFunctionDef)):
             k = facts.guarded_functions.get(a)
-            if k:
+            if k and (not local or zero_only_function(a)):
                 kinds.add(k)
+            if a in facts.spawner_scopes:
+                kinds.add(SOLO)
             break
+        if isinstance(a, ast.If) and _is_main_block(a) and a in facts.spawner_scopes:
+            kinds.add(SOLO)
         child = a
-    return GLOBAL if GLOBAL in kinds else LOCAL if kinds else None
+    return GLOBAL if GLOBAL in kinds else SOLO if SOLO in kinds else LOCAL if kinds else None
+
+
+def zero_only_function(d: ast.AST) -> bool:
+    """Named or decorated rank-zero-only (`@rank_zero_only`, `def log_rank0`)."""
+    words = [d.name] + [ast.unparse(x) for x in d.decorator_list]  # type: ignore[attr-defined]
+    decos = [ast.unparse(x).split(".")[-1].split("(")[0] for x in d.decorator_list]  # type: ignore[attr-defined]
+    return any(w in x.lower() for w in _ZERO_ONLY_WORDS for x in words) or \
+        any(x in _ZERO_ONLY_DECORATORS for x in decos)
+
+
+def _is_main_block(node: ast.If) -> bool:
+    t = node.test
+    return isinstance(t, ast.Compare) and isinstance(t.left, ast.Name) and t.left.id == "__name__"
+
+
+def spawner_scopes(facts) -> set[ast.AST]:
+    """Functions that start the workers themselves (`mp.spawn(...)`), and the `if __name__
+    == "__main__":` block that does or calls one: what runs there runs in the launcher's
+    parent, once."""
+    from disttrain.doctor.names import is_spawn
+    out: set[ast.AST] = set()
+    names = set()
+    for c, _ in facts.calls:
+        if is_spawn(facts, c):
+            s = facts.scope_of(c)
+            if isinstance(s, (ast.FunctionDef, ast.AsyncFunctionDef)):
+                out.add(s)
+                names.add(s.name)
+    spawners = facts.project.spawner_defs
+    for c, _ in facts.calls:  # a function that calls a launcher of the project (launch(main, ...))
+        s = facts.scope_of(c)
+        if isinstance(s, (ast.FunctionDef, ast.AsyncFunctionDef)) and s not in spawners and any(
+                d in spawners for _, d in facts.project.resolve(facts, c)):
+            out.add(s)
+            names.add(s.name)
+    for stmt in facts.tree.body:
+        if isinstance(stmt, ast.If) and _is_main_block(stmt):
+            for n in ast.walk(stmt):
+                if isinstance(n, ast.Call) and (is_spawn(facts, n) or _word(n.func) in names or any(
+                        d in spawners for _, d in facts.project.resolve(facts, n))):
+                    out.add(stmt)
+                    break
+    return out
 
 
 def guarded_functions(facts) -> dict[ast.AST, str]:
-    """Functions that run on one rank (per job or per node) only: rank-zero by name or
-    decorator, or called only from guarded places (a fixpoint over the script's calls)."""
-    guarded: dict[ast.AST, str] = {}
-    for name, defs in facts.functions.items():
-        for d in defs:
-            words = [name] + [ast.unparse(x) for x in d.decorator_list]
-            if any(w in x.lower() for w in _ZERO_ONLY_WORDS for x in words):
-                guarded[d] = GLOBAL
-    sites: dict[str, list[ast.Call]] = {}
-    for n in facts.nodes:
-        if isinstance(n, ast.Call):
-            callee = n.func.id if isinstance(n.func, ast.Name) else None
-            # `self.save(...)` may be ours; `torch.save(...)` (an imported module) is not.
-            if isinstance(n.func, ast.Attribute):
-                head = n.func.value
-                while isinstance(head, ast.Attribute):
-                    head = head.value
-                if not (isinstance(head, ast.Name) and head.id in facts.aliases):
-                    callee = n.func.attr
-            if callee in facts.functions:
-                sites.setdefault(callee, []).append(n)
-    facts.__dict__["guarded_functions"] = guarded  # visible to rank_guard below
-    changed = True
-    while changed:
-        changed = False
-        for name, calls in sites.items():
-            kinds = [rank_guard(facts, c) for c in calls]
-            if all(kinds):
-                kind = GLOBAL if all(k == GLOBAL for k in kinds) else LOCAL
-                for d in facts.functions[name]:
-                    if guarded.get(d) != kind and guarded.get(d) != GLOBAL:
-                        guarded[d] = kind
-                        changed = True
-    return guarded
+    """Functions that run on one rank (per job or per node) only, across the run's files
+    (dataflow.Project.guarded)."""
+    return facts.project.guarded
 
 
 def _blocks(node: ast.AST) -> list[list[ast.stmt]]:
@@ -221,16 +283,32 @@ def _blocks(node: ast.AST) -> list[list[ast.stmt]]:
             if isinstance(getattr(node, f, None), list)]
 
 
-def _early_exit_before(facts, block: list[ast.stmt], index: int) -> str | None:
+def _early_exit_before(facts, block: list[ast.stmt], index: int, subset: bool = False) -> str | None:
     for stmt in block[:index]:
-        if isinstance(stmt, ast.If) and _is_negative(stmt.test) and stmt.body:
+        if isinstance(stmt, ast.If) and stmt.body and (subset or _is_negative(stmt.test)):
+            if subset and not _pure_rank_test(facts, stmt.test):
+                continue  # `if not fsdp_eval and not is_rank0: return`: a mode decides, not sure
+            if distributed_test(stmt.test):
+                continue
             kind = guard_kind(facts, stmt.test)
             last = stmt.body[-1]
+            if subset and isinstance(last, ast.Raise):
+                continue  # an error path (`raise RuntimeError("already initialised")`)
             if kind and (isinstance(last, _EXITS) or (
                 isinstance(last, ast.Expr) and isinstance(last.value, ast.Call)
                     and ast.unparse(last.value.func) in ("sys.exit", "exit", "quit", "os._exit"))):
                 return kind
     return None
+
+
+def _pure_rank_test(facts, test: ast.AST) -> bool:
+    """Every conjunct of the test checks the rank (`rank != 0`, `not is_main and
+    local_rank != 0`), so the exit certainly applies on those ranks."""
+    while isinstance(test, ast.UnaryOp) and isinstance(test.op, ast.Not):
+        test = test.operand
+    if isinstance(test, ast.BoolOp):
+        return all(_pure_rank_test(facts, v) for v in test.values)
+    return guard_kind(facts, test) is not None
 
 
 def _is_negative(test: ast.AST) -> bool:

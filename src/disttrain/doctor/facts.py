@@ -14,12 +14,9 @@ import ast
 from dataclasses import dataclass, field
 from functools import cached_property
 
-from disttrain.doctor import control_flow
+from disttrain.doctor import control_flow, rank_values
+from disttrain.doctor.names import DISTTRAIN_INITS  # noqa: F401  (re-exported)
 
-# disttrain's own entry points: they start the group (with a timeout), bind the device
-# and wrap the model, so a script built on them is distributed and set up right.
-DISTTRAIN_INITS = ("disttrain.init", "disttrain.distributed", "disttrain.runtime.init",
-                   "disttrain.runtime.distributed")
 DISTTRAIN_WRAPS = ("disttrain.wrap", "disttrain.parallel.wrap")
 
 Scope = ast.AST  # a FunctionDef, AsyncFunctionDef, Lambda or the Module
@@ -100,9 +97,12 @@ class Facts:
         disttrain's own API (`disttrain.DistributedSampler`, ...) is the safe version of
         what the rules look for, so it matches only when a name starts with `disttrain`.
         """
-        return [c for c, q in self.calls if any(
-            ends_with(q, n) and (n.startswith("disttrain") or not q.startswith("disttrain."))
-            for n in names)]
+        cache = self.__dict__.setdefault("_calls_to", {})
+        if names not in cache:
+            cache[names] = [c for c, q in self.calls if any(
+                ends_with(q, n) and (n.startswith("disttrain") or not q.startswith("disttrain."))
+                for n in names)]
+        return list(cache[names])
 
     def method_calls(self, attr: str) -> list[ast.Call]:
         """Calls of the form `<anything>.attr(...)`."""
@@ -146,6 +146,15 @@ class Facts:
             if isinstance(a, (ast.FunctionDef, ast.AsyncFunctionDef, ast.Lambda)):
                 return None
         return None
+
+    @cached_property
+    def scoped(self) -> dict[ast.AST, list[ast.AST]]:
+        """Scope (function or module) -> the Call and Return nodes directly in it."""
+        out: dict[ast.AST, list[ast.AST]] = {}
+        for n in self.nodes:
+            if isinstance(n, (ast.Call, ast.Return)):
+                out.setdefault(self.scope_of(n), []).append(n)
+        return out
 
     @cached_property
     def functions(self) -> dict[str, list[ast.AST]]:
@@ -197,9 +206,10 @@ class Facts:
         """`a` and `b` sit in different branches of one if/elif/else: never both run."""
         return control_flow.exclusive(self, a, b)
 
-    def rank_guard(self, node: ast.AST) -> str | None:
-        """"global", "local" (one process per node) or None: see control_flow.rank_guard."""
-        return control_flow.rank_guard(self, node)
+    def rank_guard(self, node: ast.AST, subset: bool = False, local: bool = False) -> str | None:
+        """"global", "local" (one process per node), "solo" (one process: the single-process
+        branch, the launcher's parent) or None: see control_flow.rank_guard."""
+        return control_flow.rank_guard(self, node, subset, local)
 
     def is_rank_guarded(self, node: ast.AST) -> bool:
         """True when `node` runs on one rank (or one per node) only, as far as the source shows."""
@@ -211,7 +221,22 @@ class Facts:
 
     @cached_property
     def rank_variables(self) -> dict[str, str]:
-        return control_flow.rank_variables(self)
+        return rank_values.rank_variables(self)
+
+    @cached_property
+    def own_rank_values(self) -> dict[str, str]:
+        return rank_values.own_rank_values(self)
+
+    @cached_property
+    def spawner_scopes(self) -> set:
+        return control_flow.spawner_scopes(self)
+
+    @cached_property
+    def project(self):
+        """What holds across the files of the run (dataflow.Project); analyze_paths
+        shares one between them, a file checked alone is a project of one."""
+        from disttrain.doctor.dataflow import Project
+        return Project([self, *self.others])
 
     # ----- the other files checked in the same run -----------------------------------
 

@@ -42,9 +42,12 @@ def data_parallel_in_ddp(facts: Facts):
         return
     dp_names = {w.target: w for w in facts.wraps if w.kind == "dp" and w.target}
     multi = [w.call for w in facts.wraps if w.kind != "dp"]
+    from disttrain.doctor.control_flow import SOLO
     for w in facts.wraps:
         if w.kind == "dp" and multi and all(facts.exclusive(w.call, m) for m in multi):
             continue  # the DataParallel branch is the one that runs without DDP/FSDP
+        if w.kind == "dp" and facts.rank_guard(w.call) == SOLO:
+            continue  # `if RANK == -1 and device_count() > 1:` a single-process path
         if w.kind == "dp":
             yield finding(facts, w.call, "data-parallel-in-ddp",
                           "DataParallel in a multi-process script: each rank replicates the model "
@@ -131,14 +134,35 @@ def optimizer_before_wrap(facts: Facts):
       "Expected to have finished reduction in the prior iteration" is better fixed by
       making every parameter take part in the loss.""")
 def find_unused_parameters(facts: Facts):
+    in_view = any(f.functions.get("forward") for f in facts.project.component(facts))
     dynamic = _has_dynamic_forward(facts)
     for w in facts.wraps:
+        if not in_view and not _builtin_module(facts, w):
+            continue  # the model is defined out of view: the doctor cannot tell whether it branches
         if w.kind == "ddp" and is_const(kwarg(w.call, "find_unused_parameters"), True) and not dynamic:
             yield finding(facts, kwarg(w.call, "find_unused_parameters"), "find-unused-parameters",
                           "find_unused_parameters=True, yet no forward() here branches: the graph "
                           "walk after every forward costs 10-20% throughput for nothing.",
                           "drop it (the default is False); keep it only if forward really skips "
                           "parameters, and then say so with `# disttrain: ignore[find-unused-parameters]`.")
+
+
+def _builtin_module(facts: Facts, w) -> bool:
+    """The wrapped module is a torch.nn one built right there (`DDP(nn.Linear(...))`)."""
+    node = w.call.args[0]
+    for _ in range(3):
+        while isinstance(node, ast.Call) and isinstance(node.func, ast.Attribute) and \
+                node.func.attr in ("to", "cuda", "cpu"):
+            node = node.func.value
+        if isinstance(node, ast.Name):  # model = nn.Linear(...).cuda(); DDP(model)
+            assigns = [n for n in facts.nodes if isinstance(n, ast.Assign) and n.lineno < w.call.lineno
+                       and any(isinstance(t, ast.Name) and t.id == node.id for t in n.targets)]
+            if not assigns:
+                return False
+            node = max(assigns, key=lambda n: n.lineno).value
+            continue
+        break
+    return isinstance(node, ast.Call) and (facts.qualname(node.func) or "").startswith("torch.nn.")
 
 
 def _has_dynamic_forward(facts: Facts) -> bool:

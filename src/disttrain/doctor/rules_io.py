@@ -11,6 +11,7 @@ import ast
 from disttrain.doctor.facts import Facts, arg, base_ref, has_star_kwargs, is_const, kwarg, mentions, ref
 from disttrain.doctor.control_flow import LOCAL
 from disttrain.doctor.findings import ERROR, WARNING, finding, rule
+from disttrain.doctor.names import rank_aware_logging
 
 # Per-rank messages are legitimate: every rank reports its own warnings and errors.
 _LOG_METHODS = ("info", "debug", "log")
@@ -25,12 +26,19 @@ def _log_calls(facts: Facts):
     """print to stdout, logging.info/debug, logger.info/debug, wandb.init/log,
     SummaryWriter(): the outputs that should come from one rank only. Logger calls count
     only when the file itself makes the logger and shows no rank-aware set-up."""
-    rank_aware = _rank_aware_logging(facts)
+    project = facts.project
+    rank_aware = project.rank_aware_logging(facts) or project.logging_set_up_out_of_view(facts)
     own = _own_loggers(facts)
+    # `builtins.print` replaced by a rank-aware one (setup_for_distributed), in any file
+    # of the run, or a `print` of the file's own: print is not the builtin one.
+    builtin_print = project.print_override_for(facts) is None and not _shadows_print(facts)
     for call, q in facts.calls:
         if q == "print":
+            if not builtin_print:
+                continue
             target = kwarg(call, "file")
-            if target is None or not (facts.qualname(target) or "").endswith(("stderr",)):
+            # print(..., file=f) writes a file (a CSV log), judged as a file, not a log line
+            if target is None or (facts.qualname(target) or "").endswith("stdout"):
                 yield call, "print()"
         elif q.rsplit(".", 1)[-1] in _LOG_METHODS and isinstance(call.func, ast.Attribute) and \
                 (ref(call.func.value) or "").split(".")[-1] in _LOGGER_NAMES:
@@ -38,6 +46,16 @@ def _log_calls(facts: Facts):
                 yield call, f"{ast.unparse(call.func)}()"
         elif q in ("wandb.init", "wandb.log") or q.endswith("SummaryWriter"):
             yield call, f"{q.rsplit('.', 1)[-1] if 'Summary' in q else q}()"
+
+
+def _shadows_print(facts: Facts) -> bool:
+    """The file defines or assigns its own `print` at module level."""
+    for stmt in facts.tree.body:
+        if isinstance(stmt, (ast.FunctionDef, ast.AsyncFunctionDef)) and stmt.name == "print":
+            return True
+        if isinstance(stmt, ast.Assign) and any(isinstance(t, ast.Name) and t.id == "print" for t in stmt.targets):
+            return True
+    return False
 
 
 def _per_rank_message(call: ast.Call) -> bool:
@@ -49,31 +67,19 @@ def _own_loggers(facts: Facts) -> set[str]:
     """Names bound in this file to `logging.getLogger(...)`: a logger imported from
     another module (torchtitan's `from ...logging import logger`) is set up there."""
     out = set()
+    packages = {v.split(".")[0] for v in facts.aliases.values()} - {"logging", "__main__"}
     for call in facts.calls_to("logging.getLogger"):
+        name = call.args[0] if call.args else None
+        if isinstance(name, ast.Constant) and isinstance(name.value, str) and \
+                name.value.split(".")[0] in packages:
+            continue  # a library's logger (`getLogger("detectron2")`): the library sets it up
         parent = facts.parents.get(call)
         if isinstance(parent, ast.Assign):
             out |= {r for t in parent.targets if (r := ref(t))}
     return out
 
 
-def _rank_aware_logging(facts: Facts) -> bool:
-    """The file filters or formats its logs by rank: a logging filter, a rank in a format
-    string, a level chosen by the rank, or a handler/level set up on the main process only."""
-    if facts.method_calls("addFilter") or any(
-            (facts.qualname(b) or "").endswith("logging.Filter")
-            for n in facts.nodes if isinstance(n, ast.ClassDef) for b in n.bases):
-        return True
-    for call, q in facts.calls:
-        last = q.rsplit(".", 1)[-1]
-        if last in ("basicConfig", "Formatter", "setLevel", "disable", "addHandler", "setFormatter"):
-            if any(mentions(a, _is_rank_word) or any(
-                    isinstance(c, ast.Constant) and isinstance(c.value, str) and "rank" in c.value.lower()
-                    for c in ast.walk(a))
-                   for a in list(call.args) + [k.value for k in call.keywords]):
-                return True
-            if last in ("setLevel", "disable", "addHandler", "basicConfig") and facts.is_rank_guarded(call):
-                return True
-    return False
+_rank_aware_logging = rank_aware_logging  # shared with the data-flow core (names.py)
 
 
 @rule("unguarded-log", ("P-LOOP-1",), WARNING,
@@ -103,12 +109,45 @@ def unguarded_log(facts: Facts):
                           "guard it with `if rank == 0:` (or a rank-zero-only helper).")
 
 
-def _saves(facts: Facts) -> list[ast.Call]:
-    return facts.calls_to("torch.save")
+def _saves(facts: Facts, wrappers: bool = False) -> list[ast.Call]:
+    """torch.save calls; with `wrappers`, also the calls of the project's functions that
+    hand their arguments to torch.save (`utils.save_on_master(ckpt, path)`)."""
+    out = facts.calls_to("torch.save")
+    if wrappers:
+        project = facts.project
+        for c, q in facts.calls:
+            name = q.rsplit(".", 1)[-1]
+            if name in project.save_wrappers and c not in out and project.resolve(facts, c) and \
+                    not _inside(facts, c, name):
+                out.append(c)
+    return out
 
 
-def _save_path(call: ast.Call) -> ast.AST | None:
+def _inside(facts: Facts, node: ast.AST, name: str) -> bool:
+    s = facts.scope_of(node)
+    return getattr(s, "name", None) == name
+
+
+def _save_path(call: ast.Call, facts: Facts | None = None) -> ast.AST | None:
+    if facts is not None and not (facts.qualname(call.func) or "").endswith("torch.save"):
+        q = (facts.qualname(call.func) or "").rsplit(".", 1)[-1]
+        i = facts.project.save_wrappers.get(q, 1)
+        return call.args[i] if len(call.args) > i and not any(
+            isinstance(a, ast.Starred) for a in call.args[:i + 1]) else None
     return arg(call, 1, "f")
+
+
+def reached_from_view(facts: Facts, node: ast.AST) -> bool:
+    """The function around `node` is called from code the doctor sees (or is the module,
+    an entry point handed to a launcher, or a `main`)."""
+    scope = facts.scope_of(node)
+    if not isinstance(scope, (ast.FunctionDef, ast.AsyncFunctionDef)):
+        return True
+    project = facts.project
+    if scope.name in project.entry_points or scope.name in ("main", "train", "run") or \
+            scope in project.call_sites:
+        return True
+    return False
 
 
 @rule("unguarded-save", ("P-LOOP-1", "P-CKPT-2"), ERROR,
@@ -124,7 +163,8 @@ def unguarded_save(facts: Facts):
         return
     for call in _saves(facts):
         path = _save_path(call)
-        if path is not None and (mentions(path, _is_rank_word) or _is_buffer(facts, path)):
+        if path is not None and (mentions(path, _is_rank_word) or _is_buffer(facts, path) or
+                                 _per_rank_variable(facts, path, call)):
             continue  # one file per rank, or memory: no two writers share a file
         kind = facts.rank_guard(call)
         if kind == LOCAL:
@@ -134,12 +174,45 @@ def unguarded_save(facts: Facts):
                           "guard it with the global rank (`if dist.get_rank() == 0:`); keep local "
                           "rank 0 only for node-local disks.",
                           severity=WARNING)
-        elif kind is None:
+        elif kind is None and reached_from_view(facts, call):
             yield finding(facts, call, "unguarded-save",
                           "torch.save runs on every rank: world-size processes write the same file "
                           "at once.",
                           "save on rank 0 only (`if rank == 0:`), then dist.barrier() before anyone "
                           "reads it.")
+        elif kind is None:
+            fn = facts.scope_of(call).name  # type: ignore[attr-defined]
+            yield finding(facts, call, "unguarded-save",
+                          f"torch.save has no rank guard here, and `{fn}()` is called from code "
+                          "the doctor cannot see (no call site in the files checked): if that "
+                          "caller does not guard it, world-size processes write the same file.",
+                          f"guard the save with `if rank == 0:`, or check `{fn}()`'s callers in "
+                          "the same run.", severity=WARNING)
+
+
+def _per_rank_variable(facts: Facts, path: ast.AST, call: ast.Call) -> bool:
+    """The path is a variable built from the rank in the same function (`queue_path =
+    os.path.join(dump, "queue" + str(args.rank) + ".pth")`, `name = f"..._{rank_save}.pkl"`)."""
+    def refs(node):  # whole references only: `args.out`, not `args` or a method's owner
+        return {ref(n) for n in ast.walk(node) if isinstance(n, (ast.Name, ast.Attribute))
+                and not isinstance(facts.parents.get(n), ast.Attribute)} - {None}
+
+    names = refs(path)
+    scope = facts.scope_of(call)
+    variables = facts.rank_variables
+    for _ in range(3):
+        grown = set(names)
+        for n in facts.nodes:
+            if isinstance(n, ast.Assign) and facts.scope_of(n) in (scope, facts.tree) and \
+                    any(ref(t) in names for t in n.targets):
+                if mentions(n.value, _is_rank_word) or any(
+                        ref(x) in variables for x in ast.walk(n.value) if isinstance(x, (ast.Name, ast.Attribute))):
+                    return True
+                grown |= refs(n.value)
+        if grown == names:
+            break
+        names = grown
+    return False
 
 
 _ATOMIC_MOVES = ("os.replace", "os.rename", "shutil.move")
@@ -163,8 +236,8 @@ def _moves(facts: Facts) -> list[ast.Call]:
       checkpoint or the new one, never half of one.""")
 def non_atomic_save(facts: Facts):
     moves = _moves(facts)
-    for call in _saves(facts):
-        path = _save_path(call)
+    for call in _saves(facts, wrappers=True):
+        path = _save_path(call, facts)
         if path is None or _is_buffer(facts, path):
             continue
         scope = facts.scope_of(call)
@@ -172,6 +245,14 @@ def non_atomic_save(facts: Facts):
             continue
         if moves and mentions(path, lambda w: "tmp" in w.lower() or "temp" in w.lower()):
             continue  # written to a temporary name that a helper moves into place
+        if not (facts.qualname(call.func) or "").endswith("torch.save"):
+            name = ast.unparse(call.func)
+            yield finding(facts, call, "non-atomic-save",
+                          f"{name}() hands this path to torch.save, which writes the final "
+                          "checkpoint path directly: a crash mid-write leaves a corrupt checkpoint "
+                          "under the real name.",
+                          "save to f\"{path}.tmp\" in the same directory, then os.replace(tmp, path).")
+            continue
         yield finding(facts, call, "non-atomic-save",
                       "torch.save writes the final checkpoint path directly: a crash mid-write "
                       "leaves a corrupt checkpoint under the real name.",
@@ -277,9 +358,14 @@ def load_without_weights_only(facts: Facts):
         value = kwarg(call, "weights_only")
         if has_star_kwargs(call) or is_const(value, True):
             continue
-        how = "weights_only=False" if value is not None else "no weights_only"
-        yield finding(facts, call, "load-without-weights-only",
-                      f"torch.load with {how} unpickles arbitrary objects: an untrusted checkpoint "
-                      "can run code.",
+        if value is not None:
+            msg = ("torch.load with weights_only=False unpickles arbitrary objects: an untrusted "
+                   "checkpoint can run code.")
+        else:
+            msg = ("torch.load without weights_only: before torch 2.6 (the default then) it unpickles "
+                   "arbitrary objects, so an untrusted checkpoint can run code; from 2.6 the default "
+                   "is True and a checkpoint that holds other objects (an argparse Namespace, NumPy "
+                   "scalars) stops loading.")
+        yield finding(facts, call, "load-without-weights-only", msg,
                       "pass weights_only=True and keep the checkpoint to tensors and plain containers.",
                       severity=WARNING)

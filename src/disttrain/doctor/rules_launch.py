@@ -8,9 +8,11 @@ from __future__ import annotations
 
 import ast
 import re
+from typing import Iterable
 
 from disttrain.doctor.facts import DISTTRAIN_INITS, Facts, arg, has_star_kwargs, kwarg, ref
 from disttrain.doctor.findings import ERROR, WARNING, finding, rule
+from disttrain.doctor.names import SET_DEVICE, takes_node_rank
 
 
 # Backends that simulate a process group in one process: nothing to wait for.
@@ -60,6 +62,17 @@ def hardcoded_master_port(facts: Facts):
             q = facts.qualname(node.func) or ""
             if q.endswith("environ.setdefault") or q.endswith("environ.update") or q == "os.putenv":
                 yield finding(facts, node, "hardcoded-master-port", msg, fix)
+    for call in facts.method_calls("add_argument"):
+        names = [a.value for a in call.args if isinstance(a, ast.Constant) and isinstance(a.value, str)]
+        default = kwarg(call, "default")
+        if any("dist-url" in x or "dist_url" in x or "init-method" in x or "init_method" in x for x in names) \
+                and isinstance(default, ast.Constant) and isinstance(default.value, str) and \
+                _TCP_PORT.match(default.value):
+            yield finding(facts, default, "hardcoded-master-port",
+                          f"the {names[0]} default {default.value!r} fixes the rendezvous port: two "
+                          "jobs on one host collide unless every launch overrides it.",
+                          "default to env:// (the launcher's MASTER_ADDR/MASTER_PORT), or pick a free "
+                          "port at launch.")
     for call in facts.calls_to("init_process_group"):
         method = kwarg(call, "init_method")
         if isinstance(method, ast.Constant) and isinstance(method.value, str) and \
@@ -88,112 +101,21 @@ def _is_const_str(node: ast.AST, value: str) -> bool:
       and spans nodes. Read the rank from the environment and launch with
       `torchrun --standalone --nproc-per-node=N script.py` (or `disttrain run`).""")
 def mp_spawn(facts: Facts):
+    multi_node = _takes_node_rank(facts)
     for call in facts.calls_to("torch.multiprocessing.spawn", "torch.multiprocessing.start_processes"):
         yield finding(facts, call, "mp-spawn",
-                      "mp.spawn() launches the ranks by hand: no elastic restart, no multi-node, "
-                      "and the rendezvous port is yours to manage.",
+                      "mp.spawn() launches the ranks by hand: no elastic restart, "
+                      + ("and each node must be started by hand with its node rank"
+                         if multi_node else "no multi-node")
+                      + ", and the rendezvous port is yours to manage.",
                       "read RANK/LOCAL_RANK/WORLD_SIZE from the environment and launch with "
                       "`torchrun --standalone --nproc-per-node=N` or `disttrain run`.")
 
 
-_SET_DEVICE = ("torch.cuda.set_device", "torch.accelerator.set_device_index", "torch.cuda.device",
-               "init_device_mesh")  # a CUDA mesh binds cuda:LOCAL_RANK itself
+_takes_node_rank = takes_node_rank
 
 
-@rule("missing-set-device", ("P-INIT-2",), ERROR,
-      "no torch.cuda.set_device before CUDA use under torchrun",
-      """Each rank must bind its own GPU with `torch.cuda.set_device(local_rank)` before
-      any CUDA allocation. Without it, `.cuda()`, `"cuda"` and NCCL's default device all
-      mean cuda:0, so every rank allocates on (and runs out of) the first GPU.""")
-def missing_set_device(facts: Facts):
-    if not facts.distributed:
-        return
-    binds = facts.calls_to(*_SET_DEVICE, *DISTTRAIN_INITS) + _visible_devices_assignments(facts)
-    uses = _cuda_uses(facts)
-    if not uses:
-        return
-    if not binds:
-        unindexed = [u for u in uses if u[1]]
-        pg_bound = any(kwarg(c, "device_id") is not None for c in facts.calls_to("init_process_group"))
-        if pg_bound and not unindexed:
-            return  # every use names its device, and the group is bound by device_id=
-        if not unindexed:  # every allocation names its device: only NCCL's own device is unbound
-            if _gloo_only(facts):
-                return
-            yield finding(facts, uses[0][0], "missing-set-device",
-                          "every CUDA use here names its device, but no device is bound: NCCL's "
-                          "own work (barrier, object collectives) still defaults to cuda:0.",
-                          "call torch.cuda.set_device(local_rank) (or pass device_id= to "
-                          "init_process_group).", severity=WARNING)
-            return
-        node, _ = unindexed[0]
-        yield finding(facts, node, "missing-set-device",
-                      "CUDA is used under torchrun but the script never binds a device: every "
-                      "rank defaults to cuda:0.",
-                      "call torch.cuda.set_device(int(os.environ['LOCAL_RANK'])) right at start-up, "
-                      "before init_process_group and any CUDA tensor.")
-        return
-    for node, unindexed in uses:
-        if not unindexed:
-            continue
-        scope = facts.scope_of(node)
-        same = [b for b in binds if facts.scope_of(b) is scope]
-        # A bind in another function (a setup() helper) is assumed to run first.
-        if same and all(b.lineno > node.lineno for b in same) and len(same) == len(binds):
-            yield finding(facts, node, "missing-set-device",
-                          f"CUDA is used here before torch.cuda.set_device (line {same[0].lineno}): "
-                          "this allocation lands on cuda:0 on every rank.",
-                          "move torch.cuda.set_device(local_rank) before the first CUDA use.")
-            return
-
-
-def _gloo_only(facts: Facts) -> bool:
-    inits = facts.calls_to("init_process_group")
-    return bool(inits) and all(isinstance(b := arg(c, 0, "backend"), ast.Constant) and b.value == "gloo"
-                               for c in inits)
-
-
-def _visible_devices_assignments(facts: Facts) -> list[ast.AST]:
-    return [n for n in facts.nodes if isinstance(n, ast.Assign)
-            and any(_environ_key(facts, t) == "CUDA_VISIBLE_DEVICES" for t in n.targets)]
-
-
-def _cuda_uses(facts: Facts) -> list[tuple[ast.AST, bool]]:
-    """(node, unindexed) for each CUDA use, in source order. Unindexed uses (`.cuda()`,
-    `"cuda"`) mean "the current device"; indexed ones (`cuda:{local_rank}`) name it."""
-    out: list[tuple[ast.AST, bool]] = []
-    for node in facts.nodes:
-        if isinstance(node, ast.Call) and isinstance(node.func, ast.Attribute) \
-                and node.func.attr == "cuda" and facts.qualname(node.func) != "torch.cuda":
-            out.append((node, not node.args and not node.keywords))
-        elif isinstance(node, ast.Constant) and node.value == "cuda" and _is_device_use(facts, node):
-            out.append((node, True))
-        elif isinstance(node, (ast.Constant, ast.JoinedStr)) and _is_indexed_cuda(node):
-            out.append((node, False))
-    out.sort(key=lambda u: (u[0].lineno, u[0].col_offset))
-    return out
-
-
-def _is_device_use(facts: Facts, node: ast.AST) -> bool:
-    """"cuda" as a device (torch.device("cuda"), .to("cuda"), device="cuda"), not as a
-    string compared against (`device.type == "cuda"`) or a backend/amp device_type."""
-    parent = facts.parents.get(node)
-    while isinstance(parent, ast.IfExp):  # "cuda" if torch.cuda.is_available() else "cpu"
-        node, parent = parent, facts.parents.get(parent)
-    if isinstance(parent, ast.Call):
-        q = facts.qualname(parent.func) or ""
-        if q == "torch.device" or (isinstance(parent.func, ast.Attribute) and parent.func.attr == "to"):
-            return node in parent.args
-    if isinstance(parent, ast.keyword) and parent.arg == "device":
-        return True
-    return False
-
-
-def _is_indexed_cuda(node: ast.AST) -> bool:
-    if isinstance(node, ast.Constant):
-        return isinstance(node.value, str) and re.fullmatch(r"cuda:\d+", node.value) is not None
-    first = node.values[0] if node.values else None  # type: ignore[attr-defined]
-    return isinstance(first, ast.Constant) and isinstance(first.value, str) and first.value == "cuda:"
+_SET_DEVICE = SET_DEVICE
 
 
 @rule("sampler-without-set-epoch", ("P-DATA-2",), ERROR,
@@ -285,6 +207,7 @@ def _holds(facts: Facts, value: ast.AST, names: set[str]) -> bool:
 
 # Callees that only iterate or inspect a loader: never where set_epoch would hide.
 _NOT_USER = {"DataLoader", "DistributedSampler", "len", "iter", "next", "enumerate", "zip", "print",
+             "append", "extend", "insert", "add", "update", "setdefault",  # containers
              "isinstance", "list", "tuple", "dict", "set", "sorted", "range", "getattr", "hasattr",
              "tqdm", "trange", "islice", "cycle", "chain"}
 

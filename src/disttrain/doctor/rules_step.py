@@ -165,10 +165,11 @@ def _stmt_divisions(facts: Facts, stmt: ast.stmt, name: str) -> list[ast.AST]:
       micro-step before optimizer.step() needs it: wrap the other micro-steps in
       `with model.no_sync():` to skip (accum_steps - 1) of every accum_steps all-reduces.""")
 def accumulation_without_no_sync(facts: Facts):
-    if not any(w.kind in ("ddp", "fsdp1") for w in facts.wraps):
+    # the wrap and the loop may sit in different files of one program (main.py wraps,
+    # engine.py accumulates)
+    if not facts.project.wrap_kinds(facts) & {"ddp", "fsdp1"}:
         return
-    text_names = {n.attr for n in facts.nodes if isinstance(n, ast.Attribute)}
-    if text_names & {"no_sync", "require_backward_grad_sync", "set_requires_gradient_sync"}:
+    if facts.project.no_sync_used(facts):
         return
     for step in facts.method_calls("step"):
         if not mentions(step.func, _is_optim_word):
@@ -199,26 +200,52 @@ _SYNC_WORDS = ("inf", "found", "overflow", "finite", "nan", "skip")
       torch.amp.GradScaler is right: the gradients are DTensors and the found-inf check
       is reduced across the mesh, so it is not reported there.""")
 def gradscaler_unsynced(facts: Facts):
-    if not facts.distributed:
+    if not facts.distributed and not facts.calls_to("GradScaler"):
         return
-    kinds = {w.kind for w in facts.wraps}
+    program = facts.project.component(facts)
+    if not any(f.distributed for f in program):
+        return
+    kinds = facts.project.wrap_kinds(facts)  # the wrap may live in the entry script
     if ("ddp" in kinds and "fsdp1" not in kinds) or kinds & {"fsdp2", "disttrain"}:
         return  # DDP syncs gradients before unscale; FSDP2 and disttrain.wrap are not judged
-    if facts.calls_to("ShardedGradScaler"):
+    if any(f.calls_to("ShardedGradScaler") for f in program):
         return
-    for call in facts.calls_to("all_reduce", "all_reduce_coalesced"):
-        if any(mentions(a, lambda w: any(s in w.lower() for s in _SYNC_WORDS)) for a in call.args):
-            return  # the found-inf flag is already agreed across ranks
+    for f in program:
+        for call in f.calls_to("all_reduce", "all_reduce_coalesced"):
+            if any(mentions(a, lambda w: any(s in w.lower() for s in _SYNC_WORDS)) for a in call.args):
+                return  # the found-inf flag is already agreed across ranks
     for call in facts.calls_to("GradScaler"):
         if is_const(kwarg(call, "enabled"), False):
             continue
-        where = "FSDP shards" if "fsdp1" in kinds else "a loop without DDP"
+        if "fsdp1" in kinds:
+            yield finding(facts, call, "gradscaler-unsynced",
+                          "GradScaler with FSDP shards: each rank checks only its own gradients for "
+                          "inf/nan, so ranks can disagree on skipping a step and diverge silently.",
+                          "use torch.distributed.fsdp.sharded_grad_scaler.ShardedGradScaler (FSDP), or "
+                          "all_reduce the found-inf flag with ReduceOp.MAX before scaler.step(); or use "
+                          "bf16 autocast, which needs no scaler.")
+            continue
+        # No wrap in the files checked: the model is usually wrapped out of view (then the
+        # plain scaler is right). Only a hand-written gradient all-reduce shows there is no
+        # DDP; then it is a warning that says what it could not see.
+        if not _manual_grad_reduce(program):
+            continue
         yield finding(facts, call, "gradscaler-unsynced",
-                      f"GradScaler with {where}: each rank checks only its own gradients for "
-                      "inf/nan, so ranks can disagree on skipping a step and diverge silently.",
-                      "use torch.distributed.fsdp.sharded_grad_scaler.ShardedGradScaler (FSDP), or "
-                      "all_reduce the found-inf flag with ReduceOp.MAX before scaler.step(); or use "
-                      "bf16 autocast, which needs no scaler.")
+                      "GradScaler in a multi-rank program that all-reduces gradients by hand (no "
+                      "DDP/FSDP wrap in the files checked): unscale_ runs on each rank's own view, so "
+                      "unless the gradients are reduced before it, ranks can disagree on skipping a "
+                      "step. Under DDP (wrapped in a file not checked) it is right.",
+                      "check the file that wraps the model in the same run; without DDP, all_reduce the "
+                      "found-inf flag with ReduceOp.MAX before scaler.step().", severity=WARNING)
+
+
+def _manual_grad_reduce(program) -> bool:
+    """A hand-written gradient all-reduce (`dist.all_reduce(p.grad)`): no DDP."""
+    for f in program:
+        for call in f.calls_to("all_reduce", "all_reduce_coalesced", "reduce_scatter"):
+            if call.args and mentions(call.args[0], lambda w: "grad" in w.lower()):
+                return True
+    return False
 
 
 @rule("fsdp1-clip-grad", ("P-LOOP-5",), ERROR,

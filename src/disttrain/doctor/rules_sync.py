@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import ast
 
-from disttrain.doctor import control_flow
+from disttrain.doctor import control_flow, dataflow
 from disttrain.doctor.facts import Facts, arg, is_const, kwarg, mentions, ref
 from disttrain.doctor.findings import ERROR, WARNING, finding, rule
 from disttrain.doctor.rules_launch import _is_eval_name, _sampler_names
@@ -36,20 +36,15 @@ _GATHERS = {"all_gather", "all_gather_object", "all_gather_into_tensor", "gather
 
 
 def collectives(facts: Facts) -> list[tuple[ast.Call, str]]:
-    """Every collective call with its short name (`barrier`, `wait_for_everyone`, ...)."""
+    """Every collective call with its short name (`barrier`, `wait_for_everyone`, ...):
+    torch.distributed's, Accelerate's, Fabric's, MPI-style communicators', DCP's state-dict
+    helpers and an FSDP1 module's `state_dict()` (dataflow.collective_name)."""
+    targets = facts.project.fsdp1_targets(facts)
     out = []
-    for call, q in facts.calls:
-        parts = q.split(".")
-        if q.startswith("torch.distributed.checkpoint.") and parts[-1] in _DCP:
-            out.append((call, f"dcp.{parts[-1]}"))
-        elif q.startswith("torch.distributed.") and parts[-1] in _TORCH_COLLECTIVES and \
-                "checkpoint" not in parts:
-            out.append((call, parts[-1]))
-        elif isinstance(call.func, ast.Attribute):
-            owner = (ref(call.func.value) or "").split(".")[-1].lower()
-            for word, names in _WRAPPER_COLLECTIVES.items():
-                if word in owner and call.func.attr in names:
-                    out.append((call, call.func.attr))
+    for call, _ in facts.calls:
+        name = dataflow.collective_name(facts, call, targets)
+        if name:
+            out.append((call, name))
     return out
 
 
@@ -112,19 +107,125 @@ def _has_partner(facts: Facts, call: ast.Call, name: str, ifs, all_calls) -> boo
 def collective_under_rank_guard(facts: Facts):
     found = collectives(facts)
     for call, name in found:
-        kind = facts.rank_guard(call)
-        if kind is None:
+        kind = facts.rank_guard(call, subset=True)
+        if kind in (None, control_flow.SOLO):
             continue
         ifs = _guarding_ifs(facts, call)
         if ifs and _has_partner(facts, call, name, ifs, found):
             continue
         if not ifs and _only_distributed_checks(facts, call):
             continue
+        if facts.rank_guard(call) is None:  # reached only past an exit on rank 0
+            yield finding(facts, call, "collective-under-rank-guard",
+                          f"{name}() is a collective, but an earlier `return`/exit on the guarded rank "
+                          "(rank 0) leaves only the other ranks to reach it: they wait for rank 0 "
+                          "until the collective timeout.",
+                          "let every rank reach the collective (move the early exit after it, or "
+                          "exit on every rank).")
+            continue
+        via = ""
+        if facts.rank_guard(call, subset=True, local=True) is None:
+            fn = facts.scope_of(call)
+            sites = facts.project.call_sites.get(fn, [])
+            if sites:
+                f2, c2 = sites[0]
+                via = f" (`{fn.name}()` is called only under one, e.g. {f2.path}:{c2.lineno})"
         yield finding(facts, call, "collective-under-rank-guard",
-                      f"{name}() is a collective but runs under a rank guard: the ranks the guard "
+                      f"{name}() is a collective but runs under a rank guard{via}: the ranks the guard "
                       "leaves out never call it, and the job hangs until the collective timeout.",
                       "call it on every rank (outside the `if`), and guard only the work that must "
                       "happen once (the write, the log).")
+    yield from _guarded_calls_into_collectives(facts, found)
+
+
+def _guarded_calls_into_collectives(facts: Facts, direct: list):
+    """A call under a rank guard into a project function that reaches a collective
+    (`if rank == 0: evaluate(model)` where evaluate all-reduces or runs the DDP model;
+    a broadcast-based loader called on rank 0 only), and the DDP-wrapped model's own
+    forward under a guard (DDP broadcasts buffers at every forward)."""
+    project = facts.project
+    direct_calls = {id(c) for c, _ in direct}
+    ddp = project.ddp_targets
+    for call, q in facts.calls:
+        if id(call) in direct_calls:
+            continue
+        # cheap first: only a call that reaches a collective or touches the DDP model counts
+        if not (project.reached_collective(facts, call) or ref(call.func) in ddp or
+                any(ref(a) in ddp for a in call.args)):
+            continue
+        kind = facts.rank_guard(call, subset=True)
+        if kind in (None, control_flow.SOLO):
+            continue
+        hit = project.reached_collective(facts, call)
+        callees = [d for _, d in project.resolve(facts, call)]
+        if hit is not None and any(d in facts.guarded_functions for d in callees):
+            continue  # the callee runs under the guard on every call: its collective is reported there
+        if hit is not None and any(dataflow._complementary(project.call_sites.get(d, [])) for d in callees):
+            continue  # called from both branches of one rank test: every rank reaches it
+        target = ref(call.func)
+        if hit is None and target in ddp and _same_program(facts, ddp[target]) and \
+                not _before_wrap(facts, call, ddp[target]):
+            yield finding(facts, call, "collective-under-rank-guard",
+                          f"`{target}` is the DDP-wrapped model (line {ddp[target].call.lineno}): its "
+                          "forward broadcasts the module's buffers from rank 0 (broadcast_buffers=True, "
+                          "the default), a collective; under this rank guard the other ranks never "
+                          "join it. The doctor cannot see whether the module has buffers (BatchNorm, "
+                          "running stats); if it has, this hangs.",
+                          f"run {target}.module(...) on the guarded rank, or evaluate on every rank.",
+                          severity=WARNING)
+            continue
+        if hit is None:
+            hit = _ddp_model_passed(facts, call, ddp)
+            if hit is None:
+                continue
+            yield finding(facts, call, "collective-under-rank-guard",
+                          f"{ast.unparse(call.func)}() is given the DDP-wrapped model and calls it "
+                          f"({hit}); DDP's forward broadcasts buffers from rank 0, a collective that "
+                          "the ranks this guard leaves out never join. The doctor cannot see whether "
+                          "the module has buffers (BatchNorm); if it has, this hangs.",
+                          "pass model.module to code that runs on one rank only, or run it on every rank.",
+                          severity=WARNING)
+            continue
+        f2, c2, name, unconditional = hit
+        where = f"{f2.path}:{c2.lineno}"
+        yield finding(facts, call, "collective-under-rank-guard",
+                      f"{ast.unparse(call.func)}() reaches the collective {name} ({where}) but is "
+                      "called under a rank guard: the other ranks never join it"
+                      + (", and the job hangs until the collective timeout." if unconditional else
+                         " on the paths where it runs (it sits under a condition there)."),
+                      "call it on every rank, or make the callee skip its collective on one-rank calls.",
+                      severity=ERROR if unconditional else WARNING)
+
+
+def _before_wrap(facts: Facts, call: ast.Call, wrap) -> bool:
+    """The call runs before the wrap in the same function: the name is still the bare module."""
+    return facts.scope_of(call) is wrap.scope and call.lineno < wrap.call.lineno and \
+        any(w is wrap for w in facts.wraps)
+
+
+def _same_program(facts: Facts, wrap) -> bool:
+    comp = {id(f) for f in facts.project.component(facts)}
+    return any(w is wrap and id(f) in comp for f, w in facts.project.wraps)
+
+
+def _ddp_model_passed(facts: Facts, call: ast.Call, ddp: dict) -> str | None:
+    """`evaluate(model, loader)` with `model` the DDP wrapper, into a project function that
+    calls that parameter: where it calls it."""
+    for i, a in enumerate(call.args):
+        r = ref(a)
+        if r not in ddp or not _same_program(facts, ddp[r]):
+            continue
+        for f2, d in facts.project.resolve(facts, call):
+            params = [p.arg for p in d.args.args]
+            if params and params[0] in ("self", "cls"):
+                params = params[1:]
+            if i >= len(params):
+                continue
+            p = params[i]
+            for n in ast.walk(d):
+                if isinstance(n, ast.Call) and isinstance(n.func, ast.Name) and n.func.id == p:
+                    return f"{f2.path}:{n.lineno}"
+    return None
 
 
 def _only_distributed_checks(facts: Facts, call: ast.Call) -> bool:

@@ -1,0 +1,210 @@
+"""What one program (the files connected by imports) shows about printing, logging,
+wraps, collectives, device binds, save wrappers and seeds: the part of the data-flow core
+(dataflow.Project) that the rules ask about I/O and collectives.
+"""
+
+from __future__ import annotations
+
+import ast
+from functools import cached_property
+
+from disttrain.doctor.names import (
+    DISTTRAIN_INITS, SET_DEVICE, _FUNCS, collective_name, is_const, kwarg_value, rank_aware_logging, ref,
+    word)
+
+
+class ProgramFacts:
+    """Mixin of dataflow.Project: needs `files`, `defs`, `component()` and `resolve()`."""
+
+    def print_override_for(self, facts) -> tuple[object, ast.AST] | None:
+        """Where `builtins.print` is replaced in the program `facts` belongs to."""
+        comp = {id(f) for f in self.component(facts)}
+        hits = [h for h in self.print_overrides if id(h[0]) in comp]
+        return hits[0] if hits else None
+
+    @cached_property
+    def print_overrides(self) -> list[tuple[object, ast.AST]]:
+        """Where `builtins.print` (or `__builtin__.print`) is replaced."""
+        out = []
+        for f in self.files:
+            for n in f.nodes:
+                if isinstance(n, ast.Assign):
+                    for t in n.targets:
+                        if isinstance(t, ast.Attribute) and t.attr == "print" and \
+                                (f.qualname(t.value) or "") in ("builtins", "__builtin__", "__builtins__"):
+                            out.append((f, n))
+                        if isinstance(t, ast.Subscript) and isinstance(t.slice, ast.Constant) and \
+                                t.slice.value == "print" and "builtin" in ast.unparse(t.value):
+                            out.append((f, n))
+                if isinstance(n, ast.Call) and word(n.func) == "setattr" and len(n.args) >= 2 and \
+                        isinstance(n.args[1], ast.Constant) and n.args[1].value == "print" and \
+                        "builtin" in ast.unparse(n.args[0]):
+                    out.append((f, n))
+        return out
+
+    def rank_aware_logging(self, facts) -> bool:
+        return any(rank_aware_logging(f) for f in self.component(facts))
+
+    def logging_set_up_out_of_view(self, facts) -> str | None:
+        """A logger set-up call into code out of view that is told the rank
+        (`setup_logger(output, distributed_rank=rank)`), or a library logger made
+        main-process-only (`accelerate.logging.get_logger`)."""
+        for f in self.component(facts):
+            for c, q in f.calls:
+                last = q.rsplit(".", 1)[-1].lower()
+                if q.startswith("accelerate.logging.get_logger") or q.endswith("accelerate.logging.get_logger"):
+                    return q
+                if last in ("setup_logger", "setup_logging", "init_logger", "init_logging", "configure_logging",
+                            "setup_default_logging", "set_up_logging") and last not in self.defs:
+                    return q  # logging configured by code out of view: not judged here
+                if "log" in last and any(w in last for w in ("setup", "set_up", "init", "config", "create")) \
+                        and last not in self.defs and (
+                        any(k.arg and "rank" in k.arg.lower() for k in c.keywords) or any(
+                            "rank" in (word(n) or "").lower() or "main" in (word(n) or "").lower()
+                            or "master" in (word(n) or "").lower()
+                            for a in list(c.args) + [k.value for k in c.keywords] for n in ast.walk(a))):
+                    return q
+        return None
+
+    # ----- wraps, collectives, devices ----------------------------------------------
+
+    @cached_property
+    def wraps(self) -> list[tuple[object, object]]:
+        return [(f, w) for f in self.files for w in f.wraps]
+
+    def wrap_kinds(self, facts) -> set[str]:
+        """The wrapper kinds of the program `facts` belongs to."""
+        return {w.kind for f in self.component(facts) for w in f.wraps}
+
+    def fsdp1_targets(self, facts) -> set[str]:
+        """Names bound to an FSDP1 wrap in the program `facts` belongs to."""
+        return {t for f in self.component(facts) for w in f.wraps if w.kind == "fsdp1"
+                for t in (w.target, w.arg) if t}
+
+    @cached_property
+    def ddp_targets(self) -> dict[str, object]:
+        """Names bound to a DDP wrap that broadcasts buffers in forward (the default)."""
+        return {w.target: w for _, w in self.wraps if w.kind == "ddp" and w.target
+                and not is_const(kwarg_value(w.call, "broadcast_buffers"), False)}
+
+    @cached_property
+    def collective_functions(self) -> dict[ast.AST, tuple[object, ast.Call, str, bool]]:
+        """definition -> (facts, call, collective name, unconditional) for each project
+        function that reaches a collective: directly, or through another project function.
+        The flag says whether that collective runs on every call (no `if` around it)."""
+        out: dict[ast.AST, tuple] = {}
+        changed = True
+        while changed:
+            changed = False
+            for ds in self.defs.values():
+                for f, d in ds:
+                    if d in out:
+                        continue
+                    hit = self._first_collective(f, d, out)
+                    if hit:
+                        out[d] = hit
+                        changed = True
+        return out
+
+    def reached_collective(self, facts, call: ast.Call) -> tuple | None:
+        """(facts, call, name, unconditional) of the collective a call to a project
+        function reaches, or None."""
+        hits = [self.collective_functions[d] for _, d in self.resolve(facts, call)
+                if d in self.collective_functions]
+        return hits[0] if hits else None
+
+    def _collective_name(self, f, call: ast.Call) -> str | None:
+        key = id(call)
+        cache = self._names
+        if key not in cache:
+            cache[key] = collective_name(f, call, self.fsdp1_targets(f))
+        return cache[key]
+
+    @cached_property
+    def _names(self) -> dict:
+        return {}
+
+    def _first_collective(self, f, d: ast.AST, known: dict) -> tuple | None:
+        best = None
+        for n in f.scoped.get(d, ()):
+            if not isinstance(n, ast.Call):
+                continue
+            name = self._collective_name(f, n)
+            if name is None:
+                for _, callee in self.resolve(f, n):
+                    if callee in known and callee is not d:
+                        name = f"{known[callee][2].split(' (in ')[0]} (in {callee.name}())"
+                        break
+            if name:
+                unconditional = not any(isinstance(a, (ast.If, ast.IfExp, ast.Try, ast.BoolOp))
+                                        for a in _ancestors_until(f, n, d))
+                cand = (f, n, name, unconditional)
+                if best is None or (unconditional and not best[3]):
+                    best = cand
+        return best
+
+    def binds_device(self, facts) -> list[tuple[object, ast.Call]]:
+        """set_device calls in the program `facts` belongs to."""
+        return [(f, c) for f in self.component(facts) for c in f.calls_to(*SET_DEVICE, *DISTTRAIN_INITS)]
+
+    def no_sync_used(self, facts) -> bool:
+        return any(isinstance(n, ast.Attribute) and n.attr in (
+            "no_sync", "require_backward_grad_sync", "set_requires_gradient_sync")
+            for f in self.component(facts) for n in f.nodes)
+
+    @cached_property
+    def save_wrappers(self) -> dict[str, int]:
+        """Project functions that hand their arguments to torch.save: `def
+        save_on_master(*args, **kwargs): torch.save(*args, **kwargs)` -> the index of the
+        path among the call's arguments (1 for `save_on_master(obj, path)`)."""
+        out: dict[str, int] = {}
+        for name, ds in self.defs.items():
+            for f, d in ds:
+                params = [a.arg for a in d.args.args if a.arg not in ("self", "cls")]
+                for c in f.calls_to("torch.save"):
+                    if f.scope_of(c) is not d:
+                        continue
+                    # (a wrapper that names its path parameter is judged at its own torch.save)
+                    if any(isinstance(a, ast.Starred) for a in c.args) and d.args.vararg:
+                        out[name] = len(params) + 1
+        return out
+
+    @cached_property
+    def reads_local_rank_env(self) -> bool:
+        return any("LOCAL_RANK" in f.strings for f in self.files)
+
+    @cached_property
+    def rank_seeded(self) -> ast.AST | None:
+        """A global seed that differs per rank: `torch.manual_seed(args.seed + rank)`."""
+        for f in self.files:
+            for c in f.calls_to("torch.manual_seed", "torch.random.manual_seed", "random_seed", "set_seed",
+                                "seed_everything", "init_seeds", "fix_random_seeds"):
+                for a in c.args:
+                    if _mentions_rank(f, a):
+                        return c
+                    r = ref(a)
+                    if r:
+                        for n in f.nodes:
+                            if isinstance(n, ast.Assign) and any(ref(t) == r for t in n.targets) and \
+                                    _mentions_rank(f, n.value):
+                                return c
+        return None
+
+
+
+def _mentions_rank(f, node: ast.AST) -> bool:
+    vs = f.rank_variables
+    for n in ast.walk(node):
+        r = ref(n)
+        w = word(n)
+        if (r and r in vs) or (w and ("rank" in w.lower())) or (isinstance(n, ast.Call) and
+                                                               word(n.func) in ("get_rank", "get_global_rank")):
+            return True
+    return False
+
+
+def _ancestors_until(f, node: ast.AST, stop: ast.AST):
+    for a in f.ancestors(node):
+        if a is stop:
+            return
+        yield a

@@ -1,0 +1,179 @@
+"""Which values are rank-derived: the file's own rank reads and the flags computed from
+them (to a fixpoint), attributes shared by the files of the run, and objects created only
+under a rank guard. Asked through `Facts.rank_variables` / `Facts.own_rank_values`.
+"""
+
+from __future__ import annotations
+
+import ast
+
+from disttrain.doctor.control_flow import (
+    GLOBAL, LOCAL, _FUNCS, _is_env_presence, _is_local_word, _ref, _word, is_guard_word)
+
+def rank_variables(facts) -> dict[str, str]:
+    """Names and attributes that hold a rank or a rank flag, with the kind: this file's
+    own (`own_rank_values`), attributes set in any file of the run (`args.save_logs = ...
+    and is_master(args)` in main.py, tested in train.py), and objects created only under
+    a rank guard (`writer = SummaryWriter() if rank == 0 else None`), whose tests are
+    rank guards too."""
+    out = dict(facts.project.shared_rank_values)
+    out.update(facts.own_rank_values)
+    for name, kind in _guard_made_objects(facts, out).items():
+        out.setdefault(name, kind)
+    return out
+
+
+def own_rank_values(facts) -> dict[str, str]:
+    """This file's rank reads (`self.gpu_id = int(os.environ["LOCAL_RANK"])` -> local,
+    `r = dist.get_rank()` -> global) and flags computed from them (`is_main = rank == 0`,
+    `args.save_logs = args.logs and is_master(args)`), to a fixpoint."""
+    out: dict[str, str] = {}
+    funcs = facts.project.rank_flag_functions
+    spawned = facts.project.spawn_index_params
+    if spawned:
+        from disttrain.doctor.names import takes_node_rank as _takes_node_rank
+        # mp.spawn passes the process index first: the rank itself on one node, a local
+        # rank when the script computes the global one from a node rank
+        kind = LOCAL if _takes_node_rank(facts) else GLOBAL
+        for n in facts.nodes:
+            if isinstance(n, ast.arg) and id(n) in spawned:
+                out[n.arg] = kind
+    assigns = [n for n in facts.nodes if isinstance(n, (ast.Assign, ast.AnnAssign)) and n.value is not None]
+    for _ in range(4):
+        before = len(out)
+        for n in assigns:
+            kind = _rank_source(n.value) or value_rank_kind(facts, n.value, out, funcs)
+            if kind:
+                targets = n.targets if isinstance(n, ast.Assign) else [n.target]
+                for t in targets:
+                    name = _ref(t)
+                    if name and name not in out:
+                        out[name] = kind
+        if len(out) == before:
+            break
+    return out
+
+
+_NOT_FLAGS = ("world_size", "world", "device", "seed", "size", "num", "count", "len", "n_gpu", "ngpus")
+
+
+def value_rank_kind(facts, value: ast.AST, variables: dict, funcs: dict) -> str | None:
+    """The kind of rank an expression holds or tests, None for anything else. Plain copies
+    (`rank = args.rank`), `rank % ngpus` (a local rank), comparisons and boolean
+    combinations with a rank (`rank == 0`, `not distributed or rank == 0`), calls of a
+    function that returns one (`is_master(args)`, `utils.is_main_process()`)."""
+    if isinstance(value, (ast.Name, ast.Attribute)):
+        r = _ref(value)
+        return variables.get(r) if r else None
+    if isinstance(value, ast.Call):
+        w = _word(value.func)
+        if w in funcs:
+            return funcs[w]
+        if w and is_guard_word(w) and not any(x in w.lower() for x in _NOT_FLAGS):
+            return GLOBAL
+        if w in ("int", "bool") and value.args:
+            return value_rank_kind(facts, value.args[0], variables, funcs)
+        return None
+    if isinstance(value, ast.BinOp) and isinstance(value.op, ast.Mod):
+        return LOCAL if value_rank_kind(facts, value.left, variables, funcs) else None
+    if isinstance(value, ast.UnaryOp) and isinstance(value.op, ast.Not):
+        return value_rank_kind(facts, value.operand, variables, funcs)
+    if isinstance(value, ast.IfExp):
+        return value_rank_kind(facts, value.test, variables, funcs) if all(
+            isinstance(x, ast.Constant) and isinstance(x.value, bool) for x in (value.body, value.orelse)) else None
+    if isinstance(value, (ast.Compare, ast.BoolOp)):
+        parts = [value.left, *value.comparators] if isinstance(value, ast.Compare) else value.values
+        kinds = set()
+        for part in parts:
+            k = value_rank_kind(facts, part, variables, funcs)
+            if k is None and isinstance(part, (ast.Name, ast.Attribute)):
+                w = _word(part) or ""
+                if _is_local_word(w):
+                    k = LOCAL
+                elif is_guard_word(w) and not any(x in w.lower() for x in _NOT_FLAGS):
+                    k = GLOBAL
+            if k:
+                kinds.add(k)
+        return GLOBAL if GLOBAL in kinds else LOCAL if kinds else None
+    return None
+
+
+def _guard_made_objects(facts, variables: dict) -> dict[str, str]:
+    """Objects that exist on the guarded ranks only: `writer = SummaryWriter(...) if rank
+    == 0 else None`, or assigned a call under an `if` on the rank and elsewhere only None."""
+    made: dict[str, str] = {}
+    plain: set[str] = set()
+    for n in facts.nodes:
+        if not isinstance(n, ast.Assign) or len(n.targets) != 1:
+            continue
+        name = _ref(n.targets[0])
+        if not name:
+            continue
+        v = n.value
+        if isinstance(v, ast.Constant) and v.value is None:
+            continue
+        if isinstance(v, ast.IfExp) and (_is_none(v.orelse) or _is_none(v.body)):
+            k = _test_kind(facts, v.test, variables)
+            if k:
+                made[name] = k
+                continue
+        if isinstance(v, ast.Call):
+            k = _if_guard_only(facts, n, variables)
+            if k:
+                made[name] = k
+                continue
+        plain.add(name)
+    return {k: v for k, v in made.items() if k not in plain}
+
+
+def _is_none(n: ast.AST) -> bool:
+    return isinstance(n, ast.Constant) and n.value is None
+
+
+def _test_kind(facts, test: ast.AST, variables: dict) -> str | None:
+    if _is_env_presence(test):
+        return None
+    kinds = set()
+    for n in ast.walk(test):
+        w, name = _word(n), _ref(n)
+        if w and w.lower().endswith("_only"):
+            continue
+        if name in variables:
+            kinds.add(variables[name])
+        elif w and _is_local_word(w):
+            kinds.add(LOCAL)
+        elif w and is_guard_word(w):
+            kinds.add(GLOBAL)
+    return GLOBAL if GLOBAL in kinds else LOCAL if kinds else None
+
+
+def _if_guard_only(facts, node: ast.AST, variables: dict) -> str | None:
+    child = node
+    for a in facts.ancestors(node):
+        if isinstance(a, ast.If) and child is not a.test:
+            k = _test_kind(facts, a.test, variables)
+            if k:
+                return k
+        if isinstance(a, _FUNCS):
+            return None
+        child = a
+    return None
+
+
+def _rank_source(value: ast.AST) -> str | None:
+    while isinstance(value, ast.Call) and isinstance(value.func, ast.Name) and \
+            value.func.id == "int" and value.args:
+        value = value.args[0]
+    key = None
+    if isinstance(value, ast.Subscript):
+        key = value.slice
+    elif isinstance(value, ast.Call) and _word(value.func) in ("get", "getenv") and value.args:
+        key = value.args[0]
+    if isinstance(key, ast.Constant) and key.value in ("LOCAL_RANK", "RANK"):
+        return LOCAL if key.value == "LOCAL_RANK" else GLOBAL
+    word = _word(value.func) if isinstance(value, ast.Call) else _word(value)
+    if word in ("get_local_rank", "get_node_local_rank") or (word or "").lower() == "local_rank":
+        return LOCAL
+    return GLOBAL if word == "get_rank" else None
+
+
