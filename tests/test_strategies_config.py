@@ -26,7 +26,7 @@ TINY = GPTConfig(block_size=8, n_layer=2, n_head=2, n_embd=16)
      "Use --parallel.strategy=fsdp, whose CPUOffloadPolicy runs on CPU"),
     (["--parallel.strategy=fsdp", "--parallel.sharding=hybrid", "--parallel.nproc=4",
       "--parallel.shard_group_size=3", "--parallel.device=cpu"], "does not divide the world of 4 ranks"),
-    (["--parallel.strategy=fsdp", "--parallel.shard_group_size=-1"], "shard_group_size is -1"),
+    (["--parallel.strategy=fsdp", "--parallel.shard_group_size=-1"], "'parallel.shard_group_size' is -1"),
     (["--parallel.strategy=fsdp", "--parallel.shard_group_size=2"], "applies only to --parallel.sharding=hybrid"),
     (["--parallel.strategy=ddp", "--parallel.sharding=grad_op"], "sharding modes apply only to strategy fsdp"),
     (["--parallel.strategy=dp", "--parallel.nproc=2", "--parallel.device=cpu"], "nest DataParallel inside DDP"),
