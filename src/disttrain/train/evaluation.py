@@ -40,8 +40,10 @@ def eval_shard(dataset_len: int, batch_size: int, max_batches: int | None) -> tu
 
 
 def loss_metric(loss_fn: Callable | None = None) -> Metric:
-    """The default metric: {"loss": the batch's loss} (`sources.batch_loss`)."""
-    return lambda model, batch: {"loss": batch_loss(model, batch, loss_fn)}
+    """The default metric: {"loss": the batch's loss} (`sources.batch_loss`). A batch the
+    model rejects is one `UserError` naming the batch's structure (the evaluation at the
+    start is often a run's first forward)."""
+    return lambda model, batch: {"loss": batch_loss(model, batch, loss_fn, first=True)}
 
 
 def _sum_count(name: str, value: Any, n: int) -> tuple[float, float]:
