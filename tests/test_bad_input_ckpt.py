@@ -151,7 +151,9 @@ WORKER = textwrap.dedent("""
     try:
         ck.save(state)
     except CheckpointSaveError as e:
-        print(f"RANK{dt.rank_info().rank}: {e}", flush=True)
+        # one write per line: two ranks share the pipe, and print's separate newline interleaves
+        sys.stdout.write(f"RANK{dt.rank_info().rank}: {e}\\n")
+        sys.stdout.flush()
     dt.shutdown()
 """)
 
