@@ -17,18 +17,15 @@ scalar tensor.
 from __future__ import annotations
 
 import importlib
-import math
 import sys
 from pathlib import Path
 from typing import Any, Callable
 
 import torch
 
-from disttrain import runtime
 from disttrain.config import Config
 from disttrain.config.user_code import parse_reference
 from disttrain.errors import ConfigError, UserError
-from disttrain.train.metrics import global_mean
 
 HF_MODULE = "disttrain.train.hf_models"
 """The Hugging Face model builder, imported only when model.hf or model.hf_path is set."""
@@ -161,21 +158,6 @@ def _call(key: str, reference: str, factory: Callable, kwargs: dict) -> Any:
                           f"(called with kwargs {kwargs}).") from e
 
 
-class Indexed(torch.utils.data.Dataset):
-    """Any map-style dataset, each item paired with its index: `(sample, i)`. A batch of
-    the DataLoader is then `(batch, indices)`, so a step knows its samples (the elastic
-    sampler's audit) without the user's dataset returning them."""
-
-    def __init__(self, dataset):
-        self.dataset = dataset
-
-    def __len__(self) -> int:
-        return len(self.dataset)
-
-    def __getitem__(self, i: int):
-        return self.dataset[i], i
-
-
 def to_device(batch: Any, device: torch.device) -> Any:
     """Every tensor of a nested dict / tuple / list batch moved to `device`."""
     if isinstance(batch, torch.Tensor):
@@ -248,33 +230,3 @@ def batch_loss(model: torch.nn.Module, batch: Any, loss_fn: Callable | None, *, 
                         f"the output, as `output.loss`, or as the last element of a tuple; or set "
                         f"train.loss = \"module:fn\" with fn(model, batch) -> scalar tensor.")
     return loss
-
-
-def eval_shard(dataset_len: int, batch_size: int, max_batches: int) -> tuple[list[int], int]:
-    """This rank's evaluation samples and the most any rank holds: of the first
-    n = min(dataset_len, max_batches x batch_size x world) samples, rank r takes r,
-    r + world, ... (each counted once, P-LOOP-2). Every rank must run as many forwards
-    as the fullest one (FSDP all-gathers in each), so callers pad to the second value."""
-    info = runtime.rank_info()
-    n = min(dataset_len, max_batches * batch_size * info.world_size)
-    return list(range(info.rank, n, info.world_size)), math.ceil(n / info.world_size)
-
-
-@torch.no_grad()
-def evaluate(model: torch.nn.Module, dataset: Any, batch_size: int, max_batches: int, loss_fn: Callable | None,
-             collate: Callable) -> float:
-    """Mean `batch_loss` over `eval_shard`'s samples, weighted by each batch's size. A
-    collective: a rank with fewer batches runs one on a repeated sample, weighted 0."""
-    info = runtime.rank_info()
-    model.eval()
-    mine, per_rank = eval_shard(len(dataset), batch_size, max_batches)
-    total, count = 0.0, 0.0
-    for b in range(math.ceil(per_rank / batch_size)):
-        ids = mine[b * batch_size:(b + 1) * batch_size]
-        weight = len(ids)
-        batch = collate([dataset[i] for i in (ids or [0])])
-        loss = batch_loss(model, to_device(batch, info.device), loss_fn, first=b == 0)
-        total += float(loss.double()) * weight
-        count += weight
-    model.train()
-    return global_mean(total, count)

@@ -21,6 +21,7 @@ import torch.distributed as dist
 
 from disttrain import launcher_notes, runtime
 from disttrain.checkpoint import save_model
+from disttrain.checkpoint.finite import first_non_finite
 from disttrain.elastic import SampleAudit, generation_id
 from disttrain.errors import UserError
 from disttrain.runtime.collectives import comm_device
@@ -73,10 +74,8 @@ class Loop:
         """A collective before each save: raise `UserError` on every rank when any rank
         saw a non-finite loss or holds non-finite weights."""
         bad = self.bad_step
-        if bad is None:
-            local = [p.to_local() if hasattr(p, "to_local") else p for p in self.job.model.parameters()]
-            if local and not bool(torch.isfinite(torch.stack([t.detach().float().sum() for t in local]).sum())):
-                bad = step
+        if bad is None and first_non_finite(self.job.model) is not None:  # this rank's shards
+            bad = step
         first = torch.tensor([float(bad) if bad is not None else math.inf], dtype=torch.float64)
         if dist.is_initialized() and dist.get_world_size() > 1:
             first = first.to(comm_device())
