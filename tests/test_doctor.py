@@ -43,10 +43,12 @@ CASES = [
     ("data-parallel-in-ddp",
      PRE + "model = DDP(nn.DataParallel(nn.Linear(2, 2).cuda()), device_ids=[local_rank])\n",
      PRE + "model = DDP(nn.Linear(2, 2).cuda(), device_ids=[local_rank])\n"),
-    ("optimizer-before-wrap",
-     PRE + "model = nn.Linear(2, 2).cuda()\nopt = torch.optim.SGD(model.parameters(), lr=0.1)\n"
-           "model = DDP(model, device_ids=[local_rank])\n",
-     PRE + "model = nn.Linear(2, 2).cuda()\nmodel = DDP(model, device_ids=[local_rank])\n"
+    ("optimizer-before-wrap",  # FSDP replaces the parameters (DDP keeps them: no finding)
+     PRE + "from torch.distributed.fsdp import FullyShardedDataParallel as FSDP\n"
+           "model = nn.Linear(2, 2).cuda()\nopt = torch.optim.SGD(model.parameters(), lr=0.1)\n"
+           "model = FSDP(model)\n",
+     PRE + "from torch.distributed.fsdp import FullyShardedDataParallel as FSDP\n"
+           "model = nn.Linear(2, 2).cuda()\nmodel = FSDP(model)\n"
            "opt = torch.optim.SGD(model.parameters(), lr=0.1)\n"),
     ("missing-set-device",
      "import os, torch, datetime\nimport torch.distributed as dist\n"

@@ -63,11 +63,12 @@ def test_data_parallel_in_the_non_distributed_branch_is_not_ddp():
 
 def test_exclusive_branches_do_not_combine_for_two_statement_rules():
     src = PRE + textwrap.dedent("""
+    from torch.distributed.fsdp import FullyShardedDataParallel as FSDP
     model = nn.Linear(2, 2).cuda()
-    if args.fsdp:
+    if args.ddp:
         opt = torch.optim.SGD(model.parameters(), lr=0.1)
     else:
-        model = DDP(model, device_ids=[local_rank])
+        model = FSDP(model)
         opt = torch.optim.SGD(model.parameters(), lr=0.1)
     """)
     assert "optimizer-before-wrap" not in rules(src)
@@ -78,9 +79,9 @@ def test_exclusive_branches_do_not_combine_for_two_statement_rules():
         outer = DDP(inner, device_ids=[local_rank])
     """)
     assert "data-parallel-in-ddp" not in rules(src)
-    # the same two statements on one path still meet
-    same_path = PRE + "model = nn.Linear(2, 2).cuda()\nopt = torch.optim.SGD(model.parameters())\n" \
-        "model = DDP(model, device_ids=[local_rank])\n"
+    # the same two statements on one path still meet (under FSDP, which replaces parameters)
+    same_path = PRE + "from torch.distributed.fsdp import FullyShardedDataParallel as FSDP\n" \
+        "model = nn.Linear(2, 2).cuda()\nopt = torch.optim.SGD(model.parameters())\nmodel = FSDP(model)\n"
     assert "optimizer-before-wrap" in rules(same_path)
 
 

@@ -27,7 +27,7 @@ REPO = HERE.parent
 BAD = str(SAMPLES / "bad_ddp.py")
 BAD_EXPECTED = {
     ("hardcoded-master-port", 14), ("init-without-timeout", 19), ("missing-set-device", 20),
-    ("optimizer-before-wrap", 21), ("find-unused-parameters", 22),
+    ("find-unused-parameters", 22),
     ("sampler-without-set-epoch", 23), ("loss-divided-twice", 28),
     ("accumulation-without-no-sync", 31), ("unguarded-log", 33), ("non-atomic-save", 34),
     ("unguarded-save", 34), ("ddp-state-dict-prefix", 34),
@@ -46,10 +46,11 @@ def test_bad_sample_findings_and_json(capsys):
         assert f["severity"] in ("error", "warning")
         assert all(p.startswith("P-") for p in f["practices"]) and f["practices"]
     by_rule = {f["rule"]: f for f in doc["findings"]}
-    assert by_rule["optimizer-before-wrap"]["practices"] == ["P-DDP-3"]
-    assert by_rule["optimizer-before-wrap"]["column"] == 17
+    assert by_rule["find-unused-parameters"]["practices"] == ["P-DDP-4"]
+    assert by_rule["find-unused-parameters"]["column"] == 47
+    assert "optimizer-before-wrap" not in by_rule  # DDP keeps the parameters (line 21 is fine)
     s = doc["summary"]
-    assert (s["files"], s["findings"], s["errors"] + s["warnings"]) == (1, 14, 14)
+    assert (s["files"], s["findings"], s["errors"] + s["warnings"]) == (1, 13, 13)
 
 
 def test_disttrain_api_misuse_is_caught():
@@ -103,8 +104,8 @@ def test_directories_recurse_into_py_files_only(capsys):
 def test_text_report_groups_by_file(capsys):
     assert main([BAD, str(SAMPLES / "clean_ddp.py")]) == 1
     out = capsys.readouterr().out
-    assert f"{BAD}:21:17" in out and "optimizer-before-wrap" in out and "P-DDP-3" in out
-    assert "fix:" in out and "4 errors, 10 warnings in 2 files" in out
+    assert f"{BAD}:22:47" in out and "find-unused-parameters" in out and "P-DDP-4" in out
+    assert "fix:" in out and "4 errors, 9 warnings in 2 files" in out
     assert main([str(SAMPLES / "clean_ddp.py")]) == 0
     assert "No findings in 1 file." in capsys.readouterr().out
 
@@ -131,7 +132,7 @@ def test_sarif_validates_against_the_official_schema(tmp_path):
     rules = run["tool"]["driver"]["rules"]
     assert [r["id"] for r in rules] == list(RULES)
     assert all(r["help"]["text"] and r["properties"]["practices"] for r in rules)
-    assert len(run["results"]) == 14
+    assert len(run["results"]) == 13
     for res in run["results"]:
         assert rules[res["ruleIndex"]]["id"] == res["ruleId"]
         loc = res["locations"][0]["physicalLocation"]

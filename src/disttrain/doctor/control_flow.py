@@ -243,10 +243,11 @@ def _is_main_block(node: ast.If) -> bool:
 
 
 def spawner_scopes(facts) -> set[ast.AST]:
-    """Functions that start the workers themselves (`mp.spawn(...)`), and the `if __name__
+    """Functions that start the workers themselves (`mp.spawn(...)`, detectron2's
+    `launch(main, ...)`), and the `if __name__
     == "__main__":` block that does or calls one: what runs there runs in the launcher's
     parent, once."""
-    from disttrain.doctor.names import is_spawn
+    from disttrain.doctor.names import is_launcher as is_spawn  # mp.spawn or a library's launch()
     out: set[ast.AST] = set()
     names = set()
     for c, _ in facts.calls:

@@ -33,7 +33,8 @@ from functools import cached_property
 
 from disttrain.doctor import control_flow, rank_values
 from disttrain.doctor.names import (  # noqa: F401  (re-exported for the rules)
-    EXTERNAL, GLOBAL, LOCAL, SOLO, _FUNCS, callee_name, collective_name, is_spawn, kwarg_value, ref, word)
+    EXTERNAL, GLOBAL, LOCAL, SOLO, _FUNCS, callee_name, collective_name, is_launcher, is_spawn,
+    kwarg_value, ref, word)
 from disttrain.doctor.program import ProgramFacts
 
 class Project(ProgramFacts):
@@ -68,7 +69,7 @@ class Project(ProgramFacts):
         out = set()
         for f in self.files:
             for c, _ in f.calls:
-                if is_spawn(f, c):
+                if is_launcher(f, c):
                     s = f.scope_of(c)
                     if isinstance(s, _FUNCS):
                         out.add(s)
@@ -198,7 +199,7 @@ class Project(ProgramFacts):
         out = set()
         for f in self.files:
             for c, _ in f.calls:
-                if is_spawn(f, c):
+                if is_launcher(f, c):
                     for a in list(c.args[:1]) + [k.value for k in c.keywords if k.arg in ("fn", "target", "entrypoint")]:
                         w = word(a)
                         if w:

@@ -20,6 +20,13 @@ SPAWNERS = ("torch.multiprocessing.spawn", "torch.multiprocessing.start_processe
             "multiprocessing.spawn", "torch.distributed.launcher.api.elastic_launch",
             "torch.distributed.elastic.multiprocessing.start_processes")
 
+# Libraries' launchers: like mp.spawn they start the workers, so the code around the call
+# runs once, in the launcher's parent (Detic's `detectron2.engine.launch(main, ...)`). The
+# function they are handed takes no process index (detectron2 passes `args`).
+LIBRARY_LAUNCHERS = ("detectron2.engine.launch", "detectron2.engine.launch.launch",
+                     "detectron2.engine.defaults.launch", "accelerate.notebook_launcher",
+                     "accelerate.launchers.notebook_launcher")
+
 _FUNCS = (ast.FunctionDef, ast.AsyncFunctionDef)
 
 # torch.distributed functions every rank of the group must call.
@@ -81,6 +88,11 @@ def is_spawn(facts, call: ast.Call) -> bool:
     return q in ("torch.multiprocessing.Process", "multiprocessing.Process")
 
 
+def is_launcher(facts, call: ast.Call) -> bool:
+    """A call that starts worker processes: a spawn, or a library's launcher."""
+    return is_spawn(facts, call) or (facts.qualname(call.func) or "") in LIBRARY_LAUNCHERS
+
+
 def collective_name(facts, call: ast.Call, fsdp1_targets: set[str] = frozenset()) -> str | None:
     """The short name of a collective call, or None."""
     q = facts.qualname(call.func) or ""
@@ -137,6 +149,10 @@ DISTTRAIN_INITS = ("disttrain.init", "disttrain.distributed", "disttrain.runtime
 
 SET_DEVICE = ("torch.cuda.set_device", "torch.accelerator.set_device_index", "torch.cuda.device",
               "init_device_mesh")  # a CUDA mesh binds cuda:LOCAL_RANK itself
+# Objects whose construction binds each process's GPU (Accelerate's state calls
+# torch.cuda.set_device(local_rank) when it sets up a multi-GPU run).
+LIBRARY_DEVICE_BINDS = ("accelerate.Accelerator", "accelerate.accelerator.Accelerator",
+                        "accelerate.PartialState", "accelerate.state.PartialState")
 
 
 def takes_node_rank(facts) -> bool:

@@ -6,11 +6,12 @@ wraps, collectives, device binds, save wrappers and seeds: the part of the data-
 from __future__ import annotations
 
 import ast
+import re
 from functools import cached_property
 
 from disttrain.doctor.names import (
-    DISTTRAIN_INITS, SET_DEVICE, _FUNCS, collective_name, is_const, kwarg_value, rank_aware_logging, ref,
-    word)
+    DISTTRAIN_INITS, EXTERNAL, LIBRARY_DEVICE_BINDS, SET_DEVICE, _FUNCS, collective_name, is_const,
+    kwarg_value, rank_aware_logging, ref, word)
 
 
 class ProgramFacts:
@@ -41,6 +42,23 @@ class ProgramFacts:
                         "builtin" in ast.unparse(n.args[0]):
                     out.append((f, n))
         return out
+
+    def distributed_set_up_out_of_view(self, facts) -> str | None:
+        """A call into project code out of view that initialises distribution
+        (`utils.init_distributed_mode(args)`, `arg_util.init_dist_and_get_args()`,
+        `setup_for_distributed(is_master)`): in the DeiT/MAE family that helper also
+        replaces `builtins.print` with a main-process-only one. Libraries' inits and
+        methods of objects (`deepspeed.init_distributed`, `self.backend.init_distributed`)
+        are not it."""
+        for f in self.component(facts):
+            for _, q in f.calls:
+                last = q.rsplit(".", 1)[-1]
+                if q.split(".")[0] in EXTERNAL or q.startswith("self.") or last in self.defs:
+                    continue
+                words = _words(last)
+                if last == "setup_for_distributed" or ("init" in words and any(w.startswith("dist") for w in words)):
+                    return q
+        return None
 
     def rank_aware_logging(self, facts) -> bool:
         return any(rank_aware_logging(f) for f in self.component(facts))
@@ -144,8 +162,10 @@ class ProgramFacts:
         return best
 
     def binds_device(self, facts) -> list[tuple[object, ast.Call]]:
-        """set_device calls in the program `facts` belongs to."""
-        return [(f, c) for f in self.component(facts) for c in f.calls_to(*SET_DEVICE, *DISTTRAIN_INITS)]
+        """set_device calls (and the library objects that make one) in the program `facts`
+        belongs to."""
+        return [(f, c) for f in self.component(facts)
+                for c in f.calls_to(*SET_DEVICE, *DISTTRAIN_INITS, *LIBRARY_DEVICE_BINDS)]
 
     def no_sync_used(self, facts) -> bool:
         return any(isinstance(n, ast.Attribute) and n.attr in (
@@ -208,3 +228,8 @@ def _ancestors_until(f, node: ast.AST, stop: ast.AST):
         if a is stop:
             return
         yield a
+
+
+def _words(name: str) -> list[str]:
+    """`init_dist_and_get_args` -> init, dist, and, get, args; `initDistMode` -> init, dist, mode."""
+    return [w.lower() for w in re.findall(r"[A-Z]?[a-z0-9]+|[A-Z]+(?![a-z])", name)]

@@ -8,7 +8,8 @@ from __future__ import annotations
 
 import ast
 
-from disttrain.doctor.facts import Facts, arg, base_ref, is_const, kwarg
+from disttrain.doctor.control_flow import distributed_test
+from disttrain.doctor.facts import Facts, arg, base_ref, is_const, kwarg, ref
 from disttrain.doctor.findings import ERROR, WARNING, finding, rule
 
 
@@ -48,6 +49,8 @@ def data_parallel_in_ddp(facts: Facts):
             continue  # the DataParallel branch is the one that runs without DDP/FSDP
         if w.kind == "dp" and facts.rank_guard(w.call) == SOLO:
             continue  # `if RANK == -1 and device_count() > 1:` a single-process path
+        if w.kind == "dp" and _under_count_one_when_distributed(facts, w.call):
+            continue  # timm's `if args.num_gpu > 1:` after `if args.distributed: args.num_gpu = 1`
         if w.kind == "dp":
             yield finding(facts, w.call, "data-parallel-in-ddp",
                           "DataParallel in a multi-process script: each rank replicates the model "
@@ -64,6 +67,28 @@ def data_parallel_in_ddp(facts: Facts):
                               f"`{w.arg}` is already a DataParallel (line {inner.call.lineno}) and is "
                               "wrapped again by DDP.",
                               "wrap the bare module once with DistributedDataParallel.")
+
+
+def _under_count_one_when_distributed(facts: Facts, node: ast.AST) -> bool:
+    """`node` runs under `if COUNT > 1:` (or `>= 2`) where COUNT is set to 1 on the
+    multi-process path (`if args.distributed: args.num_gpu = 1`): that branch is the
+    single-process mode, never taken by the ranks of a distributed run."""
+    forced = set()
+    for n in facts.nodes:
+        if isinstance(n, ast.Assign) and isinstance(n.value, ast.Constant) and n.value.value == 1:
+            parent = facts.parents.get(n)
+            if isinstance(parent, ast.If) and n in parent.body and distributed_test(parent.test) == 1:
+                forced |= {r for t in n.targets if (r := ref(t))}
+    child = node
+    for a in facts.ancestors(node):
+        if isinstance(a, ast.If) and child in a.body and isinstance(a.test, ast.Compare) and \
+                len(a.test.ops) == 1 and ref(a.test.left) in forced:
+            op, c = a.test.ops[0], a.test.comparators[0]
+            if isinstance(c, ast.Constant) and ((isinstance(op, ast.Gt) and c.value == 1) or
+                                                (isinstance(op, ast.GtE) and c.value == 2)):
+                return True
+        child = a
+    return False
 
 
 def _is_optimizer(q: str) -> bool:
@@ -90,17 +115,18 @@ def _param_refs(call: ast.Call) -> set[str]:
     return out
 
 
-@rule("optimizer-before-wrap", ("P-DDP-3", "P-FSDP-7"), ERROR,
-      "optimizer built before the DDP/FSDP wrap",
+@rule("optimizer-before-wrap", ("P-FSDP-7",), ERROR,
+      "optimizer built before the FSDP wrap",
       """Build the optimizer from the wrapped model. FSDP replaces (flattens or shards) the
       parameters, so an optimizer built before the wrap updates tensors the model no longer
-      uses and training silently does nothing. Under DDP it happens to work today, but
-      it breaks as soon as the wrap changes the parameters (FSDP, compile, a device move).
-      An optimizer and a wrap in different branches of one if/elif/else never meet.""")
+      uses and training silently does nothing. DDP is not reported: it keeps the module's
+      own Parameter objects, so an optimizer built before the DDP wrap updates exactly what
+      DDP trains (apex's amp.initialize even needs it that way). An optimizer and a wrap in
+      different branches of one if/elif/else never meet.""")
 def optimizer_before_wrap(facts: Facts):
     opts = [(c, _param_refs(c)) for c, q in facts.calls if _is_optimizer(q)]
     for w in facts.wraps:
-        if w.kind == "dp" or not w.arg:
+        if w.kind in ("dp", "ddp") or not w.arg:
             continue
         for call, refs in opts:
             hits = {r for r in refs if r == w.arg or r.startswith(w.arg + ".")}
@@ -112,18 +138,13 @@ def optimizer_before_wrap(facts: Facts):
                           for c, rs in opts)
             if rebuilt:
                 continue
-            fsdp = w.kind != "ddp"  # disttrain.wrap may shard (FSDP strategy)
-            name = {"ddp": "DDP", "fsdp1": "FSDP", "fsdp2": "fully_shard",
-                    "disttrain": "disttrain.wrap"}[w.kind]
+            name = {"fsdp1": "FSDP", "fsdp2": "fully_shard", "disttrain": "disttrain.wrap"}[w.kind]
             yield finding(
                 facts, call, "optimizer-before-wrap",
                 f"the optimizer takes `{w.arg}`'s parameters at line {call.lineno}, before the "
-                f"{name} wrap at line {w.call.lineno}"
-                + (": sharding replaces them, so the optimizer updates stale tensors." if fsdp
-                   else ": it must see the parameters of the wrapped model."),
-                f"build the optimizer after the {name} wrap, from the wrapped model's parameters().",
-                severity=ERROR if fsdp else WARNING,
-                practices=("P-FSDP-7",) if fsdp else ("P-DDP-3",))
+                f"{name} wrap at line {w.call.lineno}: sharding replaces them, so the optimizer "
+                "updates stale tensors.",
+                f"build the optimizer after the {name} wrap, from the wrapped model's parameters().")
 
 
 @rule("find-unused-parameters", ("P-DDP-4",), WARNING,

@@ -12,7 +12,7 @@ from typing import Iterable
 
 from disttrain.doctor.facts import DISTTRAIN_INITS, Facts, arg, kwarg
 from disttrain.doctor.findings import ERROR, WARNING, finding, rule
-from disttrain.doctor.names import SET_DEVICE as _SET_DEVICE
+from disttrain.doctor.names import LIBRARY_DEVICE_BINDS, SET_DEVICE as _SET_DEVICE
 from disttrain.doctor.rules_launch import _environ_key
 
 
@@ -24,7 +24,8 @@ from disttrain.doctor.rules_launch import _environ_key
 def missing_set_device(facts: Facts):
     if not facts.distributed:
         return
-    binds = facts.calls_to(*_SET_DEVICE, *DISTTRAIN_INITS) + _visible_devices_assignments(facts)
+    binds = facts.calls_to(*_SET_DEVICE, *DISTTRAIN_INITS, *LIBRARY_DEVICE_BINDS) + \
+        _visible_devices_assignments(facts)
     uses = _cuda_uses(facts)
     yield from _launch_path_without_bind(facts, binds)
     if not uses:
@@ -65,7 +66,7 @@ def missing_set_device(facts: Facts):
                       "before init_process_group and any CUDA tensor.")
         return
     for node, unindexed in uses:
-        if not unindexed:
+        if not unindexed or _leaves_before_ranks(facts, node):
             continue
         scope = facts.scope_of(node)
         same = [b for b in binds if facts.scope_of(b) is scope]
@@ -128,6 +129,24 @@ def _launch_path_without_bind(facts: Facts, binds: list) -> "Iterable":
                           f"(line {where.lineno}), so here every rank allocates on cuda:0.",
                           "call torch.cuda.set_device(local_rank) on this path too, or once after the "
                           "if/elif chain.", severity=WARNING)
+
+
+def _leaves_before_ranks(facts: Facts, node: ast.AST) -> bool:
+    """`node` sits in a branch that returns (or raises) without starting the process group
+    or reading the rank: the single-process fallback of an init helper (SparK's `elif
+    'RANK' not in os.environ: device = torch.empty(1).cuda().device; return`), which no
+    rank of a multi-process run takes, so the bind after it is not missing there."""
+    child = node
+    for a in facts.ancestors(node):
+        if isinstance(a, ast.If):
+            for block in (a.body, a.orelse):
+                if child in block and block and isinstance(block[-1], (ast.Return, ast.Raise)) \
+                        and not _starts_ranks(facts, block):
+                    return True
+        if isinstance(a, (ast.FunctionDef, ast.AsyncFunctionDef, ast.Lambda)):
+            return False
+        child = a
+    return False
 
 
 def _within(facts: Facts, node: ast.AST, body: list) -> bool:

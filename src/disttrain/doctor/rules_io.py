@@ -32,9 +32,12 @@ def _log_calls(facts: Facts):
     # `builtins.print` replaced by a rank-aware one (setup_for_distributed), in any file
     # of the run, or a `print` of the file's own: print is not the builtin one.
     builtin_print = project.print_override_for(facts) is None and not _shadows_print(facts)
+    # A distributed set-up out of view may replace it too: print is not judged, except
+    # before the process group starts in the same function (no rank to filter by yet).
+    unseen_set_up = project.distributed_set_up_out_of_view(facts) is not None
     for call, q in facts.calls:
         if q == "print":
-            if not builtin_print:
+            if not builtin_print or (unseen_set_up and not _before_group_start(facts, call)):
                 continue
             target = kwarg(call, "file")
             # print(..., file=f) writes a file (a CSV log), judged as a file, not a log line
@@ -46,6 +49,12 @@ def _log_calls(facts: Facts):
                 yield call, f"{ast.unparse(call.func)}()"
         elif q in ("wandb.init", "wandb.log") or q.endswith("SummaryWriter"):
             yield call, f"{q.rsplit('.', 1)[-1] if 'Summary' in q else q}()"
+
+
+def _before_group_start(facts: Facts, call: ast.Call) -> bool:
+    """`call` comes before an init_process_group of its own function."""
+    scope = facts.scope_of(call)
+    return any(facts.scope_of(c) is scope and c.lineno > call.lineno for c in facts.calls_to("init_process_group"))
 
 
 def _shadows_print(facts: Facts) -> bool:
@@ -279,7 +288,8 @@ def _is_buffer(facts: Facts, node: ast.AST) -> bool:
       longer loads into a plain model (missing/unexpected keys). Save the unwrapped
       weights: `model.module.state_dict()`.""")
 def ddp_state_dict_prefix(facts: Facts):
-    wrapped = [w for w in facts.wraps if w.kind in ("ddp", "dp") and w.target]
+    wrapped = [w for w in facts.wraps if w.kind in ("ddp", "dp") and w.target
+               and not _resumed_into_wrapper(facts, w)]
     if not wrapped:
         return
     for save in _saves(facts):
@@ -303,6 +313,27 @@ def ddp_state_dict_prefix(facts: Facts):
                                       f"wrapper (line {w.call.lineno}): its state_dict keys all start "
                                       "with `module.`.",
                                       f"save {owner}.module.state_dict() instead.")
+
+
+_LOAD_WORDS = ("load", "resume", "restore", "restart")
+
+
+def _resumed_into_wrapper(facts: Facts, w) -> bool:
+    """After the wrap, the script loads checkpoints back into the wrapper itself
+    (`model.load_state_dict(...)`, `utils.load_checkpoint(model, path)`,
+    `restart_from_checkpoint(path, state_dict=model)`): the `module.` keys it saves are the
+    keys it loads, so the prefix breaks nothing the script does."""
+    for c, q in facts.calls:
+        if facts.scope_of(c) is not w.scope or c.lineno <= w.call.lineno or facts.exclusive(c, w.call):
+            continue
+        if isinstance(c.func, ast.Attribute) and c.func.attr == "load_state_dict" and \
+                ref(c.func.value) == w.target:
+            return True
+        name = q.rsplit(".", 1)[-1].lower()
+        if any(x in name for x in _LOAD_WORDS) and any(
+                ref(a) == w.target for a in list(c.args) + [k.value for k in c.keywords]):
+            return True
+    return False
 
 
 def _unwrap_branch(facts: Facts, node: ast.AST, stop: ast.AST) -> bool:
