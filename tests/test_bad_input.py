@@ -13,7 +13,7 @@ from types import SimpleNamespace
 
 import pytest
 
-from conftest import ROOT, run_disttrain, worker_env
+from conftest import ROOT, WORKERS, run_disttrain, worker_env
 from disttrain.cli import main as cli
 from disttrain.launch.run_command import _others
 
@@ -204,3 +204,48 @@ def test_6_a_python_level_hang_is_named_by_the_stacks():
     verdict, lagging = diagnose(beats, 101.0, 3, stacks={0: waiting, 1: looping})
     assert lagging == [1] and "rank(s) [1] are not in a collective" in verdict and "spin (train.py:12)" in verdict
     assert diagnose(beats, 101.0, 3, stacks={0: waiting, 1: waiting})[1] == []
+
+
+@pytest.mark.timeout(240)
+@pytest.mark.parametrize("stuck", [0, 1])
+def test_6_a_plain_script_hang_names_the_rank_that_stopped(stuck):
+    """A plain DDP script (no dt.Job) under `disttrain run`: one rank sleeps in its own
+    code while the other waits in the backward's all-reduce. The script watchdog reports
+    (run_disttrain's 200 s, far under gloo's 30 min timeout), names the stuck rank and its line, and the job stops with 124."""
+    proc = run_disttrain(["run", "--nproc", "2", "--hang-timeout", "6", str(WORKERS / "plain_hang.py"),
+                          str(stuck)], timeout=200)
+    out = proc.stdout + proc.stderr
+    assert proc.returncode == 124, out[-3000:]
+    assert f"Lagging rank(s): {stuck}." in out, out[-3000:]
+    assert "wait_for_a_lock_that_never_comes (plain_hang.py" in out, out[-3000:]
+    assert "after reporting a hang" in out and "Traceback" not in out, out[-3000:]
+
+
+def test_6_hang_timeout_is_checked_before_any_worker():
+    proc = run_disttrain(["run", "--nproc", "2", "--hang-timeout", "soon", str(WORKERS / "plain_hang.py"), "1"])
+    assert proc.returncode == 2 and "--hang-timeout" in proc.stderr and "'soon'" in proc.stderr, proc.stderr
+    assert "Traceback" not in proc.stderr and len(proc.stderr.strip().splitlines()) == 1, proc.stderr
+
+
+def test_6_job_takes_over_from_the_script_watchdog(tmp_path, monkeypatch):
+    """The script watchdog halts at Job's start_guard: in the same side channel its
+    heartbeat stays for the successor; with the guard off it stops, and the last rank
+    to stop removes the side channel."""
+    import tempfile
+
+    from disttrain.guard import script_watchdog as sw
+    from disttrain.guard.watchdog import default_dir
+
+    monkeypatch.setattr(tempfile, "tempdir", str(tmp_path))
+    monkeypatch.setenv("WORLD_SIZE", "2")
+    monkeypatch.setenv("DISTTRAIN_HANG_TIMEOUT_S", "30")
+    for successor in (default_dir(), None):
+        monkeypatch.setattr(sw, "_running", None)
+        wd = sw.start_for_script()
+        assert wd is not None and wd._thread.is_alive() and sw.start_for_script() is None
+        sw.hand_over(successor)
+        assert wd._thread is None and sw._running is None
+        beat = default_dir() / "hb0.json"
+        assert json.loads(beat.read_text())["state"] == "running" if successor else not beat.exists()
+    monkeypatch.setenv("DISTTRAIN_HANG_TIMEOUT_S", "0")
+    assert sw.start_for_script() is None

@@ -59,9 +59,18 @@ def diagnose(beats: list[dict], now: float, stale_after: float,
 
 
 COLLECTIVE_WORDS = ("all_reduce", "allreduce", "all_gather", "allgather", "reduce_scatter", "broadcast",
-                    "barrier", "all_to_all", "alltoall", "isend", "irecv", "torch/distributed/", "c10d")
+                    "barrier", "all_to_all", "alltoall", "isend", "irecv", "torch/distributed/", "c10d",
+                    "torch/nn/parallel/distributed.py", "_engine_run_backward")
 """Words of a frame that waits for the other ranks: a collective or point-to-point op,
-or any frame inside torch.distributed (a work handle's wait, DDP's reducer)."""
+any frame inside torch.distributed (a work handle's wait), DDP's forward (its buffer
+broadcast) and autograd's engine (under DDP a backward ends waiting for the gradient
+all-reduce, inside the engine's C++)."""
+
+
+def in_collective(frames: list[str]) -> bool:
+    """Whether a main thread's frames (any order, one string per frame naming its
+    function and file) show it waiting for the other ranks."""
+    return any(w in frame.lower() for frame in frames for w in COLLECTIVE_WORDS)
 
 
 def _by_stacks(beats: list[dict], stacks: dict[int, str]) -> tuple[str, list[int]] | None:
@@ -69,8 +78,7 @@ def _by_stacks(beats: list[dict], stacks: dict[int, str]) -> tuple[str, list[int
     do not; None when the stacks cannot tell (unknown, or all alike)."""
     known = {b["rank"]: main_frames(stacks[b["rank"]]) for b in beats if stacks.get(b["rank"])}
     known = {r: f for r, f in known.items() if f}
-    waiting = {r for r, frames in known.items()
-               if any(w in frame.lower() for frame in frames for w in COLLECTIVE_WORDS)}
+    waiting = {r for r, frames in known.items() if in_collective(frames)}
     lagging = sorted(set(known) - waiting)
     if len(known) < 2 or not waiting or not lagging:
         return None

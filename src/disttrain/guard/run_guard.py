@@ -333,20 +333,23 @@ def start_guard(cfg=None, *, config: Any = None, timeout_s: float | None = None,
 
     from disttrain.config import GuardConfig
     from disttrain.guard.sanity import check_threads, check_world_size
+    from disttrain.guard.script_watchdog import hand_over
 
     cfg = cfg or GuardConfig()
     if not cfg.enabled:
+        hand_over(None)
         return RunGuard(cfg)
     check_world_size(strict=cfg.strict)
     check_threads(strict=cfg.strict)
     check_consistency(config=config, **fields)
     watchdog = None
     if dist.is_initialized() and dist.get_world_size() > 1:
-        from disttrain.guard.watchdog import Watchdog, job_key
+        from disttrain.guard.watchdog import Watchdog, default_dir, job_key
 
         cap = min(cfg.hang_cap_s, 0.9 * timeout_s) if timeout_s else cfg.hang_cap_s
         # A shared guard.dir gets one subdirectory per job attempt, so runs never mix.
         side = Path(cfg.dir) / job_key() if cfg.dir else None
+        hand_over(side or default_dir())  # this watchdog knows the steps
         watchdog = Watchdog(dir=side, hang_factor=cfg.hang_factor,
                             hang_min_s=min(cfg.hang_min_s, cap), hang_cap_s=cap,
                             tick_s=cfg.tick_s).start()

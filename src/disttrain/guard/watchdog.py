@@ -183,18 +183,25 @@ class Watchdog:
 
     def stop(self) -> None:
         """Stop the thread and publish a final 'exited' heartbeat. Safe to call twice."""
+        if self.halt():
+            self._beat(state="exited")
+            self._cleanup()
+
+    def halt(self) -> bool:
+        """Stop the thread and release SIGUSR1, leaving the heartbeat file as it is (a
+        successor watchdog of this rank takes it over). True when it was running."""
         self._stop.set()
-        if self._thread is not None:
+        running = self._thread is not None
+        if running:
             self._thread.join(timeout=5 * self.tick_s)
             self._thread = None
-            self._beat(state="exited")
         if self._stack_file is not None:
             if self._usr1:
                 faulthandler.unregister(signal.SIGUSR1)
                 self._usr1 = False
             self._stack_file.close()
             self._stack_file = None
-            self._cleanup()
+        return running
 
     def _cleanup(self) -> None:
         """The last rank to stop removes the side channel, unless it holds a hang report."""
@@ -275,6 +282,10 @@ class Watchdog:
         elif (elapsed := time.monotonic() - self.step_since) > bound:
             return (f"step {self.step_no} on rank {self.rank} has run {elapsed:.1f} s, over the "
                     f"bound of {bound:.1f} s")
+        return self._silent_peer(bound)
+
+    def _silent_peer(self, bound: float) -> str | None:
+        """Why to fire when a running peer's heartbeat stopped for longer than `bound`."""
         now = time.time()
         for b in self._read_beats():
             silent = now - b["alive"]

@@ -11,6 +11,11 @@ What it changes, and why:
   makes restarted workers fail to connect or hang (pytorch issue 135712).
 - A failed worker is reported in one line naming its rank and exit code, and that
   exit code is returned (128 + signal for a worker killed by a signal).
+- `--hang-timeout S` (default 600, 0 for none): every worker of a plain script runs a
+  watchdog (`guard.script_watchdog`); a rank that waits in one collective with no
+  progress for S seconds reports the hang, naming the rank that stopped making progress
+  and its stack, and the job stops (exit 124). A `dt.Job` script's own watchdog, which
+  knows the steps, takes over at `job.wrap`.
 - `--debug` sets the verbose switches of P-DEBUG-2 for the backend in use (see
   `debug_env`) and prints them and where the logs go.
 - `DISTTRAIN_EXPECTED_WORLD_SIZE` = nnodes x nproc, so a rank can tell that fewer
@@ -65,6 +70,9 @@ DEFAULT_PREEMPT_GRACE_S = 60.0
 """The grace when neither a trainer config nor DISTTRAIN_PREEMPT_GRACE_S names one
 (the default of `elastic.preempt_grace_s`)."""
 SHUTDOWN_FLAGS = ("--shutdown-timeout", "--shutdown_timeout")
+HANG_FLAG = "--hang-timeout"
+"""Seconds a plain script's rank may wait in one collective with no progress before the
+watchdog reports the hang and names the rank that stopped (`guard.script_watchdog`)."""
 SHUTDOWN_ENV = ("PET_SHUTDOWN_TIMEOUT", "TORCH_ELASTIC_SHUTDOWN_TIMEOUT")
 
 # Rendezvous settings for elastic jobs, each with its reason (torch's default in brackets):
@@ -128,7 +136,7 @@ def _split_script(argv: list[str]) -> tuple[list[str], list[str]]:
                         "--start-method", "--start_method", "--role", "--local-ranks-filter",
                         "--local_ranks_filter", "--logs-specs", "--logs_specs",
                         "--rdzv-timeout", "--event-log-handler", "--signals-to-handle",
-                        "--signals_to_handle", *SHUTDOWN_FLAGS}
+                        "--signals_to_handle", HANG_FLAG, *SHUTDOWN_FLAGS}
     i = 0
     while i < len(argv):
         arg = argv[i]
@@ -218,6 +226,24 @@ def warm_workers_wanted(argv: list[str]) -> bool:
     return not load_config(script[1], script[2:]).elastic.fast_recovery
 
 
+def _hang_timeout(flags: list[str]) -> tuple[list[str], dict[str, str]]:
+    """Take `--hang-timeout S` out of the flags: the env that carries it to the workers'
+    script watchdog (`guard.script_watchdog`), checked here so a bad value fails before
+    any worker starts."""
+    from disttrain.guard.script_watchdog import HANG_TIMEOUT_ENV, hang_timeout_s
+
+    value = _flag_value(flags, HANG_FLAG)
+    if value is None:
+        return flags, {}
+    try:
+        hang_timeout_s({HANG_TIMEOUT_ENV: value})
+    except ValueError as e:
+        raise UserError(str(e)) from None
+    at = [i for i, f in enumerate(flags) if f == HANG_FLAG]
+    drop = {*at, *(i + 1 for i in at), *(i for i, f in enumerate(flags) if f.startswith(HANG_FLAG + "="))}
+    return [f for i, f in enumerate(flags) if i not in drop], {HANG_TIMEOUT_ENV: value}
+
+
 def build_torchrun_args(argv: list[str]) -> tuple[list[str], dict[str, str]]:
     """Translate `disttrain run` arguments into torchrun arguments plus env defaults.
 
@@ -227,6 +253,7 @@ def build_torchrun_args(argv: list[str]) -> tuple[list[str], dict[str, str]]:
     flags, script = _split_script(argv)
     debug, fast = "--debug" in flags, "--fast-recovery" in flags
     flags = [f for f in flags if f not in ("--debug", "--fast-recovery")]
+    flags, hang_env = _hang_timeout(flags)
     if not script:
         raise UserError("no script given. Usage: disttrain run [torchrun flags] script.py [args]")
     flags = ["--nproc-per-node" if f == "--nproc" else
@@ -251,7 +278,7 @@ def build_torchrun_args(argv: list[str]) -> tuple[list[str], dict[str, str]]:
         flags = ["--standalone"] + flags
     elif "--standalone" not in flags:
         flags = _elastic_flags(flags)
-    env = dict(DEFAULT_ENV)
+    env = dict(DEFAULT_ENV, **hang_env)
     if debug:
         env.update(debug_env("nccl" if gpus else "gloo"))
     if nproc.isdigit() and nnodes.isdigit():

@@ -57,6 +57,12 @@ def main(argv: list[str]) -> None:
     if earlier_user_error():  # a restart after a rank's user error: the mistake would repeat
         os._exit(2)
     os.environ.pop(LAUNCHER_ENV, None)  # the worker's own children have another parent
+    if not (argv[:1] == ["-m"] and argv[1:2] and argv[1].startswith("disttrain.")):
+        # A user's script: a hang names the rank that stopped (Job's watchdog takes over
+        # at wrap). disttrain's own modules (the trainer, a supervisor) have their own.
+        from disttrain.guard.script_watchdog import start_for_script
+
+        start_for_script()
     if argv[:1] == ["-m"] and len(argv) > 1:
         sys.argv = [argv[1], *argv[2:]]
         runpy.run_module(argv[1], run_name="__main__", alter_sys=True)

@@ -259,3 +259,20 @@ def abort_process_groups() -> bool:
         return False
     return False
 
+
+
+def collectives_issued() -> int | None:
+    """How many collectives this rank has issued on the default group (DDP's gradient
+    all-reduces included), or None when no group is up or the release cannot tell.
+    Checked on 2.13.0 (gloo and NCCL count every collective):
+    `ProcessGroup._get_sequence_number_for_group()`. Read from another thread; the
+    hang watchdog of a plain script uses it as its progress counter."""
+    import torch.distributed as dist
+
+    try:
+        if not dist.is_initialized():
+            return None
+        count = getattr(dist.group.WORLD, "_get_sequence_number_for_group", None)
+        return int(count()) if callable(count) else None
+    except (RuntimeError, ValueError):
+        return None
