@@ -7,10 +7,10 @@ import json
 import shutil
 
 import torch
-from torch.distributed.checkpoint import FileSystemReader
 
 from conftest import run_disttrain
 from disttrain.checkpoint import Checkpointer, TrainState, latest_valid
+from disttrain.checkpoint.storage_formats import read_metadata
 from disttrain.config.schema import load_config
 from disttrain.demo import GPT
 
@@ -38,7 +38,7 @@ def test_zero1_checkpoint_saves_and_resumes_bit_exact(tmp_path):
     cfg = load_config("examples/tiny_gpt.toml", [o.removeprefix("--") for o in ZERO])
     plain = GPT(cfg.model)
     names = {n for n, _ in plain.named_parameters()}
-    keys = FileSystemReader(str(ckpts / "step-00000003")).read_metadata().state_dict_metadata
+    keys = read_metadata(ckpts / "step-00000003").state_dict_metadata
     for moment in ("exp_avg", "exp_avg_sq", "step"):
         assert {k[len("optim.state."):-len(moment) - 1] for k in keys
                 if k.startswith("optim.state.") and k.endswith("." + moment)} == names

@@ -5,8 +5,11 @@ exportable (P-CKPT-1..5, P-FSDP-8).
   `zero_state`: ZeRO-1 optimizer state without consolidation.
 - `layout`: step directories, the manifest, verification, "latest", fencing, retention.
 - `checkpointer`: save/load across ranks with DCP, sync or async; `save`/`load`.
-- `hashing_fs` and `digests`: DCP's filesystem with checksums computed while writing
-  and reading.
+- `raw_storage` (the storage format `raw-1`: raw tensor bytes, JSON values and JSON
+  metadata under DCP's planner) and `json_records`; `storage_formats`: which format a
+  checkpoint is in, and its readers (checkpoints of DCP's default format still load).
+- `hashing_fs` and `digests`: the verified load, checksums computed while writing and
+  reading.
 - `compat`: does a checkpoint fit the state it is loaded into; one-line failures.
 - `checkpoint_errors`: the errors, each naming the file and the fix.
 - `export`: consolidated safetensors export and inspection, offline, tensor by tensor;
@@ -17,11 +20,11 @@ exportable (P-CKPT-1..5, P-FSDP-8).
 - `finite`: `check_finite(loss_or_tensors, step)`, the guard a loop calls before a save.
 
 Trust: a checkpoint is read only after its JSON manifest verifies (sizes and
-xxh3_128 digests of every file; manifests of older versions carry sha256). DCP's
-`.metadata` and the optimizer's non-tensor values are pickles that DCP itself
-unpickles; the manifest proves they are the bytes the writer produced, not that the
-writer was honest. Load checkpoints you or your jobs wrote; share models as the
-safetensors export.
+xxh3_128 digests of every file; manifests of older versions carry sha256). A
+checkpoint of the `raw-1` format is never unpickled: its metadata and non-tensor
+values are JSON, its tensors raw bytes. Older checkpoints (DCP's default format) hold
+pickles that DCP unpickles; the manifest proves they are the bytes the writer
+produced, not that the writer was honest. Share models as the safetensors export.
 """
 
 from disttrain.checkpoint.checkpointer import Checkpointer, load, save

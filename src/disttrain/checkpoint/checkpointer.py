@@ -53,6 +53,7 @@ from disttrain.runtime.log import LOGGER
 # DCP (torch.distributed.checkpoint) pulls in DTensor and sympy, about half a second:
 # it is imported on the first save or load, not when the trainer starts.
 ASYNC_MODES = ("off", "thread")
+RAW_FORMAT = "raw-1"  # raw_storage.FORMAT, named here so the manifest needs no DCP import
 
 
 def _failures() -> tuple:
@@ -89,6 +90,7 @@ class Checkpointer:
         self.run_id = self._bcast(uuid.uuid4().hex[:8])
         self.generation: int | None = None
         self._inflight: Future | None = None
+        self._stager = None
         self._pool = ThreadPoolExecutor(max_workers=1, thread_name_prefix="disttrain-ckpt")
         self.last_saved: Path | None = None
 
@@ -173,11 +175,10 @@ class Checkpointer:
             self.last_saved = final
             return final
         import torch.distributed.checkpoint as dcp
-        from torch.distributed.checkpoint import FileSystemWriter
         from torch.distributed.checkpoint.state_dict_saver import AsyncCheckpointerType
 
         from disttrain.checkpoint.fault_points import shard_filesystem
-        from disttrain.checkpoint.hashing_fs import HashingFileSystem
+        from disttrain.checkpoint.raw_storage import JsonSavePlanner, RawWriter
 
         sd = state.state_dict()
         info = self._manifest_info(state, sd)
@@ -189,21 +190,31 @@ class Checkpointer:
         except OSError as e:
             local = f"rank {self.rank}: {describe(e)}"
         self._raise_if(next((e for e in self._gather(local) if e), None), step, tmp)
-        # The hashing filesystem fsyncs every file it writes, so DCP's own fsync is off.
-        writer = FileSystemWriter(str(tmp), sync_files=False, overwrite=False)
-        fs = writer.fs = HashingFileSystem(shard_filesystem(self.rank, step))
-        fs.digests[rng_name] = digest_bytes(rng)
+        writer = RawWriter(tmp, shard_filesystem(self.rank, step))  # hashes and fsyncs each file
+        writer.digests[rng_name] = digest_bytes(rng)
         if self.async_mode == "off":
             try:
-                dcp.save(sd["tensors"], storage_writer=writer, process_group=self.pg)
+                dcp.save(sd["tensors"], storage_writer=writer, planner=JsonSavePlanner(), process_group=self.pg)
             except _failures() as e:
                 local = describe_failure(e, self.rank)
-            return self._finish(step, tmp, final, sd["meta"], info, local, (fs.digests, finite))
-        future = dcp.async_save(sd["tensors"], storage_writer=writer, process_group=self.pg,
+            return self._finish(step, tmp, final, sd["meta"], info, local, (writer.digests, finite))
+        future = dcp.async_save(sd["tensors"], storage_writer=writer, planner=JsonSavePlanner(),
+                                process_group=self.pg, async_stager=self._staging(),
                                 async_checkpointer_type=AsyncCheckpointerType.THREAD)
         self._inflight = self._pool.submit(self._complete, future, step, tmp, final, sd["meta"],
-                                           info, (fs.digests, finite))
+                                           info, (writer.digests, finite))
         return None
+
+    def _staging(self):
+        """The async saves' stager, one per checkpointer: it copies into the CPU buffers
+        of the previous save (at most one is in flight), not into fresh memory."""
+        if self._stager is None:
+            from torch.distributed.checkpoint.staging import DefaultStager, StagingOptions
+
+            self._stager = DefaultStager(StagingOptions(use_pinned_memory=torch.cuda.is_available(),
+                                                        use_shared_memory=False, use_async_staging=False,
+                                                        use_non_blocking_copy=False))
+        return self._stager
 
     def _complete(self, future, step, tmp, final, meta, info, outcome) -> Path:
         local = None
@@ -260,7 +271,7 @@ class Checkpointer:
 
         return {"step": state.step, "epoch": state.epoch, "generation": self.generation,
                 "run_id": self.run_id, "world_size": self.world,
-                "strategy": strategy_of(state.model),
+                "strategy": strategy_of(state.model), "storage": RAW_FORMAT,
                 "config_hash": config_hash(state.config) if state.config is not None else None,
                 "torch_version": torch.__version__, "disttrain_version": __version__,
                 "created": time.strftime("%Y-%m-%dT%H:%M:%S%z")}
@@ -278,6 +289,8 @@ class Checkpointer:
             self.wait()
         finally:
             self._pool.shutdown(wait=True)
+            if self._stager is not None:
+                self._stager.close()
 
     # ------------------------------------------------------------ load
 
@@ -316,7 +329,9 @@ class Checkpointer:
         if problem := next((p for p in self._gather(problem) if p), None):
             raise CheckpointMismatch(problem)  # the same message on every rank
         mine = lambda n: share(n, self.world) == self.rank  # noqa: E731
-        err, read = load_verified(tensors, step_dir, layout.read_manifest(step_dir)["files"], self.pg, mine)
+        manifest = layout.read_manifest(step_dir)
+        err, read = load_verified(tensors, step_dir, manifest["files"], self.pg, mine,
+                                  manifest.get("storage", "dcp"))
         if err:
             return err
         done = first | read

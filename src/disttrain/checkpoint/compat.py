@@ -21,13 +21,15 @@ def check_compatible(tensors: dict, step_dir: Path, *, strict: bool = True) -> N
     load into) with DCP's metadata in `step_dir`.
 
     Raises `CheckpointMismatch` listing the first few mismatches. Call only after
-    the manifest verified: reading `.metadata` unpickles it.
+    the manifest verified: the `.metadata` of a checkpoint of the `dcp` storage format
+    is a pickle.
     """
     # DCP is imported here, on a load, not when the trainer starts (it pulls in sympy)
-    from torch.distributed.checkpoint import FileSystemReader
     from torch.distributed.checkpoint.metadata import TensorStorageMetadata
 
-    saved = FileSystemReader(str(step_dir)).read_metadata().state_dict_metadata
+    from disttrain.checkpoint.storage_formats import read_metadata
+
+    saved = read_metadata(step_dir).state_dict_metadata
     flat = torch_compat.flatten_state_dict(tensors)
     problems = []
     for key, value in flat.items():

@@ -17,14 +17,13 @@ import warnings
 from pathlib import Path
 
 import torch
-from torch.distributed.checkpoint import FileSystemReader
 from torch.distributed.checkpoint.metadata import TensorStorageMetadata
 
 from disttrain.checkpoint import layout
 from disttrain.checkpoint.files import atomic_torch_save
+from disttrain.checkpoint.storage_formats import load_keys, read_metadata
 from disttrain.config.paths import output_file
 from disttrain.errors import UserError
-from disttrain.runtime import torch_compat
 
 _ST_DTYPES = {torch.float64: "F64", torch.float32: "F32", torch.float16: "F16",
               torch.bfloat16: "BF16", torch.int64: "I64", torch.int32: "I32", torch.int16: "I16",
@@ -35,7 +34,7 @@ def tensor_table(step_dir: Path) -> list[tuple[str, tuple, torch.dtype, int]]:
     """(key, global shape, dtype, bytes) of every tensor in the checkpoint.
     Verifies the manifest first; raises `CheckpointCorrupt` naming a bad file."""
     layout.verify(step_dir)
-    md = FileSystemReader(str(step_dir)).read_metadata().state_dict_metadata
+    md = read_metadata(step_dir).state_dict_metadata
     rows = []
     for key, meta in sorted(md.items()):
         if isinstance(meta, TensorStorageMetadata):
@@ -50,7 +49,7 @@ def tensor_table(step_dir: Path) -> list[tuple[str, tuple, torch.dtype, int]]:
 def _read_one(step_dir: Path, key: str) -> torch.Tensor:
     with warnings.catch_warnings():  # "no process group: single process" is the intent here
         warnings.simplefilter("ignore")
-        sd = torch_compat.load_keys({key}, checkpoint_id=str(step_dir))
+        sd = load_keys(step_dir, {key})
     for part in key.split("."):  # DCP returns the nested form of the flattened key
         sd = sd[part] if isinstance(sd, dict) and part in sd else sd
     if isinstance(sd, dict):
@@ -148,5 +147,5 @@ def export_optimizer(step_dir: Path, to: str | os.PathLike) -> Path:
     keys = {r[0] for r in tensor_table(step_dir) if r[0].startswith("optim.")}
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")
-        sd = torch_compat.load_keys(keys | {"optim.param_groups"}, checkpoint_id=str(step_dir))
+        sd = load_keys(step_dir, keys | {"optim.param_groups"})
     return atomic_torch_save(sd.get("optim", sd), to)

@@ -1,59 +1,17 @@
-"""DCP's local filesystem with checksums on the way to disk and on the way back
-(see `digests`): the save and load path of every checkpoint. Imported when a
-checkpoint is written or read, so DCP stays out of start-up.
+"""The verified load of a checkpoint in either storage format (`storage_formats`):
+each file of this rank's share hashed as it is read, checked before it is parsed.
+Imported when a checkpoint is read, so DCP stays out of start-up.
 """
 
 from __future__ import annotations
 
-import threading
 from contextlib import contextmanager
 from pathlib import Path
 
 from torch.distributed.checkpoint.filesystem import FileSystem
 
 from disttrain.checkpoint.checkpoint_errors import CheckpointCorrupt
-from disttrain.checkpoint.digests import HashingStream, file_digest, file_mismatch, record
-
-
-class HashingFileSystem(FileSystem):
-    """DCP's local `FileSystem` that records size + digest of every file it
-    writes (`digests`, keyed by file name) and fsyncs each one on close.
-
-    `inner` (a `FileSystem`, e.g. the fault-injecting one) opens the streams.
-    A stream whose final length differs from the bytes hashed (it seeked) is
-    hashed again from the file. Thread-safe: DCP may write with several threads.
-    """
-
-    def __init__(self, inner: FileSystem | None = None):
-        super().__init__()
-        self.inner = inner if inner is not None else FileSystem()
-        self.digests: dict[str, dict] = {}
-        self._lock = threading.Lock()
-
-    @contextmanager
-    def create_stream(self, path, mode):
-        if "w" not in mode:
-            with self.inner.create_stream(path, mode) as stream:
-                yield stream
-            return
-        name = Path(path).name
-
-        def on_close(length: int, size: int, digest: str) -> None:
-            if length != size:
-                size, digest = file_digest(path)
-            with self._lock:
-                self.digests[name] = record(size, digest)
-
-        with self.inner.create_stream(path, mode) as stream:
-            hashing = HashingStream(stream, on_close)
-            yield hashing
-            hashing.close()  # a no-op when DCP closed it
-
-    def rename(self, path, new_path) -> None:
-        super().rename(path, new_path)  # DCP writes `.metadata.tmp`, then renames it
-        with self._lock:
-            if (entry := self.digests.pop(Path(path).name, None)) is not None:
-                self.digests[Path(new_path).name] = entry
+from disttrain.checkpoint.digests import file_mismatch
 
 
 class VerifyingFileSystem(FileSystem):
@@ -89,10 +47,10 @@ class VerifyingFileSystem(FileSystem):
 
 
 def load_verified(tensors: dict, step_dir: Path, files: dict[str, dict], pg,
-                  select=lambda name: True) -> tuple[str | None, set[str]]:
-    """DCP-load `tensors` in place from `step_dir`, each file `select` accepts read
-    once and checked against `files` (the manifest's records) before DCP
-    deserialises it. A collective.
+                  select=lambda name: True, storage: str = "dcp") -> tuple[str | None, set[str]]:
+    """DCP-load `tensors` in place from `step_dir` (in the storage format `storage`),
+    each file `select` accepts read once and checked against `files` (the manifest's
+    records) before its values are parsed. A collective.
 
     Returns (None, the names this rank checked), or (the message of the first bad
     file, ...) when a file of any rank fails its check: DCP gathers every rank's
@@ -104,15 +62,21 @@ def load_verified(tensors: dict, step_dir: Path, files: dict[str, dict], pg,
     from torch.distributed.checkpoint import FileSystemReader
     from torch.distributed.checkpoint.api import CheckpointException
 
+    from disttrain.checkpoint import raw_storage
     from disttrain.checkpoint.compat import describe, walk_causes
 
-    reader = FileSystemReader(str(step_dir))
-    fs = reader.fs = VerifyingFileSystem(step_dir, files, select)
+    if storage == raw_storage.FORMAT:
+        reader = raw_storage.RawReader(step_dir, files, select)
+        planner, checked = raw_storage.JsonLoadPlanner(), reader
+    else:
+        reader = FileSystemReader(str(step_dir))
+        planner, checked = None, VerifyingFileSystem(step_dir, files, select)
+        reader.fs = checked
     try:
-        dcp.load(tensors, storage_reader=reader, process_group=pg)
+        dcp.load(tensors, storage_reader=reader, planner=planner, process_group=pg)
     except (Exception, CheckpointException) as e:  # DCP's is a BaseException
         bad = [c for c in walk_causes(e) if isinstance(c, CheckpointCorrupt)]
         if bad:
-            return str(min(bad, key=lambda c: (c.bad_file, str(c)))), fs.verified
+            return str(min(bad, key=lambda c: (c.bad_file, str(c)))), checked.verified
         raise CheckpointCorrupt(f"{step_dir} could not be loaded: {describe(e)}") from None
-    return None, fs.verified
+    return None, checked.verified

@@ -4,7 +4,7 @@
     ROOT/
       WRITER.json                    the writer lease: {run_id, generation}
       step-00001200/                 a committed checkpoint
-        .metadata  __0_0.distcp ...  DCP's files (tensors, sharded)
+        .metadata  __0_0.distcp ...  DCP's metadata (JSON) and each rank's data file
         state.json                   global non-tensor state (step, scheduler, ...)
         rank-00000.json ...          per-rank RNG state
         manifest.json                written last: size + checksum of every file

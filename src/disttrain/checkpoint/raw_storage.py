@@ -1,0 +1,328 @@
+"""The storage format `raw-1`: DCP's planner (so resharding across world sizes and
+strategies is DCP's own), with storage of ours that writes and reads in large
+sequential records and never pickles.
+
+A rank's data file `__R_0.distcp` is its non-tensor values (JSON, `json_records`)
+followed by its tensors' raw bytes, each record where `.metadata` (JSON) says. A save
+writes each tensor straight from its memory, hashing the bytes on their way to the file
+(`digests.HashingStream`), and fsyncs once per file. A load reads each record with one
+`readinto` straight into the tensor it restores when the record is the whole target
+(every DDP load, an FSDP load at the same world size), else into one buffer that is
+then narrowed; a file of this rank's share (`digests.share`) is hashed in the same
+sequential pass, gaps included, and checked against the manifest before its JSON
+values are parsed. Nothing of a checkpoint in this format is ever unpickled.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import io
+import threading
+from pathlib import Path
+from typing import Callable
+
+import torch
+from torch.futures import Future
+from torch.distributed.checkpoint import StorageReader, StorageWriter
+from torch.distributed.checkpoint.default_planner import DefaultLoadPlanner, DefaultSavePlanner
+from torch.distributed.checkpoint.filesystem import FileSystem
+from torch.distributed.checkpoint.metadata import TensorStorageMetadata
+from torch.distributed.checkpoint.planner import LoadItemType, WriteItemType
+from torch.distributed.checkpoint.storage import WriteResult
+
+from disttrain.checkpoint.checkpoint_errors import CheckpointCorrupt
+from disttrain.checkpoint.digests import HashingStream, corrupt_message, expected, new_hash, record
+from disttrain.checkpoint.json_records import (Extent, metadata_bytes, metadata_of, set_path, value_bytes,
+                                               value_of)
+
+FORMAT = "raw-1"
+METADATA = ".metadata"
+_SCRATCH = 1 << 23
+
+
+def byte_view(t: torch.Tensor) -> memoryview:
+    """The bytes of the contiguous CPU tensor `t`, writable, sharing its memory."""
+    return memoryview(t.detach().reshape(-1).view(torch.uint8).numpy())
+
+
+class JsonSavePlanner(DefaultSavePlanner):
+    """DCP's default save planner whose non-tensor values are JSON, not `torch.save`."""
+
+    def transform_object(self, write_item, object):
+        if write_item.type == WriteItemType.BYTE_IO:
+            return io.BytesIO(value_bytes(object))
+        return object
+
+
+class JsonLoadPlanner(DefaultLoadPlanner):
+    """DCP's default load planner whose non-tensor values are parsed from JSON."""
+
+    def load_bytes(self, read_item, value: io.BytesIO) -> None:
+        set_path(self.original_state_dict, self.mappings[read_item.dest_index.fqn], value_of(value.getvalue()))
+
+
+# ---------------------------------------------------------------- save
+
+
+class RawWriter(StorageWriter):
+    """Writes one data file per rank and, on the coordinator, `.metadata` as JSON.
+    `digests` records {file name: manifest record} of every file this rank wrote, each
+    fsynced on close. `inner` (a DCP `FileSystem`, e.g. the fault-injecting one) opens
+    the data files' streams."""
+
+    def __init__(self, path: str | Path, inner: FileSystem | None = None):
+        super().__init__()
+        self.path, self.inner = Path(path), inner if inner is not None else FileSystem()
+        self.digests: dict[str, dict] = {}
+        self._lock = threading.Lock()
+
+    def reset(self, checkpoint_id=None) -> None:
+        if checkpoint_id:
+            self.path = Path(checkpoint_id)
+
+    def set_up_storage_writer(self, is_coordinator: bool, *args, **kwargs) -> None:
+        pass
+
+    def prepare_local_plan(self, plan):
+        return plan
+
+    def prepare_global_plan(self, plans):
+        return [dataclasses.replace(p, storage_data=f"__{i}_") for i, p in enumerate(plans)]
+
+    def _stream(self, name: str, opener):
+        def on_close(length: int, size: int, digest: str) -> None:
+            with self._lock:
+                self.digests[name] = record(size, digest)
+
+        return HashingStream(opener, on_close)
+
+    def write_data(self, plan, planner) -> Future:
+        results = []
+        if plan.items:
+            name = f"{plan.storage_data}0.distcp"
+            with self.inner.create_stream(self.path / name, "wb") as raw:
+                stream = self._stream(name, raw)
+                objects = [i for i in plan.items if i.type == WriteItemType.BYTE_IO]
+                for item in objects + [i for i in plan.items if i.type != WriteItemType.BYTE_IO]:
+                    results.append(self._write_item(stream, name, item, planner))
+                stream.close()
+        fut = Future()
+        fut.set_result(results)
+        return fut
+
+    def _write_item(self, stream: HashingStream, name: str, item, planner) -> WriteResult:
+        offset = stream.tell()
+        data = planner.resolve_data(item)
+        if item.type == WriteItemType.BYTE_IO:
+            length = stream.write(data.getbuffer())
+        else:
+            t = data.detach()
+            t = (t if t.device.type == "cpu" else t.cpu()).contiguous()
+            length = stream.write(byte_view(t)) if t.numel() else 0
+        return WriteResult(index=item.index, size_in_bytes=length, storage_data=Extent(name, offset, length))
+
+    def finish(self, metadata, results) -> None:
+        storage = {r.index: r.storage_data for part in results for r in part}
+        md = dataclasses.replace(metadata, storage_data=storage)
+        with open(self.path / METADATA, "wb") as raw:
+            stream = self._stream(METADATA, raw)
+            stream.write(metadata_bytes(md))
+            stream.close()
+
+    def storage_meta(self):
+        return None
+
+    @classmethod
+    def validate_checkpoint_id(cls, checkpoint_id) -> bool:
+        return FileSystem.validate_checkpoint_id(checkpoint_id)
+
+
+# ---------------------------------------------------------------- load
+
+
+def read_metadata(step_dir: str | Path):
+    """DCP's `Metadata` of a raw-format checkpoint, parsed from JSON. Raises
+    `CheckpointCorrupt` for a `.metadata` that is not this format's JSON."""
+    path = Path(step_dir) / METADATA
+    try:
+        return metadata_of(path.read_bytes())
+    except (ValueError, KeyError, TypeError) as e:
+        raise CheckpointCorrupt(f"{path} is not a {FORMAT} metadata document ({e}).", METADATA) from None
+
+
+def _read_exact(f, view: memoryview, path: Path) -> None:
+    got = 0
+    while got < len(view):
+        n = f.readinto(view[got:])
+        if not n:
+            raise CheckpointCorrupt(f"{path} ends before its records do (truncated).", path.name)
+        got += n
+
+
+def _narrow(t: torch.Tensor, offsets, lengths) -> torch.Tensor:
+    for dim, (start, length) in enumerate(zip(offsets, lengths)):
+        t = t.narrow(dim, start, length)
+    return t
+
+
+class _FileRead:
+    """One sequential pass over one data file: records in offset order, each read
+    once; with `hasher`, every byte (gaps too) is hashed on the way."""
+
+    def __init__(self, f, path: Path, hasher):
+        self.f, self.path, self.hasher, self.pos = f, path, hasher, 0
+        self._scratch = bytearray(_SCRATCH) if hasher is not None else None
+
+    def skip_to(self, offset: int) -> None:
+        if self.hasher is None:
+            self.f.seek(offset)
+            self.pos = offset
+            return
+        while self.pos < offset:
+            view = memoryview(self._scratch)[: min(_SCRATCH, offset - self.pos)]
+            _read_exact(self.f, view, self.path)
+            self.hasher.update(view)
+            self.pos += len(view)
+        self.pos = offset
+
+    def into(self, view: memoryview) -> None:
+        _read_exact(self.f, view, self.path)
+        if self.hasher is not None:
+            self.hasher.update(view)
+        self.pos += len(view)
+
+    def to_end(self) -> int:
+        while True:
+            n = self.f.readinto(self._scratch)
+            if not n:
+                return self.pos
+            self.hasher.update(memoryview(self._scratch)[:n])
+            self.pos += n
+
+
+class RawReader(StorageReader):
+    """Reads a raw-format checkpoint for DCP's load. A file listed in `files` (the
+    manifest's records) that `select(name)` accepts is hashed while it is read and
+    checked before its JSON values are parsed; `verified` holds the names checked.
+    A mismatch raises `CheckpointCorrupt` naming the file (DCP then fails the load
+    on every rank)."""
+
+    def __init__(self, path: str | Path, files: dict[str, dict] | None = None,
+                 select: Callable[[str], bool] = lambda name: True):
+        super().__init__()
+        self.path, self.files, self.select = Path(path), files or {}, select
+        self.verified: set[str] = set()
+        self.metadata = None
+
+    def reset(self, checkpoint_id=None) -> None:
+        if checkpoint_id:
+            self.path = Path(checkpoint_id)
+
+    def read_metadata(self, *args, **kwargs):
+        if self.metadata is None:
+            self.metadata = read_metadata(self.path)
+        return self.metadata
+
+    def set_up_storage_reader(self, metadata, is_coordinator: bool, *args, **kwargs) -> None:
+        self.metadata = metadata
+
+    def prepare_local_plan(self, plan):
+        return plan
+
+    def prepare_global_plan(self, plans):
+        return plans
+
+    def read_data(self, plan, planner) -> Future:
+        storage = self.metadata.storage_data
+        per_file: dict[str, dict[Extent, list]] = {}
+        for item in plan.items:
+            extent = storage[item.storage_index]
+            per_file.setdefault(extent.file, {}).setdefault(extent, []).append(item)
+        for name in sorted(per_file):
+            self._read_file(name, per_file[name], planner)
+        fut = Future()
+        fut.set_result(None)
+        return fut
+
+    def _read_file(self, name: str, records: dict[Extent, list], planner) -> None:
+        path = self.path / name
+        want = self.files.get(name)
+        check = want is not None and name not in self.verified and self.select(name)
+        objects = []
+        with open(path, "rb", buffering=0) as f:
+            read = _FileRead(f, path, new_hash(expected(want)[0]) if check else None)
+            for extent in sorted(records, key=lambda e: e.offset):
+                read.skip_to(extent.offset)
+                items = records[extent]
+                if items[0].type == LoadItemType.BYTE_IO:
+                    data = bytearray(extent.length)
+                    read.into(memoryview(data))
+                    objects += [(item, data) for item in items]
+                else:
+                    self._read_tensor(read, extent, items, planner)
+            if check:
+                size = read.to_end()
+                if (size, read.hasher.hexdigest()) != (want["size"], expected(want)[1]):
+                    raise CheckpointCorrupt(corrupt_message(path, size, want), name)
+                self.verified.add(name)
+        for item, data in objects:  # parsed only once the file verified
+            planner.load_bytes(item, io.BytesIO(bytes(data)))
+
+    def _read_tensor(self, read: _FileRead, extent: Extent, items: list, planner) -> None:
+        index = items[0].storage_index
+        meta = self.metadata.state_dict_metadata[index.fqn]
+        chunk = next(c for c in meta.chunks if tuple(c.offsets) == tuple(index.offset))
+        dtype, sizes = meta.properties.dtype, tuple(chunk.sizes)
+        if len(items) == 1 and all(o == 0 for o in items[0].storage_offsets) \
+                and tuple(items[0].lengths) == sizes:
+            target = planner.resolve_tensor(items[0]).detach()
+            if target.device.type == "cpu" and target.dtype == dtype and target.is_contiguous() \
+                    and target.numel() * dtype.itemsize == extent.length:
+                if extent.length:
+                    read.into(byte_view(target))
+                planner.commit_tensor(items[0], target)
+                return
+        buf = torch.empty(sizes, dtype=dtype)
+        if extent.length:
+            read.into(byte_view(buf))
+        for item in items:
+            target = planner.resolve_tensor(item).detach()
+            target.copy_(_narrow(buf, item.storage_offsets, item.lengths))
+            planner.commit_tensor(item, target)
+
+    @classmethod
+    def validate_checkpoint_id(cls, checkpoint_id) -> bool:
+        return FileSystem.validate_checkpoint_id(checkpoint_id)
+
+
+def load_keys(step_dir: str | Path, keys: set[str]) -> dict:
+    """The nested state dict of just `keys` (flattened names, or prefixes of them at a
+    dot: "optim.param_groups"), each tensor assembled whole from its chunks, in one
+    process without DCP's loader (the export's reader). Call only after the manifest
+    verified."""
+    step_dir = Path(step_dir)
+    md = read_metadata(step_dir)
+    out: dict = {}
+    wanted = [k for k in md.state_dict_metadata if k in keys or any(k.startswith(p + ".") for p in keys)]
+    for key in sorted(wanted):
+        meta = md.state_dict_metadata[key]
+        extents = [(i, e) for i, e in md.storage_data.items() if i.fqn == key]
+        if not isinstance(meta, TensorStorageMetadata):
+            value = value_of(_read_extent(step_dir, extents[0][1], bytearray(extents[0][1].length)))
+        else:
+            value = torch.empty(tuple(meta.size), dtype=meta.properties.dtype)
+            for index, extent in extents:
+                chunk = next(c for c in meta.chunks if tuple(c.offsets) == tuple(index.offset))
+                part = torch.empty(tuple(chunk.sizes), dtype=meta.properties.dtype)
+                _read_extent(step_dir, extent, byte_view(part) if extent.length else memoryview(b""))
+                _narrow(value, chunk.offsets, chunk.sizes).copy_(part)
+        set_path(out, md.planner_data.get(key, (key,)), value)
+    return out
+
+
+def _read_extent(step_dir: Path, extent: Extent, into):
+    """Read the record `extent` into the writable buffer `into`; returns `into`."""
+    with open(step_dir / extent.file, "rb", buffering=0) as f:
+        f.seek(extent.offset)
+        _read_exact(f, memoryview(into), step_dir / extent.file)
+    return into
