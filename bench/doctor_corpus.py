@@ -56,9 +56,9 @@ def corpus_paths() -> list[str]:
 if str(ROOT) not in sys.path:  # run as a script: `python bench/doctor_corpus.py`
     sys.path.insert(0, str(ROOT))
 from bench.doctor_projects import (  # noqa: E402,F401  (re-exported for the tests)
-    HELD_BACK_CAUSES, PROJECTS, ROUND1_HELD_BACK, ProjectResult, category, fresh_held_back, half,
-    measure_project, measure_projects, project_dirs, project_figures, project_misses, project_totals,
-    projects_table, round1_table, rule_table)
+    FRESH_ROUND, HELD_BACK_CAUSES, PROJECTS, RECORDED, ROUND1_HELD_BACK, ROUND3_CAUSES, ProjectResult, category,
+    fresh_held_back, half, held_back_round, measure_project, measure_projects, project_dirs, project_figures,
+    project_misses, project_totals, projects_table, recorded_misses, recorded_table, round_figures, rule_table)
 
 
 def corpus_findings() -> tuple[list[Path], list]:
@@ -209,8 +209,8 @@ def _issue_link(url: str) -> str:
 def render(real: RealResult, cases: list[BugCase], projects: list[ProjectResult] | None = None) -> str:
     projects = measure_projects() if projects is None else projects
     held = fresh_held_back(projects)
-    fig = project_figures(project_totals(held))
-    missed = project_misses(fig)
+    frozen = round_figures(held) == RECORDED[FRESH_ROUND]
+    missed = recorded_misses(FRESH_ROUND)
     return "\n".join([
         "# Doctor on real code", "",
         f"Command: `{COMMAND}` (tests/test_doctor_corpus.py asserts the targets on the same "
@@ -218,32 +218,39 @@ def render(real: RealResult, cases: list[BugCase], projects: list[ProjectResult]
         "## Held-back projects: the honest figures (issue 26)", "",
         "Corpus: `tests/doctor_corpus/projects/`, the training and distributed files of "
         f"{len(projects)} public projects (research code, frameworks' examples, LLM pre-training "
-        "and fine-tuning), copied verbatim with their licence and source (`project.json`, "
-        "`LICENSE.upstream`), each project checked as one run. Split once, before tuning, by "
-        "sha256 of the project's name (odd first byte: held back); the rules were tuned on the "
-        "other half only. Every finding carries a reviewer's verdict and every real problem "
+        "and fine-tuning, diffusion, speech, RL), copied verbatim with their licence and source "
+        "(`project.json`, `LICENSE.upstream`), each project checked as one run. Split once, before "
+        "tuning, by sha256 of the project's name (odd first byte: held back); the rules were tuned "
+        "on the other half only. Every finding carries a reviewer's verdict and every real problem "
         "the doctor misses an entry (`review.json`). Precision = true / (true + false); recall "
         "= true / (true + missed), per category (hygiene: timeout, weights_only, non-atomic "
         "save; behavioural: hangs and wrong results; advice and log noise count for precision "
         "only).", "",
-        "Two rounds. Round 1: 50 projects were in the corpus when the split was made; the rules "
-        "were tuned on their tuning half, frozen, and only then was the held-back half "
-        "reviewed (16 projects added while that round was reviewed were judged by the frozen "
-        "doctor too). Its figures below are that frozen doctor's. The causes the review found "
-        "were then fixed (tests/test_doctor_round2.py), which makes round 1's "
-        "held-back projects seen; so 13 more projects, all of them in the held-back half by the "
-        "same hash, were added after those fixes and reviewed once: they are the current "
-        "doctor's honest figures.", "",
-        "### Round 2: held-back projects added after the fixes (the current doctor)", "",
-        projects_table(held, "held-back", "round 2 held-back"), "",
+        "Three rounds, each measured once by a doctor frozen before its projects were reviewed. "
+        "Round 1: the held-back half of the 50 projects in the corpus when the split was made "
+        "(plus 16 added while it was reviewed). Its causes were fixed (tests/test_doctor_round2.py), "
+        "which makes round 1's projects seen, so round 2 added 13 held-back projects; its causes "
+        "were fixed in turn (tests/test_doctor_round3.py), which makes round 2's projects seen, "
+        "and round 3 added 11 more, none in the corpus before, all held back by the same hash. "
+        "Round 3's figures are the current doctor's honest figures.", "",
+        f"### Round {FRESH_ROUND}: held-back projects added after round 2's fixes", "",
+        recorded_table(FRESH_ROUND), "",
         ("Targets met." if not missed else "Targets missed: " + "; ".join(missed) + "."), "",
-        "Per rule, round 2 held-back:", "",
+        ("The current doctor gives exactly these figures on round 3's projects (it was not "
+         "changed after their review)." if frozen else
+         "The rules have been changed since round 3 was reviewed: the recorded figures above "
+         "are the frozen doctor's; the current doctor's on the same projects (seen, so no "
+         "honest figure) follow."), "",
+        projects_table(held, "held-back", f"round {FRESH_ROUND} held-back, current doctor"), "",
+        f"Per rule, round {FRESH_ROUND} held-back:", "",
         rule_table(held), "",
-        "### Round 1: the held-back half, frozen doctor", "",
-        round1_table(), "",
+        ROUND3_CAUSES,
+        "### Rounds 1 and 2: the held-back projects of earlier rounds, frozen doctors", "",
+        recorded_table(2), "",
+        recorded_table(1), "",
         HELD_BACK_CAUSES,
-        "The current doctor on every held-back project (round 1's have been seen, so this is "
-        "no honest figure; for comparison):", "",
+        "The current doctor on every held-back project (rounds 1 and 2 have been seen, so this "
+        "is no honest figure; for comparison):", "",
         projects_table(projects, "held-back", "all held-back, current doctor"), "",
         "### Tuning half (for comparison, not the doctor's figures)", "",
         "The misses of the tuning half were not surveyed (its recall columns count only the "
@@ -283,6 +290,15 @@ def targets(real: RealResult, cases: list[BugCase]) -> list[str]:
     return out
 
 
+def _figures_line(r: dict) -> str:
+    def recall(pair):
+        return f"{pair[0] / pair[1]:.0%}" if pair[1] else "-"
+    return (f"{r['projects']} projects, {r['lines']} lines: {r['false_errors']} false errors, "
+            f"{r['false_per_500']:.2f} false findings per 500 lines, precision {r['precision']:.0%} "
+            f"({r['tp']} true / {r['fp']} false), hygiene recall {recall(r['hygiene'])}, "
+            f"behavioural recall {recall(r['behavioural'])}")
+
+
 def main(argv: list[str] | None = None) -> int:
     default = Path(os.environ.get("BENCH_RESULTS", ROOT / "bench" / "results")) / "doctor.md"
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
@@ -291,26 +307,13 @@ def main(argv: list[str] | None = None) -> int:
     real, cases, projects = measure_real(), measure_bugs(), measure_projects()
     args.out.parent.mkdir(parents=True, exist_ok=True)
     args.out.write_text(render(real, cases, projects))
-    held = fresh_held_back(projects)
-    t = project_totals(held)
-    fig = project_figures(t)
-    pct = lambda x: "-" if x is None else f"{x:.0%}"  # noqa: E731
-    r1 = ROUND1_HELD_BACK
-    print(f"round 1 held-back (frozen doctor, recorded): {r1['false_errors']} false errors, "
-          f"{r1['false_per_500']:.2f} false findings per 500 lines, precision {r1['precision']:.0%}, "
-          f"hygiene recall {r1['hygiene'][0] / r1['hygiene'][1]:.0%}, "
-          f"behavioural recall {r1['behavioural'][0] / r1['behavioural'][1]:.0%}")
-    print(f"held-back projects never tuned on (round 2): {t.get('projects', 0)} projects, "
-          f"{t.get('lines', 0)} lines")
-    print(f"  false errors: {fig['false_errors']}")
-    print(f"  false findings per 500 lines: {fig['false_per_500']:.2f}")
-    print(f"  precision: {pct(fig['precision'])} ({t.get('tp', 0)} true / {t.get('fp', 0)} false)")
-    print(f"  hygiene recall: {pct(fig['hygiene_recall'])}")
-    print(f"  behavioural recall: {pct(fig['behavioural_recall'])}")
-    if fig["precision"] is None:
-        print("  no reviewed finding in the held-back half")
-    for line in project_misses(fig) or (["  held-back targets met"] if fig["precision"] is not None else []):
-        print("  missed target: " + line if not line.startswith("  ") else line)
+    for n in sorted(RECORDED):
+        print(f"round {n} held-back (frozen doctor, recorded): " + _figures_line(RECORDED[n]))
+        for line in recorded_misses(n):
+            print(f"  missed target: {line}")
+    now = round_figures(fresh_held_back(projects))
+    print(f"current doctor on round {FRESH_ROUND}'s held-back projects: " + _figures_line(now)
+          + ("" if now == RECORDED[FRESH_ROUND] else " (rules changed since the review)"))
     unrev = [(r.name, u) for r in projects for u in r.unreviewed]
     if unrev:
         print(f"{len(unrev)} project finding(s) without a verdict: {unrev[:10]}")
