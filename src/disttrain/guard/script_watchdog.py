@@ -8,7 +8,8 @@ torch.distributed call, DDP's forward, a backward under DDP) while that number s
 still for longer than the bound fires, and `Watchdog`'s report follows: every local
 rank's stack, and the rank whose main thread is not in a collective named as the one
 that stopped making progress, with the line it is at. A frozen or dead peer is found
-by its heartbeat, as under Job.
+by its heartbeat, as under Job. Before the process group is up, and on a release
+whose group cannot count its collectives, only the heartbeats are watched.
 
 `disttrain run` starts one in every worker of a multi-process script
 (`launch/worker_entry.py`); the bound is `--hang-timeout S` (DISTTRAIN_HANG_TIMEOUT_S),
@@ -69,23 +70,23 @@ class ScriptWatchdog(Watchdog):
     def __init__(self, bound_s: float, **kw):
         super().__init__(hang_min_s=bound_s, hang_cap_s=bound_s, **kw)
         self._main = threading.main_thread().ident
-        self._wait: tuple[object, float] | None = None
+        self._wait: tuple[int, float] | None = None
         """(progress mark, since) while the main thread waits in a collective."""
         self.phase_name = OWN_CODE
 
     def _check(self) -> str | None:
         frames = main_thread_frames(self._main)
         now, bound = time.monotonic(), self.hang_cap_s
-        if not in_collective(frames):
+        # No count before the group is up: a wait in the rendezvous is torch's to time out
+        # (a peer still importing is not a hang).
+        count = collectives_issued() if in_collective(frames) else None
+        if count is None:
             if self.phase_name != OWN_CODE:
                 self.phase_name, self.phase_since = OWN_CODE, now
             self._wait = None
             return self._silent_peer(bound)
-        count = collectives_issued()
-        # Without a counter, the innermost frame (with its line) stands in for progress.
-        mark = count if count is not None else frames[0]
-        if self._wait is None or self._wait[0] != mark:
-            self._wait = (mark, now)
+        if self._wait is None or self._wait[0] != count:
+            self._wait = (count, now)
             self.phase_name, self.phase_since = WAITING, now
         elif now - self._wait[1] > bound:
             return (f"rank {self.rank}'s main thread has waited {now - self._wait[1]:.0f} s in a "
