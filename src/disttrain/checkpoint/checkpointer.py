@@ -92,6 +92,8 @@ class Checkpointer:
         self._inflight: Future | None = None
         self._stager = None
         self._pool = ThreadPoolExecutor(max_workers=1, thread_name_prefix="disttrain-ckpt")
+        self._remover = ThreadPoolExecutor(max_workers=1, thread_name_prefix="disttrain-prune")
+        self._removals: list[Future] = []
         self.last_saved: Path | None = None
 
     # ------------------------------------------------------------ collectives
@@ -242,7 +244,8 @@ class Checkpointer:
                 layout.write_manifest(tmp, info, files)
                 fault_point("during_commit", self.rank, step)
                 layout.commit(tmp, final, self.run_id, self.generation)
-                layout.prune(self.root, self.keep_last, self.generation)
+                self._join_removals()
+                layout.prune(self.root, self.keep_last, self.generation, remove=self._remove_later)
             except StaleWriterError as e:
                 err = f"stale writer: {e}"
             except (OSError, CheckpointError) as e:
@@ -276,6 +279,15 @@ class Checkpointer:
                 "torch_version": torch.__version__, "disttrain_version": __version__,
                 "created": time.strftime("%Y-%m-%dT%H:%M:%S%z")}
 
+    def _remove_later(self, path: Path) -> None:
+        """Delete a pruned (already renamed-aside) directory off the save's path."""
+        self._removals.append(self._remover.submit(shutil.rmtree, path, ignore_errors=True))
+
+    def _join_removals(self) -> None:
+        for f in self._removals:
+            f.result()
+        self._removals = []
+
     def wait(self) -> Path | None:
         """Complete the in-flight async save, if any. Raises its `CheckpointSaveError`
         or `StaleWriterError` (on every rank). Returns the committed directory or None."""
@@ -289,53 +301,68 @@ class Checkpointer:
             self.wait()
         finally:
             self._pool.shutdown(wait=True)
+            self._join_removals()
+            self._remover.shutdown(wait=True)
             if self._stager is not None:
                 self._stager.close()
 
     # ------------------------------------------------------------ load
 
-    def _verify_shared(self, candidate: Path, select) -> str | None:
-        """A collective: every rank checks all sizes and hashes the files `select`
-        accepts; returns the same verdict on every rank: None, or the message of
-        the first bad file by name (whichever rank found it)."""
-        mine = None
+    @staticmethod
+    def _check(candidate: Path, select) -> tuple[str, str] | None:
+        """This rank's check of all sizes and the hashes of the files `select` accepts:
+        None, or (the first bad file, its message)."""
         try:
             layout.verify(candidate, select=select)
         except CheckpointCorrupt as e:
-            mine = (e.bad_file, str(e))
+            return (e.bad_file, str(e))
+        return None
+
+    def _agree(self, mine: tuple | None) -> tuple | None:
+        """A collective: the same verdict on every rank from each rank's own: None,
+        (bad file, message) or ("", "", message) for another failure. A damaged file
+        outranks any other failure (it is what a fallback skips); the least by name."""
         found = [f for f in self._gather(mine) if f]
-        return min(found)[1] if found else None
+        return min([f for f in found if len(f) == 2] or found) if found else None
 
     def _load_one(self, step_dir: Path, tensors: dict, strict: bool) -> str | None:
         """A collective: load `step_dir` into `tensors`, every file checked once;
         returns None or the first bad file's message, the same on every rank.
 
-        Before anything is unpickled every rank hashes the small files it parses
-        (`.metadata`, `state.json`, its RNG file); DCP's shards are checked as they
-        read, each by the rank of its share (`digests.share`, `hashing_fs.load_verified`);
-        then each rank hashes the files of its share that DCP did not make it read."""
+        Before anything is parsed every rank hashes the small files it parses itself
+        (`.metadata`, `state.json`, its RNG file) and compares keys and shapes; the
+        data files are checked as they are read, each by the rank of its share
+        (`digests.share`, `hashing_fs.load_verified`); then each rank hashes the files
+        of its share it did not read. Two all-gathers agree on the outcome."""
         from disttrain.checkpoint.compat import check_compatible
         from disttrain.checkpoint.digests import share
         from disttrain.checkpoint.hashing_fs import load_verified
+        from disttrain.checkpoint.storage_formats import read_metadata
 
         first = {".metadata", "state.json", f"rank-{self.rank:05d}.json"}
-        if err := self._verify_shared(step_dir, first.__contains__):
-            return err
-        problem = None
-        try:
-            check_compatible(tensors, step_dir, strict=strict)
-        except CheckpointMismatch as e:
-            problem = str(e)
-        if problem := next((p for p in self._gather(problem) if p), None):
-            raise CheckpointMismatch(problem)  # the same message on every rank
-        mine = lambda n: share(n, self.world) == self.rank  # noqa: E731
+        mine, metadata = self._check(step_dir, first.__contains__), None
+        if mine is None:
+            try:
+                metadata = read_metadata(step_dir)
+                check_compatible(tensors, step_dir, strict=strict, metadata=metadata)
+            except CheckpointMismatch as e:
+                mine = ("", "", str(e))
+            except CheckpointCorrupt as e:
+                mine = (e.bad_file, str(e))
+        if (verdict := self._agree(mine)) is not None:
+            if len(verdict) == 3:
+                raise CheckpointMismatch(verdict[2])  # the same message on every rank
+            return verdict[1]
+        ours = lambda n: share(n, self.world) == self.rank  # noqa: E731
         manifest = layout.read_manifest(step_dir)
-        err, read = load_verified(tensors, step_dir, manifest["files"], self.pg, mine,
-                                  manifest.get("storage", "dcp"))
-        if err:
-            return err
+        problem, read = load_verified(tensors, step_dir, manifest["files"], self.pg, ours,
+                                      manifest.get("storage", "dcp"), metadata)
         done = first | read
-        return self._verify_shared(step_dir, lambda n: n not in done and mine(n))
+        if problem is None:
+            problem = self._check(step_dir, lambda n: n not in done and ours(n))
+        if (verdict := self._agree(problem)) is not None and len(verdict) == 3:
+            raise CheckpointCorrupt(verdict[2])  # not a damaged file: no fallback
+        return verdict[1] if verdict else None
 
     def load(self, state: TrainState, path: str | Path | None = None, *, strict: bool = True) -> Path | None:
         """Load the newest valid checkpoint under `root` (or the step directory

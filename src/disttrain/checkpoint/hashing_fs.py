@@ -47,16 +47,20 @@ class VerifyingFileSystem(FileSystem):
 
 
 def load_verified(tensors: dict, step_dir: Path, files: dict[str, dict], pg,
-                  select=lambda name: True, storage: str = "dcp") -> tuple[str | None, set[str]]:
-    """DCP-load `tensors` in place from `step_dir` (in the storage format `storage`),
-    each file `select` accepts read once and checked against `files` (the manifest's
-    records) before its values are parsed. A collective.
+                  select=lambda name: True, storage: str = "dcp",
+                  metadata=None) -> tuple[tuple | None, set[str]]:
+    """DCP-load `tensors` in place from `step_dir` (in the storage format `storage`;
+    `metadata`: its DCP metadata, when read already), each file `select` accepts read
+    once and checked against `files` (the manifest's records) before its values are
+    parsed. Never raises: a failure is returned, for the caller to agree on.
 
-    Returns (None, the names this rank checked), or (the message of the first bad
-    file, ...) when a file of any rank fails its check: DCP gathers every rank's
-    failure, so the message is the same on every rank. The tensors may then be
-    partly overwritten: load them again before use. Raises `CheckpointCorrupt`
-    (one line, the root cause) for any other failure of DCP.
+    Returns (problem, the names this rank checked). `problem` is None, (bad file,
+    message) for a file that failed its check, or ("", "", message) for any other
+    failure of DCP (one line, the root cause). The format `raw-1` loads without a
+    collective (`no_dist`: each rank's reads depend on its own state and the metadata
+    only), so `problem` is this rank's own; DCP's default format gathers every rank's
+    failure, so there it is the same on every rank. The tensors may be partly
+    overwritten after a problem: load them again before use.
     """
     import torch.distributed.checkpoint as dcp
     from torch.distributed.checkpoint import FileSystemReader
@@ -65,18 +69,20 @@ def load_verified(tensors: dict, step_dir: Path, files: dict[str, dict], pg,
     from disttrain.checkpoint import raw_storage
     from disttrain.checkpoint.compat import describe, walk_causes
 
-    if storage == raw_storage.FORMAT:
-        reader = raw_storage.RawReader(step_dir, files, select)
+    raw = storage == raw_storage.FORMAT
+    if raw:
+        reader = raw_storage.RawReader(step_dir, files, select, metadata)
         planner, checked = raw_storage.JsonLoadPlanner(), reader
     else:
         reader = FileSystemReader(str(step_dir))
         planner, checked = None, VerifyingFileSystem(step_dir, files, select)
         reader.fs = checked
     try:
-        dcp.load(tensors, storage_reader=reader, planner=planner, process_group=pg)
+        dcp.load(tensors, storage_reader=reader, planner=planner, process_group=pg, no_dist=raw)
     except (Exception, CheckpointException) as e:  # DCP's is a BaseException
         bad = [c for c in walk_causes(e) if isinstance(c, CheckpointCorrupt)]
         if bad:
-            return str(min(bad, key=lambda c: (c.bad_file, str(c)))), checked.verified
-        raise CheckpointCorrupt(f"{step_dir} could not be loaded: {describe(e)}") from None
+            first = min(bad, key=lambda c: (c.bad_file, str(c)))
+            return (first.bad_file, str(first)), checked.verified
+        return ("", "", f"{step_dir} could not be loaded: {describe(e)}"), checked.verified
     return None, checked.verified

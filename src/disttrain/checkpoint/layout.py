@@ -27,6 +27,7 @@ import json
 import os
 import re
 import shutil
+import uuid
 from pathlib import Path
 from typing import Callable
 
@@ -39,6 +40,7 @@ MANIFEST = "manifest.json"
 LEASE = "WRITER.json"
 FORMAT = 1
 _STEP_RE = re.compile(r"^step-(\d{8})$")
+_STEP_IN = re.compile(r"step-\d{8}")
 
 
 def step_name(step: int) -> str:
@@ -311,7 +313,8 @@ def commit(tmp_dir: Path, final: Path, run_id: str, generation: int) -> None:
 # ---------------------------------------------------------------- retention
 
 
-def prune(root: Path, keep_last: int, generation: int) -> list[Path]:
+def prune(root: Path, keep_last: int, generation: int,
+          remove: Callable[[Path], object] = lambda p: shutil.rmtree(p, ignore_errors=True)) -> list[Path]:
     """Delete committed directories beyond the newest `keep_last` valid ones, leftover
     temporary directories of older generations, and replaced directories.
 
@@ -321,6 +324,11 @@ def prune(root: Path, keep_last: int, generation: int) -> list[Path]:
     kept ones; any directory whose manifest cannot be read (its age is unknown) or
     names another step than its folder (a copy: not this run's to delete).
     `keep_last <= 0` keeps everything. Returns the deleted paths.
+
+    Each one is first renamed to a `.replaced-` name (the next prune deletes any
+    such name), so it is gone from every listing at once; then `remove(new path)`
+    deletes it: unlinking a large checkpoint's files takes a while, and a caller may
+    do it on another thread.
     """
     deleted = []
     if keep_last > 0:
@@ -348,5 +356,13 @@ def prune(root: Path, keep_last: int, generation: int) -> list[Path]:
         if m and (m.group(1) == "replaced" or int(m.group(2)) < generation):
             deleted.append(path)
     for path in deleted:
-        shutil.rmtree(path, ignore_errors=True)
+        aside = path
+        if not path.name.startswith(".replaced-"):
+            step = _STEP_IN.search(path.name).group(0)
+            aside = root / f".replaced-{step}-g{generation}-{uuid.uuid4().hex[:8]}"
+            try:
+                path.rename(aside)
+            except OSError:
+                aside = path
+        remove(aside)
     return deleted

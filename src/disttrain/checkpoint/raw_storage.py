@@ -46,7 +46,12 @@ def byte_view(t: torch.Tensor) -> memoryview:
 
 
 class JsonSavePlanner(DefaultSavePlanner):
-    """DCP's default save planner whose non-tensor values are JSON, not `torch.save`."""
+    """DCP's default save planner whose non-tensor values are JSON, not `torch.save`.
+    Its plans are cached (DCP's `enable_plan_caching`): a save of the same layout as
+    the previous one sends no plans between the ranks."""
+
+    def __init__(self):
+        super().__init__(enable_plan_caching=True)
 
     def transform_object(self, write_item, object):
         if write_item.type == WriteItemType.BYTE_IO:
@@ -204,15 +209,15 @@ class RawReader(StorageReader):
     """Reads a raw-format checkpoint for DCP's load. A file listed in `files` (the
     manifest's records) that `select(name)` accepts is hashed while it is read and
     checked before its JSON values are parsed; `verified` holds the names checked.
-    A mismatch raises `CheckpointCorrupt` naming the file (DCP then fails the load
-    on every rank)."""
+    A mismatch raises `CheckpointCorrupt` naming the file. `metadata`: the parsed
+    `.metadata`, when the caller read it already."""
 
     def __init__(self, path: str | Path, files: dict[str, dict] | None = None,
-                 select: Callable[[str], bool] = lambda name: True):
+                 select: Callable[[str], bool] = lambda name: True, metadata=None):
         super().__init__()
         self.path, self.files, self.select = Path(path), files or {}, select
         self.verified: set[str] = set()
-        self.metadata = None
+        self.metadata = metadata  # parsed once: a load's compatibility check read it already
 
     def reset(self, checkpoint_id=None) -> None:
         if checkpoint_id:
@@ -238,7 +243,9 @@ class RawReader(StorageReader):
         for item in plan.items:
             extent = storage[item.storage_index]
             per_file.setdefault(extent.file, {}).setdefault(extent, []).append(item)
-        for name in sorted(per_file):
+        # This rank's share first: on one machine the ranks then read different files
+        # from the disk at once, and each finds the others' in the page cache.
+        for name in sorted(per_file, key=lambda n: (not self.select(n), n)):
             self._read_file(name, per_file[name], planner)
         fut = Future()
         fut.set_result(None)
