@@ -57,8 +57,9 @@ if str(ROOT) not in sys.path:  # run as a script: `python bench/doctor_corpus.py
     sys.path.insert(0, str(ROOT))
 from bench.doctor_projects import (  # noqa: E402,F401  (re-exported for the tests)
     FRESH_ROUND, HELD_BACK_CAUSES, PROJECTS, RECORDED, ROUND1_HELD_BACK, ROUND3_CAUSES, ProjectResult, category,
-    fresh_held_back, half, held_back_round, measure_project, measure_projects, project_dirs, project_figures,
-    project_misses, project_totals, projects_table, recorded_misses, recorded_table, round_figures, rule_table)
+    fresh_held_back, frozen_figures, half, held_back_round, measure_project, measure_projects, project_dirs,
+    project_figures, project_misses, project_totals, projects_table, recorded_misses, recorded_table,
+    round_figures, rule_table)
 
 
 def corpus_findings() -> tuple[list[Path], list]:
@@ -232,15 +233,20 @@ def render(real: RealResult, cases: list[BugCase], projects: list[ProjectResult]
         "which makes round 1's projects seen, so round 2 added 13 held-back projects; its causes "
         "were fixed in turn (tests/test_doctor_round3.py), which makes round 2's projects seen, "
         "and round 3 added 11 more, none in the corpus before, all held back by the same hash. "
-        "Round 3's figures are the current doctor's honest figures.", "",
+        + ("Round 3's figures are the current doctor's honest figures." if frozen else
+           "Round 3's recorded figures are the honest figures of the doctor frozen for it. Its "
+           "causes have been fixed since (tests/test_doctor_round4.py), which makes round 3's "
+           "projects seen: the current doctor has no honest figure until a round 4 of new "
+           "projects is reviewed."), "",
         f"### Round {FRESH_ROUND}: held-back projects added after round 2's fixes", "",
         recorded_table(FRESH_ROUND), "",
         ("Targets met." if not missed else "Targets missed: " + "; ".join(missed) + "."), "",
         ("The current doctor gives exactly these figures on round 3's projects (it was not "
          "changed after their review)." if frozen else
          "The rules have been changed since round 3 was reviewed: the recorded figures above "
-         "are the frozen doctor's; the current doctor's on the same projects (seen, so no "
-         "honest figure) follow."), "",
+         "are the frozen doctor's (bench/doctor_projects.py `frozen_figures` reproduces them "
+         "from the reviews); the current doctor's on the same projects, seen, so no honest "
+         "figure, follow."), "",
         projects_table(held, "held-back", f"round {FRESH_ROUND} held-back, current doctor"), "",
         f"Per rule, round {FRESH_ROUND} held-back:", "",
         rule_table(held), "",

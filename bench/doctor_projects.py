@@ -7,7 +7,7 @@ from __future__ import annotations
 
 import json
 from collections import defaultdict
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 
 from disttrain.doctor.analyzer import analyze_paths
@@ -47,7 +47,8 @@ class ProjectResult:
     verdicts: dict        # (file, rule, line, severity) -> verdict entry
     missed: list          # reviewer's entries for real problems no finding reports
     unreviewed: list
-    round: int = 1        # 1: in the corpus when the split was made; n > 1: added after round n-1's fixes
+    round: int = 1
+    listed_missed: list = field(default_factory=list)  # review.json's own `missed` entries        # 1: in the corpus when the split was made; n > 1: added after round n-1's fixes
 
 
 def project_dirs() -> list[Path]:
@@ -70,7 +71,7 @@ def measure_project(d: Path) -> ProjectResult:
             missed.append({"file": key[0], "line": key[2], "rule": key[1], "kind": category(key[1]),
                            "reason": "(no longer reported) " + e.get("reason", "")})
     return ProjectResult(meta["name"], half(meta["name"]), len(files), lines, got, verdicts, missed, unreviewed,
-                         meta.get("round", 1))
+                         meta.get("round", 1), list(review.get("missed", [])))
 
 
 _MEASURED: dict = {}
@@ -234,6 +235,18 @@ figures were recorded):
   `save_pretrained`, lingua's `json.dump` of the train state that `load()` trusts).
 - As in rounds 1 and 2, misses were found by reading the distributed paths of each file
   (set-up, loops, evaluation, checkpointing), not every line, so recall is an upper bound.
+
+Fixed after these figures were recorded (tests/test_doctor_round4.py; the figures above
+stay the frozen doctor's): `trainer.save_checkpoint()` is no collective in a script that
+uses Lightning APIs removed in 2.0; prints in module-level functions nothing in the run
+refers to are not judged; the rank a script joins the group with is its global rank, and
+a new rule, `init-rank-is-local-rank`, reports `rank=local_rank`; a raise behind a
+parameter off by default that no caller sets is not a rank-local exit; `torch.load` of an
+in-memory or anonymous temporary buffer needs no map_location; a save under a local-rank
+guard is judged in a file that shows no other sign of several processes (LLaVA). Remain:
+cleanrl's shared-GPU fallback (`missing-set-device`), the rank-local `break` and
+preemption flag, lingua's per-rank resume folder, descript-audio-codec's `when()` guard,
+apex's reduction through `reduce_tensor`, and writes that are not torch.save.
 """
 
 
@@ -263,6 +276,37 @@ def round_figures(results: list[ProjectResult]) -> dict:
             "false_errors": fig["false_errors"], "false_per_500": round(fig["false_per_500"], 2),
             "precision": None if fig["precision"] is None else round(fig["precision"], 2),
             "hygiene": hyg, "behavioural": beh}
+
+
+def frozen_figures(results: list[ProjectResult], n: int) -> dict:
+    """Round `n`'s held-back figures as the doctor frozen for it gave them, from the
+    reviews alone: the findings it gave carry verdicts; a finding a later fix added is
+    marked `"after_freeze": n` and was a miss of the frozen doctor (its entry moved from
+    `missed` to `findings`). Equal to RECORDED[n] as long as the reviews are."""
+    rs = held_back_round(results, n)
+    t: dict = defaultdict(int)
+    for r in rs:
+        t["projects"] += 1
+        t["files"] += r.files
+        t["lines"] += r.lines
+        for key, e in r.verdicts.items():
+            cat = category(key[1])
+            if e.get("after_freeze") == n:
+                t[f"fn_{cat}"] += 1
+            elif e["verdict"] == "true":
+                t["tp"] += 1
+                t[f"tp_{cat}"] += 1
+            else:
+                t["fp"] += 1
+                t["fp_error"] += key[3] == "error"
+        for m in r.listed_missed:
+            t[f"fn_{m.get('kind', category(m.get('rule', '')))}"] += 1
+    fig = project_figures(dict(t))
+    return {"projects": t["projects"], "files": t["files"], "lines": t["lines"], "findings": t["tp"] + t["fp"],
+            "tp": t["tp"], "fp": t["fp"], "false_errors": t["fp_error"], "false_per_500": round(fig["false_per_500"], 2),
+            "precision": None if fig["precision"] is None else round(fig["precision"], 2),
+            "hygiene": (t["tp_hygiene"], t["tp_hygiene"] + t["fn_hygiene"]),
+            "behavioural": (t["tp_behavioural"], t["tp_behavioural"] + t["fn_behavioural"])}
 
 
 def recorded_table(n: int) -> str:

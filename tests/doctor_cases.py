@@ -1,4 +1,4 @@
-"""Pitfall/fix pairs for the rules added by issue 26 (behavioural and dt.Job rules), for
+"""Pitfall/fix pairs for the rules added by issue 26 (behavioural, launch and dt.Job rules), for
 tests/test_doctor.py's CASES: (rule id, the script with the pitfall, the same script done
 right)."""
 
@@ -52,4 +52,9 @@ def new_cases(PRE: str) -> list[tuple[str, str, str]]:
                      "    model = job.wrap(model)\n"), JOB),
         ("job-manual-step",
          JOB + "        loss.backward()\n", JOB),
+        ("init-rank-is-local-rank",  # cleanrl's ppo_atari_multigpu.py
+         "import os, torch.distributed as dist\nlocal_rank = int(os.getenv('LOCAL_RANK', '0'))\n"
+         "dist.init_process_group('gloo', rank=local_rank, world_size=int(os.environ['WORLD_SIZE']), timeout=t)\n",
+         "import os, torch.distributed as dist\nrank = int(os.environ['RANK'])\n"
+         "dist.init_process_group('gloo', rank=rank, world_size=int(os.environ['WORLD_SIZE']), timeout=t)\n"),
     ]

@@ -197,13 +197,15 @@ def test_the_held_back_figures_are_computed_from_the_reviews():
     assert fig["behavioural_recall"] is not None
 
 
-def test_each_round_is_new_held_back_code_and_round_3_is_recorded_as_measured():
-    """Round 3's projects were added after round 2's fixes, all held back by the hash and
-    none in an earlier round; its recorded figures (BENCHMARKS.md) are what the frozen
-    doctor gives on them, targets missed included: the test pins them, it does not fail
-    on them."""
+def test_each_round_is_new_held_back_code_and_its_recorded_figures_are_the_frozen_doctor_s():
+    """Each round's projects were added after the previous round's fixes, all held back by
+    the hash and none in an earlier round. Its recorded figures (BENCHMARKS.md) are the
+    frozen doctor's, reproduced from the reviews (findings a later fix added are marked
+    `after_freeze` and were misses then), targets missed included: the test pins them, it
+    does not fail on them. The current doctor on a seen round must not be worse."""
     from bench.doctor_corpus import (
-        FRESH_ROUND, RECORDED, held_back_round, measure_projects, recorded_misses, round_figures)
+        FRESH_ROUND, RECORDED, frozen_figures, held_back_round, measure_projects, recorded_misses,
+        round_figures)
     results = measure_projects()
     assert FRESH_ROUND == 3 and all(r.round in (1, 2, 3) for r in results)
     fresh = [r for r in results if r.round == 3]
@@ -211,9 +213,11 @@ def test_each_round_is_new_held_back_code_and_round_3_is_recorded_as_measured():
     assert len(fresh) >= 10 and sum(r.lines for r in fresh) >= 8000
     earlier = {r.name.lower() for r in results if r.round < 3}
     assert not any(r.name.lower() in earlier for r in fresh)
-    assert round_figures(fresh) == RECORDED[3]
+    for n in (2, 3):
+        assert frozen_figures(results, n) == RECORDED[n], f"round {n}'s reviews no longer give its recorded figures"
     assert recorded_misses(3) == ["2 false error(s) (target 0)", "precision 74% (target >= 85%)",
                                   "hygiene recall 83% (target >= 90%)", "behavioural recall 17% (target >= 50%)"]
-    # round 2's projects are seen now: the fixes left none of its false findings
-    seen = round_figures(held_back_round(results, 2))
-    assert (seen["fp"], seen["false_errors"]) == (0, 0) and RECORDED[2]["fp"] == 21
+    for n in (2, 3):  # seen now: the fixes made for them must hold
+        now, then = round_figures(held_back_round(results, n)), RECORDED[n]
+        assert now["false_errors"] <= then["false_errors"] and now["fp"] <= then["fp"]
+        assert now["behavioural"][0] >= then["behavioural"][0] and now["hygiene"][0] >= then["hygiene"][0]

@@ -108,12 +108,33 @@ def collective_name(facts, call: ast.Call, fsdp1_targets: set[str] = frozenset()
         owner = owner_ref.split(".")[-1].lower()
         for w, names in WRAPPER_COLLECTIVES.items():
             if w in owner and call.func.attr in names:
+                if w == "trainer" and lightning_before_2(facts):
+                    return None  # save_checkpoint's barrier came with Lightning 2.1
                 return call.func.attr
         if call.func.attr in MPI_COLLECTIVES and ("comm" in owner or "mpi" in owner_ref.lower()):
             return f"MPI {call.func.attr}"
         if call.func.attr == "state_dict" and owner_ref in fsdp1_targets and not call.args:
             return "FSDP state_dict"
     return None
+
+
+# What Lightning removed in 2.0: a script that uses it runs on a Lightning before 2.0,
+# whose Trainer.save_checkpoint writes on global zero and ends in no barrier.
+_LIGHTNING_BEFORE_2 = {"from_argparse_args", "add_argparse_args", "on_pretrain_routine_start",
+                       "on_pretrain_routine_end", "on_keyboard_interrupt", "TestTubeLogger"}
+
+
+def lightning_before_2(facts) -> bool:
+    """The script uses Lightning APIs removed in 2.0 (`Trainer.from_argparse_args`, the
+    `on_pretrain_routine_start` hook, `accelerator="ddp"`)."""
+    cache = facts.__dict__.setdefault("_lightning_before_2", [])
+    if not cache:
+        cache.append(any(
+            (word(n) or getattr(n, "name", None)) in _LIGHTNING_BEFORE_2 or (
+                isinstance(n, ast.keyword) and n.arg == "accelerator" and isinstance(n.value, ast.Constant)
+                and n.value.value in ("ddp", "ddp_spawn", "dp", "ddp2"))
+            for n in facts.nodes))
+    return cache[0]
 
 
 def _zero_only_name(text: str) -> bool:

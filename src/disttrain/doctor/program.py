@@ -84,6 +84,13 @@ class ProgramFacts:
                     return q
         return None
 
+    @cached_property
+    def referenced_names(self) -> set[str]:
+        """Every name read (`f`, `obj.f`) in the files of the run: a function whose name is
+        not among them is called from nowhere the doctor sees."""
+        return {n.id if isinstance(n, ast.Name) else n.attr for f in self.files for n in f.nodes
+                if (isinstance(n, ast.Name) and isinstance(n.ctx, ast.Load)) or isinstance(n, ast.Attribute)}
+
     # ----- wraps, collectives, devices ----------------------------------------------
 
     @cached_property

@@ -39,6 +39,10 @@ def own_rank_values(facts) -> dict[str, str]:
             if isinstance(n, ast.arg) and id(n) in spawned:
                 out[n.arg] = kind
     assigns = [n for n in facts.nodes if isinstance(n, (ast.Assign, ast.AnnAssign)) and n.value is not None]
+    # what the script joins the group with is the rank of the group, whatever it was read
+    # from (cleanrl: `init_process_group(rank=local_rank)`, so local rank 0 is rank 0)
+    joined = {_ref(k.value) for c in facts.calls_to("init_process_group") for k in c.keywords
+              if k.arg == "rank"} - {None}
     for _ in range(4):
         before = len(out)
         for n in assigns:
@@ -48,7 +52,7 @@ def own_rank_values(facts) -> dict[str, str]:
                 for t in targets:
                     name = _ref(t)
                     if name and name not in out:
-                        out[name] = kind
+                        out[name] = GLOBAL if name in joined else kind
         if len(out) == before:
             break
     return out

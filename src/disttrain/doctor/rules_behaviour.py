@@ -88,6 +88,8 @@ def rank_local_exit(facts: Facts):
             continue
         if facts.rank_guard(node) is not None:
             continue  # already a one-rank path: judged by the collective rules
+        if _off_flag(facts, node.test):
+            continue  # `if error_if_nonfinite and ...`: off by default and no caller turns it on
         loop = facts.enclosing_loop(node)
         if how == "break" and loop is None:
             continue
@@ -101,6 +103,33 @@ def rank_local_exit(facts: Facts):
                       "until the timeout (unless the launcher kills the job when a worker fails).",
                       "all_reduce the non-finite flag (ReduceOp.MAX) before the test, so every rank "
                       "stops together.")
+
+
+def _off_flag(facts: Facts, test: ast.AST) -> bool:
+    """A conjunct of `test` is a parameter of its function that defaults to False (or None)
+    and that no call in the run passes: the branch cannot run on the paths the doctor sees."""
+    if not (isinstance(test, ast.BoolOp) and isinstance(test.op, ast.And)):
+        return False
+    fn = facts.scope_of(test)
+    if not isinstance(fn, (ast.FunctionDef, ast.AsyncFunctionDef)):
+        return False
+    params = fn.args.args + fn.args.kwonlyargs
+    defaults = dict(zip([a.arg for a in fn.args.args][len(fn.args.args) - len(fn.args.defaults):], fn.args.defaults))
+    defaults.update({a.arg: d for a, d in zip(fn.args.kwonlyargs, fn.args.kw_defaults) if d is not None})
+    sites = facts.project.call_sites.get(fn, [])
+    if not sites:
+        return False  # its callers are out of view: one of them may turn it on
+    bound = 1 if params and params[0].arg in ("self", "cls") else 0  # obj.f(x) passes self itself
+    for v in test.values:
+        name = v.id if isinstance(v, ast.Name) else None
+        d = defaults.get(name)
+        if d is None or not (isinstance(d, ast.Constant) and d.value in (False, None)):
+            continue
+        index = [a.arg for a in params].index(name) - bound
+        if not any(any(k.arg in (name, None) for k in c.keywords) or len(c.args) > index
+                   or any(isinstance(a, ast.Starred) for a in c.args) for _, c in sites):
+            return True
+    return False
 
 
 _EMA_CALLS = ("ModelEma", "ModelEmaV2", "ModelEmaV3", "ExponentialMovingAverage", "EMA", "AveragedModel",

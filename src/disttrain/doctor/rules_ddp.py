@@ -1,4 +1,4 @@
-"""Rules about the parallel wrapper and the step: DP/DDP/FSDP, optimizer, accumulation.
+"""Rules about the parallel wrapper: DP/DDP/FSDP, the optimizer, the wrapper's state dict.
 
 Each check takes `Facts` and yields `Finding`s; each stays silent unless the source
 shows the pitfall (a false positive is a bug: when in doubt, say nothing).
@@ -9,8 +9,9 @@ from __future__ import annotations
 import ast
 
 from disttrain.doctor.control_flow import distributed_test
-from disttrain.doctor.facts import Facts, arg, base_ref, is_const, kwarg, ref
+from disttrain.doctor.facts import Facts, arg, base_ref, is_const, kwarg, mentions, ref
 from disttrain.doctor.findings import ERROR, WARNING, finding, rule
+from disttrain.doctor.rules_io import _saves
 
 
 @rule("data-parallel", ("P-DDP-1",), WARNING,
@@ -196,3 +197,85 @@ def _has_dynamic_forward(facts: Facts) -> bool:
             if isinstance(n, ast.Return) and n is not d.body[-1]:
                 return True
     return False
+
+
+@rule("ddp-state-dict-prefix", ("P-CKPT-4",), WARNING,
+      "saving the state_dict of the DDP wrapper",
+      """`ddp_model.state_dict()` prefixes every key with `module.`, so the checkpoint no
+      longer loads into a plain model (missing/unexpected keys). Save the unwrapped
+      weights: `model.module.state_dict()`.""")
+def ddp_state_dict_prefix(facts: Facts):
+    wrapped = [w for w in facts.wraps if w.kind in ("ddp", "dp") and w.target
+               and not _resumed_into_wrapper(facts, w)]
+    if not wrapped:
+        return
+    for save in _saves(facts):
+        obj = arg(save, 0, "obj")
+        if obj is None:
+            continue
+        sources = [obj] + _assigned_values(facts, obj, save)
+        for src in sources:
+            for n in ast.walk(src):
+                if not (isinstance(n, ast.Call) and isinstance(n.func, ast.Attribute)
+                        and n.func.attr == "state_dict"):
+                    continue
+                owner = base_ref(n.func.value) if isinstance(n.func.value, ast.Call) else ref(n.func.value)
+                if _unwrap_branch(facts, n, save):
+                    continue  # `m.module.state_dict() if hasattr(m, "module") else m.state_dict()`
+                for w in wrapped:
+                    if owner == w.target and facts.scope_of(n) is w.scope and n.lineno > w.call.lineno \
+                            and not facts.exclusive(n, w.call):
+                        yield finding(facts, n, "ddp-state-dict-prefix",
+                                      f"`{owner}` is the {'DDP' if w.kind == 'ddp' else 'DataParallel'} "
+                                      f"wrapper (line {w.call.lineno}): its state_dict keys all start "
+                                      "with `module.`.",
+                                      f"save {owner}.module.state_dict() instead.")
+
+
+_LOAD_WORDS = ("load", "resume", "restore", "restart")
+
+
+def _resumed_into_wrapper(facts: Facts, w) -> bool:
+    """After the wrap, the script loads checkpoints back into the wrapper itself
+    (`model.load_state_dict(...)`, `utils.load_checkpoint(model, path)`,
+    `restart_from_checkpoint(path, state_dict=model)`): the `module.` keys it saves are the
+    keys it loads, so the prefix breaks nothing the script does."""
+    for c, q in facts.calls:
+        if facts.scope_of(c) is not w.scope or c.lineno <= w.call.lineno or facts.exclusive(c, w.call):
+            continue
+        if isinstance(c.func, ast.Attribute) and c.func.attr == "load_state_dict" and \
+                ref(c.func.value) == w.target:
+            return True
+        name = q.rsplit(".", 1)[-1].lower()
+        if any(x in name for x in _LOAD_WORDS) and any(
+                ref(a) == w.target for a in list(c.args) + [k.value for k in c.keywords]):
+            return True
+    return False
+
+
+def _unwrap_branch(facts: Facts, node: ast.AST, stop: ast.AST) -> bool:
+    """True when `node` sits in a branch chosen by a test about `.module` (unwrapping)."""
+    for a in facts.ancestors(node):
+        if a is stop or isinstance(a, (ast.FunctionDef, ast.AsyncFunctionDef, ast.Module)):
+            return False
+        if isinstance(a, (ast.If, ast.IfExp)) and (
+                mentions(a.test, lambda w: w == "module") or "module" in ast.unparse(a.test)):
+            return True
+    return False
+
+
+def _assigned_values(facts: Facts, obj: ast.AST, before: ast.AST) -> list[ast.AST]:
+    """Values assigned to `obj` (or its items) in the same scope before `before`:
+    `ckpt = {"model": m.state_dict()}` and `ckpt["model"] = m.state_dict()`."""
+    name = ref(obj)
+    if name is None:
+        return []
+    scope = facts.scope_of(before)
+    out = []
+    for n in ast.walk(scope):
+        if isinstance(n, ast.Assign) and n.lineno <= before.lineno and facts.scope_of(n) is scope:
+            for t in n.targets:
+                base = t.value if isinstance(t, ast.Subscript) else t
+                if ref(base) == name:
+                    out.append(n.value)
+    return out

@@ -1,4 +1,4 @@
-"""Rules about what ranks write and read: logs, checkpoints, state dicts, loads.
+"""Rules about what ranks write and read: logs, checkpoints, loads.
 
 Each check takes `Facts` and yields `Finding`s; each stays silent unless the source
 shows the pitfall (a false positive is a bug: when in doubt, say nothing).
@@ -8,7 +8,7 @@ from __future__ import annotations
 
 import ast
 
-from disttrain.doctor.facts import Facts, arg, base_ref, has_star_kwargs, is_const, kwarg, mentions, ref
+from disttrain.doctor.facts import Facts, arg, has_star_kwargs, is_const, kwarg, mentions, ref
 from disttrain.doctor.control_flow import LOCAL
 from disttrain.doctor.findings import ERROR, WARNING, finding, rule
 from disttrain.doctor.names import rank_aware_logging
@@ -55,6 +55,15 @@ def _before_group_start(facts: Facts, call: ast.Call) -> bool:
     """`call` comes before an init_process_group of its own function."""
     scope = facts.scope_of(call)
     return any(facts.scope_of(c) is scope and c.lineno > call.lineno for c in facts.calls_to("init_process_group"))
+
+
+def _unused_helper(facts: Facts, node: ast.AST) -> bool:
+    """`node` is in a module-level function that nothing in the run refers to (Latte's
+    `utils.find_model`, used by sampling scripts not checked), and no entry point by its
+    name (`main`, `train`, `run`: a script's own, whoever calls it)."""
+    scope = facts.scope_of(node)
+    return isinstance(scope, (ast.FunctionDef, ast.AsyncFunctionDef)) and facts.parents.get(scope) is facts.tree \
+        and scope.name not in facts.project.referenced_names and not reached_from_view(facts, node)
 
 
 def _shadows_print(facts: Facts) -> bool:
@@ -106,6 +115,8 @@ def unguarded_log(facts: Facts):
     for call, what in _log_calls(facts):
         if _per_rank_message(call):
             continue  # the line names its rank (or pid): one distinct line per rank is the intent
+        if _unused_helper(facts, call):
+            continue  # no file of the run calls it: whether every rank does is out of view
         kind = facts.rank_guard(call)
         if kind == LOCAL:
             yield finding(facts, call, "unguarded-log",
@@ -168,14 +179,14 @@ def reached_from_view(facts: Facts, node: ast.AST) -> bool:
       rank (LOCAL_RANK, local_rank, gpu_id read from LOCAL_RANK) is a warning: on several
       nodes sharing a filesystem, each node's local rank 0 writes the same file.""")
 def unguarded_save(facts: Facts):
-    if not facts.distributed:
-        return
     for call in _saves(facts):
         path = _save_path(call)
         if path is not None and (mentions(path, _is_rank_word) or _is_buffer(facts, path) or
                                  _per_rank_variable(facts, path, call)):
             continue  # one file per rank, or memory: no two writers share a file
         kind = facts.rank_guard(call)
+        if not facts.distributed and kind != LOCAL:
+            continue  # a local-rank guard alone says several processes (LLaVA under the HF Trainer)
         if kind == LOCAL:
             yield finding(facts, call, "unguarded-save",
                           "torch.save is guarded by the local rank only: on several nodes sharing a "
@@ -268,100 +279,27 @@ def non_atomic_save(facts: Facts):
                       "save to f\"{path}.tmp\" in the same directory, then os.replace(tmp, path).")
 
 
+_BUFFERS = ("BytesIO", "TemporaryFile", "SpooledTemporaryFile")
+
+
 def _is_buffer(facts: Facts, node: ast.AST) -> bool:
-    """An in-memory target (io.BytesIO()) is no file and needs no atomic replace."""
+    """An in-memory or anonymous temporary file (`io.BytesIO()`, `with
+    tempfile.TemporaryFile() as f`) is no checkpoint: it needs no atomic replace, and
+    what is loaded from it is bytes a rank just serialised."""
+    def made_here(value: ast.AST) -> bool:
+        return isinstance(value, ast.Call) and (facts.qualname(value.func) or "").endswith(_BUFFERS)
     if isinstance(node, ast.Call):
-        return (facts.qualname(node.func) or "").endswith("BytesIO")
+        return made_here(node)
     name = ref(node)
     if name is None:
         return False
     for n in facts.nodes:
-        if isinstance(n, ast.Assign) and any(ref(t) == name for t in n.targets) and \
-                isinstance(n.value, ast.Call) and (facts.qualname(n.value.func) or "").endswith("BytesIO"):
+        if isinstance(n, ast.Assign) and any(ref(t) == name for t in n.targets) and made_here(n.value):
+            return True
+        if isinstance(n, ast.withitem) and n.optional_vars is not None and ref(n.optional_vars) == name \
+                and made_here(n.context_expr):
             return True
     return False
-
-
-@rule("ddp-state-dict-prefix", ("P-CKPT-4",), WARNING,
-      "saving the state_dict of the DDP wrapper",
-      """`ddp_model.state_dict()` prefixes every key with `module.`, so the checkpoint no
-      longer loads into a plain model (missing/unexpected keys). Save the unwrapped
-      weights: `model.module.state_dict()`.""")
-def ddp_state_dict_prefix(facts: Facts):
-    wrapped = [w for w in facts.wraps if w.kind in ("ddp", "dp") and w.target
-               and not _resumed_into_wrapper(facts, w)]
-    if not wrapped:
-        return
-    for save in _saves(facts):
-        obj = arg(save, 0, "obj")
-        if obj is None:
-            continue
-        sources = [obj] + _assigned_values(facts, obj, save)
-        for src in sources:
-            for n in ast.walk(src):
-                if not (isinstance(n, ast.Call) and isinstance(n.func, ast.Attribute)
-                        and n.func.attr == "state_dict"):
-                    continue
-                owner = base_ref(n.func.value) if isinstance(n.func.value, ast.Call) else ref(n.func.value)
-                if _unwrap_branch(facts, n, save):
-                    continue  # `m.module.state_dict() if hasattr(m, "module") else m.state_dict()`
-                for w in wrapped:
-                    if owner == w.target and facts.scope_of(n) is w.scope and n.lineno > w.call.lineno \
-                            and not facts.exclusive(n, w.call):
-                        yield finding(facts, n, "ddp-state-dict-prefix",
-                                      f"`{owner}` is the {'DDP' if w.kind == 'ddp' else 'DataParallel'} "
-                                      f"wrapper (line {w.call.lineno}): its state_dict keys all start "
-                                      "with `module.`.",
-                                      f"save {owner}.module.state_dict() instead.")
-
-
-_LOAD_WORDS = ("load", "resume", "restore", "restart")
-
-
-def _resumed_into_wrapper(facts: Facts, w) -> bool:
-    """After the wrap, the script loads checkpoints back into the wrapper itself
-    (`model.load_state_dict(...)`, `utils.load_checkpoint(model, path)`,
-    `restart_from_checkpoint(path, state_dict=model)`): the `module.` keys it saves are the
-    keys it loads, so the prefix breaks nothing the script does."""
-    for c, q in facts.calls:
-        if facts.scope_of(c) is not w.scope or c.lineno <= w.call.lineno or facts.exclusive(c, w.call):
-            continue
-        if isinstance(c.func, ast.Attribute) and c.func.attr == "load_state_dict" and \
-                ref(c.func.value) == w.target:
-            return True
-        name = q.rsplit(".", 1)[-1].lower()
-        if any(x in name for x in _LOAD_WORDS) and any(
-                ref(a) == w.target for a in list(c.args) + [k.value for k in c.keywords]):
-            return True
-    return False
-
-
-def _unwrap_branch(facts: Facts, node: ast.AST, stop: ast.AST) -> bool:
-    """True when `node` sits in a branch chosen by a test about `.module` (unwrapping)."""
-    for a in facts.ancestors(node):
-        if a is stop or isinstance(a, (ast.FunctionDef, ast.AsyncFunctionDef, ast.Module)):
-            return False
-        if isinstance(a, (ast.If, ast.IfExp)) and (
-                mentions(a.test, lambda w: w == "module") or "module" in ast.unparse(a.test)):
-            return True
-    return False
-
-
-def _assigned_values(facts: Facts, obj: ast.AST, before: ast.AST) -> list[ast.AST]:
-    """Values assigned to `obj` (or its items) in the same scope before `before`:
-    `ckpt = {"model": m.state_dict()}` and `ckpt["model"] = m.state_dict()`."""
-    name = ref(obj)
-    if name is None:
-        return []
-    scope = facts.scope_of(before)
-    out = []
-    for n in ast.walk(scope):
-        if isinstance(n, ast.Assign) and n.lineno <= before.lineno and facts.scope_of(n) is scope:
-            for t in n.targets:
-                base = t.value if isinstance(t, ast.Subscript) else t
-                if ref(base) == name:
-                    out.append(n.value)
-    return out
 
 
 @rule("load-without-map-location", ("P-CKPT-5",), WARNING,
@@ -372,6 +310,9 @@ def _assigned_values(facts: Facts, obj: ast.AST, before: ast.AST) -> list[ast.AS
       `map_location="cpu"` (or the rank's own device).""")
 def load_without_map_location(facts: Facts):
     for call in facts.calls_to("torch.load"):
+        source = arg(call, 0, "f")
+        if source is not None and _is_buffer(facts, source):
+            continue  # bytes another rank serialised (broadcast_object): no checkpoint file
         if arg(call, 1, "map_location") is None and not has_star_kwargs(call):
             yield finding(facts, call, "load-without-map-location",
                           "torch.load without map_location restores tensors onto the device they "

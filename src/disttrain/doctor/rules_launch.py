@@ -38,6 +38,36 @@ def init_without_timeout(facts: Facts):
                           "pass timeout=datetime.timedelta(minutes=10) (5-10 min for elastic jobs).")
 
 
+@rule("init-rank-is-local-rank", ("P-INIT-3",), WARNING,
+      "init_process_group given the local rank as its rank",
+      """`init_process_group(rank=local_rank, world_size=WORLD_SIZE)` is right on one node
+      only, where the local rank is the rank. Launched on several nodes, every node's
+      processes claim ranks 0..n-1 again: two processes share each rank, and the
+      rendezvous fails or waits forever. Pass the global rank (`int(os.environ["RANK"])`),
+      or leave rank out and let `env://` read it.""")
+def init_rank_is_local_rank(facts: Facts):
+    for call in facts.calls_to("init_process_group"):
+        value = kwarg(call, "rank")
+        if value is not None and _reads_local_rank(facts, value):
+            yield finding(facts, call, "init-rank-is-local-rank",
+                          f"rank={ast.unparse(value)} is the node-local rank: on several nodes two "
+                          "processes claim each rank and the group never forms.",
+                          "pass the global rank (int(os.environ['RANK'])), or leave rank out under "
+                          "env://.")
+
+
+def _reads_local_rank(facts: Facts, value: ast.AST) -> bool:
+    """`value` is a LOCAL_RANK read, or a name assigned only from one in its file."""
+    def local_read(v: ast.AST) -> bool:
+        return any(isinstance(n, ast.Constant) and n.value == "LOCAL_RANK" for n in ast.walk(v))
+    if local_read(value):
+        return True
+    name = ref(value)
+    assigned = [n.value for n in facts.nodes if isinstance(n, ast.Assign) and name and
+                any(ref(t) == name for t in n.targets)]
+    return bool(assigned) and all(local_read(v) for v in assigned)
+
+
 _TCP_PORT = re.compile(r"^tcp://[^/]*:\d+")
 
 

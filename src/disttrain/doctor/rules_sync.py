@@ -15,21 +15,9 @@ from disttrain.doctor.facts import Facts, arg, is_const, kwarg, mentions, ref
 from disttrain.doctor.findings import ERROR, WARNING, finding, rule
 from disttrain.doctor.rules_launch import _is_eval_name, _sampler_names
 
-# torch.distributed functions every rank of the group must call.
-_TORCH_COLLECTIVES = {
-    "barrier", "monitored_barrier", "all_reduce", "all_gather", "all_gather_object",
-    "all_gather_into_tensor", "broadcast", "broadcast_object_list", "reduce", "reduce_scatter",
-    "reduce_scatter_tensor", "gather", "gather_object", "scatter", "scatter_object_list",
-    "all_to_all", "all_to_all_single"}
-_DCP = {"save", "load", "async_save", "save_state_dict", "load_state_dict"}
-# Methods of Accelerate's Accelerator and Lightning Fabric / strategies that are collectives.
-_WRAPPER_COLLECTIVES = {
-    "accelerator": {"wait_for_everyone", "gather", "gather_for_metrics", "reduce", "pad_across_processes"},
-    "fabric": {"barrier", "all_reduce", "all_gather", "broadcast"},
-    "strategy": {"barrier", "all_reduce", "all_gather", "broadcast"},
-    # Lightning's Trainer.save_checkpoint ends in strategy.barrier("Trainer.save_checkpoint").
-    "trainer": {"save_checkpoint"},
-}
+# Which calls are collectives: names.collective_name (torch.distributed's, Accelerate's,
+# Fabric's, Lightning 2.1's Trainer.save_checkpoint, MPI-style communicators', DCP's).
+
 # Results of these are gathered or summed across ranks: padded duplicates get counted.
 _GATHERS = {"all_gather", "all_gather_object", "all_gather_into_tensor", "gather", "gather_object",
             "all_reduce", "reduce"}
@@ -98,7 +86,7 @@ def _has_partner(facts: Facts, call: ast.Call, name: str, ifs, all_calls) -> boo
       "a collective that only some ranks reach",
       """A collective (dist.barrier, all_reduce, all_gather, broadcast, a DCP save or load,
       accelerator.wait_for_everyone/gather, fabric.barrier, Lightning's
-      trainer.save_checkpoint ...) returns only when every rank of the group has called it. Under `if rank == 0:` (or its else branch, after an early
+      trainer.save_checkpoint from 2.1, which ends in a barrier ...) returns only when every rank of the group has called it. Under `if rank == 0:` (or its else branch, after an early
       `if rank != 0: return`, or in a function called only under such a guard, like
       `@rank_zero_only`) the other ranks never arrive and the job hangs until the collective
       timeout. Run the collective on every rank and guard only the file or log write. The
