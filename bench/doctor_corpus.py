@@ -56,10 +56,10 @@ def corpus_paths() -> list[str]:
 if str(ROOT) not in sys.path:  # run as a script: `python bench/doctor_corpus.py`
     sys.path.insert(0, str(ROOT))
 from bench.doctor_projects import (  # noqa: E402,F401  (re-exported for the tests)
-    FRESH_ROUND, HELD_BACK_CAUSES, PROJECTS, RECORDED, ROUND1_HELD_BACK, ROUND3_CAUSES, ProjectResult, category,
-    fresh_held_back, frozen_figures, half, held_back_round, measure_project, measure_projects, project_dirs,
-    project_figures, project_misses, project_totals, projects_table, recorded_misses, recorded_table,
-    round_figures, rule_table)
+    FRESH_ROUND, HELD_BACK_CAUSES, PROJECTS, RECORDED, ROUND1_HELD_BACK, ROUND3_CAUSES, ROUND4_CAUSES,
+    ProjectResult, category, fresh_held_back, frozen_figures, half, held_back_round, measure_project,
+    measure_projects, project_dirs, project_figures, project_misses, project_totals, projects_table,
+    recorded_misses, recorded_table, round_figures, rule_table)
 
 
 def corpus_findings() -> tuple[list[Path], list]:
@@ -207,11 +207,40 @@ def _issue_link(url: str) -> str:
 
 # ----- the section ---------------------------------------------------------------------
 
+def _round_section(projects: list[ProjectResult], n: int, heading: str, causes: str) -> list[str]:
+    """Round `n`: its recorded (frozen) figures against the targets, the current doctor on
+    the same projects when the rules changed since, per project and per rule, its causes."""
+    held = held_back_round(projects, n)
+    frozen = round_figures(held) == RECORDED[n]
+    missed = recorded_misses(n)
+    return [
+        f"### {heading}", "",
+        recorded_table(n), "",
+        ("Targets met." if not missed else "Targets missed: " + "; ".join(missed) + "."), "",
+        (f"The current doctor gives exactly these figures on round {n}'s projects (it was not "
+         "changed after their review)." if frozen else
+         f"The rules have been changed since round {n} was reviewed: the recorded figures above "
+         "are the frozen doctor's (bench/doctor_projects.py `frozen_figures` reproduces them "
+         "from the reviews); the current doctor's on the same projects, seen, so no honest "
+         "figure, follow."), "",
+        projects_table(held, "held-back", f"round {n} held-back, current doctor"), "",
+        f"Per rule, round {n} held-back, current doctor:", "",
+        rule_table(held), "",
+        causes]
+
+
+_ROUNDS_TEXT = (
+    "Four rounds, each measured once by a doctor frozen before its projects were reviewed. "
+    "Round 1: the held-back half of the 50 projects in the corpus when the split was made "
+    "(plus 16 added while it was reviewed). Each round's causes were then fixed "
+    "(tests/test_doctor_round2.py, round3.py, round4.py), which makes its projects seen, and "
+    "the next round added projects none of the rules had been changed for, all held back by "
+    "the same hash: 13 in round 2, 11 in round 3, 11 in round 4. Round 4's are the current "
+    "doctor's honest figures (the doctor was not changed after its review).")
+
+
 def render(real: RealResult, cases: list[BugCase], projects: list[ProjectResult] | None = None) -> str:
     projects = measure_projects() if projects is None else projects
-    held = fresh_held_back(projects)
-    frozen = round_figures(held) == RECORDED[FRESH_ROUND]
-    missed = recorded_misses(FRESH_ROUND)
     return "\n".join([
         "# Doctor on real code", "",
         f"Command: `{COMMAND}` (tests/test_doctor_corpus.py asserts the targets on the same "
@@ -227,35 +256,16 @@ def render(real: RealResult, cases: list[BugCase], projects: list[ProjectResult]
         "= true / (true + missed), per category (hygiene: timeout, weights_only, non-atomic "
         "save; behavioural: hangs and wrong results; advice and log noise count for precision "
         "only).", "",
-        "Three rounds, each measured once by a doctor frozen before its projects were reviewed. "
-        "Round 1: the held-back half of the 50 projects in the corpus when the split was made "
-        "(plus 16 added while it was reviewed). Its causes were fixed (tests/test_doctor_round2.py), "
-        "which makes round 1's projects seen, so round 2 added 13 held-back projects; its causes "
-        "were fixed in turn (tests/test_doctor_round3.py), which makes round 2's projects seen, "
-        "and round 3 added 11 more, none in the corpus before, all held back by the same hash. "
-        + ("Round 3's figures are the current doctor's honest figures." if frozen else
-           "Round 3's recorded figures are the honest figures of the doctor frozen for it. Its "
-           "causes have been fixed since (tests/test_doctor_round4.py), which makes round 3's "
-           "projects seen: the current doctor has no honest figure until a round 4 of new "
-           "projects is reviewed."), "",
-        f"### Round {FRESH_ROUND}: held-back projects added after round 2's fixes", "",
-        recorded_table(FRESH_ROUND), "",
-        ("Targets met." if not missed else "Targets missed: " + "; ".join(missed) + "."), "",
-        ("The current doctor gives exactly these figures on round 3's projects (it was not "
-         "changed after their review)." if frozen else
-         "The rules have been changed since round 3 was reviewed: the recorded figures above "
-         "are the frozen doctor's (bench/doctor_projects.py `frozen_figures` reproduces them "
-         "from the reviews); the current doctor's on the same projects, seen, so no honest "
-         "figure, follow."), "",
-        projects_table(held, "held-back", f"round {FRESH_ROUND} held-back, current doctor"), "",
-        f"Per rule, round {FRESH_ROUND} held-back:", "",
-        rule_table(held), "",
-        ROUND3_CAUSES,
+        _ROUNDS_TEXT, "",
+        *_round_section(projects, FRESH_ROUND, f"Round {FRESH_ROUND}: held-back projects added after "
+                        f"round {FRESH_ROUND - 1}'s fixes (the current doctor)", ROUND4_CAUSES),
+        *_round_section(projects, 3, "Round 3: held-back projects added after round 2's fixes",
+                        ROUND3_CAUSES),
         "### Rounds 1 and 2: the held-back projects of earlier rounds, frozen doctors", "",
         recorded_table(2), "",
         recorded_table(1), "",
         HELD_BACK_CAUSES,
-        "The current doctor on every held-back project (rounds 1 and 2 have been seen, so this "
+        "The current doctor on every held-back project (rounds 1 to 3 have been seen, so this "
         "is no honest figure; for comparison):", "",
         projects_table(projects, "held-back", "all held-back, current doctor"), "",
         "### Tuning half (for comparison, not the doctor's figures)", "",

@@ -250,6 +250,28 @@ apex's reduction through `reduce_tensor`, and writes that are not torch.save.
 """
 
 
+ROUND4_CAUSES = """\
+What fooled the frozen doctor on round 4's held-back projects (not fixed):
+
+- The false error: `ema_unet.update()` resolved to the trainer's own `update()` method,
+  which reaches `accelerator.wait_for_everyone()`, though `ema_unet` is ema_pytorch's EMA
+  object (imagen-pytorch). A method call on an object that is not `self` is matched to a
+  same-named method of the file by name alone.
+- False warnings: `logger.info` of a module logger that nothing gives a handler or a level
+  (so it prints nothing at all; qlora: 3); a logger whose format names the rank through
+  colorlog's `ColoredFormatter`, not known as a formatter (Open-Sora-Plan: 2);
+  `torch.save` inside flashy's `write_and_rename` (atomic; audiocraft); `mp-spawn`'s "no
+  multi-node" where the init method comes from SLURM in another file (mmf); a device bound
+  by timm's `init_distributed_device` while another helper is named (efficientdet); an
+  EMA re-copied from the DDP model after the wrap (`model_ema.set(model)`, efficientdet).
+- Missed: writes on every rank through a Trainer callback (qlora's `save_pretrained` in
+  `on_save`); `accelerator.save_state` on the main process only, a collective under
+  DeepSpeed (diffusers); checkpoints under a local-rank guard held in an object
+  (`CheckpointSaver`, `can_checkpoint = is_local_main`: efficientdet, imagen-pytorch);
+  `save_pretrained` written in place.
+"""
+
+
 # Each round's held-back figures, measured with the doctor frozen before that round was
 # reviewed: the honest figures of that doctor. The rules were then changed for what the
 # review found, so recomputing an earlier round now would not be honest.
@@ -260,9 +282,11 @@ RECORDED = {
         "false_per_500": 1.28, "precision": 0.75, "hygiene": (39, 39), "behavioural": (11, 12)},
     3: {"projects": 11, "files": 20, "lines": 8608, "findings": 57, "tp": 42, "fp": 15, "false_errors": 2,
         "false_per_500": 0.87, "precision": 0.74, "hygiene": (20, 24), "behavioural": (2, 12)},
+    4: {"projects": 11, "files": 20, "lines": 10197, "findings": 49, "tp": 39, "fp": 10, "false_errors": 1,
+        "false_per_500": 0.49, "precision": 0.8, "hygiene": (16, 17), "behavioural": (3, 7)},
 }
 ROUND1_HELD_BACK = RECORDED[1]
-FRESH_ROUND = 3  # the latest round: held-back projects no rule was changed for
+FRESH_ROUND = 4  # the latest round: held-back projects no rule was changed for
 
 
 def round_figures(results: list[ProjectResult]) -> dict:
