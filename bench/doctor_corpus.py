@@ -233,10 +233,18 @@ _ROUNDS_TEXT = (
     "Four rounds, each measured once by a doctor frozen before its projects were reviewed. "
     "Round 1: the held-back half of the 50 projects in the corpus when the split was made "
     "(plus 16 added while it was reviewed). Each round's causes were then fixed "
-    "(tests/test_doctor_round2.py, round3.py, round4.py), which makes its projects seen, and "
-    "the next round added projects none of the rules had been changed for, all held back by "
-    "the same hash: 13 in round 2, 11 in round 3, 11 in round 4. Round 4's are the current "
-    "doctor's honest figures (the doctor was not changed after its review).")
+    "(tests/test_doctor_round2.py to round5.py), which makes its projects seen, and the next "
+    "round added projects none of the rules had been changed for, all held back by the same "
+    "hash: 13 in round 2, 11 in round 3, 11 in round 4.")
+
+
+def _latest_round_text(projects: list[ProjectResult]) -> str:
+    n = FRESH_ROUND
+    if round_figures(held_back_round(projects, n)) == RECORDED[n]:
+        return f"Round {n}'s are the current doctor's honest figures (it was not changed after the review)."
+    return (f"Round {n}'s recorded figures are the latest honest ones, those of the doctor frozen "
+            f"for it; its causes have been fixed since (tests/test_doctor_round{n + 1}.py), so the "
+            "current doctor has no honest figure until a new round of projects is reviewed.")
 
 
 def render(real: RealResult, cases: list[BugCase], projects: list[ProjectResult] | None = None) -> str:
@@ -256,9 +264,9 @@ def render(real: RealResult, cases: list[BugCase], projects: list[ProjectResult]
         "= true / (true + missed), per category (hygiene: timeout, weights_only, non-atomic "
         "save; behavioural: hangs and wrong results; advice and log noise count for precision "
         "only).", "",
-        _ROUNDS_TEXT, "",
+        _ROUNDS_TEXT + " " + _latest_round_text(projects), "",
         *_round_section(projects, FRESH_ROUND, f"Round {FRESH_ROUND}: held-back projects added after "
-                        f"round {FRESH_ROUND - 1}'s fixes (the current doctor)", ROUND4_CAUSES),
+                        f"round {FRESH_ROUND - 1}'s fixes (the latest honest figures)", ROUND4_CAUSES),
         *_round_section(projects, 3, "Round 3: held-back projects added after round 2's fixes",
                         ROUND3_CAUSES),
         "### Rounds 1 and 2: the held-back projects of earlier rounds, frozen doctors", "",

@@ -218,8 +218,12 @@ def test_logger_set_up_elsewhere_or_rank_aware_is_not_flagged():
         src = PRE + "import logging\nlogger = logging.getLogger(__name__)\n" + setup + \
             "logger.info('step 1')\n"
         assert "unguarded-log" not in rules(src), setup
-    plain = PRE + "import logging\nlogger = logging.getLogger(__name__)\nlogger.info('x')\nprint('y')\n"
+    plain = PRE + "import logging\nlogging.basicConfig(level=logging.INFO)\nlogger = logging.getLogger(__name__)\n" \
+        "logger.info('x')\nprint('y')\n"
     assert rules(plain).count("unguarded-log") == 2
+    # nothing configures logging: info() is dropped at the root's default WARNING level
+    unconfigured = plain.replace("logging.basicConfig(level=logging.INFO)\n", "")
+    assert rules(unconfigured).count("unguarded-log") == 1
 
 
 def test_fake_backend_needs_no_timeout():

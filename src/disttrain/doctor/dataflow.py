@@ -142,7 +142,8 @@ class Project(ProgramFacts):
         module-level function of an imported file; `self.f()` / `obj.f()`: a method (a def
         inside a class) of the caller's file, else of an imported file. A module-level
         function is never reached through an object's attribute (`callbacks.run()` is
-        not train.py's `def run()`)."""
+        not train.py's `def run()`), nor the method a call sits in through another object
+        (`self.ema.update()` in `def update(self)` delegates)."""
         name = callee_name(facts, call)
         if name and name in self.classes:  # `TensorboardLogger(...)` runs its __init__
             inits = [(f, d) for f, c in self.classes[name] for d in c.body
@@ -161,6 +162,11 @@ class Project(ProgramFacts):
                 imported = self.imports.get(id(facts), set())
                 return [(f, d) for f, d in cands if id(f) in imported and _module_level(f, d)]
             cands = [(f, d) for f, d in cands if _is_method(f, d)]
+            if ref(head) not in ("self", "cls"):
+                # `ema_unet.update()` inside `def update(self)`: another object's method of
+                # the same name (delegation), not this one calling itself
+                here = facts.scope_of(call)
+                cands = [(f, d) for f, d in cands if d is not here]
         own = [(f, d) for f, d in cands if f is facts]
         if own:
             return own

@@ -205,7 +205,8 @@ def rank_aware_logging(facts) -> bool:
         return True
     for call, q in facts.calls:
         last = q.rsplit(".", 1)[-1]
-        if last in ("basicConfig", "Formatter", "setLevel", "disable", "addHandler", "setFormatter"):
+        # any Formatter (colorlog's ColoredFormatter too) whose format names the rank
+        if last.endswith("Formatter") or last in ("basicConfig", "setLevel", "disable", "addHandler"):
             if any(mentions(a, _is_rank_word) or any(
                     isinstance(c, ast.Constant) and isinstance(c.value, str) and "rank" in c.value.lower()
                     for c in ast.walk(a))

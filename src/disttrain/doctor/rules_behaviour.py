@@ -159,7 +159,8 @@ def ema_before_broadcast(facts: Facts):
         src = ref(call.args[0]) if call.args else None
         for w in ddp:
             if src and (src == w.arg) and facts.scope_of(call) is w.scope and \
-                    call.lineno < w.call.lineno and not facts.exclusive(call, w.call):
+                    call.lineno < w.call.lineno and not facts.exclusive(call, w.call) and \
+                    not _ema_reset_after(facts, call, w):
                 yield finding(facts, call, "ema-before-broadcast",
                               f"the EMA copies `{src}` before the DDP wrap (line {w.call.lineno}), and "
                               f"the seed differs per rank (line {seeded.lineno}): each rank's EMA "
@@ -167,6 +168,18 @@ def ema_before_broadcast(facts: Facts):
                               f"build the EMA after the wrap from `{w.target or src}.module`, or load "
                               "or broadcast the initial weights first.")
                 break
+
+
+_EMA_RESETS = ("set", "copy_from", "load_state_dict", "sync")
+
+
+def _ema_reset_after(facts: Facts, call: ast.Call, wrap) -> bool:
+    """The EMA `call` makes is set again after the wrap (`model_ema.set(model)`, timm's
+    ModelEmaV2): it then starts from the weights DDP broadcast."""
+    parent = facts.parents.get(call)
+    names = {ref(t) for t in parent.targets} - {None} if isinstance(parent, ast.Assign) else set()
+    return any(isinstance(c.func, ast.Attribute) and c.func.attr in _EMA_RESETS and ref(c.func.value) in names
+               and c.lineno > wrap.call.lineno for c, _ in facts.calls)
 
 
 def _assigned_to_ema(facts: Facts, call: ast.Call) -> bool:

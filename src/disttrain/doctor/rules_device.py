@@ -49,6 +49,8 @@ def missing_set_device(facts: Facts):
                           "init_process_group).", severity=WARNING)
             return
         node, _ = unindexed[0]
+        if _unseen_device_binder(facts):
+            return  # timm's `utils.init_distributed_device(args)`: named for what it binds
         helper = _unseen_init_helper(facts)
         if helper or not any(f.calls_to("init_process_group") for f in facts.project.files):
             what = f"`{helper}()`" if helper else "the code that starts the process group"
@@ -87,6 +89,17 @@ def _unseen_init_helper(facts: Facts) -> str | None:
         if ("dist" in last or "ddp" in last or "setup" in last or "init" in last) and \
                 not q.startswith(("torch.", "disttrain.")) and last not in facts.project.defs and \
                 last not in ("init_process_group",):
+            return q
+    return None
+
+
+def _unseen_device_binder(facts: Facts) -> str | None:
+    """A call into code out of view whose name says it sets up the device for distributed
+    work (`init_distributed_device`, `setup_device`): assumed to bind it."""
+    for _, q in facts.calls:
+        last = q.rsplit(".", 1)[-1].lower()
+        if "device" in last and any(w in last for w in ("init", "setup", "set_up")) and \
+                not q.startswith(("torch.", "disttrain.")) and last not in facts.project.defs:
             return q
     return None
 

@@ -29,6 +29,9 @@ def _log_calls(facts: Facts):
     project = facts.project
     rank_aware = project.rank_aware_logging(facts) or project.logging_set_up_out_of_view(facts)
     own = _own_loggers(facts)
+    # info()/debug() of a logging nothing configures (no handler, no level) are dropped at
+    # the root's default WARNING on every rank: nothing to repeat
+    configured = _logging_configured(facts)
     # `builtins.print` replaced by a rank-aware one (setup_for_distributed), in any file
     # of the run, or a `print` of the file's own: print is not the builtin one.
     builtin_print = project.print_override_for(facts) is None and not _shadows_print(facts)
@@ -45,10 +48,21 @@ def _log_calls(facts: Facts):
                 yield call, "print()"
         elif q.rsplit(".", 1)[-1] in _LOG_METHODS and isinstance(call.func, ast.Attribute) and \
                 (ref(call.func.value) or "").split(".")[-1] in _LOGGER_NAMES:
-            if not rank_aware and (q.startswith("logging.") or ref(call.func.value) in own):
+            if not rank_aware and configured and (q.startswith("logging.") or ref(call.func.value) in own):
                 yield call, f"{ast.unparse(call.func)}()"
         elif q in ("wandb.init", "wandb.log") or q.endswith("SummaryWriter"):
             yield call, f"{q.rsplit('.', 1)[-1] if 'Summary' in q else q}()"
+
+
+_LOGGING_SET_UP = ("basicConfig", "setLevel", "addHandler", "dictConfig", "fileConfig", "set_verbosity",
+                   "set_verbosity_info", "set_verbosity_debug")
+
+
+def _logging_configured(facts: Facts) -> bool:
+    """Some file of the program sets a logging level or handler (or calls a set-up out of
+    view, which logging_set_up_out_of_view reports)."""
+    return any(q.rsplit(".", 1)[-1] in _LOGGING_SET_UP for f in facts.project.component(facts)
+               for _, q in f.calls)
 
 
 def _before_group_start(facts: Facts, call: ast.Call) -> bool:
@@ -258,7 +272,7 @@ def non_atomic_save(facts: Facts):
     moves = _moves(facts)
     for call in _saves(facts, wrappers=True):
         path = _save_path(call, facts)
-        if path is None or _is_buffer(facts, path):
+        if path is None or _is_buffer(facts, path) or _atomic_writer(facts, path):
             continue
         scope = facts.scope_of(call)
         if any(facts.scope_of(m) is scope and m.lineno >= call.lineno for m in moves):
@@ -277,6 +291,17 @@ def non_atomic_save(facts: Facts):
                       "torch.save writes the final checkpoint path directly: a crash mid-write "
                       "leaves a corrupt checkpoint under the real name.",
                       "save to f\"{path}.tmp\" in the same directory, then os.replace(tmp, path).")
+
+
+def _atomic_writer(facts: Facts, node: ast.AST) -> bool:
+    """The file object comes from a context manager that writes aside and renames on exit
+    (`with flashy.utils.write_and_rename(path) as f`, `atomic_write(path)`)."""
+    name = ref(node)
+    return bool(name) and any(
+        isinstance(n, ast.withitem) and n.optional_vars is not None and ref(n.optional_vars) == name
+        and isinstance(n.context_expr, ast.Call)
+        and any(w in (facts.qualname(n.context_expr.func) or "").rsplit(".", 1)[-1].lower() for w in ("rename", "atomic"))
+        for n in facts.nodes)
 
 
 _BUFFERS = ("BytesIO", "TemporaryFile", "SpooledTemporaryFile")

@@ -131,7 +131,8 @@ def _is_const_str(node: ast.AST, value: str) -> bool:
       and spans nodes. Read the rank from the environment and launch with
       `torchrun --standalone --nproc-per-node=N script.py` (or `disttrain run`).""")
 def mp_spawn(facts: Facts):
-    multi_node = _takes_node_rank(facts)
+    # the node's rank may be derived in another file of the program (mmf's infer_init_method)
+    multi_node = any(_takes_node_rank(f) for f in facts.project.component(facts))
     for call in facts.calls_to("torch.multiprocessing.spawn", "torch.multiprocessing.start_processes"):
         yield finding(facts, call, "mp-spawn",
                       "mp.spawn() launches the ranks by hand: no elastic restart, "
