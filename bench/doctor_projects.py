@@ -281,6 +281,26 @@ after the figures were recorded, tests/test_doctor_round5.py; the misses remain)
 """
 
 
+ROUND5_CAUSES = """\
+What fooled the frozen doctor on round 5's held-back projects (not fixed):
+
+- False errors: a CUDA use in a trainer file whose program binds the device in a set-up
+  helper the doctor does not see (`setup.setup_dist_env`, called from a script that
+  imports the trainer through a package not in the files checked; efficientvit: 2); an
+  FSDP1 target's `state_dict()` in the branch of `cpu_state if args.fsdp else
+  model.state_dict()` where the model is not FSDP, and a GradScaler after `assert not
+  args.fsdp` (open_lm: 2). The mode flag that selects FSDP is not followed.
+- False warnings: prints that name the process by another word (`[GPU {process_id}]`),
+  in a single-process branch (`single_gpu`), and error reports before `return -1` or in
+  an `except` (StableCascade, open_lm); an info line after the levels were set by rank
+  (`setLevel(INFO)` on the master, WARNING elsewhere, metaseq).
+- Missed: `a and b or c` guards whose `or` part runs on every rank, and a results-folder
+  reset with no guard, each prompting with input() and rmtree-ing shared files
+  (audiolm-pytorch: 4); a COMPLETED marker written by every rank before the barrier
+  (open-instruct); `save_pretrained` written in place (lerobot, EasyContext).
+"""
+
+
 # Each round's held-back figures, measured with the doctor frozen before that round was
 # reviewed: the honest figures of that doctor. The rules were then changed for what the
 # review found, so recomputing an earlier round now would not be honest.
@@ -293,9 +313,11 @@ RECORDED = {
         "false_per_500": 0.87, "precision": 0.74, "hygiene": (20, 24), "behavioural": (2, 12)},
     4: {"projects": 11, "files": 20, "lines": 10197, "findings": 49, "tp": 39, "fp": 10, "false_errors": 1,
         "false_per_500": 0.49, "precision": 0.8, "hygiene": (16, 17), "behavioural": (3, 7)},
+    5: {"projects": 8, "files": 14, "lines": 7955, "findings": 43, "tp": 33, "fp": 10, "false_errors": 4,
+        "false_per_500": 0.63, "precision": 0.77, "hygiene": (15, 18), "behavioural": (1, 5)},
 }
 ROUND1_HELD_BACK = RECORDED[1]
-FRESH_ROUND = 4  # the latest round: held-back projects no rule was changed for
+FRESH_ROUND = 5  # the latest round: held-back projects no rule was changed for
 
 
 def round_figures(results: list[ProjectResult]) -> dict:
