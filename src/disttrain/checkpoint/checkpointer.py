@@ -19,7 +19,7 @@ A `StaleWriterError` (this writer was fenced) is never a `CheckpointSaveError`.
 The process-based mode of torch 2.13 is not offered (see docs/checkpoints.md).
 
 Load: rank 0 lists the committed directories, newest first; each file is read
-once and checked before it is deserialised (`_load_one`), and the ranks agree on
+once and checked before it is parsed (`hashing_fs.load_one`), and the ranks agree on
 the outcome, so a damaged file of any rank fails the load on every rank with one
 message; a bad one is refused unless `fallback=True`. Keys and shapes are compared
 with DCP's metadata, then DCP loads in place, resharding to the current strategy
@@ -41,7 +41,7 @@ import torch.distributed as dist
 
 from disttrain.checkpoint import layout
 from disttrain.checkpoint.compat import describe, describe_failure
-from disttrain.checkpoint.checkpoint_errors import (CheckpointCorrupt, CheckpointError, CheckpointMismatch,
+from disttrain.checkpoint.checkpoint_errors import (CheckpointCorrupt, CheckpointError,
                                          CheckpointSaveError, StaleWriterError)
 from disttrain.checkpoint.digests import digest_bytes
 from disttrain.checkpoint.files import atomic_write_bytes
@@ -308,61 +308,10 @@ class Checkpointer:
 
     # ------------------------------------------------------------ load
 
-    @staticmethod
-    def _check(candidate: Path, select) -> tuple[str, str] | None:
-        """This rank's check of all sizes and the hashes of the files `select` accepts:
-        None, or (the first bad file, its message)."""
-        try:
-            layout.verify(candidate, select=select)
-        except CheckpointCorrupt as e:
-            return (e.bad_file, str(e))
-        return None
-
-    def _agree(self, mine: tuple | None) -> tuple | None:
-        """A collective: the same verdict on every rank from each rank's own: None,
-        (bad file, message) or ("", "", message) for another failure. A damaged file
-        outranks any other failure (it is what a fallback skips); the least by name."""
-        found = [f for f in self._gather(mine) if f]
-        return min([f for f in found if len(f) == 2] or found) if found else None
-
     def _load_one(self, step_dir: Path, tensors: dict, strict: bool) -> str | None:
-        """A collective: load `step_dir` into `tensors`, every file checked once;
-        returns None or the first bad file's message, the same on every rank.
+        from disttrain.checkpoint.hashing_fs import load_one
 
-        Before anything is parsed every rank hashes the small files it parses itself
-        (`.metadata`, `state.json`, its RNG file) and compares keys and shapes; the
-        data files are checked as they are read, each by the rank of its share
-        (`digests.share`, `hashing_fs.load_verified`); then each rank hashes the files
-        of its share it did not read. Two all-gathers agree on the outcome."""
-        from disttrain.checkpoint.compat import check_compatible
-        from disttrain.checkpoint.digests import share
-        from disttrain.checkpoint.hashing_fs import load_verified
-        from disttrain.checkpoint.storage_formats import read_metadata
-
-        first = {".metadata", "state.json", f"rank-{self.rank:05d}.json"}
-        mine, metadata = self._check(step_dir, first.__contains__), None
-        if mine is None:
-            try:
-                metadata = read_metadata(step_dir)
-                check_compatible(tensors, step_dir, strict=strict, metadata=metadata)
-            except CheckpointMismatch as e:
-                mine = ("", "", str(e))
-            except CheckpointCorrupt as e:
-                mine = (e.bad_file, str(e))
-        if (verdict := self._agree(mine)) is not None:
-            if len(verdict) == 3:
-                raise CheckpointMismatch(verdict[2])  # the same message on every rank
-            return verdict[1]
-        ours = lambda n: share(n, self.world) == self.rank  # noqa: E731
-        manifest = layout.read_manifest(step_dir)
-        problem, read = load_verified(tensors, step_dir, manifest["files"], self.pg, ours,
-                                      manifest.get("storage", "dcp"), metadata)
-        done = first | read
-        if problem is None:
-            problem = self._check(step_dir, lambda n: n not in done and ours(n))
-        if (verdict := self._agree(problem)) is not None and len(verdict) == 3:
-            raise CheckpointCorrupt(verdict[2])  # not a damaged file: no fallback
-        return verdict[1] if verdict else None
+        return load_one(step_dir, tensors, strict, self.rank, self.world, self.pg, self._gather)
 
     def load(self, state: TrainState, path: str | Path | None = None, *, strict: bool = True) -> Path | None:
         """Load the newest valid checkpoint under `root` (or the step directory

@@ -86,3 +86,68 @@ def load_verified(tensors: dict, step_dir: Path, files: dict[str, dict], pg,
             return (first.bad_file, str(first)), checked.verified
         return ("", "", f"{step_dir} could not be loaded: {describe(e)}"), checked.verified
     return None, checked.verified
+
+
+def check_files(step_dir: Path, select) -> tuple[str, str] | None:
+    """This rank's check of all sizes and the hashes of the files `select` accepts:
+    None, or (the first bad file, its message)."""
+    from disttrain.checkpoint import layout
+
+    try:
+        layout.verify(step_dir, select=select)
+    except CheckpointCorrupt as e:
+        return (e.bad_file, str(e))
+    return None
+
+
+def agree(gathered: list) -> tuple | None:
+    """The one verdict from every rank's own (the list an all-gather returned): None,
+    (bad file, message) or ("", "", message) for another failure. A damaged file
+    outranks any other failure (it is what a fallback skips); the least by name."""
+    found = [f for f in gathered if f]
+    return min([f for f in found if len(f) == 2] or found) if found else None
+
+
+def load_one(step_dir: Path, tensors: dict, strict: bool, rank: int, world: int, pg,
+             gather) -> str | None:
+    """A collective: load `step_dir` into `tensors`, every file checked once;
+    returns None or the first bad file's message, the same on every rank (`gather`:
+    the checkpointer's all-gather of one object per rank).
+
+    Before anything is parsed every rank hashes the small files it parses itself
+    (`.metadata`, `state.json`, its RNG file) and compares keys and shapes; the data
+    files are checked as they are read, each by the rank of its share
+    (`digests.share`, `load_verified`); then each rank hashes the files of its share
+    it did not read. Two all-gathers agree on the outcome. Raises
+    `CheckpointMismatch` (another model) or `CheckpointCorrupt` (a failure that is no
+    damaged file) on every rank."""
+    from disttrain.checkpoint import layout
+    from disttrain.checkpoint.checkpoint_errors import CheckpointMismatch
+    from disttrain.checkpoint.compat import check_compatible
+    from disttrain.checkpoint.digests import share
+    from disttrain.checkpoint.storage_formats import read_metadata
+
+    first = {".metadata", "state.json", f"rank-{rank:05d}.json"}
+    mine, metadata = check_files(step_dir, first.__contains__), None
+    if mine is None:
+        try:
+            metadata = read_metadata(step_dir)
+            check_compatible(tensors, step_dir, strict=strict, metadata=metadata)
+        except CheckpointMismatch as e:
+            mine = ("", "", str(e))
+        except CheckpointCorrupt as e:
+            mine = (e.bad_file, str(e))
+    if (verdict := agree(gather(mine))) is not None:
+        if len(verdict) == 3:
+            raise CheckpointMismatch(verdict[2])  # the same message on every rank
+        return verdict[1]
+    ours = lambda n: share(n, world) == rank  # noqa: E731
+    manifest = layout.read_manifest(step_dir)
+    problem, read = load_verified(tensors, step_dir, manifest["files"], pg, ours,
+                                  manifest.get("storage", "dcp"), metadata)
+    done = first | read
+    if problem is None:
+        problem = check_files(step_dir, lambda n: n not in done and ours(n))
+    if (verdict := agree(gather(problem))) is not None and len(verdict) == 3:
+        raise CheckpointCorrupt(verdict[2])  # not a damaged file: no fallback
+    return verdict[1] if verdict else None

@@ -18,6 +18,7 @@ from __future__ import annotations
 import dataclasses
 import io
 import threading
+from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 from typing import Callable
 
@@ -38,6 +39,7 @@ from disttrain.checkpoint.json_records import (Extent, metadata_bytes, metadata_
 FORMAT = "raw-1"
 METADATA = ".metadata"
 _SCRATCH = 1 << 23
+_PIECE = 1 << 24  # a record is read and hashed in pieces of 16 MiB
 
 
 def byte_view(t: torch.Tensor) -> memoryview:
@@ -172,37 +174,47 @@ def _narrow(t: torch.Tensor, offsets, lengths) -> torch.Tensor:
 
 class _FileRead:
     """One sequential pass over one data file: records in offset order, each read
-    once; with `hasher`, every byte (gaps too) is hashed on the way."""
+    once; with `hasher`, every byte (gaps too) is hashed on the way. Records are read
+    in pieces and hashed on `pool`'s one thread while the next piece is read (xxh3
+    releases the GIL), so the hash costs no time while the disk is the bottleneck."""
 
-    def __init__(self, f, path: Path, hasher):
-        self.f, self.path, self.hasher, self.pos = f, path, hasher, 0
+    def __init__(self, f, path: Path, hasher, pool: ThreadPoolExecutor):
+        self.f, self.path, self.hasher, self.pos, self._pool = f, path, hasher, 0, pool
+        self._pending: list = []
         self._scratch = bytearray(_SCRATCH) if hasher is not None else None
+
+    def _drain(self) -> None:
+        for fut in self._pending:
+            fut.result()
+        self._pending = []
 
     def skip_to(self, offset: int) -> None:
         if self.hasher is None:
             self.f.seek(offset)
             self.pos = offset
             return
+        self._drain()  # the scratch buffer is reused: hash it here
         while self.pos < offset:
             view = memoryview(self._scratch)[: min(_SCRATCH, offset - self.pos)]
             _read_exact(self.f, view, self.path)
             self.hasher.update(view)
             self.pos += len(view)
-        self.pos = offset
 
     def into(self, view: memoryview) -> None:
-        _read_exact(self.f, view, self.path)
-        if self.hasher is not None:
-            self.hasher.update(view)
+        for start in range(0, len(view), _PIECE):
+            piece = view[start:start + _PIECE]
+            _read_exact(self.f, piece, self.path)
+            if self.hasher is not None:
+                self._pending.append(self._pool.submit(self.hasher.update, piece))
         self.pos += len(view)
 
-    def to_end(self) -> int:
-        while True:
-            n = self.f.readinto(self._scratch)
-            if not n:
-                return self.pos
+    def digest(self) -> tuple[int, str]:
+        """(bytes hashed, hex digest) once the rest of the file is hashed too."""
+        self._drain()
+        while n := self.f.readinto(self._scratch):
             self.hasher.update(memoryview(self._scratch)[:n])
             self.pos += n
+        return self.pos, self.hasher.hexdigest()
 
 
 class RawReader(StorageReader):
@@ -218,6 +230,7 @@ class RawReader(StorageReader):
         self.path, self.files, self.select = Path(path), files or {}, select
         self.verified: set[str] = set()
         self.metadata = metadata  # parsed once: a load's compatibility check read it already
+        self._hashing: ThreadPoolExecutor | None = None
 
     def reset(self, checkpoint_id=None) -> None:
         if checkpoint_id:
@@ -245,8 +258,12 @@ class RawReader(StorageReader):
             per_file.setdefault(extent.file, {}).setdefault(extent, []).append(item)
         # This rank's share first: on one machine the ranks then read different files
         # from the disk at once, and each finds the others' in the page cache.
-        for name in sorted(per_file, key=lambda n: (not self.select(n), n)):
-            self._read_file(name, per_file[name], planner)
+        self._hashing = ThreadPoolExecutor(max_workers=1, thread_name_prefix="disttrain-hash")
+        try:
+            for name in sorted(per_file, key=lambda n: (not self.select(n), n)):
+                self._read_file(name, per_file[name], planner)
+        finally:
+            self._hashing.shutdown(wait=True)
         fut = Future()
         fut.set_result(None)
         return fut
@@ -257,7 +274,7 @@ class RawReader(StorageReader):
         check = want is not None and name not in self.verified and self.select(name)
         objects = []
         with open(path, "rb", buffering=0) as f:
-            read = _FileRead(f, path, new_hash(expected(want)[0]) if check else None)
+            read = _FileRead(f, path, new_hash(expected(want)[0]) if check else None, self._hashing)
             for extent in sorted(records, key=lambda e: e.offset):
                 read.skip_to(extent.offset)
                 items = records[extent]
@@ -268,8 +285,8 @@ class RawReader(StorageReader):
                 else:
                     self._read_tensor(read, extent, items, planner)
             if check:
-                size = read.to_end()
-                if (size, read.hasher.hexdigest()) != (want["size"], expected(want)[1]):
+                size, digest = read.digest()
+                if (size, digest) != (want["size"], expected(want)[1]):
                     raise CheckpointCorrupt(corrupt_message(path, size, want), name)
                 self.verified.add(name)
         for item, data in objects:  # parsed only once the file verified

@@ -4,8 +4,8 @@ each, so every reader (a load, `ckpt inspect`, the exports) serves both:
 - `raw-1` (`raw_storage`): raw tensor bytes, JSON values, JSON `.metadata`; nothing is
   unpickled. The manifest names it (`"storage": "raw-1"`).
 - `dcp`: DCP's default records (`torch.save` per tensor and per value) and its pickled
-  `.metadata`, as checkpoints of disttrain 0.2 and earlier hold them (their manifests
-  name no storage). Still read, with DCP's own reader.
+  `.metadata`, as disttrain wrote checkpoints before `raw-1` (their manifests name no
+  storage). Still read, with DCP's own reader.
 
 Call these only after the manifest verified (`layout.verify`).
 """
