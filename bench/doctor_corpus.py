@@ -233,7 +233,7 @@ _ROUNDS_TEXT = (
     "Five rounds, each measured once by a doctor frozen before its projects were reviewed. "
     "Round 1: the held-back half of the 50 projects in the corpus when the split was made "
     "(plus 16 added while it was reviewed). Each round's causes were then fixed "
-    "(tests/test_doctor_round2.py to round5.py), which makes its projects seen, and the next "
+    "(tests/test_doctor_round2.py to round6.py), which makes its projects seen, and the next "
     "round added projects none of the rules had been changed for, all held back by the same "
     "hash: 13 in round 2, 11 in round 3, 11 in round 4, 8 in round 5.")
 

@@ -142,8 +142,30 @@ class ProgramFacts:
         key = id(call)
         cache = self._names
         if key not in cache:
-            cache[key] = collective_name(f, call, self.fsdp1_targets(f))
+            name = collective_name(f, call, self.fsdp1_targets(f))
+            if name == "FSDP state_dict" and off_mode(f, call, self.fsdp_mode_flags(f)):
+                name = None  # `cpu_state if args.fsdp else model.state_dict()`: the DDP path
+            cache[key] = name
         return cache[key]
+
+    def fsdp_mode_flags(self, facts) -> set[str]:
+        """The flags every FSDP1 wrap of the program sits under (`if args.fsdp: model =
+        FSDP(model)`): FSDP is then a mode, off where the flag is false. Empty when some
+        wrap is unconditional."""
+        flags: set[str] | None = None
+        for f in self.component(facts):
+            for w in f.wraps:
+                if w.kind != "fsdp1":
+                    continue
+                here, child = set(), w.call
+                for a in f.ancestors(w.call):
+                    if isinstance(a, ast.If) and child in a.body and ref(a.test):
+                        here.add(ref(a.test))
+                    if isinstance(a, _FUNCS):
+                        break
+                    child = a
+                flags = here if flags is None else flags & here
+        return flags or set()
 
     @cached_property
     def _names(self) -> dict:
@@ -240,3 +262,27 @@ def _ancestors_until(f, node: ast.AST, stop: ast.AST):
 def _words(name: str) -> list[str]:
     """`init_dist_and_get_args` -> init, dist, and, get, args; `initDistMode` -> init, dist, mode."""
     return [w.lower() for w in re.findall(r"[A-Z]?[a-z0-9]+|[A-Z]+(?![a-z])", name)]
+
+
+def off_mode(f, node: ast.AST, flags: set[str]) -> bool:
+    """`node` runs only where one of `flags` is false: the else of `if flag` (or of
+    `x if flag else y`), the body of `if not flag`, or after `assert not flag` in its block."""
+    if not flags:
+        return False
+    child = node
+    for a in f.ancestors(node):
+        if isinstance(a, (ast.If, ast.IfExp)) and child is not a.test:
+            t = a.test
+            in_else = child in a.orelse if isinstance(a, ast.If) else child is a.orelse
+            negated = isinstance(t, ast.UnaryOp) and isinstance(t.op, ast.Not) and ref(t.operand) in flags
+            if (ref(t) in flags and in_else) or (negated and not in_else):
+                return True
+        for block in (getattr(a, "body", None), getattr(a, "orelse", None)):
+            if isinstance(block, list) and child in block and any(
+                    isinstance(s, ast.Assert) and isinstance(s.test, ast.UnaryOp) and isinstance(s.test.op, ast.Not)
+                    and ref(s.test.operand) in flags for s in block[:block.index(child)]):
+                return True
+        if isinstance(a, _FUNCS):
+            break
+        child = a
+    return False

@@ -61,6 +61,16 @@ def missing_set_device(facts: Facts):
                           "make sure each rank calls torch.cuda.set_device(local_rank) at start-up "
                           "(check the helper's file in the same run).", severity=WARNING)
             return
+        starts_here = any(facts.scope_of(c) is facts.scope_of(node) for c in facts.calls_to("init_process_group"))
+        if not starts_here and not _entry_in_view(facts):
+            yield finding(facts, node, "missing-set-device",
+                          "CUDA is used under torchrun and nothing in the files checked binds a device, "
+                          "but the script that runs this code is not among them (no `__main__` block or "
+                          "top-level code): if it does not call torch.cuda.set_device first, every rank "
+                          "defaults to cuda:0.",
+                          "check the entry script in the same run, or bind the device in the set-up "
+                          "helper here.", severity=WARNING)
+            return
         yield finding(facts, node, "missing-set-device",
                       "CUDA is used under torchrun but the script never binds a device: every "
                       "rank defaults to cuda:0.",
@@ -91,6 +101,25 @@ def _unseen_init_helper(facts: Facts) -> str | None:
                 last not in ("init_process_group",):
             return q
     return None
+
+
+def _entry_in_view(facts: Facts) -> bool:
+    """Some file of the program runs code itself: a `__main__` block or a call at module
+    level (a script), not only definitions a caller out of view uses (efficientvit's
+    trainer and dist helpers, run by a script not checked). A use in the function that
+    starts the group needs no entry: the set-up is right there."""
+    for f in facts.project.component(facts):
+        for stmt in f.tree.body:
+            if isinstance(stmt, ast.If) and "__name__" in ast.unparse(stmt.test):
+                return True
+            if isinstance(stmt, (ast.Expr, ast.For, ast.While, ast.With)) and any(
+                    isinstance(n, ast.Call) for n in ast.walk(stmt)):
+                return True  # a bare `main()`, a training loop at top level
+            if isinstance(stmt, ast.Assign) and isinstance(stmt.value, ast.Call) and (
+                    f.project.resolve(f, stmt.value) or (f.qualname(stmt.value.func) or "").endswith(
+                        ("init_process_group", "DistributedDataParallel", "to", "cuda"))):
+                return True  # `model = build(...)`, `model = DDP(...)`: script code, not a library's logger
+    return False
 
 
 def _unseen_device_binder(facts: Facts) -> str | None:

@@ -300,7 +300,8 @@ def _atomic_writer(facts: Facts, node: ast.AST) -> bool:
     return bool(name) and any(
         isinstance(n, ast.withitem) and n.optional_vars is not None and ref(n.optional_vars) == name
         and isinstance(n.context_expr, ast.Call)
-        and any(w in (facts.qualname(n.context_expr.func) or "").rsplit(".", 1)[-1].lower() for w in ("rename", "atomic"))
+        and any(w in (facts.qualname(n.context_expr.func) or "").rsplit(".", 1)[-1].lower()
+                for w in ("rename", "atomic"))
         for n in facts.nodes)
 
 

@@ -10,6 +10,7 @@ import ast
 
 from disttrain.doctor.facts import Facts, is_const, kwarg, mentions, ref
 from disttrain.doctor.findings import ERROR, WARNING, finding, rule
+from disttrain.doctor.program import off_mode
 
 _ACCUM_WORDS = ("accum", "grad_acc", "gradient_acc", "ga_steps")
 
@@ -214,9 +215,12 @@ def gradscaler_unsynced(facts: Facts):
         for call in f.calls_to("all_reduce", "all_reduce_coalesced"):
             if any(mentions(a, lambda w: any(s in w.lower() for s in _SYNC_WORDS)) for a in call.args):
                 return  # the found-inf flag is already agreed across ranks
+    modes = facts.project.fsdp_mode_flags(facts)
     for call in facts.calls_to("GradScaler"):
         if is_const(kwarg(call, "enabled"), False):
             continue
+        if "fsdp1" in kinds and off_mode(facts, call, modes):
+            continue  # `assert not args.fsdp` before it: the DDP path, where the plain scaler is right
         if "fsdp1" in kinds:
             yield finding(facts, call, "gradscaler-unsynced",
                           "GradScaler with FSDP shards: each rank checks only its own gradients for "

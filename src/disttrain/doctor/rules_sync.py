@@ -13,6 +13,7 @@ import ast
 from disttrain.doctor import control_flow, dataflow
 from disttrain.doctor.facts import Facts, arg, is_const, kwarg, mentions, ref
 from disttrain.doctor.findings import ERROR, WARNING, finding, rule
+from disttrain.doctor.program import off_mode
 from disttrain.doctor.rules_launch import _is_eval_name, _sampler_names
 
 # Which calls are collectives: names.collective_name (torch.distributed's, Accelerate's,
@@ -28,9 +29,12 @@ def collectives(facts: Facts) -> list[tuple[ast.Call, str]]:
     torch.distributed's, Accelerate's, Fabric's, MPI-style communicators', DCP's state-dict
     helpers and an FSDP1 module's `state_dict()` (dataflow.collective_name)."""
     targets = facts.project.fsdp1_targets(facts)
+    modes = facts.project.fsdp_mode_flags(facts)
     out = []
     for call, _ in facts.calls:
         name = dataflow.collective_name(facts, call, targets)
+        if name == "FSDP state_dict" and off_mode(facts, call, modes):
+            continue  # `cpu_state if args.fsdp else model.state_dict()`: the DDP path
         if name:
             out.append((call, name))
     return out
@@ -86,7 +90,8 @@ def _has_partner(facts: Facts, call: ast.Call, name: str, ifs, all_calls) -> boo
       "a collective that only some ranks reach",
       """A collective (dist.barrier, all_reduce, all_gather, broadcast, a DCP save or load,
       accelerator.wait_for_everyone/gather, fabric.barrier, Lightning's
-      trainer.save_checkpoint from 2.1, which ends in a barrier ...) returns only when every rank of the group has called it. Under `if rank == 0:` (or its else branch, after an early
+      trainer.save_checkpoint from 2.1, which ends in a barrier ...) returns only when
+      every rank of the group has called it. Under `if rank == 0:` (or its else branch, after an early
       `if rank != 0: return`, or in a function called only under such a guard, like
       `@rank_zero_only`) the other ranks never arrive and the job hangs until the collective
       timeout. Run the collective on every rank and guard only the file or log write. The
