@@ -59,18 +59,22 @@ def diagnose(beats: list[dict], now: float, stale_after: float,
 
 
 COLLECTIVE_WORDS = ("all_reduce", "allreduce", "all_gather", "allgather", "reduce_scatter", "broadcast",
-                    "barrier", "all_to_all", "alltoall", "isend", "irecv", "torch/distributed/", "c10d",
-                    "torch/nn/parallel/distributed.py", "_engine_run_backward")
-"""Words of a frame that waits for the other ranks: a collective or point-to-point op,
-any frame inside torch.distributed (a work handle's wait), DDP's forward (its buffer
-broadcast) and autograd's engine (under DDP a backward ends waiting for the gradient
-all-reduce, inside the engine's C++)."""
+                    "barrier", "all_to_all", "alltoall", "isend", "irecv", "c10d", "_functional_collectives",
+                    "_fully_shard/", "torch/nn/parallel/distributed.py", "_engine_run_backward")
+"""Words of a frame that waits for the other ranks: a collective or point-to-point op
+(torch.distributed's API and its logging wrapper are `distributed_c10d.py` and
+`c10d_logger.py`), functional collectives, FSDP2's unshard and reduce waits, DDP's
+forward (its buffer broadcast) and autograd's engine (under DDP a backward ends waiting
+for the gradient all-reduce, inside the engine's C++). Not the rest of
+torch.distributed: a checkpoint's file writes are work, not a wait."""
 
 
 def in_collective(frames: list[str]) -> bool:
-    """Whether a main thread's frames (any order, one string per frame naming its
-    function and file) show it waiting for the other ranks."""
-    return any(w in frame.lower() for frame in frames for w in COLLECTIVE_WORDS)
+    """Whether a main thread whose frames are `frames` (innermost first, each naming its
+    function and file) waits for the other ranks: its innermost frame is a collective.
+    Only the innermost: a collective's code can import or compute on the way in, and
+    such a thread is busy, not waiting."""
+    return bool(frames) and any(w in frames[0].lower() for w in COLLECTIVE_WORDS)
 
 
 def _by_stacks(beats: list[dict], stacks: dict[int, str]) -> tuple[str, list[int]] | None:
