@@ -54,6 +54,15 @@ def test_10_commands_that_write_refuse_unwritable_or_existing_paths(tmp_path, ca
     sbatch = tmp_path / "job.sbatch"  # an earlier launch file of its own is replaced
     for _ in range(2):
         assert cli(["launch-file", "slurm", str(cfg), "--nodes", "1", "-o", str(sbatch)]) == 0
+    capsys.readouterr()
+    script = str(ROOT / "examples" / "plain_to_ddp.py")
+    assert "already exists" in _one_line_error(capsys, "doctor", script, "-o", str(keep))
+    assert "is a directory" in _one_line_error(capsys, "doctor", script, "-o", str(tmp_path))
+    assert keep.read_text() == "mine"
+    for form in ("text", "json", "sarif"):  # an earlier report of its own is replaced
+        report = tmp_path / f"doctor.{form}"
+        for _ in range(2):
+            assert cli(["doctor", script, "--format", form, "-o", str(report)]) == 0, capsys.readouterr().err
 
 
 def test_10_counts_and_sizes_that_cannot_work_are_one_line(capsys):

@@ -36,7 +36,8 @@ def _parser() -> argparse.ArgumentParser:
                    help="training scripts or directories (searched recursively for *.py)")
     p.add_argument("--format", choices=("text", "json", "sarif"), default="text",
                    help="text (default, for people), json, or sarif (SARIF 2.1.0 for CI code scanning)")
-    p.add_argument("-o", "--output", metavar="FILE", help="write the report to FILE instead of stdout")
+    p.add_argument("-o", "--output", metavar="FILE", help="write the report to FILE instead of stdout "
+                   "(an existing FILE only when it is an earlier report)")
     p.add_argument("--select", type=_ids, metavar="IDS", help="only these rule ids (comma-separated)")
     p.add_argument("--ignore", type=_ids, metavar="IDS", help="skip these rule ids (comma-separated)")
     p.add_argument("--list-rules", action="store_true", help="print every rule with its help and exit")
@@ -102,6 +103,10 @@ def main(argv: list[str]) -> int:
         if os.path.isdir(path) and not analyzer.collect_files([path]):
             raise UserError(f"{path}: no Python files in this folder (hidden, build and virtualenv "
                             f"folders are skipped); give the training script(s) to check")
+    if args.output:  # before the analysis: a user's file is refused, not overwritten
+        from disttrain.config.paths import output_file
+
+        output_file(args.output, "--output", replaceable=report.is_earlier_report)
     files, findings = _deep(analyzer.analyze_paths, args.paths, args.select, args.ignore)
     if args.format == "json":
         text = report.render_json(files, findings)

@@ -16,6 +16,8 @@ Contracts:
 from __future__ import annotations
 
 import json
+import os
+import re
 from itertools import groupby
 from pathlib import Path
 from typing import TextIO
@@ -162,3 +164,23 @@ def render_sarif(files: list[Path], findings: list[Finding]) -> str:
         }],
     }
     return json.dumps(doc, indent=2) + "\n"
+
+
+_TEXT_SUMMARY = re.compile(r"(No findings in \d+ files?\.|\d+ errors?, \d+ warnings? in \d+ files?\.)")
+
+
+def is_earlier_report(path: Path) -> bool:
+    """Whether `path` holds a report this command wrote (JSON or SARIF naming the tool,
+    or text ending in the summary line), which `--output` may replace. Anything else is
+    the user's and is never overwritten."""
+    try:
+        with open(path, "rb") as f:
+            head = f.read(4096).decode("utf-8", "replace")
+            f.seek(max(0, os.fstat(f.fileno()).st_size - 400))
+            tail = f.read().decode("utf-8", "replace")
+    except OSError:
+        return False
+    if head.lstrip().startswith("{"):
+        return '"disttrain doctor"' in head or '"disttrain-doctor"' in head
+    return bool(_TEXT_SUMMARY.search(tail))
+
