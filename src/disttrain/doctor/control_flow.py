@@ -75,7 +75,8 @@ def _ref(node: ast.AST) -> str | None:
 
 def _is_local_word(word: str) -> bool:
     low = word.lower()
-    return ("local" in low and "rank" in low) or low == "gpu_id"  # a GPU index: one per node
+    # a GPU index, or Accelerate's `is_local_main_process`: one process per node
+    return ("local" in low and any(w in low for w in ("rank", "main", "master"))) or low == "gpu_id"
 
 
 def is_guard_word(text: str) -> bool:
@@ -96,6 +97,8 @@ def guard_kind(facts, test: ast.AST) -> str | None:
 def _guard_kind(facts, test: ast.AST) -> str | None:
     if _is_env_presence(test):
         return None
+    if isinstance(test, ast.BoolOp) and isinstance(test.op, ast.Or) and _or_on_every_rank(facts, test):
+        return None
     variables = facts.rank_variables
     funcs = facts.project.rank_flag_functions
     kinds = set()
@@ -114,6 +117,17 @@ def _guard_kind(facts, test: ast.AST) -> str | None:
         elif isinstance(n, ast.Constant) and n.value in ("RANK", "LOCAL_RANK"):
             kinds.add(LOCAL if n.value == "LOCAL_RANK" else GLOBAL)
     return GLOBAL if GLOBAL in kinds else LOCAL if kinds else None
+
+
+def _or_on_every_rank(facts, test: ast.BoolOp) -> bool:
+    """`is_main and a or b`: Python binds `and` first, so when every rank test sits inside
+    an `and` alternative and another alternative tests no rank (and is not "single
+    process?", `not args.distributed`), that alternative makes the test true on every
+    rank. `not fsdp or rank == 0` (a mode, or the rank alone) stays a guard."""
+    bare = [v for v in test.values if not (isinstance(v, ast.BoolOp) and isinstance(v.op, ast.And))]
+    if any(guard_kind(facts, v) for v in bare):
+        return False
+    return any(guard_kind(facts, v) is None and distributed_test(v) != -1 for v in test.values)
 
 
 _DIST_WORDS = {"distributed", "ddp", "is_distributed", "use_ddp", "multiprocessing_distributed",

@@ -20,7 +20,49 @@ def rank_variables(facts) -> dict[str, str]:
     out.update(facts.own_rank_values)
     for name, kind in _guard_made_objects(facts, out).items():
         out.setdefault(name, kind)
+    for name, kind in _rank_only_params(facts).items():
+        out.setdefault(name, kind)
     return out
+
+
+def _made_objects(facts) -> dict[str, str]:
+    """`_guard_made_objects` of a file from its own and the shared rank values, once per
+    file (asked for by the files it calls into)."""
+    cache = facts.__dict__
+    if "_made_objects" not in cache:
+        values = dict(facts.project.shared_rank_values)
+        values.update(facts.own_rank_values)
+        cache["_made_objects"] = _guard_made_objects(facts, values)
+    return cache["_made_objects"]
+
+
+def _rank_only_params(facts) -> dict[str, str]:
+    """Parameters of this file's functions that every call site in the run fills with an
+    object created only under a rank guard (`train_one_epoch(..., log_writer=log_writer)`
+    in main.py, where `log_writer = SummaryWriter()` on rank 0 and None elsewhere): the
+    callee's `if log_writer is not None:` is a rank guard too."""
+    out: dict[str, str] = {}
+    sites = facts.project.call_sites
+    for d in facts.nodes:
+        if not isinstance(d, (ast.FunctionDef, ast.AsyncFunctionDef)) or not sites.get(d):
+            continue
+        params = [a.arg for a in d.args.args]
+        for i, name in enumerate(params):
+            kinds = [_argument_kind(f, c, name, i, params) for f, c in sites[d]]
+            if kinds and None not in kinds:
+                out.setdefault(name, GLOBAL if GLOBAL in kinds else LOCAL)
+    return out
+
+
+def _argument_kind(f, call: ast.Call, name: str, index: int, params: list[str]) -> str | None:
+    """The rank kind of the guard-made object `call` passes for parameter `name`, or None."""
+    value = next((k.value for k in call.keywords if k.arg == name), None)
+    if value is None:
+        offset = 1 if params[:1] in (["self"], ["cls"]) and isinstance(call.func, ast.Attribute) else 0
+        j = index - offset
+        value = call.args[j] if 0 <= j < len(call.args) else None
+    ref = _ref(value) if value is not None else None
+    return _made_objects(f).get(ref) if ref else None
 
 
 def own_rank_values(facts) -> dict[str, str]:

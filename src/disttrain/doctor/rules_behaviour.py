@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import ast
 
-from disttrain.doctor import control_flow
+from disttrain.doctor import control_flow, guard_shapes
 from disttrain.doctor.facts import Facts, is_const, kwarg, mentions, ref
 from disttrain.doctor.findings import WARNING, finding, rule
 
@@ -197,6 +197,7 @@ def _assigned_to_ema(facts: Facts, call: ast.Call) -> bool:
       `torch.cuda.set_device(args.local_rank)` binds every rank to the same GPU. Read
       `int(os.environ["LOCAL_RANK"])` (and guard on the global rank).""")
 def guard_true_on_every_rank(facts: Facts):
+    yield from _guards_that_do_not_hold(facts)
     default = _local_rank_argument(facts)
     if default is None or facts.project.reads_local_rank_env:
         return
@@ -220,6 +221,19 @@ def guard_true_on_every_rank(facts: Facts):
                       "writes the same file.",
                       "read local_rank = int(os.environ['LOCAL_RANK']) and guard on the global rank "
                       "(dist.get_rank() == 0).")
+
+
+def _guards_that_do_not_hold(facts: Facts):
+    """`if is_main and a or b:` bodies that touch shared state, and folder resets with no
+    guard before a barrier (guard_shapes.py); a reset inside such an `if` is reported once.
+    No other sign of several processes is asked for: the rank test or the barrier is one."""
+    reported = []
+    for node, message, fix in guard_shapes.or_precedence(facts):
+        reported.append(node)
+        yield finding(facts, node, "guard-true-on-every-rank", message, fix)
+    for node, message, fix in guard_shapes.unguarded_reset(facts):
+        if not any(a in reported for a in facts.ancestors(node)):
+            yield finding(facts, node, "guard-true-on-every-rank", message, fix)
 
 
 def _local_rank_argument(facts: Facts):
