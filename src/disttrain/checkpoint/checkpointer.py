@@ -90,7 +90,9 @@ class Checkpointer:
         self.run_id = self._bcast(uuid.uuid4().hex[:8])
         self.generation: int | None = None
         self._inflight: Future | None = None
-        self._stager = None
+        from disttrain.checkpoint.async_part import AsyncStaging
+
+        self._async = AsyncStaging()
         self._pool = ThreadPoolExecutor(max_workers=1, thread_name_prefix="disttrain-ckpt")
         self._remover = ThreadPoolExecutor(max_workers=1, thread_name_prefix="disttrain-prune")
         self._removals: list[Future] = []
@@ -200,28 +202,19 @@ class Checkpointer:
             except _failures() as e:
                 local = describe_failure(e, self.rank)
             return self._finish(step, tmp, final, sd["meta"], info, local, (writer.digests, finite))
-        future = dcp.async_save(sd["tensors"], storage_writer=writer, planner=JsonSavePlanner(),
-                                process_group=self.pg, async_stager=self._staging(),
+        part, planner = self._async.part(sd["tensors"]), JsonSavePlanner()
+        future = dcp.async_save(part, storage_writer=writer, planner=planner, process_group=self.pg,
+                                async_stager=self._async.stager(),
                                 async_checkpointer_type=AsyncCheckpointerType.THREAD)
         self._inflight = self._pool.submit(self._complete, future, step, tmp, final, sd["meta"],
-                                           info, (writer.digests, finite))
+                                           info, (writer.digests, finite), planner)
         return None
 
-    def _staging(self):
-        """The async saves' stager, one per checkpointer: it copies into the CPU buffers
-        of the previous save (at most one is in flight), not into fresh memory."""
-        if self._stager is None:
-            from torch.distributed.checkpoint.staging import DefaultStager, StagingOptions
-
-            self._stager = DefaultStager(StagingOptions(use_pinned_memory=torch.cuda.is_available(),
-                                                        use_shared_memory=False, use_async_staging=False,
-                                                        use_non_blocking_copy=False))
-        return self._stager
-
-    def _complete(self, future, step, tmp, final, meta, info, outcome) -> Path:
+    def _complete(self, future, step, tmp, final, meta, info, outcome, planner) -> Path:
         local = None
         try:
             future.result()
+            self._async.learn(planner)
         except _failures() as e:
             local = describe_failure(e, self.rank)
         return self._finish(step, tmp, final, meta, info, local, outcome)
@@ -303,8 +296,7 @@ class Checkpointer:
             self._pool.shutdown(wait=True)
             self._join_removals()
             self._remover.shutdown(wait=True)
-            if self._stager is not None:
-                self._stager.close()
+            self._async.close()
 
     # ------------------------------------------------------------ load
 
