@@ -62,8 +62,20 @@ from bench.doctor_projects import (  # noqa: E402,F401  (re-exported for the tes
     recorded_misses, recorded_table, round_figures, rule_table)
 
 
+_ANALYSED: dict = {}
+
+
+def _analysed(paths: list[str]) -> tuple[list[Path], list]:
+    """analyze_paths(paths), once per process while the files are unchanged: the tests
+    and the section ask for the same run several times."""
+    key = tuple((p, os.stat(p).st_mtime_ns) for p in paths)
+    if key not in _ANALYSED:
+        _ANALYSED[key] = analyze_paths(paths)
+    return _ANALYSED[key]
+
+
 def corpus_findings() -> tuple[list[Path], list]:
-    return analyze_paths(corpus_paths())
+    return _analysed(corpus_paths())
 
 
 @dataclass
@@ -167,7 +179,7 @@ def load_case(path: Path) -> BugCase:
 def measure_bugs() -> list[BugCase]:
     cases = [load_case(p) for p in sorted(BUGS.glob("*.py"))]
     for case in cases:
-        _, found = analyze_paths([str(case.path)])
+        _, found = _analysed([str(case.path)])
         case.found = {(f.rule, f.line) for f in found}
     return cases
 

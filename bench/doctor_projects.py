@@ -344,7 +344,8 @@ def frozen_figures(results: list[ProjectResult], n: int) -> dict:
     """Round `n`'s held-back figures as the doctor frozen for it gave them, from the
     reviews alone: the findings it gave carry verdicts; a finding a later fix added is
     marked `"after_freeze": n`: a true one was a miss of the frozen doctor (its entry moved
-    from `missed` to `findings`), a false one it never gave. Equal to RECORDED[n] as long
+    from `missed` to `findings`; with `"unlisted_then": true` a real problem that review
+    did not list, so not in the recorded figures), a false one it never gave. Equal to RECORDED[n] as long
     as the reviews are."""
     rs = held_back_round(results, n)
     t: dict = defaultdict(int)
@@ -355,7 +356,9 @@ def frozen_figures(results: list[ProjectResult], n: int) -> dict:
         for key, e in r.verdicts.items():
             cat = category(key[1])
             if e.get("after_freeze") == n:
-                t[f"fn_{cat}"] += e["verdict"] == "true"  # a false one the frozen doctor never gave
+                # a false one the frozen doctor never gave; a true one the review did not
+                # list as a miss then (`unlisted_then`) was not counted against it either
+                t[f"fn_{cat}"] += e["verdict"] == "true" and not e.get("unlisted_then")
             elif e["verdict"] == "true":
                 t["tp"] += 1
                 t[f"tp_{cat}"] += 1

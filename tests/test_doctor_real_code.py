@@ -20,7 +20,7 @@ from conftest import ROOT
 
 sys.path.insert(0, str(ROOT))
 
-from bench.doctor_corpus import corpus_paths  # noqa: E402
+from bench.doctor_corpus import corpus_findings  # noqa: E402
 
 
 def findings(source: str, path: str = "script.py"):
@@ -240,7 +240,7 @@ CORPUS = Path(__file__).parent / "doctor_corpus"
 
 def test_corpus_findings():
     expected = json.loads((CORPUS / "expected.json").read_text())
-    files, found = analyze_paths(corpus_paths())  # bugs/ cases are checked one by one
+    files, found = corpus_findings()  # bugs/ cases are checked one by one (shared with the bench)
     got = {p.relative_to(CORPUS).as_posix(): [] for p in files}
     for f in found:
         got[Path(f.file).relative_to(CORPUS).as_posix()].append(

@@ -100,3 +100,22 @@ def test_is_local_main_process_is_one_process_per_node():
     facts.__dict__["project"] = Project([facts])
     tests = [n.test for n in ast.walk(facts.tree) if isinstance(n, ast.If)]
     assert [control_flow.guard_kind(facts, t) for t in tests] == ["local", "global"]
+
+
+# lerobot / EasyContext / qlora: the weights written in place by save_pretrained; the
+# config and the processors saved next to them are small metadata, not reported again
+HF_SAVE = PRE + """
+def save(model, cfg, tokenizer, out_dir):
+    if rank == 0:
+        model.save_pretrained(out_dir)
+        cfg.save_pretrained(out_dir)
+        tokenizer.save_pretrained(out_dir)
+save(None, None, None, "out")
+"""
+
+
+def test_save_pretrained_into_the_final_folder_is_not_atomic():
+    assert [f[:2] for f in found(HF_SAVE, "non-atomic-save")] == [("non-atomic-save", 14)]
+    aside = HF_SAVE.replace("model.save_pretrained(out_dir)", "model.save_pretrained(out_dir + '.tmp')\n"
+                            "        os.replace(out_dir + '.tmp', out_dir)")
+    assert found(aside, "non-atomic-save") == []

@@ -291,6 +291,36 @@ def non_atomic_save(facts: Facts):
                       "torch.save writes the final checkpoint path directly: a crash mid-write "
                       "leaves a corrupt checkpoint under the real name.",
                       "save to f\"{path}.tmp\" in the same directory, then os.replace(tmp, path).")
+    yield from _folder_saves(facts, moves)
+
+
+# What a `save_pretrained` of these writes is a small JSON (a config, a tokenizer's
+# vocabulary), saved next to the weights: the weights' save is the one reported.
+_METADATA = ("config", "cfg", "tokenizer", "processor")
+
+
+def _folder_saves(facts: Facts, moves: list) -> list:
+    """`model.save_pretrained(output_dir)` (transformers, diffusers, PEFT) writes the
+    weight and config files one by one into the final folder: a crash part-way leaves a
+    folder that loads as a model with torn or missing weights. Not reported when the
+    folder is a temporary one, the function moves it into place afterwards, or the
+    object saved is a config, tokenizer or processor."""
+    out = []
+    for call in facts.method_calls("save_pretrained"):
+        owner = (ref(call.func.value) or "").rsplit(".", 1)[-1].lower()  # type: ignore[attr-defined]
+        if any(w in owner for w in _METADATA):
+            continue
+        folder = call.args[0] if call.args else kwarg(call, "save_directory")
+        if folder is None or mentions(folder, lambda w: "tmp" in w.lower() or "temp" in w.lower()):
+            continue
+        scope = facts.scope_of(call)
+        if any(facts.scope_of(m) is scope and m.lineno >= call.lineno for m in moves):
+            continue
+        out.append(finding(facts, call, "non-atomic-save",
+                           "save_pretrained writes the files straight into the final folder: a crash "
+                           "mid-write leaves a folder that loads with torn or missing weights.",
+                           "save_pretrained into a temporary folder next to it, then os.replace it into place."))
+    return out
 
 
 def _atomic_writer(facts: Facts, node: ast.AST) -> bool:
