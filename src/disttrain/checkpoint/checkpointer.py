@@ -198,11 +198,12 @@ class Checkpointer:
         writer.digests[rng_name] = digest_bytes(rng)
         if self.async_mode == "off":
             try:
-                dcp.save(sd["tensors"], storage_writer=writer, planner=JsonSavePlanner(), process_group=self.pg)
+                dcp.save(sd["tensors"], storage_writer=writer, planner=JsonSavePlanner(self.run_id),
+                         process_group=self.pg)
             except _failures() as e:
                 local = describe_failure(e, self.rank)
             return self._finish(step, tmp, final, sd["meta"], info, local, (writer.digests, finite))
-        part, planner = self._async.part(sd["tensors"]), JsonSavePlanner()
+        part, planner = self._async.part(sd["tensors"]), JsonSavePlanner(self.run_id)
         future = dcp.async_save(part, storage_writer=writer, planner=planner, process_group=self.pg,
                                 async_stager=self._async.stager(),
                                 async_checkpointer_type=AsyncCheckpointerType.THREAD)

@@ -50,10 +50,16 @@ def byte_view(t: torch.Tensor) -> memoryview:
 class JsonSavePlanner(DefaultSavePlanner):
     """DCP's default save planner whose non-tensor values are JSON, not `torch.save`.
     Its plans are cached (DCP's `enable_plan_caching`): a save of the same layout as
-    the previous one sends no plans between the ranks."""
+    the previous one sends no plans between the ranks. The cache is per `cache_key`,
+    which every rank must give alike and which names one process group's saves (a
+    Checkpointer's run id): DCP keeps it per process, so after an in-memory recovery a
+    newcomer without a cache would wait for a plan the survivors think it has."""
 
-    def __init__(self):
+    def __init__(self, cache_key: str):
+        from disttrain.runtime.torch_compat import set_plan_cache_key
+
         super().__init__(enable_plan_caching=True)
+        set_plan_cache_key(self, f"{type(self).__name__}-{cache_key}")
 
     def transform_object(self, write_item, object):
         if write_item.type == WriteItemType.BYTE_IO:

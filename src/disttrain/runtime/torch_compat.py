@@ -276,3 +276,14 @@ def collectives_issued() -> int | None:
         return int(count()) if callable(count) else None
     except (RuntimeError, ValueError):
         return None
+
+
+def set_plan_cache_key(planner: Any, key: str) -> None:
+    """Keep a DCP save planner's cached plans under `key` instead of its class name.
+    Checked on 2.13.0: `DefaultSavePlanner(enable_plan_caching=True)` caches in
+    class-level dicts under `_cached_plans_key`. Fallback on a release without that
+    attribute: caching off (`_enable_plan_caching`), so plans are always exchanged."""
+    if hasattr(planner, "_cached_plans_key"):
+        planner._cached_plans_key = key
+    else:
+        planner._enable_plan_caching = False
