@@ -83,7 +83,7 @@ def _netns_or_skip() -> TwoNodes:
     return nodes
 
 
-@pytest.mark.timeout(90)
+@pytest.mark.timeout(400)
 def test_two_namespace_nodes_scale_down_up_exactly_once(tmp_path):
     nodes = _netns_or_skip()
     agents: dict[str, subprocess.Popen] = {}
@@ -108,19 +108,19 @@ def test_two_namespace_nodes_scale_down_up_exactly_once(tmp_path):
 
         agents["a"] = agent("a", logs[0])
         agents["b"] = agent("b", logs[1])
-        wait_for(lambda: progressed(2, 4), 40, "world 2 across the namespaces", logs)
+        wait_for(lambda: progressed(2, 4), 150, "world 2 across the namespaces", logs)
         mark = max(m["step"] for m in metrics(tmp_path))
         t_kill = time.monotonic()
         kill_node(agents.pop("b"))
-        wait_for(lambda: progressed(1, 0), 25, "world 1 after node b died", logs)
+        wait_for(lambda: progressed(1, 0), 90, "world 1 after node b died", logs)
         t_down = time.monotonic() - t_kill
         mark = max(m["step"] for m in metrics(tmp_path) if m["world_size"] == 1)
         agents["b"] = agent("b", logs[2])
         t_start = time.monotonic()
-        wait_for(lambda: progressed(2, mark), 25, "world 2 after node b rejoined", logs)
+        wait_for(lambda: progressed(2, mark), 90, "world 2 after node b rejoined", logs)
         print(f"scale-down {t_down:.1f} s, scale-up {time.monotonic() - t_start:.1f} s")
         for node, proc in agents.items():
-            rc = proc.wait(timeout=max(5.0, 85 - (time.monotonic() - t_kill)))
+            rc = proc.wait(timeout=max(5.0, 240 - (time.monotonic() - t_kill)))
             assert rc == 0, f"node {node} exited {rc}\n" + "\n".join(p.read_text()[-3000:] for p in logs
                                                                     if p.exists())
     finally:
