@@ -266,7 +266,8 @@ def collectives_issued() -> int | None:
     all-reduces included), or None when no group is up or the release cannot tell.
     Checked on 2.13.0 (gloo and NCCL count every collective):
     `ProcessGroup._get_sequence_number_for_group()`. Read from another thread; the
-    hang watchdog of a plain script uses it as its progress counter."""
+    hang watchdog of a plain script uses it as its progress counter. Fallback on a
+    release without it: None, and that watchdog watches the heartbeats only."""
     import torch.distributed as dist
 
     try:
