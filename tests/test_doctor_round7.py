@@ -119,3 +119,60 @@ def test_save_pretrained_into_the_final_folder_is_not_atomic():
     aside = HF_SAVE.replace("model.save_pretrained(out_dir)", "model.save_pretrained(out_dir + '.tmp')\n"
                             "        os.replace(out_dir + '.tmp', out_dir)")
     assert found(aside, "non-atomic-save") == []
+
+
+# ----- round 6's causes, fixed after its figures were recorded -------------------------
+
+# ml-4m: the print override is installed by a helper of a package whose __init__ (the
+# re-export) is not among the files: `import fourm.utils as utils` reaches
+# fourm/utils/dist.py all the same
+ML4M_DIST = """
+import builtins, os
+import torch
+def setup_for_distributed(is_main):
+    builtin_print = builtins.print
+    def print(*args, **kwargs):
+        if is_main or kwargs.pop("force", False):
+            builtin_print(*args, **kwargs)
+    builtins.print = print
+def init_distributed_mode(args):
+    args.gpu = int(os.environ["LOCAL_RANK"])
+    torch.cuda.set_device(args.gpu)
+    torch.distributed.init_process_group("nccl", timeout=__import__("datetime").timedelta(minutes=5))
+    setup_for_distributed(int(os.environ["RANK"]) == 0)
+"""
+ML4M_MAIN = """
+import fourm.utils as utils
+def main(args):
+    utils.init_distributed_mode(args)
+    print("Creating model")
+if __name__ == "__main__":
+    main(None)
+"""
+
+
+def test_a_helper_reached_through_a_package_without_its_init_is_seen(tmp_path):
+    files = {"run.py": ML4M_MAIN, "fourm/utils/dist.py": ML4M_DIST}
+    assert found_in(tmp_path, files, "unguarded-log") == []
+    def links(main_source: str) -> bool:
+        run = parse("pkg/run.py", textwrap.dedent(main_source))
+        dist = parse("pkg/fourm/utils/dist.py", textwrap.dedent(ML4M_DIST))
+        return id(dist) in Project([run, dist]).imports[id(run)]
+    assert links(ML4M_MAIN)
+    # a package that only shares the folder's last name is no link: `import torch.utils`
+    assert not links(ML4M_MAIN.replace("fourm.utils", "torch.utils"))
+
+
+# ml-4m: safetensors' own `torch` module is not torch
+SAFETENSORS = PRE + """
+from safetensors.torch import load as load_st
+with open("m.safetensors", "rb") as f:
+    tensors = load_st(f.read())
+"""
+
+
+def test_safetensors_load_is_not_torch_load():
+    assert found(SAFETENSORS, "load-without-weights-only") == []
+    assert found(SAFETENSORS, "load-without-map-location") == []
+    plain = SAFETENSORS.replace("from safetensors.torch import load as load_st", "from torch import load as load_st")
+    assert [f[0] for f in found(plain, "load-without-weights-only")] == ["load-without-weights-only"]

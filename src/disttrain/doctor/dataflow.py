@@ -88,15 +88,36 @@ class Project(ProgramFacts):
         out: dict[int, set[int]] = {}
         for f in self.files:
             mods: set[str] = set()
+            packages: set[str] = set()
             for n in f.nodes:
                 if isinstance(n, ast.Import):
                     for a in n.names:
                         mods |= set(a.name.split("."))
+                        packages.add(a.name)
                 elif isinstance(n, ast.ImportFrom):
                     if n.module:
                         mods |= set(n.module.split("."))
+                        packages.add(n.module)
                     mods |= {a.name for a in n.names}  # `from pkg import module`
-            out[id(f)] = {id(g) for m in mods for g in by_stem.get(m, []) if g is not f}
+            found = {id(g) for m in mods for g in by_stem.get(m, []) if g is not f}
+            out[id(f)] = found | {id(g) for g in self._package_files(packages) if g is not f}
+        return out
+
+    def _package_files(self, packages: set[str]) -> list:
+        """The files directly inside an imported package whose `__init__` is not among the
+        files checked (`import fourm.utils as utils` with fourm/utils/dist.py here): the
+        missing `__init__` re-exports them, as far as the doctor can tell. Matched on the
+        whole dotted path (`fourm/utils`), so `import torch.utils.data` links nothing."""
+        from pathlib import PurePath
+        inits = {PurePath(f.path).parent.as_posix() for f in self.files if PurePath(f.path).stem == "__init__"}
+        out = []
+        for f in self.files:
+            folder = PurePath(f.path).parent.as_posix()
+            if folder in inits:
+                continue
+            if any(folder == p.replace(".", "/") or folder.endswith("/" + p.replace(".", "/")) for p in packages
+                   if "." in p):
+                out.append(f)
         return out
 
     def imported_names(self, facts) -> set[str]:

@@ -38,6 +38,15 @@ class Wrap:
     scope: Scope
 
 
+# Packages with a `torch` submodule of their own: `safetensors.torch.load` reads
+# tensors, unpickles nothing, and is no `torch.load`.
+_FOREIGN_TORCH = ("safetensors.",)
+
+
+def _foreign(q: str, name: str) -> bool:
+    return q.startswith(_FOREIGN_TORCH) and not name.startswith(_FOREIGN_TORCH)
+
+
 @dataclass
 class Facts:
     path: str
@@ -96,12 +105,13 @@ class Facts:
 
         disttrain's own API (`disttrain.DistributedSampler`, ...) is the safe version of
         what the rules look for, so it matches only when a name starts with `disttrain`.
+        A package's own `torch` module (`safetensors.torch.load`) is not torch.
         """
         cache = self.__dict__.setdefault("_calls_to", {})
         if names not in cache:
             cache[names] = [c for c, q in self.calls if any(
                 ends_with(q, n) and (n.startswith("disttrain") or not q.startswith("disttrain."))
-                for n in names)]
+                and not _foreign(q, n) for n in names)]
         return list(cache[names])
 
     def method_calls(self, attr: str) -> list[ast.Call]:
