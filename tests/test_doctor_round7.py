@@ -176,3 +176,24 @@ def test_safetensors_load_is_not_torch_load():
     assert found(SAFETENSORS, "load-without-map-location") == []
     plain = SAFETENSORS.replace("from safetensors.torch import load as load_st", "from torch import load as load_st")
     assert [f[0] for f in found(plain, "load-without-weights-only")] == ["load-without-weights-only"]
+
+
+# diffusers (round 4): accelerator.save_state on the main process only, a collective
+# under DeepSpeed or FSDP; the Trainer's save_state (a JSON of its state) is none
+DIFFUSERS = """
+from accelerate import Accelerator
+from accelerate.utils import DistributedType
+accelerator = Accelerator()
+for step in range(10):
+    if accelerator.is_main_process:
+        accelerator.save_state(f"checkpoint-{step}")
+        trainer.save_state()
+"""
+
+
+def test_accelerate_save_state_on_the_main_process_only_is_a_warning():
+    assert [f[:3] for f in found(DIFFUSERS, "collective-under-rank-guard")] == [
+        ("collective-under-rank-guard", 7, "warning")]
+    balanced = DIFFUSERS.replace("if accelerator.is_main_process:", "if accelerator.is_main_process or "
+                                 "accelerator.distributed_type == DistributedType.DEEPSPEED:")
+    assert found(balanced, "collective-under-rank-guard") == []

@@ -129,6 +129,33 @@ def collective_under_rank_guard(facts: Facts):
                       "call it on every rank (outside the `if`), and guard only the work that must "
                       "happen once (the write, the log).")
     yield from _guarded_calls_into_collectives(facts, found)
+    yield from _guarded_accelerate_states(facts)
+
+
+def _guarded_accelerate_states(facts: Facts):
+    """`accelerator.save_state()` / `load_state()` under a rank guard: under DeepSpeed
+    (its save_checkpoint) or FSDP (the sharded state dict) a collective, which the launch
+    config (out of view) selects; under DDP not one. A warning that says so. A guard that
+    lets the DeepSpeed path in (`is_main_process or distributed_type == DEEPSPEED`) is
+    balanced."""
+    for call in (*facts.method_calls("save_state"), *facts.method_calls("load_state")):
+        owner = (ref(call.func.value) or "").lower()  # type: ignore[attr-defined]
+        if "accel" not in owner:
+            continue  # a HF Trainer's save_state writes trainer_state.json: no collective
+        kind = facts.rank_guard(call, subset=True)
+        if kind in (None, control_flow.SOLO):
+            continue
+        if any("deepspeed" in ast.unparse(i.test).lower() or "distributed_type" in ast.unparse(i.test)
+               for i, _ in _guarding_ifs(facts, call)):
+            continue
+        yield finding(facts, call, "collective-under-rank-guard",
+                      f"{ast.unparse(call.func)}() runs under a rank guard. Under DeepSpeed or FSDP (chosen "
+                      "by the launch config, which the doctor does not see) it is a collective (DeepSpeed's "
+                      "save_checkpoint, FSDP's sharded state dict): the ranks the guard leaves out never "
+                      "join it and the job hangs. Under DDP it only saves on this rank.",
+                      "call it on every rank (Accelerate writes once where it must), or let the DeepSpeed "
+                      "path in: `if accelerator.is_main_process or accelerator.distributed_type == "
+                      "DistributedType.DEEPSPEED:`.", severity=WARNING)
 
 
 def _guarded_calls_into_collectives(facts: Facts, direct: list):
