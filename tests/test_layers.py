@@ -106,7 +106,8 @@ def test_file_names_are_unique():
 
 
 @pytest.mark.parametrize("module", ["disttrain", "disttrain.config", "disttrain.doctor", "disttrain.plan",
-                                    "disttrain.cli", "disttrain.launch.run_command"])
+                                    "disttrain.cli", "disttrain.launch.run_command",
+                                    "disttrain.guard.script_watchdog"])
 def test_light_modules_do_not_import_torch(module):
     code = f"import sys, {module}; assert 'torch' not in sys.modules, 'torch imported'"
     proc = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=60)

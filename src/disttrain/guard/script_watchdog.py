@@ -111,6 +111,27 @@ def hang_timeout_s(env: dict | None = None) -> float:
     return value
 
 
+HANG_FLAG = "--hang-timeout"
+"""`disttrain run`'s flag for the bound (seconds; 0: no script watchdog)."""
+
+
+def take_hang_timeout(flags: list[str], value: str | None) -> tuple[list[str], dict[str, str]]:
+    """`flags` without `--hang-timeout V` / `--hang-timeout=V` (its `value`), and the env
+    that carries it to the workers. A bad value is a `UserError` in the launching
+    process, before any worker starts."""
+    from disttrain.errors import UserError
+
+    if value is None:
+        return flags, {}
+    try:
+        hang_timeout_s({HANG_TIMEOUT_ENV: value})
+    except ValueError as e:
+        raise UserError(str(e)) from None
+    at = [i for i, f in enumerate(flags) if f == HANG_FLAG]
+    drop = {*at, *(i + 1 for i in at), *(i for i, f in enumerate(flags) if f.startswith(HANG_FLAG + "="))}
+    return [f for i, f in enumerate(flags) if i not in drop], {HANG_TIMEOUT_ENV: value}
+
+
 def start_for_script() -> ScriptWatchdog | None:
     """Start this worker's script watchdog when it runs with others and a bound is set."""
     global _running

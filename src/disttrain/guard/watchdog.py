@@ -28,8 +28,6 @@ import shutil
 import signal
 import socket
 import statistics
-import subprocess
-import sys
 import tempfile
 import threading
 import time
@@ -37,6 +35,7 @@ from collections import deque
 from pathlib import Path
 
 from disttrain.guard.hang_report import diagnose, format_summary
+from disttrain.guard.stacks import dump_stacks, proc_state
 from disttrain.runtime.log import EVERY_RANK, LOGGER
 
 HANG_EXIT_CODE = 124
@@ -62,26 +61,6 @@ def job_key() -> str:
 def default_dir() -> Path:
     """A directory unique to this attempt of this job on this host."""
     return Path(tempfile.gettempdir()) / f"disttrain-guard-{job_key()}"
-
-
-def find_py_spy() -> str | None:
-    """py-spy next to this interpreter (a venv) or on PATH; None when not installed.
-
-    `DISTTRAIN_PY_SPY` overrides: a path to the binary, or 0 to use faulthandler only.
-    """
-    choice = os.environ.get("DISTTRAIN_PY_SPY")
-    if choice is not None:
-        return None if choice in ("", "0") else choice
-    here = Path(sys.executable).with_name("py-spy")
-    return str(here) if here.is_file() else shutil.which("py-spy")
-
-
-def proc_state(pid: int) -> str:
-    """The kernel's one-letter state of a local process ('T' stopped, 'Z' zombie), or '?'."""
-    try:
-        return Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[0]
-    except (OSError, IndexError):
-        return "?"
 
 
 class Watchdog:
@@ -374,38 +353,3 @@ class _Phase:
             if not wd.slow:  # the step resumes with the slow time taken out; deadline last
                 wd.step_since += time.monotonic() - max(wd.slow_since, wd.step_since)
                 wd.slow_deadline = None
-
-
-def dump_stacks(beats: list[dict], dir: Path) -> dict[int, str]:
-    """Python stacks of the local ranks in `beats`: py-spy, else their faulthandler files."""
-    py_spy = find_py_spy()
-    stacks: dict[int, str] = {}
-    if py_spy:
-        # --nonblocking reads memory without pausing: safe on a stopped process.
-        procs = {b["rank"]: subprocess.Popen([py_spy, "dump", "--nonblocking", "--pid", str(b["pid"])],
-                                             stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
-                 for b in beats}
-        for rank, proc in procs.items():
-            try:
-                stacks[rank] = proc.communicate(timeout=20)[0]
-            except subprocess.TimeoutExpired:
-                proc.kill()
-                stacks[rank] = "(py-spy timed out)"
-        if all(s.strip() and "Error" not in s[:200] for s in stacks.values()):
-            return stacks
-    for b in beats:  # faulthandler fallback; a stopped process answers only once resumed
-        # Only running watchdogs have the handler; SIGUSR1's default action would kill.
-        if b.get("proc_state") != "T" and b.get("state") == "running":
-            try:
-                os.kill(b["pid"], signal.SIGUSR1)
-            except OSError:
-                pass
-    time.sleep(1.0)
-    for b in beats:
-        if not stacks.get(b["rank"], "").strip() or "Error" in stacks[b["rank"]][:200]:
-            try:
-                text = (dir / f"stack{b['rank']}.txt").read_text()
-            except OSError:
-                text = ""
-            stacks[b["rank"]] = text or f"(no stack: process state {b.get('proc_state', '?')})"
-    return stacks

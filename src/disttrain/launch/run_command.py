@@ -58,6 +58,7 @@ import signal
 import sys
 
 from disttrain.errors import UserError
+from disttrain.guard.script_watchdog import HANG_FLAG, take_hang_timeout
 from disttrain.launch import user_notes, warm_workers
 from disttrain.launch.worker_entry import LAUNCHER_ENV
 
@@ -70,9 +71,7 @@ DEFAULT_PREEMPT_GRACE_S = 60.0
 """The grace when neither a trainer config nor DISTTRAIN_PREEMPT_GRACE_S names one
 (the default of `elastic.preempt_grace_s`)."""
 SHUTDOWN_FLAGS = ("--shutdown-timeout", "--shutdown_timeout")
-HANG_FLAG = "--hang-timeout"
-"""Seconds a plain script's rank may wait in one collective with no progress before the
-watchdog reports the hang and names the rank that stopped (`guard.script_watchdog`)."""
+
 SHUTDOWN_ENV = ("PET_SHUTDOWN_TIMEOUT", "TORCH_ELASTIC_SHUTDOWN_TIMEOUT")
 
 # Rendezvous settings for elastic jobs, each with its reason (torch's default in brackets):
@@ -226,24 +225,6 @@ def warm_workers_wanted(argv: list[str]) -> bool:
     return not load_config(script[1], script[2:]).elastic.fast_recovery
 
 
-def _hang_timeout(flags: list[str]) -> tuple[list[str], dict[str, str]]:
-    """Take `--hang-timeout S` out of the flags: the env that carries it to the workers'
-    script watchdog (`guard.script_watchdog`), checked here so a bad value fails before
-    any worker starts."""
-    from disttrain.guard.script_watchdog import HANG_TIMEOUT_ENV, hang_timeout_s
-
-    value = _flag_value(flags, HANG_FLAG)
-    if value is None:
-        return flags, {}
-    try:
-        hang_timeout_s({HANG_TIMEOUT_ENV: value})
-    except ValueError as e:
-        raise UserError(str(e)) from None
-    at = [i for i, f in enumerate(flags) if f == HANG_FLAG]
-    drop = {*at, *(i + 1 for i in at), *(i for i, f in enumerate(flags) if f.startswith(HANG_FLAG + "="))}
-    return [f for i, f in enumerate(flags) if i not in drop], {HANG_TIMEOUT_ENV: value}
-
-
 def build_torchrun_args(argv: list[str]) -> tuple[list[str], dict[str, str]]:
     """Translate `disttrain run` arguments into torchrun arguments plus env defaults.
 
@@ -253,7 +234,7 @@ def build_torchrun_args(argv: list[str]) -> tuple[list[str], dict[str, str]]:
     flags, script = _split_script(argv)
     debug, fast = "--debug" in flags, "--fast-recovery" in flags
     flags = [f for f in flags if f not in ("--debug", "--fast-recovery")]
-    flags, hang_env = _hang_timeout(flags)
+    flags, hang_env = take_hang_timeout(flags, _flag_value(flags, HANG_FLAG))
     if not script:
         raise UserError("no script given. Usage: disttrain run [torchrun flags] script.py [args]")
     flags = ["--nproc-per-node" if f == "--nproc" else

@@ -1,10 +1,18 @@
 """The process: group lifetime, device binding, seeds and rank information
 (process_group.py), small device-aware collectives (collectives.py), and fault
 injection at named points of a step (fault_injection.py).
-"""
 
-from disttrain.runtime.process_group import (RankInfo, barrier, distributed, init, rank_info, seed_all,
-                                             seed_rank_stream, seed_step, shutdown)
+The names below load process_group (and torch) on first use, so `runtime.log` (the
+one logger) stays light for the launcher and a plain script's watchdog.
+"""
 
 __all__ = ["RankInfo", "barrier", "distributed", "init", "rank_info", "seed_all", "seed_rank_stream",
            "seed_step", "shutdown"]
+
+
+def __getattr__(name: str):
+    if name in __all__:
+        from disttrain.runtime import process_group
+
+        return getattr(process_group, name)
+    raise AttributeError(f"module 'disttrain.runtime' has no attribute {name!r}")
