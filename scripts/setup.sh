@@ -7,6 +7,7 @@
 # torch is pinned by constraints.txt so pip takes the CPU build, never a CUDA one.
 set -euo pipefail
 cd "$(dirname "$0")/.."
+apt_pid=""
 
 missing=()
 command -v etcd >/dev/null 2>&1 || [ -x /usr/bin/etcd ] || missing+=(etcd-server)
@@ -17,15 +18,21 @@ if [ ${#missing[@]} -gt 0 ]; then
   SUDO=""
   [ "$(id -u)" -ne 0 ] && command -v sudo >/dev/null 2>&1 && SUDO="sudo"
   if command -v apt-get >/dev/null 2>&1 && { [ "$(id -u)" -eq 0 ] || [ -n "$SUDO" ]; }; then
-    echo "setup: installing ${missing[*]} (apt-get)"
-    $SUDO apt-get update -qq >/dev/null
-    DEBIAN_FRONTEND=noninteractive $SUDO apt-get install -y -qq "${missing[@]}" >/dev/null
+    echo "setup: installing ${missing[*]} (apt-get, alongside the Python packages)"
+    # In the background: apt and pip wait on different downloads and disks.
+    ( $SUDO apt-get update -qq >/dev/null
+      DEBIAN_FRONTEND=noninteractive $SUDO apt-get install -y -qq "${missing[@]}" >/dev/null ) &
+    apt_pid=$!
   else
     echo "setup: warning: ${missing[*]} not installed and apt-get unavailable; the tests that need them will skip." >&2
   fi
 fi
 
-if [ ! -x .venv/bin/python ] || ! .venv/bin/python -c "import disttrain, pytest, kubernetes_validate, xxhash, tensorboard" 2>/dev/null; then
+if [ ! -x .venv/bin/python ] || ! .venv/bin/python -c "import disttrain, pytest, xdist, kubernetes_validate, xxhash, tensorboard" 2>/dev/null; then
   python3 -m venv .venv
   .venv/bin/python -m pip install -q --disable-pip-version-check -c constraints.txt -e ".[test]"
+fi
+if [ -n "$apt_pid" ] && ! wait "$apt_pid"; then
+  echo "setup: apt-get install of ${missing[*]} failed (see its output above)." >&2
+  exit 1
 fi
