@@ -197,3 +197,19 @@ def test_accelerate_save_state_on_the_main_process_only_is_a_warning():
     balanced = DIFFUSERS.replace("if accelerator.is_main_process:", "if accelerator.is_main_process or "
                                  "accelerator.distributed_type == DistributedType.DEEPSPEED:")
     assert found(balanced, "collective-under-rank-guard") == []
+
+
+# ml-4m: `timedelta(4800)` meant as seconds is 4800 days; gpt-neox: DeepSpeed's init with
+# no timeout starts the same process group
+TIMEOUTS = """
+import datetime, deepspeed, torch
+torch.distributed.init_process_group("nccl", timeout=datetime.timedelta(4800))
+deepspeed.init_distributed(dist_backend="nccl", verbose=True)
+torch.distributed.init_process_group("nccl", timeout=datetime.timedelta(seconds=4800))
+deepspeed.init_distributed(dist_backend="nccl", timeout=datetime.timedelta(minutes=10))
+"""
+
+
+def test_a_timeout_of_days_or_none_given_to_deepspeed_is_reported():
+    assert [f[:2] for f in found(TIMEOUTS, "init-without-timeout")] == [
+        ("init-without-timeout", 3), ("init-without-timeout", 4)]

@@ -27,15 +27,47 @@ _NO_COLLECTIVE_BACKENDS = ("fake", "local_tensor")
       (5-10 minutes for elastic jobs). The `fake` and `local_tensor` backends (tracing,
       tests) run no real collectives and need none.""")
 def init_without_timeout(facts: Facts):
-    for call in facts.calls_to("init_process_group"):
+    # deepspeed.init_distributed(dist_backend, auto_mpi_discovery, distributed_port,
+    # verbose, timeout, ...) starts the same process group
+    for call in facts.calls_to("init_process_group", "deepspeed.init_distributed"):
         backend = arg(call, 0, "backend")
         if isinstance(backend, ast.Constant) and backend.value in _NO_COLLECTIVE_BACKENDS:
             continue  # no real collectives run, so nothing can hang
-        if kwarg(call, "timeout") is None and not has_star_kwargs(call) and len(call.args) < 3:
+        name = ast.unparse(call.func).rsplit(".", 1)[-1]
+        positional = 3 if name == "init_process_group" else 5
+        timeout = kwarg(call, "timeout")
+        if timeout is None and not has_star_kwargs(call) and len(call.args) < positional:
             yield finding(facts, call, "init-without-timeout",
-                          "init_process_group() has no timeout: a dead or hung rank stalls the "
+                          f"{name}() has no timeout: a dead or hung rank stalls the "
                           "others for torch's default 10-30 minutes.",
                           "pass timeout=datetime.timedelta(minutes=10) (5-10 min for elastic jobs).")
+        elif timeout is not None and (_seconds(timeout) or 0) > _DAY:
+            yield finding(facts, call, "init-without-timeout",
+                          f"{name}()'s timeout `{ast.unparse(timeout)}` is {_seconds(timeout) / _DAY:.0f} "
+                          "days: in effect none, a dead or hung rank stalls the others that long "
+                          "(timedelta's first argument is days).",
+                          "pass timeout=datetime.timedelta(minutes=10) (5-10 min for elastic jobs).")
+
+
+_DAY = 86400
+_UNITS = {"days": _DAY, "seconds": 1, "minutes": 60, "hours": 3600, "weeks": 7 * _DAY}
+
+
+def _seconds(node: ast.AST) -> float | None:
+    """The length of a constant `timedelta(...)` in seconds (positional arguments are
+    days, seconds as in datetime.timedelta), None when it is not one."""
+    if not (isinstance(node, ast.Call) and ast.unparse(node.func).rsplit(".", 1)[-1] == "timedelta"):
+        return None
+    total = 0.0
+    for unit, a in zip(("days", "seconds"), node.args):
+        if not (isinstance(a, ast.Constant) and isinstance(a.value, (int, float))):
+            return None
+        total += _UNITS[unit] * a.value
+    for k in node.keywords:
+        if k.arg not in _UNITS or not (isinstance(k.value, ast.Constant) and isinstance(k.value.value, (int, float))):
+            return None
+        total += _UNITS[k.arg] * k.value.value
+    return total
 
 
 @rule("init-rank-is-local-rank", ("P-INIT-3",), WARNING,
