@@ -71,7 +71,7 @@ class ScriptWatchdog(Watchdog):
         super().__init__(hang_min_s=bound_s, hang_cap_s=bound_s, **kw)
         self._main = threading.main_thread().ident
         self._wait: tuple[int, float] | None = None
-        """(progress mark, since) while the main thread waits in a collective."""
+        """(collectives issued, since when) while the main thread waits in a collective."""
         self.phase_name = OWN_CODE
 
     def _check(self) -> str | None:

@@ -71,7 +71,6 @@ DEFAULT_PREEMPT_GRACE_S = 60.0
 """The grace when neither a trainer config nor DISTTRAIN_PREEMPT_GRACE_S names one
 (the default of `elastic.preempt_grace_s`)."""
 SHUTDOWN_FLAGS = ("--shutdown-timeout", "--shutdown_timeout")
-
 SHUTDOWN_ENV = ("PET_SHUTDOWN_TIMEOUT", "TORCH_ELASTIC_SHUTDOWN_TIMEOUT")
 
 # Rendezvous settings for elastic jobs, each with its reason (torch's default in brackets):
