@@ -2,7 +2,7 @@
 
 A script that does not use `dt.Job` marks no steps, so `Watchdog`'s bound (a multiple
 of the median step time) has nothing to measure. This one watches the main thread
-instead: every tick it reads the main thread's Python frames and the number of
+instead: every tick it reads the main thread's innermost Python frame and the number of
 collectives the rank has issued. A rank whose main thread waits in a collective (a
 torch.distributed call, DDP's forward, a backward under DDP) while that number stands
 still for longer than the bound fires, and `Watchdog`'s report follows: every local
@@ -39,14 +39,11 @@ OWN_CODE, WAITING = "its own code", "waiting in a collective"
 _running: "ScriptWatchdog | None" = None
 
 
-def main_thread_frames(ident: int | None) -> list[str]:
-    """The thread's frames, innermost first, as 'function (file:line)' (py-spy's form)."""
+def innermost_frames(ident: int | None) -> list[str]:
+    """The thread's innermost frame as 'function (file:line)' (py-spy's form), in a list
+    (empty for a thread that is gone): all that `in_collective` judges."""
     frame = sys._current_frames().get(ident) if ident is not None else None
-    frames = []
-    while frame is not None:
-        frames.append(f"{frame.f_code.co_name} ({frame.f_code.co_filename}:{frame.f_lineno})")
-        frame = frame.f_back
-    return frames
+    return [] if frame is None else [f"{frame.f_code.co_name} ({frame.f_code.co_filename}:{frame.f_lineno})"]
 
 
 def collectives_issued() -> int | None:
@@ -75,7 +72,7 @@ class ScriptWatchdog(Watchdog):
         self.phase_name = OWN_CODE
 
     def _check(self) -> str | None:
-        frames = main_thread_frames(self._main)
+        frames = innermost_frames(self._main)
         now, bound = time.monotonic(), self.hang_cap_s
         # No count before the group is up: a wait in the rendezvous is torch's to time out
         # (a peer still importing is not a hang).
