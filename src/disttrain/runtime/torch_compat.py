@@ -122,6 +122,28 @@ def flatten_state_dict(state: dict) -> dict:
     return dcp_flatten(state)[0]
 
 
+def flatten_with_paths(state: dict) -> tuple[dict, dict]:
+    """`flatten_state_dict`'s flat dict and, for each key, its path (keys and list
+    indices) inside `state`: where DCP's loader puts a loaded value back.
+
+    Checked on 2.13.0. Fallback: the fallback's flat dict and each key's path of
+    mapping keys (lists stay leaves)."""
+    try:
+        from torch.distributed.checkpoint._nested_dict import flatten_state_dict as dcp_flatten
+    except ImportError:
+        return _flatten(state, ""), _key_paths(state, ())
+    return dcp_flatten(state)
+
+
+def _key_paths(tree: Any, path: tuple) -> dict:
+    if not isinstance(tree, dict):
+        return {".".join(map(str, path)): path}
+    out: dict = {}
+    for key, value in tree.items():
+        out.update(_key_paths(value, path + (key,)))
+    return out
+
+
 def _flatten(tree: Any, prefix: str) -> dict:
     if not isinstance(tree, dict):
         return {prefix: tree}
