@@ -159,12 +159,19 @@ ELASTIC = ["--nnodes", "1:2", "--rdzv-backend", "c10d", "--rdzv-endpoint", "127.
 TRAIN = ["-m", "disttrain.train", "examples/tiny_gpt.toml"]
 
 
-def test_warm_workers_for_elastic_trainer_jobs_only(monkeypatch):
+def test_warm_workers_for_every_python_worker_but_fast_recovery(monkeypatch):
     monkeypatch.delenv("DISTTRAIN_WARM_WORKERS", raising=False)
     args, _ = launch.build_torchrun_args(ELASTIC + TRAIN)
     assert args[-3:] == ["disttrain.launch.warm_workers", "disttrain.train", "examples/tiny_gpt.toml"]
-    for argv in (["--nproc", "2"] + TRAIN, ELASTIC + [SCRIPT],
-                 ELASTIC + TRAIN + ["--elastic.fast_recovery=true"]):
+    args, _ = launch.build_torchrun_args(["--nproc", "2"] + TRAIN)
+    assert args[-3:] == ["disttrain.launch.warm_workers", "disttrain.train", "examples/tiny_gpt.toml"]
+    # a user's script: the forked child runs it through worker_entry (its watchdog there)
+    args, _ = launch.build_torchrun_args(ELASTIC + [SCRIPT, "x"])
+    assert args[-6:] == ["disttrain.launch.worker_entry", "-m", "disttrain.launch.warm_workers",
+                         "disttrain.launch.worker_entry", SCRIPT, "x"]
+    assert "-m" in args[:-6]
+    for argv in (ELASTIC + TRAIN + ["--elastic.fast_recovery=true"], ["--fast-recovery", SCRIPT],
+                 ["--no-python", "echo"]):
         assert "disttrain.launch.warm_workers" not in launch.build_torchrun_args(argv)[0]
     monkeypatch.setenv("DISTTRAIN_WARM_WORKERS", "0")
     assert "disttrain.launch.warm_workers" not in launch.build_torchrun_args(ELASTIC + TRAIN)[0]

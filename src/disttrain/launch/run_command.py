@@ -42,10 +42,10 @@ What it changes, and why:
   `disttrain.launch.slot_supervisor`, which keeps the training process and a warm
   spare as its children (docs/elastic.md); a script runs under
   `disttrain.train.script_runner`, once per generation of the in-memory recovery.
-- `-m disttrain.train CONFIG` in an elastic or multi-node job (not `--standalone`, not
-  fast recovery): warm workers (`disttrain.launch.warm_workers`): each restart forks
-  its workers from a process that has imported torch and disttrain, instead of
-  starting fresh interpreters. `DISTTRAIN_WARM_WORKERS=0` turns it off.
+- Every Python worker but those of fast recovery: warm workers
+  (`disttrain.launch.warm_workers`): each start and restart forks its workers from a
+  process that has imported torch and disttrain, instead of starting fresh
+  interpreters. `DISTTRAIN_WARM_WORKERS=0` turns it off.
 Every other torchrun flag passes through unchanged.
 """
 
@@ -204,21 +204,20 @@ def preempt_grace_s(script: list[str], is_module: bool) -> float:
 
 
 def warm_workers_wanted(argv: list[str]) -> bool:
-    """Whether `disttrain run ARGV` forks its workers from a warm server: `-m
-    disttrain.train CONFIG`, a rendezvous other than `--standalone`, no fast recovery,
-    and DISTTRAIN_WARM_WORKERS not 0. Raises `UserError` for a switch other than 0 or 1
-    or a bad config."""
+    """Whether `disttrain run ARGV` forks its workers from a warm server: any Python
+    script or module (not `--no-python` or `--run-path`), no fast recovery (a slot
+    supervisor keeps its own warm spare), and DISTTRAIN_WARM_WORKERS not 0. Raises
+    `UserError` for a switch other than 0 or 1 or a bad config."""
     switch = os.environ.get(warm_workers.SWITCH_ENV, "1")
     if switch not in ("0", "1"):
-        raise UserError(f"{warm_workers.SWITCH_ENV} is {switch!r}; set it to 1 (fork restarted workers from "
+        raise UserError(f"{warm_workers.SWITCH_ENV} is {switch!r}; set it to 1 (fork workers from "
                         f"a process with torch imported, the default) or 0 (fresh interpreters).")
     flags, script = _split_script(argv)
-    nnodes = _flag_value(flags, "--nnodes") or "1"
-    endpoint = _flag_value(flags, "--rdzv-endpoint", "--rdzv_endpoint")
-    if (switch == "0" or "--standalone" in flags or (nnodes in ("1", "1:1") and endpoint is None)
-            or not any(f in flags for f in ("-m", "--module")) or len(script) < 2
-            or script[0] != "disttrain.train"):
+    if (switch == "0" or not script or "--fast-recovery" in flags
+            or any(f in flags for f in ("--no-python", "--no_python", "--run-path", "--run_path"))):
         return False
+    if script[0] != "disttrain.train" or len(script) < 2 or not any(f in flags for f in ("-m", "--module")):
+        return True
     from disttrain.config import load_config
 
     return not load_config(script[1], script[2:]).elastic.fast_recovery
@@ -287,7 +286,13 @@ def build_torchrun_args(argv: list[str]) -> tuple[list[str], dict[str, str]]:
         # each worker slot: a supervisor with the training process and a warm spare
         script = ["disttrain.launch.slot_supervisor", "disttrain.train.script_runner", *script]
         flags, is_module = flags + ["-m"], True
-    if warm_workers_wanted(argv):
+    warm = warm_workers_wanted(argv)
+    if warm and not (is_module and script[0].startswith("disttrain.")):
+        # a user's script or module: the forked child starts it through worker_entry
+        # (its hang watchdog belongs in the child, not in the stub)
+        script = ["disttrain.launch.worker_entry", *(["-m"] if is_module else []), *script]
+        flags, is_module = (flags if is_module else flags + ["-m"]), True
+    if warm:
         script = ["disttrain.launch.warm_workers", *script]
     if not any(f in flags for f in ("--no-python", "--no_python", "--run-path", "--run_path")):
         # every worker gets a parent-death signal (launch/worker_entry.py)

@@ -1,11 +1,12 @@
 """Warm workers: torchrun's worker processes forked from one that has already imported
-torch and disttrain, so a restart (a failed worker, a scale-down, a scale-up) does not
-pay for a fresh interpreter's imports (about 4 s of the 8-11 s on 2 cores, plus the
-3 s that DistributedDataParallel's first construction spends importing torch._dynamo).
+torch and disttrain, so a start or restart (a failed worker, a scale-down, a scale-up)
+does not pay for a fresh interpreter's imports in every worker (about 4 s of the 8-11 s
+on 2 cores, plus the 3 s that DistributedDataParallel's first construction spends
+importing torch._dynamo).
 
-`disttrain run ... -m disttrain.train CONFIG` starts, once per agent and before the
-agent's own imports, a **server** (`python -m disttrain.launch.warm_workers --serve
-SOCKET`) that imports `PRELOAD` and waits on a Unix socket. torchrun then starts, for
+`disttrain run` (any Python script or module but fast recovery's) starts, once per
+agent and before the agent's own imports, a **server** (`python -m
+disttrain.launch.warm_workers --serve SOCKET`) that imports `PRELOAD` and waits on a Unix socket. torchrun then starts, for
 each worker, `python -m disttrain.launch.warm_workers MODULE ARGS...`: a **stub** that
 imports nothing heavy, sends the server its environment, working directory, arguments
 and standard streams, and gets back the pid of a child that the server forks to run
