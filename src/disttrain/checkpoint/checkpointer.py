@@ -45,8 +45,7 @@ from disttrain.checkpoint.checkpoint_errors import (CheckpointCorrupt, Checkpoin
                                          CheckpointSaveError, StaleWriterError)
 from disttrain.checkpoint.digests import digest_bytes
 from disttrain.checkpoint.files import atomic_write_bytes
-from disttrain.checkpoint.finite import all_finite
-from disttrain.checkpoint.state import TrainState, config_hash, strategy_of
+from disttrain.checkpoint.state import TrainState, config_hash, param_fqns, strategy_of
 from disttrain.runtime import rank_info
 from disttrain.runtime.log import LOGGER
 
@@ -95,6 +94,8 @@ class Checkpointer:
         self._async = AsyncStaging()
         self._pool = ThreadPoolExecutor(max_workers=1, thread_name_prefix="disttrain-ckpt")
         self._remover = ThreadPoolExecutor(max_workers=1, thread_name_prefix="disttrain-prune")
+        # two threads: a rank's small files are fsynced at once (the journal commits them together)
+        self._syncer = ThreadPoolExecutor(max_workers=2, thread_name_prefix="disttrain-fsync")
         self._removals: list[Future] = []
         self.last_saved: Path | None = None
 
@@ -186,45 +187,61 @@ class Checkpointer:
 
         sd = state.state_dict()
         info = self._manifest_info(state, sd)
-        finite = all_finite(sd["tensors"].get("model", {}))  # before an async save's copy
-        local, rng_name = None, f"rank-{self.rank:05d}.json"
-        rng = json.dumps(sd["rng"]).encode()
-        try:
-            atomic_write_bytes(rng, tmp / rng_name)
-        except OSError as e:
-            local = f"rank {self.rank}: {describe(e)}"
-        self._raise_if(next((e for e in self._gather(local) if e), None), step, tmp)
-        writer = RawWriter(tmp, shard_filesystem(self.rank, step))  # hashes and fsyncs each file
-        writer.digests[rng_name] = digest_bytes(rng)
+        local, writer = None, RawWriter(tmp, shard_filesystem(self.rank, step))  # hashes and fsyncs each file
+        small = self._write_small(tmp, sd, writer.digests)
         if self.async_mode == "off":
             try:
                 dcp.save(sd["tensors"], storage_writer=writer, planner=JsonSavePlanner(self.run_id),
                          process_group=self.pg)
             except _failures() as e:
                 local = describe_failure(e, self.rank)
-            return self._finish(step, tmp, final, sd["meta"], info, local, (writer.digests, finite))
+            return self._finish(step, tmp, final, small, info, local, writer)
         part, planner = self._async.part(sd["tensors"]), JsonSavePlanner(self.run_id)
-        future = dcp.async_save(part, storage_writer=writer, planner=planner, process_group=self.pg,
-                                async_stager=self._async.stager(),
-                                async_checkpointer_type=AsyncCheckpointerType.THREAD)
-        self._inflight = self._pool.submit(self._complete, future, step, tmp, final, sd["meta"],
-                                           info, (writer.digests, finite), planner)
+        try:
+            future = dcp.async_save(part, storage_writer=writer, planner=planner, process_group=self.pg,
+                                    async_stager=self._async.stager(),
+                                    async_checkpointer_type=AsyncCheckpointerType.THREAD)
+        except BaseException:
+            self._written(small)  # nothing writes into the directory once this raises
+            raise
+        self._inflight = self._pool.submit(self._complete, future, step, tmp, final, small,
+                                           info, writer, planner)
         return None
 
-    def _complete(self, future, step, tmp, final, meta, info, outcome, planner) -> Path:
+    def _write_small(self, tmp: Path, sd: dict, digests: dict) -> list[Future]:
+        """Start writing this rank's RNG file (and on rank 0 `state.json`) on the sync
+        thread, each fsynced there while DCP writes the data: the small files' fsyncs
+        cost no time on the save's path. Their digests (from memory) go to `digests`.
+        `_written` joins them; `_finish` does before the ranks agree."""
+        files = {f"rank-{self.rank:05d}.json": json.dumps(sd["rng"]).encode()}
+        if self.rank == 0:
+            files["state.json"] = json.dumps(sd["meta"]).encode()
+        for name, data in files.items():
+            digests[name] = digest_bytes(data)
+        return [self._syncer.submit(atomic_write_bytes, data, tmp / name) for name, data in files.items()]
+
+    def _written(self, small: list[Future]) -> str | None:
+        """Wait for `_write_small`'s files: None, or this rank's failure as one line."""
+        errors = [f.exception() for f in small]
+        first = next((e for e in errors if e is not None), None)
+        return None if first is None else f"rank {self.rank}: {describe(first)}"
+
+    def _complete(self, future, step, tmp, final, small, info, writer, planner) -> Path:
         local = None
         try:
             future.result()
             self._async.learn(planner)
         except _failures() as e:
             local = describe_failure(e, self.rank)
-        return self._finish(step, tmp, final, meta, info, local, outcome)
+        return self._finish(step, tmp, final, small, info, local, writer)
 
-    def _finish(self, step: int, tmp: Path, final: Path, meta: dict, info: dict,
-                local: str | None, outcome: tuple[dict[str, dict], bool]) -> Path:
+    def _finish(self, step: int, tmp: Path, final: Path, small: list[Future], info: dict,
+                local: str | None, writer) -> Path:
         from disttrain.checkpoint.fault_points import fault_point
 
-        digests, finite = outcome  # one all-gather: each rank's outcome, digests, finiteness
+        local = self._written(small) or local  # every file of this rank is on disk, or the save fails
+        # one all-gather: each rank's outcome, digests, and whether the weights it wrote are finite
+        digests, finite = writer.digests, writer.finite.all() if local is None else True
         gathered = self._gather((local, digests if local is None else {}, finite))
         err = next((e for e, _, _ in gathered if e), None)
         fault_point("after_shards", self.rank, step)
@@ -232,9 +249,6 @@ class Checkpointer:
             try:
                 info = {**info, "finite": all(f for _, _, f in gathered)}
                 files = {name: d for _, part, _ in gathered for name, d in part.items()}
-                state_json = json.dumps(meta).encode()
-                atomic_write_bytes(state_json, tmp / "state.json")
-                files["state.json"] = digest_bytes(state_json)
                 layout.write_manifest(tmp, info, files)
                 fault_point("during_commit", self.rank, step)
                 layout.commit(tmp, final, self.run_id, self.generation)
@@ -297,6 +311,7 @@ class Checkpointer:
             self._pool.shutdown(wait=True)
             self._join_removals()
             self._remover.shutdown(wait=True)
+            self._syncer.shutdown(wait=True)
             self._async.close()
 
     # ------------------------------------------------------------ load
@@ -326,7 +341,8 @@ class Checkpointer:
                                                     if self.rank == 0 else None)))
         if not candidates:
             return None  # a fresh start: no state_dict(), whose optimizer-state init counts a step
-        sd, notes = state.state_dict(), []
+        sd, notes = {"tensors": state.tensor_state()}, []  # meta and RNG come from their files
+        fqns = param_fqns(sd)  # a load replaces the optimizer groups' names with the checkpoint's
         for step_dir in candidates:
             err = self._load_one(step_dir, sd["tensors"], strict)
             if err is None:
@@ -343,7 +359,7 @@ class Checkpointer:
         same_world = manifest.get("world_size") == self.world
         sd["meta"] = json.loads((step_dir / "state.json").read_text())
         sd["rng"] = json.loads(rng_file.read_text()) if same_world and rng_file.is_file() else None
-        state.load_state_dict(sd)
+        state.load_state_dict(sd, param_fqns=fqns)
         if not same_world:
             LOGGER.info(f"disttrain checkpoint: note: {step_dir.name} was saved at world size "
                         f"{manifest.get('world_size')}, loaded at {self.world}: weights and optimizer "

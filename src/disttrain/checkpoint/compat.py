@@ -16,11 +16,13 @@ from disttrain.runtime import torch_compat
 SHOW = 5
 
 
-def check_compatible(tensors: dict, step_dir: Path, *, strict: bool = True, metadata=None) -> None:
+def check_compatible(tensors: dict, step_dir: Path, *, strict: bool = True, metadata=None,
+                     flat: dict | None = None) -> None:
     """Compare the keys, global shapes and dtypes of `tensors` (the dict DCP will
     load into) with DCP's metadata in `step_dir`.
 
-    `metadata`: DCP's metadata of `step_dir` when the caller read it already.
+    `metadata`: DCP's metadata of `step_dir` when the caller read it already; `flat`:
+    `tensors` flattened (`torch_compat.flatten_state_dict`), when the caller has it.
     Raises `CheckpointMismatch` listing the first few mismatches. Call only after
     the manifest verified: the `.metadata` of a checkpoint of the `dcp` storage format
     is a pickle.
@@ -31,7 +33,7 @@ def check_compatible(tensors: dict, step_dir: Path, *, strict: bool = True, meta
     from disttrain.checkpoint.storage_formats import read_metadata
 
     saved = (metadata if metadata is not None else read_metadata(step_dir)).state_dict_metadata
-    flat = torch_compat.flatten_state_dict(tensors)
+    flat = torch_compat.flatten_state_dict(tensors) if flat is None else flat
     problems = []
     for key, value in flat.items():
         if key not in saved:

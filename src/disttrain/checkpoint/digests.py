@@ -64,9 +64,11 @@ def file_digest(path: str | os.PathLike, algorithm: str = ALGORITHM) -> tuple[in
     """(size, hex digest) of a file, read in 8 MiB chunks into one reused buffer
     (both hashes release the GIL on large buffers, so ranks' threads hash in parallel)."""
     h, size = new_hash(algorithm), 0
-    buf = bytearray(_CHUNK)
-    view = memoryview(buf)
     with open(path, "rb", buffering=0) as f:
+        # a small file gets a buffer of its size (+1 to see its end in one read): a fresh
+        # 8 MiB buffer costs more than hashing a few kilobytes
+        buf = bytearray(min(_CHUNK, os.fstat(f.fileno()).st_size + 1))
+        view = memoryview(buf)
         while n := f.readinto(buf):
             h.update(view[:n])
             size += n

@@ -72,6 +72,22 @@ def _finite(t: torch.Tensor) -> torch.Tensor:
     return torch.isfinite(lo) & torch.isfinite(hi)
 
 
+class FiniteTally:
+    """Whether every floating-point tensor `add`ed was finite, with one host sync per
+    device in `all()` (a save's writer adds each model tensor it writes, so each
+    rank checks exactly its share of the saved weights)."""
+
+    def __init__(self):
+        self._flags: dict[torch.device, list[torch.Tensor]] = {}
+
+    def add(self, t: torch.Tensor) -> None:
+        if (t.is_floating_point() or t.is_complex()) and t.numel() and t.device.type != "meta":
+            self._flags.setdefault(t.device, []).append(_finite(t))
+
+    def all(self) -> bool:
+        return all(bool(torch.stack(flags).all()) for flags in self._flags.values())
+
+
 def first_non_finite(tree: Any) -> str | None:
     """The name of the first floating-point tensor of `tree` holding a NaN or an
     infinity ('' for a bare tensor), or None when all are finite. One host sync per

@@ -48,11 +48,14 @@ class VerifyingFileSystem(FileSystem):
 
 def load_verified(tensors: dict, step_dir: Path, files: dict[str, dict], pg,
                   select=lambda name: True, storage: str = "dcp",
-                  metadata=None) -> tuple[tuple | None, set[str]]:
+                  metadata=None, flat: tuple[dict, dict] | None = None) -> tuple[tuple | None, set[str]]:
     """DCP-load `tensors` in place from `step_dir` (in the storage format `storage`;
     `metadata`: its DCP metadata, when read already), each file `select` accepts read
     once and checked against `files` (the manifest's records) before its values are
     parsed. Never raises: a failure is returned, for the caller to agree on.
+    `flat`: `torch_compat.flatten_with_paths(tensors)`, when the caller has it: a
+    `raw-1` load whose plan needs no planning (`direct_load`) then reads it without
+    DCP's planner.
 
     Returns (problem, the names this rank checked). `problem` is None, (bad file,
     message) for a file that failed its check, or ("", "", message) for any other
@@ -69,7 +72,10 @@ def load_verified(tensors: dict, step_dir: Path, files: dict[str, dict], pg,
     from disttrain.checkpoint import raw_storage
     from disttrain.checkpoint.compat import describe, walk_causes
 
+    from disttrain.checkpoint.direct_load import DirectPlanner, direct_plan
+
     raw = storage == raw_storage.FORMAT
+    plan = direct_plan(flat[0], metadata) if raw and flat is not None and metadata is not None else None
     if raw:
         reader = raw_storage.RawReader(step_dir, files, select, metadata)
         planner, checked = raw_storage.JsonLoadPlanner(), reader
@@ -78,7 +84,10 @@ def load_verified(tensors: dict, step_dir: Path, files: dict[str, dict], pg,
         planner, checked = None, VerifyingFileSystem(step_dir, files, select)
         reader.fs = checked
     try:
-        dcp.load(tensors, storage_reader=reader, planner=planner, process_group=pg, no_dist=raw)
+        if plan is not None:  # DCP's own plan, known without planning: read it
+            reader.read_data(plan, DirectPlanner(tensors, *flat)).wait()
+        else:
+            dcp.load(tensors, storage_reader=reader, planner=planner, process_group=pg, no_dist=raw)
     except (Exception, CheckpointException) as e:  # DCP's is a BaseException
         bad = [c for c in walk_causes(e) if isinstance(c, CheckpointCorrupt)]
         if bad:
@@ -127,12 +136,15 @@ def load_one(step_dir: Path, tensors: dict, strict: bool, rank: int, world: int,
     from disttrain.checkpoint.digests import share
     from disttrain.checkpoint.storage_formats import read_metadata
 
+    from disttrain.runtime.torch_compat import flatten_with_paths
+
     first = {".metadata", "state.json", f"rank-{rank:05d}.json"}
     mine, metadata = check_files(step_dir, first.__contains__), None
+    flat = flatten_with_paths(tensors)  # once, for the check and the plan
     if mine is None:
         try:
             metadata = read_metadata(step_dir)
-            check_compatible(tensors, step_dir, strict=strict, metadata=metadata)
+            check_compatible(tensors, step_dir, strict=strict, metadata=metadata, flat=flat[0])
         except CheckpointMismatch as e:
             mine = ("", "", str(e))
         except CheckpointCorrupt as e:
@@ -144,7 +156,7 @@ def load_one(step_dir: Path, tensors: dict, strict: bool, rank: int, world: int,
     ours = lambda n: share(n, world) == rank  # noqa: E731
     manifest = layout.read_manifest(step_dir)
     problem, read = load_verified(tensors, step_dir, manifest["files"], pg, ours,
-                                  manifest.get("storage", "dcp"), metadata)
+                                  manifest.get("storage", "dcp"), metadata, flat)
     done = first | read
     if problem is None:
         problem = check_files(step_dir, lambda n: n not in done and ours(n))

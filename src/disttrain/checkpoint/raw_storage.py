@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import dataclasses
 import io
+import os
 import threading
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
@@ -33,6 +34,7 @@ from torch.distributed.checkpoint.storage import WriteResult
 
 from disttrain.checkpoint.checkpoint_errors import CheckpointCorrupt
 from disttrain.checkpoint.digests import HashingStream, corrupt_message, expected, new_hash, record
+from disttrain.checkpoint.finite import FiniteTally
 from disttrain.checkpoint.json_records import (Extent, metadata_bytes, metadata_of, set_path, value_bytes,
                                                value_of)
 
@@ -81,12 +83,15 @@ class RawWriter(StorageWriter):
     """Writes one data file per rank and, on the coordinator, `.metadata` as JSON.
     `digests` records {file name: manifest record} of every file this rank wrote, each
     fsynced on close. `inner` (a DCP `FileSystem`, e.g. the fault-injecting one) opens
-    the data files' streams."""
+    the data files' streams. `finite` tallies each tensor written under the key prefix
+    `finite_prefix` (the model's weights) just before it is written: the tensors this
+    rank saves, from the very memory written (an async save's staged copy)."""
 
-    def __init__(self, path: str | Path, inner: FileSystem | None = None):
+    def __init__(self, path: str | Path, inner: FileSystem | None = None, finite_prefix: str = "model."):
         super().__init__()
         self.path, self.inner = Path(path), inner if inner is not None else FileSystem()
         self.digests: dict[str, dict] = {}
+        self.finite, self._finite_prefix = FiniteTally(), finite_prefix
         self._lock = threading.Lock()
 
     def reset(self, checkpoint_id=None) -> None:
@@ -130,6 +135,8 @@ class RawWriter(StorageWriter):
             length = stream.write(data.getbuffer())
         else:
             t = data.detach()
+            if item.index.fqn.startswith(self._finite_prefix):
+                self.finite.add(t)
             t = (t if t.device.type == "cpu" else t.cpu()).contiguous()
             length = stream.write(byte_view(t)) if t.numel() else 0
         return WriteResult(index=item.index, size_in_bytes=length, storage_data=Extent(name, offset, length))
@@ -187,7 +194,13 @@ class _FileRead:
     def __init__(self, f, path: Path, hasher, pool: ThreadPoolExecutor):
         self.f, self.path, self.hasher, self.pos, self._pool = f, path, hasher, 0, pool
         self._pending: list = []
-        self._scratch = bytearray(_SCRATCH) if hasher is not None else None
+        self._scratch: bytearray | None = None  # for gaps and the tail: most files have neither
+
+    def _buffer(self) -> memoryview:
+        if self._scratch is None:
+            left = os.fstat(self.f.fileno()).st_size - self.pos
+            self._scratch = bytearray(max(1, min(_SCRATCH, left + 1)))
+        return memoryview(self._scratch)
 
     def _drain(self) -> None:
         for fut in self._pending:
@@ -199,9 +212,10 @@ class _FileRead:
             self.f.seek(offset)
             self.pos = offset
             return
-        self._drain()  # the scratch buffer is reused: hash it here
+        if self.pos < offset:
+            self._drain()  # the gap goes through the one scratch buffer: the hash is in order
         while self.pos < offset:
-            view = memoryview(self._scratch)[: min(_SCRATCH, offset - self.pos)]
+            view = self._buffer()[: offset - self.pos]
             _read_exact(self.f, view, self.path)
             self.hasher.update(view)
             self.pos += len(view)
@@ -217,8 +231,8 @@ class _FileRead:
     def digest(self) -> tuple[int, str]:
         """(bytes hashed, hex digest) once the rest of the file is hashed too."""
         self._drain()
-        while n := self.f.readinto(self._scratch):
-            self.hasher.update(memoryview(self._scratch)[:n])
+        while n := self.f.readinto(scratch := self._buffer()):
+            self.hasher.update(scratch[:n])
             self.pos += n
         return self.pos, self.hasher.hexdigest()
 

@@ -157,6 +157,11 @@ class TrainState:
         m = self.model
         return m.module if isinstance(m, torch.nn.DataParallel) else m
 
+    def tensor_state(self) -> dict:
+        """`state_dict()["tensors"]` alone (what a load reads into: the other parts are
+        read from their files). A collective under FSDP, as `state_dict`."""
+        return self._tensor_parts()
+
     def _tensor_parts(self) -> dict:
         # DCP's helpers pull in DTensor and sympy: imported on the first save, not at start-up
         from torch.distributed.checkpoint.state_dict import StateDictOptions, get_state_dict
@@ -196,18 +201,38 @@ class TrainState:
         }
         return {"tensors": self._tensor_parts(), "meta": meta, "rng": rng_state()}
 
-    def load_state_dict(self, sd: dict) -> None:
+    def load_state_dict(self, sd: dict, *, param_fqns: list[list[str]] | None = None) -> None:
         """Restore from `sd` (the shape `state_dict` returns; `rng` may be absent).
 
         The tensors must already hold the loaded values (DCP loads in place into
         the dict from `state_dict()["tensors"]`); they are handed to the model and
-        optimizer through torch's `set_state_dict`.
+        optimizer through torch's `set_state_dict`. `param_fqns` (`param_fqns(sd)`
+        taken before the load) lets a plain or DDP model skip what that would copy
+        onto itself (`in_place`): the optimizer then gets torch's own
+        `load_state_dict` of the same dict; any other case goes through
+        `set_state_dict`.
         """
+        tensors, meta = sd["tensors"], sd["meta"]
+        self._load_tensors(tensors, param_fqns)
+        self._load_extras(tensors, meta)
+        self.step, self.epoch = int(meta["step"]), int(meta["epoch"])
+        if sd.get("rng") is not None:
+            set_rng_state(sd["rng"])
+
+    def _load_tensors(self, tensors: dict, param_fqns: list[list[str]] | None) -> None:
         from torch.distributed.checkpoint.state_dict import (StateDictOptions, set_model_state_dict,
                                                              set_optimizer_state_dict, set_state_dict)
 
-        tensors, meta = sd["tensors"], sd["meta"]
+        from disttrain.checkpoint.in_place import model_in_place, optimizer_state
+
         optims = self._optims()
+        if param_fqns is not None and model_in_place(self._module(), tensors["model"]):
+            if not optims:
+                return  # every tensor already holds its loaded value
+            osd = optimizer_state(optims[0], tensors.get("optim", {}), param_fqns)
+            if osd is not None:
+                optims[0].load_state_dict(osd)  # what set_optimizer_state_dict ends in
+                return
         if optims and isinstance(optims[0], ZeroView):
             # Each rank loaded the state of its own partition only, so the optimizer
             # part is not strict (check_compatible already found every key it asked for).
@@ -218,6 +243,8 @@ class TrainState:
             set_state_dict(self._module(), optims, model_state_dict=tensors["model"],
                            optim_state_dict=tensors.get("optim", {}),
                            options=StateDictOptions(strict=True))
+
+    def _load_extras(self, tensors: dict, meta: dict) -> None:
         for name, value in tensors.get("extras", {}).items():
             target = self.extras[name]
             if isinstance(target, nn.Module):
@@ -236,6 +263,12 @@ class TrainState:
             self.scaler.load_state_dict(from_jsonable(meta["scaler"]))
         if self.sampler is not None and meta.get("sampler") is not None:
             self.sampler.load_state_dict(meta["sampler"])
-        self.step, self.epoch = int(meta["step"]), int(meta["epoch"])
-        if sd.get("rng") is not None:
-            set_rng_state(sd["rng"])
+
+
+def param_fqns(sd: dict) -> list[list[str]] | None:
+    """The fqns of each optimizer group's parameters in `sd` (a `state_dict()`), as
+    torch's `get_state_dict` named them; take it before a load replaces the groups."""
+    groups = sd["tensors"].get("optim", {}).get("param_groups")
+    if not isinstance(groups, list):
+        return None
+    return [list(g.get("params", ())) for g in groups]
