@@ -57,4 +57,10 @@ def new_cases(PRE: str) -> list[tuple[str, str, str]]:
          "dist.init_process_group('gloo', rank=local_rank, world_size=int(os.environ['WORLD_SIZE']), timeout=t)\n",
          "import os, torch.distributed as dist\nrank = int(os.environ['RANK'])\n"
          "dist.init_process_group('gloo', rank=rank, world_size=int(os.environ['WORLD_SIZE']), timeout=t)\n"),
+        ("shard-by-local-rank",  # DPR's train_dense_encoder.py (round 7)
+         PRE + "sampler = DistributedSampler(ds, num_replicas=dist.get_world_size(), rank=local_rank)\n",
+         PRE + "sampler = DistributedSampler(ds, num_replicas=dist.get_world_size(), rank=dist.get_rank())\n"),
+        ("uneven-batches",  # F5-TTS's trainer.py (round 7)
+         "from accelerate import Accelerator\naccelerator = Accelerator()\naccelerator.even_batches = False\n",
+         "from accelerate import Accelerator\naccelerator = Accelerator()\n"),
     ]

@@ -81,7 +81,23 @@ def _is_local_word(word: str) -> bool:
 
 def is_guard_word(text: str) -> bool:
     low = text.lower()
-    return any(w in low for w in _GUARD_WORDS)
+    return any(w in low for w in _GUARD_WORDS) and not _rank_quantity(low)
+
+
+# `val_av_rank_start_epoch` (the epoch a ranking metric starts), `lora_rank`: the word
+# "rank" in a name that is no process rank.
+_NOT_RANK_AFTER = {"epoch", "epochs", "step", "steps", "iter", "iters", "start", "freq", "interval",
+                   "bsz", "neg", "qs", "max", "min", "topk", "loss", "score", "metric"}
+_NOT_RANK_BEFORE = {"lora", "av", "avg", "mean", "matrix", "low"}
+
+
+def _rank_quantity(low: str) -> bool:
+    parts = low.split("_")
+    at = [i for i, w in enumerate(parts) if w == "rank"]
+    if not at or any(w in low for w in _GUARD_WORDS if w != "rank"):
+        return False
+    i = at[-1]
+    return bool(set(parts[i + 1:]) & _NOT_RANK_AFTER or set(parts[:i]) & _NOT_RANK_BEFORE)
 
 
 def guard_kind(facts, test: ast.AST) -> str | None:
@@ -181,6 +197,8 @@ def _is_env_presence(test: ast.AST) -> bool:
     "launched by torchrun?", the same answer on every rank, so no rank guard."""
     while isinstance(test, ast.UnaryOp) and isinstance(test.op, ast.Not):
         test = test.operand
+    if isinstance(test, ast.BoolOp):  # `"RANK" in os.environ and "WORLD_SIZE" in os.environ`
+        return all(_is_env_presence(v) for v in test.values)
     if isinstance(test, ast.Compare) and len(test.ops) == 1:
         op, right = test.ops[0], test.comparators[0]
         if isinstance(op, (ast.In, ast.NotIn)):

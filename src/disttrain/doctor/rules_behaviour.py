@@ -9,6 +9,7 @@ severity, what it could not see. Each check takes `Facts` and yields `Finding`s.
 from __future__ import annotations
 
 import ast
+import re
 
 from disttrain.doctor import control_flow, guard_shapes
 from disttrain.doctor.facts import Facts, is_const, kwarg, mentions, ref
@@ -16,6 +17,13 @@ from disttrain.doctor.findings import WARNING, finding, rule
 
 _NONFINITE = ("isfinite", "isnan", "isinf", "nan", "inf", "finite")
 _EXIT_CALLS = ("sys.exit", "exit", "quit", "os._exit")
+_NONFINITE_PARTS = set(_NONFINITE) | {"nonfinite", "infinite", "isneginf", "isposinf"}
+
+
+def _nonfinite_word(w: str) -> bool:
+    """`isfinite`, `loss_is_nan`, `found_inf`: a part of the name, not a substring
+    (`info_dict`, `inference_ckpt_path` hold "inf" and test nothing non-finite)."""
+    return any(p.lower() in _NONFINITE_PARTS for p in re.split(r"_|(?<=[a-z])(?=[A-Z])", w))
 
 
 def _program_distributed(facts: Facts) -> bool:
@@ -84,7 +92,7 @@ def rank_local_exit(facts: Facts):
         if not isinstance(node, ast.If) or not node.body:
             continue
         how = _exit_stmt(node.body[-1])
-        if how is None or not mentions(node.test, lambda w: any(x in w.lower() for x in _NONFINITE)):
+        if how is None or not mentions(node.test, _nonfinite_word):
             continue
         if facts.rank_guard(node) is not None:
             continue  # already a one-rank path: judged by the collective rules
@@ -103,6 +111,32 @@ def rank_local_exit(facts: Facts):
                       "until the timeout (unless the launcher kills the job when a worker fails).",
                       "all_reduce the non-finite flag (ReduceOp.MAX) before the test, so every rank "
                       "stops together.")
+    yield from _skipped_steps(facts)
+
+
+def _skipped_steps(facts: Facts):
+    """`except ...: continue` in a training loop under DDP/FSDP, before the step's
+    backward: a rank whose batch fails (a file it cannot read) skips a step the others
+    run, their gradient all-reduces pair up across steps and the last one waits."""
+    if not (facts.project.wrap_kinds(facts) - {"dp"}):
+        return
+    for h in facts.nodes:
+        if not (isinstance(h, ast.ExceptHandler) and h.body and isinstance(h.body[-1], ast.Continue)):
+            continue
+        loop = facts.enclosing_loop(h)
+        if loop is None or facts.rank_guard(h) is not None:
+            continue
+        backward = next((c for c in ast.walk(loop) if isinstance(c, ast.Call) and isinstance(c.func, ast.Attribute)
+                         and c.func.attr == "backward" and c.lineno > h.lineno
+                         and facts.enclosing_loop(c) is loop), None)
+        if backward is not None:
+            yield finding(facts, h.body[-1], "rank-local-exit",
+                          f"`continue` on this rank's own exception skips the step whose backward "
+                          f"(line {backward.lineno}) the other ranks run: their gradient all-reduces pair "
+                          "up across steps, and at the end one rank waits in a backward the others "
+                          "never join.",
+                          "skip the batch on every rank together (all_reduce a failure flag), or make "
+                          "the data path substitute a good sample instead of skipping the step.")
 
 
 def _off_flag(facts: Facts, test: ast.AST) -> bool:

@@ -63,7 +63,8 @@ def data_parallel_in_ddp(facts: Facts):
             pass  # the inner DataParallel call is reported above
         elif w.kind in ("ddp", "fsdp1") and w.arg in dp_names and w.arg is not None:
             inner = dp_names[w.arg]
-            if inner.call.lineno < w.call.lineno and not facts.exclusive(inner.call, w.call):
+            if inner.call.lineno < w.call.lineno and not facts.exclusive(inner.call, w.call) and \
+                    not _under_count_one_when_distributed(facts, inner.call):
                 yield finding(facts, w.call, "data-parallel-in-ddp",
                               f"`{w.arg}` is already a DataParallel (line {inner.call.lineno}) and is "
                               "wrapped again by DDP.",
@@ -72,24 +73,51 @@ def data_parallel_in_ddp(facts: Facts):
 
 def _under_count_one_when_distributed(facts: Facts, node: ast.AST) -> bool:
     """`node` runs under `if COUNT > 1:` (or `>= 2`) where COUNT is set to 1 on the
-    multi-process path (`if args.distributed: args.num_gpu = 1`): that branch is the
-    single-process mode, never taken by the ranks of a distributed run."""
-    forced = set()
-    for n in facts.nodes:
-        if isinstance(n, ast.Assign) and isinstance(n.value, ast.Constant) and n.value.value == 1:
-            parent = facts.parents.get(n)
-            if isinstance(parent, ast.If) and n in parent.body and distributed_test(parent.test) == 1:
-                forced |= {r for t in n.targets if (r := ref(t))}
+    multi-process path (`if args.distributed: args.num_gpu = 1`, or `cfg.n_gpu = 1` beside
+    the init_process_group call, in any file of the program: DPR's set-up): that branch is
+    the single-process mode, never taken by the ranks of a distributed run."""
+    forced = _counts_pinned_to_one(facts)
     child = node
     for a in facts.ancestors(node):
         if isinstance(a, ast.If) and child in a.body and isinstance(a.test, ast.Compare) and \
-                len(a.test.ops) == 1 and ref(a.test.left) in forced:
+                len(a.test.ops) == 1 and (_last_word(ref(a.test.left)) in forced):
             op, c = a.test.ops[0], a.test.comparators[0]
             if isinstance(c, ast.Constant) and ((isinstance(op, ast.Gt) and c.value == 1) or
                                                 (isinstance(op, ast.GtE) and c.value == 2)):
                 return True
         child = a
     return False
+
+
+def _last_word(r: str | None) -> str | None:
+    return r.rsplit(".", 1)[-1] if r else None
+
+
+def _counts_pinned_to_one(facts: Facts) -> set[str]:
+    """Names (last word) set to 1 in a block that is the multi-process path: the body of
+    `if args.distributed:`, or a block that also calls init_process_group."""
+    out: set[str] = set()
+    files = facts.project.component(facts) if facts.project is not None else [facts]
+    for f in files:
+        inits = {id(f.parents.get(c)) for c in f.calls_to("torch.distributed.init_process_group")}
+        for n in f.nodes:
+            if not (isinstance(n, ast.Assign) and isinstance(n.value, ast.Constant) and n.value.value == 1):
+                continue
+            parent = f.parents.get(n)
+            in_dist_branch = isinstance(parent, ast.If) and n in parent.body and distributed_test(parent.test) == 1
+            beside_init = any(isinstance(s, ast.Expr) and id(s) in inits
+                              for s in _block_of(parent, n))
+            if in_dist_branch or beside_init:
+                out |= {_last_word(ref(t)) for t in n.targets if ref(t)}
+    return out
+
+
+def _block_of(parent: ast.AST | None, n: ast.stmt) -> list[ast.stmt]:
+    for field in ("body", "orelse", "finalbody"):
+        block = getattr(parent, field, None)
+        if isinstance(block, list) and n in block:
+            return block
+    return []
 
 
 def _is_optimizer(q: str) -> bool:
@@ -171,17 +199,21 @@ def find_unused_parameters(facts: Facts):
 
 def _builtin_module(facts: Facts, w) -> bool:
     """The wrapped module is a torch.nn one built right there (`DDP(nn.Linear(...))`)."""
-    node = w.call.args[0]
-    for _ in range(3):
+    node, at = w.call.args[0], w.call.lineno
+    for _ in range(4):
         while isinstance(node, ast.Call) and isinstance(node.func, ast.Attribute) and \
                 node.func.attr in ("to", "cuda", "cpu"):
             node = node.func.value
         if isinstance(node, ast.Name):  # model = nn.Linear(...).cuda(); DDP(model)
-            assigns = [n for n in facts.nodes if isinstance(n, ast.Assign) and n.lineno < w.call.lineno
+            assigns = [n for n in facts.nodes if isinstance(n, ast.Assign) and n.lineno < at
                        and any(isinstance(t, ast.Name) and t.id == node.id for t in n.targets)]
             if not assigns:
                 return False
-            node = max(assigns, key=lambda n: n.lineno).value
+            last = max(assigns, key=lambda n: n.lineno)
+            node, at = last.value, last.lineno
+            continue
+        if isinstance(node, ast.Call) and node.args and (facts.qualname(node.func) or "").endswith("DataParallel"):
+            node = node.args[0]  # DDP(DataParallel(model)): the module inside (DPR's helper)
             continue
         break
     return isinstance(node, ast.Call) and (facts.qualname(node.func) or "").startswith("torch.nn.")

@@ -10,6 +10,8 @@ import ast
 
 from disttrain.doctor.facts import Facts, arg, has_star_kwargs, is_const, kwarg, mentions, ref
 from disttrain.doctor.control_flow import LOCAL
+from disttrain.doctor.log_lines import _error_report, _per_rank_message
+from disttrain.doctor.save_paths import _accelerator_saves, _moves, _moves_path
 from disttrain.doctor.findings import ERROR, WARNING, finding, rule
 from disttrain.doctor.names import rank_aware_logging
 
@@ -90,11 +92,6 @@ def _shadows_print(facts: Facts) -> bool:
     return False
 
 
-def _per_rank_message(call: ast.Call) -> bool:
-    return any(mentions(a, lambda w: _is_rank_word(w) or w in ("gpu_id", "getpid"))
-               for a in call.args if isinstance(a, (ast.JoinedStr, ast.BinOp, ast.Call)))
-
-
 def _own_loggers(facts: Facts) -> set[str]:
     """Names bound in this file to `logging.getLogger(...)`: a logger imported from
     another module (torchtitan's `from ...logging import logger`) is set up there."""
@@ -127,11 +124,13 @@ def unguarded_log(facts: Facts):
     if not (facts.distributed or facts.calls_to("lightning.fabric.Fabric", "lightning_fabric.Fabric")):
         return  # a Fabric script is launched on several ranks by `fabric run`
     for call, what in _log_calls(facts):
-        if _per_rank_message(call):
+        if _per_rank_message(facts, call):
             continue  # the line names its rank (or pid): one distinct line per rank is the intent
         if _unused_helper(facts, call):
             continue  # no file of the run calls it: whether every rank does is out of view
         kind = facts.rank_guard(call)
+        if kind is None and what == "print()" and _error_report(facts, call):
+            continue  # each failing rank reports its own failure
         if kind == LOCAL:
             yield finding(facts, call, "unguarded-log",
                           f"{what} is guarded by the local rank only: on several nodes, local rank "
@@ -249,19 +248,6 @@ def _per_rank_variable(facts: Facts, path: ast.AST, call: ast.Call) -> bool:
     return False
 
 
-_ATOMIC_MOVES = ("os.replace", "os.rename", "shutil.move")
-
-
-def _moves(facts: Facts) -> list[ast.Call]:
-    """os.replace/os.rename/shutil.move, and Path.replace(target)/Path.rename(target):
-    one argument, unlike str.replace(old, new)."""
-    out = list(facts.calls_to(*_ATOMIC_MOVES))
-    for attr in ("replace", "rename"):
-        out += [c for c in facts.method_calls(attr) if len(c.args) + len(c.keywords) == 1
-                and (facts.qualname(c.func) or "") not in _ATOMIC_MOVES]
-    return out
-
-
 @rule("non-atomic-save", ("P-CKPT-2",), WARNING,
       "torch.save straight to the final checkpoint path",
       """A crash or preemption during torch.save leaves a half-written file under the
@@ -270,12 +256,13 @@ def _moves(facts: Facts) -> list[ast.Call]:
       checkpoint or the new one, never half of one.""")
 def non_atomic_save(facts: Facts):
     moves = _moves(facts)
-    for call in _saves(facts, wrappers=True):
+    for call in _saves(facts, wrappers=True) + _accelerator_saves(facts):
         path = _save_path(call, facts)
         if path is None or _is_buffer(facts, path) or _atomic_writer(facts, path):
             continue
         scope = facts.scope_of(call)
-        if any(facts.scope_of(m) is scope and m.lineno >= call.lineno for m in moves):
+        if any(facts.scope_of(m) is scope and m.lineno >= call.lineno and _moves_path(facts, m, path)
+               for m in moves):
             continue
         if moves and mentions(path, lambda w: "tmp" in w.lower() or "temp" in w.lower()):
             continue  # written to a temporary name that a helper moves into place
@@ -296,7 +283,7 @@ def non_atomic_save(facts: Facts):
 
 # What a `save_pretrained` of these writes is a small JSON (a config, a tokenizer's
 # vocabulary), saved next to the weights: the weights' save is the one reported.
-_METADATA = ("config", "cfg", "tokenizer", "processor")
+_METADATA = ("config", "cfg", "tokenizer", "processor", "processing", "extractor")
 
 
 def _folder_saves(facts: Facts, moves: list) -> list:
@@ -363,12 +350,15 @@ def _is_buffer(facts: Facts, node: ast.AST) -> bool:
       """Without map_location, torch.load puts every tensor back on the device it was
       saved from, usually cuda:0: every rank then loads the whole checkpoint onto the
       first GPU (out of memory, or silently on the wrong device). Load with
-      `map_location="cpu"` (or the rank's own device).""")
+      `map_location="cpu"` (or the rank's own device). A file named by the rank (each
+      rank's own shard, saved from its own device) is not reported.""")
 def load_without_map_location(facts: Facts):
     for call in facts.calls_to("torch.load"):
         source = arg(call, 0, "f")
         if source is not None and _is_buffer(facts, source):
             continue  # bytes another rank serialised (broadcast_object): no checkpoint file
+        if source is not None and (mentions(source, _is_rank_word) or _per_rank_variable(facts, source, call)):
+            continue  # this rank's own shard (`..._rank_{rank}.pt`), saved from its own device
         if arg(call, 1, "map_location") is None and not has_star_kwargs(call):
             yield finding(facts, call, "load-without-map-location",
                           "torch.load without map_location restores tensors onto the device they "

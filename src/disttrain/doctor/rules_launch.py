@@ -13,6 +13,7 @@ from typing import Iterable
 from disttrain.doctor.facts import DISTTRAIN_INITS, Facts, arg, has_star_kwargs, kwarg, ref
 from disttrain.doctor.findings import ERROR, WARNING, finding, rule
 from disttrain.doctor.names import SET_DEVICE, takes_node_rank
+from disttrain.doctor.rules_data import _reads_local_rank, rank_kwarg_calls
 
 
 # Backends that simulate a process group in one process: nothing to wait for.
@@ -41,12 +42,33 @@ def init_without_timeout(facts: Facts):
                           f"{name}() has no timeout: a dead or hung rank stalls the "
                           "others for torch's default 10-30 minutes.",
                           "pass timeout=datetime.timedelta(minutes=10) (5-10 min for elastic jobs).")
+        elif timeout is None and len(call.args) < positional and (helper := _kwargs_without_timeout(facts, call)):
+            yield finding(facts, call, "init-without-timeout",
+                          f"{name}() gets its timeout through {helper}()'s **kwargs, and no call of "
+                          f"{helper}() passes one: a dead or hung rank stalls the others for torch's "
+                          "default 10-30 minutes.",
+                          "pass timeout=datetime.timedelta(minutes=10) (5-10 min for elastic jobs).")
         elif timeout is not None and (_seconds(timeout) or 0) > _DAY:
             yield finding(facts, call, "init-without-timeout",
                           f"{name}()'s timeout `{ast.unparse(timeout)}` is {_seconds(timeout) / _DAY:.0f} "
                           "days: in effect none, a dead or hung rank stalls the others that long "
                           "(timedelta's first argument is days).",
                           "pass timeout=datetime.timedelta(minutes=10) (5-10 min for elastic jobs).")
+
+
+def _kwargs_without_timeout(facts: Facts, call: ast.Call) -> str | None:
+    """`def init_dist(backend="nccl", **kwargs): init_process_group(backend, **kwargs)`,
+    and every call of init_dist in the run passes neither timeout= nor **something: its
+    name. None when the **kwargs is not the function's own or a caller is out of view."""
+    fn = facts.scope_of(call)
+    stars = [k.value for k in call.keywords if k.arg is None]
+    if not isinstance(fn, (ast.FunctionDef, ast.AsyncFunctionDef)) or fn.args.kwarg is None or \
+            len(stars) != 1 or not (isinstance(stars[0], ast.Name) and stars[0].id == fn.args.kwarg.arg):
+        return None
+    sites = facts.project.call_sites.get(fn, [])
+    if not sites or any(k.arg in ("timeout", None) for _, c in sites for k in c.keywords):
+        return None
+    return fn.name
 
 
 _DAY = 86400
@@ -78,26 +100,12 @@ def _seconds(node: ast.AST) -> float | None:
       rendezvous fails or waits forever. Pass the global rank (`int(os.environ["RANK"])`),
       or leave rank out and let `env://` read it.""")
 def init_rank_is_local_rank(facts: Facts):
-    for call in facts.calls_to("init_process_group"):
-        value = kwarg(call, "rank")
-        if value is not None and _reads_local_rank(facts, value):
-            yield finding(facts, call, "init-rank-is-local-rank",
-                          f"rank={ast.unparse(value)} is the node-local rank: on several nodes two "
-                          "processes claim each rank and the group never forms.",
-                          "pass the global rank (int(os.environ['RANK'])), or leave rank out under "
-                          "env://.")
-
-
-def _reads_local_rank(facts: Facts, value: ast.AST) -> bool:
-    """`value` is a LOCAL_RANK read, or a name assigned only from one in its file."""
-    def local_read(v: ast.AST) -> bool:
-        return any(isinstance(n, ast.Constant) and n.value == "LOCAL_RANK" for n in ast.walk(v))
-    if local_read(value):
-        return True
-    name = ref(value)
-    assigned = [n.value for n in facts.nodes if isinstance(n, ast.Assign) and name and
-                any(ref(t) == name for t in n.targets)]
-    return bool(assigned) and all(local_read(v) for v in assigned)
+    for call, value in rank_kwarg_calls(facts, "init_process_group", _reads_local_rank):
+        yield finding(facts, call, "init-rank-is-local-rank",
+                      f"rank={ast.unparse(value)} is the node-local rank: on several nodes two "
+                      "processes claim each rank and the group never forms.",
+                      "pass the global rank (int(os.environ['RANK'])), or leave rank out under "
+                      "env://.")
 
 
 _TCP_PORT = re.compile(r"^tcp://[^/]*:\d+")
