@@ -61,6 +61,8 @@ def new_cases(PRE: str) -> list[tuple[str, str, str]]:
          PRE + "sampler = DistributedSampler(ds, num_replicas=dist.get_world_size(), rank=local_rank)\n",
          PRE + "sampler = DistributedSampler(ds, num_replicas=dist.get_world_size(), rank=dist.get_rank())\n"),
         ("uneven-batches",  # F5-TTS's trainer.py (round 7)
-         "from accelerate import Accelerator\naccelerator = Accelerator()\naccelerator.even_batches = False\n",
-         "from accelerate import Accelerator\naccelerator = Accelerator()\n"),
+         "from accelerate import Accelerator\naccelerator = Accelerator()\naccelerator.even_batches = False\n"
+         "for batch in loader:\n    accelerator.backward(model(batch))\n",
+         "from accelerate import Accelerator\naccelerator = Accelerator()\n"
+         "for batch in loader:\n    accelerator.backward(model(batch))\n"),
     ]

@@ -78,6 +78,8 @@ def shard_by_local_rank(facts: Facts):
       all-reduce for ranks that already left the loop. Keep even_batches on, or wrap the
       loop in `accelerator.join_uneven_inputs([model])`.""")
 def uneven_batches(facts: Facts):
+    if not facts.method_calls("backward"):
+        return  # no training step here (an evaluation script): uneven batches are harmless
     if facts.method_calls("join_uneven_inputs") or any(
             any(w in (ref(c.func.value) or "").lower() for w in ("model", "ddp"))  # type: ignore[attr-defined]
             for c in facts.method_calls("join")):
