@@ -31,9 +31,10 @@ def run_disttrain(args: list[str], timeout: float = 180, cwd: Path | None = None
 
 
 def launch_worker(script: str, nproc: int, out_dir: Path, *args: str, timeout: float = 240) -> list[dict]:
-    """Run tests/workers/SCRIPT on `nproc` gloo ranks under torchrun and return each
-    rank's JSON result (`out_dir/rank{r}.json`). Fails with the job's output on error."""
-    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc-per-node={nproc}",
+    """Run tests/workers/SCRIPT on `nproc` gloo ranks under `disttrain run` (torchrun,
+    warm workers) and return each rank's JSON result (`out_dir/rank{r}.json`). Fails
+    with the job's output on error."""
+    cmd = [sys.executable, "-m", "disttrain.cli", "run", "--nproc", str(nproc),
            str(WORKERS / script), str(out_dir), *args]
     proc = subprocess.run(cmd, capture_output=True, text=True, timeout=timeout, env=worker_env())
     if proc.returncode != 0:
