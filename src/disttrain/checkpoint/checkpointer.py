@@ -1,12 +1,11 @@
 """Save and load complete, atomic, verified checkpoints with DCP (P-CKPT-1..5,
 P-FSDP-8): the orchestration across ranks.
 
-Save, on every rank: write this rank's RNG file and DCP shards into the temporary
-directory, hashing the bytes on their way to disk (`digests`); agree (one
-all-gather of errors and digests) that every rank succeeded; then rank 0 writes
-`state.json`, the manifest last (no file read back), checks its writer lease and
-commits by rename.
-The outcome is broadcast, so a failure anywhere raises the same
+Save, on every rank: write this rank's RNG file (rank 0: `state.json`) and DCP shards
+into the temporary directory, hashing the bytes on their way to disk (`digests`);
+agree (one all-gather of errors and digests) that every rank succeeded; then rank 0
+writes the manifest last (no file read back), checks its writer lease and commits by
+rename. The outcome is broadcast, so a failure anywhere raises the same
 `CheckpointSaveError` on every rank and the previous checkpoint stays latest.
 
 Async (`async_mode="thread"`): DCP's `async_save` copies the state to CPU memory
@@ -66,6 +65,7 @@ def _failures() -> tuple:
 warnings.filterwarnings("ignore", message="torch.distributed is disabled, unavailable or uninitialized",
                         category=UserWarning)
 
+
 class Checkpointer:
     """Periodic checkpoints of one run in `root`. Construction is a collective
     (it creates the checkpoint gloo group): every rank must build it.
@@ -90,11 +90,10 @@ class Checkpointer:
         self.generation: int | None = None
         self._inflight: Future | None = None
         from disttrain.checkpoint.async_part import AsyncStaging
-
         self._async = AsyncStaging()
         self._pool = ThreadPoolExecutor(max_workers=1, thread_name_prefix="disttrain-ckpt")
         self._remover = ThreadPoolExecutor(max_workers=1, thread_name_prefix="disttrain-prune")
-        # two threads: a rank's small files are fsynced at once (the journal commits them together)
+        # small files' fsyncs, two at once (the journal commits them together), off the save's path
         self._syncer = ThreadPoolExecutor(max_workers=2, thread_name_prefix="disttrain-fsync")
         self._removals: list[Future] = []
         self.last_saved: Path | None = None
@@ -187,7 +186,8 @@ class Checkpointer:
 
         sd = state.state_dict()
         info = self._manifest_info(state, sd)
-        local, writer = None, RawWriter(tmp, shard_filesystem(self.rank, step))  # hashes and fsyncs each file
+        # hashes and fsyncs each file (`.metadata`'s fsync on the sync thread, joined in _finish)
+        local, writer = None, RawWriter(tmp, shard_filesystem(self.rank, step), syncer=self._syncer)
         small = self._write_small(tmp, sd, writer.digests)
         if self.async_mode == "off":
             try:
@@ -202,17 +202,16 @@ class Checkpointer:
                                     async_stager=self._async.stager(),
                                     async_checkpointer_type=AsyncCheckpointerType.THREAD)
         except BaseException:
-            self._written(small)  # nothing writes into the directory once this raises
+            self._written(small + writer.pending)  # nothing writes into the directory once this raises
             raise
         self._inflight = self._pool.submit(self._complete, future, step, tmp, final, small,
                                            info, writer, planner)
         return None
 
     def _write_small(self, tmp: Path, sd: dict, digests: dict) -> list[Future]:
-        """Start writing this rank's RNG file (and on rank 0 `state.json`) on the sync
-        thread, each fsynced there while DCP writes the data: the small files' fsyncs
-        cost no time on the save's path. Their digests (from memory) go to `digests`.
-        `_written` joins them; `_finish` does before the ranks agree."""
+        """Write this rank's RNG file (rank 0: and `state.json`), each fsynced on the sync
+        thread while DCP writes the data; their digests (from memory) go to `digests`.
+        `_finish` joins them (`_written`) before the ranks agree."""
         files = {f"rank-{self.rank:05d}.json": json.dumps(sd["rng"]).encode()}
         if self.rank == 0:
             files["state.json"] = json.dumps(sd["meta"]).encode()
@@ -222,8 +221,7 @@ class Checkpointer:
 
     def _written(self, small: list[Future]) -> str | None:
         """Wait for `_write_small`'s files: None, or this rank's failure as one line."""
-        errors = [f.exception() for f in small]
-        first = next((e for e in errors if e is not None), None)
+        first = next((e for e in [f.exception() for f in small] if e is not None), None)
         return None if first is None else f"rank {self.rank}: {describe(first)}"
 
     def _complete(self, future, step, tmp, final, small, info, writer, planner) -> Path:
@@ -250,6 +248,8 @@ class Checkpointer:
                 info = {**info, "finite": all(f for _, _, f in gathered)}
                 files = {name: d for _, part, _ in gathered for name, d in part.items()}
                 layout.write_manifest(tmp, info, files)
+                for synced in writer.pending:  # `.metadata`, fsynced while the manifest was written
+                    synced.result()
                 fault_point("during_commit", self.rank, step)
                 layout.commit(tmp, final, self.run_id, self.generation)
                 self._join_removals()
@@ -258,6 +258,7 @@ class Checkpointer:
                 err = f"stale writer: {e}"
             except (OSError, CheckpointError) as e:
                 err = str(e) if isinstance(e, CheckpointError) else f"rank 0: {describe(e)}"
+        self._written(writer.pending)  # nothing writes into the directory after this
         self._raise_if(self._bcast(err), step, tmp)
         self.last_saved = final
         return final

@@ -52,6 +52,15 @@ def atomic_write_bytes(data: bytes, path: str | os.PathLike) -> Path:
     return _atomic_write(path, lambda f: f.write(data))
 
 
+def fsync_file(path: str | os.PathLike) -> None:
+    """fsync the written file at `path` (its data and size reach the disk)."""
+    fd = os.open(path, os.O_RDONLY)
+    try:
+        os.fsync(fd)
+    finally:
+        os.close(fd)
+
+
 def fsync_dir(path: str | os.PathLike) -> None:
     """fsync a directory so a rename inside it survives a power loss (best effort)."""
     try:

@@ -19,7 +19,8 @@ import dataclasses
 import io
 import os
 import threading
-from concurrent.futures import ThreadPoolExecutor
+from concurrent.futures import Executor, ThreadPoolExecutor
+from concurrent.futures import Future as ThreadFuture
 from pathlib import Path
 from typing import Callable
 
@@ -33,7 +34,8 @@ from torch.distributed.checkpoint.planner import LoadItemType, WriteItemType
 from torch.distributed.checkpoint.storage import WriteResult
 
 from disttrain.checkpoint.checkpoint_errors import CheckpointCorrupt
-from disttrain.checkpoint.digests import HashingStream, corrupt_message, expected, new_hash, record
+from disttrain.checkpoint.digests import HashingStream, corrupt_message, digest_bytes, expected, new_hash, record
+from disttrain.checkpoint.files import fsync_file
 from disttrain.checkpoint.finite import FiniteTally
 from disttrain.checkpoint.json_records import (Extent, metadata_bytes, metadata_of, set_path, value_bytes,
                                                value_of)
@@ -85,12 +87,17 @@ class RawWriter(StorageWriter):
     fsynced on close. `inner` (a DCP `FileSystem`, e.g. the fault-injecting one) opens
     the data files' streams. `finite` tallies each tensor written under the key prefix
     `finite_prefix` (the model's weights) just before it is written: the tensors this
-    rank saves, from the very memory written (an async save's staged copy)."""
+    rank saves, from the very memory written (an async save's staged copy). With
+    `syncer` (an executor), `.metadata` is fsynced there: wait for `pending` before
+    the commit."""
 
-    def __init__(self, path: str | Path, inner: FileSystem | None = None, finite_prefix: str = "model."):
+    def __init__(self, path: str | Path, inner: FileSystem | None = None, finite_prefix: str = "model.",
+                 syncer: Executor | None = None):
         super().__init__()
         self.path, self.inner = Path(path), inner if inner is not None else FileSystem()
         self.digests: dict[str, dict] = {}
+        self.pending: list[ThreadFuture] = []  # `.metadata`'s fsync on `syncer`, when one is given
+        self._syncer = syncer
         self.finite, self._finite_prefix = FiniteTally(), finite_prefix
         self._lock = threading.Lock()
 
@@ -143,11 +150,14 @@ class RawWriter(StorageWriter):
 
     def finish(self, metadata, results) -> None:
         storage = {r.index: r.storage_data for part in results for r in part}
-        md = dataclasses.replace(metadata, storage_data=storage)
-        with open(self.path / METADATA, "wb") as raw:
-            stream = self._stream(METADATA, raw)
-            stream.write(metadata_bytes(md))
-            stream.close()
+        data = metadata_bytes(dataclasses.replace(metadata, storage_data=storage))
+        with open(self.path / METADATA, "wb") as f:
+            f.write(data)
+        self.digests[METADATA] = digest_bytes(data)
+        if self._syncer is None:
+            fsync_file(self.path / METADATA)
+        else:  # the caller waits for it before its commit, while it writes the manifest
+            self.pending.append(self._syncer.submit(fsync_file, self.path / METADATA))
 
     def storage_meta(self):
         return None
