@@ -71,7 +71,6 @@ def load_verified(tensors: dict, step_dir: Path, files: dict[str, dict], pg,
 
     from disttrain.checkpoint import raw_storage
     from disttrain.checkpoint.compat import describe, walk_causes
-
     from disttrain.checkpoint.direct_load import DirectPlanner, direct_plan
 
     raw = storage == raw_storage.FORMAT
@@ -135,7 +134,6 @@ def load_one(step_dir: Path, tensors: dict, strict: bool, rank: int, world: int,
     from disttrain.checkpoint.compat import check_compatible
     from disttrain.checkpoint.digests import share
     from disttrain.checkpoint.storage_formats import read_metadata
-
     from disttrain.runtime.torch_compat import flatten_with_paths
 
     first = {".metadata", "state.json", f"rank-{rank:05d}.json"}
