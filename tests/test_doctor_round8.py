@@ -283,3 +283,54 @@ def test_data_sharded_by_the_local_rank_repeats_on_every_node():
     fixed = DPR_SHARD.replace("cfg.local_rank if cfg.local_rank != -1 else 0", "dist.get_rank()").replace(
         "rank=local_rank", "rank=rank")
     assert found(fixed, "shard-by-local-rank") == []
+
+
+# ----- an earlier round's false errors ---------------------------------------------------
+
+# efficientvit (round 5): the entry script calls `setup.setup_dist_env(args.gpu)`, out of
+# view, and the trainer in view uses CUDA: what the doctor could not see is a warning
+EFFICIENTVIT_TRAIN = """
+from efficientvit.apps import setup
+from trainer import Trainer
+def main(args):
+    setup.setup_dist_env(args.gpu)
+    Trainer().train()
+if __name__ == "__main__":
+    main(None)
+"""
+EFFICIENTVIT_TRAINER = """
+import torch, torch.distributed
+def dist_init():
+    torch.distributed.init_process_group(backend="nccl")
+class Trainer:
+    def train(self):
+        x = torch.zeros(1).cuda()
+"""
+
+
+def test_a_set_up_helper_out_of_view_in_the_entry_script_makes_missing_set_device_a_warning(tmp_path):
+    got = found_in(tmp_path, {"train.py": EFFICIENTVIT_TRAIN, "trainer.py": EFFICIENTVIT_TRAINER},
+                   "missing-set-device")
+    assert [f[3] for f in got] == ["warning"]
+
+
+# llm.c, open_lm (rounds 1 and 5): an error report just before this rank stops with a
+# failure, and a line naming a device built from the local rank; apex's profiling stop
+# (`quit()`, a normal end) stays a repeated line
+STOPS = PRE + """
+def peek(header):
+    if header[0] != 20240520:
+        print("---> HINT: Are you passing in a correct file with --input_bin?")
+        exit(1)
+    if header[1] is None:
+        print(f"--hf-fsdp-block {header} not found")
+        return -1
+device = f"cuda:{local_rank}"
+print(f"using device: {device}")
+print("Profiling ended")
+quit()
+"""
+
+
+def test_an_error_report_before_a_failing_exit_and_a_rank_device_line_are_per_rank():
+    assert [f[1] for f in found(STOPS, "unguarded-log")] == [21]

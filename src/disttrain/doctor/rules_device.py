@@ -93,13 +93,16 @@ def missing_set_device(facts: Facts):
 
 def _unseen_init_helper(facts: Facts) -> str | None:
     """A call into code out of view whose name says it sets up distribution
-    (`utils.init_distributed_mode(args)`, `setup_ddp()`)."""
-    for c, q in facts.calls:
-        last = q.rsplit(".", 1)[-1].lower()
-        if ("dist" in last or "ddp" in last or "setup" in last or "init" in last) and \
-                not q.startswith(("torch.", "disttrain.")) and last not in facts.project.defs and \
-                last not in ("init_process_group",):
-            return q
+    (`utils.init_distributed_mode(args)`, `setup_ddp()`), in this file or another of the
+    program (efficientvit's entry script calls `setup.setup_dist_env(args.gpu)`, out of
+    view, before the trainer in view uses CUDA)."""
+    for f in [facts, *(g for g in facts.project.component(facts) if g is not facts)]:
+        for c, q in f.calls:
+            last = q.rsplit(".", 1)[-1].lower()
+            if ("dist" in last or "ddp" in last or "setup" in last or "init" in last) and \
+                    not q.startswith(("torch.", "disttrain.")) and last not in facts.project.defs and \
+                    last not in ("init_process_group",) and (f is facts or "dist" in last or "ddp" in last):
+                return q
     return None
 
 
