@@ -139,3 +139,24 @@ def test_the_fallback_flattening_names_the_same_keys(with_paths):
     assert set(flat) == set(fallback) == set(paths)
     if with_paths:
         assert paths == fallback
+
+
+def test_a_damaged_copy_of_a_tied_weight_fails_the_load(tmp_path):
+    """Both names of a tied weight are read into one memory: the damaged first record
+    must fail the load although the intact second one overwrites its bytes (the hash of
+    a record is computed before anything is read over it)."""
+    import json
+
+    from disttrain.checkpoint import CheckpointCorrupt
+
+    ck = Checkpointer(tmp_path, keep_last=0)
+    step_dir = ck.save(_trained())
+    doc = json.loads((step_dir / ".metadata").read_bytes())
+    chunks = [doc["tensors"][k]["chunks"][0] for k in ("model.emb.weight", "model.head.weight")]
+    first = min(chunks, key=lambda c: (c["file"], c["offset"]))
+    assert {c["file"] for c in chunks} == {first["file"]}
+    data = bytearray((step_dir / first["file"]).read_bytes())
+    data[first["offset"] + 5] ^= 0xFF
+    (step_dir / first["file"]).write_bytes(bytes(data))
+    with pytest.raises(CheckpointCorrupt, match="fails its xxh3_128 checksum"):
+        ck.load(_fresh(), step_dir)

@@ -204,6 +204,7 @@ class _FileRead:
     def __init__(self, f, path: Path, hasher, pool: ThreadPoolExecutor):
         self.f, self.path, self.hasher, self.pos, self._pool = f, path, hasher, 0, pool
         self._pending: list = []
+        self._filled: set[int] = set()  # storages with bytes still to be hashed
         self._scratch: bytearray | None = None  # for gaps and the tail: most files have neither
 
     def _buffer(self) -> memoryview:
@@ -215,7 +216,7 @@ class _FileRead:
     def _drain(self) -> None:
         for fut in self._pending:
             fut.result()
-        self._pending = []
+        self._pending, self._filled = [], set()
 
     def skip_to(self, offset: int) -> None:
         if self.hasher is None:
@@ -230,7 +231,13 @@ class _FileRead:
             self.hasher.update(view)
             self.pos += len(view)
 
-    def into(self, view: memoryview) -> None:
+    def into(self, view: memoryview, storage: int | None = None) -> None:
+        """Read the next `len(view)` bytes into `view`. `storage`: the address of the
+        tensor storage `view` lies in, if it may be read into again in this pass."""
+        if storage in self._filled:
+            self._drain()  # a tied weight read twice: its first bytes are yet to be hashed
+        if storage is not None:
+            self._filled.add(storage)
         for start in range(0, len(view), _PIECE):
             piece = view[start:start + _PIECE]
             _read_exact(self.f, piece, self.path)
@@ -333,7 +340,7 @@ class RawReader(StorageReader):
             if target.device.type == "cpu" and target.dtype == dtype and target.is_contiguous() \
                     and target.numel() * dtype.itemsize == extent.length:
                 if extent.length:
-                    read.into(byte_view(target))
+                    read.into(byte_view(target), target.untyped_storage().data_ptr())
                 planner.commit_tensor(items[0], target)
                 return
         buf = torch.empty(sizes, dtype=dtype)
