@@ -251,3 +251,29 @@ findings of earlier rounds (StableCascade, llm.c, open_lm, sam2, swav) and turn 
 errors into warnings, and find 2 true ones no review had listed (verl's LoRA print,
 open_clip's epoch save); none of the reviewed true findings is lost.
 """
+
+ROUND8_CAUSES = """\
+What fooled the doctor frozen at commit 3542bd6 (round 7's fixes in) on round 8's
+held-back projects (not fixed when these figures were recorded). Three candidates were
+dropped before the review as copies of seen code (Video-LLaMA's runner is MiniGPT-4's,
+Video-ChatGPT's trainer LLaVA's, LoftQ's train_clm.py transformers' run_clm_no_trainer.py),
+two for their licences' terms (DINOv3, HunyuanDiT).
+
+- No false error. False warnings, 13: `load-without-map-location` on files that hold no
+  CUDA tensor or were saved from the CPU (OLMo-core's per-rank trainer state read through a
+  for-loop variable, KAIR's `param.cpu()` networks: 2) or in a single-process DataParallel
+  script (ddim); `missing-set-device` where the entry script in view binds the device but
+  the file is reached through an import out of view (KAIR's models.select_model) or by
+  importlib (Stark); `unguarded-save` on KAIR's save helpers whose caller in view guards
+  them through model classes out of view (2); `non-atomic-save` inside OLMo-core's
+  temporary working directory, renamed into place by its context manager, and on
+  jukebox's debug dump before exit(); `unguarded-log` in the single-process branch of
+  `if dist.is_available()` (jukebox: 2); a second `init-without-timeout` on jukebox's own
+  adapter call, which takes no timeout (the torch call is reported too).
+- Missed: a bare `except:` that reloads the latest checkpoint and restarts the epoch on
+  the failing rank alone (Stark, behavioural); a `**kwargs` forwarded twice before
+  init_process_group (KAIR); the `shutil.copyfile` to the last-checkpoint name
+  (DeepLearningExamples).
+- As in earlier rounds, misses were found by reading the distributed paths of each file,
+  not every line, so recall is an upper bound.
+"""
