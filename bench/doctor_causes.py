@@ -276,4 +276,17 @@ two for their licences' terms (DINOv3, HunyuanDiT).
   (DeepLearningExamples).
 - As in earlier rounds, misses were found by reading the distributed paths of each file,
   not every line, so recall is an upper bound.
+
+Fixed after these figures were recorded (tests/test_doctor_round9.py; the figures above
+stay the frozen doctor's): a file named by the rank through a for loop is per-rank, and a
+single-process DataParallel program needs no map_location; a save into a parameter that
+every caller binds with a temporary-directory context manager is atomic, and one right
+before exit() is a dump; `dist.is_available()` false is one process (torch.cuda's is not
+that test); a call of the project's own init wrapper is judged at its torch call; an entry
+script in view that binds the device covers the files it reaches out of view; a timeout
+followed through two `**kwargs` helpers; a `shutil.copy`/`copyfile` of a saved checkpoint
+onto a final name is a non-atomic save (it also finds the `model_best` copies of five
+earlier projects, unlisted then, and of the corpus' own imagenet_style.py). Remain:
+KAIR's CPU-saved networks (map_location) and its save helpers whose guarded caller is out
+of view, and Stark's rank-local restart.
 """

@@ -245,8 +245,8 @@ def _round_section(projects: list[ProjectResult], n: int, heading: str, causes: 
 _ROUNDS_TEXT = (
     "Eight rounds, each measured once by a doctor frozen before its projects were reviewed. "
     "Round 1: the held-back half of the 50 projects in the corpus when the split was made "
-    "(plus 16 added while it was reviewed). The causes of rounds 1 to 7 were then fixed "
-    "(tests/test_doctor_round2.py to round8.py), which makes their projects seen, and each "
+    "(plus 16 added while it was reviewed). The causes of rounds 1 to 8 were then fixed "
+    "(tests/test_doctor_round2.py to round9.py), which makes their projects seen, and each "
     "next round added projects none of the rules had been changed for, all held back by the "
     "same hash: 13 in round 2, 11 in round 3, 11 in round 4, 8 in round 5, 9 in round 6, 9 in "
     "round 7, 12 in round 8.")
@@ -295,7 +295,7 @@ def render(real: RealResult, cases: list[BugCase], projects: list[ProjectResult]
         recorded_table(2), "",
         recorded_table(1), "",
         HELD_BACK_CAUSES,
-        "The current doctor on every held-back project (rounds 1 to 7 have been seen, so this "
+        "The current doctor on every held-back project (rounds 1 to 8 have been seen, so this "
         "is no honest figure; for comparison):", "",
         projects_table(projects, "held-back", "all held-back, current doctor"), "",
         "### Tuning half (for comparison, not the doctor's figures)", "",

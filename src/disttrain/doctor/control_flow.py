@@ -148,8 +148,10 @@ def _or_on_every_rank(facts, test: ast.BoolOp) -> bool:
 
 _DIST_WORDS = {"distributed", "ddp", "is_distributed", "use_ddp", "multiprocessing_distributed",
                "use_distributed", "is_ddp", "dist_on", "use_dist", "distributed_run"}
+# `dist.is_available()`: false means one process for sure (jukebox's print_all), so its
+# else branch (and `not dist.is_available()`) is a single-process path
 _DIST_CALLS = {"is_initialized", "is_dist_avail_and_initialized", "is_dist_initialized", "is_distributed",
-               "is_dist", "dist_is_initialized"}
+               "is_dist", "dist_is_initialized", "is_available"}
 
 
 def distributed_test(test: ast.AST) -> int:
@@ -167,7 +169,11 @@ def distributed_test(test: ast.AST) -> int:
     if isinstance(test, (ast.Name, ast.Attribute)):
         return 1 if (_word(test) or "").lower() in _DIST_WORDS else 0
     if isinstance(test, ast.Call):
-        return 1 if _word(test.func) in _DIST_CALLS else 0
+        w = _word(test.func)
+        if w == "is_available":  # torch.distributed's, not torch.cuda's
+            owner = _ref(test.func.value) if isinstance(test.func, ast.Attribute) else None
+            return 1 if owner and "dist" in owner.lower() else 0
+        return 1 if w in _DIST_CALLS else 0
     if isinstance(test, ast.Compare) and len(test.ops) == 1:
         w = (_word(test.left) or "").lower()
         if isinstance(test.left, ast.Call) and _word(test.left.func) in ("get_world_size",):

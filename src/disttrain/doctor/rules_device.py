@@ -63,6 +63,9 @@ def missing_set_device(facts: Facts):
             return
         starts_here = any(facts.scope_of(c) is facts.scope_of(node) for c in facts.calls_to("init_process_group"))
         if not starts_here and not _entry_in_view(facts):
+            if _an_entry_of_the_run_binds(facts):
+                return  # KAIR, Stark: the entry script in view binds the device, then reaches this
+                # file through an import out of view or importlib
             yield finding(facts, node, "missing-set-device",
                           "CUDA is used under torchrun and nothing in the files checked binds a device, "
                           "but the script that runs this code is not among them (no `__main__` block or "
@@ -104,6 +107,18 @@ def _unseen_init_helper(facts: Facts) -> str | None:
                     last not in ("init_process_group",) and (f is facts or "dist" in last or "ddp" in last):
                 return q
     return None
+
+
+def _an_entry_of_the_run_binds(facts: Facts) -> bool:
+    """A script among the files checked (a `__main__` block) binds a device itself or
+    through the project's set-up function it calls."""
+    for f in facts.project.files:
+        if f is facts or not any(isinstance(s, ast.If) and "__name__" in ast.unparse(s.test) for s in f.tree.body):
+            continue
+        program = facts.project.component(f)
+        if any(g.calls_to(*_SET_DEVICE) for g in program):
+            return True
+    return False
 
 
 def _entry_in_view(facts: Facts) -> bool:

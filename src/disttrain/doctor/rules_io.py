@@ -11,7 +11,8 @@ import ast
 from disttrain.doctor.facts import Facts, arg, has_star_kwargs, is_const, kwarg, mentions, ref
 from disttrain.doctor.control_flow import LOCAL
 from disttrain.doctor.log_lines import _error_report, _per_rank_message
-from disttrain.doctor.save_paths import _accelerator_saves, _moves, _moves_path
+from disttrain.doctor.save_paths import (
+    _accelerator_saves, _moves, _moves_path, checkpoint_copies, ends_the_process, in_temporary_dir)
 from disttrain.doctor.findings import ERROR, WARNING, finding, rule
 from disttrain.doctor.names import rank_aware_logging
 
@@ -236,8 +237,9 @@ def _per_rank_variable(facts: Facts, path: ast.AST, call: ast.Call) -> bool:
     for _ in range(3):
         grown = set(names)
         for n in facts.nodes:
-            if isinstance(n, ast.Assign) and facts.scope_of(n) in (scope, facts.tree) and \
-                    any(ref(t) in names for t in n.targets):
+            if isinstance(n, (ast.Assign, ast.For)) and facts.scope_of(n) in (scope, facts.tree) and \
+                    any(ref(t) in names for t in (n.targets if isinstance(n, ast.Assign) else [n.target])):
+                n = n if isinstance(n, ast.Assign) else ast.Assign(targets=[n.target], value=n.iter)
                 if mentions(n.value, _is_rank_word) or any(
                         ref(x) in variables for x in ast.walk(n.value) if isinstance(x, (ast.Name, ast.Attribute))):
                     return True
@@ -258,7 +260,8 @@ def non_atomic_save(facts: Facts):
     moves = _moves(facts)
     for call in _saves(facts, wrappers=True) + _accelerator_saves(facts):
         path = _save_path(call, facts)
-        if path is None or _is_buffer(facts, path) or _atomic_writer(facts, path):
+        if path is None or _is_buffer(facts, path) or _atomic_writer(facts, path) or \
+                in_temporary_dir(facts, call, path) or ends_the_process(facts, call):
             continue
         scope = facts.scope_of(call)
         if any(facts.scope_of(m) is scope and m.lineno >= call.lineno and _moves_path(facts, m, path)
@@ -278,6 +281,10 @@ def non_atomic_save(facts: Facts):
                       "torch.save writes the final checkpoint path directly: a crash mid-write "
                       "leaves a corrupt checkpoint under the real name.",
                       "save to f\"{path}.tmp\" in the same directory, then os.replace(tmp, path).")
+    for c in checkpoint_copies(facts, _saves(facts, wrappers=True), lambda s: _save_path(s, facts)):
+        yield finding(facts, c, "non-atomic-save", "this copy of a checkpoint writes its target straight under "
+                      "the final name: a crash mid-copy leaves a torn file there.",
+                      "copy to a temporary name in the same directory, then os.replace it into place.")
     yield from _folder_saves(facts, moves)
 
 
@@ -353,6 +360,8 @@ def _is_buffer(facts: Facts, node: ast.AST) -> bool:
       `map_location="cpu"` (or the rank's own device). A file named by the rank (each
       rank's own shard, saved from its own device) is not reported.""")
 def load_without_map_location(facts: Facts):
+    if facts.project.wrap_kinds(facts) == {"dp"} and not any(f.distributed for f in facts.project.component(facts)):
+        return  # one process (ddim's DataParallel script): the tensors go back where its model lives
     for call in facts.calls_to("torch.load"):
         source = arg(call, 0, "f")
         if source is not None and _is_buffer(facts, source):

@@ -34,6 +34,8 @@ def init_without_timeout(facts: Facts):
         backend = arg(call, 0, "backend")
         if isinstance(backend, ast.Constant) and backend.value in _NO_COLLECTIVE_BACKENDS:
             continue  # no real collectives run, so nothing can hang
+        if facts.project.resolve(facts, call):
+            continue  # the project's own wrapper (jukebox's dist_adapter): its torch call is judged
         name = ast.unparse(call.func).rsplit(".", 1)[-1]
         positional = 3 if name == "init_process_group" else 5
         timeout = kwarg(call, "timeout")
@@ -65,10 +67,26 @@ def _kwargs_without_timeout(facts: Facts, call: ast.Call) -> str | None:
     if not isinstance(fn, (ast.FunctionDef, ast.AsyncFunctionDef)) or fn.args.kwarg is None or \
             len(stars) != 1 or not (isinstance(stars[0], ast.Name) and stars[0].id == fn.args.kwarg.arg):
         return None
+    return fn.name if _no_caller_passes_timeout(facts, fn, 3) else None
+
+
+def _no_caller_passes_timeout(facts: Facts, fn: ast.AST, depth: int) -> bool:
+    """Every call of `fn` in the run passes no timeout=; one that forwards its own
+    **kwargs (KAIR's init_dist -> _init_dist_pytorch) is followed to its callers."""
     sites = facts.project.call_sites.get(fn, [])
-    if not sites or any(k.arg in ("timeout", None) for _, c in sites for k in c.keywords):
-        return None
-    return fn.name
+    if not sites or depth == 0:
+        return False
+    for f, c in sites:
+        if any(k.arg == "timeout" for k in c.keywords):
+            return False
+        stars = [k.value for k in c.keywords if k.arg is None]
+        if stars:
+            outer = f.scope_of(c)
+            own = isinstance(outer, (ast.FunctionDef, ast.AsyncFunctionDef)) and outer.args.kwarg is not None and \
+                len(stars) == 1 and isinstance(stars[0], ast.Name) and stars[0].id == outer.args.kwarg.arg
+            if not (own and _no_caller_passes_timeout(f, outer, depth - 1)):
+                return False
+    return True
 
 
 _DAY = 86400

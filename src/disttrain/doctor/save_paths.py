@@ -48,3 +48,68 @@ def _moves_path(facts: Facts, move: ast.Call, path: ast.AST) -> bool:
         parts.append(move.func.value)  # Path.replace: `tmp.replace(path)`
     moved = set().union(*(_path_refs(facts, a) for a in parts)) if parts else set()
     return bool(moved & _path_refs(facts, path)) or not _path_refs(facts, path)
+
+
+_TEMP_WORDS = ("tmp", "temp", "atomic")
+
+
+def in_temporary_dir(facts: Facts, call: ast.Call, path: ast.AST) -> bool:
+    """The saved path is built from a parameter that every caller in view binds with
+    `with self._temporary_wd(dir) as wd:` (OLMo-core): a working directory that the
+    context manager renames into place once written."""
+    fn = facts.scope_of(call)
+    if not isinstance(fn, (ast.FunctionDef, ast.AsyncFunctionDef)):
+        return False
+    names = _path_refs(facts, path)
+    for n in facts.nodes:  # one step back: `train_dir = wd / "train"`
+        if isinstance(n, ast.Assign) and facts.scope_of(n) is fn and any(ref(t) in names for t in n.targets):
+            names |= _path_refs(facts, n.value)
+    params = [a.arg for a in fn.args.args]
+    bound = 1 if params and params[0] in ("self", "cls") else 0
+    sites = facts.project.call_sites.get(fn, [])
+    hits = [i for i, p in enumerate(params) if p in names]
+    return bool(sites and hits) and all(
+        any(i - bound < len(c.args) and _bound_by_temporary_with(f, c.args[i - bound]) for i in hits)
+        for f, c in sites)
+
+
+def _bound_by_temporary_with(facts: Facts, value: ast.AST) -> bool:
+    name = ref(value)
+    return bool(name) and any(
+        isinstance(n, ast.withitem) and n.optional_vars is not None and ref(n.optional_vars) == name
+        and isinstance(n.context_expr, ast.Call)
+        and any(w in (ref(n.context_expr.func) or "").rsplit(".", 1)[-1].lower() for w in _TEMP_WORDS)
+        for n in facts.nodes)
+
+
+def ends_the_process(facts: Facts, call: ast.Call) -> bool:
+    """The save's block ends with exit() / sys.exit(): a debug dump before the process
+    stops (jukebox's save_outputs, ml-4m's batch dump on a non-finite loss), no checkpoint."""
+    stmt = facts.parents.get(call)
+    parent = facts.parents.get(stmt)
+    for field in ("body", "orelse"):
+        block = getattr(parent, field, None)
+        if isinstance(block, list) and stmt in block:
+            last = block[-1]
+            return last is not stmt and isinstance(last, ast.Expr) and isinstance(last.value, ast.Call) and \
+                ast.unparse(last.value.func) in ("exit", "sys.exit", "quit", "os._exit")
+    return False
+
+
+def checkpoint_copies(facts: Facts, saves: list[ast.Call], path_of) -> list[ast.Call]:
+    """`shutil.copyfile(full_path, last_path)` after `torch.save(state, full_path)` in the
+    same function (DeepLearningExamples' Checkpointer): the copy writes the other name
+    (the one a resume is given) in place, as torn as a direct save."""
+    out = []
+    for c in facts.calls_to("shutil.copyfile", "shutil.copy", "shutil.copy2"):
+        if len(c.args) < 2 or _mentions_temp(facts, c.args[1]):
+            continue
+        src = _path_refs(facts, c.args[0])
+        if src and any(facts.scope_of(s) is facts.scope_of(c) and s.lineno < c.lineno and path_of(s) is not None
+                       and src & _path_refs(facts, path_of(s)) for s in saves):
+            out.append(c)
+    return out
+
+
+def _mentions_temp(facts: Facts, node: ast.AST) -> bool:
+    return any(w in ast.unparse(node).lower() for w in _TEMP_WORDS)
