@@ -220,12 +220,18 @@ def _issue_link(url: str) -> str:
 
 # ----- the section ---------------------------------------------------------------------
 
-def _round_section(projects: list[ProjectResult], n: int, heading: str, causes: str) -> list[str]:
-    """Round `n`: its recorded (frozen) figures against the targets, the current doctor on
-    the same projects when the rules changed since, per project and per rule, its causes."""
+def _round_section(projects: list[ProjectResult], n: int, heading: str, causes: str,
+                   full: bool = True) -> list[str]:
+    """Round `n`: its recorded (frozen) figures against the targets, its causes, and (with
+    `full`) the current doctor on the same projects, per project and per rule, when the
+    rules changed since; older rounds' current figures are one row of `_seen_rounds_table`."""
     held = held_back_round(projects, n)
     frozen = round_figures(held) == RECORDED[n]
     missed = recorded_misses(n)
+    current = [
+        projects_table(held, "held-back", f"round {n} held-back, current doctor"), "",
+        f"Per rule, round {n} held-back, current doctor:", "",
+        rule_table(held), ""] if full else []
     return [
         f"### {heading}", "",
         recorded_table(n), "",
@@ -234,12 +240,23 @@ def _round_section(projects: list[ProjectResult], n: int, heading: str, causes: 
          "changed after their review)." if frozen else
          f"The rules have been changed since round {n} was reviewed: the recorded figures above "
          "are the frozen doctor's (bench/doctor_projects.py `frozen_figures` reproduces them "
-         "from the reviews); the current doctor's on the same projects, seen, so no honest "
-         "figure, follow."), "",
-        projects_table(held, "held-back", f"round {n} held-back, current doctor"), "",
-        f"Per rule, round {n} held-back, current doctor:", "",
-        rule_table(held), "",
+         "from the reviews); the current doctor's on the same projects are seen, so no honest "
+         "figure" + (", and follow." if full else " (the table after round 3).")), "",
+        *current,
         causes]
+
+
+def _seen_rounds_table(projects: list[ProjectResult]) -> str:
+    """The current doctor on each round's held-back projects, one row per round (seen)."""
+    def pct(pair):
+        return f"{pair[0] / pair[1]:.0%}" if pair[1] else "-"
+    rows = ["| round | projects, lines | false errors | false / 500 lines | precision | hygiene recall | "
+            "behavioural recall |", "|---|---|---|---|---|---|---|"]
+    for n in sorted(RECORDED):
+        f = round_figures(held_back_round(projects, n))
+        rows.append(f"| {n} | {f['projects']}, {f['lines']} | {f['false_errors']} | {f['false_per_500']:.2f} | "
+                    f"{pct((f['tp'], f['findings']))} | {pct(f['hygiene'])} | {pct(f['behavioural'])} |")
+    return "\n".join(rows)
 
 
 _ROUNDS_TEXT = (
@@ -284,13 +301,16 @@ def render(real: RealResult, cases: list[BugCase], projects: list[ProjectResult]
         *_round_section(projects, 7, "Round 7: held-back projects added after round 6's fixes",
                         ROUND7_CAUSES),
         *_round_section(projects, 6, "Round 6: held-back projects added after round 5's fixes",
-                        ROUND6_CAUSES),
+                        ROUND6_CAUSES, full=False),
         *_round_section(projects, 5, "Round 5: held-back projects added after round 4's fixes",
-                        ROUND5_CAUSES),
+                        ROUND5_CAUSES, full=False),
         *_round_section(projects, 4, "Round 4: held-back projects added after round 3's fixes",
-                        ROUND4_CAUSES),
+                        ROUND4_CAUSES, full=False),
         *_round_section(projects, 3, "Round 3: held-back projects added after round 2's fixes",
-                        ROUND3_CAUSES),
+                        ROUND3_CAUSES, full=False),
+        "The current doctor on each round's held-back projects (all seen but the latest "
+        "round's when the rules are unchanged since its review; not honest figures):", "",
+        _seen_rounds_table(projects), "",
         "### Rounds 1 and 2: the held-back projects of earlier rounds, frozen doctors", "",
         recorded_table(2), "",
         recorded_table(1), "",
