@@ -290,3 +290,27 @@ earlier projects, unlisted then, and of the corpus' own imagenet_style.py). Rema
 KAIR's CPU-saved networks (map_location) and its save helpers whose guarded caller is out
 of view, and Stark's rank-local restart.
 """
+
+ROUND9_CAUSES = """\
+What fooled the doctor frozen at commit 8f8a27c (round 8's fixes in) on round 9's
+held-back projects (not fixed when these figures were recorded; the current doctor is
+this one, so these are its honest figures):
+
+- False errors, 2: `missing-set-device` on `torch.device("cuda")` in the single-process
+  branch of `if args.local_rank == -1:` while the distributed branch (else) binds the
+  device first (CodeT5: the check for a use before set_device does not ask whether the two
+  are exclusive, and a device object allocates nothing); `unguarded-save` on a debug dump
+  whose file name holds `uuid4()` (vall-e: no two ranks write the same file).
+- False warnings, 12: `non-atomic-save` on data caches (CodeT5's tokenized TensorDatasets:
+  4), on `training_args.bin` beside a model (alpaca_farm: 2) and on the same debug dump;
+  `load-without-map-location` on those CPU-built caches (4); `find-unused-parameters`
+  where the DDP-wrapped model is out of view and the forward in view is the pipeline's
+  (nerfstudio).
+- Missed: every rank saving under DDP in a file whose process group starts in another
+  module (CodeT5's run_gen.py, 3: the save rules ask the file, not the program, whether it
+  is distributed); rank 0 alone calling `os._exit(0)` at the last epoch while the others
+  go on into the next one's all-reduce (RVC); `latest.txt` written in place, and before the
+  checkpoint it names (once-for-all).
+- As in earlier rounds, misses were found by reading the distributed paths of each file,
+  not every line, so recall is an upper bound.
+"""
