@@ -234,7 +234,8 @@ def test_warm_worker_stub_acts_as_the_worker_process(tmp_path, monkeypatch):
     proc = _stub(tmp_path, "exit3")  # no server: the module runs in the stub itself
     assert proc.wait(timeout=60) == 3 and proc.stdout.read().startswith("cold tag")
     monkeypatch.setenv("PYTHONPATH", f"{ROOT / 'src'}:{tmp_path}")
-    server, path = warm_workers.start_server()
+    server = warm_workers.start_server()
+    path = server[1]
     try:
         proc = _stub(tmp_path, "exit3", DISTTRAIN_WARM_SOCKET=path)
         assert proc.wait(timeout=120) == 3
@@ -257,5 +258,22 @@ def test_warm_worker_stub_acts_as_the_worker_process(tmp_path, monkeypatch):
             assert time.monotonic() < deadline, "the killed stub's child still runs"
             time.sleep(0.05)
     finally:
-        server.kill()
-        server.wait()
+        warm_workers.stop_server(server)
+
+
+def test_a_finished_scripts_globals_live_until_exit(tmp_path, monkeypatch):
+    """As under `python SCRIPT`, a script's globals outlive its last line: freed by
+    worker_entry while the process still ran, a DDP model left in a global destroyed its
+    gloo group with the GIL held and the rank could hang after its script was done."""
+    from disttrain.launch import worker_entry
+
+    script = tmp_path / "script.py"
+    script.write_text("import pathlib, sys\nclass Flag:\n    def __del__(self):\n"
+                      "        pathlib.Path(sys.argv[1]).write_text('freed')\nflag = Flag()\n")
+    monkeypatch.setattr(sys, "argv", list(sys.argv))
+    monkeypatch.setattr(sys, "path", list(sys.path))
+    worker_entry.main([str(script), str(tmp_path / "freed")])
+    import gc
+
+    gc.collect()
+    assert not (tmp_path / "freed").exists()

@@ -53,7 +53,6 @@ from __future__ import annotations
 
 import math
 import os
-import shutil
 import signal
 import sys
 
@@ -315,21 +314,18 @@ def torchrun_has_shutdown_timeout() -> bool:
 
 def main(argv: list[str]) -> int:
     """Run torchrun in this process and return the job's exit code."""
-    # The warm-worker server starts first (before this process imports torch): its
-    # imports overlap the agent's and the rendezvous.
+    from disttrain.runtime.fault_injection import parse as parse_faults
+
+    parse_faults(os.environ.get("DISTTRAIN_FAULT", ""))  # a typo fails here, not in every rank
+    args, env = build_torchrun_args(argv)  # a user's mistake is refused before any import
     server = warm_workers.start_server() if warm_workers_wanted(argv) else None
     try:
-        from disttrain.runtime.fault_injection import parse as parse_faults
-
-        parse_faults(os.environ.get("DISTTRAIN_FAULT", ""))  # a typo fails here, not in every rank
         if server:
             os.environ[warm_workers.SOCKET_ENV] = server[1]
-        return _launch(argv)
+        return _launch(args, env)
     finally:
         if server:
-            server[0].kill()
-            server[0].wait()
-            shutil.rmtree(os.path.dirname(server[1]), ignore_errors=True)
+            warm_workers.stop_server(server)
             os.environ.pop(warm_workers.SOCKET_ENV, None)
 
 
@@ -345,13 +341,13 @@ def _others(failures: dict, first: int) -> str:
     return f" ({'; '.join(parts)})" if parts else ""
 
 
-def _launch(argv: list[str]) -> int:
-    """torchrun with `build_torchrun_args`; failures reported in one line (see `main`)."""
+def _launch(args: list[str], env: dict[str, str]) -> int:
+    """torchrun with `build_torchrun_args`'s arguments and environment defaults;
+    failures reported in one line (see `main`)."""
     from torch.distributed.elastic.multiprocessing import SignalException
     from torch.distributed.elastic.multiprocessing.errors import ChildFailedError
     from torch.distributed.run import parse_args, run
 
-    args, env = build_torchrun_args(argv)
     for key, value in env.items():
         os.environ.setdefault(key, value)
     os.environ[LAUNCHER_ENV] = str(os.getpid())  # this job's own launcher, never an outer one

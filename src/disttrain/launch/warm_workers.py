@@ -4,11 +4,10 @@ does not pay for a fresh interpreter's imports in every worker (about 4 s of the
 on 2 cores, plus the 3 s that DistributedDataParallel's first construction spends
 importing torch._dynamo).
 
-`disttrain run` (any Python script or module but fast recovery's) starts, once per
-agent and before the agent's own imports, a **server** (`python -m
-disttrain.launch.warm_workers --serve SOCKET`) that imports `PRELOAD` and waits on a Unix socket. torchrun then starts, for
-each worker, `python -m disttrain.launch.warm_workers MODULE ARGS...`: a **stub** that
-imports nothing heavy, sends the server its environment, working directory, arguments
+`disttrain run` (any Python script or module but fast recovery's) imports `PRELOAD`
+in the agent's process and forks from it, once per agent, a **server** that waits on
+a Unix socket. torchrun then starts, for each worker, `python -m
+disttrain.launch.warm_workers MODULE ARGS...`: a **stub** that imports nothing heavy, sends the server its environment, working directory, arguments
 and standard streams, and gets back the pid of a child that the server forks to run
 `python -m MODULE ARGS` as `__main__`. The stub is what torchrun watches and signals:
 - SIGTERM, SIGINT, SIGHUP, SIGQUIT, SIGUSR1 and SIGUSR2 to the stub are passed to the
@@ -20,8 +19,9 @@ and standard streams, and gets back the pid of a child that the server forks to 
 A stub that cannot reach a server (none started, or it died) runs the module in its
 own interpreter, as torchrun would have: slower, never wrong.
 
-Fork safety: the server only imports (no CUDA context, no process group, no thread of
-its own), which is what DataLoader workers rely on too. OMP_NUM_THREADS and the other
+Fork safety: the server is forked from the agent after its imports and before torchrun
+starts (no CUDA context, no process group, no thread but those `import torch` starts),
+and forks workers without starting anything either: what DataLoader workers rely on. OMP_NUM_THREADS and the other
 variables read at import are the agent's; the child applies the worker's own
 environment and `torch.set_num_threads` before the module runs.
 """
@@ -35,10 +35,11 @@ import selectors
 import signal
 import socket
 import struct
-import subprocess
 import sys
 import tempfile
 from typing import NoReturn
+
+from disttrain.launch.worker_entry import keep_globals
 
 SOCKET_ENV = "DISTTRAIN_WARM_SOCKET"
 SWITCH_ENV = "DISTTRAIN_WARM_WORKERS"
@@ -67,27 +68,15 @@ def _recv_exact(conn: socket.socket, n: int) -> bytes:
 
 # ----------------------------------------------------------------------------- server
 
-def start_server() -> tuple[subprocess.Popen, str]:
-    """Start the server (the agent's child, in a session of its own so a terminal's
-    Ctrl-C reaches the agent, which passes it on, and not the server). Its socket is
-    bound here, so a stub that comes before the imports are done waits in the backlog.
-    Returns the process and the socket's path (for SOCKET_ENV); remove its folder at exit."""
-    path = os.path.join(tempfile.mkdtemp(prefix="disttrain-warm-"), "socket")
-    listener = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
-    listener.bind(path)
-    listener.listen(64)
-    proc = subprocess.Popen([sys.executable, "-m", "disttrain.launch.warm_workers", "--serve",
-                             str(listener.fileno())], pass_fds=[listener.fileno()], start_new_session=True)
-    listener.close()
-    return proc, path
-
-
-def serve(fd: int) -> NoReturn:
-    """Import PRELOAD, then fork one child per stub request on the listening socket
-    `fd`, until the agent dies (PR_SET_PDEATHSIG)."""
-    _die_with_parent()
-    for sig in FORWARDED:  # a signal to the agent's group is the agent's to pass on
-        signal.signal(sig, signal.SIG_IGN)
+def start_server() -> tuple[int, str] | None:
+    """Import `PRELOAD` in this process (the agent's, before torchrun starts), then fork
+    the server from it, in a session of its own (a terminal's Ctrl-C reaches the agent,
+    which passes it on, not the server). The server shares those imports copy-on-write,
+    so the job pays for one interpreter's imports instead of the agent's and the
+    server's. Its socket is bound before the fork, so a stub that comes early waits in
+    the backlog. Returns the server's pid and the socket's path (for SOCKET_ENV; end it
+    with `stop_server`), or None when this process has a CUDA context (it does not
+    survive a fork: workers then start fresh)."""
     import importlib
 
     for name in PRELOAD:
@@ -95,10 +84,42 @@ def serve(fd: int) -> NoReturn:
     from disttrain.runtime.torch_compat import import_dynamo
 
     import_dynamo()
-    listener = socket.socket(fileno=fd)
-    if sys.modules["torch"].cuda.is_initialized():  # a CUDA context does not survive fork:
-        listener.close()  # stubs find no server and start their workers fresh
-        os._exit(0)
+    if sys.modules["torch"].cuda.is_initialized():
+        return None
+    path = os.path.join(tempfile.mkdtemp(prefix="disttrain-warm-"), "socket")
+    listener = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+    listener.bind(path)
+    listener.listen(64)
+    pid = os.fork()
+    if pid == 0:
+        try:
+            os.setsid()
+            serve(listener)
+        finally:
+            os._exit(1)
+    listener.close()
+    return pid, path
+
+
+def stop_server(server: tuple[int, str]) -> None:
+    """Kill the server (its children die with it) and remove its socket's folder."""
+    import shutil
+
+    pid, path = server
+    try:
+        os.kill(pid, signal.SIGKILL)
+        os.waitpid(pid, 0)
+    except (ProcessLookupError, ChildProcessError):
+        pass
+    shutil.rmtree(os.path.dirname(path), ignore_errors=True)
+
+
+def serve(listener: socket.socket) -> NoReturn:
+    """Fork one child per stub request on `listener` until the agent dies
+    (PR_SET_PDEATHSIG)."""
+    _die_with_parent()
+    for sig in FORWARDED:  # a signal to the agent's group is the agent's to pass on
+        signal.signal(sig, signal.SIG_IGN)
     sel = selectors.DefaultSelector()
     sel.register(listener, selectors.EVENT_READ, None)
     while True:
@@ -177,6 +198,7 @@ def _child(request: dict, fds: list[int], conn: socket.socket) -> NoReturn:
         os.dup2(fd, target)
         os.close(fd)
     os.setsid()  # the stub's signals reach this process by pid, not by group
+    sys.path[:] = _worker_sys_path(request["cwd"], request["env"].get("PYTHONPATH", ""))
     os.environ.clear()
     os.environ.update(request["env"])
     os.chdir(request["cwd"])
@@ -198,13 +220,25 @@ def _child(request: dict, fds: list[int], conn: socket.socket) -> NoReturn:
     os._exit(code)
 
 
+def _worker_sys_path(cwd: str, pythonpath: str) -> list[str]:
+    """The `sys.path` that `python -m MODULE` in `cwd` with `pythonpath` starts with:
+    cwd, then PYTHONPATH's entries, then this interpreter's own (stdlib, site-packages),
+    not the agent's (whose first entry may be a console script's folder)."""
+    agents = set(os.environ.get("PYTHONPATH", "").split(os.pathsep)) - {""}
+    own = [p for p in sys.path[1:] if p not in agents]
+    return list(dict.fromkeys([cwd, *[p for p in pythonpath.split(os.pathsep) if p], *own]))
+
+
 def _run_module(module: str, args: list[str]) -> int:
     """`python -m MODULE ARGS`'s exit status, its uncaught exception printed as it would be."""
     import runpy
 
     sys.argv = ["-m", *args]
+    # The agent this server was forked from may have imported it (worker_entry): under
+    # `python -m` it would not be, and runpy warns when it is.
+    sys.modules.pop(module, None)
     try:
-        runpy.run_module(module, run_name="__main__", alter_sys=True)
+        keep_globals(runpy.run_module(module, run_name="__main__", alter_sys=True))
     except SystemExit as e:
         if e.code is None or isinstance(e.code, int):
             return e.code or 0
@@ -262,13 +296,11 @@ def _run_here(module: str, args: list[str]) -> int:
     import runpy
 
     sys.argv = ["-m", *args]
-    runpy.run_module(module, run_name="__main__", alter_sys=True)
+    keep_globals(runpy.run_module(module, run_name="__main__", alter_sys=True))
     return 0  # a SystemExit of the module's passes through, as under `python -m`
 
 
 def main(argv: list[str]) -> int:
-    if argv[:1] == ["--serve"]:
-        serve(int(argv[1]))
     if not argv:
         print("usage: python -m disttrain.launch.warm_workers MODULE [ARGS...]", file=sys.stderr)
         return 2

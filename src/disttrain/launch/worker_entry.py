@@ -65,12 +65,24 @@ def main(argv: list[str]) -> None:
         start_for_script()
     if argv[:1] == ["-m"] and len(argv) > 1:
         sys.argv = [argv[1], *argv[2:]]
-        runpy.run_module(argv[1], run_name="__main__", alter_sys=True)
+        keep_globals(runpy.run_module(argv[1], run_name="__main__", alter_sys=True))
         return
     script = argv[0]
     sys.argv = list(argv)
     sys.path[0] = os.path.dirname(os.path.abspath(script))  # as `python SCRIPT` sets it
-    runpy.run_path(script, run_name="__main__")
+    keep_globals(runpy.run_path(script, run_name="__main__"))
+
+
+_KEPT: list[dict] = []
+
+
+def keep_globals(namespace: dict) -> None:
+    """Keep a finished script's globals (runpy returns a copy) alive until the
+    interpreter exits, as `python SCRIPT` keeps `__main__`'s. Dropped here, they would be
+    freed while the process still runs: a DDP model left in a global then destroys its
+    gloo process group with the GIL held, whose worker thread may need the GIL to free
+    its last work, and the rank hangs after its script is done."""
+    _KEPT.append(namespace)
 
 
 if __name__ == "__main__":
