@@ -293,8 +293,7 @@ of view, and Stark's rank-local restart.
 
 ROUND9_CAUSES = """\
 What fooled the doctor frozen at commit 8f8a27c (round 8's fixes in) on round 9's
-held-back projects (not fixed when these figures were recorded; the current doctor is
-this one, so these are its honest figures):
+held-back projects (not fixed when these figures were recorded):
 
 - False errors, 2: `missing-set-device` on `torch.device("cuda")` in the single-process
   branch of `if args.local_rank == -1:` while the distributed branch (else) binds the
@@ -313,4 +312,12 @@ this one, so these are its honest figures):
   checkpoint it names (once-for-all).
 - As in earlier rounds, misses were found by reading the distributed paths of each file,
   not every line, so recall is an upper bound.
+
+Fixed after these figures were recorded (tests/test_doctor_round10.py; the figures above
+stay the frozen doctor's): the two false errors. A use of CUDA in the other branch of an
+if/else from the set_device is not before it, and a file named by `uuid4()` or
+`getpid()` has one writer. Remain: the data caches and training-args files taken for
+checkpoints, CPU-built caches for map_location, the out-of-view model's forward, and the
+misses (the save rules' file-level view of a distributed program, RVC's rank-0 exit,
+once-for-all's latest.txt).
 """

@@ -84,7 +84,9 @@ def missing_set_device(facts: Facts):
         if not unindexed or _leaves_before_ranks(facts, node):
             continue
         scope = facts.scope_of(node)
-        same = [b for b in binds if facts.scope_of(b) is scope]
+        # a bind in the other branch of an if/else (CodeT5: `if local_rank == -1: device =
+        # torch.device("cuda") else: set_device(...)`) is not after this use on any path
+        same = [b for b in binds if facts.scope_of(b) is scope and not facts.exclusive(b, node)]
         # A bind in another function (a setup() helper) is assumed to run first.
         if same and all(b.lineno > node.lineno for b in same) and len(same) == len(binds):
             yield finding(facts, node, "missing-set-device",

@@ -12,17 +12,14 @@ from disttrain.doctor.facts import Facts, arg, has_star_kwargs, is_const, kwarg,
 from disttrain.doctor.control_flow import LOCAL
 from disttrain.doctor.log_lines import _error_report, _per_rank_message
 from disttrain.doctor.save_paths import (
-    _accelerator_saves, _moves, _moves_path, checkpoint_copies, ends_the_process, in_temporary_dir)
+    _accelerator_saves, _is_rank_word, _moves, _moves_path, _per_process_word, _per_rank_variable, checkpoint_copies,
+    ends_the_process, in_temporary_dir)
 from disttrain.doctor.findings import ERROR, WARNING, finding, rule
 from disttrain.doctor.names import rank_aware_logging
 
 # Per-rank messages are legitimate: every rank reports its own warnings and errors.
 _LOG_METHODS = ("info", "debug", "log")
 _LOGGER_NAMES = ("logger", "log", "logging", "_logger", "LOGGER", "LOG", "_log")
-
-
-def _is_rank_word(word: str) -> bool:
-    return "rank" in word.lower()
 
 
 def _log_calls(facts: Facts):
@@ -195,8 +192,8 @@ def reached_from_view(facts: Facts, node: ast.AST) -> bool:
 def unguarded_save(facts: Facts):
     for call in _saves(facts):
         path = _save_path(call)
-        if path is not None and (mentions(path, _is_rank_word) or _is_buffer(facts, path) or
-                                 _per_rank_variable(facts, path, call)):
+        if path is not None and (mentions(path, _per_process_word) or _is_buffer(facts, path) or
+                                 _per_rank_variable(facts, path, call, _per_process_word)):
             continue  # one file per rank, or memory: no two writers share a file
         kind = facts.rank_guard(call)
         if not facts.distributed and kind != LOCAL:
@@ -222,32 +219,6 @@ def unguarded_save(facts: Facts):
                           "caller does not guard it, world-size processes write the same file.",
                           f"guard the save with `if rank == 0:`, or check `{fn}()`'s callers in "
                           "the same run.", severity=WARNING)
-
-
-def _per_rank_variable(facts: Facts, path: ast.AST, call: ast.Call) -> bool:
-    """The path is a variable built from the rank in the same function (`queue_path =
-    os.path.join(dump, "queue" + str(args.rank) + ".pth")`, `name = f"..._{rank_save}.pkl"`)."""
-    def refs(node):  # whole references only: `args.out`, not `args` or a method's owner
-        return {ref(n) for n in ast.walk(node) if isinstance(n, (ast.Name, ast.Attribute))
-                and not isinstance(facts.parents.get(n), ast.Attribute)} - {None}
-
-    names = refs(path)
-    scope = facts.scope_of(call)
-    variables = facts.rank_variables
-    for _ in range(3):
-        grown = set(names)
-        for n in facts.nodes:
-            if isinstance(n, (ast.Assign, ast.For)) and facts.scope_of(n) in (scope, facts.tree) and \
-                    any(ref(t) in names for t in (n.targets if isinstance(n, ast.Assign) else [n.target])):
-                n = n if isinstance(n, ast.Assign) else ast.Assign(targets=[n.target], value=n.iter)
-                if mentions(n.value, _is_rank_word) or any(
-                        ref(x) in variables for x in ast.walk(n.value) if isinstance(x, (ast.Name, ast.Attribute))):
-                    return True
-                grown |= refs(n.value)
-        if grown == names:
-            break
-        names = grown
-    return False
 
 
 @rule("non-atomic-save", ("P-CKPT-2",), WARNING,

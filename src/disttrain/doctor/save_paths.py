@@ -6,7 +6,7 @@ from __future__ import annotations
 
 import ast
 
-from disttrain.doctor.facts import Facts, ref
+from disttrain.doctor.facts import Facts, mentions, ref
 
 
 def _accelerator_saves(facts: Facts) -> list[ast.Call]:
@@ -113,3 +113,38 @@ def checkpoint_copies(facts: Facts, saves: list[ast.Call], path_of) -> list[ast.
 
 def _mentions_temp(facts: Facts, node: ast.AST) -> bool:
     return any(w in ast.unparse(node).lower() for w in _TEMP_WORDS)
+
+
+def _is_rank_word(word: str) -> bool:
+    return "rank" in word.lower()
+
+
+def _per_process_word(word: str) -> bool:
+    """The rank, or a name unique to the process or the call (`uuid4()`, `getpid()`)."""
+    return _is_rank_word(word) or word in ("uuid4", "uuid1", "getpid")
+
+
+def _per_rank_variable(facts: Facts, path: ast.AST, call: ast.Call, word=_is_rank_word) -> bool:
+    """The path is a variable built from the rank in the same function (`queue_path =
+    os.path.join(dump, "queue" + str(args.rank) + ".pth")`, `name = f"..._{rank_save}.pkl"`)."""
+    def refs(node):  # whole references only: `args.out`, not `args` or a method's owner
+        return {ref(n) for n in ast.walk(node) if isinstance(n, (ast.Name, ast.Attribute))
+                and not isinstance(facts.parents.get(n), ast.Attribute)} - {None}
+
+    names = refs(path)
+    scope = facts.scope_of(call)
+    variables = facts.rank_variables
+    for _ in range(3):
+        grown = set(names)
+        for n in facts.nodes:
+            if isinstance(n, (ast.Assign, ast.For)) and facts.scope_of(n) in (scope, facts.tree) and \
+                    any(ref(t) in names for t in (n.targets if isinstance(n, ast.Assign) else [n.target])):
+                n = n if isinstance(n, ast.Assign) else ast.Assign(targets=[n.target], value=n.iter)
+                if mentions(n.value, word) or any(
+                        ref(x) in variables for x in ast.walk(n.value) if isinstance(x, (ast.Name, ast.Attribute))):
+                    return True
+                grown |= refs(n.value)
+        if grown == names:
+            break
+        names = grown
+    return False
