@@ -30,12 +30,17 @@ def run_disttrain(args: list[str], timeout: float = 180, cwd: Path | None = None
                           text=True, timeout=timeout, cwd=cwd or ROOT, env=env or worker_env())
 
 
+def run_cmd(nproc: int, *script_and_args: str) -> list[str]:
+    """The command line of `disttrain run --nproc NPROC SCRIPT ARGS` (torchrun with the
+    user's defaults: standalone rendezvous, warm workers)."""
+    return [sys.executable, "-m", "disttrain.cli", "run", "--nproc", str(nproc), *script_and_args]
+
+
 def launch_worker(script: str, nproc: int, out_dir: Path, *args: str, timeout: float = 240) -> list[dict]:
     """Run tests/workers/SCRIPT on `nproc` gloo ranks under `disttrain run` (torchrun,
     warm workers) and return each rank's JSON result (`out_dir/rank{r}.json`). Fails
     with the job's output on error."""
-    cmd = [sys.executable, "-m", "disttrain.cli", "run", "--nproc", str(nproc),
-           str(WORKERS / script), str(out_dir), *args]
+    cmd = run_cmd(nproc, str(WORKERS / script), str(out_dir), *args)
     proc = subprocess.run(cmd, capture_output=True, text=True, timeout=timeout, env=worker_env())
     if proc.returncode != 0:
         pytest.fail(f"{script} at nproc={nproc} exited {proc.returncode}:\n{proc.stdout[-4000:]}\n"

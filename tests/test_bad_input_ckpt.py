@@ -15,7 +15,7 @@ import textwrap
 import pytest
 import torch
 
-from conftest import ROOT, WORKERS, worker_env
+from conftest import ROOT, WORKERS, run_cmd, worker_env
 
 sys.path.insert(0, str(WORKERS))
 from ckpt_common import build, train  # noqa: E402
@@ -162,8 +162,7 @@ def test_8_disk_full_names_the_rank_whose_disk_is_full(tmp_path):
     script = tmp_path / "save_once.py"
     script.write_text(WORKER)
     env = worker_env(DISTTRAIN_FAULT="enospc@checkpoint.shards:rank=1,step=1")
-    proc = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--standalone",
-                           "--nproc-per-node=2", str(script), str(tmp_path / "ckpt")],
+    proc = subprocess.run(run_cmd(2, str(script), str(tmp_path / "ckpt")),
                           capture_output=True, text=True, timeout=150, env=env, cwd=ROOT)
     assert proc.returncode == 0, proc.stderr[-3000:]
     lines = [ln for ln in proc.stdout.splitlines() if ln.startswith("RANK")]

@@ -13,7 +13,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from conftest import WORKERS, launch_worker, worker_env
+from conftest import WORKERS, launch_worker, run_cmd, worker_env
 
 sys.path.insert(0, str(WORKERS))
 from ckpt_common import build, full_state, mismatches, train  # noqa: E402
@@ -102,8 +102,7 @@ def crashes(tmp_path_factory):
     jobs = {}
     for name, fault in POINTS.items():
         out = tmp_path_factory.mktemp(f"crash_{name}")
-        cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node=2",
-               str(WORKERS / "ckpt_checks.py"), str(out), "crash"]
+        cmd = run_cmd(2, str(WORKERS / "ckpt_checks.py"), str(out), "crash")
         jobs[name] = (out, subprocess.Popen(cmd, env=worker_env(DISTTRAIN_FAULT=fault),
                                             stdout=subprocess.PIPE, stderr=subprocess.STDOUT))
     results = {}

@@ -1,7 +1,7 @@
 """Tests of `disttrain plan`: predicted bytes against real gloo runs, rules, errors, CLI.
 
 The acceptance test launches tests/plan_workers/measure.py once per world size (1, 2, 4)
-with torch.distributed.run; the three launches run at the same time because on a small
+with `disttrain run`; the three launches run at the same time because on a small
 machine most of their wall time is importing torch and transformers. Each launch
 measures DDP, DDP + ZeroRedundancyOptimizer and fully_shard for our GPT and a tiny
 Hugging Face GPT-2, and every rank's params + grads + optimizer-state bytes must be
@@ -22,6 +22,7 @@ from pathlib import Path
 
 import pytest
 
+from conftest import run_cmd
 from disttrain.errors import UserError
 from disttrain.plan import advise, estimate, main, parse_bytes, scaled_lr, warmup_steps
 from disttrain.plan import model_size
@@ -57,8 +58,7 @@ def measured(tmp_path_factory, hf_config) -> dict[int, dict]:
     procs = {}
     for n in WORLD_SIZES:
         out = tmp / f"world{n}.json"
-        cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone",
-               f"--nproc-per-node={n}", str(WORKER), str(out), str(hf_config), GPT_SPEC, kinds]
+        cmd = run_cmd(n, str(WORKER), str(out), str(hf_config), GPT_SPEC, kinds)
         procs[n] = (subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
                                      env=env, text=True), out)
     deadline = time.monotonic() + LAUNCH_TIMEOUT_S

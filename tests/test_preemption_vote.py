@@ -10,7 +10,7 @@ import textwrap
 
 import pytest
 
-from conftest import worker_env
+from conftest import run_cmd, worker_env
 from disttrain.elastic.preemption import VOTE_EVERY_MAX
 
 pytestmark = pytest.mark.timeout(180)
@@ -88,8 +88,7 @@ DEAD_GROUP = """
 def torchrun(tmp_path, code: str, nproc: int, *args: str) -> list:
     script = tmp_path / "worker.py"
     script.write_text(textwrap.dedent(code))
-    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone",
-           f"--nproc-per-node={nproc}", str(script), str(tmp_path), *args]
+    cmd = run_cmd(nproc, str(script), str(tmp_path), *args)
     proc = subprocess.run(cmd, capture_output=True, text=True, timeout=150, env=worker_env())
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-5000:]
     return [json.loads(f.read_text()) for f in sorted(tmp_path.glob("rank*.json"))]

@@ -17,7 +17,7 @@ import textwrap
 
 import pytest
 
-from conftest import run_disttrain, worker_env
+from conftest import run_cmd, run_disttrain, worker_env
 
 TINY = ["--model.n_layer=2", "--model.n_embd=32", "--model.n_head=2", "--model.block_size=32",
         "--data.max_bytes=50000", "--train.batch_size=4", "--train.eval_every=0",
@@ -85,8 +85,7 @@ def rank_results(tmp_path_factory):
     out = tmp_path_factory.mktemp("defects")
     script = out / "ranks.py"
     script.write_text(RANK_SCRIPT)
-    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node=2",
-           str(script), str(out)]
+    cmd = run_cmd(2, str(script), str(out))
     proc = subprocess.run(cmd, capture_output=True, text=True, timeout=200, env=worker_env())
     results = []
     for r in range(2):
