@@ -11,7 +11,8 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 from bench.doctor_causes import (  # noqa: F401  (re-exported with the figures)
-    HELD_BACK_CAUSES, ROUND3_CAUSES, ROUND4_CAUSES, ROUND5_CAUSES, ROUND6_CAUSES, ROUND7_CAUSES, ROUND8_CAUSES, ROUND9_CAUSES)
+    HELD_BACK_CAUSES, ROUND3_CAUSES, ROUND4_CAUSES, ROUND5_CAUSES, ROUND6_CAUSES, ROUND7_CAUSES, ROUND8_CAUSES, ROUND9_CAUSES,
+    ROUND10_CAUSES)
 from disttrain.doctor.analyzer import analyze_paths
 
 CORPUS = Path(__file__).resolve().parent.parent / "tests" / "doctor_corpus"
@@ -185,9 +186,11 @@ RECORDED = {
         "false_per_500": 0.78, "precision": 0.84, "hygiene": (34, 36), "behavioural": (5, 6)},
     9: {"projects": 8, "files": 23, "lines": 8701, "findings": 93, "tp": 79, "fp": 14, "false_errors": 2,
         "false_per_500": 0.8, "precision": 0.85, "hygiene": (50, 51), "behavioural": (14, 18)},
+    10: {"projects": 9, "files": 23, "lines": 8647, "findings": 86, "tp": 77, "fp": 9, "false_errors": 0,
+         "false_per_500": 0.52, "precision": 0.9, "hygiene": (39, 39), "behavioural": (2, 3)},
 }
 ROUND1_HELD_BACK = RECORDED[1]
-FRESH_ROUND = 9  # the latest round: held-back projects no rule was changed for
+FRESH_ROUND = 10  # the latest round: held-back projects no rule was changed for
 
 
 def round_figures(results: list[ProjectResult]) -> dict:
