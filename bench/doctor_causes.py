@@ -348,4 +348,15 @@ were recorded):
 - As in earlier rounds, misses were found by reading the distributed paths of each file,
   not every line, so recall is an upper bound; with three behavioural problems in view,
   the behavioural recall of this round is a thin figure.
+
+Fixed after these figures were recorded (tests/test_doctor_round11.py; the figures above
+stay the frozen doctor's): a list sliced by the local process index over the job's
+process count is `shard-by-local-rank` (Amphion's miss, and its validation split, unlisted
+then); gradients all-reduced by hand before `scaler.step` need no synced scaler; a program
+that sets `args.local_rank` for each process it starts is its own launcher; a
+`SummaryWriter` name also imported as a dummy class is rank-aware; a scheduler's state
+needs no map_location; dora's `distrib.init` binds the device; `save_state` under the
+main-process guard is judged only where the program names DeepSpeed or FSDP; a save
+helper nothing in the run refers to is not judged (also ml-4m's `save_on_all`, round 1).
+Remain: LSGM's `save()` helper, whose name other calls share.
 """

@@ -262,8 +262,8 @@ def _seen_rounds_table(projects: list[ProjectResult]) -> str:
 _ROUNDS_TEXT = (
     "Ten rounds, each measured once by a doctor frozen before its projects were reviewed. "
     "Round 1: the held-back half of the 50 projects in the corpus when the split was made "
-    "(plus 16 added while it was reviewed). The causes of rounds 1 to 8, and round 9's false "
-    "errors, were then fixed (tests/test_doctor_round2.py to round10.py), which makes their "
+    "(plus 16 added while it was reviewed). The causes of rounds 1 to 8 and 10, and round 9's false "
+    "errors, were then fixed (tests/test_doctor_round2.py to round11.py), which makes their "
     "projects seen, and each next round added projects none of the rules had been changed for, all held back by the "
     "same hash: 13 in round 2, 11 in round 3, 11 in round 4, 8 in round 5, 9 in round 6, 9 in "
     "round 7, 12 in round 8, 8 in round 9, 9 in round 10.")
@@ -318,7 +318,7 @@ def render(real: RealResult, cases: list[BugCase], projects: list[ProjectResult]
         recorded_table(2), "",
         recorded_table(1), "",
         HELD_BACK_CAUSES,
-        "The current doctor on every held-back project (rounds 1 to 9 have been seen, so this "
+        "The current doctor on every held-back project (rounds 1 to 10 have been seen, so this "
         "is no honest figure; for comparison):", "",
         projects_table(projects, "held-back", "all held-back, current doctor"), "",
         "### Tuning half (for comparison, not the doctor's figures)", "",

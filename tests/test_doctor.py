@@ -118,7 +118,7 @@ CASES = [
      "import os\ndef worker(rank):\n    pass\nworker(int(os.environ['RANK']))\n"),
     ("gradscaler-unsynced",
      PRE + "scaler = torch.amp.GradScaler('cuda')\nfor x in data:\n    loss = model(x)\n"
-           "    scaler.scale(loss).backward()\n    for p in model.parameters():\n"
+           "    scaler.scale(loss).backward()\n    scaler.unscale_(opt)\n    for p in model.parameters():\n"
            "        dist.all_reduce(p.grad)\n    scaler.step(opt)\n    scaler.update()\n",
      PRE + "model = DDP(nn.Linear(2, 2).cuda(), device_ids=[local_rank])\n"
            "scaler = torch.amp.GradScaler('cuda')\nfor x in data:\n    loss = model(x).sum()\n"

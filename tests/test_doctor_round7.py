@@ -188,6 +188,7 @@ for step in range(10):
     if accelerator.is_main_process:
         accelerator.save_state(f"checkpoint-{step}")
         trainer.save_state()
+zero3 = accelerator.state.deepspeed_plugin is not None  # the script supports DeepSpeed
 """
 
 

@@ -171,9 +171,10 @@ DISTTRAIN_INITS = ("disttrain.init", "disttrain.distributed", "disttrain.runtime
 SET_DEVICE = ("torch.cuda.set_device", "torch.accelerator.set_device_index", "torch.cuda.device",
               "init_device_mesh")  # a CUDA mesh binds cuda:LOCAL_RANK itself
 # Objects whose construction binds each process's GPU (Accelerate's state calls
-# torch.cuda.set_device(local_rank) when it sets up a multi-GPU run).
+# torch.cuda.set_device(local_rank) when it sets up a multi-GPU run; dora's distrib.init
+# binds the local rank's device before it starts the process group).
 LIBRARY_DEVICE_BINDS = ("accelerate.Accelerator", "accelerate.accelerator.Accelerator",
-                        "accelerate.PartialState", "accelerate.state.PartialState")
+                        "accelerate.PartialState", "accelerate.state.PartialState", "dora.distrib.init")
 
 
 def takes_node_rank(facts) -> bool:

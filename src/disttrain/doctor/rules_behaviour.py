@@ -233,7 +233,7 @@ def _assigned_to_ema(facts: Facts, call: ast.Call) -> bool:
 def guard_true_on_every_rank(facts: Facts):
     yield from _guards_that_do_not_hold(facts)
     default = _local_rank_argument(facts)
-    if default is None or facts.project.reads_local_rank_env:
+    if default is None or facts.project.reads_local_rank_env or _starts_own_processes(facts):
         return
     from disttrain.doctor.rules_io import _saves
     for call in facts.calls_to("torch.cuda.set_device"):
@@ -268,6 +268,22 @@ def _guards_that_do_not_hold(facts: Facts):
     for node, message, fix in guard_shapes.unguarded_reset(facts):
         if not any(a in reported for a in facts.ancestors(node)):
             yield finding(facts, node, "guard-true-on-every-rank", message, fix)
+
+
+def _starts_own_processes(facts: Facts) -> bool:
+    """A loop that sets `args.local_rank` and starts a process with it (LSGM's
+    `for rank in range(n): args.local_rank = rank; Process(...).start()`): the program is
+    its own launcher, not torchrun's, and each process gets its own local rank."""
+    for f in facts.project.component(facts):
+        for loop in (n for n in f.nodes if isinstance(n, ast.For)):
+            inner = list(ast.walk(loop))
+            sets = any(isinstance(n, ast.Assign) and any(isinstance(t, ast.Attribute) and t.attr == "local_rank"
+                                                         for t in n.targets) for n in inner)
+            starts = any(isinstance(n, ast.Call) and (ref(n.func) or "").rsplit(".", 1)[-1] in ("Process", "start")
+                         for n in inner)
+            if sets and starts:
+                return True
+    return False
 
 
 def _local_rank_argument(facts: Facts):

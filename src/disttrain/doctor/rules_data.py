@@ -36,6 +36,25 @@ def _local_rank_value(facts: Facts, value: ast.AST) -> bool:
     return local and not global_too
 
 
+def _words(value: ast.AST) -> list[str]:
+    return [w for n in ast.walk(value) if (w := (n.id if isinstance(n, ast.Name) else
+                                                 n.attr if isinstance(n, ast.Attribute) else None))]
+
+
+def _local_index(facts: Facts, value: ast.AST) -> bool:
+    """The node-local rank, or Accelerate's `local_process_index`."""
+    words = _words(value)
+    return _local_rank_value(facts, value) or ("local_process_index" in words and not any(
+        "rank" in w.lower() or w == "process_index" for w in words))
+
+
+def _global_count(value: ast.AST) -> bool:
+    """The number of processes in the whole job (not one node's)."""
+    words = [w.lower() for w in _words(value)]
+    return any(w in ("num_processes", "world_size", "get_world_size") for w in words) and \
+        not any("local" in w or "node" in w for w in words)
+
+
 def rank_kwarg_calls(facts: Facts, name: str, is_local):
     """Calls to `name` whose `rank=` argument `is_local(facts, value)` says is the local rank."""
     for call in facts.calls_to(name):
@@ -52,6 +71,7 @@ def rank_kwarg_calls(facts: Facts, name: str, is_local):
       (and an evaluation sharded so counts samples twice). Shard by the global rank
       (`dist.get_rank()`, RANK); the local rank only picks the GPU.""")
 def shard_by_local_rank(facts: Facts):
+    yield from _sliced_by_local_index(facts)  # a slice over the job's count: several ranks by itself
     if not any(f.distributed for f in facts.project.component(facts)):
         return
     for call, value in rank_kwarg_calls(facts, "DistributedSampler", _local_rank_value):
@@ -67,6 +87,17 @@ def shard_by_local_rank(facts: Facts):
                           f"`{ast.unparse(n.targets[0])}` is the node-local rank: on several nodes every "
                           "node reads the same data shards and the others are never trained on.",
                           "shard by the global rank (dist.get_rank(), RANK).")
+
+
+def _sliced_by_local_index(facts: Facts):
+    for n in facts.nodes:
+        s = n.slice if isinstance(n, ast.Subscript) else None
+        if isinstance(s, ast.Slice) and s.lower is not None and s.step is not None and \
+                _local_index(facts, s.lower) and _global_count(s.step):
+            yield finding(facts, n, "shard-by-local-rank",
+                          f"`{ast.unparse(n)}` picks one of the world's slices by the node-local index: "
+                          "on several nodes every node trains the same slices and the others are never seen.",
+                          "slice by the global rank (dist.get_rank(), accelerator.process_index).")
 
 
 @rule("uneven-batches", ("P-DATA-1",), WARNING,

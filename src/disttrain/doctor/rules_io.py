@@ -51,7 +51,17 @@ def _log_calls(facts: Facts):
             if not rank_aware and configured and (q.startswith("logging.") or ref(call.func.value) in own):
                 yield call, f"{ast.unparse(call.func)}()"
         elif q in ("wandb.init", "wandb.log") or q.endswith("SummaryWriter"):
-            yield call, f"{q.rsplit('.', 1)[-1] if 'Summary' in q else q}()"
+            if not _bound_to_a_dummy(facts, call.func):
+                yield call, f"{q.rsplit('.', 1)[-1] if 'Summary' in q else q}()"
+
+
+def _bound_to_a_dummy(facts: Facts, func: ast.AST) -> bool:
+    """The called name is also imported as a do-nothing class (`from .metrics import
+    SummaryWriterDummy as SummaryWriter` on the other ranks, fast-autoaugment)."""
+    name = func.id if isinstance(func, ast.Name) else None
+    return name is not None and any(
+        isinstance(n, ast.ImportFrom) and any((a.asname or a.name) == name and any(
+            w in a.name.lower() for w in ("dummy", "noop", "null")) for a in n.names) for n in facts.nodes)
 
 
 _LOGGING_SET_UP = ("basicConfig", "setLevel", "addHandler", "dictConfig", "fileConfig", "set_verbosity",
@@ -78,6 +88,17 @@ def _unused_helper(facts: Facts, node: ast.AST) -> bool:
     scope = facts.scope_of(node)
     return isinstance(scope, (ast.FunctionDef, ast.AsyncFunctionDef)) and facts.parents.get(scope) is facts.tree \
         and scope.name not in facts.project.referenced_names and not reached_from_view(facts, node)
+
+
+def _imported_in_view(facts: Facts) -> bool:
+    """Another file of the run imports this module (`from util import utils`): its users
+    are in view."""
+    stem = facts.path.replace("\\", "/").rsplit("/", 1)[-1].removesuffix(".py")
+    return any(f is not facts and any(
+        (isinstance(n, ast.ImportFrom) and ((n.module or "").rsplit(".", 1)[-1] == stem or
+                                            any(a.name == stem for a in n.names))) or
+        (isinstance(n, ast.Import) and any(a.name.rsplit(".", 1)[-1] == stem for a in n.names))
+        for n in f.nodes) for f in facts.project.component(facts))
 
 
 def _shadows_print(facts: Facts) -> bool:
@@ -211,7 +232,8 @@ def unguarded_save(facts: Facts):
                           "at once.",
                           "save on rank 0 only (`if rank == 0:`), then dist.barrier() before anyone "
                           "reads it.")
-        elif kind is None:
+        elif kind is None and not (_unused_helper(facts, call) and _imported_in_view(facts)):
+            # (a helper of a module the run imports, and nothing in it refers to: never called)
             fn = facts.scope_of(call).name  # type: ignore[attr-defined]
             yield finding(facts, call, "unguarded-save",
                           f"torch.save has no rank guard here, and `{fn}()` is called from code "
@@ -339,6 +361,9 @@ def load_without_map_location(facts: Facts):
             continue  # bytes another rank serialised (broadcast_object): no checkpoint file
         if source is not None and (mentions(source, _is_rank_word) or _per_rank_variable(facts, source, call)):
             continue  # this rank's own shard (`..._rank_{rank}.pt`), saved from its own device
+        if source is not None and any(isinstance(n, ast.Constant) and "scheduler" in str(n.value).lower()
+                                      for n in ast.walk(source)):
+            continue  # an LR scheduler's state (scheduler.pt): numbers, no tensor to place
         if arg(call, 1, "map_location") is None and not has_star_kwargs(call):
             yield finding(facts, call, "load-without-map-location",
                           "torch.load without map_location restores tensors onto the device they "

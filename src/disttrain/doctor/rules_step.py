@@ -232,7 +232,7 @@ def gradscaler_unsynced(facts: Facts):
         # No wrap in the files checked: the model is usually wrapped out of view (then the
         # plain scaler is right). Only a hand-written gradient all-reduce shows there is no
         # DDP; then it is a warning that says what it could not see.
-        if not _manual_grad_reduce(program):
+        if not _manual_grad_reduce(program) or _reduced_before_scaler_step(program):
             continue
         yield finding(facts, call, "gradscaler-unsynced",
                       "GradScaler in a multi-rank program that all-reduces gradients by hand (no "
@@ -241,6 +241,35 @@ def gradscaler_unsynced(facts: Facts):
                       "step. Under DDP (wrapped in a file not checked) it is right.",
                       "check the file that wraps the model in the same run; without DDP, all_reduce the "
                       "found-inf flag with ReduceOp.MAX before scaler.step().", severity=WARNING)
+
+
+def _grad_reduces(call: ast.Call) -> bool:
+    return bool(call.args) and mentions(call.args[0], lambda w: "grad" in w.lower())
+
+
+def _reduced_before_scaler_step(program) -> bool:
+    """Every `scaler.step()` comes after a gradient all-reduce in its function (directly, or
+    through a project function that does one: LSGM's `average_gradients`) and no
+    `unscale_` comes before that reduce: the ranks unscale the same, reduced gradients."""
+    reducers = {n.name for f in program for n in f.nodes if isinstance(n, ast.FunctionDef) and any(
+        isinstance(c, ast.Call) and (ref(c.func) or "").rsplit(".", 1)[-1] in _REDUCES and _grad_reduces(c)
+        for c in ast.walk(n))}
+    steps = [(f, c) for f in program for c in f.method_calls("step")
+             if "scal" in (ref(c.func.value) or "").lower()]  # type: ignore[attr-defined]
+    if not steps:
+        return False
+    for f, step in steps:
+        fn = f.scope_of(step)
+        calls = [c for c, _ in f.calls if f.scope_of(c) is fn and c.lineno < step.lineno]
+        reduce_at = [c.lineno for c in calls if (name := (ref(c.func) or "").rsplit(".", 1)[-1]) in reducers
+                     or (name in _REDUCES and _grad_reduces(c))]
+        unscale_at = [c.lineno for c in calls if (ref(c.func) or "").endswith("unscale_")]
+        if not reduce_at or any(u < min(reduce_at) for u in unscale_at):
+            return False
+    return True
+
+
+_REDUCES = ("all_reduce", "all_reduce_coalesced", "reduce_scatter")
 
 
 def _manual_grad_reduce(program) -> bool:

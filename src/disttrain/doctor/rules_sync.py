@@ -137,7 +137,11 @@ def _guarded_accelerate_states(facts: Facts):
     (its save_checkpoint) or FSDP (the sharded state dict) a collective, which the launch
     config (out of view) selects; under DDP not one. A warning that says so. A guard that
     lets the DeepSpeed path in (`is_main_process or distributed_type == DEEPSPEED`) is
-    balanced."""
+    balanced. A program that names neither DeepSpeed nor FSDP anywhere in view is taken to
+    run under DDP (its recipes launch plain multi-GPU Accelerate)."""
+    if not any(w in f.source.lower() for f in facts.project.component(facts)
+               for w in ("deepspeed", "fsdp", "fully_sharded")):
+        return
     for call in (*facts.method_calls("save_state"), *facts.method_calls("load_state")):
         owner = (ref(call.func.value) or "").lower()  # type: ignore[attr-defined]
         if "accel" not in owner:
