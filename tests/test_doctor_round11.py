@@ -14,7 +14,7 @@ from accelerate import Accelerator
 accelerator = Accelerator()
 def build(batch_sampler):
     np.random.shuffle(batch_sampler)
-    return [x[accelerator.local_process_index :: accelerator.num_processes] for x in batch_sampler]
+    return [x[accelerator.local_process_index : : accelerator.num_processes] for x in batch_sampler]
 loader = build(list(range(8)))
 """
 
