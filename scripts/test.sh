@@ -3,7 +3,7 @@
 set -euo pipefail
 cd "$(dirname "$0")/.."
 bash scripts/setup.sh
-# One test at a time by default: on 2 cores the suite is CPU-bound, and three at a time
-# (DISTTRAIN_TEST_WORKERS=3, pytest-xdist) measured only about 15 % faster while it
-# doubles the load every timing bound of the multi-process tests sees.
-exec .venv/bin/python -m pytest -q -n "${DISTTRAIN_TEST_WORKERS:-0}" --dist worksteal "$@"
+# Two tests at a time by default (pytest-xdist): a serial run keeps about one of 2 cores
+# busy (its multi-process tests wait on rendezvous, timeouts and restarts), two at a time
+# fill the other. DISTTRAIN_TEST_WORKERS=N for another count, 0 for one at a time.
+exec .venv/bin/python -m pytest -q -n "${DISTTRAIN_TEST_WORKERS:-2}" --dist worksteal "$@"
