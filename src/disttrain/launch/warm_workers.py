@@ -7,9 +7,10 @@ importing torch._dynamo).
 `disttrain run` (any Python script or module but fast recovery's) imports `PRELOAD`
 in the agent's process and forks from it, once per agent, a **server** that waits on
 a Unix socket. torchrun then starts, for each worker, `python -m
-disttrain.launch.warm_workers MODULE ARGS...`: a **stub** that imports nothing heavy, sends the server its environment, working directory, arguments
-and standard streams, and gets back the pid of a child that the server forks to run
-`python -m MODULE ARGS` as `__main__`. The stub is what torchrun watches and signals:
+disttrain.launch.warm_workers MODULE ARGS...`: a **stub** that imports nothing heavy,
+sends the server its environment, working directory, arguments and standard streams,
+and gets back the pid of a child that the server forks to run `python -m MODULE ARGS`
+as `__main__`. The stub is what torchrun watches and signals:
 - SIGTERM, SIGINT, SIGHUP, SIGQUIT, SIGUSR1 and SIGUSR2 to the stub are passed to the
   child (a preemption: it saves and exits 0);
 - the stub exits with the child's status, and a child killed by a signal makes the
@@ -21,8 +22,8 @@ own interpreter, as torchrun would have: slower, never wrong.
 
 Fork safety: the server is forked from the agent after its imports and before torchrun
 starts (no CUDA context, no process group, no thread but those `import torch` starts),
-and forks workers without starting anything either: what DataLoader workers rely on. OMP_NUM_THREADS and the other
-variables read at import are the agent's; the child applies the worker's own
+and forks workers without starting anything either: what DataLoader workers rely on.
+OMP_NUM_THREADS and the other variables read at import are the agent's; the child applies the worker's own
 environment and `torch.set_num_threads` before the module runs.
 """
 
