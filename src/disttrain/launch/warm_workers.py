@@ -23,8 +23,8 @@ own interpreter, as torchrun would have: slower, never wrong.
 Fork safety: the server is forked from the agent after its imports and before torchrun
 starts (no CUDA context, no process group, no thread but those `import torch` starts),
 and forks workers without starting anything either: what DataLoader workers rely on.
-OMP_NUM_THREADS and the other variables read at import are the agent's; the child applies the worker's own
-environment and `torch.set_num_threads` before the module runs.
+OMP_NUM_THREADS and the other variables read at import are the agent's; the child
+applies the worker's own environment and `torch.set_num_threads` before the module runs.
 """
 
 from __future__ import annotations
