@@ -202,24 +202,22 @@ def preempt_grace_s(script: list[str], is_module: bool) -> float:
     return grace
 
 
-def warm_workers_wanted(argv: list[str]) -> bool:
-    """Whether `disttrain run ARGV` forks its workers from a warm server: any Python
-    script or module (not `--no-python` or `--run-path`), no fast recovery (a slot
-    supervisor keeps its own warm spare), and DISTTRAIN_WARM_WORKERS not 0. Raises
-    `UserError` for a switch other than 0 or 1 or a bad config."""
+NOT_PYTHON_FLAGS = ("--no-python", "--no_python", "--run-path", "--run_path")
+"""torchrun flags under which a worker is not `python -m MODULE` (no worker_entry, no
+warm server)."""
+
+
+def warm_workers_wanted(flags: list[str], script: list[str]) -> bool:
+    """Whether torchrun's workers for FLAGS SCRIPT (as `build_torchrun_args` has made
+    them, a slot supervisor already in front for fast recovery) fork from a warm server:
+    any Python worker but a slot supervisor's (it keeps its own warm spare), and
+    DISTTRAIN_WARM_WORKERS not 0. Raises `UserError` for a switch other than 0 or 1."""
     switch = os.environ.get(warm_workers.SWITCH_ENV, "1")
     if switch not in ("0", "1"):
         raise UserError(f"{warm_workers.SWITCH_ENV} is {switch!r}; set it to 1 (fork workers from "
                         f"a process with torch imported, the default) or 0 (fresh interpreters).")
-    flags, script = _split_script(argv)
-    if (switch == "0" or not script or "--fast-recovery" in flags
-            or any(f in flags for f in ("--no-python", "--no_python", "--run-path", "--run_path"))):
-        return False
-    if script[0] != "disttrain.train" or len(script) < 2 or not any(f in flags for f in ("-m", "--module")):
-        return True
-    from disttrain.config import load_config
-
-    return not load_config(script[1], script[2:]).elastic.fast_recovery
+    return (switch == "1" and script[:1] != ["disttrain.launch.slot_supervisor"]
+            and not any(f in flags for f in NOT_PYTHON_FLAGS))
 
 
 def build_torchrun_args(argv: list[str]) -> tuple[list[str], dict[str, str]]:
@@ -285,7 +283,7 @@ def build_torchrun_args(argv: list[str]) -> tuple[list[str], dict[str, str]]:
         # each worker slot: a supervisor with the training process and a warm spare
         script = ["disttrain.launch.slot_supervisor", "disttrain.train.script_runner", *script]
         flags, is_module = flags + ["-m"], True
-    warm = warm_workers_wanted(argv)
+    warm = warm_workers_wanted(flags, script)
     if warm and not (is_module and script[0].startswith("disttrain.")):
         # a user's script or module: the forked child starts it through worker_entry
         # (its hang watchdog belongs in the child, not in the stub)
@@ -293,7 +291,7 @@ def build_torchrun_args(argv: list[str]) -> tuple[list[str], dict[str, str]]:
         flags, is_module = (flags if is_module else flags + ["-m"]), True
     if warm:
         script = ["disttrain.launch.warm_workers", *script]
-    if not any(f in flags for f in ("--no-python", "--no_python", "--run-path", "--run_path")):
+    if not any(f in flags for f in NOT_PYTHON_FLAGS):
         # every worker gets a parent-death signal (launch/worker_entry.py)
         script = ["disttrain.launch.worker_entry", *(["-m"] if is_module else []), *script]
         flags = flags if is_module else flags + ["-m"]
@@ -318,7 +316,7 @@ def main(argv: list[str]) -> int:
 
     parse_faults(os.environ.get("DISTTRAIN_FAULT", ""))  # a typo fails here, not in every rank
     args, env = build_torchrun_args(argv)  # a user's mistake is refused before any import
-    server = warm_workers.start_server() if warm_workers_wanted(argv) else None
+    server = warm_workers.start_server() if "disttrain.launch.warm_workers" in args else None
     try:
         if server:
             os.environ[warm_workers.SOCKET_ENV] = server[1]
