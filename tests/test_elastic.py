@@ -79,7 +79,7 @@ def test_sigterm_saves_exits_zero_and_resumes_bit_exactly(reference, tmp_path):
     agent = start(cmd, log, DISTTRAIN_FAULT="delay@backward:ms=150")
     wait_for(lambda: any(m["step"] >= 6 for m in metrics(tmp_path)), 120, "step 6", [log])
     pids = descendants(agent.pid)
-    assert len(pids) >= 2
+    assert len(pids) == 5  # the 2 stubs torchrun watches, their 2 forked trainers, the warm server
     sent = time.monotonic()
     for pid in pids:
         os.kill(pid, signal.SIGTERM)
