@@ -44,6 +44,7 @@ from disttrain.checkpoint.checkpoint_errors import (CheckpointCorrupt, Checkpoin
                                          CheckpointSaveError, StaleWriterError)
 from disttrain.checkpoint.digests import digest_bytes
 from disttrain.checkpoint.files import atomic_write_bytes
+from disttrain.checkpoint.raw_read import prefetch_share
 from disttrain.checkpoint.state import TrainState, config_hash, param_fqns, strategy_of
 from disttrain.runtime import rank_info
 from disttrain.runtime.log import LOGGER
@@ -60,8 +61,7 @@ def _failures() -> tuple:
     return (Exception, CheckpointException)  # DCP's CheckpointException is a BaseException
 
 
-# DCP warns on every save and load of a world of 1 (no process group) that it assumes a
-# single process: that is exactly what a one-process job is, so the line is only noise.
+# DCP warns on each save and load of one process that it assumes one process: noise here.
 warnings.filterwarnings("ignore", message="torch.distributed is disabled, unavailable or uninitialized",
                         category=UserWarning)
 
@@ -319,7 +319,6 @@ class Checkpointer:
 
     def _load_one(self, step_dir: Path, tensors: dict, strict: bool) -> str | None:
         from disttrain.checkpoint.hashing_fs import load_one
-
         return load_one(step_dir, tensors, strict, self.rank, self.world, self.pg, self._gather)
 
     def load(self, state: TrainState, path: str | Path | None = None, *, strict: bool = True) -> Path | None:
@@ -342,6 +341,7 @@ class Checkpointer:
                                                     if self.rank == 0 else None)))
         if not candidates:
             return None  # a fresh start: no state_dict(), whose optimizer-state init counts a step
+        prefetch_share(candidates[0], self.rank, self.world)  # from the disk while the load plans
         sd, notes = {"tensors": state.tensor_state()}, []  # meta and RNG come from their files
         fqns = param_fqns(sd)  # a load replaces the optimizer groups' names with the checkpoint's
         for step_dir in candidates:

@@ -17,7 +17,6 @@ from __future__ import annotations
 
 import dataclasses
 import io
-import os
 import threading
 from concurrent.futures import Executor, ThreadPoolExecutor
 from concurrent.futures import Future as ThreadFuture
@@ -37,13 +36,12 @@ from disttrain.checkpoint.checkpoint_errors import CheckpointCorrupt
 from disttrain.checkpoint.digests import HashingStream, corrupt_message, digest_bytes, expected, new_hash, record
 from disttrain.checkpoint.files import fsync_file
 from disttrain.checkpoint.finite import FiniteTally
+from disttrain.checkpoint.raw_read import FileRead, narrow, read_all, read_exact, shared_storages, stop_for
 from disttrain.checkpoint.json_records import (Extent, metadata_bytes, metadata_of, set_path, value_bytes,
                                                value_of)
 
 FORMAT = "raw-1"
 METADATA = ".metadata"
-_SCRATCH = 1 << 23
-_PIECE = 1 << 24  # a record is read and hashed in pieces of 16 MiB
 
 
 def byte_view(t: torch.Tensor) -> memoryview:
@@ -180,80 +178,6 @@ def read_metadata(step_dir: str | Path):
         raise CheckpointCorrupt(f"{path} is not a {FORMAT} metadata document ({e}).", METADATA) from None
 
 
-def _read_exact(f, view: memoryview, path: Path) -> None:
-    got = 0
-    while got < len(view):
-        n = f.readinto(view[got:])
-        if not n:
-            raise CheckpointCorrupt(f"{path} ends before its records do (truncated).", path.name)
-        got += n
-
-
-def _narrow(t: torch.Tensor, offsets, lengths) -> torch.Tensor:
-    for dim, (start, length) in enumerate(zip(offsets, lengths)):
-        t = t.narrow(dim, start, length)
-    return t
-
-
-class _FileRead:
-    """One sequential pass over one data file: records in offset order, each read
-    once; with `hasher`, every byte (gaps too) is hashed on the way. Records are read
-    in pieces and hashed on `pool`'s one thread while the next piece is read (xxh3
-    releases the GIL), so the hash costs no time while the disk is the bottleneck."""
-
-    def __init__(self, f, path: Path, hasher, pool: ThreadPoolExecutor):
-        self.f, self.path, self.hasher, self.pos, self._pool = f, path, hasher, 0, pool
-        self._pending: list = []
-        self._filled: set[int] = set()  # storages with bytes still to be hashed
-        self._scratch: bytearray | None = None  # for gaps and the tail: most files have neither
-
-    def _buffer(self) -> memoryview:
-        if self._scratch is None:
-            left = os.fstat(self.f.fileno()).st_size - self.pos
-            self._scratch = bytearray(max(1, min(_SCRATCH, left + 1)))
-        return memoryview(self._scratch)
-
-    def _drain(self) -> None:
-        for fut in self._pending:
-            fut.result()
-        self._pending, self._filled = [], set()
-
-    def skip_to(self, offset: int) -> None:
-        if self.hasher is None:
-            self.f.seek(offset)
-            self.pos = offset
-            return
-        if self.pos < offset:
-            self._drain()  # the gap goes through the one scratch buffer: the hash is in order
-        while self.pos < offset:
-            view = self._buffer()[: offset - self.pos]
-            _read_exact(self.f, view, self.path)
-            self.hasher.update(view)
-            self.pos += len(view)
-
-    def into(self, view: memoryview, storage: int | None = None) -> None:
-        """Read the next `len(view)` bytes into `view`. `storage`: the address of the
-        tensor storage `view` lies in, if it may be read into again in this pass."""
-        if storage in self._filled:
-            self._drain()  # a tied weight read twice: its first bytes are yet to be hashed
-        if storage is not None:
-            self._filled.add(storage)
-        for start in range(0, len(view), _PIECE):
-            piece = view[start:start + _PIECE]
-            _read_exact(self.f, piece, self.path)
-            if self.hasher is not None:
-                self._pending.append(self._pool.submit(self.hasher.update, piece))
-        self.pos += len(view)
-
-    def digest(self) -> tuple[int, str]:
-        """(bytes hashed, hex digest) once the rest of the file is hashed too."""
-        self._drain()
-        while n := self.f.readinto(scratch := self._buffer()):
-            self.hasher.update(scratch[:n])
-            self.pos += n
-        return self.pos, self.hasher.hexdigest()
-
-
 class RawReader(StorageReader):
     """Reads a raw-format checkpoint for DCP's load. A file listed in `files` (the
     manifest's records) that `select(name)` accepts is hashed while it is read and
@@ -293,43 +217,60 @@ class RawReader(StorageReader):
         for item in plan.items:
             extent = storage[item.storage_index]
             per_file.setdefault(extent.file, {}).setdefault(extent, []).append(item)
-        # This rank's share first: on one machine the ranks then read different files
-        # from the disk at once, and each finds the others' in the page cache.
+        # This rank's share on this thread, the other files on a reader thread at once
+        # (`raw_read`): on one machine each rank reads its share from the disk, and
+        # finds the others' in the page cache as their ranks read them.
+        names = sorted(per_file, key=lambda n: (not self.select(n), n))
+        stop_for(self.path)  # the page-cache prefetch of a load (`raw_read.Prefetch`) is done
+        shared = shared_storages(per_file, planner.resolve_tensor) if len(names) > 1 else set()
         self._hashing = ThreadPoolExecutor(max_workers=1, thread_name_prefix="disttrain-hash")
         try:
-            for name in sorted(per_file, key=lambda n: (not self.select(n), n)):
-                self._read_file(name, per_file[name], planner)
+            done = read_all(names, self.select, lambda n, cached: self._read_file(n, per_file[n], planner,
+                                                                                    shared, cached))
         finally:
             self._hashing.shutdown(wait=True)
+        for objects, later in done:  # in the order one thread would have read them
+            for buf, items in later:
+                self._copy_out(buf, items, planner)
+        for objects, _ in done:  # each file's values, parsed only once it verified
+            for item, data in objects:
+                planner.load_bytes(item, io.BytesIO(bytes(data)))
         fut = Future()
         fut.set_result(None)
         return fut
 
-    def _read_file(self, name: str, records: dict[Extent, list], planner) -> None:
+    def _read_file(self, name: str, records: dict[Extent, list], planner, shared: set[int],
+                   cached=None) -> tuple:
+        """Read one file; returns (its values to parse, its records for memory that
+        another file's records target too, as (buffer, items) to copy out later)."""
         path = self.path / name
         want = self.files.get(name)
         check = want is not None and name not in self.verified and self.select(name)
-        objects = []
+        objects, later = [], []
         with open(path, "rb", buffering=0) as f:
-            read = _FileRead(f, path, new_hash(expected(want)[0]) if check else None, self._hashing)
-            for extent in sorted(records, key=lambda e: e.offset):
-                read.skip_to(extent.offset)
-                items = records[extent]
-                if items[0].type == LoadItemType.BYTE_IO:
-                    data = bytearray(extent.length)
-                    read.into(memoryview(data))
-                    objects += [(item, data) for item in items]
-                else:
-                    self._read_tensor(read, extent, items, planner)
-            if check:
-                size, digest = read.digest()
-                if (size, digest) != (want["size"], expected(want)[1]):
-                    raise CheckpointCorrupt(corrupt_message(path, size, want), name)
-                self.verified.add(name)
-        for item, data in objects:  # parsed only once the file verified
-            planner.load_bytes(item, io.BytesIO(bytes(data)))
+            read = FileRead(f, path, new_hash(expected(want)[0]) if check else None, self._hashing, cached)
+            try:
+                for extent in sorted(records, key=lambda e: e.offset):
+                    read.skip_to(extent.offset)
+                    items = records[extent]
+                    if items[0].type == LoadItemType.BYTE_IO:
+                        data = bytearray(extent.length)
+                        read.into(memoryview(data))
+                        objects += [(item, data) for item in items]
+                    elif (buf := self._read_tensor(read, extent, items, planner, shared)) is not None:
+                        later.append((buf, items))
+                if check:
+                    size, digest = read.digest()
+                    if (size, digest) != (want["size"], expected(want)[1]):
+                        raise CheckpointCorrupt(corrupt_message(path, size, want), name)
+                    self.verified.add(name)
+            finally:
+                read.close()
+        return objects, later
 
-    def _read_tensor(self, read: _FileRead, extent: Extent, items: list, planner) -> None:
+    def _read_tensor(self, read: FileRead, extent: Extent, items: list, planner, shared: set[int]):
+        """Read one tensor record into its target, or into a buffer that is returned
+        when its target's memory is in `shared` (copied out once every file is read)."""
         index = items[0].storage_index
         meta = self.metadata.state_dict_metadata[index.fqn]
         chunk = next(c for c in meta.chunks if tuple(c.offsets) == tuple(index.offset))
@@ -337,18 +278,26 @@ class RawReader(StorageReader):
         if len(items) == 1 and all(o == 0 for o in items[0].storage_offsets) \
                 and tuple(items[0].lengths) == sizes:
             target = planner.resolve_tensor(items[0]).detach()
+            ptr = target.untyped_storage().data_ptr()
             if target.device.type == "cpu" and target.dtype == dtype and target.is_contiguous() \
-                    and target.numel() * dtype.itemsize == extent.length:
+                    and target.numel() * dtype.itemsize == extent.length and ptr not in shared:
                 if extent.length:
-                    read.into(byte_view(target), target.untyped_storage().data_ptr())
-                planner.commit_tensor(items[0], target)
-                return
+                    read.into(byte_view(target), ptr)
+                planner.commit_tensor(items[0], target)  # a no-op in both planners: safe on a thread
+                return None
         buf = torch.empty(sizes, dtype=dtype)
         if extent.length:
             read.into(byte_view(buf))
+        if any(planner.resolve_tensor(item).untyped_storage().data_ptr() in shared for item in items):
+            return buf
+        self._copy_out(buf, items, planner)
+        return None
+
+    @staticmethod
+    def _copy_out(buf: torch.Tensor, items: list, planner) -> None:
         for item in items:
             target = planner.resolve_tensor(item).detach()
-            target.copy_(_narrow(buf, item.storage_offsets, item.lengths))
+            target.copy_(narrow(buf, item.storage_offsets, item.lengths))
             planner.commit_tensor(item, target)
 
     @classmethod
@@ -376,7 +325,7 @@ def load_keys(step_dir: str | Path, keys: set[str]) -> dict:
                 chunk = next(c for c in meta.chunks if tuple(c.offsets) == tuple(index.offset))
                 part = torch.empty(tuple(chunk.sizes), dtype=meta.properties.dtype)
                 _read_extent(step_dir, extent, byte_view(part) if extent.length else memoryview(b""))
-                _narrow(value, chunk.offsets, chunk.sizes).copy_(part)
+                narrow(value, chunk.offsets, chunk.sizes).copy_(part)
         set_path(out, md.planner_data.get(key, (key,)), value)
     return out
 
@@ -385,5 +334,5 @@ def _read_extent(step_dir: Path, extent: Extent, into):
     """Read the record `extent` into the writable buffer `into`; returns `into`."""
     with open(step_dir / extent.file, "rb", buffering=0) as f:
         f.seek(extent.offset)
-        _read_exact(f, memoryview(into), step_dir / extent.file)
+        read_exact(f, memoryview(into), step_dir / extent.file)
     return into

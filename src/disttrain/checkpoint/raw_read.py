@@ -1,0 +1,221 @@
+"""How a `raw-1` load reads its data files: this rank's share on the calling thread,
+hashed as it is read, and every other file at the same time on one reader thread.
+
+Under DDP every rank reads every file, and each file is read cold by the rank of its
+share (`digests.share`) at the same moment. The reader thread follows the other ranks
+through their files, so it finds their bytes in the page cache (or waits on pages the
+kernel is already reading for them): the disk serves each byte once, and the copies
+out of the page cache run while this rank waits on the disk for its own share. Read
+one after the other, those copies came after the disk's last byte.
+
+The two threads write into the state's tensors at once, so no memory may be written
+by both: a storage targeted by records of more than one file (a tied weight, whose
+two names DCP may store in two ranks' files) is read into a buffer of its own and
+copied into the tensor after both threads finished, in the order a one-thread read
+would have written it. Non-tensor values are parsed on the calling thread, after
+their file verified. Records of one file are read in offset order by one thread;
+`FileRead` keeps a hash from reading over bytes still being hashed.
+
+`prefetch_share` starts reading this rank's share from the disk into the page cache as
+soon as a load knows its directory, while the load does its fixed work (the listing,
+torch's `get_state_dict`, the metadata, the plan, an all-gather); it stops when the
+reads into the tensors begin, which then find those bytes cached. It only warms the
+cache: every byte the load uses is still read, and hashed, by `FileRead`.
+"""
+
+from __future__ import annotations
+
+import os
+import threading
+from concurrent.futures import ThreadPoolExecutor
+from pathlib import Path
+
+import torch
+
+from disttrain.checkpoint.checkpoint_errors import CheckpointCorrupt
+
+_SCRATCH = 1 << 23
+_PIECE = 1 << 24  # a record is read and hashed in pieces of 16 MiB
+
+
+def read_exact(f, view: memoryview, path: Path) -> None:
+    got = 0
+    while got < len(view):
+        n = f.readinto(view[got:])
+        if not n:
+            raise CheckpointCorrupt(f"{path} ends before its records do (truncated).", path.name)
+        got += n
+
+
+def read_cached(f, view: memoryview, path: Path, done: threading.Event) -> None:
+    """`read_exact`, but only from the page cache (RWF_NOWAIT) until `done` is set:
+    while the bytes are not there yet (their rank is still reading them from the
+    disk) wait a moment, so that this reader never races that rank to the disk.
+    Where the kernel cannot read without waiting, a plain read."""
+    pos, got, nowait = f.tell(), 0, getattr(os, "RWF_NOWAIT", None)
+    while got < len(view) and nowait is not None and not done.is_set():
+        try:
+            n = os.preadv(f.fileno(), [view[got:]], pos + got, nowait)
+        except BlockingIOError:
+            done.wait(0.002)
+            continue
+        except OSError:
+            break  # RWF_NOWAIT is not supported here
+        if not n:
+            break  # the end of the file: `read_exact` reports the truncation
+        got += n
+    f.seek(pos + got)
+    read_exact(f, view[got:], path)
+
+
+def narrow(t: torch.Tensor, offsets, lengths) -> torch.Tensor:
+    for dim, (start, length) in enumerate(zip(offsets, lengths)):
+        t = t.narrow(dim, start, length)
+    return t
+
+
+class FileRead:
+    """One sequential pass over one data file: records in offset order, each read
+    once; with `hasher`, every byte (gaps too) is hashed on the way. Records are read
+    in pieces and hashed on `pool`'s one thread while the next piece is read (xxh3
+    releases the GIL), so the hash costs no time while the disk is the bottleneck."""
+
+    def __init__(self, f, path: Path, hasher, pool: ThreadPoolExecutor, cached: threading.Event | None = None):
+        self.f, self.path, self.hasher, self.pos, self._pool = f, path, hasher, 0, pool
+        self._cached = cached  # read only from the page cache until it is set (`read_cached`)
+        self._pending: list = []
+        self._filled: set[int] = set()  # storages with bytes still to be hashed
+        self._scratch: bytearray | None = None  # for gaps and the tail: most files have neither
+
+    def _buffer(self) -> memoryview:
+        if self._scratch is None:
+            left = os.fstat(self.f.fileno()).st_size - self.pos
+            self._scratch = bytearray(max(1, min(_SCRATCH, left + 1)))
+        return memoryview(self._scratch)
+
+    def _drain(self) -> None:
+        for fut in self._pending:
+            fut.result()
+        self._pending, self._filled = [], set()
+
+    def skip_to(self, offset: int) -> None:
+        if self.hasher is None:
+            self.f.seek(offset)
+            self.pos = offset
+            return
+        if self.pos < offset:
+            self._drain()  # the gap goes through the one scratch buffer: the hash is in order
+        while self.pos < offset:
+            view = self._buffer()[: offset - self.pos]
+            read_exact(self.f, view, self.path)
+            self.hasher.update(view)
+            self.pos += len(view)
+
+    def into(self, view: memoryview, storage: int | None = None) -> None:
+        """Read the next `len(view)` bytes into `view`. `storage`: the address of the
+        tensor storage `view` lies in, if it may be read into again in this pass."""
+        if storage in self._filled:
+            self._drain()  # a tied weight read twice: its first bytes are yet to be hashed
+        if storage is not None:
+            self._filled.add(storage)
+        for start in range(0, len(view), _PIECE):
+            piece = view[start:start + _PIECE]
+            if self._cached is None:
+                read_exact(self.f, piece, self.path)
+            else:
+                read_cached(self.f, piece, self.path, self._cached)
+            if self.hasher is not None:
+                self._pending.append(self._pool.submit(self.hasher.update, piece))
+        self.pos += len(view)
+
+    def digest(self) -> tuple[int, str]:
+        """(bytes hashed, hex digest) once the rest of the file is hashed too."""
+        self._drain()
+        while n := self.f.readinto(scratch := self._buffer()):
+            self.hasher.update(scratch[:n])
+            self.pos += n
+        return self.pos, self.hasher.hexdigest()
+
+    def close(self) -> None:
+        """Wait for the hashes still running: none reads a buffer after this."""
+        self._drain()
+
+
+def shared_storages(per_file: dict[str, dict], resolve) -> set[int]:
+    """The storages (addresses) that tensor records of more than one file target;
+    `resolve(item)` gives a tensor item's target."""
+    files_of: dict[int, set[str]] = {}
+    for name, records in per_file.items():
+        for items in records.values():
+            for item in items:
+                if item.type.name != "BYTE_IO":
+                    files_of.setdefault(resolve(item).untyped_storage().data_ptr(), set()).add(name)
+    return {ptr for ptr, names in files_of.items() if len(names) > 1}
+
+
+def read_all(names: list[str], own, read_file) -> list:
+    """Run `read_file(name, cached)` for every file in `names`: those `own(name)`
+    accepts on this thread, in order (`cached` None), the rest on one reader thread
+    meanwhile, starting with the file after the last of this rank's share (its rank
+    is reading it cold right now), from the page cache only until this thread's
+    reads are done (`cached`, an event; `read_cached`). Returns their results in the
+    order of `names`; waits for both threads before it raises the first failure of
+    either (this rank's share first)."""
+    mine = [n for n in names if own(n)]
+    rest = [n for n in names if not own(n)]
+    if mine and rest:
+        after = [n for n in rest if n > mine[-1]]
+        rest = after + [n for n in rest if n <= mine[-1]]
+    results: dict[str, object] = {}
+    done = threading.Event()
+    with ThreadPoolExecutor(max_workers=1, thread_name_prefix="disttrain-read") as pool:
+        others = pool.submit(lambda: [(n, read_file(n, done)) for n in rest]) if rest else None
+        try:
+            for name in mine:
+                results[name] = read_file(name, None)
+        finally:
+            done.set()
+            theirs = others.exception() if others is not None else None
+        if theirs is not None:
+            raise theirs
+        if others is not None:
+            results.update(others.result())
+    return [results[n] for n in names]
+
+
+_PREFETCH: dict[Path, threading.Event] = {}  # step directory -> its prefetch's stop
+
+
+def prefetch_share(step_dir: Path, rank: int, world: int) -> None:
+    """Start reading the data files of this rank's share of `step_dir` into the page
+    cache on a thread, until they end or `stop_for(step_dir)`. Best effort: a file
+    that cannot be read is left to the load to report."""
+    from disttrain.checkpoint.digests import share
+
+    step_dir = Path(step_dir)
+    try:
+        files = sorted(p for p in step_dir.iterdir() if p.suffix == ".distcp" and share(p.name, world) == rank)
+    except OSError:
+        return
+    stop = _PREFETCH[step_dir] = threading.Event()
+    threading.Thread(target=_warm, args=(step_dir, files, stop), name="disttrain-prefetch", daemon=True).start()
+
+
+def _warm(step_dir: Path, files: list[Path], stop: threading.Event) -> None:
+    buf = bytearray(_SCRATCH)
+    try:
+        for path in files:
+            with open(path, "rb", buffering=0) as f:
+                while not stop.is_set() and f.readinto(buf):
+                    pass
+    except OSError:
+        pass
+    finally:
+        if _PREFETCH.get(step_dir) is stop:
+            del _PREFETCH[step_dir]
+
+
+def stop_for(step_dir: Path) -> None:
+    """Stop the prefetch of `step_dir`, if one runs (its thread ends within a read)."""
+    if (stop := _PREFETCH.get(Path(step_dir))) is not None:
+        stop.set()

@@ -1,0 +1,62 @@
+"""The raw-1 load's reads (checkpoint/raw_read.py): the reader of other ranks' files
+reads only cached bytes until this rank's share is done, then reads on; a storage
+that records of two files target is found; the prefetch stops when asked."""
+
+from __future__ import annotations
+
+import threading
+from types import SimpleNamespace
+
+import pytest
+import torch
+
+from disttrain.checkpoint import CheckpointCorrupt
+from disttrain.checkpoint.raw_read import prefetch_share, read_all, read_cached, shared_storages, stop_for
+
+
+def test_read_cached_reads_the_bytes_and_the_rest_once_done(tmp_path):
+    data = bytes(range(256)) * 4096
+    path = tmp_path / "__1_0.distcp"
+    path.write_bytes(data)
+    buf = bytearray(len(data) - 10)
+    done = threading.Event()
+    with open(path, "rb", buffering=0) as f:
+        f.seek(10)
+        read_cached(f, memoryview(buf), path, done)  # just written: in the page cache
+        assert f.tell() == len(data)
+    assert bytes(buf) == data[10:]
+    done.set()
+    with open(path, "rb", buffering=0) as f, pytest.raises(CheckpointCorrupt, match="truncated"):
+        read_cached(f, memoryview(bytearray(len(data) + 1)), path, done)
+
+
+def test_shared_storages_are_those_two_files_target():
+    tied, own = torch.zeros(4), torch.zeros(4)
+    item = lambda t: SimpleNamespace(type=SimpleNamespace(name="TENSOR"), t=t)  # noqa: E731
+    per_file = {"__0_0.distcp": {"a": [item(tied)], "b": [item(own)]}, "__1_0.distcp": {"c": [item(tied[:2])]}}
+    assert shared_storages(per_file, lambda i: i.t) == {tied.untyped_storage().data_ptr()}
+
+
+def test_read_all_keeps_the_order_and_waits_for_both_threads():
+    seen = []
+
+    def read(name, cached):
+        seen.append((name, cached is None))
+        if name == "__1_0.distcp":
+            raise CheckpointCorrupt("bad", name)
+        return name
+
+    names = ["__2_0.distcp", "__0_0.distcp", "__1_0.distcp"]
+    with pytest.raises(CheckpointCorrupt):
+        read_all(names, lambda n: n == "__2_0.distcp", read)
+    assert sorted(seen) == [("__0_0.distcp", False), ("__1_0.distcp", False), ("__2_0.distcp", True)]
+    assert read_all(names[:2], lambda n: n == "__2_0.distcp", lambda n, c: n) == names[:2]
+
+
+def test_prefetch_of_this_ranks_share_stops_when_asked(tmp_path):
+    (tmp_path / "__0_0.distcp").write_bytes(b"x" * 100)
+    (tmp_path / "__1_0.distcp").write_bytes(b"y" * 100)
+    prefetch_share(tmp_path, 1, 2)
+    stop_for(tmp_path)  # ends within one read; a second call finds nothing to stop
+    stop_for(tmp_path)
+    prefetch_share(tmp_path / "missing", 0, 2)  # a directory that cannot be listed: nothing starts
