@@ -2,8 +2,10 @@
 
 from __future__ import annotations
 
+import fcntl
 import json
 import os
+import pickle
 import re
 import subprocess
 import sys
@@ -46,6 +48,38 @@ def launch_worker(script: str, nproc: int, out_dir: Path, *args: str, timeout: f
         pytest.fail(f"{script} at nproc={nproc} exited {proc.returncode}:\n{proc.stdout[-4000:]}\n"
                     f"{proc.stderr[-6000:]}")
     return [json.loads((out_dir / f"rank{r}.json").read_text()) for r in range(nproc)]
+
+
+def built_once(tmp_path_factory, key: str, build):
+    """`build(directory)` run once per test session and its (pickled) value shared by every
+    pytest-xdist worker. A module fixture is otherwise built again by each worker that runs
+    one of the module's tests, and again whenever work stealing interleaves another module
+    (pytest tears module fixtures down between modules): the expensive launches behind
+    the fixtures ran up to three times. Tests read or copy what is in `directory`; a
+    failed or skipped build fails or skips every test that asks for it, without building
+    again."""
+    base = tmp_path_factory.getbasetemp()
+    if os.environ.get("PYTEST_XDIST_WORKER"):
+        base = base.parent  # pytest-xdist: the workers' base directories share this parent
+    directory, value_file = base / f"once-{key}", base / f"once-{key}.pickle"
+    with open(base / f"once-{key}.lock", "a") as lock:
+        fcntl.flock(lock, fcntl.LOCK_EX)  # the other worker waits for the first build
+        if not value_file.exists():
+            directory.mkdir(exist_ok=True)
+            try:
+                outcome = ("ok", build(directory))
+            except (Exception, pytest.fail.Exception, pytest.skip.Exception) as exc:
+                kind = "skip" if isinstance(exc, pytest.skip.Exception) else "fail"
+                value_file.write_bytes(pickle.dumps((kind, f"{type(exc).__name__}: {exc}")))
+                raise
+            value_file.write_bytes(pickle.dumps(outcome))
+            return outcome[1]
+    kind, value = pickle.loads(value_file.read_bytes())
+    if kind == "skip":
+        pytest.skip(value)
+    if kind == "fail":
+        pytest.fail(f"the shared fixture {key!r} failed when built for an earlier test: {value}", pytrace=False)
+    return value
 
 
 CORE_TIERS = (

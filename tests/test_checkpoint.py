@@ -13,7 +13,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from conftest import WORKERS, launch_worker, run_cmd, worker_env
+from conftest import WORKERS, built_once, launch_worker, run_cmd, worker_env
 
 sys.path.insert(0, str(WORKERS))
 from ckpt_common import build, full_state, mismatches, train  # noqa: E402
@@ -28,7 +28,10 @@ def _phase(out: Path, phase: str, world: int) -> list[dict]:
 
 @pytest.fixture(scope="module")
 def runs(tmp_path_factory):
-    out = tmp_path_factory.mktemp("ckpt")
+    return built_once(tmp_path_factory, "ckpt-runs", _runs)
+
+
+def _runs(out: Path):
     single = build("ddp")  # world 1: a plain module
     train(single, 3)
     dt.save(single, out / "R1")
@@ -99,9 +102,14 @@ POINTS = {"shards": "kill@checkpoint.shards:rank=1,step=2",
 @pytest.fixture(scope="module")
 def crashes(tmp_path_factory):
     """Three jobs killed (SIGKILL) at each stage of saving step 2, run side by side."""
+    return built_once(tmp_path_factory, "ckpt-crashes", _crashes)
+
+
+def _crashes(tmp: Path):
     jobs = {}
     for name, fault in POINTS.items():
-        out = tmp_path_factory.mktemp(f"crash_{name}")
+        out = tmp / f"crash_{name}"
+        out.mkdir()
         cmd = run_cmd(2, str(WORKERS / "ckpt_checks.py"), str(out), "crash")
         jobs[name] = (out, subprocess.Popen(cmd, env=worker_env(DISTTRAIN_FAULT=fault),
                                             stdout=subprocess.PIPE, stderr=subprocess.STDOUT))

@@ -3,13 +3,13 @@ gloo ranks under torchrun (P-DDP-2,3,4,5, P-LOOP-1)."""
 
 import pytest
 
-from conftest import launch_worker
+from conftest import built_once, launch_worker
 
 
 @pytest.fixture(scope="module", params=[2, 4])
 def ranks(request, tmp_path_factory):
-    return request.param, launch_worker("ddp_checks.py", request.param,
-                                        tmp_path_factory.mktemp(f"ddp{request.param}"))
+    return request.param, built_once(tmp_path_factory, f"ddp{request.param}",
+                                     lambda out: launch_worker("ddp_checks.py", request.param, out))
 
 
 def test_ddp_parity_with_one_process_P_DDP_2(ranks):

@@ -3,6 +3,7 @@
 
 from __future__ import annotations
 
+import functools
 import os
 import random
 import shutil
@@ -13,6 +14,7 @@ from collections import Counter
 import pytest
 import torch
 
+from conftest import built_once
 from elastic_helpers import (audit_timeline, descendants, kill_node, last_loss_per_step, load_params, metrics,
                              start, trainer_cmd, wait_for)
 from disttrain.launch.etcd_server import EtcdServer, free_port
@@ -25,19 +27,16 @@ SLOW = "delay@step:ms=300"  # long enough for the scale events to land mid-epoch
 @pytest.fixture(scope="module")
 def reference(tmp_path_factory):
     """Uninterrupted runs of the tiny job, per strategy, for bit-exact comparisons."""
-    runs = {}
 
-    def get(strategy: str):
-        if strategy not in runs:
-            out = tmp_path_factory.mktemp(f"ref-{strategy}")
-            log = out / "log.txt"
-            proc = start(trainer_cmd(out, f"--train.steps={STEPS}", "--checkpoint.every=1",
-                                     f"--parallel.strategy={strategy}"), log)
-            assert proc.wait(timeout=180) == 0, log.read_text()[-3000:]
-            runs[strategy] = out
-        return runs[strategy]
+    def run(strategy: str, out):
+        log = out / "log.txt"
+        proc = start(trainer_cmd(out, f"--train.steps={STEPS}", "--checkpoint.every=1",
+                                 f"--parallel.strategy={strategy}"), log)
+        assert proc.wait(timeout=180) == 0, log.read_text()[-3000:]
+        return out
 
-    return get
+    return lambda strategy: built_once(tmp_path_factory, f"elastic-ref-{strategy}",
+                                       functools.partial(run, strategy))
 
 
 def assert_same_run(ref, out):

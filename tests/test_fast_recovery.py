@@ -15,7 +15,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from conftest import worker_env
+from conftest import built_once, worker_env
 from elastic_helpers import assert_same_fast_run, descendants, metrics, start, trainer_cmd, wait_for
 from disttrain.config import load_config
 from disttrain.errors import ConfigError
@@ -28,11 +28,13 @@ PHASES = ["forward", "backward", "step", "checkpoint.shards"]
 @pytest.fixture(scope="module")
 def reference(tmp_path_factory) -> Path:
     """The uninterrupted run (plain torchrun path, no supervisor)."""
-    out = tmp_path_factory.mktemp("ref")
-    log = out / "log.txt"
-    proc = start(trainer_cmd(out, f"--train.steps={STEPS}", "--checkpoint.every=3"), log)
-    assert proc.wait(timeout=180) == 0, log.read_text()[-3000:]
-    return out
+    def run(out: Path) -> Path:
+        log = out / "log.txt"
+        proc = start(trainer_cmd(out, f"--train.steps={STEPS}", "--checkpoint.every=3"), log)
+        assert proc.wait(timeout=180) == 0, log.read_text()[-3000:]
+        return out
+
+    return built_once(tmp_path_factory, "fast-recovery-ref", run)
 
 
 def run_fast(out: Path, spec: str, timeout: float = 240) -> str:

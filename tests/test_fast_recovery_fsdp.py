@@ -14,6 +14,7 @@ from pathlib import Path
 import pytest
 import torch
 
+from conftest import built_once
 from elastic_helpers import assert_same_fast_run, start, trainer_cmd
 from disttrain.elastic.buddy_copy import choose_step, pack, unpack
 
@@ -37,12 +38,14 @@ def _run(out: Path, nproc: int, *extra: str, fault: str = "", timeout: float = 3
 @pytest.fixture(scope="module")
 def references(tmp_path_factory) -> dict[int, Path]:
     """Uninterrupted FSDP runs at w=2 and w=4 (plain torchrun path, no supervisor)."""
-    refs = {}
-    for nproc in (2, 4):
-        out = tmp_path_factory.mktemp(f"ref{nproc}")
-        _run(out, nproc, "--parallel.strategy=fsdp", "--checkpoint.every=4")
-        refs[nproc] = out
-    return refs
+    def run(tmp: Path) -> dict[int, Path]:
+        refs = {nproc: tmp / f"ref{nproc}" for nproc in (2, 4)}
+        for nproc, out in refs.items():
+            out.mkdir()
+            _run(out, nproc, "--parallel.strategy=fsdp", "--checkpoint.every=4")
+        return refs
+
+    return built_once(tmp_path_factory, "fast-recovery-fsdp-refs", run)
 
 
 def assert_same_run(ref: Path, out: Path, nproc: int) -> None:

@@ -11,7 +11,7 @@ import sys
 import pytest
 import torch
 
-from conftest import WORKERS, launch_worker, worker_env
+from conftest import WORKERS, built_once, launch_worker, worker_env
 from disttrain.launch import run_command as launch
 from disttrain.config import load_config
 from disttrain.errors import ConfigError
@@ -23,7 +23,7 @@ HANG_TIMEOUT = 100  # seconds for a whole hang job: start-up on a loaded 2-core 
 
 @pytest.fixture(scope="module")
 def checks(tmp_path_factory):
-    return launch_worker("guard_checks.py", 2, tmp_path_factory.mktemp("guard"), timeout=150)
+    return built_once(tmp_path_factory, "guard", lambda out: launch_worker("guard_checks.py", 2, out, timeout=150))
 
 
 def test_rank_with_different_config_is_named_on_every_rank_P_DEBUG_3(checks):

@@ -9,7 +9,7 @@ import sys
 import pytest
 import torch
 
-from conftest import ROOT, launch_worker, run_disttrain
+from conftest import built_once, ROOT, launch_worker, run_disttrain
 
 transformers = pytest.importorskip("transformers")
 
@@ -39,13 +39,15 @@ def _step_dir(root):
 @pytest.fixture(scope="module")
 def toml_run(tmp_path_factory):
     """examples/hf_gpt2.toml at w=2 under fsdp, 4 steps on a slice of the corpus."""
-    out = tmp_path_factory.mktemp("hf_toml")
-    proc = run_disttrain(["train", str(ROOT / "examples/hf_gpt2.toml"), "--train.steps=4",
-                          f"--train.out_dir={out}", "--data.max_bytes=100000", "--train.batch_size=4",
-                          "--train.eval_batches=1", "--train.log_every=1", "--model.block_size=32"],
-                         timeout=120)
-    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
-    return out
+    def run(out):
+        proc = run_disttrain(["train", str(ROOT / "examples/hf_gpt2.toml"), "--train.steps=4",
+                              f"--train.out_dir={out}", "--data.max_bytes=100000", "--train.batch_size=4",
+                              "--train.eval_batches=1", "--train.log_every=1", "--model.block_size=32"],
+                             timeout=120)
+        assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+        return out
+
+    return built_once(tmp_path_factory, "hf-toml", run)
 
 
 def test_gpt2_from_config_trains_under_fsdp_through_the_toml(toml_run):

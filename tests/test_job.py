@@ -12,7 +12,7 @@ import torch
 from torch.utils.data import TensorDataset
 
 import disttrain as dt
-from conftest import ROOT, WORKERS, run_disttrain, worker_env
+from conftest import built_once, ROOT, WORKERS, run_disttrain, worker_env
 from disttrain.demo import MLP, MLPConfig
 from disttrain.elastic import final_timeline
 
@@ -39,9 +39,11 @@ def weights(out) -> dict[str, torch.Tensor]:
 
 @pytest.fixture(scope="module")
 def reference(tmp_path_factory):
-    out = tmp_path_factory.mktemp("ref")
-    ok(launch(out))
-    return weights(out)
+    def run(out):
+        ok(launch(out))
+        return weights(out)
+
+    return built_once(tmp_path_factory, "job-ref", run)
 
 
 def test_kill_9_resumes_bit_exactly_each_sample_once(reference, tmp_path):

@@ -16,7 +16,7 @@ import pytest
 import torch
 
 import disttrain as dt
-from conftest import ROOT, WORKERS, run_disttrain, worker_env
+from conftest import built_once, ROOT, WORKERS, run_disttrain, worker_env
 
 SCRIPT = str(WORKERS / "job_script.py")
 
@@ -39,12 +39,14 @@ def run_script(out, *args, fault: str | None = None, launcher=("--nproc", "2")):
 @pytest.fixture(scope="module")
 def references(tmp_path_factory):
     """Uninterrupted runs (ddp with an eval every 6 steps, and fsdp) of 12 steps."""
-    refs = {}
-    for strategy in ("ddp", "fsdp"):
-        out = tmp_path_factory.mktemp(f"ref-{strategy}")
-        ok(run_script(out, "--steps", "12", "--strategy", strategy, "--eval-every", "6"))
-        refs[strategy] = out
-    return refs
+    def run(tmp):
+        refs = {strategy: tmp / f"ref-{strategy}" for strategy in ("ddp", "fsdp")}
+        for strategy, out in refs.items():
+            out.mkdir()
+            ok(run_script(out, "--steps", "12", "--strategy", strategy, "--eval-every", "6"))
+        return refs
+
+    return built_once(tmp_path_factory, "job-user-path-refs", run)
 
 
 def test_own_scheduler_step_is_one_user_error(tmp_path):

@@ -22,7 +22,7 @@ from pathlib import Path
 
 import pytest
 
-from conftest import run_cmd
+from conftest import built_once, run_cmd
 from disttrain.errors import UserError
 from disttrain.plan import advise, estimate, main, parse_bytes, scaled_lr, warmup_steps
 from disttrain.plan import model_size
@@ -49,10 +49,13 @@ def hf_config(tmp_path_factory) -> Path:
 @pytest.fixture(scope="module")
 def measured(tmp_path_factory, hf_config) -> dict[int, dict]:
     """{world: {"gpt/ddp": [per-rank bytes], ...}} from real gloo process groups."""
+    return built_once(tmp_path_factory, "plan-measured", functools.partial(_measure, hf_config))
+
+
+def _measure(hf_config: Path, tmp: Path) -> dict[int, dict]:
     # find_spec, not import: importing transformers here would cost seconds of serial CPU.
     # Without it our GPT is still measured and the HF cases skip.
     kinds = "gpt,hf" if importlib.util.find_spec("transformers") else "gpt"
-    tmp = tmp_path_factory.mktemp("measure")
     env = {**os.environ, "OMP_NUM_THREADS": "1", "HF_HUB_OFFLINE": "1",
            "TRANSFORMERS_VERBOSITY": "error", "TORCH_CPP_LOG_LEVEL": "ERROR"}
     procs = {}

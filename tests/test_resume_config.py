@@ -8,7 +8,7 @@ import shutil
 import pytest
 import torch
 
-from conftest import run_disttrain
+from conftest import built_once, run_disttrain
 from disttrain.config import load_config, to_dict
 from disttrain.train import resume
 from disttrain.train.loop import warmup_cosine
@@ -29,10 +29,13 @@ def _train(out, *extra, steps=3):
 @pytest.fixture(scope="module")
 def finished(tmp_path_factory):
     """A run of 3 steps with its checkpoint at step 3, trained once for the module."""
-    out = tmp_path_factory.mktemp("resume") / "base"
-    proc = _train(out)
-    assert proc.returncode == 0, proc.stderr[-3000:]
-    return out
+    def run(tmp):
+        out = tmp / "base"
+        proc = _train(out)
+        assert proc.returncode == 0, proc.stderr[-3000:]
+        return out
+
+    return built_once(tmp_path_factory, "resume-finished", run)
 
 
 def _copy(finished, tmp_path, name):

@@ -5,7 +5,7 @@ cases (tests/workers/strategy_checks.py); the world of 1 runs in this process.
 
 import pytest
 
-from conftest import launch_worker
+from conftest import built_once, launch_worker
 
 PARITY = 1e-5
 """Max abs difference of every parameter (and BN buffer) after 5 SGD steps, fp32, with
@@ -33,8 +33,8 @@ def ranks(request, tmp_path_factory):
         import strategy_checks
 
         return world, [strategy_checks.run(GROUPS[1].split(","))]
-    out = tmp_path_factory.mktemp(f"strategies{world}")
-    return world, launch_worker("strategy_checks.py", world, out, GROUPS[world], timeout=150)
+    return world, built_once(tmp_path_factory, f"strategies{world}",
+                             lambda out: launch_worker("strategy_checks.py", world, out, GROUPS[world], timeout=150))
 
 
 @pytest.mark.parametrize("kind", ["gpt", "mlp"])

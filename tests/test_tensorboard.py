@@ -12,7 +12,7 @@ import pytest
 import torch
 from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
 
-from conftest import run_disttrain, worker_env
+from conftest import built_once, run_disttrain, worker_env
 from elastic_helpers import TINY, metrics
 
 STEPS, CKPT_EVERY, KILL_AT = 10, 3, 5
@@ -41,13 +41,15 @@ def texts(acc: EventAccumulator, tag: str = "run/events/text_summary") -> dict[i
 
 @pytest.fixture(scope="module")
 def killed_and_shrunk(tmp_path_factory):
-    out = tmp_path_factory.mktemp("run")
-    first = run_disttrain([*TRAIN, f"--train.out_dir={out}", "--max-restarts", "0"], timeout=180,
-                          env=worker_env(DISTTRAIN_FAULT=f"kill@step:rank=1,step={KILL_AT}"))
-    assert first.returncode != 0 and "disttrain fault: kill" in first.stdout + first.stderr
-    log = ok(run_disttrain([*TRAIN, f"--train.out_dir={out}", "--parallel.nproc=1"], timeout=180))
-    assert f"resumed at step {CKPT_EVERY}" in log
-    return out
+    def run(out):
+        first = run_disttrain([*TRAIN, f"--train.out_dir={out}", "--max-restarts", "0"], timeout=180,
+                              env=worker_env(DISTTRAIN_FAULT=f"kill@step:rank=1,step={KILL_AT}"))
+        assert first.returncode != 0 and "disttrain fault: kill" in first.stdout + first.stderr
+        log = ok(run_disttrain([*TRAIN, f"--train.out_dir={out}", "--parallel.nproc=1"], timeout=180))
+        assert f"resumed at step {CKPT_EVERY}" in log
+        return out
+
+    return built_once(tmp_path_factory, "tensorboard-run", run)
 
 
 def test_event_files_hold_every_metric_and_the_restart(killed_and_shrunk):

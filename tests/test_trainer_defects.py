@@ -17,7 +17,7 @@ import textwrap
 
 import pytest
 
-from conftest import run_cmd, run_disttrain, worker_env
+from conftest import built_once, run_cmd, run_disttrain, worker_env
 
 TINY = ["--model.n_layer=2", "--model.n_embd=32", "--model.n_head=2", "--model.block_size=32",
         "--data.max_bytes=50000", "--train.batch_size=4", "--train.eval_every=0",
@@ -82,16 +82,18 @@ RANK_SCRIPT = textwrap.dedent('''
 
 @pytest.fixture(scope="module")
 def rank_results(tmp_path_factory):
-    out = tmp_path_factory.mktemp("defects")
-    script = out / "ranks.py"
-    script.write_text(RANK_SCRIPT)
-    cmd = run_cmd(2, str(script), str(out))
-    proc = subprocess.run(cmd, capture_output=True, text=True, timeout=200, env=worker_env())
-    results = []
-    for r in range(2):
-        path = out / f"rank{r}.json"
-        results.append(json.loads(path.read_text()) if path.exists() else {})
-    return proc, results
+    def run(out):
+        script = out / "ranks.py"
+        script.write_text(RANK_SCRIPT)
+        cmd = run_cmd(2, str(script), str(out))
+        proc = subprocess.run(cmd, capture_output=True, text=True, timeout=200, env=worker_env())
+        results = []
+        for r in range(2):
+            path = out / f"rank{r}.json"
+            results.append(json.loads(path.read_text()) if path.exists() else {})
+        return proc, results
+
+    return built_once(tmp_path_factory, "trainer-defects", run)
 
 
 def _need(rank_results, key):

@@ -30,6 +30,7 @@ applies the worker's own environment and `torch.set_num_threads` before the modu
 from __future__ import annotations
 
 import ctypes
+import gc
 import json
 import os
 import selectors
@@ -95,6 +96,11 @@ def start_server() -> tuple[int, str] | None:
     if pid == 0:
         try:
             os.setsid()
+            # Every object the imports made moves to the collector's permanent generation:
+            # a worker's collections (gc.collect in process-group shutdown, the automatic
+            # ones while training) then scan only what the worker made, instead of about a
+            # million objects (0.3 s each), and leave the shared pages unwritten.
+            gc.freeze()
             serve(listener)
         finally:
             os._exit(1)
