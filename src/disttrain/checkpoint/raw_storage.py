@@ -10,7 +10,8 @@ writes each tensor straight from its memory, hashing the bytes on their way to t
 (every DDP load, an FSDP load at the same world size), else into one buffer that is
 then narrowed; a file of this rank's share (`digests.share`) is hashed in the same
 sequential pass, gaps included, and checked against the manifest before its JSON
-values are parsed. Nothing of a checkpoint in this format is ever unpickled.
+values are parsed; the other ranks' files are read at the same time on a reader
+thread (`raw_read`). Nothing of a checkpoint in this format is ever unpickled.
 """
 
 from __future__ import annotations
