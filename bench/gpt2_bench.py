@@ -114,11 +114,12 @@ def campaign(a, tokens: Path, tmp: Path, raw: Path) -> None:
     """The launches, A B A B per (strategy, compile), appended to `raw` one per line."""
     deadline = _deadline(a.until)
     last: dict[str, float] = {}
-    cells = [(s, c == "on") for s in a.strategies.split(",") for c in a.compile.split(",")]
-    jobs = [(s, c, i, kind) for s, c in cells for i in range(a.pairs) for kind in ("product", "hand")]
+    # eager before compiled; within each, pair 1 of every strategy before pair 2
+    jobs = [(s, c == "on", i, kind) for c in a.compile.split(",") for i in range(a.pairs)
+            for s in a.strategies.split(",") for kind in ("product", "hand")]
     jobs += [(s, False, 0, "memory") for s in a.strategies.split(",")] if a.memory else []
     for n, (strategy, compile, pair, kind) in enumerate(jobs):
-        guess = last.get(f"{kind}{compile}", 0.0)
+        guess = last.get(f"{kind}{compile}", 1.5 * last.get(f"{kind}False", 0.0))
         if deadline and time.time() + guess > deadline:
             print(f"skipped {kind} {strategy} compile={compile} pair {pair}: past --until", flush=True)
             continue
@@ -233,9 +234,9 @@ def memory_lines(rows: list[dict]) -> list[str]:
 
 
 def render(rows: list[dict], command: str) -> str:
-    r0 = rows[0]
+    timed = [r for r in rows if r["kind"] != "memory"] or rows
+    r0, first, end = timed[0], timed[0], timed[-1]
     product = [r for r in rows if r["kind"] == "product"]
-    started, ended = rows[0]["started"], rows[-1]["started"]
     lines = ["## GPT-2 124M on 2 CPU ranks: disttrain train against the same loop by hand", "",
              f"`{command}` (hand-written loop: bench/gpt2_by_hand.py under `torchrun --nproc-per-node 2`). "
              f"{r0['steps']} steps of 1 x {r0['block']} tokens per rank, activation checkpointing per block, "
@@ -243,8 +244,8 @@ def render(rows: list[dict], command: str) -> str:
              f"train, hand, train, hand; a launch's step is the median of the slowest rank's steps "
              f"3 to {r0['steps'] - 1} (the first two compile and warm up, the last holds the "
              f"product's final evaluation and is left out of both). Load average (1 min) from "
-             f"{rows[0]['load_start']:.2f} at the "
-             f"first launch ({started}) to {rows[-1]['load_end']:.2f} after the last (started {ended}).", ""]
+             f"{first['load_start']:.2f} at the first launch ({first['started']}) to "
+             f"{end['load_end']:.2f} after the last (started {end['started']}).", ""]
     lines += timing_lines(rows) + [""]
     lines += ["Where the hand-written step goes (rank 0; backward includes the recomputed forward of "
               "activation checkpointing and the gradient all-reduce or reduce-scatter):", ""]
@@ -253,8 +254,9 @@ def render(rows: list[dict], command: str) -> str:
         lines += ["Memory per rank, `disttrain plan` (its +AC row) against one profiled hand-written step "
                   "(MB). Measured: parameters, gradients and optimizer state as the bytes of their "
                   "storages on the rank (local shards) at the end of backward; activations + buffers "
-                  "as the peak of torch's memory timeline (`torch.profiler`, profile_memory) over "
-                  "forward + backward minus that state; total = state + that peak. The optimizer-step "
+                  "as how far the curve of CPU allocations that torch's profiler records (profile_memory) "
+                  "rose above its level at the end of backward, over forward + backward; total = "
+                  "state + that rise (the plan's activations, all-gather buffers and any temporary). The optimizer-step "
                   "peak (clip, AdamW's foreach temporaries, zero_grad) is not in the plan; peak RSS "
                   "is the whole process (libraries too).", ""]
         lines += memory_lines(rows) + [""]

@@ -19,9 +19,9 @@ the end of this one (as `disttrain train`'s step_time_s counts it: data, forward
 backward, clip, optimizer step, zero_grad, the loss read back), and its phases. With
 `--memory`, one more step after the timed ones under torch's profiler (profile_memory):
 the bytes of parameters, gradients and optimizer state on this rank (local shards,
-each storage once, counted at the end of backward) and the peak of the profiler's
-allocation curve during forward + backward and during the optimizer step, above that
-state. Rank 0 writes RESULT.json.
+each storage once, counted at the end of backward) and how far the profiler's curve of
+CPU allocations rose above that state during forward + backward and during the
+optimizer step. Rank 0 writes RESULT.json.
 """
 
 from __future__ import annotations
@@ -32,10 +32,8 @@ import json
 import math
 import os
 import sys
-import tempfile
 import time
 import tomllib
-import warnings
 from pathlib import Path
 
 import torch
@@ -150,40 +148,35 @@ def one_step(model, opt, sched, batch, grad_clip: float, profile=None) -> dict:
     return {**out, "state": state, "profiles": (fwd_bwd, rest)} if profile else out
 
 
-CATEGORIES = ("parameter", "optimizer_state", "input", "temporary", "activation", "gradient",
-              "autograd_detail", "unknown")
-"""The columns of torch's memory timeline after its first (torch.profiler._memory_profiler)."""
-
-
-def timeline_peak(prof) -> dict:
-    """The moment of the profile with the most bytes live, by torch's categories."""
-    with tempfile.TemporaryDirectory() as tmp, warnings.catch_warnings():
-        warnings.simplefilter("ignore", FutureWarning)  # deprecated for CUDA snapshots; CPU has none
-        path = Path(tmp) / "timeline.json"
-        prof.export_memory_timeline(str(path), device="cpu")
-        _, sizes = json.loads(path.read_text())
-    peak = max(sizes, key=sum)
-    return {"total": sum(peak), **dict(zip(CATEGORIES, peak[1:]))}
+def curve(prof) -> tuple[int, int]:
+    """(highest, last) level of the allocation curve of a profile: every CPU allocation
+    and free the profiler recorded (profile_memory), in time order, summed from 0 at
+    its start."""
+    events = sorted((e.start_ns(), e.nbytes()) for e in prof.profiler.kineto_results.events()
+                    if e.name() == "[memory]" and e.device_type() == torch.autograd.DeviceType.CPU)
+    level, top = 0, 0
+    for _, nbytes in events:
+        level += nbytes
+        top = max(top, level)
+    return top, level
 
 
 def measure_memory(model, opt, sched, batch, grad_clip: float) -> dict:
-    """One step under torch's memory profiler (see the module doc): the state bytes
-    counted at the end of backward, the peak of forward + backward (the optimizer
-    state is not touched there, so the timeline leaves it out: added from the count)
-    and the peak of clip + optimizer step + zero_grad."""
+    """One step under torch's profiler with profile_memory (see the module doc). At the
+    end of backward the live tensors are the state (counted); the forward + backward
+    peak is that state plus how far the allocation curve rose above its end level; the
+    optimizer phase (clip, step, zero_grad) starts from the state."""
     acts = [torch.profiler.ProfilerActivity.CPU]
 
     def profile():
-        return torch.profiler.profile(activities=acts, profile_memory=True, record_shapes=True, with_stack=True)
+        return torch.profiler.profile(activities=acts, profile_memory=True)
 
     step = one_step(model, opt, sched, batch, grad_clip, profile)
-    fwd_bwd, rest = (timeline_peak(p) for p in step["profiles"])
+    (top, end), (opt_top, _) = (curve(p) for p in step["profiles"])
     st = step["state"]
     state = st["params"] + st["grads"] + st["optim"]
-    peak = fwd_bwd["total"] + st["optim"] - fwd_bwd["optimizer_state"]
-    return {**st, "state": state, "peak_fwd_bwd": peak, "above_state_fwd_bwd": peak - state,
-            "timeline_fwd_bwd": fwd_bwd, "peak_optimizer": rest["total"], "timeline_optimizer": rest,
-            "peak_rss_mb": peak_rss_mb()}
+    return {**st, "state": state, "peak_fwd_bwd": state + top - end, "above_state_fwd_bwd": top - end,
+            "peak_optimizer": state + opt_top, "peak_rss_mb": peak_rss_mb()}
 
 
 def peak_rss_mb() -> float:
