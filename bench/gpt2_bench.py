@@ -110,9 +110,25 @@ def _toml_model() -> dict:
     return tomllib.loads(CONFIG.read_text())["model"]
 
 
+PROBE = ("import time, torch; torch.set_num_threads(1); a, b = torch.randn(256, 768), torch.randn(768, 3072); "
+         "a @ b; t = time.perf_counter(); [a @ b for _ in range(20)]; "
+         "print(20 * 2 * 256 * 768 * 3072 / (time.perf_counter() - t) / 1e9)")
+"""One core's fp32 matmul rate at the model's shapes (GFLOP/s), to read the step times by."""
+
+
+def flops_per_token(shape: str) -> float:
+    """Matmul FLOPs per token of one training step with activation checkpointing: 6 per
+    weight (forward, two backward products) for the blocks and the LM head, plus one
+    more forward of the blocks (2 per weight); attention's own products left out."""
+    m = {**_toml_model(), **{k: int(v) for k, v in (kv.split("=") for kv in shape.split(",") if kv)}}
+    blocks, head = 12 * m["n_embd"] ** 2 * m["n_layer"], m["vocab_size"] * m["n_embd"]
+    return 6 * (blocks + head) + 2 * blocks
+
+
 def campaign(a, tokens: Path, tmp: Path, raw: Path) -> None:
     """The launches, A B A B per (strategy, compile), appended to `raw` one per line."""
     deadline = _deadline(a.until)
+    gflops = float(run([sys.executable, "-c", PROBE], timeout=120).stdout.split()[-1])
     last: dict[str, float] = {}
     # eager before compiled; within each, pair 1 of every strategy before pair 2
     jobs = [(s, c == "on", i, kind) for c in a.compile.split(",") for i in range(a.pairs)
@@ -131,7 +147,7 @@ def campaign(a, tokens: Path, tmp: Path, raw: Path) -> None:
             row = hand_launch(a, tokens, out, strategy, compile, memory=kind == "memory")
         if kind == "memory":
             row["plan"] = planned(strategy, a.block, a.shape)
-        row.update(command=a.command, kind=kind, strategy=strategy, compile=compile, pair=pair,
+        row.update(command=a.command, sgemm_gflops=gflops, kind=kind, strategy=strategy, compile=compile, pair=pair,
                    block=a.block, steps=a.steps,
                    shape=a.shape, wall_s=time.time() - start, load_start=load0, load_end=os.getloadavg()[0],
                    started=datetime.datetime.fromtimestamp(start).strftime("%H:%M:%S"))
@@ -213,6 +229,36 @@ def phase_lines(rows: list[dict]) -> list[str]:
     return lines
 
 
+def flops_lines(rows: list[dict]) -> list[str]:
+    """What the step costs in arithmetic, against one core's matmul rate."""
+    hand = [steady(r["step_time_max_s"]) for r in rows if r["kind"] == "hand" and not r["compile"]]
+    if not hand or "sgemm_gflops" not in rows[0]:
+        return []
+    r0 = rows[0]
+    flops = flops_per_token(r0.get("shape", "")) * r0["block"]
+    rate = flops / statistics.median(hand) / 1e9
+    return [f"Why a step takes this long: one step is about {flops / 1e9:.0f} GFLOP of matmuls per rank "
+            f"({r0['block']} tokens x {flops_per_token(r0.get('shape', '')) / 1e6:.0f} MFLOP: 6 per "
+            f"weight for forward and backward, 2 more per block weight for the recomputed forward of "
+            f"activation checkpointing; the 50304 x 768 LM head is a quarter of it), and each rank has "
+            f"one core (OMP_NUM_THREADS=1), whose fp32 matmul runs at {r0['sgemm_gflops']:.0f} GFLOP/s "
+            f"here (measured before the first launch). The eager hand-written step runs at "
+            f"{rate:.0f} GFLOP/s per rank, all phases included: the step time is this machine's "
+            f"arithmetic, not a cost of the loop around it.", ""]
+
+
+def tied_note(mem: dict) -> str:
+    m = {**_toml_model(), **{k: int(v) for k, v in (kv.split("=") for kv in mem.get("shape", "").split(",") if kv)}}
+    one = m["vocab_size"] * m["n_embd"] * 4 / 2 ** 20
+    return (f"Where the plan falls short: torch's memory timeline by category (which runs on the DDP "
+            f"step; its data-flow pass fails on FSDP2's) puts the forward + backward peak at the end of "
+            f"backward, when the activations are already freed: three {m['vocab_size']} x {m['n_embd']} "
+            f"fp32 tensors ({3 * one:.0f} MB: the tied embedding / LM-head weight's gradient from the "
+            f"head, its dense gradient from the embedding, their sum) above the state. The plan counts "
+            f"that weight's gradient once; its activations term is the blocks' checkpointed inputs, one "
+            f"block recomputed and the logits with their log-softmax.")
+
+
 def memory_lines(rows: list[dict]) -> list[str]:
     """Plan against measured, per rank (MB = 2^20 bytes), rank 0's measurement."""
     mb = 2 ** 20
@@ -249,17 +295,18 @@ def render(rows: list[dict], command: str) -> str:
     lines += timing_lines(rows) + [""]
     lines += ["Where the hand-written step goes (rank 0; backward includes the recomputed forward of "
               "activation checkpointing and the gradient all-reduce or reduce-scatter):", ""]
-    lines += phase_lines(rows) + [""]
+    lines += phase_lines(rows) + [""] + flops_lines(timed)
     if any(r["kind"] == "memory" for r in rows):
-        lines += ["Memory per rank, `disttrain plan` (its +AC row) against one profiled hand-written step "
-                  "(MB). Measured: parameters, gradients and optimizer state as the bytes of their "
-                  "storages on the rank (local shards) at the end of backward; activations + buffers "
-                  "as how far the curve of CPU allocations that torch's profiler records (profile_memory) "
-                  "rose above its level at the end of backward, over forward + backward; total = "
-                  "state + that rise (the plan's activations, all-gather buffers and any temporary). The optimizer-step "
-                  "peak (clip, AdamW's foreach temporaries, zero_grad) is not in the plan; peak RSS "
-                  "is the whole process (libraries too).", ""]
-        lines += memory_lines(rows) + [""]
+        mem = next(r for r in rows if r["kind"] == "memory")
+        lines += [f"Memory per rank at {mem['block']} tokens, `disttrain plan` (its +AC row) against one "
+                  "profiled hand-written step (MB). Measured: parameters, gradients and optimizer state "
+                  "as the bytes of their storages on the rank (local shards) at the end of backward; "
+                  "activations + buffers as how far the curve of CPU allocations that torch's profiler "
+                  "records (profile_memory) rose above its level at the end of backward, over forward + "
+                  "backward; total = state + that rise (activations, all-gather buffers and every "
+                  "temporary). The optimizer-step peak (clip, AdamW's temporaries, zero_grad) is not in "
+                  "the plan; peak RSS is the whole process (libraries too).", ""]
+        lines += memory_lines(rows) + ["", tied_note(mem), ""]
     if product:
         ckpt = max(r["ckpt_bytes"] for r in product)
         rss = max(r["peak_mb"] for r in product)
