@@ -26,6 +26,7 @@ import argparse
 import datetime
 import json
 import os
+import shutil
 import statistics
 import subprocess
 import sys
@@ -76,6 +77,7 @@ def product_launch(a, tokens: Path, out: Path, strategy: str, compile: bool) -> 
     rows = [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines() if line.strip()]
     ckpt = sum(p.stat().st_size for p in (out / "checkpoints").rglob("*") if p.is_file()) \
         if (out / "checkpoints").exists() else 0
+    shutil.rmtree(out)  # 1.6 GB of checkpoint per launch at full size
     return {"step_time_max_s": [r["step_time_max_s"] for r in rows],
             "peak_mb": max(max(r["peak_mem_mb"]) for r in rows), "ckpt_bytes": ckpt}
 
