@@ -42,10 +42,10 @@ What it changes, and why:
   `disttrain.launch.slot_supervisor`, which keeps the training process and a warm
   spare as its children (docs/elastic.md); a script runs under
   `disttrain.train.script_runner`, once per generation of the in-memory recovery.
-- Every Python worker but those of fast recovery: warm workers
-  (`disttrain.launch.warm_workers`): each start and restart forks its workers from a
-  process that has imported torch and disttrain, instead of starting fresh
-  interpreters. `DISTTRAIN_WARM_WORKERS=0` turns it off.
+- Every Python worker: warm workers (`disttrain.launch.warm_workers`): each start and
+  restart forks its workers from a process that has imported torch and disttrain,
+  instead of starting fresh interpreters; under fast recovery the slot supervisors'
+  training processes and spares fork from it. `DISTTRAIN_WARM_WORKERS=0` turns it off.
 Every other torchrun flag passes through unchanged.
 """
 
@@ -210,7 +210,8 @@ warm server)."""
 def warm_workers_wanted(flags: list[str], script: list[str]) -> bool:
     """Whether torchrun's workers for FLAGS SCRIPT (as `build_torchrun_args` has made
     them, a slot supervisor already in front for fast recovery) fork from a warm server:
-    any Python worker but a slot supervisor's (it keeps its own warm spare), and
+    any Python worker but a slot supervisor (it forks its training process and spare
+    from the server itself), and
     DISTTRAIN_WARM_WORKERS not 0. Raises `UserError` for a switch other than 0 or 1."""
     switch = os.environ.get(warm_workers.SWITCH_ENV, "1")
     if switch not in ("0", "1"):
@@ -316,7 +317,8 @@ def main(argv: list[str]) -> int:
 
     parse_faults(os.environ.get("DISTTRAIN_FAULT", ""))  # a typo fails here, not in every rank
     args, env = build_torchrun_args(argv)  # a user's mistake is refused before any import
-    server = warm_workers.start_server() if "disttrain.launch.warm_workers" in args else None
+    slots = "disttrain.launch.slot_supervisor" in args and os.environ.get(warm_workers.SWITCH_ENV, "1") == "1"
+    server = warm_workers.start_server() if "disttrain.launch.warm_workers" in args or slots else None
     try:
         if server:
             os.environ[warm_workers.SOCKET_ENV] = server[1]

@@ -4,7 +4,9 @@ place of `-m disttrain.train` when the config asks for fast recovery.
 
 The supervisor is the process torchrun watches. It starts the slot's training process
 (`python -m MODULE ARGS`) as its child, and a warm spare: the same command, which
-imports torch and disttrain, builds its datasets and then waits on its stdin. When
+imports torch and disttrain, builds its datasets and then waits on its stdin. Under
+`disttrain run` both are forked from its warm server (launch/warm_workers.py) through
+a stub, so neither pays for the imports. When
 the training process is killed by a signal, the supervisor promotes the spare (one
 line on its stdin) and starts a new spare in the background; torchrun sees nothing.
 A spare that dies is replaced the same way. Global rank 0's supervisor also hosts the
@@ -28,6 +30,8 @@ import signal
 import subprocess
 import sys
 import time
+
+from disttrain.launch.warm_workers import SOCKET_ENV as WARM_SOCKET_ENV
 
 ROLE_ENV = "DISTTRAIN_FAST_ROLE"  # elastic.fast_recovery.ROLE_ENV; not imported: that imports torch
 DONE_KEY = "disttrain/fast/done"
@@ -135,7 +139,11 @@ def main(argv: list[str]) -> int:
         print("disttrain: the slot supervisor runs under torchrun (`disttrain run` or `disttrain "
               "train` start it); RANK or MASTER_PORT is not set.", file=sys.stderr)
         return 2
-    return supervise([sys.executable, "-m", *argv], int(os.environ["RANK"]),
+    # Under `disttrain run` the training processes and spares fork from its warm server
+    # (torch already imported): a spare is ready in a fraction of a second, not after an
+    # interpreter's imports. Without a server the stub runs the module itself.
+    warm = ["disttrain.launch.warm_workers"] if os.environ.get(WARM_SOCKET_ENV) else []
+    return supervise([sys.executable, "-m", *warm, *argv], int(os.environ["RANK"]),
                      int(os.environ["WORLD_SIZE"]))
 
 
