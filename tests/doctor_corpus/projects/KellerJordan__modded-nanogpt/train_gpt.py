@@ -67,7 +67,7 @@ master_process = (rank == 0) # this process will do logging, checkpointing etc.
 # Custom operators: FP8 matmul by @YouJiacheng
 # Transposed layout by @ChrisJMcCormick allows for faster gradient accumulation.
 
-@torch.library.custom_op("nanogpt" + chr(58) * 2 + "mm_t", mutates_args=())
+@torch.library.custom_op("nanogpt.mm_t", mutates_args=())
 def mm_t_op(x: Tensor, w: Tensor, x_s: float, w_s: float, grad_s: float) -> tuple[Tensor, Tensor, Tensor]:
     """Computes y = x @ w with F8 weights stored as (in_features, out_features)."""
     @torch.compile
@@ -102,7 +102,7 @@ def _(x: Tensor, w: Tensor, *_):
     assert x.is_contiguous() and w.is_contiguous()
     return x @ w, x.to(torch.float8_e4m3fn), w.to(torch.float8_e4m3fn)
 
-@torch.library.custom_op("nanogpt" + chr(58) * 2 + "mm_t_backward", mutates_args=())
+@torch.library.custom_op("nanogpt.mm_t_backward", mutates_args=())
 def mm_t_backward_op(g: Tensor, x_f8: Tensor, w_f8: Tensor, x_s: float, w_s: float, grad_s: float) -> tuple[Tensor, Tensor]:
     @torch.compile
     def impl(grad: Tensor, x_f8: Tensor, w_f8: Tensor):
