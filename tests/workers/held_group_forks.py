@@ -7,19 +7,15 @@ rank instead of one per rank; exit 1 naming each rank that did not exit 0.
 """
 
 import gc
-import importlib
 import os
 import runpy
 import socket
 import sys
 from pathlib import Path
 
-from disttrain.launch.warm_workers import PRELOAD
-from disttrain.runtime import torch_compat
+from disttrain.launch.warm_workers import preload
 
-for _name in PRELOAD:  # what `disttrain run`'s warm workers start with, once before the forks
-    importlib.import_module(_name)
-torch_compat.import_dynamo()
+preload()  # what `disttrain run`'s warm workers start with, once before the forks
 gc.freeze()  # as the warm server does before its forks
 
 HELD_GROUP = str(Path(__file__).with_name("held_group.py"))

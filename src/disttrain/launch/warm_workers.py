@@ -70,6 +70,17 @@ def _recv_exact(conn: socket.socket, n: int) -> bytes:
 
 # ----------------------------------------------------------------------------- server
 
+def preload() -> None:
+    """Import what every warm worker starts with: `PRELOAD` and torch._dynamo."""
+    import importlib
+
+    for name in PRELOAD:
+        importlib.import_module(name)
+    from disttrain.runtime.torch_compat import import_dynamo
+
+    import_dynamo()
+
+
 def start_server() -> tuple[int, str] | None:
     """Import `PRELOAD` in this process (the agent's, before torchrun starts), then fork
     the server from it, in a session of its own (a terminal's Ctrl-C reaches the agent,
@@ -79,13 +90,7 @@ def start_server() -> tuple[int, str] | None:
     the backlog. Returns the server's pid and the socket's path (for SOCKET_ENV; end it
     with `stop_server`), or None when this process has a CUDA context (it does not
     survive a fork: workers then start fresh)."""
-    import importlib
-
-    for name in PRELOAD:
-        importlib.import_module(name)
-    from disttrain.runtime.torch_compat import import_dynamo
-
-    import_dynamo()
+    preload()
     if sys.modules["torch"].cuda.is_initialized():
         return None
     path = os.path.join(tempfile.mkdtemp(prefix="disttrain-warm-"), "socket")
