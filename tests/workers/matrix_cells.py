@@ -2,9 +2,9 @@
 
     matrix_cells.py reference OUT CELL...   each cell trained uninterrupted, one after another
     matrix_cells.py killed OUT CELL...      under `disttrain run --max-restarts N`: cell i is
-                                            killed (SIGKILL in step 5's backward, on rank 1, or
+                                            killed (SIGKILL in step 3's backward, on rank 1, or
                                             rank 0 in a world of 1) in attempt i; attempt i+1
-                                            resumes it from its step-4 checkpoint, finishes it,
+                                            resumes it from its step-2 checkpoint, finishes it,
                                             then starts cell i+1
 
 Each cell is `disttrain.train.trainer.train(load_config(tiny_gpt.toml, overrides))`, the
@@ -26,10 +26,10 @@ from disttrain.train.trainer import train
 
 ROOT = Path(__file__).resolve().parents[2]
 TINY = ["--model.n_layer=1", "--model.n_embd=32", "--model.n_head=2", "--model.block_size=32",
-        "--model.dropout=0.1", "--data.max_bytes=30000", "--train.batch_size=4", "--train.steps=6",
+        "--model.dropout=0.1", "--data.max_bytes=30000", "--train.batch_size=4", "--train.steps=4",
         "--train.eval_every=3", "--train.eval_batches=1", "--train.log_every=1",
         "--checkpoint.every=2", "--checkpoint.keep_last=2", "--guard.divergence_every=2"]
-KILL_STEP = 5
+KILL_STEP = 3
 
 
 def main(mode: str, out: Path, names: list[str]) -> None:
