@@ -14,8 +14,12 @@ imports renamed), measured in the same repeats.
 
 Within each repeat, on every rank at once: raw write + fsync of this rank's share of
 the checkpoint's bytes, raw read of it, DCP alone (save with fsync, load; no
-checksums, no manifest, no commit), the disttrain sync save, the load, and the async
-save, one after the other, so every ratio compares figures of the same minute.
+checksums, no manifest, no commit), then the disttrain sync save and its load, and the
+async save (and the earlier tree's save and load), one after the other, so every ratio
+compares figures of the same minute. Those last kinds take turns in each position
+from one repeat to the next (a save right after another large write measured up to
+3x slower, the disk still busy with the last one's bytes): give --repeat as a multiple
+of their number.
 Before each read the files are dropped from the page cache (posix_fadvise
 DONTNEED), so reads come from the disk for the raw file and the checkpoint alike.
 Every number is the median of --repeat repeats.
@@ -63,7 +67,10 @@ def main_world(args) -> None:
     def barrier() -> None:
         dist.barrier()
 
-    def timed(fn) -> float:
+    def timed(fn, write: bool = False) -> float:
+        if write:  # let the disk finish the last write's bytes first (see the docstring)
+            os.sync()
+            time.sleep(args.settle)
         barrier()
         t0 = time.perf_counter()
         fn()
@@ -128,7 +135,7 @@ def main_world(args) -> None:
             if not nbytes:
                 nbytes = sum(p.stat().st_size for p in sync_ck.last_saved.iterdir())
             raw = root / f"raw-{rank}.bin"
-            rows.setdefault("raw_write", []).append(timed(lambda: raw_write(raw, nbytes // world)))
+            rows.setdefault("raw_write", []).append(timed(lambda: raw_write(raw, nbytes // world), True))
             evict(raw)
             rows.setdefault("raw_read", []).append(timed(lambda: raw_read(raw)))
             barrier()
@@ -141,30 +148,42 @@ def main_world(args) -> None:
             plain = root / f"dcp-{i}"
             tensors = state.state_dict()["tensors"]
             rows.setdefault("dcp_save", []).append(timed(lambda: dcp.save(
-                tensors, storage_writer=dcp.FileSystemWriter(str(plain), sync_files=True), process_group=pg)))
+                tensors, storage_writer=dcp.FileSystemWriter(str(plain), sync_files=True), process_group=pg), True))
             if rank == 0:
                 evict(plain)
             rows.setdefault("dcp_load", []).append(timed(lambda: dcp.load(
                 tensors, storage_reader=dcp.FileSystemReader(str(plain)), process_group=pg)))
-            state.step += 1
-            rows.setdefault("save", []).append(timed(lambda: sync_ck.save(state)))
-            if rank == 0:
-                evict(sync_ck.last_saved)
-            rows.setdefault("load", []).append(timed(lambda: sync_ck.load(state)))
-            if args.before_pkg:
+            def sync_round() -> None:
                 state.step += 1
-                rows.setdefault("before_save", []).append(timed(lambda: before_ck.save(state)))
+                rows.setdefault("save", []).append(timed(lambda: sync_ck.save(state), True))
+                if rank == 0:
+                    evict(sync_ck.last_saved)
+                rows.setdefault("load", []).append(timed(lambda: sync_ck.load(state)))
+
+            def before_round() -> None:
+                state.step += 1
+                rows.setdefault("before_save", []).append(timed(lambda: before_ck.save(state), True))
                 if rank == 0:
                     evict(before_ck.last_saved)
                 rows.setdefault("before_load", []).append(timed(lambda: before_ck.load(state)))
-            state.step += 1
-            barrier()
-            t0 = time.perf_counter()
-            async_ck.save(state)
-            rows.setdefault("stall", []).append(time.perf_counter() - t0)  # the loop is blocked this long
-            async_ck.wait()
-            barrier()
-            rows.setdefault("async_save", []).append(time.perf_counter() - t0)
+
+            def async_round() -> None:
+                state.step += 1
+                os.sync()
+                time.sleep(args.settle)
+                barrier()
+                t0 = time.perf_counter()
+                async_ck.save(state)
+                rows.setdefault("stall", []).append(time.perf_counter() - t0)  # the loop is blocked this long
+                async_ck.wait()
+                barrier()
+                rows.setdefault("async_save", []).append(time.perf_counter() - t0)
+
+            # A save right after another large write is slower (the disk is still taking the
+            # last one's bytes): the kinds take turns in each position, one repeat each.
+            kinds = [sync_round, async_round] + ([before_round] if args.before_pkg else [])
+            for run in kinds[i % len(kinds):] + kinds[:i % len(kinds)]:
+                run()
             if rank == 0:
                 shutil.rmtree(plain)
         for ck in cks + [async_ck]:
@@ -252,8 +271,10 @@ def main() -> int:
     ap.add_argument("--sizes", default="6x384,12x768", help="demo GPT sizes, LAYERSxWIDTH, one job each")
     ap.add_argument("--size", default="6x384", help=argparse.SUPPRESS)  # the one size of a torchrun job
     ap.add_argument("--before-pkg", default="", help="package name of an earlier tree, for before rows")
-    ap.add_argument("--repeat", type=int, default=5)
+    ap.add_argument("--repeat", type=int, default=6)
     ap.add_argument("--results", default=str(RESULTS))
+    ap.add_argument("--settle", type=float, default=2.0,
+                    help="seconds of rest for the disk before each timed write (after a sync)")
     args = ap.parse_args()
     if "RANK" in os.environ:
         main_world(args)

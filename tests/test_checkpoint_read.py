@@ -1,9 +1,11 @@
 """The raw-1 load's reads (checkpoint/raw_read.py): the reader of other ranks' files
 reads only cached bytes until this rank's share is done, then reads on; a storage
-that records of two files target is found; the prefetch stops when asked."""
+that records of two files target is found; the prefetch stops when asked; the
+load's threads are kept per process, and a forked child makes its own."""
 
 from __future__ import annotations
 
+import os
 import threading
 from types import SimpleNamespace
 
@@ -11,7 +13,7 @@ import pytest
 import torch
 
 from disttrain.checkpoint import CheckpointCorrupt
-from disttrain.checkpoint.raw_read import prefetch_share, read_all, read_cached, shared_storages, stop_for
+from disttrain.checkpoint.raw_read import pool, prefetch_share, read_all, read_cached, shared_storages, stop_for
 
 
 def test_read_cached_reads_the_bytes_and_the_rest_once_done(tmp_path):
@@ -60,3 +62,18 @@ def test_prefetch_of_this_ranks_share_stops_when_asked(tmp_path):
     stop_for(tmp_path)  # ends within one read; a second call finds nothing to stop
     stop_for(tmp_path)
     prefetch_share(tmp_path / "missing", 0, 2)  # a directory that cannot be listed: nothing starts
+
+
+def test_load_threads_are_kept_and_a_forked_child_makes_its_own():
+    assert pool("read") is pool("read") and pool("read") is not pool("hash")
+    parent = pool("read").submit(threading.get_ident).result(timeout=10)
+    assert pool("read").submit(threading.get_ident).result(timeout=10) == parent  # one thread, kept
+    pid = os.fork()
+    if pid == 0:  # the parent's pool has no thread here: a reused one would never run this
+        ok = False
+        try:
+            ok = pool("read").submit(lambda: 7).result(timeout=10) == 7 and pool("read") is pool("read")
+        finally:
+            os._exit(0 if ok else 1)
+    _, status = os.waitpid(pid, 0)
+    assert os.waitstatus_to_exitcode(status) == 0

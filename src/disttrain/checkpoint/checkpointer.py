@@ -44,7 +44,6 @@ from disttrain.checkpoint.checkpoint_errors import (CheckpointCorrupt, Checkpoin
                                          CheckpointSaveError, StaleWriterError)
 from disttrain.checkpoint.digests import digest_bytes
 from disttrain.checkpoint.files import atomic_write_bytes
-from disttrain.checkpoint.raw_read import prefetch_share
 from disttrain.checkpoint.state import TrainState, config_hash, param_fqns, strategy_of
 from disttrain.runtime import rank_info
 from disttrain.runtime.log import LOGGER
@@ -341,7 +340,6 @@ class Checkpointer:
                                                     if self.rank == 0 else None)))
         if not candidates:
             return None  # a fresh start: no state_dict(), whose optimizer-state init counts a step
-        prefetch_share(candidates[0], self.rank, self.world)  # from the disk while the load plans
         sd, notes = {"tensors": state.tensor_state()}, []  # meta and RNG come from their files
         fqns = param_fqns(sd)  # a load replaces the optimizer groups' names with the checkpoint's
         for step_dir in candidates:

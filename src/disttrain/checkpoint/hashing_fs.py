@@ -133,11 +133,16 @@ def load_one(step_dir: Path, tensors: dict, strict: bool, rank: int, world: int,
     from disttrain.checkpoint.checkpoint_errors import CheckpointMismatch
     from disttrain.checkpoint.compat import check_compatible
     from disttrain.checkpoint.digests import share
+    from disttrain.checkpoint.raw_read import prefetch_share, stop_for
     from disttrain.checkpoint.storage_formats import read_metadata
     from disttrain.runtime.torch_compat import flatten_with_paths
 
     first = {".metadata", "state.json", f"rank-{rank:05d}.json"}
     mine, metadata = check_files(step_dir, first.__contains__), None
+    if mine is None:
+        # the share streams from the disk while the load plans; only now, as the small
+        # files read cold behind that stream took longer than the stream saved
+        prefetch_share(step_dir, rank, world)
     flat = flatten_with_paths(tensors)  # once, for the check and the plan
     if mine is None:
         try:
@@ -155,6 +160,7 @@ def load_one(step_dir: Path, tensors: dict, strict: bool, rank: int, world: int,
     manifest = layout.read_manifest(step_dir)
     problem, read = load_verified(tensors, step_dir, manifest["files"], pg, ours,
                                   manifest.get("storage", "dcp"), metadata, flat)
+    stop_for(step_dir)  # a load in DCP's format never stops it itself
     done = first | read
     if problem is None:
         problem = check_files(step_dir, lambda n: n not in done and ours(n))

@@ -16,11 +16,13 @@ would have written it. Non-tensor values are parsed on the calling thread, after
 their file verified. Records of one file are read in offset order by one thread;
 `FileRead` keeps a hash from reading over bytes still being hashed.
 
-`prefetch_share` starts reading this rank's share from the disk into the page cache as
-soon as a load knows its directory, while the load does its fixed work (the listing,
-torch's `get_state_dict`, the metadata, the plan, an all-gather); it stops when the
-reads into the tensors begin, which then find those bytes cached. It only warms the
-cache: every byte the load uses is still read, and hashed, by `FileRead`.
+`prefetch_share` starts reading this rank's share from the disk into the page cache
+once a load has read and checked its small files (`.metadata`, `state.json`, its RNG
+file: read cold behind the prefetch's stream they cost more than the stream saved),
+while the load does its fixed work (the compatibility check, an all-gather, the plan);
+it stops when the reads into the tensors begin, which then find those bytes cached. It
+only warms the cache: every byte the load uses is still read, and hashed, by
+`FileRead`. The reader, hash and prefetch threads are kept per process (`pool`).
 """
 
 from __future__ import annotations
@@ -36,6 +38,20 @@ from disttrain.checkpoint.checkpoint_errors import CheckpointCorrupt
 
 _SCRATCH = 1 << 23
 _PIECE = 1 << 24  # a record is read and hashed in pieces of 16 MiB
+
+
+_POOLS: dict[tuple[int, str], ThreadPoolExecutor] = {}
+
+
+def pool(name: str) -> ThreadPoolExecutor:
+    """This process's one-thread pool `name` ("read", "hash", "prefetch"), made on
+    first use and kept: a thread started per load cost milliseconds of a small load
+    (each start waits for the new thread to be scheduled). Keyed by the process id,
+    since a forked child has none of its parent's threads."""
+    key = (os.getpid(), name)
+    if key not in _POOLS:
+        _POOLS[key] = ThreadPoolExecutor(max_workers=1, thread_name_prefix=f"disttrain-{name}")
+    return _POOLS[key]
 
 
 def read_exact(f, view: memoryview, path: Path) -> None:
@@ -168,18 +184,17 @@ def read_all(names: list[str], own, read_file) -> list:
         rest = after + [n for n in rest if n <= mine[-1]]
     results: dict[str, object] = {}
     done = threading.Event()
-    with ThreadPoolExecutor(max_workers=1, thread_name_prefix="disttrain-read") as pool:
-        others = pool.submit(lambda: [(n, read_file(n, done)) for n in rest]) if rest else None
-        try:
-            for name in mine:
-                results[name] = read_file(name, None)
-        finally:
-            done.set()
-            theirs = others.exception() if others is not None else None
-        if theirs is not None:
-            raise theirs
-        if others is not None:
-            results.update(others.result())
+    others = pool("read").submit(lambda: [(n, read_file(n, done)) for n in rest]) if rest else None
+    try:
+        for name in mine:
+            results[name] = read_file(name, None)
+    finally:
+        done.set()
+        theirs = others.exception() if others is not None else None  # waits for the reader
+    if theirs is not None:
+        raise theirs
+    if others is not None:
+        results.update(others.result())
     return [results[n] for n in names]
 
 
@@ -198,7 +213,7 @@ def prefetch_share(step_dir: Path, rank: int, world: int) -> None:
     except OSError:
         return
     stop = _PREFETCH[step_dir] = threading.Event()
-    threading.Thread(target=_warm, args=(step_dir, files, stop), name="disttrain-prefetch", daemon=True).start()
+    pool("prefetch").submit(_warm, step_dir, files, stop)
 
 
 def _warm(step_dir: Path, files: list[Path], stop: threading.Event) -> None:

@@ -37,7 +37,7 @@ from disttrain.checkpoint.checkpoint_errors import CheckpointCorrupt
 from disttrain.checkpoint.digests import HashingStream, corrupt_message, digest_bytes, expected, new_hash, record
 from disttrain.checkpoint.files import fsync_file
 from disttrain.checkpoint.finite import FiniteTally
-from disttrain.checkpoint.raw_read import FileRead, narrow, read_all, read_exact, shared_storages, stop_for
+from disttrain.checkpoint.raw_read import FileRead, narrow, pool, read_all, read_exact, shared_storages, stop_for
 from disttrain.checkpoint.json_records import (Extent, metadata_bytes, metadata_of, set_path, value_bytes,
                                                value_of)
 
@@ -224,12 +224,9 @@ class RawReader(StorageReader):
         names = sorted(per_file, key=lambda n: (not self.select(n), n))
         stop_for(self.path)  # the page-cache prefetch of a load (`raw_read.Prefetch`) is done
         shared = shared_storages(per_file, planner.resolve_tensor) if len(names) > 1 else set()
-        self._hashing = ThreadPoolExecutor(max_workers=1, thread_name_prefix="disttrain-hash")
-        try:
-            done = read_all(names, self.select, lambda n, cached: self._read_file(n, per_file[n], planner,
-                                                                                    shared, cached))
-        finally:
-            self._hashing.shutdown(wait=True)
+        self._hashing = pool("hash")  # each file's `FileRead.close` waits for its hashes
+        done = read_all(names, self.select, lambda n, cached: self._read_file(n, per_file[n], planner,
+                                                                                shared, cached))
         for objects, later in done:  # in the order one thread would have read them
             for buf, items in later:
                 self._copy_out(buf, items, planner)
