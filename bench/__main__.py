@@ -31,7 +31,7 @@ SECTIONS = [overhead, guard_overhead, peers, scaling, memory, imports]
 # extra arguments for --quick). Each writes its own bench/results/*.md, merged by report.
 OTHERS = {
     "checkpoint_bench.py": (0, ["--dir", "{tmp}", "--results", "{results}/checkpoint.md"],
-                            ["--repeat", "1"]),
+                            ["--repeat", "1", "--settle", "0"]),
     "recovery_bench.py": (0, [], []),
     "doctor_corpus.py": (0, ["--out", "{results}/doctor.md"], []),
 }
