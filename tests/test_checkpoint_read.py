@@ -1,10 +1,12 @@
 """The raw-1 load's reads (checkpoint/raw_read.py): the reader of other ranks' files
 reads only cached bytes until this rank's share is done, then reads on; a storage
 that records of two files target is found; the prefetch stops when asked; the
-load's threads are kept per process, and a forked child makes its own."""
+load's threads are kept per process, and a forked child makes its own; the ranks
+agree on a load's problems with a flag first, the messages only when one has any."""
 
 from __future__ import annotations
 
+import multiprocessing
 import os
 import threading
 from types import SimpleNamespace
@@ -13,6 +15,7 @@ import pytest
 import torch
 
 from disttrain.checkpoint import CheckpointCorrupt
+from disttrain.checkpoint.hashing_fs import problems
 from disttrain.checkpoint.raw_read import pool, prefetch_share, read_all, read_cached, shared_storages, stop_for
 
 
@@ -77,3 +80,34 @@ def test_load_threads_are_kept_and_a_forked_child_makes_its_own():
             os._exit(0 if ok else 1)
     _, status = os.waitpid(pid, 0)
     assert os.waitstatus_to_exitcode(status) == 0
+
+
+def _agree_in_rank(rank: int, store_path: str, mine: list, out) -> None:
+    import torch.distributed as dist
+
+    dist.init_process_group("gloo", store=dist.FileStore(store_path, 2), rank=rank, world_size=2)
+    pg = dist.new_group(backend="gloo")
+
+    def gather(obj):
+        got = [None, None]
+        dist.all_gather_object(got, obj, group=pg)
+        return got
+
+    out.put((rank, [problems(m, pg, gather) for m in mine]))
+    dist.destroy_process_group()
+
+
+def test_ranks_agree_on_problems_only_one_of_them_has(tmp_path):
+    """Two real gloo ranks: no problem anywhere is [] on both; a problem on either rank
+    alone is every rank's list on both (the flag said so to the rank without one)."""
+    mine = {0: [None, None, ("__0_0.distcp", "bad")], 1: [None, ("", "", "other model"), None]}
+    ctx = multiprocessing.get_context("fork")
+    out = ctx.Queue()
+    procs = [ctx.Process(target=_agree_in_rank, args=(r, str(tmp_path / "store"), mine[r], out)) for r in (0, 1)]
+    for p in procs:
+        p.start()
+    got = dict(out.get(timeout=60) for _ in procs)
+    for p in procs:
+        p.join(timeout=30)
+    expected = [[], [None, ("", "", "other model")], [("__0_0.distcp", "bad"), None]]
+    assert got[0] == got[1] == expected
