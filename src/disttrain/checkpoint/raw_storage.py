@@ -222,7 +222,7 @@ class RawReader(StorageReader):
         # (`raw_read`): on one machine each rank reads its share from the disk, and
         # finds the others' in the page cache as their ranks read them.
         names = sorted(per_file, key=lambda n: (not self.select(n), n))
-        stop_for(self.path)  # the page-cache prefetch of a load (`raw_read.Prefetch`) is done
+        stop_for(self.path)  # the page-cache prefetch of a load (`raw_read.prefetch_share`) is done
         shared = shared_storages(per_file, planner.resolve_tensor) if len(names) > 1 else set()
         self._hashing = pool("hash")  # each file's `FileRead.close` waits for its hashes
         done = read_all(names, self.select, lambda n, cached: self._read_file(n, per_file[n], planner,
