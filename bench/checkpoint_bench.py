@@ -72,10 +72,14 @@ def main_world(args) -> None:
     def barrier() -> None:
         dist.barrier()
 
+    def settle() -> None:
+        """Let the disk take the last writes first (see the module docstring)."""
+        os.sync()
+        time.sleep(args.settle)
+
     def timed(fn, write: bool = False) -> float:
-        if write:  # let the disk finish the last write's bytes first (see the docstring)
-            os.sync()
-            time.sleep(args.settle)
+        if write:
+            settle()
         barrier()
         t0 = time.perf_counter()
         fn()
@@ -135,6 +139,32 @@ def main_world(args) -> None:
             ck.load(state)
         rows: dict[str, list[float]] = {}
         nbytes = 0
+
+        def sync_round() -> None:
+            state.step += 1
+            rows.setdefault("save", []).append(timed(lambda: sync_ck.save(state), True))
+            if rank == 0:
+                evict(sync_ck.last_saved)
+            rows.setdefault("load", []).append(timed(lambda: sync_ck.load(state)))
+
+        def before_round() -> None:
+            state.step += 1
+            rows.setdefault("before_save", []).append(timed(lambda: before_ck.save(state), True))
+            if rank == 0:
+                evict(before_ck.last_saved)
+            rows.setdefault("before_load", []).append(timed(lambda: before_ck.load(state)))
+
+        def async_round() -> None:
+            state.step += 1
+            settle()
+            barrier()
+            t0 = time.perf_counter()
+            async_ck.save(state)
+            rows.setdefault("stall", []).append(time.perf_counter() - t0)  # the loop is blocked this long
+            async_ck.wait()
+            barrier()
+            rows.setdefault("async_save", []).append(time.perf_counter() - t0)
+
         for i in range(args.repeat):
             if rank == 0:  # no timed save deletes an old checkpoint (see the docstring)
                 for ck in cks + [async_ck]:
@@ -162,34 +192,7 @@ def main_world(args) -> None:
                 evict(plain)
             rows.setdefault("dcp_load", []).append(timed(lambda: dcp.load(
                 tensors, storage_reader=dcp.FileSystemReader(str(plain)), process_group=pg)))
-            def sync_round() -> None:
-                state.step += 1
-                rows.setdefault("save", []).append(timed(lambda: sync_ck.save(state), True))
-                if rank == 0:
-                    evict(sync_ck.last_saved)
-                rows.setdefault("load", []).append(timed(lambda: sync_ck.load(state)))
-
-            def before_round() -> None:
-                state.step += 1
-                rows.setdefault("before_save", []).append(timed(lambda: before_ck.save(state), True))
-                if rank == 0:
-                    evict(before_ck.last_saved)
-                rows.setdefault("before_load", []).append(timed(lambda: before_ck.load(state)))
-
-            def async_round() -> None:
-                state.step += 1
-                os.sync()
-                time.sleep(args.settle)
-                barrier()
-                t0 = time.perf_counter()
-                async_ck.save(state)
-                rows.setdefault("stall", []).append(time.perf_counter() - t0)  # the loop is blocked this long
-                async_ck.wait()
-                barrier()
-                rows.setdefault("async_save", []).append(time.perf_counter() - t0)
-
-            # A save right after another large write is slower (the disk is still taking the
-            # last one's bytes): the kinds take turns in each position, one repeat each.
+            # the kinds take turns in each position, one repeat each (see the module docstring)
             kinds = [sync_round, async_round] + ([before_round] if args.before_pkg else [])
             for run in kinds[i % len(kinds):] + kinds[:i % len(kinds)]:
                 run()
