@@ -140,19 +140,13 @@ def main_world(args) -> None:
         rows: dict[str, list[float]] = {}
         nbytes = 0
 
-        def sync_round() -> None:
+        def save_and_load(ck, prefix: str = "") -> None:
+            """A sync save of `ck` and a cold load of it, as rows PREFIXsave, PREFIXload."""
             state.step += 1
-            rows.setdefault("save", []).append(timed(lambda: sync_ck.save(state), True))
+            rows.setdefault(prefix + "save", []).append(timed(lambda: ck.save(state), True))
             if rank == 0:
-                evict(sync_ck.last_saved)
-            rows.setdefault("load", []).append(timed(lambda: sync_ck.load(state)))
-
-        def before_round() -> None:
-            state.step += 1
-            rows.setdefault("before_save", []).append(timed(lambda: before_ck.save(state), True))
-            if rank == 0:
-                evict(before_ck.last_saved)
-            rows.setdefault("before_load", []).append(timed(lambda: before_ck.load(state)))
+                evict(ck.last_saved)
+            rows.setdefault(prefix + "load", []).append(timed(lambda: ck.load(state)))
 
         def async_round() -> None:
             state.step += 1
@@ -193,7 +187,8 @@ def main_world(args) -> None:
             rows.setdefault("dcp_load", []).append(timed(lambda: dcp.load(
                 tensors, storage_reader=dcp.FileSystemReader(str(plain)), process_group=pg)))
             # the kinds take turns in each position, one repeat each (see the module docstring)
-            kinds = [sync_round, async_round] + ([before_round] if args.before_pkg else [])
+            kinds = [lambda: save_and_load(sync_ck), async_round]
+            kinds += [lambda: save_and_load(before_ck, "before_")] if args.before_pkg else []
             for run in kinds[i % len(kinds):] + kinds[:i % len(kinds)]:
                 run()
             if rank == 0:
