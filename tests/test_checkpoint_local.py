@@ -151,6 +151,20 @@ def test_incompatible_checkpoint_gives_one_short_message_P_CKPT_5(saved, change)
     assert ("shape" in msg) if "n_embd" in change else ("not in the model" in msg)
 
 
+def test_a_refused_load_stops_its_prefetch(saved, monkeypatch):
+    """The prefetch of the share starts before the compatibility check; a load that
+    refuses (here: another model) stops it, and so does one that loads."""
+    import disttrain.checkpoint.raw_read as raw_read
+
+    stopped = []
+    monkeypatch.setattr(raw_read, "stop_for", lambda d, inner=raw_read.stop_for: (stopped.append(d), inner(d)))
+    with pytest.raises(CheckpointMismatch):
+        Checkpointer(saved[0]).load(build("ddp", cfg=dataclasses.replace(CFG, n_embd=32)))
+    assert stopped == [saved[0] / "step-00000002"]
+    Checkpointer(saved[0]).load(build("ddp"))
+    assert stopped[-1] == saved[0] / "step-00000002" and len(stopped) >= 2
+
+
 def test_a_stale_writer_cannot_commit_or_become_latest_P_ELASTIC_5(tmp_path):
     root = tmp_path / "shared"
     old, new = build("ddp"), build("ddp")

@@ -144,21 +144,32 @@ def load_one(step_dir: Path, tensors: dict, strict: bool, rank: int, world: int,
     it did not read. Two agreements (`problems`) settle the outcome. Raises
     `CheckpointMismatch` (another model) or `CheckpointCorrupt` (a failure that is no
     damaged file) on every rank."""
-    from disttrain.checkpoint import layout
-    from disttrain.checkpoint.checkpoint_errors import CheckpointMismatch
-    from disttrain.checkpoint.compat import check_compatible
-    from disttrain.checkpoint.digests import share
     from disttrain.checkpoint.raw_read import prefetch_share, stop_for
-    from disttrain.checkpoint.storage_formats import read_metadata
-    from disttrain.runtime.torch_compat import flatten_with_paths
 
     first = {".metadata", "state.json", f"rank-{rank:05d}.json"}
-    mine, metadata = check_files(step_dir, first.__contains__), None
+    mine = check_files(step_dir, first.__contains__)
     if mine is None:
         # the share streams from the disk while the load plans; only now, as the small
         # files read cold behind that stream took longer than the stream saved
         prefetch_share(step_dir, rank, world)
-    flat = flatten_with_paths(tensors)  # once, for the check and the plan
+    try:
+        return _load_checked(step_dir, tensors, strict, rank, world, pg, gather, first, mine)
+    finally:
+        stop_for(step_dir)  # on every way out: DCP's format, another rank's problem, an error
+
+
+def _load_checked(step_dir: Path, tensors: dict, strict: bool, rank: int, world: int, pg, gather,
+                  first: set[str], mine: tuple | None) -> str | None:
+    """`load_one` once this rank checked its small files `first` (`mine`: None or
+    its problem)."""
+    from disttrain.checkpoint import layout
+    from disttrain.checkpoint.checkpoint_errors import CheckpointMismatch
+    from disttrain.checkpoint.compat import check_compatible
+    from disttrain.checkpoint.digests import share
+    from disttrain.checkpoint.storage_formats import read_metadata
+    from disttrain.runtime.torch_compat import flatten_with_paths
+
+    metadata, flat = None, flatten_with_paths(tensors)  # once, for the check and the plan
     if mine is None:
         try:
             metadata = read_metadata(step_dir)
@@ -175,7 +186,6 @@ def load_one(step_dir: Path, tensors: dict, strict: bool, rank: int, world: int,
     manifest = layout.read_manifest(step_dir)
     problem, read = load_verified(tensors, step_dir, manifest["files"], pg, ours,
                                   manifest.get("storage", "dcp"), metadata, flat)
-    stop_for(step_dir)  # a load in DCP's format never stops it itself
     done = first | read
     if problem is None:
         problem = check_files(step_dir, lambda n: n not in done and ours(n))
