@@ -106,8 +106,12 @@ def test_ranks_agree_on_problems_only_one_of_them_has(tmp_path):
     procs = [ctx.Process(target=_agree_in_rank, args=(r, str(tmp_path / "store"), mine[r], out)) for r in (0, 1)]
     for p in procs:
         p.start()
-    got = dict(out.get(timeout=60) for _ in procs)
-    for p in procs:
-        p.join(timeout=30)
+    try:
+        got = dict(out.get(timeout=60) for _ in procs)  # a hang fails here, not forever
+    finally:
+        for p in procs:
+            p.join(timeout=30)
+            if p.is_alive():
+                p.kill()
     expected = [[], [None, ("", "", "other model")], [("__0_0.distcp", "bad"), None]]
     assert got[0] == got[1] == expected
