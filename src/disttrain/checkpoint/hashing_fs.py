@@ -8,6 +8,8 @@ from __future__ import annotations
 from contextlib import contextmanager
 from pathlib import Path
 
+import torch
+import torch.distributed as dist
 from torch.distributed.checkpoint.filesystem import FileSystem
 
 from disttrain.checkpoint.checkpoint_errors import CheckpointCorrupt
@@ -123,9 +125,6 @@ def problems(mine, pg, gather) -> list:
     of milliseconds of a small load at 4 ranks on 2 cores."""
     if pg is None:
         return gather(mine)
-    import torch
-    import torch.distributed as dist
-
     flag = torch.tensor([mine is not None], dtype=torch.int32)
     dist.all_reduce(flag, op=dist.ReduceOp.MAX, group=pg)
     return gather(mine) if flag.item() else []

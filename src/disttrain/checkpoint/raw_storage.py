@@ -19,7 +19,7 @@ from __future__ import annotations
 import dataclasses
 import io
 import threading
-from concurrent.futures import Executor, ThreadPoolExecutor
+from concurrent.futures import Executor
 from concurrent.futures import Future as ThreadFuture
 from pathlib import Path
 from typing import Callable
@@ -192,7 +192,6 @@ class RawReader(StorageReader):
         self.path, self.files, self.select = Path(path), files or {}, select
         self.verified: set[str] = set()
         self.metadata = metadata  # parsed once: a load's compatibility check read it already
-        self._hashing: ThreadPoolExecutor | None = None
 
     def reset(self, checkpoint_id=None) -> None:
         if checkpoint_id:
@@ -224,7 +223,6 @@ class RawReader(StorageReader):
         names = sorted(per_file, key=lambda n: (not self.select(n), n))
         stop_for(self.path)  # the page-cache prefetch of a load (`raw_read.prefetch_share`) is done
         shared = shared_storages(per_file, planner.resolve_tensor) if len(names) > 1 else set()
-        self._hashing = pool("hash")  # each file's `FileRead.close` waits for its hashes
         done = read_all(names, self.select, lambda n, cached: self._read_file(n, per_file[n], planner,
                                                                                 shared, cached))
         for objects, later in done:  # in the order one thread would have read them
@@ -246,7 +244,8 @@ class RawReader(StorageReader):
         check = want is not None and name not in self.verified and self.select(name)
         objects, later = [], []
         with open(path, "rb", buffering=0) as f:
-            read = FileRead(f, path, new_hash(expected(want)[0]) if check else None, self._hashing, cached)
+            # the process's hash thread; `read.close` waits for this file's hashes
+            read = FileRead(f, path, new_hash(expected(want)[0]) if check else None, pool("hash"), cached)
             try:
                 for extent in sorted(records, key=lambda e: e.offset):
                     read.skip_to(extent.offset)
