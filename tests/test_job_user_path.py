@@ -63,6 +63,22 @@ def test_own_scheduler_step_is_one_user_error(tmp_path):
                 sched.step()
 
 
+def test_the_progress_bar_counts_steps_of_a_loop_that_logs_nothing(tmp_path, capsys):
+    """examples/plain_to_disttrain.py logs no metric: its bar ended at "0/80" after 80 steps,
+    and summary.json held NaN for its losses, which strict JSON readers refuse."""
+    with dt.Job(tmp_path, checkpoint_every=0) as job:
+        model = job.wrap(torch.nn.Linear(4, 1))
+        opt = torch.optim.SGD(model.parameters(), lr=0.1)
+        loader = job.loader(torch.utils.data.TensorDataset(torch.randn(32, 4)), batch_size=4)
+        job.resume(model=model, optimizer=opt)
+        for (x,) in job.steps(loader, max_steps=5):
+            job.backward(model(x).square().mean())
+    bar = [line for line in capsys.readouterr().out.splitlines() if line.startswith("train")]
+    assert bar and "5/5" in bar[-1], bar
+    summary = json.loads((tmp_path / "summary.json").read_text(), parse_constant=lambda c: pytest.fail(c))
+    assert summary["final_train_loss"] is None and summary["steps"] == 5  # no loss logged: null, not NaN
+
+
 def test_own_optimizer_step_and_backward_are_user_errors(tmp_path):
     for mistake, message in (("step", r"own `optimizer\.step\(\)`"), ("backward", r"`loss\.backward\(\)` ran")):
         with pytest.raises(dt.UserError, match=message):

@@ -35,6 +35,12 @@ class TrainProgress:
                                              tok_s="-")
         self._progress.start()
 
+    def advance(self, step: int) -> None:
+        """Move the bar to `step`, every committed step; its figures come with `update`,
+        at each metrics record (a loop that logs nothing has none)."""
+        if self.enabled:
+            self._progress.update(self._task, completed=step)
+
     def update(self, step: int, loss: float, heldout: float, tok_s: float) -> None:
         if self.enabled:
             self._progress.update(self._task, completed=step, loss=_fmt(loss), heldout=_fmt(heldout),

@@ -89,6 +89,7 @@ def write(out_dir: Path, summary: dict, config: dict | None) -> None:
     """Rank 0: summary.json (with the run's config when given) and the table."""
     from disttrain.train.progress import print_summary
 
-    body = {**summary, **({"config": config} if config is not None else {})}
-    (out_dir / SUMMARY).write_text(json.dumps(body, indent=2, default=str))
+    body = {k: None if isinstance(v, float) and not math.isfinite(v) else v  # NaN is no JSON
+            for k, v in {**summary, **({"config": config} if config is not None else {})}.items()}
+    (out_dir / SUMMARY).write_text(json.dumps(body, indent=2, default=str, allow_nan=False))
     print_summary(summary)

@@ -111,6 +111,7 @@ class Loop:
             job._handoff.committed(job.step, job._state)
         inject("step", job.step, job.info.rank)
         job._guard.step(job.step, job.model)
+        self.progress.advance(job.step)
         ev, heldout = job._evaluator, {}
         if ev is not None and ev.due(job.step, self.max_steps) and job._preempt.time_for(ev.seconds):
             heldout = self._evaluate()  # skipped when a SIGTERM's grace no longer fits it
