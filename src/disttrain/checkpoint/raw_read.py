@@ -38,6 +38,12 @@ from disttrain.checkpoint.checkpoint_errors import CheckpointCorrupt
 
 _SCRATCH = 1 << 23
 _PIECE = 1 << 24  # a record is read and hashed in pieces of 16 MiB
+_BATCH = 1 << 22  # smaller records go to the hash thread together, 4 MiB at a time
+
+
+def _hash_all(hasher, views: list[memoryview]) -> None:
+    for view in views:
+        hasher.update(view)
 
 
 _POOLS: dict[tuple[int, str], ThreadPoolExecutor] = {}
@@ -94,12 +100,16 @@ class FileRead:
     """One sequential pass over one data file: records in offset order, each read
     once; with `hasher`, every byte (gaps too) is hashed on the way. Records are read
     in pieces and hashed on `pool`'s one thread while the next piece is read (xxh3
-    releases the GIL), so the hash costs no time while the disk is the bottleneck."""
+    releases the GIL), so the hash costs no time while the disk is the bottleneck.
+    Small records are handed to that thread in batches (`_BATCH`): a hand-off per
+    bias or norm weight cost more than hashing it."""
 
     def __init__(self, f, path: Path, hasher, pool: ThreadPoolExecutor, cached: threading.Event | None = None):
         self.f, self.path, self.hasher, self.pos, self._pool = f, path, hasher, 0, pool
         self._cached = cached  # read only from the page cache until it is set (`read_cached`)
         self._pending: list = []
+        self._batch: list[memoryview] = []  # read, not yet handed to the hash thread
+        self._batched = 0
         self._filled: set[int] = set()  # storages with bytes still to be hashed
         self._scratch: bytearray | None = None  # for gaps and the tail: most files have neither
 
@@ -109,7 +119,13 @@ class FileRead:
             self._scratch = bytearray(max(1, min(_SCRATCH, left + 1)))
         return memoryview(self._scratch)
 
+    def _submit(self) -> None:
+        if self._batch:
+            self._pending.append(self._pool.submit(_hash_all, self.hasher, self._batch))
+            self._batch, self._batched = [], 0
+
     def _drain(self) -> None:
+        self._submit()
         for fut in self._pending:
             fut.result()
         self._pending, self._filled = [], set()
@@ -141,7 +157,10 @@ class FileRead:
             else:
                 read_cached(self.f, piece, self.path, self._cached)
             if self.hasher is not None:
-                self._pending.append(self._pool.submit(self.hasher.update, piece))
+                self._batch.append(piece)
+                self._batched += len(piece)
+                if self._batched >= _BATCH:
+                    self._submit()
         self.pos += len(view)
 
     def digest(self) -> tuple[int, str]:

@@ -16,6 +16,7 @@ thread (`raw_read`). Nothing of a checkpoint in this format is ever unpickled.
 
 from __future__ import annotations
 
+import ctypes
 import dataclasses
 import io
 import threading
@@ -46,8 +47,14 @@ METADATA = ".metadata"
 
 
 def byte_view(t: torch.Tensor) -> memoryview:
-    """The bytes of the contiguous CPU tensor `t`, writable, sharing its memory."""
-    return memoryview(t.detach().reshape(-1).view(torch.uint8).numpy())
+    """The bytes of the contiguous CPU tensor `t`, writable, sharing its memory; the
+    view keeps `t` alive. (A ctypes array at the tensor's address: the way through
+    `reshape`, `view` and `numpy` cost four dispatcher calls, about 8 us, per record.)"""
+    if not t.numel():
+        return memoryview(bytearray())
+    raw = (ctypes.c_char * (t.numel() * t.element_size())).from_address(t.data_ptr())
+    raw.owner = t  # the memory is the tensor's: hold it as long as the view
+    return memoryview(raw).cast("B")
 
 
 class JsonSavePlanner(DefaultSavePlanner):

@@ -175,9 +175,25 @@ def init(*, backend: str = "auto", device: str = "auto", timeout_s: float = 300.
                 **({"store": store, "rank": rank, "world_size": world} if store is not None else {}),
             )
     seed_all(seed)
+    freeze_long_lived()
     _current = RankInfo(rank=rank, local_rank=local_rank, world_size=world,
                         local_world_size=local_world, device=dev, backend=chosen, seed=seed)
     return _current
+
+
+def freeze_long_lived() -> None:
+    """Move every object alive now to the collector's permanent generation
+    (`gc.freeze`), until `shutdown()`: call after imports that a rank keeps for its
+    whole life (torch at `init`, DCP at the first `Checkpointer`).
+
+    Why: a full automatic collection scans every tracked object, about 250,000 in a
+    process with torch and DCP imported, which took 0.2-0.3 s on 2 cores. It ran
+    about every fourth checkpoint load, on whichever rank allocated at that moment,
+    and the other ranks waited for it in the load's next collective (a 0.1 s load
+    took 0.4 s). Frozen objects are never scanned: cyclic garbage among them is
+    freed only once `shutdown()` unfreezes and collects, so the process group's
+    lifetime bounds what a freeze can keep."""
+    gc.freeze()
 
 
 def shutdown(*, collect: bool = True) -> None:
@@ -196,6 +212,8 @@ def shutdown(*, collect: bool = True) -> None:
     reclaims them).
     """
     global _current
+    if collect:
+        gc.unfreeze()  # what `freeze_long_lived` kept is collectable again
     if dist.is_available() and dist.is_initialized():
         groups = torch_compat.process_groups()
         dist.destroy_process_group()
