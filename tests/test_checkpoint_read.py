@@ -58,6 +58,26 @@ def test_read_all_keeps_the_order_and_waits_for_both_threads():
     assert read_all(names[:2], lambda n: n == "__2_0.distcp", lambda n, c: n) == names[:2]
 
 
+def test_read_all_reads_the_other_ranks_files_at_once():
+    """Each other file has a reader of its own: a reader that waits on its rank (here,
+    on the other reader) does not hold back the rest. With one reader for all of them
+    this waits out the timeout."""
+    second_started = threading.Event()
+    threads = {}
+
+    def read(name, cached):
+        threads[name] = threading.get_ident()
+        if name == "__1_0.distcp":
+            assert second_started.wait(10), "the files after the first waited for it"
+        if name == "__2_0.distcp":
+            second_started.set()
+        return name
+
+    names = ["__0_0.distcp", "__1_0.distcp", "__2_0.distcp"]
+    assert read_all(names, lambda n: n == "__0_0.distcp", read) == names
+    assert threads["__1_0.distcp"] != threads["__2_0.distcp"] != threads["__0_0.distcp"]
+
+
 def test_prefetch_of_this_ranks_share_stops_when_asked(tmp_path):
     (tmp_path / "__0_0.distcp").write_bytes(b"x" * 100)
     (tmp_path / "__1_0.distcp").write_bytes(b"y" * 100)

@@ -224,7 +224,7 @@ class RawReader(StorageReader):
         for item in plan.items:
             extent = storage[item.storage_index]
             per_file.setdefault(extent.file, {}).setdefault(extent, []).append(item)
-        # This rank's share on this thread, the other files on a reader thread at once
+        # This rank's share on this thread, each other file on a reader thread at once
         # (`raw_read`): on one machine each rank reads its share from the disk, and
         # finds the others' in the page cache as their ranks read them.
         names = sorted(per_file, key=lambda n: (not self.select(n), n))
