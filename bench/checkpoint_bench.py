@@ -219,7 +219,7 @@ def write_section(args, world: int, rows: dict, nbytes: int, n_params: int, torc
               row("before (previous commit): load", "before_load", "raw_read")] if args.before_pkg else []
     lines = [
         f"<!-- {key} -->",
-        f"### World size {world}, GPT {args.size} ({n_params / 1e6:.1f}M parameters)",
+        f"#### World size {world}, GPT {args.size} ({n_params / 1e6:.1f}M parameters)",
         "",
         f"GPT {n_params / 1e6:.1f}M parameters + AdamW state, DDP, {world} ranks on one machine; "
         f"checkpoint {nbytes / 1e6:.1f} MB; torch {torch_version}; median of {args.repeat}, each timed "
