@@ -195,9 +195,9 @@ def read_all(names: list[str], own, read_file) -> list:
     threads, one per file up to `_READERS` (dealt out in turn beyond), starting with
     the file after the last of this rank's share, from the page cache only until this
     thread's reads are done (`cached`, an event; `read_cached`). Each reader follows
-    its file's rank as that rank reads it cold: with one reader for all of them, it
-    kept pace with one rank, and at 4 ranks the two files it reached last, cached by
-    then, were copied after the disk's last byte (0.16 s of a 1 GB load). Returns the
+    its file's rank as that rank reads it cold: one reader for all of them kept pace
+    with one rank, and at 4 ranks copied the two files it reached last after the
+    disk's last byte (0.16 s of a 1 GB load, on one machine's timers). Returns the
     results in the order of `names`; waits for every thread before it raises the
     first failure (this rank's share first)."""
     mine = [n for n in names if own(n)]
