@@ -181,6 +181,9 @@ def init(*, backend: str = "auto", device: str = "auto", timeout_s: float = 300.
     return _current
 
 
+_thaw_at_shutdown = False  # `freeze_long_lived` froze first: `shutdown` may thaw
+
+
 def freeze_long_lived() -> None:
     """Move every object alive now to the collector's permanent generation
     (`gc.freeze`), until `shutdown()`: call after imports that a rank keeps for its
@@ -192,7 +195,11 @@ def freeze_long_lived() -> None:
     and the other ranks waited for it in the load's next collective (a 0.1 s load
     took 0.4 s). Frozen objects are never scanned: cyclic garbage among them is
     freed only once `shutdown()` unfreezes and collects, so the process group's
-    lifetime bounds what a freeze can keep."""
+    lifetime bounds what a freeze can keep. A process frozen before (a warm worker,
+    a fast-recovery rank: frozen for life on purpose) stays frozen after `shutdown()`."""
+    global _thaw_at_shutdown
+    if gc.get_freeze_count() == 0:
+        _thaw_at_shutdown = True  # the first freeze is ours: nothing else counts on it
     gc.freeze()
 
 
@@ -211,9 +218,10 @@ def shutdown(*, collect: bool = True) -> None:
     harmless), and at exit the still-referenced ones are never destructed (the OS
     reclaims them).
     """
-    global _current
-    if collect:
+    global _current, _thaw_at_shutdown
+    if collect and _thaw_at_shutdown:
         gc.unfreeze()  # what `freeze_long_lived` kept is collectable again
+        _thaw_at_shutdown = False
     if dist.is_available() and dist.is_initialized():
         groups = torch_compat.process_groups()
         dist.destroy_process_group()
