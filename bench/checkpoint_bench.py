@@ -138,6 +138,7 @@ def main_world(args) -> None:
             ck.wait()
             ck.load(state)
         rows: dict[str, list[float]] = {}
+        phases: list[dict[str, float]] = []  # this rank's `Checkpointer.last_load_phases` per sync load
         nbytes = 0
 
         def save_and_load(ck, prefix: str = "") -> None:
@@ -147,6 +148,8 @@ def main_world(args) -> None:
             if rank == 0:
                 evict(ck.last_saved)
             rows.setdefault(prefix + "load", []).append(timed(lambda: ck.load(state)))
+            if not prefix:
+                phases.append(dict(ck.last_load_phases))
 
         def async_round() -> None:
             state.step += 1
@@ -196,10 +199,29 @@ def main_world(args) -> None:
         for ck in cks + [async_ck]:
             ck.close()
         if rank == 0:
-            write_section(args, world, rows, nbytes, n_params, torch.__version__)
+            write_section(args, world, rows, phases, nbytes, n_params, torch.__version__)
 
 
-def write_section(args, world: int, rows: dict, nbytes: int, n_params: int, torch_version: str) -> None:
+def phase_table(phases: list[dict[str, float]], loads: list[float]) -> list[str]:
+    """Where rank 0's sync loads spent their time (`disttrain.checkpoint.load_phases`):
+    the median of each phase, then the loads' mean and worst (a median hides a stall
+    that comes one load in four)."""
+    names = [n for n in phases[0] if n != "total"]
+    ms = lambda values: f"{1000 * statistics.median(values):.0f}"  # noqa: E731
+    return [
+        "Where the disttrain load's time goes on rank 0 (milliseconds, median of the repeats; "
+        "`Checkpointer.last_load_phases`):",
+        "",
+        "| " + " | ".join(names) + " | total | mean load | worst load |",
+        "|" + "---:|" * (len(names) + 3),
+        "| " + " | ".join(ms([p.get(n, 0.0) for p in phases]) for n in names)
+        + f" | {ms([p['total'] for p in phases])} | {1000 * statistics.mean(loads):.0f} | {1000 * max(loads):.0f} |",
+        "",
+    ]
+
+
+def write_section(args, world: int, rows: dict, phases: list[dict[str, float]], nbytes: int, n_params: int,
+                  torch_version: str) -> None:
     gb = nbytes / 1e9
     load = os.getloadavg()[0]
     med = {k: statistics.median(v) for k, v in rows.items()}
@@ -244,6 +266,7 @@ def write_section(args, world: int, rows: dict, nbytes: int, n_params: int, torc
         f"same repeats: save {paired('dcp_save', 'save'):.2f}x, load {paired('dcp_load', 'load'):.2f}x. "
         f"Load against every rank reading the whole checkpoint: {paired('raw_read_all', 'load'):.2f}x.",
         "",
+        *phase_table(phases, rows["load"]),
         f"Training stall per save: sync {med['save']:.3f} s ({med['save'] / med['step']:.1f} train "
         f"steps), async (thread) {med['stall']:.3f} s ({med['stall'] / med['step']:.1f} train steps: "
         f"the staging copy only).",

@@ -4,7 +4,8 @@ exportable (P-CKPT-1..5, P-FSDP-8).
 - `state`: `TrainState`, everything a resume needs behind one `state_dict`;
   `zero_state`: ZeRO-1 optimizer state without consolidation.
 - `layout`: step directories, the manifest, verification, "latest", fencing, retention.
-- `checkpointer`: save/load across ranks with DCP, sync or async; `save`/`load`.
+- `checkpointer`: save/load across ranks with DCP, sync or async; `functional`:
+  `save`/`load` without a `Checkpointer`; `load_phases`: where a load's time went.
 - `raw_storage` (the storage format `raw-1`: raw tensor bytes, JSON values and JSON
   metadata under DCP's planner) and `json_records`; `storage_formats`: which format a
   checkpoint is in, and its readers (checkpoints of DCP's default format still load).
@@ -27,11 +28,12 @@ pickles that DCP unpickles; the manifest proves they are the bytes the writer
 produced, not that the writer was honest. Share models as the safetensors export.
 """
 
-from disttrain.checkpoint.checkpointer import Checkpointer, load, save
+from disttrain.checkpoint.checkpointer import Checkpointer
 from disttrain.checkpoint.checkpoint_errors import (CheckpointCorrupt, CheckpointError, CheckpointMismatch,
                                          CheckpointSaveError, StaleWriterError)
 from disttrain.checkpoint.files import atomic_torch_save, load_model, save_model, strip_prefix
 from disttrain.checkpoint.finite import NonFiniteError, check_finite
+from disttrain.checkpoint.functional import load, save
 from disttrain.checkpoint.layout import latest_valid, verify
 from disttrain.checkpoint.state import TrainState
 

@@ -38,7 +38,7 @@ from pathlib import Path
 import torch
 import torch.distributed as dist
 
-from disttrain.checkpoint import layout
+from disttrain.checkpoint import layout, load_phases
 from disttrain.checkpoint.compat import describe, describe_failure
 from disttrain.checkpoint.checkpoint_errors import (CheckpointCorrupt, CheckpointError,
                                          CheckpointSaveError, StaleWriterError)
@@ -97,6 +97,7 @@ class Checkpointer:
         self._syncer = ThreadPoolExecutor(max_workers=2, thread_name_prefix="disttrain-fsync")
         self._removals: list[Future] = []
         self.last_saved: Path | None = None
+        self.last_load_phases: dict[str, float] = {}
 
     # ------------------------------------------------------------ collectives
 
@@ -317,10 +318,6 @@ class Checkpointer:
 
     # ------------------------------------------------------------ load
 
-    def _load_one(self, step_dir: Path, tensors: dict, strict: bool) -> str | None:
-        from disttrain.checkpoint.hashing_fs import load_one
-        return load_one(step_dir, tensors, strict, self.rank, self.world, self.pg, self._gather)
-
     def load(self, state: TrainState, path: str | Path | None = None, *, strict: bool = True) -> Path | None:
         """Load the newest valid checkpoint under `root` (or the step directory
         `path`) into `state`, resharding as needed. A collective.
@@ -329,22 +326,34 @@ class Checkpointer:
         Raises `CheckpointCorrupt` (the newest is damaged and `fallback` is off, or
         none is valid) or `CheckpointMismatch` (another model), the same on every rank.
         A damaged file may be found after part of `state` was overwritten: after
-        an error, load again (or start afresh) before training on.
+        an error, load again (or start afresh) before training on. Where the time
+        went is in `last_load_phases` afterwards (`load_phases`).
         """
         self.wait()
-        path = Path(path) if path else None
-        if path is not None and path.name.startswith("step-"):
-            candidates = [path]
-        else:
-            layout.note_empty_step_dirs(path or self.root, self.rank)
-            candidates = list(map(Path, self._bcast([str(p) for _, _, p in layout.committed(path or self.root)]
-                                                    if self.rank == 0 else None)))
+        with load_phases.recording() as self.last_load_phases:
+            step_dir = self._load(state, Path(path) if path else None, strict)
+        if step_dir is not None:
+            LOGGER.debug(f"disttrain checkpoint: loaded {step_dir.name}, "
+                         f"{load_phases.summary(self.last_load_phases)}")
+        return step_dir
+
+    def _load(self, state: TrainState, path: Path | None, strict: bool) -> Path | None:
+        from disttrain.checkpoint.hashing_fs import load_one
+
+        with load_phases.phase("find"):
+            if path is not None and path.name.startswith("step-"):
+                candidates = [path]
+            else:
+                layout.note_empty_step_dirs(path or self.root, self.rank)
+                candidates = list(map(Path, self._bcast([str(p) for _, _, p in layout.committed(path or self.root)]
+                                                        if self.rank == 0 else None)))
         if not candidates:
             return None  # a fresh start: no state_dict(), whose optimizer-state init counts a step
-        sd, notes = {"tensors": state.tensor_state()}, []  # meta and RNG come from their files
+        with load_phases.phase("targets"):
+            sd, notes = {"tensors": state.tensor_state()}, []  # meta and RNG come from their files
         fqns = param_fqns(sd)  # a load replaces the optimizer groups' names with the checkpoint's
         for step_dir in candidates:
-            err = self._load_one(step_dir, sd["tensors"], strict)
+            err = load_one(step_dir, sd["tensors"], strict, self.rank, self.world, self.pg, self._gather)
             if err is None:
                 break
             if not self.fallback or len(candidates) == 1 and path is not None:
@@ -354,6 +363,12 @@ class Checkpointer:
             LOGGER.warning(f"disttrain checkpoint: warning: {notes[-1]}")
         else:
             raise CheckpointCorrupt(f"no valid checkpoint in {path or self.root} ({'; '.join(notes)}).")
+        with load_phases.phase("hand over"):
+            self._hand_over(state, sd, fqns, step_dir)
+        return step_dir
+
+    def _hand_over(self, state: TrainState, sd: dict, fqns, step_dir: Path) -> None:
+        """Give `state` the loaded tensors `sd` and the JSON parts of `step_dir`."""
         manifest = json.loads((step_dir / layout.MANIFEST).read_text())
         rng_file = step_dir / f"rank-{self.rank:05d}.json"
         same_world = manifest.get("world_size") == self.world
@@ -364,36 +379,3 @@ class Checkpointer:
             LOGGER.info(f"disttrain checkpoint: note: {step_dir.name} was saved at world size "
                         f"{manifest.get('world_size')}, loaded at {self.world}: weights and optimizer "
                         f"are resharded; per-rank RNG streams start fresh.")
-        return step_dir
-
-
-# ---------------------------------------------------------------- functional API
-
-_checkpointers: dict[Path, Checkpointer] = {}
-
-
-def _for(root: str | Path, fallback: bool) -> Checkpointer:
-    key = Path(root).resolve()
-    if key not in _checkpointers:
-        _checkpointers[key] = Checkpointer(key, keep_last=0)
-    _checkpointers[key].fallback = fallback
-    return _checkpointers[key]
-
-
-def save(state: TrainState, root: str | Path) -> Path:
-    """`dt.save`: a synchronous checkpoint of `state` as `root/step-{state.step:08d}`.
-
-    A collective; keeps every checkpoint (use `Checkpointer` for retention and
-    async). Raises `CheckpointSaveError` on every rank on failure.
-    """
-    return _for(root, False).save(state)
-
-
-def load(state: TrainState, root: str | Path, *, fallback: bool = False) -> Path | None:
-    """`dt.load`: load the newest valid checkpoint under `root` (or the step
-    directory `root`) into `state`. Returns the directory, or None when `root`
-    holds none. A collective; errors as `Checkpointer.load`."""
-    root = Path(root)
-    if root.name.startswith("step-"):
-        return _for(root.parent, fallback).load(state, root)
-    return _for(root, fallback).load(state)

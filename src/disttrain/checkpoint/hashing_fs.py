@@ -14,6 +14,7 @@ from torch.distributed.checkpoint.filesystem import FileSystem
 
 from disttrain.checkpoint.checkpoint_errors import CheckpointCorrupt
 from disttrain.checkpoint.digests import file_mismatch
+from disttrain.checkpoint.load_phases import phase
 
 
 class VerifyingFileSystem(FileSystem):
@@ -76,7 +77,8 @@ def load_verified(tensors: dict, step_dir: Path, files: dict[str, dict], pg,
     from disttrain.checkpoint.direct_load import DirectPlanner, direct_plan
 
     raw = storage == raw_storage.FORMAT
-    plan = direct_plan(flat[0], metadata) if raw and flat is not None and metadata is not None else None
+    with phase("plan"):
+        plan = direct_plan(flat[0], metadata) if raw and flat is not None and metadata is not None else None
     if raw:
         reader = raw_storage.RawReader(step_dir, files, select, metadata)
         planner, checked = raw_storage.JsonLoadPlanner(), reader
@@ -85,10 +87,11 @@ def load_verified(tensors: dict, step_dir: Path, files: dict[str, dict], pg,
         planner, checked = None, VerifyingFileSystem(step_dir, files, select)
         reader.fs = checked
     try:
-        if plan is not None:  # DCP's own plan, known without planning: read it
-            reader.read_data(plan, DirectPlanner(tensors, *flat)).wait()
-        else:
-            dcp.load(tensors, storage_reader=reader, planner=planner, process_group=pg, no_dist=raw)
+        with phase("reads"):
+            if plan is not None:  # DCP's own plan, known without planning: read it
+                reader.read_data(plan, DirectPlanner(tensors, *flat)).wait()
+            else:
+                dcp.load(tensors, storage_reader=reader, planner=planner, process_group=pg, no_dist=raw)
     except (Exception, CheckpointException) as e:  # DCP's is a BaseException
         bad = [c for c in walk_causes(e) if isinstance(c, CheckpointCorrupt)]
         if bad:
@@ -146,7 +149,8 @@ def load_one(step_dir: Path, tensors: dict, strict: bool, rank: int, world: int,
     from disttrain.checkpoint.raw_read import prefetch_share, stop_for
 
     first = {".metadata", "state.json", f"rank-{rank:05d}.json"}
-    mine = check_files(step_dir, first.__contains__)
+    with phase("small files"):
+        mine = check_files(step_dir, first.__contains__)
     if mine is None:
         # the share streams from the disk while the load plans; only now, as the small
         # files read cold behind that stream took longer than the stream saved
@@ -171,23 +175,30 @@ def _load_checked(step_dir: Path, tensors: dict, strict: bool, rank: int, world:
     metadata, flat = None, flatten_with_paths(tensors)  # once, for the check and the plan
     if mine is None:
         try:
-            metadata = read_metadata(step_dir)
-            check_compatible(tensors, step_dir, strict=strict, metadata=metadata, flat=flat[0])
+            with phase("metadata"):
+                metadata = read_metadata(step_dir)
+                check_compatible(tensors, step_dir, strict=strict, metadata=metadata, flat=flat[0])
         except CheckpointMismatch as e:
             mine = ("", "", str(e))
         except CheckpointCorrupt as e:
             mine = (e.bad_file, str(e))
-    if (verdict := agree(problems(mine, pg, gather))) is not None:
+    with phase("agree"):
+        verdict = agree(problems(mine, pg, gather))
+    if verdict is not None:
         if len(verdict) == 3:
             raise CheckpointMismatch(verdict[2])  # the same message on every rank
         return verdict[1]
     ours = lambda n: share(n, world) == rank  # noqa: E731
-    manifest = layout.read_manifest(step_dir)
+    with phase("small files"):
+        manifest = layout.read_manifest(step_dir)
     problem, read = load_verified(tensors, step_dir, manifest["files"], pg, ours,
                                   manifest.get("storage", "dcp"), metadata, flat)
     done = first | read
     if problem is None:
-        problem = check_files(step_dir, lambda n: n not in done and ours(n))
-    if (verdict := agree(problems(problem, pg, gather))) is not None and len(verdict) == 3:
+        with phase("share check"):
+            problem = check_files(step_dir, lambda n: n not in done and ours(n))
+    with phase("agree"):
+        verdict = agree(problems(problem, pg, gather))
+    if verdict is not None and len(verdict) == 3:
         raise CheckpointCorrupt(verdict[2])  # not a damaged file: no fallback
     return verdict[1] if verdict else None
