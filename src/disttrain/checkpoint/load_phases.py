@@ -12,7 +12,8 @@ the second attempt's to the same names):
 
 - `find`: rank 0 lists the committed checkpoints, every rank gets the list;
 - `targets`: the state's tensors, what the load reads into (`get_state_dict`);
-- `small files`: this rank's check of `.metadata`, `state.json` and its RNG file;
+- `small files`: this rank's check of `.metadata`, `state.json` and its RNG file, and
+  reading the manifest;
 - `metadata`: parsing `.metadata`, comparing keys and shapes with the state;
 - `agree`: waiting for every rank's verdict (twice: before and after the reads);
 - `plan`: which bytes go where (`direct_load`, or DCP's planner inside `reads`);
