@@ -30,7 +30,7 @@ row() {  # NAME [trainer overrides...]; RUN_FLAGS, DISTTRAIN_FAULT and CONFIG fr
     local shape=("${GPT_SHAPE[@]}")
     [[ "$config" != examples/tiny_gpt.toml ]] && shape=()
     # shellcheck disable=SC2086
-    "$PY" -m disttrain.cli run --nproc 1 ${RUN_FLAGS:-} -m disttrain.train "$config" \
+    timeout 90 "$PY" -m disttrain.cli run --nproc 1 ${RUN_FLAGS:-} -m disttrain.train "$config" \
         "${shape[@]}" "${TINY[@]}" "$@" "--train.out_dir=$out" >> "$LOG" 2>&1
     local rc=$?
     [[ $rc -ne 0 ]] && status=1

@@ -88,10 +88,16 @@ def test_gpu_script_dry_run_on_cpu(tmp_path):
         r = json.loads((tmp_path / f"{variant}.json").read_text())
         assert r["dry_run"] and r["tokens_per_s"] > 0 and 0 <= r["mfu"] < 1
         assert "ckpt_async_stall_s" in r, r.get("ckpt_error")
-        assert r["ckpt_gbps"] > 0 and r["raw_write_gbps"] > 0 and r["state_bytes"] > 0
+        assert r["ckpt_gbps"] > 0 and r["ckpt_load_gbps"] > 0 and r["state_bytes"] > 0
+        # The parameters were changed between the save and the load: only a load that
+        # restored every tensor gives the saved fingerprint back.
+        assert r["ckpt_load_exact"] is True, variant
         assert r["sharded"] is False, variant  # like for like: both unsharded at world 1
+        assert 0 < r["plan_ddp_gib"] and 0 < r["plan_fsdp_full_gib"], variant
     md = (tmp_path / "gpu.md").read_text()
     assert "| disttrain_fsdp |" in md and "| disttrain_fsdp_compiled |" in md and "save GB/s" in md
+    assert "| raw disk (write + fsync, cold read) |" in md and "load GB/s" in md
+    assert "disttrain compiled MFU:" in md and "goal: 40%" in md
     import torch
 
     assert f"\ntorch {torch.__version__}\n" in md  # the release it ran on, for the README

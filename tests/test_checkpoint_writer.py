@@ -10,7 +10,7 @@ import pytest
 from conftest import WORKERS
 
 sys.path.insert(0, str(WORKERS))
-from ckpt_common import build, train  # noqa: E402
+from ckpt_common import build, full_state, mismatches, train  # noqa: E402
 
 from disttrain.checkpoint import (Checkpointer, CheckpointError, CheckpointSaveError,  # noqa: E402
                                   StaleWriterError, latest_valid, verify)
@@ -112,3 +112,31 @@ def test_trainer_on_error_continue_warns_after_the_next_async_save(tmp_path, cap
     err = capsys.readouterr().err + caplog.text  # the "disttrain" logger's warning
     assert "step-00000001" in err and "disk full" in err and "Training continues" in err
     assert latest_valid(root).name == "step-00000002"
+
+
+def test_async_saves_take_a_new_stager_when_torch_spends_one_per_copy(tmp_path, monkeypatch):
+    """torch 2.11's DefaultStager closes its inner stager after each copy (found by
+    `scripts/compat.sh 2.11.0`: the third async save raised `KeyError: <class 'type'>`).
+    Emulated here on any release: each async save after the first must still write the
+    state it was given."""
+    from torch.distributed.checkpoint.staging import DefaultStager
+
+    copy_once = DefaultStager.stage
+
+    def stage_then_spend(self, *args, **kwargs):  # torch 2.11's behaviour
+        staged = copy_once(self, *args, **kwargs)
+        self._state_dict_stager.close()
+        return staged
+
+    monkeypatch.setattr(DefaultStager, "stage", stage_then_spend)
+    root = tmp_path / "run"
+    state = build("ddp")
+    ck = Checkpointer(root, async_mode="thread")
+    for _ in range(3):  # the whole state, then this rank's part twice with one stager
+        train(state, 1)
+        assert ck.save(state) is None
+        ck.wait()
+    ck.close()
+    restored = build("ddp")
+    assert Checkpointer(root).load(restored) == root / "step-00000003"
+    assert mismatches(full_state(state), full_state(restored)) == []

@@ -65,6 +65,8 @@ class AsyncStaging:
         self._whole = False  # the stager holds buffers for the whole state
 
     def stager(self):
+        if self._stager is not None and torch_compat.stager_is_spent(self._stager):
+            self.close()  # torch 2.11: a stager copies once, so each save takes a new one
         if self._stager is None:
             from torch.distributed.checkpoint.staging import DefaultStager, StagingOptions
 

@@ -334,3 +334,11 @@ def set_plan_cache_key(planner: Any, key: str) -> None:
         planner._cached_plans_key = key
     else:
         planner._enable_plan_caching = False
+
+
+def stager_is_spent(stager: Any) -> bool:
+    """Whether a DCP `DefaultStager` can stage no more. torch 2.11's closes its inner
+    state-dict stager after each stage (the copy dispatch table emptied, so a second
+    stage raises `KeyError: <class 'type'>`); later releases keep it for reuse."""
+    inner = getattr(stager, "_state_dict_stager", None)
+    return inner is not None and not getattr(inner, "_deepcopy_dispatch", True)
