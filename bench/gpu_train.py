@@ -75,8 +75,9 @@ def build(variant: str, cfg: dict, device: torch.device):
     if variant.startswith("torch_autocast"):
         import torch.distributed as dist
 
-        # A process group as disttrain has one; nothing in the step uses it (world 1).
-        dist.init_process_group("nccl" if device.type == "cuda" else "gloo")
+        # A process group as disttrain has one; nothing in the step uses it (world 1). DCP's
+        # async save needs a CPU backend beside NCCL (it failed on the H200 without one).
+        dist.init_process_group("cpu:gloo,cuda:nccl" if device.type == "cuda" else "gloo")
         with device:
             model = GPT(GPTConfig(**cfg))
         forward = model.forward
@@ -248,7 +249,7 @@ def run(variant: str, out: Path, dry: bool, steps: int, warmup: int, batch: int)
     result = {"variant": variant, "dry_run": dry, "config": cfg, "params": n_params, "sharded": sharded,
               "batch": batch, "steps": steps, "step_s": step_s, "tokens_per_s": tokens / step_s,
               "mfu": flops_per_token(cfg, n_params) * tokens / step_s / PEAK_FLOPS,
-              "first_step_s": first_step_s, "loss": float(loss)}
+              "first_step_s": first_step_s, "loss": loss.item()}
     if device.type == "cuda":
         result["peak_mem_gib"] = torch.cuda.max_memory_allocated() / 2**30
         result["peak_reserved_gib"] = torch.cuda.max_memory_reserved() / 2**30

@@ -6,6 +6,7 @@
 # mid-run that the automatic restart resumes.
 #
 #   bench/gpu_trainer.sh [OUTDIR]     OUTDIR defaults to $OUT, else bench/results/gpu_trainer
+#   GPU_TRAINER_ROWS="ddp_fp32 hf_gpt2_fsdp_bf16" bench/gpu_trainer.sh   only those rows (the probe always runs)
 #
 # Writes OUTDIR/gpu_trainer.md (the table) and OUTDIR/gpu_trainer.log. Exit 1 if a row failed.
 set -uo pipefail
@@ -26,6 +27,8 @@ echo "|---|---|---|---|---|" >> "$OUTDIR/gpu_trainer.md"
 status=0
 row() {  # NAME [trainer overrides...]; RUN_FLAGS, DISTTRAIN_FAULT and CONFIG from the environment
     local name="$1"; shift
+    # GPU_TRAINER_ROWS="a b": only those rows (a rerun of what failed, in less device time)
+    [[ -n "${GPU_TRAINER_ROWS:-}" && " $GPU_TRAINER_ROWS " != *" $name "* ]] && return 0
     local t0=$SECONDS out="$WORK/$name" config="${CONFIG:-examples/tiny_gpt.toml}"
     local shape=("${GPT_SHAPE[@]}")
     [[ "$config" != examples/tiny_gpt.toml ]] && shape=()

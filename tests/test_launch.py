@@ -1,5 +1,6 @@
 """`disttrain run`: torchrun with a free port, thread defaults and clear failures (P-INIT-4,5)."""
 
+import os
 import subprocess
 import sys
 
@@ -280,3 +281,26 @@ def test_a_finished_scripts_globals_live_until_exit(tmp_path, monkeypatch):
 
     gc.collect()
     assert not (tmp_path / "freed").exists()
+
+
+@pytest.mark.parametrize("poisoned", [True, False])
+def test_warm_server_not_used_when_cuda_poisoned_its_fork_mocked_cuda(monkeypatch, poisoned):
+    """On an H200, `disttrain run` of a user script (and of a config whose imports
+    counted the devices) failed in every worker with "Cannot re-initialize CUDA in forked
+    subprocess": the agent had counted GPUs through the driver before forking the warm
+    server. Mocked: no GPU here, so the fork's poisoned state is patched in; the server
+    must then say so and leave the workers to fresh interpreters."""
+    from disttrain.launch import warm_workers
+    from disttrain.runtime import torch_compat
+
+    monkeypatch.setattr(torch_compat, "cuda_fork_poisoned", lambda: poisoned)
+    server = warm_workers.start_server()
+    try:
+        if poisoned:
+            assert server is None
+        else:
+            assert server is not None and os.path.exists(server[1])
+            os.kill(server[0], 0)  # alive and serving
+    finally:
+        if server is not None:
+            warm_workers.stop_server(server)

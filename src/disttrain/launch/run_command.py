@@ -165,9 +165,12 @@ def check_counts(nproc: str, nnodes: str | None) -> None:
 
 
 def visible_gpus() -> int:
+    """The CUDA devices this process can see, counted through NVML where it answers: a
+    count through the CUDA driver (what `torch.cuda.is_available()` does) poisons every
+    later fork, the warm workers' included (0 on a build without CUDA)."""
     import torch
 
-    return torch.cuda.device_count() if torch.cuda.is_available() else 0
+    return torch.cuda.device_count()
 
 
 def debug_env(backend: str) -> dict[str, str]:

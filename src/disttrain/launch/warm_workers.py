@@ -89,7 +89,10 @@ def start_server() -> tuple[int, str] | None:
     server's. Its socket is bound before the fork, so a stub that comes early waits in
     the backlog. Returns the server's pid and the socket's path (for SOCKET_ENV; end it
     with `stop_server`), or None when this process has a CUDA context (it does not
-    survive a fork: workers then start fresh)."""
+    survive a fork: workers then start fresh), also when only a device count touched
+    the driver, which the server finds out after its fork and says before this returns."""
+    from disttrain.runtime import torch_compat
+
     preload()
     if sys.modules["torch"].cuda.is_initialized():
         return None
@@ -97,9 +100,16 @@ def start_server() -> tuple[int, str] | None:
     listener = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
     listener.bind(path)
     listener.listen(64)
+    ready_r, ready_w = os.pipe()
     pid = os.fork()
     if pid == 0:
         try:
+            os.close(ready_r)
+            usable = not torch_compat.cuda_fork_poisoned()
+            os.write(ready_w, b"1" if usable else b"0")
+            os.close(ready_w)
+            if not usable:
+                os._exit(0)
             os.setsid()
             # Every object the imports made moves to the collector's permanent generation:
             # a worker's collections (gc.collect in process-group shutdown, the automatic
@@ -110,6 +120,12 @@ def start_server() -> tuple[int, str] | None:
         finally:
             os._exit(1)
     listener.close()
+    os.close(ready_w)
+    with os.fdopen(ready_r, "rb") as ready:
+        usable = ready.read(1) == b"1"
+    if not usable:  # its workers could not use CUDA: they start in fresh interpreters
+        stop_server((pid, path))
+        return None
     return pid, path
 
 

@@ -342,3 +342,12 @@ def stager_is_spent(stager: Any) -> bool:
     stage raises `KeyError: <class 'type'>`); later releases keep it for reuse."""
     inner = getattr(stager, "_state_dict_stager", None)
     return inner is not None and not getattr(inner, "_deepcopy_dispatch", True)
+
+
+def cuda_fork_poisoned() -> bool:
+    """In a forked child: whether its parent had touched the CUDA driver, so that CUDA
+    cannot start here ("Cannot re-initialize CUDA in forked subprocess"). Not only an
+    initialised context does that: `torch.cuda.is_available()` and `device_count()` count
+    devices through the driver, which poisons every later fork, and a library imported
+    by the parent may have called them."""
+    return bool(torch.cuda._is_in_bad_fork())
