@@ -334,3 +334,32 @@ def set_plan_cache_key(planner: Any, key: str) -> None:
         planner._cached_plans_key = key
     else:
         planner._enable_plan_caching = False
+
+
+_BUILT_HOOKS: list[Callable[[Any], None]] = []
+
+
+def on_optimizer_built(hook: Callable[[Any], None]) -> None:
+    """From now on, call `hook(optimizer)` in this process at the end of every
+    `torch.optim.Optimizer.__init__` (a hook given twice is called once).
+
+    torch has global hooks for an optimizer's step (`register_optimizer_step_pre_hook`)
+    but none for its construction, so the first call wraps `Optimizer.__init__`, which
+    every torch optimizer calls (ZeroRedundancyOptimizer and the subclasses of other
+    libraries included). Checked on 2.13.0. No fallback is needed while
+    `Optimizer.__init__` exists; an optimizer whose class never calls it, or one copied
+    or unpickled, is not seen, and the caller treats "not seen" as "built before"."""
+    if hook in _BUILT_HOOKS:
+        return
+    _BUILT_HOOKS.append(hook)
+    if len(_BUILT_HOOKS) > 1:
+        return
+    original = torch.optim.Optimizer.__init__
+
+    def init_then_hooks(self, *args, **kwargs):
+        original(self, *args, **kwargs)
+        for each in _BUILT_HOOKS:
+            each(self)
+
+    init_then_hooks.__wrapped__ = original
+    torch.optim.Optimizer.__init__ = init_then_hooks
