@@ -8,6 +8,7 @@ import os
 import random
 import shutil
 import signal
+import sys
 import time
 from collections import Counter
 
@@ -15,8 +16,8 @@ import pytest
 import torch
 
 from conftest import built_once
-from elastic_helpers import (audit_timeline, descendants, kill_node, last_loss_per_step, load_params, metrics,
-                             start, trainer_cmd, wait_for)
+from elastic_helpers import (TINY, audit_timeline, descendants, kill_node, last_loss_per_step, load_params,
+                             metrics, start, trainer_cmd, wait_for)
 from disttrain.launch.etcd_server import EtcdServer, free_port
 
 PHASES = ["forward", "backward", "step", "checkpoint.shards", "checkpoint.after_shards"]
@@ -170,3 +171,40 @@ def test_stopped_worker_is_restarted_within_the_bound(reference, tmp_path):
     assert "rank 1" in text and "stopped" in text  # the watchdog's verdict names the rank
     assert time.monotonic() - started < 120
     assert_same_run(reference("ddp"), tmp_path)
+
+
+def test_loader_knobs_change_across_whole_job_kills_and_every_sample_is_used_once(tmp_path):
+    """`disttrain train`, killed whole (kill -9 of every process) twice: world 2 -> 1 -> 2
+    and data.num_workers 0 -> 3 -> 2 (pin_memory and persistent_workers with them). The
+    loader knobs are not the run's identity: each attempt resumes from the newest
+    checkpoint with the knobs as set, and the sample audit shows every index of the
+    epoch exactly once on the final timeline."""
+    base = [sys.executable, "-m", "disttrain.cli", "train", "examples/tiny_gpt.toml", *TINY,
+            f"--train.out_dir={tmp_path}", "--train.steps=48", "--data.max_bytes=12289",
+            "--checkpoint.every=2"]
+    attempts = [("2", "0", "false"), ("1", "3", "true"), ("2", "2", "false")]
+    logs = [tmp_path / f"attempt{i}.txt" for i in range(3)]
+    for i, (nproc, workers, keep) in enumerate(attempts):
+        cmd = [*base, f"--parallel.nproc={nproc}", f"--data.num_workers={workers}",
+               f"--data.persistent_workers={keep}", f"--data.pin_memory={keep}"]
+        proc = start(cmd, logs[i], DISTTRAIN_FAULT=SLOW)
+        try:
+            if i == len(attempts) - 1:
+                assert proc.wait(timeout=240) == 0, logs[i].read_text()[-3000:]
+                break
+            mark = max((m["step"] for m in metrics(tmp_path)), default=0)
+            wait_for(lambda: proc.poll() is not None or any(
+                m["world_size"] == int(nproc) and m["step"] > mark + 6 for m in metrics(tmp_path)),
+                240, f"attempt {i} training", [logs[i]])
+            assert proc.poll() is None, logs[i].read_text()[-3000:]  # refused or failed: it ended
+        finally:
+            kill_node(proc)
+            proc.wait(timeout=30)
+    for log in logs[1:]:
+        assert "resumed at step" in log.read_text(), log.read_text()[-3000:]
+    timeline = audit_timeline(tmp_path)
+    assert sorted(timeline) == list(range(1, 49))  # one epoch: 384 chunks, 8 per step
+    counts = Counter(i for step in timeline.values() for i in step)
+    assert sorted(counts) == list(range(384)) and set(counts.values()) == {1}
+    worlds = [m["world_size"] for m in metrics(tmp_path)]
+    assert 1 in worlds and worlds[-1] == 2

@@ -5,6 +5,7 @@ well inside it: the watchdog's test bound is 6 s (generous for a loaded host), f
 below the 90 s collective timeout.
 """
 
+import json
 import subprocess
 import sys
 
@@ -205,6 +206,70 @@ def test_watchdog_cleans_its_side_channel_after_a_clean_run(tmp_path, monkeypatc
     assert (tmp_path / "side" / "hb0.json").exists()
     wd.stop()
     assert not (tmp_path / "side").exists()
+
+
+def test_side_channel_survives_a_peers_cleanup_between_mkdir_and_first_file(tmp_path, monkeypatch):
+    """The window: `Watchdog.start` made the folder (`self.dir.mkdir`) and then opened
+    its first file in it (`stack{rank}.txt`); a peer's `stop` -> `_cleanup`, seeing every
+    heartbeat "exited" (rank 0's a stale one, left by the watchdog it handed over from),
+    removed the folder in between, and rank 0 died of FileNotFoundError at start-up.
+    The peer's cleanup is forced into that window here; rank 0 must start in the
+    folder it makes again, and a cleanup that comes after its start keeps the folder."""
+    from pathlib import Path
+
+    from disttrain.guard.watchdog import Watchdog
+
+    side = tmp_path / "disttrain-guard-job-29500-r0"
+    monkeypatch.setenv("LOCAL_WORLD_SIZE", "2")
+
+    def rank(r: int) -> Watchdog:
+        monkeypatch.setenv("RANK", str(r))
+        return Watchdog(dir=side, tick_s=0.05)
+
+    rank(0).start().stop()  # rank 0's first watchdog: its beat says "exited"
+    peer = rank(1).start()
+    real_mkdir, forced = Path.mkdir, []
+
+    def mkdir_then_peer_stops(self, *args, **kwargs):
+        real_mkdir(self, *args, **kwargs)
+        if self == side and not forced:
+            forced.append(True)
+            peer.stop()  # every beat now says "exited": the peer removes the folder
+
+    monkeypatch.setattr(Path, "mkdir", mkdir_then_peer_stops)
+    successor = rank(0).start()
+    try:
+        assert forced, "the peer's cleanup never ran inside the window"
+        assert successor._thread.is_alive()
+        assert json.loads((side / "hb0.json").read_text())["state"] == "running"
+        assert (side / "stack0.txt").exists()
+        peer = rank(1).start()
+        peer.stop()  # rank 0 runs: its beat keeps the folder
+        assert json.loads((side / "hb0.json").read_text())["state"] == "running"
+    finally:
+        successor.stop()
+    assert not side.exists()  # both stopped: the last one removed it
+
+
+def test_side_channel_is_shared_safely_by_ranks_starting_and_stopping_at_once(tmp_path):
+    """Real processes, two ranks of one node on one folder, each starting and stopping
+    watchdogs in a loop (a rank's handover is a stop and a start): every stop after the
+    first ones sees the other rank's stale "exited" beat, so removals meet starts all the
+    time, and no start may fail. (A folder removed while both had exited and then made
+    again by one rank may stay behind: the last stop removes it only when every local
+    rank's beat is there.)"""
+    side = tmp_path / "disttrain-guard-job-29501-r0"
+    code = ("import sys\n"
+            "from disttrain.guard.watchdog import Watchdog\n"
+            "for _ in range(300):\n"
+            "    Watchdog(dir=sys.argv[1], tick_s=0.05).start().stop()\n")
+    procs = [subprocess.Popen([sys.executable, "-c", code, str(side)], stderr=subprocess.PIPE, text=True,
+                              env={**worker_env(), "RANK": str(r), "LOCAL_WORLD_SIZE": "2"})
+             for r in range(2)]
+    errors = [p.communicate(timeout=120)[1] for p in procs]
+    assert all(p.returncode == 0 for p in procs), errors
+    beats = [json.loads(b.read_text()) for b in side.glob("hb*.json")] if side.exists() else []
+    assert all(b["state"] == "exited" for b in beats), beats
 
 
 def test_where_in_stack_reads_py_spy_and_faulthandler_dumps():

@@ -75,12 +75,15 @@ def test_sigterm_saves_exits_zero_then_resumes(reference, tmp_path):
     assert all(torch.equal(got[k], reference[k]) for k in reference)
 
 
+@pytest.mark.parametrize("where", ["inside", "before"])
 @pytest.mark.parametrize("strategy", ["ddp", "fsdp"])
-def test_optimizer_before_wrap_is_one_line_exit_2_and_never_retried(tmp_path, strategy):
+def test_optimizer_before_wrap_is_one_line_exit_2_and_never_retried(tmp_path, strategy, where):
     """Under every strategy (DDP keeps the parameters, so the mistake used to pass), and
-    with restarts on: one line from the launcher, no traceback, no second start."""
+    with restarts on: one line from the launcher, no traceback, no second start. Built
+    before `with dt.Job(...)` too, where the `gc.freeze()` at init hid the optimizer
+    from the collector's scan that the check once was, and DDP accepted it in silence."""
     proc = run_disttrain(["run", "--nproc", "2", "--max-restarts", "3", str(WORKERS / "job_misuse.py"),
-                          str(tmp_path), strategy], timeout=150)
+                          str(tmp_path), strategy, where], timeout=150)
     out = proc.stdout + proc.stderr
     assert proc.returncode == 2, out[-3000:]
     assert out.count("the optimizer was built before job.wrap()") == 1, out[-3000:]
@@ -113,6 +116,26 @@ def test_complete_job_yields_no_steps(tmp_path, capsys):
     captured = capsys.readouterr()
     assert job.step == 3 and "complete" in captured.out + captured.err
     assert (tmp_path / "model.pt").exists()
+
+
+def test_optimizer_built_before_the_job_is_refused_whatever_the_collector_froze(tmp_path):
+    """The check holds without the collector: the optimizer below is frozen out of
+    `gc.get_objects()` before the job starts, and is still found to predate the wrap; one
+    built after the wrap is taken."""
+    import gc
+
+    raw = MLP(MLPConfig())
+    early = torch.optim.SGD(raw.parameters(), lr=0.1)
+    gc.freeze()
+    try:
+        with dt.Job(tmp_path, checkpoint_every=0) as job:
+            model = job.wrap(raw)
+            job.loader(data(), batch_size=8)
+            with pytest.raises(dt.UserError, match="the optimizer was built before job.wrap"):
+                job.resume(model=model, optimizer=early)
+            assert job.resume(model=model, optimizer=torch.optim.SGD(model.parameters(), lr=0.1)) is False
+    finally:
+        gc.unfreeze()
 
 
 @pytest.mark.parametrize("mistake, message", [

@@ -9,6 +9,7 @@ import pytest
 import torch
 
 from conftest import built_once, run_disttrain
+from disttrain.checkpoint import CheckpointMismatch
 from disttrain.config import load_config, to_dict
 from disttrain.train import resume
 from disttrain.train.loop import warmup_cosine
@@ -152,6 +153,37 @@ def test_classes_of_keys():
     assert resume.classify("optim.lr") == resume.classify("model.dropout") == "apply"
     assert resume.classify("train.batch_size") == resume.classify("train.steps") == "apply"
     assert resume.classify("parallel.nproc") == resume.classify("train.log_every") == "ignore"
+    for knob in ("data.num_workers", "data.pin_memory", "data.persistent_workers", "train.compile",
+                 "train.eval_every", "checkpoint.every", "checkpoint.every_s"):
+        assert resume.classify(knob) == "ignore", knob
+
+
+def test_every_data_key_has_its_class():
+    """A new [data] key must be put in one of the two sets: one that chooses the samples
+    is the run's identity, one that only loads them is not."""
+    import dataclasses
+
+    from disttrain.config.data_config import DataConfig
+
+    keys = {f"data.{f.name}" for f in dataclasses.fields(DataConfig)}
+    assert keys == {k for k in resume.IDENTITY if k.startswith("data.")} | resume.NOT_IDENTITY
+
+
+def test_refusal_names_only_identity_keys_and_what_each_changes(tmp_path):
+    old = load_config(None, ["--parallel.nproc=1"])
+    new = load_config(None, ["--parallel.nproc=1", "--model.n_embd=256", "--data.max_bytes=9000",
+                             "--data.num_workers=3", "--data.pin_memory=true", "--train.compile=true",
+                             "--train.log_every=7", "--optim.lr=0.5"])
+    (tmp_path / "state.json").write_text(json.dumps({"step": 4, "config": to_dict(old)}))
+    plan = resume.plan_for(tmp_path, new)
+    assert [k for k, _, _ in plan.changes] == ["optim.lr"]
+    with pytest.raises(CheckpointMismatch) as err:
+        plan.check()
+    text = str(err.value)
+    assert "(data.max_bytes: 4000000 -> 9000 changes the training samples, which the saved sample " \
+           "cursor counts through; model.n_embd: 128 -> 256 changes the model, which the saved " \
+           "weights fit)" in text, text
+    assert "num_workers" not in text and "pin_memory" not in text and "compile" not in text
 
 
 def test_two_rank_job_refuses_and_completes_in_the_launching_process(tmp_path):

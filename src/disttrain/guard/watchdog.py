@@ -24,7 +24,6 @@ from __future__ import annotations
 import faulthandler
 import json
 import os
-import shutil
 import signal
 import socket
 import statistics
@@ -34,6 +33,7 @@ import time
 from collections import deque
 from pathlib import Path
 
+from disttrain.guard import side_channel
 from disttrain.guard.hang_report import diagnose, format_summary
 from disttrain.guard.stacks import dump_stacks, proc_state
 from disttrain.runtime.log import EVERY_RANK, LOGGER
@@ -146,19 +146,25 @@ class Watchdog:
     # ------------------------------------------------------------ lifetime
 
     def start(self) -> "Watchdog":
-        """Create the side-channel directory, arm faulthandler, start the thread."""
-        self.dir.mkdir(parents=True, exist_ok=True)
+        """Join the side channel (made if needed, safe against a peer's removal: see
+        `side_channel`), arm faulthandler, start the thread."""
         # Fallback stack dump for when py-spy is absent: the reporter sends SIGUSR1.
-        self._stack_file = open(self.dir / f"stack{self.rank}.txt", "w")
+        self._stack_file = side_channel.join(self.dir, self._first_files)
         # Only when nobody else handles SIGUSR1: a user's handler is never replaced.
         if (hasattr(signal, "SIGUSR1") and threading.current_thread() is threading.main_thread()
                 and signal.getsignal(signal.SIGUSR1) in (signal.SIG_DFL, None)):
             faulthandler.register(signal.SIGUSR1, file=self._stack_file, all_threads=True, chain=False)
             self._usr1 = True
-        self._beat()
         self._thread = threading.Thread(target=self._run, name="disttrain-watchdog", daemon=True)
         self._thread.start()
         return self
+
+    def _first_files(self):
+        """This rank's stack file and its first "running" heartbeat, which keeps a
+        peer's `_cleanup` from removing the folder from now on."""
+        stack_file = open(self.dir / f"stack{self.rank}.txt", "w")
+        self._beat()
+        return stack_file
 
     def stop(self) -> None:
         """Stop the thread and publish a final 'exited' heartbeat. Safe to call twice."""
@@ -184,11 +190,13 @@ class Watchdog:
 
     def _cleanup(self) -> None:
         """The last rank to stop removes the side channel, unless it holds a hang report."""
+        side_channel.leave(self.dir, self._all_exited)
+
+    def _all_exited(self) -> bool:
         if (self.dir / "stall").exists():
-            return
+            return False
         beats = self._read_beats()
-        if beats and all(b["state"] == "exited" for b in beats) and len(beats) >= self.local_world():
-            shutil.rmtree(self.dir, ignore_errors=True)
+        return bool(beats) and all(b["state"] == "exited" for b in beats) and len(beats) >= self.local_world()
 
     def local_world(self) -> int:
         return int(os.environ.get("LOCAL_WORLD_SIZE", 1))

@@ -339,7 +339,9 @@ def set_plan_cache_key(planner: Any, key: str) -> None:
 def stager_is_spent(stager: Any) -> bool:
     """Whether a DCP `DefaultStager` can stage no more. torch 2.11's closes its inner
     state-dict stager after each stage (the copy dispatch table emptied, so a second
-    stage raises `KeyError: <class 'type'>`); later releases keep it for reuse."""
+    stage raises `KeyError: <class 'type'>`); later releases keep it for reuse.
+    Checked on 2.11.0 and 2.13.0. Fallback on a release without those attributes: not
+    spent (the stager is reused, as those releases allow)."""
     inner = getattr(stager, "_state_dict_stager", None)
     return inner is not None and not getattr(inner, "_deepcopy_dispatch", True)
 
@@ -349,5 +351,37 @@ def cuda_fork_poisoned() -> bool:
     cannot start here ("Cannot re-initialize CUDA in forked subprocess"). Not only an
     initialised context does that: `torch.cuda.is_available()` and `device_count()` count
     devices through the driver, which poisons every later fork, and a library imported
-    by the parent may have called them."""
-    return bool(torch.cuda._is_in_bad_fork())
+    by the parent may have called them. Checked on 2.11.0 and 2.13.0. Fallback on a
+    release without `_is_in_bad_fork`: not poisoned (CUDA then fails in the worker with
+    torch's own message)."""
+    is_in_bad_fork = getattr(torch.cuda, "_is_in_bad_fork", None)
+    return bool(is_in_bad_fork()) if is_in_bad_fork is not None else False
+
+
+_BUILT_HOOKS: list[Callable[[Any], None]] = []
+
+
+def on_optimizer_built(hook: Callable[[Any], None]) -> None:
+    """From now on, call `hook(optimizer)` in this process at the end of every
+    `torch.optim.Optimizer.__init__` (a hook given twice is called once).
+
+    torch has global hooks for an optimizer's step (`register_optimizer_step_pre_hook`)
+    but none for its construction, so the first call wraps `Optimizer.__init__`, which
+    every torch optimizer calls (ZeroRedundancyOptimizer and the subclasses of other
+    libraries included). Checked on 2.13.0. No fallback is needed while
+    `Optimizer.__init__` exists; an optimizer whose class never calls it, or one copied
+    or unpickled, is not seen, and the caller treats "not seen" as "built before"."""
+    if hook in _BUILT_HOOKS:
+        return
+    _BUILT_HOOKS.append(hook)
+    if len(_BUILT_HOOKS) > 1:
+        return
+    original = torch.optim.Optimizer.__init__
+
+    def init_then_hooks(self, *args, **kwargs):
+        original(self, *args, **kwargs)
+        for each in _BUILT_HOOKS:
+            each(self)
+
+    init_then_hooks.__wrapped__ = original
+    torch.optim.Optimizer.__init__ = init_then_hooks

@@ -50,7 +50,7 @@ from disttrain.train import job_resume, step_loop
 from disttrain.train.evaluation import Evaluator
 from disttrain.train.loop import Accumulator
 from disttrain.train.misuse import BACKWARD_MESSAGE, Ownership
-from disttrain.train.recorded import Recorded, optimizers_of
+from disttrain.train.recorded import Recorded, built_after, optimizer_mark, watch_optimizers
 
 
 def _ignore_stop_signals(worker_id: int, chain=None) -> None:
@@ -127,7 +127,8 @@ class Job:
         self.model = self._sampler = self._loader = self._acc = self._state = None
         self._evaluator: Evaluator | None = None
         self._guard = self._preempt = self._handoff = self._saving = self._loop = None
-        self._owns_group, self._before_wrap = False, set()
+        self._owns_group, self._wrap_mark = False, None
+        watch_optimizers()  # an optimizer built before this is one built before wrap
         self._owner = Ownership()
         self.step = 0
         """Optimizer steps done: after `resume`, the checkpoint's step; inside
@@ -209,7 +210,7 @@ class Job:
         A second call is a `UserError`."""
         self._need(self.model is None, "dt.Job.wrap() is called once per job; this job already "
                                        "wrapped a model.")
-        self._before_wrap = optimizers_of(model)
+        self._wrap_mark = optimizer_mark()
         self.model = wrap(model, strategy=self.strategy, precision=self.precision, **self.wrap_options)
         if self._handoff is not None:
             self._handoff.attach_buddy(self.strategy != "ddp", self.buddy_every)
@@ -270,7 +271,7 @@ class Job:
         self._need(self.model is not None, "dt.Job.resume(): wrap the model with job.wrap() first.")
         self._need(model is self.model, "dt.Job.resume(model=...) must be the module job.wrap() "
                                         "returned (the wrapped one).")
-        self._need(optimizer not in self._before_wrap,
+        self._need(built_after(optimizer, self._wrap_mark),
                    "dt.Job.resume(): the optimizer was built before job.wrap(); build it after, from "
                    "the module job.wrap() returned (under FSDP the old parameters no longer train).")
         self._need(self._loader is not None, "dt.Job.resume(): build the loader with job.loader() "

@@ -1,16 +1,18 @@
 """Two small facts `dt.Job` keeps about the objects a script hands it: which samples
-each batch holds (the sample audit) and which optimizers existed before `wrap`."""
+each batch holds (the sample audit) and when each optimizer was built (one built
+before `wrap` is refused)."""
 
 from __future__ import annotations
 
 import collections
-import gc
+import itertools
 import weakref
 from typing import Iterator
 
 import torch
 
 from disttrain.data import ElasticSampler
+from disttrain.runtime import torch_compat
 
 
 class Recorded(torch.utils.data.Sampler[int]):
@@ -35,16 +37,34 @@ class Recorded(torch.utils.data.Sampler[int]):
         return [self.queue.popleft() for _ in range(min(n, len(self.queue)))]
 
 
-def optimizers_of(model: torch.nn.Module) -> "weakref.WeakSet[torch.optim.Optimizer]":
-    """The live optimizers that hold a parameter of `model` (before it is wrapped): one
-    of them handed to `Job.resume` was built before `wrap`, a mistake under every
-    strategy (FSDP replaces the parameters; under DDP it works by accident, and the
-    same script breaks when the strategy changes). One pass over the collector's
-    objects, once per job."""
-    own = {id(p) for p in model.parameters()}
-    found: weakref.WeakSet = weakref.WeakSet()
-    for obj in gc.get_objects():
-        if issubclass(type(obj), torch.optim.Optimizer) and any(
-                id(p) in own for g in obj.param_groups for p in g["params"]):
-            found.add(obj)
-    return found
+def watch_optimizers() -> None:
+    """From now on, each optimizer built in this process gets a serial number (a hook on
+    its construction, `torch_compat.on_optimizer_built`). Idempotent."""
+    torch_compat.on_optimizer_built(_number)
+
+
+def optimizer_mark() -> int:
+    """A serial number between the optimizers built before this call and after it."""
+    return next(_SERIALS)
+
+
+def built_after(optimizer: object, mark: int) -> bool:
+    """Whether `optimizer` was built after `optimizer_mark()` returned `mark`. A torch
+    optimizer built before `watch_optimizers` (before the job existed) was not numbered:
+    False. An object that is no torch optimizer is not judged: True.
+
+    The check an optimizer built before `wrap` needs (FSDP replaces the parameters;
+    under DDP it works by accident, and the same script breaks when the strategy
+    changes). It holds whatever the collector sees: a `gc.freeze()` at init, which hides
+    every object alive before it from `gc.get_objects()`, changes nothing here."""
+    if not isinstance(optimizer, torch.optim.Optimizer):
+        return True
+    return _BUILT.get(optimizer, 0) > mark
+
+
+_SERIALS = itertools.count(1)
+_BUILT: "weakref.WeakKeyDictionary[torch.optim.Optimizer, int]" = weakref.WeakKeyDictionary()
+
+
+def _number(optimizer: torch.optim.Optimizer) -> None:
+    _BUILT[optimizer] = next(_SERIALS)

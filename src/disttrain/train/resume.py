@@ -4,15 +4,18 @@ Every checkpoint stores the resolved config of the run that wrote it (`TrainStat
 the "config" of its `state.json`; the manifest keeps its hash). `disttrain train` compares
 it with this run's config, key by key, in three classes:
 
-- refused (`REFUSED`, and every model.* and data.* key but model.dropout, including
-  model.factory, data.factory, their kwargs tables (compared whole, `WHOLE`) and the hf
-  keys): the weights or the sample order would not be the run's any more. `inspect` raises `CheckpointMismatch`
-  listing each key as `key: checkpoint -> now`, before anything is built or written.
+- refused: the run's identity (`identity_of`: every model.* key but model.dropout, the
+  data.* keys that choose the training samples, optim.name, train.seed, train.loss; the
+  kwargs tables are compared whole, `WHOLE`): the weights or the sample order would not
+  be the run's any more. `inspect` raises `CheckpointMismatch` listing each key as
+  `key: checkpoint -> now` and what it changes, before anything is built or written.
 - applied (every other optim.* key, and `APPLIED`): after the load, `apply` writes the new
   optimizer hyper-parameters into the param groups and the scheduler, and rank 0 prints a
   "checkpoint -> now" table. Batch size and accumulation follow elastic.batch_policy.
-- ignored (everything else: parallel, guard, checkpoint, elastic, logging, out_dir): how
-  this run runs, not what it trains; they take effect as set and are not reported.
+- ignored (everything else: parallel, guard, checkpoint, elastic, logging, out_dir, the
+  loader knobs data.num_workers, pin_memory and persistent_workers, train.compile, the
+  cadences): how this run runs, not what it trains; they take effect as set and are not
+  reported.
 
 A key that only one of the two configs has (a checkpoint of another disttrain version)
 is not compared. A checkpoint without a stored config is resumed as before.
@@ -34,9 +37,24 @@ from disttrain.config import Config, to_dict
 from disttrain.elastic import apply_batch_policy
 from disttrain.runtime.log import LOGGER
 
-REFUSED = frozenset({"optim.name", "train.seed", "train.loss"})
-"""Refused besides model.* and data.*: another optimizer's state, another sample order,
-another objective. (model.* covers model.factory, model.kwargs and the hf keys.)"""
+_WEIGHTS = "the model, which the saved weights fit"
+_SAMPLES = "the training samples, which the saved sample cursor counts through"
+IDENTITY = {
+    "optim.name": "the optimizer, whose state the checkpoint holds",
+    "train.seed": "the epoch order, which the saved sample cursor counts through",
+    "train.loss": "the objective the saved weights were trained for",
+    "data.drop_last": "the length of an epoch, which the saved sample cursor counts through",
+    **{f"data.{k}": _SAMPLES for k in ("factory", "kwargs", "corpus", "max_bytes", "heldout_fraction",
+                                       "tokens", "tokens_heldout", "tokens_dtype", "hf_dataset",
+                                       "hf_columns", "hf_split")},
+}
+"""The run's identity besides model.* (model.factory, model.kwargs and the hf keys
+included): key -> what a change of it changes. A data.* key that is in neither this
+table nor `NOT_IDENTITY` counts as identity too (it may change the samples)."""
+NOT_IDENTITY = frozenset({"data.num_workers", "data.pin_memory", "data.persistent_workers",
+                          "data.hf_heldout_split"})
+"""data.* keys that change how samples are loaded, or only the held-out set, not which
+samples train in which order: ignored like the performance knobs and cadences."""
 WHOLE = frozenset({"model.kwargs", "data.kwargs", "model.hf_config"})
 """Tables compared as one value: a key added to or dropped from them is a change too."""
 APPLIED = frozenset({"model.dropout", "train.steps", "train.batch_size", "train.accum_steps",
@@ -53,9 +71,21 @@ def classify(key: str) -> str:
     """'refuse', 'apply' or 'ignore' for a dotted config key."""
     if key in APPLIED:
         return "apply"
-    if key in REFUSED or key.startswith(("model.", "data.")):
+    if identity_of(key) is not None:
         return "refuse"
     return "apply" if key.startswith("optim.") else "ignore"
+
+
+def identity_of(key: str) -> str | None:
+    """What a change of `key` changes when the key is part of the run's identity (the
+    refusal says it), else None."""
+    if key in IDENTITY:
+        return IDENTITY[key]
+    if key.startswith("model.") and key not in APPLIED:
+        return _WEIGHTS
+    if key.startswith("data.") and key not in NOT_IDENTITY:
+        return "the training data"
+    return None
 
 
 def _flatten(d: dict, prefix: str = "") -> dict[str, Any]:
@@ -89,13 +119,14 @@ class ResumePlan:
     def check(self) -> "ResumePlan":
         """Raise `CheckpointMismatch` (one line) when a refused key differs; else self."""
         if self.refused:
-            listing = "; ".join(f"{k}: {_fmt(a)} -> {_fmt(b)}" for k, a, b in self.refused)
+            listing = "; ".join(f"{k}: {_fmt(a)} -> {_fmt(b)} changes {identity_of(k)}"
+                                for k, a, b in self.refused)
             path = Path(self.directory)
             raise CheckpointMismatch(
-                f"the checkpoint {path.name} in {path.parent} was written with another model, "
-                f"dataset, optimizer or seed ({listing}). A checkpoint resumes only the run that "
-                f"wrote it: use another --train.out_dir (or checkpoint.dir) to start a new run, or "
-                f"set these keys back to the checkpoint's values to resume it.")
+                f"the checkpoint {path.name} in {path.parent} belongs to another run ({listing}). "
+                f"A checkpoint resumes only the run that wrote it: use another --train.out_dir (or "
+                f"checkpoint.dir) to start a new run, or set these keys back to the checkpoint's "
+                f"values to resume it.")
         return self
 
 
