@@ -8,19 +8,10 @@ what the doctor must (not) report there. The rule-by-rule cases are in test_doct
 from __future__ import annotations
 
 import ast
-import json
-import sys
 import textwrap
-from pathlib import Path
 
 from disttrain.doctor.analyzer import analyze_paths, analyze_source
 from test_doctor import PRE
-
-from conftest import ROOT
-
-sys.path.insert(0, str(ROOT))
-
-from bench.doctor_corpus import corpus_findings  # noqa: E402
 
 
 def findings(source: str, path: str = "script.py"):
@@ -231,23 +222,3 @@ def test_fake_backend_needs_no_timeout():
         src = f"import torch\ntorch.distributed.init_process_group({backend!r}, rank=0, store=store)\n"
         assert "init-without-timeout" not in rules(src)
     assert "init-without-timeout" in rules("import torch\ntorch.distributed.init_process_group('nccl')\n")
-
-
-# ----- the corpus: scripts in the shape of public ones, with their expected findings ---
-
-CORPUS = Path(__file__).parent / "doctor_corpus"
-
-
-def test_corpus_findings():
-    expected = json.loads((CORPUS / "expected.json").read_text())
-    files, found = corpus_findings()  # bugs/ cases are checked one by one (shared with the bench)
-    got = {p.relative_to(CORPUS).as_posix(): [] for p in files}
-    for f in found:
-        got[Path(f.file).relative_to(CORPUS).as_posix()].append(
-            [f.rule, f.line, f.severity])
-    assert got == expected
-
-
-def test_corpus_t5_script_alone_cannot_see_train():
-    _, found = analyze_paths([str(CORPUS / "t5_style" / "train_t5.py")])
-    assert [(f.rule, f.severity) for f in found] == [("sampler-without-set-epoch", "warning")]
