@@ -1,0 +1,153 @@
+"""data-parallel, data-parallel-in-ddp, optimizer-before-wrap, find-unused-parameters,
+ddp-state-dict-prefix: wrapping the model.
+
+Each test is a small script written for this suite: the pitfall the rule must flag, or a
+look-alike it must leave alone. A comment may name the public project whose review
+showed the case (a fact); the code is ours.
+"""
+
+from __future__ import annotations
+
+import textwrap
+
+from rule_check import PRE, found, found_in, rules
+
+# DPR: the helper wraps in DataParallel when n_gpu > 1 and in DDP when local_rank != -1;
+# the set-up in another file sets n_gpu = 1 beside each init_process_group
+DPR_OPTIONS = """
+import torch
+def setup_cfg_gpu(cfg):
+    if cfg.local_rank == -1:
+        cfg.n_gpu = torch.cuda.device_count()
+    else:
+        torch.cuda.set_device(cfg.local_rank)
+        torch.distributed.init_process_group(backend="nccl")
+        cfg.n_gpu = 1
+    return cfg
+"""
+
+DPR_TRAIN = """
+from options import setup_cfg_gpu
+from model_utils import setup_for_distributed_mode
+def main(cfg, model):
+    cfg = setup_cfg_gpu(cfg)
+    model = setup_for_distributed_mode(model, cfg.device, cfg.n_gpu, cfg.local_rank)
+main(None, None)
+"""
+
+DPR_MODEL_UTILS = """
+import torch
+def setup_for_distributed_mode(model, device, n_gpu=1, local_rank=-1):
+    model.to(device)
+    if n_gpu > 1:
+        model = torch.nn.DataParallel(model)
+    if local_rank != -1:
+        model = torch.nn.parallel.DistributedDataParallel(model, device_ids=[device], find_unused_parameters=True)
+    return model
+"""
+
+# pytorch/examples imagenet/main.py: DDP when distributed, DataParallel otherwise.
+IMAGENET = """
+import torch, torch.nn as nn, torch.distributed as dist, datetime
+def main_worker(gpu, args):
+    if args.distributed:
+        dist.init_process_group(backend="nccl", init_method=args.dist_url,
+                                timeout=datetime.timedelta(minutes=5))
+    model = nn.Linear(2, 2)
+    if not torch.cuda.is_available():
+        print("using CPU, this will be slow")
+    elif args.distributed:
+        torch.cuda.set_device(args.gpu)
+        model.cuda(args.gpu)
+        model = torch.nn.parallel.DistributedDataParallel(model, device_ids=[args.gpu])
+    elif args.gpu is not None:
+        torch.cuda.set_device(args.gpu)
+        model = model.cuda(args.gpu)
+    else:
+        if args.arch.startswith("alexnet"):
+            model.features = torch.nn.DataParallel(model.features)
+            model.cuda(args.gpu)
+        else:
+            model = torch.nn.DataParallel(model).cuda(args.gpu)
+"""
+
+
+def test_a_checkpoint_resumed_into_the_same_wrapper_keeps_its_keys():
+    # Uformer (DataParallel), swav and vicreg (DDP): the wrapper's state_dict is saved and
+    # loaded back into the wrapper itself, so the `module.` keys match
+    base = PRE + textwrap.dedent("""
+    model = DDP(nn.Linear(2, 2).cuda(), device_ids=[local_rank])
+    {resume}
+    if rank == 0:
+        torch.save({{"state_dict": model.state_dict()}}, "c.pt.tmp")
+    """)
+    for resume in ("utils.load_checkpoint(model, 'c.pt')", "model.load_state_dict(torch.load('c.pt'))",
+                   "restart_from_checkpoint('c.pt', state_dict=model)"):
+        assert found(base.format(resume=resume), "ddp-state-dict-prefix") == [], resume
+    assert found(base.format(resume="pass"), "ddp-state-dict-prefix") == [("ddp-state-dict-prefix", 15, "warning")]
+
+
+def test_an_optimizer_before_the_ddp_wrap_trains_the_same_parameters():
+    # stylegan2-pytorch, swav: DDP keeps the module's Parameter objects
+    src = PRE + ("model = nn.Linear(2, 2).cuda()\nopt = torch.optim.Adam(model.parameters())\n"
+                 "model = DDP(model, device_ids=[local_rank])\n")
+    assert found(src, "optimizer-before-wrap") == []
+    fsdp = src.replace("DDP(model, device_ids=[local_rank])", "FSDP(model)") + \
+        "from torch.distributed.fsdp import FullyShardedDataParallel as FSDP\n"
+    assert found(fsdp, "optimizer-before-wrap") == [("optimizer-before-wrap", 12, "error")]
+
+
+def test_data_parallel_under_a_gpu_count_the_distributed_path_sets_to_one():
+    # T2T-ViT (timm's train.py): `if args.distributed: args.num_gpu = 1`, later
+    # `if args.num_gpu > 1: model = nn.DataParallel(...)`: the single-process mode
+    src = PRE + textwrap.dedent("""
+    args.distributed = int(os.environ['WORLD_SIZE']) > 1
+    if args.distributed:
+        args.num_gpu = 1
+    model = nn.Linear(2, 2)
+    if args.num_gpu > 1:
+        model = nn.DataParallel(model, device_ids=list(range(args.num_gpu))).cuda()
+    else:
+        model.cuda()
+    if args.distributed:
+        model = DDP(model, device_ids=[local_rank])
+    """)
+    assert found(src, "data-parallel-in-ddp") == []
+    unforced = src.replace("    args.num_gpu = 1\n", "    pass\n")
+    assert found(unforced, "data-parallel-in-ddp") == [("data-parallel-in-ddp", 17, "error")]
+
+
+def test_data_parallel_where_the_set_up_pins_the_gpu_count_to_one_is_the_single_process_path(tmp_path):
+    files = {"options.py": DPR_OPTIONS, "model_utils.py": DPR_MODEL_UTILS, "train.py": DPR_TRAIN}
+    got = found_in(tmp_path, files)
+    assert [f for f in got if f[1] == "data-parallel-in-ddp"] == []
+    # the wrapped model is a parameter (its forward is out of view): no claim that it does not branch
+    assert [f for f in got if f[1] == "find-unused-parameters"] == []
+
+
+def test_data_parallel_in_the_non_distributed_branch_is_not_ddp():
+    assert "data-parallel-in-ddp" not in rules(IMAGENET)
+
+
+def test_exclusive_branches_do_not_combine_for_two_statement_rules():
+    src = PRE + textwrap.dedent("""
+    from torch.distributed.fsdp import FullyShardedDataParallel as FSDP
+    model = nn.Linear(2, 2).cuda()
+    if args.ddp:
+        opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    else:
+        model = FSDP(model)
+        opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    """)
+    assert "optimizer-before-wrap" not in rules(src)
+    src = PRE + textwrap.dedent("""
+    if args.plain:
+        inner = nn.DataParallel(model)
+    elif args.ddp:
+        outer = DDP(inner, device_ids=[local_rank])
+    """)
+    assert "data-parallel-in-ddp" not in rules(src)
+    # the same two statements on one path still meet (under FSDP, which replaces parameters)
+    same_path = PRE + "from torch.distributed.fsdp import FullyShardedDataParallel as FSDP\n" \
+        "model = nn.Linear(2, 2).cuda()\nopt = torch.optim.SGD(model.parameters())\nmodel = FSDP(model)\n"
+    assert "optimizer-before-wrap" in rules(same_path)

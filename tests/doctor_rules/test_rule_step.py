@@ -1,0 +1,79 @@
+"""loss-divided-twice, accumulation-without-no-sync, accumulation-off-by-one,
+gradscaler-unsynced, fsdp1-clip-grad, fsdp2-no-sync, fsdp2-fp16-without-scaler: the
+optimizer step.
+
+Each test is a small script written for this suite: the pitfall the rule must flag, or a
+look-alike it must leave alone. A comment may name the public project whose review
+showed the case (a fact); the code is ours.
+"""
+
+from __future__ import annotations
+
+import textwrap
+
+from rule_check import PRE, PRE_FSDP2, OPEN_LM, found, found_in, rule_severities
+
+# LSGM: the scaled gradients are all-reduced by hand (a helper in utils) before
+# scaler.step unscales them: every rank sees the same inf/nan
+LSGM = PRE + """
+from torch.cuda.amp import GradScaler
+def average_gradients(params, is_distributed):
+    for param in params:
+        if param.requires_grad:
+            dist.all_reduce(param.grad.data, op=dist.ReduceOp.SUM)
+            param.grad.data /= dist.get_world_size()
+def train(model, optimizer, loader):
+    grad_scalar = GradScaler(2**10)
+    for x in loader:
+        loss = model(x)
+        grad_scalar.scale(loss).backward()
+        average_gradients(model.parameters(), True)
+        grad_scalar.step(optimizer)
+        grad_scalar.update()
+train(None, None, [])
+"""
+
+
+def test_a_grad_scaler_after_assert_not_fsdp_is_the_ddp_path_s():
+    assert found(OPEN_LM, "gradscaler-unsynced") == []
+    on = OPEN_LM.replace('        assert not args.fsdp, "FSDP not supported with amp"\n', "")
+    assert [f[0] for f in found(on, "gradscaler-unsynced")] == ["gradscaler-unsynced"]
+
+
+def test_gradients_reduced_by_hand_before_the_scaler_step_need_no_synced_scaler():
+    assert found(LSGM, "gradscaler-unsynced") == []
+    late = LSGM.replace("        average_gradients(model.parameters(), True)\n        grad_scalar.step(optimizer)\n",
+                        "        grad_scalar.step(optimizer)\n        average_gradients(model.parameters(), True)\n")
+    assert [f[2] for f in found(late, "gradscaler-unsynced")] == ["warning"]
+    unscaled = LSGM.replace("        average_gradients(model.parameters(), True)\n",
+                            "        grad_scalar.unscale_(optimizer)\n        average_gradients(model.parameters(), True)\n")
+    assert [f[2] for f in found(unscaled, "gradscaler-unsynced")] == ["warning"]
+
+
+def test_accumulation_without_no_sync_with_the_loop_and_the_wrap_in_different_files(tmp_path):
+    engine = """
+    def train_one_epoch(model, optimizer, loader, accum_iter):
+        for i, x in enumerate(loader):
+            loss = model(x).mean() / accum_iter
+            loss.backward()
+            if (i + 1) % accum_iter == 0:
+                optimizer.step()
+                optimizer.zero_grad()
+    """
+    main = PRE + textwrap.dedent("""
+    from engine import train_one_epoch
+    model = DDP(nn.Linear(2, 2).cuda(), device_ids=[local_rank])
+    """)
+    got = found_in(tmp_path, {"engine.py": engine, "main.py": main}, "accumulation-without-no-sync")
+    assert got == [("engine.py", "accumulation-without-no-sync", 7, "warning")]
+
+
+def test_a_plain_grad_scaler_is_right_under_fsdp2():  # torch 2.13: DTensor reduces found-inf
+    src = (PRE_FSDP2 + "fully_shard(model, mp_policy=MixedPrecisionPolicy(param_dtype=torch.float16))\n"
+           "scaler = torch.amp.GradScaler('cuda')\n")
+    assert not [r for r in rule_severities(src) if r[0] in ("gradscaler-unsynced", "fsdp2-fp16-without-scaler")]
+
+
+def test_accelerate_no_sync_under_fsdp2_is_the_library_s_business():
+    src = PRE_FSDP2 + "fully_shard(model)\nwith accelerator.no_sync(model):\n    pass\n"
+    assert not [r for r in rule_severities(src) if r[0] == "fsdp2-no-sync"]
