@@ -61,7 +61,7 @@ def rule_severities(source: str) -> list[tuple[str, str]]:
 
 # A program where FSDP is a mode (`if args.fsdp:`) and the DDP path shares the
 # checkpoint code (the shape of open_lm's main.py).
-OPEN_LM = PRE + textwrap.dedent("""
+FSDP_AS_A_MODE = PRE + textwrap.dedent("""
 from torch.distributed.fsdp import FullyShardedDataParallel as FSDP
 def main(args):
     model = nn.Linear(2, 2).cuda()
@@ -69,31 +69,31 @@ def main(args):
         model = FSDP(model)
     else:
         model = DDP(model, device_ids=[local_rank])
-    if args.precision == "amp":
-        assert not args.fsdp, "FSDP not supported with amp"
+    if args.amp:
+        assert not args.fsdp, "amp runs on the DDP path only"
         scaler = torch.cuda.amp.GradScaler()
-    save_checkpoint(args, model)
-def save_checkpoint(args, model):
-    cpu_state = None
+    keep(args, model)
+def keep(args, model):
+    full = None
     if args.fsdp:
-        cpu_state = model.state_dict()
-    if args.save_logs:
-        torch.save({"state_dict": cpu_state if args.fsdp else model.state_dict()}, "c.pt.tmp")
-args.save_logs = rank == 0
+        full = model.state_dict()
+    if args.writes:
+        torch.save({"weights": full if args.fsdp else model.state_dict()}, "w.pt.tmp")
+args.writes = rank == 0
 main(args)
 """)
 
 # An Accelerate trainer (the shape of F5-TTS's): accelerator.save is torch.save, and
 # even_batches is turned off.
-F5 = """
+ACCELERATE_TRAINER = """
 import os
 from accelerate import Accelerator
 class Trainer:
     def __init__(self):
         self.accelerator = Accelerator()
-    def save_checkpoint(self, checkpoint, path):
+    def keep(self, state, folder):
         if self.accelerator.is_main_process:
-            self.accelerator.save(checkpoint, f"{path}/model_last.pt")
+            self.accelerator.save(state, f"{folder}/last.pt")
     def train(self, loader):
         self.accelerator.even_batches = False
         for batch in loader:

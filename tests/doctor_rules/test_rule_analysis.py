@@ -15,6 +15,7 @@ from disttrain.doctor.analyzer import parse
 from disttrain.doctor.dataflow import Project
 from disttrain.doctor.facts import Facts
 
+
 def test_is_local_main_process_is_one_process_per_node():
     facts = parse("s.py", textwrap.dedent("""
         if accelerator.is_local_main_process:
@@ -29,7 +30,6 @@ def test_is_local_main_process_is_one_process_per_node():
 
 
 def test_exclusive_helper_on_if_elif_else_chains():
-    from disttrain.doctor.facts import Facts
     src = "if a:\n    x = 1\nelif b:\n    y = 2\nelse:\n    z = 3\nw = 4\nif c:\n    v = 5\n"
     facts = Facts.parse("s.py", src)
     stmt = {n.targets[0].id: n for n in facts.nodes if isinstance(n, ast.Assign)}

@@ -10,68 +10,68 @@ from __future__ import annotations
 
 import textwrap
 
-from rule_check import PRE, PRE_FSDP2, OPEN_LM, found, found_in, rule_severities
+from rule_check import PRE, PRE_FSDP2, FSDP_AS_A_MODE, found, found_in, rule_severities
 
 # diffusers (round 4): accelerator.save_state on the main process only, a collective
 # under DeepSpeed or FSDP; the Trainer's save_state (a JSON of its state) is none
-DIFFUSERS = """
+MAIN_PROCESS_SAVE_STATE = """
 from accelerate import Accelerator
 from accelerate.utils import DistributedType
 accelerator = Accelerator()
 for step in range(10):
     if accelerator.is_main_process:
-        accelerator.save_state(f"checkpoint-{step}")
+        accelerator.save_state(f"state-{step}")
         trainer.save_state()
-zero3 = accelerator.state.deepspeed_plugin is not None  # the script supports DeepSpeed
+sharded = accelerator.state.deepspeed_plugin is not None  # the script supports DeepSpeed
 """
 
 # DPR's train_dense_encoder.py: `val_av_rank_start_epoch` holds "rank" and is no rank
-DPR_VALIDATE = PRE + """
-def validate_nll(model):
+RANK_IN_A_QUANTITY = PRE + """
+def eval_loss(net):
     dist.all_reduce(torch.zeros(1))
-def validate_and_save(cfg, epoch, model):
-    if epoch >= cfg.val_av_rank_start_epoch:
-        validate_nll(model)
+def eval_then_keep(cfg, epoch, net):
+    if epoch >= cfg.rank_eval_start_epoch:
+        eval_loss(net)
     if cfg.lora_rank > 0:
         dist.barrier()
-validate_and_save(None, 0, None)
+eval_then_keep(None, 0, None)
 """
 
 # nanoVLM: were the launcher's variables set? The same answer on every rank
-NANOVLM = """
+LAUNCHER_VARIABLES = """
 import datetime, os
 import torch, torch.distributed as dist
-def main():
-    if "RANK" in os.environ and "WORLD_SIZE" in os.environ:
+def start():
+    if "WORLD_SIZE" in os.environ and "RANK" in os.environ:
         torch.cuda.set_device(int(os.environ["LOCAL_RANK"]))
-        dist.init_process_group("nccl", timeout=datetime.timedelta(minutes=30))
-        pg = dist.new_group(backend="gloo")
-main()
+        dist.init_process_group("nccl", timeout=datetime.timedelta(minutes=20))
+        side_group = dist.new_group(backend="gloo")
+start()
 """
 
 # Amphion: save_state under the main-process guard in a program that names neither
 # DeepSpeed nor FSDP (its recipes launch plain multi-GPU Accelerate)
-AMPHION_SAVE = """
+PLAIN_ACCELERATE_SAVE_STATE = """
 import accelerate
 accelerator = accelerate.Accelerator()
-def train(path):
+def keep(folder):
     accelerator.wait_for_everyone()
     if accelerator.is_main_process:
-        accelerator.save_state(path)
-train("ckpt")
+        accelerator.save_state(folder)
+keep("state")
 """
 
 
 def test_a_helper_called_from_both_branches_of_a_rank_test_runs_on_every_rank():
     src = PRE + textwrap.dedent("""
-    def bcast(t, src=0):
+    def share(t, src=0):
         dist.broadcast(t, src)
         return t
-    def broadcast_object(obj, t):
+    def share_from_first(obj, t):
         if dist.get_rank() == 0:
-            t = bcast(t)
+            t = share(t)
         else:
-            t = bcast(t)
+            t = share(t)
         return t
     """)
     assert found(src, "collective-under-rank-guard") == []
@@ -88,11 +88,11 @@ def test_save_checkpoint_is_no_collective_on_a_lightning_without_its_barrier():
     import os, signal
     import pytorch_lightning as pl
     from pytorch_lightning.trainer import Trainer
-    trainer = Trainer.from_argparse_args(opt, accelerator="ddp")
-    def melk(*args, **kwargs):
+    trainer = Trainer.from_argparse_args(opts, accelerator="ddp")
+    def on_signal(*_):
         if trainer.global_rank == 0:
-            trainer.save_checkpoint(os.path.join(ckptdir, "last.ckpt"))
-    signal.signal(signal.SIGUSR1, melk)
+            trainer.save_checkpoint(os.path.join(out_dir, "interrupted.ckpt"))
+    signal.signal(signal.SIGUSR1, on_signal)
     """)
     assert found(src, "collective-under-rank-guard") == []
     modern = "import lightning as L\ntrainer = L.Trainer(strategy='ddp')\n" \
@@ -104,52 +104,52 @@ def test_a_method_of_another_object_is_not_this_file_s_method_of_that_name():
     # imagen-pytorch: `ema_unet.update()` is ema_pytorch's EMA.update, not Trainer.update
     src = PRE + textwrap.dedent("""
     from ema_pytorch import EMA
-    class Trainer:
-        def __init__(self, accelerator, unet, use_ema=True):
+    class Fitter:
+        def __init__(self, accelerator, net, averaged=True):
             self.accelerator = accelerator
-            self.ema = EMA(unet)
-            self.use_ema = use_ema and accelerator.is_main_process
+            self.avg = EMA(net)
+            self.averaged = averaged and accelerator.is_main_process
         def save(self):
             self.accelerator.wait_for_everyone()
         def update(self):
-            if self.use_ema:
-                ema_unet = self.ema
-                ema_unet.update()
+            if self.averaged:
+                shadow = self.avg
+                shadow.update()
             self.save()
     """)
     assert found(src, "collective-under-rank-guard") == []
     # the same method called on self under the guard still reaches the collective
-    own = src.replace("ema_unet.update()", "self.save()")
+    own = src.replace("shadow.update()", "self.save()")
     assert [f[0] for f in found(own, "collective-under-rank-guard")] == ["collective-under-rank-guard"]
 
 
 def test_a_state_dict_on_the_path_where_fsdp_is_off_is_no_collective():
-    assert found(OPEN_LM, "collective-under-rank-guard") == []
-    on = OPEN_LM.replace("cpu_state if args.fsdp else model.state_dict()", "model.state_dict()")
+    assert found(FSDP_AS_A_MODE, "collective-under-rank-guard") == []
+    on = FSDP_AS_A_MODE.replace("full if args.fsdp else model.state_dict()", "model.state_dict()")
     assert [f[0] for f in found(on, "collective-under-rank-guard")] == ["collective-under-rank-guard"]
 
 
 def test_accelerate_save_state_on_the_main_process_only_is_a_warning():
-    assert [f[:3] for f in found(DIFFUSERS, "collective-under-rank-guard")] == [
+    assert [f[:3] for f in found(MAIN_PROCESS_SAVE_STATE, "collective-under-rank-guard")] == [
         ("collective-under-rank-guard", 7, "warning")]
-    balanced = DIFFUSERS.replace("if accelerator.is_main_process:", "if accelerator.is_main_process or "
+    balanced = MAIN_PROCESS_SAVE_STATE.replace("if accelerator.is_main_process:", "if accelerator.is_main_process or "
                                  "accelerator.distributed_type == DistributedType.DEEPSPEED:")
     assert found(balanced, "collective-under-rank-guard") == []
 
 
 def test_a_name_that_holds_rank_but_is_a_quantity_is_no_rank_guard():
-    assert found(DPR_VALIDATE, "collective-under-rank-guard") == []
-    guarded = DPR_VALIDATE.replace("epoch >= cfg.val_av_rank_start_epoch", "cfg.local_rank == 0")
+    assert found(RANK_IN_A_QUANTITY, "collective-under-rank-guard") == []
+    guarded = RANK_IN_A_QUANTITY.replace("epoch >= cfg.rank_eval_start_epoch", "cfg.local_rank == 0")
     assert found(guarded, "collective-under-rank-guard") != []
 
 
 def test_launcher_variables_present_is_no_rank_guard():
-    assert found(NANOVLM, "collective-under-rank-guard") == []
+    assert found(LAUNCHER_VARIABLES, "collective-under-rank-guard") == []
 
 
 def test_save_state_on_the_main_process_of_a_program_that_never_names_deepspeed():
-    assert found(AMPHION_SAVE, "collective-under-rank-guard") == []
-    ds = AMPHION_SAVE.replace("accelerate.Accelerator()",
+    assert found(PLAIN_ACCELERATE_SAVE_STATE, "collective-under-rank-guard") == []
+    ds = PLAIN_ACCELERATE_SAVE_STATE.replace("accelerate.Accelerator()",
                               "accelerate.Accelerator(deepspeed_plugin=accelerate.DeepSpeedPlugin())")
     assert [f[2] for f in found(ds, "collective-under-rank-guard")] == ["warning"]
 
@@ -157,13 +157,13 @@ def test_save_state_on_the_main_process_of_a_program_that_never_names_deepspeed(
 def test_evaluation_of_the_ddp_model_on_rank_0_only():
     src = PRE + textwrap.dedent("""
     model = DDP(nn.Sequential(nn.Linear(2, 2), nn.BatchNorm1d(2)).cuda(), device_ids=[local_rank])
-    def evaluate(net, loader):
+    def score(net, batches):
         with torch.no_grad():
-            for x in loader:
+            for x in batches:
                 net(x)
     for epoch in range(3):
         if rank == 0:
-            evaluate(model, val_loader)
+            score(model, held_out)
     """)
     assert ("collective-under-rank-guard", 19, "warning") in found(src)
 
@@ -175,9 +175,9 @@ def test_the_ddp_model_called_directly_under_a_guard():
 
 def test_an_early_return_on_rank_0_before_a_collective():
     src = PRE + textwrap.dedent("""
-    def finish(args, t):
+    def wrap_up(opts, t):
         if rank == 0:
-            print("done")
+            print("all passes run")
             return
         dist.all_reduce(t)
     """)
@@ -187,12 +187,12 @@ def test_an_early_return_on_rank_0_before_a_collective():
 def test_a_broadcast_based_loader_in_another_file_called_on_rank_0_only(tmp_path):
     data = """
     import torch.distributed as dist
-    def load_data(path):
-        objs = [None]
-        dist.broadcast_object_list(objs, src=0)
-        return objs[0]
+    def read_split(path):
+        box = [None]
+        dist.broadcast_object_list(box, src=0)
+        return box[0]
     """
-    main = PRE + "from data import load_data\nif rank == 0:\n    train = load_data('train.bin')\n"
+    main = PRE + "from data import read_split\nif rank == 0:\n    rows = read_split('rows.bin')\n"
     got = found_in(tmp_path, {"data.py": data, "main.py": main}, "collective-under-rank-guard")
     assert got == [("data.py", "collective-under-rank-guard", 5, "error")]
 
@@ -210,13 +210,13 @@ def test_an_fsdp_state_dict_under_a_rank_guard_is_a_collective():
 def test_an_mpi_broadcast_helper_called_on_one_rank(tmp_path):
     dist_util = """
     from mpi4py import MPI
-    def load_state_dict(path):
-        data = None
+    def read_weights(path):
+        blob = None
         if MPI.COMM_WORLD.Get_rank() == 0:
-            data = open(path, "rb").read()
-        return MPI.COMM_WORLD.bcast(data)
+            blob = open(path, "rb").read()
+        return MPI.COMM_WORLD.bcast(blob)
     """
-    main = PRE + "import dist_util\nif rank == 0:\n    sd = dist_util.load_state_dict('m.pt')\n"
+    main = PRE + "import dist_util\nif rank == 0:\n    sd = dist_util.read_weights('m.pt')\n"
     got = found_in(tmp_path, {"dist_util.py": dist_util, "main.py": main}, "collective-under-rank-guard")
     assert got == [("dist_util.py", "collective-under-rank-guard", 7, "error")]
 

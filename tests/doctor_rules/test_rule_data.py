@@ -11,42 +11,42 @@ import textwrap
 
 from disttrain.doctor.analyzer import analyze_paths
 from disttrain.doctor.analyzer import analyze_source
-from rule_check import PRE, F5, found, findings, rules
+from rule_check import PRE, ACCELERATE_TRAINER, found, findings, rules
 
 # DPR: the data is sharded by the node-local rank
-DPR_SHARD = PRE + """
-class Trainer:
+LOCAL_RANK_SHARDS = PRE + """
+class Reader:
     def __init__(self, cfg):
-        self.shard_id = cfg.local_rank if cfg.local_rank != -1 else 0
-        self.num_shards = cfg.distributed_world_size
+        self.shard_id = cfg.local_rank if cfg.local_rank >= 0 else 0
+        self.shards = cfg.world
 sampler = torch.utils.data.DistributedSampler(ds, rank=local_rank)
 """
 
 # Amphion's VALL-E trainer: dynamic batches built for the whole job, each split over the
 # job's process count but picked by the node-local index
-AMPHION = """
+LOCAL_INDEX_SPLIT = """
 import numpy as np
 from accelerate import Accelerator
 accelerator = Accelerator()
-def build(batch_sampler):
-    np.random.shuffle(batch_sampler)
-    return [x[accelerator.local_process_index : : accelerator.num_processes] for x in batch_sampler]
-loader = build(list(range(8)))
+def my_batches(groups):
+    np.random.shuffle(groups)
+    return [g[accelerator.local_process_index : : accelerator.num_processes] for g in groups]
+loader = my_batches(list(range(8)))
 """
 
-# pytorch/examples distributed/FSDP/T5_training.py: samplers handed to utils.train(...)
-T5 = PRE + """
+# pytorch/examples distributed/FSDP/LOOP_IN_ANOTHER_MODULE_training.py: samplers handed to utils.train(...)
+LOOP_IN_ANOTHER_MODULE = PRE + """
 from torch.utils.data import DistributedSampler, DataLoader
-from utils.train_utils import train, validation
-sampler1 = DistributedSampler(train_dataset, rank=rank, num_replicas=2, shuffle=True)
-sampler2 = DistributedSampler(val_dataset, rank=rank, num_replicas=2)
-train_kwargs = {"batch_size": 4, "sampler": sampler1}
-test_kwargs = {"batch_size": 4, "sampler": sampler2}
-train_loader = DataLoader(train_dataset, **train_kwargs)
-val_loader = DataLoader(val_dataset, **test_kwargs)
+from loops.steps import fit_one_pass, score
+fit_sampler = DistributedSampler(fit_set, rank=rank, num_replicas=2, shuffle=True)
+val_sampler = DistributedSampler(val_set, rank=rank, num_replicas=2)
+fit_opts = {"batch_size": 4, "sampler": fit_sampler}
+val_opts = {"batch_size": 4, "sampler": val_sampler}
+fit_loader = DataLoader(fit_set, **fit_opts)
+val_loader = DataLoader(val_set, **val_opts)
 for epoch in range(1, 3):
-    train_accuracy = train(model, rank, train_loader, optimizer, epoch, sampler=sampler1)
-    curr_val_loss = validation(model, rank, val_loader)
+    acc = fit_one_pass(model, rank, fit_loader, optimizer, epoch, sampler=fit_sampler)
+    val_loss = score(model, rank, val_loader)
 """
 
 
@@ -65,53 +65,53 @@ def test_a_sampler_appended_to_a_list_hides_no_set_epoch():
 
 
 def test_even_batches_off_gives_ranks_uneven_batch_counts():
-    assert [f[1] for f in found(F5, "uneven-batches")] == [11]
-    joined = F5.replace("        for batch in loader:", "        with self.accelerator.join_uneven_inputs([self.model]):\n"
+    assert [f[1] for f in found(ACCELERATE_TRAINER, "uneven-batches")] == [11]
+    joined = ACCELERATE_TRAINER.replace("        for batch in loader:", "        with self.accelerator.join_uneven_inputs([self.model]):\n"
                         "          for batch in loader:")
     assert found(joined, "uneven-batches") == []
 
 
 def test_data_sharded_by_the_local_rank_repeats_on_every_node():
-    assert [f[1] for f in found(DPR_SHARD, "shard-by-local-rank")] == [14, 16]
-    fixed = DPR_SHARD.replace("cfg.local_rank if cfg.local_rank != -1 else 0", "dist.get_rank()").replace(
+    assert [f[1] for f in found(LOCAL_RANK_SHARDS, "shard-by-local-rank")] == [14, 16]
+    fixed = LOCAL_RANK_SHARDS.replace("cfg.local_rank if cfg.local_rank >= 0 else 0", "dist.get_rank()").replace(
         "rank=local_rank", "rank=rank")
     assert found(fixed, "shard-by-local-rank") == []
 
 
 def test_a_batch_split_over_the_job_but_picked_by_the_local_index_is_found():
-    assert [f[:2] for f in found(AMPHION, "shard-by-local-rank")] == [("shard-by-local-rank", 7)]
-    glob = AMPHION.replace("local_process_index", "process_index")
+    assert [f[:2] for f in found(LOCAL_INDEX_SPLIT, "shard-by-local-rank")] == [("shard-by-local-rank", 7)]
+    glob = LOCAL_INDEX_SPLIT.replace("local_process_index", "process_index")
     assert found(glob, "shard-by-local-rank") == []
-    per_node = AMPHION.replace("accelerator.num_processes]", "torch.cuda.device_count()]")
+    per_node = LOCAL_INDEX_SPLIT.replace("accelerator.num_processes]", "torch.cuda.device_count()]")
     assert found(per_node, "shard-by-local-rank") == []
 
 
 def test_sampler_passed_to_a_function_defined_elsewhere_is_a_warning():
-    found = [f for f in findings(T5) if f.rule == "sampler-without-set-epoch"]
-    assert [(f.line, f.severity) for f in found] == [(T5.splitlines().index(
-        "sampler1 = DistributedSampler(train_dataset, rank=rank, num_replicas=2, shuffle=True)") + 1,
+    found = [f for f in findings(LOOP_IN_ANOTHER_MODULE) if f.rule == "sampler-without-set-epoch"]
+    assert [(f.line, f.severity) for f in found] == [(LOOP_IN_ANOTHER_MODULE.splitlines().index(
+        "fit_sampler = DistributedSampler(fit_set, rank=rank, num_replicas=2, shuffle=True)") + 1,
         "warning")]
-    assert "train()" in found[0].message and "not defined" in found[0].message
+    assert "fit_one_pass()" in found[0].message and "not defined" in found[0].message
 
 
 def test_sampler_passed_to_a_function_in_the_file_is_followed():
-    calls = T5.replace("from utils.train_utils import train, validation\n", "")
-    with_set_epoch = calls + "def train(model, rank, loader, opt, epoch, sampler=None):\n" \
+    calls = LOOP_IN_ANOTHER_MODULE.replace("from loops.steps import fit_one_pass, score\n", "")
+    with_set_epoch = calls + "def fit_one_pass(net, rank, batches, opt, epoch, sampler=None):\n" \
         "    sampler.set_epoch(epoch)\n"
     assert "sampler-without-set-epoch" not in rules(with_set_epoch)
-    without = calls + "def train(model, rank, loader, opt, epoch, sampler=None):\n    pass\n"
+    without = calls + "def fit_one_pass(net, rank, batches, opt, epoch, sampler=None):\n    pass\n"
     found = [f for f in findings(without) if f.rule == "sampler-without-set-epoch"]
     assert [f.severity for f in found] == ["error"]
 
 
 def test_sampler_followed_into_another_file_given_on_the_command_line(tmp_path):
-    (tmp_path / "t5.py").write_text(T5)
-    utils = tmp_path / "utils"
-    utils.mkdir()
-    (utils / "train_utils.py").write_text(
-        "def train(model, rank, loader, opt, epoch, sampler=None):\n"
+    (tmp_path / "run.py").write_text(LOOP_IN_ANOTHER_MODULE)
+    loops = tmp_path / "loops"
+    loops.mkdir()
+    (loops / "steps.py").write_text(
+        "def fit_one_pass(net, rank, batches, opt, epoch, sampler=None):\n"
         "    if sampler:\n        sampler.set_epoch(epoch)\n"
-        "def validation(model, rank, loader):\n    pass\n")
+        "def score(net, rank, batches):\n    pass\n")
     _, found = analyze_paths([str(tmp_path)])
     assert [f for f in found if f.rule == "sampler-without-set-epoch"] == []
 

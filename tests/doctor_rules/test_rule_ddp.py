@@ -14,61 +14,59 @@ from rule_check import PRE, found, found_in, rules
 
 # DPR: the helper wraps in DataParallel when n_gpu > 1 and in DDP when local_rank != -1;
 # the set-up in another file sets n_gpu = 1 beside each init_process_group
-DPR_OPTIONS = """
+GPU_COUNT_SETUP = """
 import torch
-def setup_cfg_gpu(cfg):
-    if cfg.local_rank == -1:
+def pick_devices(cfg):
+    if cfg.local_rank < 0:
         cfg.n_gpu = torch.cuda.device_count()
     else:
         torch.cuda.set_device(cfg.local_rank)
-        torch.distributed.init_process_group(backend="nccl")
+        torch.distributed.init_process_group("nccl")
         cfg.n_gpu = 1
     return cfg
 """
 
-DPR_TRAIN = """
-from options import setup_cfg_gpu
-from model_utils import setup_for_distributed_mode
-def main(cfg, model):
-    cfg = setup_cfg_gpu(cfg)
-    model = setup_for_distributed_mode(model, cfg.device, cfg.n_gpu, cfg.local_rank)
+GPU_COUNT_ENTRY = """
+from options import pick_devices
+from model_utils import wrap_for_devices
+def main(cfg, net):
+    cfg = pick_devices(cfg)
+    net = wrap_for_devices(net, cfg.device, cfg.n_gpu, cfg.local_rank)
 main(None, None)
 """
 
-DPR_MODEL_UTILS = """
+GPU_COUNT_WRAP = """
 import torch
-def setup_for_distributed_mode(model, device, n_gpu=1, local_rank=-1):
-    model.to(device)
+def wrap_for_devices(net, device, n_gpu=1, local_rank=-1):
+    net.to(device)
     if n_gpu > 1:
-        model = torch.nn.DataParallel(model)
-    if local_rank != -1:
-        model = torch.nn.parallel.DistributedDataParallel(model, device_ids=[device], find_unused_parameters=True)
-    return model
+        net = torch.nn.DataParallel(net)
+    if local_rank >= 0:
+        net = torch.nn.parallel.DistributedDataParallel(net, device_ids=[device], find_unused_parameters=True)
+    return net
 """
 
 # pytorch/examples imagenet/main.py: DDP when distributed, DataParallel otherwise.
-IMAGENET = """
+WRAP_BY_MODE = """
 import torch, torch.nn as nn, torch.distributed as dist, datetime
-def main_worker(gpu, args):
-    if args.distributed:
-        dist.init_process_group(backend="nccl", init_method=args.dist_url,
-                                timeout=datetime.timedelta(minutes=5))
-    model = nn.Linear(2, 2)
+def run(index, opts):
+    if opts.distributed:
+        dist.init_process_group("nccl", init_method=opts.url, timeout=datetime.timedelta(minutes=5))
+    net = nn.Linear(2, 2)
     if not torch.cuda.is_available():
-        print("using CPU, this will be slow")
-    elif args.distributed:
-        torch.cuda.set_device(args.gpu)
-        model.cuda(args.gpu)
-        model = torch.nn.parallel.DistributedDataParallel(model, device_ids=[args.gpu])
-    elif args.gpu is not None:
-        torch.cuda.set_device(args.gpu)
-        model = model.cuda(args.gpu)
+        print("no GPU: running on the CPU")
+    elif opts.distributed:
+        torch.cuda.set_device(opts.gpu)
+        net.cuda(opts.gpu)
+        net = torch.nn.parallel.DistributedDataParallel(net, device_ids=[opts.gpu])
+    elif opts.gpu is not None:
+        torch.cuda.set_device(opts.gpu)
+        net = net.cuda(opts.gpu)
+    elif opts.split_features:
+        net.body = torch.nn.DataParallel(net.body)
+        net.cuda()
     else:
-        if args.arch.startswith("alexnet"):
-            model.features = torch.nn.DataParallel(model.features)
-            model.cuda(args.gpu)
-        else:
-            model = torch.nn.DataParallel(model).cuda(args.gpu)
+        net = torch.nn.DataParallel(net).cuda()
 """
 
 
@@ -101,24 +99,24 @@ def test_data_parallel_under_a_gpu_count_the_distributed_path_sets_to_one():
     # T2T-ViT (timm's train.py): `if args.distributed: args.num_gpu = 1`, later
     # `if args.num_gpu > 1: model = nn.DataParallel(...)`: the single-process mode
     src = PRE + textwrap.dedent("""
-    args.distributed = int(os.environ['WORLD_SIZE']) > 1
-    if args.distributed:
-        args.num_gpu = 1
-    model = nn.Linear(2, 2)
-    if args.num_gpu > 1:
-        model = nn.DataParallel(model, device_ids=list(range(args.num_gpu))).cuda()
+    opts.distributed = int(os.environ['WORLD_SIZE']) > 1
+    if opts.distributed:
+        opts.num_gpu = 1
+    net = nn.Linear(2, 2)
+    if opts.num_gpu > 1:
+        net = nn.DataParallel(net, device_ids=[*range(opts.num_gpu)]).cuda()
     else:
-        model.cuda()
-    if args.distributed:
-        model = DDP(model, device_ids=[local_rank])
+        net.cuda()
+    if opts.distributed:
+        net = DDP(net, device_ids=[local_rank])
     """)
     assert found(src, "data-parallel-in-ddp") == []
-    unforced = src.replace("    args.num_gpu = 1\n", "    pass\n")
+    unforced = src.replace("    opts.num_gpu = 1\n", "    pass\n")
     assert found(unforced, "data-parallel-in-ddp") == [("data-parallel-in-ddp", 17, "error")]
 
 
 def test_data_parallel_where_the_set_up_pins_the_gpu_count_to_one_is_the_single_process_path(tmp_path):
-    files = {"options.py": DPR_OPTIONS, "model_utils.py": DPR_MODEL_UTILS, "train.py": DPR_TRAIN}
+    files = {"options.py": GPU_COUNT_SETUP, "model_utils.py": GPU_COUNT_WRAP, "train.py": GPU_COUNT_ENTRY}
     got = found_in(tmp_path, files)
     assert [f for f in got if f[1] == "data-parallel-in-ddp"] == []
     # the wrapped model is a parameter (its forward is out of view): no claim that it does not branch
@@ -126,7 +124,7 @@ def test_data_parallel_where_the_set_up_pins_the_gpu_count_to_one_is_the_single_
 
 
 def test_data_parallel_in_the_non_distributed_branch_is_not_ddp():
-    assert "data-parallel-in-ddp" not in rules(IMAGENET)
+    assert "data-parallel-in-ddp" not in rules(WRAP_BY_MODE)
 
 
 def test_exclusive_branches_do_not_combine_for_two_statement_rules():

@@ -11,22 +11,22 @@ import textwrap
 
 from rule_check import found, found_in, rule_severities
 
-EFFICIENTVIT_TRAINER = """
+CUDA_TRAINER = """
 import torch, torch.distributed
-def dist_init():
-    torch.distributed.init_process_group(backend="nccl")
+def start_group():
+    torch.distributed.init_process_group("nccl")
 class Trainer:
     def train(self):
-        x = torch.zeros(1).cuda()
+        probe = torch.ones(1).cuda()
 """
 
 # efficientvit (round 5): the entry script calls `setup.setup_dist_env(args.gpu)`, out of
 # view, and the trainer in view uses CUDA: what the doctor could not see is a warning
-EFFICIENTVIT_TRAIN = """
-from efficientvit.apps import setup
+OUT_OF_VIEW_SETUP_ENTRY = """
+from vendor.apps import setup
 from trainer import Trainer
-def main(args):
-    setup.setup_dist_env(args.gpu)
+def main(opts):
+    setup.setup_dist_env(opts.gpu)
     Trainer().train()
 if __name__ == "__main__":
     main(None)
@@ -34,64 +34,64 @@ if __name__ == "__main__":
 
 # KAIR, Stark: the entry script in view binds the device, then reaches the trainer through
 # an import out of view or importlib
-STARK_RUN = """
+BINDING_ENTRY = """
 import importlib, torch, torch.distributed as dist
 def main(local_rank):
-    dist.init_process_group(backend="nccl", timeout=t)
+    dist.init_process_group("nccl", timeout=t)
     torch.cuda.set_device(local_rank)
-    importlib.import_module("lib.train.train_script").run()
+    importlib.import_module("pkg.loops.train_script").run()
 if __name__ == "__main__":
     main(0)
 """
 
-STARK_SCRIPT = """
+IMPORTED_LOOP = """
 import torch
 from torch.nn.parallel import DistributedDataParallel as DDP
-def run(settings):
-    net = build()
+def run(opts):
+    net = make_net()
     net.cuda()
-    net = DDP(net, device_ids=[settings.local_rank])
+    net = DDP(net, device_ids=[opts.local_rank])
 """
 
 # CodeT5's configs.py: the single-process branch names "cuda", the distributed one binds
 # the device first; the two never run together
-CODET5 = """
+BIND_IN_ONE_BRANCH = """
 import torch
-def set_dist(args):
-    if args.local_rank == -1 or args.no_cuda:
-        device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
-        args.n_gpu = torch.cuda.device_count()
+def choose_device(opts):
+    if opts.local_rank < 0 or opts.cpu_only:
+        where = torch.device("cuda" if torch.cuda.is_available() else "cpu")
+        opts.n_gpu = torch.cuda.device_count()
     else:
-        torch.cuda.set_device(args.local_rank)
-        device = torch.device("cuda", args.local_rank)
-        torch.distributed.init_process_group(backend="nccl", timeout=t)
-        args.n_gpu = 1
-    args.device = device
-set_dist(None)
+        torch.cuda.set_device(opts.local_rank)
+        where = torch.device("cuda", opts.local_rank)
+        torch.distributed.init_process_group("nccl", timeout=t)
+        opts.n_gpu = 1
+    opts.device = where
+choose_device(None)
 """
 
 # demucs: dora's distrib.init (out of view) binds each rank's device, then starts the group
-DEMUCS = """
+DORA_INIT = """
 import torch
 from torch.nn.parallel.distributed import DistributedDataParallel
 from dora import distrib as dora_distrib
-rank, world_size = 0, 1
-def init():
-    global rank, world_size
+me, size = 0, 1
+def start():
+    global me, size
     if not torch.distributed.is_initialized():
         dora_distrib.init()
-    rank = dora_distrib.rank()
-    world_size = dora_distrib.world_size()
-def average(metrics):
-    tensor = torch.tensor(list(metrics) + [1], device='cuda', dtype=torch.float32)
-    torch.distributed.all_reduce(tensor, op=torch.distributed.ReduceOp.SUM)
-    return tensor
-def wrap(model):
-    if world_size == 1:
-        return model
-    return DistributedDataParallel(model, device_ids=[torch.cuda.current_device()],
-                                   output_device=torch.cuda.current_device())
-init()
+    me = dora_distrib.rank()
+    size = dora_distrib.world_size()
+def mean_of(values):
+    total = torch.tensor([*values, 1.0], device='cuda')
+    torch.distributed.all_reduce(total)
+    return total
+def wrapped(net):
+    if size == 1:
+        return net
+    here = torch.cuda.current_device()
+    return DistributedDataParallel(net, device_ids=[here], output_device=here)
+start()
 """
 
 
@@ -112,11 +112,11 @@ def test_a_cuda_use_on_a_path_that_returns_before_the_group_starts_is_no_rank_s(
     src = textwrap.dedent("""
     import os, datetime, torch
     import torch.distributed as tdist
-    def initialize():
+    def start():
         if not torch.cuda.is_available():
             return
         elif 'RANK' not in os.environ:
-            device = torch.empty(1).cuda().device
+            only = torch.ones(1).cuda().device
             return
         local_rank = int(os.environ['RANK']) % torch.cuda.device_count()
         torch.cuda.set_device(local_rank)
@@ -134,9 +134,9 @@ def test_an_accelerator_binds_the_device(tmp_path):
         "train.py": "import torch\nfrom accelerate import Accelerator\nfrom dist_utils import all_gather\n"
                     "accelerator = Accelerator()\nall_gather(1)\n",
         "dist_utils.py": "import os, torch\nimport torch.distributed as dist\n"
-                         "def get_local_rank():\n    return int(os.getenv('LOCAL_RANK', 0))\n"
-                         "def all_gather(data):\n    t = torch.ByteTensor([1]).to(torch.device('cuda'))\n"
-                         "    out = [t]\n    dist.all_gather(out, t)\n    return out\n"}
+                         "def node_index():\n    return int(os.getenv('LOCAL_RANK', 0))\n"
+                         "def all_gather(value):\n    t = torch.ones(1).to(torch.device('cuda'))\n"
+                         "    got = [t]\n    dist.all_gather(got, t)\n    return got\n"}
     assert found_in(tmp_path, files, "missing-set-device") == []
 
 
@@ -145,14 +145,13 @@ def test_an_init_helper_named_for_the_device_binds_it():
     src = textwrap.dedent("""
     import os, torch
     from timm import utils
-    def main(args):
-        utils.setup_default_logging()
-        args.distributed = int(os.environ.get('WORLD_SIZE', 1)) > 1
-        device = utils.init_distributed_device(args)
-        model = torch.nn.Linear(2, 2)
-        model.cuda()
-        if args.distributed:
-            model = torch.nn.parallel.DistributedDataParallel(model, device_ids=[args.device])
+    def main(opts):
+        opts.distributed = int(os.environ.get('WORLD_SIZE', 1)) > 1
+        where = utils.init_distributed_device(opts)
+        net = torch.nn.Linear(2, 2)
+        net.cuda()
+        if opts.distributed:
+            net = torch.nn.parallel.DistributedDataParallel(net, device_ids=[opts.device])
     """)
     assert found(src, "missing-set-device") == []
 
@@ -161,43 +160,43 @@ def test_cuda_in_a_file_whose_program_is_entered_out_of_view_is_a_warning(tmp_pa
     # efficientvit: the trainer and dist helpers are checked, the script that calls
     # setup.setup_dist_env (which binds the device) is not: no entry point in view
     files = {
-        "base.py": "import torch\nfrom dist import is_master, get_dist_local_rank\nclass Trainer:\n"
-                   "    def __init__(self, model):\n        self.model = model.cuda()\n"
-                   "    def prep(self):\n        self.model = torch.nn.parallel.DistributedDataParallel(\n"
-                   "            self.model, device_ids=[get_dist_local_rank()])\n",
+        "base.py": "import torch\nfrom dist import first, node_index\nclass Trainer:\n"
+                   "    def __init__(self, net):\n        self.net = net.cuda()\n"
+                   "    def prep(self):\n        self.net = torch.nn.parallel.DistributedDataParallel(\n"
+                   "            self.net, device_ids=[node_index()])\n",
         "dist.py": "import os, torch, torch.distributed\n"
-                   "def dist_init():\n    torch.distributed.init_process_group(backend='nccl')\n"
-                   "def is_master():\n    return int(os.environ['RANK']) == 0\n"
-                   "def get_dist_local_rank():\n    return int(os.environ['LOCAL_RANK'])\n"}
+                   "def start_group():\n    torch.distributed.init_process_group('nccl')\n"
+                   "def first():\n    return int(os.environ['RANK']) == 0\n"
+                   "def node_index():\n    return int(os.environ['LOCAL_RANK'])\n"}
     sev = {f[3] for f in found_in(tmp_path, files, "missing-set-device")}
     assert sev <= {"warning"} and sev
     # with the entry point in view and no bind anywhere, it stays an error
-    files["train.py"] = "from dist import dist_init\nfrom base import Trainer\n" \
-                        "if __name__ == '__main__':\n    dist_init()\n    Trainer(None)\n"
+    files["train.py"] = "from dist import start_group\nfrom base import Trainer\n" \
+                        "if __name__ == '__main__':\n    start_group()\n    Trainer(None)\n"
     assert "error" in {f[3] for f in found_in(tmp_path / "b", files, "missing-set-device")}
 
 
 def test_a_set_up_helper_out_of_view_in_the_entry_script_makes_missing_set_device_a_warning(tmp_path):
-    got = found_in(tmp_path, {"train.py": EFFICIENTVIT_TRAIN, "trainer.py": EFFICIENTVIT_TRAINER},
+    got = found_in(tmp_path, {"train.py": OUT_OF_VIEW_SETUP_ENTRY, "trainer.py": CUDA_TRAINER},
                    "missing-set-device")
     assert [f[3] for f in got] == ["warning"]
 
 
 def test_an_entry_script_in_view_that_binds_the_device_covers_the_trainer(tmp_path):
-    got = found_in(tmp_path, {"run_training.py": STARK_RUN, "train_script.py": STARK_SCRIPT}, "missing-set-device")
+    got = found_in(tmp_path, {"run_training.py": BINDING_ENTRY, "train_script.py": IMPORTED_LOOP}, "missing-set-device")
     assert got == []
 
 
 def test_a_cuda_use_in_the_other_branch_of_the_bind_is_not_before_it():
-    assert found(CODET5, "missing-set-device") == []
-    before = CODET5.replace("        torch.cuda.set_device(args.local_rank)\n",
-                            "        x = torch.zeros(1).cuda()\n        torch.cuda.set_device(args.local_rank)\n")
+    assert found(BIND_IN_ONE_BRANCH, "missing-set-device") == []
+    before = BIND_IN_ONE_BRANCH.replace("        torch.cuda.set_device(opts.local_rank)\n",
+                            "        x = torch.zeros(1).cuda()\n        torch.cuda.set_device(opts.local_rank)\n")
     assert [f[0] for f in found(before, "missing-set-device")] == ["missing-set-device"]
 
 
 def test_doras_init_binds_the_device():
-    assert found(DEMUCS, "missing-set-device") == []
-    other = DEMUCS.replace("from dora import distrib as dora_distrib", "from mylib import distrib as dora_distrib")
+    assert found(DORA_INIT, "missing-set-device") == []
+    other = DORA_INIT.replace("from dora import distrib as dora_distrib", "from mylib import distrib as dora_distrib")
     assert [f[2] for f in found(other, "missing-set-device")] == ["warning"]
 
 
@@ -218,14 +217,14 @@ def test_an_env_launch_path_that_never_binds_a_device():
     src = textwrap.dedent("""
     import datetime, os, torch
     import torch.distributed as dist
-    def init_distributed(args):
+    def start(opts):
         if "SLURM_PROCID" in os.environ:
-            args.rank = int(os.environ["SLURM_PROCID"])
-            args.gpu = args.rank % torch.cuda.device_count()
-            torch.cuda.set_device(args.gpu)
+            opts.rank = int(os.environ["SLURM_PROCID"])
+            opts.gpu = opts.rank % torch.cuda.device_count()
+            torch.cuda.set_device(opts.gpu)
         elif "RANK" in os.environ:
-            args.rank = int(os.environ["RANK"])
-            args.gpu = int(os.environ["LOCAL_RANK"])
+            opts.rank, opts.gpu = int(os.environ["RANK"]), int(os.environ["LOCAL_RANK"])
+            pass
         dist.init_process_group("nccl", timeout=datetime.timedelta(minutes=5))
     x = torch.zeros(2).cuda()
     """)

@@ -12,43 +12,43 @@ import textwrap
 from rule_check import PRE, found
 
 # ml-4m: safetensors' own `torch` module is not torch
-SAFETENSORS = PRE + """
+SAFETENSORS_LOAD = PRE + """
 from safetensors.torch import load as load_st
-with open("m.safetensors", "rb") as f:
-    tensors = load_st(f.read())
+with open("weights.safetensors", "rb") as fh:
+    weights = load_st(fh.read())
 """
 
 # verl: each rank loads back its own shard, saved offloaded to the CPU
-VERL_LOAD = PRE + """
-path = os.path.join(ckpt, f"model_world_size_{world}_rank_{rank}.pt")
-local_path = copy_to_local(path)
-state = torch.load(local_path, weights_only=False)
+OWN_SHARD_LOAD = PRE + """
+remote = os.path.join(folder, f"shard_{rank}_of_{world}.pt")
+here = fetch_copy(remote)
+state = torch.load(here, weights_only=False)
 """
 
 # OLMo-core: each rank reads back its own trainer state, named in a for loop
-OLMO_LOAD = PRE + """
-for path in (f"{d}/train/rank{dist.get_rank()}.pt", f"{d}/train/rank0.pt"):
+LOOP_NAMED_LOAD = PRE + """
+for candidate in (f"{d}/shards/part{dist.get_rank()}.pt", f"{d}/shards/part0.pt"):
     try:
-        state = torch.load(path, weights_only=False)
+        state = torch.load(candidate, weights_only=False)
         break
-    except FileNotFoundError:
-        pass
+    except OSError:
+        continue
 """
 
 # ddim: one process driving every GPU through DataParallel
-DDIM = """
+ONE_PROCESS_DP = """
 import torch
-model = torch.nn.DataParallel(Model().to("cuda"))
-states = torch.load("ckpt.pth")
+net = torch.nn.DataParallel(make_net().to("cuda"))
+saved = torch.load("weights.pt")
 """
 
 # HALOs: the resume reads scheduler.pt (a SequentialLR's state, no tensor) beside the
 # optimizer's state (GPU tensors)
-HALOS = PRE + """
-def resume(path, optimizer, scheduler):
-    optimizer.load_state_dict(torch.load(os.path.join(path, "optimizer.pt"), weights_only=True))
-    scheduler.load_state_dict(torch.load(os.path.join(path, "scheduler.pt"), weights_only=True))
-resume("ckpt", None, None)
+SCHEDULER_STATE = PRE + """
+def restore(folder, opt, sched):
+    opt.load_state_dict(torch.load(os.path.join(folder, "opt.pt"), weights_only=True))
+    sched.load_state_dict(torch.load(os.path.join(folder, "scheduler.pt"), weights_only=True))
+restore("state", None, None)
 """
 
 
@@ -56,16 +56,15 @@ def test_an_object_broadcast_through_a_buffer_needs_no_map_location():
     # ClassyVision's broadcast_object: torch.load of a BytesIO / a TemporaryFile of the bytes
     src = textwrap.dedent("""
     import io, tempfile, torch
-    def receive(data, use_disk):
-        if use_disk:
-            with tempfile.TemporaryFile("r+b") as f:
-                f.write(data)
-                f.seek(0)
-                obj = torch.load(f)
+    def unpack(payload, spill):
+        if spill:
+            with tempfile.TemporaryFile() as scratch:
+                scratch.write(payload)
+                scratch.seek(0)
+                value = torch.load(scratch)
         else:
-            buffer = io.BytesIO(data)
-            obj = torch.load(buffer)
-        return obj
+            value = torch.load(io.BytesIO(payload))
+        return value
     """)
     assert found(src, "load-without-map-location") == []
     assert len(found(src, "load-without-weights-only")) == 2  # still unpickled
@@ -73,25 +72,25 @@ def test_an_object_broadcast_through_a_buffer_needs_no_map_location():
 
 
 def test_safetensors_load_is_not_torch_load():
-    assert found(SAFETENSORS, "load-without-weights-only") == []
-    assert found(SAFETENSORS, "load-without-map-location") == []
-    plain = SAFETENSORS.replace("from safetensors.torch import load as load_st", "from torch import load as load_st")
+    assert found(SAFETENSORS_LOAD, "load-without-weights-only") == []
+    assert found(SAFETENSORS_LOAD, "load-without-map-location") == []
+    plain = SAFETENSORS_LOAD.replace("from safetensors.torch import load as load_st", "from torch import load as load_st")
     assert [f[0] for f in found(plain, "load-without-weights-only")] == ["load-without-weights-only"]
 
 
 def test_a_per_rank_shard_needs_no_map_location():
-    assert found(VERL_LOAD, "load-without-map-location") == []
-    shared = VERL_LOAD.replace('f"model_world_size_{world}_rank_{rank}.pt"', '"model.pt"')
+    assert found(OWN_SHARD_LOAD, "load-without-map-location") == []
+    shared = OWN_SHARD_LOAD.replace('f"shard_{rank}_of_{world}.pt"', '"model.pt"')
     assert found(shared, "load-without-map-location") != []
 
 
 def test_a_per_rank_file_named_by_a_loop_needs_no_map_location():
-    assert found(OLMO_LOAD, "load-without-map-location") == []
+    assert found(LOOP_NAMED_LOAD, "load-without-map-location") == []
 
 
 def test_a_single_process_data_parallel_script_needs_no_map_location():
-    assert found(DDIM, "load-without-map-location") == []
+    assert found(ONE_PROCESS_DP, "load-without-map-location") == []
 
 
 def test_a_scheduler_state_needs_no_map_location():
-    assert [f[1] for f in found(HALOS, "load-without-map-location")] == [13]
+    assert [f[1] for f in found(SCHEDULER_STATE, "load-without-map-location")] == [13]

@@ -14,11 +14,11 @@ from disttrain.doctor.analyzer import parse
 from disttrain.doctor.dataflow import Project
 from rule_check import PRE, found, found_in, rules, rule_severities
 
-ML4M_MAIN = """
+PKG_ENTRY = """
 import fourm.utils as utils
-def main(args):
-    utils.init_distributed_mode(args)
-    print("Creating model")
+def main(cfg):
+    utils.init_dist_env(cfg)
+    print("building the network")
 if __name__ == "__main__":
     main(None)
 """
@@ -26,92 +26,92 @@ if __name__ == "__main__":
 # ml-4m: the print override is installed by a helper of a package whose __init__ (the
 # re-export) is not among the files: `import fourm.utils as utils` reaches
 # fourm/utils/dist.py all the same
-ML4M_DIST = """
+PKG_DIST_HELPERS = """
 import builtins, os
 import torch
-def setup_for_distributed(is_main):
-    builtin_print = builtins.print
-    def print(*args, **kwargs):
-        if is_main or kwargs.pop("force", False):
-            builtin_print(*args, **kwargs)
-    builtins.print = print
-def init_distributed_mode(args):
-    args.gpu = int(os.environ["LOCAL_RANK"])
-    torch.cuda.set_device(args.gpu)
+def quiet_unless(loud):
+    original = builtins.print
+    def gated(*parts, **options):
+        if options.pop("always", False) or loud:
+            original(*parts, **options)
+    builtins.print = gated
+def init_dist_env(cfg):
+    cfg.device_index = int(os.environ["LOCAL_RANK"])
+    torch.cuda.set_device(cfg.device_index)
     torch.distributed.init_process_group("nccl", timeout=__import__("datetime").timedelta(minutes=5))
-    setup_for_distributed(int(os.environ["RANK"]) == 0)
+    quiet_unless(int(os.environ["RANK"]) == 0)
 """
 
 # DPR's options.py: set-up diagnostics that name this process (its rank as a %-argument
 # of a logger call, its SLURM ids); CosyVoice: a message built with the rank appended
-DPR_LOGS = PRE + """
+SETUP_DIAGNOSTICS = PRE + """
 import logging
 logging.basicConfig(level=logging.INFO)
 logger = logging.getLogger()
-def setup_cfg_gpu(cfg):
-    logger.info("CFG's local_rank=%s", cfg.local_rank)
+def describe_process(cfg):
+    logger.info("this process: local rank %s", cfg.local_rank)
     proc_id = os.environ.get("SLURM_PROCID")
-    logger.info("SLURM_PROCID %s", proc_id)
-    logger.info("16-bits training: %s ", cfg.fp16)
-def log_per_step(loss):
-    log_str = "loss {:.6f} ".format(loss)
-    log_str += " rank {}".format(rank)
-    logging.debug(log_str)
-setup_cfg_gpu(None)
-log_per_step(0.0)
+    logger.info("slurm task id %s", proc_id)
+    logger.info("half precision: %s", cfg.fp16)
+def report_step(loss):
+    line = "step loss {:.4f}".format(loss)
+    line += " on rank {}".format(rank)
+    logging.debug(line)
+describe_process(None)
+report_step(0.0)
 """
 
 # nanoVLM, LatentSync: each rank's own error report
-ERROR_REPORTS = PRE + """
-def load(names):
-    out = []
+OWN_ERROR_REPORTS = PRE + """
+def read_shards(names):
+    texts = []
     for name in names:
         try:
-            out.append(open(name).read())
-        except Exception as e:
-            print(f"Warning: Failed to load dataset shard '{name}'. Error: {e}")
+            texts.append(open(name).read())
+        except Exception as err:
+            print(f"skipping shard {name}: {err}")
             continue
-    return out
-def read_video(path):
-    if not os.path.exists(path):
-        print("Error: Could not open video.")
+    return texts
+def open_clip(path):
+    if not os.path.isfile(path):
+        print("error: cannot read the clip file")
         return None
-    print("Snapshot not found. Training from scratch")
-load(["a"])
-read_video("v.mp4")
+    print("no snapshot to resume: starting fresh")
+read_shards(["a"])
+open_clip("clip.mp4")
 """
 
 # llm.c, open_lm (rounds 1 and 5): an error report just before this rank stops with a
 # failure, and a line naming a device built from the local rank; apex's profiling stop
 # (`quit()`, a normal end) stays a repeated line
 STOPS = PRE + """
-def peek(header):
-    if header[0] != 20240520:
-        print("---> HINT: Are you passing in a correct file with --input_bin?")
+def check_header(head):
+    if head[0] != 1234:
+        print("the token file has the wrong magic number")
         exit(1)
-    if header[1] is None:
-        print(f"--hf-fsdp-block {header} not found")
+    if head[1] is None:
+        print(f"no block class named in {head}")
         return -1
 device = f"cuda:{local_rank}"
-print(f"using device: {device}")
-print("Profiling ended")
+print(f"this process runs on {device}")
+print("profiling done")
 quit()
 """
 
 # jukebox: the print in the branch where torch.distributed is not available
-JUKEBOX_PRINT = PRE + """
-def print_all(msg):
+NO_DIST_BRANCH = PRE + """
+def say_per_node(text):
     if not dist.is_available():
-        print(msg)
+        print(text)
     elif dist.get_rank() % 8 == 0:
-        print(f"{dist.get_rank() // 8}: {msg}")
-def setup():
+        print(f"node {dist.get_rank() // 8}: {text}")
+def start():
     if dist.is_available():
         return 1
     else:
-        print("Using cuda")
-print_all("x")
-setup()
+        print("single process on the GPU")
+say_per_node("x")
+start()
 if torch.cuda.is_available():
     pass
 else:
@@ -119,18 +119,18 @@ else:
 """
 
 # fast-autoaugment: the ranks other than the master bind SummaryWriter to a dummy class
-FAA = PRE + """
-is_master = rank == 0
-if not is_master:
+DUMMY_WRITER = PRE + """
+first = rank == 0
+if not first:
     from metrics import SummaryWriterDummy as SummaryWriter
 else:
     from tensorboardX import SummaryWriter
-writers = [SummaryWriter(log_dir=x) for x in ['train', 'valid']]
+boards = {name: SummaryWriter(log_dir=name) for name in ("fit", "eval")}
 """
 
 
 def test_logging_configured_by_a_set_up_out_of_view_is_not_judged():
-    src = PRE + "import logging\nfrom lavis.common.logger import setup_logger\nsetup_logger()\nlogging.info('start training')\n"
+    src = PRE + "import logging\nfrom lavis.common.logger import setup_logger\nsetup_logger()\nlogging.info('training begins')\n"
     assert found(src, "unguarded-log") == []
 
 
@@ -141,7 +141,7 @@ def test_print_after_a_distributed_set_up_out_of_view_is_not_judged(tmp_path):
         from utils import arg_util
         def main():
             args = arg_util.init_dist_and_get_args()
-            print(f'initial args: {args}')
+            print(f'options: {args}')
         main()
         """)}
     assert found_in(tmp_path, files, "unguarded-log") == []
@@ -158,13 +158,13 @@ def test_prints_before_a_library_launcher_spawns_the_workers_run_once():
     import torch
     from torch.nn.parallel import DistributedDataParallel
     from detectron2.engine import launch
-    def main(args):
+    def worker(opts):
         print('in a worker')
         model = DistributedDataParallel(torch.nn.Linear(2, 2).cuda())
     if __name__ == "__main__":
-        args = None
-        print("Command Line Args:", args)
-        launch(main, 8, args=(args,))
+        opts = None
+        print("options given:", opts)
+        launch(worker, 8, args=(opts,))
     """)
     assert [f[1] for f in found(src, "unguarded-log")] == [6]
 
@@ -174,14 +174,14 @@ def test_a_print_in_a_helper_nothing_calls_is_not_judged(tmp_path):
     files = {
         "train.py": PRE + "from utils import setup\nsetup()\n",
         "utils.py": "import torch.distributed as dist\ndef setup():\n    dist.init_process_group('nccl', timeout=t)\n"
-                    "def find_model(name):\n    print('Using Ema!')\n"
+                    "def pick_weights(name):\n    print('the averaged weights')\n"
                     "def report():\n    print('every rank')\nreport()\n"}
     assert [(f[0], f[2]) for f in found_in(tmp_path, files, "unguarded-log")] == [("utils.py", 7)]
 
 
 def test_info_on_a_logger_nothing_configures_prints_nothing():
     # qlora: logger = logging.getLogger(__name__), no basicConfig, no handler, no level
-    src = PRE + "import logging\nlogger = logging.getLogger(__name__)\nlogger.info('*** Train ***')\n"
+    src = PRE + "import logging\nlogger = logging.getLogger(__name__)\nlogger.info('fitting')\n"
     assert found(src, "unguarded-log") == []
     configured = src.replace("logger.info", "logging.basicConfig(level=logging.INFO)\nlogger.info")
     assert [f[0] for f in found(configured, "unguarded-log")] == ["unguarded-log"]
@@ -198,29 +198,29 @@ def test_a_formatter_subclass_that_names_the_rank_makes_the_logging_rank_aware()
     handler = logging.StreamHandler()
     handler.setFormatter(formatter)
     logger.addHandler(handler)
-    logger.info("Prepared!")
+    logger.info("ready")
     """)
     assert found(src, "unguarded-log") == []
 
 
 def test_a_helper_reached_through_a_package_without_its_init_is_seen(tmp_path):
-    files = {"run.py": ML4M_MAIN, "fourm/utils/dist.py": ML4M_DIST}
+    files = {"run.py": PKG_ENTRY, "fourm/utils/dist.py": PKG_DIST_HELPERS}
     assert found_in(tmp_path, files, "unguarded-log") == []
     def links(main_source: str) -> bool:
         run = parse("pkg/run.py", textwrap.dedent(main_source))
-        dist = parse("pkg/fourm/utils/dist.py", textwrap.dedent(ML4M_DIST))
+        dist = parse("pkg/fourm/utils/dist.py", textwrap.dedent(PKG_DIST_HELPERS))
         return id(dist) in Project([run, dist]).imports[id(run)]
-    assert links(ML4M_MAIN)
+    assert links(PKG_ENTRY)
     # a package that only shares the folder's last name is no link: `import torch.utils`
-    assert not links(ML4M_MAIN.replace("fourm.utils", "torch.utils"))
+    assert not links(PKG_ENTRY.replace("fourm.utils", "torch.utils"))
 
 
 def test_a_log_line_that_names_this_process_is_per_rank_on_purpose():
-    assert [f[1] for f in found(DPR_LOGS, "unguarded-log")] == [19]  # only the fp16 line
+    assert [f[1] for f in found(SETUP_DIAGNOSTICS, "unguarded-log")] == [19]  # only the fp16 line
 
 
 def test_a_ranks_own_error_report_is_no_repeated_log_line():
-    assert [f[1] for f in found(ERROR_REPORTS, "unguarded-log")] == [25]
+    assert [f[1] for f in found(OWN_ERROR_REPORTS, "unguarded-log")] == [25]
 
 
 def test_an_error_report_before_a_failing_exit_and_a_rank_device_line_are_per_rank():
@@ -228,12 +228,12 @@ def test_an_error_report_before_a_failing_exit_and_a_rank_device_line_are_per_ra
 
 
 def test_the_branch_without_torch_distributed_is_one_process():
-    assert [f[1] for f in found(JUKEBOX_PRINT, "unguarded-log")] == [27]  # torch.cuda's is no such test
+    assert [f[1] for f in found(NO_DIST_BRANCH, "unguarded-log")] == [27]  # torch.cuda's is no such test
 
 
 def test_a_summary_writer_bound_to_a_dummy_on_the_other_ranks_is_rank_aware():
-    assert found(FAA, "unguarded-log") == []
-    real = FAA.replace("from metrics import SummaryWriterDummy as SummaryWriter",
+    assert found(DUMMY_WRITER, "unguarded-log") == []
+    real = DUMMY_WRITER.replace("from metrics import SummaryWriterDummy as SummaryWriter",
                        "from tensorboard_other import SummaryWriter")
     assert [f[0] for f in found(real, "unguarded-log")] == ["unguarded-log"]
 
@@ -258,12 +258,12 @@ def test_logger_set_up_elsewhere_or_rank_aware_is_not_flagged():
 
 def test_a_print_that_names_its_rank_is_meant_per_rank():  # ddp/main.py
     src = ("import os, torch.distributed as dist\nrank = int(os.environ['RANK'])\n"
-           "dist.init_process_group('nccl', timeout=t)\nprint(f'running on rank {rank}')\n"
-           "print('loading snapshot')\n")
+           "dist.init_process_group('nccl', timeout=t)\nprint(f'rank {rank} starts')\n"
+           "print('reading the snapshot')\n")
     assert [r for r in rule_severities(src) if r[0] == "unguarded-log"] == [("unguarded-log", "warning")]
 
 
 def test_print_in_a_fabric_script_runs_on_every_rank():  # Lightning Fabric examples
-    src = ("from lightning.fabric import Fabric\nfabric = Fabric()\nprint('epoch done')\n"
+    src = ("from lightning.fabric import Fabric\nfabric = Fabric()\nprint('pass finished')\n"
            "if fabric.is_global_zero:\n    print('once')\n")
     assert [r for r in rule_severities(src) if r[0] == "unguarded-log"] == [("unguarded-log", "warning")]

@@ -14,104 +14,104 @@ from rule_check import PRE, found, found_in
 
 # audiolm-pytorch's trainers: `and` binds before `or`, so the prompt and the rmtree of
 # the shared results folder run on every rank whenever the second part is true
-AUDIOLM = """
+AND_BEFORE_OR = """
 from shutil import rmtree
 from accelerate import Accelerator
-class Trainer:
-    def __init__(self, folder, force_clear=None):
+class Fitter:
+    def __init__(self, folder, wipe=None):
         self.accelerator = Accelerator()
         self.is_main = self.accelerator.is_main_process
-        if self.is_main and force_clear is True or (force_clear is None and input("clear?") == "y"):
+        if self.is_main and wipe is True or (wipe is None and input("wipe?") == "y"):
             rmtree(folder)
         self.accelerator.wait_for_everyone()
 """
 
-MAR_ENGINE = """
+WRITER_USER = """
 import shutil
 import torch
-def evaluate(folder, log_writer=None):
-    if log_writer is not None:
-        log_writer.add_scalar("fid", 1.0, 0)
+def score(folder, board=None):
+    if board is not None:
+        board.add_scalar("quality", 1.0, 0)
         shutil.rmtree(folder)
     torch.distributed.barrier()
 """
 
 # mar: the writer exists on rank 0 only and is passed into another file's function,
 # whose `if log_writer is not None:` is then a rank guard
-MAR_MAIN = PRE + """
-from engine import evaluate
+RANK_ZERO_WRITER = PRE + """
+from engine import score
 from torch.utils.tensorboard import SummaryWriter
 if rank == 0:
-    log_writer = SummaryWriter("logs")
+    board = SummaryWriter("boards")
 else:
-    log_writer = None
-evaluate("samples", log_writer=log_writer)
+    board = None
+score("generated", board=board)
 """
 
 # CosyVoice: a join protocol (`info_dict` holds "inf"); LatentSync: a config path check
 NOT_NONFINITE = PRE + """
-def join(group, info_dict):
+def peers_done(group, info_dict):
     return False
-for batch_idx, batch in enumerate(loader):
-    if join(group, info_dict):
+for i, batch in enumerate(loader):
+    if peers_done(group, info_dict):
         break
     loss = model(batch)
-    if cfg.inference_ckpt_path == "":
-        raise ValueError("no path")
+    if cfg.inference_weights == "":
+        raise ValueError("no weights named")
 """
 
 # LatentSync: a rank whose audio features fail to load skips the step the others train
-LATENTSYNC_LOOP = PRE + """
+SKIPPED_STEP = PRE + """
 model = DDP(model, device_ids=[local_rank])
 for step, batch in enumerate(loader):
     try:
-        feats = encoder(batch["video_path"])
-    except Exception as e:
-        print(e)
+        extra = featurize(batch["clip"])
+    except Exception as err:
+        print(err)
         continue
-    loss = model(batch, feats)
+    loss = model(batch, extra)
     loss.backward()
     opt.step()
 """
 
 # LSGM: the script is its own launcher: one Process per GPU, each with its own
 # args.local_rank, so the --local_rank default is never what a process binds
-LSGM_LAUNCH = """
+OWN_LAUNCHER = """
 import argparse, os
 import torch
 import torch.distributed as dist
 from torch.multiprocessing import Process
-def init_processes(rank, size, fn, args):
+def child(rank, size, work, args):
     torch.cuda.set_device(args.local_rank)
-    dist.init_process_group(backend='nccl', init_method='env://', rank=rank, world_size=size)
-    fn(args)
+    dist.init_process_group('nccl', rank=rank, world_size=size)
+    work(args)
 parser = argparse.ArgumentParser()
 parser.add_argument('--local_rank', type=int, default=0)
-parser.add_argument('--num_process_per_node', type=int, default=1)
+parser.add_argument('--procs', type=int, default=1)
 args = parser.parse_args()
-processes = []
-for rank in range(args.num_process_per_node):
+children = []
+for rank in range(args.procs):
     args.local_rank = rank
-    p = Process(target=init_processes, args=(rank, args.num_process_per_node, print, args))
-    p.start()
-    processes.append(p)
+    c = Process(target=child, args=(rank, args.procs, print, args))
+    c.start()
+    children.append(c)
 """
 
 
 def test_a_raise_behind_a_flag_off_by_default_that_no_caller_sets_cannot_run():
     # Latte's copy of clip_grad_norm_: error_if_nonfinite defaults to False, never passed
     src = PRE + textwrap.dedent("""
-    def clip_grad_norm_(parameters, max_norm, error_if_nonfinite=False, clip_grad=True):
-        total_norm = torch.norm(torch.stack([p.grad.norm() for p in parameters]))
-        if clip_grad:
-            if error_if_nonfinite and torch.logical_or(total_norm.isnan(), total_norm.isinf()):
-                raise RuntimeError("non-finite norm")
-        return total_norm
+    def clip_norm(params, limit, error_if_nonfinite=False, clip=True):
+        norm = torch.norm(torch.stack([p.grad.norm() for p in params]))
+        if clip:
+            if error_if_nonfinite and (norm.isnan() | norm.isinf()):
+                raise RuntimeError("the gradient norm is not finite")
+        return norm
     for step in range(10):
-        clip_grad_norm_(model.parameters(), 1.0, clip_grad=True)
+        clip_norm(model.parameters(), 1.0, clip=True)
     """)
     assert found(src, "rank-local-exit") == []
-    passed = src.replace("clip_grad=True)\n", "clip_grad=True, error_if_nonfinite=True)\n")
+    passed = src.replace("clip=True)\n", "clip=True, error_if_nonfinite=True)\n")
     assert [f[0] for f in found(passed, "rank-local-exit")] == ["rank-local-exit"]
 
 
@@ -131,61 +131,61 @@ def test_an_ema_set_from_the_wrapped_model_after_the_wrap_is_synced():
 
 
 def test_an_or_after_a_rank_test_and_something_runs_on_every_rank():
-    assert [f[:2] for f in found(AUDIOLM, "guard-true-on-every-rank")] == [("guard-true-on-every-rank", 8)]
-    fixed = AUDIOLM.replace("self.is_main and force_clear is True or (force_clear is None",
-                            "self.is_main and (force_clear is True or force_clear is None")
+    assert [f[:2] for f in found(AND_BEFORE_OR, "guard-true-on-every-rank")] == [("guard-true-on-every-rank", 8)]
+    fixed = AND_BEFORE_OR.replace("self.is_main and wipe is True or (wipe is None",
+                            "self.is_main and (wipe is True or wipe is None")
     assert found(fixed, "guard-true-on-every-rank") == []
 
 
 def test_a_folder_reset_with_no_guard_before_the_barrier_runs_on_every_rank():
-    src = AUDIOLM.replace("self.is_main and force_clear is True or ", "force_clear is True or ")
+    src = AND_BEFORE_OR.replace("self.is_main and wipe is True or ", "wipe is True or ")
     assert [f[:2] for f in found(src, "guard-true-on-every-rank")] == [("guard-true-on-every-rank", 9)]
     guarded = src.replace("            rmtree(folder)", "            if self.is_main:\n                rmtree(folder)")
     assert found(guarded, "guard-true-on-every-rank") == []
 
 
 def test_a_rank_only_object_passed_to_another_file_guards_there(tmp_path):
-    files = {"main.py": MAR_MAIN, "engine.py": MAR_ENGINE}
+    files = {"main.py": RANK_ZERO_WRITER, "engine.py": WRITER_USER}
     assert found_in(tmp_path, files, "guard-true-on-every-rank") == []
-    made_everywhere = MAR_MAIN.replace('if rank == 0:\n    log_writer = SummaryWriter("logs")\nelse:\n    log_writer = None',
-                                       'log_writer = SummaryWriter("logs")')
-    assert made_everywhere != MAR_MAIN
-    everyone = {"main.py": made_everywhere, "engine.py": MAR_ENGINE}
+    made_everywhere = RANK_ZERO_WRITER.replace('if rank == 0:\n    board = SummaryWriter("boards")\nelse:\n    board = None',
+                                       'board = SummaryWriter("boards")')
+    assert made_everywhere != RANK_ZERO_WRITER
+    everyone = {"main.py": made_everywhere, "engine.py": WRITER_USER}
     assert [f[1] for f in found_in(tmp_path, everyone, "guard-true-on-every-rank")] == ["guard-true-on-every-rank"]
 
 
 def test_a_name_holding_inf_is_no_non_finite_test():
     assert found(NOT_NONFINITE, "rank-local-exit") == []
-    nan = NOT_NONFINITE.replace('cfg.inference_ckpt_path == ""', "torch.isnan(loss)")
+    nan = NOT_NONFINITE.replace('cfg.inference_weights == ""', "torch.isnan(loss)")
     assert [f[1] for f in found(nan, "rank-local-exit")] == [19]
 
 
 def test_a_rank_local_continue_before_the_ddp_backward_desynchronises_the_ranks():
-    assert [f[1] for f in found(LATENTSYNC_LOOP, "rank-local-exit")] == [18]
-    single = LATENTSYNC_LOOP.replace("model = DDP(model, device_ids=[local_rank])\n", "")
+    assert [f[1] for f in found(SKIPPED_STEP, "rank-local-exit")] == [18]
+    single = SKIPPED_STEP.replace("model = DDP(model, device_ids=[local_rank])\n", "")
     assert found(single, "rank-local-exit") == []
 
 
 def test_a_program_that_starts_its_own_processes_sets_each_local_rank():
-    assert found(LSGM_LAUNCH, "guard-true-on-every-rank") == []
-    torchrun = LSGM_LAUNCH.split("processes = []")[0] + "init_processes(0, 1, print, args)\n"
+    assert found(OWN_LAUNCHER, "guard-true-on-every-rank") == []
+    torchrun = OWN_LAUNCHER.split("children = []")[0] + "child(0, 1, print, args)\n"
     assert [f[0] for f in found(torchrun, "guard-true-on-every-rank")] == ["guard-true-on-every-rank"]
 
 
 def test_a_rank_local_exit_on_a_non_finite_loss():
     src = PRE + textwrap.dedent("""
-    def train(model, loader):
-        for x in loader:
-            loss = model(x).mean()
-            loss_value = loss.item()
-            if not math.isfinite(loss_value):
-                print("Loss is {}, stopping training".format(loss_value))
+    def fit(net, batches):
+        for x in batches:
+            loss = net(x).mean()
+            value = loss.item()
+            if not math.isfinite(value):
+                print(f"the loss is {value}: giving up")
                 sys.exit(1)
             loss.backward()
     """)
     assert found(src, "rank-local-exit") == [("rank-local-exit", 18, "warning")]
-    reduced = src.replace("        loss_value = loss.item()\n",
-                          "        dist.all_reduce(loss)\n        loss_value = loss.item()\n")
+    reduced = src.replace("        value = loss.item()\n",
+                          "        dist.all_reduce(loss)\n        value = loss.item()\n")
     assert reduced != src
     assert found(reduced, "rank-local-exit") == []
 

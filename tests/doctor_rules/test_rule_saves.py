@@ -10,122 +10,122 @@ from __future__ import annotations
 
 import textwrap
 
-from rule_check import RANK_ZERO_HELPERS, PRE, F5, found, found_in, findings, rules, rule_severities
+from rule_check import RANK_ZERO_HELPERS, PRE, ACCELERATE_TRAINER, found, found_in, findings, rules, rule_severities
 
 # moco-v3 / simsiam: "single process, or rank 0 of each node" is still a guard
-MOCO = PRE + """
-def save_checkpoint(state, filename):
-    torch.save(state, filename)
-def main(args, model):
-    if not args.multiprocessing_distributed or (args.multiprocessing_distributed and rank % 8 == 0):
-        save_checkpoint({"m": model.state_dict()}, "c.pt")
+EITHER_GUARD = PRE + """
+def write_state(state, where):
+    torch.save(state, where)
+def main(opts, net):
+    if not opts.multiprocessing_distributed or (opts.multiprocessing_distributed and rank % 8 == 0):
+        write_state({"net": net.state_dict()}, "state.pt")
 main(None, None)
 """
 
 # lerobot / EasyContext / qlora: the weights written in place by save_pretrained; the
 # config and the processors saved next to them are small metadata, not reported again
-HF_SAVE = PRE + """
-def save(model, cfg, tokenizer, out_dir):
+PRETRAINED_IN_PLACE = PRE + """
+def export(net, cfg, tokenizer, target):
     if rank == 0:
-        model.save_pretrained(out_dir)
-        cfg.save_pretrained(out_dir)
-        tokenizer.save_pretrained(out_dir)
-save(None, None, None, "out")
+        net.save_pretrained(target)
+        cfg.save_pretrained(target)
+        tokenizer.save_pretrained(target)
+export(None, None, None, "exported")
 """
 
 # verl, parler-tts: a tokenizer's or a feature extractor's files are no training state
-PROCESSORS = PRE + """
+METADATA_SAVES = PRE + """
 if rank == 0:
-    feature_extractor.save_pretrained(out_dir)
-    self.processing_class.save_pretrained(out_dir)
-    model.save_pretrained(out_dir)
+    feature_extractor.save_pretrained(export_dir)
+    self.processing_class.save_pretrained(export_dir)
+    net.save_pretrained(export_dir)
 """
 
 # verl: the tracker file is renamed into place, data.pt (saved just before) is not
-VERL_SAVE = PRE + """
+RENAME_OF_ANOTHER_FILE = PRE + """
 if rank == 0:
-    torch.save(loader.state_dict(), os.path.join(step_dir, "data.pt"))
-    tmp = tracker + ".tmp"
-    with open(tmp, "w") as f:
-        f.write(str(step))
-    os.rename(tmp, tracker)
+    torch.save(loader.state_dict(), os.path.join(step_dir, "loader.pt"))
+    partial = latest + ".tmp"
+    with open(partial, "w") as out:
+        out.write(str(step))
+    os.rename(partial, latest)
 """
 
 # OLMo-core: the state is written into the temporary working directory of a context
 # manager that renames it into place
-OLMO_SAVE = PRE + """
-class Checkpointer:
+TEMPORARY_WORK_DIR = PRE + """
+class Saver:
     def save(self, d, state):
         with self._temporary_wd(d) as wd:
-            self._save_train_state(d, wd, state)
-    def _save_train_state(self, d, wd, state):
-        train_dir = wd / "train"
-        torch.save(state, train_dir / f"rank{rank}.pt")
+            self._write_shards(d, wd, state)
+    def _write_shards(self, d, wd, state):
+        shard_dir = wd / "shards"
+        torch.save(state, shard_dir / f"part{rank}.pt")
 """
 
 # jukebox: a debug dump of sampled data just before the process exits
-DUMP = PRE + """
-def save_outputs(data):
-    torch.save(data, "data.pth.tar")
+DUMP_BEFORE_EXIT = PRE + """
+def dump_samples(samples):
+    torch.save(samples, "samples.pt")
     dist.barrier()
     exit()
-save_outputs(None)
+dump_samples(None)
 """
 
 # DeepLearningExamples: the checkpoint is copied onto the last-checkpoint name in place
-DLE = PRE + """
+COPY_ONTO_LAST = PRE + """
 import shutil
-def save_checkpoint(state, full_path, last_path):
-    torch.save(state, full_path)
-    shutil.copyfile(full_path, last_path)
+def keep(state, numbered, latest):
+    torch.save(state, numbered)
+    shutil.copyfile(numbered, latest)
 if rank == 0:
-    save_checkpoint({}, "checkpoint_0001.pth.tar", "checkpoint.pth.tar")
+    keep({}, "state-0001.pt", "state-latest.pt")
 """
 
 # vall-e: the batch that ran out of memory is dumped under a name unique to the call
-VALLE = PRE + """
+UNIQUE_NAME = PRE + """
 from lhotse.utils import uuid4
-def display_and_save_batch(batch, params):
-    filename = f"{params.exp_dir}/batch-{uuid4()}.pt"
-    torch.save(batch, filename)
-display_and_save_batch(None, None)
+def keep_failing_batch(batch, opts):
+    where = f"{opts.out}/oom-{uuid4()}.pt"
+    torch.save(batch, where)
+keep_failing_batch(None, None)
 """
 
-LSGM_TRAIN = """
+IMPORTER = """
 from util import utils
-utils.average_tensor(None)
+utils.mean_over_ranks(None)
 """
 
 # LSGM: a save helper in util/utils.py, a module the training script imports, that
 # nothing in the run calls
-LSGM_UTILS = PRE + """
-def save_checkpoint(state, is_best, save):
-    filename = os.path.join(save, 'checkpoint.pth.tar')
-    torch.save(state, filename)
-def average_tensor(t):
+UNCALLED_SAVE_HELPER = PRE + """
+def store(state, folder):
+    where = os.path.join(folder, 'state.pt')
+    torch.save(state, where)
+def mean_over_ranks(t):
     dist.all_reduce(t)
 """
 
 # pytorch/examples ddp-tutorial-series/multigpu_torchrun.py
-TORCHRUN_TRAINER = """
+LOCAL_RANK_TRAINER = """
 import os, datetime, torch
 import torch.distributed as dist
 from torch.nn.parallel import DistributedDataParallel as DDP
-class Trainer:
-    def __init__(self, model, save_every):
+class Runner:
+    def __init__(self, net, every):
         self.gpu_id = int(os.environ["LOCAL_RANK"])
         torch.cuda.set_device(self.gpu_id)
-        self.model = DDP(model.to(self.gpu_id), device_ids=[self.gpu_id])
-        self.save_every = save_every
-    def _save_checkpoint(self, epoch):
-        ckp = self.model.module.state_dict()
-        torch.save(ckp, "checkpoint.pt.tmp")
-        os.replace("checkpoint.pt.tmp", "checkpoint.pt")
-        print(f"Epoch {epoch} | Training checkpoint saved")
-    def train(self, max_epochs):
-        for epoch in range(max_epochs):
-            if self.gpu_id == 0 and epoch % self.save_every == 0:
-                self._save_checkpoint(epoch)
+        self.net = DDP(net.to(self.gpu_id), device_ids=[self.gpu_id])
+        self.every = every
+    def _store(self, epoch):
+        weights = self.net.module.state_dict()
+        torch.save(weights, "weights.pt.tmp")
+        os.replace("weights.pt.tmp", "weights.pt")
+        print(f"stored the weights after pass {epoch}")
+    def fit(self, passes):
+        for epoch in range(passes):
+            if self.gpu_id == 0 and epoch % self.every == 0:
+                self._store(epoch)
 dist.init_process_group("nccl", timeout=datetime.timedelta(minutes=5))
 """
 
@@ -137,10 +137,10 @@ def test_a_main_process_decorator_guards_the_save():
 
 def test_a_per_rank_file_name_held_in_a_variable():
     src = PRE + textwrap.dedent("""
-    def dump(queue, args):
-        queue_path = os.path.join(args.dump_path, "queue" + str(args.rank) + ".pth")
-        torch.save({"queue": queue}, queue_path)
-    dump(None, None)
+    def keep_memory_bank(bank, opts):
+        bank_file = os.path.join(opts.out, "bank" + str(opts.rank) + ".pt")
+        torch.save({"bank": bank}, bank_file)
+    keep_memory_bank(None, None)
     """)
     assert found(src, "unguarded-save") == []
 
@@ -150,14 +150,14 @@ def test_the_spawn_index_of_a_multi_node_launcher_is_a_local_rank():
     import datetime, torch
     import torch.distributed as dist
     import torch.multiprocessing as mp
-    def main_worker(gpu, ngpus_per_node, args):
-        args.gpu = gpu
-        args.rank = args.rank * ngpus_per_node + gpu
-        torch.cuda.set_device(args.gpu)
-        dist.init_process_group("nccl", rank=args.rank, timeout=datetime.timedelta(minutes=5))
-        if args.gpu == 0:
-            torch.save({}, "final.pth")
-    mp.spawn(main_worker, nprocs=8, args=(8, None))
+    def run(index, per_node, opts):
+        opts.gpu = index
+        opts.rank = opts.rank * per_node + index
+        torch.cuda.set_device(opts.gpu)
+        dist.init_process_group("nccl", rank=opts.rank, timeout=datetime.timedelta(minutes=5))
+        if opts.gpu == 0:
+            torch.save({}, "last.pt")
+    mp.spawn(run, nprocs=8, args=(8, None))
     """)
     assert found(src, "unguarded-save") == [("unguarded-save", 11, "warning")]
 
@@ -166,9 +166,9 @@ def test_a_local_rank_guard_says_the_script_runs_as_several_processes():
     # LLaVA under the HF Trainer: no init_process_group in view, saves under local_rank == 0
     src = textwrap.dedent("""
     import os, torch
-    def safe_save(trainer, output_dir, weights):
-        if trainer.args.local_rank == 0 or trainer.args.local_rank == -1:
-            torch.save(weights, os.path.join(output_dir, 'mm_projector.bin'))
+    def keep_adapter(trainer, folder, weights):
+        if trainer.args.local_rank in (0, -1):
+            torch.save(weights, os.path.join(folder, 'adapter.bin'))
     """)
     assert [f[:1] + f[2:] for f in found(src, "unguarded-save")] == [("unguarded-save", "warning")]
     plain = "import torch\ndef save(w, p):\n    torch.save(w, p)\n"
@@ -185,59 +185,59 @@ def test_torch_save_into_a_write_and_rename_context_is_atomic():
 
 
 def test_single_process_or_rank_zero_stays_a_guard():
-    assert found(MOCO, "unguarded-save") == []
+    assert found(EITHER_GUARD, "unguarded-save") == []
 
 
 def test_save_pretrained_into_the_final_folder_is_not_atomic():
-    assert [f[:2] for f in found(HF_SAVE, "non-atomic-save")] == [("non-atomic-save", 14)]
-    aside = HF_SAVE.replace("model.save_pretrained(out_dir)", "model.save_pretrained(out_dir + '.tmp')\n"
-                            "        os.replace(out_dir + '.tmp', out_dir)")
+    assert [f[:2] for f in found(PRETRAINED_IN_PLACE, "non-atomic-save")] == [("non-atomic-save", 14)]
+    aside = PRETRAINED_IN_PLACE.replace("net.save_pretrained(target)", "net.save_pretrained(target + '.tmp')\n"
+                            "        os.replace(target + '.tmp', target)")
     assert found(aside, "non-atomic-save") == []
 
 
 def test_a_processor_or_feature_extractor_save_is_not_a_checkpoint():
-    assert [f[1] for f in found(PROCESSORS, "non-atomic-save")] == [15]
+    assert [f[1] for f in found(METADATA_SAVES, "non-atomic-save")] == [15]
 
 
 def test_a_move_of_another_file_does_not_make_a_save_atomic():
-    assert [f[1] for f in found(VERL_SAVE, "non-atomic-save")] == [13]
-    aside = VERL_SAVE.replace('os.path.join(step_dir, "data.pt")', "data_tmp").replace(
-        "os.rename(tmp, tracker)", "os.rename(tmp, tracker)\n    os.replace(data_tmp, data_path)")
+    assert [f[1] for f in found(RENAME_OF_ANOTHER_FILE, "non-atomic-save")] == [13]
+    aside = RENAME_OF_ANOTHER_FILE.replace('os.path.join(step_dir, "loader.pt")', "loader_tmp").replace(
+        "os.rename(partial, latest)", "os.rename(partial, latest)\n    os.replace(loader_tmp, loader_path)")
     assert found(aside, "non-atomic-save") == []
 
 
 def test_accelerator_save_is_a_non_atomic_save():
-    assert [f[1] for f in found(F5, "non-atomic-save")] == [9]
+    assert [f[1] for f in found(ACCELERATE_TRAINER, "non-atomic-save")] == [9]
 
 
 def test_a_save_into_a_temporary_working_directory_is_atomic():
-    assert found(OLMO_SAVE, "non-atomic-save") == []
-    direct = OLMO_SAVE.replace("with self._temporary_wd(d) as wd:", "with self._open_dir(d) as wd:")
+    assert found(TEMPORARY_WORK_DIR, "non-atomic-save") == []
+    direct = TEMPORARY_WORK_DIR.replace("with self._temporary_wd(d) as wd:", "with self._open_dir(d) as wd:")
     assert found(direct, "non-atomic-save") != []
 
 
 def test_a_dump_right_before_exit_is_no_checkpoint():
-    assert found(DUMP, "non-atomic-save") == []
+    assert found(DUMP_BEFORE_EXIT, "non-atomic-save") == []
 
 
 def test_a_copy_of_a_checkpoint_onto_another_name_is_not_atomic():
-    assert [f[1] for f in found(DLE, "non-atomic-save")] == [14, 15]
-    aside = DLE.replace("shutil.copyfile(full_path, last_path)", "shutil.copyfile(full_path, last_path + '.tmp')")
+    assert [f[1] for f in found(COPY_ONTO_LAST, "non-atomic-save")] == [14, 15]
+    aside = COPY_ONTO_LAST.replace("shutil.copyfile(numbered, latest)", "shutil.copyfile(numbered, latest + '.tmp')")
     assert [f[1] for f in found(aside, "non-atomic-save")] == [14]
 
 
 def test_a_file_named_by_uuid4_has_one_writer():
-    assert found(VALLE, "unguarded-save") == []
-    shared = VALLE.replace("batch-{uuid4()}.pt", "batch.pt")
+    assert found(UNIQUE_NAME, "unguarded-save") == []
+    shared = UNIQUE_NAME.replace("oom-{uuid4()}.pt", "oom.pt")
     assert [f[2] for f in found(shared, "unguarded-save")] == ["error"]
 
 
 def test_a_save_helper_of_an_imported_module_that_nothing_calls_is_not_judged(tmp_path):
-    files = {"util/utils.py": LSGM_UTILS, "train_vae.py": LSGM_TRAIN}
+    files = {"util/utils.py": UNCALLED_SAVE_HELPER, "train_vae.py": IMPORTER}
     assert found_in(tmp_path, files, "unguarded-save") == []
-    called = {**files, "train_vae.py": LSGM_TRAIN + "utils.save_checkpoint({}, False, 'out')\n"}
+    called = {**files, "train_vae.py": IMPORTER + "utils.store({}, 'out')\n"}
     assert [f[3] for f in found_in(tmp_path / "called", called, "unguarded-save")] == ["error"]
-    alone = {"util/utils.py": LSGM_UTILS}  # nobody in view imports it: a caller out of view
+    alone = {"util/utils.py": UNCALLED_SAVE_HELPER}  # nobody in view imports it: a caller out of view
     assert [f[3] for f in found_in(tmp_path / "alone", alone, "unguarded-save")] == ["warning"]
 
 
@@ -252,7 +252,7 @@ def test_a_non_atomic_save_through_a_rank_zero_wrapper_is_reported_at_the_call(t
 
 
 def test_method_called_only_under_a_local_rank_guard_is_a_multi_node_warning():
-    found = [f for f in findings(TORCHRUN_TRAINER) if f.rule in ("unguarded-save", "unguarded-log")]
+    found = [f for f in findings(LOCAL_RANK_TRAINER) if f.rule in ("unguarded-save", "unguarded-log")]
     assert {(f.rule, f.severity) for f in found} == {("unguarded-save", "warning"),
                                                      ("unguarded-log", "warning")}
     assert all("local rank" in f.message and "node" in f.message for f in found)
@@ -260,7 +260,7 @@ def test_method_called_only_under_a_local_rank_guard_is_a_multi_node_warning():
 
 
 def test_method_called_only_under_a_global_rank_guard_is_fine():
-    src = TORCHRUN_TRAINER.replace('self.gpu_id == 0 and', 'int(os.environ["RANK"]) == 0 and')
+    src = LOCAL_RANK_TRAINER.replace('self.gpu_id == 0 and', 'int(os.environ["RANK"]) == 0 and')
     assert [r for r in rules(src) if r in ("unguarded-save", "unguarded-log")] == []
 
 

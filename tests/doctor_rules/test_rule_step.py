@@ -11,57 +11,57 @@ from __future__ import annotations
 
 import textwrap
 
-from rule_check import PRE, PRE_FSDP2, OPEN_LM, found, found_in, rule_severities
+from rule_check import PRE, PRE_FSDP2, FSDP_AS_A_MODE, found, found_in, rule_severities
 
-# LSGM: the scaled gradients are all-reduced by hand (a helper in utils) before
+# HAND_REDUCED_SCALED_GRADS: the scaled gradients are all-reduced by hand (a helper in utils) before
 # scaler.step unscales them: every rank sees the same inf/nan
-LSGM = PRE + """
+HAND_REDUCED_SCALED_GRADS = PRE + """
 from torch.cuda.amp import GradScaler
-def average_gradients(params, is_distributed):
-    for param in params:
-        if param.requires_grad:
-            dist.all_reduce(param.grad.data, op=dist.ReduceOp.SUM)
-            param.grad.data /= dist.get_world_size()
-def train(model, optimizer, loader):
-    grad_scalar = GradScaler(2**10)
-    for x in loader:
-        loss = model(x)
-        grad_scalar.scale(loss).backward()
-        average_gradients(model.parameters(), True)
-        grad_scalar.step(optimizer)
-        grad_scalar.update()
-train(None, None, [])
+def mean_grads(params):
+    for p in params:
+        if p.grad is not None:
+            dist.all_reduce(p.grad)
+            p.grad /= dist.get_world_size()
+def fit(net, opt, batches):
+    scaler = GradScaler(1024)
+    for x in batches:
+        loss = net(x)
+        scaler.scale(loss).backward()
+        mean_grads(net.parameters())
+        scaler.step(opt)
+        scaler.update()
+fit(None, None, [])
 """
 
 
 def test_a_grad_scaler_after_assert_not_fsdp_is_the_ddp_path_s():
-    assert found(OPEN_LM, "gradscaler-unsynced") == []
-    on = OPEN_LM.replace('        assert not args.fsdp, "FSDP not supported with amp"\n', "")
+    assert found(FSDP_AS_A_MODE, "gradscaler-unsynced") == []
+    on = FSDP_AS_A_MODE.replace('        assert not args.fsdp, "amp runs on the DDP path only"\n', "")
     assert [f[0] for f in found(on, "gradscaler-unsynced")] == ["gradscaler-unsynced"]
 
 
 def test_gradients_reduced_by_hand_before_the_scaler_step_need_no_synced_scaler():
-    assert found(LSGM, "gradscaler-unsynced") == []
-    late = LSGM.replace("        average_gradients(model.parameters(), True)\n        grad_scalar.step(optimizer)\n",
-                        "        grad_scalar.step(optimizer)\n        average_gradients(model.parameters(), True)\n")
+    assert found(HAND_REDUCED_SCALED_GRADS, "gradscaler-unsynced") == []
+    late = HAND_REDUCED_SCALED_GRADS.replace("        mean_grads(net.parameters())\n        scaler.step(opt)\n",
+                        "        scaler.step(opt)\n        mean_grads(net.parameters())\n")
     assert [f[2] for f in found(late, "gradscaler-unsynced")] == ["warning"]
-    unscaled = LSGM.replace("        average_gradients(model.parameters(), True)\n",
-                            "        grad_scalar.unscale_(optimizer)\n        average_gradients(model.parameters(), True)\n")
+    unscaled = HAND_REDUCED_SCALED_GRADS.replace("        mean_grads(net.parameters())\n",
+                            "        scaler.unscale_(opt)\n        mean_grads(net.parameters())\n")
     assert [f[2] for f in found(unscaled, "gradscaler-unsynced")] == ["warning"]
 
 
 def test_accumulation_without_no_sync_with_the_loop_and_the_wrap_in_different_files(tmp_path):
     engine = """
-    def train_one_epoch(model, optimizer, loader, accum_iter):
-        for i, x in enumerate(loader):
-            loss = model(x).mean() / accum_iter
+    def one_pass(net, opt, batches, every):
+        for i, x in enumerate(batches):
+            loss = net(x).mean() / every
             loss.backward()
-            if (i + 1) % accum_iter == 0:
-                optimizer.step()
-                optimizer.zero_grad()
+            if (i + 1) % every == 0:
+                opt.step()
+                opt.zero_grad()
     """
     main = PRE + textwrap.dedent("""
-    from engine import train_one_epoch
+    from engine import one_pass
     model = DDP(nn.Linear(2, 2).cuda(), device_ids=[local_rank])
     """)
     got = found_in(tmp_path, {"engine.py": engine, "main.py": main}, "accumulation-without-no-sync")
