@@ -149,3 +149,13 @@ def test_exclusive_branches_do_not_combine_for_two_statement_rules():
     same_path = PRE + "from torch.distributed.fsdp import FullyShardedDataParallel as FSDP\n" \
         "model = nn.Linear(2, 2).cuda()\nopt = torch.optim.SGD(model.parameters())\nmodel = FSDP(model)\n"
     assert "optimizer-before-wrap" in rules(same_path)
+
+
+def test_data_parallel_behind_a_gpu_count_test_is_still_data_parallel():
+    src = "import torch\nnet = torch.nn.Linear(4, 4)\nif torch.cuda.device_count() > 1:\n" \
+          "    net = torch.nn.DataParallel(net)\n"
+    assert found(src, "data-parallel") == [("data-parallel", 4, "warning")]
+    # DistributedDataParallel imported under a short alias is not DataParallel
+    ddp = "import torch\nfrom torch.nn.parallel import DistributedDataParallel as DP\n" \
+          "net = DP(torch.nn.Linear(4, 4).cuda())\n"
+    assert found(ddp, "data-parallel") == []

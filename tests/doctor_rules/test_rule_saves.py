@@ -274,3 +274,24 @@ def test_a_lightning_ddp_trainer_makes_the_script_multi_process():  # Lightning#
     src = "import lightning as L, torch\ntrainer = L.Trainer(strategy={s!r})\ntorch.save(m, 'm.pt')\n"
     assert ("unguarded-save", "error") in rule_severities(src.format(s="ddp"))
     assert not [r for r in rule_severities(src.format(s="auto")) if r[0] == "unguarded-save"]
+
+
+RESUMING = PRE + """
+start = torch.load("run/last.pt", map_location="cpu", weights_only=True)
+for epoch in range(start["epoch"], 10):
+    for x in loader:
+        optimizer.zero_grad()
+    if rank == 0:
+        torch.save({"net": net.state_dict(), "optimizer": optimizer.state_dict(), "epoch": epoch}, "run/tmp.pt")
+        os.replace("run/tmp.pt", "run/last.pt")
+"""
+
+
+def test_a_checkpoint_a_run_resumes_from_needs_its_rng_state():
+    assert found(RESUMING, "checkpoint-missing-state") == [("checkpoint-missing-state", 17, "warning")]
+    with_rng = RESUMING.replace('"epoch": epoch}', '"epoch": epoch, "rng": torch.get_rng_state()}')
+    assert found(with_rng, "checkpoint-missing-state") == []
+    # the same save in a script that never loads one back is an export, not a resume point
+    export = RESUMING.replace('start = torch.load("run/last.pt", map_location="cpu", weights_only=True)\n',
+                              'start = {"epoch": 0}\n')
+    assert export != RESUMING and found(export, "checkpoint-missing-state") == []

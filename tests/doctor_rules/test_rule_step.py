@@ -77,3 +77,34 @@ def test_a_plain_grad_scaler_is_right_under_fsdp2():  # torch 2.13: DTensor redu
 def test_accelerate_no_sync_under_fsdp2_is_the_library_s_business():
     src = PRE_FSDP2 + "fully_shard(model)\nwith accelerator.no_sync(model):\n    pass\n"
     assert not [r for r in rule_severities(src) if r[0] == "fsdp2-no-sync"]
+
+
+def test_a_loss_divided_by_the_accumulation_count_twice_is_an_error():
+    src = PRE + "accum = 8\nfor x in batches:\n    loss = net(x).mean() / accum\n    loss = loss / accum\n" \
+                "    loss.backward()\n"
+    assert found(src, "loss-divided-twice") == [("loss-divided-twice", 14, "error")]
+    # another divisor (a temperature) before the one division by the count is no second one
+    scaled = PRE + "accum, tau = 8, 0.07\nfor x in batches:\n    logits = net(x) / tau\n" \
+                   "    loss = logits.mean() / accum\n    loss.backward()\n"
+    assert found(scaled, "loss-divided-twice") == []
+
+
+def test_stepping_when_a_zero_based_index_is_a_multiple_steps_after_one_micro_batch():
+    src = PRE + "every = 2\nfor n, x in enumerate(batches):\n    (net(x).mean() / every).backward()\n" \
+                "    if n % every == 0:\n        opt.step()\n        opt.zero_grad()\n"
+    assert found(src, "accumulation-off-by-one") == [("accumulation-off-by-one", 15, "warning")]
+    # counting from 1 makes the same test step after each full window
+    from_one = src.replace("enumerate(batches)", "enumerate(batches, start=1)")
+    assert found(from_one, "accumulation-off-by-one") == []
+
+
+def test_the_torch_clip_on_an_fsdp1_module_clips_each_shard_by_its_own_norm():
+    clip = "torch.nn.utils.clip_grad_norm_(net.parameters(), max_norm=0.5)\n"
+    fsdp1 = PRE + "from torch.distributed.fsdp import FullyShardedDataParallel\n" \
+                  "net = FullyShardedDataParallel(nn.Linear(4, 4).cuda())\n" + clip
+    assert found(fsdp1, "fsdp1-clip-grad") == [("fsdp1-clip-grad", 13, "error")]
+    # the same call on a DDP replica or an FSDP2 (DTensor) module sees the global norm
+    ddp = PRE + "net = DDP(nn.Linear(4, 4).cuda(), device_ids=[local_rank])\n" + clip
+    fsdp2 = PRE + "from torch.distributed.fsdp import fully_shard\nnet = nn.Linear(4, 4).cuda()\n" \
+                  "fully_shard(net)\n" + clip
+    assert found(ddp, "fsdp1-clip-grad") == [] and found(fsdp2, "fsdp1-clip-grad") == []
