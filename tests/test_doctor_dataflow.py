@@ -12,35 +12,9 @@ from __future__ import annotations
 
 import textwrap
 
-from disttrain.doctor.analyzer import analyze_paths, analyze_source
+from disttrain.doctor.analyzer import analyze_source
+from doctor_rules.rule_check import PRE, found, found_in  # noqa: F401  (shared helpers; found_in re-exported)
 from doctor_rules.rule_check import RANK_ZERO_HELPERS as MISC  # misc.py: a set-up helper, a print override
-
-PRE = """
-import datetime, math, os, sys
-import torch
-import torch.nn as nn
-import torch.distributed as dist
-from torch.nn.parallel import DistributedDataParallel as DDP
-local_rank = int(os.environ["LOCAL_RANK"])
-torch.cuda.set_device(local_rank)
-dist.init_process_group("nccl", timeout=datetime.timedelta(minutes=5))
-rank = dist.get_rank()
-"""
-
-
-def found(source: str, rule: str | None = None) -> list[tuple[str, int, str]]:
-    out = [(f.rule, f.line, f.severity) for f in analyze_source("s.py", textwrap.dedent(source))]
-    return [x for x in out if rule is None or x[0] == rule]
-
-
-def found_in(tmp_path, files: dict[str, str], rule: str | None = None) -> list[tuple[str, str, int, str]]:
-    for name, text in files.items():
-        p = tmp_path / name
-        p.parent.mkdir(parents=True, exist_ok=True)
-        p.write_text(textwrap.dedent(text))
-    _, fs = analyze_paths([str(tmp_path)])
-    out = [(str(f.file).rsplit("/", 1)[-1], f.rule, f.line, f.severity) for f in fs]
-    return [x for x in out if rule is None or x[1] == rule]
 
 
 # ----- the causes of false findings ----------------------------------------------------

@@ -9,6 +9,7 @@ showed the case (a fact); the code is ours.
 from __future__ import annotations
 
 import textwrap
+from pathlib import Path
 
 from rule_check import PRE, found, found_in, rules
 
@@ -46,28 +47,9 @@ def wrap_for_devices(net, device, n_gpu=1, local_rank=-1):
     return net
 """
 
-# pytorch/examples imagenet/main.py: DDP when distributed, DataParallel otherwise.
-WRAP_BY_MODE = """
-import torch, torch.nn as nn, torch.distributed as dist, datetime
-def run(index, opts):
-    if opts.distributed:
-        dist.init_process_group("nccl", init_method=opts.url, timeout=datetime.timedelta(minutes=5))
-    net = nn.Linear(2, 2)
-    if not torch.cuda.is_available():
-        print("no GPU: running on the CPU")
-    elif opts.distributed:
-        torch.cuda.set_device(opts.gpu)
-        net.cuda(opts.gpu)
-        net = torch.nn.parallel.DistributedDataParallel(net, device_ids=[opts.gpu])
-    elif opts.gpu is not None:
-        torch.cuda.set_device(opts.gpu)
-        net = net.cuda(opts.gpu)
-    elif opts.split_features:
-        net.body = torch.nn.DataParallel(net.body)
-        net.cuda()
-    else:
-        net = torch.nn.DataParallel(net).cuda()
-"""
+# DDP when distributed, DataParallel otherwise: the corpus's script in the shape of an
+# ImageNet training script (its findings are held by tests/test_doctor_corpus.py)
+WRAP_BY_MODE = (Path(__file__).parent.parent / "doctor_corpus" / "imagenet_style.py").read_text()
 
 
 def test_a_checkpoint_resumed_into_the_same_wrapper_keeps_its_keys():
@@ -125,6 +107,9 @@ def test_data_parallel_where_the_set_up_pins_the_gpu_count_to_one_is_the_single_
 
 def test_data_parallel_in_the_non_distributed_branch_is_not_ddp():
     assert "data-parallel-in-ddp" not in rules(WRAP_BY_MODE)
+    submodule = WRAP_BY_MODE.replace("        net = torch.nn.DataParallel(net).cuda()\n",
+                                     "        net.body = torch.nn.DataParallel(net.body)\n")
+    assert submodule != WRAP_BY_MODE and "data-parallel-in-ddp" not in rules(submodule)
 
 
 def test_exclusive_branches_do_not_combine_for_two_statement_rules():

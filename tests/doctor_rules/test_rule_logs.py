@@ -12,12 +12,12 @@ import textwrap
 
 from disttrain.doctor.analyzer import parse
 from disttrain.doctor.dataflow import Project
-from rule_check import PRE, found, found_in, rules, rule_severities
+from rule_check import RANK_ZERO_HELPERS, PRE, found, found_in, rules, rule_severities
 
 PKG_ENTRY = """
 import fourm.utils as utils
 def main(cfg):
-    utils.init_dist_env(cfg)
+    utils.start_from_env(cfg)
     print("building the network")
 if __name__ == "__main__":
     main(None)
@@ -26,21 +26,7 @@ if __name__ == "__main__":
 # ml-4m: the print override is installed by a helper of a package whose __init__ (the
 # re-export) is not among the files: `import fourm.utils as utils` reaches
 # fourm/utils/dist.py all the same
-PKG_DIST_HELPERS = """
-import builtins, os
-import torch
-def quiet_unless(loud):
-    original = builtins.print
-    def gated(*parts, **options):
-        if options.pop("always", False) or loud:
-            original(*parts, **options)
-    builtins.print = gated
-def init_dist_env(cfg):
-    cfg.device_index = int(os.environ["LOCAL_RANK"])
-    torch.cuda.set_device(cfg.device_index)
-    torch.distributed.init_process_group("nccl", timeout=__import__("datetime").timedelta(minutes=5))
-    quiet_unless(int(os.environ["RANK"]) == 0)
-"""
+PKG_DIST_HELPERS = RANK_ZERO_HELPERS
 
 # DPR's options.py: set-up diagnostics that name this process (its rank as a %-argument
 # of a logger call, its SLURM ids); CosyVoice: a message built with the rank appended
