@@ -89,9 +89,15 @@ def ready_cache(entries: list[Entry] | None = None) -> Path | None:
     return root if root.is_dir() and not stale(root, entries) else None
 
 
-HOW_TO_FETCH = ("the doctor's public corpus is not in the cache ({dir}): run `python -m "
-                "bench.doctor_corpus fetch` (network) or `python -m bench.doctor_corpus fetch "
-                "--from-git DIR` (local clones), or point $DISTTRAIN_CORPUS_DIR at a fetched copy")
+def how_to_fetch(entries: list[Entry] | None = None) -> str:
+    """One line: what the cache lacks and how to fill it."""
+    root = cache_dir()
+    entries = load_manifest() if entries is None else entries
+    lacks = (f"{len(stale(root, entries))} of its {len(entries)} files are missing or changed in "
+             if root.is_dir() else "it is not in ")
+    return (f"the doctor's public corpus is not fetched ({lacks}{root}): run `python -m "
+            "bench.doctor_corpus fetch` (network) or `python -m bench.doctor_corpus fetch "
+            "--from-git DIR` (local clones), or point $DISTTRAIN_CORPUS_DIR at a fetched copy")
 
 
 # ----- where the bytes come from -------------------------------------------------------

@@ -216,7 +216,10 @@ def _latest_round_text(projects: list[ProjectResult] | None) -> str:
 
 
 def _no_corpus() -> list[str]:
-    return ["Not measured here: " + corpus_fetch.HOW_TO_FETCH.format(dir=corpus_fetch.cache_dir()) + ".", ""]
+    # no path of this machine in the section: it may be committed
+    return ["Not measured here: the public corpus was not fetched (`python -m bench.doctor_corpus fetch`, "
+            "or `fetch --from-git DIR` over local clones, into $DISTTRAIN_CORPUS_DIR, by default "
+            "~/.cache/disttrain/doctor_corpus).", ""]
 
 
 def render(real: RealResult | None, cases: list[BugCase], projects: list[ProjectResult] | None) -> str:
@@ -352,7 +355,7 @@ def main(argv: list[str] | None = None) -> int:
     if cache:
         _print_current(real, projects)
     else:
-        print(corpus_fetch.HOW_TO_FETCH.format(dir=corpus_fetch.cache_dir()))
+        print(corpus_fetch.how_to_fetch())
     print(f"wrote {args.out}")
     for line in targets(real, cases) or ["real/ and bugs/: all targets met"]:
         print(line)
