@@ -1,6 +1,14 @@
-"""Doctor on real projects (issue 26): tests/doctor_corpus/projects/, split once by a hash
-of each project's name into a tuning half and a held-back half, each finding reviewed.
-Used by bench/doctor_corpus.py (the section) and tests/test_doctor_corpus.py.
+"""Doctor on real projects (issue 26): public projects split once by a hash of each
+project's name into a tuning half and a held-back half, each finding reviewed.
+
+tests/doctor_corpus/projects/OWNER__REPO/ keeps what we wrote about a project: project.json
+(repository, commit, licence, round) and review.json (a verdict and a reason per finding,
+the misses). The project's files are not in the repository: tests/doctor_corpus/manifest.json
+pins them and bench/corpus_fetch.py brings them into the cache, where the doctor reads
+them. The recorded figures of each round come from the reviews and the manifest alone
+(`reviewed_projects`, `frozen_figures`); the current doctor's need the cache
+(`measure_projects`). Used by bench/doctor_corpus.py (the section) and
+tests/test_doctor_corpus.py.
 """
 
 from __future__ import annotations
@@ -10,6 +18,7 @@ from collections import defaultdict
 from dataclasses import dataclass, field
 from pathlib import Path
 
+from bench.corpus_fetch import Entry, load_manifest
 from bench.doctor_causes import (  # noqa: F401  (re-exported with the figures)
     HELD_BACK_CAUSES, ROUND3_CAUSES, ROUND4_CAUSES, ROUND5_CAUSES, ROUND6_CAUSES, ROUND7_CAUSES, ROUND8_CAUSES, ROUND9_CAUSES,
     ROUND10_CAUSES)
@@ -55,14 +64,28 @@ class ProjectResult:
 
 
 def project_dirs() -> list[Path]:
+    """The reviewed projects' folders in the tree (project.json and review.json)."""
     return sorted(p for p in PROJECTS.iterdir() if (p / "project.json").exists()) if PROJECTS.exists() else []
 
 
-def measure_project(d: Path) -> ProjectResult:
+def _project_files(d: Path, manifest: list[Entry]) -> list[Entry]:
+    prefix = f"{PROJECTS.name}/{d.name}/"
+    return [e for e in manifest if e.file.startswith(prefix)]
+
+
+def measure_project(d: Path, cache: Path | None = None, manifest: list[Entry] | None = None) -> ProjectResult:
+    """Project `d`'s review, with the current doctor's findings on its files in `cache`
+    (checked as one program); with no cache, its files and lines from the manifest and
+    no findings (enough for the recorded figures, `frozen_figures`)."""
     meta = json.loads((d / "project.json").read_text())
-    files, found = analyze_paths([str(d)])
-    lines = sum(len(p.read_text().splitlines()) for p in files)
-    got = [(Path(f.file).relative_to(d).as_posix(), f.rule, f.line, f.severity) for f in found]
+    if cache is None:
+        entries = _project_files(d, load_manifest() if manifest is None else manifest)
+        nfiles, lines, got = len(entries), sum(e.lines for e in entries), []
+    else:
+        root = cache / d.relative_to(PROJECTS.parent)
+        files, found = analyze_paths([str(root)])
+        nfiles, lines = len(files), sum(len(p.read_text().splitlines()) for p in files)
+        got = [(Path(f.file).relative_to(root).as_posix(), f.rule, f.line, f.severity) for f in found]
     review_path = d / "review.json"
     review = json.loads(review_path.read_text()) if review_path.exists() else {"findings": [], "missed": []}
     verdicts = {(e["file"], e["rule"], e["line"], e["severity"]): e for e in review.get("findings", [])}
@@ -73,21 +96,29 @@ def measure_project(d: Path) -> ProjectResult:
         if key not in set(got) and e["verdict"] == "true":
             missed.append({"file": key[0], "line": key[2], "rule": key[1], "kind": category(key[1]),
                            "reason": "(no longer reported) " + e.get("reason", "")})
-    return ProjectResult(meta["name"], half(meta["name"]), len(files), lines, got, verdicts, missed, unreviewed,
+    return ProjectResult(meta["name"], half(meta["name"]), nfiles, lines, got, verdicts, missed, unreviewed,
                          meta.get("round", 1), list(review.get("missed", [])))
 
 
 _MEASURED: dict = {}
 
 
-def measure_projects() -> list[ProjectResult]:
-    """Every project, measured once per process (the tests and the section share it)."""
-    key = tuple((d, (d / "review.json").stat().st_mtime if (d / "review.json").exists() else 0)
-                for d in project_dirs())
+def measure_projects(cache: Path) -> list[ProjectResult]:
+    """Every project, the current doctor run on its files in `cache`; once per process
+    (the section asks several times)."""
+    key = (cache, tuple((d, (d / "review.json").stat().st_mtime if (d / "review.json").exists() else 0)
+                        for d in project_dirs()))
     if key not in _MEASURED:
         _MEASURED.clear()
-        _MEASURED[key] = [measure_project(d) for d in project_dirs()]
+        _MEASURED[key] = [measure_project(d, cache) for d in project_dirs()]
     return _MEASURED[key]
+
+
+def reviewed_projects() -> list[ProjectResult]:
+    """Every project as its review and the manifest describe it, no doctor run and no
+    corpus needed: what `frozen_figures` counts."""
+    manifest = load_manifest()
+    return [measure_project(d, None, manifest) for d in project_dirs()]
 
 
 def project_totals(results: list[ProjectResult]) -> dict:

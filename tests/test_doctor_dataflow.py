@@ -12,65 +12,12 @@ from __future__ import annotations
 
 import textwrap
 
-from disttrain.doctor.analyzer import analyze_paths, analyze_source
-
-PRE = """
-import datetime, math, os, sys
-import torch
-import torch.nn as nn
-import torch.distributed as dist
-from torch.nn.parallel import DistributedDataParallel as DDP
-local_rank = int(os.environ["LOCAL_RANK"])
-torch.cuda.set_device(local_rank)
-dist.init_process_group("nccl", timeout=datetime.timedelta(minutes=5))
-rank = dist.get_rank()
-"""
-
-
-def found(source: str, rule: str | None = None) -> list[tuple[str, int, str]]:
-    out = [(f.rule, f.line, f.severity) for f in analyze_source("s.py", textwrap.dedent(source))]
-    return [x for x in out if rule is None or x[0] == rule]
-
-
-def found_in(tmp_path, files: dict[str, str], rule: str | None = None) -> list[tuple[str, str, int, str]]:
-    for name, text in files.items():
-        p = tmp_path / name
-        p.parent.mkdir(parents=True, exist_ok=True)
-        p.write_text(textwrap.dedent(text))
-    _, fs = analyze_paths([str(tmp_path)])
-    out = [(str(f.file).rsplit("/", 1)[-1], f.rule, f.line, f.severity) for f in fs]
-    return [x for x in out if rule is None or x[1] == rule]
+from disttrain.doctor.analyzer import analyze_source
+from doctor_rules.rule_check import PRE, found, found_in  # noqa: F401  (shared helpers; found_in re-exported)
+from doctor_rules.rule_check import RANK_ZERO_HELPERS as MISC  # misc.py: a set-up helper, a print override
 
 
 # ----- the causes of false findings ----------------------------------------------------
-
-MISC = """
-import builtins, datetime, os
-import torch
-import torch.distributed as dist
-
-def setup_for_distributed(is_master):
-    builtin_print = builtins.print
-    def print(*args, **kwargs):
-        force = kwargs.pop("force", False)
-        if is_master or force:
-            builtin_print(*args, **kwargs)
-    builtins.print = print
-
-def init_distributed_mode(args):
-    args.rank = int(os.environ["RANK"])
-    args.gpu = int(os.environ["LOCAL_RANK"])
-    torch.cuda.set_device(args.gpu)
-    dist.init_process_group("nccl", timeout=datetime.timedelta(minutes=5))
-    setup_for_distributed(args.rank == 0)
-
-def is_main_process():
-    return dist.get_rank() == 0
-
-def save_on_master(*args, **kwargs):
-    if is_main_process():
-        torch.save(*args, **kwargs)
-"""
 
 MAIN = """
 import torch
@@ -79,9 +26,9 @@ import misc
 from engine import train_one_epoch
 
 def main(args):
-    misc.init_distributed_mode(args)
+    misc.start_from_env(args)
     print("job dir", args.output_dir)
-    model = DDP(torch.nn.Linear(2, 2).cuda(), device_ids=[args.gpu])
+    model = DDP(torch.nn.Linear(2, 2).cuda(), device_ids=[args.device_index])
     train_one_epoch(model, args)
 """
 
@@ -95,7 +42,7 @@ def train_one_epoch(model, args):
 
 
 def test_a_print_override_installed_by_a_helper_in_another_file_makes_print_rank_aware(tmp_path):
-    # cause 1: setup_for_distributed(is_master) replaces builtins.print, called from an
+    # cause 1: a helper replaces builtins.print (quiet_unless here), called from an
     # init function in another file (MAE, DeiT, DETR, DINO ...)
     got = found_in(tmp_path, {"misc.py": MISC, "main.py": MAIN, "engine.py": ENGINE}, "unguarded-log")
     assert got == []
@@ -119,13 +66,13 @@ def test_an_unrelated_script_lends_no_print_override(tmp_path):
 
 
 def test_a_flag_computed_from_the_rank_is_a_guard():
-    # cause 2: open_clip's `args.save_logs = args.logs and ... and is_master(args)`
+    # cause 2 (open_clip): a flag set from other options and a rank test
     src = PRE + textwrap.dedent("""
-    def is_master(args):
-        return args.rank == 0
-    def main(args):
-        args.save_logs = args.logs and args.logs.lower() != "none" and is_master(args)
-        if args.save_logs:
+    def first_rank(opts):
+        return opts.rank == 0
+    def main(opts):
+        opts.writes = bool(opts.out) and opts.out != "-" and first_rank(opts)
+        if opts.writes:
             torch.save({}, "ckpt.pt")
     main(None)
     """)
@@ -188,7 +135,7 @@ def test_a_scaler_with_no_wrap_in_view_is_silent_or_a_warning_never_an_error():
 
 
 def test_set_device_in_another_file_s_init_helper(tmp_path):
-    # cause 4: missing-set-device was an error although misc.init_distributed_mode binds it
+    # cause 4: missing-set-device was an error although misc.start_from_env binds it
     got = found_in(tmp_path, {"misc.py": MISC, "main.py": MAIN, "engine.py": ENGINE}, "missing-set-device")
     assert got == []
 

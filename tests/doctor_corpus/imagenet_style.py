@@ -1,5 +1,5 @@
-"""Written for the corpus in the shape of pytorch/examples imagenet/main.py (not a copy):
-mp.spawn, DDP when distributed and DataParallel otherwise, a rank-guarded checkpoint."""
+"""Written for the corpus in the shape of an ImageNet training script (not a copy): mp.spawn,
+DDP when distributed and DataParallel otherwise, a rank-guarded checkpoint."""
 import datetime
 import os
 import shutil
@@ -11,55 +11,55 @@ import torch.nn as nn
 import torch.utils.data
 
 
-def main(args):
-    ngpus = torch.cuda.device_count()
-    if args.multiprocessing_distributed:
-        args.world_size = ngpus * args.world_size
-        mp.spawn(main_worker, nprocs=ngpus, args=(ngpus, args))
+def main(opts):
+    per_node = torch.cuda.device_count()
+    if opts.spawn:
+        opts.world_size = per_node * opts.nodes
+        mp.spawn(worker, nprocs=per_node, args=(per_node, opts))
     else:
-        main_worker(args.gpu, ngpus, args)
+        worker(opts.gpu, per_node, opts)
 
 
-def main_worker(gpu, ngpus, args):
-    args.gpu = gpu
-    if args.distributed:
-        if args.dist_url == "env://" and args.rank == -1:
-            args.rank = int(os.environ["RANK"])
-        dist.init_process_group(backend="nccl", init_method=args.dist_url, world_size=args.world_size,
-                                rank=args.rank, timeout=datetime.timedelta(minutes=10))
-    model = nn.Linear(8, 8)
+def worker(index, per_node, opts):
+    opts.gpu = index
+    if opts.distributed:
+        if opts.url == "env://" and opts.rank < 0:
+            opts.rank = int(os.environ["RANK"])
+        dist.init_process_group("nccl", init_method=opts.url, world_size=opts.world_size,
+                                rank=opts.rank, timeout=datetime.timedelta(minutes=10))
+    net = nn.Linear(8, 8)
     if not torch.cuda.is_available():
-        print("using CPU, this will be slow")
-    elif args.distributed:
-        torch.cuda.set_device(args.gpu)
-        model.cuda(args.gpu)
-        model = torch.nn.parallel.DistributedDataParallel(model, device_ids=[args.gpu])
-    elif args.gpu is not None:
-        torch.cuda.set_device(args.gpu)
-        model = model.cuda(args.gpu)
+        print("no GPU here: the CPU will be slow")
+    elif opts.distributed:
+        torch.cuda.set_device(opts.gpu)
+        net.cuda(opts.gpu)
+        net = torch.nn.parallel.DistributedDataParallel(net, device_ids=[opts.gpu])
+    elif opts.gpu is not None:
+        torch.cuda.set_device(opts.gpu)
+        net = net.cuda(opts.gpu)
     else:
-        model = torch.nn.DataParallel(model).cuda()
-    optimizer = torch.optim.SGD(model.parameters(), args.lr)
-    if args.distributed:
-        train_sampler = torch.utils.data.distributed.DistributedSampler(args.train_dataset)
-        val_sampler = torch.utils.data.distributed.DistributedSampler(args.val_dataset, shuffle=False)
+        net = torch.nn.DataParallel(net).cuda()
+    opt = torch.optim.SGD(net.parameters(), opts.lr)
+    if opts.distributed:
+        fit_sampler = torch.utils.data.distributed.DistributedSampler(opts.fit_set)
+        val_sampler = torch.utils.data.distributed.DistributedSampler(opts.val_set, shuffle=False)
     else:
-        train_sampler = val_sampler = None
-    train_loader = torch.utils.data.DataLoader(args.train_dataset, sampler=train_sampler)
-    val_loader = torch.utils.data.DataLoader(args.val_dataset, sampler=val_sampler)
-    for epoch in range(args.epochs):
-        if args.distributed:
-            train_sampler.set_epoch(epoch)
-        for images, target in train_loader:
+        fit_sampler = val_sampler = None
+    fit_loader = torch.utils.data.DataLoader(opts.fit_set, sampler=fit_sampler)
+    val_loader = torch.utils.data.DataLoader(opts.val_set, sampler=val_sampler)
+    for epoch in range(opts.passes):
+        if opts.distributed:
+            fit_sampler.set_epoch(epoch)
+        for inputs, labels in fit_loader:
             pass
-        for images, target in val_loader:
+        for inputs, labels in val_loader:
             pass
-        if not args.multiprocessing_distributed or args.rank % ngpus == 0:
-            save_checkpoint({"epoch": epoch + 1, "state_dict": model.state_dict(),
-                             "optimizer": optimizer.state_dict()}, "checkpoint.pth.tar")
+        if not opts.spawn or opts.rank % per_node == 0:
+            store({"pass": epoch + 1, "net": net.state_dict(),
+                   "opt": opt.state_dict()}, "state.pt")
 
 
-def save_checkpoint(state, filename):
-    torch.save(state, filename + ".tmp")
-    os.replace(filename + ".tmp", filename)
-    shutil.copyfile(filename, "model_best.pth.tar")
+def store(state, name):
+    torch.save(state, name + ".tmp")
+    os.replace(name + ".tmp", name)
+    shutil.copyfile(name, "best.pt")

@@ -1,6 +1,6 @@
-"""Written for the corpus in the shape of pytorch/examples
-ddp-tutorial-series/multigpu_torchrun.py (not a copy): a Trainer that saves from
-`if self.gpu_id == 0`, gpu_id read from LOCAL_RANK (one writer per node)."""
+"""Written for the corpus in the shape of a tutorial's torchrun trainer (pytorch/examples
+ddp-tutorial-series; not a copy): a Runner that saves from `if self.gpu_id == 0`,
+gpu_id read from LOCAL_RANK (one writer per node)."""
 import datetime
 import os
 
@@ -12,37 +12,37 @@ from torch.utils.data import DataLoader
 from torch.utils.data.distributed import DistributedSampler
 
 
-class Trainer:
-    def __init__(self, model, train_data, optimizer, save_every):
+class Runner:
+    def __init__(self, net, batches, opt, every):
         self.gpu_id = int(os.environ["LOCAL_RANK"])
-        self.model = DDP(model.to(self.gpu_id), device_ids=[self.gpu_id])
-        self.train_data = train_data
-        self.optimizer = optimizer
-        self.save_every = save_every
+        self.net = DDP(net.to(self.gpu_id), device_ids=[self.gpu_id])
+        self.batches = batches
+        self.opt = opt
+        self.every = every
 
-    def _run_epoch(self, epoch):
-        self.train_data.sampler.set_epoch(epoch)
-        for source, targets in self.train_data:
-            self.optimizer.zero_grad()
-            loss = F.cross_entropy(self.model(source.to(self.gpu_id)), targets.to(self.gpu_id))
+    def _one_pass(self, epoch):
+        self.batches.sampler.set_epoch(epoch)
+        for inputs, labels in self.batches:
+            self.opt.zero_grad()
+            loss = F.cross_entropy(self.net(inputs.to(self.gpu_id)), labels.to(self.gpu_id))
             loss.backward()
-            self.optimizer.step()
+            self.opt.step()
 
-    def _save_checkpoint(self, epoch):
-        torch.save(self.model.module.state_dict(), "checkpoint.pt.tmp")
-        os.replace("checkpoint.pt.tmp", "checkpoint.pt")
-        print(f"Epoch {epoch} | Training checkpoint saved")
+    def _store(self, epoch):
+        torch.save(self.net.module.state_dict(), "weights.pt.tmp")
+        os.replace("weights.pt.tmp", "weights.pt")
+        print(f"weights stored after pass {epoch}")
 
-    def train(self, max_epochs):
-        for epoch in range(max_epochs):
-            self._run_epoch(epoch)
-            if self.gpu_id == 0 and epoch % self.save_every == 0:
-                self._save_checkpoint(epoch)
+    def fit(self, passes):
+        for epoch in range(passes):
+            self._one_pass(epoch)
+            if self.gpu_id == 0 and epoch % self.every == 0:
+                self._store(epoch)
 
 
-def main(dataset, model, optimizer, save_every, total_epochs):
+def main(data, net, opt, every, passes):
     torch.cuda.set_device(int(os.environ["LOCAL_RANK"]))
-    init_process_group(backend="nccl", timeout=datetime.timedelta(minutes=10))
-    loader = DataLoader(dataset, batch_size=32, shuffle=False, sampler=DistributedSampler(dataset))
-    Trainer(model, loader, optimizer, save_every).train(total_epochs)
+    init_process_group("nccl", timeout=datetime.timedelta(minutes=10))
+    batches = DataLoader(data, batch_size=32, shuffle=False, sampler=DistributedSampler(data))
+    Runner(net, batches, opt, every).fit(passes)
     destroy_process_group()

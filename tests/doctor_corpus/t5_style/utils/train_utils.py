@@ -3,24 +3,24 @@ import torch
 import torch.distributed as dist
 
 
-def train(args, model, rank, world_size, train_loader, optimizer, epoch, sampler=None):
-    model.train()
-    fsdp_loss = torch.zeros(2).to(rank)
+def train(opts, net, rank, batches, opt, epoch, sampler=None):
+    net.train()
+    sums = torch.zeros(2).to(rank)
     if sampler:
         sampler.set_epoch(epoch)
-    for batch in train_loader:
-        optimizer.zero_grad()
-        loss = model(**batch)["loss"]
+    for batch in batches:
+        opt.zero_grad()
+        loss = net(**batch)["loss"]
         loss.backward()
-        optimizer.step()
-        fsdp_loss[0] += loss.item()
-    dist.all_reduce(fsdp_loss, op=dist.ReduceOp.SUM)
+        opt.step()
+        sums += torch.tensor([loss.item(), 1.0], device=sums.device)
+    dist.all_reduce(sums)
     if rank == 0:
-        print(f"Train Epoch: {epoch}, Loss: {fsdp_loss[0] / fsdp_loss[1]:.4f}")
+        print(f"pass {epoch}: mean loss {sums[0] / sums[1]:.4f}")
 
 
-def validation(model, rank, world_size, val_loader):
-    model.eval()
+def validation(net, rank, batches):
+    net.eval()
     with torch.no_grad():
-        for batch in val_loader:
-            model(**batch)
+        for batch in batches:
+            net(**batch)
