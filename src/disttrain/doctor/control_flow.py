@@ -100,6 +100,38 @@ def _rank_quantity(low: str) -> bool:
     return bool(set(parts[i + 1:]) & _NOT_RANK_AFTER or set(parts[:i]) & _NOT_RANK_BEFORE)
 
 
+# Names that say "this process is the one" (`is_main`, `rank0_only`, `on_leader`): flags,
+# read by their truth. A name that only says "rank" (`rank`, `node_rank`, `gpu_id`) names a
+# number, and only a number's comparison is a guard.
+_FLAG_WORDS = ("main", "master", "primary", "chief", "zero", "rank0", "rank_0", "leader")
+
+
+def _is_flag_word(word: str) -> bool:
+    low = word.lower()
+    return low.startswith(("is_", "on_")) or any(w in low for w in _FLAG_WORDS)
+
+
+# The names of a rank number itself, which `if not rank:` tests as `rank == 0`.
+_BARE_RANKS = {"rank", "local_rank", "global_rank", "node_rank", "world_rank", "rank_id", "gpu_id"}
+
+
+def named_rank_counts(facts, node: ast.AST, word: str) -> bool:
+    """Whether a name that is a rank by its words alone (no data flow made it one) may be
+    read as a rank where it stands: a flag word (`is_main`) or a function (`get_rank()`)
+    anywhere; the bare name of a rank number (`rank`, `local_rank`) anywhere; any other
+    name with "rank" in it only where it is compared or computed with, as a number is
+    (`self.src_rank == 0`, `% 8`). A setting whose name mentions ranks, tested for its
+    truth (`if self.negatives_across_rank:`), is no rank. Names that are not rank words
+    pass through."""
+    if not (_is_local_word(word) or is_guard_word(word)) or _is_flag_word(word) or \
+            word.lower() in _BARE_RANKS:
+        return True
+    parent = facts.parents.get(node)
+    if isinstance(parent, ast.Call) and parent.func is node:
+        return True
+    return isinstance(parent, (ast.Compare, ast.BinOp))
+
+
 def guard_kind(facts, test: ast.AST) -> str | None:
     """"global" or "local" when an `if` test checks the rank, None otherwise. A test
     that checks both (`rank == 0 and local_rank == 0`) is global."""
@@ -126,6 +158,8 @@ def _guard_kind(facts, test: ast.AST) -> str | None:
             kinds.add(variables[name])
         elif isinstance(n, ast.Call) and _word(n.func) in funcs:
             kinds.add(funcs[_word(n.func)])
+        elif word and not named_rank_counts(facts, n, word):
+            continue  # `if self.negatives_across_rank:`: a setting, not a rank
         elif word and _is_local_word(word):
             kinds.add(LOCAL)
         elif word and is_guard_word(word):
