@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import ast
 
-from disttrain.doctor import control_flow, dataflow
+from disttrain.doctor import constants, control_flow, dataflow
 from disttrain.doctor.facts import Facts, arg, is_const, kwarg, mentions, ref
 from disttrain.doctor.findings import ERROR, WARNING, finding, rule
 from disttrain.doctor.program import off_mode
@@ -186,6 +186,11 @@ def _guarded_calls_into_collectives(facts: Facts, direct: list):
             continue  # the callee runs under the guard on every call: its collective is reported there
         if hit is not None and any(dataflow._complementary(project.call_sites.get(d, [])) for d in callees):
             continue  # called from both branches of one rank test: every rank reaches it
+        if hit is not None:
+            # `build_loader(..., rank=-1)`: the constants it passes may turn the collective off
+            hit = constants.reached_collective(project, facts, call)
+            if hit is None:
+                continue
         target = ref(call.func)
         if hit is None and target in ddp and _same_program(facts, ddp[target]) and \
                 not _before_wrap(facts, call, ddp[target]):
