@@ -11,6 +11,7 @@ import ast
 from disttrain.doctor.facts import Facts, is_const, kwarg, mentions, ref
 from disttrain.doctor.findings import ERROR, WARNING, finding, rule
 from disttrain.doctor.program import off_mode
+from disttrain.doctor.rules_job import job_windows
 
 _ACCUM_WORDS = ("accum", "grad_acc", "gradient_acc", "ga_steps")
 
@@ -43,9 +44,12 @@ def _returns_divided(facts: Facts, name: str) -> bool:
       """With gradient accumulation the loss is divided by the number of micro-steps
       exactly once. Dividing twice (in the loss function and again before backward, or
       `loss /= accum` then `(loss / accum).backward()`) shrinks every gradient by that
-      factor again: an effective learning rate accum_steps times too small.""")
+      factor again: an effective learning rate accum_steps times too small. A dt.Job
+      built with accum_steps (like disttrain's Accumulator) divides in job.backward(loss):
+      inside job.steps() the script's own division is the second one.""")
 def loss_divided_twice(facts: Facts):
     accumulators = _accumulator_names(facts)
+    windows = job_windows(facts)
     for bw in facts.method_calls("backward"):
         receiver = bw.func.value  # type: ignore[attr-defined]
         # accelerator.backward(loss) / acc.backward(loss) / loss.backward()
@@ -60,6 +64,10 @@ def loss_divided_twice(facts: Facts):
         name = _loss_name(target)
         if name:
             sites += _assign_divisions(facts, bw, name)
+        job = ref(receiver) if bw.args else None
+        if job in windows and sites:
+            yield _divided_before_job(facts, sites, bw, windows[job])
+            continue
         if len(sites) >= 2:
             second = sorted(sites, key=lambda n: (n.lineno, n.col_offset))[1]
             yield finding(facts, second, "loss-divided-twice",
@@ -72,6 +80,27 @@ def loss_divided_twice(facts: Facts):
                       "Lightning divides it by accumulate_grad_batches again before backward(): "
                       "gradients end up accumulate_grad_batches times too small.",
                       "return the plain loss; Lightning scales it for accumulation itself.")
+
+
+def _divided_before_job(facts: Facts, sites: list[ast.AST], bw: ast.Call, steps: ast.expr):
+    """The script's own division of a loss that `job.backward` (of a Job with accum_steps
+    `steps`) divides again. An error when the window is a constant above 1, or the script
+    divides by the very expression the Job was given (a no-op at 1, wrong above it); a
+    warning when the doctor cannot see the window's value."""
+    first = sorted(sites, key=lambda n: (n.lineno, n.col_offset))[0]
+    window = ast.unparse(steps)
+    divisor = first.right if isinstance(first, ast.BinOp) else first.value if isinstance(first, ast.AugAssign) \
+        else None
+    proven = (isinstance(steps, ast.Constant) and isinstance(steps.value, int) and steps.value > 1) or (
+        divisor is not None and ast.unparse(divisor) == window)
+    seen = "" if proven else (f" The doctor cannot see the value of `{window}`: if it is 1 the division "
+                              "changes nothing.")
+    return finding(facts, first, "loss-divided-twice",
+                   f"job.backward() (line {bw.lineno}) divides the loss by accum_steps ({window}) itself; "
+                   "this division inside job.steps() is a second one: the gradients and the logged loss "
+                   f"come out accum_steps times too small.{seen}",
+                   "remove the script's own division and pass the plain loss to job.backward() and "
+                   "job.log().", severity=ERROR if proven else WARNING)
 
 
 def _accumulator_names(facts: Facts) -> set[str]:
