@@ -85,9 +85,20 @@ def test_a_rank_flag_from_data_flow_is_still_a_guard():
     assert (line_of(lead, "dist.all_gather(parts, t)"), "error") in got
 
 
-def test_a_rank_compared_like_a_rank_is_still_a_guard():
+def test_a_name_compared_like_a_rank_is_a_warning_that_says_it_rests_on_the_name():
+    # no data flow makes it a rank: the doctor guesses from the name and says so
     compared = POOLED.replace("if self.mine_across_rank:", "if self.mine_across_rank == 0:")
-    assert (line_of(compared, "dist.all_reduce(bank)"), "error") in found(compared, "collective-under-rank-guard")
+    got = [f for f in analyze_source("job.py", textwrap.dedent(compared)) if f.rule == "collective-under-rank-guard"]
+    # the all_reduce under the test, and the all_gather of the helper called only there
+    assert sorted((f.line, f.severity) for f in got) == [
+        (line_of(compared, "dist.all_gather(parts, t)"), "warning"),
+        (line_of(compared, "dist.all_reduce(bank)"), "warning")]
+    assert all("`self.mine_across_rank` for a rank from its name alone" in f.message for f in got)
+
+
+def test_the_bare_name_of_a_rank_compared_with_zero_stays_an_error():
+    bare = POOLED.replace("if self.mine_across_rank:", "if self.rank == 0:")
+    assert (line_of(bare, "dist.all_reduce(bank)"), "error") in found(bare, "collective-under-rank-guard")
 
 
 # ----- constant arguments are followed -------------------------------------------------

@@ -169,6 +169,34 @@ def _guard_kind(facts, test: ast.AST) -> str | None:
     return GLOBAL if GLOBAL in kinds else LOCAL if kinds else None
 
 
+# What a library defines as the rank or the main process (torch.distributed's getters,
+# Accelerate's and Lightning's attributes): facts about the library, not guesses from a name.
+_LIBRARY_RANKS = {"get_rank", "get_local_rank", "get_global_rank", "get_node_local_rank", "is_main_process",
+                  "is_local_main_process", "is_global_zero", "is_world_process_zero", "is_local_process_zero",
+                  "process_index", "local_process_index"}
+
+
+def named_only(facts, test: ast.AST) -> str | None:
+    """The name a rank test rests on when nothing but its words make it one: no data flow
+    reaches it, no library defines it, and it is not the bare name of a rank (`rank`,
+    `args.local_rank`, which every launcher convention fills with one): `if
+    self.peer_rank == 0:` or `if is_master:` with the value set out of view. None when the
+    test is a rank test by data flow, by a library's rank, or by a bare rank name."""
+    first = None
+    for n in ast.walk(test):
+        word, name = _word(n), _ref(n)
+        if name in facts.rank_variables or (isinstance(n, ast.Constant) and n.value in ("RANK", "LOCAL_RANK")):
+            return None
+        if isinstance(n, ast.Call) and _word(n.func) in facts.project.rank_flag_functions:
+            return None
+        if word in _LIBRARY_RANKS or (word or "").lower() in _BARE_RANKS:
+            return None
+        if first is None and word and (_is_local_word(word) or is_guard_word(word)) and \
+                named_rank_counts(facts, n, word) and not word.lower().endswith("_only"):
+            first = _ref(n) or word
+    return first
+
+
 def _or_on_every_rank(facts, test: ast.BoolOp) -> bool:
     """`is_main and a or b`: Python binds `and` first, so when every rank test sits inside
     an `and` alternative and another alternative tests no rank (and is not "single

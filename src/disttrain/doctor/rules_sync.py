@@ -123,13 +123,30 @@ def collective_under_rank_guard(facts: Facts):
             if sites:
                 f2, c2 = sites[0]
                 via = f" (`{fn.name}()` is called only under one, e.g. {f2.path}:{c2.lineno})"
+        unseen = _named_guard(facts, call)
         yield finding(facts, call, "collective-under-rank-guard",
                       f"{name}() is a collective but runs under a rank guard{via}: the ranks the guard "
-                      "leaves out never call it, and the job hangs until the collective timeout.",
+                      "leaves out never call it, and the job hangs until the collective timeout."
+                      + (f" The doctor takes `{unseen}` for a rank from its name alone: it cannot see where "
+                         "its value is set." if unseen else ""),
                       "call it on every rank (outside the `if`), and guard only the work that must "
-                      "happen once (the write, the log).")
+                      "happen once (the write, the log).", severity=WARNING if unseen else None)
     yield from _guarded_calls_into_collectives(facts, found)
     yield from _guarded_accelerate_states(facts)
+
+
+def _named_guard(facts: Facts, node: ast.AST, depth: int = 2) -> str | None:
+    """The name the rank guard around `node` rests on when every guard is a name alone
+    (control_flow.named_only): the `if`s around it in its function, or else those around
+    every call site of that function. None when some guard is proven by data flow."""
+    ifs = _guarding_ifs(facts, node)
+    if ifs:
+        named = [control_flow.named_only(facts, i.test) for i, _ in ifs]
+        return named[0] if all(named) else None
+    fn = facts.scope_of(node)
+    sites = facts.project.call_sites.get(fn, []) if depth else []
+    names = [_named_guard(f, c, depth - 1) for f, c in sites]
+    return names[0] if names and all(names) else None
 
 
 def _guarded_accelerate_states(facts: Facts):
@@ -217,13 +234,16 @@ def _guarded_calls_into_collectives(facts: Facts, direct: list):
             continue
         f2, c2, name, unconditional = hit
         where = f"{f2.path}:{c2.lineno}"
+        unseen = _named_guard(facts, call)
         yield finding(facts, call, "collective-under-rank-guard",
                       f"{ast.unparse(call.func)}() reaches the collective {name} ({where}) but is "
                       "called under a rank guard: the other ranks never join it"
                       + (", and the job hangs until the collective timeout." if unconditional else
-                         " on the paths where it runs (it sits under a condition there)."),
+                         " on the paths where it runs (it sits under a condition there).")
+                      + (f" The doctor takes `{unseen}` for a rank from its name alone: it cannot see where "
+                         "its value is set." if unseen else ""),
                       "call it on every rank, or make the callee skip its collective on one-rank calls.",
-                      severity=ERROR if unconditional else WARNING)
+                      severity=ERROR if unconditional and not unseen else WARNING)
 
 
 def _before_wrap(facts: Facts, call: ast.Call, wrap) -> bool:
