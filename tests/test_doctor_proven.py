@@ -209,3 +209,43 @@ def test_a_returned_loader_with_no_caller_in_view_is_a_warning_that_says_so(tmp_
     hits = [f for f in got if f.rule == "sampler-without-set-epoch"]
     assert [(f.line, f.severity) for f in hits] == [(line_of(DATA, "DistributedSampler(dataset"), "warning")]
     assert "make_train_loader()" in hits[0].message and "not in the files checked" in hits[0].message
+
+
+# The same cause in two other shapes: the sampler made only when distributed and handed
+# straight to the returned loader; samplers collected in a list that the helper returns.
+DATA_SHAPES = """
+import torch
+from torch.utils.data import DataLoader, DistributedSampler
+
+def image_loader(dataset, batch, rank=-1):
+    sampler = None if rank == -1 else DistributedSampler(dataset, shuffle=True)
+    return DataLoader(dataset, batch_size=batch, sampler=sampler, shuffle=sampler is None)
+
+def samplers_for(datasets, world, rank):
+    out = []
+    for ds in datasets:
+        s = DistributedSampler(ds, num_replicas=world, rank=rank, shuffle=True)
+        out.append(s)
+    return out
+"""
+
+FIT_SHAPES = SETUP + """
+from data import image_loader, samplers_for
+loader = image_loader(list(range(64)), 8, rank=dist.get_rank())
+train_sampler, = samplers_for([list(range(64))], dist.get_world_size(), dist.get_rank())
+for epoch in range(3):
+    loader.sampler.set_epoch(epoch)
+    train_sampler.set_epoch(epoch)
+    for batch in loader:
+        pass
+"""
+
+
+def test_a_conditional_or_listed_sampler_returned_by_a_helper_is_followed(tmp_path):
+    assert found_in(tmp_path, {"data.py": DATA_SHAPES, "fit.py": FIT_SHAPES}, "sampler-without-set-epoch") == []
+
+
+def test_the_same_helpers_with_no_caller_in_view_are_warnings(tmp_path):
+    got = analyze_source("data.py", textwrap.dedent(DATA_SHAPES))
+    assert sorted((f.line, f.severity) for f in got if f.rule == "sampler-without-set-epoch") == [
+        (line_of(DATA_SHAPES, "sampler = None if"), "warning"), (line_of(DATA_SHAPES, "s = DistributedSampler"), "warning")]

@@ -310,10 +310,11 @@ def _is_eval_name(name: str) -> bool:
 
 
 def _sampler_names(facts: Facts, call: ast.Call) -> set[str]:
-    """Every name the sampler is reachable by: its own, a kwargs dict holding it, the
-    DataLoader built from it (`DataLoader(ds, **kwargs)`), and names copied from those."""
+    """Every name the sampler is reachable by: its own (`sampler = DistributedSampler(...)`,
+    or `... if distributed else None`), a kwargs dict holding it, the DataLoader built from
+    it (`DataLoader(ds, **kwargs)`), a list it is appended to, and names copied from those."""
     parent = facts.parents.get(call)
-    while isinstance(parent, (ast.keyword, ast.Dict, ast.Call)):
+    while isinstance(parent, (ast.keyword, ast.Dict, ast.Call, ast.IfExp)):
         parent = facts.parents.get(parent)
     names = {r for t in getattr(parent, "targets", []) if (r := ref(t))} \
         if isinstance(parent, ast.Assign) else set()
@@ -321,6 +322,10 @@ def _sampler_names(facts: Facts, call: ast.Call) -> set[str]:
     while changed:
         changed = False
         for n in facts.nodes:
+            if isinstance(n, ast.Call) and isinstance(n.func, ast.Attribute) and n.func.attr == "append" \
+                    and n.args and ref(n.args[0]) in names and ref(n.func.value) not in names | {None}:
+                names.add(ref(n.func.value))  # `samplers.append(sampler)`
+                changed = True
             if not isinstance(n, ast.Assign) or not _holds(facts, n.value, names):
                 continue
             for t in n.targets:
