@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import ast
 
-from disttrain.doctor import constants, control_flow, dataflow
+from disttrain.doctor import constants, control_flow, dataflow, rank_names
 from disttrain.doctor.facts import Facts, arg, is_const, kwarg, mentions, ref
 from disttrain.doctor.findings import ERROR, WARNING, finding, rule
 from disttrain.doctor.program import off_mode
@@ -137,11 +137,11 @@ def collective_under_rank_guard(facts: Facts):
 
 def _named_guard(facts: Facts, node: ast.AST, depth: int = 2) -> str | None:
     """The name the rank guard around `node` rests on when every guard is a name alone
-    (control_flow.named_only): the `if`s around it in its function, or else those around
+    (rank_names.named_only): the `if`s around it in its function, or else those around
     every call site of that function. None when some guard is proven by data flow."""
     ifs = _guarding_ifs(facts, node)
     if ifs:
-        named = [control_flow.named_only(facts, i.test) for i, _ in ifs]
+        named = [rank_names.named_only(facts, i.test) for i, _ in ifs]
         return named[0] if all(named) else None
     fn = facts.scope_of(node)
     sites = facts.project.call_sites.get(fn, []) if depth else []
