@@ -249,3 +249,27 @@ def test_the_same_helpers_with_no_caller_in_view_are_warnings(tmp_path):
     got = analyze_source("data.py", textwrap.dedent(DATA_SHAPES))
     assert sorted((f.line, f.severity) for f in got if f.rule == "sampler-without-set-epoch") == [
         (line_of(DATA_SHAPES, "sampler = None if"), "warning"), (line_of(DATA_SHAPES, "s = DistributedSampler"), "warning")]
+
+
+# The helper itself is called only under the guard, with a constant that turns its own
+# collective off: the collective is judged where it stands, through its call sites.
+SYNC_HELPER = SETUP + """
+RANK = int(os.environ["RANK"])
+
+def write_report(path, wait=False):
+    if wait:
+        dist.barrier()
+    open(path, "w").write("done")
+
+if RANK == 0:
+    write_report("report.txt", wait=False)
+"""
+
+
+def test_a_helper_called_only_under_the_guard_with_its_collective_turned_off_is_not_reported():
+    assert found(SYNC_HELPER, "collective-under-rank-guard") == []
+
+
+def test_the_same_helper_called_with_its_collective_turned_on_is_reported():
+    on = SYNC_HELPER.replace("wait=False)\n", "wait=True)\n")
+    assert [line for line, _ in found(on, "collective-under-rank-guard")] == [line_of(on, "dist.barrier()")]

@@ -136,6 +136,18 @@ def reached_collective(project, facts, call: ast.Call, env: dict | None = None,
     return best
 
 
+def call_reaches(project, facts, site: ast.Call, d: ast.AST, target: ast.Call) -> bool:
+    """Whether the call `site` of function `d` can reach `target`, a collective written in
+    `d` itself, with the constants it passes (`sync(flag=False)` never reaches `if flag:
+    dist.barrier()`). True when it passes none."""
+    bound = bind(site, d, {})
+    if not bound:
+        return True
+    walk = _Walk(project, facts, 0)
+    walk.target = target
+    return walk.block(d.body, bound, False) is not None  # type: ignore[attr-defined]
+
+
 def _better(a, b):
     if a is None or (b is not None and b[3] and not a[3]):
         return b
@@ -147,6 +159,7 @@ class _Walk:
 
     def __init__(self, project, facts, depth: int):
         self.project, self.facts, self.depth = project, facts, depth
+        self.target: ast.Call | None = None  # only this call counts (call_reaches)
 
     def block(self, stmts: list, env: dict, cond: bool):
         best = None
@@ -201,6 +214,8 @@ class _Walk:
         best = None
         for child in ast.iter_child_nodes(node):
             best = _better(best, self.expr(child, env, cond))
+        if isinstance(node, ast.Call) and self.target is not None:
+            return _better(best, (self.facts, node, "", not cond) if node is self.target else None)
         if isinstance(node, ast.Call):
             name = self.project._collective_name(self.facts, node)
             if name:

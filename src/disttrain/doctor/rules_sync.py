@@ -120,6 +120,8 @@ def collective_under_rank_guard(facts: Facts):
         if facts.rank_guard(call, subset=True, local=True) is None:
             fn = facts.scope_of(call)
             sites = facts.project.call_sites.get(fn, [])
+            if sites and not any(constants.call_reaches(facts.project, facts, c2, fn, call) for _, c2 in sites):
+                continue  # every call passes constants that turn this collective off
             if sites:
                 f2, c2 = sites[0]
                 via = f" (`{fn.name}()` is called only under one, e.g. {f2.path}:{c2.lineno})"
