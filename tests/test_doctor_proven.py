@@ -273,3 +273,14 @@ def test_a_helper_called_only_under_the_guard_with_its_collective_turned_off_is_
 def test_the_same_helper_called_with_its_collective_turned_on_is_reported():
     on = SYNC_HELPER.replace("wait=False)\n", "wait=True)\n")
     assert [line for line, _ in found(on, "collective-under-rank-guard")] == [line_of(on, "dist.barrier()")]
+
+
+def test_a_returned_loader_handed_to_a_function_out_of_view_is_a_warning(tmp_path):
+    handed = SETUP + """
+from data import make_train_loader
+from engine import fit_epochs
+loader = make_train_loader(list(range(64)), 8)
+fit_epochs(loader, epochs=3)
+"""
+    got = found_in(tmp_path, {"data.py": DATA, "fit.py": handed}, "sampler-without-set-epoch")
+    assert got == [("data.py", line_of(DATA, "DistributedSampler(dataset"), "warning")]

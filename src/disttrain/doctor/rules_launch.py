@@ -242,10 +242,12 @@ def sampler_without_set_epoch(facts: Facts):
                 unseen.append(callee)
             elif any(_calls_set_epoch(f, d, 3) for f, d in defs):
                 followed = True
+        if followed:
+            continue
         returned = _returned_by(facts, call, names)
         if returned is not None:
             callers = facts.project.call_sites.get(returned, [])
-            if any(_caller_sets_epoch(f, c) for f, c in callers):
+            if any(_caller_sets_epoch(f, c, unseen) for f, c in callers):
                 continue
             if not callers:
                 yield finding(facts, call, "sampler-without-set-epoch",
@@ -255,8 +257,6 @@ def sampler_without_set_epoch(facts: Facts):
                               "(or loader.sampler.set_epoch(epoch)) every epoch, or check its file in the "
                               "same run.", severity=WARNING)
                 continue
-        if followed:
-            continue
         if unseen:
             yield finding(facts, call, "sampler-without-set-epoch",
                           f"DistributedSampler is passed to `{unseen[0]}()`, which is not defined in "
@@ -285,20 +285,24 @@ def _returned_by(facts: Facts, call: ast.Call, names: set[str]):
     return None
 
 
-def _caller_sets_epoch(facts: Facts, call: ast.Call, depth: int = 2) -> bool:
+def _caller_sets_epoch(facts: Facts, call: ast.Call, unseen: list[str], depth: int = 2) -> bool:
     """A call of the function that returns the sampler sets its epoch: the caller's file
     calls set_epoch (`loader.sampler.set_epoch(epoch)`), hands what it got to a function
-    that does, or returns it in turn to callers that do."""
+    that does, or returns it in turn to callers that do. Functions it hands it to that are
+    defined in none of the files checked are added to `unseen`."""
     if facts.method_calls("set_epoch"):
         return True
     parent = facts.parents.get(call)
     got = {r for t in getattr(parent, "targets", []) for x in ast.walk(t) if (r := ref(x))} \
         if isinstance(parent, ast.Assign) else set()
     for callee in _callees_given(facts, got):
-        if any(_calls_set_epoch(f, d, 3) for f, d in facts.project_functions(callee)):
+        defs = facts.project_functions(callee)
+        if not defs:
+            unseen.append(callee)
+        elif any(_calls_set_epoch(f, d, 3) for f, d in defs):
             return True
     outer = _returned_by(facts, call, got) if depth else None
-    return outer is not None and any(_caller_sets_epoch(f, c, depth - 1)
+    return outer is not None and any(_caller_sets_epoch(f, c, unseen, depth - 1)
                                      for f, c in facts.project.call_sites.get(outer, []))
 
 
