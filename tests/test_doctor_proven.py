@@ -284,3 +284,14 @@ fit_epochs(loader, epochs=3)
 """
     got = found_in(tmp_path, {"data.py": DATA, "fit.py": handed}, "sampler-without-set-epoch")
     assert got == [("data.py", line_of(DATA, "DistributedSampler(dataset"), "warning")]
+
+
+def test_constants_are_followed_once_per_function_and_value():
+    # five layers of helpers, each calling the next one forty times with the same
+    # constant: walked once per (helper, value), not forty to the fifth times
+    layers = ["def layer5(wait=False):\n    if wait:\n        dist.barrier()\n"]
+    for i in range(4, -1, -1):
+        calls = "".join(f"    layer{i + 1}(wait=wait)\n" for _ in range(40))
+        layers.append(f"def layer{i}(wait=False):\n{calls}")
+    src = SETUP + "".join(layers) + "layer0()\nif dist.get_rank() == 0:\n    layer0(wait=True)\n    layer0(wait=False)\n"
+    assert found(src, "collective-under-rank-guard") == [(line_of(src, "layer0(wait=True)"), "error")]

@@ -21,7 +21,7 @@ import operator
 from disttrain.doctor.names import _FUNCS
 
 _UNKNOWN = object()
-_DEPTH = 5
+_DEPTH = 8  # calls deep; each (function, constants, depth) is walked once
 _COMPARE = {ast.Eq: operator.eq, ast.NotEq: operator.ne, ast.Lt: operator.lt, ast.LtE: operator.le,
             ast.Gt: operator.gt, ast.GtE: operator.ge, ast.Is: operator.is_, ast.IsNot: operator.is_not,
             ast.In: lambda a, b: a in b, ast.NotIn: lambda a, b: a not in b}
@@ -114,11 +114,7 @@ def bind(call: ast.Call, d: ast.AST, env: dict) -> dict:
 
 
 def _assigned_names(d: ast.AST) -> set[str]:
-    out = set()
-    for n in ast.walk(d):
-        if isinstance(n, ast.Name) and isinstance(n.ctx, ast.Store):
-            out.add(n.id)
-    return out
+    return {n.id for n in ast.walk(d) if isinstance(n, ast.Name) and isinstance(n.ctx, ast.Store)}
 
 
 def reached_collective(project, facts, call: ast.Call, env: dict | None = None,
@@ -126,14 +122,31 @@ def reached_collective(project, facts, call: ast.Call, env: dict | None = None,
     """(facts, call, name, unconditional) of the collective `call` reaches with its
     constant arguments followed, or None when no path the constants allow reaches one."""
     best = None
+    known = project.collective_functions
     for f, d in project.resolve(facts, call):
+        if d not in known:
+            continue  # reaches no collective whatever it is given
         bound = bind(call, d, env or {})
         if not bound or depth <= 0:
-            hit = project.collective_functions.get(d)
+            hit = known[d]
         else:
-            hit = _Walk(project, f, depth - 1).block(d.body, bound, False)  # type: ignore[attr-defined]
+            hit = _walk_once(project, f, d, bound, depth - 1)
         best = _better(best, hit)
     return best
+
+
+def _walk_once(project, f, d: ast.AST, bound: dict, depth: int):
+    """`_Walk` of `d` under `bound`, once per (function, bindings) in the run."""
+    cache = project.__dict__.setdefault("_constant_walks", {})
+    try:
+        key = (id(d), frozenset(bound.items()), depth)
+        hash(key)
+    except TypeError:  # an unhashable constant: walk without the cache
+        return _Walk(project, f, depth).block(d.body, bound, False)  # type: ignore[attr-defined]
+    if key not in cache:
+        cache[key] = None  # a recursive call of `d` under the same bindings adds nothing
+        cache[key] = _Walk(project, f, depth).block(d.body, bound, False)  # type: ignore[attr-defined]
+    return cache[key]
 
 
 def call_reaches(project, facts, site: ast.Call, d: ast.AST, target: ast.Call) -> bool:
