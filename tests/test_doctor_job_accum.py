@@ -3,7 +3,8 @@
 `job.backward(loss)` divides by the Job's accum_steps; a script carried over from a
 hand-written loop often still has `loss = loss / grad_accum` inside `job.steps()`, which
 makes the gradients and the logged loss accum_steps times too small with no message.
-`loss-divided-twice` reports it. Each test that expects a finding failed before issue 39.
+`loss-divided-twice` reports it. Each test that expects a finding failed before issue 39;
+the look-alikes (no accumulation, the plain loss) passed there too.
 """
 
 from __future__ import annotations

@@ -8,8 +8,9 @@ must still be reported.
 - set_epoch is counted through the loader a helper returns, in the caller's file;
 - what the doctor cannot see makes a finding a warning that says what it could not see.
 
-Each test failed on the doctor before issue 39. Programs of several files are written to
-tmp_path and checked in one run, as `disttrain doctor train.py data/` checks them.
+Each test of a cause failed on the doctor before issue 39 (the look-alikes, which must
+still be reported, passed there too). Programs of several files are written to tmp_path
+and checked in one run, as `disttrain doctor train.py data/` checks them.
 """
 
 from __future__ import annotations
