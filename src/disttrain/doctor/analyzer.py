@@ -14,7 +14,7 @@ from pathlib import Path
 # Importing the rule modules fills the registry (each rule registers itself).
 from disttrain.doctor import (  # noqa: F401
     rules_behaviour, rules_data, rules_ddp, rules_device, rules_fsdp2, rules_io, rules_job, rules_launch,
-    rules_resume, rules_step, rules_sync)
+    rules_loss_division, rules_resume, rules_step, rules_sync)
 from disttrain.doctor.facts import Facts
 from disttrain.doctor.source_text import read_source
 from disttrain.doctor.findings import ERROR, RULES, Finding, ignore_comments, suppressed

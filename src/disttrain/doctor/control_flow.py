@@ -13,15 +13,11 @@ from __future__ import annotations
 
 import ast
 
+from disttrain.doctor.rank_names import _is_local_word, is_guard_word, named_rank_counts
+
 GLOBAL = "global"
 LOCAL = "local"
 SOLO = "solo"  # a single-process path: no other rank runs it at all
-
-# Words that make an `if` test a rank guard: `if rank == 0`, `if dist.get_rank() == 0`,
-# `if is_main_process():`, `if accelerator.is_main_process`, `if trainer.is_global_zero`.
-_GUARD_WORDS = ("rank", "is_main", "main_process", "is_master", "master_process",
-                "is_primary", "primary_process", "is_global_zero", "is_chief", "rank0",
-                "rank_zero", "main_only", "master_only")
 
 # A function so named or decorated runs on rank 0 only (`@rank_zero_only`, `log_rank0`).
 _ZERO_ONLY_WORDS = ("rank0", "rank_0", "rank_zero", "main_process_only", "master_only",
@@ -73,33 +69,6 @@ def _ref(node: ast.AST) -> str | None:
     return None
 
 
-def _is_local_word(word: str) -> bool:
-    low = word.lower()
-    # a GPU index, or Accelerate's `is_local_main_process`: one process per node
-    return ("local" in low and any(w in low for w in ("rank", "main", "master"))) or low == "gpu_id"
-
-
-def is_guard_word(text: str) -> bool:
-    low = text.lower()
-    return any(w in low for w in _GUARD_WORDS) and not _rank_quantity(low)
-
-
-# `val_av_rank_start_epoch` (the epoch a ranking metric starts), `lora_rank`: the word
-# "rank" in a name that is no process rank.
-_NOT_RANK_AFTER = {"epoch", "epochs", "step", "steps", "iter", "iters", "start", "freq", "interval",
-                   "bsz", "neg", "qs", "max", "min", "topk", "loss", "score", "metric"}
-_NOT_RANK_BEFORE = {"lora", "av", "avg", "mean", "matrix", "low"}
-
-
-def _rank_quantity(low: str) -> bool:
-    parts = low.split("_")
-    at = [i for i, w in enumerate(parts) if w == "rank"]
-    if not at or any(w in low for w in _GUARD_WORDS if w != "rank"):
-        return False
-    i = at[-1]
-    return bool(set(parts[i + 1:]) & _NOT_RANK_AFTER or set(parts[:i]) & _NOT_RANK_BEFORE)
-
-
 def guard_kind(facts, test: ast.AST) -> str | None:
     """"global" or "local" when an `if` test checks the rank, None otherwise. A test
     that checks both (`rank == 0 and local_rank == 0`) is global."""
@@ -126,6 +95,8 @@ def _guard_kind(facts, test: ast.AST) -> str | None:
             kinds.add(variables[name])
         elif isinstance(n, ast.Call) and _word(n.func) in funcs:
             kinds.add(funcs[_word(n.func)])
+        elif word and not named_rank_counts(facts, n, word):
+            continue  # `if self.negatives_across_rank:`: a setting, not a rank
         elif word and _is_local_word(word):
             kinds.add(LOCAL)
         elif word and is_guard_word(word):

@@ -116,19 +116,20 @@ class ProgramFacts:
     def collective_functions(self) -> dict[ast.AST, tuple[object, ast.Call, str, bool]]:
         """definition -> (facts, call, collective name, unconditional) for each project
         function that reaches a collective: directly, or through another project function.
-        The flag says whether that collective runs on every call (no `if` around it)."""
+        The flag says whether that collective runs on every call (no `if` around it, nor
+        around the one a called function reaches)."""
         out: dict[ast.AST, tuple] = {}
         changed = True
         while changed:
             changed = False
             for ds in self.defs.values():
                 for f, d in ds:
-                    if d in out:
+                    if d in out and out[d][3]:
                         continue
                     hit = self._first_collective(f, d, out)
-                    if hit:
+                    if hit and (d not in out or hit[3]):  # new, or now found on every call
+                        changed = changed or d not in out or hit[3] != out[d][3]
                         out[d] = hit
-                        changed = True
         return out
 
     def reached_collective(self, facts, call: ast.Call) -> tuple | None:
@@ -176,15 +177,16 @@ class ProgramFacts:
         for n in f.scoped.get(d, ()):
             if not isinstance(n, ast.Call):
                 continue
-            name = self._collective_name(f, n)
+            name, inner = self._collective_name(f, n), True
             if name is None:
                 for _, callee in self.resolve(f, n):
                     if callee in known and callee is not d:
                         name = f"{known[callee][2].split(' (in ')[0]} (in {callee.name}())"
+                        inner = known[callee][3]  # a collective under a condition in the callee
                         break
             if name:
-                unconditional = not any(isinstance(a, (ast.If, ast.IfExp, ast.Try, ast.BoolOp))
-                                        for a in _ancestors_until(f, n, d))
+                unconditional = inner and not any(isinstance(a, (ast.If, ast.IfExp, ast.Try, ast.BoolOp))
+                                                  for a in _ancestors_until(f, n, d))
                 cand = (f, n, name, unconditional)
                 if best is None or (unconditional and not best[3]):
                     best = cand

@@ -7,8 +7,8 @@ from __future__ import annotations
 
 import ast
 
-from disttrain.doctor.control_flow import (
-    GLOBAL, LOCAL, _FUNCS, _is_env_presence, _is_local_word, _ref, _word, is_guard_word)
+from disttrain.doctor.control_flow import GLOBAL, LOCAL, _FUNCS, _is_env_presence, _ref, _word
+from disttrain.doctor.rank_names import _is_local_word, is_guard_word, named_rank_counts
 
 def rank_variables(facts) -> dict[str, str]:
     """Names and attributes that hold a rank or a rank flag, with the kind: this file's
@@ -186,6 +186,8 @@ def _test_kind(facts, test: ast.AST, variables: dict) -> str | None:
             continue
         if name in variables:
             kinds.add(variables[name])
+        elif w and not named_rank_counts(facts, n, w):
+            continue  # a setting named after ranks, tested for its truth
         elif w and _is_local_word(w):
             kinds.add(LOCAL)
         elif w and is_guard_word(w):

@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import ast
 
-from disttrain.doctor.control_flow import _is_local_word
+from disttrain.doctor.rank_names import _is_local_word
 from disttrain.doctor.facts import Facts, is_const, kwarg, mentions, ref
 from disttrain.doctor.findings import WARNING, finding, rule
 

@@ -30,6 +30,22 @@ def _jobs(facts: Facts) -> set[str]:
     return {n for n in out if n}
 
 
+def job_windows(facts: Facts) -> dict[str, ast.expr]:
+    """Names bound to a dt.Job that accumulates, with its `accum_steps` argument: every Job
+    built with one that is not the constant 1 (the default). Its `job.backward(loss)`
+    divides the loss by accum_steps itself."""
+    out = {}
+    for call in facts.calls_to(*_JOB):
+        steps = kwarg(call, "accum_steps")
+        if steps is None or (isinstance(steps, ast.Constant) and steps.value == 1):
+            continue
+        parent = facts.parents.get(call)
+        targets = [parent.optional_vars] if isinstance(parent, ast.withitem) and parent.optional_vars else \
+            parent.targets if isinstance(parent, ast.Assign) else []
+        out.update({r: steps for t in targets if (r := ref(t))})
+    return out
+
+
 def _job_call(facts: Facts, node: ast.AST, jobs: set[str], method: str) -> bool:
     return isinstance(node, ast.Call) and isinstance(node.func, ast.Attribute) and \
         node.func.attr == method and ref(node.func.value) in jobs

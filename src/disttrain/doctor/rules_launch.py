@@ -215,7 +215,10 @@ _SET_DEVICE = SET_DEVICE
       evaluation (named val/valid/eval/test, or feeding such a loader) need none. A
       sampler (or its loader) passed to a function is followed into it when the function
       is defined in this file or in the other files checked in the same run; passed to a
-      function the doctor cannot see, it is a warning that says so.""")
+      function the doctor cannot see, it is a warning that says so. A sampler returned by
+      the helper that builds it (alone, or in the loader it returns) is followed to the
+      helper's callers: `loader.sampler.set_epoch(epoch)` there counts; with no caller in
+      view, it is a warning that says so.""")
 def sampler_without_set_epoch(facts: Facts):
     if facts.method_calls("set_epoch"):
         return
@@ -241,6 +244,19 @@ def sampler_without_set_epoch(facts: Facts):
                 followed = True
         if followed:
             continue
+        returned = _returned_by(facts, call, names)
+        if returned is not None:
+            callers = facts.project.call_sites.get(returned, [])
+            if any(_caller_sets_epoch(f, c, unseen) for f, c in callers):
+                continue
+            if not callers:
+                yield finding(facts, call, "sampler-without-set-epoch",
+                              f"DistributedSampler is returned by `{returned.name}()`, whose callers are not "
+                              "in the files checked: the doctor cannot see whether they call set_epoch().",
+                              f"make sure the caller of `{returned.name}()` calls sampler.set_epoch(epoch) "
+                              "(or loader.sampler.set_epoch(epoch)) every epoch, or check its file in the "
+                              "same run.", severity=WARNING)
+                continue
         if unseen:
             yield finding(facts, call, "sampler-without-set-epoch",
                           f"DistributedSampler is passed to `{unseen[0]}()`, which is not defined in "
@@ -256,6 +272,40 @@ def sampler_without_set_epoch(facts: Facts):
                       "iterating the DataLoader.")
 
 
+def _returned_by(facts: Facts, call: ast.Call, names: set[str]):
+    """The function that builds the sampler and returns it, or the loader or dict that
+    holds it (`return loader`, `return loader, sampler`); None otherwise."""
+    fn = facts.scope_of(call)
+    if not isinstance(fn, (ast.FunctionDef, ast.AsyncFunctionDef)):
+        return None
+    for n in facts.scoped.get(fn, ()):
+        if isinstance(n, ast.Return) and n.value is not None and (
+                n.value is call or any(ref(x) in names for x in ast.walk(n.value))):
+            return fn
+    return None
+
+
+def _caller_sets_epoch(facts: Facts, call: ast.Call, unseen: list[str], depth: int = 2) -> bool:
+    """A call of the function that returns the sampler sets its epoch: the caller's file
+    calls set_epoch (`loader.sampler.set_epoch(epoch)`), hands what it got to a function
+    that does, or returns it in turn to callers that do. Functions it hands it to that are
+    defined in none of the files checked are added to `unseen`."""
+    if facts.method_calls("set_epoch"):
+        return True
+    parent = facts.parents.get(call)
+    got = {r for t in getattr(parent, "targets", []) for x in ast.walk(t) if (r := ref(x))} \
+        if isinstance(parent, ast.Assign) else set()
+    for callee in _callees_given(facts, got):
+        defs = facts.project_functions(callee)
+        if not defs:
+            unseen.append(callee)
+        elif any(_calls_set_epoch(f, d, 3) for f, d in defs):
+            return True
+    outer = _returned_by(facts, call, got) if depth else None
+    return outer is not None and any(_caller_sets_epoch(f, c, unseen, depth - 1)
+                                     for f, c in facts.project.call_sites.get(outer, []))
+
+
 _EVAL_WORDS = {"val", "valid", "validation", "eval", "evaluation", "test", "testing", "dev"}
 
 
@@ -264,10 +314,11 @@ def _is_eval_name(name: str) -> bool:
 
 
 def _sampler_names(facts: Facts, call: ast.Call) -> set[str]:
-    """Every name the sampler is reachable by: its own, a kwargs dict holding it, the
-    DataLoader built from it (`DataLoader(ds, **kwargs)`), and names copied from those."""
+    """Every name the sampler is reachable by: its own (`sampler = DistributedSampler(...)`,
+    or `... if distributed else None`), a kwargs dict holding it, the DataLoader built from
+    it (`DataLoader(ds, **kwargs)`), a list it is appended to, and names copied from those."""
     parent = facts.parents.get(call)
-    while isinstance(parent, (ast.keyword, ast.Dict, ast.Call)):
+    while isinstance(parent, (ast.keyword, ast.Dict, ast.Call, ast.IfExp)):
         parent = facts.parents.get(parent)
     names = {r for t in getattr(parent, "targets", []) if (r := ref(t))} \
         if isinstance(parent, ast.Assign) else set()
@@ -275,6 +326,10 @@ def _sampler_names(facts: Facts, call: ast.Call) -> set[str]:
     while changed:
         changed = False
         for n in facts.nodes:
+            if isinstance(n, ast.Call) and isinstance(n.func, ast.Attribute) and n.func.attr == "append" \
+                    and n.args and ref(n.args[0]) in names and ref(n.func.value) not in names | {None}:
+                names.add(ref(n.func.value))  # `samplers.append(sampler)`
+                changed = True
             if not isinstance(n, ast.Assign) or not _holds(facts, n.value, names):
                 continue
             for t in n.targets:

@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import ast
 
-from disttrain.doctor import control_flow, dataflow
+from disttrain.doctor import constants, control_flow, dataflow, rank_names
 from disttrain.doctor.facts import Facts, arg, is_const, kwarg, mentions, ref
 from disttrain.doctor.findings import ERROR, WARNING, finding, rule
 from disttrain.doctor.program import off_mode
@@ -120,16 +120,35 @@ def collective_under_rank_guard(facts: Facts):
         if facts.rank_guard(call, subset=True, local=True) is None:
             fn = facts.scope_of(call)
             sites = facts.project.call_sites.get(fn, [])
+            if sites and not any(constants.call_reaches(facts.project, facts, c2, fn, call) for _, c2 in sites):
+                continue  # every call passes constants that turn this collective off
             if sites:
                 f2, c2 = sites[0]
                 via = f" (`{fn.name}()` is called only under one, e.g. {f2.path}:{c2.lineno})"
+        unseen = _named_guard(facts, call)
         yield finding(facts, call, "collective-under-rank-guard",
                       f"{name}() is a collective but runs under a rank guard{via}: the ranks the guard "
-                      "leaves out never call it, and the job hangs until the collective timeout.",
+                      "leaves out never call it, and the job hangs until the collective timeout."
+                      + (f" The doctor takes `{unseen}` for a rank from its name alone: it cannot see where "
+                         "its value is set." if unseen else ""),
                       "call it on every rank (outside the `if`), and guard only the work that must "
-                      "happen once (the write, the log).")
+                      "happen once (the write, the log).", severity=WARNING if unseen else None)
     yield from _guarded_calls_into_collectives(facts, found)
     yield from _guarded_accelerate_states(facts)
+
+
+def _named_guard(facts: Facts, node: ast.AST, depth: int = 2) -> str | None:
+    """The name the rank guard around `node` rests on when every guard is a name alone
+    (rank_names.named_only): the `if`s around it in its function, or else those around
+    every call site of that function. None when some guard is proven by data flow."""
+    ifs = _guarding_ifs(facts, node)
+    if ifs:
+        named = [rank_names.named_only(facts, i.test) for i, _ in ifs]
+        return named[0] if all(named) else None
+    fn = facts.scope_of(node)
+    sites = facts.project.call_sites.get(fn, []) if depth else []
+    names = [_named_guard(f, c, depth - 1) for f, c in sites]
+    return names[0] if names and all(names) else None
 
 
 def _guarded_accelerate_states(facts: Facts):
@@ -186,6 +205,11 @@ def _guarded_calls_into_collectives(facts: Facts, direct: list):
             continue  # the callee runs under the guard on every call: its collective is reported there
         if hit is not None and any(dataflow._complementary(project.call_sites.get(d, [])) for d in callees):
             continue  # called from both branches of one rank test: every rank reaches it
+        if hit is not None:
+            # `build_loader(..., rank=-1)`: the constants it passes may turn the collective off
+            hit = constants.reached_collective(project, facts, call)
+            if hit is None:
+                continue
         target = ref(call.func)
         if hit is None and target in ddp and _same_program(facts, ddp[target]) and \
                 not _before_wrap(facts, call, ddp[target]):
@@ -212,13 +236,16 @@ def _guarded_calls_into_collectives(facts: Facts, direct: list):
             continue
         f2, c2, name, unconditional = hit
         where = f"{f2.path}:{c2.lineno}"
+        unseen = _named_guard(facts, call)
         yield finding(facts, call, "collective-under-rank-guard",
                       f"{ast.unparse(call.func)}() reaches the collective {name} ({where}) but is "
                       "called under a rank guard: the other ranks never join it"
                       + (", and the job hangs until the collective timeout." if unconditional else
-                         " on the paths where it runs (it sits under a condition there)."),
+                         " on the paths where it runs (it sits under a condition there).")
+                      + (f" The doctor takes `{unseen}` for a rank from its name alone: it cannot see where "
+                         "its value is set." if unseen else ""),
                       "call it on every rank, or make the callee skip its collective on one-rank calls.",
-                      severity=ERROR if unconditional else WARNING)
+                      severity=ERROR if unconditional and not unseen else WARNING)
 
 
 def _before_wrap(facts: Facts, call: ast.Call, wrap) -> bool:
