@@ -165,9 +165,8 @@ def check_counts(nproc: str, nnodes: str | None) -> None:
 
 
 def visible_gpus() -> int:
-    """The CUDA devices this process can see, counted through NVML where it answers: a
-    count through the CUDA driver (what `torch.cuda.is_available()` does) poisons every
-    later fork, the warm workers' included (0 on a build without CUDA)."""
+    """CUDA devices, counted through NVML where it answers: `is_available()` counts
+    through the driver, which poisons every later fork (the warm workers')."""
     import torch
 
     return torch.cuda.device_count()
