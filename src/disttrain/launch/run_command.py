@@ -165,9 +165,7 @@ def check_counts(nproc: str, nnodes: str | None) -> None:
 
 
 def visible_gpus() -> int:
-    """CUDA devices, counted through NVML where it answers: `is_available()` counts
-    through the driver, which poisons every later fork (the warm workers')."""
-    import torch
+    import torch  # device_count: through NVML where it answers; is_available would poison forks
 
     return torch.cuda.device_count()
 
