@@ -236,7 +236,15 @@ def test_a_mode_flag_or_a_launcher_check_is_no_rank_guard():  # torch's FSDP opt
     env = PRE_FSDP2 + "import os\nif 'RANK' in os.environ:\n    dist.barrier()\nif os.environ.get('RANK') is not None:\n    dist.barrier()\n"
     for src in (flag, env):
         assert not [r for r in rule_severities(src) if r[0] == "collective-under-rank-guard"], src
-    assert ("collective-under-rank-guard", "error") in rule_severities(env.replace("'RANK' in os.environ", "rank == 0"))
+    # A bare `rank` that nothing in view sets is a rank by its name alone: a warning that
+    # says so. Once data flow makes it a rank, the same guard is an error.
+    unseen = env.replace("'RANK' in os.environ", "rank == 0")
+    assert ("collective-under-rank-guard", "warning") in rule_severities(unseen)
+    seen = unseen.replace("import os\n", "import os\nrank = int(os.environ['RANK'])\n")
+    assert ("collective-under-rank-guard", "error") in rule_severities(seen)
+    spawned = PRE_FSDP2 + "def worker(rank, world):\n    if rank == 0:\n        dist.barrier()\n" \
+        "torch.multiprocessing.spawn(worker, args=(2,), nprocs=2)\n"
+    assert ("collective-under-rank-guard", "error") in rule_severities(spawned)
 
 
 def test_fabric_gathers_over_its_padded_eval_loader():  # Lightning Fabric examples

@@ -6,7 +6,9 @@ flag computed from one, a function that returns one: rank_values.py) or a librar
 defines it (`dist.get_rank()`, `accelerator.is_main_process`). Otherwise the doctor can
 only read the words: a flag (`is_main`, `rank0`), the bare name of a rank number (`rank`,
 `args.local_rank`), or another name with "rank" in it compared like a number
-(`self.peer_rank == 0`). A setting named after ranks and tested for its truth (`if
+(`self.peer_rank == 0`). Only an attribute named as a rank number (`args.local_rank`,
+which launchers fill) counts without data flow; a plain `rank` whose value is set out of
+view is a rank by its name alone. A setting named after ranks and tested for its truth (`if
 self.negatives_across_rank:`, the same on every rank) is no rank. `named_only` says when
 a test rests on such words alone, so a rule can make its finding a warning that says so.
 """
@@ -92,10 +94,10 @@ _LIBRARY_RANKS = {"get_rank", "get_local_rank", "get_global_rank", "get_node_loc
 
 def named_only(facts, test: ast.AST) -> str | None:
     """The name a rank test rests on when nothing but its words make it one: no data flow
-    reaches it, no library defines it, and it is not the bare name of a rank (`rank`,
-    `args.local_rank`, which every launcher convention fills with one): `if
-    self.peer_rank == 0:` or `if is_master:` with the value set out of view. None when the
-    test is a rank test by data flow, by a library's rank, or by a bare rank name."""
+    reaches it, no library defines it, and it is not an attribute named as a rank number
+    (`args.local_rank`, which launchers fill): `if rank == 0:`, `if self.peer_rank == 0:`
+    or `if is_master:` with the value set out of view. None when the test is a rank test
+    by data flow, by a library's rank, or by such an attribute."""
     first = None
     for n in ast.walk(test):
         word, name = _word(n), _ref(n)
@@ -103,7 +105,7 @@ def named_only(facts, test: ast.AST) -> str | None:
             return None
         if isinstance(n, ast.Call) and _word(n.func) in facts.project.rank_flag_functions:
             return None
-        if word in _LIBRARY_RANKS or (word or "").lower() in _BARE_RANKS:
+        if word in _LIBRARY_RANKS or (isinstance(n, ast.Attribute) and (word or "").lower() in _BARE_RANKS):
             return None
         if first is None and word and (_is_local_word(word) or is_guard_word(word)) and \
                 named_rank_counts(facts, n, word) and not word.lower().endswith("_only"):
