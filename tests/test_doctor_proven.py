@@ -296,3 +296,32 @@ def test_constants_are_followed_once_per_function_and_value():
         layers.append(f"def layer{i}(wait=False):\n{calls}")
     src = SETUP + "".join(layers) + "layer0()\nif dist.get_rank() == 0:\n    layer0(wait=True)\n    layer0(wait=False)\n"
     assert found(src, "collective-under-rank-guard") == [(line_of(src, "layer0(wait=True)"), "error")]
+
+
+def test_a_rank_set_out_of_view_before_an_early_exit_is_a_warning_that_says_so():
+    """`if rank != 0: return` before a barrier, with `rank` a parameter nothing in view
+    fills: the exit rests on the name alone. With `rank` read from RANK it is proven."""
+    unseen = """
+    import torch.distributed as dist
+
+    class Syncer:
+        def only_zero_waits(self, rank):
+            if rank != 0:
+                return
+            dist.barrier()
+
+        def all_but_zero_wait(self, rank):
+            if rank == 0:
+                return
+            dist.barrier()
+    """
+    assert found(unseen, "collective-under-rank-guard") == [(8, "warning"), (13, "warning")]
+    seen = SETUP + textwrap.dedent("""
+    rank = int(os.environ["RANK"])
+
+    def only_zero_waits():
+        if rank != 0:
+            return
+        dist.barrier()
+    """)
+    assert [s for _, s in found(seen, "collective-under-rank-guard")] == ["error"]

@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import ast
 
-from disttrain.doctor import constants, control_flow, dataflow, rank_names
+from disttrain.doctor import constants, control_flow, dataflow, guard_names
 from disttrain.doctor.facts import Facts, arg, is_const, kwarg, mentions, ref
 from disttrain.doctor.findings import ERROR, WARNING, finding, rule
 from disttrain.doctor.program import off_mode
@@ -40,30 +40,6 @@ def collectives(facts: Facts) -> list[tuple[ast.Call, str]]:
     return out
 
 
-def _guarding_ifs(facts: Facts, node: ast.AST) -> list[tuple[ast.If, bool]]:
-    """The `if`s testing the rank around `node` in its function, innermost first, with the
-    branch (True: body) it sits in. `if local_rank != -1` asks "distributed at all?", the
-    same answer on every rank, and is no guard."""
-    out, child = [], node
-    for a in facts.ancestors(node):
-        if isinstance(a, ast.If) and child is not a.test and control_flow.is_rank_test(facts, a.test) \
-                and not _is_distributed_check(a.test):
-            out.append((a, child in a.body))
-        if isinstance(a, (ast.FunctionDef, ast.AsyncFunctionDef, ast.Lambda)):
-            break
-        child = a
-    return out
-
-
-def _is_distributed_check(test: ast.AST) -> bool:
-    """`args.local_rank != -1` / `== -1`: a comparison with -1 only."""
-    if not isinstance(test, ast.Compare) or len(test.comparators) != 1:
-        return False
-    c = test.comparators[0]
-    return isinstance(c, ast.UnaryOp) and isinstance(c.op, ast.USub) and \
-        isinstance(c.operand, ast.Constant) and c.operand.value == 1
-
-
 def _has_partner(facts: Facts, call: ast.Call, name: str, ifs, all_calls) -> bool:
     """True when the ranks the guard leaves out call the same collective elsewhere in the
     function: the other branch of the same `if`, or another rank-guarded `if` with a
@@ -75,7 +51,7 @@ def _has_partner(facts: Facts, call: ast.Call, name: str, ifs, all_calls) -> boo
     for other, other_name in all_calls:
         if other is call or other_name != name or facts.scope_of(other) is not scope:
             continue
-        other_ifs = _guarding_ifs(facts, other)
+        other_ifs = guard_names.guarding_ifs(facts, other)
         if not other_ifs:
             continue
         o_guard, o_body = other_ifs[0]
@@ -103,18 +79,19 @@ def collective_under_rank_guard(facts: Facts):
         kind = facts.rank_guard(call, subset=True)
         if kind in (None, control_flow.SOLO):
             continue
-        ifs = _guarding_ifs(facts, call)
+        ifs = guard_names.guarding_ifs(facts, call)
         if ifs and _has_partner(facts, call, name, ifs, found):
             continue
         if not ifs and _only_distributed_checks(facts, call):
             continue
         if facts.rank_guard(call) is None:  # reached only past an exit on rank 0
+            unseen = guard_names.named_exit(facts, call)
             yield finding(facts, call, "collective-under-rank-guard",
                           f"{name}() is a collective, but an earlier `return`/exit on the guarded rank "
                           "(rank 0) leaves only the other ranks to reach it: they wait for rank 0 "
-                          "until the collective timeout.",
+                          "until the collective timeout." + guard_names.unseen_note(unseen),
                           "let every rank reach the collective (move the early exit after it, or "
-                          "exit on every rank).")
+                          "exit on every rank).", severity=WARNING if unseen else None)
             continue
         via = ""
         if facts.rank_guard(call, subset=True, local=True) is None:
@@ -125,30 +102,15 @@ def collective_under_rank_guard(facts: Facts):
             if sites:
                 f2, c2 = sites[0]
                 via = f" (`{fn.name}()` is called only under one, e.g. {f2.path}:{c2.lineno})"
-        unseen = _named_guard(facts, call)
+        unseen = guard_names.named_guard(facts, call)
         yield finding(facts, call, "collective-under-rank-guard",
                       f"{name}() is a collective but runs under a rank guard{via}: the ranks the guard "
                       "leaves out never call it, and the job hangs until the collective timeout."
-                      + (f" The doctor takes `{unseen}` for a rank from its name alone: it cannot see where "
-                         "its value is set." if unseen else ""),
+                      + guard_names.unseen_note(unseen),
                       "call it on every rank (outside the `if`), and guard only the work that must "
                       "happen once (the write, the log).", severity=WARNING if unseen else None)
     yield from _guarded_calls_into_collectives(facts, found)
     yield from _guarded_accelerate_states(facts)
-
-
-def _named_guard(facts: Facts, node: ast.AST, depth: int = 2) -> str | None:
-    """The name the rank guard around `node` rests on when every guard is a name alone
-    (rank_names.named_only): the `if`s around it in its function, or else those around
-    every call site of that function. None when some guard is proven by data flow."""
-    ifs = _guarding_ifs(facts, node)
-    if ifs:
-        named = [rank_names.named_only(facts, i.test) for i, _ in ifs]
-        return named[0] if all(named) else None
-    fn = facts.scope_of(node)
-    sites = facts.project.call_sites.get(fn, []) if depth else []
-    names = [_named_guard(f, c, depth - 1) for f, c in sites]
-    return names[0] if names and all(names) else None
 
 
 def _guarded_accelerate_states(facts: Facts):
@@ -169,7 +131,7 @@ def _guarded_accelerate_states(facts: Facts):
         if kind in (None, control_flow.SOLO):
             continue
         if any("deepspeed" in ast.unparse(i.test).lower() or "distributed_type" in ast.unparse(i.test)
-               for i, _ in _guarding_ifs(facts, call)):
+               for i, _ in guard_names.guarding_ifs(facts, call)):
             continue
         yield finding(facts, call, "collective-under-rank-guard",
                       f"{ast.unparse(call.func)}() runs under a rank guard. Under DeepSpeed or FSDP (chosen "
@@ -236,7 +198,7 @@ def _guarded_calls_into_collectives(facts: Facts, direct: list):
             continue
         f2, c2, name, unconditional = hit
         where = f"{f2.path}:{c2.lineno}"
-        unseen = _named_guard(facts, call)
+        unseen = guard_names.named_guard(facts, call)
         yield finding(facts, call, "collective-under-rank-guard",
                       f"{ast.unparse(call.func)}() reaches the collective {name} ({where}) but is "
                       "called under a rank guard: the other ranks never join it"
@@ -284,7 +246,7 @@ def _only_distributed_checks(facts: Facts, call: ast.Call) -> bool:
     child = call
     for a in facts.ancestors(call):
         if isinstance(a, ast.If) and child is not a.test and control_flow.is_rank_test(facts, a.test):
-            return _is_distributed_check(a.test)
+            return guard_names.is_distributed_check(a.test)
         if isinstance(a, (ast.FunctionDef, ast.AsyncFunctionDef, ast.Lambda)):
             return False
         child = a
