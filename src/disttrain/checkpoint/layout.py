@@ -31,7 +31,7 @@ import uuid
 from pathlib import Path
 from typing import Callable
 
-from disttrain.checkpoint.checkpoint_errors import CheckpointCorrupt, StaleWriterError
+from disttrain.checkpoint.checkpoint_errors import CheckpointCorrupt, CheckpointUnsafe, StaleWriterError
 from disttrain.checkpoint.digests import corrupt_message, file_mismatch
 from disttrain.checkpoint.files import atomic_write_bytes, fsync_dir
 from disttrain.runtime.log import LOGGER
@@ -74,12 +74,21 @@ def write_manifest(tmp_dir: Path, info: dict, files: dict[str, dict]) -> dict:
 
 
 def read_manifest(step_dir: Path) -> dict:
-    """The parsed manifest (JSON, never pickle). Raises `CheckpointCorrupt` naming it."""
+    """The parsed manifest (JSON, never pickle). Raises `CheckpointCorrupt` naming it,
+    or `CheckpointUnsafe` for a manifest that is a symlink out of `step_dir` or names
+    a file that is not a plain name in it (`name_problem`)."""
     path = step_dir / MANIFEST
     try:
+        if escapes(step_dir, MANIFEST):
+            raise CheckpointUnsafe(_escape_message(step_dir, MANIFEST), MANIFEST)
         manifest = json.loads(path.read_text())
         if not isinstance(manifest.get("files"), dict) or manifest.get("format") != FORMAT:
             raise ValueError("unknown format")
+        for name in manifest["files"]:
+            if (why := name_problem(name)) is not None:
+                raise CheckpointUnsafe(f"{path} names the file {name!r}, {why}: refused, nothing "
+                                       f"outside {step_dir} is read. A manifest lists plain names of "
+                                       f"files in its own folder; this one was altered.", MANIFEST)
         return manifest
     except FileNotFoundError:
         if is_empty_dir(step_dir):
@@ -91,12 +100,51 @@ def read_manifest(step_dir: Path) -> dict:
         raise CheckpointCorrupt(f"{path} is unreadable ({e}); the checkpoint is damaged.", MANIFEST) from None
 
 
+def name_problem(name: str) -> str | None:
+    """Why `name`, a manifest's file name, is not a plain name of a file in its step
+    folder (a separator, `..`, an absolute path, empty), or None."""
+    if not name or name in (".", ".."):
+        return "which is no file name"
+    if os.path.isabs(name) or "/" in name or "\\" in name or (os.altsep and os.altsep in name):
+        return "a path, not a plain name"
+    if "\0" in name:
+        return "which holds a NUL"
+    return None
+
+
+def escapes(step_dir: Path, name: str) -> bool:
+    """True when `step_dir/name` is a symlink whose target is not a file of `step_dir`
+    itself (disttrain never writes a symlink; the folder may be reached through one)."""
+    path = step_dir / name
+    if not path.is_symlink():
+        return False
+    return Path(os.path.realpath(path)).parent != Path(os.path.realpath(step_dir))
+
+
+def _escape_message(step_dir: Path, name: str) -> str:
+    return (f"{step_dir / name} is a symlink to {os.path.realpath(step_dir / name)}, outside "
+            f"{step_dir}: refused, it is not read. A checkpoint's files are its own.")
+
+
+def check_listed(step_dir: str | os.PathLike, names, *, by: Path) -> None:
+    """Raise `CheckpointUnsafe` unless each of `names` (the data files that `by`, the
+    checkpoint's metadata, points the reader to) is a file the manifest of `step_dir`
+    lists: a name outside it is never opened."""
+    files = read_manifest(Path(step_dir))["files"]
+    for name in names:
+        if not isinstance(name, str) or name not in files:
+            raise CheckpointUnsafe(f"{by} points to the data file {name!r}, which its manifest does not "
+                                   f"list: refused, it is not read. The metadata was altered.", by.name)
+
+
 def verify(step_dir: str | os.PathLike, *, checksums: bool = True,
            select: Callable[[str], bool] | None = None) -> dict:
     """Check that every file in the manifest exists with its size and checksum, that
     DCP's `.metadata` is among them, and that no unlisted shard is present.
 
-    Returns the manifest. Raises `CheckpointCorrupt` naming the first bad file.
+    Returns the manifest. Raises `CheckpointCorrupt` naming the first bad file, or
+    `CheckpointUnsafe` for a file name or a symlink that leaves `step_dir`: the
+    names are checked, and a symlink out refused, before any file is read.
     `checksums=False` checks existence and sizes only (cheap; used by retention).
     `select(name)` limits the hashing to the files it accepts (a load hashes most
     files as DCP reads them); sizes are still checked for all of them.
@@ -110,6 +158,9 @@ def verify(step_dir: str | os.PathLike, *, checksums: bool = True,
     files = manifest["files"]
     if ".metadata" not in files:
         raise CheckpointCorrupt(f"{step_dir}: the manifest lists no .metadata.", ".metadata")
+    for name in sorted(files):
+        if escapes(step_dir, name):
+            raise CheckpointUnsafe(_escape_message(step_dir, name), name)
     for name, want in sorted(files.items()):
         path = step_dir / name
         if not path.is_file():

@@ -177,9 +177,9 @@ def load_is_copy(module: nn.Module) -> bool:
     return True
 
 
-def load_keys(keys: set[str], checkpoint_id: str) -> dict:
+def load_keys(keys: set[str], storage_reader: Any) -> dict:
     """The nested state dict of just `keys` (DCP's flattened names) from a DCP
-    checkpoint, read without a process group
+    checkpoint read by `storage_reader`, without a process group
     (`torch.distributed.checkpoint.state_dict_loader._load_state_dict_from_keys`).
 
     Checked on 2.13.0. No fallback: a release without it raises ImportError naming
@@ -189,7 +189,37 @@ def load_keys(keys: set[str], checkpoint_id: str) -> dict:
     except ImportError as e:
         raise ImportError(f"torch {torch.__version__} cannot read single keys of a checkpoint "
                           f"(checked on {', '.join(CHECKED_ON)})") from e
-    return _load_state_dict_from_keys(keys, checkpoint_id=checkpoint_id)
+    return _load_state_dict_from_keys(keys, storage_reader=storage_reader)
+
+
+def dcp_metadata_globals() -> dict[tuple[str, str], Any]:
+    """Every global that the pickled `.metadata` of DCP's default format names, as
+    (module, name) as pickled -> the object: the metadata dataclasses, their dtypes,
+    layouts (`torch.serialization._get_layout`), memory formats
+    (`checkpoint.metadata._MEM_FORMAT_ENCODING`), `torch.Size`, the storage records
+    (`checkpoint.filesystem._StorageInfo`) and the path of `StorageMeta.checkpoint_id`
+    (`pathlib._local` from Python 3.13). Each only builds a value: none runs anything
+    else, whatever arguments a pickle gives it.
+
+    Checked on 2.13.0 with CPython 3.11. Fallback: a private name a release lacks is
+    left out, so a pickle that names it is refused as any foreign global is."""
+    import pathlib
+
+    from torch.distributed.checkpoint import filesystem, metadata
+
+    found: dict[tuple[str, str], Any] = {("torch", "Size"): torch.Size,
+                                         ("pathlib", "PosixPath"): pathlib.PosixPath,
+                                         ("pathlib._local", "PosixPath"): pathlib.PosixPath}
+    found.update((("torch", name), value) for name, value in vars(torch).items()
+                 if isinstance(value, torch.dtype))
+    for module, name in ((metadata, "Metadata"), (metadata, "StorageMeta"), (metadata, "MetadataIndex"),
+                         (metadata, "TensorStorageMetadata"), (metadata, "BytesStorageMetadata"),
+                         (metadata, "ChunkStorageMetadata"), (metadata, "TensorProperties"),
+                         (metadata, "_MEM_FORMAT_ENCODING"), (filesystem, "_StorageInfo"),
+                         (torch.serialization, "_get_layout")):
+        if hasattr(module, name):
+            found[(module.__name__, name)] = getattr(module, name)
+    return found
 
 
 def fsdp1_unsharded_shapes(model: nn.Module) -> dict[int, tuple[int, ...]]:
