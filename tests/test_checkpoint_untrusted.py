@@ -214,11 +214,18 @@ def test_metadata_pointing_to_a_data_file_outside_the_manifest_is_refused(tmp_pa
 
 
 def test_the_untouched_first_format_fixture_still_verifies_and_loads(tmp_path):
-    run, _ = _fixture_copy(tmp_path)
+    run, step_dir = _fixture_copy(tmp_path)
     out = _watched_load(run, tmp_path / "nothing")
     assert "LOADED" in out.stdout, out.stdout + out.stderr[-3000:]
-    proc = _ckpt("verify", run, tmp_path)
+    proc = _watched(VERIFY, run, step_dir / "state.json")  # the watch does see what is read
     assert proc.returncode == 0 and "OK (6 files, step 2)" in proc.stdout, proc.stderr[-3000:]
+    assert "OPENED OUTSIDE" in proc.stdout
+
+
+def test_the_payload_does_run_when_unpickled(tmp_path):
+    marker = tmp_path / "ran"
+    pickle.loads(pickle.dumps(Touch(marker)))
+    assert marker.exists()
 
 
 # ---------------------------------------------------------------- a `disttrain train` resume
@@ -262,3 +269,36 @@ def test_a_disttrain_train_resume_refuses_the_folder_in_one_line(trained, tmp_pa
     assert said in line and str(step_dir) in line, line
     assert not marker.exists()
     assert not (out / "checkpoints" / "step-00000006").exists()
+
+
+JOB = textwrap.dedent("""
+    import sys
+    import torch
+    from torch.utils.data import TensorDataset
+    import disttrain as dt
+    from disttrain.demo import MLP, MLPConfig
+    out, steps = sys.argv[1], int(sys.argv[2])
+    g = torch.Generator().manual_seed(0)
+    data = TensorDataset(torch.randn(64, 16, generator=g), torch.randn(64, 4, generator=g))
+    with dt.Job(out, checkpoint_every=2) as job:
+        model = job.wrap(MLP(MLPConfig()))
+        optimizer = torch.optim.AdamW(model.parameters(), lr=1e-2)
+        loader = job.loader(data, batch_size=8)
+        job.resume(model=model, optimizer=optimizer)
+        for x, y in job.steps(loader, max_steps=steps):
+            job.backward(model(x, y)[1])
+""")
+
+
+def test_a_dt_job_resume_refuses_the_folder_in_one_line(tmp_path):
+    script, out, marker = tmp_path / "job.py", tmp_path / "out", tmp_path / "ran"
+    script.write_text(JOB)
+    first = run_disttrain(["run", "--nproc", "1", str(script), str(out), "2"], timeout=150)
+    assert first.returncode == 0, first.stderr[-3000:]
+    (step_dir,) = out.rglob("step-00000002")
+    _replace(step_dir, ".metadata", pickle.dumps(Touch(marker)))
+    proc = run_disttrain(["run", "--nproc", "1", str(script), str(out), "4"], timeout=150)
+    out_err = proc.stdout + proc.stderr
+    assert proc.returncode == 2, out_err[-3000:]
+    assert out_err.count("asks its unpickler for posix.system") == 1 and "Traceback" not in out_err, out_err
+    assert not marker.exists() and not list(out.rglob("step-00000004"))

@@ -8,7 +8,7 @@ by whoever wrote the folder: the digests catch damage, not an author. So:
   DCP's metadata is made of (`torch_compat.dcp_metadata_globals`). A pickle naming
   any other is refused, naming the file and the global, before anything is called.
 - Every data file the metadata names is a file the manifest lists
-  (`layout.check_listed`): nothing outside the folder is read.
+  (`own_files.check_listed`): nothing outside the folder is read.
 - The records: DCP reads tensors with `torch.load(weights_only=True)`; values
   (`BYTE_IO`: optimizer hyper-parameters, ...) its planners read with
   `weights_only=False`, so `SafeReader` reads each with `weights_only=True` first and
@@ -29,6 +29,7 @@ from torch.distributed.checkpoint.metadata import BytesStorageMetadata, Metadata
 
 from disttrain.checkpoint import layout
 from disttrain.checkpoint.checkpoint_errors import CheckpointCorrupt, CheckpointUnsafe
+from disttrain.checkpoint.own_files import check_listed
 from disttrain.runtime import torch_compat
 
 METADATA = ".metadata"
@@ -74,8 +75,8 @@ def read_metadata(step_dir: str | Path) -> Metadata:
     if not isinstance(metadata, Metadata) or not isinstance(metadata.storage_data, dict):
         raise CheckpointCorrupt(f"{path} is not DCP's checkpoint metadata (it holds a "
                                 f"{type(metadata).__name__}).", METADATA)
-    layout.check_listed(step_dir, [getattr(info, "relative_path", None) for info in metadata.storage_data.values()],
-                        by=path)
+    check_listed(layout.read_manifest(Path(step_dir))["files"],
+                 [getattr(info, "relative_path", None) for info in metadata.storage_data.values()], by=path)
     if not isinstance(metadata.storage_meta, StorageMeta):
         metadata.storage_meta = StorageMeta()
     return metadata

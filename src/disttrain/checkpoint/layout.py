@@ -34,6 +34,7 @@ from typing import Callable
 from disttrain.checkpoint.checkpoint_errors import CheckpointCorrupt, CheckpointUnsafe, StaleWriterError
 from disttrain.checkpoint.digests import corrupt_message, file_mismatch
 from disttrain.checkpoint.files import atomic_write_bytes, fsync_dir
+from disttrain.checkpoint.own_files import escape_message, escapes, name_problem
 from disttrain.runtime.log import LOGGER
 
 MANIFEST = "manifest.json"
@@ -80,7 +81,7 @@ def read_manifest(step_dir: Path) -> dict:
     path = step_dir / MANIFEST
     try:
         if escapes(step_dir, MANIFEST):
-            raise CheckpointUnsafe(_escape_message(step_dir, MANIFEST), MANIFEST)
+            raise CheckpointUnsafe(escape_message(step_dir, MANIFEST), MANIFEST)
         manifest = json.loads(path.read_text())
         if not isinstance(manifest.get("files"), dict) or manifest.get("format") != FORMAT:
             raise ValueError("unknown format")
@@ -98,43 +99,6 @@ def read_manifest(step_dir: Path) -> dict:
         raise CheckpointCorrupt(f"{step_dir}: no {MANIFEST}; the commit is incomplete.", MANIFEST) from None
     except (ValueError, OSError) as e:
         raise CheckpointCorrupt(f"{path} is unreadable ({e}); the checkpoint is damaged.", MANIFEST) from None
-
-
-def name_problem(name: str) -> str | None:
-    """Why `name`, a manifest's file name, is not a plain name of a file in its step
-    folder (a separator, `..`, an absolute path, empty), or None."""
-    if not name or name in (".", ".."):
-        return "which is no file name"
-    if os.path.isabs(name) or "/" in name or "\\" in name or (os.altsep and os.altsep in name):
-        return "a path, not a plain name"
-    if "\0" in name:
-        return "which holds a NUL"
-    return None
-
-
-def escapes(step_dir: Path, name: str) -> bool:
-    """True when `step_dir/name` is a symlink whose target is not a file of `step_dir`
-    itself (disttrain never writes a symlink; the folder may be reached through one)."""
-    path = step_dir / name
-    if not path.is_symlink():
-        return False
-    return Path(os.path.realpath(path)).parent != Path(os.path.realpath(step_dir))
-
-
-def _escape_message(step_dir: Path, name: str) -> str:
-    return (f"{step_dir / name} is a symlink to {os.path.realpath(step_dir / name)}, outside "
-            f"{step_dir}: refused, it is not read. A checkpoint's files are its own.")
-
-
-def check_listed(step_dir: str | os.PathLike, names, *, by: Path) -> None:
-    """Raise `CheckpointUnsafe` unless each of `names` (the data files that `by`, the
-    checkpoint's metadata, points the reader to) is a file the manifest of `step_dir`
-    lists: a name outside it is never opened."""
-    files = read_manifest(Path(step_dir))["files"]
-    for name in names:
-        if not isinstance(name, str) or name not in files:
-            raise CheckpointUnsafe(f"{by} points to the data file {name!r}, which its manifest does not "
-                                   f"list: refused, it is not read. The metadata was altered.", by.name)
 
 
 def verify(step_dir: str | os.PathLike, *, checksums: bool = True,
@@ -160,7 +124,7 @@ def verify(step_dir: str | os.PathLike, *, checksums: bool = True,
         raise CheckpointCorrupt(f"{step_dir}: the manifest lists no .metadata.", ".metadata")
     for name in sorted(files):
         if escapes(step_dir, name):
-            raise CheckpointUnsafe(_escape_message(step_dir, name), name)
+            raise CheckpointUnsafe(escape_message(step_dir, name), name)
     for name, want in sorted(files.items()):
         path = step_dir / name
         if not path.is_file():

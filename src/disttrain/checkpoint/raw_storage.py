@@ -38,6 +38,7 @@ from disttrain.checkpoint import layout
 from disttrain.checkpoint.checkpoint_errors import CheckpointCorrupt
 from disttrain.checkpoint.digests import HashingStream, corrupt_message, digest_bytes, expected, new_hash, record
 from disttrain.checkpoint.files import fsync_file
+from disttrain.checkpoint.own_files import check_listed
 from disttrain.checkpoint.finite import FiniteTally
 from disttrain.checkpoint.raw_read import FileRead, narrow, pool, read_all, read_exact, shared_storages, stop_for
 from disttrain.checkpoint.json_records import (Extent, metadata_bytes, metadata_of, set_path, value_bytes,
@@ -186,7 +187,8 @@ def read_metadata(step_dir: str | Path):
         metadata = metadata_of(path.read_bytes())
     except (ValueError, KeyError, TypeError) as e:
         raise CheckpointCorrupt(f"{path} is not a {FORMAT} metadata document ({e}).", METADATA) from None
-    layout.check_listed(step_dir, {extent.file for extent in metadata.storage_data.values()}, by=path)
+    check_listed(layout.read_manifest(Path(step_dir))["files"],
+                 {extent.file for extent in metadata.storage_data.values()}, by=path)
     return metadata
 
 

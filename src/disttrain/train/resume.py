@@ -32,7 +32,8 @@ import torch
 import torch.distributed as dist
 
 from disttrain.checkpoint import CheckpointMismatch
-from disttrain.checkpoint.layout import committed, escapes
+from disttrain.checkpoint.layout import committed
+from disttrain.checkpoint.own_files import escapes
 from disttrain.config import Config, to_dict
 from disttrain.elastic import apply_batch_policy
 from disttrain.runtime.log import LOGGER
