@@ -233,12 +233,12 @@ def test_the_payload_does_run_when_unpickled(tmp_path):
 SMALL = ["--model.n_layer=1", "--model.n_embd=32", "--model.n_head=2", "--model.block_size=32",
          "--data.max_bytes=50000", "--train.batch_size=4", "--train.eval_every=0",
          "--train.eval_batches=1", "--train.log_every=1", "--checkpoint.every=3",
-         "--guard.enabled=false", "--parallel.nproc=1"]
+         "--guard.enabled=false"]
 
 
-def _train(out, steps):
-    return run_disttrain(["train", "examples/tiny_gpt.toml", *SMALL, f"--train.steps={steps}",
-                          f"--train.out_dir={out}"], timeout=240)
+def _train(out, steps, nproc=1):
+    return run_disttrain(["train", "examples/tiny_gpt.toml", *SMALL, f"--parallel.nproc={nproc}",
+                          f"--train.steps={steps}", f"--train.out_dir={out}"], timeout=240)
 
 
 @pytest.fixture(scope="module")
@@ -252,8 +252,9 @@ def trained(tmp_path_factory):
     return built_once(tmp_path_factory, "untrusted-trained", run)
 
 
-@pytest.mark.parametrize("how", ["pickle", "dotdot"])
-def test_a_disttrain_train_resume_refuses_the_folder_in_one_line(trained, tmp_path, how):
+@pytest.mark.parametrize("how, nproc", [("pickle", 1), ("dotdot", 1), ("pickle", 2)])
+def test_a_disttrain_train_resume_refuses_the_folder_in_one_line(trained, tmp_path, how, nproc):
+    """At 2 ranks both refuse (the verdict is agreed), and the launcher says it once."""
     out = tmp_path / "run"
     shutil.copytree(trained, out)
     step_dir = out / "checkpoints" / "step-00000003"
@@ -265,7 +266,7 @@ def test_a_disttrain_train_resume_refuses_the_folder_in_one_line(trained, tmp_pa
         outside = tmp_path / "x.json"
         outside.write_text("{}")
         said = _outside_name(step_dir, outside, "dotdot")
-    line = _one_error_line(_train(out, 6), "train")
+    line = _one_error_line(_train(out, 6, nproc), "train")
     assert said in line and str(step_dir) in line, line
     assert not marker.exists()
     assert not (out / "checkpoints" / "step-00000006").exists()

@@ -27,7 +27,7 @@ checkpoint of the `raw-1` format is never unpickled: its metadata and non-tensor
 values are JSON, its tensors raw bytes. Older checkpoints (DCP's default format) hold
 pickles; the manifest proves they are the bytes the writer produced, not that the
 writer was honest, so `dcp_read` resolves only DCP's metadata classes and reads
-values weights-only. No file outside the step folder is read (`layout`): a folder
+values weights-only. No file outside the step folder is read (`own_files`): a folder
 that asks for either is refused (`CheckpointUnsafe`). Share models as the safetensors
 export.
 """
