@@ -201,8 +201,8 @@ def dcp_metadata_globals() -> dict[tuple[str, str], Any]:
     (`pathlib._local` from Python 3.13). Each only builds a value: none runs anything
     else, whatever arguments a pickle gives it.
 
-    Checked on 2.13.0 with CPython 3.11. Fallback: a private name a release lacks is
-    left out, so a pickle that names it is refused as any foreign global is."""
+    Checked on 2.13.0 and 2.11.0 with CPython 3.11. Fallback: a private name a release
+    lacks is left out, so a pickle that names it is refused as any foreign global is."""
     import pathlib
 
     from torch.distributed.checkpoint import filesystem, metadata
