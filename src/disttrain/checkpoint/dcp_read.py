@@ -5,7 +5,7 @@ Everything in a checkpoint folder, the manifest and its digests included, is wri
 by whoever wrote the folder: the digests catch damage, not an author. So:
 
 - `.metadata` is unpickled by `MetadataUnpickler`, which resolves only the globals
-  DCP's metadata is made of (`torch_compat.dcp_metadata_globals`). A pickle naming
+  DCP's metadata is made of (`allowed_globals`). A pickle naming
   any other is refused, naming the file and the global, before anything is called.
 - Every data file the metadata names is a file the manifest lists
   (`own_files.check_listed`): nothing outside the folder is read.
@@ -20,6 +20,7 @@ Call these only after the manifest verified (`layout.verify`).
 from __future__ import annotations
 
 import io
+import pathlib
 import pickle
 from pathlib import Path
 
@@ -35,6 +36,24 @@ from disttrain.runtime import torch_compat
 METADATA = ".metadata"
 
 
+def allowed_globals() -> dict[tuple[str, str], object]:
+    """Every global DCP's pickled metadata names, (module, name) -> the object: its
+    dataclasses, dtypes, `torch.Size`, the `PosixPath` of `StorageMeta.checkpoint_id`,
+    and the private ones (`torch_compat.dcp_metadata_private_globals`). None of them
+    runs anything but building a value, whatever arguments a pickle gives it."""
+    from torch.distributed.checkpoint import metadata
+
+    found: dict[tuple[str, str], object] = {("torch", "Size"): torch.Size,
+                                            ("pathlib", "PosixPath"): pathlib.PosixPath}
+    found.update((("torch", name), value) for name, value in vars(torch).items()
+                 if isinstance(value, torch.dtype))
+    for name in ("Metadata", "StorageMeta", "MetadataIndex", "TensorStorageMetadata",
+                 "BytesStorageMetadata", "ChunkStorageMetadata", "TensorProperties"):
+        found[(metadata.__name__, name)] = getattr(metadata, name)
+    found.update(torch_compat.dcp_metadata_private_globals())
+    return found
+
+
 class MetadataUnpickler(pickle.Unpickler):
     """An unpickler that resolves only DCP's metadata globals: any other raises
     `CheckpointUnsafe` naming `path` and the global, so no callable outside the
@@ -42,7 +61,7 @@ class MetadataUnpickler(pickle.Unpickler):
 
     def __init__(self, file, path: Path):
         super().__init__(file)
-        self.path, self.allowed = path, torch_compat.dcp_metadata_globals()
+        self.path, self.allowed = path, allowed_globals()
 
     def find_class(self, module: str, name: str):
         found = self.allowed.get((module, name))

@@ -192,34 +192,17 @@ def load_keys(keys: set[str], storage_reader: Any) -> dict:
     return _load_state_dict_from_keys(keys, storage_reader=storage_reader)
 
 
-def dcp_metadata_globals() -> dict[tuple[str, str], Any]:
-    """Every global that the pickled `.metadata` of DCP's default format names, as
-    (module, name) as pickled -> the object: the metadata dataclasses, their dtypes,
-    layouts (`torch.serialization._get_layout`), memory formats
-    (`checkpoint.metadata._MEM_FORMAT_ENCODING`), `torch.Size`, the storage records
-    (`checkpoint.filesystem._StorageInfo`) and the path of `StorageMeta.checkpoint_id`
-    (`pathlib._local` from Python 3.13). Each only builds a value: none runs anything
-    else, whatever arguments a pickle gives it.
-
-    Checked on 2.13.0 and 2.11.0 with CPython 3.11. Fallback: a private name a release
-    lacks is left out, so a pickle that names it is refused as any foreign global is."""
+def dcp_metadata_private_globals() -> dict[tuple[str, str], Any]:
+    """The private globals a pickled DCP `.metadata` names, (module, name) -> object:
+    `filesystem._StorageInfo`, `metadata._MEM_FORMAT_ENCODING` (of DCP), `serialization.
+    _get_layout`, `pathlib._local.PosixPath` (Python 3.13+). Each only builds a value.
+    Checked on 2.13.0 and 2.11.0. Fallback: a name a release lacks is left out (refused)."""
     import pathlib
-
     from torch.distributed.checkpoint import filesystem, metadata
 
-    found: dict[tuple[str, str], Any] = {("torch", "Size"): torch.Size,
-                                         ("pathlib", "PosixPath"): pathlib.PosixPath,
-                                         ("pathlib._local", "PosixPath"): pathlib.PosixPath}
-    found.update((("torch", name), value) for name, value in vars(torch).items()
-                 if isinstance(value, torch.dtype))
-    for module, name in ((metadata, "Metadata"), (metadata, "StorageMeta"), (metadata, "MetadataIndex"),
-                         (metadata, "TensorStorageMetadata"), (metadata, "BytesStorageMetadata"),
-                         (metadata, "ChunkStorageMetadata"), (metadata, "TensorProperties"),
-                         (metadata, "_MEM_FORMAT_ENCODING"), (filesystem, "_StorageInfo"),
-                         (torch.serialization, "_get_layout")):
-        if hasattr(module, name):
-            found[(module.__name__, name)] = getattr(module, name)
-    return found
+    places = ((filesystem, "_StorageInfo"), (metadata, "_MEM_FORMAT_ENCODING"), (torch.serialization, "_get_layout"))
+    found = {(module.__name__, name): getattr(module, name) for module, name in places if hasattr(module, name)}
+    return {**found, ("pathlib._local", "PosixPath"): pathlib.PosixPath}
 
 
 def fsdp1_unsharded_shapes(model: nn.Module) -> dict[int, tuple[int, ...]]:
