@@ -8,7 +8,8 @@ exportable (P-CKPT-1..5, P-FSDP-8).
   `save`/`load` without a `Checkpointer`; `load_phases`: where a load's time went.
 - `raw_storage` (the storage format `raw-1`: raw tensor bytes, JSON values and JSON
   metadata under DCP's planner) and `json_records`; `storage_formats`: which format a
-  checkpoint is in, and its readers (checkpoints of DCP's default format still load).
+  checkpoint is in, and its readers (checkpoints of DCP's default format still load,
+  through `dcp_read`, which unpickles only DCP's metadata classes).
 - `hashing_fs` and `digests`: the verified load, checksums computed while writing and
   reading.
 - `compat`: does a checkpoint fit the state it is loaded into; one-line failures.
@@ -24,13 +25,16 @@ Trust: a checkpoint is read only after its JSON manifest verifies (sizes and
 xxh3_128 digests of every file; manifests of older versions carry sha256). A
 checkpoint of the `raw-1` format is never unpickled: its metadata and non-tensor
 values are JSON, its tensors raw bytes. Older checkpoints (DCP's default format) hold
-pickles that DCP unpickles; the manifest proves they are the bytes the writer
-produced, not that the writer was honest. Share models as the safetensors export.
+pickles; the manifest proves they are the bytes the writer produced, not that the
+writer was honest, so `dcp_read` resolves only DCP's metadata classes and reads
+values weights-only. No file outside the step folder is read (`own_files`): a folder
+that asks for either is refused (`CheckpointUnsafe`). Share models as the safetensors
+export.
 """
 
 from disttrain.checkpoint.checkpointer import Checkpointer
 from disttrain.checkpoint.checkpoint_errors import (CheckpointCorrupt, CheckpointError, CheckpointMismatch,
-                                         CheckpointSaveError, StaleWriterError)
+                                         CheckpointSaveError, CheckpointUnsafe, StaleWriterError)
 from disttrain.checkpoint.files import atomic_torch_save, load_model, save_model, strip_prefix
 from disttrain.checkpoint.finite import NonFiniteError, check_finite
 from disttrain.checkpoint.functional import load, save
@@ -38,7 +42,7 @@ from disttrain.checkpoint.layout import latest_valid, verify
 from disttrain.checkpoint.state import TrainState
 
 __all__ = [
-    "CheckpointCorrupt", "CheckpointError", "CheckpointMismatch", "CheckpointSaveError",
+    "CheckpointCorrupt", "CheckpointError", "CheckpointMismatch", "CheckpointSaveError", "CheckpointUnsafe",
     "Checkpointer", "NonFiniteError", "StaleWriterError", "TrainState", "atomic_torch_save",
     "check_finite", "latest_valid", "load",
     "load_model", "save", "save_model", "strip_prefix", "verify",

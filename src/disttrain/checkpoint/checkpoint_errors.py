@@ -22,6 +22,14 @@ class CheckpointCorrupt(CheckpointError):
         return type(self), (str(self), self.bad_file)
 
 
+class CheckpointUnsafe(CheckpointCorrupt):
+    """A checkpoint folder asks for something a checkpoint never holds: a pickle naming
+    a foreign class, a file name that leaves the folder, a symlink out of it. Refused
+    before anything of it runs or is read. A `CheckpointCorrupt`, so no bookkeeping
+    ever trusts the folder; but a load refuses it even with `fallback` on, and
+    `ckpt verify` exits 2: someone wrote it on purpose."""
+
+
 class CheckpointMismatch(CheckpointError):
     """The checkpoint does not fit the model/optimizer it is loaded into."""
 

@@ -372,8 +372,10 @@ class Checkpointer:
         manifest = json.loads((step_dir / layout.MANIFEST).read_text())
         rng_file = step_dir / f"rank-{self.rank:05d}.json"
         same_world = manifest.get("world_size") == self.world
+        if "state.json" not in manifest["files"]:  # only verified files are read
+            raise CheckpointCorrupt(f"{step_dir}: the manifest lists no state.json.", "state.json")
         sd["meta"] = json.loads((step_dir / "state.json").read_text())
-        sd["rng"] = json.loads(rng_file.read_text()) if same_world and rng_file.is_file() else None
+        sd["rng"] = json.loads(rng_file.read_text()) if same_world and rng_file.name in manifest["files"] else None
         state.load_state_dict(sd, param_fqns=fqns)
         if not same_world:
             LOGGER.info(f"disttrain checkpoint: note: {step_dir.name} was saved at world size "

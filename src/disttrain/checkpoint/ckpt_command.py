@@ -10,7 +10,8 @@ import argparse
 from pathlib import Path
 
 from disttrain.checkpoint import layout
-from disttrain.checkpoint.checkpoint_errors import CheckpointCorrupt
+from disttrain.checkpoint.checkpoint_errors import CheckpointCorrupt, CheckpointUnsafe
+from disttrain.checkpoint.storage_formats import check_readable
 from disttrain.errors import UserError
 
 USAGE = ("disttrain ckpt {inspect,verify,export} DIR [--to model.safetensors] [--optim optim.pt] "
@@ -72,6 +73,9 @@ def main(argv: list[str]) -> int:
     if args.action == "verify":
         try:
             m = layout.verify(step_dir)
+            check_readable(step_dir)  # what a load unpickles or parses first
+        except CheckpointUnsafe:
+            raise  # a UserError: one line, exit 2 (a folder made to mislead, not damage)
         except CheckpointCorrupt as e:
             print(f"disttrain ckpt verify: FAILED: {e.bad_file or step_dir}: {e}")
             return 1

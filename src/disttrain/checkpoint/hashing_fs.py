@@ -12,9 +12,12 @@ import torch
 import torch.distributed as dist
 from torch.distributed.checkpoint.filesystem import FileSystem
 
-from disttrain.checkpoint.checkpoint_errors import CheckpointCorrupt
+from disttrain.checkpoint.checkpoint_errors import CheckpointCorrupt, CheckpointUnsafe
 from disttrain.checkpoint.digests import file_mismatch
 from disttrain.checkpoint.load_phases import phase
+
+UNSAFE = "unsafe"
+"""The kind of a problem ("", UNSAFE, message) that refuses the folder (`CheckpointUnsafe`)."""
 
 
 class VerifyingFileSystem(FileSystem):
@@ -61,15 +64,15 @@ def load_verified(tensors: dict, step_dir: Path, files: dict[str, dict], pg,
     DCP's planner.
 
     Returns (problem, the names this rank checked). `problem` is None, (bad file,
-    message) for a file that failed its check, or ("", "", message) for any other
-    failure of DCP (one line, the root cause). The format `raw-1` loads without a
+    message) for a file that failed its check, ("", UNSAFE, message) for a folder
+    refused (`CheckpointUnsafe`), or ("", "", message) for any other failure of DCP
+    (one line, the root cause). The format `raw-1` loads without a
     collective (`no_dist`: each rank's reads depend on its own state and the metadata
     only), so `problem` is this rank's own; DCP's default format gathers every rank's
     failure, so there it is the same on every rank. The tensors may be partly
     overwritten after a problem: load them again before use.
     """
     import torch.distributed.checkpoint as dcp
-    from torch.distributed.checkpoint import FileSystemReader
     from torch.distributed.checkpoint.api import CheckpointException
 
     from disttrain.checkpoint import raw_storage
@@ -83,7 +86,9 @@ def load_verified(tensors: dict, step_dir: Path, files: dict[str, dict], pg,
         reader = raw_storage.RawReader(step_dir, files, select, metadata)
         planner, checked = raw_storage.JsonLoadPlanner(), reader
     else:
-        reader = FileSystemReader(str(step_dir))
+        from disttrain.checkpoint.dcp_read import SafeReader  # here: the first format only
+
+        reader = SafeReader(str(step_dir), metadata)
         planner, checked = None, VerifyingFileSystem(step_dir, files, select)
         reader.fs = checked
     try:
@@ -95,30 +100,44 @@ def load_verified(tensors: dict, step_dir: Path, files: dict[str, dict], pg,
     except (Exception, CheckpointException) as e:  # DCP's is a BaseException
         bad = [c for c in walk_causes(e) if isinstance(c, CheckpointCorrupt)]
         if bad:
-            first = min(bad, key=lambda c: (c.bad_file, str(c)))
-            return (first.bad_file, str(first)), checked.verified
+            first = min(bad, key=lambda c: (not isinstance(c, CheckpointUnsafe), c.bad_file, str(c)))
+            return as_problem(first), checked.verified
         return ("", "", f"{step_dir} could not be loaded: {describe(e)}"), checked.verified
     return None, checked.verified
 
 
-def check_files(step_dir: Path, select) -> tuple[str, str] | None:
+def as_problem(e: CheckpointCorrupt) -> tuple:
+    """`e` as a problem to agree on: (bad file, message) for a damaged file, which a
+    fallback may skip; ("", UNSAFE, message) for a refused folder, which none skips."""
+    return ("", UNSAFE, str(e)) if isinstance(e, CheckpointUnsafe) else (e.bad_file, str(e))
+
+
+def raise_agreed(verdict: tuple, other: type) -> None:
+    """Raise the verdict ("", kind, message) of `agree` on every rank: `CheckpointUnsafe`
+    for a refused folder, else `other`."""
+    raise (CheckpointUnsafe if verdict[1] == UNSAFE else other)(verdict[2])
+
+
+def check_files(step_dir: Path, select) -> tuple | None:
     """This rank's check of all sizes and the hashes of the files `select` accepts:
-    None, or (the first bad file, its message)."""
+    None, or the problem of the first bad file (`as_problem`)."""
     from disttrain.checkpoint import layout
 
     try:
         layout.verify(step_dir, select=select)
     except CheckpointCorrupt as e:
-        return (e.bad_file, str(e))
+        return as_problem(e)
     return None
 
 
 def agree(gathered: list) -> tuple | None:
     """The one verdict from every rank's own (the list an all-gather returned): None,
-    (bad file, message) or ("", "", message) for another failure. A damaged file
-    outranks any other failure (it is what a fallback skips); the least by name."""
+    (bad file, message), or ("", kind, message) for another failure. A refused folder
+    outranks everything (no fallback may skip it), then a damaged file (it is what a
+    fallback skips); the least by name."""
     found = [f for f in gathered if f]
-    return min([f for f in found if len(f) == 2] or found) if found else None
+    unsafe = [f for f in found if len(f) == 3 and f[1] == UNSAFE]
+    return min(unsafe or [f for f in found if len(f) == 2] or found) if found else None
 
 
 def problems(mine, pg, gather) -> list:
@@ -144,8 +163,9 @@ def load_one(step_dir: Path, tensors: dict, strict: bool, rank: int, world: int,
     files are checked as they are read, each by the rank of its share
     (`digests.share`, `load_verified`); then each rank hashes the files of its share
     it did not read. Two agreements (`problems`) settle the outcome. Raises
-    `CheckpointMismatch` (another model) or `CheckpointCorrupt` (a failure that is no
-    damaged file) on every rank."""
+    `CheckpointMismatch` (another model), `CheckpointUnsafe` (a refused folder: a
+    foreign class in a pickle, a file outside it) or `CheckpointCorrupt` (a failure
+    that is no damaged file) on every rank."""
     from disttrain.checkpoint.raw_read import prefetch_share, stop_for
 
     first = {".metadata", "state.json", f"rank-{rank:05d}.json"}
@@ -181,12 +201,12 @@ def _load_checked(step_dir: Path, tensors: dict, strict: bool, rank: int, world:
         except CheckpointMismatch as e:
             mine = ("", "", str(e))
         except CheckpointCorrupt as e:
-            mine = (e.bad_file, str(e))
+            mine = as_problem(e)
     with phase("agree"):
         verdict = agree(problems(mine, pg, gather))
     if verdict is not None:
         if len(verdict) == 3:
-            raise CheckpointMismatch(verdict[2])  # the same message on every rank
+            raise_agreed(verdict, CheckpointMismatch)  # the same message on every rank
         return verdict[1]
     ours = lambda n: share(n, world) == rank  # noqa: E731
     with phase("small files"):
@@ -200,5 +220,5 @@ def _load_checked(step_dir: Path, tensors: dict, strict: bool, rank: int, world:
     with phase("agree"):
         verdict = agree(problems(problem, pg, gather))
     if verdict is not None and len(verdict) == 3:
-        raise CheckpointCorrupt(verdict[2])  # not a damaged file: no fallback
+        raise_agreed(verdict, CheckpointCorrupt)  # not a damaged file: no fallback
     return verdict[1] if verdict else None

@@ -31,9 +31,10 @@ import uuid
 from pathlib import Path
 from typing import Callable
 
-from disttrain.checkpoint.checkpoint_errors import CheckpointCorrupt, StaleWriterError
+from disttrain.checkpoint.checkpoint_errors import CheckpointCorrupt, CheckpointUnsafe, StaleWriterError
 from disttrain.checkpoint.digests import corrupt_message, file_mismatch
 from disttrain.checkpoint.files import atomic_write_bytes, fsync_dir
+from disttrain.checkpoint.own_files import escape_message, escapes, name_problem
 from disttrain.runtime.log import LOGGER
 
 MANIFEST = "manifest.json"
@@ -74,12 +75,21 @@ def write_manifest(tmp_dir: Path, info: dict, files: dict[str, dict]) -> dict:
 
 
 def read_manifest(step_dir: Path) -> dict:
-    """The parsed manifest (JSON, never pickle). Raises `CheckpointCorrupt` naming it."""
+    """The parsed manifest (JSON, never pickle). Raises `CheckpointCorrupt` naming it,
+    or `CheckpointUnsafe` for a manifest that is a symlink out of `step_dir` or names
+    a file that is not a plain name in it (`name_problem`)."""
     path = step_dir / MANIFEST
     try:
+        if escapes(step_dir, MANIFEST):
+            raise CheckpointUnsafe(escape_message(step_dir, MANIFEST), MANIFEST)
         manifest = json.loads(path.read_text())
         if not isinstance(manifest.get("files"), dict) or manifest.get("format") != FORMAT:
             raise ValueError("unknown format")
+        for name in manifest["files"]:
+            if (why := name_problem(name)) is not None:
+                raise CheckpointUnsafe(f"{path} names the file {name!r}, {why}: refused, nothing "
+                                       f"outside {step_dir} is read. A manifest lists plain names of "
+                                       f"files in its own folder; this one was altered.", MANIFEST)
         return manifest
     except FileNotFoundError:
         if is_empty_dir(step_dir):
@@ -96,7 +106,9 @@ def verify(step_dir: str | os.PathLike, *, checksums: bool = True,
     """Check that every file in the manifest exists with its size and checksum, that
     DCP's `.metadata` is among them, and that no unlisted shard is present.
 
-    Returns the manifest. Raises `CheckpointCorrupt` naming the first bad file.
+    Returns the manifest. Raises `CheckpointCorrupt` naming the first bad file, or
+    `CheckpointUnsafe` for a file name or a symlink that leaves `step_dir`: the
+    names are checked, and a symlink out refused, before any file is read.
     `checksums=False` checks existence and sizes only (cheap; used by retention).
     `select(name)` limits the hashing to the files it accepts (a load hashes most
     files as DCP reads them); sizes are still checked for all of them.
@@ -110,6 +122,9 @@ def verify(step_dir: str | os.PathLike, *, checksums: bool = True,
     files = manifest["files"]
     if ".metadata" not in files:
         raise CheckpointCorrupt(f"{step_dir}: the manifest lists no .metadata.", ".metadata")
+    for name in sorted(files):
+        if escapes(step_dir, name):
+            raise CheckpointUnsafe(escape_message(step_dir, name), name)
     for name, want in sorted(files.items()):
         path = step_dir / name
         if not path.is_file():

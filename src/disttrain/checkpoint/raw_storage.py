@@ -34,10 +34,12 @@ from torch.distributed.checkpoint.metadata import TensorStorageMetadata
 from torch.distributed.checkpoint.planner import LoadItemType, WriteItemType
 from torch.distributed.checkpoint.storage import WriteResult
 
+from disttrain.checkpoint import layout
 from disttrain.checkpoint.checkpoint_errors import CheckpointCorrupt
 from disttrain.checkpoint.digests import HashingStream, corrupt_message, digest_bytes, expected, new_hash, record
 from disttrain.checkpoint.files import fsync_file
 from disttrain.checkpoint.finite import FiniteTally
+from disttrain.checkpoint.own_files import check_listed
 from disttrain.checkpoint.raw_read import FileRead, narrow, pool, read_all, read_exact, shared_storages, stop_for
 from disttrain.checkpoint.json_records import (Extent, metadata_bytes, metadata_of, set_path, value_bytes,
                                                value_of)
@@ -178,12 +180,16 @@ class RawWriter(StorageWriter):
 
 def read_metadata(step_dir: str | Path):
     """DCP's `Metadata` of a raw-format checkpoint, parsed from JSON. Raises
-    `CheckpointCorrupt` for a `.metadata` that is not this format's JSON."""
+    `CheckpointCorrupt` for a `.metadata` that is not this format's JSON, or
+    `CheckpointUnsafe` when it names a data file its manifest does not list."""
     path = Path(step_dir) / METADATA
     try:
-        return metadata_of(path.read_bytes())
+        metadata = metadata_of(path.read_bytes())
     except (ValueError, KeyError, TypeError) as e:
         raise CheckpointCorrupt(f"{path} is not a {FORMAT} metadata document ({e}).", METADATA) from None
+    check_listed(layout.read_manifest(Path(step_dir))["files"],
+                 {extent.file for extent in metadata.storage_data.values()}, by=path)
+    return metadata
 
 
 class RawReader(StorageReader):

@@ -177,9 +177,9 @@ def load_is_copy(module: nn.Module) -> bool:
     return True
 
 
-def load_keys(keys: set[str], checkpoint_id: str) -> dict:
+def load_keys(keys: set[str], storage_reader: Any) -> dict:
     """The nested state dict of just `keys` (DCP's flattened names) from a DCP
-    checkpoint, read without a process group
+    checkpoint read by `storage_reader`, without a process group
     (`torch.distributed.checkpoint.state_dict_loader._load_state_dict_from_keys`).
 
     Checked on 2.13.0. No fallback: a release without it raises ImportError naming
@@ -189,7 +189,20 @@ def load_keys(keys: set[str], checkpoint_id: str) -> dict:
     except ImportError as e:
         raise ImportError(f"torch {torch.__version__} cannot read single keys of a checkpoint "
                           f"(checked on {', '.join(CHECKED_ON)})") from e
-    return _load_state_dict_from_keys(keys, checkpoint_id=checkpoint_id)
+    return _load_state_dict_from_keys(keys, storage_reader=storage_reader)
+
+
+def dcp_metadata_private_globals() -> dict[tuple[str, str], Any]:
+    """The private globals a pickled DCP `.metadata` names, (module, name) -> object:
+    `filesystem._StorageInfo`, `metadata._MEM_FORMAT_ENCODING` (of DCP), `serialization.
+    _get_layout`, `pathlib._local.PosixPath` (Python 3.13+). Each only builds a value.
+    Checked on 2.13.0 and 2.11.0. Fallback: a name a release lacks is left out (refused)."""
+    import pathlib
+    from torch.distributed.checkpoint import filesystem, metadata
+
+    places = ((filesystem, "_StorageInfo"), (metadata, "_MEM_FORMAT_ENCODING"), (torch.serialization, "_get_layout"))
+    found = {(module.__name__, name): getattr(module, name) for module, name in places if hasattr(module, name)}
+    return {**found, ("pathlib._local", "PosixPath"): pathlib.PosixPath}
 
 
 def fsdp1_unsharded_shapes(model: nn.Module) -> dict[int, tuple[int, ...]]:

@@ -33,6 +33,7 @@ import torch.distributed as dist
 
 from disttrain.checkpoint import CheckpointMismatch
 from disttrain.checkpoint.layout import committed
+from disttrain.checkpoint.own_files import escapes
 from disttrain.config import Config, to_dict
 from disttrain.elastic import apply_batch_policy
 from disttrain.runtime.log import LOGGER
@@ -133,7 +134,9 @@ class ResumePlan:
 def plan_for(directory: str | Path, cfg: Config | dict) -> ResumePlan | None:
     """Read `directory/state.json` (plain JSON, nothing unpickled) and compare its config
     with `cfg` (a `Config`, or the dict a `dt.Job` stores). None when the file is
-    missing or unreadable (the load reports that)."""
+    missing or unreadable, or a symlink out of `directory` (the load reports that)."""
+    if escapes(Path(directory), "state.json"):
+        return None
     try:
         meta = json.loads((Path(directory) / "state.json").read_text())
         step, saved = int(meta["step"]), meta.get("config")

@@ -1,0 +1,181 @@
+"""The first storage format (`dcp`: DCP's default records and its pickled `.metadata`,
+see `storage_formats`) read without running anything its folder holds.
+
+Everything in a checkpoint folder, the manifest and its digests included, is written
+by whoever wrote the folder: the digests catch damage, not an author. So:
+
+- `.metadata` is unpickled by `MetadataUnpickler`, which resolves only the globals
+  DCP's metadata is made of (`allowed_globals`). A pickle naming
+  any other is refused, naming the file and the global, before anything is called.
+- Every data file the metadata names is a file the manifest lists
+  (`own_files.check_listed`): nothing outside the folder is read.
+- The records: DCP reads tensors with `torch.load(weights_only=True)`; values
+  (`BYTE_IO`: optimizer hyper-parameters, ...) its planners read with
+  `weights_only=False`, so `SafeReader` reads each with `weights_only=True` first and
+  hands the planner that value saved again by torch (`_WeightsOnlyValues`).
+
+Call these only after the manifest verified (`layout.verify`).
+"""
+
+from __future__ import annotations
+
+import io
+import pathlib
+import pickle
+from pathlib import Path
+
+import torch
+from torch.distributed.checkpoint import FileSystemReader
+from torch.distributed.checkpoint.metadata import BytesStorageMetadata, Metadata, StorageMeta
+
+from disttrain.checkpoint import layout
+from disttrain.checkpoint.checkpoint_errors import CheckpointCorrupt, CheckpointUnsafe
+from disttrain.checkpoint.own_files import check_listed
+from disttrain.runtime import torch_compat
+
+METADATA = ".metadata"
+
+
+def allowed_globals() -> dict[tuple[str, str], object]:
+    """Every global DCP's pickled metadata names, (module, name) -> the object: its
+    dataclasses, dtypes, `torch.Size`, the `PosixPath` of `StorageMeta.checkpoint_id`,
+    and the private ones (`torch_compat.dcp_metadata_private_globals`). None of them
+    runs anything but building a value, whatever arguments a pickle gives it."""
+    from torch.distributed.checkpoint import metadata
+
+    found: dict[tuple[str, str], object] = {("torch", "Size"): torch.Size,
+                                            ("pathlib", "PosixPath"): pathlib.PosixPath}
+    found.update((("torch", name), value) for name, value in vars(torch).items()
+                 if isinstance(value, torch.dtype))
+    for name in ("Metadata", "StorageMeta", "MetadataIndex", "TensorStorageMetadata",
+                 "BytesStorageMetadata", "ChunkStorageMetadata", "TensorProperties"):
+        found[(metadata.__name__, name)] = getattr(metadata, name)
+    found.update(torch_compat.dcp_metadata_private_globals())
+    return found
+
+
+class MetadataUnpickler(pickle.Unpickler):
+    """An unpickler that resolves only DCP's metadata globals: any other raises
+    `CheckpointUnsafe` naming `path` and the global, so no callable outside the
+    allow-list is ever reached (pickle calls only what `find_class` returned)."""
+
+    def __init__(self, file, path: Path):
+        super().__init__(file)
+        self.path, self.allowed = path, allowed_globals()
+
+    def find_class(self, module: str, name: str):
+        found = self.allowed.get((module, name))
+        if found is None:
+            raise CheckpointUnsafe(
+                f"{self.path} asks its unpickler for {module}.{name}, which is no part of DCP's "
+                f"checkpoint metadata: refused, nothing of it ran. The folder was altered or not "
+                f"written by disttrain; do not load it.", self.path.name)
+        return found
+
+    def persistent_load(self, pid):
+        raise CheckpointUnsafe(f"{self.path} holds a persistent id ({str(pid)[:60]!r}), which DCP's "
+                               f"metadata never does: refused.", self.path.name)
+
+
+def read_metadata(step_dir: str | Path) -> Metadata:
+    """DCP's `Metadata` of `step_dir`, unpickled by `MetadataUnpickler`, each data file
+    it names checked to be one its manifest lists. Raises `CheckpointUnsafe` (a
+    foreign global, a file outside the manifest) or `CheckpointCorrupt` (not DCP's
+    metadata), each naming the file."""
+    path = Path(step_dir) / METADATA
+    try:
+        with open(path, "rb") as f:
+            metadata = MetadataUnpickler(f, path).load()
+    except CheckpointCorrupt:
+        raise
+    except Exception as e:  # what an allowed class raised on a crafted argument, or not a pickle
+        raise CheckpointCorrupt(f"{path} is not DCP's checkpoint metadata "
+                                f"({type(e).__name__}: {str(e)[:200]}).", METADATA) from None
+    if not isinstance(metadata, Metadata) or not isinstance(metadata.storage_data, dict):
+        raise CheckpointCorrupt(f"{path} is not DCP's checkpoint metadata (it holds a "
+                                f"{type(metadata).__name__}).", METADATA)
+    check_listed(layout.read_manifest(Path(step_dir))["files"],
+                 [getattr(info, "relative_path", None) for info in metadata.storage_data.values()], by=path)
+    if not isinstance(metadata.storage_meta, StorageMeta):
+        metadata.storage_meta = StorageMeta()
+    return metadata
+
+
+class SafeReader(FileSystemReader):
+    """DCP's `FileSystemReader` with `read_metadata` and the reads of values made safe
+    (module docstring). A load assigns `fs` as with DCP's own reader. `metadata`: the
+    `read_metadata` result, when the caller read it already."""
+
+    def __init__(self, path: str | Path, metadata: Metadata | None = None):
+        super().__init__(path)
+        self.metadata = metadata
+
+    def read_metadata(self, *args, **kwargs) -> Metadata:
+        metadata = self.metadata if self.metadata is not None else read_metadata(self.path)
+        metadata.storage_meta.load_id = self.load_id  # as DCP's reader does
+        return metadata
+
+    def read_data(self, plan, planner):
+        return super().read_data(plan, _WeightsOnlyValues(planner, self))
+
+
+class _WeightsOnlyValues:
+    """`planner` with `load_bytes` reading each value with `weights_only=True`; the
+    planner gets the value saved again by `torch.save`, whose unpickling (with
+    `weights_only=False`, DCP's) builds only what the weights-only read built."""
+
+    def __init__(self, planner, reader: SafeReader):
+        self._planner, self._reader = planner, reader
+
+    def load_bytes(self, read_item, value: io.BytesIO) -> None:
+        data = value.getvalue()
+        try:
+            obj = torch.load(io.BytesIO(data), map_location="cpu", weights_only=True)
+        except pickle.UnpicklingError as e:
+            info = self._reader.storage_data.get(read_item.storage_index)
+            name = str(getattr(info, "relative_path", ""))
+            raise CheckpointUnsafe(value_refusal(Path(self._reader.path) / name, read_item.dest_index.fqn,
+                                                 data, e), name) from None
+        again = io.BytesIO()
+        torch.save(obj, again)
+        again.seek(0)
+        self._planner.load_bytes(read_item, again)
+
+    def __getattr__(self, name):
+        return getattr(self._planner, name)
+
+
+def value_refusal(path: Path, fqn: str, data: bytes, error: Exception | None = None) -> str | None:
+    """The one line that refuses the value record `data` of `fqn` (in the file `path`),
+    naming the globals it asks for beyond the weights-only unpickler's; None when it
+    asks for none and `error` (the weights-only read's) is None."""
+    try:
+        named = ", ".join(torch.serialization.get_unsafe_globals_in_checkpoint(io.BytesIO(data)))
+    except Exception as e:  # not a torch.save record at all
+        named, error = "", error or e
+    if not named and error is None:
+        return None
+    what = f"asks for {named}" if named else f"is no weights-only record ({str(error).splitlines()[0][:120]})"
+    return (f"{path}: the value {fqn!r} {what}, which a checkpoint's values never hold: refused, "
+            f"nothing of it ran. The folder was altered or not written by disttrain; do not load it.")
+
+
+def check_values(step_dir: str | Path, metadata: Metadata) -> None:
+    """Raise `CheckpointUnsafe` for the first value record (`BYTE_IO`) of `step_dir`
+    whose pickle asks for a global beyond the weights-only unpickler's: what a load
+    would refuse, found without unpickling anything (`ckpt verify`)."""
+    for index, info in sorted(metadata.storage_data.items(), key=lambda kv: kv[0].fqn):
+        if not isinstance(metadata.state_dict_metadata.get(index.fqn), BytesStorageMetadata):
+            continue
+        path = Path(step_dir) / info.relative_path
+        with open(path, "rb") as f:
+            f.seek(info.offset)
+            data = f.read(info.length)
+        if (refusal := value_refusal(path, index.fqn, data)) is not None:
+            raise CheckpointUnsafe(refusal, info.relative_path)
+
+
+def load_keys(step_dir: str | Path, keys: set[str]) -> dict:
+    """The nested state dict of just `keys` (DCP's flattened names), in one process,
+    read by `SafeReader`."""
+    return torch_compat.load_keys(keys, storage_reader=SafeReader(str(step_dir)))
