@@ -189,3 +189,38 @@ def test_job_conversion_changes_no_more_lines_than_accelerate(monkeypatch):
 
     counts = count_all({"job": "disttrain_job.py", "accelerate": "accelerate_run.py"})
     assert counts["job"]["changed"] <= counts["accelerate"]["changed"], counts["job"]["diff"]
+
+
+def _trained(out, max_steps: int, accum: int, leave_after: int | None, how: str = "break"):
+    """(model weights, job.step, any gradient left) after a loop of `max_steps` whose script
+    leaves it right after the backward of batch `leave_after` (1-based), by `how`."""
+    with dt.Job(out, checkpoint_every=0, accum_steps=accum) as job:
+        model, _, loader = setup(job)
+
+        def loop():
+            for i, (x, y) in enumerate(job.steps(loader, max_steps=max_steps), 1):
+                job.backward(model(x, y)[1])
+                if i == leave_after:
+                    if how == "raise":
+                        raise KeyboardInterrupt
+                    return
+
+        try:
+            loop()
+        except KeyboardInterrupt:
+            pass
+        left = any(p.grad is not None for p in model.parameters())
+        return {k: v.clone() for k, v in model.state_dict().items()}, job.step, left
+
+
+@pytest.mark.parametrize("accum, how", [(1, "break"), (2, "break"), (2, "raise")])
+def test_leaving_the_loop_after_the_stepping_backward_keeps_that_step(tmp_path, accum, how):
+    """As `loss.backward(); opt.step(); break` does in plain PyTorch: the backward that
+    closes an accumulation window steps the optimizer then and there, so a script that
+    leaves the loop right after it (at step 5) holds the weights of a loop that ran 5
+    steps to its end, and `job.step` says 5."""
+    full, full_step, _ = _trained(tmp_path / "full", 5, accum, None)
+    left, left_step, grads_left = _trained(tmp_path / "left", 10, accum, 5 * accum, how)
+    assert full_step == left_step == 5
+    assert not grads_left  # zeroed by the step, not left in .grad
+    assert all(torch.equal(full[k], left[k]) for k in full)

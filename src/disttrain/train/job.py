@@ -20,7 +20,7 @@ evaluation, the run log, the progress bar, the summary and the final save, and, 
         job.resume(model=model, optimizer=opt, scheduler=sched)  # newest valid checkpoint
         for batch in job.steps(loader, max_steps=1000):
             loss = model(**batch).loss
-            job.backward(loss)                           # steps optimizer and scheduler
+            job.backward(loss)  # on a window's last batch: steps optimizer and scheduler
             job.log(loss=loss)                           # metrics.jsonl and TensorBoard
 
 The order is the contract: wrap, optimizer, loader (and evaluator), resume, steps;
@@ -301,7 +301,8 @@ class Job:
         SIGTERM every rank stops after the same step, saves and exits 0
         (`SystemExit(0)`), so the same command resumes; code after the loop does not
         run. A job whose checkpoint is already at `max_steps` yields nothing and says
-        so. Breaking out of the loop ends it without a save."""
+        so. Breaking out of the loop ends it without a save; a step whose last backward
+        ran before the break is kept (`job.step` counts it)."""
         self._need(self._acc is not None, "dt.Job.steps(): call job.resume(model=..., "
                                           "optimizer=...) first (it loads the newest checkpoint).")
         self._need(loader is self._loader, "dt.Job.steps() takes the loader job.loader() returned; "
@@ -327,6 +328,9 @@ class Job:
                 raise UserError(BACKWARD_MESSAGE) from None
             raise
         self._backward_done = True
+        if self._acc.boundary:  # the optimizer steps here: a loop left after this keeps it
+            with self._owner.own_step():
+                self._acc.end_micro_step()
 
     def log(self, **values: float | torch.Tensor) -> None:
         """Record numbers for the optimizer step this batch belongs to, e.g.

@@ -84,6 +84,8 @@ class Accumulator:
         self.optimizer_steps = 0
         self.last_grad_norm: float | None = None
         self._in_window = 0
+        self.boundary, self._counted = False, False
+        """`boundary`: the micro-step in progress closes the window (its end steps)."""
         self.stepped = False
         """True right after the micro-step that ran the optimizer step."""
 
@@ -98,12 +100,21 @@ class Accumulator:
 
     @contextlib.contextmanager
     def micro_step(self, last: bool = False) -> Iterator[None]:
-        boundary = last or self.next_is_boundary
-        self.stepped = False
-        with contextlib.nullcontext() if boundary else no_sync(self.model):
+        self.boundary, self._counted, self.stepped = last or self.next_is_boundary, False, False
+        with contextlib.nullcontext() if self.boundary else no_sync(self.model):
             yield
+        self.end_micro_step()
+
+    def end_micro_step(self) -> None:
+        """Count this micro-step and, on the window's boundary, clip and step the optimizer
+        and scheduler; once per micro-step. `micro_step` calls it on leaving its block;
+        `dt.Job.backward` calls it right after the boundary's backward, so that a loop
+        left after that backward (a `break`, a `return`, an exception) keeps its step."""
+        if self._counted:
+            return
+        self._counted = True
         self._in_window += 1
-        if boundary:
+        if self.boundary:
             self._optimizer_step()
             self.stepped = True
 

@@ -11,7 +11,8 @@ autograd error of a second backward through the same graph.
 
 from __future__ import annotations
 
-from typing import Any
+import contextlib
+from typing import Any, Iterator
 
 import torch
 
@@ -27,8 +28,8 @@ BACKWARD_MESSAGE = ("a `loss.backward()` ran inside `for batch in job.steps(...)
 
 class Ownership:
     """Brackets the user's code for each batch (`before_user` / `after_user`); Job's own
-    optimizer and scheduler steps run outside it (when the accumulation window closes,
-    after the user's code returned), so any step inside it is the user's."""
+    optimizer and scheduler steps run outside it or under `own_step` (the boundary's
+    `job.backward`), so any other step inside it is the user's."""
 
     def __init__(self) -> None:
         self.in_loop = False
@@ -48,6 +49,17 @@ class Ownership:
         """Right before the loop hands a batch to the user's code."""
         self.in_loop = True
         self._epoch = getattr(self.scheduler, "last_epoch", None)
+
+    @contextlib.contextmanager
+    def own_step(self) -> Iterator[None]:
+        """Job's own optimizer and scheduler step inside the user's code (the boundary's
+        `job.backward`): neither is the user's."""
+        was, self.in_loop = self.in_loop, False
+        try:
+            yield
+        finally:
+            self.in_loop = was
+            self._epoch = getattr(self.scheduler, "last_epoch", None)
 
     def after_user(self) -> None:
         """Right after the user's code for a batch (and its job.backward) returned."""

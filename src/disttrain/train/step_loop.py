@@ -104,9 +104,7 @@ class Loop:
         """A committed optimizer step: commit the sampler and audit, then evaluation, the
         record, the stop vote and the save, each at its own cadence. True: stop here."""
         job = self.job
-        job.step = job._acc.optimizer_steps
-        job._sampler.commit_step()
-        self.audit.commit(job.step)
+        self.commit()
         if job._handoff is not None:
             job._handoff.committed(job.step, job._state)
         inject("step", job.step, job.info.rank)
@@ -120,6 +118,23 @@ class Loop:
         stopping = job._preempt.should_stop()  # agreed by all ranks (one all-reduce)
         job._saving.after_step(job.step, stopping)
         return stopping
+
+    def commit(self) -> None:
+        """The optimizer step just taken, in the job's counters: its number, the sampler's
+        cursor and the audit. No collective: it also runs when the loop is left right
+        after the step (`take_left_step`)."""
+        job = self.job
+        job.step = job._acc.optimizer_steps
+        job._sampler.commit_step()
+        self.audit.commit(job.step)
+
+    def take_left_step(self) -> None:
+        """The script left the loop (`break`, `return`, an exception) after the backward
+        that stepped the optimizer: count that step, as plain PyTorch keeps an
+        `optimizer.step()` before a `break`. Evaluation, records and saves wait for the
+        next loop or the script's own save."""
+        self.audit.add(torch.tensor(self.job._loader.sampler.take(self.job._loader.batch_size)))
+        self.commit()
 
     def _evaluate(self) -> dict[str, float]:
         job, ev = self.job, self.job._evaluator
@@ -195,6 +210,11 @@ def run(job, max_steps: int) -> Iterator[Any]:
                 job._owner.before_user()
                 try:
                     yield to_device(batch, job.info.device)
+                except GeneratorExit:  # the script left the loop
+                    job._owner.in_loop = False  # its own steps after the loop are its business
+                    if acc.stepped:
+                        loop.take_left_step()
+                    raise
                 finally:
                     job._in_step = False
                 job._owner.after_user()
