@@ -21,13 +21,22 @@ import torch
 import torch.distributed as dist
 import torch.nn as nn
 
+from disttrain.errors import UserError
 from disttrain.runtime import torch_compat
 
 DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
 
 
 def autocast(precision: str, device_type: str = "cpu"):
-    """A context that runs ops in `precision` (a null context for fp32)."""
+    """A context that runs the ops inside it in `precision` on `device_type` devices.
+
+    'bf16' and 'fp16' are `torch.autocast` with that dtype; 'fp32' is a null context.
+    `dt.wrap(precision=...)` already runs the model's forward this way; use this for
+    code outside the model (a loss, an evaluation). Another precision name is a
+    `UserError` naming the three.
+    """
+    if precision not in DTYPES:
+        raise UserError(f"precision {precision!r} is not one of {', '.join(map(repr, DTYPES))}.")
     if precision == "fp32":
         return contextlib.nullcontext()
     return torch.autocast(device_type, dtype=DTYPES[precision])
@@ -166,5 +175,10 @@ class AgreedGradScaler:
 
 
 def make_grad_scaler(precision: str) -> AgreedGradScaler | None:
-    """The scaler a precision needs: an `AgreedGradScaler` for fp16, else None."""
+    """The scaler a precision needs: a new `AgreedGradScaler` for 'fp16', else None.
+
+    Pass the result to `dt.Accumulator(scaler=...)` or `job.resume(scaler=...)`;
+    neither makes one by itself, and fp16 without loss scaling loses small
+    gradients. bf16 and fp32 need none. Not a collective.
+    """
     return AgreedGradScaler() if precision == "fp16" else None

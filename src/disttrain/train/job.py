@@ -66,28 +66,89 @@ def _ignore_stop_signals(worker_id: int, chain=None) -> None:
 class Job:
     """A resumable data-parallel training job; use it as a context manager.
 
-    `out_dir` holds `checkpoints/` (or `checkpoint_dir`), `metrics.jsonl`, the final
-    `model.pt`, `summary.json` and (with `record_samples`) `samples/`. `strategy` and
-    `wrap_options` go to `dt.wrap`; `accum_steps`, `grad_clip` to the `Accumulator`;
-    `batch_policy` ('keep_global' or 'rescale_lr') applies when a checkpoint comes
-    from another world size. Checkpoints: every `checkpoint_every` steps and every
-    `checkpoint_every_s` seconds (agreed by the ranks; 0 turns either off), on
-    preemption and at the end; `keep_last`, `async_save` ('off', 'thread'),
-    `fallback` (a damaged newest checkpoint is set aside and the one before loaded)
-    and `on_error` ('stop', 'continue') as in `[checkpoint]`. `preempt_grace_s` None
-    reads DISTTRAIN_PREEMPT_GRACE_S (set by `disttrain run`), else 60. `log_every`:
-    steps per metrics record; `tensorboard`, `progress` (rank 0's bar) as named.
+    Use::
 
-    For adapters (`disttrain train`): `guard` (a `GuardConfig`) and `guard_fields`
-    (the start check's), `config` (a dict stored with every checkpoint and compared on
-    resume: `train/resume.py`), `checkpoints` (False: none at all), `exit_on_preempt`
-    (False: `steps()` returns and `preempted` is True), `tokens_per_sample`
-    (throughput and the summary in tokens), `summary_config`, `summary_extra`.
+        with dt.Job("runs/x", strategy="ddp", checkpoint_every=100) as job:
+            model = job.wrap(MyModel())
+            optimizer = torch.optim.AdamW(model.parameters(), lr=3e-4)  # after wrap
+            loader = job.loader(dataset, batch_size=32)
+            job.resume(model=model, optimizer=optimizer)
+            for x, y in job.steps(loader, max_steps=1000):
+                loss = model(x, y)
+                job.backward(loss)
+                job.log(loss=loss)
 
     Entering starts the process group (from the torchrun environment; none under a
     plain `python`; under fast recovery the generation's group), installs the
-    SIGTERM/SIGINT handler and runs the guard's start checks (a collective). Leaving
-    restores the handlers and shuts down the group it started, on every path.
+    SIGTERM/SIGINT handler and runs the guard's start checks (a collective: ranks that
+    disagree raise `DistributedMismatchError` on every rank). Leaving restores the
+    handlers and shuts down the group it started, on every path, exceptions included.
+    Construction refuses a negative period, `accum_steps` or `log_every` below 1 and
+    an unknown `batch_policy` or `on_error` with a `UserError`; a bad `strategy` or
+    wrap option is a `ConfigError` from `job.wrap`, before the model is changed.
+
+    `out_dir` holds `checkpoints/` (or `checkpoint_dir`), `metrics.jsonl`, the final
+    `model.pt`, `summary.json` and (with `record_samples`) `samples/`.
+
+    Args:
+        out_dir: The run's folder; running the same script again resumes from it.
+        strategy: Passed to `dt.wrap`: 'ddp', 'zero1', 'fsdp', 'fsdp1' or 'dp'.
+        checkpoint_every: A checkpoint every this many optimizer steps (0: off).
+        checkpoint_every_s: And every this many seconds of training, agreed by the
+            ranks (0: off). Checkpoints are also written on preemption and at the end.
+        accum_steps: Micro-batches per optimizer step (the `Accumulator`'s).
+        seed: Seeds every RNG at start (the same model on every rank); dropout is then
+            seeded from (seed, step, rank) at each step and the loader's order from
+            (seed, epoch), so a resume is bit-identical.
+        grad_clip: Clip the global gradient norm to this value (0: no clipping); the
+            norm is logged as `grad_norm`.
+        precision: 'fp32', 'bf16' or 'fp16', passed to `dt.wrap` (the forward runs
+            under autocast, outputs come back in fp32). 'fp16' makes no grad scaler by
+            itself: pass `scaler=dt.make_grad_scaler("fp16")` to `resume`, or small
+            fp16 gradients underflow to zero.
+        keep_last: Committed checkpoints kept (0 keeps all).
+        batch_policy: When the checkpoint comes from another world size: 'keep_global'
+            keeps the global batch (more accumulation per rank), 'rescale_lr' keeps the
+            per-rank batch and scales the learning rate.
+        record_samples: Write the sample indices of every step under `samples/`, for
+            an exactly-once audit across restarts.
+        preempt_grace_s: Seconds between SIGTERM and the forced exit; None reads
+            `DISTTRAIN_PREEMPT_GRACE_S` (set by `disttrain run`), else 60.
+        backend: The process group's backend: 'auto' (gloo on CPU, NCCL for CUDA
+            tensors beside gloo for host values), 'gloo' or 'nccl'.
+        device: 'auto' (this rank's GPU when CUDA is visible, else CPU), 'cuda' or
+            'cpu'. 'cuda' without a visible GPU, or more ranks on a node than GPUs, is a
+            `UserError`.
+        timeout_s: The rendezvous and collective timeout; a rank that never arrives
+            fails the job after this long instead of torch's 10-30 minutes.
+        tensorboard: Also write the metrics as TensorBoard events under `out_dir/tb`.
+        checkpoint_dir: Where checkpoints go, instead of `out_dir/checkpoints`.
+        async_save: 'off' (the step waits for the save) or 'thread' (the save is
+            written in the background while training goes on).
+        fallback: A damaged newest checkpoint is set aside and the one before it is
+            loaded, instead of refusing to start.
+        on_error: A failed save: 'stop' raises `CheckpointSaveError` on every rank;
+            'continue' warns (rank 0) and trains on, the previous checkpoint staying
+            the newest.
+        log_every: Optimizer steps per metrics record (values are averaged over them).
+        progress: Rank 0's progress bar.
+        guard: For adapters (`disttrain train`): a `GuardConfig` for the start checks
+            and the hang watchdog (defaults when None).
+        config: For adapters: the dict stored with every checkpoint and compared on
+            resume (the job's own settings when None).
+        exit_on_preempt: False: on SIGTERM `steps()` returns after the save and
+            `job.preempted` is True, instead of `SystemExit(0)`.
+        tokens_per_sample: Tokens in one sample: throughput, the progress bar and the
+            summary count tokens (0: samples).
+        buddy_every: Under fast recovery with a sharded strategy: the in-memory buddy
+            copy of each rank's shard is refreshed every this many steps.
+        checkpoints: False: no checkpoints at all (nothing resumes).
+        guard_fields: For adapters: extra values every rank must agree on at start.
+        summary_config: For adapters: the config written into `summary.json`.
+        summary_extra: For adapters: extra entries of `summary.json`.
+        **wrap_options: Passed to `dt.wrap`: `compile=True` (or a dict of
+            `torch.compile` options), `sharding=`, `shard_group_size=`,
+            `activation_checkpointing=`, ... (an unknown one is a `ConfigError`).
     """
 
     def __init__(self, out_dir: str | Path, *, strategy: str = "ddp", checkpoint_every: int = 100,

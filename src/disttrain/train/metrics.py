@@ -39,7 +39,13 @@ def global_mean(local_sum: float, local_count: float) -> float:
 
 
 class MeanTracker:
-    """Accumulates (sum, count) locally; `compute()` reduces once over all ranks."""
+    """A global mean built up locally: `update` adds to (sum, count) on this rank with
+    no communication; `compute()` returns sum over ranks / count over ranks.
+
+    `compute()` is a collective (one all-reduce): every rank must call it, also a rank
+    that saw no values. It returns nan when no rank added anything. `reset()` starts
+    again from zero on this rank.
+    """
 
     def __init__(self) -> None:
         self.sum = 0.0
@@ -82,7 +88,13 @@ class StepClock:
 
 
 class JsonlWriter:
-    """Appends one JSON object per line, on rank 0 only; a no-op on other ranks."""
+    """Appends one JSON object per line to `path`, on rank 0 only; a no-op elsewhere.
+
+    Rank 0 creates the parent folder at construction. Each `write(record)` opens the
+    file, appends `json.dumps(record)` and a newline and closes it, so a kill loses at
+    most the line being written (readers skip a cut last line). Not a collective; a
+    record that `json` cannot encode raises `TypeError` on rank 0.
+    """
 
     def __init__(self, path: str | os.PathLike):
         self.path = Path(path)
@@ -97,6 +109,10 @@ class JsonlWriter:
 
 
 def print_main(*args, **kwargs) -> None:
-    """`print` on rank 0 only."""
+    """`print(*args, **kwargs)` on global rank 0 only, flushed; other ranks print nothing.
+
+    The rank is `dt.rank_info()`'s. Not a collective: it never waits for the other
+    ranks, so it is safe in code that only some ranks run.
+    """
     if rank_info().is_main:
         print(*args, **kwargs, flush=True)
