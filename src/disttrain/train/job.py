@@ -112,7 +112,8 @@ class Job:
             per-rank batch and scales the learning rate.
         record_samples: Write the sample indices of every step under `samples/`, for
             an exactly-once audit across restarts.
-        preempt_grace_s: Seconds between SIGTERM and the forced exit; None reads
+        preempt_grace_s: Seconds from SIGTERM to the kill that follows it (the save
+            must fit in them); None reads
             `DISTTRAIN_PREEMPT_GRACE_S` (set by `disttrain run`), else 60.
         backend: The process group's backend: 'auto' (gloo on CPU, NCCL for CUDA
             tensors beside gloo for host values), 'gloo' or 'nccl'.
@@ -132,7 +133,7 @@ class Job:
             the newest.
         log_every: Optimizer steps per metrics record (values are averaged over them).
         progress: Rank 0's progress bar.
-        guard: For adapters (`disttrain train`): a `GuardConfig` for the start checks
+        guard (GuardConfig | None): For adapters (`disttrain train`): the start checks
             and the hang watchdog (defaults when None).
         config: For adapters: the dict stored with every checkpoint and compared on
             resume (the job's own settings when None).
@@ -263,6 +264,8 @@ class Job:
 
     @property
     def device(self) -> torch.device:
+        """This rank's device (`dt.rank_info().device`); move tensors that are not
+        part of a batch from `steps()` (which arrive moved) here."""
         return self.info.device
 
     def wrap(self, model: torch.nn.Module) -> torch.nn.Module:
@@ -311,7 +314,12 @@ class Job:
         (sum, count)); `metric(model, batch) -> {name: value}` adds metrics beyond the
         loss (default: {"loss": the model's loss}). Each result goes into metrics.jsonl
         as `heldout_<name>` and `evaluator.last`; the watchdog treats the evaluation as
-        a slow phase. Call it before `resume`; one per job."""
+        a slow phase. `every=0` evaluates at the last step only; `max_batches` caps the
+        batches per rank (None: the whole set); `at_start=True` also evaluates before
+        the first step of a fresh run (not of a resumed one); `collate_fn` goes to the
+        DataLoader. Call it before `resume`; one per job. A `batch_size` or
+        `max_batches` below 1, a negative `every`, a second evaluator or a call after
+        `resume` is a `UserError`."""
         self._need(self._evaluator is None and self._acc is None,
                    "dt.Job.evaluator() is called once per job, before job.resume().")
         self._evaluator = Evaluator(dataset, batch_size, every=every, max_batches=max_batches,

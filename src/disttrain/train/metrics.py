@@ -20,8 +20,13 @@ from disttrain.runtime.collectives import comm_device
 
 
 def global_sum(values: list[float]) -> list[float]:
-    """Element-wise sum of `values` over all ranks (float64, one all-reduce, on the
-    device the backend moves: CUDA under NCCL). `values` without a group."""
+    """Element-wise sum of `values` over all ranks: a list of floats, the same on
+    every rank.
+
+    A collective (one float64 all-reduce, on the device the backend moves: CUDA under
+    NCCL): every rank must call it with a list of the same length, or the ranks hang
+    until the group's timeout. Without a process group it returns `values` as floats.
+    """
     if not dist.is_initialized():
         return [float(v) for v in values]
     t = torch.tensor(values, dtype=torch.float64, device=comm_device())
@@ -30,9 +35,12 @@ def global_sum(values: list[float]) -> list[float]:
 
 
 def global_mean(local_sum: float, local_count: float) -> float:
-    """sum over ranks of `local_sum` / sum over ranks of `local_count`.
+    """The mean over all ranks: sum over ranks of `local_sum` / sum over ranks of
+    `local_count`, the same on every rank.
 
-    A collective: every rank must call it. Returns nan when the global count is 0.
+    Weighted by each rank's count, so ranks with fewer samples (the last batch of an
+    epoch) count for less. A collective (one all-reduce): every rank must call it.
+    Returns nan when the global count is 0.
     """
     total, count = global_sum([float(local_sum), float(local_count)])
     return total / count if count else float("nan")
