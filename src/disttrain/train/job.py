@@ -113,8 +113,8 @@ class Job:
         record_samples: Write the sample indices of every step under `samples/`, for
             an exactly-once audit across restarts.
         preempt_grace_s: Seconds from SIGTERM to the kill that follows it (the save
-            must fit in them); None reads
-            `DISTTRAIN_PREEMPT_GRACE_S` (set by `disttrain run`), else 60.
+            must fit in them); None reads `DISTTRAIN_PREEMPT_GRACE_S` (set by
+            `disttrain run`), else 60.
         backend: The process group's backend: 'auto' (gloo on CPU, NCCL for CUDA
             tensors beside gloo for host values), 'gloo' or 'nccl'.
         device: 'auto' (this rank's GPU when CUDA is visible, else CPU), 'cuda' or
