@@ -106,7 +106,10 @@ def save_model(model: nn.Module, path: str | os.PathLike) -> Path:
     """Rank 0 saves the full, prefix-free weights atomically; every rank waits for it.
 
     A collective (a gather under FSDP, then a barrier): every rank must call it. The
-    file loads into the plain model with `load_state_dict(strict=True)`.
+    file loads into the plain model with `load_state_dict(strict=True)`. The write is
+    atomic (`atomic_torch_save`): a failure on rank 0 (a full disk) leaves any earlier
+    file intact and raises there, while the other ranks wait at the barrier until the
+    group's timeout.
     """
     path = Path(path)
     state = full_model_state(model)

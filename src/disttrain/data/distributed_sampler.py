@@ -65,6 +65,7 @@ class DistributedSampler(Sampler[int]):
         return math.ceil(self.n / self.world_size)
 
     def set_epoch(self, epoch: int) -> None:
+        """Make the next `iter()` draw `epoch`'s order (then it advances by itself)."""
         self.epoch = epoch
 
     def global_order(self, epoch: int) -> list[int]:

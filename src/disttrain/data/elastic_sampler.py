@@ -77,6 +77,7 @@ class ElasticSampler(Sampler[int]):
 
     @property
     def global_batch(self) -> int:
+        """Samples per optimizer step over all ranks: batch_size x world_size x accum_steps."""
         return self.batch_size * self.world_size * self.accum_steps
 
     def steps_left(self) -> int:
@@ -137,6 +138,8 @@ class ElasticSampler(Sampler[int]):
         self.epoch, self.cursor = epoch, 0
 
     def state_dict(self) -> dict:
+        """The committed position (epoch, cursor) with the dataset length, seed and global
+        batch: plain numbers, independent of the world size."""
         return {"epoch": self.epoch, "cursor": self.cursor, "seed": self.seed, "n": self.n,
                 "global_batch": self.global_batch}
 

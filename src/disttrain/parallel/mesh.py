@@ -73,6 +73,7 @@ class Layout:
 
     @property
     def is_hybrid(self) -> bool:
+        """More than one replica and more than one shard: HSDP."""
         return self.replicate > 1 and self.shard > 1
 
     def replica_of(self, rank: int) -> int:

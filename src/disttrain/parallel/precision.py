@@ -110,9 +110,11 @@ class AgreedGradScaler:
         """Optimizer steps skipped because some rank overflowed (the same on every rank)."""
 
     def get_scale(self) -> float:
+        """The current loss scale, the same on every rank."""
         return self._scale
 
     def scale(self, loss: torch.Tensor) -> torch.Tensor:
+        """`loss` multiplied by the current scale; call backward on the result."""
         return loss * self._scale
 
     @torch.no_grad()
@@ -169,6 +171,7 @@ class AgreedGradScaler:
                 "skipped_steps": self.skipped_steps}
 
     def load_state_dict(self, state: dict) -> None:
+        """Restore the scale, growth tracker and skipped-step count of `state_dict()`."""
         self._scale = float(state["scale"])
         self._growth_tracker = int(state["growth_tracker"])
         self.skipped_steps = int(state.get("skipped_steps", 0))

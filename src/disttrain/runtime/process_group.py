@@ -57,6 +57,7 @@ class RankInfo:
 
     @property
     def distributed(self) -> bool:
+        """True when a process group runs (even in a world of 1 under a launcher)."""
         return self.backend is not None
 
 

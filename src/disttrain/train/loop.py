@@ -102,10 +102,19 @@ class Accumulator:
 
     @property
     def next_is_boundary(self) -> bool:
+        """True when the next `micro_step` closes the window (the optimizer steps)."""
         return self._in_window + 1 >= self.accum_steps
 
     @contextlib.contextmanager
     def micro_step(self, last: bool = False) -> Iterator[None]:
+        """One micro-batch: run its forward and `backward` inside the block.
+
+        Inside a window the block runs under `no_sync` (no gradient communication);
+        on the window's last micro-batch, or when `last=True` closes a window early,
+        the gradients are synchronised and, as the block leaves, clipped and stepped
+        (optimizer, scheduler, scaler), then zeroed; `stepped` is True afterwards.
+        An exception inside the block propagates and nothing is stepped.
+        """
         boundary = last or self.next_is_boundary
         self.stepped = False
         with contextlib.nullcontext() if boundary else no_sync(self.model):

@@ -65,9 +65,11 @@ class MeanTracker:
         self.count += count
 
     def compute(self) -> float:
+        """The global mean so far; a collective (see the class)."""
         return global_mean(self.sum, self.count)
 
     def reset(self) -> None:
+        """Forget this rank's values (not a collective)."""
         self.sum, self.count = 0.0, 0.0
 
 
@@ -111,6 +113,7 @@ class JsonlWriter:
             self.path.parent.mkdir(parents=True, exist_ok=True)
 
     def write(self, record: dict) -> None:
+        """Append `record` as one line (rank 0); nothing on other ranks."""
         if self.enabled:
             with self.path.open("a") as f:
                 f.write(json.dumps(record) + "\n")
