@@ -4,7 +4,9 @@ docs/reference/api.md holds the marker `<!-- disttrain:api -->`: it becomes one
 mkdocstrings entry (`::: disttrain.NAME`) per name in `disttrain.__all__`, grouped by the
 package that defines it, so a new public name is in the reference without editing the
 page. docs/reference/cli.md holds `<!-- disttrain:cli -->`: it becomes each command's own
-`--help`, run at build time, so the page cannot drift from the parsers. Nothing here
+`--help`, run at build time, so the page cannot drift from the parsers. A page of docs/
+that the nav of mkdocs.yml does not name joins its last section ("Guides"), titled by its
+first heading, so a new guide is in the site without editing mkdocs.yml. Nothing here
 touches the network.
 """
 
@@ -113,6 +115,26 @@ def cli_markdown() -> str:
             if sub_rc == 0 and sub_text != text:
                 parts.append(f"### disttrain {name} {sub}\n\n```text\n{sub_text}\n```\n")
     return "\n".join(parts)
+
+
+def _named(nav) -> set[str]:
+    if isinstance(nav, str):
+        return {nav}
+    items = nav.values() if isinstance(nav, dict) else nav
+    return set().union(*map(_named, items)) if items else set()
+
+
+def on_config(config):
+    docs = Path(config["docs_dir"])
+    named = _named(config["nav"] or [])
+    for page in sorted(docs.rglob("*.md")):
+        src = page.relative_to(docs).as_posix()
+        if src not in named:
+            title = next((line[2:].strip() for line in page.read_text(encoding="utf-8").splitlines()
+                          if line.startswith("# ")), page.stem)
+            section = next(iter(config["nav"][-1].values()))
+            section.append({title: src})
+    return config
 
 
 def on_page_markdown(markdown: str, page, config, files) -> str:

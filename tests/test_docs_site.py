@@ -91,9 +91,12 @@ def test_cli_page_has_every_command(site):
     assert "--list-rules" in text and "--tokenizer" in text
 
 
-def test_guides_are_in_the_site(site):
+def test_every_guide_is_in_the_site_and_its_nav(site):
+    home = (site / "index.html").read_text()
     for page in sorted((ROOT / "docs").glob("*.md")):
-        assert (site / page.stem / "index.html").exists() or page.stem == "index", page.name
+        if page.stem != "index":
+            assert (site / page.stem / "index.html").exists(), page.name
+            assert f'href="{page.stem}/" class="md-nav__link"' in home, f"{page.name} is not in the nav"
 
 
 def test_readme_says_how_to_build_the_reference():
