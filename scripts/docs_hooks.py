@@ -1,7 +1,7 @@
 """mkdocs hook: the generated parts of the documentation site (mkdocs.yml, `hooks:`).
 
 docs/reference/api.md holds the marker `<!-- disttrain:api -->`: it becomes one
-mkdocstrings entry (`::: disttrain.NAME`) per name in `disttrain.__all__`, grouped by the
+mkdocstrings entry, headed `dt.NAME`, per name in `disttrain.__all__`, grouped by the
 package that defines it, so a new public name is in the reference without editing the
 page. docs/reference/cli.md holds `<!-- disttrain:cli -->`: it becomes each command's own
 `--help`, run at build time, so the page cannot drift from the parsers. A page of docs/
@@ -47,10 +47,9 @@ def _disttrain():
 def public_names() -> dict[str, list[str]]:
     """{package: [public names it defines]} for every name in `disttrain.__all__`."""
     dt = _disttrain()
-    where = getattr(dt, "_WHERE", {})
     groups: dict[str, list[str]] = {}
     for name in dt.__all__:
-        module = where.get(name) or getattr(getattr(dt, name), "__module__", "disttrain")
+        module = getattr(dt, name).__module__
         package = module.split(".")[1] if "." in module else "disttrain"
         groups.setdefault(package, []).append(name)
     order = list(SECTIONS) + sorted(set(groups) - set(SECTIONS))
@@ -99,11 +98,11 @@ def _subcommands(command: str, summary: str) -> list[str]:
 
 def cli_markdown() -> str:
     listed = commands()
-    calls = [[name] for name, _ in listed]
+    calls = [[]] + [[name] for name, _ in listed]
     calls += [[name, sub] for name, summary in listed for sub in _subcommands(name, summary)]
     with ThreadPoolExecutor(max_workers=4) as pool:
         helps = dict(zip(map(tuple, calls), pool.map(_help, calls)))
-    parts = []
+    parts = [f"```text\n{helps[()][1]}\n```\n"]
     for name, summary in listed:
         rc, text = helps[(name,)]
         parts.append(f"## disttrain {name}\n\n{summary}\n")
