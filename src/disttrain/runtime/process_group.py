@@ -68,8 +68,8 @@ def rank_info() -> RankInfo:
     """The `RankInfo` of the running `init()` (or `dt.Job`); a world of 1 on CPU when
     none ran.
 
-    Reads no environment and starts nothing: before `init`, and after `shutdown`, it
-    is rank 0 of 1 with no backend, whatever torchrun set. Never raises.
+    Starts nothing and never raises; before `init` and after `shutdown` it describes
+    rank 0 of a world of 1 with no backend.
     """
     if _current is not None:
         return _current

@@ -333,7 +333,9 @@ class Job:
         recovery, the state came from a survivor's memory), False on a fresh start.
         Changed hyper-parameters (the optimizer's lr, weight decay, betas, momentum; a
         `disttrain train` config's applied keys) take effect, shown as a "checkpoint ->
-        now" table; at another world size the batch policy applies. A collective.
+        now" table; at another world size the batch policy applies. `scaler`: fp16's
+        loss scaler (`dt.make_grad_scaler("fp16")`), which the job does not make by
+        itself. A collective.
         Raises `UserError` for a model that is not this job's `wrap()` result, an
         optimizer built before wrap, or a call before `loader()`; a damaged or
         mismatched checkpoint raises the checkpoint layer's error."""

@@ -48,8 +48,9 @@ def clip_grad_norm(model: nn.Module, max_norm: float) -> float:
     scales by the same factor. FSDP1 modules use their own sharding-aware
     `clip_grad_norm_`; DTensor gradients (FSDP2) are handled by torch's
     `clip_grad_norm_`, which reduces across shards: a collective under a sharded
-    strategy, every rank calls it. A non-finite norm is returned as is (torch scales
-    by nan); check it before stepping when the loss can overflow.
+    strategy, every rank calls it. A non-finite norm (an overflow) is returned as is
+    and leaves the gradients unusable; check it before stepping when the loss can
+    overflow (under fp16 the `AgreedGradScaler` skips such a step on every rank).
     """
     if hasattr(model, "clip_grad_norm_"):
         norm = model.clip_grad_norm_(max_norm)

@@ -122,8 +122,8 @@ class JsonlWriter:
 def print_main(*args, **kwargs) -> None:
     """`print(*args, **kwargs)` on global rank 0 only, flushed; other ranks print nothing.
 
-    The rank is `dt.rank_info()`'s. Not a collective: it never waits for the other
-    ranks, so it is safe in code that only some ranks run.
+    Not a collective: it never waits for the other ranks, so it is safe in code that
+    only some ranks run.
     """
     if rank_info().is_main:
         print(*args, **kwargs, flush=True)
