@@ -64,92 +64,62 @@ def _ignore_stop_signals(worker_id: int, chain=None) -> None:
 
 
 class Job:
-    """A resumable data-parallel training job; use it as a context manager.
-
-    Use::
-
-        with dt.Job("runs/x", strategy="ddp", checkpoint_every=100) as job:
-            model = job.wrap(MyModel())
-            optimizer = torch.optim.AdamW(model.parameters(), lr=3e-4)  # after wrap
-            loader = job.loader(dataset, batch_size=32)
-            job.resume(model=model, optimizer=optimizer)
-            for x, y in job.steps(loader, max_steps=1000):
-                loss = model(x, y)
-                job.backward(loss)
-                job.log(loss=loss)
+    """A resumable data-parallel training job; use it as a context manager (README,
+    "Use it in your own loop": wrap, loader, resume, steps, backward, log).
 
     Entering starts the process group (from the torchrun environment; none under a
     plain `python`; under fast recovery the generation's group), installs the
-    SIGTERM/SIGINT handler and runs the guard's start checks (a collective: ranks that
+    SIGTERM/SIGINT handler and runs the guard's start checks (a collective; ranks that
     disagree raise `DistributedMismatchError` on every rank). Leaving restores the
-    handlers and shuts down the group it started, on every path, exceptions included.
-    Construction refuses a negative period, `accum_steps` or `log_every` below 1 and
-    an unknown `batch_policy` or `on_error` with a `UserError`; a bad `strategy` or
-    wrap option is a `ConfigError` from `job.wrap`, before the model is changed.
-
-    `out_dir` holds `checkpoints/` (or `checkpoint_dir`), `metrics.jsonl`, the final
-    `model.pt`, `summary.json` and (with `record_samples`) `samples/`.
+    handlers and shuts down the group it started, on every path. Construction refuses
+    a negative period, `accum_steps` or `log_every` below 1, and an unknown
+    `batch_policy` or `on_error` (`UserError`); a bad strategy or wrap option is a
+    `ConfigError` from `job.wrap`, before the model is changed.
 
     Args:
-        out_dir: The run's folder; running the same script again resumes from it.
-        strategy: Passed to `dt.wrap`: 'ddp', 'zero1', 'fsdp', 'fsdp1' or 'dp'.
+        out_dir: Holds `checkpoints/`, `metrics.jsonl`, the final `model.pt`,
+            `summary.json` (and `samples/`); the same script run again resumes from it.
+        strategy: For `dt.wrap`: 'ddp', 'zero1', 'fsdp', 'fsdp1' or 'dp'.
         checkpoint_every: A checkpoint every this many optimizer steps (0: off).
-        checkpoint_every_s: And every this many seconds of training, agreed by the
-            ranks (0: off). Checkpoints are also written on preemption and at the end.
-        accum_steps: Micro-batches per optimizer step (the `Accumulator`'s).
-        seed: Seeds every RNG at start (the same model on every rank); dropout is then
-            seeded from (seed, step, rank) at each step and the loader's order from
-            (seed, epoch), so a resume is bit-identical.
-        grad_clip: Clip the global gradient norm to this value (0: no clipping); the
-            norm is logged as `grad_norm`.
-        precision: 'fp32', 'bf16' or 'fp16', passed to `dt.wrap` (the forward runs
-            under autocast, outputs come back in fp32). 'fp16' makes no grad scaler by
-            itself: pass `scaler=dt.make_grad_scaler("fp16")` to `resume`, or small
-            fp16 gradients underflow to zero.
+        checkpoint_every_s: And every this many seconds, agreed by the ranks (0: off);
+            also on preemption and at the end.
+        accum_steps: Micro-batches per optimizer step.
+        seed: Every RNG at start (the same model on every rank); dropout then from
+            (seed, step, rank), the data order from (seed, epoch): resumes bit-identical.
+        grad_clip: Clip the global gradient norm to this (0: off); logged as `grad_norm`.
+        precision: 'fp32', 'bf16' or 'fp16' for `dt.wrap` (forward under autocast,
+            outputs in fp32). fp16 makes no grad scaler by itself: pass
+            `scaler=dt.make_grad_scaler("fp16")` to `resume`, or small gradients vanish.
         keep_last: Committed checkpoints kept (0 keeps all).
-        batch_policy: When the checkpoint comes from another world size: 'keep_global'
-            keeps the global batch (more accumulation per rank), 'rescale_lr' keeps the
-            per-rank batch and scales the learning rate.
-        record_samples: Write the sample indices of every step under `samples/`, for
-            an exactly-once audit across restarts.
-        preempt_grace_s: Seconds from SIGTERM to the kill that follows it (the save
-            must fit in them); None reads `DISTTRAIN_PREEMPT_GRACE_S` (set by
-            `disttrain run`), else 60.
-        backend: The process group's backend: 'auto' (gloo on CPU, NCCL for CUDA
-            tensors beside gloo for host values), 'gloo' or 'nccl'.
-        device: 'auto' (this rank's GPU when CUDA is visible, else CPU), 'cuda' or
-            'cpu'. 'cuda' without a visible GPU, or more ranks on a node than GPUs, is a
-            `UserError`.
-        timeout_s: The rendezvous and collective timeout; a rank that never arrives
-            fails the job after this long instead of torch's 10-30 minutes.
-        tensorboard: Also write the metrics as TensorBoard events under `out_dir/tb`.
-        checkpoint_dir: Where checkpoints go, instead of `out_dir/checkpoints`.
-        async_save: 'off' (the step waits for the save) or 'thread' (the save is
-            written in the background while training goes on).
-        fallback: A damaged newest checkpoint is set aside and the one before it is
-            loaded, instead of refusing to start.
+        batch_policy: For a checkpoint of another world size: 'keep_global' (more
+            accumulation per rank) or 'rescale_lr' (same per-rank batch, lr scaled).
+        record_samples: Write each step's sample indices under `samples/` (an audit).
+        preempt_grace_s: Seconds from SIGTERM to the kill (the save must fit); None
+            reads `DISTTRAIN_PREEMPT_GRACE_S` (set by `disttrain run`), else 60.
+        backend: 'auto' (gloo on CPU; on GPUs NCCL beside gloo), 'gloo' or 'nccl'.
+        device: 'auto' (this rank's GPU if CUDA is visible, else CPU), 'cuda' or 'cpu';
+            'cuda' without a GPU for this rank is a `UserError`.
+        timeout_s: Rendezvous and collective timeout (torch's is 10-30 minutes).
+        tensorboard: Also write the metrics as TensorBoard events in `out_dir/tb`.
+        checkpoint_dir: Checkpoints here instead of `out_dir/checkpoints`.
+        async_save: 'off' (the step waits for the save) or 'thread' (in the background).
+        fallback: Set a damaged newest checkpoint aside and load the one before it.
         on_error: A failed save: 'stop' raises `CheckpointSaveError` on every rank;
-            'continue' warns (rank 0) and trains on, the previous checkpoint staying
-            the newest.
-        log_every: Optimizer steps per metrics record (values are averaged over them).
+            'continue' warns and trains on (the previous checkpoint stays newest).
+        log_every: Optimizer steps per metrics record (values averaged over them).
         progress: Rank 0's progress bar.
-        guard (GuardConfig | None): For adapters (`disttrain train`): the start checks
-            and the hang watchdog (defaults when None).
-        config: For adapters: the dict stored with every checkpoint and compared on
-            resume (the job's own settings when None).
+        guard (GuardConfig | None): For adapters: start checks and hang watchdog.
+        config: For adapters: the dict each checkpoint stores and a resume compares.
         exit_on_preempt: False: on SIGTERM `steps()` returns after the save and
             `job.preempted` is True, instead of `SystemExit(0)`.
-        tokens_per_sample: Tokens in one sample: throughput, the progress bar and the
-            summary count tokens (0: samples).
-        buddy_every: Under fast recovery with a sharded strategy: the in-memory buddy
-            copy of each rank's shard is refreshed every this many steps.
+        tokens_per_sample: Throughput, bar and summary count tokens (0: samples).
+        buddy_every: Fast recovery, sharded: steps between in-memory buddy copies.
         checkpoints: False: no checkpoints at all (nothing resumes).
-        guard_fields: For adapters: extra values every rank must agree on at start.
+        guard_fields: For adapters: values every rank must agree on at start.
         summary_config: For adapters: the config written into `summary.json`.
         summary_extra: For adapters: extra entries of `summary.json`.
-        **wrap_options: Passed to `dt.wrap`: `compile=True` (or a dict of
-            `torch.compile` options), `sharding=`, `shard_group_size=`,
-            `activation_checkpointing=`, ... (an unknown one is a `ConfigError`).
+        **wrap_options: For `dt.wrap`: `compile=True` (or `torch.compile` options),
+            `sharding=`, `activation_checkpointing=`, ... (unknown: `ConfigError`).
     """
 
     def __init__(self, out_dir: str | Path, *, strategy: str = "ddp", checkpoint_every: int = 100,
