@@ -8,7 +8,6 @@ from __future__ import annotations
 import dataclasses
 import html
 import importlib.util
-import inspect
 import os
 import re
 import subprocess
