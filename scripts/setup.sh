@@ -28,7 +28,7 @@ if [ ${#missing[@]} -gt 0 ]; then
   fi
 fi
 
-if [ ! -x .venv/bin/python ] || ! .venv/bin/python -c "import disttrain, pytest, xdist, kubernetes_validate, xxhash, tensorboard" 2>/dev/null; then
+if [ ! -x .venv/bin/python ] || ! .venv/bin/python -c "import disttrain, pytest, xdist, kubernetes_validate, xxhash, tensorboard, mkdocstrings_handlers.python" 2>/dev/null; then
   python3 -m venv .venv
   # pip byte-compiles every installed module in one process; compileall with a process
   # per core does the same work in about half the wall time (some packages ship files

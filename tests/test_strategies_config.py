@@ -126,6 +126,11 @@ def test_bf16_wrap_autocasts_forward_and_returns_fp32_P_DDP_7():
     assert not torch.is_autocast_enabled("cpu")  # the hook left autocast
 
 
+def test_autocast_refuses_an_unknown_precision_in_one_line():
+    with pytest.raises(UserError, match="'fp8' is not one of 'fp32', 'bf16', 'fp16'"):
+        dt.autocast("fp8")
+
+
 def test_agreed_scaler_skips_backs_off_and_grows():
     p = nn.Parameter(torch.ones(3))
     opt = torch.optim.SGD([p], lr=1.0)

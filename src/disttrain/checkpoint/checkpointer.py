@@ -66,12 +66,22 @@ warnings.filterwarnings("ignore", message="torch.distributed is disabled, unavai
 
 
 class Checkpointer:
-    """Periodic checkpoints of one run in `root`. Construction is a collective
-    (it creates the checkpoint gloo group): every rank must build it.
+    """Periodic checkpoints of one run in `root`: `save`, `load`, `wait`, `close`.
 
-    `keep_last`: committed checkpoints to keep (0 keeps all). `async_mode`: 'off'
-    or 'thread'. `fallback`: on load, skip a corrupt newest checkpoint instead of
-    refusing it.
+    Each checkpoint is a folder `root/step-NNNNNNNN` written under a temporary name
+    and committed by a rename after every rank's files and the manifest (checksums)
+    are on disk, so a kill at any moment leaves the previous checkpoint intact.
+    Construction is a collective (it creates the checkpoint gloo group): every rank
+    must build it. An unknown `async_mode` is a `CheckpointError` (a `UserError`).
+
+    Args:
+        root: The folder that holds the run's checkpoints.
+        keep_last: Committed checkpoints to keep; older ones are removed after a
+            commit (0 keeps all).
+        async_mode: 'off' (`save` returns once committed) or 'thread' (`save` returns
+            once the state is copied; the commit completes in the background).
+        fallback: On load, set a damaged newest checkpoint aside and load the one
+            before it, instead of refusing to start.
     """
 
     def __init__(self, root: str | Path, *, keep_last: int = 3, async_mode: str = "off",

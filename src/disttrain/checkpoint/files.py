@@ -42,7 +42,14 @@ def _atomic_write(path: str | os.PathLike, write) -> Path:
 
 
 def atomic_torch_save(obj, path: str | os.PathLike) -> Path:
-    """`torch.save` to a temp file beside `path`, fsync, then `os.replace` (P-CKPT-2)."""
+    """`torch.save(obj)` to a temp file beside `path`, fsync, then `os.replace` (P-CKPT-2).
+
+    A crash at any moment leaves either the old file or the complete new one, never a
+    torn file. Creates the parent folder. Returns `path`. Not a collective: every
+    caller writes (call it on one rank). An error while writing (`OSError`, a full
+    disk included, or a pickling error) removes the temp file and propagates; the old
+    file is untouched.
+    """
     Path(path).parent.mkdir(parents=True, exist_ok=True)
     return _atomic_write(path, lambda f: torch.save(obj, f))
 
@@ -99,7 +106,10 @@ def save_model(model: nn.Module, path: str | os.PathLike) -> Path:
     """Rank 0 saves the full, prefix-free weights atomically; every rank waits for it.
 
     A collective (a gather under FSDP, then a barrier): every rank must call it. The
-    file loads into the plain model with `load_state_dict(strict=True)`.
+    file loads into the plain model with `load_state_dict(strict=True)`. The write is
+    atomic (`atomic_torch_save`): a failure on rank 0 (a full disk) leaves any earlier
+    file intact and raises there, while the other ranks wait at the barrier until the
+    group's timeout.
     """
     path = Path(path)
     state = full_model_state(model)
@@ -117,8 +127,12 @@ def strip_prefix(state: dict, prefix: str = "module.") -> dict:
 def load_model(model: nn.Module, path: str | os.PathLike) -> None:
     """Load weights saved by `save_model` (or a DDP `module.`-prefixed dict) into `model`.
 
-    Reads on CPU with `weights_only=True`. Raises `UserError` naming the file for a
-    missing file or mismatched keys/shapes.
+    Reads on CPU with `weights_only=True` (nothing is unpickled beyond tensors) and
+    loads strict into the module inside any wrapper (`dt.unwrap`). Not a collective:
+    each rank reads the file itself. Raises `UserError` naming the file for a missing
+    file or mismatched keys or shapes (the first lines of torch's list); torch copies
+    the tensors that match before it refuses, so after that error load a matching
+    file before using the model.
     """
     path = Path(path)
     if not path.is_file():

@@ -127,10 +127,14 @@ def set_rng_state(state: dict) -> None:
 class TrainState:
     """The complete training state. Pass it to `dt.save` / `dt.load`.
 
-    `extras` maps names to modules (EMA weights), tensors, dicts of tensors or plain
-    JSON data. `config` is the resolved config (a dataclass or dict); it is saved
-    and hashed into the manifest. `step` and `epoch` are the caller's counters:
-    set `step` before saving; read it after loading.
+    Holds the objects themselves: saving reads their `state_dict()`s (and every RNG of
+    this rank), loading writes into them in place, so build the model, optimizer,
+    scheduler and sampler first, exactly as for a fresh start. `extras` maps names to
+    modules (EMA weights), tensors, dicts of tensors or plain JSON data. `config` is
+    the resolved config (a dataclass or dict); it is saved and hashed into the
+    manifest. `step` and `epoch` are the caller's counters: set `step` before saving;
+    read it after loading. A checkpoint of another model (different keys or shapes)
+    is refused by the load with `CheckpointMismatch`.
     """
 
     model: nn.Module

@@ -35,6 +35,13 @@ class DistributedSampler(Sampler[int]):
     rank gets the same count (DistributedSampler semantics); with `drop_last=True`
     the tail that does not divide is dropped. Rank r takes global positions
     r, r + world, r + 2*world, ...
+
+    Unlike torch's sampler, forgetting `set_epoch` cannot repeat an epoch's order:
+    each `iter()` uses the current epoch and then advances it. `rank` and
+    `world_size` default to `dt.rank_info()`'s. It keeps no position inside an
+    epoch, so a resume restarts the epoch; use `ElasticSampler` for exactly-once
+    resume. Refused with a `UserError`: an empty dataset, and `drop_last=True` with
+    fewer samples than ranks.
     """
 
     def __init__(self, dataset_len: int | Dataset, *, rank: int | None = None,
@@ -58,6 +65,7 @@ class DistributedSampler(Sampler[int]):
         return math.ceil(self.n / self.world_size)
 
     def set_epoch(self, epoch: int) -> None:
+        """Make the next `iter()` draw `epoch`'s order (then it advances by itself)."""
         self.epoch = epoch
 
     def global_order(self, epoch: int) -> list[int]:

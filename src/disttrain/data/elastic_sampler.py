@@ -37,6 +37,15 @@ class ElasticSampler(Sampler[int]):
     users do); the epoch advances by itself when its last step is committed.
     `state_dict()` is world-size independent. The first argument is the dataset
     (anything with `len()`, as torch's samplers take) or its length.
+
+    Contract: across any sequence of kills, resumes and world-size changes, every
+    sample of an epoch is drawn once (with `drop_last=False` the last step is padded
+    by repetition, as torch's DistributedSampler does). `rank` and `world_size`
+    default to `dt.rank_info()`'s; `batch_size` is per rank and micro-batch. Refused
+    with a `UserError`: a dataset without `len()`, an empty one, a `batch_size` or
+    `accum_steps` below 1, `drop_last=True` with fewer samples than one global
+    batch, and (in `load_state_dict`) a state from a dataset of another length or
+    another seed.
     """
 
     def __init__(self, dataset_len: int | Sized, *, batch_size: int, accum_steps: int = 1, seed: int = 0,
@@ -68,6 +77,7 @@ class ElasticSampler(Sampler[int]):
 
     @property
     def global_batch(self) -> int:
+        """Samples per optimizer step over all ranks: batch_size x world_size x accum_steps."""
         return self.batch_size * self.world_size * self.accum_steps
 
     def steps_left(self) -> int:
@@ -128,6 +138,8 @@ class ElasticSampler(Sampler[int]):
         self.epoch, self.cursor = epoch, 0
 
     def state_dict(self) -> dict:
+        """The committed position (epoch, cursor) with the dataset length, seed and global
+        batch: plain numbers, independent of the world size."""
         return {"epoch": self.epoch, "cursor": self.cursor, "seed": self.seed, "n": self.n,
                 "global_batch": self.global_batch}
 

@@ -30,11 +30,24 @@ EXPECTED_WORLD_ENV = "DISTTRAIN_EXPECTED_WORLD_SIZE"
 
 
 class NotDistributedError(UserError):
-    """The job is certainly not running as the distributed job it claims to be."""
+    """The job is certainly not running as the distributed job it claims to be.
+
+    Raised by the start checks (`dt.start_guard`, `dt.Job`) when fewer processes run
+    than were asked for (`disttrain run` sets the expected world size), and by the
+    sanity checks when a rank trains an unwrapped model or every rank drew the same
+    first batch in a case that cannot be deliberate. A `UserError` whose message
+    names the case, its cause and the fix.
+    """
 
 
 class NotDistributedWarning(UserWarning):
-    """The job may not be running as the distributed job it claims to be."""
+    """The job may not be running as the distributed job it claims to be.
+
+    Warned (not raised) when the situation may be deliberate: more processes than
+    expected (an elastic job may have grown), oversubscribed CPU threads, an unwrapped
+    model or ranks drawing the same batch. The checks take `strict=True` to raise
+    `NotDistributedError` instead; Python's warning filters can do the same.
+    """
 
 
 def _report(message: str, *, certain: bool, strict: bool) -> None:

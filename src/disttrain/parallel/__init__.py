@@ -66,7 +66,11 @@ def _parallel_config(cfg: ParallelConfig | None, overrides: dict) -> ParallelCon
 def unwrap(model: nn.Module) -> nn.Module:
     """The user's module inside any wrapper (DDP, DataParallel, FSDP1 `.module`).
 
-    An FSDP2 model is its own module (sharded in place) and is returned as is.
+    Use it to reach the model's own methods and attributes after `dt.wrap` or
+    `job.wrap` (a `configure_optimizers`, a config, `generate`); train and step the
+    wrapped module, not this one, or the gradients are not synchronised. An FSDP2
+    model is its own module (sharded in place) and is returned as is, as is a module
+    that was never wrapped. Not a collective; never raises.
     """
     while isinstance(model, _wrappers()):
         model = model.module

@@ -37,7 +37,15 @@ _meshes: "weakref.WeakKeyDictionary[dist.ProcessGroup, dict[tuple, DeviceMesh]]"
 
 @dataclass(frozen=True)
 class Layout:
-    """A replicate x shard grid of `world_size` ranks on `device_type` devices."""
+    """A replicate x shard grid of `world_size` ranks on `device_type` devices.
+
+    Rank r sits in replica `r // shard`; the ranks of one replica shard the model
+    among themselves (FSDP), the replicas hold copies (HSDP when both exceed 1).
+    `Layout.for_strategy` derives it from a strategy, a sharding mode and the world;
+    `build_mesh()` makes torch's `DeviceMesh` from it (a collective). A grid that does
+    not cover the world (replicate x shard != world_size, or a size below 1) is a
+    `ConfigError` at construction.
+    """
 
     world_size: int
     replicate: int
@@ -65,6 +73,7 @@ class Layout:
 
     @property
     def is_hybrid(self) -> bool:
+        """More than one replica and more than one shard: HSDP."""
         return self.replicate > 1 and self.shard > 1
 
     def replica_of(self, rank: int) -> int:

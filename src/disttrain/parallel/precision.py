@@ -21,13 +21,22 @@ import torch
 import torch.distributed as dist
 import torch.nn as nn
 
+from disttrain.errors import UserError
 from disttrain.runtime import torch_compat
 
 DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
 
 
 def autocast(precision: str, device_type: str = "cpu"):
-    """A context that runs ops in `precision` (a null context for fp32)."""
+    """A context that runs the ops inside it in `precision` on `device_type` devices.
+
+    'bf16' and 'fp16' are `torch.autocast` with that dtype; 'fp32' is a null context.
+    `dt.wrap(precision=...)` already runs the model's forward this way; use this for
+    code outside the model (a loss, an evaluation). Another precision name is a
+    `UserError` naming the three.
+    """
+    if precision not in DTYPES:
+        raise UserError(f"precision {precision!r} is not one of {', '.join(map(repr, DTYPES))}.")
     if precision == "fp32":
         return contextlib.nullcontext()
     return torch.autocast(device_type, dtype=DTYPES[precision])
@@ -101,9 +110,11 @@ class AgreedGradScaler:
         """Optimizer steps skipped because some rank overflowed (the same on every rank)."""
 
     def get_scale(self) -> float:
+        """The current loss scale, the same on every rank."""
         return self._scale
 
     def scale(self, loss: torch.Tensor) -> torch.Tensor:
+        """`loss` multiplied by the current scale; call backward on the result."""
         return loss * self._scale
 
     @torch.no_grad()
@@ -160,11 +171,17 @@ class AgreedGradScaler:
                 "skipped_steps": self.skipped_steps}
 
     def load_state_dict(self, state: dict) -> None:
+        """Restore the scale, growth tracker and skipped-step count of `state_dict()`."""
         self._scale = float(state["scale"])
         self._growth_tracker = int(state["growth_tracker"])
         self.skipped_steps = int(state.get("skipped_steps", 0))
 
 
 def make_grad_scaler(precision: str) -> AgreedGradScaler | None:
-    """The scaler a precision needs: an `AgreedGradScaler` for fp16, else None."""
+    """The scaler a precision needs: a new `AgreedGradScaler` for 'fp16', else None.
+
+    Pass the result to `dt.Accumulator(scaler=...)` or `job.resume(scaler=...)`;
+    neither makes one by itself, and fp16 without loss scaling loses small
+    gradients. bf16 and fp32 need none. Not a collective.
+    """
     return AgreedGradScaler() if precision == "fp16" else None

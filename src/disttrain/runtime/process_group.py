@@ -32,7 +32,14 @@ _RANK_STREAM = 1_000_003
 
 @dataclass(frozen=True)
 class RankInfo:
-    """Where this process sits in the job. Immutable; one per process."""
+    """Where this process sits in the job. Immutable; one per process.
+
+    Returned by `dt.init` and `dt.distributed` and, afterwards, by `dt.rank_info()`.
+    `rank` and `world_size` are global; `local_rank` and `local_world_size` count the
+    processes of this node. `device` is the device this rank trains on, `seed` the
+    base seed given to `init`. `is_main` is True on global rank 0 (the rank that logs
+    and writes files); `distributed` is False when no process group was started.
+    """
 
     rank: int
     local_rank: int
@@ -50,6 +57,7 @@ class RankInfo:
 
     @property
     def distributed(self) -> bool:
+        """True when a process group runs (even in a world of 1 under a launcher)."""
         return self.backend is not None
 
 
@@ -57,7 +65,12 @@ _current: RankInfo | None = None
 
 
 def rank_info() -> RankInfo:
-    """The `RankInfo` of the running `init()`; a world of 1 on CPU when none ran."""
+    """The `RankInfo` of the running `init()` (or `dt.Job`); a world of 1 on CPU when
+    none ran.
+
+    Starts nothing and never raises; before `init` and after `shutdown` it describes
+    rank 0 of a world of 1 with no backend.
+    """
     if _current is not None:
         return _current
     return RankInfo(rank=0, local_rank=0, world_size=1, local_world_size=1,
@@ -262,8 +275,14 @@ def _release_lingering(at_exit: bool = False) -> None:
 
 @contextlib.contextmanager
 def distributed(**kwargs) -> Iterator[RankInfo]:
-    """`with distributed(seed=...) as info:` — `init(**kwargs)`, then `shutdown()` on
-    every exit path, exceptions included (P-INIT-6)."""
+    """`with dt.distributed(seed=...) as info:`: `dt.init(**kwargs)`, then
+    `dt.shutdown()` on every exit path, exceptions included (P-INIT-6).
+
+    Yields the `RankInfo`. `kwargs` are `init`'s (`backend`, `device`, `timeout_s`,
+    `seed`); its errors (`UserError` for an inconsistent torchrun environment, a
+    timeout for a rendezvous that cannot complete) are raised on entry, before the
+    block runs. An exception inside the block propagates after the group is gone.
+    """
     info = init(**kwargs)
     try:
         yield info
@@ -272,6 +291,11 @@ def distributed(**kwargs) -> Iterator[RankInfo]:
 
 
 def barrier() -> None:
-    """A barrier across all ranks; a no-op in a world of 1."""
+    """Wait until every rank of the default group reaches this call.
+
+    A collective: a rank that never arrives makes the others fail after the group's
+    timeout (`init`'s `timeout_s`). A no-op when no process group runs (a world of 1
+    under plain `python`).
+    """
     if dist.is_initialized():
         dist.barrier()

@@ -64,30 +64,62 @@ def _ignore_stop_signals(worker_id: int, chain=None) -> None:
 
 
 class Job:
-    """A resumable data-parallel training job; use it as a context manager.
-
-    `out_dir` holds `checkpoints/` (or `checkpoint_dir`), `metrics.jsonl`, the final
-    `model.pt`, `summary.json` and (with `record_samples`) `samples/`. `strategy` and
-    `wrap_options` go to `dt.wrap`; `accum_steps`, `grad_clip` to the `Accumulator`;
-    `batch_policy` ('keep_global' or 'rescale_lr') applies when a checkpoint comes
-    from another world size. Checkpoints: every `checkpoint_every` steps and every
-    `checkpoint_every_s` seconds (agreed by the ranks; 0 turns either off), on
-    preemption and at the end; `keep_last`, `async_save` ('off', 'thread'),
-    `fallback` (a damaged newest checkpoint is set aside and the one before loaded)
-    and `on_error` ('stop', 'continue') as in `[checkpoint]`. `preempt_grace_s` None
-    reads DISTTRAIN_PREEMPT_GRACE_S (set by `disttrain run`), else 60. `log_every`:
-    steps per metrics record; `tensorboard`, `progress` (rank 0's bar) as named.
-
-    For adapters (`disttrain train`): `guard` (a `GuardConfig`) and `guard_fields`
-    (the start check's), `config` (a dict stored with every checkpoint and compared on
-    resume: `train/resume.py`), `checkpoints` (False: none at all), `exit_on_preempt`
-    (False: `steps()` returns and `preempted` is True), `tokens_per_sample`
-    (throughput and the summary in tokens), `summary_config`, `summary_extra`.
+    """A resumable data-parallel training job; use it as a context manager (README,
+    "Use it in your own loop": wrap, loader, resume, steps, backward, log).
 
     Entering starts the process group (from the torchrun environment; none under a
     plain `python`; under fast recovery the generation's group), installs the
-    SIGTERM/SIGINT handler and runs the guard's start checks (a collective). Leaving
-    restores the handlers and shuts down the group it started, on every path.
+    SIGTERM/SIGINT handler and runs the guard's start checks (a collective; ranks that
+    disagree raise `DistributedMismatchError` on every rank). Leaving restores the
+    handlers and shuts down the group it started, on every path. Construction refuses
+    a negative period, `accum_steps` or `log_every` below 1, and an unknown
+    `batch_policy` or `on_error` (`UserError`); a bad strategy or wrap option is a
+    `ConfigError` from `job.wrap`, before the model is changed.
+
+    Args:
+        out_dir: Holds `checkpoints/`, `metrics.jsonl`, the final `model.pt`,
+            `summary.json` (and `samples/`); the same script run again resumes from it.
+        strategy: For `dt.wrap`: 'ddp', 'zero1', 'fsdp', 'fsdp1' or 'dp'.
+        checkpoint_every: A checkpoint every this many optimizer steps (0: off).
+        checkpoint_every_s: And every this many seconds, agreed by the ranks (0: off);
+            also on preemption and at the end.
+        accum_steps: Micro-batches per optimizer step.
+        seed: Every RNG at start (the same model on every rank); dropout then from
+            (seed, step, rank), the data order from (seed, epoch): resumes bit-identical.
+        grad_clip: Clip the global gradient norm to this (0: off); logged as `grad_norm`.
+        precision: 'fp32', 'bf16' or 'fp16' for `dt.wrap` (forward under autocast,
+            outputs in fp32). fp16 makes no grad scaler by itself: pass
+            `scaler=dt.make_grad_scaler("fp16")` to `resume`, or small gradients vanish.
+        keep_last: Committed checkpoints kept (0 keeps all).
+        batch_policy: For a checkpoint of another world size: 'keep_global' (more
+            accumulation per rank) or 'rescale_lr' (same per-rank batch, lr scaled).
+        record_samples: Write each step's sample indices under `samples/` (an audit).
+        preempt_grace_s: Seconds from SIGTERM to the kill (the save must fit); None
+            reads `DISTTRAIN_PREEMPT_GRACE_S` (set by `disttrain run`), else 60.
+        backend: 'auto' (gloo on CPU; on GPUs NCCL beside gloo), 'gloo' or 'nccl'.
+        device: 'auto' (this rank's GPU if CUDA is visible, else CPU), 'cuda' or 'cpu';
+            'cuda' without a GPU for this rank is a `UserError`.
+        timeout_s: Rendezvous and collective timeout (torch's is 10-30 minutes).
+        tensorboard: Also write the metrics as TensorBoard events in `out_dir/tb`.
+        checkpoint_dir: Checkpoints here instead of `out_dir/checkpoints`.
+        async_save: 'off' (the step waits for the save) or 'thread' (in the background).
+        fallback: Set a damaged newest checkpoint aside and load the one before it.
+        on_error: A failed save: 'stop' raises `CheckpointSaveError` on every rank;
+            'continue' warns and trains on (the previous checkpoint stays newest).
+        log_every: Optimizer steps per metrics record (values averaged over them).
+        progress: Rank 0's progress bar.
+        guard (GuardConfig | None): For adapters: start checks and hang watchdog.
+        config: For adapters: the dict each checkpoint stores and a resume compares.
+        exit_on_preempt: False: on SIGTERM `steps()` returns after the save and
+            `job.preempted` is True, instead of `SystemExit(0)`.
+        tokens_per_sample: Throughput, bar and summary count tokens (0: samples).
+        buddy_every: Fast recovery, sharded: steps between in-memory buddy copies.
+        checkpoints: False: no checkpoints at all (nothing resumes).
+        guard_fields: For adapters: values every rank must agree on at start.
+        summary_config: For adapters: the config written into `summary.json`.
+        summary_extra: For adapters: extra entries of `summary.json`.
+        **wrap_options: For `dt.wrap`: `compile=True` (or `torch.compile` options),
+            `sharding=`, `activation_checkpointing=`, ... (unknown: `ConfigError`).
     """
 
     def __init__(self, out_dir: str | Path, *, strategy: str = "ddp", checkpoint_every: int = 100,
@@ -202,6 +234,8 @@ class Job:
 
     @property
     def device(self) -> torch.device:
+        """This rank's device (`dt.rank_info().device`); move tensors that are not
+        part of a batch from `steps()` (which arrive moved) here."""
         return self.info.device
 
     def wrap(self, model: torch.nn.Module) -> torch.nn.Module:
@@ -250,7 +284,12 @@ class Job:
         (sum, count)); `metric(model, batch) -> {name: value}` adds metrics beyond the
         loss (default: {"loss": the model's loss}). Each result goes into metrics.jsonl
         as `heldout_<name>` and `evaluator.last`; the watchdog treats the evaluation as
-        a slow phase. Call it before `resume`; one per job."""
+        a slow phase. `every=0` evaluates at the last step only; `max_batches` caps the
+        batches per rank (None: the whole set); `at_start=True` also evaluates before
+        the first step of a fresh run (not of a resumed one); `collate_fn` goes to the
+        DataLoader. Call it before `resume`; one per job. A `batch_size` or
+        `max_batches` below 1, a negative `every`, a second evaluator or a call after
+        `resume` is a `UserError`."""
         self._need(self._evaluator is None and self._acc is None,
                    "dt.Job.evaluator() is called once per job, before job.resume().")
         self._evaluator = Evaluator(dataset, batch_size, every=every, max_batches=max_batches,
@@ -264,7 +303,9 @@ class Job:
         recovery, the state came from a survivor's memory), False on a fresh start.
         Changed hyper-parameters (the optimizer's lr, weight decay, betas, momentum; a
         `disttrain train` config's applied keys) take effect, shown as a "checkpoint ->
-        now" table; at another world size the batch policy applies. A collective.
+        now" table; at another world size the batch policy applies. `scaler`: fp16's
+        loss scaler (`dt.make_grad_scaler("fp16")`), which the job does not make by
+        itself. A collective.
         Raises `UserError` for a model that is not this job's `wrap()` result, an
         optimizer built before wrap, or a call before `loader()`; a damaged or
         mismatched checkpoint raises the checkpoint layer's error."""

@@ -18,8 +18,12 @@ from disttrain.parallel.zero import check_optimizer
 def no_sync(model: nn.Module):
     """A context in which backward does not communicate gradients.
 
-    DDP: `model.no_sync()`. FSDP2: gradient sync switched off for the duration.
-    Other modules (a world of 1): a null context.
+    Gradients accumulate locally inside it; the next backward outside it
+    synchronises the sum (use it for every micro-batch of an accumulation window but
+    the last; `dt.Accumulator` does this for you). DDP: `model.no_sync()`. FSDP2:
+    gradient sync switched off for the duration and switched back on when the block
+    leaves, on every path. Other modules (a world of 1): a null context. Not a
+    collective; never raises.
     """
     if hasattr(model, "no_sync"):
         return model.no_sync()
@@ -40,8 +44,13 @@ def _fsdp2_no_sync(model):
 def clip_grad_norm(model: nn.Module, max_norm: float) -> float:
     """Clip to the global gradient norm and return the norm before clipping (P-LOOP-5).
 
-    FSDP1 modules use their own sharding-aware `clip_grad_norm_`; DTensor gradients
-    (FSDP2) are handled by torch's `clip_grad_norm_`, which reduces across shards.
+    The norm is over all of the model's gradients on every rank, so every rank
+    scales by the same factor. FSDP1 modules use their own sharding-aware
+    `clip_grad_norm_`; DTensor gradients (FSDP2) are handled by torch's
+    `clip_grad_norm_`, which reduces across shards: a collective under a sharded
+    strategy, every rank calls it. A non-finite norm (an overflow) is returned as is
+    and leaves the gradients unusable; check it before stepping when the loss can
+    overflow (under fp16 the `AgreedGradScaler` skips such a step on every rank).
     """
     if hasattr(model, "clip_grad_norm_"):
         norm = model.clip_grad_norm_(max_norm)
@@ -96,10 +105,20 @@ class Accumulator:
 
     @property
     def next_is_boundary(self) -> bool:
+        """True when the next `micro_step` closes the window (the optimizer steps)."""
         return self._in_window + 1 >= self.accum_steps
 
     @contextlib.contextmanager
     def micro_step(self, last: bool = False) -> Iterator[None]:
+        """One micro-batch: run its forward and `backward` inside the block.
+
+        Inside a window the block runs under `no_sync` (no gradient communication);
+        on the window's last micro-batch, or when `last=True` closes a window early,
+        the gradients are synchronised and, as the block leaves (or earlier, at
+        `end_micro_step`), clipped and stepped (optimizer, scheduler, scaler), then
+        zeroed; `stepped` is True afterwards. An exception inside the block propagates
+        and nothing more is stepped.
+        """
         self.boundary, self._counted, self.stepped = last or self.next_is_boundary, False, False
         with contextlib.nullcontext() if self.boundary else no_sync(self.model):
             yield
@@ -151,7 +170,12 @@ def warmup_cosine(optimizer: torch.optim.Optimizer, *, total_steps: int, warmup_
                   min_lr_ratio: float = 0.1) -> torch.optim.lr_scheduler.LambdaLR:
     """Linear warmup then cosine decay, counted in optimizer steps (P-LOOP-4).
 
-    `warmup_steps=-1` picks min(5% of total_steps, 2000).
+    Returns a `LambdaLR` over `optimizer`: the learning rate rises linearly to each
+    group's own lr over `warmup_steps`, then falls along a half cosine to
+    `min_lr_ratio` x lr at `total_steps` and stays there. `warmup_steps=-1` picks
+    min(5% of total_steps, 2000). Step it once per optimizer step, not per
+    micro-batch (`dt.Accumulator` and `dt.Job` do). Its position is in its
+    `state_dict`, so a checkpoint that holds the scheduler resumes the schedule.
     """
     if warmup_steps < 0:
         warmup_steps = min(max(1, round(0.05 * total_steps)), 2000)

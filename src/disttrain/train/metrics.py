@@ -20,8 +20,13 @@ from disttrain.runtime.collectives import comm_device
 
 
 def global_sum(values: list[float]) -> list[float]:
-    """Element-wise sum of `values` over all ranks (float64, one all-reduce, on the
-    device the backend moves: CUDA under NCCL). `values` without a group."""
+    """Element-wise sum of `values` over all ranks: a list of floats, the same on
+    every rank.
+
+    A collective (one float64 all-reduce, on the device the backend moves: CUDA under
+    NCCL): every rank must call it with a list of the same length, or the ranks hang
+    until the group's timeout. Without a process group it returns `values` as floats.
+    """
     if not dist.is_initialized():
         return [float(v) for v in values]
     t = torch.tensor(values, dtype=torch.float64, device=comm_device())
@@ -30,16 +35,25 @@ def global_sum(values: list[float]) -> list[float]:
 
 
 def global_mean(local_sum: float, local_count: float) -> float:
-    """sum over ranks of `local_sum` / sum over ranks of `local_count`.
+    """The mean over all ranks: sum over ranks of `local_sum` / sum over ranks of
+    `local_count`, the same on every rank.
 
-    A collective: every rank must call it. Returns nan when the global count is 0.
+    Weighted by each rank's count, so ranks with fewer samples (the last batch of an
+    epoch) count for less. A collective (one all-reduce): every rank must call it.
+    Returns nan when the global count is 0.
     """
     total, count = global_sum([float(local_sum), float(local_count)])
     return total / count if count else float("nan")
 
 
 class MeanTracker:
-    """Accumulates (sum, count) locally; `compute()` reduces once over all ranks."""
+    """A global mean built up locally: `update` adds to (sum, count) on this rank with
+    no communication; `compute()` returns sum over ranks / count over ranks.
+
+    `compute()` is a collective (one all-reduce): every rank must call it, also a rank
+    that saw no values. It returns nan when no rank added anything. `reset()` starts
+    again from zero on this rank.
+    """
 
     def __init__(self) -> None:
         self.sum = 0.0
@@ -51,9 +65,11 @@ class MeanTracker:
         self.count += count
 
     def compute(self) -> float:
+        """The global mean so far; a collective (see the class)."""
         return global_mean(self.sum, self.count)
 
     def reset(self) -> None:
+        """Forget this rank's values (not a collective)."""
         self.sum, self.count = 0.0, 0.0
 
 
@@ -82,7 +98,13 @@ class StepClock:
 
 
 class JsonlWriter:
-    """Appends one JSON object per line, on rank 0 only; a no-op on other ranks."""
+    """Appends one JSON object per line to `path`, on rank 0 only; a no-op elsewhere.
+
+    Rank 0 creates the parent folder at construction. Each `write(record)` opens the
+    file, appends `json.dumps(record)` and a newline and closes it, so a kill loses at
+    most the line being written (readers skip a cut last line). Not a collective; a
+    record that `json` cannot encode raises `TypeError` on rank 0.
+    """
 
     def __init__(self, path: str | os.PathLike):
         self.path = Path(path)
@@ -91,12 +113,17 @@ class JsonlWriter:
             self.path.parent.mkdir(parents=True, exist_ok=True)
 
     def write(self, record: dict) -> None:
+        """Append `record` as one line (rank 0); nothing on other ranks."""
         if self.enabled:
             with self.path.open("a") as f:
                 f.write(json.dumps(record) + "\n")
 
 
 def print_main(*args, **kwargs) -> None:
-    """`print` on rank 0 only."""
+    """`print(*args, **kwargs)` on global rank 0 only, flushed; other ranks print nothing.
+
+    Not a collective: it never waits for the other ranks, so it is safe in code that
+    only some ranks run.
+    """
     if rank_info().is_main:
         print(*args, **kwargs, flush=True)
