@@ -79,12 +79,23 @@ def test_read_all_reads_the_other_ranks_files_at_once():
 
 
 def test_prefetch_of_this_ranks_share_stops_when_asked(tmp_path):
+    from disttrain.checkpoint import raw_read
+
     (tmp_path / "__0_0.distcp").write_bytes(b"x" * 100)
     (tmp_path / "__1_0.distcp").write_bytes(b"y" * 100)
+    hold = threading.Event()
+    pool("prefetch").submit(hold.wait, 10)  # the one prefetch thread is busy: ours queues
     prefetch_share(tmp_path, 1, 2)
-    stop_for(tmp_path)  # ends within one read; a second call finds nothing to stop
+    stop = raw_read._PREFETCH[tmp_path]
+    assert not stop.is_set()
     stop_for(tmp_path)
+    assert stop.is_set()  # the queued read sees it at once and reads nothing
+    hold.set()
+    pool("prefetch").submit(lambda: None).result(timeout=10)  # the prefetch has ended
+    assert tmp_path not in raw_read._PREFETCH
+    stop_for(tmp_path)  # a second call finds nothing to stop
     prefetch_share(tmp_path / "missing", 0, 2)  # a directory that cannot be listed: nothing starts
+    assert tmp_path / "missing" not in raw_read._PREFETCH
 
 
 def test_load_threads_are_kept_and_a_forked_child_makes_its_own():

@@ -1,7 +1,5 @@
 """Config errors: one clear message naming the key and the fix, before any process starts."""
 
-import time
-
 import pytest
 
 from conftest import run_disttrain
@@ -49,10 +47,9 @@ def test_missing_and_malformed_files(tmp_path):
 
 
 def test_cli_config_error_is_one_line_without_traceback_and_starts_nothing():
-    start = time.monotonic()
-    proc = run_disttrain(["train", "examples/tiny_gpt.toml", "--train.accum_steps=0"], timeout=60)
+    # refused before anything starts: no process group, no worker (bounded by the timeout)
+    proc = run_disttrain(["train", "examples/tiny_gpt.toml", "--train.accum_steps=0"], timeout=30)
     assert proc.returncode == 2
     assert proc.stderr.strip() == ("disttrain train: error: config key 'train.accum_steps' is 0; "
                                    "it must be at least 1.")
     assert "Traceback" not in proc.stderr and "torch.distributed" not in proc.stdout + proc.stderr
-    assert time.monotonic() - start < 30

@@ -48,7 +48,9 @@ def test_illegal_combination_is_a_config_error(overrides, expected):
     ["--parallel.strategy=dp", "--parallel.nproc=1", "--parallel.device=cpu"],
 ])
 def test_legal_combination_loads(overrides):
-    load_config(None, overrides)
+    cfg = load_config(None, overrides)
+    strategy = next(o.split("=", 1)[1] for o in overrides if o.startswith("--parallel.strategy="))
+    assert cfg.parallel.strategy == strategy  # loaded as given, not refused or replaced
 
 
 def test_layout_grids_P_FSDP_4():
