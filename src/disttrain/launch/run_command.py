@@ -58,7 +58,7 @@ import sys
 
 from disttrain.errors import UserError
 from disttrain.guard.script_watchdog import HANG_FLAG, take_hang_timeout
-from disttrain.launch import user_notes, warm_workers
+from disttrain.launch import run_help, user_notes, warm_workers
 from disttrain.launch.worker_entry import LAUNCHER_ENV
 
 DEFAULT_ENV = {"TORCH_DISABLE_SHARE_RDZV_TCP_STORE": "1"}
@@ -235,7 +235,7 @@ def build_torchrun_args(argv: list[str]) -> tuple[list[str], dict[str, str]]:
     flags = [f for f in flags if f not in ("--debug", "--fast-recovery")]
     flags, hang_env = take_hang_timeout(flags, _flag_value(flags, HANG_FLAG))
     if not script:
-        raise UserError("no script given. Usage: disttrain run [torchrun flags] script.py [args]")
+        raise UserError(f"no script given. {run_help.USAGE}; disttrain run --help lists the flags.")
     flags = ["--nproc-per-node" if f == "--nproc" else
              f.replace("--nproc=", "--nproc-per-node=", 1) if f.startswith("--nproc=") else f
              for f in flags]
@@ -316,6 +316,8 @@ def torchrun_has_shutdown_timeout() -> bool:
 
 def main(argv: list[str]) -> int:
     """Run torchrun in this process and return the job's exit code."""
+    if any(f in ("-h", "--help") for f in _split_script(argv)[0]):
+        return run_help.show()
     from disttrain.runtime.fault_injection import parse as parse_faults
 
     parse_faults(os.environ.get("DISTTRAIN_FAULT", ""))  # a typo fails here, not in every rank
