@@ -84,7 +84,7 @@ def main(argv: list[str]) -> int:
 
         plan = resume.inspect(cfg)
         if plan is not None and plan.step >= cfg.train.steps:
-            print(resume.complete_message(plan))
+            print(resume.train_complete_message(plan))
             return 0
         from disttrain.launch.run_command import main as launch
 

@@ -46,6 +46,7 @@ from disttrain.errors import UserError
 from disttrain.guard import start_guard
 from disttrain.parallel import wrap
 from disttrain.runtime.fault_injection import inject
+from disttrain.runtime.log import set_speaker
 from disttrain.train import job_resume, step_loop
 from disttrain.train.evaluation import Evaluator
 from disttrain.train.loop import Accumulator
@@ -128,6 +129,8 @@ class Job:
         self._evaluator: Evaluator | None = None
         self._guard = self._preempt = self._handoff = self._saving = self._loop = None
         self._owns_group, self._wrap_mark = False, None
+        self._resumed_note, self._changes = "", None  # said by steps(): job_resume.say_resumed
+        set_speaker(f"disttrain {self.name}")  # fast recovery's messages too
         watch_optimizers()  # an optimizer built before this is one built before wrap
         self._owner = Ownership()
         self.step = 0

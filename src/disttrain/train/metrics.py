@@ -17,6 +17,7 @@ import torch.distributed as dist
 
 from disttrain.runtime import rank_info
 from disttrain.runtime.collectives import comm_device
+from disttrain.runtime.log import current_rank
 
 
 def global_sum(values: list[float]) -> list[float]:
@@ -97,6 +98,7 @@ class JsonlWriter:
 
 
 def print_main(*args, **kwargs) -> None:
-    """`print` on rank 0 only."""
-    if rank_info().is_main:
+    """`print` on global rank 0 only: the process group's rank, or before one exists
+    (before `with dt.Job(...)`) the launcher's RANK, so a line is printed once per job."""
+    if current_rank() == 0:
         print(*args, **kwargs, flush=True)
