@@ -90,3 +90,26 @@ def test_ps_names_both_ranks_of_a_2_rank_run_and_the_launcher_gives_their_pids(t
         if launcher.poll() is None:
             launcher.kill()
             launcher.wait()
+
+
+@pytest.mark.slow
+def test_fast_recovery_names_its_supervisors_spares_and_training_processes(tmp_path):
+    script = tmp_path / "wait.py"
+    script.write_text(SCRIPT)
+    launcher = subprocess.Popen(run_cmd(2, "--fast-recovery", str(script), str(tmp_path)),
+                                stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, env=worker_env())
+    try:
+        _wait_for(lambda: all((tmp_path / f"up{r}").exists() for r in (0, 1)), 120, "both ranks")
+        top = {_comm(p): p for p in _children(launcher.pid)}
+        assert sorted(top) == ["dt.warm-server", "slot.rank0", "slot.rank1"]
+        want = ["rank0.local0", "rank1.local1", "spare.rank0", "spare.rank1"]  # forked warm
+        _wait_for(lambda: sorted(_comm(p) for p in _children(top["dt.warm-server"])) == want, 60, str(want))
+        assert sorted(_comm(p) for s in ("slot.rank0", "slot.rank1") for p in _children(top[s])) == \
+            ["stub.rank0", "stub.rank0", "stub.rank1", "stub.rank1"]  # the training process's and the spare's
+    finally:
+        (tmp_path / "go").touch()
+        try:
+            launcher.wait(timeout=120)
+        except subprocess.TimeoutExpired:
+            launcher.kill()
+            launcher.wait()
