@@ -30,7 +30,10 @@ ANNOUNCED = re.compile(r"disttrain run: rank (\d) \(local rank (\d)\) is pid (\d
 
 
 def _comm(pid: int) -> str:
-    return Path(f"/proc/{pid}/comm").read_text().strip()
+    try:
+        return Path(f"/proc/{pid}/comm").read_text().strip()
+    except OSError:  # it ended meanwhile
+        return ""
 
 
 def _children(ppid: int) -> list[int]:
