@@ -90,7 +90,8 @@ class OptimConfig:
     lr: float = 1e-3
     """Peak learning rate, reached after the warmup; a change since the checkpoint applies on resume."""
     weight_decay: float = 0.1
-    """Weight decay of the parameters with 2 or more dimensions (matrices, embeddings); biases and norms get none."""
+    """Weight decay of the parameters of 2 or more dimensions (matrices, embeddings); biases
+    and norms get none."""
     momentum: float = 0.0
     """SGD only."""
     betas: list[float] = field(default_factory=lambda: [0.9, 0.95])

@@ -4,6 +4,7 @@ through unchanged (read from torchrun's own parser, so the list cannot drift).""
 from __future__ import annotations
 
 from disttrain.guard.script_watchdog import HANG_FLAG
+
 USAGE = "usage: disttrain run [disttrain flags] [torchrun flags] (script.py | -m module) [args]"
 OWN_FLAGS = (
     ("--nproc N", "processes per node (alias of --nproc-per-node); default: the GPU count, or 2 on CPU"),

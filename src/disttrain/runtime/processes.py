@@ -12,9 +12,9 @@ at most 15 bytes), which `ps -e`, `ps -o pid,comm`, `top`, `pgrep` and
     spare.rank1      its warm spare, until promoted (then rankR.localL)
     dt.warm-server   the warm-worker server that forks the workers
 
-A training process also says its pid once, at start, on stderr ("rank 1 (local rank
-0) is pid 4242", through the disttrain logger), so a rank can be signalled by hand. Imports nothing heavy: the
-launcher and the stubs use it.
+A training process also says its pid once, at start, through the disttrain logger
+("rank 1 (local rank 0) is pid 4242"), so a rank can be signalled by hand. Imports
+nothing heavy: the launcher and the stubs use it.
 """
 
 from __future__ import annotations

@@ -268,7 +268,8 @@ class Job:
         Changed hyper-parameters (the optimizer's lr, weight decay, betas, momentum; a
         `disttrain train` config's applied keys) take effect, shown as a "checkpoint ->
         now" table when `steps()` starts training (a run already at its max_steps says
-        only that it is complete); at another world size the batch policy applies. A collective.
+        only that it is complete); at another world size the batch policy applies. A
+        collective.
         Raises `UserError` for a model that is not this job's `wrap()` result, an
         optimizer built before wrap, or a call before `loader()`; a damaged or
         mismatched checkpoint raises the checkpoint layer's error."""

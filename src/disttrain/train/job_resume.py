@@ -88,8 +88,8 @@ def _rejoin(job, who: str, step: int, acc) -> str:
     started (a Job's keywords, or the TOML keys)."""
     state = job._state
     try:
-        return resume.rejoin(who, step, acc, job._sampler, job.batch_policy, job.info, state.optimizer,
-                      state.scheduler)
+        return resume.rejoin(who, step, acc, job._sampler, job.batch_policy, job.info,
+                             state.optimizer, state.scheduler)
     except UserError as e:
         if who != "job":
             raise

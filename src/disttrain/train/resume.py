@@ -35,7 +35,6 @@ from disttrain.checkpoint import CheckpointMismatch
 from disttrain.checkpoint.layout import committed
 from disttrain.config import Config, to_dict
 from disttrain.elastic import apply_batch_policy
-from disttrain.runtime.log import LOGGER
 
 _WEIGHTS = "the model, which the saved weights fit"
 _SAMPLES = "the training samples, which the saved sample cursor counts through"
