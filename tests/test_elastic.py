@@ -96,7 +96,7 @@ def test_sigterm_saves_exits_zero_and_resumes_bit_exactly(reference, tmp_path):
 
 
 needs_etcd = pytest.mark.skipif(shutil.which("etcd") is None and not os.path.exists("/usr/bin/etcd"),
-                                reason="etcd is not installed (scripts/setup.sh installs etcd-server)")
+                                reason="etcd is not installed (scripts/test.sh installs etcd-server)")
 
 
 @pytest.mark.parametrize("backend", ["c10d", pytest.param("etcd", marks=needs_etcd)])

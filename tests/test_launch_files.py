@@ -72,7 +72,7 @@ def test_sbatch_passes_bash_n_and_shellcheck(tmp_path, capsys):
     script = tmp_path / "job.slurm"
     subprocess.run(["bash", "-n", str(script)], check=True, timeout=30)
     if shutil.which("shellcheck") is None:
-        pytest.skip("shellcheck is not installed (scripts/setup.sh installs it)")
+        pytest.skip("shellcheck is not installed (scripts/test.sh installs it)")
     lint = subprocess.run(["shellcheck", "--severity=info", str(script)], capture_output=True,
                           text=True, timeout=60)
     assert lint.returncode == 0, lint.stdout
@@ -124,7 +124,7 @@ def _wait(predicate, seconds: float, what: str, logs: list[Path]):
 def test_sbatch_runs_on_a_one_node_slurm(tmp_path, capsys):
     """The generated script as written: its `disttrain check` step and the training."""
     if shutil.which("slurmctld") is None or shutil.which("slurmd") is None or os.geteuid() != 0:
-        pytest.skip("a one-node Slurm needs Debian's slurm-wlm and root (scripts/setup.sh installs it)")
+        pytest.skip("a one-node Slurm needs Debian's slurm-wlm and root (scripts/test.sh installs it)")
     root = tmp_path / "slurm"
     root.mkdir()
     conf = _slurm_conf(root)

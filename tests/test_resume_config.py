@@ -76,6 +76,18 @@ def test_complete_run_is_left_untouched(finished, tmp_path):
     assert _snapshot(out) == before  # model.pt, summary.json, metrics.jsonl, checkpoints
 
 
+def test_complete_run_says_only_that_and_what_a_continuation_would_change(finished, tmp_path):
+    """Not a "config changed (applied)" table followed by "complete": one line."""
+    out = _copy(finished, tmp_path, "lr")
+    before = _snapshot(out)
+    proc = _train(out, "--optim.lr=2e-3")
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    said = [line for line in (proc.stdout + proc.stderr).splitlines() if line.strip()]
+    assert said == [COMPLETE + " Continued, it would apply the changes since the checkpoint: "
+                               "optim.lr 0.001 -> 0.002."], said
+    assert _snapshot(out) == before
+
+
 def test_changed_model_or_data_refuses_in_one_line(finished, tmp_path):
     out = _copy(finished, tmp_path, "shape")
     before = _snapshot(out)

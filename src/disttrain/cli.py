@@ -9,7 +9,7 @@ import sys
 
 from disttrain.errors import run_command
 
-USAGE = """usage: disttrain COMMAND [ARGS]
+USAGE = """usage: disttrain COMMAND [ARGS]    (disttrain COMMAND --help: its options; disttrain --version)
 
 commands:
   run      launch a script on torchrun with safe defaults (free port, threads, elastic)
@@ -25,37 +25,39 @@ commands:
 """
 
 
+COMMANDS = {
+    "run": "disttrain.launch.run_command",
+    "train": "disttrain.launch.train_command",
+    "doctor": "disttrain.doctor",
+    "plan": "disttrain.plan",
+    "ckpt": "disttrain.checkpoint.ckpt_command",
+    "etcd": "disttrain.launch.etcd_server",
+    "check": "disttrain.launch.check_command",
+    "launch-file": "disttrain.launch.launch_files",
+    "report": "disttrain.report",
+    "data": "disttrain.data.data_command",
+}
+"""Each command and the module whose `main(argv)` runs it."""
+
+
 def _command(name: str):
     # Imported lazily: `disttrain doctor` must not pay for `import torch`.
-    if name == "run":
-        from disttrain.launch.run_command import main
-    elif name == "train":
-        from disttrain.launch.train_command import main
-    elif name == "doctor":
-        from disttrain.doctor import main
-    elif name == "plan":
-        from disttrain.plan import main
-    elif name == "ckpt":
-        from disttrain.checkpoint.ckpt_command import main
-    elif name == "etcd":
-        from disttrain.launch.etcd_server import main
-    elif name == "check":
-        from disttrain.launch.check_command import main
-    elif name == "launch-file":
-        from disttrain.launch.launch_files import main
-    elif name == "report":
-        from disttrain.report import main
-    elif name == "data":
-        from disttrain.data.data_command import main
-    else:
+    if name not in COMMANDS:
         return None
-    return main
+    import importlib
+
+    return importlib.import_module(COMMANDS[name]).main
 
 
 def main(argv: list[str] | None = None) -> int:
     argv = list(sys.argv[1:] if argv is None else argv)
     if not argv or argv[0] in ("-h", "--help", "help"):
         print(USAGE, end="")
+        return 0
+    if argv[0] in ("-V", "--version"):
+        from disttrain.version import __version__
+
+        print(f"disttrain {__version__}")
         return 0
     command = _command(argv[0])
     if command is None:

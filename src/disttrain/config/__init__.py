@@ -7,6 +7,7 @@ Nothing here imports torch at module level.
     gpt_shape.py GPTConfig: the built-in model's shape as plain data
     user_code.py rules for the keys that name user code (model.factory, data.factory, train.loss)
     lr_rule.py   g(B): the LR multiplier of an effective batch (P-LOOP-4)
+    key_docs.py  every key with its type, default and meaning (`disttrain train --help`)
 """
 
 from disttrain.config.gpt_shape import GPTConfig

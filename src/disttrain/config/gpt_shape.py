@@ -12,13 +12,17 @@ class GPTConfig:
     """Shape of the model. Defaults give about 0.8M parameters."""
 
     vocab_size: int = 256
-    """Bytes: 256 symbols."""
+    """Vocabulary size: 256 for bytes; for token files at least their vocabulary."""
     block_size: int = 128
     """Longest context in tokens."""
     n_layer: int = 4
+    """Transformer blocks."""
     n_head: int = 4
+    """Attention heads per block; n_embd must divide by it."""
     n_embd: int = 128
+    """Width of the embeddings and of each block."""
     dropout: float = 0.0
     """Dropout probability on attention, MLP output and embeddings."""
     bias: bool = True
+    """Biases in the linear layers and layer norms."""
 

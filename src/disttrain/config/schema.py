@@ -88,10 +88,14 @@ class OptimConfig:
     name: str = "adamw"
     """'adamw' or 'sgd'."""
     lr: float = 1e-3
+    """Peak learning rate, reached after the warmup; a change since the checkpoint applies on resume."""
     weight_decay: float = 0.1
+    """Weight decay of the parameters of 2 or more dimensions (matrices, embeddings); biases
+    and norms get none."""
     momentum: float = 0.0
     """SGD only."""
     betas: list[float] = field(default_factory=lambda: [0.9, 0.95])
+    """AdamW's (beta1, beta2)."""
     grad_clip: float = 1.0
     """Clip the global gradient norm to this value (P-LOOP-5); 0 disables."""
     warmup_steps: int = -1
@@ -109,8 +113,11 @@ class TrainConfig:
     accum_steps: int = 1
     """Micro-steps per optimizer step; all-reduce runs only on the last (P-DDP-5)."""
     precision: str = "fp32"
+    """fp32, bf16 (autocast, no scaler) or fp16 (autocast with a gradient scaler)."""
     seed: int = 1337
+    """Seeds the model's initialisation, the data order and the per-step dropout."""
     log_every: int = 10
+    """Optimizer steps between metrics records (metrics.jsonl, TensorBoard, the progress bar)."""
     eval_every: int = 250
     """Optimizer steps between held-out evaluations; 0 evaluates only at the end."""
     eval_batches: int = 20

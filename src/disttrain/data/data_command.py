@@ -9,7 +9,18 @@ from disttrain.errors import UserError
 USAGE = "usage: disttrain data prepare TEXT_FILES... --out DIR [--tokenizer tokenizer.json]"
 
 
+HELP = f"""{USAGE}
+
+subcommands:
+  prepare   tokenize text files into token files for [data] tokens (one per text file;
+            resumable): disttrain data prepare --help lists its options
+"""
+
+
 def main(argv: list[str]) -> int:
+    if argv[:1] in (["-h"], ["--help"]):
+        print(HELP, end="")
+        return 0
     if not argv or argv[0] != "prepare":
         raise UserError(f"disttrain data: unknown or missing subcommand; {USAGE}")
     parser = argparse.ArgumentParser(prog="disttrain data prepare",

@@ -30,7 +30,7 @@ import torch.distributed as dist
 
 from disttrain.elastic.host_copy import HostCopy, host_buffer, on_cuda
 from disttrain.runtime import fault_injection
-from disttrain.runtime.log import EVERY_RANK, LOGGER
+from disttrain.runtime.log import EVERY_RANK, LOGGER, speaker
 
 _HEADER = 16  # int64 skeleton length, then padding to 16 bytes
 SALVAGE_WAIT_MS = 200
@@ -243,7 +243,7 @@ class BuddyCopy:
                        copier=self.copier)
         except OverflowError as e:
             self.disabled = True  # every later copy would not fit either; the disk checkpoint remains
-            LOGGER.warning(f"disttrain train: rank {rank}: the buddy copy is off for this run ({e})",
+            LOGGER.warning(f"{speaker()}: rank {rank}: the buddy copy is off for this run ({e})",
                            extra=EVERY_RANK)
             return
         self.mine[step] = buf
@@ -296,7 +296,7 @@ class BuddyCopy:
         step = choose_step(offers)
         fault_injection.inject("recovery", -1 if step is None else step, rank)
         if step is None:
-            LOGGER.info(f"disttrain train: generation {gen}: no step has every shard in memory; "
+            LOGGER.info(f"{speaker()}: generation {gen}: no step has every shard in memory; "
                         f"loading the newest checkpoint")
             return False
         left, right = (rank - 1) % world, (rank + 1) % world
@@ -313,6 +313,6 @@ class BuddyCopy:
         self.mine = {step: own}
         self.theirs = {}
         newcomers = [i for i, o in enumerate(offers) if o["new"]]
-        LOGGER.info(f"disttrain train: generation {gen}: step {step} restored from memory "
+        LOGGER.info(f"{speaker()}: generation {gen}: step {step} restored from memory "
                     f"(shards of ranks {newcomers} from their buddies)")
         return True

@@ -42,7 +42,7 @@ import torch.distributed as dist
 from disttrain import runtime
 from disttrain.elastic.buddy_copy import BuddyCopy, pack, unpack
 from disttrain.runtime import fault_injection, torch_compat
-from disttrain.runtime.log import EVERY_RANK, LOGGER
+from disttrain.runtime.log import EVERY_RANK, LOGGER, speaker
 
 ROLE_ENV = "DISTTRAIN_FAST_ROLE"
 """Set by the slot supervisor on its children: "first" or "spare"."""
@@ -175,12 +175,12 @@ class Handoff:
         best = max(steps)
         fault_injection.inject("recovery", best, dist.get_rank())
         if best < 0:
-            LOGGER.info(f"disttrain train: generation {self.gen}: no rank holds the state in memory; "
+            LOGGER.info(f"{speaker()}: generation {self.gen}: no rank holds the state in memory; "
                         f"loading the newest checkpoint")
             return False
         src = steps.index(best)
         state.load_state_dict(broadcast_state(self.memory if dist.get_rank() == src else None, src))
-        LOGGER.info(f"disttrain train: generation {self.gen}: state of step {best} taken from rank "
+        LOGGER.info(f"{speaker()}: generation {self.gen}: state of step {best} taken from rank "
                     f"{src}'s memory (ranks' steps {steps})")
         return True
 
@@ -326,7 +326,7 @@ def run(body: Callable[[runtime.RankInfo, Handoff], Any], *, backend: str, devic
                     raise
                 # Kept without its traceback, whose frames would keep this attempt's model alive.
                 failure = RuntimeError(f"{type(e).__name__}: {e}")
-                LOGGER.warning(f"disttrain train: rank {info.rank}: generation {gen} lost a peer "
+                LOGGER.warning(f"{speaker()}: rank {info.rank}: generation {gen} lost a peer "
                                f"({type(e).__name__}); recovering in memory", extra=EVERY_RANK)
                 handoff.snapshot()
                 if "nccl" in str(info.backend):  # NCCL's communicators do not fail by themselves

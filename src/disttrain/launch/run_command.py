@@ -9,13 +9,12 @@ What it changes, and why:
   ranks do not oversubscribe the CPU.
 - `TORCH_DISABLE_SHARE_RDZV_TCP_STORE=1` unless set: the agent's shared TCP store
   makes restarted workers fail to connect or hang (pytorch issue 135712).
-- A failed worker is reported in one line naming its rank and exit code, and that
-  exit code is returned (128 + signal for a worker killed by a signal).
-- `--hang-timeout S` (default 600, 0 for none): every worker of a plain script runs a
-  watchdog (`guard.script_watchdog`); a rank that waits in one collective with no
-  progress for S seconds reports the hang, naming the rank that stopped making progress
-  and its stack, and the job stops (exit 124). A `dt.Job` script's own watchdog, which
-  knows the steps, takes over at `job.wrap`.
+- A failed worker is reported in one line naming its rank and exit code, returned
+  (128 + signal for a worker killed by a signal).
+- `--hang-timeout S` (default 600, 0 for none): a plain script's watchdog
+  (`guard.script_watchdog`) reports a rank stuck S seconds in one collective, naming the
+  rank that stopped and its stack, and the job stops (exit 124). A `dt.Job` script's own
+  watchdog, which knows the steps, takes over at `job.wrap`.
 - `--debug` sets the verbose switches of P-DEBUG-2 for the backend in use (see
   `debug_env`) and prints them and where the logs go.
 - `DISTTRAIN_EXPECTED_WORLD_SIZE` = nnodes x nproc, so a rank can tell that fewer
@@ -25,27 +24,24 @@ What it changes, and why:
   (`ELASTIC_RDZV_CONF`), and `--rdzv-backend etcd` means torch's `etcd-v2` backend,
   which survives the loss of any node (the legacy `etcd` one is slower to recover).
 - `--shutdown-timeout` = the preemption grace + `SHUTDOWN_MARGIN_S`, so torchrun waits
-  for a SIGTERMed worker to save before it sends SIGKILL (torch's default is 30 s,
-  shorter than the 60 s grace). The grace is the config's `elastic.preempt_grace_s`
-  for `-m disttrain.train CONFIG` (what `disttrain train` starts), else
-  `DISTTRAIN_PREEMPT_GRACE_S`, else 60 s; workers get it as DISTTRAIN_PREEMPT_GRACE_S.
-  A user's `--shutdown-timeout` (or PET_SHUTDOWN_TIMEOUT, TORCH_ELASTIC_SHUTDOWN_TIMEOUT)
-  wins.
+  for a SIGTERMed worker to save before it sends SIGKILL (torch's default: 30 s). The
+  grace is `elastic.preempt_grace_s` for `-m disttrain.train CONFIG`, else
+  DISTTRAIN_PREEMPT_GRACE_S, else 60 s; workers get it as DISTTRAIN_PREEMPT_GRACE_S. A
+  user's `--shutdown-timeout` (or PET_SHUTDOWN_TIMEOUT, TORCH_ELASTIC_SHUTDOWN_TIMEOUT) wins.
 - A `DISTTRAIN_FAULT` spec with a typo is refused before any worker starts.
-- Every worker starts through `disttrain.launch.worker_entry`, which gives it a
-  parent-death signal: a launcher killed with SIGKILL leaves no orphan workers.
+- Every worker starts through `disttrain.launch.worker_entry`: a parent-death signal (a
+  launcher killed with SIGKILL leaves no orphans), a name that says its rank in `ps`, and
+  its pid on stderr at start (runtime/processes.py).
 - `--nproc` and `--nnodes` that torchrun cannot use are refused in one line; for `-m
   disttrain.train CONFIG` the checks of `disttrain.launch.preflight` (writable out_dir
   and checkpoint root, a first step that fits in memory) run before any worker starts.
-- `-m disttrain.train CONFIG` whose config sets `[elastic] fast_recovery = true`, and
+- `-m disttrain.train CONFIG` with `[elastic] fast_recovery = true`, and
   `--fast-recovery script.py` (a `dt.Job` script): each worker slot runs
-  `disttrain.launch.slot_supervisor`, which keeps the training process and a warm
-  spare as its children (docs/elastic.md); a script runs under
-  `disttrain.train.script_runner`, once per generation of the in-memory recovery.
-- Every Python worker: warm workers (`disttrain.launch.warm_workers`): each start and
-  restart forks its workers from a process that has imported torch and disttrain,
-  instead of starting fresh interpreters; under fast recovery the slot supervisors'
-  training processes and spares fork from it. `DISTTRAIN_WARM_WORKERS=0` turns it off.
+  `disttrain.launch.slot_supervisor`, which keeps the training process and a warm spare
+  as its children (docs/elastic.md); a script runs under `disttrain.train.script_runner`.
+- Warm workers (`disttrain.launch.warm_workers`): every start and restart forks the
+  Python workers (under fast recovery the training processes and spares) from a process
+  that has imported torch and disttrain. `DISTTRAIN_WARM_WORKERS=0` turns it off.
 Every other torchrun flag passes through unchanged.
 """
 
@@ -58,7 +54,7 @@ import sys
 
 from disttrain.errors import UserError
 from disttrain.guard.script_watchdog import HANG_FLAG, take_hang_timeout
-from disttrain.launch import user_notes, warm_workers
+from disttrain.launch import run_help, user_notes, warm_workers
 from disttrain.launch.worker_entry import LAUNCHER_ENV
 
 DEFAULT_ENV = {"TORCH_DISABLE_SHARE_RDZV_TCP_STORE": "1"}
@@ -232,7 +228,7 @@ def build_torchrun_args(argv: list[str]) -> tuple[list[str], dict[str, str]]:
     flags = [f for f in flags if f not in ("--debug", "--fast-recovery")]
     flags, hang_env = take_hang_timeout(flags, _flag_value(flags, HANG_FLAG))
     if not script:
-        raise UserError("no script given. Usage: disttrain run [torchrun flags] script.py [args]")
+        raise UserError(f"no script given. {run_help.USAGE}; disttrain run --help lists the flags.")
     flags = ["--nproc-per-node" if f == "--nproc" else
              f.replace("--nproc=", "--nproc-per-node=", 1) if f.startswith("--nproc=") else f
              for f in flags]
@@ -313,6 +309,8 @@ def torchrun_has_shutdown_timeout() -> bool:
 
 def main(argv: list[str]) -> int:
     """Run torchrun in this process and return the job's exit code."""
+    if any(f in ("-h", "--help") for f in _split_script(argv)[0]):
+        return run_help.show()
     from disttrain.runtime.fault_injection import parse as parse_faults
 
     parse_faults(os.environ.get("DISTTRAIN_FAULT", ""))  # a typo fails here, not in every rank

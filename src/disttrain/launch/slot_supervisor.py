@@ -23,7 +23,6 @@ process's status (128 + signal when killed by one).
 
 from __future__ import annotations
 
-import ctypes
 import datetime
 import os
 import signal
@@ -32,6 +31,7 @@ import sys
 import time
 
 from disttrain.launch.warm_workers import SOCKET_ENV as WARM_SOCKET_ENV
+from disttrain.runtime import processes
 
 ROLE_ENV = "DISTTRAIN_FAST_ROLE"  # elastic.fast_recovery.ROLE_ENV; not imported: that imports torch
 DONE_KEY = "disttrain/fast/done"
@@ -41,18 +41,10 @@ STORE_LINGER_S = 60.0
 training process is done."""
 
 
-def _die_with_parent() -> None:
-    """In the child, before exec: SIGKILL when the supervisor dies (Linux)."""
-    try:
-        ctypes.CDLL(None, use_errno=True).prctl(1, signal.SIGKILL)  # PR_SET_PDEATHSIG
-    except (OSError, AttributeError):  # not Linux: an orphan ends at its next collective
-        pass
-
-
 def _spawn(cmd: list[str], role: str) -> subprocess.Popen:
     env = {**os.environ, ROLE_ENV: role}
     stdin = subprocess.PIPE if role == "spare" else subprocess.DEVNULL
-    return subprocess.Popen(cmd, env=env, stdin=stdin, preexec_fn=_die_with_parent)
+    return subprocess.Popen(cmd, env=env, stdin=stdin, preexec_fn=processes.die_with_parent)
 
 
 def _host_store(world: int):
@@ -143,6 +135,7 @@ def main(argv: list[str]) -> int:
     # (torch already imported): a spare is ready in a fraction of a second, not after an
     # interpreter's imports. Without a server the stub runs the module itself.
     warm = ["disttrain.launch.warm_workers"] if os.environ.get(WARM_SOCKET_ENV) else []
+    processes.name_worker("slot")
     return supervise([sys.executable, "-m", *warm, *argv], int(os.environ["RANK"]),
                      int(os.environ["WORLD_SIZE"]))
 

@@ -39,10 +39,34 @@ def split_restarts(argv: list[str]) -> tuple[list[str], int]:
     return rest, restarts
 
 
+USAGE = "usage: disttrain train CONFIG.toml [--section.key=value ...] [--max-restarts N]"
+
+
+def help_text() -> str:
+    """`disttrain train --help`: the usage, the options and every config key (from the
+    schema: `config.key_docs`)."""
+    from disttrain.config.key_docs import keys_help
+
+    return (f"{USAGE}\n\n"
+            "Validate CONFIG.toml, then train: in this process, or on parallel.nproc processes\n"
+            "through `disttrain run`. A killed run resumes from its newest valid checkpoint when\n"
+            "the same command starts again. Precedence: --section.key=value > CONFIG.toml > default.\n\n"
+            "options:\n"
+            "  -h, --help          show this help (every config key) and exit\n"
+            "  --section.key=VALUE set one config key, e.g. --train.steps=100 --optim.lr=3e-4\n"
+            f"  --max-restarts N    restarts after a worker dies (default {DEFAULT_MAX_RESTARTS}); a\n"
+            "                      mistake in the config or code is never retried\n\n"
+            "config keys (TOML: [section] key = value; CLI: --section.key=value):\n\n"
+            + keys_help())
+
+
 def main(argv: list[str]) -> int:
     """CLI entry. Raises `UserError` (printed as one line by the CLI) for a bad config."""
+    if any(a in ("-h", "--help") for a in argv):
+        print(help_text(), end="")
+        return 0
     if not argv or argv[0].startswith("-"):
-        raise UserError("usage: disttrain train CONFIG.toml [--section.key=value ...] [--max-restarts N]")
+        raise UserError(f"{USAGE}; `disttrain train --help` lists every config key.")
     argv, restarts = split_restarts(argv)
     cfg = load_config(argv[0], argv[1:])
     config_dir = Path(argv[0]).parent
@@ -60,7 +84,7 @@ def main(argv: list[str]) -> int:
 
         plan = resume.inspect(cfg)
         if plan is not None and plan.step >= cfg.train.steps:
-            print(resume.complete_message(plan))
+            print(resume.train_complete_message(plan))
             return 0
         from disttrain.launch.run_command import main as launch
 

@@ -29,7 +29,6 @@ applies the worker's own environment and `torch.set_num_threads` before the modu
 
 from __future__ import annotations
 
-import ctypes
 import gc
 import json
 import os
@@ -41,7 +40,8 @@ import sys
 import tempfile
 from typing import NoReturn
 
-from disttrain.launch.worker_entry import keep_globals
+from disttrain.launch.worker_entry import announcer, keep_globals
+from disttrain.runtime import processes
 
 SOCKET_ENV = "DISTTRAIN_WARM_SOCKET"
 SWITCH_ENV = "DISTTRAIN_WARM_WORKERS"
@@ -51,11 +51,6 @@ DistributedDataParallel.__init__ reads its config, 3 s on first use); the state-
 helpers: the checkpoint load."""
 FORWARDED = (signal.SIGTERM, signal.SIGINT, signal.SIGHUP, signal.SIGQUIT, signal.SIGUSR1, signal.SIGUSR2)
 _HEADER = struct.Struct("!Q")
-
-
-def _die_with_parent() -> None:
-    if sys.platform == "linux":  # a server outliving its agent would keep forked workers alive
-        ctypes.CDLL(None, use_errno=True).prctl(1, signal.SIGKILL)  # PR_SET_PDEATHSIG
 
 
 def _recv_exact(conn: socket.socket, n: int) -> bytes:
@@ -145,7 +140,8 @@ def stop_server(server: tuple[int, str]) -> None:
 def serve(listener: socket.socket) -> NoReturn:
     """Fork one child per stub request on `listener` until the agent dies
     (PR_SET_PDEATHSIG)."""
-    _die_with_parent()
+    processes.die_with_parent()  # a server outliving its agent would keep forked workers alive
+    processes.set_name("dt.warm-server")
     for sig in FORWARDED:  # a signal to the agent's group is the agent's to pass on
         signal.signal(sig, signal.SIG_IGN)
     sel = selectors.DefaultSelector()
@@ -217,7 +213,7 @@ def _child(request: dict, fds: list[int], conn: socket.socket) -> NoReturn:
     a restart would wait for: torchrun notices a failed worker only once it has exited)."""
     import io
 
-    _die_with_parent()
+    processes.die_with_parent()
     for sig in FORWARDED:
         signal.signal(sig, signal.SIG_DFL)
     signal.signal(signal.SIGINT, signal.default_int_handler)
@@ -230,6 +226,7 @@ def _child(request: dict, fds: list[int], conn: socket.socket) -> NoReturn:
     os.environ.clear()
     os.environ.update(request["env"])
     os.chdir(request["cwd"])
+    processes.name_worker(announce=announcer([request["module"], *request["args"]]))
     sys.stdin = io.TextIOWrapper(os.fdopen(0, "rb", closefd=False))
     for name, fd in (("stdout", 1), ("stderr", 2)):  # as `python -u`: unbuffered
         setattr(sys, name, io.TextIOWrapper(os.fdopen(fd, "wb", buffering=0, closefd=False),
@@ -298,6 +295,7 @@ def run_stub(module: str, args: list[str]) -> int:
     except OSError:  # the server died before forking (ConnectionError is an OSError)
         conn.close()
         return _run_here(module, args)
+    processes.name_worker("stub")
     for sig in FORWARDED:
         signal.signal(sig, lambda signum, _frame: _forward(pid, signum))
     try:

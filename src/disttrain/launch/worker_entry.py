@@ -17,15 +17,14 @@ worker exits at once.
 
 from __future__ import annotations
 
-import ctypes
 import os
 import runpy
-import signal
 import sys
+
+from disttrain.runtime import processes
 
 LAUNCHER_ENV = "DISTTRAIN_LAUNCHER_PID"
 """The launching process's pid, set by `disttrain run` for its workers."""
-PR_SET_PDEATHSIG = 1
 ORPHAN_EXIT_CODE = 129
 """Exit status of a worker that found its launcher already gone (128 + SIGHUP)."""
 
@@ -38,11 +37,7 @@ def die_with_launcher() -> bool:
         return False
     if os.getppid() != int(launcher):
         return False  # started by another process of the job, which has its own parent
-    try:
-        libc = ctypes.CDLL(None, use_errno=True)
-        if libc.prctl(PR_SET_PDEATHSIG, int(signal.SIGKILL), 0, 0, 0) != 0:
-            return False
-    except (OSError, AttributeError):
+    if not processes.die_with_parent():
         return False
     if os.getppid() != int(launcher):  # it died between our start and the request
         os._exit(ORPHAN_EXIT_CODE)
@@ -57,6 +52,9 @@ def main(argv: list[str]) -> None:
     if earlier_user_error():  # a restart after a rank's user error: the mistake would repeat
         os._exit(2)
     os.environ.pop(LAUNCHER_ENV, None)  # the worker's own children have another parent
+    if not (argv[:1] == ["-m"] and argv[1:2] in (["disttrain.launch.warm_workers"],
+                                                  ["disttrain.launch.slot_supervisor"])):
+        processes.name_worker(announce=announcer(argv))  # a stub or supervisor names itself
     if not (argv[:1] == ["-m"] and argv[1:2] and argv[1].startswith("disttrain.")):
         # A user's script: a hang names the rank that stopped (Job's watchdog takes over
         # at wrap). disttrain's own modules (the trainer, a supervisor) have their own.
@@ -71,6 +69,11 @@ def main(argv: list[str]) -> None:
     sys.argv = list(argv)
     sys.path[0] = os.path.dirname(os.path.abspath(script))  # as `python SCRIPT` sets it
     keep_globals(runpy.run_path(script, run_name="__main__"))
+
+
+def announcer(argv: list[str]) -> str:
+    """Who says a worker's pid: the way the user started the job."""
+    return "disttrain train" if "disttrain.train" in argv[:3] else "disttrain run"
 
 
 _KEPT: list[dict] = []

@@ -1,6 +1,7 @@
 """The process: group lifetime, device binding, seeds and rank information
-(process_group.py), small device-aware collectives (collectives.py), and fault
-injection at named points of a step (fault_injection.py).
+(process_group.py), small device-aware collectives (collectives.py), fault
+injection at named points of a step (fault_injection.py), and process plumbing: the
+parent-death signal and a name that says the rank (processes.py).
 
 The names below load process_group (and torch) on first use, so `runtime.log` (the
 one logger) stays light for the launcher and a plain script's watchdog.

@@ -33,6 +33,22 @@ EVERY_RANK = {"every_rank": True}
 """`extra=` for a record about this rank's own event: shown by any rank."""
 
 
+_speaker = "disttrain"
+
+
+def set_speaker(name: str) -> None:
+    """Who this process's messages say they are from: 'disttrain job' (a `dt.Job`
+    script) or 'disttrain train' (the config-driven trainer); `dt.Job` sets it."""
+    global _speaker
+    _speaker = name
+
+
+def speaker() -> str:
+    """The prefix of a message from a part both ways in share (fast recovery, the buddy
+    copy): what `set_speaker` set, 'disttrain' before a Job exists."""
+    return _speaker
+
+
 def current_rank() -> int:
     """This process's global rank: the process group's when one is running (ranks move
     in an in-memory recovery), else torchrun's `RANK`, else 0. Imports nothing."""

@@ -24,7 +24,7 @@ import torch
 import torch.distributed as dist
 
 from disttrain.errors import UserError
-from disttrain.runtime import torch_compat
+from disttrain.runtime import processes, torch_compat
 
 # Seed offsets: the model stream is shared; the data/dropout stream is per rank.
 _RANK_STREAM = 1_000_003
@@ -187,6 +187,8 @@ def init(*, backend: str = "auto", device: str = "auto", timeout_s: float = 300.
                 device_id=dev if dev.type == "cuda" else None,
                 **({"store": store, "rank": rank, "world_size": world} if store is not None else {}),
             )
+    if "RANK" in os.environ:  # a launcher's worker: `ps` names its rank (a promoted spare's too)
+        processes.name_worker(rank=rank, local_rank=local_rank)
     seed_all(seed)
     freeze_long_lived()
     _current = RankInfo(rank=rank, local_rank=local_rank, world_size=world,

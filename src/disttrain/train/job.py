@@ -46,6 +46,7 @@ from disttrain.errors import UserError
 from disttrain.guard import start_guard
 from disttrain.parallel import wrap
 from disttrain.runtime.fault_injection import inject
+from disttrain.runtime.log import set_speaker
 from disttrain.train import job_resume, step_loop
 from disttrain.train.evaluation import Evaluator
 from disttrain.train.loop import Accumulator
@@ -160,6 +161,8 @@ class Job:
         self._evaluator: Evaluator | None = None
         self._guard = self._preempt = self._handoff = self._saving = self._loop = None
         self._owns_group, self._wrap_mark = False, None
+        self._resumed_note, self._changes = "", None  # said by steps(): job_resume.say_resumed
+        set_speaker(f"disttrain {self.name}")  # fast recovery's messages too
         watch_optimizers()  # an optimizer built before this is one built before wrap
         self._owner = Ownership()
         self.step = 0
@@ -303,9 +306,10 @@ class Job:
         recovery, the state came from a survivor's memory), False on a fresh start.
         Changed hyper-parameters (the optimizer's lr, weight decay, betas, momentum; a
         `disttrain train` config's applied keys) take effect, shown as a "checkpoint ->
-        now" table; at another world size the batch policy applies. `scaler`: fp16's
-        loss scaler (`dt.make_grad_scaler("fp16")`), which the job does not make by
-        itself. A collective.
+        now" table when `steps()` starts training (a run already at its max_steps says
+        only that it is complete); at another world size the batch policy applies.
+        `scaler`: fp16's loss scaler (`dt.make_grad_scaler("fp16")`), which the job does
+        not make by itself. A collective.
         Raises `UserError` for a model that is not this job's `wrap()` result, an
         optimizer built before wrap, or a call before `loader()`; a damaged or
         mismatched checkpoint raises the checkpoint layer's error."""

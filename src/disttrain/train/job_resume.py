@@ -11,6 +11,7 @@ from __future__ import annotations
 
 from disttrain.errors import UserError
 from disttrain.guard import path_nbytes
+from disttrain.runtime.log import LOGGER
 from disttrain.train import resume
 from disttrain.train.saving import Saving
 
@@ -53,10 +54,9 @@ def load(job, ckpt, acc) -> bool:
             plan = plan.check() if plan is not None else None
         resume.apply(plan, optimizer, scheduler, fresh)  # before the batch policy scales the LR
     resumed = in_memory or loaded is not None
+    job._resumed_note, job._changes = "", (plan if loaded is not None else None)
     if resumed:
-        _rejoin(job, who, state.step, acc)
-        if loaded is not None:
-            resume.print_changes(plan, job.batch_policy)
+        job._resumed_note = _rejoin(job, who, state.step, acc)
     job.step, job.in_memory = (state.step if resumed else 0), in_memory
     job._saving = Saving(ckpt if job.checkpoints else None, state, job._guard,
                          every=job.checkpoint_every, every_s=job.checkpoint_every_s,
@@ -67,13 +67,29 @@ def load(job, ckpt, acc) -> bool:
     return resumed
 
 
-def _rejoin(job, who: str, step: int, acc) -> None:
+def say_resumed(job, max_steps: int) -> bool:
+    """At the start of `job.steps`: for a run already at `max_steps`, one line that it is
+    complete (and what a continued run would change); else the "resumed at" line and
+    the table of applied changes. Returns whether there is anything to train."""
+    who, plan = f"disttrain {job.name}", job._changes
+    if job.step >= max_steps:
+        how = (resume.TRAIN_CONTINUES if job.name == "train" else
+               f"nothing to train: raise max_steps ({max_steps}) to continue, or use another out_dir")
+        LOGGER.info(resume.complete_message(who, job.step, how, plan.changes if plan else ()))
+        return False
+    if job._resumed_note:
+        LOGGER.info(job._resumed_note)
+    resume.print_changes(who, plan, job.batch_policy)
+    return True
+
+
+def _rejoin(job, who: str, step: int, acc) -> str:
     """`resume.rejoin`, its batch-size refusal in the words of the way the run was
     started (a Job's keywords, or the TOML keys)."""
     state = job._state
     try:
-        resume.rejoin(who, step, acc, job._sampler, job.batch_policy, job.info, state.optimizer,
-                      state.scheduler)
+        return resume.rejoin(who, step, acc, job._sampler, job.batch_policy, job.info,
+                             state.optimizer, state.scheduler)
     except UserError as e:
         if who != "job":
             raise

@@ -17,6 +17,7 @@ import torch.distributed as dist
 
 from disttrain.runtime import rank_info
 from disttrain.runtime.collectives import comm_device
+from disttrain.runtime.log import current_rank
 
 
 def global_sum(values: list[float]) -> list[float]:
@@ -121,9 +122,11 @@ class JsonlWriter:
 
 def print_main(*args, **kwargs) -> None:
     """`print(*args, **kwargs)` on global rank 0 only, flushed; other ranks print nothing.
+    The rank is the process group's, or before one exists (before `with dt.Job(...)`)
+    the launcher's RANK, so a line is printed once per job.
 
     Not a collective: it never waits for the other ranks, so it is safe in code that
     only some ranks run.
     """
-    if rank_info().is_main:
+    if current_rank() == 0:
         print(*args, **kwargs, flush=True)

@@ -53,12 +53,13 @@ class TrainProgress:
 
 def print_summary(summary: dict) -> None:
     """One table with the final train and held-out loss, steps, wall time, the model file
-    (`run_summary.build`'s dict). Losses are in nats/byte on the built-in byte corpus."""
+    (`run_summary.build`'s dict). Losses are labelled with the summary's `loss_unit`
+    (nats/byte on the byte corpus, nats/token on token files), when it has one."""
     from rich.console import Console  # loaded at the end of a run, not at start-up
     from rich.table import Table
 
     tokens = "tokens_seen" in summary
-    per = " (nats/byte)" if summary.get("unit") == "token" else ""
+    per = f" ({summary['loss_unit']})" if summary.get("loss_unit") else ""
     table = Table(title="disttrain: run summary", show_header=False)
     table.add_column("what", style="bold")
     table.add_column("value")

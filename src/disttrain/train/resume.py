@@ -36,7 +36,6 @@ from disttrain.checkpoint.layout import committed
 from disttrain.checkpoint.own_files import escapes
 from disttrain.config import Config, to_dict
 from disttrain.elastic import apply_batch_policy
-from disttrain.runtime.log import LOGGER
 
 _WEIGHTS = "the model, which the saved weights fit"
 _SAMPLES = "the training samples, which the saved sample cursor counts through"
@@ -181,9 +180,24 @@ def inspect_root(root: str | Path, cfg: Config | dict) -> ResumePlan | None:
     return plan.check() if plan is not None else None
 
 
-def complete_message(plan: ResumePlan) -> str:
-    return (f"disttrain train: complete at step {plan.step}; raise --train.steps to continue, "
-            f"or use another --train.out_dir.")
+TRAIN_CONTINUES = "raise --train.steps to continue, or use another --train.out_dir"
+"""How a finished `disttrain train` run is continued (or left alone)."""
+
+
+def complete_message(who: str, step: int, how: str, changes=()) -> str:
+    """The one line of a run whose checkpoint is at its last step: that it is complete,
+    `how` to continue, and the `changes` since the checkpoint ((key, checkpoint value,
+    this run's value), as `ResumePlan.changes`) that a continued run would apply."""
+    text = f"{who}: complete at step {step}; {how}."
+    if changes:
+        text += (" Continued, it would apply the changes since the checkpoint: "
+                 + ", ".join(f"{key} {_fmt(old)} -> {_fmt(new)}" for key, old, new in changes) + ".")
+    return text
+
+
+def train_complete_message(plan: ResumePlan) -> str:
+    """`complete_message` for a `disttrain train` config whose checkpoint is at train.steps."""
+    return complete_message("disttrain train", plan.step, TRAIN_CONTINUES, plan.changes)
 
 
 def fresh_hyperparams(optimizer: torch.optim.Optimizer, scheduler) -> dict:
@@ -229,14 +243,15 @@ def apply(plan: ResumePlan | None, optimizer: torch.optim.Optimizer, scheduler, 
     set_last_lr(scheduler, [g["lr"] for g in groups])
 
 
-def print_changes(plan: ResumePlan | None, batch_policy: str) -> None:
-    """Rank 0: a "checkpoint -> now" table of the applied keys that changed (rich)."""
+def print_changes(who: str, plan: ResumePlan | None, batch_policy: str) -> None:
+    """Rank 0: a "checkpoint -> now" table of the applied keys that changed (rich),
+    titled with `who` ('disttrain job', 'disttrain train')."""
     if plan is None or not plan.changes or (dist.is_initialized() and dist.get_rank() != 0):
         return
     from rich.console import Console
     from rich.table import Table
 
-    table = Table(title="disttrain train: config changed since the checkpoint (applied)")
+    table = Table(title=f"{who}: config changed since the checkpoint (applied)")
     for column in ("key", "checkpoint", "now"):
         table.add_column(column, style="bold" if column == "key" else None)
     for key, old, new in plan.changes:
@@ -246,16 +261,16 @@ def print_changes(plan: ResumePlan | None, batch_policy: str) -> None:
     Console().print(table)
 
 
-def rejoin(who: str, step: int, acc, sampler, batch_policy: str, info, optimizer, scheduler) -> None:
+def rejoin(who: str, step: int, acc, sampler, batch_policy: str, info, optimizer, scheduler) -> str:
     """After a checkpoint at `step` was loaded: the accumulator's step count, the batch
-    policy for this run's world size (accum_steps or the LR, P-ELASTIC-3), the sampler
-    re-cut for this world, and one "resumed at" line on rank 0. Shared by `disttrain
-    train` and `dt.Job` (`who` names which one speaks). Raises the policy's `UserError`
+    policy for this run's world size (accum_steps or the LR, P-ELASTIC-3) and the sampler
+    re-cut for this world. Returns the "resumed at" line (`who` names who speaks: 'job'
+    or 'train'), for the loop to say when it trains. Raises the policy's `UserError`
     when the saved global batch cannot be kept at this world size."""
     acc.optimizer_steps = step
     acc.accum_steps, note = apply_batch_policy(
         batch_policy, saved_global_batch=sampler.saved_global_batch, batch_size=sampler.batch_size,
         world_size=info.world_size, accum_steps=acc.accum_steps, optimizer=optimizer, scheduler=scheduler)
     sampler.reconfigure(world_size=info.world_size, rank=info.rank, accum_steps=acc.accum_steps)
-    LOGGER.info(f"disttrain {who}: resumed at step {step} (epoch {sampler.epoch}, sample "
-               f"{sampler.cursor}) on {info.world_size} rank(s)" + (f"; {note}" if note else ""))
+    return (f"disttrain {who}: resumed at step {step} (epoch {sampler.epoch}, sample "
+            f"{sampler.cursor}) on {info.world_size} rank(s)" + (f"; {note}" if note else ""))

@@ -26,7 +26,7 @@ from disttrain.elastic import SampleAudit, generation_id
 from disttrain.errors import UserError
 from disttrain.runtime.collectives import comm_device
 from disttrain.runtime.fault_injection import inject
-from disttrain.train import run_summary
+from disttrain.train import job_resume, run_summary
 from disttrain.runtime.log import LOGGER
 from disttrain.train.metrics import JsonlWriter, global_sum
 from disttrain.train.progress import TrainProgress
@@ -192,9 +192,7 @@ class Loop:
 
 def run(job, max_steps: int) -> Iterator[Any]:
     """The generator `Job.steps` returns (see there)."""
-    if job.step >= max_steps:
-        LOGGER.info(f"disttrain {job.name}: complete, the checkpoint is at step {job.step} of {max_steps}; "
-                   f"nothing to train (use a new out_dir or a larger max_steps).")
+    if not job_resume.say_resumed(job, max_steps):  # complete already: says so, trains nothing
         return
     loop = job._loop = Loop(job, max_steps)
     loop.start()

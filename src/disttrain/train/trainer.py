@@ -87,7 +87,17 @@ def job_for(cfg: Config, dataset_len: int, data_info: dict) -> Job:
                tensorboard=cfg.log.tensorboard, log_every=t.log_every, guard=cfg.guard,
                guard_fields={"dataset_len": dataset_len}, config=to_dict(cfg),
                summary_config=run_summary.applicable_config(cfg), exit_on_preempt=False,
-               tokens_per_sample=tokens, summary_extra={**data_info, "unit": "token" if tokens else "sample"})
+               tokens_per_sample=tokens, summary_extra={**data_info, "unit": "token" if tokens else "sample",
+                                                        "loss_unit": loss_unit(cfg)})
+
+
+def loss_unit(cfg: Config) -> str:
+    """What a loss is measured in, from the data: nats per byte on the byte corpus, per
+    token on token files and a Hugging Face dataset; '' for a data.factory's (unknown)."""
+    d = cfg.data
+    if d.factory:
+        return ""
+    return "nats/token" if (d.tokens or d.hf_dataset) else "nats/byte"
 
 
 def _train(cfg: Config, config_dir, handoff) -> dict:
@@ -100,7 +110,7 @@ def _train(cfg: Config, config_dir, handoff) -> dict:
         # refused before anything is built; a finished run is left as it is.
         plan = resume.inspect(cfg)
         if plan is not None and plan.step >= t.steps:
-            LOGGER.info(resume.complete_message(plan))
+            LOGGER.info(resume.train_complete_message(plan))
             return {"steps": plan.step, "world_size": job.info.world_size, "complete": True,
                     "preempted": False}
         raw = sources.build_model(cfg, config_dir)
