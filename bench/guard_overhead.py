@@ -84,30 +84,37 @@ def render(data: dict) -> str:
                         [("wall s / step, evals and checkpoints included", "step_s", 4),
                          ("CPU s / step (busiest rank)", "cpu_s", 4),
                          ("peak RSS / rank MiB", "rss_mb", 0)], data["rows"])
-    out += ["", "Each feature's share: the run with it / without it, paired within each repeat "
-            "(median, min to max). CPU time (`time.process_time`, every thread of the rank) is "
-            "what the work costs; wall time also holds whatever else the shared machine ran "
-            "during that launch.", "",
-            "| feature | switched off by | added wall time | added CPU time |", "|---|---|---|---|"]
+    out.append("")
+    r = data["ratio"]
+    if not r.get("step_s"):
+        out.append(f"Target (disttrain train / hand-written <= {data['target']}): no paired "
+                   "measurement.")
+    else:
+        verdicts = {m: _verdict(r.get(m), data["target"]) for m in METRICS}
+        out.append(f"Target: `disttrain train` / hand-written step time at most {data['target']} "
+                   f"with every guard on: wall **{verdicts['step_s']}** ({fmt(r['step_s'])}, "
+                   f"n={r['step_s']['n']}); CPU **{verdicts['cpu_s']}** ({fmt(r.get('cpu_s', {}))}).")
+    return "\n".join(out + ["", *_shares(data)])
+
+
+def _shares(data: dict) -> list[str]:
+    """Each feature's share of the step (a details block: the report links it)."""
+    out = ["<details><summary>Each feature's share</summary>", "",
+           "Each feature's share: the run with it / without it, paired within each repeat "
+           "(median, min to max). CPU time (`time.process_time`, every thread of the rank) is "
+           "what the work costs; wall time also holds whatever else the shared machine ran "
+           "during that launch.", "",
+           "| feature | switched off by | added wall time | added CPU time |", "|---|---|---|---|"]
     for s in data["shares"]:
         if s["note"]:
             out.append(f"| {s['feature']} | {s['switch']} | {s['note']} | |")
         else:
             out.append(f"| {s['feature']} | {s['switch']} | {_pct(s['ratio']['step_s'])} | "
                        f"{_pct(s['ratio'].get('cpu_s', {}))} |")
-    out.append("")
     r = data["ratio"]
-    if not r.get("step_s"):
-        out.append(f"Target (disttrain train / hand-written <= {data['target']}): no paired "
-                   "measurement.")
-        return "\n".join(out)
-    verdicts = {m: _verdict(r.get(m), data["target"]) for m in METRICS}
-    out.append(f"Target: `disttrain train` / hand-written step time at most {data['target']} "
-               f"with every guard on: wall **{verdicts['step_s']}** ({fmt(r['step_s'])}, "
-               f"n={r['step_s']['n']}); CPU **{verdicts['cpu_s']}** ({fmt(r.get('cpu_s', {}))}).")
-    if "met" not in verdicts.values():
+    if r.get("step_s") and "met" not in {_verdict(r.get(m), data["target"]) for m in METRICS}:
         out += ["", _where(data)]
-    return "\n".join(out)
+    return out + ["", "</details>"]
 
 
 def _verdict(r: dict | None, target: float) -> str:

@@ -149,7 +149,7 @@ def render(data: dict) -> str:
             "the plan still counts FSDP's buffers, but `dt.wrap` runs the module unwrapped. RSS "
             "adds what the tracker cannot see: gloo's buffers, glibc's retained free memory and "
             "Python objects.", "",
-            "Steady state (after `optimizer.step()`, the previous table):", "",
+            "<details><summary>Steady state (after `optimizer.step()`)</summary>", "",
             "| strategy | world | params MiB | grads MiB | optimizer MiB | total MiB / rank | "
             "ideal MiB | total / ideal |", "|---|---|---|---|---|---|---|---|"]
     for r in data["rows"]:
@@ -170,6 +170,7 @@ def render(data: dict) -> str:
                    f"{t['max_ratio']} x ideal: **{verdict}** ({t['ratio']:.3f}). This holds by "
                    "construction (the ideal divides the measured DDP state); the peak table "
                    "above is the figure that measures memory.")
+    out += ["", "</details>"]
     return "\n".join(out)
 
 
