@@ -51,6 +51,7 @@ from disttrain.train.evaluation import Evaluator
 from disttrain.train.loop import Accumulator
 from disttrain.train.misuse import BACKWARD_MESSAGE, Ownership
 from disttrain.train.recorded import Recorded, built_after, optimizer_mark, watch_optimizers
+from disttrain.train.trackers import resolve as resolve_trackers
 
 
 def _ignore_stop_signals(worker_id: int, chain=None) -> None:
@@ -77,6 +78,10 @@ class Job:
     and `on_error` ('stop', 'continue') as in `[checkpoint]`. `preempt_grace_s` None
     reads DISTTRAIN_PREEMPT_GRACE_S (set by `disttrain run`), else 60. `log_every`:
     steps per metrics record; `tensorboard`, `progress` (rank 0's bar) as named.
+    `trackers`: "wandb", "mlflow", `dt.WandbTracker(...)`, `dt.MlflowTracker(...)` or a
+    list of them; rank 0 sends each metrics record, the config, restarts and world-size
+    changes there, and a resumed or restarted run continues the same tracker run
+    (`train/trackers.py`; a tracker whose package is missing is a `UserError` here).
 
     For adapters (`disttrain train`): `guard` (a `GuardConfig`) and `guard_fields`
     (the start check's), `config` (a dict stored with every checkpoint and compared on
@@ -101,7 +106,7 @@ class Job:
                  exit_on_preempt: bool = True, tokens_per_sample: int = 0, buddy_every: int = 1,
                  checkpoints: bool = True, guard_fields: dict | None = None,
                  summary_config: dict | None = None, summary_extra: dict | None = None,
-                 **wrap_options: Any):
+                 trackers=None, **wrap_options: Any):
         if checkpoint_every < 0 or checkpoint_every_s < 0 or accum_steps < 1 or log_every < 1:
             raise UserError(f"dt.Job: checkpoint_every ({checkpoint_every}) and checkpoint_every_s "
                             f"({checkpoint_every_s}) must be >= 0, accum_steps ({accum_steps}) and "
@@ -122,6 +127,7 @@ class Job:
         self.tokens_per_sample, self.buddy_every = tokens_per_sample, buddy_every
         self.summary_extra, self.summary_config = summary_extra or {}, summary_config
         self.user_config, self.checkpoints, self.guard_fields = config, checkpoints, guard_fields or {}
+        self.trackers = resolve_trackers(trackers)  # a missing package: one line, before any rank starts
         self._init = dict(backend=backend, device=device, timeout_s=timeout_s, seed=seed)
         self.info: runtime.RankInfo | None = None
         self.model = self._sampler = self._loader = self._acc = self._state = None

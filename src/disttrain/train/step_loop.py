@@ -31,6 +31,7 @@ from disttrain.runtime.log import LOGGER
 from disttrain.train.metrics import JsonlWriter, global_sum
 from disttrain.train.progress import TrainProgress
 from disttrain.train.run_log import RunLog
+from disttrain.train.trackers import open_trackers
 from disttrain.train.sources import to_device
 
 
@@ -47,7 +48,9 @@ class Loop:
         self.samples_per_step = job._loader.batch_size * job._acc.accum_steps * info.world_size
         self.audit = SampleAudit(job.out_dir / "samples", info.rank, info.world_size,
                                  job.record_samples, generation_id())
-        self.run_log = RunLog(job.out_dir, info, job.step, job.resumed, job.tensorboard)
+        self.trackers = open_trackers(job.trackers, job.checkpoint_dir, job.out_dir, job.config()) \
+            if info.is_main else None
+        self.run_log = RunLog(job.out_dir, info, job.step, job.resumed, job.tensorboard, self.trackers)
         self.last_logged, self.t_window = job.step, time.perf_counter()
         self.progress = TrainProgress(max_steps, enabled=info.is_main and job.show_progress,
                                       start=job.step, unit="token" if job.tokens_per_sample else "sample")
@@ -154,6 +157,8 @@ class Loop:
         job._saving.finish(job.step)
         self.progress.close()
         job._guard.close()
+        if self.trackers is not None:
+            self.trackers.close()  # a preempted run continues the same tracker run when resumed
         if stopping:
             job.preempted = True
             if job._saving.ckpt is not None and job._saving.saved_at == job.step:

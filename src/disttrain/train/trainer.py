@@ -19,7 +19,7 @@ from disttrain.guard.run_guard import logical_name
 from disttrain.parallel import make_optimizer, unwrap
 from disttrain.parallel.precision import make_grad_scaler
 from disttrain.runtime.log import LOGGER
-from disttrain.train import resume, run_summary, sources
+from disttrain.train import resume, run_summary, sources, trackers
 from disttrain.train.evaluation import loss_metric
 from disttrain.train.job import Job
 from disttrain.train.loop import warmup_cosine
@@ -84,7 +84,8 @@ def job_for(cfg: Config, dataset_len: int, data_info: dict) -> Job:
                batch_policy=e.batch_policy, record_samples=e.record_samples,
                preempt_grace_s=e.preempt_grace_s, buddy_every=e.buddy_every,
                backend=p.backend, device=p.device, timeout_s=p.timeout_s,
-               tensorboard=cfg.log.tensorboard, log_every=t.log_every, guard=cfg.guard,
+               tensorboard=cfg.log.tensorboard, trackers=trackers.from_config(cfg.log),
+               log_every=t.log_every, guard=cfg.guard,
                guard_fields={"dataset_len": dataset_len}, config=to_dict(cfg),
                summary_config=run_summary.applicable_config(cfg), exit_on_preempt=False,
                tokens_per_sample=tokens, summary_extra={**data_info, "unit": "token" if tokens else "sample"})
