@@ -264,7 +264,11 @@ def validate(cfg: Config) -> None:
     check_elastic(cfg.elastic)
     check_log(cfg.log)
     check_sources(cfg)  # model.factory, data.factory, train.loss (config/user_code.py)
-    check_data_source(cfg.data)
+    model_key = next((f"model.{k}" for k in ("factory", "hf", "hf_path") if getattr(m, k)), "")
+    check_data_source(cfg.data, model_key)
+    _require(not model_key and m.block_size >= cfg.data.block_size or bool(model_key),
+             f"config key 'data.block_size' is {cfg.data.block_size}, more than the built-in GPT's "
+             f"model.block_size ({m.block_size}); lower data.block_size or leave it 0.")
     _check_hardware(p)
     device = p.device if p.device != "auto" else ("cuda" if _cuda_count() else "cpu")
     # On CUDA it runs (NCCL aborted on a failure, elastic.fast_recovery) but says it is unproven.

@@ -74,7 +74,7 @@ def job_for(cfg: Config, dataset_len: int, data_info: dict) -> Job:
     """The `Job` a config describes: every [train], [checkpoint], [elastic], [guard] and
     [log] key that is not the model's or the data's becomes a Job keyword."""
     p, t, c, e = cfg.parallel, cfg.train, cfg.checkpoint, cfg.elastic
-    tokens = 0 if (cfg.data.factory or cfg.data.hf_dataset) else cfg.model.block_size
+    tokens = 0 if (cfg.data.factory or cfg.data.hf_dataset) else sources.window(cfg)
     return Job(t.out_dir, cfg=p, strategy=p.strategy, precision=t.precision,
                **({"compile": True} if t.compile else {}),
                accum_steps=t.accum_steps, seed=t.seed, grad_clip=cfg.optim.grad_clip,
@@ -116,10 +116,10 @@ def _train(cfg: Config, config_dir, handoff) -> dict:
             job.evaluator(heldout_set, t.batch_size, every=t.eval_every, max_batches=t.eval_batches,
                           metric=loss_metric(loss_fn), at_start=True)
         job.resume(model=model, optimizer=optimizer, scheduler=scheduler, scaler=make_grad_scaler(t.precision))
-        first = True
+        first, data_key = True, sources.data_key(cfg)
         for batch in job.steps(loader, t.steps):
             # model(**dict), model(*tuple) or model(batch); its loss, or train.loss
-            loss = sources.batch_loss(model, batch, loss_fn, first=first)
+            loss = sources.batch_loss(model, batch, loss_fn, first=first, data=data_key)
             first = False
             job.backward(loss)
             job.log(loss=loss)
