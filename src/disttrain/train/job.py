@@ -17,6 +17,7 @@ evaluation, the run log, the progress bar, the summary and the final save, and, 
         sched = torch.optim.lr_scheduler.LambdaLR(opt, warmup)  # Job steps it
         loader = job.loader(dataset, batch_size=32)
         evaluator = job.evaluator(eval_set, batch_size=64, every=50)  # and at the last step
+        job.evaluator(train_sample, batch_size=64, every=50, name="train")  # train_loss
         job.resume(model=model, optimizer=opt, scheduler=sched)  # newest valid checkpoint
         for batch in job.steps(loader, max_steps=1000):
             loss = model(**batch).loss
@@ -31,6 +32,7 @@ each call out of order, and each object that did not come from this job, is one
 
 from __future__ import annotations
 
+import re
 import signal
 from pathlib import Path
 from typing import Any, Iterator
@@ -131,7 +133,7 @@ class Job:
         self._init = dict(backend=backend, device=device, timeout_s=timeout_s, seed=seed)
         self.info: runtime.RankInfo | None = None
         self.model = self._sampler = self._loader = self._acc = self._state = None
-        self._evaluator: Evaluator | None = None
+        self._evaluators: list[Evaluator] = []
         self._guard = self._preempt = self._handoff = self._saving = self._loop = None
         self._owns_group, self._wrap_mark = False, None
         watch_optimizers()  # an optimizer built before this is one built before wrap
@@ -250,18 +252,25 @@ class Job:
         return self._loader
 
     def evaluator(self, dataset, batch_size: int, *, every: int = 0, max_batches: int | None = None,
-                  metric=None, collate_fn=None, at_start: bool = False) -> Evaluator:
+                  metric=None, collate_fn=None, at_start: bool = False, name: str = "heldout") -> Evaluator:
         """Evaluate on `dataset` every `every` steps and at the last step, split across
         the ranks (`train/evaluation.py`: equal forwards per rank, global means from
-        (sum, count)); `metric(model, batch) -> {name: value}` adds metrics beyond the
+        (sum, count)); `metric(model, batch) -> {metric: value}` adds metrics beyond the
         loss (default: {"loss": the model's loss}). Each result goes into metrics.jsonl
-        as `heldout_<name>` and `evaluator.last`; the watchdog treats the evaluation as
-        a slow phase. Call it before `resume`; one per job."""
-        self._need(self._evaluator is None and self._acc is None,
-                   "dt.Job.evaluator() is called once per job, before job.resume().")
-        self._evaluator = Evaluator(dataset, batch_size, every=every, max_batches=max_batches,
-                                    metric=metric, collate=collate_fn, at_start=at_start)
-        return self._evaluator
+        (and the trackers) as `<name>_<metric>` (`heldout_loss` by default) and into
+        `evaluator.last`; the watchdog treats the evaluation as a slow phase. Call it
+        before `resume`, once per eval set: several evaluators, each with its own
+        `name` (a lowercase identifier, e.g. "val", "train_sample"), run in the order
+        built. A repeated or malformed name is a `UserError`."""
+        self._need(self._acc is None, "dt.Job.evaluator() is called before job.resume().")
+        if not re.fullmatch(r"[a-z][a-z0-9_]*", name) or name in {e.name for e in self._evaluators}:
+            taken = ", ".join(repr(e.name) for e in self._evaluators) or "none"
+            raise UserError(f"dt.Job.evaluator(name={name!r}): each evaluator needs its own name, a "
+                            f"lowercase identifier (its metrics are '<name>_loss', ...); taken: {taken}.")
+        ev = Evaluator(dataset, batch_size, every=every, max_batches=max_batches, metric=metric,
+                       collate=collate_fn, at_start=at_start, name=name)
+        self._evaluators.append(ev)
+        return ev
 
     def resume(self, *, model: torch.nn.Module, optimizer: torch.optim.Optimizer, scheduler=None,
                scaler=None, extras: dict | None = None) -> bool:

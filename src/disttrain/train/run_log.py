@@ -45,6 +45,13 @@ _TAGS = {"loss": "loss/train", "heldout_loss": "loss/heldout", "lr": "optim/lr",
 _NOT_SCALARS = {"step", "attempt", "step_time_s", "peak_mem_mb"}
 
 
+def _tag(key: str) -> str:
+    """A record key's TensorBoard tag: an evaluator's `<name>_loss` is `loss/<name>`."""
+    if key in _TAGS:
+        return _TAGS[key]
+    return f"loss/{key[:-5]}" if key.endswith("_loss") else f"train/{key}"
+
+
 def _event_text(event: dict) -> str:
     world, prev = event["world_size"], event["prev_world_size"]
     if event["attempt"] == 0:
@@ -123,7 +130,7 @@ class RunLog:
             for key, value in record.items():
                 if key in _NOT_SCALARS or not isinstance(value, (int, float)) or math.isnan(value):
                     continue
-                self.writer.add_scalar(_TAGS.get(key, f"train/{key}"), value, step)
+                self.writer.add_scalar(_tag(key), value, step)
             for rank, mb in enumerate(memory):
                 self.writer.add_scalar(f"memory/peak_mb_rank{rank}", mb, step)
             self.writer.flush()

@@ -94,11 +94,12 @@ class Loop:
     def start(self) -> None:
         """Before the first step: the evaluation at the start (not after an in-memory
         recovery, which does not wait for it) and the run's start record."""
-        job, ev = self.job, self.job._evaluator
+        job = self.job
         job._saving.start(job.step)
         heldout = {}
-        if ev is not None and ev.at_start and not job.in_memory:
-            heldout = self._evaluate()
+        for ev in job._evaluators:
+            if ev.at_start and not job.in_memory:
+                heldout.update(self._evaluate(ev))
         if job.step == 0 and not job.resumed:
             run_summary.record_start(job.out_dir, {k.removeprefix("heldout_"): v for k, v in heldout.items()},
                                      job.info.is_main)
@@ -115,19 +116,20 @@ class Loop:
         inject("step", job.step, job.info.rank)
         job._guard.step(job.step, job.model)
         self.progress.advance(job.step)
-        ev, heldout = job._evaluator, {}
-        if ev is not None and ev.due(job.step, self.max_steps) and job._preempt.time_for(ev.seconds):
-            heldout = self._evaluate()  # skipped when a SIGTERM's grace no longer fits it
+        heldout = {}
+        for ev in job._evaluators:
+            if ev.due(job.step, self.max_steps) and job._preempt.time_for(ev.seconds):
+                heldout.update(self._evaluate(ev))  # skipped when a SIGTERM's grace no longer fits it
         if heldout or (self.window and (job.step % job.log_every == 0 or job.step >= self.max_steps)):
             self._write(heldout)
         stopping = job._preempt.should_stop()  # agreed by all ranks (one all-reduce)
         job._saving.after_step(job.step, stopping)
         return stopping
 
-    def _evaluate(self) -> dict[str, float]:
-        job, ev = self.job, self.job._evaluator
+    def _evaluate(self, ev) -> dict[str, float]:
+        job = self.job
         with job._guard.slow_phase("eval", nbytes=ev.slow_nbytes(job.model)):
-            result = {f"heldout_{k}": v for k, v in ev.run(job.model).items()}
+            result = {f"{ev.name}_{k}": v for k, v in ev.run(job.model).items()}
         self.final.update(result)
         return result
 
@@ -175,7 +177,8 @@ class Loop:
             job.out_dir, steps=job.step, world_size=job.info.world_size, strategy=job.strategy,
             attempt_t0=self.t0, samples_per_step=self.samples_per_step,
             tokens_per_sample=job.tokens_per_sample, final=self.final, resumed=job.resumed,
-            extra={"checkpoint": str(path), **job.summary_extra})
+            extra={"checkpoint": str(path), **job.summary_extra},
+            eval_names=tuple(ev.name for ev in job._evaluators))
         if job.info.is_main:
             run_summary.write(job.out_dir, job.summary, job.summary_config or job.config())
 
