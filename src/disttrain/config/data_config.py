@@ -43,9 +43,9 @@ class DataConfig:
     """Held-out token files (a glob or path); '' = the files named like val.bin / *_val_*.bin,
     else the last data.heldout_fraction of the windows."""
     block_size: int = 0
-    """Tokens per sample of data.tokens (and the longest row of data.hf_dataset); 0 = the
-    built-in GPT's model.block_size. Needed beside model.factory, model.hf or model.hf_path
-    with data.tokens: the window length is the data's, the model only reads it."""
+    """Tokens per sample of data.tokens (and the longest row of data.hf_dataset); 0 =
+    model.block_size (the built-in GPT's, or a model.hf model's window). Needed beside
+    model.factory with data.tokens: the window length is the data's there."""
     tokens_dtype: str = "uint16"
     """The dtype of raw (headerless, nanoGPT) token files: uint16, uint32 or int32; llm.c
     files carry theirs in the header."""
@@ -73,9 +73,9 @@ TOKEN_DTYPES = ("uint16", "uint32", "int32")
 
 def check_data_source(d: DataConfig, model_key: str = "") -> None:
     """At most one of data.factory, data.tokens, data.hf_dataset; known dtype; columns;
-    the window length: data.block_size with data.tokens beside `model_key` (the key that
-    names a model of the user's: 'model.factory', 'model.hf', 'model.hf_path'; '' for the
-    built-in GPT). Raises `ConfigError` naming the keys in use."""
+    the window length: data.block_size with data.tokens beside `model_key` ('model.factory',
+    whose model has no model.block_size; '' otherwise). Raises `ConfigError` naming the
+    keys in use."""
     _require(d.block_size >= 0, f"config key 'data.block_size' is {d.block_size}; use the tokens per "
                                 f"sample (at least 1), or 0 for the built-in GPT's model.block_size.")
     _require(not (d.tokens and model_key and d.block_size == 0),

@@ -264,9 +264,9 @@ def validate(cfg: Config) -> None:
     check_elastic(cfg.elastic)
     check_log(cfg.log)
     check_sources(cfg)  # model.factory, data.factory, train.loss (config/user_code.py)
-    model_key = next((f"model.{k}" for k in ("factory", "hf", "hf_path") if getattr(m, k)), "")
-    check_data_source(cfg.data, model_key)
-    _require(not model_key and m.block_size >= cfg.data.block_size or bool(model_key),
+    check_data_source(cfg.data, "model.factory" if m.factory else "")
+    builtin = not (m.factory or m.hf or m.hf_path)
+    _require(not builtin or cfg.data.block_size <= m.block_size,
              f"config key 'data.block_size' is {cfg.data.block_size}, more than the built-in GPT's "
              f"model.block_size ({m.block_size}); lower data.block_size or leave it 0.")
     _check_hardware(p)

@@ -42,6 +42,7 @@ from torch.utils.data import DataLoader
 
 from disttrain import launcher_notes, runtime
 from disttrain.checkpoint import Checkpointer, TrainState
+from disttrain.checkpoint.hf_export import hf_section
 from disttrain.data import ElasticSampler
 from disttrain.elastic import PreemptionHandler, fast_recovery
 from disttrain.errors import UserError
@@ -135,7 +136,7 @@ class Job:
         self.model = self._sampler = self._loader = self._acc = self._state = None
         self._evaluators: list[Evaluator] = []
         self._guard = self._preempt = self._handoff = self._saving = self._loop = None
-        self._owns_group, self._wrap_mark = False, None
+        self._owns_group, self._wrap_mark, self._hf_section = False, None, None
         watch_optimizers()  # an optimizer built before this is one built before wrap
         self._owner = Ownership()
         self.step = 0
@@ -188,13 +189,14 @@ class Job:
 
     def config(self) -> dict:
         """What each checkpoint stores as the run's config (and a resume compares): the
-        adapter's `config`, or this job's settings and, after `resume`, the optimizer's
-        hyper-parameters (`job_resume.optim_config`)."""
+        adapter's `config`, or this job's settings, after `wrap` of a Hugging Face model
+        its model section (`model.hf`, `model.hf_config`: what `ckpt export --hf` reads),
+        and, after `resume`, the optimizer's hyper-parameters (`job_resume.optim_config`)."""
         if self.user_config is not None:
             return self.user_config
         own = {"strategy": self.strategy, "accum_steps": self.accum_steps, "seed": self.seed,
                "precision": self.precision, **{k: repr(v) for k, v in self.wrap_options.items()}}
-        return {"job": own}
+        return {"job": own, **({"model": self._hf_section} if self._hf_section else {})}
 
     def _need(self, done: bool, message: str) -> None:
         if self.info is None:
@@ -219,6 +221,7 @@ class Job:
         self._need(self.model is None, "dt.Job.wrap() is called once per job; this job already "
                                        "wrapped a model.")
         self._wrap_mark = optimizer_mark()
+        self._hf_section = hf_section(model)  # a Hugging Face model: `ckpt export --hf` rebuilds it
         self.model = wrap(model, strategy=self.strategy, precision=self.precision, **self.wrap_options)
         if self._handoff is not None:
             self._handoff.attach_buddy(self.strategy != "ddp", self.buddy_every)

@@ -24,6 +24,7 @@ from disttrain.checkpoint import save_model
 from disttrain.checkpoint.finite import first_non_finite
 from disttrain.elastic import SampleAudit, generation_id
 from disttrain.errors import UserError
+from disttrain.parallel import unwrap
 from disttrain.runtime.collectives import comm_device
 from disttrain.runtime.fault_injection import inject
 from disttrain.train import run_summary
@@ -172,7 +173,9 @@ class Loop:
             return
         if job._saving.checked_at != job.step:
             self.check_finite(job.step)
-        path = save_model(job.model, job.out_dir / "model.pt")
+        # An adapter (HFCausalLM) saves its inner model's own keys: model.pt loads strict there.
+        prefix = getattr(unwrap(job.model), "export_prefix", "")
+        path = save_model(job.model, job.out_dir / "model.pt", strip=prefix)
         job.summary = run_summary.build(
             job.out_dir, steps=job.step, world_size=job.info.world_size, strategy=job.strategy,
             attempt_t0=self.t0, samples_per_step=self.samples_per_step,

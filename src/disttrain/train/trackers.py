@@ -164,7 +164,8 @@ class _Mlflow:
             return
         found = self.client.get_experiment_by_name(spec.experiment)
         experiment = found.experiment_id if found else self.client.create_experiment(spec.experiment)
-        self.id = self.client.create_run(experiment, run_name=spec.run_name or out_dir.resolve().name).info.run_id
+        name = spec.run_name or out_dir.resolve().name
+        self.id = self.client.create_run(experiment, run_name=name).info.run_id
         params = [Param(k, v) for k, v in _flat(config).items()]
         for i in range(0, len(params), 100):  # MLflow takes at most 100 params per batch
             self.client.log_batch(self.id, params=params[i:i + 100])
