@@ -102,6 +102,17 @@ def test_kill_9_restart_and_resize_leave_one_tracker_run_with_every_step_once(tm
     assert wb == pytest.approx(ml)
 
 
+def test_log_section_names_the_trackers(tmp_path):
+    from disttrain.train.trackers import MlflowTracker, WandbTracker, from_config
+
+    path = tmp_path / "c.toml"
+    path.write_text('[log]\nwandb = "proj"\nwandb_entity = "team"\nmlflow = "exp"\n'
+                    'mlflow_tracking_uri = "file:///tmp/x"\n')
+    assert from_config(load_config(path).log) == [WandbTracker(project="proj", entity="team"),
+                                                  MlflowTracker(experiment="exp", tracking_uri="file:///tmp/x")]
+    assert from_config(load_config(None).log) == []
+
+
 def test_a_tracker_is_checked_before_any_rank_starts(tmp_path, monkeypatch):
     import importlib.util
 

@@ -83,8 +83,7 @@ def hf_datasets(folder: str | os.PathLike, columns: list[str], *, split: str = "
     """(train rows, held-out rows or None, summary fields) of a `save_to_disk` folder
     (relative to `base`). A DatasetDict gives `split` and `heldout_split` (None when
     that split is the default "validation" and absent, or ''); a single Dataset has no
-    held-out part. `block_size`, when
-    given, bounds the length of one-column rows. Raises `UserError` for a missing
+    held-out part. `block_size`, when given, bounds the length of one-column rows. Raises `UserError` for a missing
     package, folder, split (a held-out split named but absent included) or column, or a
     row that cannot be a next-token window."""
     path = Path(folder).expanduser()

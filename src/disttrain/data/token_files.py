@@ -178,6 +178,7 @@ class TokenWindows(Dataset):
     llm.c's (a 256-int32 header that carries its dtype); both may be mixed. Windows
     never cross files, and a file of n tokens holds (n - 1) // block_size of them.
     `start` / `stop` keep windows [start, stop) of the whole sequence (a held-out tail).
+    `block_key` is what the errors call `block_size` (`disttrain train` passes its key).
 
     The contract that makes resume exact: window `i` is the same tokens on every rank,
     every run and every world size, so `dt.Job.loader` (an `ElasticSampler`) consumes

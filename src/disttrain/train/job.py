@@ -130,7 +130,7 @@ class Job:
         self.tokens_per_sample, self.buddy_every = tokens_per_sample, buddy_every
         self.summary_extra, self.summary_config = summary_extra or {}, summary_config
         self.user_config, self.checkpoints, self.guard_fields = config, checkpoints, guard_fields or {}
-        self.trackers = resolve_trackers(trackers)  # a missing package: one line, before any rank starts
+        self.trackers = resolve_trackers(trackers)  # a missing package: one line, before any step
         self._init = dict(backend=backend, device=device, timeout_s=timeout_s, seed=seed)
         self.info: runtime.RankInfo | None = None
         self.model = self._sampler = self._loader = self._acc = self._state = None

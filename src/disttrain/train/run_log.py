@@ -71,8 +71,8 @@ class RunLog:
     restart opens it with `purge_step` after the resumed step, so TensorBoard hides the
     steps the killed attempt logged after its checkpoint (they are trained again).
     `trackers` (rank 0's `train.trackers.Trackers`, or None) get the same start line and
-    each record. Other ranks write nothing. An unwritable `out_dir` raises `OSError` on rank 0; a
-    missing tensorboard package, a `UserError` there.
+    each record. Other ranks write nothing. An unwritable `out_dir` raises `OSError` on
+    rank 0; a missing tensorboard package, a `UserError` there.
     """
 
     def __init__(self, out_dir: str | os.PathLike, info: RankInfo, step: int, resumed: bool,

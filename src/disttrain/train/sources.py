@@ -223,7 +223,8 @@ def batch_loss(model: torch.nn.Module, batch: Any, loss_fn: Callable | None, *, 
     the loss in `forward(model, batch)`'s output (`output_loss`).
 
     `first=True` (the first forward of the run) turns an exception into a `UserError`
-    naming the batch's structure, the model and `data`, the config key of the samples. Raises `UserError` when the loss is not
+    naming the batch's structure, the model and `data` (the config key of the samples).
+    Raises `UserError` when the loss is not
     a scalar tensor."""
     name = type(getattr(model, "module", model)).__name__
     try:

@@ -136,8 +136,8 @@ class _Wandb:
         self.run = wandb.init(project=spec.project or os.environ.get("WANDB_PROJECT") or "disttrain",
                               entity=spec.entity, name=spec.name, tags=list(spec.tags) or None,
                               mode=spec.mode, id=run_id or secrets.token_hex(6), resume="allow",
-                              dir=str(out_dir), config=config,
-                              settings=wandb.Settings(console="off", silent=True))
+                              dir=str(out_dir), settings=wandb.Settings(console="off", silent=True))
+        self.run.config.update(config, allow_val_change=True)  # a resume may change the lr
         self.id = self.run.id
 
     def events(self, texts: list[str]) -> None:
