@@ -195,7 +195,8 @@ class Trackers:
     after each write for MLflow, at `close` for W&B (whose own process buffers, and
     loses the buffer when a kill takes the rank's process group). `begin` sends again,
     from `metrics.jsonl`, the steps a tracker may have lost that the attempt will not
-    train again; W&B keeps the first value of a step it already has."""
+    train again; W&B keeps the first value of a step it already has. Within one process
+    (an in-memory recovery) nothing was lost: a step already sent is not sent again."""
 
     def __init__(self, specs: list, checkpoint_dir: Path, out_dir: Path, config: dict):
         self.path, self.out_dir = Path(checkpoint_dir) / STATE_FILE, Path(out_dir)
@@ -204,6 +205,7 @@ class Trackers:
         except (OSError, ValueError):
             self.state = {}
         self.open: dict[str, Any] = {}
+        self.sent: dict[str, int] = {}
         for spec in specs:
             key, kind = _KINDS[type(spec)]
             kept = self.state.get(key) or {}
@@ -223,9 +225,15 @@ class Trackers:
         records = {int(r["step"]): r for r in read_jsonl(self.out_dir / METRICS) if "step" in r}
         for key, run in self.open.items():
             run.events(events)
-            for s in sorted(s for s in records if self.state[key]["step"] < s <= step):
+            for s in sorted(s for s in records if self._held(key) < s <= step):
                 run.log(_numbers(records[s]), s)
+            self.sent[key] = max(self._held(key), step)
         self._mark(step)
+
+    def _held(self, key: str) -> int:
+        """The last step tracker `key` holds: its mark in trackers.json, or what this
+        process sent it (an in-memory recovery keeps the process and the tracker's buffer)."""
+        return max(self.state[key]["step"], self.sent.get(key, 0))
 
     def _mark(self, step: int, *, durable_only: bool = True) -> None:
         for key, run in self.open.items():
@@ -237,17 +245,17 @@ class Trackers:
         """Forward `record`'s numbers at its step to each tracker that does not hold it."""
         step, values = int(record["step"]), _numbers(record)
         for key, run in self.open.items():
-            if step > self.state[key]["step"] or not run.durable:
+            if step > self._held(key):
                 run.log(values, step)
+                self.sent[key] = step
         if any(run.durable for run in self.open.values()):
             self._mark(step)
 
     def close(self) -> None:
         """Finish each tracker run (W&B: `finish`, MLflow: FINISHED); safe to call twice."""
-        last = max((int(r["step"]) for r in read_jsonl(self.out_dir / METRICS) if "step" in r), default=0)
         for run in self.open.values():
             run.close()
-        self._mark(last, durable_only=False)
+        self._mark(max(self.sent.values(), default=0), durable_only=False)
         self.open = {}
 
 
