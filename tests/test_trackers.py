@@ -129,3 +129,26 @@ def test_a_tracker_is_checked_before_any_rank_starts(tmp_path, monkeypatch):
         dt.Job(tmp_path, trackers="mlflow")
     with pytest.raises(UserError, match="is not a tracker"):
         dt.Job(tmp_path, trackers=["tensorboard"])
+
+
+def test_disttrain_train_sends_its_run_to_both_trackers(tmp_path, monkeypatch):
+    """The config route: `[log] wandb` and `[log] mlflow` on a one-process `disttrain train`;
+    then the same command with more steps continues both tracker runs."""
+    from elastic_helpers import TINY
+
+    monkeypatch.setenv("MLFLOW_ALLOW_FILE_STORE", "true")
+    uri = (tmp_path / "mlruns").resolve().as_uri()
+    args = ["train", "examples/tiny_gpt.toml", *TINY, "--parallel.nproc=1", f"--train.out_dir={tmp_path}",
+            "--log.wandb=cfg-test", "--log.mlflow=cfg-test", f"--log.mlflow_tracking_uri={uri}",
+            "--log.tensorboard=false"]
+    for steps in (3, 5):
+        proc = run_disttrain([*args, f"--train.steps={steps}"], timeout=180, env=worker_env(**ENV))
+        assert proc.returncode == 0, proc.stdout[-2000:] + proc.stderr[-2000:]
+    from mlflow.tracking import MlflowClient
+
+    client = MlflowClient(tracking_uri=uri)
+    (run,) = client.search_runs([client.get_experiment_by_name("cfg-test").experiment_id])
+    assert sorted(m.step for m in client.get_metric_history(run.info.run_id, "loss")) == [1, 2, 3, 4, 5]
+    assert run.data.params["train.batch_size"] == "4" and run.data.params["model.n_layer"] == "1"
+    ids, rows, _ = _wandb_history(tmp_path)
+    assert len(ids) == 1 and sorted(r["_step"] for r in rows if "loss" in r) == [1, 2, 3, 4, 5]
