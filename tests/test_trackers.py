@@ -152,3 +152,30 @@ def test_disttrain_train_sends_its_run_to_both_trackers(tmp_path, monkeypatch):
     assert run.data.params["train.batch_size"] == "4" and run.data.params["model.n_layer"] == "1"
     ids, rows, _ = _wandb_history(tmp_path)
     assert len(ids) == 1 and sorted(r["_step"] for r in rows if "loss" in r) == [1, 2, 3, 4, 5]
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(600)
+def test_fast_recovery_keeps_one_tracker_run_with_every_step_once(tmp_path, monkeypatch):
+    """`[elastic] fast_recovery`: rank 0 is killed (a spare takes over in a new process,
+    which opens the tracker runs again), then rank 1 (rank 0's process, and its W&B
+    buffer, live on). One W&B run and one MLflow run, every step once."""
+    from elastic_helpers import start, trainer_cmd
+
+    monkeypatch.setenv("MLFLOW_ALLOW_FILE_STORE", "true")
+    uri = (tmp_path / "mlruns").resolve().as_uri()
+    cmd = trainer_cmd(tmp_path, "--train.steps=16", "--elastic.fast_recovery=true", "--checkpoint.every=3",
+                      "--log.wandb=fr", "--log.mlflow=fr", f"--log.mlflow_tracking_uri={uri}",
+                      "--log.tensorboard=false")
+    faults = "kill@backward:rank=0,step=8,restart=0;kill@backward:rank=1,step=12,restart=1"
+    proc = start(cmd, tmp_path / "log.txt", DISTTRAIN_FAULT=faults, **ENV)
+    assert proc.wait(timeout=300) == 0, (tmp_path / "log.txt").read_text()[-3000:]
+    assert (tmp_path / "log.txt").read_text().count("its warm spare took over") == 2
+    ids, rows, events = _wandb_history(tmp_path)
+    assert len(ids) == 1 and sorted(r["_step"] for r in rows if "loss" in r) == list(range(1, 17))
+    assert len(events) == 3
+    from mlflow.tracking import MlflowClient
+
+    client = MlflowClient(tracking_uri=uri)
+    (run,) = client.search_runs([client.get_experiment_by_name("fr").experiment_id])
+    assert sorted(m.step for m in client.get_metric_history(run.info.run_id, "loss")) == list(range(1, 17))
