@@ -123,3 +123,21 @@ def test_tokens_beside_a_model_of_ones_own_needs_data_block_size(tmp_path):
     (tmp_path / "cfg.toml").write_text('[model]\nblock_size = 64\n[data]\ntokens = "tokens"\n')
     with pytest.raises(ConfigError, match="'data.block_size' is 100, more than the built-in GPT's model.block_size \\(64\\)"):
         load_config(tmp_path / "cfg.toml", ["--data.block_size=100"])
+
+
+def test_a_first_batch_the_model_refuses_names_the_data_key_in_use(tmp_path):
+    """A token-file run whose model.factory model rejects (x, y) names data.tokens (the
+    message said data.factory, which was not set)."""
+    import torch
+
+    from disttrain.train import sources
+
+    _token_folder(tmp_path)
+    (tmp_path / "cfg.toml").write_text(CONFIG.format(steps=4))
+    cfg = load_config(tmp_path / "cfg.toml")
+    assert sources.data_key(cfg) == "data.tokens"
+    train, _, _ = sources.build_datasets(cfg, tmp_path)
+    x, y = train[0]
+    with pytest.raises(UserError) as err:
+        sources.batch_loss(torch.nn.Linear(8, 8), (x[None], y[None]), None, first=True, data=sources.data_key(cfg))
+    assert "Make data.tokens's samples match" in str(err.value) and "data.factory" not in str(err.value)
