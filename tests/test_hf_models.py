@@ -126,3 +126,42 @@ def test_clear_errors(tmp_path, monkeypatch):
     monkeypatch.setitem(sys.modules, "transformers", None)
     with pytest.raises(UserError, match="pip install transformers"):
         build_hf_model(SMALL)
+
+
+def test_model_pt_of_an_hf_run_loads_strict_into_the_hf_class(toml_run):
+    """The final model.pt of `[model] hf` holds the Hugging Face model's own keys (it had
+    the adapter's `hf.` prefix, and a strict load into the class failed)."""
+    import tomllib
+
+    section = tomllib.loads((ROOT / "examples/hf_gpt2.toml").read_text())["model"]
+    model = transformers.AutoModelForCausalLM.from_config(
+        transformers.AutoConfig.for_model("gpt2", **section["hf_config"]))
+    state = torch.load(toml_run / "model.pt", map_location="cpu", weights_only=True)
+    assert not any(k.startswith("hf.") for k in state)
+    model.load_state_dict(state, strict=True)
+    assert torch.equal(model.transformer.wte.weight, state["transformer.wte.weight"])
+
+
+def test_export_hf_of_a_job_checkpoint_of_a_hugging_face_model(tmp_path):
+    """A dt.Job script that trains a Hugging Face model it built itself: `disttrain ckpt
+    export --hf` of its checkpoint gives the trained model's logits exactly (it used to
+    refuse: "not a Hugging Face model")."""
+    import disttrain as dt
+
+    config = transformers.LlamaConfig(vocab_size=64, hidden_size=32, intermediate_size=64, num_hidden_layers=2,
+                                      num_attention_heads=2, num_key_value_heads=1, max_position_embeddings=32)
+    x = torch.arange(4 * 9).view(4, 9) % 64
+    with dt.Job(tmp_path, checkpoint_every=0, progress=False, tensorboard=False) as job:
+        torch.manual_seed(0)
+        model = job.wrap(transformers.LlamaForCausalLM(config))
+        opt = torch.optim.AdamW(model.parameters(), lr=1e-2)
+        loader = job.loader(torch.utils.data.TensorDataset(x), batch_size=2)
+        job.resume(model=model, optimizer=opt)
+        for (ids,) in job.steps(loader, max_steps=3):
+            job.backward(model(input_ids=ids, labels=ids).loss)
+    proc = run_disttrain(["ckpt", "export", str(tmp_path / "checkpoints"), "--hf", str(tmp_path / "hf")])
+    assert proc.returncode == 0, proc.stdout[-2000:] + proc.stderr[-2000:]
+    exported = transformers.AutoModelForCausalLM.from_pretrained(tmp_path / "hf")
+    assert type(exported).__name__ == "LlamaForCausalLM"
+    trained = dt.unwrap(model)
+    assert torch.equal(_logits(exported, x), _logits(trained, x))

@@ -235,3 +235,35 @@ def test_workers_map_the_files_themselves_and_a_pickle_carries_no_tokens(tmp_pat
     loader = DataLoader(train, batch_size=4, num_workers=1, sampler=list(range(8)))
     x, _ = next(iter(loader))
     assert x[3].tolist() == first[0].tolist()
+
+
+def test_a_missing_heldout_split_is_one_line(tmp_path):
+    """docs/data.md promises one line for a split the folder lacks; a named held-out split
+    that does not exist used to leave the run without its evaluation, silently."""
+    _hf_folder(tmp_path)
+    config = tmp_path / "job.toml"
+    config.write_text('[model]\nblock_size = 8\n[data]\nhf_dataset = "hf"\nhf_heldout_split = "test"\n')
+    with pytest.raises(UserError) as err:
+        build_datasets(load_config(config), tmp_path)
+    message = str(err.value)
+    assert "data.hf_heldout_split is 'test'" in message and "train, validation" in message
+    assert "\n" not in message
+    _, held, _ = build_datasets(load_config(config, ["--data.hf_heldout_split="]), tmp_path)
+    assert held is None  # '' asks for no held-out set
+
+
+def test_a_wrong_hf_dataset_is_reported_before_any_worker_starts(tmp_path):
+    """`disttrain train` with 2 ranks and a data.hf_dataset folder that does not exist: one
+    line from the launching process, exit 2; no rank was started (it used to fail in
+    every worker, after the launch)."""
+    pytest.importorskip("datasets")
+    config = tmp_path / "job.toml"
+    config.write_text('[model]\nblock_size = 8\n[data]\nhf_dataset = "no_such_folder"\n'
+                      f'[parallel]\nnproc = 2\n[train]\nout_dir = "{tmp_path / "run"}"\n')
+    from conftest import run_disttrain
+
+    proc = run_disttrain(["train", str(config)], timeout=120)
+    err = proc.stderr.strip()
+    assert proc.returncode == 2, proc.stdout[-2000:] + err[-2000:]
+    assert "data.hf_dataset" in err and "no_such_folder is not a folder" in err and "\n" not in err, err
+    assert "rank" not in proc.stdout + err  # no worker, no launcher report

@@ -26,10 +26,11 @@ old_paths.install()  # 0.1 module paths keep working, with a DeprecationWarning
 _EXPORTS = {
     "disttrain.checkpoint": ["Checkpointer", "TrainState", "atomic_torch_save", "load", "load_model",
                              "save", "save_model"],
-    "disttrain.data": ["DistributedSampler", "ElasticSampler"],
+    "disttrain.data": ["DistributedSampler", "ElasticSampler", "TokenWindows"],
     "disttrain.errors": ["ConfigError", "DistributedMismatchError", "UserError"],
     "disttrain.guard": ["check_consistency", "check_replicas", "start_guard"],
     "disttrain.train.job": ["Job"],
+    "disttrain.train.trackers": ["MlflowTracker", "WandbTracker"],
     "disttrain.train.loop": ["Accumulator", "clip_grad_norm", "no_sync", "warmup_cosine"],
     "disttrain.train.metrics": ["JsonlWriter", "MeanTracker", "global_mean", "global_sum", "print_main"],
     "disttrain.parallel": ["Layout", "join", "make_optimizer", "unwrap", "wrap"],
@@ -58,10 +59,11 @@ def __dir__() -> list[str]:
 if TYPE_CHECKING:  # static tools see the real names
     from disttrain.checkpoint import (Checkpointer, TrainState, atomic_torch_save, load,  # noqa: F401
                                       load_model, save, save_model)
-    from disttrain.data import DistributedSampler, ElasticSampler  # noqa: F401
+    from disttrain.data import DistributedSampler, ElasticSampler, TokenWindows  # noqa: F401
     from disttrain.errors import ConfigError, DistributedMismatchError, UserError  # noqa: F401
     from disttrain.guard import check_consistency, check_replicas, start_guard  # noqa: F401
     from disttrain.train.job import Job  # noqa: F401
+    from disttrain.train.trackers import MlflowTracker, WandbTracker  # noqa: F401
     from disttrain.train.loop import Accumulator, clip_grad_norm, no_sync, warmup_cosine  # noqa: F401
     from disttrain.train.metrics import (JsonlWriter, MeanTracker, global_mean, global_sum,  # noqa: F401
                                    print_main)

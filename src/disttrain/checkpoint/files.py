@@ -102,17 +102,20 @@ def full_model_state(model: nn.Module) -> dict:
     return {k: v.detach().cpu() for k, v in state.items()}
 
 
-def save_model(model: nn.Module, path: str | os.PathLike) -> Path:
+def save_model(model: nn.Module, path: str | os.PathLike, strip: str = "") -> Path:
     """Rank 0 saves the full, prefix-free weights atomically; every rank waits for it.
 
     A collective (a gather under FSDP, then a barrier): every rank must call it. The
-    file loads into the plain model with `load_state_dict(strict=True)`. The write is
-    atomic (`atomic_torch_save`): a failure on rank 0 (a full disk) leaves any earlier
-    file intact and raises there, while the other ranks wait at the barrier until the
-    group's timeout.
+    file loads into the plain model with `load_state_dict(strict=True)`; with `strip`
+    (an adapter's prefix, such as "hf."), into the adapted model's own class instead.
+    The write is atomic (`atomic_torch_save`): a failure on rank 0 (a full disk) leaves
+    any earlier file intact and raises there, while the other ranks wait at the barrier
+    until the group's timeout.
     """
     path = Path(path)
     state = full_model_state(model)
+    if strip:
+        state = strip_prefix(state, strip)
     if rank_info().is_main:
         atomic_torch_save(state, path)
     barrier()

@@ -1,7 +1,8 @@
 """`disttrain ckpt export DIR --hf OUTDIR`: a checkpoint as a Hugging Face model folder.
 
 The model's Hugging Face config comes from the checkpoint's own resolved config
-(`state.json` -> `config.model`: `hf` + `hf_config`, or `hf_path`). The model is built
+(`state.json` -> `config.model`: `hf` + `hf_config`, or `hf_path`; a `dt.Job` stores
+the section of a Hugging Face model it wrapped, `hf_section`). The model is built
 empty on the meta device, each weight is read from the DCP checkpoint (gathered from
 its shards, one tensor at a time) and put in place, and `save_pretrained` writes
 safetensors plus `config.json`. `AutoModelForCausalLM.from_pretrained(OUTDIR)` then
@@ -97,6 +98,20 @@ def hf_config_from_section(section: Any, config_dir: str | os.PathLike | None = 
         return transformers.AutoConfig.for_model(hf, **overrides)
     except (TypeError, ValueError) as e:
         raise UserError(f"model.hf_config for {hf!r} is invalid: {str(e).splitlines()[0]}") from e
+
+
+def hf_section(model: Any) -> dict | None:
+    """The model section that describes a Hugging Face model given to `dt.Job`:
+    {"hf": its model type, "hf_config": its config's values that differ from the type's
+    defaults}, stored in the Job's checkpoints so that `ckpt export --hf` rebuilds it;
+    None for a module that is not a transformers `PreTrainedModel`. Imports nothing."""
+    config = getattr(model, "config", None)
+    if not (hasattr(config, "to_json_string") and getattr(config, "model_type", "")):
+        return None
+    values = json.loads(config.to_json_string(use_diff=True))
+    for key in ("model_type", "transformers_version"):  # the type is "hf"; the version, no setting
+        values.pop(key, None)
+    return {"hf": config.model_type, "hf_config": values}
 
 
 def causal_lm_from_config(hf_config, where: str):

@@ -42,6 +42,10 @@ class DataConfig:
     tokens_heldout: str = ""
     """Held-out token files (a glob or path); '' = the files named like val.bin / *_val_*.bin,
     else the last data.heldout_fraction of the windows."""
+    block_size: int = 0
+    """Tokens per sample of data.tokens (and the longest row of data.hf_dataset); 0 =
+    model.block_size (the built-in GPT's, or a model.hf model's window). Needed beside
+    model.factory with data.tokens: the window length is the data's there."""
     tokens_dtype: str = "uint16"
     """The dtype of raw (headerless, nanoGPT) token files: uint16, uint32 or int32; llm.c
     files carry theirs in the header."""
@@ -67,9 +71,17 @@ class DataConfig:
 TOKEN_DTYPES = ("uint16", "uint32", "int32")
 
 
-def check_data_source(d: DataConfig) -> None:
-    """At most one of data.factory, data.tokens, data.hf_dataset; known dtype; columns.
-    Raises `ConfigError` naming the keys."""
+def check_data_source(d: DataConfig, model_key: str = "") -> None:
+    """At most one of data.factory, data.tokens, data.hf_dataset; known dtype; columns;
+    the window length: data.block_size with data.tokens beside `model_key` ('model.factory',
+    whose model has no model.block_size; '' otherwise). Raises `ConfigError` naming the
+    keys in use."""
+    _require(d.block_size >= 0, f"config key 'data.block_size' is {d.block_size}; use the tokens per "
+                                f"sample (at least 1), or 0 for the built-in GPT's model.block_size.")
+    _require(not (d.tokens and model_key and d.block_size == 0),
+             f"config keys 'data.tokens' and {model_key!r} are set but 'data.block_size' is not: the "
+             f"tokens per sample come from the data beside a model of your own. Set data.block_size "
+             f"= N (your model's context length).")
     chosen = [k for k in ("factory", "tokens", "hf_dataset") if getattr(d, k)]
     _require(len(chosen) <= 1, f"config keys {', '.join('data.' + k for k in chosen)} are all set; the "
                                f"training data comes from one of them. Remove the others.")

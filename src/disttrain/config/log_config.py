@@ -5,7 +5,10 @@ Kept out of schema.py so that file stays one page; schema.py makes it a `Config`
 
 from __future__ import annotations
 
+import importlib.util
 from dataclasses import dataclass
+
+from disttrain.errors import ConfigError
 
 
 @dataclass(kw_only=True)
@@ -16,3 +19,28 @@ class LogConfig:
     """Rank 0 writes TensorBoard event files under {train.out_dir}/tb (losses, LR,
     gradient norm, throughput, per-rank step time and peak memory, restarts and
     world-size changes). false writes none."""
+
+    wandb: str = ""
+    """The Weights & Biases project rank 0 sends the run to ('' = none): each metrics record,
+    the config, restarts and world-size changes; a resumed run continues the same W&B run.
+    WANDB_MODE=offline writes {train.out_dir}/wandb only. Needs disttrain[wandb]."""
+    wandb_entity: str = ""
+    """The W&B entity (user or team) of [log] wandb; '' = W&B's default."""
+    mlflow: str = ""
+    """The MLflow experiment rank 0 sends the run to ('' = none), as [log] wandb; a resumed
+    run continues the same MLflow run. Needs disttrain[mlflow]."""
+    mlflow_tracking_uri: str = ""
+    """Where MLflow stores runs: a server URL or file:///path (a file store); '' =
+    MLFLOW_TRACKING_URI, else MLflow's default."""
+
+
+_EXTRAS = {"wandb": "wandb", "mlflow": "mlflow"}
+
+
+def check_log(log: LogConfig) -> None:
+    """[log] wandb / mlflow need their package: one `ConfigError` naming the key and the
+    extra, in the launching process (nothing is imported)."""
+    for key, module in _EXTRAS.items():
+        if getattr(log, key) and importlib.util.find_spec(module) is None:
+            raise ConfigError(f"config key 'log.{key}' is set but the {module} package is not installed: "
+                              f"pip install 'disttrain[{key}]', or remove log.{key}.")

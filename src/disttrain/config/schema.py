@@ -18,7 +18,7 @@ from typing import Any
 from disttrain.config.gpt_shape import GPTConfig
 from disttrain.config.data_config import DataConfig, check_data_source
 from disttrain.config.elastic_config import ElasticConfig, check_elastic
-from disttrain.config.log_config import LogConfig
+from disttrain.config.log_config import LogConfig, check_log
 from disttrain.config.rules import check_values
 from disttrain.config.tomlfile import apply_overrides, build, read_toml
 from disttrain.config.user_code import check_model_keys, check_sources
@@ -269,8 +269,13 @@ def validate(cfg: Config) -> None:
     _require(not d.persistent_workers or d.num_workers > 0,
              "data.persistent_workers = true needs data.num_workers > 0 (there are no workers to keep).")
     check_elastic(cfg.elastic)
+    check_log(cfg.log)
     check_sources(cfg)  # model.factory, data.factory, train.loss (config/user_code.py)
-    check_data_source(cfg.data)
+    check_data_source(cfg.data, "model.factory" if m.factory else "")
+    builtin = not (m.factory or m.hf or m.hf_path)
+    _require(not builtin or cfg.data.block_size <= m.block_size,
+             f"config key 'data.block_size' is {cfg.data.block_size}, more than the built-in GPT's "
+             f"model.block_size ({m.block_size}); lower data.block_size or leave it 0.")
     _check_hardware(p)
     device = p.device if p.device != "auto" else ("cuda" if _cuda_count() else "cpu")
     # On CUDA it runs (NCCL aborted on a failure, elastic.fast_recovery) but says it is unproven.

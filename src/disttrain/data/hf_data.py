@@ -22,6 +22,10 @@ from torch.utils.data import Dataset
 
 from disttrain.errors import UserError
 
+DEFAULT_HELDOUT = "validation"
+"""data.hf_heldout_split's default: used when the folder has it, else no held-out set.
+Any other split that the folder lacks is a `UserError`."""
+
 
 def _load(folder: Path) -> Any:
     try:
@@ -78,9 +82,10 @@ def hf_datasets(folder: str | os.PathLike, columns: list[str], *, split: str = "
                 base: str | os.PathLike | None = None) -> tuple[HFRows, HFRows | None, dict]:
     """(train rows, held-out rows or None, summary fields) of a `save_to_disk` folder
     (relative to `base`). A DatasetDict gives `split` and `heldout_split` (None when
-    that split is absent); a single Dataset has no held-out part. `block_size`, when
-    given, bounds the length of one-column rows. Raises `UserError` for a missing
-    package, folder, split or column, or a row that cannot be a next-token window."""
+    that split is the default "validation" and absent, or ''); a single Dataset has no
+    held-out part. `block_size`, when given, bounds the length of one-column rows. Raises `UserError` for a missing
+    package, folder, split (a held-out split named but absent included) or column, or a
+    row that cannot be a next-token window."""
     path = Path(folder).expanduser()
     path = path if path.is_absolute() else Path(base or Path.cwd()) / path
     loaded = _load(path)
@@ -92,6 +97,9 @@ def hf_datasets(folder: str | os.PathLike, columns: list[str], *, split: str = "
             raise UserError(f"data.hf_split is {split!r}, but {path} has the splits {', '.join(splits)}; "
                             f"set data.hf_split to one of them.")
         train_table = loaded[split]
+        if heldout_split and heldout_split not in splits and heldout_split != DEFAULT_HELDOUT:
+            raise UserError(f"data.hf_heldout_split is {heldout_split!r}, but {path} has the splits "
+                            f"{', '.join(splits)}; set it to one of them, or to \"\" for no held-out set.")
         held_table = loaded[heldout_split] if heldout_split and heldout_split in splits else None
     train = HFRows(train_table, columns, f"{path} [{split}]")
     held = HFRows(held_table, columns, f"{path} [{heldout_split}]") if held_table is not None else None

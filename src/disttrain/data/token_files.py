@@ -135,10 +135,10 @@ def _is_val_name(path: Path) -> bool:
     return _VAL_NAME.search(path.stem.lower()) is not None
 
 
-def expand_tokens(spec: str, base: str | os.PathLike | None = None) -> list[Path]:
+def expand_tokens(spec: str, base: str | os.PathLike | None = None, key: str = "data.tokens") -> list[Path]:
     """The token files a `data.tokens` value names, sorted: a directory (its `*.bin`
     files), a glob, or one file; a relative value is taken from `base`. Raises
-    `UserError` when it names no file."""
+    `UserError` naming `key` when it names no file."""
     base_dir = Path(base) if base is not None else Path.cwd()
     full = Path(spec).expanduser()
     full = full if full.is_absolute() else base_dir / full
@@ -150,7 +150,7 @@ def expand_tokens(spec: str, base: str | os.PathLike | None = None) -> list[Path
         files = [full] if full.is_file() else []
     if not files:
         what = "has no *.bin file" if full.is_dir() else "matches no file"
-        raise UserError(f"data.tokens = {spec!r} {what} (looked at {full}); write token files with "
+        raise UserError(f"{key} = {spec!r} {what} (looked at {full}); write token files with "
                         f"`disttrain data prepare TEXT_FILES... --out DIR`.")
     return files
 
@@ -169,14 +169,35 @@ def split_files(files: list[Path], heldout: str, base: str | os.PathLike | None 
 
 
 class TokenWindows(Dataset):
-    """Non-overlapping windows of `block_size + 1` tokens over token files, as
-    (input, next-token target) int64 pairs. Optionally only windows [start, stop) of
-    the whole sequence of windows (a held-out fraction)."""
+    """A map-style dataset of non-overlapping windows over token files: sample `i` is
+    `(x, y)`, two int64 tensors of `block_size` tokens, `y` the next token of each `x`
+    (tokens[s : s + block_size] and tokens[s + 1 : s + block_size + 1]).
 
-    def __init__(self, files: list[TokenFile], block_size: int, start: int = 0, stop: int | None = None):
-        if block_size < 1:
-            raise UserError(f"model.block_size is {block_size}; it must be at least 1.")
-        self.files, self.block_size = list(files), block_size
+    `paths`: a folder (its `*.bin` files), a glob, one file, or a list of them, in the
+    nanoGPT raw format (tokens of `dtype`: 'uint16', 'uint32' or 'int32', no header) or
+    llm.c's (a 256-int32 header that carries its dtype); both may be mixed. Windows
+    never cross files, and a file of n tokens holds (n - 1) // block_size of them.
+    `start` / `stop` keep windows [start, stop) of the whole sequence (a held-out tail).
+    `block_key` is what the errors call `block_size` (`disttrain train` passes its key).
+
+    The contract that makes resume exact: window `i` is the same tokens on every rank,
+    every run and every world size, so `dt.Job.loader` (an `ElasticSampler`) consumes
+    each window once per epoch across kills and resizes. Only headers and sizes are read
+    at construction; each process memory-maps the files itself on first use (at most
+    `MAX_OPEN` open), and a pickled dataset (a DataLoader worker) carries no map.
+    Raises `UserError` naming the file for a missing, truncated or malformed file, and
+    for a `block_size` below 1; `IndexError` for an index out of range.
+
+        windows = dt.TokenWindows("data/shakespeare", block_size=256)   # train.bin, val.bin
+        loader = job.loader(dt.TokenWindows("data/train.bin", 256), batch_size=12)
+    """
+
+    def __init__(self, paths, block_size: int, *, dtype: str = "uint16", start: int = 0,
+                 stop: int | None = None, block_key: str = "block_size"):
+        if not isinstance(block_size, int) or block_size < 1:
+            raise UserError(f"TokenWindows: {block_key} is {block_size!r}; it must be an integer of "
+                            f"at least 1 (the tokens per window).")
+        self.files, self.block_size = _token_files(paths, dtype), block_size
         # windows per file: a file of n tokens holds (n - 1) // block windows
         self.ends = np.cumsum([max(0, (f.count - 1) // block_size) for f in self.files]).tolist()
         total = self.ends[-1] if self.ends else 0
@@ -226,17 +247,31 @@ class TokenWindows(Dataset):
         return window[:-1], window[1:]
 
 
+def _token_files(paths, dtype: str) -> list[TokenFile]:
+    """`TokenWindows`' `paths` as `TokenFile`s: each str or path expanded by `expand_tokens`."""
+    items = [paths] if isinstance(paths, (str, os.PathLike, TokenFile)) else list(paths)
+    out: list[TokenFile] = []
+    for item in items:
+        if isinstance(item, TokenFile):
+            out.append(item)
+        else:
+            out.extend(read_token_file(p, dtype) for p in expand_tokens(os.fspath(item), key="TokenWindows"))
+    return out
+
+
 def token_datasets(spec: str, block_size: int, *, heldout: str = "", heldout_fraction: float = 0.1,
                    raw_dtype: str = "uint16", base: str | os.PathLike | None = None,
-                   vocab_size: int | None = None) -> tuple[TokenWindows, TokenWindows, dict]:
+                   vocab_size: int | None = None, block_key: str = "model.block_size"
+                   ) -> tuple[TokenWindows, TokenWindows, dict]:
     """(train windows, held-out windows, summary fields) for `data.tokens`.
 
     Held-out by file when `heldout` names files or some files are named like a
     validation split; otherwise the last `heldout_fraction` of the windows (at least
     one), so training never sees a held-out window. `vocab_size` (the model's), when
-    given, is checked against the folders' meta.json. Raises `UserError` for a
-    malformed file (naming it), too small a vocabulary, and too little data for one
-    training window.
+    given, is checked against the folders' meta.json. `block_key` is the config key
+    that sets `block_size`, named in the errors. Raises `UserError` for a malformed
+    file (naming it), too small a vocabulary, and too little data for one training
+    window.
     """
     train_paths, held_paths = split_files(expand_tokens(spec, base), heldout, base)
     check_vocab(train_paths + held_paths, vocab_size)
@@ -246,17 +281,19 @@ def token_datasets(spec: str, block_size: int, *, heldout: str = "", heldout_fra
     train_files = [read_token_file(p, raw_dtype) for p in train_paths]
     held_files = [read_token_file(p, raw_dtype) for p in held_paths]
     if held_files:
-        train, held = TokenWindows(train_files, block_size), TokenWindows(held_files, block_size)
+        train, held = (TokenWindows(train_files, block_size, block_key=block_key),
+                       TokenWindows(held_files, block_size, block_key=block_key))
         split = "file"
     else:
-        everything = TokenWindows(train_files, block_size)
+        everything = TokenWindows(train_files, block_size, block_key=block_key)
         cut = len(everything) - max(1, int(len(everything) * heldout_fraction))
-        train, held = TokenWindows(train_files, block_size, 0, cut), TokenWindows(train_files, block_size, cut)
+        train = TokenWindows(train_files, block_size, stop=cut, block_key=block_key)
+        held = TokenWindows(train_files, block_size, start=cut, block_key=block_key)
         split = "fraction"
     if len(train) == 0:
         raise UserError(f"data.tokens = {spec!r}: {sum(f.count for f in train_files)} tokens in "
                         f"{len(train_files)} file(s) give no training window of block_size + 1 = "
-                        f"{block_size + 1} tokens (windows do not cross files); lower model.block_size "
+                        f"{block_size + 1} tokens (windows do not cross files); lower {block_key} "
                         f"or add data.")
     summary = {"train_files": len(train_files), "heldout_files": len(held_files), "heldout_split": split,
                "train_windows": len(train), "train_tokens": len(train) * block_size}

@@ -247,7 +247,9 @@ def _cut_connections(before: set[str], store_port: int) -> int:
             continue
         try:
             with socket.socket(fileno=os.dup(fd)) as s:
-                if s.type != socket.SOCK_STREAM or s.getpeername()[1] == store_port:
+                # TCP only: a Unix socket (W&B's to its own process) has a path for a peer.
+                if s.family not in (socket.AF_INET, socket.AF_INET6) or s.type != socket.SOCK_STREAM \
+                        or s.getpeername()[1] == store_port:
                     continue
                 s.shutdown(socket.SHUT_RDWR)
                 shut += 1

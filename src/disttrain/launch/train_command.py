@@ -1,7 +1,9 @@
 """`disttrain train CONFIG.toml [--section.key=value ...]`: validate, then train.
 
-The config is loaded and validated in this process first, and the user code it names
-(model.factory, data.factory, train.loss) is imported, so a typo never starts a worker.
+The config is loaded and validated in this process first, the user code it names
+(model.factory, data.factory, train.loss) is imported, and the data on disk it names
+(data.tokens, data.hf_dataset: files, splits, columns) is opened, so a typo never
+starts a worker.
 With `parallel.nproc > 1` outside torchrun the job is relaunched through `disttrain run`
 as `python -m disttrain.train`; otherwise it trains here.
 """
@@ -74,6 +76,10 @@ def main(argv: list[str]) -> int:
         from disttrain.train.sources import check_references
 
         check_references(cfg, config_dir)
+    if cfg.data.tokens or cfg.data.hf_dataset:  # files, folders, splits, columns: here, once
+        from disttrain.train.sources import build_datasets
+
+        build_datasets(cfg, config_dir)  # headers and memory maps only; the workers build their own
     from disttrain.launch.preflight import preflight
 
     preflight(cfg)  # writable out_dir and checkpoint root; the first step fits in memory

@@ -9,6 +9,7 @@
     recorded.py      which samples a batch holds; which optimizers existed before wrap
     run_summary.py   summary.json and the table, over every attempt of a run
     run_log.py       per-rank step time and memory, run_events.jsonl, TensorBoard
+    trackers.py      W&B and MLflow: rank 0's records, one tracker run across attempts
     loop.py          Accumulator (no_sync, loss scaled once, clip, step), warmup_cosine
     metrics.py       global (sum, count) means, rank-0 JSONL writer, print_main
     progress.py      rich progress bar and summary table

@@ -60,10 +60,12 @@ def _sum_count(name: str, value: Any, n: int) -> tuple[float, float]:
 class Evaluator:
     """Evaluates `model` on `dataset` every `every` optimizer steps (0: only at the last
     step) and at the last step; `at_start` also before the first step of a fresh run.
-    `run(model)` is a collective returning {name: global value}."""
+    `run(model)` is a collective returning {metric: global value}; the job records them
+    as `<name>_<metric>`."""
 
     def __init__(self, dataset, batch_size: int, *, every: int = 0, max_batches: int | None = None,
-                 metric: Metric | None = None, collate: Callable | None = None, at_start: bool = False):
+                 metric: Metric | None = None, collate: Callable | None = None, at_start: bool = False,
+                 name: str = "heldout"):
         if batch_size < 1 or every < 0 or (max_batches is not None and max_batches < 1):
             raise UserError(f"evaluator: batch_size ({batch_size}) and max_batches ({max_batches}) "
                             f"must be >= 1, every ({every}) >= 0.")
@@ -71,7 +73,7 @@ class Evaluator:
             raise UserError(f"evaluator: the eval set is a {type(dataset).__name__}; pass a map-style "
                             f"dataset (with __len__ and __getitem__) so it can be split across ranks.")
         self.dataset, self.batch_size, self.every = dataset, batch_size, every
-        self.max_batches, self.at_start = max_batches, at_start
+        self.max_batches, self.at_start, self.name = max_batches, at_start, name
         self.metric = metric or loss_metric()
         self.collate = collate or torch.utils.data.default_collate
         self.last: dict[str, float] = {}

@@ -8,7 +8,8 @@ config file's folder), or builds from its config.json alone when it holds no wei
 `HFCausalLM` lets such a model train on (x, y) batches (the stdlib byte corpus) in
 the same loop as the built-in GPT: `forward(x, y)` returns `(logits, loss)`. Its
 state-dict keys are the Hugging Face model's own under the prefix `hf.`
-(`HF_PREFIX`), which `disttrain ckpt export --hf` strips. FSDP still shards per block:
+(`HF_PREFIX`), which `disttrain ckpt export --hf` and the run's `model.pt` strip.
+FSDP still shards per block:
 `parallel.blocks.find_blocks` reads `_no_split_modules` from every submodule, so the
 Hugging Face blocks (`GPT2Block`, `LlamaDecoderLayer`, ...) are found through it.
 """
@@ -85,10 +86,15 @@ class HFCausalLM(nn.Module):
 
     The Hugging Face model is the submodule `hf`, so state-dict keys are its own
     keys prefixed with `HF_PREFIX` ("hf."); checkpoints and `ckpt export --hf` rely
-    on that. `_no_split_modules` stays on the inner model, where `find_blocks` finds it.
+    on that. The final `model.pt` is saved without the prefix (`export_prefix`).
+    `_no_split_modules` stays on the inner model, where `find_blocks` finds it.
     Raises `ValueError` naming model.block_size when `x` is longer than the model's
     position count (`n_positions` / `max_position_embeddings`).
     """
+
+    export_prefix = HF_PREFIX
+    """The run's model.pt holds the Hugging Face model's own keys (this prefix stripped),
+    so it loads with `load_state_dict(strict=True)` into the Hugging Face class."""
 
     def __init__(self, hf_model: nn.Module):
         super().__init__()

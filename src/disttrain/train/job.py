@@ -17,6 +17,7 @@ evaluation, the run log, the progress bar, the summary and the final save, and, 
         sched = torch.optim.lr_scheduler.LambdaLR(opt, warmup)  # Job steps it
         loader = job.loader(dataset, batch_size=32)
         evaluator = job.evaluator(eval_set, batch_size=64, every=50)  # and at the last step
+        job.evaluator(train_sample, batch_size=64, every=50, name="train")  # train_loss
         job.resume(model=model, optimizer=opt, scheduler=sched)  # newest valid checkpoint
         for batch in job.steps(loader, max_steps=1000):
             loss = model(**batch).loss
@@ -31,6 +32,7 @@ each call out of order, and each object that did not come from this job, is one
 
 from __future__ import annotations
 
+import re
 import signal
 from pathlib import Path
 from typing import Any, Iterator
@@ -40,6 +42,7 @@ from torch.utils.data import DataLoader
 
 from disttrain import launcher_notes, runtime
 from disttrain.checkpoint import Checkpointer, TrainState
+from disttrain.checkpoint.hf_export import hf_section
 from disttrain.data import ElasticSampler
 from disttrain.elastic import PreemptionHandler, fast_recovery
 from disttrain.errors import UserError
@@ -52,6 +55,7 @@ from disttrain.train.evaluation import Evaluator
 from disttrain.train.loop import Accumulator
 from disttrain.train.misuse import BACKWARD_MESSAGE, Ownership
 from disttrain.train.recorded import Recorded, built_after, optimizer_mark, watch_optimizers
+from disttrain.train.trackers import resolve as resolve_trackers
 
 
 def _ignore_stop_signals(worker_id: int, chain=None) -> None:
@@ -109,6 +113,10 @@ class Job:
             'continue' warns and trains on (the previous checkpoint stays newest).
         log_every: Optimizer steps per metrics record (values averaged over them).
         progress: Rank 0's progress bar.
+        trackers: "wandb", "mlflow", `dt.WandbTracker(...)`, `dt.MlflowTracker(...)` or a
+            list of them: rank 0 sends each metrics record, the config, restarts and
+            world-size changes there; a resumed or restarted run continues the same
+            tracker run (a tracker whose package is missing is a `UserError` here).
         guard (GuardConfig | None): For adapters: start checks and hang watchdog.
         config: For adapters: the dict each checkpoint stores and a resume compares.
         exit_on_preempt: False: on SIGTERM `steps()` returns after the save and
@@ -134,7 +142,7 @@ class Job:
                  exit_on_preempt: bool = True, tokens_per_sample: int = 0, buddy_every: int = 1,
                  checkpoints: bool = True, guard_fields: dict | None = None,
                  summary_config: dict | None = None, summary_extra: dict | None = None,
-                 **wrap_options: Any):
+                 trackers=None, **wrap_options: Any):
         if checkpoint_every < 0 or checkpoint_every_s < 0 or accum_steps < 1 or log_every < 1:
             raise UserError(f"dt.Job: checkpoint_every ({checkpoint_every}) and checkpoint_every_s "
                             f"({checkpoint_every_s}) must be >= 0, accum_steps ({accum_steps}) and "
@@ -155,12 +163,13 @@ class Job:
         self.tokens_per_sample, self.buddy_every = tokens_per_sample, buddy_every
         self.summary_extra, self.summary_config = summary_extra or {}, summary_config
         self.user_config, self.checkpoints, self.guard_fields = config, checkpoints, guard_fields or {}
+        self.trackers = resolve_trackers(trackers)  # a missing package: one line, before any step
         self._init = dict(backend=backend, device=device, timeout_s=timeout_s, seed=seed)
         self.info: runtime.RankInfo | None = None
         self.model = self._sampler = self._loader = self._acc = self._state = None
-        self._evaluator: Evaluator | None = None
+        self._evaluators: list[Evaluator] = []
         self._guard = self._preempt = self._handoff = self._saving = self._loop = None
-        self._owns_group, self._wrap_mark = False, None
+        self._owns_group, self._wrap_mark, self._hf_section = False, None, None
         self._resumed_note, self._changes = "", None  # said by steps(): job_resume.say_resumed
         set_speaker(f"disttrain {self.name}")  # fast recovery's messages too
         watch_optimizers()  # an optimizer built before this is one built before wrap
@@ -215,13 +224,14 @@ class Job:
 
     def config(self) -> dict:
         """What each checkpoint stores as the run's config (and a resume compares): the
-        adapter's `config`, or this job's settings and, after `resume`, the optimizer's
-        hyper-parameters (`job_resume.optim_config`)."""
+        adapter's `config`, or this job's settings, after `wrap` of a Hugging Face model
+        its model section (`model.hf`, `model.hf_config`: what `ckpt export --hf` reads),
+        and, after `resume`, the optimizer's hyper-parameters (`job_resume.optim_config`)."""
         if self.user_config is not None:
             return self.user_config
         own = {"strategy": self.strategy, "accum_steps": self.accum_steps, "seed": self.seed,
                "precision": self.precision, **{k: repr(v) for k, v in self.wrap_options.items()}}
-        return {"job": own}
+        return {"job": own, **({"model": self._hf_section} if self._hf_section else {})}
 
     def _need(self, done: bool, message: str) -> None:
         if self.info is None:
@@ -248,6 +258,7 @@ class Job:
         self._need(self.model is None, "dt.Job.wrap() is called once per job; this job already "
                                        "wrapped a model.")
         self._wrap_mark = optimizer_mark()
+        self._hf_section = hf_section(model)  # a Hugging Face model: `ckpt export --hf` rebuilds it
         self.model = wrap(model, strategy=self.strategy, precision=self.precision, **self.wrap_options)
         if self._handoff is not None:
             self._handoff.attach_buddy(self.strategy != "ddp", self.buddy_every)
@@ -281,23 +292,29 @@ class Job:
         return self._loader
 
     def evaluator(self, dataset, batch_size: int, *, every: int = 0, max_batches: int | None = None,
-                  metric=None, collate_fn=None, at_start: bool = False) -> Evaluator:
+                  metric=None, collate_fn=None, at_start: bool = False, name: str = "heldout") -> Evaluator:
         """Evaluate on `dataset` every `every` steps and at the last step, split across
         the ranks (`train/evaluation.py`: equal forwards per rank, global means from
-        (sum, count)); `metric(model, batch) -> {name: value}` adds metrics beyond the
+        (sum, count)); `metric(model, batch) -> {metric: value}` adds metrics beyond the
         loss (default: {"loss": the model's loss}). Each result goes into metrics.jsonl
-        as `heldout_<name>` and `evaluator.last`; the watchdog treats the evaluation as
-        a slow phase. `every=0` evaluates at the last step only; `max_batches` caps the
-        batches per rank (None: the whole set); `at_start=True` also evaluates before
-        the first step of a fresh run (not of a resumed one); `collate_fn` goes to the
-        DataLoader. Call it before `resume`; one per job. A `batch_size` or
-        `max_batches` below 1, a negative `every`, a second evaluator or a call after
-        `resume` is a `UserError`."""
-        self._need(self._evaluator is None and self._acc is None,
-                   "dt.Job.evaluator() is called once per job, before job.resume().")
-        self._evaluator = Evaluator(dataset, batch_size, every=every, max_batches=max_batches,
-                                    metric=metric, collate=collate_fn, at_start=at_start)
-        return self._evaluator
+        as `<name>_<metric>` (`heldout_loss` by default; the trackers too) and into
+        `evaluator.last`; the watchdog treats the evaluation as a slow phase. `every=0`
+        evaluates at the last step only; `max_batches` caps the batches per rank (None:
+        the whole set); `at_start=True` also evaluates before the first step of a fresh
+        run (not of a resumed one); `collate_fn` goes to the DataLoader. Call it before
+        `resume`, once per eval set: several evaluators, each with its own `name` (a
+        lowercase identifier, e.g. "val", "train_sample"), run in the order built. A
+        `batch_size` or `max_batches` below 1, a negative `every`, a repeated or
+        malformed name or a call after `resume` is a `UserError`."""
+        self._need(self._acc is None, "dt.Job.evaluator() is called before job.resume().")
+        if not re.fullmatch(r"[a-z][a-z0-9_]*", name) or name in {e.name for e in self._evaluators}:
+            taken = ", ".join(repr(e.name) for e in self._evaluators) or "none"
+            raise UserError(f"dt.Job.evaluator(name={name!r}): each evaluator needs its own name, a "
+                            f"lowercase identifier (its metrics are '<name>_loss', ...); taken: {taken}.")
+        ev = Evaluator(dataset, batch_size, every=every, max_batches=max_batches, metric=metric,
+                       collate=collate_fn, at_start=at_start, name=name)
+        self._evaluators.append(ev)
+        return ev
 
     def resume(self, *, model: torch.nn.Module, optimizer: torch.optim.Optimizer, scheduler=None,
                scaler=None, extras: dict | None = None) -> bool:

@@ -46,7 +46,7 @@ IDENTITY = {
     "data.drop_last": "the length of an epoch, which the saved sample cursor counts through",
     **{f"data.{k}": _SAMPLES for k in ("factory", "kwargs", "corpus", "max_bytes", "heldout_fraction",
                                        "tokens", "tokens_heldout", "tokens_dtype", "hf_dataset",
-                                       "hf_columns", "hf_split")},
+                                       "hf_columns", "hf_split", "block_size")},
 }
 """The run's identity besides model.* (model.factory, model.kwargs and the hf keys
 included): key -> what a change of it changes. A data.* key that is in neither this

@@ -13,6 +13,7 @@ lifetime) and call `RunLog.log(record)` at their log steps. Files under `out_dir
                        differs from the previous line's)
     tb/                TensorBoard event files (`[log] tensorboard`), written by
                        `torch.utils.tensorboard.SummaryWriter`
+    wandb/             W&B's own files (`[log] wandb`, train/trackers.py)
 
 `disttrain report` reads the first two (it imports no torch).
 """
@@ -44,6 +45,13 @@ _TAGS = {"loss": "loss/train", "heldout_loss": "loss/heldout", "lr": "optim/lr",
 _NOT_SCALARS = {"step", "attempt", "step_time_s", "peak_mem_mb"}
 
 
+def _tag(key: str) -> str:
+    """A record key's TensorBoard tag: an evaluator's `<name>_loss` is `loss/<name>`."""
+    if key in _TAGS:
+        return _TAGS[key]
+    return f"loss/{key[:-5]}" if key.endswith("_loss") else f"train/{key}"
+
+
 def _event_text(event: dict) -> str:
     world, prev = event["world_size"], event["prev_world_size"]
     if event["attempt"] == 0:
@@ -62,13 +70,14 @@ class RunLog:
     `run/events` plus the scalars `run/attempt` and `run/world_size` at that step. A
     restart opens it with `purge_step` after the resumed step, so TensorBoard hides the
     steps the killed attempt logged after its checkpoint (they are trained again).
-    Other ranks write nothing. An unwritable `out_dir` raises `OSError` on rank 0; a
-    missing tensorboard package, a `UserError` there.
+    `trackers` (rank 0's `train.trackers.Trackers`, or None) get the same start line and
+    each record. Other ranks write nothing. An unwritable `out_dir` raises `OSError` on
+    rank 0; a missing tensorboard package, a `UserError` there.
     """
 
     def __init__(self, out_dir: str | os.PathLike, info: RankInfo, step: int, resumed: bool,
-                 tensorboard: bool = True):
-        self.info, self.clock = info, StepClock(step)
+                 tensorboard: bool = True, trackers=None):
+        self.info, self.clock, self.trackers = info, StepClock(step), trackers
         self.attempt, self.writer = 0, None
         if not info.is_main:
             return
@@ -81,6 +90,8 @@ class RunLog:
                       "torchelastic_restart": int(os.environ.get("TORCHELASTIC_RESTART_COUNT", "0")),
                       "time": time.time()}
         JsonlWriter(out / EVENTS).write(self.event)
+        if trackers is not None:  # W&B / MLflow (train/trackers.py)
+            trackers.begin([_event_text(e) for e in [*past, self.event]], step)
         if tensorboard:
             # Imported here: only rank 0 of a run with TensorBoard on pays for it.
             try:
@@ -119,10 +130,12 @@ class RunLog:
             for key, value in record.items():
                 if key in _NOT_SCALARS or not isinstance(value, (int, float)) or math.isnan(value):
                     continue
-                self.writer.add_scalar(_TAGS.get(key, f"train/{key}"), value, step)
+                self.writer.add_scalar(_tag(key), value, step)
             for rank, mb in enumerate(memory):
                 self.writer.add_scalar(f"memory/peak_mb_rank{rank}", mb, step)
             self.writer.flush()
+        if self.trackers is not None:
+            self.trackers.log(record)
         return record
 
     def close(self) -> None:

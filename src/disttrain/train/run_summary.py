@@ -39,9 +39,10 @@ def read_start(out_dir: Path) -> dict[str, Any]:
 
 def build(out_dir: Path, *, steps: int, world_size: int, strategy: str, attempt_t0: float,
           samples_per_step: int, tokens_per_sample: int, final: dict[str, float],
-          resumed: bool, extra: dict | None = None) -> dict[str, Any]:
+          resumed: bool, extra: dict | None = None, eval_names: tuple[str, ...] = ("heldout",)
+          ) -> dict[str, Any]:
     """The summary dict (see the module); `final` holds the last train loss and the
-    last held-out metrics, keyed as in metrics.jsonl."""
+    last metrics of each evaluator (named `eval_names`), keyed as in metrics.jsonl."""
     start = read_start(out_dir)
     now = time.time()
     attempt_s = time.perf_counter() - attempt_t0
@@ -59,7 +60,7 @@ def build(out_dir: Path, *, steps: int, world_size: int, strategy: str, attempt_
     if tokens_per_sample:
         summary["tokens_seen"] = samples_per_step * steps * tokens_per_sample
     for key, value in final.items():
-        if key.startswith("heldout_") and key != "heldout_loss":
+        if key.startswith(tuple(f"{n}_" for n in eval_names)) and key != "heldout_loss":
             summary["final_" + key] = value
     summary.update(extra or {})
     return summary

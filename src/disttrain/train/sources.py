@@ -136,13 +136,27 @@ def _disk_datasets(cfg: Config, config_dir: str | Path | None) -> tuple[Any, Any
     if d.tokens:
         from disttrain.data.token_files import token_datasets
 
-        return token_datasets(d.tokens, cfg.model.block_size, heldout=d.tokens_heldout,
+        return token_datasets(d.tokens, window(cfg), heldout=d.tokens_heldout,
                               heldout_fraction=d.heldout_fraction, raw_dtype=d.tokens_dtype, base=config_dir,
-                              vocab_size=cfg.model.vocab_size if builtin else None)
+                              vocab_size=cfg.model.vocab_size if builtin else None,
+                              block_key="data.block_size" if d.block_size else "model.block_size")
     from disttrain.data.hf_data import hf_datasets
 
     return hf_datasets(d.hf_dataset, d.hf_columns, split=d.hf_split, heldout_split=d.hf_heldout_split,
-                       block_size=cfg.model.block_size if builtin else None, base=config_dir)
+                       block_size=window(cfg) if builtin or d.block_size else None, base=config_dir)
+
+
+def window(cfg: Config) -> int:
+    """Tokens per sample of data.tokens / data.hf_dataset: data.block_size, else the
+    built-in GPT's model.block_size (validation requires the first beside a model of
+    the user's)."""
+    return cfg.data.block_size or cfg.model.block_size
+
+
+def data_key(cfg: Config) -> str:
+    """The [data] key the training samples come from, for messages."""
+    d = cfg.data
+    return next((f"data.{k}" for k in ("factory", "tokens", "hf_dataset") if getattr(d, k)), "data.corpus")
 
 
 def build_loss(cfg: Config, config_dir: str | Path | None) -> Callable | None:
@@ -203,12 +217,14 @@ def output_loss(output: Any) -> Any:
     return output
 
 
-def batch_loss(model: torch.nn.Module, batch: Any, loss_fn: Callable | None, *, first: bool = False) -> torch.Tensor:
+def batch_loss(model: torch.nn.Module, batch: Any, loss_fn: Callable | None, *, first: bool = False,
+               data: str = "data.factory") -> torch.Tensor:
     """The scalar loss of one batch: `loss_fn(model, batch)` when train.loss is set, else
     the loss in `forward(model, batch)`'s output (`output_loss`).
 
     `first=True` (the first forward of the run) turns an exception into a `UserError`
-    naming the batch's structure and the model. Raises `UserError` when the loss is not
+    naming the batch's structure, the model and `data` (the config key of the samples).
+    Raises `UserError` when the loss is not
     a scalar tensor."""
     name = type(getattr(model, "module", model)).__name__
     try:
@@ -220,7 +236,7 @@ def batch_loss(model: torch.nn.Module, batch: Any, loss_fn: Callable | None, *, 
             "model(**batch)" if isinstance(batch, dict) else
             "model(*batch)" if isinstance(batch, (tuple, list)) else "model(batch)")
         raise UserError(f"the first batch failed in {how}: model {name} raised {type(e).__name__}: "
-                        f"{e}. The batch is {describe(batch)}. Make data.factory's samples match "
+                        f"{e}. The batch is {describe(batch)}. Make {data}'s samples match "
                         f"the model's forward arguments (a dict's keys are passed as keyword "
                         f"arguments), or set train.loss = \"module:fn\".") from e
     if not isinstance(loss, torch.Tensor) or loss.dim() != 0:

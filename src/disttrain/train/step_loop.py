@@ -24,6 +24,7 @@ from disttrain.checkpoint import save_model
 from disttrain.checkpoint.finite import first_non_finite
 from disttrain.elastic import SampleAudit, generation_id
 from disttrain.errors import UserError
+from disttrain.parallel import unwrap
 from disttrain.runtime.collectives import comm_device
 from disttrain.runtime.fault_injection import inject
 from disttrain.train import job_resume, run_summary
@@ -31,6 +32,7 @@ from disttrain.runtime.log import LOGGER
 from disttrain.train.metrics import JsonlWriter, global_sum
 from disttrain.train.progress import TrainProgress
 from disttrain.train.run_log import RunLog
+from disttrain.train.trackers import open_trackers
 from disttrain.train.sources import to_device
 
 
@@ -47,7 +49,9 @@ class Loop:
         self.samples_per_step = job._loader.batch_size * job._acc.accum_steps * info.world_size
         self.audit = SampleAudit(job.out_dir / "samples", info.rank, info.world_size,
                                  job.record_samples, generation_id())
-        self.run_log = RunLog(job.out_dir, info, job.step, job.resumed, job.tensorboard)
+        self.trackers = open_trackers(job.trackers, job.checkpoint_dir, job.out_dir, job.config()) \
+            if info.is_main else None
+        self.run_log = RunLog(job.out_dir, info, job.step, job.resumed, job.tensorboard, self.trackers)
         self.last_logged, self.t_window = job.step, time.perf_counter()
         self.progress = TrainProgress(max_steps, enabled=info.is_main and job.show_progress,
                                       start=job.step, unit="token" if job.tokens_per_sample else "sample")
@@ -91,11 +95,12 @@ class Loop:
     def start(self) -> None:
         """Before the first step: the evaluation at the start (not after an in-memory
         recovery, which does not wait for it) and the run's start record."""
-        job, ev = self.job, self.job._evaluator
+        job = self.job
         job._saving.start(job.step)
         heldout = {}
-        if ev is not None and ev.at_start and not job.in_memory:
-            heldout = self._evaluate()
+        for ev in job._evaluators:
+            if ev.at_start and not job.in_memory:
+                heldout.update(self._evaluate(ev))
         if job.step == 0 and not job.resumed:
             run_summary.record_start(job.out_dir, {k.removeprefix("heldout_"): v for k, v in heldout.items()},
                                      job.info.is_main)
@@ -110,9 +115,10 @@ class Loop:
         inject("step", job.step, job.info.rank)
         job._guard.step(job.step, job.model)
         self.progress.advance(job.step)
-        ev, heldout = job._evaluator, {}
-        if ev is not None and ev.due(job.step, self.max_steps) and job._preempt.time_for(ev.seconds):
-            heldout = self._evaluate()  # skipped when a SIGTERM's grace no longer fits it
+        heldout = {}
+        for ev in job._evaluators:
+            if ev.due(job.step, self.max_steps) and job._preempt.time_for(ev.seconds):
+                heldout.update(self._evaluate(ev))  # skipped when a SIGTERM's grace no longer fits it
         if heldout or (self.window and (job.step % job.log_every == 0 or job.step >= self.max_steps)):
             self._write(heldout)
         stopping = job._preempt.should_stop()  # agreed by all ranks (one all-reduce)
@@ -136,10 +142,10 @@ class Loop:
         self.audit.add(torch.tensor(self.job._loader.sampler.take(self.job._loader.batch_size)))
         self.commit()
 
-    def _evaluate(self) -> dict[str, float]:
-        job, ev = self.job, self.job._evaluator
+    def _evaluate(self, ev) -> dict[str, float]:
+        job = self.job
         with job._guard.slow_phase("eval", nbytes=ev.slow_nbytes(job.model)):
-            result = {f"heldout_{k}": v for k, v in ev.run(job.model).items()}
+            result = {f"{ev.name}_{k}": v for k, v in ev.run(job.model).items()}
         self.final.update(result)
         return result
 
@@ -169,6 +175,8 @@ class Loop:
         job._saving.finish(job.step)
         self.progress.close()
         job._guard.close()
+        if self.trackers is not None:
+            self.trackers.close()  # a preempted run continues the same tracker run when resumed
         if stopping:
             job.preempted = True
             if job._saving.ckpt is not None and job._saving.saved_at == job.step:
@@ -180,12 +188,15 @@ class Loop:
             return
         if job._saving.checked_at != job.step:
             self.check_finite(job.step)
-        path = save_model(job.model, job.out_dir / "model.pt")
+        # An adapter (HFCausalLM) saves its inner model's own keys: model.pt loads strict there.
+        prefix = getattr(unwrap(job.model), "export_prefix", "")
+        path = save_model(job.model, job.out_dir / "model.pt", strip=prefix)
         job.summary = run_summary.build(
             job.out_dir, steps=job.step, world_size=job.info.world_size, strategy=job.strategy,
             attempt_t0=self.t0, samples_per_step=self.samples_per_step,
             tokens_per_sample=job.tokens_per_sample, final=self.final, resumed=job.resumed,
-            extra={"checkpoint": str(path), **job.summary_extra})
+            extra={"checkpoint": str(path), **job.summary_extra},
+            eval_names=tuple(ev.name for ev in job._evaluators))
         if job.info.is_main:
             run_summary.write(job.out_dir, job.summary, job.summary_config or job.config())
 

@@ -19,7 +19,7 @@ from disttrain.guard.run_guard import logical_name
 from disttrain.parallel import make_optimizer, unwrap
 from disttrain.parallel.precision import make_grad_scaler
 from disttrain.runtime.log import LOGGER
-from disttrain.train import resume, run_summary, sources
+from disttrain.train import resume, run_summary, sources, trackers
 from disttrain.train.evaluation import loss_metric
 from disttrain.train.job import Job
 from disttrain.train.loop import warmup_cosine
@@ -74,7 +74,7 @@ def job_for(cfg: Config, dataset_len: int, data_info: dict) -> Job:
     """The `Job` a config describes: every [train], [checkpoint], [elastic], [guard] and
     [log] key that is not the model's or the data's becomes a Job keyword."""
     p, t, c, e = cfg.parallel, cfg.train, cfg.checkpoint, cfg.elastic
-    tokens = 0 if (cfg.data.factory or cfg.data.hf_dataset) else cfg.model.block_size
+    tokens = 0 if (cfg.data.factory or cfg.data.hf_dataset) else sources.window(cfg)
     return Job(t.out_dir, cfg=p, strategy=p.strategy, precision=t.precision,
                **({"compile": True} if t.compile else {}),
                accum_steps=t.accum_steps, seed=t.seed, grad_clip=cfg.optim.grad_clip,
@@ -84,7 +84,8 @@ def job_for(cfg: Config, dataset_len: int, data_info: dict) -> Job:
                batch_policy=e.batch_policy, record_samples=e.record_samples,
                preempt_grace_s=e.preempt_grace_s, buddy_every=e.buddy_every,
                backend=p.backend, device=p.device, timeout_s=p.timeout_s,
-               tensorboard=cfg.log.tensorboard, log_every=t.log_every, guard=cfg.guard,
+               tensorboard=cfg.log.tensorboard, trackers=trackers.from_config(cfg.log),
+               log_every=t.log_every, guard=cfg.guard,
                guard_fields={"dataset_len": dataset_len}, config=to_dict(cfg),
                summary_config=run_summary.applicable_config(cfg), exit_on_preempt=False,
                tokens_per_sample=tokens, summary_extra={**data_info, "unit": "token" if tokens else "sample",
@@ -125,10 +126,10 @@ def _train(cfg: Config, config_dir, handoff) -> dict:
             job.evaluator(heldout_set, t.batch_size, every=t.eval_every, max_batches=t.eval_batches,
                           metric=loss_metric(loss_fn), at_start=True)
         job.resume(model=model, optimizer=optimizer, scheduler=scheduler, scaler=make_grad_scaler(t.precision))
-        first = True
+        first, data_key = True, sources.data_key(cfg)
         for batch in job.steps(loader, t.steps):
             # model(**dict), model(*tuple) or model(batch); its loss, or train.loss
-            loss = sources.batch_loss(model, batch, loss_fn, first=first)
+            loss = sources.batch_loss(model, batch, loss_fn, first=first, data=data_key)
             first = False
             job.backward(loss)
             job.log(loss=loss)
