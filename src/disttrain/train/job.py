@@ -113,8 +113,8 @@ class Job:
             'continue' warns and trains on (the previous checkpoint stays newest).
         log_every: Optimizer steps per metrics record (values averaged over them).
         progress: Rank 0's progress bar.
-        trackers: "wandb", "mlflow", `dt.WandbTracker(...)`, `dt.MlflowTracker(...)` or a
-            list of them: rank 0 sends each metrics record, the config, restarts and
+        trackers (str | list | None): "wandb", "mlflow", `dt.WandbTracker(...)`,
+            `dt.MlflowTracker(...)` or a list of them: rank 0 sends each metrics record, the config, restarts and
             world-size changes there; a resumed or restarted run continues the same
             tracker run (a tracker whose package is missing is a `UserError` here).
         guard (GuardConfig | None): For adapters: start checks and hang watchdog.
