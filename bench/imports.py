@@ -25,7 +25,7 @@ import tempfile
 import time
 from pathlib import Path
 
-from bench.common import BENCH, ROOT, Options, base_env, fmt, run_python, summary
+from bench.common import BENCH, Options, base_env, fmt, run_python, summary
 from bench.profiles import import_profile
 
 NAME = "imports"

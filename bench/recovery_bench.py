@@ -104,7 +104,7 @@ def scale_cycles(tmp: Path, backend: str, cycles: int, flavor: str, timeouts: tu
     """(b), (c): kill one agent's node and start a new one, `cycles` times. c10d loses
     the newest agent (the first hosts the store, a single point of failure); etcd loses
     the oldest, so the first agent dies too. `flavor`: a key of FLAVORS."""
-    plain, (_, env, conf) = flavor == "plain", FLAVORS[flavor]
+    _, env, conf = FLAVORS[flavor]
     saved = {k: os.environ.get(k) for k in env}
     os.environ.update(env)  # the agents' environment (Job copies it at each start)
     try:

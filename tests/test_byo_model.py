@@ -7,7 +7,6 @@ mistake is one clear error naming the key and the module."""
 
 from __future__ import annotations
 
-import sys
 from pathlib import Path
 
 import pytest
@@ -15,7 +14,6 @@ import torch
 
 from conftest import ROOT, run_disttrain, worker_env
 from disttrain.config import load_config
-from disttrain.elastic import final_timeline
 from disttrain.errors import ConfigError, UserError
 from elastic_helpers import audit_timeline, last_loss_per_step, load_params
 

@@ -5,7 +5,6 @@ is dropped without waiting on it."""
 
 import json
 import subprocess
-import sys
 import textwrap
 
 import pytest

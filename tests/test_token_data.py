@@ -210,7 +210,7 @@ def test_hf_dataset_every_row_once_across_a_kill_and_2_1_2(tmp_path):
 
 
 def test_hf_dataset_config_and_errors_are_one_line(tmp_path):
-    folder = _hf_folder(tmp_path)
+    _hf_folder(tmp_path)
     config = tmp_path / "job.toml"
     config.write_text('[model]\nblock_size = 8\n[data]\nhf_dataset = "hf"\n')
     train, held, _ = build_datasets(load_config(config), tmp_path)

@@ -12,7 +12,6 @@ not hide the earlier ones.
 
 import json
 import subprocess
-import sys
 import textwrap
 
 import pytest

@@ -11,7 +11,7 @@ from __future__ import annotations
 import ast
 import re
 
-from disttrain.doctor import control_flow, guard_shapes
+from disttrain.doctor import guard_shapes
 from disttrain.doctor.facts import Facts, is_const, kwarg, mentions, ref
 from disttrain.doctor.findings import WARNING, finding, rule
 

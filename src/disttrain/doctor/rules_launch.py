@@ -8,9 +8,8 @@ from __future__ import annotations
 
 import ast
 import re
-from typing import Iterable
 
-from disttrain.doctor.facts import DISTTRAIN_INITS, Facts, arg, has_star_kwargs, kwarg, ref
+from disttrain.doctor.facts import Facts, arg, has_star_kwargs, kwarg, ref
 from disttrain.doctor.findings import ERROR, WARNING, finding, rule
 from disttrain.doctor.names import SET_DEVICE, takes_node_rank
 from disttrain.doctor.rules_data import _reads_local_rank, rank_kwarg_calls

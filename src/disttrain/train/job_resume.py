@@ -34,7 +34,7 @@ def load(job, ckpt, acc) -> bool:
     """Fill `job._state` and return whether the run resumed; builds `job._saving`. A
     collective. Raises `CheckpointMismatch` for a changed model or data (a
     `disttrain train` config) before anything is loaded."""
-    state, info, handoff = job._state, job.info, job._handoff
+    state, handoff = job._state, job._handoff
     optimizer, scheduler = state.optimizer, state.scheduler
     if job.user_config is None:
         state.config = {**job.config(), "optim": optim_config(optimizer, scheduler)}
