@@ -30,18 +30,19 @@ from __future__ import annotations
 import datetime
 import gc
 import os
-import socket
 import sys
 import time
+import traceback
 from dataclasses import dataclass, field
 from typing import Any, Callable
 
 import torch
 import torch.distributed as dist
 
-from disttrain import runtime
+from disttrain import launcher_notes, runtime
+from disttrain.elastic import group_sockets
 from disttrain.elastic.buddy_copy import BuddyCopy, pack, unpack
-from disttrain.runtime import fault_injection, torch_compat
+from disttrain.runtime import failures, fault_injection, torch_compat
 from disttrain.runtime.log import EVERY_RANK, LOGGER
 
 ROLE_ENV = "DISTTRAIN_FAST_ROLE"
@@ -122,7 +123,20 @@ class Handoff:
     cache: dict = field(default_factory=dict)
     live: dict = field(default_factory=dict)
     buddy: BuddyCopy | None = None
+    store: dist.Store | None = None
+    listening: set = field(default_factory=set)
+    """The listeners this process had when the generation began (`group_sockets`)."""
     _buddy_gen: int = -1
+
+    def peer_gone(self) -> bool:
+        """Whether a peer of this generation has died: a promoted spare bumped the
+        generation counter."""
+        return self.store is not None and self.store.add(GEN_KEY, 0) > self.gen
+
+    def publish_listeners(self) -> None:
+        """Put this rank's group listeners on the store (`group_sockets.publish`)."""
+        if self.store is not None and dist.is_initialized():
+            group_sockets.publish(self.store, f"disttrain/fast/g{self.gen}", dist.get_rank(), self.listening)
 
     def committed(self, step: int, state, first: bool = False) -> None:
         """After each committed step, and once when an attempt starts (`first`: copied
@@ -150,10 +164,12 @@ class Handoff:
     def keep(self, **objects: Any) -> None:
         """Register the attempt's objects. Registering `state` (with `acc`) says that
         they now hold the committed state, so the older in-memory copy is dropped; until
-        then a failure (one during `restore`, say) keeps that copy for the next try."""
+        then a failure (one during `restore`, say) keeps that copy for the next try.
+        It also publishes this rank's group listeners again (a store write)."""
         self.live.update(objects)
         if "state" in objects:
             self.memory = None
+            self.publish_listeners()  # the job's own groups (checkpoint, buddy copy) exist now
 
     def cached(self, name: str, build: Callable[[], Any]) -> Any:
         if name not in self.cache:
@@ -217,50 +233,6 @@ def broadcast_state(memory: dict | None, src: int) -> dict:
     return unpack(wire.cpu(), template=None)
 
 
-def _socket_inodes() -> dict[int, str]:
-    """This process's open sockets: fd -> 'socket:[inode]' (empty where /proc is absent)."""
-    found = {}
-    try:
-        for name in os.listdir("/proc/self/fd"):
-            try:
-                link = os.readlink(f"/proc/self/fd/{name}")
-            except OSError:
-                continue
-            if link.startswith("socket:"):
-                found[int(name)] = link
-    except OSError:
-        pass
-    return found
-
-
-def _cut_connections(before: set[str], store_port: int) -> int:
-    """Shut down the TCP connections opened since `before` (the generation's gloo
-    groups), except those to the store. torch 2.13's gloo group has no abort and closes
-    its connections only when destructed, and a destroyed group stays referenced (by
-    FSDP2's state, and by `runtime.shutdown`, which never destructs one mid-run); a
-    survivor blocked in a collective on this rank (not on the dead one) would wait for
-    the group's whole timeout. A shut connection fails its wait at once. Returns how
-    many were shut."""
-    shut = 0
-    for fd, link in _socket_inodes().items():
-        if link in before:
-            continue
-        try:
-            with socket.socket(fileno=os.dup(fd)) as s:
-                if s.type != socket.SOCK_STREAM or s.getpeername()[1] == store_port:
-                    continue
-                s.shutdown(socket.SHUT_RDWR)
-                shut += 1
-        except OSError:  # a listening or already closed socket; not an inet one
-            continue
-    return shut
-
-
-def _is_peer_failure(e: BaseException) -> bool:
-    """A collective that failed because a peer went away (gloo closes the pair)."""
-    return isinstance(e, (RuntimeError, ConnectionError, TimeoutError)) and dist.is_initialized()
-
-
 _current: Handoff | None = None
 UNPROVEN_NCCL = ("disttrain: fast recovery on NCCL is unproven: its test (tests/test_fast_recovery_cuda.py) "
                  "needs a machine with 2 GPUs and has not run on one yet; a failed recovery falls back "
@@ -305,6 +277,7 @@ def run(body: Callable[[runtime.RankInfo, Handoff], Any], *, backend: str, devic
     store = connect_store(timeout_s)
     gen = store.add(GEN_KEY, 1) if os.environ.get(ROLE_ENV) == "newcomer" else store.add(GEN_KEY, 0)
     failure: RuntimeError | None = None
+    handoff.store = store
     try:
         while True:
             try:
@@ -315,26 +288,61 @@ def run(body: Callable[[runtime.RankInfo, Handoff], Any], *, backend: str, devic
                 raise
             handoff.gen = gen
             fault_injection.set_attempt(gen)  # a fault for attempt k fires once, in generation k
-            sockets_before = set(_socket_inodes().values())
+            handoff.listening = group_sockets.listeners()
             info = runtime.init(backend=backend, device=device, timeout_s=timeout_s, seed=seed,
                                 store=dist.PrefixStore(f"disttrain/fast/g{gen}/pg", store))
+            handoff.publish_listeners()
             _current = handoff
             try:
                 return body(info, handoff)
             except Exception as e:
-                if not _is_peer_failure(e):
-                    raise
+                verdict = failures.classify(e, peer_gone=handoff.peer_gone())
+                if not verdict.retried or launcher_notes.earlier_stop():
+                    raise  # the program's error: no new generation (the Job has told the launcher)
+                _stop_a_loop(handoff, verdict, e, info.rank)
                 # Kept without its traceback, whose frames would keep this attempt's model alive.
                 failure = RuntimeError(f"{type(e).__name__}: {e}")
-                LOGGER.warning(f"disttrain train: rank {info.rank}: generation {gen} lost a peer "
-                               f"({type(e).__name__}); recovering in memory", extra=EVERY_RANK)
+                _log_trace(info.rank, gen, e)
                 handoff.snapshot()
                 if "nccl" in str(info.backend):  # NCCL's communicators do not fail by themselves
                     torch_compat.abort_process_groups()
-                _cut_connections(sockets_before, int(os.environ["MASTER_PORT"]))
+                group_sockets.cut(group_sockets.published(store, f"disttrain/fast/g{gen}", world))
             finally:
                 _current = None
                 runtime.shutdown(collect=False)
             gen = max(gen + 1, store.add(GEN_KEY, 0))
     finally:
         store.add(DONE_KEY, 1)
+
+
+def _log_trace(rank: int, gen: int, e: BaseException) -> None:
+    """A survivor's failed collective, in its per-rank log; the console's one line per
+    lost peer is its supervisor's (which rank died, how, and that its spare took over)."""
+    path = launcher_notes.trace_file(rank)
+    line = f"disttrain: rank {rank}: generation {gen} failed ({type(e).__name__}); recovering in memory"
+    if path is None:
+        LOGGER.warning(line, extra=EVERY_RANK)
+        return
+    with open(path, "a") as f:
+        f.write(line + "\n" + "".join(traceback.format_exception(e)) + "\n")
+
+
+def _stop_a_loop(handoff: Handoff, verdict: failures.Verdict, e: BaseException, rank: int) -> None:
+    """The crash-loop breaker: a failure that cannot be classified (no peer died) which
+    ended the generation before with the same signature stops the job (the launcher
+    prints why); otherwise it is retried in memory."""
+    if verdict.kind != failures.UNKNOWN:
+        return
+    acc = handoff.live.get("acc")
+    step = acc.optimizer_steps + 1 if acc is not None else 0
+    sig = failures.signature(verdict.error, verdict.message, step)
+    restart = int(os.environ.get("TORCHELASTIC_RESTART_COUNT", "0"))
+    if launcher_notes.repeated_failure((restart, handoff.gen), sig) is None:
+        LOGGER.warning(f"disttrain: rank {rank}: generation {handoff.gen} failed and no peer died "
+                       f"({sig}); recovering in memory once more", extra=EVERY_RANK)
+        return
+    launcher_notes.report_not_retried(
+        f"stopped: two generations in a row ended with the same failure ({sig}), so a retry would "
+        f"repeat it; not retried", 1)
+    launcher_notes.wait_to_be_stopped()
+    raise SystemExit(1) from None

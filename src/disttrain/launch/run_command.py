@@ -367,8 +367,10 @@ def _launch(args: list[str], env: dict[str, str]) -> int:
     notes = user_notes.watch()
     try:
         run(parse_args(args))
+        if notes.stopped():  # every worker exited before the stop reached the agent
+            return notes.report()
     except ChildFailedError as e:
-        if notes.user_error():
+        if notes.stopped():
             return notes.report()
         rank, failure = e.get_first_failure()
         code = failure.exitcode if failure.exitcode >= 0 else 128 - failure.exitcode
@@ -385,7 +387,7 @@ def _launch(args: list[str], env: dict[str, str]) -> int:
         # has already passed the signal on and waited --shutdown-timeout for the workers; a
         # SIGTERMed disttrain worker saves and exits 0, so the job says so and exits 0 too
         # (the requeue path of docs/elastic.md), instead of a traceback and exit 1.
-        if notes.user_error():
+        if notes.stopped():
             return notes.report()
         name = signal.Signals(e.sigval).name
         saved = notes.saved_step()

@@ -52,9 +52,9 @@ def die_with_launcher() -> bool:
 def main(argv: list[str]) -> None:
     """Run `argv` (`-m MODULE ARGS` or `SCRIPT ARGS`) as `__main__` after `die_with_launcher`."""
     die_with_launcher()
-    from disttrain.launcher_notes import earlier_user_error
+    from disttrain.launcher_notes import earlier_stop
 
-    if earlier_user_error():  # a restart after a rank's user error: the mistake would repeat
+    if earlier_stop():  # a restart after a rank's user error: the mistake would repeat
         os._exit(2)
     os.environ.pop(LAUNCHER_ENV, None)  # the worker's own children have another parent
     if not (argv[:1] == ["-m"] and argv[1:2] and argv[1].startswith("disttrain.")):
