@@ -32,6 +32,7 @@ import sys
 import time
 
 from disttrain.launch.warm_workers import SOCKET_ENV as WARM_SOCKET_ENV
+from disttrain.launcher_notes import earlier_stop
 
 ROLE_ENV = "DISTTRAIN_FAST_ROLE"  # elastic.fast_recovery.ROLE_ENV; not imported: that imports torch
 DONE_KEY = "disttrain/fast/done"
@@ -123,7 +124,9 @@ def supervise(cmd: list[str], rank: int, world: int) -> int:
             continue
         break
     _end(spare)
-    if store is not None and rc == 0:  # keep the store up until every rank is done with it
+    # Keep the store up until every rank is done with it; not when a rank stopped the job
+    # (its error is the launcher's to report): the others may never say they are done.
+    if store is not None and rc == 0 and not earlier_stop():
         deadline = time.monotonic() + STORE_LINGER_S
         while store.add(DONE_KEY, 0) < world and time.monotonic() < deadline:
             time.sleep(0.05)
