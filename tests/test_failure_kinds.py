@@ -45,6 +45,21 @@ def test_the_programs_error_is_reported_once_and_last_and_not_retried(path, tmp_
     assert "gloo" not in out and "Connection closed" not in out and "took over" not in out
 
 
+def test_a_plain_scripts_error_is_not_retried_either(tmp_path):
+    """A script without dt.Job (tests/workers/hello.py) whose rank 1 raises: one attempt
+    under --max-restarts 3, its traceback last, then the line (no step: the script's
+    steps are unknown). Before: four attempts, a survivor's gloo traceback among them."""
+    marks = tmp_path / "starts.txt"
+    proc = run_disttrain(["run", "--nproc", "2", "--max-restarts", "3", str(WORKERS / "hello.py"), str(marks),
+                          "--raise-rank", "1"], timeout=150)
+    out = proc.stdout + proc.stderr
+    assert proc.returncode == 1 and len(marks.read_text().splitlines()) == 2, out[-3000:]
+    lines = proc.stderr.rstrip().splitlines()
+    assert lines[-2:] == ["RuntimeError: shapes do not match", "disttrain run: not retried: RuntimeError on "
+                          "rank 1 is the program's error (exit status 1)."], out[-3000:]
+    assert out.count("Traceback") == 1 and "gloo" not in out
+
+
 @pytest.mark.parametrize("path, kind, error", [("restart", "oom", "OutOfMemoryError"),
                                                ("fast", "hostoom", "MemoryError")])
 def test_out_of_memory_is_one_line_with_the_estimate_and_the_fixes(path, kind, error, tmp_path):

@@ -298,7 +298,7 @@ def run(body: Callable[[runtime.RankInfo, Handoff], Any], *, backend: str, devic
             except Exception as e:
                 verdict = failures.classify(e, peer_gone=handoff.peer_gone())
                 if not verdict.retried or launcher_notes.earlier_stop():
-                    raise  # the program's error: no new generation (the Job has told the launcher)
+                    _stop(handoff, e, info.rank)  # no new generation
                 _stop_a_loop(handoff, verdict, e, info.rank)
                 # Kept without its traceback, whose frames would keep this attempt's model alive.
                 failure = RuntimeError(f"{type(e).__name__}: {e}")
@@ -327,15 +327,32 @@ def _log_trace(rank: int, gen: int, e: BaseException) -> None:
         f.write(line + "\n" + "".join(traceback.format_exception(e)) + "\n")
 
 
+def _failed_step(handoff: Handoff) -> int:
+    """The step in flight when the attempt failed (0: before the first)."""
+    acc = handoff.live.get("acc")
+    return acc.optimizer_steps + 1 if acc is not None else 0
+
+
+def _stop(handoff: Handoff, e: BaseException, rank: int) -> None:
+    """The program's error (a `dt.Job` has already told the launcher and exited; this is
+    an error outside one), or a peer's stop: the job ends, no new generation starts.
+    Raises SystemExit (or `e` outside `disttrain run`)."""
+    if launcher_notes.earlier_stop():
+        raise SystemExit(0) from None  # a peer stopped the job; the launcher reports it
+    if not launcher_notes.under_launcher():
+        raise e
+    failures.report_program_error(e, rank, _failed_step(handoff))
+    launcher_notes.wait_to_be_stopped()
+    raise SystemExit(failures.exit_status(e)) from None
+
+
 def _stop_a_loop(handoff: Handoff, verdict: failures.Verdict, e: BaseException, rank: int) -> None:
     """The crash-loop breaker: a failure that cannot be classified (no peer died) which
     ended the generation before with the same signature stops the job (the launcher
     prints why); otherwise it is retried in memory."""
     if verdict.kind != failures.UNKNOWN:
         return
-    acc = handoff.live.get("acc")
-    step = acc.optimizer_steps + 1 if acc is not None else 0
-    sig = failures.signature(verdict.error, verdict.message, step)
+    sig = failures.signature(verdict.error, verdict.message, _failed_step(handoff))
     restart = int(os.environ.get("TORCHELASTIC_RESTART_COUNT", "0"))
     if launcher_notes.repeated_failure((restart, handoff.gen), sig) is None:
         LOGGER.warning(f"disttrain: rank {rank}: generation {handoff.gen} failed and no peer died "

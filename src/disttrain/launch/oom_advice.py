@@ -29,15 +29,21 @@ def state_bytes(facts: dict, strategy: str) -> int:
     return est.params + est.grads + est.optim
 
 
+FIXES = ("fixes: a smaller batch per rank (raise accum_steps to keep the global batch), activation "
+         "checkpointing, or strategy='fsdp' (see `disttrain plan`)")
+
+
 def advice(facts: dict) -> str:
-    """'the planner puts ...; fixes: ...' for the line of an out-of-memory error."""
+    """'the planner puts ...; fixes: ...' for the line of an out-of-memory error (the
+    fixes alone when the model is not known: a plain script's error)."""
     from disttrain.plan.memory import fmt_bytes
 
+    if not facts.get("params"):
+        return FIXES
     used = STATE_OF.get(str(facts.get("strategy")), "ddp")
     world = int(facts.get("world") or 1)
     now = state_bytes(facts, used)
     sharded = "" if used.startswith("fsdp") else f" ({fmt_bytes(state_bytes(facts, 'fsdp_full'))} under fsdp)"
     return (f"the planner puts the model's weights, gradients and {facts.get('optimizer') or 'optimizer'} "
             f"state at {fmt_bytes(now)} per rank under {facts.get('strategy')} on {world} rank(s)"
-            f"{sharded}, before activations; fixes: a smaller batch per rank (raise accum_steps to keep "
-            f"the global batch), activation checkpointing, or strategy='fsdp' (see `disttrain plan`)")
+            f"{sharded}, before activations; {FIXES}")

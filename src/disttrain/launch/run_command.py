@@ -9,8 +9,9 @@ What it changes, and why:
   ranks do not oversubscribe the CPU.
 - `TORCH_DISABLE_SHARE_RDZV_TCP_STORE=1` unless set: the agent's shared TCP store
   makes restarted workers fail to connect or hang (pytorch issue 135712).
-- A failed worker is reported in one line naming its rank and exit code, and that
-  exit code is returned (128 + signal for a worker killed by a signal).
+- A failed worker: one line naming its rank and exit code, which is returned (128 +
+  signal for one killed by a signal). What a rank reported through its notes (a user
+  error, the program's error: `launch.user_notes`) is printed instead, without a restart.
 - `--hang-timeout S` (default 600, 0 for none): every worker of a plain script runs a
   watchdog (`guard.script_watchdog`); a rank that waits in one collective with no
   progress for S seconds reports the hang, naming the rank that stopped making progress
@@ -367,8 +368,6 @@ def _launch(args: list[str], env: dict[str, str]) -> int:
     notes = user_notes.watch()
     try:
         run(parse_args(args))
-        if notes.stopped():  # every worker exited before the stop reached the agent
-            return notes.report()
     except ChildFailedError as e:
         if notes.stopped():
             return notes.report()

@@ -57,7 +57,7 @@ class Notes:
             return 2
         record = launcher_notes.read_not_retried(self.folder) or {}
         text = record.get("line", "a rank stopped the job")
-        if record.get("oom"):
+        if record.get("oom") is not None:
             from disttrain.launch.oom_advice import advice
 
             text += f"; {advice(record['oom'])}"

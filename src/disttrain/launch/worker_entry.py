@@ -22,6 +22,7 @@ import os
 import runpy
 import signal
 import sys
+import traceback
 
 LAUNCHER_ENV = "DISTTRAIN_LAUNCHER_PID"
 """The launching process's pid, set by `disttrain run` for its workers."""
@@ -70,7 +71,36 @@ def main(argv: list[str]) -> None:
     script = argv[0]
     sys.argv = list(argv)
     sys.path[0] = os.path.dirname(os.path.abspath(script))  # as `python SCRIPT` sets it
-    keep_globals(runpy.run_path(script, run_name="__main__"))
+    try:
+        keep_globals(runpy.run_path(script, run_name="__main__"))
+    except Exception as e:  # a dt.Job has judged its own failure already (SystemExit)
+        script_failed(e)
+
+
+def script_failed(exc: Exception) -> None:
+    """A plain script's exception under `disttrain run`, judged as a `dt.Job`'s is
+    (`runtime.failures`, docs/elastic.md): the program's error goes to the launcher,
+    which prints it last and stops the job without a restart; a rank whose peer stopped
+    the job exits 0, silent; a lost peer is one line (the trace in the rank's log), exit
+    1 for torchrun to restart. The script's steps are unknown here."""
+    from disttrain import launcher_notes
+    from disttrain.runtime import failures
+
+    if not launcher_notes.under_launcher():
+        raise exc
+    rank, verdict = int(os.environ.get("RANK", "0")), failures.classify(exc)
+    if launcher_notes.earlier_stop():
+        os._exit(0)
+    if verdict.kind == failures.PROGRAM:
+        failures.report_program_error(exc, rank, None, oom={} if verdict.oom else None)
+        launcher_notes.wait_to_be_stopped()
+        sys.exit(failures.exit_status(exc))
+    path = launcher_notes.trace_file(rank)
+    with open(path, "a") as f:
+        f.write("".join(traceback.format_exception(exc)) + "\n")
+    print(f"disttrain run: rank {rank} lost a peer ({verdict.cause}); full trace in "
+          f"{path}", file=sys.stderr, flush=True)
+    sys.exit(1)
 
 
 _KEPT: list[dict] = []

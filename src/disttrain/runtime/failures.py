@@ -24,7 +24,8 @@ program's error is not retried either: that peer's note ends the job
 
 `signature` is what the crash-loop breaker compares between two attempts: the type,
 the message with addresses, ports and pointers masked, and the step (0: before the
-first step). Plain Python: no torch import (types are matched by name), so the
+first step). `report_program_error` hands the program's error to the launcher
+(`launcher_notes`). Plain Python: no torch import (types are matched by name), so the
 launcher and the slot supervisor can use it.
 """
 
@@ -32,7 +33,10 @@ from __future__ import annotations
 
 import re
 import signal
+import traceback
 from dataclasses import dataclass
+
+from disttrain import launcher_notes
 
 MACHINE, PROGRAM, UNKNOWN = "machine", "program", "unknown"
 
@@ -133,3 +137,16 @@ def exit_status(exc: BaseException) -> int:
     if isinstance(exc, SystemExit):
         return exc.code if isinstance(exc.code, int) else 1
     return 1
+
+
+def report_program_error(exc: BaseException, rank: int, step: int | None, oom: dict | None = None) -> bool:
+    """Under `disttrain run`: hand the launcher the program's error `exc` of `rank` at
+    `step` (0: before the first step; None: a plain script's, unknown), its traceback
+    and its one line; `oom`: the planner's facts for an out-of-memory error ({}: none
+    known). False elsewhere, or when another rank's report came first. The caller then
+    waits to be stopped (`launcher_notes.wait_to_be_stopped`) and exits with
+    `exit_status(exc)`."""
+    where = "" if step is None else f" at step {step}" if step else " before the first step"
+    return launcher_notes.report_not_retried(
+        f"not retried: {type(exc).__name__}{where} on rank {rank} is the program's error",
+        exit_status(exc), traceback="".join(traceback.format_exception(exc)), oom=oom)

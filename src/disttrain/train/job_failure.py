@@ -87,11 +87,7 @@ def judge(job, exc: BaseException, peer_gone: Callable[[], bool] = lambda: False
     rank, step = (job.info.rank if job.info else int(os.environ.get("RANK", "0"))), failed_step(job)
     verdict = failures.classify(exc, peer_gone=peer_gone())
     if verdict.kind == failures.PROGRAM:
-        where = f"at step {step}" if step else "before the first step"
-        launcher_notes.report_not_retried(
-            f"not retried: {verdict.error} {where} on rank {rank} is the program's error",
-            failures.exit_status(exc), traceback="".join(traceback.format_exception(exc)),
-            oom=oom_facts(job) if verdict.oom else None)
+        failures.report_program_error(exc, rank, step, oom=oom_facts(job) if verdict.oom else None)
         return Ending(failures.exit_status(exc), wait=True)
     return None if job._handoff is not None else machine_ending(rank, step, verdict, exc)
 
