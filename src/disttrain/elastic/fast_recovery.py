@@ -134,7 +134,10 @@ class Handoff:
         return self.store is not None and self.store.add(GEN_KEY, 0) > self.gen
 
     def publish_listeners(self) -> None:
-        """Put this rank's group listeners on the store (`group_sockets.publish`)."""
+        """Put this rank's group listeners on the store (`group_sockets.publish`): called
+        right after each group of the generation is made (the default one, the buddy
+        copy's, the checkpointer's), so a rank blocked in a collective has published
+        every group it is in."""
         if self.store is not None and dist.is_initialized():
             group_sockets.publish(self.store, f"disttrain/fast/g{self.gen}", dist.get_rank(), self.listening)
 
@@ -160,16 +163,15 @@ class Handoff:
         if self._buddy_gen != self.gen:
             self.buddy.attach(dist.new_group(backend="gloo"))
             self._buddy_gen = self.gen
+            self.publish_listeners()
 
     def keep(self, **objects: Any) -> None:
         """Register the attempt's objects. Registering `state` (with `acc`) says that
         they now hold the committed state, so the older in-memory copy is dropped; until
-        then a failure (one during `restore`, say) keeps that copy for the next try.
-        It also publishes this rank's group listeners again (a store write)."""
+        then a failure (one during `restore`, say) keeps that copy for the next try."""
         self.live.update(objects)
         if "state" in objects:
             self.memory = None
-            self.publish_listeners()  # the job's own groups (checkpoint, buddy copy) exist now
 
     def cached(self, name: str, build: Callable[[], Any]) -> Any:
         if name not in self.cache:

@@ -6,8 +6,8 @@ A gloo group's connection always has a group listener at one end: each rank's gl
 device listens on a port of its own, and of each pair of ranks one connects to the
 other's listener (checked on torch 2.11 to 2.13, one device per group). So each
 rank publishes, on the generation's store, the listening endpoints it opened since
-the generation began (`publish`: after the group starts, and again once the job's
-own groups, the checkpoint's and the buddy copy's, exist), and a survivor cuts the
+the generation began (`publish`: right after each group is made: the generation's,
+the buddy copy's, the checkpointer's), and a survivor cuts the
 connections whose local or remote endpoint is one of them (`cut`). What a
 connection's endpoints are comes from /proc/self/net/tcp[6] (Linux; elsewhere nothing
 is cut and a blocked survivor waits for the group's timeout).

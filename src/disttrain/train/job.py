@@ -290,6 +290,8 @@ class Job:
                                  sampler=self._sampler, extras=extras or {})
         ckpt = Checkpointer(self.checkpoint_dir, keep_last=self.keep_last, async_mode=self.async_save,
                             fallback=self.fallback) if self.checkpoints else None
+        if self._handoff is not None:  # the checkpointer's gloo group: cut in a recovery
+            self._handoff.publish_listeners()
         self._acc = acc
         self.resumed = job_resume.load(self, ckpt, acc)
         return self.resumed
