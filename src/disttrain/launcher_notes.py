@@ -142,6 +142,14 @@ def repeated_failure(attempt: tuple[int, int], signature: str) -> str | None:
     return ours if ours == before else None
 
 
+def first_to_say(event: str) -> bool:
+    """Whether this rank is the first to report `event` (a name unique to it, such as
+    an attempt's lost peer), so that one line is said per event whatever the number of
+    ranks that saw it. Outside `disttrain run`: True."""
+    folder = _folder()
+    return folder is None or _write_once(folder / f"said-{event}", "")
+
+
 def trace_file(rank: int) -> Path | None:
     """This rank's log of full tracebacks under `disttrain run` (None elsewhere)."""
     path = os.environ.get(TRACES_ENV)

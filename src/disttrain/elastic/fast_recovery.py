@@ -32,7 +32,6 @@ import gc
 import os
 import sys
 import time
-import traceback
 from dataclasses import dataclass, field
 from typing import Any, Callable
 
@@ -43,7 +42,7 @@ from disttrain import launcher_notes, runtime
 from disttrain.elastic import group_sockets
 from disttrain.elastic.buddy_copy import BuddyCopy, pack, unpack
 from disttrain.runtime import failures, fault_injection, torch_compat
-from disttrain.runtime.log import EVERY_RANK, LOGGER
+from disttrain.runtime.log import LOGGER
 
 ROLE_ENV = "DISTTRAIN_FAST_ROLE"
 """Set by the slot supervisor on its children: "first" or "spare"."""
@@ -301,10 +300,13 @@ def run(body: Callable[[runtime.RankInfo, Handoff], Any], *, backend: str, devic
                 verdict = failures.classify(e, peer_gone=handoff.peer_gone())
                 if not verdict.retried or launcher_notes.earlier_stop():
                     _stop(handoff, e, info.rank)  # no new generation
-                _stop_a_loop(handoff, verdict, e, info.rank)
+                _stop_a_loop(handoff, verdict, info.rank)
                 # Kept without its traceback, whose frames would keep this attempt's model alive.
                 failure = RuntimeError(f"{type(e).__name__}: {e}")
-                _log_trace(info.rank, gen, e)
+                # The console's one line per lost peer is its supervisor's (which rank died,
+                # how, and that its spare took over); the survivor's trace goes to its log.
+                failures.trace_to_log(info.rank, e, f"rank {info.rank}: generation {gen} failed; "
+                                                    f"recovering in memory")
                 handoff.snapshot()
                 if "nccl" in str(info.backend):  # NCCL's communicators do not fail by themselves
                     torch_compat.abort_process_groups()
@@ -315,18 +317,6 @@ def run(body: Callable[[runtime.RankInfo, Handoff], Any], *, backend: str, devic
             gen = max(gen + 1, store.add(GEN_KEY, 0))
     finally:
         store.add(DONE_KEY, 1)
-
-
-def _log_trace(rank: int, gen: int, e: BaseException) -> None:
-    """A survivor's failed collective, in its per-rank log; the console's one line per
-    lost peer is its supervisor's (which rank died, how, and that its spare took over)."""
-    path = launcher_notes.trace_file(rank)
-    line = f"disttrain: rank {rank}: generation {gen} failed ({type(e).__name__}); recovering in memory"
-    if path is None:
-        LOGGER.warning(line, extra=EVERY_RANK)
-        return
-    with open(path, "a") as f:
-        f.write(line + "\n" + "".join(traceback.format_exception(e)) + "\n")
 
 
 def _failed_step(handoff: Handoff) -> int:
@@ -348,20 +338,14 @@ def _stop(handoff: Handoff, e: BaseException, rank: int) -> None:
     raise SystemExit(failures.exit_status(e)) from None
 
 
-def _stop_a_loop(handoff: Handoff, verdict: failures.Verdict, e: BaseException, rank: int) -> None:
+def _stop_a_loop(handoff: Handoff, verdict: failures.Verdict, rank: int) -> None:
     """The crash-loop breaker: a failure that cannot be classified (no peer died) which
     ended the generation before with the same signature stops the job (the launcher
     prints why); otherwise it is retried in memory."""
     if verdict.kind != failures.UNKNOWN:
         return
-    sig = failures.signature(verdict.error, verdict.message, _failed_step(handoff))
-    restart = int(os.environ.get("TORCHELASTIC_RESTART_COUNT", "0"))
-    if launcher_notes.repeated_failure((restart, handoff.gen), sig) is None:
-        LOGGER.warning(f"disttrain: rank {rank}: generation {handoff.gen} failed and no peer died "
-                       f"({sig}); recovering in memory once more", extra=EVERY_RANK)
-        return
-    launcher_notes.report_not_retried(
-        f"stopped: two generations in a row ended with the same failure ({sig}), so a retry would "
-        f"repeat it; not retried", 1)
-    launcher_notes.wait_to_be_stopped()
-    raise SystemExit(1) from None
+    if failures.crash_loop(verdict, _failed_step(handoff), unit="generations"):
+        launcher_notes.wait_to_be_stopped()
+        raise SystemExit(1) from None
+    failures.say_once(f"disttrain run: rank {rank}: generation {handoff.gen} failed and no peer died "
+                      f"({verdict.cause}); recovering in memory once more")

@@ -22,7 +22,6 @@ import os
 import runpy
 import signal
 import sys
-import traceback
 
 LAUNCHER_ENV = "DISTTRAIN_LAUNCHER_PID"
 """The launching process's pid, set by `disttrain run` for its workers."""
@@ -95,11 +94,8 @@ def script_failed(exc: Exception) -> None:
         failures.report_program_error(exc, rank, None, oom={} if verdict.oom else None)
         launcher_notes.wait_to_be_stopped()
         sys.exit(failures.exit_status(exc))
-    path = launcher_notes.trace_file(rank)
-    with open(path, "a") as f:
-        f.write("".join(traceback.format_exception(exc)) + "\n")
-    print(f"disttrain run: rank {rank} lost a peer ({verdict.cause}); full trace in "
-          f"{path}", file=sys.stderr, flush=True)
+    what = "lost a peer" if verdict.kind == failures.MACHINE else "failed (cannot tell whose failure)"
+    failures.say_once(f"disttrain run: rank {rank} {what} ({verdict.cause}); {failures.trace_to_log(rank, exc)}")
     sys.exit(1)
 
 

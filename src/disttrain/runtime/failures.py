@@ -25,18 +25,22 @@ program's error is not retried either: that peer's note ends the job
 `signature` is what the crash-loop breaker compares between two attempts: the type,
 the message with addresses, ports and pointers masked, and the step (0: before the
 first step). `report_program_error` hands the program's error to the launcher
-(`launcher_notes`). Plain Python: no torch import (types are matched by name), so the
+(`launcher_notes`), `crash_loop` is the breaker, `say_once` the one line per failure,
+`trace_to_log` the rank's full traceback. Plain Python: no torch import (types are matched by name), so the
 launcher and the slot supervisor can use it.
 """
 
 from __future__ import annotations
 
+import os
 import re
 import signal
 import traceback
 from dataclasses import dataclass
 
 from disttrain import launcher_notes
+from disttrain.runtime import fault_injection
+from disttrain.runtime.log import EVERY_RANK, LOGGER
 
 MACHINE, PROGRAM, UNKNOWN = "machine", "program", "unknown"
 
@@ -150,3 +154,38 @@ def report_program_error(exc: BaseException, rank: int, step: int | None, oom: d
     return launcher_notes.report_not_retried(
         f"not retried: {type(exc).__name__}{where} on rank {rank} is the program's error",
         exit_status(exc), traceback="".join(traceback.format_exception(exc)), oom=oom)
+
+
+def attempt() -> tuple[int, int]:
+    """This attempt: (torchrun's restart count, the in-memory generation)."""
+    return int(os.environ.get("TORCHELASTIC_RESTART_COUNT", "0")), fault_injection.attempt()
+
+
+def crash_loop(verdict: Verdict, step: int, unit: str = "attempts") -> bool:
+    """The crash-loop breaker, for a failure that cannot be classified: record its
+    signature as this attempt's; when the attempt before ended with the same one, tell
+    the launcher to stop the job ("two `unit` in a row ...") and return True (the
+    caller then waits to be stopped)."""
+    sig = signature(verdict.error, verdict.message, step)
+    if launcher_notes.repeated_failure(attempt(), sig) is None:
+        return False
+    launcher_notes.report_not_retried(f"stopped: two {unit} in a row ended with the same failure ({sig}), "
+                                      f"so a retry would repeat it; not retried", 1)
+    return True
+
+
+def say_once(line: str) -> None:
+    """One line per failure of an attempt, said by the first rank to see it."""
+    if launcher_notes.first_to_say("failure-%06d-%06d" % attempt()):
+        LOGGER.warning(line, extra=EVERY_RANK)
+
+
+def trace_to_log(rank: int, exc: BaseException, header: str = "") -> str:
+    """Append `exc`'s traceback (after a `header` line) to this rank's log under
+    `disttrain run`; returns where it went, for the rank's one line."""
+    path = launcher_notes.trace_file(rank)
+    if path is None:
+        return "no per-rank log outside disttrain run"
+    with open(path, "a") as f:
+        f.write((header + "\n" if header else "") + "".join(traceback.format_exception(exc)) + "\n")
+    return f"full trace in {path}"

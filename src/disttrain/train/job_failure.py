@@ -26,14 +26,12 @@ from __future__ import annotations
 import math
 import os
 import sys
-import traceback
 from dataclasses import dataclass
 from typing import Callable
 
 from disttrain import launcher_notes
 from disttrain.errors import UserError
 from disttrain.runtime import failures
-from disttrain.runtime.log import EVERY_RANK, LOGGER
 
 
 @dataclass(frozen=True)
@@ -48,16 +46,6 @@ class Ending:
 def failed_step(job) -> int:
     """The step the failure happened in (0: before the first step)."""
     return job.step + 1 if job._loop is not None else 0
-
-
-def trace_to_log(rank: int, exc: BaseException) -> str:
-    """Append `exc`'s traceback to this rank's log; returns where it went (for the line)."""
-    path = launcher_notes.trace_file(rank)
-    if path is None:
-        return "no per-rank log outside disttrain run"
-    with open(path, "a") as f:
-        f.write("".join(traceback.format_exception(exc)) + "\n")
-    return f"full trace in {path}"
 
 
 def oom_facts(job) -> dict | None:
@@ -94,26 +82,15 @@ def judge(job, exc: BaseException, peer_gone: Callable[[], bool] = lambda: False
 
 def machine_ending(rank: int, step: int, verdict: failures.Verdict, exc: BaseException) -> Ending:
     """The restart path's end of a rank that lost a peer (or failed unclassified)."""
-    where = trace_to_log(rank, exc)
-    if verdict.kind == failures.UNKNOWN:
-        sig = failures.signature(verdict.error, verdict.message, step)
-        restart = int(os.environ.get("TORCHELASTIC_RESTART_COUNT", "0"))
-        if launcher_notes.repeated_failure((restart, 0), sig) is not None:
-            stop_crash_loop(sig, where)
-            return Ending(1, wait=True)
-    left = int(os.environ.get("TORCHELASTIC_MAX_RESTARTS", "0")) - int(os.environ.get("TORCHELASTIC_RESTART_COUNT", "0"))
+    where = failures.trace_to_log(rank, exc)
+    if verdict.kind == failures.UNKNOWN and failures.crash_loop(verdict, step):
+        return Ending(1, wait=True)
+    restart, _ = failures.attempt()
+    left = int(os.environ.get("TORCHELASTIC_MAX_RESTARTS", "0")) - restart
     then = (f"torchrun restarts the job from its newest checkpoint ({left} restart(s) left)" if left > 0
             else "no restart left: the job stops")
     what = "lost a peer" if verdict.kind == failures.MACHINE else "failed (cannot tell whose failure)"
     at = f"at step {step}" if step else "before the first step"
-    LOGGER.warning(f"disttrain run: rank {rank} {what} {at} ({verdict.cause}); "
-                   f"{then}; {where}", extra=EVERY_RANK)
+    failures.say_once(f"disttrain run: rank {rank} {what} {at} ({verdict.cause}); {then}; {where}")
     sys.stderr.flush()
     return Ending(1)
-
-
-def stop_crash_loop(sig: str, where: str) -> None:
-    """The same unclassified failure ended two attempts in a row: stop the job."""
-    launcher_notes.report_not_retried(
-        f"stopped: two attempts in a row ended with the same failure ({sig}), so a retry would "
-        f"repeat it; not retried ({where})", 1)
