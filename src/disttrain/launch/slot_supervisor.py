@@ -33,6 +33,7 @@ import time
 
 from disttrain.launch.warm_workers import SOCKET_ENV as WARM_SOCKET_ENV
 from disttrain.launcher_notes import earlier_stop
+from disttrain.runtime.failures import MACHINE, classify_death
 
 ROLE_ENV = "DISTTRAIN_FAST_ROLE"  # elastic.fast_recovery.ROLE_ENV; not imported: that imports torch
 DONE_KEY = "disttrain/fast/done"
@@ -77,6 +78,14 @@ def _end(proc: subprocess.Popen | None) -> None:
         proc.wait()
 
 
+def _how(rc: int) -> str:
+    """How a training process ended, in the classifier's words (`runtime.failures`)."""
+    verdict = classify_death(rc)
+    whose = "the machine's: a kill from outside, the OOM killer included" if verdict.kind == MACHINE else \
+        "a crash in native code, retried like the machine's"
+    return f"{verdict.error}, {whose}"
+
+
 def supervise(cmd: list[str], rank: int, world: int) -> int:
     """Run the slot until its training process is done; return the exit status."""
     store = _host_store(world) if rank == 0 else None
@@ -118,8 +127,9 @@ def supervise(cmd: list[str], rank: int, world: int) -> int:
                 spare.stdin.write(b"go\n")
                 spare.stdin.flush()
             promotions += 1
-            print(f"disttrain run: rank {rank}'s training process died ({signal.Signals(-rc).name}); "
-                  f"its warm spare took over (promotion {promotions})", file=sys.stderr, flush=True)
+            print(f"disttrain run: rank {rank}'s training process died ({_how(rc)}); its warm spare "
+                  f"took over and the job goes on from memory (promotion {promotions})", file=sys.stderr,
+                  flush=True)
             child, spare = spare, _spawn(cmd, "spare")
             continue
         break
