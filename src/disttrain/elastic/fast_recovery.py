@@ -20,9 +20,13 @@ state to the others, so the failed step is redone with the same samples and the 
 dropout stream (`runtime.seed_step`), and nothing is read from disk. When no member
 holds a state (every holder died), the disk checkpoint is the source, as on a restart.
 
-A process that waits for a generation longer than `wait_s` raises the collective
-error it saw (no rank died: a real error); a supervisor's loss falls back to
-torchrun's restart and the disk checkpoint.
+Which failure starts a new generation is `runtime.failures`' verdict: the machine's
+does; the program's does not (the rank that raised it reports it through the launcher
+and waits to be stopped, the others exit 0 quietly); one that cannot be classified
+does, until it ends two generations in a row. A survivor cuts its groups' connections
+and no other (`elastic.group_sockets`). A process that waits for a generation longer
+than `wait_s` raises the collective error it saw (no rank died: a real error); a
+supervisor's loss falls back to torchrun's restart and the disk checkpoint.
 """
 
 from __future__ import annotations
@@ -258,8 +262,9 @@ def run(body: Callable[[runtime.RankInfo, Handoff], Any], *, backend: str, devic
     """Run `body(info, handoff)` in process groups of successive generations until it
     returns. `prepare(handoff)` runs before the first group (a spare: before it waits,
     so its datasets are built while it is idle). The body's `dt.Job` asks for a buddy
-    copy under a sharded strategy (`Handoff.attach_buddy`). A failure that is not a
-    peer's loss, or a generation that does not fill within `timeout_s`, propagates."""
+    copy under a sharded strategy (`Handoff.attach_buddy`). The program's error (see the
+    module) ends the process under `disttrain run` (SystemExit) and propagates
+    elsewhere; so does a generation that does not fill within `timeout_s`."""
     global _current
     world = int(os.environ["WORLD_SIZE"])
     handoff = Handoff(gen=0)

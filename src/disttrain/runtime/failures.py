@@ -20,14 +20,13 @@ network and store errors) or by the words gloo and NCCL put in the `RuntimeError
 raise (`TRANSPORT_WORDS`); the user's own `ConnectionError` (a tracker, a data service)
 is the program's. A survivor's transport error caused by a peer that raised a
 program's error is not retried either: that peer's note ends the job
-(`launcher_notes.report_program_error`).
+(`report_program_error`, through `launcher_notes`).
 
-`signature` is what the crash-loop breaker compares between two attempts: the type,
-the message with addresses, ports and pointers masked, and the step (0: before the
-first step). `report_program_error` hands the program's error to the launcher
-(`launcher_notes`), `crash_loop` is the breaker, `say_once` the one line per failure,
-`trace_to_log` the rank's full traceback. Plain Python: no torch import (types are matched by name), so the
-launcher and the slot supervisor can use it.
+`signature` is what the crash-loop breaker (`crash_loop`) compares between two
+attempts: the type, the message with addresses, ports, pointers and durations masked,
+and the step (0: before the first step). `say_once` is the one line per failure of an
+attempt, `trace_to_log` the rank's full traceback. Plain Python: no torch import
+(types are matched by name), so the launcher and the slot supervisor can use it.
 """
 
 from __future__ import annotations
@@ -49,8 +48,9 @@ TRANSPORT_TYPES = ("DistBackendError", "DistNetworkError", "DistStoreError")
 CLOSED_WORDS = ("Connection closed by peer", "Connection reset by peer", "Read error", "Write error",
                 "Broken pipe")
 """gloo's words for a connection a peer closed (never a slow peer)."""
-TRANSPORT_WORDS = ("gloo/transport", *CLOSED_WORDS, "NCCL error", "ncclRemoteError", "ncclSystemError",
-                   "NCCL communicator was aborted", "ProcessGroupNCCL")
+NCCL_WORDS = ("NCCL error", "ncclRemoteError", "ncclSystemError", "NCCL communicator was aborted",
+              "ProcessGroupNCCL")
+TRANSPORT_WORDS = ("gloo/transport", *CLOSED_WORDS, *NCCL_WORDS)
 """Words of the RuntimeError gloo and NCCL raise when a peer's connection fails (checked
 on torch 2.11 to 2.13: gloo raises a plain RuntimeError naming pair.cc)."""
 TIMEOUT_WORDS = ("Timed out waiting", "timed out", "Watchdog caught collective operation timeout")
@@ -74,7 +74,7 @@ class Verdict:
     @property
     def cause(self) -> str:
         """A few words for a one-line report: the transport's words, else the message's start."""
-        words = [w for w in (*TIMEOUT_WORDS, *TRANSPORT_WORDS[1:]) if w in self.message]
+        words = [w for w in (*TIMEOUT_WORDS, *CLOSED_WORDS, *NCCL_WORDS) if w in self.message]
         return f"{self.error}: {words[0] if words else self.message[:100]}"
 
 
