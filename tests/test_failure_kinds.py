@@ -77,16 +77,17 @@ def test_out_of_memory_is_one_line_with_the_estimate_and_the_fixes(path, kind, e
     assert out.count("Traceback") == 1
 
 
-@pytest.mark.parametrize("path", ["fast", "restart"])
-def test_the_same_unclassified_failure_twice_in_a_row_stops_the_job(path, tmp_path):
-    """A TimeoutError (a collective's or the user's: it cannot be told) at step 6 in every
-    attempt is retried once, then the job stops, saying so. Before: retried forever
-    under fast recovery, three restarts under --max-restarts 3."""
-    proc, out = launch(tmp_path, path, "--raise-at", "6", "--kind", "timeout")
+@pytest.mark.parametrize("path, at", [("fast", "6"), ("restart", "6"), ("restart", "-1")])
+def test_the_same_unclassified_failure_twice_in_a_row_stops_the_job(path, at, tmp_path):
+    """A TimeoutError (a collective's or the user's: it cannot be told) at step 6, or
+    before the first step, in every attempt is retried once, then the job stops, saying
+    so. Before: retried forever under fast recovery, three restarts under --max-restarts 3."""
+    proc, out = launch(tmp_path, path, "--raise-at", at, "--kind", "timeout")
     assert proc.returncode == 1, out[-3000:]
     assert starts(tmp_path) == 2, out[-3000:]
+    where = "at step 6" if at == "6" else "before the first step"
     assert ("stopped: two " + ("generations" if path == "fast" else "attempts") + " in a row ended with the same "
-            "failure (TimeoutError: timed out waiting for the data service at step 6)") in out, out[-3000:]
+            f"failure (TimeoutError: timed out waiting for the data service {where})") in out, out[-3000:]
     assert "Traceback" not in out
 
 

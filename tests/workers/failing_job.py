@@ -4,7 +4,7 @@
     failing_job.py OUT [--steps N] [--raise-at STEP] [--raise-rank R] [--kind runtime|oom|hostoom|timeout]
                        [--tcp PORT] [--timeout-s S]
 
-`--raise-at`: rank R raises at that step ("runtime": RuntimeError("shapes do not match"),
+`--raise-at`: rank R raises at that step (-1: after resume, before the first step) ("runtime": RuntimeError("shapes do not match"),
 "oom": torch.OutOfMemoryError, "hostoom": MemoryError, "timeout": a TimeoutError, which cannot be classified), in every attempt: a program's
 error, deterministic. `--tcp PORT`: the process of RANK 0 sends "step N" after every step and "done" at the
 end on its one connection to 127.0.0.1:PORT (tests/workers/tracker.py), opened before
@@ -46,6 +46,8 @@ def main(a):
         opt = torch.optim.AdamW(model.parameters(), lr=1e-2)
         loader = job.loader(data, batch_size=8)
         job.resume(model=model, optimizer=opt)
+        if a.raise_at == -1 and job.info.rank == a.raise_rank:
+            fail(a.kind, 0, job.info.rank)
         for x, y in job.steps(loader, max_steps=a.steps):
             if job.step + 1 == a.raise_at and job.info.rank == a.raise_rank:
                 fail(a.kind, job.step + 1, job.info.rank)

@@ -4,7 +4,7 @@ recovery cuts only the former.
 
 A gloo group's connection always has a group listener at one end: each rank's gloo
 device listens on a port of its own, and of each pair of ranks one connects to the
-other's listener (checked on torch 2.11 to 2.13, one device per group). So each
+other's listener (checked on torch 2.13, one device per group). So each
 rank publishes, on the generation's store, the listening endpoints it opened since
 the generation began (`publish`: right after each group is made: the generation's,
 the buddy copy's, the checkpointer's), and a survivor cuts the

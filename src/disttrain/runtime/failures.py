@@ -52,7 +52,7 @@ NCCL_WORDS = ("NCCL error", "ncclRemoteError", "ncclSystemError", "NCCL communic
               "ProcessGroupNCCL")
 TRANSPORT_WORDS = ("gloo/transport", *CLOSED_WORDS, *NCCL_WORDS)
 """Words of the RuntimeError gloo and NCCL raise when a peer's connection fails (checked
-on torch 2.11 to 2.13: gloo raises a plain RuntimeError naming pair.cc)."""
+on torch 2.13: gloo raises a plain RuntimeError naming pair.cc)."""
 TIMEOUT_WORDS = ("Timed out waiting", "timed out", "Watchdog caught collective operation timeout")
 OOM_TYPES = ("OutOfMemoryError", "MemoryError")
 
