@@ -175,3 +175,23 @@ def test_classifier_contract():
     assert a == failures.signature("RuntimeError", str(slow).replace("3000ms", "2999ms") + " [10.0.0.2]:51", 6)
     assert a != failures.signature("RuntimeError", str(slow), 7)
     assert failures.signature("E", "m", 0).endswith("before the first step")
+
+
+def test_cut_shuts_the_groups_connections_and_no_other():
+    """elastic/group_sockets.py in one process: a connection to a "group" listener and
+    one accepted by it are shut; a connection to another server stays usable."""
+    from disttrain.elastic import group_sockets
+
+    group, other = socket.create_server(("127.0.0.1", 0)), socket.create_server(("127.0.0.1", 0))
+    with group, other:
+        out_to_group = socket.create_connection(group.getsockname())
+        accepted, _ = group.accept()
+        user = socket.create_connection(other.getsockname())
+        served, _ = other.accept()
+        assert group_sockets.listeners() >= {group.getsockname(), other.getsockname()}
+        assert group_sockets.cut({group.getsockname()}) == 2  # both ends of the group's pair
+        assert out_to_group.recv(1) == b"" and accepted.recv(1) == b""
+        user.sendall(b"still open")
+        assert served.recv(10) == b"still open"
+        for s in (out_to_group, accepted, user, served):
+            s.close()

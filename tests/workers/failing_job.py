@@ -1,15 +1,17 @@
 """A small `dt.Job` script whose program fails, or that holds a TCP connection of its own
 (tests/test_failure_kinds.py).
 
-    failing_job.py OUT [--steps N] [--raise-at STEP] [--raise-rank R] [--kind runtime|oom|hostoom|timeout]
-                       [--tcp PORT] [--timeout-s S]
+    failing_job.py OUT [--steps N] [--raise-at STEP] [--raise-rank R]
+                       [--kind runtime|oom|hostoom|timeout] [--tcp PORT] [--timeout-s S]
 
-`--raise-at`: rank R raises at that step (-1: after resume, before the first step) ("runtime": RuntimeError("shapes do not match"),
-"oom": torch.OutOfMemoryError, "hostoom": MemoryError, "timeout": a TimeoutError, which cannot be classified), in every attempt: a program's
-error, deterministic. `--tcp PORT`: the process of RANK 0 sends "step N" after every step and "done" at the
-end on its one connection to 127.0.0.1:PORT (tests/workers/tracker.py), opened before
-the first step. Rank 0 appends a line to OUT/starts.log at each start of the job (each
-attempt, each generation).
+`--raise-at STEP`: rank R raises at that step in every attempt (-1: after resume, before
+the first step): "runtime" RuntimeError("shapes do not match"), "oom"
+torch.OutOfMemoryError, "hostoom" MemoryError (the program's errors), "timeout" a
+TimeoutError (which cannot be classified). `--tcp PORT`: the process of RANK 0 sends
+"step N" after every step and "done" at the end on its one connection to
+127.0.0.1:PORT (tests/workers/tracker.py), opened before the first step. Rank 0
+appends a line to OUT/starts.log at each start of the job (each attempt, each
+generation).
 """
 
 import argparse

@@ -302,26 +302,32 @@ def run(body: Callable[[runtime.RankInfo, Handoff], Any], *, backend: str, devic
             try:
                 return body(info, handoff)
             except Exception as e:
-                verdict = failures.classify(e, peer_gone=handoff.peer_gone())
-                if not verdict.retried or launcher_notes.earlier_stop():
-                    _stop(handoff, e, info.rank)  # no new generation
-                _stop_a_loop(handoff, verdict, info.rank)
-                # Kept without its traceback, whose frames would keep this attempt's model alive.
-                failure = RuntimeError(f"{type(e).__name__}: {e}")
-                # The console's one line per lost peer is its supervisor's (which rank died,
-                # how, and that its spare took over); the survivor's trace goes to its log.
-                failures.trace_to_log(info.rank, e, f"rank {info.rank}: generation {gen} failed; "
-                                                    f"recovering in memory")
-                handoff.snapshot()
-                if "nccl" in str(info.backend):  # NCCL's communicators do not fail by themselves
-                    torch_compat.abort_process_groups()
-                group_sockets.cut(group_sockets.published(store, f"disttrain/fast/g{gen}", world))
+                failure = _recover(handoff, e, info, world)
             finally:
                 _current = None
                 runtime.shutdown(collect=False)
             gen = max(gen + 1, store.add(GEN_KEY, 0))
     finally:
         store.add(DONE_KEY, 1)
+
+
+def _recover(handoff: Handoff, e: Exception, info: runtime.RankInfo, world: int) -> RuntimeError:
+    """After the body of generation `handoff.gen` raised `e`: stop (the program's error,
+    a crash loop: SystemExit) or make ready for the next generation (keep the state,
+    cut this rank's group connections). Returns `e` without its traceback, whose frames
+    would keep this attempt's model alive."""
+    verdict = failures.classify(e, peer_gone=handoff.peer_gone())
+    if not verdict.retried or launcher_notes.earlier_stop():
+        _stop(handoff, e, info.rank)  # no new generation
+    _stop_a_loop(handoff, verdict, info.rank)
+    # The console's one line per lost peer is its supervisor's (which rank died, how, and
+    # that its spare took over); the survivor's trace goes to its log.
+    failures.trace_to_log(info.rank, e, f"rank {info.rank}: generation {handoff.gen} failed; recovering in memory")
+    handoff.snapshot()
+    if "nccl" in str(info.backend):  # NCCL's communicators do not fail by themselves
+        torch_compat.abort_process_groups()
+    group_sockets.cut(group_sockets.published(handoff.store, f"disttrain/fast/g{handoff.gen}", world))
+    return RuntimeError(f"{type(e).__name__}: {e}")
 
 
 def _failed_step(handoff: Handoff) -> int:

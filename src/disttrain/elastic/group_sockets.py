@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import os
 import socket
+import sys
 
 import torch.distributed as dist
 
@@ -44,9 +45,10 @@ def _endpoint(hex_addr: str) -> tuple[str, int]:
     """'0100007F:9261' -> ('127.0.0.1', 37473); IPv6 too (the kernel's byte order)."""
     addr, port = hex_addr.split(":")
     raw = bytes.fromhex(addr)
-    words = b"".join(raw[i:i + 4][::-1] for i in range(0, len(raw), 4))  # host-order words
+    if sys.byteorder == "little":  # the kernel prints each 32-bit word in host order
+        raw = b"".join(raw[i:i + 4][::-1] for i in range(0, len(raw), 4))
     family = socket.AF_INET if len(raw) == 4 else socket.AF_INET6
-    return socket.inet_ntop(family, words), int(port, 16)
+    return socket.inet_ntop(family, raw), int(port, 16)
 
 
 def tcp_sockets() -> list[tuple[int, str, tuple[str, int], tuple[str, int]]]:
