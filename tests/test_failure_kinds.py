@@ -29,16 +29,17 @@ def starts(out: Path) -> int:
     return len((out / "starts.log").read_text().splitlines())
 
 
-@pytest.mark.parametrize("path", ["fast", "restart"])
-def test_the_programs_error_is_reported_once_and_last_and_not_retried(path, tmp_path):
-    """Rank 1 raises RuntimeError at step 6 in every attempt. Before: under fast recovery
-    a new generation redid step 6 forever and the error was never printed; under
-    --max-restarts 3 four attempts, and a survivor's gloo traceback last."""
-    proc, out = launch(tmp_path, path, "--raise-at", "6", "--steps", "20")
+@pytest.mark.parametrize("path, rank", [("fast", 1), ("restart", 1), ("fast", 0)])
+def test_the_programs_error_is_reported_once_and_last_and_not_retried(path, rank, tmp_path):
+    """A rank raises RuntimeError at step 6 in every attempt (rank 0: its slot hosts the
+    fast recovery's store). Before: under fast recovery a new generation redid step 6
+    forever and the error was never printed; under --max-restarts 3 four attempts, and
+    a survivor's gloo traceback last."""
+    proc, out = launch(tmp_path, path, "--raise-at", "6", "--raise-rank", str(rank), "--steps", "20")
     assert proc.returncode == 1, out[-3000:]
     assert starts(tmp_path) == 1, out[-3000:]  # no generation, no restart after the failure
     lines = proc.stderr.rstrip().splitlines()
-    assert lines[-1] == ("disttrain run: not retried: RuntimeError at step 6 on rank 1 is the program's "
+    assert lines[-1] == (f"disttrain run: not retried: RuntimeError at step 6 on rank {rank} is the program's "
                          "error (exit status 1)."), out[-3000:]
     assert lines[-2] == "RuntimeError: shapes do not match"
     assert out.count("Traceback") == 1 and out.count("RuntimeError: shapes do not match") == 1, out[-3000:]
