@@ -13,7 +13,7 @@ The contract:
 | SIGKILL from outside (the OOM killer included) | machine | retried |
 | any other exception, the user's code or ours, on the rank that raised it | program | stopped, not retried |
 | `torch.OutOfMemoryError`, `MemoryError` | program | stopped, with the planner's estimate and the fixes |
-| a collective timeout with every peer alive (any error that says it timed out) | unknown | retried, until the same failure ends two attempts in a row |
+| a collective timeout with every peer alive (a RuntimeError or TimeoutError saying it timed out) | unknown | retried, until the same failure ends two attempts in a row |
 
 A transport error is recognised by its type (torch's `DistError` family: backend,
 network and store errors) or by the words gloo and NCCL put in the `RuntimeError` they
