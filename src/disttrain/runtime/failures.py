@@ -1,7 +1,7 @@
 """Whose failure is it: the machine's or the program's. One classifier for both recovery
 paths: the in-memory one (`elastic.fast_recovery`) and torchrun's restart (`disttrain
-run --max-restarts N`, decided in `dt.Job`'s exit); docs/elastic.md "What is retried
-and what is not".
+run --max-restarts N`, decided in `dt.Job`'s exit, `train.job_failure`, or for a plain
+script in `launch.worker_entry`); docs/elastic.md "What is retried and what is not".
 
 The contract:
 
