@@ -146,6 +146,7 @@ def test_fast_recovery_of_a_job_script_is_bit_identical(references, tmp_path, st
                         fault=f"kill@backward:rank={rank},step={step}"))
     assert "disttrain fault: kill" in log and "warm spare took over" in log, log[-3000:]
     assert "disttrain job: generation" in log and "disttrain train" not in log, log[-3000:]  # the way in
+    assert "Traceback" not in log and "lost a peer" not in log  # the supervisor's one line
     ref, got = weights(references[strategy]), weights(tmp_path)
     assert all(torch.equal(ref[k], got[k]) for k in ref), f"kill of rank {rank} at step {step}"
     from disttrain.elastic import final_timeline

@@ -1,5 +1,6 @@
 """Worker: each rank appends 'rank,master_port,OMP_NUM_THREADS,store flag' to a file;
-`--fail-rank R` makes rank R exit with status 3."""
+`--fail-rank R` makes rank R exit with status 3; `--raise-rank R` makes rank R raise
+RuntimeError while the others wait in a barrier."""
 
 import os
 import sys
@@ -13,3 +14,7 @@ with dt.distributed() as info:
     dt.barrier()
     if "--fail-rank" in sys.argv and info.rank == int(sys.argv[sys.argv.index("--fail-rank") + 1]):
         sys.exit(3)
+    if "--raise-rank" in sys.argv:
+        if info.rank == int(sys.argv[sys.argv.index("--raise-rank") + 1]):
+            raise RuntimeError("shapes do not match")
+        dt.barrier()

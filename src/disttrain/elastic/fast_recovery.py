@@ -20,9 +20,13 @@ state to the others, so the failed step is redone with the same samples and the 
 dropout stream (`runtime.seed_step`), and nothing is read from disk. When no member
 holds a state (every holder died), the disk checkpoint is the source, as on a restart.
 
-A process that waits for a generation longer than `wait_s` raises the collective
-error it saw (no rank died: a real error); a supervisor's loss falls back to
-torchrun's restart and the disk checkpoint.
+Which failure starts a new generation is `runtime.failures`' verdict: the machine's
+does; the program's does not (the rank that raised it reports it through the launcher
+and waits to be stopped, the others exit 0 quietly); one that cannot be classified
+does, until it ends two generations in a row. A survivor cuts its groups' connections
+and no other (`elastic.group_sockets`). A process that waits for a generation longer
+than `wait_s` raises the collective error it saw (no rank died: a real error); a
+supervisor's loss falls back to torchrun's restart and the disk checkpoint.
 """
 
 from __future__ import annotations
@@ -30,7 +34,6 @@ from __future__ import annotations
 import datetime
 import gc
 import os
-import socket
 import sys
 import time
 from dataclasses import dataclass, field
@@ -39,10 +42,11 @@ from typing import Any, Callable
 import torch
 import torch.distributed as dist
 
-from disttrain import runtime
+from disttrain import launcher_notes, runtime
+from disttrain.elastic import group_sockets
 from disttrain.elastic.buddy_copy import BuddyCopy, pack, unpack
-from disttrain.runtime import fault_injection, torch_compat
-from disttrain.runtime.log import EVERY_RANK, LOGGER, speaker
+from disttrain.runtime import failures, fault_injection, torch_compat
+from disttrain.runtime.log import LOGGER, speaker
 
 ROLE_ENV = "DISTTRAIN_FAST_ROLE"
 """Set by the slot supervisor on its children: "first" or "spare"."""
@@ -122,7 +126,23 @@ class Handoff:
     cache: dict = field(default_factory=dict)
     live: dict = field(default_factory=dict)
     buddy: BuddyCopy | None = None
+    store: dist.Store | None = None
+    listening: set = field(default_factory=set)
+    """The listeners this process had when the generation began (`group_sockets`)."""
     _buddy_gen: int = -1
+
+    def peer_gone(self) -> bool:
+        """Whether a peer of this generation has died: a promoted spare bumped the
+        generation counter."""
+        return self.store is not None and self.store.add(GEN_KEY, 0) > self.gen
+
+    def publish_listeners(self) -> None:
+        """Put this rank's group listeners on the store (`group_sockets.publish`): called
+        right after each group of the generation is made (the default one, the buddy
+        copy's, the checkpointer's), so a rank blocked in a collective has published
+        every group it is in."""
+        if self.store is not None and dist.is_initialized():
+            group_sockets.publish(self.store, f"disttrain/fast/g{self.gen}", dist.get_rank(), self.listening)
 
     def committed(self, step: int, state, first: bool = False) -> None:
         """After each committed step, and once when an attempt starts (`first`: copied
@@ -146,6 +166,7 @@ class Handoff:
         if self._buddy_gen != self.gen:
             self.buddy.attach(dist.new_group(backend="gloo"))
             self._buddy_gen = self.gen
+            self.publish_listeners()
 
     def keep(self, **objects: Any) -> None:
         """Register the attempt's objects. Registering `state` (with `acc`) says that
@@ -217,52 +238,6 @@ def broadcast_state(memory: dict | None, src: int) -> dict:
     return unpack(wire.cpu(), template=None)
 
 
-def _socket_inodes() -> dict[int, str]:
-    """This process's open sockets: fd -> 'socket:[inode]' (empty where /proc is absent)."""
-    found = {}
-    try:
-        for name in os.listdir("/proc/self/fd"):
-            try:
-                link = os.readlink(f"/proc/self/fd/{name}")
-            except OSError:
-                continue
-            if link.startswith("socket:"):
-                found[int(name)] = link
-    except OSError:
-        pass
-    return found
-
-
-def _cut_connections(before: set[str], store_port: int) -> int:
-    """Shut down the TCP connections opened since `before` (the generation's gloo
-    groups), except those to the store. torch 2.13's gloo group has no abort and closes
-    its connections only when destructed, and a destroyed group stays referenced (by
-    FSDP2's state, and by `runtime.shutdown`, which never destructs one mid-run); a
-    survivor blocked in a collective on this rank (not on the dead one) would wait for
-    the group's whole timeout. A shut connection fails its wait at once. Returns how
-    many were shut."""
-    shut = 0
-    for fd, link in _socket_inodes().items():
-        if link in before:
-            continue
-        try:
-            with socket.socket(fileno=os.dup(fd)) as s:
-                # TCP only: a Unix socket (W&B's to its own process) has a path for a peer.
-                if s.family not in (socket.AF_INET, socket.AF_INET6) or s.type != socket.SOCK_STREAM \
-                        or s.getpeername()[1] == store_port:
-                    continue
-                s.shutdown(socket.SHUT_RDWR)
-                shut += 1
-        except OSError:  # a listening or already closed socket; not an inet one
-            continue
-    return shut
-
-
-def _is_peer_failure(e: BaseException) -> bool:
-    """A collective that failed because a peer went away (gloo closes the pair)."""
-    return isinstance(e, (RuntimeError, ConnectionError, TimeoutError)) and dist.is_initialized()
-
-
 _current: Handoff | None = None
 UNPROVEN_NCCL = ("disttrain: fast recovery on NCCL is unproven: its test (tests/test_fast_recovery_cuda.py) "
                  "needs a machine with 2 GPUs and has not run on one yet; a failed recovery falls back "
@@ -287,8 +262,9 @@ def run(body: Callable[[runtime.RankInfo, Handoff], Any], *, backend: str, devic
     """Run `body(info, handoff)` in process groups of successive generations until it
     returns. `prepare(handoff)` runs before the first group (a spare: before it waits,
     so its datasets are built while it is idle). The body's `dt.Job` asks for a buddy
-    copy under a sharded strategy (`Handoff.attach_buddy`). A failure that is not a
-    peer's loss, or a generation that does not fill within `timeout_s`, propagates."""
+    copy under a sharded strategy (`Handoff.attach_buddy`). The program's error (see the
+    module) ends the process under `disttrain run` (SystemExit) and propagates
+    elsewhere; so does a generation that does not fill within `timeout_s`."""
     global _current
     world = int(os.environ["WORLD_SIZE"])
     handoff = Handoff(gen=0)
@@ -307,6 +283,7 @@ def run(body: Callable[[runtime.RankInfo, Handoff], Any], *, backend: str, devic
     store = connect_store(timeout_s)
     gen = store.add(GEN_KEY, 1) if os.environ.get(ROLE_ENV) == "newcomer" else store.add(GEN_KEY, 0)
     failure: RuntimeError | None = None
+    handoff.store = store
     try:
         while True:
             try:
@@ -317,26 +294,69 @@ def run(body: Callable[[runtime.RankInfo, Handoff], Any], *, backend: str, devic
                 raise
             handoff.gen = gen
             fault_injection.set_attempt(gen)  # a fault for attempt k fires once, in generation k
-            sockets_before = set(_socket_inodes().values())
+            handoff.listening = group_sockets.listeners()
             info = runtime.init(backend=backend, device=device, timeout_s=timeout_s, seed=seed,
                                 store=dist.PrefixStore(f"disttrain/fast/g{gen}/pg", store))
+            handoff.publish_listeners()
             _current = handoff
             try:
                 return body(info, handoff)
             except Exception as e:
-                if not _is_peer_failure(e):
-                    raise
-                # Kept without its traceback, whose frames would keep this attempt's model alive.
-                failure = RuntimeError(f"{type(e).__name__}: {e}")
-                LOGGER.warning(f"{speaker()}: rank {info.rank}: generation {gen} lost a peer "
-                               f"({type(e).__name__}); recovering in memory", extra=EVERY_RANK)
-                handoff.snapshot()
-                if "nccl" in str(info.backend):  # NCCL's communicators do not fail by themselves
-                    torch_compat.abort_process_groups()
-                _cut_connections(sockets_before, int(os.environ["MASTER_PORT"]))
+                failure = _recover(handoff, e, info, world)
             finally:
                 _current = None
                 runtime.shutdown(collect=False)
             gen = max(gen + 1, store.add(GEN_KEY, 0))
     finally:
         store.add(DONE_KEY, 1)
+
+
+def _recover(handoff: Handoff, e: Exception, info: runtime.RankInfo, world: int) -> RuntimeError:
+    """After the body of generation `handoff.gen` raised `e`: stop (the program's error,
+    a crash loop: SystemExit) or make ready for the next generation (keep the state,
+    cut this rank's group connections). Returns `e` without its traceback, whose frames
+    would keep this attempt's model alive."""
+    verdict = failures.classify(e, peer_gone=handoff.peer_gone())
+    if not verdict.retried or launcher_notes.earlier_stop():
+        _stop(handoff, e, info.rank)  # no new generation
+    _stop_a_loop(handoff, verdict, info.rank)
+    # The console's one line per lost peer is its supervisor's (which rank died, how, and
+    # that its spare took over); the survivor's trace goes to its log.
+    failures.trace_to_log(info.rank, e, f"rank {info.rank}: generation {handoff.gen} failed; recovering in memory")
+    handoff.snapshot()
+    if "nccl" in str(info.backend):  # NCCL's communicators do not fail by themselves
+        torch_compat.abort_process_groups()
+    group_sockets.cut(group_sockets.published(handoff.store, f"disttrain/fast/g{handoff.gen}", world))
+    return RuntimeError(f"{type(e).__name__}: {e}")
+
+
+def _failed_step(handoff: Handoff) -> int:
+    """The step in flight when the attempt failed (0: before the first)."""
+    acc = handoff.live.get("acc")
+    return acc.optimizer_steps + 1 if acc is not None else 0
+
+
+def _stop(handoff: Handoff, e: BaseException, rank: int) -> None:
+    """The program's error (a `dt.Job` has already told the launcher and exited; this is
+    an error outside one), or a peer's stop: the job ends, no new generation starts.
+    Raises SystemExit (or `e` outside `disttrain run`)."""
+    if launcher_notes.earlier_stop():
+        raise SystemExit(0) from None  # a peer stopped the job; the launcher reports it
+    if not launcher_notes.under_launcher():
+        raise e
+    failures.report_program_error(e, rank, _failed_step(handoff))
+    launcher_notes.wait_to_be_stopped()
+    raise SystemExit(failures.exit_status(e)) from None
+
+
+def _stop_a_loop(handoff: Handoff, verdict: failures.Verdict, rank: int) -> None:
+    """The crash-loop breaker: a failure that cannot be classified (no peer died) which
+    ended the generation before with the same signature stops the job (the launcher
+    prints why); otherwise it is retried in memory."""
+    if verdict.kind != failures.UNKNOWN:
+        return
+    if failures.crash_loop(verdict, _failed_step(handoff), unit="generations"):
+        launcher_notes.wait_to_be_stopped()
+        raise SystemExit(1) from None
+    failures.say_once(f"{speaker()}: rank {rank}: generation {handoff.gen} failed and no peer died "
+                      f"({verdict.cause}); recovering in memory once more")

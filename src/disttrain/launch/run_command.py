@@ -9,12 +9,14 @@ What it changes, and why:
   ranks do not oversubscribe the CPU.
 - `TORCH_DISABLE_SHARE_RDZV_TCP_STORE=1` unless set: the agent's shared TCP store
   makes restarted workers fail to connect or hang (pytorch issue 135712).
-- A failed worker is reported in one line naming its rank and exit code, returned
-  (128 + signal for a worker killed by a signal).
-- `--hang-timeout S` (default 600, 0 for none): a plain script's watchdog
-  (`guard.script_watchdog`) reports a rank stuck S seconds in one collective, naming the
-  rank that stopped and its stack, and the job stops (exit 124). A `dt.Job` script's own
-  watchdog, which knows the steps, takes over at `job.wrap`.
+- A failed worker: one line naming its rank and exit code, which is returned (128 +
+  signal for one killed by a signal). What a rank reported through its notes (a user
+  error, the program's error: `launch.user_notes`) is printed instead, without a restart.
+- `--hang-timeout S` (default 600, 0 for none): every worker of a plain script runs a
+  watchdog (`guard.script_watchdog`); a rank that waits in one collective with no
+  progress for S seconds reports the hang, naming the rank that stopped making progress
+  and its stack, and the job stops (exit 124). A `dt.Job` script's own watchdog, which
+  knows the steps, takes over at `job.wrap`.
 - `--debug` sets the verbose switches of P-DEBUG-2 for the backend in use (see
   `debug_env`) and prints them and where the logs go.
 - `DISTTRAIN_EXPECTED_WORLD_SIZE` = nnodes x nproc, so a rank can tell that fewer
@@ -366,7 +368,7 @@ def _launch(args: list[str], env: dict[str, str]) -> int:
     try:
         run(parse_args(args))
     except ChildFailedError as e:
-        if notes.user_error():
+        if notes.stopped():
             return notes.report()
         rank, failure = e.get_first_failure()
         code = failure.exitcode if failure.exitcode >= 0 else 128 - failure.exitcode
@@ -383,7 +385,7 @@ def _launch(args: list[str], env: dict[str, str]) -> int:
         # has already passed the signal on and waited --shutdown-timeout for the workers; a
         # SIGTERMed disttrain worker saves and exits 0, so the job says so and exits 0 too
         # (the requeue path of docs/elastic.md), instead of a traceback and exit 1.
-        if notes.user_error():
+        if notes.stopped():
             return notes.report()
         name = signal.Signals(e.sigval).name
         saved = notes.saved_step()

@@ -32,6 +32,8 @@ import time
 
 from disttrain.launch.warm_workers import SOCKET_ENV as WARM_SOCKET_ENV
 from disttrain.runtime import processes
+from disttrain.launcher_notes import earlier_stop
+from disttrain.runtime.failures import MACHINE, classify_death
 
 ROLE_ENV = "DISTTRAIN_FAST_ROLE"  # elastic.fast_recovery.ROLE_ENV; not imported: that imports torch
 DONE_KEY = "disttrain/fast/done"
@@ -66,6 +68,14 @@ def _end(proc: subprocess.Popen | None) -> None:
     except (OSError, subprocess.TimeoutExpired):
         proc.kill()
         proc.wait()
+
+
+def _how(rc: int) -> str:
+    """How a training process ended, in the classifier's words (`runtime.failures`)."""
+    verdict = classify_death(rc)
+    whose = "the machine's: a kill from outside, the OOM killer included" if verdict.kind == MACHINE else \
+        "a crash in native code, retried like the machine's"
+    return f"{verdict.error}, {whose}"
 
 
 def supervise(cmd: list[str], rank: int, world: int) -> int:
@@ -109,13 +119,16 @@ def supervise(cmd: list[str], rank: int, world: int) -> int:
                 spare.stdin.write(b"go\n")
                 spare.stdin.flush()
             promotions += 1
-            print(f"disttrain run: rank {rank}'s training process died ({signal.Signals(-rc).name}); "
-                  f"its warm spare took over (promotion {promotions})", file=sys.stderr, flush=True)
+            print(f"disttrain run: rank {rank}'s training process died ({_how(rc)}); its warm spare "
+                  f"took over and the job goes on from memory (promotion {promotions})", file=sys.stderr,
+                  flush=True)
             child, spare = spare, _spawn(cmd, "spare")
             continue
         break
     _end(spare)
-    if store is not None and rc == 0:  # keep the store up until every rank is done with it
+    # Keep the store up until every rank is done with it; not when a rank stopped the job
+    # (its error is the launcher's to report): the others may never say they are done.
+    if store is not None and rc == 0 and not earlier_stop():
         deadline = time.monotonic() + STORE_LINGER_S
         while store.add(DONE_KEY, 0) < world and time.monotonic() < deadline:
             time.sleep(0.05)

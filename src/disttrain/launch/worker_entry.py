@@ -47,9 +47,9 @@ def die_with_launcher() -> bool:
 def main(argv: list[str]) -> None:
     """Run `argv` (`-m MODULE ARGS` or `SCRIPT ARGS`) as `__main__` after `die_with_launcher`."""
     die_with_launcher()
-    from disttrain.launcher_notes import earlier_user_error
+    from disttrain.launcher_notes import earlier_stop
 
-    if earlier_user_error():  # a restart after a rank's user error: the mistake would repeat
+    if earlier_stop():  # a restart after a rank's user error: the mistake would repeat
         os._exit(2)
     os.environ.pop(LAUNCHER_ENV, None)  # the worker's own children have another parent
     if not (argv[:1] == ["-m"] and argv[1:2] in (["disttrain.launch.warm_workers"],
@@ -68,7 +68,33 @@ def main(argv: list[str]) -> None:
     script = argv[0]
     sys.argv = list(argv)
     sys.path[0] = os.path.dirname(os.path.abspath(script))  # as `python SCRIPT` sets it
-    keep_globals(runpy.run_path(script, run_name="__main__"))
+    try:
+        keep_globals(runpy.run_path(script, run_name="__main__"))
+    except Exception as e:  # a dt.Job has judged its own failure already (SystemExit)
+        script_failed(e)
+
+
+def script_failed(exc: Exception) -> None:
+    """A plain script's exception under `disttrain run`, judged as a `dt.Job`'s is
+    (`runtime.failures`, docs/elastic.md): the program's error goes to the launcher,
+    which prints it last and stops the job without a restart; a rank whose peer stopped
+    the job exits 0, silent; a lost peer is one line (the trace in the rank's log), exit
+    1 for torchrun to restart. The script's steps are unknown here."""
+    from disttrain import launcher_notes
+    from disttrain.runtime import failures
+
+    if not launcher_notes.under_launcher():
+        raise exc
+    rank, verdict = int(os.environ.get("RANK", "0")), failures.classify(exc)
+    if launcher_notes.earlier_stop():
+        os._exit(0)
+    if verdict.kind == failures.PROGRAM:
+        failures.report_program_error(exc, rank, None, oom={} if verdict.oom else None)
+        launcher_notes.wait_to_be_stopped()
+        sys.exit(failures.exit_status(exc))
+    what = "lost a peer" if verdict.kind == failures.MACHINE else "failed (cannot tell whose failure)"
+    failures.say_once(f"disttrain run: rank {rank} {what} ({verdict.cause}); {failures.trace_to_log(rank, exc)}")
+    sys.exit(1)
 
 
 def announcer(argv: list[str]) -> str:

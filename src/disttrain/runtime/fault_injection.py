@@ -92,6 +92,11 @@ def set_attempt(n: int) -> None:
     _attempt = n
 
 
+def attempt() -> int:
+    """The in-memory recoveries so far (see `set_attempt`)."""
+    return _attempt
+
+
 def set_faults(spec: str | None) -> None:
     """Replace the active faults (None: read DISTTRAIN_FAULT again on next use)."""
     global _faults

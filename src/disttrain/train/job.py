@@ -50,7 +50,7 @@ from disttrain.guard import start_guard
 from disttrain.parallel import wrap
 from disttrain.runtime.fault_injection import inject
 from disttrain.runtime.log import set_speaker
-from disttrain.train import job_resume, step_loop
+from disttrain.train import job_failure, job_resume, step_loop
 from disttrain.train.evaluation import Evaluator
 from disttrain.train.loop import Accumulator
 from disttrain.train.misuse import BACKWARD_MESSAGE, Ownership
@@ -196,22 +196,27 @@ class Job:
                                       timeout_s=self._init["timeout_s"], **self.guard_fields)
             if self._handoff is not None:
                 self._handoff.keep(guard=self._guard)
-        except BaseException:
-            self._close()
+        except BaseException as e:
+            self._end(e)
             raise
         return self
 
     def __exit__(self, exc_type, exc, tb) -> None:
+        self._end(exc)
+
+    def _end(self, exc: BaseException | None) -> None:
+        """Close the job; under `disttrain run` a failure ends as `job_failure` judges it
+        (a user error or the program's error: not retried; a lost peer: one line). The
+        judgement comes first: its note must be there when a peer's collective fails."""
+        ending = job_failure.judge(self, exc, self._peer_gone) if exc is not None else None
         self._close()
-        if exc is None or not launcher_notes.under_launcher():
-            return
-        # Under `disttrain run`: a user's mistake is one line from the launcher and is not
-        # retried; a rank that failed only because another one stopped on such a mistake
-        # (its peer's connection closed) exits quietly.
-        if isinstance(exc, UserError):
-            raise SystemExit(launcher_notes.report_user_error(self.name, exc))
-        if isinstance(exc, Exception) and launcher_notes.earlier_user_error():
-            raise SystemExit(2)
+        if ending is not None:
+            if ending.wait:
+                launcher_notes.wait_to_be_stopped()
+            raise SystemExit(ending.status) from None
+
+    def _peer_gone(self) -> bool:
+        return self._handoff is not None and self._handoff.peer_gone()
 
     def _close(self) -> None:
         self._owner.close()
@@ -348,6 +353,8 @@ class Job:
                                  sampler=self._sampler, extras=extras or {})
         ckpt = Checkpointer(self.checkpoint_dir, keep_last=self.keep_last, async_mode=self.async_save,
                             fallback=self.fallback) if self.checkpoints else None
+        if self._handoff is not None:  # the checkpointer's gloo group: cut in a recovery
+            self._handoff.publish_listeners()
         self._acc = acc
         self.resumed = job_resume.load(self, ckpt, acc)
         return self.resumed

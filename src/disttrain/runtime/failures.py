@@ -1,0 +1,191 @@
+"""Whose failure is it: the machine's or the program's. One classifier for both recovery
+paths: the in-memory one (`elastic.fast_recovery`) and torchrun's restart (`disttrain
+run --max-restarts N`, decided in `dt.Job`'s exit, `train.job_failure`, or for a plain
+script in `launch.worker_entry`); docs/elastic.md "What is retried and what is not".
+
+The contract:
+
+| what ended the attempt | whose | what happens |
+|---|---|---|
+| a peer process died (its supervisor or the launcher knows it) | machine | retried |
+| a collective's transport error: gloo's closed or reset pair, an NCCL error | machine | retried |
+| a collective timeout while a peer is gone | machine | retried |
+| SIGKILL from outside (the OOM killer included) | machine | retried |
+| any other exception, the user's code or ours, on the rank that raised it | program | stopped, not retried |
+| `torch.OutOfMemoryError`, `MemoryError` | program | stopped, with the planner's estimate and the fixes |
+| a collective timeout with every peer alive (a RuntimeError or TimeoutError saying it timed out) | unknown | retried, until the same failure ends two attempts in a row |
+
+A transport error is recognised by its type (torch's `DistError` family: backend,
+network and store errors) or by the words gloo and NCCL put in the `RuntimeError` they
+raise (`TRANSPORT_WORDS`); the user's own `ConnectionError` (a tracker, a data service)
+is the program's. A survivor's transport error caused by a peer that raised a
+program's error is not retried either: that peer's note ends the job
+(`report_program_error`, through `launcher_notes`).
+
+`signature` is what the crash-loop breaker (`crash_loop`) compares between two
+attempts: the type, the message with addresses, ports, pointers and durations masked,
+and the step (0: before the first step). `say_once` is the one line per failure of an
+attempt, `trace_to_log` the rank's full traceback. Plain Python: no torch import
+(types are matched by name), so the launcher and the slot supervisor can use it.
+"""
+
+from __future__ import annotations
+
+import os
+import re
+import signal
+import traceback
+from dataclasses import dataclass
+
+from disttrain import launcher_notes
+from disttrain.runtime import fault_injection
+from disttrain.runtime.log import EVERY_RANK, LOGGER
+
+MACHINE, PROGRAM, UNKNOWN = "machine", "program", "unknown"
+
+TRANSPORT_TYPES = ("DistBackendError", "DistNetworkError", "DistStoreError")
+"""torch.distributed's error classes for a collective's backend, its network and its store."""
+CLOSED_WORDS = ("Connection closed by peer", "Connection reset by peer", "Read error", "Write error",
+                "Broken pipe")
+"""gloo's words for a connection a peer closed (never a slow peer)."""
+NCCL_WORDS = ("NCCL error", "ncclRemoteError", "ncclSystemError", "NCCL communicator was aborted",
+              "ProcessGroupNCCL")
+TRANSPORT_WORDS = ("gloo/transport", *CLOSED_WORDS, *NCCL_WORDS)
+"""Words of the RuntimeError gloo and NCCL raise when a peer's connection fails (checked
+on torch 2.13: gloo raises a plain RuntimeError naming pair.cc)."""
+TIMEOUT_WORDS = ("Timed out waiting", "timed out", "Watchdog caught collective operation timeout")
+OOM_TYPES = ("OutOfMemoryError", "MemoryError")
+
+
+@dataclass(frozen=True)
+class Verdict:
+    """`kind`: MACHINE, PROGRAM or UNKNOWN; `error`: the exception's type name (or the
+    signal's); `message`: its first line; `oom`: an out-of-memory error."""
+
+    kind: str
+    error: str
+    message: str
+    oom: bool = False
+
+    @property
+    def retried(self) -> bool:
+        return self.kind != PROGRAM
+
+    @property
+    def cause(self) -> str:
+        """A few words for a one-line report: the transport's words, else the message's start."""
+        words = [w for w in (*TIMEOUT_WORDS, *CLOSED_WORDS, *NCCL_WORDS) if w in self.message]
+        return f"{self.error}: {words[0] if words else self.message[:100]}"
+
+
+def _names(exc: BaseException) -> set[str]:
+    return {cls.__name__ for cls in type(exc).__mro__}
+
+
+def first_line(exc: BaseException) -> str:
+    text = str(exc).strip()
+    return text.splitlines()[0] if text else ""
+
+
+def is_transport_error(exc: BaseException) -> bool:
+    """A collective's (or its store's) transport failed: a peer's connection closed,
+    reset or timed out underneath it."""
+    if _names(exc) & set(TRANSPORT_TYPES):
+        return True
+    return isinstance(exc, RuntimeError) and any(w in str(exc) for w in TRANSPORT_WORDS)
+
+
+def is_collective_timeout(exc: BaseException) -> bool:
+    return isinstance(exc, (RuntimeError, TimeoutError)) and any(w in str(exc) for w in TIMEOUT_WORDS)
+
+
+def classify(exc: BaseException, *, peer_gone: bool = False) -> Verdict:
+    """The verdict on `exc`, raised on this rank. `peer_gone`: whether this process knows
+    that a peer of its group has died (a generation bumped by a promoted spare)."""
+    name, message = type(exc).__name__, first_line(exc)
+    if _names(exc) & set(OOM_TYPES):
+        return Verdict(PROGRAM, name, message, oom=True)
+    if is_collective_timeout(exc) and not any(w in str(exc) for w in CLOSED_WORDS):
+        return Verdict(MACHINE if peer_gone else UNKNOWN, name, message)
+    if is_transport_error(exc):
+        return Verdict(MACHINE, name, message)
+    return Verdict(PROGRAM, name, message)
+
+
+def classify_death(returncode: int) -> Verdict:
+    """A process that ended with `returncode` (negative: the signal) and raised nothing
+    we saw: SIGKILL from outside (the OOM killer too) is the machine's; SIGTERM and
+    SIGINT are a stop, also the machine's; any other end (a crash in native code, an
+    exit status without a note) cannot be classified."""
+    if returncode < 0:
+        sig = signal.Signals(-returncode).name
+        kind = MACHINE if -returncode in (signal.SIGKILL, signal.SIGTERM, signal.SIGINT) else UNKNOWN
+        return Verdict(kind, sig, f"killed by {sig}")
+    return Verdict(UNKNOWN, "exit", f"exit status {returncode}")
+
+
+_MASKS = (re.compile(r"\[[0-9a-fA-F.:]+\]:\d+"), re.compile(r"0x[0-9a-fA-F]+"),
+          re.compile(r"\bpid:? \d+"), re.compile(r"\d+(\.\d+)?\s*m?s\b"))
+
+
+def signature(error: str, message: str, step: int) -> str:
+    """What two attempts must share to be the same failure: type, message (addresses,
+    pointers, pids and durations masked: they differ between attempts) and step."""
+    for mask in _MASKS:
+        message = mask.sub("#", message)
+    return f"{error}: {message} at step {step}" if step > 0 else f"{error}: {message} before the first step"
+
+
+def exit_status(exc: BaseException) -> int:
+    """The exit status Python gives a process that dies of `exc` (1; a `SystemExit`'s own code)."""
+    if isinstance(exc, SystemExit):
+        return exc.code if isinstance(exc.code, int) else 1
+    return 1
+
+
+def report_program_error(exc: BaseException, rank: int, step: int | None, oom: dict | None = None) -> bool:
+    """Under `disttrain run`: hand the launcher the program's error `exc` of `rank` at
+    `step` (0: before the first step; None: a plain script's, unknown), its traceback
+    and its one line; `oom`: the planner's facts for an out-of-memory error ({}: none
+    known). False elsewhere, or when another rank's report came first. The caller then
+    waits to be stopped (`launcher_notes.wait_to_be_stopped`) and exits with
+    `exit_status(exc)`."""
+    where = "" if step is None else f" at step {step}" if step else " before the first step"
+    return launcher_notes.report_not_retried(
+        f"not retried: {type(exc).__name__}{where} on rank {rank} is the program's error",
+        exit_status(exc), traceback="".join(traceback.format_exception(exc)), oom=oom)
+
+
+def attempt() -> tuple[int, int]:
+    """This attempt: (torchrun's restart count, the in-memory generation)."""
+    return int(os.environ.get("TORCHELASTIC_RESTART_COUNT", "0")), fault_injection.attempt()
+
+
+def crash_loop(verdict: Verdict, step: int, unit: str = "attempts") -> bool:
+    """The crash-loop breaker, for a failure that cannot be classified: record its
+    signature as this attempt's; when the attempt before ended with the same one, tell
+    the launcher to stop the job ("two `unit` in a row ...") and return True (the
+    caller then waits to be stopped)."""
+    sig = signature(verdict.error, verdict.message, step)
+    if launcher_notes.repeated_failure(attempt(), sig) is None:
+        return False
+    launcher_notes.report_not_retried(f"stopped: two {unit} in a row ended with the same failure ({sig}), "
+                                      f"so a retry would repeat it; not retried", 1)
+    return True
+
+
+def say_once(line: str) -> None:
+    """One line per failure of an attempt, said by the first rank to see it."""
+    if launcher_notes.first_to_say("failure-%06d-%06d" % attempt()):
+        LOGGER.warning(line, extra=EVERY_RANK)
+
+
+def trace_to_log(rank: int, exc: BaseException, header: str = "") -> str:
+    """Append `exc`'s traceback (after a `header` line) to this rank's log under
+    `disttrain run`; returns where it went, for the rank's one line."""
+    path = launcher_notes.trace_file(rank)
+    if path is None:
+        return "no per-rank log outside disttrain run"
+    with open(path, "a") as f:
+        f.write((header + "\n" if header else "") + "".join(traceback.format_exception(exc)) + "\n")
+    return f"full trace in {path}"

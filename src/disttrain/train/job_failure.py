@@ -1,0 +1,96 @@
+"""What a `dt.Job` does with the exception that ends its `with` block under `disttrain
+run`, by the verdict of `runtime.failures` (docs/elastic.md "What is retried and what
+is not"):
+
+- a user's mistake (`UserError`): one line from the launcher, exit 2 (as before);
+- a rank whose peer stopped the job on purpose (a user error, a program's error, a
+  crash loop: the peer's note is there): exit 0 at once, silent;
+- the program's error on the rank that raised it: the traceback and one line
+  ("not retried: RuntimeError at step 12 on rank 1 is the program's error") go to the
+  launcher, which stops the job without a restart and in-memory recovery starts no
+  new generation; an out-of-memory error's line adds the planner's estimate and the
+  fixes;
+- the machine's failure (a lost peer) on the restart path: one line (which rank, at
+  which step, what happens next), the full traceback to the rank's log
+  (`launcher_notes.trace_file`), exit 1 for torchrun to restart; under fast recovery
+  the exception goes on to `fast_recovery.run`, which recovers in memory;
+- a failure that cannot be classified: as the machine's, unless the attempt before
+  ended with the same one (`failures.signature`): then the job stops, saying so.
+
+`judge` runs before the job's group closes (a survivor must find the note when its
+collective fails) and returns what to do after the close.
+"""
+
+from __future__ import annotations
+
+import math
+import os
+import sys
+from dataclasses import dataclass
+from typing import Callable
+
+from disttrain import launcher_notes
+from disttrain.errors import UserError
+from disttrain.runtime import failures
+
+
+@dataclass(frozen=True)
+class Ending:
+    """After the group is closed: wait for the launcher to stop the job (after a note
+    it acts on), then exit with `status`."""
+
+    status: int
+    wait: bool = False
+
+
+def failed_step(job) -> int:
+    """The step the failure happened in (0: before the first step)."""
+    return job.step + 1 if job._loop is not None else 0
+
+
+def oom_facts(job) -> dict | None:
+    """What the launcher's planner needs for an out-of-memory line."""
+    if job.model is None:
+        return None
+    shapes = [list(p.shape) for p in job.model.parameters()]
+    opt = job._state.optimizer if job._state is not None else None
+    name = type(opt).__name__.lower() if opt is not None else "adamw"
+    if name.startswith("sgd"):
+        momentum = any(g.get("momentum", 0) for g in opt.param_groups)
+        name = "sgd-momentum" if momentum else "sgd"
+    return {"params": sum(math.prod(s) for s in shapes), "shapes": shapes,
+            "strategy": job.strategy, "world": job.info.world_size if job.info else 1,
+            "optimizer": name, "precision": job.precision}
+
+
+def judge(job, exc: BaseException, peer_gone: Callable[[], bool] = lambda: False) -> Ending | None:
+    """The ending for `exc` under `disttrain run` (see the module); None: propagate."""
+    if not launcher_notes.under_launcher() or not isinstance(exc, Exception):
+        return None
+    if isinstance(exc, UserError):
+        launcher_notes.write_user_error(job.name, exc)
+        return Ending(2, wait=True)
+    if launcher_notes.earlier_stop():
+        return Ending(0)
+    rank, step = (job.info.rank if job.info else int(os.environ.get("RANK", "0"))), failed_step(job)
+    verdict = failures.classify(exc, peer_gone=peer_gone())
+    if verdict.kind == failures.PROGRAM:
+        failures.report_program_error(exc, rank, step, oom=oom_facts(job) if verdict.oom else None)
+        return Ending(failures.exit_status(exc), wait=True)
+    return None if job._handoff is not None else machine_ending(rank, step, verdict, exc)
+
+
+def machine_ending(rank: int, step: int, verdict: failures.Verdict, exc: BaseException) -> Ending:
+    """The restart path's end of a rank that lost a peer (or failed unclassified)."""
+    where = failures.trace_to_log(rank, exc)
+    if verdict.kind == failures.UNKNOWN and failures.crash_loop(verdict, step):
+        return Ending(1, wait=True)
+    restart, _ = failures.attempt()
+    left = int(os.environ.get("TORCHELASTIC_MAX_RESTARTS", "0")) - restart
+    then = (f"torchrun restarts the job from its newest checkpoint ({left} restart(s) left)" if left > 0
+            else "no restart left: the job stops")
+    what = "lost a peer" if verdict.kind == failures.MACHINE else "failed (cannot tell whose failure)"
+    at = f"at step {step}" if step else "before the first step"
+    failures.say_once(f"disttrain run: rank {rank} {what} {at} ({verdict.cause}); {then}; {where}")
+    sys.stderr.flush()
+    return Ending(1)
