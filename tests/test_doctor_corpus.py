@@ -70,10 +70,12 @@ def test_without_the_corpus_the_section_says_how_to_fetch_it(tmp_path, monkeypat
     assert "python -m bench.doctor_corpus fetch" in capsys.readouterr().out
     text = report.write(common.Options(out_dir=tmp_path), []).read_text()
     gpu, doctor = text.index("## GPU (NVIDIA H200)"), text.index("## Doctor on real code")
-    assert gpu < doctor and "### Real reported bugs" in text[doctor:]
-    assert "[pytorch/pytorch#31771](https://github.com/pytorch/pytorch/issues/31771)" in text
-    assert text[doctor:].count("Not measured here: ") == 2  # the current doctor's tables, real/
-    assert "| false errors | 0 | 0 |" in text[doctor:]  # round 10's recorded figures stay
+    assert gpu < doctor and "| false errors | 0 | 0 |" in text[doctor:]  # round 10's recorded figures
+    assert "(bench/results/doctor.md)" in text[doctor:]  # the page links the whole section
+    full = (results / "doctor.md").read_text()
+    assert "## Real reported bugs" in full
+    assert "[pytorch/pytorch#31771](https://github.com/pytorch/pytorch/issues/31771)" in full
+    assert full.count("Not measured here: ") == 2  # the current doctor's tables, real/
 
 
 # ----- the projects' reviews: facts and verdicts, no code ------------------------------

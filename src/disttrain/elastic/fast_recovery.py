@@ -308,7 +308,18 @@ def run(body: Callable[[runtime.RankInfo, Handoff], Any], *, backend: str, devic
                 runtime.shutdown(collect=False)
             gen = max(gen + 1, store.add(GEN_KEY, 0))
     finally:
+        _count_done(store)
+
+
+def _count_done(store) -> None:
+    """Count this rank out on the store. When another rank stopped the job on purpose
+    (a program's error on the rank whose slot hosts the store), the store may be gone
+    already: this rank then leaves quietly, as the launcher prints that rank's error."""
+    try:
         store.add(DONE_KEY, 1)
+    except (RuntimeError, ConnectionError, TimeoutError):  # torch's DistNetworkError among them
+        if not launcher_notes.earlier_stop():
+            raise
 
 
 def _recover(handoff: Handoff, e: Exception, info: runtime.RankInfo, world: int) -> RuntimeError:
