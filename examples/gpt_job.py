@@ -1,7 +1,8 @@
 """examples/gpt_torchrun.py's GPT training moved to `dt.Job`: the same model, data,
 optimizer, schedule, accumulation, clipping and evaluation, with the process group,
-DDP, sampling, checkpoints and resume handed to the job. Every name it uses is in the
-API reference (`dt.Job`, `dt.TokenWindows`, `dt.print_main`).
+DDP, sampling, checkpoints and resume handed to the job. Each disttrain name it adds
+(`dt.Job` and its methods, `dt.TokenWindows`, `dt.print_main`) is in the API reference;
+the model is the one the plain script trains.
 
     python examples/gpt_job.py --make-data                                # data/stdlib/{train,val}.bin
     disttrain run --nproc 2 --max-restarts 3 examples/gpt_job.py          # killed: it resumes
