@@ -6,10 +6,13 @@ and blank lines are dropped, and leading and trailing spaces stripped (as
 `with` block does not count, and a moved or edited line does. The count is `difflib`'s: lines only in the
 converted script (added) plus lines only in the plain one (removed); a line
 edited in place counts once on each side, as a reviewer would read it.
+
+    python -m bench.code_diff PLAIN CONVERTED [--diff]   # any two scripts: the count (and diff)
 """
 
 from __future__ import annotations
 
+import argparse
 import ast
 import difflib
 import io
@@ -72,3 +75,22 @@ def count_all(names: dict[str, str], folder: Path = WORKLOADS) -> dict[str, dict
         text = (folder / file).read_text()
         out[key] = {"file": file, **diff_counts(plain, text), "diff": unified(plain, text, file)}
     return out
+
+
+def main(argv: list[str] | None = None) -> None:
+    ap = argparse.ArgumentParser(prog="python -m bench.code_diff",
+                                 description="changed code lines from one script to another")
+    ap.add_argument("plain")
+    ap.add_argument("converted")
+    ap.add_argument("--diff", action="store_true", help="also print the code-line diff")
+    a = ap.parse_args(argv)
+    plain, converted = Path(a.plain).read_text(), Path(a.converted).read_text()
+    c = diff_counts(plain, converted)
+    print(f"{c['changed']} changed code lines ({c['added']} added, {c['removed']} removed); "
+          f"{a.converted} has {c['total']}")
+    if a.diff:
+        print(unified(plain, converted, a.converted))
+
+
+if __name__ == "__main__":
+    main()

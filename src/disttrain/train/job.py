@@ -371,7 +371,8 @@ class Job:
         (`SystemExit(0)`), so the same command resumes; code after the loop does not
         run. A job whose checkpoint is already at `max_steps` yields nothing and says
         so. Breaking out of the loop ends it without a save; a step whose last backward
-        ran before the break is kept (`job.step` counts it)."""
+        ran before the break is kept (`job.step` counts it). `job.step` is the number of
+        optimizer steps done: inside the loop, the batch belongs to step `job.step + 1`."""
         self._need(self._acc is not None, "dt.Job.steps(): call job.resume(model=..., "
                                           "optimizer=...) first (it loads the newest checkpoint).")
         self._need(loader is self._loader, "dt.Job.steps() takes the loader job.loader() returned; "
