@@ -1,6 +1,6 @@
-"""The GPT conversion kept in examples/: gpt_torchrun.py (plain torchrun and DDP) and
-gpt_job.py (the same training on `dt.Job`) both train under `disttrain run` on a token
-file they write themselves; the Job version killed -9 resumes to the uninterrupted
+"""The GPT conversion kept in examples/: gpt_torchrun.py (plain torchrun and DDP, launched
+as its user launches it: `torchrun --standalone`) and gpt_job.py (the same training on
+`dt.Job`, under `disttrain run`) both train on a token file they write themselves; the Job version killed -9 resumes to the uninterrupted
 run's weights; the diff size stated in its docstring and the README is the one
 bench/code_diff.py counts; and every name it uses is in the API reference."""
 
@@ -42,8 +42,13 @@ def data(tmp_path_factory):
 
 def launch(script, data, out, *extra, fault=None):
     env = worker_env(**({"DISTTRAIN_FAULT": fault} if fault else {}))
-    proc = run_disttrain(["run", "--nproc", "2", "--max-restarts", "3", script, *TINY, "--data", data,
-                          "--out", str(out), *extra], timeout=150, env=env)
+    args = [script, *TINY, "--data", data, "--out", str(out), *extra]
+    if script == PLAIN:  # the script before its conversion, launched as it was
+        proc = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--standalone",
+                               "--nproc-per-node", "2", *args], cwd=ROOT, env=env,
+                              capture_output=True, text=True, timeout=150)
+    else:
+        proc = run_disttrain(["run", "--nproc", "2", "--max-restarts", "3", *args], timeout=150, env=env)
     log = proc.stdout + proc.stderr
     assert proc.returncode == 0, log[-4000:]
     return log
