@@ -97,8 +97,30 @@ CORE_TIERS = (
 )
 
 
+TIERS = (
+    # A test's tier is what its module does, read from its source: the first tier whose
+    # words it holds. `pytest -m unit` runs in-process tests (a minute or two), `-m launch`
+    # the ones that start processes, `-m faults` the ones that kill, stop or break them.
+    ("faults", ("DISTTRAIN_FAULT", "SIGKILL", "SIGSTOP", "os.kill(", "enospc@", "kill@")),
+    ("launch", ("subprocess", "run_disttrain", "launch_worker", "multiprocessing", "torchrun",
+                "mp.spawn", "os.fork(")),
+)
+
+
+def tier_of(path: Path) -> str:
+    """'faults', 'launch' or 'unit' for the test module at `path` (see TIERS)."""
+    if path not in _TIER_OF:
+        text = path.read_text()
+        _TIER_OF[path] = next((name for name, words in TIERS if any(w in text for w in words)), "unit")
+    return _TIER_OF[path]
+
+
+_TIER_OF: dict[Path, str] = {}
+
+
 def pytest_collection_modifyitems(config, items):
     core = re.compile("|".join(f"(?:{p})" for p in CORE_TIERS))
     for item in items:
         if core.match(item.nodeid):
             item.add_marker(pytest.mark.core)
+        item.add_marker(getattr(pytest.mark, tier_of(Path(item.fspath))))

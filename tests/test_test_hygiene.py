@@ -65,3 +65,13 @@ def test_no_assertion_reads_a_clock():
     timed = [f"{p.relative_to(TESTS)}:{n.lineno}" for p, tree in _suite().items() for n in ast.walk(tree)
              if isinstance(n, ast.Assert) and any(_elapsed(c) for c in ast.walk(n.test))]
     assert timed == [], f"assertions on a wall-clock time: {timed}"
+
+
+def test_each_test_module_has_the_tier_of_what_it_does():
+    from conftest import tier_of
+
+    assert tier_of(TESTS / "test_test_hygiene.py") == "unit"
+    assert tier_of(TESTS / "test_benchmarks_page.py") == "launch"
+    assert tier_of(TESTS / "test_elastic.py") == "faults"
+    tiers = {tier_of(p) for p in TESTS.glob("test_*.py")}
+    assert tiers == {"unit", "launch", "faults"}
