@@ -114,9 +114,9 @@ class Job:
         log_every: Optimizer steps per metrics record (values averaged over them).
         progress: Rank 0's progress bar.
         trackers (str | list | None): "wandb", "mlflow", `dt.WandbTracker(...)`,
-            `dt.MlflowTracker(...)` or a list of them: rank 0 sends each metrics record, the config, restarts and
-            world-size changes there; a resumed or restarted run continues the same
-            tracker run (a tracker whose package is missing is a `UserError` here).
+            `dt.MlflowTracker(...)` or a list of them: rank 0 sends each metrics record,
+            the config, restarts and world-size changes there; a resumed or restarted
+            run continues the same tracker run (a missing package is a `UserError` here).
         guard (GuardConfig | None): For adapters: start checks and hang watchdog.
         config: For adapters: the dict each checkpoint stores and a resume compares.
         exit_on_preempt: False: on SIGTERM `steps()` returns after the save and
