@@ -7,7 +7,7 @@ the model is the one the plain script trains.
     python examples/gpt_job.py --make-data                                # data/stdlib/{train,val}.bin
     disttrain run --nproc 2 --max-restarts 3 examples/gpt_job.py          # killed: it resumes
 
-The change is 121 changed code lines (15 added, 106 removed; comments, blank lines and
+The change is 122 changed code lines (15 added, 107 removed; comments, blank lines and
 indentation not counted), as `python -m bench.code_diff examples/gpt_torchrun.py
 examples/gpt_job.py --diff` counts and shows them. What the lines buy: a kill -9 or a SIGTERM resumes
 from the newest valid checkpoint with bit-identical weights and every window of the

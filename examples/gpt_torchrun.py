@@ -172,6 +172,7 @@ def main(args) -> None:
     if master:
         print(f"done at step {step}; checkpoint in {out / 'ckpt.pt'}")
     if ddp:
+        dist.barrier()  # every rank is done with the group before any takes it down
         dist.destroy_process_group()
 
 

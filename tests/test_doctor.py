@@ -339,12 +339,23 @@ def test_clean_ddp_script_has_zero_findings():
     assert main([str(SAMPLES / "clean_ddp.py")]) == 0
 
 
-def test_examples_directory_has_zero_findings():
+BEFORE_CONVERSION = "gpt_torchrun.py"
+"""The plain script of examples/ kept as the "before" of a conversion to `dt.Job`: it
+holds the habits of a hand-written loop on purpose, and the doctor names them."""
+
+
+def test_examples_directory_has_zero_findings_but_the_script_before_its_conversion():
     examples = REPO / "examples"
     if not examples.is_dir() or not list(examples.rglob("*.py")):
         pytest.skip("examples/ holds no Python scripts yet")
     _, findings = analyze_paths([str(examples)])
-    assert [f"{f.file}:{f.line} {f.rule}: {f.message}" for f in findings] == []
+    assert [f"{f.file}:{f.line} {f.rule}: {f.message}" for f in findings
+            if Path(f.file).name != BEFORE_CONVERSION] == []
+    before = {f.rule for f in findings if Path(f.file).name == BEFORE_CONVERSION}
+    # what the conversion takes away: each one a warning, none an error
+    assert before == {"unguarded-log", "init-without-timeout", "load-without-weights-only",
+                      "checkpoint-missing-state", "non-atomic-save"}
+    assert all(f.severity == "warning" for f in findings)
 
 
 OFF_BY_ONE = {  # other spellings of "the step index % N is 0" around an optimizer step
