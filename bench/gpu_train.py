@@ -40,6 +40,8 @@ from pathlib import Path
 
 import torch
 
+from bench.checkpoint_bench import evict
+
 PEAK_FLOPS = 989e12
 FULL = {"block_size": 2048, "n_layer": 20, "n_head": 16, "n_embd": 2048, "dropout": 0.0,
         "bias": False}
@@ -157,8 +159,6 @@ def disk_rates(nbytes: int, tmp: Path) -> dict:
     """The raw disk on the same folder, for the checkpoint's GB/s to be read against: the
     state's byte count written from host memory with one fsync, dropped from the page
     cache, then read back (a cold read where the kernel honours the eviction)."""
-    from bench.checkpoint_bench import evict
-
     data = torch.empty(nbytes, dtype=torch.uint8).numpy()
     path = tmp / "raw.bin"
     t0 = time.perf_counter()
@@ -185,8 +185,6 @@ def fingerprint(model) -> torch.Tensor:
 def checkpoint_rates(model, checkpoint, nbytes: int, tmp: Path, raw_disk: bool) -> dict:
     """Seconds and GB/s of a synchronous save, a cold load of it, and an async save (the
     stall the loop sees and the time until committed); the raw disk's rates when asked."""
-    from bench.checkpoint_bench import evict
-
     save, load = checkpoint
     out = disk_rates(nbytes, tmp) if raw_disk else {}
     before = fingerprint(model)

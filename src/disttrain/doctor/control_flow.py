@@ -304,11 +304,18 @@ def _early_exit_before(facts, block: list[ast.stmt], index: int, subset: bool = 
             last = stmt.body[-1]
             if subset and isinstance(last, ast.Raise):
                 continue  # an error path (`raise RuntimeError("already initialised")`)
-            if kind and (isinstance(last, _EXITS) or (
-                isinstance(last, ast.Expr) and isinstance(last.value, ast.Call)
-                    and ast.unparse(last.value.func) in ("sys.exit", "exit", "quit", "os._exit"))):
+            if kind and ends_in_exit(stmt.body):
                 return kind
     return None
+
+
+def ends_in_exit(body: list[ast.stmt]) -> bool:
+    """The block's last statement leaves it: `return`, `continue`, `break`, `raise` or a
+    call of `sys.exit()` (`exit`, `quit`, `os._exit`)."""
+    last = body[-1] if body else None
+    return isinstance(last, _EXITS) or (
+        isinstance(last, ast.Expr) and isinstance(last.value, ast.Call)
+        and ast.unparse(last.value.func) in ("sys.exit", "exit", "quit", "os._exit"))
 
 
 def _pure_rank_test(facts, test: ast.AST) -> bool:

@@ -60,7 +60,7 @@ def exit_tests(facts: Facts, node: ast.AST) -> list[ast.AST]:
             block = getattr(a, field, None)
             if isinstance(block, list) and child in block:
                 tests += [s.test for s in block[:block.index(child)] if isinstance(s, ast.If)
-                          and _exits(s.body) and control_flow.is_rank_test(facts, s.test)]
+                          and control_flow.ends_in_exit(s.body) and control_flow.is_rank_test(facts, s.test)]
         if isinstance(a, (ast.FunctionDef, ast.AsyncFunctionDef)):
             break
         child = a
@@ -81,11 +81,3 @@ def named_guard(facts: Facts, node: ast.AST, depth: int = 2) -> str | None:
     sites = facts.project.call_sites.get(fn, []) if depth else []
     names = [named_guard(f, c, depth - 1) for f, c in sites]
     return names[0] if names and all(names) else None
-
-
-def _exits(body: list[ast.stmt]) -> bool:
-    last = body[-1] if body else None
-    if isinstance(last, (ast.Return, ast.Raise, ast.Continue, ast.Break)):
-        return True
-    return isinstance(last, ast.Expr) and isinstance(last.value, ast.Call) and \
-        ast.unparse(last.value.func) in ("sys.exit", "exit", "quit", "os._exit")

@@ -92,8 +92,7 @@ def script_failed(exc: Exception) -> None:
         failures.report_program_error(exc, rank, None, oom={} if verdict.oom else None)
         launcher_notes.wait_to_be_stopped()
         sys.exit(failures.exit_status(exc))
-    what = "lost a peer" if verdict.kind == failures.MACHINE else "failed (cannot tell whose failure)"
-    failures.say_once(f"disttrain run: rank {rank} {what} ({verdict.cause}); {failures.trace_to_log(rank, exc)}")
+    failures.say_once(f"disttrain run: rank {rank} {verdict.what} ({verdict.cause}); {failures.trace_to_log(rank, exc)}")
     sys.exit(1)
 
 

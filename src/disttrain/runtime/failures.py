@@ -72,6 +72,11 @@ class Verdict:
         return self.kind != PROGRAM
 
     @property
+    def what(self) -> str:
+        """How a retried failure reads in its one line: a lost peer, or one of unknown kind."""
+        return "lost a peer" if self.kind == MACHINE else "failed (cannot tell whose failure)"
+
+    @property
     def cause(self) -> str:
         """A few words for a one-line report: the transport's words, else the message's start."""
         words = [w for w in (*TIMEOUT_WORDS, *CLOSED_WORDS, *NCCL_WORDS) if w in self.message]

@@ -89,8 +89,7 @@ def machine_ending(rank: int, step: int, verdict: failures.Verdict, exc: BaseExc
     left = int(os.environ.get("TORCHELASTIC_MAX_RESTARTS", "0")) - restart
     then = (f"torchrun restarts the job from its newest checkpoint ({left} restart(s) left)" if left > 0
             else "no restart left: the job stops")
-    what = "lost a peer" if verdict.kind == failures.MACHINE else "failed (cannot tell whose failure)"
     at = f"at step {step}" if step else "before the first step"
-    failures.say_once(f"disttrain run: rank {rank} {what} {at} ({verdict.cause}); {then}; {where}")
+    failures.say_once(f"disttrain run: rank {rank} {verdict.what} {at} ({verdict.cause}); {then}; {where}")
     sys.stderr.flush()
     return Ending(1)

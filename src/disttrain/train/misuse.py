@@ -61,6 +61,11 @@ class Ownership:
             self.in_loop = was
             self._epoch = getattr(self.scheduler, "last_epoch", None)
 
+    def left_loop(self) -> None:
+        """The script left the loop mid-batch (`break`, `return`): its own steps after the
+        loop are its business."""
+        self.in_loop = False
+
     def after_user(self) -> None:
         """Right after the user's code for a batch (and its job.backward) returned."""
         self.in_loop = False

@@ -139,8 +139,14 @@ class Loop:
         that stepped the optimizer: count that step, as plain PyTorch keeps an
         `optimizer.step()` before a `break`. Evaluation, records and saves wait for the
         next loop or the script's own save."""
-        self.audit.add(torch.tensor(self.job._loader.sampler.take(self.job._loader.batch_size)))
+        self.take_batch()
         self.commit()
+
+    def take_batch(self) -> None:
+        """The batch just trained on: its sample indices into the audit, which records
+        them with the step they belong to (`commit`)."""
+        loader = self.job._loader
+        self.audit.add(torch.tensor(loader.sampler.take(loader.batch_size)))
 
     def _evaluate(self, ev) -> dict[str, float]:
         job = self.job
@@ -220,7 +226,7 @@ def run(job, max_steps: int) -> Iterator[Any]:
                 try:
                     yield to_device(batch, job.info.device)
                 except GeneratorExit:  # the script left the loop
-                    job._owner.in_loop = False  # its own steps after the loop are its business
+                    job._owner.left_loop()
                     if acc.stepped:
                         loop.take_left_step()
                     raise
@@ -231,7 +237,7 @@ def run(job, max_steps: int) -> Iterator[Any]:
                     raise UserError("each batch from job.steps() needs one job.backward(loss) "
                                     "before the next; this one had none (a script's own "
                                     "loss.backward() does not count: call job.backward(loss)).")
-            loop.audit.add(torch.tensor(job._loader.sampler.take(job._loader.batch_size)))
+            loop.take_batch()
             if acc.stepped:
                 stopping = loop.after_step()
                 if stopping or job.step >= max_steps:
