@@ -344,7 +344,7 @@ def _recover(handoff: Handoff, e: Exception, info: runtime.RankInfo, world: int)
 def _failed_step(handoff: Handoff) -> int:
     """The step in flight when the attempt failed (0: before the first)."""
     acc = handoff.live.get("acc")
-    return acc.optimizer_steps + 1 if acc is not None else 0
+    return acc.step_in_flight if acc is not None else 0
 
 
 def _stop(handoff: Handoff, e: BaseException, rank: int) -> None:

@@ -45,7 +45,7 @@ class Ending:
 
 def failed_step(job) -> int:
     """The step the failure happened in (0: before the first step)."""
-    return job.step + 1 if job._loop is not None else 0
+    return job._acc.step_in_flight if job._loop is not None else 0
 
 
 def oom_facts(job) -> dict | None:

@@ -104,6 +104,12 @@ class Accumulator:
         return self._in_window == 0
 
     @property
+    def step_in_flight(self) -> int:
+        """The optimizer step the current micro-batch belongs to (1-based): the one just
+        taken, from a window's closing backward until the next micro-batch starts."""
+        return self.optimizer_steps + (0 if self.stepped else 1)
+
+    @property
     def next_is_boundary(self) -> bool:
         """True when the next `micro_step` closes the window (the optimizer steps)."""
         return self._in_window + 1 >= self.accum_steps
