@@ -1,7 +1,7 @@
 """Every trainer cell the README's table lists runs end to end through the real trainer:
 steps, checkpoints, a kill -9 mid-run, the automatic resume (torchrun restart) and the
 final export, with final weights bit-identical to an uninterrupted run (P-CKPT-1,
-P-ELASTIC-3, P-FSDP-4). The cells come from `disttrain.config.matrix.CELLS`, the list
+P-ELASTIC-3, P-FSDP-4). The cells come from `tests/workers/trainer_cells.py`'s `CELLS`, the list
 README.md prints, so the table cannot claim a cell no test ran."""
 
 from __future__ import annotations
@@ -13,14 +13,14 @@ from safetensors.torch import load_file
 from conftest import ROOT, WORKERS, run_disttrain
 from disttrain.checkpoint import latest_valid
 from disttrain.checkpoint.export import export_safetensors
-from disttrain.config.matrix import CELLS, markdown_table
+from workers.trainer_cells import CELLS, markdown_table
 
 WORKER = str(WORKERS / "matrix_cells.py")
 
 
 def test_readme_table_is_the_tested_list():
     readme = (ROOT / "README.md").read_text()
-    assert markdown_table() in readme, "README's trainer-cell table is stale: paste `python -m disttrain.config.matrix`"
+    assert markdown_table() in readme, "README's trainer-cell table is stale: paste `python tests/workers/trainer_cells.py`"
 
 
 def _launch(mode: str, out, cells, restarts: int = 0):

@@ -20,7 +20,7 @@ from pathlib import Path
 
 from disttrain import runtime
 from disttrain.config import load_config
-from disttrain.config.matrix import CELLS
+from trainer_cells import CELLS
 from disttrain.runtime import fault_injection, process_group
 from disttrain.train.trainer import train
 
