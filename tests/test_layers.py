@@ -4,6 +4,7 @@ pyproject.toml), no import circles, small files, a light `import disttrain`, and
 
 from __future__ import annotations
 
+import importlib
 import os
 import shutil
 import subprocess
@@ -117,17 +118,28 @@ def test_light_modules_do_not_import_torch(module):
 
 
 def test_old_paths_import_with_a_deprecation_warning():
-    from disttrain.old_paths import MOVED
+    from disttrain.old_paths import MOVED, new_home
 
-    for old, new in MOVED.items():
+    for old, target in MOVED.items():
         sys.modules.pop(old, None)
-        with warnings.catch_warnings(record=True) as caught:
-            warnings.simplefilter("always")
-            module = __import__(old, fromlist=["_"])
-        assert any(issubclass(w.category, DeprecationWarning) and new in str(w.message) for w in caught), old
-        real = sys.modules[new]
-        public = [n for n in vars(real) if not n.startswith("_")]
-        assert public and all(getattr(module, n) is getattr(real, n) for n in public), old
+        module = importlib.import_module(old)
+        names = target.keys() if isinstance(target, dict) else [
+            n for n in vars(importlib.import_module(target)) if not n.startswith("_")]
+        assert names, old
+        for name in names:
+            new = new_home(old, name)
+            with warnings.catch_warnings(record=True) as caught:
+                warnings.simplefilter("always")
+                value = getattr(module, name)
+            assert any(issubclass(w.category, DeprecationWarning) and new in str(w.message) for w in caught)
+            assert value is getattr(importlib.import_module(new), name), (old, name)
+
+
+def test_import_disttrain_installs_no_import_hook():
+    code = ("import sys; before = list(sys.meta_path); import disttrain, disttrain.train; "
+            "assert sys.meta_path == before, sys.meta_path")
+    proc = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=60)
+    assert proc.returncode == 0, proc.stderr
 
 
 def test_public_api_unchanged():

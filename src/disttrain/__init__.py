@@ -17,10 +17,7 @@ from __future__ import annotations
 import importlib
 from typing import TYPE_CHECKING
 
-from disttrain import old_paths
 from disttrain.version import __version__  # noqa: F401
-
-old_paths.install()  # 0.1 module paths keep working, with a DeprecationWarning
 
 # public name -> the module that defines it
 _EXPORTS = {

@@ -1,71 +1,42 @@
-"""Module paths of release 0.1 that moved in 0.2, kept importable for one release.
+"""Module paths that moved, kept importable for one release without an import hook.
 
-`import disttrain.sampler` (or `from disttrain.loop import Accumulator`) still works
-and warns `DeprecationWarning` naming the new path. The alias is a thin module whose
-attributes are looked up in the new one, so the real module keeps its own name.
-Removed in 0.3; CHANGELOG.md lists every move.
+The old file stays as a stub of three lines whose module `__getattr__` is `forward`:
+`from disttrain.train.loop import Accumulator` still works and warns
+`DeprecationWarning` naming the new path, and `import disttrain` installs nothing
+(no finder on `sys.meta_path`). `MOVED` is the one table of moves; CHANGELOG.md lists
+them, and each goes away in the release after the one that announced it.
 """
 
 from __future__ import annotations
 
 import importlib
-import importlib.abc
-import importlib.util
-import sys
-import types
 import warnings
+from typing import Any, Callable
 
-MOVED = {
-    "disttrain.configfile": "disttrain.config.tomlfile",
-    "disttrain.precision": "disttrain.parallel.precision",
-    "disttrain.sampler": "disttrain.data.elastic_sampler",
-    "disttrain.preempt": "disttrain.elastic.preemption",
-    "disttrain.faults": "disttrain.runtime.fault_injection",
-    "disttrain.watchdog": "disttrain.guard.watchdog",
-    "disttrain.hangreport": "disttrain.guard.hang_report",
-    "disttrain.sanity": "disttrain.guard.sanity",
-    "disttrain.loop": "disttrain.train.loop",
-    "disttrain.metrics": "disttrain.train.metrics",
-    "disttrain.progress": "disttrain.train.progress",
-    "disttrain.trainer": "disttrain.train.trainer",
-    "disttrain.etcd_server": "disttrain.launch.etcd_server",
-    "disttrain.models": "disttrain.demo",
-    "disttrain.models.gpt": "disttrain.demo.gpt",
-    "disttrain.models.mlp": "disttrain.demo.mlp",
-    "disttrain.checkpoint.faults": "disttrain.checkpoint.fault_points",
-    "disttrain.checkpoint.errors": "disttrain.checkpoint.checkpoint_errors",
-    "disttrain.doctor.report": "disttrain.doctor.doctor_report",
-    "disttrain.plan.report": "disttrain.plan.plan_report",
-    "disttrain.checkpoint.cli": "disttrain.checkpoint.ckpt_command",
-    "disttrain.plan.cli": "disttrain.plan.plan_command",
-}
+# old module -> its new module, or {name: new module} for a module split in several
+MOVED: dict[str, str | dict[str, str]] = {}
 
 
-class _Alias(importlib.abc.Loader):
-    def __init__(self, new: str):
-        self.new = new
-
-    def create_module(self, spec):
-        return types.ModuleType(spec.name)
-
-    def exec_module(self, module) -> None:
-        warnings.warn(f"{module.__name__} moved to {self.new}; the old path goes away in "
-                      f"disttrain 0.3 (see CHANGELOG.md).", DeprecationWarning, stacklevel=2)
-        real = importlib.import_module(self.new)
-        module.__getattr__ = lambda name: getattr(real, name)
-        module.__dir__ = lambda: dir(real)
-        if self.new == "disttrain.demo":
-            module.__path__ = []  # a package, so that disttrain.models.gpt resolves too
+def new_home(old: str, name: str) -> str:
+    """The module that now holds `name` of the moved module `old`."""
+    target = MOVED[old]
+    if isinstance(target, str):
+        return target
+    if name not in target:
+        raise AttributeError(f"module {old!r} has no attribute {name!r}")
+    return target[name]
 
 
-class _Finder(importlib.abc.MetaPathFinder):
-    def find_spec(self, fullname, path=None, target=None):
-        if fullname in MOVED:
-            return importlib.util.spec_from_loader(fullname, _Alias(MOVED[fullname]))
-        return None
+def forward(old: str) -> Callable[[str], Any]:
+    """The `__getattr__` of the stub left at `old`: each name read there warns once per
+    call site and comes from its new module."""
 
+    def __getattr__(name: str) -> Any:
+        if name.startswith("__"):
+            raise AttributeError(name)
+        new = new_home(old, name)
+        warnings.warn(f"{old} moved to {new}; import {name} from there (the old path goes away "
+                      f"in the next release, see CHANGELOG.md).", DeprecationWarning, stacklevel=2)
+        return getattr(importlib.import_module(new), name)
 
-def install() -> None:
-    """Add the finder once (idempotent); `import disttrain` calls it."""
-    if not any(isinstance(f, _Finder) for f in sys.meta_path):
-        sys.meta_path.append(_Finder())
+    return __getattr__
