@@ -14,6 +14,7 @@ from disttrain.doctor import control_flow
 from disttrain.doctor.analyzer import parse
 from disttrain.doctor.dataflow import Project
 from disttrain.doctor.facts import Facts
+from rule_check import found
 
 
 def test_is_local_main_process_is_one_process_per_node():
@@ -37,3 +38,22 @@ def test_exclusive_helper_on_if_elif_else_chains():
     assert facts.exclusive(stmt["z"], stmt["x"])
     assert not facts.exclusive(stmt["x"], stmt["w"]) and not facts.exclusive(stmt["x"], stmt["v"])
     assert not facts.exclusive(stmt["x"], stmt["x"])
+
+
+
+def test_a_negated_string_constant_is_read_as_no_number():
+    """`default=-"1"` and `== -"2"` are no numbers: the doctor reads them as unknown values
+    and checks the rest (negating the string raised TypeError and stopped the whole run)."""
+    out = found("""
+        import argparse
+        import torch
+        import torch.distributed as dist
+        p = argparse.ArgumentParser()
+        p.add_argument("--local_rank", type=int, default=-"1")
+        args = p.parse_args()
+        dist.init_process_group("nccl")
+        if dist.get_world_size() == -"2":
+            dist.barrier()
+        x = torch.zeros(1).cuda()
+        """)
+    assert ("missing-set-device", 11, "error") in out

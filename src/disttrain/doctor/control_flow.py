@@ -48,12 +48,11 @@ def exclusive(facts, a: ast.AST, b: ast.AST) -> bool:
     return False
 
 
-def _branch(node: ast.AST, child: ast.AST) -> int:
+def _branch(node: ast.If | ast.IfExp, child: ast.AST) -> int:
     """+1 in the body, -1 in the else branch (elif included), 0 in the test."""
-    body, orelse = (node.body, node.orelse)
     if isinstance(node, ast.IfExp):
-        return 1 if child is body else -1 if child is orelse else 0
-    return 1 if child in body else -1 if child in orelse else 0
+        return 1 if child is node.body else -1 if child is node.orelse else 0
+    return 1 if child in node.body else -1 if child in node.orelse else 0
 
 
 def _word(n: ast.AST) -> str | None:
@@ -151,7 +150,8 @@ def distributed_test(test: ast.AST) -> int:
             w = "world_size"
         c, op = test.comparators[0], test.ops[0]
         value = c.value if isinstance(c, ast.Constant) else -c.operand.value if (
-            isinstance(c, ast.UnaryOp) and isinstance(c.op, ast.USub) and isinstance(c.operand, ast.Constant)) else None
+            isinstance(c, ast.UnaryOp) and isinstance(c.op, ast.USub) and isinstance(c.operand, ast.Constant)
+            and isinstance(c.operand.value, int)) else None
         if not isinstance(value, int):
             return 0
         if w in ("world_size", "num_gpus", "n_gpu", "ngpus", "nprocs", "num_processes", "gpus"):

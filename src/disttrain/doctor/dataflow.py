@@ -30,6 +30,7 @@ from __future__ import annotations
 
 import ast
 from functools import cached_property
+from typing import TYPE_CHECKING
 
 from disttrain.doctor import control_flow, rank_values
 from disttrain.doctor.names import (  # noqa: F401  (re-exported for the rules)
@@ -37,16 +38,19 @@ from disttrain.doctor.names import (  # noqa: F401  (re-exported for the rules)
     kwarg_value, ref, word)
 from disttrain.doctor.program import ProgramFacts
 
+if TYPE_CHECKING:
+    from disttrain.doctor.facts import Facts, FuncDef
+
 class Project(ProgramFacts):
     """The files of one run, and what holds across them."""
 
-    def __init__(self, files: list):
+    def __init__(self, files: list[Facts]):
         self.files = files
 
     # ----- definitions and call sites -------------------------------------------------
 
     @cached_property
-    def defs(self) -> dict[str, list[tuple[object, ast.AST]]]:
+    def defs(self) -> dict[str, list[tuple[Facts, FuncDef]]]:
         out: dict = {}
         for f in self.files:
             for name, ds in f.functions.items():
@@ -54,7 +58,7 @@ class Project(ProgramFacts):
         return out
 
     @cached_property
-    def classes(self) -> dict[str, list[tuple[object, ast.ClassDef]]]:
+    def classes(self) -> dict[str, list[tuple[Facts, ast.ClassDef]]]:
         out: dict = {}
         for f in self.files:
             for n in f.nodes:
@@ -66,7 +70,7 @@ class Project(ProgramFacts):
     def spawner_defs(self) -> set[ast.AST]:
         """Functions that start worker processes, directly or through a project function
         (detectron2's `launch()` calls mp.start_processes)."""
-        out = set()
+        out: set[ast.AST] = set()
         for f in self.files:
             for c, _ in f.calls:
                 if is_launcher(f, c):
@@ -131,7 +135,7 @@ class Project(ProgramFacts):
             self._components[key] = out
         return self._components[key]
 
-    def component(self, facts) -> list:
+    def component(self, facts: Facts) -> list[Facts]:
         """The files connected to `facts` by imports (either way): one program. Unrelated
         scripts checked in one run do not lend each other a set_device or a print override."""
         key = id(facts)
@@ -157,7 +161,7 @@ class Project(ProgramFacts):
                     todo.append(b)
         return [f for f in self.files if id(f) in seen]
 
-    def resolve(self, facts, call: ast.Call) -> list[tuple[object, ast.AST]]:
+    def resolve(self, facts: Facts, call: ast.Call) -> list[tuple[Facts, FuncDef]]:
         """The project definitions a call may reach. `f()`: a function of the caller's own
         file, else one of the files it imports; `module.f()` (an imported module): a
         module-level function of an imported file; `self.f()` / `obj.f()`: a method (a def
@@ -195,7 +199,7 @@ class Project(ProgramFacts):
         return [(f, d) for f, d in cands if id(f) in imported]
 
     @cached_property
-    def call_sites(self) -> dict[ast.AST, list[tuple[object, ast.Call]]]:
+    def call_sites(self) -> dict[ast.AST, list[tuple[Facts, ast.Call]]]:
         """definition -> every call in the run that may reach it."""
         out: dict = {}
         for f in self.files:
@@ -282,8 +286,8 @@ class Project(ProgramFacts):
         changed = True
         while changed:
             changed = False
-            for d, sites in self.call_sites.items():
-                if d.name in self.entry_points:
+            for fn, sites in self.call_sites.items():
+                if not isinstance(fn, _FUNCS) or fn.name in self.entry_points:  # (keys are all defs)
                     continue
                 kinds = [control_flow.rank_guard(f, c) for f, c in sites]
                 if not kinds or not all(kinds):
@@ -291,8 +295,8 @@ class Project(ProgramFacts):
                 if _complementary(sites):
                     continue  # called from both branches of one rank test: every rank calls it
                 kind = LOCAL if LOCAL in kinds else GLOBAL if GLOBAL in kinds else SOLO
-                if guarded.get(d) is None or (guarded[d] != kind and guarded[d] == SOLO):
-                    guarded[d] = kind
+                if guarded.get(fn) is None or (guarded[fn] != kind and guarded[fn] == SOLO):
+                    guarded[fn] = kind
                     changed = True
         return guarded
 

@@ -129,11 +129,10 @@ def render_sarif(files: list[Path], findings: list[Finding]) -> str:
     results = []
     for f in findings:
         uri, relative = _uri(f.file)
-        location = {"artifactLocation": {"uri": uri}, "region": {
+        artifact = {"uri": uri, **({"uriBaseId": "%SRCROOT%"} if relative else {})}
+        location = {"artifactLocation": artifact, "region": {
             "startLine": f.line, "startColumn": f.column,
             **({"endLine": f.end_line} if f.end_line >= f.line else {})}}
-        if relative:
-            location["artifactLocation"]["uriBaseId"] = "%SRCROOT%"
         results.append({
             "ruleId": f.rule,
             "ruleIndex": index[f.rule],

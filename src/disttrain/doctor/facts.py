@@ -13,13 +13,18 @@ from __future__ import annotations
 import ast
 from dataclasses import dataclass, field
 from functools import cached_property
+from typing import TYPE_CHECKING
 
 from disttrain.doctor import control_flow, rank_values
 from disttrain.doctor.names import DISTTRAIN_INITS  # noqa: F401  (re-exported)
 
+if TYPE_CHECKING:
+    from disttrain.doctor.dataflow import Project
+
 DISTTRAIN_WRAPS = ("disttrain.wrap", "disttrain.parallel.wrap")
 
 Scope = ast.AST  # a FunctionDef, AsyncFunctionDef, Lambda or the Module
+FuncDef = ast.FunctionDef | ast.AsyncFunctionDef  # what `def` makes (Facts.functions)
 
 
 @dataclass
@@ -167,8 +172,8 @@ class Facts:
         return out
 
     @cached_property
-    def functions(self) -> dict[str, list[ast.AST]]:
-        out: dict[str, list[ast.AST]] = {}
+    def functions(self) -> dict[str, list[FuncDef]]:
+        out: dict[str, list[FuncDef]] = {}
         for n in self.nodes:
             if isinstance(n, (ast.FunctionDef, ast.AsyncFunctionDef)):
                 out.setdefault(n.name, []).append(n)
@@ -242,7 +247,7 @@ class Facts:
         return control_flow.spawner_scopes(self)
 
     @cached_property
-    def project(self):
+    def project(self) -> Project:
         """What holds across the files of the run (dataflow.Project); analyze_paths
         shares one between them, a file checked alone is a project of one."""
         from disttrain.doctor.dataflow import Project
@@ -250,7 +255,7 @@ class Facts:
 
     # ----- the other files checked in the same run -----------------------------------
 
-    def project_functions(self, name: str) -> list[tuple["Facts", ast.AST]]:
+    def project_functions(self, name: str) -> list[tuple["Facts", FuncDef]]:
         """Definitions of `name` in this file and the other files given on the command line."""
         return [(f, d) for f in [self, *self.others] for d in f.functions.get(name, [])]
 

@@ -69,8 +69,9 @@ def _exits_after(facts: Facts, call: ast.Call) -> bool:
     """The print's block ends by stopping the process with a failure (`exit(1)`,
     `sys.exit(...)`, `return -1`): an error report just before this rank stops."""
     stmt = facts.parents.get(call)
-    block = next((getattr(facts.parents.get(stmt), f) for f in ("body", "orelse")
-                  if stmt in (getattr(facts.parents.get(stmt), f, None) or [])), None)
+    parent = facts.parents.get(stmt) if stmt is not None else None
+    block = next((getattr(parent, f) for f in ("body", "orelse")
+                  if stmt in (getattr(parent, f, None) or [])), None)
     last = block[-1] if block else None
     if isinstance(last, ast.Expr) and isinstance(last.value, ast.Call):  # a failure status, not quit()
         c = last.value

@@ -59,6 +59,11 @@ def ref(node: ast.AST) -> str | None:
     return None
 
 
+def refs_in(node: ast.AST) -> set[str]:
+    """The dotted references (`loss`, `args.rank`) read anywhere inside `node`."""
+    return {r for n in ast.walk(node) if isinstance(n, (ast.Name, ast.Attribute)) and (r := ref(n))}
+
+
 def word(n: ast.AST) -> str | None:
     return n.id if isinstance(n, ast.Name) else n.attr if isinstance(n, ast.Attribute) else None
 
@@ -93,7 +98,7 @@ def is_launcher(facts, call: ast.Call) -> bool:
     return is_spawn(facts, call) or (facts.qualname(call.func) or "") in LIBRARY_LAUNCHERS
 
 
-def collective_name(facts, call: ast.Call, fsdp1_targets: set[str] = frozenset()) -> str | None:
+def collective_name(facts, call: ast.Call, fsdp1_targets: set[str] | frozenset[str] = frozenset()) -> str | None:
     """The short name of a collective call, or None."""
     q = facts.qualname(call.func) or ""
     parts = q.split(".")

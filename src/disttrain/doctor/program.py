@@ -8,25 +8,42 @@ from __future__ import annotations
 import ast
 import re
 from functools import cached_property
+from typing import TYPE_CHECKING
 
 from disttrain.doctor.names import (
     DISTTRAIN_INITS, EXTERNAL, LIBRARY_DEVICE_BINDS, SET_DEVICE, _FUNCS, collective_name, is_const,
     kwarg_value, rank_aware_logging, ref, word)
 
+if TYPE_CHECKING:
+    from disttrain.doctor.facts import Facts, FuncDef, Wrap
+
+# (facts, call, collective name, unconditional): where a function reaches a collective
+Reach = tuple["Facts", ast.Call, str, bool]
+
 
 class ProgramFacts:
     """Mixin of dataflow.Project: needs `files`, `defs`, `component()` and `resolve()`."""
 
-    def print_override_for(self, facts) -> tuple[object, ast.AST] | None:
+    if TYPE_CHECKING:  # what dataflow.Project provides
+        files: list[Facts]
+
+        @property
+        def defs(self) -> dict[str, list[tuple[Facts, FuncDef]]]: ...
+
+        def component(self, facts: Facts) -> list[Facts]: ...
+
+        def resolve(self, facts: Facts, call: ast.Call) -> list[tuple[Facts, FuncDef]]: ...
+
+    def print_override_for(self, facts: Facts) -> tuple[Facts, ast.AST] | None:
         """Where `builtins.print` is replaced in the program `facts` belongs to."""
         comp = {id(f) for f in self.component(facts)}
         hits = [h for h in self.print_overrides if id(h[0]) in comp]
         return hits[0] if hits else None
 
     @cached_property
-    def print_overrides(self) -> list[tuple[object, ast.AST]]:
+    def print_overrides(self) -> list[tuple[Facts, ast.AST]]:
         """Where `builtins.print` (or `__builtin__.print`) is replaced."""
-        out = []
+        out: list[tuple[Facts, ast.AST]] = []
         for f in self.files:
             for n in f.nodes:
                 if isinstance(n, ast.Assign):
@@ -43,7 +60,7 @@ class ProgramFacts:
                     out.append((f, n))
         return out
 
-    def distributed_set_up_out_of_view(self, facts) -> str | None:
+    def distributed_set_up_out_of_view(self, facts: Facts) -> str | None:
         """A call into project code out of view that initialises distribution
         (`utils.init_distributed_mode(args)`, `arg_util.init_dist_and_get_args()`,
         `setup_for_distributed(is_master)`): in the DeiT/MAE family that helper also
@@ -60,10 +77,10 @@ class ProgramFacts:
                     return q
         return None
 
-    def rank_aware_logging(self, facts) -> bool:
+    def rank_aware_logging(self, facts: Facts) -> bool:
         return any(rank_aware_logging(f) for f in self.component(facts))
 
-    def logging_set_up_out_of_view(self, facts) -> str | None:
+    def logging_set_up_out_of_view(self, facts: Facts) -> str | None:
         """A logger set-up call into code out of view that is told the rank
         (`setup_logger(output, distributed_rank=rank)`), or a library logger made
         main-process-only (`accelerate.logging.get_logger`)."""
@@ -94,31 +111,31 @@ class ProgramFacts:
     # ----- wraps, collectives, devices ----------------------------------------------
 
     @cached_property
-    def wraps(self) -> list[tuple[object, object]]:
+    def wraps(self) -> list[tuple[Facts, Wrap]]:
         return [(f, w) for f in self.files for w in f.wraps]
 
-    def wrap_kinds(self, facts) -> set[str]:
+    def wrap_kinds(self, facts: Facts) -> set[str]:
         """The wrapper kinds of the program `facts` belongs to."""
         return {w.kind for f in self.component(facts) for w in f.wraps}
 
-    def fsdp1_targets(self, facts) -> set[str]:
+    def fsdp1_targets(self, facts: Facts) -> set[str]:
         """Names bound to an FSDP1 wrap in the program `facts` belongs to."""
         return {t for f in self.component(facts) for w in f.wraps if w.kind == "fsdp1"
                 for t in (w.target, w.arg) if t}
 
     @cached_property
-    def ddp_targets(self) -> dict[str, object]:
+    def ddp_targets(self) -> dict[str, Wrap]:
         """Names bound to a DDP wrap that broadcasts buffers in forward (the default)."""
         return {w.target: w for _, w in self.wraps if w.kind == "ddp" and w.target
                 and not is_const(kwarg_value(w.call, "broadcast_buffers"), False)}
 
     @cached_property
-    def collective_functions(self) -> dict[ast.AST, tuple[object, ast.Call, str, bool]]:
+    def collective_functions(self) -> dict[ast.AST, Reach]:
         """definition -> (facts, call, collective name, unconditional) for each project
         function that reaches a collective: directly, or through another project function.
         The flag says whether that collective runs on every call (no `if` around it, nor
         around the one a called function reaches)."""
-        out: dict[ast.AST, tuple] = {}
+        out: dict[ast.AST, Reach] = {}
         changed = True
         while changed:
             changed = False
@@ -132,14 +149,14 @@ class ProgramFacts:
                         out[d] = hit
         return out
 
-    def reached_collective(self, facts, call: ast.Call) -> tuple | None:
+    def reached_collective(self, facts: Facts, call: ast.Call) -> Reach | None:
         """(facts, call, name, unconditional) of the collective a call to a project
         function reaches, or None."""
         hits = [self.collective_functions[d] for _, d in self.resolve(facts, call)
                 if d in self.collective_functions]
         return hits[0] if hits else None
 
-    def _collective_name(self, f, call: ast.Call) -> str | None:
+    def _collective_name(self, f: Facts, call: ast.Call) -> str | None:
         key = id(call)
         cache = self._names
         if key not in cache:
@@ -149,7 +166,7 @@ class ProgramFacts:
             cache[key] = name
         return cache[key]
 
-    def fsdp_mode_flags(self, facts) -> set[str]:
+    def fsdp_mode_flags(self, facts: Facts) -> set[str]:
         """The flags every FSDP1 wrap of the program sits under (`if args.fsdp: model =
         FSDP(model)`): FSDP is then a mode, off where the flag is false. Empty when some
         wrap is unconditional."""
@@ -158,10 +175,12 @@ class ProgramFacts:
             for w in f.wraps:
                 if w.kind != "fsdp1":
                     continue
-                here, child = set(), w.call
+                here: set[str] = set()
+                child: ast.AST = w.call
                 for a in f.ancestors(w.call):
-                    if isinstance(a, ast.If) and child in a.body and ref(a.test):
-                        here.add(ref(a.test))
+                    flag = ref(a.test) if isinstance(a, ast.If) and child in a.body else None
+                    if flag:
+                        here.add(flag)
                     if isinstance(a, _FUNCS):
                         break
                     child = a
@@ -172,8 +191,8 @@ class ProgramFacts:
     def _names(self) -> dict:
         return {}
 
-    def _first_collective(self, f, d: ast.AST, known: dict) -> tuple | None:
-        best = None
+    def _first_collective(self, f: Facts, d: ast.AST, known: dict[ast.AST, Reach]) -> Reach | None:
+        best: Reach | None = None
         for n in f.scoped.get(d, ()):
             if not isinstance(n, ast.Call):
                 continue
@@ -192,13 +211,13 @@ class ProgramFacts:
                     best = cand
         return best
 
-    def binds_device(self, facts) -> list[tuple[object, ast.Call]]:
+    def binds_device(self, facts: Facts) -> list[tuple[Facts, ast.Call]]:
         """set_device calls (and the library objects that make one) in the program `facts`
         belongs to."""
         return [(f, c) for f in self.component(facts)
                 for c in f.calls_to(*SET_DEVICE, *DISTTRAIN_INITS, *LIBRARY_DEVICE_BINDS)]
 
-    def no_sync_used(self, facts) -> bool:
+    def no_sync_used(self, facts: Facts) -> bool:
         return any(isinstance(n, ast.Attribute) and n.attr in (
             "no_sync", "require_backward_grad_sync", "set_requires_gradient_sync")
             for f in self.component(facts) for n in f.nodes)
@@ -225,7 +244,7 @@ class ProgramFacts:
         return any("LOCAL_RANK" in f.strings for f in self.files)
 
     @cached_property
-    def rank_seeded(self) -> ast.AST | None:
+    def rank_seeded(self) -> ast.Call | None:
         """A global seed that differs per rank: `torch.manual_seed(args.seed + rank)`."""
         for f in self.files:
             for c in f.calls_to("torch.manual_seed", "torch.random.manual_seed", "random_seed", "set_seed",

@@ -76,10 +76,10 @@ def own_rank_values(facts) -> dict[str, str]:
         from disttrain.doctor.names import takes_node_rank as _takes_node_rank
         # mp.spawn passes the process index first: the rank itself on one node, a local
         # rank when the script computes the global one from a node rank
-        kind = LOCAL if _takes_node_rank(facts) else GLOBAL
+        index_kind = LOCAL if _takes_node_rank(facts) else GLOBAL
         for n in facts.nodes:
             if isinstance(n, ast.arg) and id(n) in spawned:
-                out[n.arg] = kind
+                out[n.arg] = index_kind
     assigns = [n for n in facts.nodes if isinstance(n, (ast.Assign, ast.AnnAssign)) and n.value is not None]
     # what the script joins the group with is the rank of the group, whatever it was read
     # from (cleanrl: `init_process_group(rank=local_rank)`, so local rank 0 is rank 0)
@@ -88,6 +88,8 @@ def own_rank_values(facts) -> dict[str, str]:
     for _ in range(4):
         before = len(out)
         for n in assigns:
+            if n.value is None:
+                continue  # (filtered above; says so to the type checker)
             kind = _rank_source(n.value) or value_rank_kind(facts, n.value, out, funcs)
             if kind:
                 targets = n.targets if isinstance(n, ast.Assign) else [n.target]

@@ -13,6 +13,7 @@ import re
 
 from disttrain.doctor import guard_shapes
 from disttrain.doctor.facts import Facts, is_const, kwarg, mentions, ref
+from disttrain.doctor.names import refs_in
 from disttrain.doctor.findings import WARNING, finding, rule
 
 _NONFINITE = ("isfinite", "isnan", "isinf", "nan", "inf", "finite")
@@ -41,7 +42,7 @@ def _exit_stmt(stmt: ast.stmt) -> str | None:
     return None
 
 
-def _sources(facts: Facts, names: set[str], node: ast.AST) -> set[str]:
+def _sources(facts: Facts, names: set[str], node: ast.stmt) -> set[str]:
     """The names the values of `names` were computed from in the same function, to a
     fixpoint (`loss_value = losses_reduced.item()`, `losses_reduced = sum(reduced.values())`,
     `reduced = utils.reduce_dict(loss_dict)`)."""
@@ -53,13 +54,13 @@ def _sources(facts: Facts, names: set[str], node: ast.AST) -> set[str]:
         before = len(out)
         for n in assigns:
             if any(ref(t) in out for t in n.targets):
-                out |= {ref(x) for x in ast.walk(n.value) if isinstance(x, (ast.Name, ast.Attribute))} - {None}
+                out |= refs_in(n.value)
         if len(out) == before:
             break
     return out - names
 
 
-def _reduced_before(facts: Facts, names: set[str], node: ast.AST) -> bool:
+def _reduced_before(facts: Facts, names: set[str], node: ast.stmt) -> bool:
     """One of `names` went through an all_reduce / reduce / gather earlier in the function:
     every rank then tests the same value."""
     scope = facts.scope_of(node)
@@ -69,8 +70,9 @@ def _reduced_before(facts: Facts, names: set[str], node: ast.AST) -> bool:
         last = q.rsplit(".", 1)[-1]
         if last in ("all_reduce", "reduce", "all_gather", "gather", "reduce_mean", "all_reduce_mean",
                     "reduce_value", "reduce_tensor", "reduce_dict") or "reduce" in last.lower():
-            if any(ref(a) in names for a in c.args) or (isinstance(facts.parents.get(c), ast.Assign) and any(
-                    ref(t) in names for t in facts.parents[c].targets)):
+            parent = facts.parents.get(c)
+            if any(ref(a) in names for a in c.args) or (isinstance(parent, ast.Assign) and any(
+                    ref(t) in names for t in parent.targets)):
                 return True
     return False
 
@@ -101,7 +103,7 @@ def rank_local_exit(facts: Facts):
         loop = facts.enclosing_loop(node)
         if how == "break" and loop is None:
             continue
-        names = {ref(n) for n in ast.walk(node.test) if isinstance(n, (ast.Name, ast.Attribute))} - {None}
+        names = refs_in(node.test)
         names |= _sources(facts, names, node)  # loss_value = loss.item(): loss too
         if _reduced_before(facts, names, node):
             continue
@@ -155,7 +157,9 @@ def _off_flag(facts: Facts, test: ast.AST) -> bool:
         return False  # its callers are out of view: one of them may turn it on
     bound = 1 if params and params[0].arg in ("self", "cls") else 0  # obj.f(x) passes self itself
     for v in test.values:
-        name = v.id if isinstance(v, ast.Name) else None
+        if not isinstance(v, ast.Name):
+            continue  # (not a parameter)
+        name = v.id
         d = defaults.get(name)
         if d is None or not (isinstance(d, ast.Constant) and d.value in (False, None)):
             continue
@@ -294,7 +298,8 @@ def _local_rank_argument(facts: Facts):
                 d = kwarg(c, "default")
                 if isinstance(d, ast.Constant):
                     return d.value
-                if isinstance(d, ast.UnaryOp) and isinstance(d.operand, ast.Constant):
+                if isinstance(d, ast.UnaryOp) and isinstance(d.operand, ast.Constant) and \
+                        isinstance(d.operand.value, (int, float)):  # `default=-1`; `-"x"` would raise
                     return -d.operand.value
     return None
 

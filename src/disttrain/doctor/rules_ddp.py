@@ -108,7 +108,7 @@ def _counts_pinned_to_one(facts: Facts) -> set[str]:
             beside_init = any(isinstance(s, ast.Expr) and id(s) in inits
                               for s in _block_of(parent, n))
             if in_dist_branch or beside_init:
-                out |= {_last_word(ref(t)) for t in n.targets if ref(t)}
+                out |= {w for t in n.targets if (w := _last_word(ref(t)))}
     return out
 
 
@@ -189,8 +189,9 @@ def find_unused_parameters(facts: Facts):
     for w in facts.wraps:
         if not in_view and not _builtin_module(facts, w):
             continue  # the model is defined out of view: the doctor cannot tell whether it branches
-        if w.kind == "ddp" and is_const(kwarg(w.call, "find_unused_parameters"), True) and not dynamic:
-            yield finding(facts, kwarg(w.call, "find_unused_parameters"), "find-unused-parameters",
+        flag = kwarg(w.call, "find_unused_parameters")
+        if w.kind == "ddp" and flag is not None and is_const(flag, True) and not dynamic:
+            yield finding(facts, flag, "find-unused-parameters",
                           "find_unused_parameters=True, yet no forward() here branches: the graph "
                           "walk after every forward costs 10-20% throughput for nothing.",
                           "drop it (the default is False); keep it only if forward really skips "
@@ -296,7 +297,7 @@ def _unwrap_branch(facts: Facts, node: ast.AST, stop: ast.AST) -> bool:
     return False
 
 
-def _assigned_values(facts: Facts, obj: ast.AST, before: ast.AST) -> list[ast.AST]:
+def _assigned_values(facts: Facts, obj: ast.AST, before: ast.Call) -> list[ast.expr]:
     """Values assigned to `obj` (or its items) in the same scope before `before`:
     `ckpt = {"model": m.state_dict()}` and `ckpt["model"] = m.state_dict()`."""
     name = ref(obj)

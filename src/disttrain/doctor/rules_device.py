@@ -34,11 +34,11 @@ def missing_set_device(facts: Facts):
     if not binds and elsewhere:
         return  # bound by another file's init helper (init_distributed_mode in utils.py)
     if not binds:
-        unindexed = [u for u in uses if u[1]]
+        unindexed_uses = [u for u in uses if u[1]]
         pg_bound = any(kwarg(c, "device_id") is not None for c in facts.calls_to("init_process_group"))
-        if pg_bound and not unindexed:
+        if pg_bound and not unindexed_uses:
             return  # every use names its device, and the group is bound by device_id=
-        if not unindexed:  # every allocation names its device: only NCCL's own device is unbound
+        if not unindexed_uses:  # every allocation names its device: only NCCL's own device is unbound
             if _gloo_only(facts) or not _object_collectives(facts):
                 return  # tensor collectives run on their tensors' devices
             yield finding(facts, uses[0][0], "missing-set-device",
@@ -48,7 +48,7 @@ def missing_set_device(facts: Facts):
                           "call torch.cuda.set_device(local_rank) (or pass device_id= to "
                           "init_process_group).", severity=WARNING)
             return
-        node, _ = unindexed[0]
+        node, _ = unindexed_uses[0]
         if _unseen_device_binder(facts):
             return  # timm's `utils.init_distributed_device(args)`: named for what it binds
         helper = _unseen_init_helper(facts)
@@ -159,8 +159,8 @@ def _launch_path_without_bind(facts: Facts, binds: list) -> "Iterable":
     the environment does not, with no bind after the chain: that path runs on cuda:0."""
     calls = [b for b in binds if isinstance(b, ast.Call)]
     for node in facts.nodes:
-        if not isinstance(node, ast.If) or isinstance(facts.parents.get(node), ast.If) and \
-                node in facts.parents[node].orelse:
+        parent = facts.parents.get(node)
+        if not isinstance(node, ast.If) or isinstance(parent, ast.If) and node in parent.orelse:
             continue
         branches, cur = [], node
         while True:
@@ -237,15 +237,15 @@ def _gloo_only(facts: Facts) -> bool:
                                for c in inits)
 
 
-def _visible_devices_assignments(facts: Facts) -> list[ast.AST]:
+def _visible_devices_assignments(facts: Facts) -> list[ast.Assign]:
     return [n for n in facts.nodes if isinstance(n, ast.Assign)
             and any(_environ_key(facts, t) == "CUDA_VISIBLE_DEVICES" for t in n.targets)]
 
 
-def _cuda_uses(facts: Facts) -> list[tuple[ast.AST, bool]]:
+def _cuda_uses(facts: Facts) -> list[tuple[ast.expr, bool]]:
     """(node, unindexed) for each CUDA use, in source order. Unindexed uses (`.cuda()`,
     `"cuda"`) mean "the current device"; indexed ones (`cuda:{local_rank}`) name it."""
-    out: list[tuple[ast.AST, bool]] = []
+    out: list[tuple[ast.expr, bool]] = []
     for node in facts.nodes:
         if isinstance(node, ast.Call) and isinstance(node.func, ast.Attribute) \
                 and node.func.attr == "cuda" and facts.qualname(node.func) != "torch.cuda":

@@ -10,6 +10,8 @@ A Job is recognised by its constructor (`dt.Job(...)`, `disttrain.Job(...)`,
 from __future__ import annotations
 
 import ast
+from collections.abc import Iterator
+from typing import TypeGuard
 
 from disttrain.doctor.facts import Facts, kwarg, ref
 from disttrain.doctor.findings import ERROR, WARNING, finding, rule
@@ -46,17 +48,18 @@ def job_windows(facts: Facts) -> dict[str, ast.expr]:
     return out
 
 
-def _job_call(facts: Facts, node: ast.AST, jobs: set[str], method: str) -> bool:
+def _job_call(node: ast.AST, jobs: set[str], method: str) -> TypeGuard[ast.Call]:
+    """`node` is `<job>.method(...)` for one of the `jobs` names."""
     return isinstance(node, ast.Call) and isinstance(node.func, ast.Attribute) and \
         node.func.attr == method and ref(node.func.value) in jobs
 
 
-def _step_loops(facts: Facts, jobs: set[str]) -> list[ast.For]:
+def _step_loops(facts: Facts, jobs: set[str]) -> list[ast.For | ast.AsyncFor]:
     return [n for n in facts.nodes if isinstance(n, (ast.For, ast.AsyncFor)) and
-            _job_call(facts, n.iter, jobs, "steps")]
+            _job_call(n.iter, jobs, "steps")]
 
 
-def _in_body(loop: ast.AST):
+def _in_body(loop: ast.For | ast.AsyncFor) -> Iterator[ast.AST]:
     for stmt in loop.body:
         yield from ast.walk(stmt)
 
@@ -64,10 +67,11 @@ def _in_body(loop: ast.AST):
 def _resume_kwarg(facts: Facts, jobs: set[str], name: str) -> set[str]:
     out = set()
     for n in facts.nodes:
-        if _job_call(facts, n, jobs, "resume"):
+        if _job_call(n, jobs, "resume"):
             v = kwarg(n, name)
-            if v is not None and ref(v):
-                out.add(ref(v))
+            r = ref(v) if v is not None else None
+            if r:
+                out.add(r)
     return out
 
 
@@ -115,7 +119,7 @@ def job_optimizer_before_wrap(facts: Facts):
     jobs = _jobs(facts)
     if not jobs:
         return
-    wraps = [n for n in facts.nodes if _job_call(facts, n, jobs, "wrap") and n.args]
+    wraps = [n for n in facts.nodes if _job_call(n, jobs, "wrap") and n.args]
     opts = [(c, _param_refs(c)) for c, q in facts.calls if _is_optimizer(q)]
     for w in wraps:
         arg = ref(w.args[0])

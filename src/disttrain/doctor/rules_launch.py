@@ -49,9 +49,9 @@ def init_without_timeout(facts: Facts):
                           f"{helper}() passes one: a dead or hung rank stalls the others for torch's "
                           "default 10-30 minutes.",
                           "pass timeout=datetime.timedelta(minutes=10) (5-10 min for elastic jobs).")
-        elif timeout is not None and (_seconds(timeout) or 0) > _DAY:
+        elif timeout is not None and (seconds := _seconds(timeout) or 0) > _DAY:
             yield finding(facts, call, "init-without-timeout",
-                          f"{name}()'s timeout `{ast.unparse(timeout)}` is {_seconds(timeout) / _DAY:.0f} "
+                          f"{name}()'s timeout `{ast.unparse(timeout)}` is {seconds / _DAY:.0f} "
                           "days: in effect none, a dead or hung rank stalls the others that long "
                           "(timedelta's first argument is days).",
                           "pass timeout=datetime.timedelta(minutes=10) (5-10 min for elastic jobs).")
@@ -326,8 +326,9 @@ def _sampler_names(facts: Facts, call: ast.Call) -> set[str]:
         changed = False
         for n in facts.nodes:
             if isinstance(n, ast.Call) and isinstance(n.func, ast.Attribute) and n.func.attr == "append" \
-                    and n.args and ref(n.args[0]) in names and ref(n.func.value) not in names | {None}:
-                names.add(ref(n.func.value))  # `samplers.append(sampler)`
+                    and n.args and ref(n.args[0]) in names and (owner := ref(n.func.value)) \
+                    and owner not in names:
+                names.add(owner)  # `samplers.append(sampler)`
                 changed = True
             if not isinstance(n, ast.Assign) or not _holds(facts, n.value, names):
                 continue

@@ -17,6 +17,7 @@ from disttrain.doctor.findings import ERROR, WARNING, finding, rule
 from disttrain.doctor.rules_job import job_windows
 
 _ACCUM_WORDS = ("accum", "grad_acc", "gradient_acc", "ga_steps")
+Site = ast.expr | ast.stmt  # where a loss is divided: `x / k`, `loss /= k`, a call that divides
 
 
 def _is_accum_word(word: str) -> bool:
@@ -24,7 +25,7 @@ def _is_accum_word(word: str) -> bool:
     return any(w in low for w in _ACCUM_WORDS)
 
 
-def _divisions(node: ast.AST) -> list[ast.AST]:
+def _divisions(node: ast.AST) -> list[Site]:
     """Divisions by an accumulation count inside `node`: `x / accum_steps`."""
     return [n for n in ast.walk(node)
             if isinstance(n, ast.BinOp) and isinstance(n.op, ast.Div) and mentions(n.right, _is_accum_word)]
@@ -81,7 +82,7 @@ def loss_divided_twice(facts: Facts):
                       "return the plain loss; Lightning scales it for accumulation itself.")
 
 
-def _divided_before_job(facts: Facts, sites: list[ast.AST], bw: ast.Call, steps: ast.expr):
+def _divided_before_job(facts: Facts, sites: list[Site], bw: ast.Call, steps: ast.expr):
     """The script's own division of a loss that `job.backward` (of a Job with accum_steps
     `steps`) divides again. An error when the window is a constant above 1, or the script
     divides by the very expression the Job was given (a no-op at 1, wrong above it); a
@@ -113,8 +114,8 @@ def _accumulator_names(facts: Facts) -> set[str]:
                if (k := kwarg(c, "gradient_accumulation_steps")) is not None and not _is_one(k)]
     for call in makers:
         parent = facts.parents.get(call)
-        if isinstance(parent, ast.Assign) and len(parent.targets) == 1 and ref(parent.targets[0]):
-            out.add(ref(parent.targets[0]))
+        if isinstance(parent, ast.Assign) and len(parent.targets) == 1 and (r := ref(parent.targets[0])):
+            out.add(r)
     return out
 
 
@@ -152,11 +153,11 @@ def _loss_name(expr: ast.AST) -> str | None:
             return expr.id if isinstance(expr, ast.Name) else None
 
 
-def _assign_divisions(facts: Facts, bw: ast.Call, name: str) -> list[ast.AST]:
+def _assign_divisions(facts: Facts, bw: ast.Call, name: str) -> list[Site]:
     """Divisions applied to `name` by assignments that certainly run before `bw`: the
     statements before it in each enclosing block, up to its loop or function. Other
     branches of an `if` (the no_sync micro-step vs the boundary step) are skipped."""
-    out: list[ast.AST] = []
+    out: list[Site] = []
     child: ast.AST = bw
     for a in facts.ancestors(bw):
         for block in _blocks(a):
@@ -173,7 +174,7 @@ def _blocks(node: ast.AST) -> list[list[ast.stmt]]:
     return [b for f in ("body", "orelse", "finalbody") if isinstance(b := getattr(node, f, None), list)]
 
 
-def _stmt_divisions(facts: Facts, stmt: ast.stmt, name: str) -> list[ast.AST]:
+def _stmt_divisions(facts: Facts, stmt: ast.stmt, name: str) -> list[Site]:
     if isinstance(stmt, ast.AugAssign) and isinstance(stmt.op, ast.Div) and ref(stmt.target) == name \
             and mentions(stmt.value, _is_accum_word):
         return [stmt]

@@ -162,7 +162,7 @@ def _is_optimizer_step(call: ast.Call) -> bool:
     return mentions(call.func, _is_optim_word) or any(mentions(a, _is_optim_word) for a in call.args)
 
 
-def _mod_zero(test: ast.AST, branch: str) -> ast.BinOp | None:
+def _mod_zero(test: ast.AST | None, branch: str) -> ast.BinOp | None:
     """The `i % n` whose being 0 sends control into `branch` ("body" or "orelse") of an
     `if` with this test: `i % n == 0` or `not i % n` (a part of an `or` included) for
     the body, `i % n != 0` or a bare `i % n` for the else branch. None otherwise."""
@@ -200,8 +200,8 @@ def _zero_based_index_loop(facts: Facts, start: ast.AST, name: str) -> ast.For |
             continue
         if not (isinstance(it, ast.Call) and isinstance(it.func, ast.Name) and it.func.id == "enumerate"):
             return None
-        start = kwarg(it, "start") or (it.args[1] if len(it.args) > 1 else None)
-        if start is not None and not _is_zero(start):
+        first = kwarg(it, "start") or (it.args[1] if len(it.args) > 1 else None)
+        if first is not None and not _is_zero(first):
             return None
         body = [n for s in a.body for n in ast.walk(s)]
         rebinds = any(isinstance(n, ast.Name) and n.id == name and isinstance(n.ctx, ast.Store) for n in body)
@@ -230,7 +230,8 @@ def accumulation_off_by_one(facts: Facts):
                 break  # the test must guard the step within one iteration of the loop
             if isinstance(a, ast.If) and child is not a.test:
                 mod = _mod_zero(a.test, "body" if child in a.body else "orelse")
-                if mod is not None and _zero_based_index_loop(facts, a, mod.left.id):
+                if mod is not None and isinstance(mod.left, ast.Name) and \
+                        _zero_based_index_loop(facts, a, mod.left.id):  # (_mod_zero checked the Name)
                     i, n = mod.left.id, ast.unparse(mod.right)
                     yield finding(facts, call, "accumulation-off-by-one",
                                   f"the optimizer steps when `{i} % {n}` is 0, and `{i}` comes from "

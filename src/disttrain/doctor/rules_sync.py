@@ -13,6 +13,7 @@ import ast
 from disttrain.doctor import constants, control_flow, dataflow, guard_names
 from disttrain.doctor.facts import Facts, arg, is_const, kwarg, mentions, ref
 from disttrain.doctor.findings import ERROR, WARNING, finding, rule
+from disttrain.doctor.names import _FUNCS
 from disttrain.doctor.program import off_mode
 from disttrain.doctor.rules_launch import _is_eval_name, _sampler_names
 
@@ -99,7 +100,7 @@ def collective_under_rank_guard(facts: Facts):
             sites = facts.project.call_sites.get(fn, [])
             if sites and not any(constants.call_reaches(facts.project, facts, c2, fn, call) for _, c2 in sites):
                 continue  # every call passes constants that turn this collective off
-            if sites:
+            if sites and isinstance(fn, _FUNCS):  # (a function is what has call sites)
                 f2, c2 = sites[0]
                 via = f" (`{fn.name}()` is called only under one, e.g. {f2.path}:{c2.lineno})"
         unseen = guard_names.named_guard(facts, call)
@@ -185,12 +186,12 @@ def _guarded_calls_into_collectives(facts: Facts, direct: list):
                           severity=WARNING)
             continue
         if hit is None:
-            hit = _ddp_model_passed(facts, call, ddp)
-            if hit is None:
+            called_at = _ddp_model_passed(facts, call, ddp)
+            if called_at is None:
                 continue
             yield finding(facts, call, "collective-under-rank-guard",
                           f"{ast.unparse(call.func)}() is given the DDP-wrapped model and calls it "
-                          f"({hit}); DDP's forward broadcasts buffers from rank 0, a collective that "
+                          f"({called_at}); DDP's forward broadcasts buffers from rank 0, a collective that "
                           "the ranks this guard leaves out never join. The doctor cannot see whether "
                           "the module has buffers (BatchNorm); if it has, this hangs.",
                           "pass model.module to code that runs on one rank only, or run it on every rank.",

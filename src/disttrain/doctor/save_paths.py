@@ -86,7 +86,7 @@ def ends_the_process(facts: Facts, call: ast.Call) -> bool:
     """The save's block ends with exit() / sys.exit(): a debug dump before the process
     stops (jukebox's save_outputs, ml-4m's batch dump on a non-finite loss), no checkpoint."""
     stmt = facts.parents.get(call)
-    parent = facts.parents.get(stmt)
+    parent = facts.parents.get(stmt) if stmt is not None else None
     for field in ("body", "orelse"):
         block = getattr(parent, field, None)
         if isinstance(block, list) and stmt in block:
