@@ -6,12 +6,22 @@ from __future__ import annotations
 
 import statistics
 from pathlib import Path
+from typing import Literal, TypedDict
 
 from disttrain.report.run_data import RunData
 
+
+class _Style(TypedDict):
+    """The keywords of a mark's line (matplotlib's Line2D / axvline)."""
+
+    color: str
+    linestyle: Literal["--", "-."]
+    linewidth: float
+
+
 # One style per kind of mark, the same in every panel and in the legend.
-MARK_STYLE = {"restart": dict(color="#d62728", linestyle="--", linewidth=1.6),
-              "world_size": dict(color="#7b2cbf", linestyle="-.", linewidth=1.6)}
+MARK_STYLE: dict[str, _Style] = {"restart": _Style(color="#d62728", linestyle="--", linewidth=1.6),
+                                 "world_size": _Style(color="#7b2cbf", linestyle="-.", linewidth=1.6)}
 MARK_NAME = {"restart": "restart (resumed from checkpoint)", "world_size": "world-size change"}
 
 

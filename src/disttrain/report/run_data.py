@@ -150,7 +150,8 @@ def _from_audit(run: Path, raw: list[dict]):
 def _from_metrics(run: Path, raw: list[dict]):
     """Without events or audit: a new "attempt" value, or a step that goes back, starts
     an attempt; it resumed from the step before its first record."""
-    starts, prev = [], None
+    starts: list[tuple[int, int, int]] = []
+    prev = None
     for r in raw:
         key = r.get("attempt", prev[0] if prev else 0)  # a record without one keeps the attempt
         if prev is None or key != prev[0] or r["step"] <= prev[1]:
