@@ -132,9 +132,13 @@ def main(argv: list[str] | None = None) -> int:
 
 
 def load_saved(opts: Options, name: str) -> dict:
+    """The section's results as `save` wrote them (FileNotFoundError when it did not)."""
     from bench.common import load
 
-    return load(opts.results, name)
+    data = load(opts.results, name)
+    if data is None:
+        raise FileNotFoundError(f"{opts.results / name}.json: no saved results")
+    return data
 
 
 if __name__ == "__main__":

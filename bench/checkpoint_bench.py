@@ -102,12 +102,12 @@ def main_world(args) -> None:
                 while f.readinto(buf):
                     pass
 
-    def train_step(state: TrainState, batch: torch.Tensor) -> float:
+    def train_step(state: TrainState, optimizer: torch.optim.Optimizer, batch: torch.Tensor) -> float:
         t0 = time.perf_counter()
         _, loss = state.model(batch[:, :-1], batch[:, 1:])
         loss.backward()
-        state.optimizer.step()
-        state.optimizer.zero_grad(set_to_none=True)
+        optimizer.step()
+        optimizer.zero_grad(set_to_none=True)
         state.step += 1
         return time.perf_counter() - t0
 
@@ -116,9 +116,10 @@ def main_world(args) -> None:
         rank, world = info.rank, info.world_size
         cfg = GPTConfig(block_size=64, n_layer=layers, n_head=6, n_embd=width)
         model = dt.wrap(GPT(cfg), strategy="ddp")
-        state = TrainState(model=model, optimizer=torch.optim.AdamW(model.parameters(), lr=1e-4))
+        optimizer = torch.optim.AdamW(model.parameters(), lr=1e-4)
+        state = TrainState(model=model, optimizer=optimizer)
         batch = torch.randint(0, 256, (4, cfg.block_size + 1))
-        train_step(state, batch)  # optimizer state exists
+        train_step(state, optimizer, batch)  # optimizer state exists
         n_params = sum(p.numel() for p in model.parameters())
         if rank == 0:
             shutil.rmtree(root, ignore_errors=True)
@@ -167,8 +168,9 @@ def main_world(args) -> None:
                 for ck in cks + [async_ck]:
                     for old_dir in sorted(ck.root.glob("step-*"))[:-1]:
                         shutil.rmtree(old_dir)
-            rows.setdefault("step", []).append(train_step(state, batch))
+            rows.setdefault("step", []).append(train_step(state, optimizer, batch))
             if not nbytes:
+                assert sync_ck.last_saved is not None, "the synchronous save above ran"
                 nbytes = sum(p.stat().st_size for p in sync_ck.last_saved.iterdir())
             raw = root / f"raw-{rank}.bin"
             rows.setdefault("raw_write", []).append(timed(lambda: raw_write(raw, nbytes // world), True))

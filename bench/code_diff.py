@@ -29,10 +29,9 @@ def code_lines(source: str) -> list[str]:
     tree = ast.parse(source)
     skip: set[int] = set()
     body = tree.body
-    if body and isinstance(body[0], ast.Expr) and isinstance(getattr(body[0], "value", None),
-                                                             ast.Constant) \
-            and isinstance(body[0].value.value, str):
-        skip.update(range(body[0].lineno, body[0].end_lineno + 1))
+    first = body[0] if body else None
+    if isinstance(first, ast.Expr) and isinstance(first.value, ast.Constant) and isinstance(first.value.value, str):
+        skip.update(range(first.lineno, (first.end_lineno or first.lineno) + 1))
     comments: dict[int, int] = {}
     for tok in tokenize.generate_tokens(io.StringIO(source).readline):
         if tok.type == tokenize.COMMENT:

@@ -187,6 +187,7 @@ def launch(script: str, world: int, opts: Options, *, env: dict | None = None,
         deadline = time.monotonic() + opts.timeout_s
         failed = None
         for rank, (p, log) in enumerate(procs):
+            code: int | str
             try:
                 code = p.wait(timeout=max(1.0, deadline - time.monotonic()))
             except subprocess.TimeoutExpired:

@@ -108,7 +108,7 @@ def measure_real(cache: Path) -> RealResult:
     verdicts = {(path, e["rule"], e["line"], e["severity"]): e for path, entries in review.items() for e in entries}
     got = {(corpus_rel(Path(f.file), cache), f.rule, f.line, f.severity) for f in found}
     got = {g for g in got if g[0].startswith(REAL)}
-    unreviewed = sorted(g for g in got if g not in verdicts)
+    unreviewed: list[tuple[object, ...]] = sorted(g for g in got if g not in verdicts)
     stats: dict = defaultdict(lambda: {"tp": 0, "fp": 0, "fn": 0, "fp_error": 0, "out": 0})
     for key, e in verdicts.items():
         s = stats[e["rule"]]
@@ -225,7 +225,6 @@ def _no_corpus() -> list[str]:
 def render(real: RealResult | None, cases: list[BugCase], projects: list[ProjectResult] | None) -> str:
     """The section. `real` and `projects` are None when the corpus is not fetched: then
     each round's recorded figures (from the reviews) and the bug cases only."""
-    fetched = projects is not None
     return "\n".join([
         "# Doctor on real code", "",
         f"Command: `{COMMAND}` (after `{COMMAND} fetch`, which brings the public code pinned in "
@@ -261,7 +260,7 @@ def render(real: RealResult | None, cases: list[BugCase], projects: list[Project
                         ROUND3_CAUSES, full=False),
         *(["The current doctor on each round's held-back projects (all seen but the latest "
            "round's when the rules are unchanged since its review; not honest figures):", "",
-           _seen_rounds_table(projects), ""] if fetched else _no_corpus()),
+           _seen_rounds_table(projects), ""] if projects is not None else _no_corpus()),
         "### Rounds 1 and 2: the held-back projects of earlier rounds, frozen doctors", "",
         recorded_table(2), "",
         recorded_table(1), "",
@@ -272,7 +271,7 @@ def render(real: RealResult | None, cases: list[BugCase], projects: list[Project
            "### Tuning half (for comparison, not the doctor's figures)", "",
            "The misses of the tuning half were not surveyed (its recall columns count only the "
            "findings no longer given), so only its precision compares.", "",
-           projects_table(projects, "tuning"), ""] if fetched else []),
+           projects_table(projects, "tuning"), ""] if projects is not None else []),
         "## Public training scripts", "",
         "Corpus: `real/` in the cache, public scripts pinned in the manifest (pytorch/examples, "
         "huggingface/accelerate, transformers, Lightning Fabric examples, torchtitan), "
@@ -352,7 +351,7 @@ def main(argv: list[str] | None = None) -> int:
         print(f"round {n} held-back (frozen doctor, recorded): " + _figures_line(RECORDED[n]))
         for line in recorded_misses(n):
             print(f"  missed target: {line}")
-    if cache:
+    if real is not None and projects is not None:  # (both measured when the cache is there)
         _print_current(real, projects)
     else:
         print(corpus_fetch.how_to_fetch())

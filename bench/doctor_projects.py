@@ -17,6 +17,7 @@ import json
 from collections import defaultdict
 from dataclasses import dataclass, field
 from pathlib import Path
+from typing import Any
 
 from bench.corpus_fetch import Entry, load_manifest
 from bench.doctor_causes import (  # noqa: F401  (re-exported with the figures)
@@ -198,7 +199,8 @@ def rule_table(results: list[ProjectResult]) -> str:
 # Each round's held-back figures, measured with the doctor frozen before that round was
 # reviewed: the honest figures of that doctor. The rules were then changed for what the
 # review found, so recomputing an earlier round now would not be honest.
-RECORDED = {
+# (a round's figures mix counts, ratios and (found, of) pairs: the keys of round_figures)
+RECORDED: dict[int, dict[str, Any]] = {
     1: {"projects": 31, "files": None, "lines": 24866, "findings": 255, "tp": 168, "fp": 87, "false_errors": 10,
         "false_per_500": 1.75, "precision": 0.66, "hygiene": (106, 115), "behavioural": (9, 12)},
     2: {"projects": 13, "files": 27, "lines": 8175, "findings": 85, "tp": 64, "fp": 21, "false_errors": 2,
@@ -224,7 +226,7 @@ ROUND1_HELD_BACK = RECORDED[1]
 FRESH_ROUND = 10  # the latest round: held-back projects no rule was changed for
 
 
-def round_figures(results: list[ProjectResult]) -> dict:
+def round_figures(results: list[ProjectResult]) -> dict[str, Any]:
     """Some projects' figures in the shape RECORDED keeps (what gets recorded for a round)."""
     t = project_totals(results)
     fig = project_figures(t)

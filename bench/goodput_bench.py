@@ -35,6 +35,7 @@ import tempfile
 import time
 from collections import Counter
 from pathlib import Path
+from typing import Any
 
 ROOT = Path(__file__).resolve().parent.parent
 sys.path[:0] = [str(ROOT), str(ROOT / "src")]
@@ -158,7 +159,7 @@ def after_kill(run: Run, t_kill: int, before: int, timeout: float = 60) -> tuple
     while time.monotonic() < deadline:
         later = {s: t for s, t in run.commits().items() if t > t_kill}
         if later:
-            first = min(later, key=later.get)
+            first = min(later, key=lambda s: later[s])
             return (later[first] - t_kill) / 1e9, max(0, before - (first - 1))
         time.sleep(0.02)
     raise RuntimeError(f"no step after the kill in {timeout:.0f} s:\n{run.log.read_text()[-3000:]}")
@@ -191,7 +192,7 @@ def exactly_once(run: Run) -> tuple[int, list[str]]:
 
 def bench_kills(tmp: Path, kills: int, rng: random.Random) -> dict:
     run = Run(tmp, "kills", FAST + ["--train.steps=100000"])
-    out = {"recovery": [], "redone": []}
+    out: dict[str, Any] = {"recovery": [], "redone": []}
     try:
         run.wait_step(8, 180)
         for _ in range(kills):
@@ -210,7 +211,8 @@ def bench_kills(tmp: Path, kills: int, rng: random.Random) -> dict:
 
 def bench_cost(tmp: Path, pairs: int, steps: int) -> dict:
     """Interleaved A/B: the same job without and with fast_recovery, no injected delay."""
-    off, on = [], []
+    off: list[float] = []
+    on: list[float] = []
     for _ in range(pairs):
         for flags, into in (([], off), (FAST, on)):
             run = Run(tmp, "ab", [*flags, f"--train.steps={steps}"], fault=None)
@@ -285,12 +287,12 @@ def render(m: dict, k: dict, c: dict, g: list[dict], argv: list[str], took: floa
         "import torch alongside the first steps).", "",
         "| figure | measured | goal | verdict |", "|---|---|---|---|",
         f"| kill -9 of one worker -> next step committed by every rank ({len(k['recovery'])} kills) | "
-        f"{fmt(rec, digits=2, unit=' s')} | <= 1.0 s | {verdict(rec and rec['median'] <= TARGETS['kill'])} |",
+        f"{fmt(rec, digits=2, unit=' s')} | <= 1.0 s | {verdict(bool(rec) and rec['median'] <= TARGETS['kill'])} |",
         f"| completed steps redone after that kill (the step in flight is redone too) | "
-        f"{fmt(red, digits=0)} | <= 1 | {verdict(red and red['max'] <= TARGETS['redone'])} |",
+        f"{fmt(red, digits=0)} | <= 1 | {verdict(bool(red) and red['max'] <= TARGETS['redone'])} |",
         f"| step-time cost with nothing failing ({len(c['ratio'])} interleaved pairs) | "
         f"{fmt(cost, scale=100, digits=1, unit=' %')} | <= 2 % | "
-        f"{verdict(cost and cost['median'] <= TARGETS['cost'])} |",
+        f"{verdict(bool(cost) and cost['median'] <= TARGETS['cost'])} |",
     ]
     for r in g:
         what = f"one kill every {r['every']}"

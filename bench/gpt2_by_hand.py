@@ -79,9 +79,10 @@ def build(args, cfg: dict, world: int) -> tuple[nn.Module, torch.optim.Optimizer
     if args.compile:
         for block in blocks:
             block.compile()
+    wrapped: nn.Module = model  # FSDP2 shards in place
     if args.strategy == "ddp":
-        model = DistributedDataParallel(model, bucket_cap_mb=25.0, gradient_as_bucket_view=True)
-        named = list(model.module.named_parameters())
+        wrapped = DistributedDataParallel(model, bucket_cap_mb=25.0, gradient_as_bucket_view=True)
+        named = list(model.named_parameters())  # (the wrapper's .module)
     else:
         mesh = init_device_mesh("cpu", (world,))
         for block in blocks:
@@ -102,7 +103,7 @@ def build(args, cfg: dict, world: int) -> tuple[nn.Module, torch.optim.Optimizer
         progress = min(1.0, (step - warm) / max(1, total - warm))
         return 0.1 + 0.9 * 0.5 * (1 + math.cos(math.pi * progress))
 
-    return model, opt, torch.optim.lr_scheduler.LambdaLR(opt, factor)
+    return wrapped, opt, torch.optim.lr_scheduler.LambdaLR(opt, factor)
 
 
 def storage_bytes(tensors) -> int:
@@ -204,7 +205,7 @@ def main(argv: list[str] | None = None) -> int:
     rank, world = dist.get_rank(), dist.get_world_size()
     model, opt, sched = build(args, cfg, world)
     train, _, _ = token_datasets(args.tokens, args.block, heldout_fraction=cfg["data"]["heldout_fraction"])
-    sampler = DistributedSampler(train, num_replicas=world, rank=rank, shuffle=True, seed=0, drop_last=True)
+    sampler: DistributedSampler[int] = DistributedSampler(train, num_replicas=world, rank=rank, shuffle=True, seed=0, drop_last=True)
     loader = iter(DataLoader(train, batch_size=args.batch, sampler=sampler, drop_last=True))
     clip = cfg["optim"]["grad_clip"]
     laps, phases, last = [], [], time.perf_counter()
@@ -214,7 +215,7 @@ def main(argv: list[str] | None = None) -> int:
         laps.append(now - last)
         last = now
     memory = measure_memory(model, opt, sched, next(loader), clip) if args.memory else None
-    every = [None] * world
+    every: list[dict] = [{}] * world  # (all_gather_object fills every entry)
     dist.all_gather_object(every, {"laps": laps, "phases": phases, "memory": memory,
                                    "threads": torch.get_num_threads()})
     if rank == 0:

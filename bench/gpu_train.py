@@ -37,15 +37,17 @@ import sys
 import tempfile
 import time
 from pathlib import Path
+from typing import Any
 
 import torch
 
 from bench.checkpoint_bench import evict
 
 PEAK_FLOPS = 989e12
-FULL = {"block_size": 2048, "n_layer": 20, "n_head": 16, "n_embd": 2048, "dropout": 0.0,
+# GPTConfig's keywords (disttrain is imported late: see _setup_env)
+FULL: dict[str, Any] = {"block_size": 2048, "n_layer": 20, "n_head": 16, "n_embd": 2048, "dropout": 0.0,
         "bias": False}
-TINY = {"block_size": 64, "n_layer": 2, "n_head": 4, "n_embd": 64, "dropout": 0.0, "bias": False}
+TINY: dict[str, Any] = {"block_size": 64, "n_layer": 2, "n_head": 4, "n_embd": 64, "dropout": 0.0, "bias": False}
 VARIANTS = ("torch_autocast", "disttrain_fsdp", "torch_autocast_compiled", "disttrain_fsdp_compiled")
 """Eager, then compiled per block (`dt.wrap(compile=True)`, and by hand `block.compile()`
 on each block, torchtitan's order): like for like in each pair."""
@@ -88,7 +90,8 @@ def build(variant: str, cfg: dict, device: torch.device):
             with torch.autocast(device.type, dtype=torch.bfloat16):
                 return forward(*args, **kwargs)
 
-        model.forward = autocast_forward
+        # (an instance attribute over the method: the unchanged module, run under autocast)
+        model.forward = autocast_forward  # type: ignore[method-assign]
         if compiled:
             for block in model.blocks:
                 block.compile(**(options if isinstance(options, dict) else {}))
@@ -99,14 +102,15 @@ def build(variant: str, cfg: dict, device: torch.device):
     dt.init(device=device.type, seed=0)
     with device:
         model = GPT(GPTConfig(**cfg))
-    model = dt.wrap(model, strategy="fsdp", sharding="full", precision="bf16", compile=options)
-    optimizer = dt.make_optimizer(model, torch.optim.AdamW, lr=3e-4)
-    return model, optimizer, _dt_checkpoint(model, optimizer)
+    wrapped = dt.wrap(model, strategy="fsdp", sharding="full", precision="bf16", compile=options)
+    dt_optimizer = dt.make_optimizer(wrapped, torch.optim.AdamW, lr=3e-4)
+    return wrapped, dt_optimizer, _dt_checkpoint(wrapped, dt_optimizer)
 
 
 def _dcp_checkpoint(model, optimizer):
     import torch.distributed.checkpoint as dcp
     from torch.distributed.checkpoint.state_dict import get_state_dict, set_state_dict
+    from torch.distributed.checkpoint.state_dict_saver import AsyncSaveResponse
 
     def save(root: Path, asynchronous: bool) -> tuple[float, float]:
         msd, osd = get_state_dict(model, optimizer)
@@ -117,7 +121,8 @@ def _dcp_checkpoint(model, optimizer):
             return time.perf_counter() - t0, time.perf_counter() - t0
         future = dcp.async_save(state, checkpoint_id=str(root))
         stall = time.perf_counter() - t0
-        future.result()
+        # (torch returns an AsyncSaveResponse only for an async_stager; its upload is the save)
+        (future.upload_completion if isinstance(future, AsyncSaveResponse) else future).result()
         return stall, time.perf_counter() - t0
 
     def load(root: Path) -> float:
@@ -163,7 +168,7 @@ def disk_rates(nbytes: int, tmp: Path) -> dict:
     path = tmp / "raw.bin"
     t0 = time.perf_counter()
     with open(path, "wb") as f:
-        f.write(data)
+        f.write(data.data)  # (the array's buffer, no copy)
         f.flush()
         os.fsync(f.fileno())
     write_s = time.perf_counter() - t0

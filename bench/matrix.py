@@ -20,7 +20,8 @@ from dataclasses import dataclass, field
 from bench.common import JobError, Options, disttrain_strategies, launch, summary
 
 # name -> (script in bench/workloads, what it needs, label in tables[, environment])
-WORKLOADS = {
+Workload = tuple[str, str | None, str] | tuple[str, str | None, str, dict[str, str]]
+WORKLOADS: dict[str, Workload] = {
     "plain": ("plain.py", None, "single device (the starting script)"),
     "torch_ddp": ("torch_ddp.py", None, "hand-written torch DDP"),
     "disttrain_ddp": ("disttrain_ddp.py", "ddp", "disttrain ddp"),

@@ -10,6 +10,8 @@ disttrain / hand-written within the same repeat.
 
 from __future__ import annotations
 
+from typing import Any
+
 from bench.common import Options, fmt, variant_table
 from bench.matrix import Matrix, JobResult, label, paired
 from bench.profiles import excess_table
@@ -40,7 +42,7 @@ def analyse(matrix: Matrix, opts: Options) -> dict:
         if not (base.ok and cand.ok):
             ratios.append({"strategy": strategy, "pending": cand.note() or base.note()})
             continue
-        r = {"strategy": strategy, **{m: paired(cand, base, m) for m in
+        r: dict[str, Any] = {"strategy": strategy, **{m: paired(cand, base, m) for m in
                                       ("step_s", "first_step_s", "rss_mb")}}
         r["missed"] = [m for m, t in TARGETS.items() if r[m]["median"] > t]
         ratios.append(r)

@@ -29,6 +29,7 @@ import sys
 import tempfile
 import time
 from pathlib import Path
+from typing import Any
 
 ROOT = Path(__file__).resolve().parent.parent
 sys.path[:0] = [str(ROOT), str(ROOT / "src")]  # run as a script: make bench and disttrain importable
@@ -60,7 +61,7 @@ def elastic_flags(backend: str, endpoint: str, plain: bool, conf: str = "") -> l
 def kill_workers(tmp: Path, backend: str, kills: int, rng: random.Random) -> dict:
     """(a): kill -9 one worker `kills` times; recovery seconds and steps redone."""
     job, server = Job(tmp, f"kill-{backend}"), None
-    out = {"recovery": [], "redone": []}
+    out: dict[str, Any] = {"recovery": [], "redone": []}
     try:
         if backend == "standalone":
             job.start_agent(["--nproc", "2", "--max-restarts", "100"])
@@ -298,7 +299,7 @@ def main(argv: list[str] | None = None) -> int:
     def done(what: str, r: dict) -> None:
         print(f"[recovery] {what}: {r}  ({time.monotonic() - t0:.0f} s)", flush=True)
 
-    res = {"kill": {}, "scale": {}, "load_start": round(os.getloadavg()[0], 2), "imports": import_seconds()}
+    res: dict[str, Any] = {"kill": {}, "scale": {}, "load_start": round(os.getloadavg()[0], 2), "imports": import_seconds()}
     with tempfile.TemporaryDirectory(prefix="recovery-bench-") as tmp:
         for key in ([] if args.scale_only else ["standalone", "etcd"]):
             done(f"kill {key}", res["kill"].setdefault(key, kill_workers(Path(tmp), key, kills, rng)))

@@ -50,7 +50,10 @@ class Job:
 
     def __init__(self, tmp: Path, name: str, plain: bool = False):
         self.out = Path(tempfile.mkdtemp(prefix=f"{name}-", dir=tmp))
-        self.plain, self.agents, self.logs, self.violations, self.polls = plain, [], [], [], 0
+        self.plain, self.polls = plain, 0
+        self.agents: list[subprocess.Popen] = []
+        self.logs: list[Path] = []
+        self.violations: list[str] = []
         self.lines: dict[int, list[dict]] = {}  # generation -> its records
         self.first_poll: dict[int, int] = {}  # generation -> the poll that first saw it
         self._offsets: dict[Path, int] = {}

@@ -10,6 +10,8 @@ also competes with everything else that runs, which the load column shows.
 
 from __future__ import annotations
 
+from typing import Any
+
 from bench.common import Options, fmt
 from bench.matrix import Matrix, paired
 from bench.profiles import top_table
@@ -28,7 +30,7 @@ def analyse(matrix: Matrix, opts: Options) -> dict:
     rows, profiles = [], {}
     for strategy, name in STRATEGIES.items():
         one, two = matrix.get(name, 1), matrix.get(name, 2)
-        row = {"strategy": strategy, "tps1": one.stat("tokens_per_s"),
+        row: dict[str, Any] = {"strategy": strategy, "tps1": one.stat("tokens_per_s"),
                "tps2": two.stat("tokens_per_s"), "note": two.note() or one.note()}
         if one.ok and two.ok:
             speedup = paired(two, one, "tokens_per_s")

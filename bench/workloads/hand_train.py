@@ -73,7 +73,7 @@ def main() -> None:
     steps = t["steps"]
     every = c["every"]
     scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, lambda s: lr_factor(s, steps))
-    sampler = DistributedSampler(train_set, seed=t.get("seed", 1337))
+    sampler: DistributedSampler[int] = DistributedSampler(train_set, seed=t.get("seed", 1337))
     loader = DataLoader(train_set, batch_size=t["batch_size"], sampler=sampler, drop_last=True)
     preempt = PreemptionHandler().install() if os.environ.get("BENCH_VOTE") == "1" else None
     out = Path(t["out_dir"])
@@ -109,8 +109,8 @@ def main() -> None:
                     shutil.rmtree(saved.pop(0), ignore_errors=True)
             if step >= steps:
                 break
-    out = result(rank, world, log_times, t["batch_size"] * m["block_size"])
-    Path(os.environ["BENCH_OUT"], f"rank{rank}.json").write_text(json.dumps(out))
+    measured = result(rank, world, log_times, t["batch_size"] * m["block_size"])
+    Path(os.environ["BENCH_OUT"], f"rank{rank}.json").write_text(json.dumps(measured))
     dist.destroy_process_group()
     # Freeing the DDP model after this destroys torch 2.13's gloo group, whose destructor
     # joins a worker thread that waits for the GIL the destructor holds (py-spy: a hang,

@@ -20,6 +20,7 @@ Environment (set by `bench.launch`):
 
 from __future__ import annotations
 
+import cProfile
 import importlib.util
 import json
 import os
@@ -40,6 +41,8 @@ CORPUS_BYTES = 1_000_000
 
 def _load_source(name: str, path: Path):
     spec = importlib.util.spec_from_file_location(name, path)
+    if spec is None or spec.loader is None:
+        raise ImportError(f"cannot load {path} as a module")
     module = importlib.util.module_from_spec(spec)
     sys.modules[name] = module  # dataclasses look their module up while building
     spec.loader.exec_module(module)
@@ -99,7 +102,7 @@ class Bench:
         self.first_step_s: float | None = None
         self.loss = float("nan")
         self.profile_path = os.environ.get("BENCH_PROFILE")
-        self.profiler = None
+        self.profiler: cProfile.Profile | None = None
 
     def step(self, loss: torch.Tensor) -> bool:
         """Record one optimizer step; True once the warmup and the timed steps are done."""
@@ -109,8 +112,6 @@ class Bench:
         self.times.append(now)
         self.loss = float(loss.detach().float().mean())
         if self.profile_path and len(self.times) == self.warmup + 1:
-            import cProfile
-
             self.profiler = cProfile.Profile()
             self.profiler.enable()
         return len(self.times) >= self.warmup + self.steps + 1

@@ -24,6 +24,7 @@ buffers), nor the allocator's slack; RSS shows both.
 import json
 import os
 from pathlib import Path
+from typing import Any
 
 import torch
 from torch.distributed._tools.mem_tracker import MemTracker
@@ -62,7 +63,7 @@ def measure(spec: str) -> dict:
     strategy, sharding, group = parts[0], (parts[1:2] or ["full"])[0], (parts[2:3] or ["0"])[0]
     rss_base = _status_kib("VmRSS")
     torch.manual_seed(0)
-    options = {"sharding": sharding, "shard_group_size": int(group)} if strategy == "fsdp" else {}
+    options: dict[str, Any] = {"sharding": sharding, "shard_group_size": int(group)} if strategy == "fsdp" else {}
     model = dt.wrap(make_model(), strategy=strategy, **options)
     optimizer = dt.make_optimizer(model, torch.optim.AdamW, lr=1e-4)
     inner = getattr(optimizer, "optim", optimizer)  # ZeroRedundancyOptimizer keeps a local one

@@ -16,7 +16,7 @@ def main() -> None:
     dist.init_process_group("gloo")
     torch.manual_seed(0)
     data = make_dataset()
-    sampler = DistributedSampler(data, shuffle=True, seed=0)
+    sampler: DistributedSampler[int] = DistributedSampler(data, shuffle=True, seed=0)
     loader = DataLoader(data, batch_size=BATCH_SIZE, sampler=sampler)
     model = DistributedDataParallel(make_model())
     optimizer = torch.optim.AdamW(model.parameters(), lr=3e-4)

@@ -15,17 +15,17 @@ def main() -> None:
     dist.init_process_group("gloo")
     torch.manual_seed(0)
     data = make_dataset()
-    sampler = DistributedSampler(data, shuffle=True, seed=0)
+    sampler: DistributedSampler[int] = DistributedSampler(data, shuffle=True, seed=0)
     loader = DataLoader(data, batch_size=BATCH_SIZE, sampler=sampler)
     model = make_model()
     mesh = init_device_mesh("cpu", (dist.get_world_size(),))
-    for block in model.blocks:
+    for block in model.get_submodule("blocks").children():
         fully_shard(block, mesh=mesh)
-    fully_shard(model, mesh=mesh)
+    sharded = fully_shard(model, mesh=mesh)
     optimizer = torch.optim.AdamW(model.parameters(), lr=3e-4)
     for i, (x, y) in enumerate(loader):
         sync = (i + 1) % ACCUM_STEPS == 0
-        model.set_requires_gradient_sync(sync)
+        sharded.set_requires_gradient_sync(sync)
         _, loss = model(x, y)
         (loss / ACCUM_STEPS).backward()
         if sync:
