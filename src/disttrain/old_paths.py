@@ -14,7 +14,9 @@ import warnings
 from typing import Any, Callable
 
 # old module -> its new module, or {name: new module} for a module split in several
-MOVED: dict[str, str | dict[str, str]] = {}
+MOVED: dict[str, str | dict[str, str]] = {
+    "disttrain.parallel.zero": "disttrain.parallel.optimizers",
+}
 
 
 def new_home(old: str, name: str) -> str:

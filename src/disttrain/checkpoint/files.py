@@ -16,8 +16,8 @@ import torch
 import torch.nn as nn
 
 from disttrain.errors import UserError
-from disttrain.parallel import unwrap
 from disttrain.runtime import barrier, rank_info
+from disttrain.runtime.torch_compat import canonical_name, unwrap
 from disttrain.runtime.log import LOGGER
 
 
@@ -123,29 +123,52 @@ def save_model(model: nn.Module, path: str | os.PathLike, strip: str = "") -> Pa
 
 
 def strip_prefix(state: dict, prefix: str = "module.") -> dict:
-    """Remove a wrapper prefix (DDP's `module.`) so a plain model can load the dict."""
+    """`state` with `prefix` removed once from the front of each key that has it (DDP's
+    `module.`, or an adapter's prefix such as `save_model`'s `strip="hf."`), so a model
+    without that prefix can load the dict. Other keys are kept as they are.
+
+    Not built on `torch_compat.canonical_name`: that removes every wrapper's parts and
+    nothing else, while this removes exactly the one prefix asked for, whatever it is.
+    `load_model` reads wrapped names through `canonical_name`."""
     return {k[len(prefix):] if k.startswith(prefix) else k: v for k, v in state.items()}
 
 
+def model_keys(state: dict, model: nn.Module) -> dict:
+    """`state` with each key that `model.state_dict()` lacks renamed to the model's key
+    of the same canonical name (`torch_compat.canonical_name`): a dict saved from a
+    wrapped model (DDP's `module.`, `torch.compile`'s `_orig_mod.`, FSDP1's or the
+    checkpoint wrapper's parts, in any nesting) gets the model's own names, also where
+    the model has a submodule of its own called `module`. A key with no counterpart is
+    kept (the strict load then names it)."""
+    own = list(model.state_dict())
+    by_canonical = {canonical_name(k): k for k in own}
+    known = set(own)
+    return {k if k in known else by_canonical.get(canonical_name(k), k): v for k, v in state.items()}
+
+
 def load_model(model: nn.Module, path: str | os.PathLike) -> None:
-    """Load weights saved by `save_model` (or a DDP `module.`-prefixed dict) into `model`.
+    """Load weights saved by `save_model`, or a state dict saved from a wrapped model
+    (DDP's `module.`, `torch.compile`'s `_orig_mod.`, in any nesting), into `model`.
 
     Reads on CPU with `weights_only=True` (nothing is unpickled beyond tensors) and
-    loads strict into the module inside any wrapper (`dt.unwrap`). Not a collective:
-    each rank reads the file itself. Raises `UserError` naming the file for a missing
-    file or mismatched keys or shapes (the first lines of torch's list); torch copies
-    the tensors that match before it refuses, so after that error load a matching
-    file before using the model.
+    loads strict into the module inside any wrapper (`dt.unwrap`), the file's wrapper
+    name parts mapped to the model's names (`model_keys`). Not a collective: each rank
+    reads the file itself. Raises `UserError` naming the file for a missing file or
+    mismatched keys or shapes (the first lines of torch's list); torch copies the
+    tensors that match before it refuses, so after that error load a matching file
+    before using the model.
     """
     path = Path(path)
     if not path.is_file():
         raise UserError(f"checkpoint file not found: {path}.")
     state = torch.load(path, map_location="cpu", weights_only=True)
-    if any(k.startswith("module.") for k in state):
-        LOGGER.info(f"note: {path} has DDP's 'module.' prefix; it was stripped for loading (P-CKPT-4).")
-        state = strip_prefix(state)
+    target = unwrap(model)
+    renamed = model_keys(state, target)
+    if list(renamed) != list(state):
+        LOGGER.info(f"note: {path} has a wrapper's names (DDP's 'module.', torch.compile's '_orig_mod.'); "
+                    f"they were mapped to the model's names for loading (P-CKPT-4).")
     try:
-        unwrap(model).load_state_dict(state, strict=True)
+        target.load_state_dict(renamed, strict=True)
     except RuntimeError as e:
         first = "\n".join(str(e).splitlines()[:6])
         raise UserError(f"{path} does not match the model:\n{first}") from None

@@ -24,10 +24,7 @@ import torch
 import torch.nn as nn
 
 from disttrain.runtime import torch_compat
-
-# Parts that the state-dict helpers drop from a parameter's name (a DDP root's
-# `module.`, torch.compile's, FSDP1's and the checkpoint wrapper's).
-_WRAPPER_PARTS = frozenset({"module", *torch_compat.WRAPPER_NAME_PARTS})
+from disttrain.runtime.torch_compat import canonical_name
 
 
 def _alias(t: torch.Tensor) -> tuple:
@@ -35,16 +32,13 @@ def _alias(t: torch.Tensor) -> tuple:
     return (t.device, t.dtype, t.untyped_storage().data_ptr(), t.storage_offset(), tuple(t.shape), t.stride())
 
 
-def _plain_name(key: str) -> str:
-    return ".".join(p for p in key.split(".") if p not in _WRAPPER_PARTS)
-
-
 def model_in_place(module: nn.Module, loaded: dict) -> bool:
     """True when `module.load_state_dict` of the loaded model state (`loaded`, keyed
     as torch's `get_state_dict` keys it, the tensors DCP read into) would copy every
     tensor onto itself: every value is a plain tensor that is exactly (memory, offset,
     shape, strides, dtype) every parameter or buffer of the same name, with wrapper
-    parts dropped, and the module's load only copies."""
+    parts dropped (`torch_compat.canonical_name` on both sides), and the module's load
+    only copies."""
     if not torch_compat.load_is_copy(module):
         return False
     own = module.state_dict(keep_vars=True)  # the parameters and persistent buffers themselves
@@ -54,9 +48,9 @@ def model_in_place(module: nn.Module, loaded: dict) -> bool:
     for key, value in own.items():
         if not isinstance(value, torch.Tensor):
             return False  # an extra state: load_state_dict hands it over
-        by_name.setdefault(_plain_name(key), set()).add(_alias(value))
+        by_name.setdefault(canonical_name(key), set()).add(_alias(value))
     for key, value in loaded.items():
-        if type(value) is not torch.Tensor or by_name.get(_plain_name(key)) != {_alias(value)}:
+        if type(value) is not torch.Tensor or by_name.get(canonical_name(key)) != {_alias(value)}:
             return False
     return True
 

@@ -29,6 +29,7 @@ import torch
 import torch.nn as nn
 
 from disttrain.checkpoint.zero_state import ZeroView, is_zero
+from disttrain.runtime import torch_compat
 
 
 def strategy_of(model: torch.nn.Module) -> str:
@@ -155,11 +156,13 @@ class TrainState:
         return [ZeroView(self.optimizer) if is_zero(self.optimizer) else self.optimizer]
 
     def _module(self) -> torch.nn.Module:
-        """The model as torch's state-dict helpers should see it. They strip DDP's and
-        FSDP's wrappers but not DataParallel's, whose `module.` prefix would make a dp
-        checkpoint load into no other strategy (P-CKPT-4)."""
+        """The model as torch's state-dict helpers should see it. They strip the names
+        of DDP, FSDP, compile and the checkpoint wrapper themselves (and FSDP needs its
+        root to gather), but not DataParallel's `module.`, which would make a dp
+        checkpoint load into no other strategy (P-CKPT-4): under DataParallel, which
+        shards nothing, the unwrapped module."""
         m = self.model
-        return m.module if isinstance(m, torch.nn.DataParallel) else m
+        return torch_compat.unwrap(m) if torch_compat.wrapper_kind(m) == "dp" else m
 
     def tensor_state(self) -> dict:
         """`state_dict()["tensors"]` alone (what a load reads into: the other parts are

@@ -35,22 +35,6 @@ from disttrain.runtime.collectives import comm_device
 # ---------------------------------------------------------------- start-of-run fingerprint
 
 
-def _plain(module: nn.Module) -> nn.Module:
-    # DDP / DataParallel keep the user's module in `.module`; its names carry no prefix.
-    while hasattr(module, "module") and isinstance(module.module, nn.Module):
-        module = module.module
-    return module
-
-
-_WRAPPER_PARTS = torch_compat.WRAPPER_NAME_PARTS
-"""Name parts that wrappers (FSDP1, activation checkpointing, torch.compile) insert."""
-
-
-def logical_name(name: str) -> str:
-    """A parameter or buffer name with every wrapper's part removed."""
-    return ".".join(part for part in name.split(".") if part not in _WRAPPER_PARTS)
-
-
 def model_structure(model: nn.Module) -> list[str]:
     """`name:shape:dtype` of every parameter and buffer of the model, in order, as the
     user's unwrapped model has them: wrapper name parts removed and *logical*
@@ -58,10 +42,11 @@ def model_structure(model: nn.Module) -> list[str]:
     DTensors report the global shape, FSDP1's flat-shard views are mapped back to
     their original shapes). So ranks that hold different shards of one model agree,
     and a rank with a different model does not. No collective."""
-    m = _plain(model)
+    m = torch_compat.unwrap(model)
     flat = torch_compat.fsdp1_unsharded_shapes(model)  # the root FSDP1 unit sits above `m`
     items = [(n, t) for n, t in m.named_parameters()] + [(n, t) for n, t in m.named_buffers()]
-    return [f"{logical_name(n)}:{flat.get(id(t), tuple(t.shape))}:{str(t.dtype).replace('torch.', '')}"
+    name = torch_compat.canonical_name
+    return [f"{name(n)}:{flat.get(id(t), tuple(t.shape))}:{str(t.dtype).replace('torch.', '')}"
             for n, t in items]
 
 
@@ -175,7 +160,7 @@ def _is_replicated(model: nn.Module) -> bool:
 def parameter_checksums(model: nn.Module) -> torch.Tensor:
     """Per parameter: (sum, sum of squares) in float64, shape (n_params, 2), on CPU."""
     sums = [torch.stack([p.sum(dtype=torch.float64), p.double().square().sum()])
-            for p in _plain(model).parameters()]
+            for p in torch_compat.unwrap(model).parameters()]
     return torch.stack(sums).cpu() if sums else torch.zeros(0, 2, dtype=torch.float64)
 
 
@@ -206,7 +191,7 @@ def check_replicas(model: nn.Module, step: int) -> None:
     everyone = [torch.zeros_like(mine) for _ in range(dist.get_world_size())]
     dist.all_gather(everyone, mine)
     everyone = [v.cpu() for v in everyone]
-    names = [n for n, _ in _plain(model).named_parameters()]
+    names = [torch_compat.canonical_name(n) for n, _ in torch_compat.unwrap(model).named_parameters()]
     ranks = [r for r, v in enumerate(everyone) if not torch.equal(v, everyone[0])]
     raise DistributedMismatchError(
         f"replicas diverged by step {step}: parameter {names[first]!r} (and "

@@ -21,7 +21,6 @@ import dataclasses
 import sys
 
 import torch.nn as nn
-from torch.nn.parallel import DataParallel, DistributedDataParallel
 
 from disttrain.config import ParallelConfig, STRATEGIES, validate_parallel
 from disttrain.errors import ConfigError, UserError
@@ -32,18 +31,12 @@ from disttrain.parallel.dp import apply_dp
 from disttrain.parallel.join import join
 from disttrain.parallel.mesh import Layout
 from disttrain.parallel.syncbn import convert_sync_batchnorm
-from disttrain.parallel.zero import WRAP_INFO, apply_zero1, check_optimizer, make_optimizer, wrap_info
+from disttrain.parallel.optimizers import WRAP_INFO, apply_zero1, check_optimizer, make_optimizer, wrap_info
 from disttrain.parallel.precision import apply_autocast
 from disttrain.runtime import rank_info, seed_rank_stream
+from disttrain.runtime.torch_compat import unwrap, wrapper_kind
 
 __all__ = ["Layout", "check_optimizer", "join", "make_optimizer", "unwrap", "wrap", "wrap_info"]
-
-def _wrappers() -> tuple[type, ...]:
-    """Wrapper classes with a `.module`. FSDP is imported lazily (about 1 s): when its
-    module was never imported, no model can be an FSDP instance."""
-    fsdp = sys.modules.get("torch.distributed.fsdp")
-    return (DistributedDataParallel, DataParallel) + ((fsdp.FullyShardedDataParallel,) if fsdp else ())
-
 
 def _is_fsdp2(module: nn.Module) -> bool:
     fsdp = sys.modules.get("torch.distributed.fsdp")
@@ -63,24 +56,15 @@ def _parallel_config(cfg: ParallelConfig | None, overrides: dict) -> ParallelCon
     return cfg
 
 
-def unwrap(model: nn.Module) -> nn.Module:
-    """The user's module inside any wrapper (DDP, DataParallel, FSDP1 `.module`).
-
-    Use it to reach the model's own methods and attributes after `dt.wrap` or
-    `job.wrap` (a `configure_optimizers`, a config, `generate`); train and step the
-    wrapped module, not this one, or the gradients are not synchronised. An FSDP2
-    model is its own module (sharded in place) and is returned as is, as is a module
-    that was never wrapped. Not a collective; never raises.
-    """
-    while isinstance(model, _wrappers()):
-        model = model.module
-    return model
+_DATA_PARALLEL = ("ddp", "dp", "fsdp1")
+"""Wrapper kinds that replicate or shard (`torch_compat.wrapper_kind`); compile and the
+checkpoint wrapper nest with them."""
 
 
 def _refuse_nested(model: nn.Module) -> None:
     # P-DDP-3: DataParallel in DDP (or any wrapper in another) replicates twice.
     for name, sub in model.named_modules():
-        if isinstance(sub, _wrappers()) or _is_fsdp2(sub) or hasattr(sub, WRAP_INFO):
+        if wrapper_kind(sub) in _DATA_PARALLEL or _is_fsdp2(sub) or hasattr(sub, WRAP_INFO):
             where = f"its submodule {name!r} is" if name else "it is"
             raise UserError(f"the model is already wrapped ({where} a {type(sub).__name__}); "
                             f"wrapping it again nests data parallelism (P-DDP-3). Pass the plain "

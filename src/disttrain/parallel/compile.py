@@ -50,8 +50,10 @@ def check_compile(strategy: str, *, cpu_offload: bool = False) -> None:
 def plain_module(model: nn.Module) -> tuple[nn.Module, bool]:
     """(the module inside a `torch.compile(model)` wrapper, whether it was one). Its
     keys carry `_orig_mod.`; `wrap` takes the inner module and compiles per block."""
-    inner = torch_compat.compiled_inner(model)
-    return (inner, True) if inner is not None else (model, False)
+    if torch_compat.wrapper_kind(model) != "compile":
+        return model, False
+    # One layer only: a compiled DDP model then reaches wrap's nested-wrapper refusal.
+    return torch_compat.inner_module(model) or model, True
 
 
 def compile_blocks(model: nn.Module, blocks: list[nn.Module], **options) -> list[nn.Module]:

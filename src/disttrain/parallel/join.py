@@ -25,7 +25,7 @@ import torch.nn as nn
 from torch.distributed.algorithms.join import Join, Joinable
 
 from disttrain.errors import UserError
-from disttrain.parallel.zero import wrap_info
+from disttrain.parallel.optimizers import wrap_info
 
 
 def join(model: nn.Module, optimizer: torch.optim.Optimizer | None = None, *,

@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import ctypes
 import re
+import sys
 from typing import Any, Callable
 
 import torch
@@ -22,11 +23,6 @@ import torch.nn as nn
 
 CHECKED_ON = ("2.13.0",)
 """The torch releases every function here was checked on (the suite's pinned release)."""
-
-WRAPPER_NAME_PARTS = ("_fsdp_wrapped_module", "_checkpoint_wrapped_module", "_orig_mod")
-"""Parts that wrappers insert into parameter names: FSDP1, the activation-checkpoint
-wrapper and `torch.compile`. Checked on 2.13.0; a release that renames one leaves that
-part in the names, which shows up as a structure mismatch, never as silent damage."""
 
 _IMMORTAL: list = []
 
@@ -282,17 +278,96 @@ def finish_interpreter() -> None:
             step()
 
 
-def compiled_inner(model: nn.Module) -> nn.Module | None:
-    """The module inside a `torch.compile(model)` wrapper (`OptimizedModule._orig_mod`,
-    the part its state-dict keys carry), or None when `model` has none. The class is
-    compared by name: importing torch._dynamo to ask costs about a second.
+# ---------------------------------------------------------------- wrappers: one way to see through them
 
-    Checked on 2.13.0. Fallback (a release that renames it): None, so the wrapper is
-    treated as a plain module."""
-    inner = getattr(model, "_orig_mod", None)
-    if type(model).__name__ == "OptimizedModule" and isinstance(inner, nn.Module):
-        return inner
+WRAPPER_PARTS = {"compile": "_orig_mod", "ddp": "module", "dp": "module",
+                 "fsdp1": "_fsdp_wrapped_module", "checkpoint": "_checkpoint_wrapped_module"}
+"""Each wrapper kind -> the attribute that holds the module it wraps. That attribute is a
+registered submodule, so it is also the part the wrapper inserts into every parameter
+and state-dict name below it (`_orig_mod.`, `module.`, ...). Checked on 2.13.0; a
+release that renames one is seen as no wrapper (`wrapper_kind` None), its part stays in
+the names, and a comparison of names then reports a mismatch, never silent damage."""
+
+_INSIDE_ONLY = frozenset(WRAPPER_PARTS.values()) - {"module"}
+"""Parts no user attribute can be mistaken for: removed wherever they stand in a name."""
+
+
+def wrapper_kind(module: nn.Module) -> str | None:
+    """'compile' (`torch.compile(model)`'s `OptimizedModule`), 'ddp', 'dp'
+    (`nn.DataParallel`), 'fsdp1' (`FullyShardedDataParallel`), 'checkpoint' (the
+    activation-checkpoint wrapper), or None for any other module (FSDP2's `fully_shard`
+    included: it changes the module's class in place and wraps nothing).
+
+    Classes whose module was never imported are not looked up (dynamo, FSDP and the
+    checkpoint wrapper cost up to a second to import): no model can be one of them.
+    `OptimizedModule` is compared by name for the same reason. Checked on 2.13.0;
+    fallback: a class a release moved is not recognised (None)."""
+    from torch.nn.parallel import DataParallel, DistributedDataParallel
+
+    if isinstance(module, DistributedDataParallel):
+        return "ddp"
+    if isinstance(module, DataParallel):
+        return "dp"
+    if type(module).__name__ == "OptimizedModule" and isinstance(getattr(module, "_orig_mod", None), nn.Module):
+        return "compile"
+    fsdp = sys.modules.get("torch.distributed.fsdp")
+    if fsdp is not None and isinstance(module, fsdp.FullyShardedDataParallel):
+        return "fsdp1"
+    ckpt = sys.modules.get("torch.distributed.algorithms._checkpoint.checkpoint_wrapper")
+    if ckpt is not None and isinstance(module, getattr(ckpt, "ActivationWrapper", ())):
+        return "checkpoint"
     return None
+
+
+def inner_module(module: nn.Module) -> nn.Module | None:
+    """The module one wrapper holds (`WRAPPER_PARTS`), or None when `module` is no
+    wrapper (`wrapper_kind` None). Peels one layer only; `unwrap` peels all.
+
+    Checked on 2.13.0 (each kind holds its module as the submodule `WRAPPER_PARTS`
+    names). Fallback: as `wrapper_kind`'s (a wrapper not recognised gives None)."""
+    kind = wrapper_kind(module)
+    return None if kind is None else getattr(module, WRAPPER_PARTS[kind])
+
+
+def unwrap(model: nn.Module) -> nn.Module:
+    """The user's module inside every wrapper around `model` (`dt.unwrap`):
+    `torch.compile`, DDP, DataParallel, FSDP1 and the activation-checkpoint wrapper, in
+    any nesting (`torch.compile(DDP(model))` gives `model`).
+
+    Use it to reach the model's own methods and attributes after `dt.wrap` or
+    `job.wrap` (a `configure_optimizers`, a config, `generate`); train and step the
+    wrapped module, not this one, or the gradients are not synchronised. A module that
+    is no wrapper (a plain model, or FSDP2's, sharded in place) is returned as is.
+    Wrappers inside the model (FSDP1 units, checkpoint-wrapped blocks) stay: they are
+    part of the module that trains; `canonical_name` removes their parts from names.
+    Not a collective; never raises. Checked on 2.13.0. Fallback: as `wrapper_kind`'s (a
+    wrapper not recognised is returned as the user's module)."""
+    inner = inner_module(model)
+    while inner is not None:
+        model, inner = inner, inner_module(inner)
+    return model
+
+
+def canonical_name(name: str) -> str:
+    """A parameter, buffer or state-dict name as the plain model names it: every
+    wrapper's part removed. `_orig_mod`, `_fsdp_wrapped_module` and
+    `_checkpoint_wrapped_module` go wherever they stand (FSDP1 units and checkpointed
+    blocks sit deep in the model); `module` goes only in the leading run of wrapper
+    parts (`module.`, `_orig_mod.module.`), where DDP and DataParallel put it, so a
+    user's own submodule named `module` deeper in the model keeps its name.
+
+    A string cannot tell a plain model's own top-level `module` attribute from DDP's:
+    both lose it. Callers compare canonical names on both sides (the wrapped model's
+    and the plain model's), where that is consistent, or map them back to the target
+    model's own keys (`checkpoint.files.load_model`). Idempotent; never raises.
+
+    Checked on 2.13.0 (`WRAPPER_PARTS`). Fallback: a part a release renames stays in the
+    name, so names compare unequal instead of matching the wrong tensor."""
+    parts = name.split(".")
+    lead = 0
+    while lead < len(parts) - 1 and parts[lead] in WRAPPER_PARTS.values():
+        lead += 1
+    return ".".join(p for p in parts[lead:] if p not in _INSIDE_ONLY)
 
 
 def abort_process_groups() -> bool:

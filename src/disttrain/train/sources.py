@@ -26,6 +26,7 @@ import torch
 from disttrain.config import Config
 from disttrain.config.user_code import parse_reference
 from disttrain.errors import ConfigError, UserError
+from disttrain.runtime import torch_compat
 
 HF_MODULE = "disttrain.train.hf_models"
 """The Hugging Face model builder, imported only when model.hf or model.hf_path is set."""
@@ -226,7 +227,7 @@ def batch_loss(model: torch.nn.Module, batch: Any, loss_fn: Callable | None, *, 
     naming the batch's structure, the model and `data` (the config key of the samples).
     Raises `UserError` when the loss is not
     a scalar tensor."""
-    name = type(getattr(model, "module", model)).__name__
+    name = type(torch_compat.unwrap(model)).__name__
     try:
         loss = loss_fn(model, batch) if loss_fn is not None else output_loss(forward(model, batch))
     except Exception as e:

@@ -11,36 +11,15 @@ from __future__ import annotations
 
 from pathlib import Path
 
-import torch
-
 from disttrain.config import Config, to_dict
 from disttrain.elastic import fast_recovery
-from disttrain.guard.run_guard import logical_name
-from disttrain.parallel import make_optimizer, unwrap
+from disttrain.parallel.optimizers import build_optimizer
 from disttrain.parallel.precision import make_grad_scaler
 from disttrain.runtime.log import LOGGER
 from disttrain.train import resume, run_summary, sources, trackers
 from disttrain.train.evaluation import loss_metric
 from disttrain.train.job import Job
 from disttrain.train.loop import warmup_cosine
-
-
-def build_optimizer(model: torch.nn.Module, cfg: Config, ndims: dict[str, int]) -> torch.optim.Optimizer:
-    """AdamW (decay on matrices only, as in GPT-2) or SGD, over the wrapped model.
-
-    `ndims` maps each parameter's name in the unwrapped model to its dimension count,
-    taken before `wrap`: FSDP1 flattens parameters to 1-D views, so the wrapped model's
-    own shapes would put every matrix in the no-decay group."""
-    o = cfg.optim
-    named = [(logical_name(n), q) for n, q in unwrap(model).named_parameters() if q.requires_grad]
-    params = [q for _, q in named]
-    if o.name == "sgd":
-        return make_optimizer(model, torch.optim.SGD, params, lr=o.lr, momentum=o.momentum, weight_decay=o.weight_decay)
-    dims = [ndims.get(n, q.dim()) for n, q in named]  # a name wrap invented: its own shape
-    groups = [{"params": [q for (_, q), d in zip(named, dims) if d >= 2], "weight_decay": o.weight_decay},
-              {"params": [q for (_, q), d in zip(named, dims) if d < 2], "weight_decay": 0.0}]
-    # ZeRO-1 under strategy zero1, a plain optimizer otherwise (P-FSDP-9).
-    return make_optimizer(model, torch.optim.AdamW, groups, lr=o.lr, betas=tuple(o.betas))
 
 
 def train(cfg: Config, config_dir: str | Path | None = None) -> dict:
@@ -115,9 +94,8 @@ def _train(cfg: Config, config_dir, handoff) -> dict:
             return {"steps": plan.step, "world_size": job.info.world_size, "complete": True,
                     "preempted": False}
         raw = sources.build_model(cfg, config_dir)
-        ndims = {n: q.dim() for n, q in raw.named_parameters()}
         model = job.wrap(raw)  # bf16/fp16 (P-DDP-7, P-FSDP-5)
-        optimizer = build_optimizer(model, cfg, ndims)  # after wrap (P-DDP-3)
+        optimizer = build_optimizer(model, cfg)  # after wrap (P-DDP-3)
         scheduler = warmup_cosine(optimizer, total_steps=t.steps, warmup_steps=cfg.optim.warmup_steps,
                                   min_lr_ratio=cfg.optim.min_lr_ratio)
         loader = job.loader(train_set, t.batch_size, drop_last=d.drop_last, num_workers=d.num_workers,
