@@ -244,16 +244,17 @@ def test_6_job_takes_over_from_the_script_watchdog(tmp_path, monkeypatch):
 
     from disttrain.guard import script_watchdog as sw
     from disttrain.guard.watchdog import default_dir
+    from disttrain.runtime.processes import STATE
 
     monkeypatch.setattr(tempfile, "tempdir", str(tmp_path))
     monkeypatch.setenv("WORLD_SIZE", "2")
     monkeypatch.setenv("DISTTRAIN_HANG_TIMEOUT_S", "30")
     for successor in (default_dir(), None):
-        monkeypatch.setattr(sw, "_running", None)
+        monkeypatch.setattr(STATE, "watchdog", None)
         wd = sw.start_for_script()
         assert wd is not None and wd._thread.is_alive() and sw.start_for_script() is None
         sw.hand_over(successor)
-        assert wd._thread is None and sw._running is None
+        assert wd._thread is None and STATE.watchdog is None
         beat = default_dir() / "hb0.json"
         assert json.loads(beat.read_text())["state"] == "running" if successor else not beat.exists()
     monkeypatch.setenv("DISTTRAIN_HANG_TIMEOUT_S", "0")

@@ -12,7 +12,7 @@ import pytest
 import torch
 
 from conftest import ROOT, run_disttrain, worker_env
-from disttrain.runtime import process_group
+from disttrain.runtime import process_group, processes
 
 TINY = ["--model.n_layer=1", "--model.n_embd=32", "--model.n_head=2", "--model.block_size=32",
         "--data.max_bytes=40000", "--train.batch_size=4", "--train.steps=4", "--train.eval_every=2",
@@ -42,7 +42,7 @@ def test_init_on_a_gpu_gives_host_tensors_a_gloo_backend_mock_cuda(monkeypatch):
     try:
         info = process_group.init(device="cuda")
     finally:
-        process_group._current = None  # no fake CUDA rank for the tests that follow
+        processes.STATE.rank_info = None  # no fake CUDA rank for the tests that follow
     assert seen["backend"] == "cpu:gloo,cuda:nccl" and info.backend == seen["backend"]
     assert seen["device_id"] == torch.device("cuda", 0)
 

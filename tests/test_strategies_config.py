@@ -96,9 +96,9 @@ def test_optimizer_built_before_wrap_is_refused_P_DDP_3_P_FSDP_7():
 
 
 def test_dp_on_cpu_is_a_world_of_one_and_warns_once_P_DDP_1():
-    import disttrain.parallel.dp as dp
+    from disttrain.runtime.processes import STATE
 
-    dp._warned = False
+    STATE.said.discard("dp on the CPU")
     with warnings.catch_warnings(record=True) as caught:
         warnings.simplefilter("always")
         a = dt.wrap(MLP(MLPConfig()), strategy="dp")

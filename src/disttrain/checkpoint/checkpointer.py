@@ -45,7 +45,7 @@ from disttrain.checkpoint.checkpoint_errors import (CheckpointCorrupt, Checkpoin
 from disttrain.checkpoint.digests import digest_bytes
 from disttrain.checkpoint.files import atomic_write_bytes
 from disttrain.checkpoint.state import TrainState, config_hash, param_fqns, strategy_of
-from disttrain.runtime import freeze_long_lived, rank_info
+from disttrain.runtime import processes, rank_info
 from disttrain.runtime.log import LOGGER
 
 # DCP (torch.distributed.checkpoint) pulls in DTensor and sympy, about half a second:
@@ -100,7 +100,7 @@ class Checkpointer:
         self._inflight: Future | None = None
         from disttrain.checkpoint.async_part import AsyncStaging
         self._async = AsyncStaging()
-        freeze_long_lived()  # DCP's imports (sympy, DTensor) live as long as the rank
+        processes.freeze_long_lived()  # DCP's imports (sympy, DTensor) live as long as the rank
         self._pool = ThreadPoolExecutor(max_workers=1, thread_name_prefix="disttrain-ckpt")
         self._remover = ThreadPoolExecutor(max_workers=1, thread_name_prefix="disttrain-prune")
         # small files' fsyncs, two at once (the journal commits them together), off the save's path

@@ -32,31 +32,32 @@ import time
 from contextlib import contextmanager
 from typing import Iterator
 
-_active: dict[str, float] | None = None  # the recording load's phases (loads run on one thread)
+from disttrain.runtime import processes
+
 
 
 @contextmanager
 def recording() -> Iterator[dict[str, float]]:
     """Record the phases of the code inside into the dict this yields, with its
     `total`. Nested recordings are not supported: the inner one wins."""
-    global _active
     phases: dict[str, float] = {}
-    outer, _active = _active, phases
+    outer, processes.STATE.load_phases = processes.STATE.load_phases, phases  # loads run on one thread
     start = time.perf_counter()
     try:
         yield phases
     finally:
         phases["total"] = time.perf_counter() - start
-        _active = outer
+        processes.STATE.load_phases = outer
 
 
 @contextmanager
 def phase(name: str) -> Iterator[None]:
     """Add the wall time of the code inside to phase `name` of the recording load."""
-    if _active is None:
+    phases = processes.STATE.load_phases
+    if phases is None:
         yield
         return
-    phases, start = _active, time.perf_counter()
+    start = time.perf_counter()
     try:
         yield
     finally:

@@ -32,7 +32,6 @@ supervisor's loss falls back to torchrun's restart and the disk checkpoint.
 from __future__ import annotations
 
 import datetime
-import gc
 import os
 import sys
 import time
@@ -45,7 +44,7 @@ import torch.distributed as dist
 from disttrain import launcher_notes, runtime
 from disttrain.elastic import group_sockets
 from disttrain.elastic.buddy_copy import BuddyCopy, pack, unpack
-from disttrain.runtime import failures, fault_injection, torch_compat
+from disttrain.runtime import failures, fault_injection, processes, torch_compat
 from disttrain.runtime.log import LOGGER, speaker
 
 ROLE_ENV = "DISTTRAIN_FAST_ROLE"
@@ -238,7 +237,6 @@ def broadcast_state(memory: dict | None, src: int) -> dict:
     return unpack(wire.cpu(), template=None)
 
 
-_current: Handoff | None = None
 UNPROVEN_NCCL = ("disttrain: fast recovery on NCCL is unproven: its test (tests/test_fast_recovery_cuda.py) "
                  "needs a machine with 2 GPUs and has not run on one yet; a failed recovery falls back "
                  "to torchrun's restart and the disk checkpoint.")
@@ -254,7 +252,7 @@ def nccl_expected(backend: str, device: str) -> bool:
 def current() -> Handoff | None:
     """The running attempt's `Handoff` inside `run`'s body (None elsewhere): how a
     `dt.Job` finds out that it runs under fast recovery."""
-    return _current
+    return processes.STATE.handoff
 
 
 def run(body: Callable[[runtime.RankInfo, Handoff], Any], *, backend: str, device: str,
@@ -265,7 +263,6 @@ def run(body: Callable[[runtime.RankInfo, Handoff], Any], *, backend: str, devic
     copy under a sharded strategy (`Handoff.attach_buddy`). The program's error (see the
     module) ends the process under `disttrain run` (SystemExit) and propagates
     elsewhere; so does a generation that does not fill within `timeout_s`."""
-    global _current
     world = int(os.environ["WORLD_SIZE"])
     handoff = Handoff(gen=0)
     if nccl_expected(backend, device):
@@ -277,7 +274,7 @@ def run(body: Callable[[runtime.RankInfo, Handoff], Any], *, backend: str, devic
     warm_up()
     if prepare is not None:
         prepare(handoff)
-    gc.freeze()  # the imports' objects leave the collector: no long pause during a recovery
+    processes.freeze_long_lived(for_life=True)  # the imports' objects: no long pause in a recovery
     if is_spare():
         wait_for_promotion()
     store = connect_store(timeout_s)
@@ -298,13 +295,13 @@ def run(body: Callable[[runtime.RankInfo, Handoff], Any], *, backend: str, devic
             info = runtime.init(backend=backend, device=device, timeout_s=timeout_s, seed=seed,
                                 store=dist.PrefixStore(f"disttrain/fast/g{gen}/pg", store))
             handoff.publish_listeners()
-            _current = handoff
+            processes.STATE.handoff = handoff
             try:
                 return body(info, handoff)
             except Exception as e:
                 failure = _recover(handoff, e, info, world)
             finally:
-                _current = None
+                processes.STATE.handoff = None
                 runtime.shutdown(collect=False)
             gen = max(gen + 1, store.add(GEN_KEY, 0))
     finally:

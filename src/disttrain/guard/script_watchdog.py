@@ -29,14 +29,13 @@ from pathlib import Path
 
 from disttrain.guard.hang_report import in_collective
 from disttrain.guard.watchdog import Watchdog
+from disttrain.runtime import processes
 
 HANG_TIMEOUT_ENV = "DISTTRAIN_HANG_TIMEOUT_S"
 """Seconds a plain script's rank may wait in one collective with no progress; 0: off."""
 DEFAULT_HANG_TIMEOUT_S = 600.0
 OWN_CODE, WAITING = "its own code", "waiting in a collective"
 """The two phases a plain script's heartbeat shows."""
-
-_running: "ScriptWatchdog | None" = None
 
 
 def innermost_frames(ident: int | None) -> list[str]:
@@ -131,23 +130,23 @@ def take_hang_timeout(flags: list[str], value: str | None) -> tuple[list[str], d
 
 def start_for_script() -> ScriptWatchdog | None:
     """Start this worker's script watchdog when it runs with others and a bound is set."""
-    global _running
     bound = hang_timeout_s()
-    if bound <= 0 or int(os.environ.get("WORLD_SIZE", "1")) < 2 or _running is not None:
+    if bound <= 0 or int(os.environ.get("WORLD_SIZE", "1")) < 2 or processes.STATE.watchdog is not None:
         return None
-    _running = ScriptWatchdog(bound).start()
-    atexit.register(_running.stop)
-    return _running
+    running = processes.STATE.watchdog = ScriptWatchdog(bound)
+    running.start()
+    atexit.register(running.stop)
+    return running
 
 
 def hand_over(successor_dir: Path | None) -> None:
     """Stop this process's script watchdog for one that knows the steps (Job's), or for
     none (`successor_dir` None: the guard is off). In the same side channel its
     heartbeat file stays: the successor writes the same file."""
-    global _running
-    if _running is not None:
-        if successor_dir is not None and _running.dir == successor_dir:
-            _running.halt()
+    running = processes.STATE.watchdog
+    if running is not None:
+        if successor_dir is not None and running.dir == successor_dir:
+            running.halt()
         else:
-            _running.stop()
-        _running = None
+            running.stop()
+        processes.STATE.watchdog = None

@@ -29,7 +29,6 @@ applies the worker's own environment and `torch.set_num_threads` before the modu
 
 from __future__ import annotations
 
-import gc
 import json
 import os
 import selectors
@@ -110,7 +109,7 @@ def start_server() -> tuple[int, str] | None:
             # a worker's collections (gc.collect in process-group shutdown, the automatic
             # ones while training) then scan only what the worker made, instead of about a
             # million objects (0.3 s each), and leave the shared pages unwritten.
-            gc.freeze()
+            processes.freeze_long_lived(for_life=True)
             serve(listener)
         finally:
             os._exit(1)

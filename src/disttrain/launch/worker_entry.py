@@ -101,16 +101,13 @@ def announcer(argv: list[str]) -> str:
     return "disttrain train" if "disttrain.train" in argv[:3] else "disttrain run"
 
 
-_KEPT: list[dict] = []
-
-
 def keep_globals(namespace: dict) -> None:
     """Keep a finished script's globals (runpy returns a copy) alive until the
     interpreter exits, as `python SCRIPT` keeps `__main__`'s. Dropped here, they would be
     freed while the process still runs: a DDP model left in a global then destroys its
     gloo process group with the GIL held, whose worker thread may need the GIL to free
     its last work, and the rank hangs after its script is done."""
-    _KEPT.append(namespace)
+    processes.STATE.kept.append(namespace)
 
 
 if __name__ == "__main__":

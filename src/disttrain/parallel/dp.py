@@ -15,9 +15,7 @@ import torch
 import torch.nn as nn
 
 from disttrain.errors import ConfigError
-
-_warned = False
-
+from disttrain.runtime import processes
 
 def apply_dp(model: nn.Module, world_size: int) -> nn.DataParallel:
     """Wrap `model` (already on cuda:0 or the CPU) in `nn.DataParallel` and return it.
@@ -27,13 +25,11 @@ def apply_dp(model: nn.Module, world_size: int) -> nn.DataParallel:
     process. Raises `ConfigError` when started in a multi-process job, which would
     nest DataParallel inside data-parallel processes.
     """
-    global _warned
     if world_size > 1:
         raise ConfigError(f"parallel.strategy 'dp' runs in one process, but this job has "
                           f"{world_size} processes (DataParallel inside DDP, P-DDP-3). Launch "
                           f"with --parallel.nproc=1, or use --parallel.strategy=ddp.")
-    if not torch.cuda.is_available() and not _warned:
-        _warned = True
+    if not torch.cuda.is_available() and processes.first_time("dp on the CPU"):
         warnings.warn("parallel.strategy 'dp' without CUDA runs as a world of 1 on the CPU; "
                       "DataParallel only helps with several GPUs. Use 'ddp' for multi-process "
                       "training (P-DDP-1).", stacklevel=3)

@@ -31,6 +31,7 @@ import time
 from dataclasses import dataclass
 
 from disttrain.errors import UserError
+from disttrain.runtime import processes
 from disttrain.runtime.log import EVERY_RANK, LOGGER
 
 ACTIONS = ("kill", "stop", "term", "exit", "raise", "enospc", "delay")
@@ -81,33 +82,26 @@ def parse(spec: str) -> list[Fault]:
     return faults
 
 
-_faults: list[Fault] | None = None
-_attempt = 0
-
-
 def set_attempt(n: int) -> None:
     """The in-memory recoveries so far (the fast-recovery generation), added to
     TORCHELASTIC_RESTART_COUNT when a fault's `restart` is matched."""
-    global _attempt
-    _attempt = n
+    processes.STATE.attempt = n
 
 
 def attempt() -> int:
     """The in-memory recoveries so far (see `set_attempt`)."""
-    return _attempt
+    return processes.STATE.attempt
 
 
 def set_faults(spec: str | None) -> None:
     """Replace the active faults (None: read DISTTRAIN_FAULT again on next use)."""
-    global _faults
-    _faults = None if spec is None else parse(spec)
+    processes.STATE.faults = None if spec is None else parse(spec)
 
 
 def active() -> list[Fault]:
-    global _faults
-    if _faults is None:
-        _faults = parse(os.environ.get("DISTTRAIN_FAULT", ""))
-    return _faults
+    if processes.STATE.faults is None:
+        processes.STATE.faults = parse(os.environ.get("DISTTRAIN_FAULT", ""))
+    return processes.STATE.faults
 
 
 def inject(phase: str, step: int, rank: int | None = None) -> None:
@@ -117,7 +111,7 @@ def inject(phase: str, step: int, rank: int | None = None) -> None:
         return
     if rank is None:
         rank = int(os.environ.get("RANK", "0"))
-    restart = int(os.environ.get("TORCHELASTIC_RESTART_COUNT", "0")) + _attempt
+    restart = int(os.environ.get("TORCHELASTIC_RESTART_COUNT", "0")) + processes.STATE.attempt
     for f in faults:
         if f.phase != phase or f.rank not in (None, rank) or f.step not in (None, step):
             continue

@@ -28,25 +28,23 @@ import logging
 import os
 import sys
 
+from disttrain.runtime import processes
+
 RANKS_ENV = "DISTTRAIN_LOG_RANKS"
 EVERY_RANK = {"every_rank": True}
 """`extra=` for a record about this rank's own event: shown by any rank."""
 
 
-_speaker = "disttrain"
-
-
 def set_speaker(name: str) -> None:
     """Who this process's messages say they are from: 'disttrain job' (a `dt.Job`
     script) or 'disttrain train' (the config-driven trainer); `dt.Job` sets it."""
-    global _speaker
-    _speaker = name
+    processes.STATE.speaker = name
 
 
 def speaker() -> str:
     """The prefix of a message from a part both ways in share (fast recovery, the buddy
     copy): what `set_speaker` set, 'disttrain' before a Job exists."""
-    return _speaker
+    return processes.STATE.speaker
 
 
 def current_rank() -> int:

@@ -18,7 +18,7 @@ import os
 import sys
 import random
 from dataclasses import dataclass
-from typing import Iterator
+from typing import Any, Iterator
 
 import torch
 import torch.distributed as dist
@@ -61,9 +61,6 @@ class RankInfo:
         return self.backend is not None
 
 
-_current: RankInfo | None = None
-
-
 def rank_info() -> RankInfo:
     """The `RankInfo` of the running `init()` (or `dt.Job`); a world of 1 on CPU when
     none ran.
@@ -71,8 +68,8 @@ def rank_info() -> RankInfo:
     Starts nothing and never raises; before `init` and after `shutdown` it describes
     rank 0 of a world of 1 with no backend.
     """
-    if _current is not None:
-        return _current
+    if processes.STATE.rank_info is not None:
+        return processes.STATE.rank_info
     return RankInfo(rank=0, local_rank=0, world_size=1, local_world_size=1,
                     device=torch.device("cpu"), backend=None, seed=0)
 
@@ -167,7 +164,6 @@ def init(*, backend: str = "auto", device: str = "auto", timeout_s: float = 300.
     `store`: rendezvous on this store instead of MASTER_ADDR:MASTER_PORT (the
     generations of `elastic.fast_recovery`, each on its own prefix).
     """
-    global _current
     world = _env_int("WORLD_SIZE", 1)
     rank = _env_int("RANK", 0)
     local_rank = _env_int("LOCAL_RANK", 0)
@@ -182,40 +178,19 @@ def init(*, backend: str = "auto", device: str = "auto", timeout_s: float = 300.
     if "WORLD_SIZE" in os.environ:
         chosen = group_backend(dev.type, backend)
         if not dist.is_initialized():
+            on_store: dict[str, Any] = {"store": store, "rank": rank, "world_size": world} if store else {}
             dist.init_process_group(
                 backend=chosen, timeout=datetime.timedelta(seconds=timeout_s),
-                device_id=dev if dev.type == "cuda" else None,
-                **({"store": store, "rank": rank, "world_size": world} if store is not None else {}),
+                device_id=dev if dev.type == "cuda" else None, **on_store,
             )
     if "RANK" in os.environ:  # a launcher's worker: `ps` names its rank (a promoted spare's too)
         processes.name_worker(rank=rank, local_rank=local_rank)
     seed_all(seed)
-    freeze_long_lived()
-    _current = RankInfo(rank=rank, local_rank=local_rank, world_size=world,
-                        local_world_size=local_world, device=dev, backend=chosen, seed=seed)
-    return _current
-
-
-_thaw_at_shutdown = False  # `freeze_long_lived` froze first: `shutdown` may thaw
-
-
-def freeze_long_lived() -> None:
-    """Move every object alive now to the collector's permanent generation
-    (`gc.freeze`), until `shutdown()`: call after imports that a rank keeps for its
-    whole life (torch at `init`, DCP at the first `Checkpointer`).
-
-    Why: a full automatic collection scans every tracked object, about 250,000 in a
-    process with torch and DCP imported, which took 0.2-0.3 s on 2 cores. It ran
-    about every fourth checkpoint load, on whichever rank allocated at that moment,
-    and the other ranks waited for it in the load's next collective (a 0.1 s load
-    took 0.4 s). Frozen objects are never scanned: cyclic garbage among them is
-    freed only once `shutdown()` unfreezes and collects, so the process group's
-    lifetime bounds what a freeze can keep. A process frozen before (a warm worker,
-    a fast-recovery rank: frozen for life on purpose) stays frozen after `shutdown()`."""
-    global _thaw_at_shutdown
-    if gc.get_freeze_count() == 0:
-        _thaw_at_shutdown = True  # the first freeze is ours: nothing else counts on it
-    gc.freeze()
+    processes.freeze_long_lived()
+    info = RankInfo(rank=rank, local_rank=local_rank, world_size=world,
+                    local_world_size=local_world, device=dev, backend=chosen, seed=seed)
+    processes.STATE.rank_info = info
+    return info
 
 
 def shutdown(*, collect: bool = True) -> None:
@@ -233,44 +208,40 @@ def shutdown(*, collect: bool = True) -> None:
     harmless), and at exit the still-referenced ones are never destructed (the OS
     reclaims them).
     """
-    global _current, _thaw_at_shutdown
-    if collect and _thaw_at_shutdown:
-        gc.unfreeze()  # what `freeze_long_lived` kept is collectable again
-        _thaw_at_shutdown = False
+    state = processes.STATE
+    if collect:
+        processes.thaw_long_lived()  # what init and the first Checkpointer froze is collectable again
     if dist.is_available() and dist.is_initialized():
         groups = torch_compat.process_groups()
         dist.destroy_process_group()
         if collect:
             gc.collect()
-            _lingering.extend(g for g in groups if sys.getrefcount(g) > 3)  # more than groups, g, argument
+            state.lingering_groups.extend(g for g in groups if sys.getrefcount(g) > 3)  # groups, g, argument
         else:
-            _lingering.extend(groups)
+            state.lingering_groups.extend(groups)
         del groups
-        if not _exit_hook:
-            _exit_hook.append(atexit.register(_release_lingering, True))
-    _current = None
-
-
-# Groups referenced by something else when shutdown() destroyed them (see shutdown()).
-_lingering: list = []
-_exit_hook: list = []
+        if not state.exit_hook_set:
+            atexit.register(_release_lingering, True)
+            state.exit_hook_set = True
+    state.rank_info = None
 
 
 def _release_lingering(at_exit: bool = False) -> None:
     """Drop our hold on lingering groups nobody else references (they are destructed
     now); at exit, make the still-referenced ones immortal instead. Nothing held:
     nothing to do (a collection costs tenths of a second in a process with torch)."""
-    if not _lingering:
+    lingering = processes.STATE.lingering_groups  # referenced elsewhere when shutdown() destroyed them
+    if not lingering:
         return
-    held = list(_lingering)
-    _lingering.clear()
+    held = list(lingering)
+    lingering.clear()
     for group in held:
         if sys.getrefcount(group) <= 3:  # held, group, the argument: ours alone
             continue
         if at_exit:
             torch_compat.make_immortal(group)
         else:
-            _lingering.append(group)
+            lingering.append(group)
     del held
     gc.collect()
 

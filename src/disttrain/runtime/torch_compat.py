@@ -24,8 +24,6 @@ import torch.nn as nn
 CHECKED_ON = ("2.13.0",)
 """The torch releases every function here was checked on (the suite's pinned release)."""
 
-_IMMORTAL: list = []
-
 
 def process_groups() -> list:
     """Every live process group of this process (`distributed_c10d._world.pg_map`).
@@ -46,12 +44,14 @@ def make_immortal(obj: Any) -> None:
     during interpreter finalization (`ctypes.pythonapi.Py_IncRef`, CPython only).
 
     Checked on CPython 3.11 with torch 2.13.0. Fallback (no `pythonapi`, another
-    interpreter): a module-level list holds it, which protects it until the module
-    globals are cleared late in finalization."""
+    interpreter): the process registry holds it (`processes.STATE.kept`), which protects
+    it until the module globals are cleared late in finalization."""
     try:
         ctypes.pythonapi.Py_IncRef(ctypes.py_object(obj))
     except AttributeError:
-        _IMMORTAL.append(obj)
+        from disttrain.runtime import processes
+
+        processes.STATE.kept.append(obj)
 
 
 def unscale_and_check_(grads: list[torch.Tensor], found_inf: torch.Tensor, inv_scale: torch.Tensor) -> None:
