@@ -1,4 +1,4 @@
-"""Several evaluators per job (train/job.py, train/step_loop.py): each with its own name
+"""Several evaluators per job (train/job.py, train/evaluation.py): each with its own name
 prefix in metrics.jsonl and TensorBoard, each at its own period and at the last step;
 a repeated or malformed name is one `UserError`. One process: the metrics are global
 means whatever the world size (tests/test_job_user_path.py covers the sharding)."""

@@ -246,3 +246,15 @@ def test_a_failure_after_the_stepping_backward_is_reported_at_that_step(tmp_path
                     raise KeyboardInterrupt
         assert job.step == 2 and failed_step(job) == 2
     assert seen == [(1, 1), (1, 1), (2, 2), (2, 2)]
+
+
+def test_the_step_loop_is_one_function_of_at_most_60_lines():
+    """Issue 43's measure: the loop `job.steps()` runs reads top to bottom in one function
+    (Job._step_loop); a loop spread over helpers again, or grown past 60 lines, fails."""
+    import inspect
+
+    from disttrain.train.job import Job
+
+    source = inspect.getsource(Job._step_loop)
+    assert len(source.splitlines()) <= 60, len(source.splitlines())
+    assert "yield" in source and "job_finish.finish" in source and "saving.after_step" in source

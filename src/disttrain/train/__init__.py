@@ -1,7 +1,9 @@
 """The training loop of disttrain (`dt.Job`) and `disttrain train`'s adapter over it.
 
-    job.py           dt.Job: the one loop's object (wrap, loader, evaluator, resume, steps)
-    step_loop.py     the body of Job.steps: seed, user code, commit, each part's cadence
+    job.py           dt.Job and its step loop (wrap, loader, evaluator, resume, steps)
+    metrics_window.py  job.log's window and its records (metrics.jsonl, run log, bar)
+    finite_check.py  no non-finite loss or weights are saved: one agreed stop
+    job_finish.py    the end of Job.steps: final save, model.pt, summary
     job_resume.py    where a Job starts: memory (fast recovery), a checkpoint, or step 0
     saving.py        checkpoint cadence (steps, seconds agreed by the ranks) and on_error
     evaluation.py    the eval set sharded across ranks, (sum, count) metrics, its period

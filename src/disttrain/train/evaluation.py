@@ -119,3 +119,16 @@ class Evaluator:
                      for i, n in enumerate(names)}
         self.seconds = time.perf_counter() - t0
         return self.last
+
+
+def evaluate(evaluators: list[Evaluator], model: torch.nn.Module, guard,
+             due: Callable[[Evaluator], bool]) -> dict[str, float]:
+    """Run each evaluator `due` selects, in the order built, each as a slow phase of the
+    guard's watchdog; returns {"<name>_<metric>": value}. A collective: every rank
+    calls it with the same `due` answers."""
+    result: dict[str, float] = {}
+    for ev in evaluators:
+        if due(ev):
+            with guard.slow_phase("eval", nbytes=ev.slow_nbytes(model)):
+                result.update({f"{ev.name}_{k}": v for k, v in ev.run(model).items()})
+    return result

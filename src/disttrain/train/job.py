@@ -44,16 +44,20 @@ from disttrain import launcher_notes, runtime
 from disttrain.checkpoint import Checkpointer, TrainState
 from disttrain.checkpoint.hf_export import hf_section
 from disttrain.data import ElasticSampler
-from disttrain.elastic import PreemptionHandler, fast_recovery
+from disttrain.elastic import PreemptionHandler, SampleAudit, fast_recovery, generation_id
 from disttrain.errors import UserError
-from disttrain.guard import start_guard
+from disttrain.guard import RunGuard, start_guard
 from disttrain.parallel import wrap
 from disttrain.runtime.fault_injection import inject
 from disttrain.runtime.log import set_speaker
-from disttrain.train import job_failure, job_resume, step_loop
-from disttrain.train.evaluation import Evaluator
+from disttrain.train import job_failure, job_finish, job_resume
+from disttrain.train.evaluation import Evaluator, evaluate
+from disttrain.train.finite_check import FiniteCheck
+from disttrain.train.metrics_window import MetricsWindow
+from disttrain.train.saving import Saving
+from disttrain.train.sources import to_device
 from disttrain.train.loop import Accumulator
-from disttrain.train.misuse import BACKWARD_MESSAGE, Ownership
+from disttrain.train.misuse import BACKWARD_MESSAGE, Ownership, require_backward
 from disttrain.train.recorded import Recorded, built_after, optimizer_mark, watch_optimizers
 from disttrain.train.trackers import resolve as resolve_trackers
 
@@ -131,6 +135,20 @@ class Job:
             `sharding=`, `activation_checkpointing=`, ... (unknown: `ConfigError`).
     """
 
+    info: runtime.RankInfo
+    model: torch.nn.Module
+    sampler: ElasticSampler
+    train_loader: DataLoader
+    accumulator: Accumulator
+    state: TrainState
+    guard: RunGuard
+    preemption: PreemptionHandler
+    handoff: fast_recovery.Handoff | None
+    saving: Saving
+    metrics: MetricsWindow
+    finite_check: FiniteCheck
+    """The parts a run holds, public (job_resume, job_finish, job_failure read them)."""
+
     def __init__(self, out_dir: str | Path, *, strategy: str = "ddp", checkpoint_every: int = 100,
                  checkpoint_every_s: float = 600.0, accum_steps: int = 1, seed: int = 0,
                  grad_clip: float = 0.0, precision: str = "fp32", keep_last: int = 3,
@@ -165,12 +183,17 @@ class Job:
         self.user_config, self.checkpoints, self.guard_fields = config, checkpoints, guard_fields or {}
         self.trackers = resolve_trackers(trackers)  # a missing package: one line, before any step
         self._init = dict(backend=backend, device=device, timeout_s=timeout_s, seed=seed)
-        self.info: runtime.RankInfo | None = None
-        self.model = self._sampler = self._loader = self._acc = self._state = None
-        self._evaluators: list[Evaluator] = []
-        self._guard = self._preempt = self._handoff = self._saving = self._loop = None
-        self._owns_group, self._wrap_mark, self._hf_section = False, None, None
-        self._resumed_note, self._changes = "", None  # said by steps(): job_resume.say_resumed
+        # Each part is None until the call that builds it (enter, wrap, loader, resume,
+        # steps); typed as built, since the order of calls is checked (`_need`).
+        self.info = self.model = self.sampler = self.train_loader = self.accumulator = None  # type: ignore[assignment]
+        self.state = self.guard = self.preemption = self.handoff = self.saving = None  # type: ignore[assignment]
+        self.metrics = self.finite_check = None  # type: ignore[assignment]
+        self.evaluators: list[Evaluator] = []
+        self._owns_group = False
+        self._wrap_mark: int | None = None
+        self._hf_section: dict | None = None
+        self._recorded: Recorded | None = None  # the loader's sampler: which samples each batch held
+        self.resume_note, self.resume_plan = "", None  # said by steps(): job_resume.say_resumed
         set_speaker(f"disttrain {self.name}")  # fast recovery's messages too
         watch_optimizers()  # an optimizer built before this is one built before wrap
         self._owner = Ownership()
@@ -187,15 +210,15 @@ class Job:
     def __enter__(self) -> "Job":
         import torch.distributed as dist
 
-        self._handoff = fast_recovery.current()
+        self.handoff = fast_recovery.current()
         self._owns_group = not dist.is_initialized()
         self.info = runtime.init(**self._init)
         try:
-            self._preempt = PreemptionHandler(self.preempt_grace_s).install()
-            self._guard = start_guard(self.guard_cfg, config=self.config(),
+            self.preemption = PreemptionHandler(self.preempt_grace_s).install()
+            self.guard = start_guard(self.guard_cfg, config=self.config(),
                                       timeout_s=self._init["timeout_s"], **self.guard_fields)
-            if self._handoff is not None:
-                self._handoff.keep(guard=self._guard)
+            if self.handoff is not None:
+                self.handoff.keep(guard=self.guard)
         except BaseException as e:
             self._end(e)
             raise
@@ -216,14 +239,14 @@ class Job:
             raise SystemExit(ending.status) from None
 
     def _peer_gone(self) -> bool:
-        return self._handoff is not None and self._handoff.peer_gone()
+        return self.handoff is not None and self.handoff.peer_gone()
 
     def _close(self) -> None:
         self._owner.close()
-        if self._guard is not None:
-            self._guard.close()
-        if self._preempt is not None:
-            self._preempt.uninstall()
+        if self.guard is not None:
+            self.guard.close()
+        if self.preemption is not None:
+            self.preemption.uninstall()
         if self._owns_group:
             runtime.shutdown()
 
@@ -256,6 +279,12 @@ class Job:
         part of a batch from `steps()` (which arrive moved) here."""
         return self.info.device
 
+    @property
+    def step_in_flight(self) -> int:
+        """The step a failure now belongs to: the one the current batch trains (from a
+        window's closing backward, the step just taken); 0 before the loop starts."""
+        return self.accumulator.step_in_flight if self.metrics is not None else 0
+
     def wrap(self, model: torch.nn.Module) -> torch.nn.Module:
         """`dt.wrap(model, strategy=..., precision=...)` once per job; build the optimizer
         from the returned module afterwards (one built before is refused by `resume`).
@@ -265,8 +294,8 @@ class Job:
         self._wrap_mark = optimizer_mark()
         self._hf_section = hf_section(model)  # a Hugging Face model: `ckpt export --hf` rebuilds it
         self.model = wrap(model, strategy=self.strategy, precision=self.precision, **self.wrap_options)
-        if self._handoff is not None:
-            self._handoff.attach_buddy(self.strategy != "ddp", self.buddy_every)
+        if self.handoff is not None:
+            self.handoff.attach_buddy(self.strategy != "ddp", self.buddy_every)
         return self.model
 
     def loader(self, dataset, batch_size: int, *, drop_last: bool = False, shuffle: bool = True,
@@ -279,7 +308,7 @@ class Job:
         workers ignore SIGTERM/SIGINT, which are the job's. `sampler`, `shuffle` and
         `batch_sampler` are the job's. One training loader per job (`evaluator` for
         an eval set)."""
-        self._need(self._loader is None, "dt.Job.loader() is called once per job, for the training "
+        self._need(self.train_loader is None, "dt.Job.loader() is called once per job, for the training "
                                          "set; pass an eval set to job.evaluator(...) instead.")
         taken = {"sampler", "batch_sampler", "generator"} & set(loader_kwargs)
         if taken:
@@ -288,13 +317,14 @@ class Job:
         if loader_kwargs.get("num_workers", 0) > 0:
             chain = loader_kwargs.pop("worker_init_fn", None)
             loader_kwargs["worker_init_fn"] = lambda i: _ignore_stop_signals(i, chain)
-        self._sampler = ElasticSampler(dataset, batch_size=batch_size, accum_steps=self.accum_steps,
+        self.sampler = ElasticSampler(dataset, batch_size=batch_size, accum_steps=self.accum_steps,
                                        seed=self.seed, shuffle=shuffle, drop_last=drop_last)
         # A private generator: iter(loader) must not draw from the global (dropout) RNG.
-        self._loader = DataLoader(dataset, batch_size=batch_size, sampler=Recorded(self._sampler),
+        self._recorded = Recorded(self.sampler)
+        self.train_loader = DataLoader(dataset, batch_size=batch_size, sampler=self._recorded,
                                   drop_last=True, generator=torch.Generator().manual_seed(self.seed),
                                   **loader_kwargs)
-        return self._loader
+        return self.train_loader
 
     def evaluator(self, dataset, batch_size: int, *, every: int = 0, max_batches: int | None = None,
                   metric=None, collate_fn=None, at_start: bool = False, name: str = "heldout") -> Evaluator:
@@ -311,14 +341,14 @@ class Job:
         lowercase identifier, e.g. "val", "train_sample"), run in the order built. A
         `batch_size` or `max_batches` below 1, a negative `every`, a repeated or
         malformed name or a call after `resume` is a `UserError`."""
-        self._need(self._acc is None, "dt.Job.evaluator() is called before job.resume().")
-        if not re.fullmatch(r"[a-z][a-z0-9_]*", name) or name in {e.name for e in self._evaluators}:
-            taken = ", ".join(repr(e.name) for e in self._evaluators) or "none"
+        self._need(self.accumulator is None, "dt.Job.evaluator() is called before job.resume().")
+        if not re.fullmatch(r"[a-z][a-z0-9_]*", name) or name in {e.name for e in self.evaluators}:
+            taken = ", ".join(repr(e.name) for e in self.evaluators) or "none"
             raise UserError(f"dt.Job.evaluator(name={name!r}): each evaluator needs its own name, a "
                             f"lowercase identifier (its metrics are '<name>_loss', ...); taken: {taken}.")
         ev = Evaluator(dataset, batch_size, every=every, max_batches=max_batches, metric=metric,
                        collate=collate_fn, at_start=at_start, name=name)
-        self._evaluators.append(ev)
+        self.evaluators.append(ev)
         return ev
 
     def resume(self, *, model: torch.nn.Module, optimizer: torch.optim.Optimizer, scheduler=None,
@@ -338,24 +368,24 @@ class Job:
         self._need(self.model is not None, "dt.Job.resume(): wrap the model with job.wrap() first.")
         self._need(model is self.model, "dt.Job.resume(model=...) must be the module job.wrap() "
                                         "returned (the wrapped one).")
-        self._need(built_after(optimizer, self._wrap_mark),
+        self._need(built_after(optimizer, self._wrap_mark or 0),
                    "dt.Job.resume(): the optimizer was built before job.wrap(); build it after, from "
                    "the module job.wrap() returned (under FSDP the old parameters no longer train).")
-        self._need(self._loader is not None, "dt.Job.resume(): build the loader with job.loader() "
+        self._need(self.train_loader is not None, "dt.Job.resume(): build the loader with job.loader() "
                                              "first; its sampler position is part of the checkpoint.")
-        self._need(self._acc is None, "dt.Job.resume() is called once per job, before job.steps().")
+        self._need(self.accumulator is None, "dt.Job.resume() is called once per job, before job.steps().")
         # Construction checks the optimizer holds the wrapped model's parameters (P-DDP-3).
         acc = Accumulator(model, optimizer, self.accum_steps, scheduler=scheduler,
                           grad_clip=self.grad_clip, scaler=scaler)
-        self._guard.check_model(model, optimizer)
+        self.guard.check_model(model, optimizer)
         self._owner.watch(optimizer, scheduler)
-        self._state = TrainState(model=model, optimizer=optimizer, scheduler=scheduler, scaler=scaler,
-                                 sampler=self._sampler, extras=extras or {})
+        self.state = TrainState(model=model, optimizer=optimizer, scheduler=scheduler, scaler=scaler,
+                                 sampler=self.sampler, extras=extras or {})
         ckpt = Checkpointer(self.checkpoint_dir, keep_last=self.keep_last, async_mode=self.async_save,
                             fallback=self.fallback) if self.checkpoints else None
-        if self._handoff is not None:  # the checkpointer's gloo group: cut in a recovery
-            self._handoff.publish_listeners()
-        self._acc = acc
+        if self.handoff is not None:  # the checkpointer's gloo group: cut in a recovery
+            self.handoff.publish_listeners()
+        self.accumulator = acc
         self.resumed = job_resume.load(self, ckpt, acc)
         return self.resumed
 
@@ -373,12 +403,82 @@ class Job:
         so. Breaking out of the loop ends it without a save; a step whose last backward
         ran before the break is kept (`job.step` counts it). `job.step` is the number of
         optimizer steps done: inside the loop, the batch belongs to step `job.step + 1`."""
-        self._need(self._acc is not None, "dt.Job.steps(): call job.resume(model=..., "
+        self._need(self.accumulator is not None, "dt.Job.steps(): call job.resume(model=..., "
                                           "optimizer=...) first (it loads the newest checkpoint).")
-        self._need(loader is self._loader, "dt.Job.steps() takes the loader job.loader() returned; "
+        self._need(loader is self.train_loader, "dt.Job.steps() takes the loader job.loader() returned; "
                                            "another loader's position is not checkpointed.")
-        self._need(not self._in_step and self._loop is None, "dt.Job.steps() runs once per job.")
-        return step_loop.run(self, max_steps)
+        self._need(not self._in_step and self.metrics is None, "dt.Job.steps() runs once per job.")
+        return self._step_loop(max_steps)
+
+    def _step_loop(self, max_steps: int) -> Iterator[Any]:
+        """The one training loop, top to bottom. Per batch: the dropout seed, the user's
+        forward and `job.backward` (the `yield`; on a window's last batch the optimizer
+        steps inside `backward`), the commit, then each part at its own cadence:
+        evaluation, the metrics record, the preemption vote (stop), the save."""
+        if not job_resume.say_resumed(self, max_steps):  # complete already: says so, trains nothing
+            return
+        acc, guard, info, stopping = self.accumulator, self.guard, self.info, False
+        audit = SampleAudit(self.out_dir / "samples", info.rank, info.world_size,
+                            self.record_samples, generation_id())
+        self.finite_check = FiniteCheck(self.model, lambda: self.saving.saved_at)
+        self.saving.check = self.finite_check.check  # before each save, on every rank
+        self.metrics = MetricsWindow(self, max_steps)
+        self.saving.start(self.step)
+        # The evaluation at the start (not after an in-memory recovery: it does not wait).
+        self.metrics.start(evaluate(self.evaluators, self.model, guard,
+                                    lambda ev: ev.at_start and not self.in_memory))
+        while self.step < max_steps and not stopping:
+            for batch in self.train_loader:  # each pass is a new epoch: the sampler advances
+                guard.first_batch(batch)
+                if acc.window_start:  # dropout from (seed, step, rank): exact resume
+                    runtime.seed_step(self.step)
+                inject("forward", self.step + 1, info.rank)
+                with acc.micro_step():
+                    self._in_step, self._backward_done = True, False
+                    self._owner.before_user()
+                    try:
+                        yield to_device(batch, info.device)
+                    except GeneratorExit:  # the script left the loop: a step taken is kept
+                        self._owner.left_loop()
+                        if acc.stepped:
+                            self._take_batch(audit)
+                            self._commit(audit)
+                        raise
+                    finally:
+                        self._in_step = False
+                    self._owner.after_user()
+                    require_backward(self._backward_done)
+                self._take_batch(audit)
+                if not acc.stepped:
+                    continue
+                self._commit(audit)
+                if self.handoff is not None:  # fast recovery's buddy copy of this step
+                    self.handoff.committed(self.step, self.state)
+                inject("step", self.step, info.rank)
+                guard.step(self.step, self.model)
+                self.metrics.after_step(self.step, evaluate(
+                    self.evaluators, self.model, guard,  # skipped when a SIGTERM's grace no longer fits it
+                    lambda ev: ev.due(self.step, max_steps) and self.preemption.time_for(ev.seconds)))
+                stopping = self.preemption.should_stop()  # agreed by all ranks (one all-reduce)
+                self.saving.after_step(self.step, stopping)
+                if stopping or self.step >= max_steps:
+                    break
+        job_finish.finish(self, stopping)
+
+    def _take_batch(self, audit: SampleAudit) -> None:
+        """The batch just trained on: its sample indices into the audit, which records
+        them with the step they belong to (`_commit`)."""
+        assert self._recorded is not None and self.train_loader.batch_size is not None  # loader() built both
+        audit.add(torch.tensor(self._recorded.take(self.train_loader.batch_size)))
+
+    def _commit(self, audit: SampleAudit) -> None:
+        """The optimizer step just taken, in the job's counters: its number, the sampler's
+        cursor and the audit. No collective: it also runs when the script leaves the loop
+        right after the step (evaluation, records and saves then wait for the next loop or
+        the script's own save)."""
+        self.step = self.accumulator.optimizer_steps
+        self.sampler.commit_step()
+        audit.commit(self.step)
 
     def backward(self, loss: torch.Tensor) -> None:
         """Backward of `loss` inside `job.steps()`: divided by the accumulation window,
@@ -390,17 +490,17 @@ class Job:
         self._need(not self._backward_done, "dt.Job.backward() was already called for this batch; "
                                             "add the losses and call it once.")
         inject("backward", self.step + 1, self.info.rank)
-        self._loop.watch_loss(loss)
+        self.finite_check.watch_loss(loss, self.step + 1)
         try:
-            self._acc.backward(loss)
+            self.accumulator.backward(loss)
         except RuntimeError as e:
             if self._owner.second_backward(e):
                 raise UserError(BACKWARD_MESSAGE) from None
             raise
         self._backward_done = True
-        if self._acc.boundary:  # the optimizer steps here: a loop left after this keeps it
+        if self.accumulator.boundary:  # the optimizer steps here: a loop left after this keeps it
             with self._owner.own_step():
-                self._acc.end_micro_step()
+                self.accumulator.end_micro_step()
 
     def log(self, **values: float | torch.Tensor) -> None:
         """Record numbers for the optimizer step this batch belongs to, e.g.
@@ -414,4 +514,4 @@ class Job:
         not a number or a one-element tensor."""
         self._need(self._in_step, "dt.Job.log() is called inside `for batch in job.steps(...)`, "
                                   "on every rank.")
-        self._loop.log(values)
+        self.metrics.add(values)

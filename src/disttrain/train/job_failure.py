@@ -45,7 +45,7 @@ class Ending:
 
 def failed_step(job) -> int:
     """The step the failure happened in (0: before the first step)."""
-    return job._acc.step_in_flight if job._loop is not None else 0
+    return job.step_in_flight
 
 
 def oom_facts(job) -> dict | None:
@@ -53,9 +53,9 @@ def oom_facts(job) -> dict | None:
     if job.model is None:
         return None
     shapes = [list(p.shape) for p in job.model.parameters()]
-    opt = job._state.optimizer if job._state is not None else None
+    opt = job.state.optimizer if job.state is not None else None
     name = type(opt).__name__.lower() if opt is not None else "adamw"
-    if name.startswith("sgd"):
+    if opt is not None and name.startswith("sgd"):
         momentum = any(g.get("momentum", 0) for g in opt.param_groups)
         name = "sgd-momentum" if momentum else "sgd"
     return {"params": sum(math.prod(s) for s in shapes), "shapes": shapes,
@@ -77,7 +77,7 @@ def judge(job, exc: BaseException, peer_gone: Callable[[], bool] = lambda: False
     if verdict.kind == failures.PROGRAM:
         failures.report_program_error(exc, rank, step, oom=oom_facts(job) if verdict.oom else None)
         return Ending(failures.exit_status(exc), wait=True)
-    return None if job._handoff is not None else machine_ending(rank, step, verdict, exc)
+    return None if job.handoff is not None else machine_ending(rank, step, verdict, exc)
 
 
 def machine_ending(rank: int, step: int, verdict: failures.Verdict, exc: BaseException) -> Ending:

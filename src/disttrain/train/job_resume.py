@@ -22,7 +22,7 @@ def optim_config(optimizer, scheduler) -> dict:
     """The optimizer's hyper-parameters as config keys (`optim.lr`, ...), from its first
     param group: the base LR when a scheduler moves it."""
     group = optimizer.param_groups[0]
-    out = {"lr": float(group.get("initial_lr", group["lr"]) if scheduler is not None else group["lr"])}
+    out: dict = {"lr": float(group.get("initial_lr", group["lr"]) if scheduler is not None else group["lr"])}
     for key in _OPTIM_KEYS:
         if key in group:
             value = group[key]
@@ -31,10 +31,10 @@ def optim_config(optimizer, scheduler) -> dict:
 
 
 def load(job, ckpt, acc) -> bool:
-    """Fill `job._state` and return whether the run resumed; builds `job._saving`. A
+    """Fill `job.state` and return whether the run resumed; builds `job.saving`. A
     collective. Raises `CheckpointMismatch` for a changed model or data (a
     `disttrain train` config) before anything is loaded."""
-    state, handoff = job._state, job._handoff
+    state, handoff = job.state, job.handoff
     optimizer, scheduler = state.optimizer, state.scheduler
     if job.user_config is None:
         state.config = {**job.config(), "optim": optim_config(optimizer, scheduler)}
@@ -45,7 +45,7 @@ def load(job, ckpt, acc) -> bool:
     in_memory = handoff is not None and handoff.gen > 0 and handoff.restore(state)
     loaded = None
     if job.checkpoints and not in_memory:
-        with job._guard.slow_phase("checkpoint.load", nbytes=path_nbytes(job.checkpoint_dir)):
+        with job.guard.slow_phase("checkpoint.load", nbytes=path_nbytes(job.checkpoint_dir)):
             loaded = ckpt.load(state)
     who = job.name
     if loaded is not None:
@@ -54,11 +54,11 @@ def load(job, ckpt, acc) -> bool:
             plan = plan.check() if plan is not None else None
         resume.apply(plan, optimizer, scheduler, fresh)  # before the batch policy scales the LR
     resumed = in_memory or loaded is not None
-    job._resumed_note, job._changes = "", (plan if loaded is not None else None)
+    job.resume_note, job.resume_plan = "", (plan if loaded is not None else None)
     if resumed:
-        job._resumed_note = _rejoin(job, who, state.step, acc)
+        job.resume_note = _rejoin(job, who, state.step, acc)
     job.step, job.in_memory = (state.step if resumed else 0), in_memory
-    job._saving = Saving(ckpt if job.checkpoints else None, state, job._guard,
+    job.saving = Saving(ckpt if job.checkpoints else None, state, job.guard,
                          every=job.checkpoint_every, every_s=job.checkpoint_every_s,
                          on_error=job.on_error, who=f"disttrain {who}")
     if handoff is not None:  # from here this attempt's objects hold the state a recovery keeps
@@ -71,14 +71,14 @@ def say_resumed(job, max_steps: int) -> bool:
     """At the start of `job.steps`: for a run already at `max_steps`, one line that it is
     complete (and what a continued run would change); else the "resumed at" line and
     the table of applied changes. Returns whether there is anything to train."""
-    who, plan = f"disttrain {job.name}", job._changes
+    who, plan = f"disttrain {job.name}", job.resume_plan
     if job.step >= max_steps:
         how = (resume.TRAIN_CONTINUES if job.name == "train" else
                f"nothing to train: raise max_steps ({max_steps}) to continue, or use another out_dir")
         LOGGER.info(resume.complete_message(who, job.step, how, plan.changes if plan else ()))
         return False
-    if job._resumed_note:
-        LOGGER.info(job._resumed_note)
+    if job.resume_note:
+        LOGGER.info(job.resume_note)
     resume.print_changes(who, plan, job.batch_policy)
     return True
 
@@ -86,9 +86,9 @@ def say_resumed(job, max_steps: int) -> bool:
 def _rejoin(job, who: str, step: int, acc) -> str:
     """`resume.rejoin`, its batch-size refusal in the words of the way the run was
     started (a Job's keywords, or the TOML keys)."""
-    state = job._state
+    state = job.state
     try:
-        return resume.rejoin(who, step, acc, job._sampler, job.batch_policy, job.info,
+        return resume.rejoin(who, step, acc, job.sampler, job.batch_policy, job.info,
                              state.optimizer, state.scheduler)
     except UserError as e:
         if who != "job":

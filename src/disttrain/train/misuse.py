@@ -81,3 +81,12 @@ class Ownership:
         if self._handle is not None:
             self._handle.remove()
             self._handle = None
+
+
+def require_backward(done: bool) -> None:
+    """After the user's code for one batch: `UserError` unless it called
+    `job.backward(loss)` (a script's own `loss.backward()` does not count)."""
+    if not done:
+        raise UserError("each batch from job.steps() needs one job.backward(loss) before the "
+                        "next; this one had none (a script's own loss.backward() does not "
+                        "count: call job.backward(loss)).")

@@ -17,6 +17,7 @@ from __future__ import annotations
 import contextlib
 import math
 import time
+from typing import Callable
 
 import torch
 import torch.distributed as dist
@@ -77,7 +78,7 @@ class Saving:
         self.ckpt, self.state, self.guard = ckpt, state, guard or _NoGuard()
         self.every, self.clock, self.on_error, self.who = every, SaveClock(every_s), on_error, who
         self.saved_at = state.step
-        self.check = None
+        self.check: Callable[[int], None] | None = None
         """Called with the step before each save (a collective): the loop's finite check."""
         self.checked_at = -1
 
