@@ -86,6 +86,6 @@ def check_data_source(d: DataConfig, model_key: str = "") -> None:
     _require(len(chosen) <= 1, f"config keys {', '.join('data.' + k for k in chosen)} are all set; the "
                                f"training data comes from one of them. Remove the others.")
     _one_of("data.tokens_dtype", d.tokens_dtype, TOKEN_DTYPES)
-    _require(not d.hf_dataset or (d.hf_columns and all(isinstance(c, str) and c for c in d.hf_columns)),
+    _require(not d.hf_dataset or (bool(d.hf_columns) and all(isinstance(c, str) and c for c in d.hf_columns)),
              f"data.hf_columns is {d.hf_columns!r}; name the column(s) a sample is made of, for "
              f"example [\"input_ids\"].")

@@ -34,7 +34,8 @@ def _field_literals(cls: type) -> dict[str, str]:
         if not dataclasses.is_dataclass(klass):
             continue
         tree = ast.parse(textwrap.dedent(inspect.getsource(klass)))
-        body = tree.body[0].body
+        node = tree.body[0]  # the class statement (getsource gives its decorators with it)
+        body = node.body if isinstance(node, ast.ClassDef) else []
         for field_node, after in zip(body, body[1:]):
             if (isinstance(field_node, ast.AnnAssign) and isinstance(field_node.target, ast.Name)
                     and isinstance(after, ast.Expr) and isinstance(after.value, ast.Constant)
@@ -46,7 +47,9 @@ def _field_literals(cls: type) -> dict[str, str]:
 def _default(f: dataclasses.Field) -> object:
     if f.default is not dataclasses.MISSING:
         return f.default
-    return f.default_factory()  # type: ignore[misc]  (every schema field has one or the other)
+    if f.default_factory is not dataclasses.MISSING:
+        return f.default_factory()
+    raise TypeError(f"schema field {f.name} has no default")  # every one has one or the other
 
 
 def _first_sentence(text: str) -> str:
@@ -58,9 +61,11 @@ def _first_sentence(text: str) -> str:
 
 def config_keys() -> list[KeyDoc]:
     """Every key of `Config`, section by section, in the schema's order."""
-    out = []
+    out: list[KeyDoc] = []
     for section in dataclasses.fields(Config):
-        cls = section.default_factory  # type: ignore[attr-defined]  (each section is a factory)
+        cls = section.default_factory  # each section's default is its dataclass
+        if not (isinstance(cls, type) and dataclasses.is_dataclass(cls)):
+            raise TypeError(f"config section {section.name} is no dataclass")
         docs = _field_literals(cls)
         for f in dataclasses.fields(cls):
             out.append(KeyDoc(f"{section.name}.{f.name}", str(f.type), _default(f),

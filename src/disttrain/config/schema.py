@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import dataclasses
 import os
+from collections.abc import Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -202,7 +203,7 @@ class Config:
 # ---------------------------------------------------------------- loading
 
 
-def load_config(path: str | os.PathLike | None, overrides: list[str] = ()) -> Config:
+def load_config(path: str | os.PathLike | None, overrides: Sequence[str] = ()) -> Config:
     """Build a validated `Config` from a TOML file and `--section.key=value` overrides.
 
     Raises `ConfigError` naming the file or key on any problem; nothing else escapes

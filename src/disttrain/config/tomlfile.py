@@ -13,6 +13,7 @@ import os
 import sys
 import types
 import typing
+from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
@@ -44,7 +45,7 @@ def read_toml(path: str | os.PathLike) -> dict:
         raise ConfigError(f"{p} is not valid TOML: {e}. Fix the syntax at that line.") from None
 
 
-def apply_overrides(raw: dict, overrides: list[str]) -> dict:
+def apply_overrides(raw: dict, overrides: Sequence[str]) -> dict:
     """Set each `--section.key=value` in `raw` (in place, and returned)."""
     for item in overrides:
         key, value = _parse_override(item)
@@ -97,7 +98,7 @@ def _build(cls: type, raw: Any, prefix: str) -> Any:
 
 
 def _coerce(tp: Any, value: Any, key: str) -> Any:
-    if dataclasses.is_dataclass(tp):
+    if isinstance(tp, type) and dataclasses.is_dataclass(tp):
         return _build(tp, value, key + ".")
     origin = typing.get_origin(tp)
     if origin in (typing.Union, types.UnionType):
