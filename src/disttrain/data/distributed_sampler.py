@@ -9,10 +9,10 @@ happen (P-DATA-2); `set_epoch` still works for explicit control.
 from __future__ import annotations
 
 import math
-from typing import Iterator
+from typing import Iterator, Sized
 
 import torch
-from torch.utils.data import Dataset, Sampler
+from torch.utils.data import Sampler
 
 from disttrain.errors import UserError
 from disttrain.runtime import rank_info
@@ -44,7 +44,7 @@ class DistributedSampler(Sampler[int]):
     fewer samples than ranks.
     """
 
-    def __init__(self, dataset_len: int | Dataset, *, rank: int | None = None,
+    def __init__(self, dataset_len: int | Sized, *, rank: int | None = None,
                  world_size: int | None = None, seed: int = 0, shuffle: bool = True,
                  drop_last: bool = False, epoch: int = 0):
         n = dataset_len if isinstance(dataset_len, int) else len(dataset_len)

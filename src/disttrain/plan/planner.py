@@ -43,9 +43,10 @@ def parse_bytes(text: str | int | float, arg: str = "--device-mem") -> int:
         m = re.fullmatch(r"\s*([0-9.]+(?:e[+-]?[0-9]+)?)\s*([a-z]*)\s*", str(text).lower())
         if not m or m.group(2) not in _UNITS:
             raise UserError(f"{arg} {text!r} is not a size. Write it like 80GiB, 40GB or 24G.")
-        if _UNITS[m.group(2)] is None:
+        unit = _UNITS[m.group(2)]
+        if unit is None:
             raise UserError(f"{arg} {text!r} has no unit. Write it like 80GiB, 40GB or 24G.")
-        value = float(m.group(1)) * _UNITS[m.group(2)]
+        value = float(m.group(1)) * unit
     if not math.isfinite(value) or value <= 0:
         raise UserError(f"{arg} is {text!r}; it must be a positive size such as 80GiB.")
     return int(value)
