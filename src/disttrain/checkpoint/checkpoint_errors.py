@@ -8,6 +8,10 @@ from disttrain.errors import UserError
 class CheckpointError(UserError):
     """Base of every checkpoint problem a user can act on."""
 
+    # A failed save's first sentence, without what stays latest: set (only) by the
+    # writer that raises it, for a later save to report it (Checkpointer.save)
+    head: str
+
 
 class CheckpointCorrupt(CheckpointError):
     """A committed checkpoint is incomplete or a file fails its size or checksum check.

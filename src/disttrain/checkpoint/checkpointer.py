@@ -151,8 +151,9 @@ class Checkpointer:
                 raise
             raise CheckpointSaveError(f"{getattr(earlier, 'head', earlier)} Then: {e}") from None
         if earlier is not None:
+            latest = result.name if result is not None else "it"  # (a Path: the save completed)
             raise CheckpointSaveError(f"{getattr(earlier, 'head', earlier)} The next save did "
-                                      f"commit: {result.name} is now the latest checkpoint.") from None
+                                      f"commit: {latest} is now the latest checkpoint.") from None
         return result
 
     def _settle(self) -> CheckpointSaveError | None:
@@ -255,6 +256,7 @@ class Checkpointer:
         err = next((e for e, _, _ in gathered if e), None)
         fault_point("after_shards", self.rank, step)
         if self.rank == 0 and err is None:
+            assert self.generation is not None, "claimed by _save_now before any write"
             try:
                 info = {**info, "finite": all(f for _, _, f in gathered)}
                 files = {name: d for _, part, _ in gathered for name, d in part.items()}

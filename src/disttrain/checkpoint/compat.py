@@ -76,7 +76,7 @@ def walk_causes(exc: BaseException):
         yield e
         if isinstance(e, CheckpointException):
             stack += [pair[0] if isinstance(pair, tuple) else pair for pair in e.failures.values()]
-        stack += [e.__cause__, e.__context__]
+        stack += [c for c in (e.__cause__, e.__context__) if c is not None]
 
 
 def failed_ranks(exc: BaseException) -> list[int]:
@@ -84,7 +84,7 @@ def failed_ranks(exc: BaseException) -> list[int]:
     rank's failure and raises it on all ranks), sorted; [] for any other error."""
     from torch.distributed.checkpoint.api import CheckpointException
 
-    ranks = set()
+    ranks: set[int] = set()
     for e in walk_causes(exc):
         if isinstance(e, CheckpointException):
             ranks.update(int(r) for r in e.failures)

@@ -23,6 +23,7 @@ import io
 import pathlib
 import pickle
 from pathlib import Path
+from typing import overload
 
 import torch
 from torch.distributed.checkpoint import FileSystemReader
@@ -111,7 +112,9 @@ class SafeReader(FileSystemReader):
         self.metadata = metadata
 
     def read_metadata(self, *args, **kwargs) -> Metadata:
-        metadata = self.metadata if self.metadata is not None else read_metadata(self.path)
+        metadata = self.metadata if self.metadata is not None else read_metadata(Path(self.path))
+        if metadata.storage_meta is None:  # (read_metadata sets one; a caller's may lack it)
+            metadata.storage_meta = StorageMeta()
         metadata.storage_meta.load_id = self.load_id  # as DCP's reader does
         return metadata
 
@@ -145,6 +148,10 @@ class _WeightsOnlyValues:
         return getattr(self._planner, name)
 
 
+@overload
+def value_refusal(path: Path, fqn: str, data: bytes, error: Exception) -> str: ...
+@overload
+def value_refusal(path: Path, fqn: str, data: bytes, error: None = None) -> str | None: ...
 def value_refusal(path: Path, fqn: str, data: bytes, error: Exception | None = None) -> str | None:
     """The one line that refuses the value record `data` of `fqn` (in the file `path`),
     naming the globals it asks for beyond the weights-only unpickler's; None when it

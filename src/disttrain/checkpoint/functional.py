@@ -31,7 +31,9 @@ def save(state: TrainState, root: str | Path) -> Path:
     `CheckpointSaveError` on every rank on failure; the previous checkpoint then stays
     the newest and intact.
     """
-    return _for(root, False).save(state)
+    path = _for(root, False).save(state)
+    assert path is not None, "a synchronous save returns its folder"
+    return path
 
 
 def load(state: TrainState, root: str | Path, *, fallback: bool = False) -> Path | None:

@@ -7,6 +7,7 @@ from __future__ import annotations
 
 from contextlib import contextmanager
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 import torch
 import torch.distributed as dist
@@ -15,6 +16,11 @@ from torch.distributed.checkpoint.filesystem import FileSystem
 from disttrain.checkpoint.checkpoint_errors import CheckpointCorrupt, CheckpointUnsafe
 from disttrain.checkpoint.digests import file_mismatch
 from disttrain.checkpoint.load_phases import phase
+
+if TYPE_CHECKING:
+    from torch.distributed.checkpoint import LoadPlanner, StorageReader
+
+    from disttrain.checkpoint.raw_storage import RawReader
 
 UNSAFE = "unsafe"
 """The kind of a problem ("", UNSAFE, message) that refuses the folder (`CheckpointUnsafe`)."""
@@ -80,6 +86,9 @@ def load_verified(tensors: dict, step_dir: Path, files: dict[str, dict], pg,
     from disttrain.checkpoint.direct_load import DirectPlanner, direct_plan
 
     raw = storage == raw_storage.FORMAT
+    reader: StorageReader
+    planner: LoadPlanner | None
+    checked: RawReader | VerifyingFileSystem
     with phase("plan"):
         plan = direct_plan(flat[0], metadata) if raw and flat is not None and metadata is not None else None
     if raw:
@@ -88,12 +97,13 @@ def load_verified(tensors: dict, step_dir: Path, files: dict[str, dict], pg,
     else:
         from disttrain.checkpoint.dcp_read import SafeReader  # here: the first format only
 
-        reader = SafeReader(str(step_dir), metadata)
+        safe = SafeReader(str(step_dir), metadata)
         planner, checked = None, VerifyingFileSystem(step_dir, files, select)
-        reader.fs = checked
+        safe.fs = checked
+        reader = safe
     try:
         with phase("reads"):
-            if plan is not None:  # DCP's own plan, known without planning: read it
+            if plan is not None and flat is not None:  # DCP's own plan, known without planning: read it
                 reader.read_data(plan, DirectPlanner(tensors, *flat)).wait()
             else:
                 dcp.load(tensors, storage_reader=reader, planner=planner, process_group=pg, no_dist=raw)

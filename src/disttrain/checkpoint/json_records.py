@@ -146,7 +146,8 @@ def metadata_of(data: bytes) -> Metadata:
     """DCP's `Metadata` from the JSON `metadata_bytes` wrote. Raises `ValueError`
     (or `KeyError`, `TypeError`) for a document of another shape."""
     doc = json.loads(data)
-    state, storage = {}, {}
+    state: dict[str, TensorStorageMetadata | BytesStorageMetadata] = {}
+    storage: dict[MetadataIndex, Extent] = {}
     for fqn, t in doc["tensors"].items():
         props = TensorProperties(dtype=dtype_of(t["dtype"]))
         chunks = []

@@ -183,7 +183,7 @@ def _identity(step_dir: Path, name_step: int) -> tuple[int | None, int]:
     name's step (and no generation) when the manifest cannot be read."""
     manifest = _manifest_or_none(step_dir)
     owner = manifest_owner(step_dir) if manifest is not None else None
-    if owner is None:
+    if owner is None or manifest is None:
         return None, name_step
     step = manifest.get("step")
     return owner[1], step if isinstance(step, int) and not isinstance(step, bool) else name_step
@@ -373,7 +373,8 @@ def prune(root: Path, keep_last: int, generation: int,
     for path in deleted:
         aside = path
         if not path.name.startswith(".replaced-"):
-            step = _STEP_IN.search(path.name).group(0)
+            named = _STEP_IN.search(path.name)  # (every path here is named by its step)
+            step = named.group(0) if named else path.name
             aside = root / f".replaced-{step}-g{generation}-{uuid.uuid4().hex[:8]}"
             try:
                 path.rename(aside)

@@ -55,7 +55,9 @@ def byte_view(t: torch.Tensor) -> memoryview:
     if not t.numel():
         return memoryview(bytearray())
     raw = (ctypes.c_char * (t.numel() * t.element_size())).from_address(t.data_ptr())
-    raw.owner = t  # the memory is the tensor's: hold it as long as the view
+    # the memory is the tensor's: hold it as long as the view (a ctypes instance takes
+    # attributes; the stubs declare none)
+    raw.owner = t  # type: ignore[attr-defined]
     return memoryview(raw).cast("B")
 
 
@@ -139,7 +141,7 @@ class RawWriter(StorageWriter):
                 for item in objects + [i for i in plan.items if i.type != WriteItemType.BYTE_IO]:
                     results.append(self._write_item(stream, name, item, planner))
                 stream.close()
-        fut = Future()
+        fut: Future[list[WriteResult]] = Future()
         fut.set_result(results)
         return fut
 
@@ -244,7 +246,7 @@ class RawReader(StorageReader):
         for objects, _ in done:  # each file's values, parsed only once it verified
             for item, data in objects:
                 planner.load_bytes(item, io.BytesIO(bytes(data)))
-        fut = Future()
+        fut: Future[None] = Future()
         fut.set_result(None)
         return fut
 
@@ -254,11 +256,12 @@ class RawReader(StorageReader):
         another file's records target too, as (buffer, items) to copy out later)."""
         path = self.path / name
         want = self.files.get(name)
-        check = want is not None and name not in self.verified and self.select(name)
+        if want is not None and (name in self.verified or not self.select(name)):
+            want = None  # nothing to check: verified already, or not selected
         objects, later = [], []
         with open(path, "rb", buffering=0) as f:
             # the process's hash thread; `read.close` waits for this file's hashes
-            read = FileRead(f, path, new_hash(expected(want)[0]) if check else None, pool("hash"), cached)
+            read = FileRead(f, path, new_hash(expected(want)[0]) if want is not None else None, pool("hash"), cached)
             try:
                 for extent in sorted(records, key=lambda e: e.offset):
                     read.skip_to(extent.offset)
@@ -269,7 +272,7 @@ class RawReader(StorageReader):
                         objects += [(item, data) for item in items]
                     elif (buf := self._read_tensor(read, extent, items, planner, shared)) is not None:
                         later.append((buf, items))
-                if check:
+                if want is not None:
                     size, digest = read.digest()
                     if (size, digest) != (want["size"], expected(want)[1]):
                         raise CheckpointCorrupt(corrupt_message(path, size, want), name)

@@ -18,14 +18,17 @@ copied (never aliased) onto the parameter's device, exactly as ZeRO would.
 from __future__ import annotations
 
 import sys
-from typing import Any
+from typing import TYPE_CHECKING, Any, TypeGuard
 
 import torch
+
+if TYPE_CHECKING:
+    from torch.distributed.optim import ZeroRedundancyOptimizer
 
 _ZERO_MODULE = "torch.distributed.optim.zero_redundancy_optimizer"
 
 
-def is_zero(optimizer: Any) -> bool:
+def is_zero(optimizer: Any) -> TypeGuard[ZeroRedundancyOptimizer]:
     """True for a `ZeroRedundancyOptimizer` (checked without importing
     `torch.distributed.optim`, which compiles TorchScript on import)."""
     module = sys.modules.get(_ZERO_MODULE)
@@ -43,7 +46,7 @@ class ZeroView:
     are ignored. No method communicates.
     """
 
-    def __init__(self, zero: torch.optim.Optimizer):
+    def __init__(self, zero: ZeroRedundancyOptimizer):
         self.zero = zero
 
     @property
