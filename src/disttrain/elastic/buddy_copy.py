@@ -23,7 +23,7 @@ from __future__ import annotations
 import datetime
 import pickle
 from dataclasses import dataclass
-from typing import Any
+from typing import TYPE_CHECKING, Any, TypeGuard
 
 import torch
 import torch.distributed as dist
@@ -31,6 +31,9 @@ import torch.distributed as dist
 from disttrain.elastic.host_copy import HostCopy, host_buffer, on_cuda
 from disttrain.runtime import fault_injection
 from disttrain.runtime.log import EVERY_RANK, LOGGER, speaker
+
+if TYPE_CHECKING:
+    from torch.distributed.tensor import DTensor
 
 _HEADER = 16  # int64 skeleton length, then padding to 16 bytes
 SALVAGE_WAIT_MS = 200
@@ -49,7 +52,7 @@ class _Slot:
     dtensor: bool
 
 
-def _is_dtensor(x: Any) -> bool:
+def _is_dtensor(x: Any) -> TypeGuard[DTensor]:
     return type(x).__name__ == "DTensor" and hasattr(x, "to_local")
 
 
@@ -62,7 +65,7 @@ def _skeleton(tree: Any, leaves: list[tuple[_Slot, torch.Tensor]], offset: list[
         return type(tree)(_skeleton(v, leaves, offset) for v in tree)
     if isinstance(tree, torch.Tensor):
         sharded = _is_dtensor(tree)
-        local = tree.to_local() if sharded else tree
+        local = tree.to_local() if _is_dtensor(tree) else tree
         nbytes = local.numel() * local.element_size()
         slot = _Slot(offset[0], nbytes, local.dtype, tuple(local.shape), sharded)
         offset[0] += nbytes
@@ -307,7 +310,8 @@ class BuddyCopy:
             buf = torch.empty(offers[right]["sizes"][step], dtype=torch.uint8)
             works.append(dist.irecv(buf, src=right, group=self.group))
         for w in works:
-            w.wait()
+            if w is not None:  # (None only for a rank outside the group)
+                w.wait()
         own = buf if newcomer else self.mine[step]
         load_live_state(state, unpack(own, _template(state)))
         self.mine = {step: own}

@@ -26,7 +26,7 @@ LISTEN = "0A"  # the kernel's TCP_LISTEN state in /proc/net/tcp
 
 def _inodes() -> dict[str, int]:
     """This process's open sockets: inode -> fd (empty where /proc is absent)."""
-    found = {}
+    found: dict[str, int] = {}
     try:
         names = os.listdir("/proc/self/fd")
     except OSError:

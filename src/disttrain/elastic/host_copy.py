@@ -35,8 +35,8 @@ class HostCopy:
     """One device's copies into host buffers: a side stream and its last event."""
 
     def __init__(self) -> None:
-        self.stream = None
-        self.event = None
+        self.stream: torch.cuda.Stream | None = None
+        self.event: torch.cuda.Event | None = None
 
     def _stream(self, device: torch.device):
         if self.stream is None:
@@ -58,8 +58,8 @@ class HostCopy:
             for dst, src in pairs:
                 dst.copy_(src, non_blocking=True)
                 src.record_stream(side)  # its memory is not reused before the copy ends
-            self.event = torch.cuda.Event()
-            self.event.record(side)
+            self.event = event = torch.cuda.Event()
+            event.record(side)
 
     def wait(self) -> None:
         """The host waits until the copies are in the host buffers."""

@@ -27,7 +27,10 @@ from __future__ import annotations
 import os
 import signal
 import time
+from collections.abc import Callable
 from dataclasses import dataclass
+from types import FrameType
+from typing import Any
 
 import torch
 import torch.distributed as dist
@@ -38,6 +41,10 @@ their vote a step late and vote every budget / step-time steps; longer steps rea
 at once."""
 VOTE_EVERY_MAX = 10
 """The most steps between two votes (their spacing comes from past step times)."""
+
+
+# what signal.signal takes and returns
+_Handler = Callable[[int, FrameType | None], Any] | int | signal.Handlers | None
 
 
 @dataclass
@@ -51,7 +58,7 @@ class _Vote:
     late: bool = True  # read a vote at the call after the one that started it
     slowest: float = 0.0  # this rank's longest step since the last vote started
     last_call: float | None = None
-    pending: tuple | None = None  # (work, tensor, call that started it)
+    pending: tuple[dist.Work | None, torch.Tensor, int] | None = None  # (work, tensor, call that started it)
 
 
 class PreemptionHandler:
@@ -66,7 +73,7 @@ class PreemptionHandler:
         self.grace_s, self.save_reserve = grace_s, save_reserve
         self.requested_at: float | None = None
         self.signal_name: str | None = None
-        self._previous: dict[int, object] = {}
+        self._previous: dict[int, _Handler] = {}
         self._vote = _Vote(group=None)
 
     def install(self) -> "PreemptionHandler":
@@ -137,9 +144,12 @@ class PreemptionHandler:
 
     def _read_vote(self) -> bool:
         v = self._vote
+        if v.pending is None:
+            return False  # no vote in flight (the callers read one they started)
         work, vote, started = v.pending
         v.pending = None
-        work.wait()
+        if work is not None:  # (None only for a rank outside the group)
+            work.wait()
         flag, slowest, neg_budget = vote.tolist()
         budget = -neg_budget
         v.late = slowest < budget

@@ -97,7 +97,7 @@ def _by_beats(beats: list[dict], now: float, stale_after: float) -> tuple[str, l
     frozen = [b for b in running
               if b.get("proc_state") in _SIGNALS or now - b["alive"] > stale_after]
     if frozen:
-        parts = [f"rank {b['rank']} is {_SIGNALS.get(b.get('proc_state'), 'not responding')}: "
+        parts = [f"rank {b['rank']} is {_SIGNALS.get(b.get('proc_state') or '', 'not responding')}: "
                  f"no heartbeat for {now - b['alive']:.1f} s (the last one was at step {b['step']}, "
                  f"phase {b['phase']!r}; its stack below shows where it is now)" for b in frozen]
         return "; ".join(parts) + ". The others wait for it.", [b["rank"] for b in frozen]

@@ -32,6 +32,7 @@ import threading
 import time
 from collections import deque
 from pathlib import Path
+from typing import TextIO
 
 from disttrain.guard import side_channel
 from disttrain.guard.hang_report import diagnose, format_summary
@@ -98,7 +99,7 @@ class Watchdog:
         self.slow_deadline: float | None = None
         self._stop = threading.Event()
         self._thread: threading.Thread | None = None
-        self._stack_file = None
+        self._stack_file: TextIO | None = None
         self._usr1 = False
         self.host = socket.gethostname()
 
@@ -159,7 +160,7 @@ class Watchdog:
         self._thread.start()
         return self
 
-    def _first_files(self):
+    def _first_files(self) -> TextIO:
         """This rank's stack file and its first "running" heartbeat, which keeps a
         peer's `_cleanup` from removing the folder from now on."""
         stack_file = open(self.dir / f"stack{self.rank}.txt", "w")
@@ -177,7 +178,7 @@ class Watchdog:
         successor watchdog of this rank takes it over). True when it was running."""
         self._stop.set()
         running = self._thread is not None
-        if running:
+        if self._thread is not None:
             self._thread.join(timeout=5 * self.tick_s)
             self._thread = None
         if self._stack_file is not None:
