@@ -90,7 +90,8 @@ def _cycles(graph) -> list[list[str]]:
 
 
 def test_no_import_circles():
-    assert _cycles(grimp.build_graph("disttrain")) == []
+    # imports under `if TYPE_CHECKING:` never run: naming a type is no circle
+    assert _cycles(grimp.build_graph("disttrain", exclude_type_checking_imports=True)) == []
 
 
 def test_every_module_states_its_one_concept():
