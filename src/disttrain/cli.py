@@ -7,7 +7,7 @@ from __future__ import annotations
 
 import sys
 
-from disttrain.errors import run_command
+from disttrain.errors import one_line
 
 USAGE = """usage: disttrain COMMAND [ARGS]    (disttrain COMMAND --help: its options; disttrain --version)
 
@@ -63,7 +63,9 @@ def main(argv: list[str] | None = None) -> int:
     if command is None:
         print(f"disttrain: unknown command {argv[0]!r}.\n\n{USAGE}", end="", file=sys.stderr)
         return 2
-    return run_command(argv[0], command, argv[1:])
+    with one_line(argv[0]) as result:  # a UserError anywhere below: one line, exit 2
+        result.code = int(command(argv[1:]) or 0)
+    return result.code
 
 
 if __name__ == "__main__":

@@ -6,6 +6,9 @@ not a `UserError` is a bug in disttrain or in the user's code and keeps its trac
 
 from __future__ import annotations
 
+from collections.abc import Iterator
+from contextlib import contextmanager
+
 
 class UserError(Exception):
     """A mistake the user can fix. `str(err)` is the whole message: what, where, fix.
@@ -39,15 +42,37 @@ class DistributedMismatchError(UserError):
     """
 
 
-def run_command(name: str, command, argv: list[str]) -> int:
-    """Run `command(argv)` as `disttrain NAME`: a `UserError` prints one line (no
-    traceback) and returns 2 (a worker under `disttrain run` hands the line to the
-    launcher: `launcher_notes`); Ctrl-C returns 130; anything else propagates."""
+class Exit:
+    """The exit status a `one_line` block ends with: what the command returned, or the
+    status of the error it raised."""
+
+    code: int = 0
+
+
+@contextmanager
+def one_line(name: str) -> Iterator[Exit]:
+    """Run the block as `disttrain NAME`: a `UserError` (a `ConfigError` included) raised
+    anywhere in it prints one line, with no traceback, and sets the status to 2 (a
+    worker under `disttrain run` hands the line to the launcher: `launcher_notes`);
+    Ctrl-C sets 130; anything else propagates. The block sets `code` on success:
+
+        with one_line("train") as result:
+            result.code = main(argv)
+        return result.code
+    """
+    result = Exit()
     try:
-        return int(command(argv) or 0)
+        yield result
     except UserError as e:
         from disttrain.launcher_notes import report_user_error
 
-        return report_user_error(name, e)  # under `disttrain run`: to the launcher, not retried
+        result.code = report_user_error(name, e)  # under `disttrain run`: to the launcher, not retried
     except KeyboardInterrupt:
-        return 130
+        result.code = 130
+
+
+def run_command(name: str, command, argv: list[str]) -> int:
+    """`command(argv)` in a `one_line(name)` block; returns its exit status."""
+    with one_line(name) as result:
+        result.code = int(command(argv) or 0)
+    return result.code

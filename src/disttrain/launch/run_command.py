@@ -36,7 +36,10 @@ What it changes, and why:
   its pid on stderr at start (runtime/processes.py).
 - `--nproc` and `--nnodes` that torchrun cannot use are refused in one line; for `-m
   disttrain.train CONFIG` the checks of `disttrain.launch.preflight` (writable out_dir
-  and checkpoint root, a first step that fits in memory) run before any worker starts.
+  and checkpoint root, a first step that fits in memory) run before any worker starts,
+  on the config parsed once here (or by `disttrain train`, which calls `main` with it),
+  and the ranks' first attempt takes that config instead of parsing it again
+  (`disttrain.train.launched`: a private file, removed when torchrun returns).
 - `-m disttrain.train CONFIG` with `[elastic] fast_recovery = true`, and
   `--fast-recovery script.py` (a `dt.Job` script): each worker slot runs
   `disttrain.launch.slot_supervisor`, which keeps the training process and a warm spare
@@ -53,11 +56,17 @@ import math
 import os
 import signal
 import sys
+from dataclasses import dataclass
+from typing import TYPE_CHECKING
 
 from disttrain.errors import UserError
 from disttrain.guard.script_watchdog import HANG_FLAG, take_hang_timeout
 from disttrain.launch import run_help, user_notes, warm_workers
 from disttrain.launch.worker_entry import LAUNCHER_ENV
+
+if TYPE_CHECKING:  # the config and the trainer's modules import torch: only when used
+    from disttrain.config import Config
+    from disttrain.train.launched import Launched
 
 DEFAULT_ENV = {"TORCH_DISABLE_SHARE_RDZV_TCP_STORE": "1"}
 
@@ -103,7 +112,8 @@ def _elastic_flags(flags: list[str]) -> list[str]:
         out.append(f)
         i += 1
     conf = dict(ELASTIC_RDZV_CONF)
-    conf.update(kv.split("=", 1) for kv in user_conf.split(",") if "=" in kv)
+    for key, _, value in (kv.partition("=") for kv in user_conf.split(",") if "=" in kv):
+        conf[key] = value
     return out + ["--rdzv-conf", ",".join(f"{k}={v}" for k, v in conf.items())]
 
 
@@ -179,14 +189,13 @@ def debug_env(backend: str) -> dict[str, str]:
     return env
 
 
-def preempt_grace_s(script: list[str], is_module: bool) -> float:
-    """Seconds a preempted worker has to save: for `-m disttrain.train CONFIG [overrides]`
-    that config's `elastic.preempt_grace_s`; otherwise DISTTRAIN_PREEMPT_GRACE_S, else
-    `DEFAULT_PREEMPT_GRACE_S`. Raises `UserError` for a bad config or value."""
-    if is_module and len(script) > 1 and script[0] == "disttrain.train":
-        from disttrain.config import load_config
-
-        return load_config(script[1], script[2:]).elastic.preempt_grace_s
+def preempt_grace_s(cfg: Config | None) -> float:
+    """Seconds a preempted worker has to save: the trainer config's
+    `elastic.preempt_grace_s` (`-m disttrain.train CONFIG`); otherwise
+    DISTTRAIN_PREEMPT_GRACE_S, else `DEFAULT_PREEMPT_GRACE_S`. Raises `UserError` for a
+    bad value."""
+    if cfg is not None:
+        return cfg.elastic.preempt_grace_s
     raw = os.environ.get("DISTTRAIN_PREEMPT_GRACE_S", "")
     if not raw:
         return DEFAULT_PREEMPT_GRACE_S
@@ -219,11 +228,44 @@ def warm_workers_wanted(flags: list[str], script: list[str]) -> bool:
             and not any(f in flags for f in NOT_PYTHON_FLAGS))
 
 
-def build_torchrun_args(argv: list[str]) -> tuple[list[str], dict[str, str]]:
-    """Translate `disttrain run` arguments into torchrun arguments plus env defaults.
+def trainer_config(script: list[str], is_module: bool, cfg: Config | None, world: int | None) -> Config | None:
+    """The config of `-m disttrain.train CONFIG [overrides]` (None for any other script):
+    `cfg` where the caller has loaded and checked it (`disttrain train`), else loaded
+    here and checked by `preflight` for `world` ranks. Raises `UserError`."""
+    if not (is_module and len(script) > 1 and script[0] == "disttrain.train"):
+        return None
+    if cfg is None:
+        from disttrain.config import load_config
+        from disttrain.launch.preflight import preflight
 
-    Raises `UserError` for a missing script, more processes than visible GPUs, or a
-    bad preemption grace (see `preempt_grace_s`).
+        cfg = load_config(script[1], script[2:])
+        preflight(cfg, world=world)
+    return cfg
+
+
+@dataclass
+class Torchrun:
+    """What `torchrun_for` makes of `disttrain run`'s arguments: torchrun's `args`, the
+    environment defaults `env`, and the trainer's config `cfg` (None for a script)."""
+
+    args: list[str]
+    env: dict[str, str]
+    cfg: Config | None
+
+
+def build_torchrun_args(argv: list[str]) -> tuple[list[str], dict[str, str]]:
+    """`torchrun_for(argv)`'s arguments and environment defaults."""
+    run = torchrun_for(argv)
+    return run.args, run.env
+
+
+def torchrun_for(argv: list[str], cfg: Config | None = None) -> Torchrun:
+    """Translate `disttrain run` arguments into torchrun arguments plus env defaults.
+    `cfg`: the config of `-m disttrain.train CONFIG`, loaded and checked by the caller
+    (else `trainer_config` loads and checks it here).
+
+    Raises `UserError` for a missing script, more processes than visible GPUs, a bad
+    config or a bad preemption grace (see `preempt_grace_s`).
     """
     flags, script = _split_script(argv)
     debug, fast = "--debug" in flags, "--fast-recovery" in flags
@@ -264,16 +306,12 @@ def build_torchrun_args(argv: list[str]) -> tuple[list[str], dict[str, str]]:
     if not is_module and not os.path.isfile(script[0]):
         raise UserError(f"script {script[0]!r} not found. Pass the path of a Python file "
                         f"(or -m package.module).")
-    grace = preempt_grace_s(script, is_module)
-    if is_module and len(script) > 1 and script[0] == "disttrain.train":
-        from disttrain.config import load_config
-        from disttrain.launch.preflight import preflight
-
-        cfg = load_config(script[1], script[2:])
-        nodes = nnodes.split(":")[-1]
-        preflight(cfg, world=int(nproc) * int(nodes) if nproc.isdigit() and nodes.isdigit() else None)
-        if cfg.elastic.fast_recovery:
-            script = ["disttrain.launch.slot_supervisor", *script]
+    nodes = nnodes.split(":")[-1]
+    cfg = trainer_config(script, is_module, cfg,
+                         world=int(nproc) * int(nodes) if nproc.isdigit() and nodes.isdigit() else None)
+    grace = preempt_grace_s(cfg)
+    if cfg is not None and cfg.elastic.fast_recovery:
+        script = ["disttrain.launch.slot_supervisor", *script]
     if fast and not (script[:1] == ["disttrain.train"] and is_module):
         if is_module or not script[0].endswith(".py"):
             raise UserError("--fast-recovery runs a Python script that uses dt.Job (disttrain run "
@@ -298,7 +336,7 @@ def build_torchrun_args(argv: list[str]) -> tuple[list[str], dict[str, str]]:
     if (_flag_value(flags, *SHUTDOWN_FLAGS) is None and not any(os.environ.get(k) for k in SHUTDOWN_ENV)
             and torchrun_has_shutdown_timeout()):
         flags = flags + ["--shutdown-timeout", str(math.ceil(grace) + SHUTDOWN_MARGIN_S)]
-    return flags + script, env
+    return Torchrun(flags + script, env, cfg)
 
 
 def torchrun_has_shutdown_timeout() -> bool:
@@ -309,20 +347,31 @@ def torchrun_has_shutdown_timeout() -> bool:
     return "--shutdown-timeout" in torchrun_flags()
 
 
-def main(argv: list[str]) -> int:
-    """Run torchrun in this process and return the job's exit code."""
+def main(argv: list[str], launched: Launched | None = None) -> int:
+    """Run torchrun in this process and return the job's exit code.
+
+    `launched`: what `disttrain train` found (the validated config, preflight passed,
+    and the resume inspection). For `-m disttrain.train CONFIG` without it the config
+    is loaded and checked here, once. Either way it is handed to the ranks for their
+    first attempt (`train.launched`: a private file, removed when torchrun returns)."""
     if any(f in ("-h", "--help") for f in _split_script(argv)[0]):
         return run_help.show()
     from disttrain.runtime.fault_injection import parse as parse_faults
 
     parse_faults(os.environ.get("DISTTRAIN_FAULT", ""))  # a typo fails here, not in every rank
-    args, env = build_torchrun_args(argv)  # a user's mistake is refused before any import
+    run = torchrun_for(argv, launched.cfg if launched else None)  # a user's mistake is refused first
+    from disttrain.train.launched import Launched, handed
+
+    if launched is None and run.cfg is not None:
+        launched = Launched(tuple(_split_script(argv)[1][1:]), run.cfg)
+    args = run.args
     slots = "disttrain.launch.slot_supervisor" in args and os.environ.get(warm_workers.SWITCH_ENV, "1") == "1"
     server = warm_workers.start_server() if "disttrain.launch.warm_workers" in args or slots else None
     try:
         if server:
             os.environ[warm_workers.SOCKET_ENV] = server[1]
-        return _launch(args, env)
+        with handed(launched):
+            return _launch(args, run.env)
     finally:
         if server:
             warm_workers.stop_server(server)

@@ -4,8 +4,11 @@ The config is loaded and validated in this process first, the user code it names
 (model.factory, data.factory, train.loss) is imported, and the data on disk it names
 (data.tokens, data.hf_dataset: files, splits, columns) is opened, so a typo never
 starts a worker.
-With `parallel.nproc > 1` outside torchrun the job is relaunched through `disttrain run`
-as `python -m disttrain.train`; otherwise it trains here.
+With `parallel.nproc > 1` outside torchrun the newest checkpoint is inspected here too,
+and the job is launched through `run_command.main` (torchrun) as `python -m
+disttrain.train` on each rank, handed this process's config and inspection
+(`train.launched`: the ranks parse and inspect nothing on their first attempt);
+otherwise it trains here.
 """
 
 from __future__ import annotations
@@ -84,18 +87,20 @@ def main(argv: list[str]) -> int:
 
     preflight(cfg)  # writable out_dir and checkpoint root; the first step fits in memory
     if "WORLD_SIZE" not in os.environ and cfg.parallel.nproc > 1:
-        # The newest checkpoint against this config, here, so that a refused change is
-        # one line and a finished run starts no worker (each rank checks again).
+        # The newest checkpoint against this config, here and once: a refused change is
+        # one line, a finished run starts no worker, and the ranks take this result
+        # (train.launched) instead of reading the checkpoint again.
+        from disttrain.launch import run_command
         from disttrain.train import resume
+        from disttrain.train.launched import Launched
 
         plan = resume.inspect(cfg)
         if plan is not None and plan.step >= cfg.train.steps:
             print(resume.train_complete_message(plan))
             return 0
-        from disttrain.launch.run_command import main as launch
-
-        return launch(["--nproc", str(cfg.parallel.nproc), "--max-restarts", str(restarts),
-                       "-m", WORKER_MODULE, *argv])
+        return run_command.main(["--nproc", str(cfg.parallel.nproc), "--max-restarts", str(restarts),
+                                 "-m", WORKER_MODULE, *argv],
+                                launched=Launched(tuple(argv), cfg, resume.Inspected(plan)))
     from disttrain.train.trainer import train
 
     train(cfg, config_dir=config_dir)

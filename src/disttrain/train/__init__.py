@@ -16,6 +16,7 @@
     metrics.py       global (sum, count) means, rank-0 JSONL writer, print_main
     progress.py      rich progress bar and summary table
     resume.py        the "checkpoint -> now" config comparison on resume
+    launched.py      what the launcher of `disttrain train` found, handed to the ranks
     sources.py       the model, data and loss a config names (built-in or the user's)
     hf_models.py     Hugging Face models for [model] hf / hf_path
     trainer.py       `disttrain train`'s per-rank job: the TOML driving a Job

@@ -1,22 +1,30 @@
 """`python -m disttrain.train CONFIG.toml [--section.key=value ...]`: one rank of
 `disttrain train`, as torchrun starts it (`disttrain train` validates and launches).
+On its first attempt a rank takes the config and the resume inspection the launcher
+handed over (`train.launched`) instead of parsing and inspecting again; after a
+restart, or started otherwise, it parses the config itself.
 A `UserError` prints one line and exits 2.
 """
 
 import sys
+from pathlib import Path
 
-from disttrain.config import load_config
 from disttrain.errors import UserError, run_command
 
 
 def _main(argv: list[str]) -> int:
     if not argv or argv[0].startswith("-"):
         raise UserError("usage: python -m disttrain.train CONFIG.toml [--section.key=value ...]")
+    from disttrain.train import launched
     from disttrain.train.trainer import train
 
-    from pathlib import Path
+    handed = launched.read(argv)
+    if handed is None:
+        from disttrain.config import load_config
 
-    train(load_config(argv[0], argv[1:]), config_dir=Path(argv[0]).parent)
+        train(load_config(argv[0], argv[1:]), config_dir=Path(argv[0]).parent)
+    else:
+        train(handed.cfg, config_dir=Path(argv[0]).parent, inspected=handed.inspected)
     return 0
 
 

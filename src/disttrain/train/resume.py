@@ -24,7 +24,7 @@ is not compared. A checkpoint without a stored config is resumed as before.
 from __future__ import annotations
 
 import json
-from dataclasses import dataclass, field
+from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any
 
@@ -180,6 +180,33 @@ def inspect_root(root: str | Path, cfg: Config | dict) -> ResumePlan | None:
     return plan.check() if plan is not None else None
 
 
+@dataclass(frozen=True)
+class Inspected:
+    """The result of `inspect` done elsewhere (the launcher of `disttrain train`), handed
+    to a rank so that it does not read the checkpoint again: `plan` is None for a fresh
+    start. Distinct from None, which means "not inspected yet"."""
+
+    plan: ResumePlan | None
+
+    def to_json(self) -> dict | None:
+        """Plain data for the launcher's handed file (`train.launched`)."""
+        return None if self.plan is None else asdict(self.plan)
+
+    @staticmethod
+    def from_json(data: dict | None) -> "Inspected":
+        """The inverse of `to_json` (JSON's lists turned back into the plan's tuples)."""
+        if data is None:
+            return Inspected(None)
+        rows = {k: [tuple(row) for row in data[k]] for k in ("changes", "refused")}
+        return Inspected(ResumePlan(data["directory"], int(data["step"]), data["saved_config"], **rows))
+
+
+def inspect_once(cfg: Config, inspected: Inspected | None) -> ResumePlan | None:
+    """The handed plan when there is one, else `inspect(cfg)` (a collective then). A
+    handed plan has passed `ResumePlan.check` where it was made."""
+    return inspected.plan if inspected is not None else inspect(cfg)
+
+
 TRAIN_CONTINUES = "raise --train.steps to continue, or use another --train.out_dir"
 """How a finished `disttrain train` run is continued (or left alone)."""
 
@@ -232,7 +259,7 @@ def apply(plan: ResumePlan | None, optimizer: torch.optim.Optimizer, scheduler, 
                 group["lr"] = new["lr"]
         return
     if "optim.lr" in changed:
-        saved_lr = float(plan.saved_config["optim"]["lr"])
+        saved_lr = float((plan.saved_config or {})["optim"]["lr"])  # changes come from a saved config
         scheduler.base_lrs = [new * (old / saved_lr)
                               for new, old in zip(fresh["base_lrs"], scheduler.base_lrs)]
     step = scheduler.last_epoch

@@ -22,7 +22,7 @@ from disttrain.train.job import Job
 from disttrain.train.loop import warmup_cosine
 
 
-def train(cfg: Config, config_dir: str | Path | None = None) -> dict:
+def train(cfg: Config, config_dir: str | Path | None = None, inspected: resume.Inspected | None = None) -> dict:
     """Run one training job in this process (one rank). Returns the summary dict.
 
     The model, data and loss come from `disttrain.train.sources`: the built-in GPT on
@@ -32,13 +32,16 @@ def train(cfg: Config, config_dir: str | Path | None = None) -> dict:
     every rank stops after the same step, saves, and returns with
     `summary["preempted"]` True. Under `[elastic] fast_recovery` (a child of the slot
     supervisor) each generation of the in-memory recovery runs it again.
+    `inspected`: the launcher's `resume.inspect` of this config (`train.launched`),
+    used instead of reading the checkpoint again, in the first generation only.
     """
     p, t = cfg.parallel, cfg.train
     if fast_recovery.enabled():
-        return fast_recovery.run(lambda info, handoff: _train(cfg, config_dir, handoff),
+        return fast_recovery.run(lambda info, handoff: _train(cfg, config_dir, handoff,
+                                                              inspected if handoff.gen == 0 else None),
                                  backend=p.backend, device=p.device, timeout_s=p.timeout_s, seed=t.seed,
                                  prepare=lambda h: _datasets(cfg, config_dir, h))
-    return _train(cfg, config_dir, None)
+    return _train(cfg, config_dir, None, inspected)
 
 
 def _datasets(cfg: Config, config_dir, handoff):
@@ -80,7 +83,7 @@ def loss_unit(cfg: Config) -> str:
     return "nats/token" if (d.tokens or d.hf_dataset) else "nats/byte"
 
 
-def _train(cfg: Config, config_dir, handoff) -> dict:
+def _train(cfg: Config, config_dir, handoff, inspected: resume.Inspected | None = None) -> dict:
     t, d = cfg.train, cfg.data
     # The built-in GPT on the stdlib corpus, or the config's sources (train/sources.py).
     train_set, heldout_set, data_info = _datasets(cfg, config_dir, handoff)
@@ -88,7 +91,7 @@ def _train(cfg: Config, config_dir, handoff) -> dict:
     with job_for(cfg, len(train_set), data_info) as job:
         # The newest checkpoint's config against this one: a changed model or dataset is
         # refused before anything is built; a finished run is left as it is.
-        plan = resume.inspect(cfg)
+        plan = resume.inspect_once(cfg, inspected)
         if plan is not None and plan.step >= t.steps:
             LOGGER.info(resume.train_complete_message(plan))
             return {"steps": plan.step, "world_size": job.info.world_size, "complete": True,
