@@ -45,6 +45,15 @@ def test_parity_with_one_process_P_FSDP_4(ranks, kind, strategy, sharding):
         assert res[f"parity/{kind}/{strategy}/{sharding}"] <= PARITY
 
 
+def test_weight_decay_groups_are_the_plain_models_under_every_strategy(ranks):
+    # parallel.optimizers.decaying: canonical names, and FSDP1's 1-D flat-shard views
+    # counted with their unsharded dimensions (every matrix would decay 0.0 otherwise).
+    for res in ranks[1]:
+        keys = [k for k in res if k.startswith("decay/")]
+        assert len(keys) >= 2 * len(CASES), keys
+        assert [k for k in keys if res[k] is not True] == []
+
+
 def test_fsdp_keeps_weight_tying(ranks):
     for res in ranks[1]:
         for key, tied in res.items():

@@ -20,6 +20,7 @@ from torch.distributed.fsdp import FSDPModule, FullyShardedDataParallel
 import disttrain as dt
 from disttrain.demo import GPT, GPTConfig, MLP, MLPConfig
 from disttrain.parallel.fsdp import full_parameters, local_bytes
+from disttrain.parallel.optimizers import decaying
 
 STEPS = 5
 GPT_CFG = GPTConfig(block_size=16, n_layer=2, n_head=2, n_embd=32)
@@ -113,6 +114,12 @@ def train(kind, strategy, sharding, *, precision="fp32", per_rank=None, lr=0.1, 
     return model, reference, {"ref_losses": ref_losses, "losses": losses, "changed": changed}
 
 
+def same_decay(model: nn.Module, reference: nn.Module) -> bool:
+    """The wrapped model's weight-decay split (canonical names, flags) is the plain one's:
+    under FSDP1 its own shapes are 1-D flat-shard views."""
+    return [(n, d) for n, _, d in decaying(model)] == [(n, d) for n, _, d in decaying(reference)]
+
+
 def parity_group(results: dict) -> None:
     w = dt.rank_info().world_size
     for kind in ("gpt", "mlp"):
@@ -123,6 +130,7 @@ def parity_group(results: dict) -> None:
             model, ref, _ = train(kind, strategy, sharding, clip=0.5, **extra)
             key = f"{kind}/{strategy}/{sharding}"
             results[f"parity/{key}"] = max_diff(model, ref)
+            results[f"decay/{key}"] = same_decay(model, ref)
             if sharding == "hybrid":
                 results[f"replicas/{key}"] = local_sums(model)
             if kind == "gpt" and strategy == "fsdp":
@@ -140,6 +148,7 @@ def options_group(results: dict) -> None:
             ("fsdp1_ac", "fsdp1", {"activation_checkpointing": True})):
         model, ref, _ = train("gpt", strategy, "full", **options)
         results[f"option/{name}"] = max_diff(model, ref)
+        results[f"decay/option/{name}"] = same_decay(model, ref)
     try:
         dt.wrap(GPT(GPT_CFG), strategy="fsdp", wrap="Embedding")
         results["option/split_tied"] = None
