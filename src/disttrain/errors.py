@@ -42,11 +42,11 @@ class DistributedMismatchError(UserError):
 def run_command(name: str, command, argv: list[str]) -> int:
     """Run `command(argv)` as `disttrain NAME`: a `UserError` prints one line (no
     traceback) and returns 2 (a worker under `disttrain run` hands the line to the
-    launcher: `launcher_notes`); Ctrl-C returns 130; anything else propagates."""
+    launcher: `worker_notes`); Ctrl-C returns 130; anything else propagates."""
     try:
         return int(command(argv) or 0)
     except UserError as e:
-        from disttrain.launcher_notes import report_user_error
+        from disttrain.worker_notes import report_user_error
 
         return report_user_error(name, e)  # under `disttrain run`: to the launcher, not retried
     except KeyboardInterrupt:

@@ -19,7 +19,7 @@ from typing import Any, Iterator
 import torch
 import torch.distributed as dist
 
-from disttrain import launcher_notes, runtime
+from disttrain import runtime, worker_notes
 from disttrain.checkpoint import save_model
 from disttrain.checkpoint.finite import first_non_finite
 from disttrain.elastic import SampleAudit, generation_id
@@ -186,7 +186,7 @@ class Loop:
         if stopping:
             job.preempted = True
             if job._saving.ckpt is not None and job._saving.saved_at == job.step:
-                launcher_notes.note_saved(job.info.rank, job.step)  # the launcher says "saved"
+                worker_notes.note_saved(job.info.rank, job.step)  # the launcher says "saved"
             LOGGER.info(f"disttrain {job.name}: preempted ({job._preempt.signal_name}); saved step "
                        f"{job.step} and stopped. Start the same command again to resume.")
             if job.exit_on_preempt:
