@@ -53,7 +53,7 @@ class Exit:
 def one_line(name: str) -> Iterator[Exit]:
     """Run the block as `disttrain NAME`: a `UserError` (a `ConfigError` included) raised
     anywhere in it prints one line, with no traceback, and sets the status to 2 (a
-    worker under `disttrain run` hands the line to the launcher: `launcher_notes`);
+    worker under `disttrain run` hands the line to the launcher: `worker_notes`);
     Ctrl-C sets 130; anything else propagates. The block sets `code` on success:
 
         with one_line("train") as result:
@@ -64,7 +64,7 @@ def one_line(name: str) -> Iterator[Exit]:
     try:
         yield result
     except UserError as e:
-        from disttrain.launcher_notes import report_user_error
+        from disttrain.worker_notes import report_user_error
 
         result.code = report_user_error(name, e)  # under `disttrain run`: to the launcher, not retried
     except KeyboardInterrupt:

@@ -16,6 +16,13 @@ from typing import Any, Callable
 # old module -> its new module, or {name: new module} for a module split in several
 MOVED: dict[str, str | dict[str, str]] = {
     "disttrain.parallel.zero": "disttrain.parallel.optimizers",
+    # 0.2: names that say what each side of the notes holds
+    "disttrain.launcher_notes": "disttrain.worker_notes",
+    "disttrain.launch.user_notes": "disttrain.launch.notes_watch",
+    # 0.2: the Hugging Face facts the trainer shares with the export; hf_export keeps export_hf
+    "disttrain.checkpoint.hf_export": {name: "disttrain.config.hf_model_config" for name in (
+        "HF_PREFIX", "causal_lm_from_config", "hf_config_from_section", "hf_section", "import_transformers",
+        "resolve_hf_path")},
 }
 
 

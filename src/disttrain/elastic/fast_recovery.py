@@ -41,7 +41,7 @@ from typing import Any, Callable
 import torch
 import torch.distributed as dist
 
-from disttrain import launcher_notes, runtime
+from disttrain import runtime, worker_notes
 from disttrain.elastic import group_sockets
 from disttrain.elastic.buddy_copy import BuddyCopy, pack, unpack
 from disttrain.runtime import failures, fault_injection, processes, torch_compat
@@ -315,7 +315,7 @@ def _count_done(store) -> None:
     try:
         store.add(DONE_KEY, 1)
     except (RuntimeError, ConnectionError, TimeoutError):  # torch's DistNetworkError among them
-        if not launcher_notes.earlier_stop():
+        if not worker_notes.earlier_stop():
             raise
 
 
@@ -325,7 +325,7 @@ def _recover(handoff: Handoff, e: Exception, info: runtime.RankInfo, world: int)
     cut this rank's group connections). Returns `e` without its traceback, whose frames
     would keep this attempt's model alive."""
     verdict = failures.classify(e, peer_gone=handoff.peer_gone())
-    if not verdict.retried or launcher_notes.earlier_stop():
+    if not verdict.retried or worker_notes.earlier_stop():
         _stop(handoff, e, info.rank)  # no new generation
     _stop_a_loop(handoff, verdict, info.rank)
     # The console's one line per lost peer is its supervisor's (which rank died, how, and
@@ -348,12 +348,12 @@ def _stop(handoff: Handoff, e: BaseException, rank: int) -> None:
     """The program's error (a `dt.Job` has already told the launcher and exited; this is
     an error outside one), or a peer's stop: the job ends, no new generation starts.
     Raises SystemExit (or `e` outside `disttrain run`)."""
-    if launcher_notes.earlier_stop():
+    if worker_notes.earlier_stop():
         raise SystemExit(0) from None  # a peer stopped the job; the launcher reports it
-    if not launcher_notes.under_launcher():
+    if not worker_notes.under_launcher():
         raise e
     failures.report_program_error(e, rank, _failed_step(handoff))
-    launcher_notes.wait_to_be_stopped()
+    worker_notes.wait_to_be_stopped()
     raise SystemExit(failures.exit_status(e)) from None
 
 
@@ -364,7 +364,7 @@ def _stop_a_loop(handoff: Handoff, verdict: failures.Verdict, rank: int) -> None
     if verdict.kind != failures.UNKNOWN:
         return
     if failures.crash_loop(verdict, _failed_step(handoff), unit="generations"):
-        launcher_notes.wait_to_be_stopped()
+        worker_notes.wait_to_be_stopped()
         raise SystemExit(1) from None
     failures.say_once(f"{speaker()}: rank {rank}: generation {handoff.gen} failed and no peer died "
                       f"({verdict.cause}); recovering in memory once more")

@@ -1,7 +1,7 @@
 """The end of the one line `disttrain run` prints for an out-of-memory error
 (`torch.OutOfMemoryError`, `MemoryError`): the planner's estimate of what the model's
 training state takes on each rank under the strategy in use and under FSDP, and the
-usual fixes. The failing rank sends the facts (`launcher_notes.report_not_retried`'s
+usual fixes. The failing rank sends the facts (`worker_notes.report_not_retried`'s
 `oom`: parameter shapes, strategy, world, optimizer, precision); the arithmetic is
 `disttrain.plan.memory`'s, run here in the launching process.
 """

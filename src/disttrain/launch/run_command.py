@@ -11,7 +11,7 @@ What it changes, and why:
   makes restarted workers fail to connect or hang (pytorch issue 135712).
 - A failed worker: one line naming its rank and exit code, which is returned (128 +
   signal for one killed by a signal). What a rank reported through its notes (a user
-  error, the program's error: `launch.user_notes`) is printed instead, without a restart.
+  error, the program's error: `launch.notes_watch`) is printed instead, without a restart.
 - `--hang-timeout S` (default 600, 0 for none): every worker of a plain script runs a
   watchdog (`guard.script_watchdog`); a rank that waits in one collective with no
   progress for S seconds reports the hang, naming the rank that stopped making progress
@@ -61,7 +61,7 @@ from typing import TYPE_CHECKING
 
 from disttrain.errors import UserError
 from disttrain.guard.script_watchdog import HANG_FLAG, take_hang_timeout
-from disttrain.launch import run_help, user_notes, warm_workers
+from disttrain.launch import notes_watch, run_help, warm_workers
 from disttrain.launch.worker_entry import LAUNCHER_ENV
 
 if TYPE_CHECKING:  # the config and the trainer's modules import torch: only when used
@@ -413,7 +413,7 @@ def _launch(args: list[str], env: dict[str, str]) -> int:
         switches = " ".join(f"{k}={os.environ[k]}" for k in sorted(env) if k.startswith(("TORCH_", "NCCL_"))
                              and k not in DEFAULT_ENV)
         print(f"disttrain run --debug: {switches}. Logs: {where}.", file=sys.stderr, flush=True)
-    notes = user_notes.watch()
+    notes = notes_watch.watch()
     try:
         run(parse_args(args))
     except ChildFailedError as e:

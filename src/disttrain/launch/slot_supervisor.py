@@ -32,7 +32,7 @@ import time
 
 from disttrain.launch.warm_workers import SOCKET_ENV as WARM_SOCKET_ENV
 from disttrain.runtime import processes
-from disttrain.launcher_notes import earlier_stop
+from disttrain.worker_notes import earlier_stop
 from disttrain.runtime.failures import MACHINE, classify_death
 
 ROLE_ENV = "DISTTRAIN_FAST_ROLE"  # elastic.fast_recovery.ROLE_ENV; not imported: that imports torch

@@ -23,7 +23,7 @@ WORKER_MODULE = "disttrain.train"
 DEFAULT_MAX_RESTARTS = 3
 """Restarts of a multi-process `disttrain train` after a worker dies (torchrun's
 --max-restarts): with periodic checkpoints on by default, a kill loses at most
-checkpoint.every_s of training. A user error is never retried (launcher_notes)."""
+checkpoint.every_s of training. A user error is never retried (worker_notes)."""
 
 
 def split_restarts(argv: list[str]) -> tuple[list[str], int]:

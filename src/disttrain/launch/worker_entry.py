@@ -47,7 +47,7 @@ def die_with_launcher() -> bool:
 def main(argv: list[str]) -> None:
     """Run `argv` (`-m MODULE ARGS` or `SCRIPT ARGS`) as `__main__` after `die_with_launcher`."""
     die_with_launcher()
-    from disttrain.launcher_notes import earlier_stop
+    from disttrain.worker_notes import earlier_stop
 
     if earlier_stop():  # a restart after a rank's user error: the mistake would repeat
         os._exit(2)
@@ -80,17 +80,17 @@ def script_failed(exc: Exception) -> None:
     which prints it last and stops the job without a restart; a rank whose peer stopped
     the job exits 0, silent; a lost peer is one line (the trace in the rank's log), exit
     1 for torchrun to restart. The script's steps are unknown here."""
-    from disttrain import launcher_notes
+    from disttrain import worker_notes
     from disttrain.runtime import failures
 
-    if not launcher_notes.under_launcher():
+    if not worker_notes.under_launcher():
         raise exc
     rank, verdict = int(os.environ.get("RANK", "0")), failures.classify(exc)
-    if launcher_notes.earlier_stop():
+    if worker_notes.earlier_stop():
         os._exit(0)
     if verdict.kind == failures.PROGRAM:
         failures.report_program_error(exc, rank, None, oom={} if verdict.oom else None)
-        launcher_notes.wait_to_be_stopped()
+        worker_notes.wait_to_be_stopped()
         sys.exit(failures.exit_status(exc))
     failures.say_once(f"disttrain run: rank {rank} {verdict.what} ({verdict.cause}); {failures.trace_to_log(rank, exc)}")
     sys.exit(1)

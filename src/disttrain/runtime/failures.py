@@ -20,7 +20,7 @@ network and store errors) or by the words gloo and NCCL put in the `RuntimeError
 raise (`TRANSPORT_WORDS`); the user's own `ConnectionError` (a tracker, a data service)
 is the program's. A survivor's transport error caused by a peer that raised a
 program's error is not retried either: that peer's note ends the job
-(`report_program_error`, through `launcher_notes`).
+(`report_program_error`, through `worker_notes`).
 
 `signature` is what the crash-loop breaker (`crash_loop`) compares between two
 attempts: the type, the message with addresses, ports, pointers and durations masked,
@@ -37,7 +37,7 @@ import signal
 import traceback
 from dataclasses import dataclass
 
-from disttrain import launcher_notes
+from disttrain import worker_notes
 from disttrain.runtime import fault_injection
 from disttrain.runtime.log import EVERY_RANK, LOGGER
 
@@ -153,10 +153,10 @@ def report_program_error(exc: BaseException, rank: int, step: int | None, oom: d
     `step` (0: before the first step; None: a plain script's, unknown), its traceback
     and its one line; `oom`: the planner's facts for an out-of-memory error ({}: none
     known). False elsewhere, or when another rank's report came first. The caller then
-    waits to be stopped (`launcher_notes.wait_to_be_stopped`) and exits with
+    waits to be stopped (`worker_notes.wait_to_be_stopped`) and exits with
     `exit_status(exc)`."""
     where = "" if step is None else f" at step {step}" if step else " before the first step"
-    return launcher_notes.report_not_retried(
+    return worker_notes.report_not_retried(
         f"not retried: {type(exc).__name__}{where} on rank {rank} is the program's error",
         exit_status(exc), traceback="".join(traceback.format_exception(exc)), oom=oom)
 
@@ -172,23 +172,23 @@ def crash_loop(verdict: Verdict, step: int, unit: str = "attempts") -> bool:
     the launcher to stop the job ("two `unit` in a row ...") and return True (the
     caller then waits to be stopped)."""
     sig = signature(verdict.error, verdict.message, step)
-    if launcher_notes.repeated_failure(attempt(), sig) is None:
+    if worker_notes.repeated_failure(attempt(), sig) is None:
         return False
-    launcher_notes.report_not_retried(f"stopped: two {unit} in a row ended with the same failure ({sig}), "
+    worker_notes.report_not_retried(f"stopped: two {unit} in a row ended with the same failure ({sig}), "
                                       f"so a retry would repeat it; not retried", 1)
     return True
 
 
 def say_once(line: str) -> None:
     """One line per failure of an attempt, said by the first rank to see it."""
-    if launcher_notes.first_to_say("failure-%06d-%06d" % attempt()):
+    if worker_notes.first_to_say("failure-%06d-%06d" % attempt()):
         LOGGER.warning(line, extra=EVERY_RANK)
 
 
 def trace_to_log(rank: int, exc: BaseException, header: str = "") -> str:
     """Append `exc`'s traceback (after a `header` line) to this rank's log under
     `disttrain run`; returns where it went, for the rank's one line."""
-    path = launcher_notes.trace_file(rank)
+    path = worker_notes.trace_file(rank)
     if path is None:
         return "no per-rank log outside disttrain run"
     with open(path, "a") as f:

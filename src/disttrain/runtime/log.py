@@ -28,7 +28,7 @@ import logging
 import os
 import sys
 
-from disttrain.runtime import processes
+from disttrain.runtime.process_state import STATE
 
 RANKS_ENV = "DISTTRAIN_LOG_RANKS"
 EVERY_RANK = {"every_rank": True}
@@ -38,13 +38,13 @@ EVERY_RANK = {"every_rank": True}
 def set_speaker(name: str) -> None:
     """Who this process's messages say they are from: 'disttrain job' (a `dt.Job`
     script) or 'disttrain train' (the config-driven trainer); `dt.Job` sets it."""
-    processes.STATE.speaker = name
+    STATE.speaker = name
 
 
 def speaker() -> str:
     """The prefix of a message from a part both ways in share (fast recovery, the buddy
     copy): what `set_speaker` set, 'disttrain' before a Job exists."""
-    return processes.STATE.speaker
+    return STATE.speaker
 
 
 def current_rank() -> int:

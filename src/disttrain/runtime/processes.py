@@ -1,12 +1,12 @@
 """Process plumbing, written once: the parent-death signal and the process's name
 (Linux `prctl(2)` through ctypes; a no-op elsewhere), freezing the garbage collector
 (`freeze_long_lived`, `thaw_long_lived`), and `STATE`, the one registry of what
-describes this process (its group, its handles, its once-only flags).
+describes this process (its group, its handles, its once-only flags; defined in
+process_state.py, which log.py reads as well).
 
 No other module of the package calls `prctl`, `gc.freeze` or `gc.unfreeze`, or keeps a
 `global` of its own (tests/test_processes.py checks the source); a module that needs a
-process-wide value reads and writes its field of `STATE`. Pure caches (a mesh per
-group, a thread pool per size) and constants stay in their modules.
+process-wide value reads and writes its field of `STATE`.
 
 Each process of a `disttrain run` job names itself: the kernel's process name (`comm`,
 at most 15 bytes), which `ps -e`, `ps -o pid,comm`, `top`, `pgrep` and
@@ -27,12 +27,16 @@ nothing heavy: the launcher and the stubs use it.
 from __future__ import annotations
 
 import ctypes
-import dataclasses
 import gc
 import os
 import signal
 import sys
-from typing import Any
+
+from disttrain.runtime.log import EVERY_RANK, LOGGER
+from disttrain.runtime.process_state import STATE, first_time
+
+__all__ = ["STATE", "die_with_parent", "first_time", "freeze_long_lived", "name_for", "name_worker",
+           "set_name", "thaw_long_lived"]
 
 PR_SET_PDEATHSIG = 1
 PR_SET_NAME = 15
@@ -42,54 +46,6 @@ ROLE_ENV = "DISTTRAIN_FAST_ROLE"
 """elastic.fast_recovery.ROLE_ENV (not imported: that imports torch): 'spare' names a
 warm spare."""
 
-
-
-@dataclasses.dataclass
-class ProcessState:
-    """What describes this process, for as long as it lives (one instance: `STATE`).
-    Fields typed `Any` hold objects of higher layers, which this module must not import;
-    each is read and written only through its owner's functions (named per field)."""
-
-    rank_info: Any = None
-    """runtime.RankInfo of the running process group (process_group.init/shutdown)."""
-    lingering_groups: list = dataclasses.field(default_factory=list)
-    """Destroyed process groups something still references (process_group.shutdown)."""
-    exit_hook_set: bool = False
-    """Whether process_group registered its at-exit release of `lingering_groups`."""
-    thaw_at_shutdown: bool = False
-    """`freeze_long_lived` made the first freeze: `thaw_long_lived` may undo it."""
-    handoff: Any = None
-    """elastic.fast_recovery.Handoff of the generation running now (fast_recovery.run)."""
-    watchdog: Any = None
-    """guard.script_watchdog.ScriptWatchdog running in this process, if any."""
-    speaker: str = "disttrain"
-    """Who this process's messages are from (log.set_speaker)."""
-    faults: Any = None
-    """runtime.fault_injection's active faults (None: read DISTTRAIN_FAULT on next use)."""
-    attempt: int = 0
-    """In-memory recoveries so far (fault_injection.set_attempt)."""
-    load_phases: Any = None
-    """The phases of the checkpoint load being recorded (checkpoint.load_phases)."""
-    announced_pid: int | None = None
-    """The pid that said its rank (`name_worker`; a fork is a new process)."""
-    kept: list = dataclasses.field(default_factory=list)
-    """Objects kept alive until the interpreter exits and never destructed (a finished
-    script's globals, objects whose destructor would abort at finalization)."""
-    said: set = dataclasses.field(default_factory=set)
-    """Keys of the once-per-process messages already given (`first_time`)."""
-
-
-STATE = ProcessState()
-"""This process's registry. A forked child inherits a copy, as it does every global."""
-
-
-def first_time(key: str) -> bool:
-    """True the first time this process asks with `key`, False after: a message given
-    once per process."""
-    if key in STATE.said:
-        return False
-    STATE.said.add(key)
-    return True
 
 
 def _prctl(option: int, arg) -> bool:
@@ -133,8 +89,6 @@ def name_worker(role: str = "rank", *, rank: int | None = None, local_rank: int 
     name = name_for(role, rank_s, local_s)
     set_name(name)
     if announce and role == "rank" and STATE.announced_pid != os.getpid():
-        from disttrain.runtime.log import EVERY_RANK, LOGGER  # log keeps its state here
-
         STATE.announced_pid = os.getpid()
         LOGGER.info(f"{announce}: rank {rank_s} (local rank {local_s}) is pid {os.getpid()} ({name})",
                     extra=EVERY_RANK)

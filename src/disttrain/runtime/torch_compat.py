@@ -21,6 +21,8 @@ from typing import Any, Callable
 import torch
 import torch.nn as nn
 
+from disttrain.runtime.process_state import STATE
+
 CHECKED_ON = ("2.13.0",)
 """The torch releases every function here was checked on (the suite's pinned release)."""
 
@@ -44,14 +46,12 @@ def make_immortal(obj: Any) -> None:
     during interpreter finalization (`ctypes.pythonapi.Py_IncRef`, CPython only).
 
     Checked on CPython 3.11 with torch 2.13.0. Fallback (no `pythonapi`, another
-    interpreter): the process registry holds it (`processes.STATE.kept`), which protects
+    interpreter): the process registry holds it (`process_state.STATE.kept`), which protects
     it until the module globals are cleared late in finalization."""
     try:
         ctypes.pythonapi.Py_IncRef(ctypes.py_object(obj))
     except AttributeError:
-        from disttrain.runtime import processes
-
-        processes.STATE.kept.append(obj)
+        STATE.kept.append(obj)
 
 
 def unscale_and_check_(grads: list[torch.Tensor], found_inf: torch.Tensor, inv_scale: torch.Tensor) -> None:

@@ -23,7 +23,7 @@ import torch
 import torch.nn as nn
 import torch.nn.functional as F
 
-from disttrain.checkpoint.hf_export import (
+from disttrain.config.hf_model_config import (
     HF_PREFIX,
     causal_lm_from_config,
     hf_config_from_section,

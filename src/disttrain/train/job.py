@@ -40,9 +40,9 @@ from typing import Any, Iterator
 import torch
 from torch.utils.data import DataLoader
 
-from disttrain import launcher_notes, runtime
+from disttrain import runtime, worker_notes
 from disttrain.checkpoint import Checkpointer, TrainState
-from disttrain.checkpoint.hf_export import hf_section
+from disttrain.config.hf_model_config import hf_section
 from disttrain.data import ElasticSampler
 from disttrain.elastic import PreemptionHandler, SampleAudit, fast_recovery, generation_id
 from disttrain.errors import UserError
@@ -235,7 +235,7 @@ class Job:
         self._close()
         if ending is not None:
             if ending.wait:
-                launcher_notes.wait_to_be_stopped()
+                worker_notes.wait_to_be_stopped()
             raise SystemExit(ending.status) from None
 
     def _peer_gone(self) -> bool:

@@ -12,7 +12,7 @@ is not"):
   fixes;
 - the machine's failure (a lost peer) on the restart path: one line (which rank, at
   which step, what happens next), the full traceback to the rank's log
-  (`launcher_notes.trace_file`), exit 1 for torchrun to restart; under fast recovery
+  (`worker_notes.trace_file`), exit 1 for torchrun to restart; under fast recovery
   the exception goes on to `fast_recovery.run`, which recovers in memory;
 - a failure that cannot be classified: as the machine's, unless the attempt before
   ended with the same one (`failures.signature`): then the job stops, saying so.
@@ -29,7 +29,7 @@ import sys
 from dataclasses import dataclass
 from typing import Callable
 
-from disttrain import launcher_notes
+from disttrain import worker_notes
 from disttrain.errors import UserError
 from disttrain.runtime import failures
 
@@ -65,12 +65,12 @@ def oom_facts(job) -> dict | None:
 
 def judge(job, exc: BaseException, peer_gone: Callable[[], bool] = lambda: False) -> Ending | None:
     """The ending for `exc` under `disttrain run` (see the module); None: propagate."""
-    if not launcher_notes.under_launcher() or not isinstance(exc, Exception):
+    if not worker_notes.under_launcher() or not isinstance(exc, Exception):
         return None
     if isinstance(exc, UserError):
-        launcher_notes.write_user_error(job.name, exc)
+        worker_notes.write_user_error(job.name, exc)
         return Ending(2, wait=True)
-    if launcher_notes.earlier_stop():
+    if worker_notes.earlier_stop():
         return Ending(0)
     rank, step = (job.info.rank if job.info else int(os.environ.get("RANK", "0"))), failed_step(job)
     verdict = failures.classify(exc, peer_gone=peer_gone())

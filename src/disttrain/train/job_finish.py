@@ -3,7 +3,7 @@
 
 from __future__ import annotations
 
-from disttrain import launcher_notes
+from disttrain import worker_notes
 from disttrain.checkpoint import save_model
 from disttrain.parallel import unwrap
 from disttrain.runtime.log import LOGGER
@@ -22,7 +22,7 @@ def finish(job, stopping: bool) -> None:
     if stopping:
         job.preempted = True
         if job.saving.ckpt is not None and job.saving.saved_at == job.step:
-            launcher_notes.note_saved(job.info.rank, job.step)  # the launcher says "saved"
+            worker_notes.note_saved(job.info.rank, job.step)  # the launcher says "saved"
         LOGGER.info(f"disttrain {job.name}: preempted ({job.preemption.signal_name}); saved step "
                     f"{job.step} and stopped. Start the same command again to resume.")
         if job.exit_on_preempt:

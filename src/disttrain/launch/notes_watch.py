@@ -1,0 +1,85 @@
+"""The launcher's side of `disttrain.worker_notes`: a folder for this launch's notes,
+and a watcher that stops the job at the first rank's user error or failure that is not
+retried (the program's own error, a crash loop: `runtime.failures`).
+
+`watch()` makes the folder, names it in the workers' environment and starts a daemon
+thread that polls it. When a `user-error` or `not-retried` note appears the thread
+sends SIGTERM to this process: torchrun's agent then stops the workers (the reporting
+one waits for it) instead of restarting them, and `disttrain run` prints the note
+(`Notes.report`): a user error's one line, exit 2; a failure's traceback, then its one
+line (with the planner's estimate and the fixes for an out-of-memory error), exit
+with its status. The per-rank logs of full tracebacks (`worker_notes.trace_file`)
+go to a second folder, kept after the job only when a rank wrote there.
+"""
+
+from __future__ import annotations
+
+import os
+import shutil
+import signal
+import sys
+import tempfile
+import threading
+
+from disttrain import worker_notes
+
+POLL_S = 0.05
+
+
+class Notes:
+    def __init__(self) -> None:
+        self.folder = tempfile.mkdtemp(prefix="disttrain-notes-")
+        self.traces = tempfile.mkdtemp(prefix="disttrain-traces-")
+        os.environ[worker_notes.NOTES_ENV] = self.folder
+        os.environ[worker_notes.TRACES_ENV] = self.traces
+        self._stop = threading.Event()
+        self._thread = threading.Thread(target=self._poll, name="disttrain-notes", daemon=True)
+        self._thread.start()
+
+    def _poll(self) -> None:
+        while not self._stop.wait(POLL_S):
+            if self.stopped():
+                os.kill(os.getpid(), signal.SIGTERM)  # the agent stops the workers: no restart
+                return
+
+    def stopped(self) -> bool:
+        """Whether a rank asked for the job to stop: a user error or a failure not retried."""
+        return (worker_notes.read_user_error(self.folder) is not None
+                or worker_notes.read_not_retried(self.folder) is not None)
+
+    def report(self) -> int:
+        """Print what stopped the job (once, from the launching process, last) and
+        return the job's exit status: a user error's line (2), or a failure's
+        traceback and line (its status)."""
+        line = worker_notes.read_user_error(self.folder)
+        if line is not None:
+            print(line, file=sys.stderr, flush=True)
+            return 2
+        record = worker_notes.read_not_retried(self.folder) or {}
+        text = record.get("line", "a rank stopped the job")
+        if record.get("oom") is not None:
+            from disttrain.launch.oom_advice import advice
+
+            text += f"; {advice(record['oom'])}"
+        if record.get("traceback"):
+            print(record["traceback"].rstrip(), file=sys.stderr)
+        status = int(record.get("status") or 1)
+        print(f"disttrain run: {text} (exit status {status}).", file=sys.stderr, flush=True)
+        return status
+
+    def saved_step(self) -> int | None:
+        return worker_notes.read_saved(self.folder)
+
+    def close(self) -> None:
+        self._stop.set()
+        os.environ.pop(worker_notes.NOTES_ENV, None)
+        os.environ.pop(worker_notes.TRACES_ENV, None)
+        shutil.rmtree(self.folder, ignore_errors=True)
+        try:
+            os.rmdir(self.traces)  # kept when a rank wrote its trace there
+        except OSError:
+            pass
+
+
+def watch() -> Notes:
+    return Notes()

@@ -1,0 +1,181 @@
+"""Notes a worker leaves for the `disttrain run` that launched it, in a folder of that
+launch (`NOTES_ENV`): what the launcher says at the end must be what happened.
+
+- `user-error`: the first rank's `UserError` line. The launcher prints it once, stops
+  the job and exits 2, without a torchrun restart (a restart would repeat the mistake:
+  a typo, an optimizer built before wrap, a checkpoint of another world size). The
+  worker does not print it and waits to be stopped, so the launcher acts before the
+  agent sees an exit. A worker of a restart that slipped through exits 2 at its start.
+- `not-retried`: the first rank's failure that a retry would repeat (JSON, see
+  `report_not_retried`): the program's own error (`runtime.failures`), or the same
+  unclassified failure in two attempts in a row. The launcher stops the job as for a
+  user error and prints the traceback, if any, then the one line, and exits with the
+  record's status. Ranks that fail only because of it (their peer's connection closed)
+  exit 0 at once and say nothing: their exit must not look like a failure to restart.
+- `failure-<attempt>`: the signature of the first unclassified failure of an attempt,
+  which the crash-loop breaker compares with the attempt before (`repeated_failure`).
+- `saved-rank<N>`: the step a rank saved after a SIGTERM. The launcher says "saved"
+  only when one is there.
+
+Beside the notes, a folder for the per-rank logs (`TRACES_ENV`): the full traceback
+of a failure a rank reported in one line (`trace_file`); `disttrain run` keeps it
+only when a rank wrote there.
+
+Outside `disttrain run` (no `NOTES_ENV`, or not a torchrun worker) nothing is written
+and a user error is printed as usual. Plain Python, no torch: the lowest layer.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import sys
+import time
+from pathlib import Path
+
+NOTES_ENV = "DISTTRAIN_LAUNCH_NOTES"
+TRACES_ENV = "DISTTRAIN_TRACES"
+USER_ERROR = "user-error"
+NOT_RETRIED = "not-retried"
+WAIT_S = 10.0
+"""How long a worker with a user error waits for the launcher to stop the job."""
+
+
+def _folder() -> Path | None:
+    path = os.environ.get(NOTES_ENV)
+    if not path or "LOCAL_RANK" not in os.environ:  # the launcher itself, or no launcher
+        return None
+    return Path(path)
+
+
+def under_launcher() -> bool:
+    """True in a worker started by `disttrain run`."""
+    return _folder() is not None
+
+
+def _write_once(path: Path, text: str) -> bool:
+    """Write `text` to `path` unless it exists (the first writer wins); atomic."""
+    tmp = path.with_name(f".{path.name}.{os.getpid()}")
+    try:
+        tmp.write_text(text)
+        os.link(tmp, path)
+        return True
+    except OSError:  # FileExistsError: another rank was first
+        return False
+    finally:
+        tmp.unlink(missing_ok=True)
+
+
+def report_user_error(name: str, error: BaseException) -> int:
+    """Show a user's mistake in one line; returns the exit status, 2. Under `disttrain
+    run` the line goes to the launcher (see the module) and this call waits to be
+    stopped; elsewhere it is printed to stderr."""
+    if write_user_error(name, error):
+        wait_to_be_stopped()  # the launcher stops the job now (SIGTERM); then exit 2
+    return 2
+
+
+def write_user_error(name: str, error: BaseException) -> bool:
+    """The note of `report_user_error` without the wait; False (and the line printed to
+    stderr) outside `disttrain run`."""
+    line = f"disttrain {name}: error: {error}"
+    folder = _folder()
+    if folder is None:
+        print(line, file=sys.stderr, flush=True)
+        return False
+    _write_once(folder / USER_ERROR, line)
+    return True
+
+
+def earlier_stop() -> bool:
+    """True when a rank of this launch already reported a user error or a failure that
+    is not retried (in a worker at its start: a restart the launcher did not stop in
+    time; after a failed collective: its peer stopped on purpose)."""
+    folder = _folder()
+    return folder is not None and ((folder / USER_ERROR).exists() or (folder / NOT_RETRIED).exists())
+
+
+def report_not_retried(line: str, status: int, traceback: str | None = None, oom: dict | None = None) -> bool:
+    """Hand the launcher a failure it must not retry: `line` (what failed, where, and
+    that it is not retried), the exit status the job ends with, the `traceback` to
+    print before the line, and for an out-of-memory error the facts the planner needs
+    (`oom`: params, strategy, world, optimizer, precision). The first rank wins;
+    returns whether this one did. The caller then waits to be stopped
+    (`wait_to_be_stopped`)."""
+    folder = _folder()
+    if folder is None:
+        return False
+    record = {"line": line, "status": status, "traceback": traceback, "oom": oom}
+    return _write_once(folder / NOT_RETRIED, json.dumps(record))
+
+
+def wait_to_be_stopped() -> None:
+    """After a note the launcher acts on: it stops the job now (SIGTERM), before the
+    agent sees this worker exit (which it would restart)."""
+    time.sleep(WAIT_S)
+
+
+def read_not_retried(folder: str | Path) -> dict | None:
+    try:
+        return json.loads((Path(folder) / NOT_RETRIED).read_text())
+    except (OSError, ValueError):
+        return None
+
+
+def repeated_failure(attempt: tuple[int, int], signature: str) -> str | None:
+    """Record `signature` as attempt `attempt`'s (restart count, in-memory generation)
+    first unclassified failure; return it when the attempt before ended with the same
+    one (a crash loop), else None. Outside `disttrain run`: None."""
+    folder = _folder()
+    if folder is None:
+        return None
+    name = "failure-%06d-%06d" % attempt
+    _write_once(folder / name, signature)
+    names = sorted(p.name for p in folder.glob("failure-*"))
+    mine = names.index(name)
+    if mine == 0:
+        return None
+    try:
+        ours, before = (folder / name).read_text(), (folder / names[mine - 1]).read_text()
+    except OSError:
+        return None
+    return ours if ours == before else None
+
+
+def first_to_say(event: str) -> bool:
+    """Whether this rank is the first to report `event` (a name unique to it, such as
+    an attempt's lost peer), so that one line is said per event whatever the number of
+    ranks that saw it. Outside `disttrain run`: True."""
+    folder = _folder()
+    return folder is None or _write_once(folder / f"said-{event}", "")
+
+
+def trace_file(rank: int) -> Path | None:
+    """This rank's log of full tracebacks under `disttrain run` (None elsewhere)."""
+    path = os.environ.get(TRACES_ENV)
+    return Path(path) / f"rank{rank}.log" if path and _folder() is not None else None
+
+
+def note_saved(rank: int, step: int) -> None:
+    """After a preemption's save on `rank` (a no-op outside `disttrain run`)."""
+    folder = _folder()
+    if folder is not None:
+        _write_once(folder / f"saved-rank{rank}", str(step))
+
+
+def read_user_error(folder: str | Path) -> str | None:
+    try:
+        return (Path(folder) / USER_ERROR).read_text().strip() or None
+    except OSError:
+        return None
+
+
+def read_saved(folder: str | Path) -> int | None:
+    """The step the ranks saved after a SIGTERM (the lowest reported), or None."""
+    steps = []
+    for f in Path(folder).glob("saved-rank*"):
+        try:
+            steps.append(int(f.read_text()))
+        except (OSError, ValueError):
+            continue
+    return min(steps) if steps else None
