@@ -27,6 +27,7 @@ _EXPORTS = {
     "disttrain.errors": ["ConfigError", "DistributedMismatchError", "UserError"],
     "disttrain.guard": ["check_consistency", "check_replicas", "start_guard"],
     "disttrain.train.job": ["Job"],
+    "disttrain.train.job_config": ["RunOptions"],
     "disttrain.train.trackers": ["MlflowTracker", "WandbTracker"],
     "disttrain.train.loop": ["Accumulator", "clip_grad_norm", "no_sync", "warmup_cosine"],
     "disttrain.train.metrics": ["JsonlWriter", "MeanTracker", "global_mean", "global_sum", "print_main"],
@@ -60,6 +61,7 @@ if TYPE_CHECKING:  # static tools see the real names
     from disttrain.errors import ConfigError, DistributedMismatchError, UserError  # noqa: F401
     from disttrain.guard import check_consistency, check_replicas, start_guard  # noqa: F401
     from disttrain.train.job import Job  # noqa: F401
+    from disttrain.train.job_config import RunOptions  # noqa: F401
     from disttrain.train.trackers import MlflowTracker, WandbTracker  # noqa: F401
     from disttrain.train.loop import Accumulator, clip_grad_norm, no_sync, warmup_cosine  # noqa: F401
     from disttrain.train.metrics import (JsonlWriter, MeanTracker, global_mean, global_sum,  # noqa: F401
