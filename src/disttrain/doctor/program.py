@@ -10,7 +10,7 @@ import re
 from functools import cached_property
 
 from disttrain.doctor.names import (
-    DISTTRAIN_INITS, EXTERNAL, LIBRARY_DEVICE_BINDS, SET_DEVICE, _FUNCS, collective_name, is_const,
+    DISTTRAIN_INITS, EXTERNAL, LIBRARY_DEVICE_BINDS, SET_DEVICE, FUNCTION_NODES, collective_name, is_const,
     kwarg_value, rank_aware_logging, ref, word)
 
 
@@ -139,7 +139,7 @@ class ProgramFacts:
                 if d in self.collective_functions]
         return hits[0] if hits else None
 
-    def _collective_name(self, f, call: ast.Call) -> str | None:
+    def call_collective_name(self, f, call: ast.Call) -> str | None:
         key = id(call)
         cache = self._names
         if key not in cache:
@@ -162,7 +162,7 @@ class ProgramFacts:
                 for a in f.ancestors(w.call):
                     if isinstance(a, ast.If) and child in a.body and ref(a.test):
                         here.add(ref(a.test))
-                    if isinstance(a, _FUNCS):
+                    if isinstance(a, FUNCTION_NODES):
                         break
                     child = a
                 flags = here if flags is None else flags & here
@@ -177,7 +177,7 @@ class ProgramFacts:
         for n in f.scoped.get(d, ()):
             if not isinstance(n, ast.Call):
                 continue
-            name, inner = self._collective_name(f, n), True
+            name, inner = self.call_collective_name(f, n), True
             if name is None:
                 for _, callee in self.resolve(f, n):
                     if callee in known and callee is not d:
@@ -284,7 +284,7 @@ def off_mode(f, node: ast.AST, flags: set[str]) -> bool:
                     isinstance(s, ast.Assert) and isinstance(s.test, ast.UnaryOp) and isinstance(s.test.op, ast.Not)
                     and ref(s.test.operand) in flags for s in block[:block.index(child)]):
                 return True
-        if isinstance(a, _FUNCS):
+        if isinstance(a, FUNCTION_NODES):
             break
         child = a
     return False

@@ -19,7 +19,7 @@ from disttrain.doctor.rules_job import job_windows
 _ACCUM_WORDS = ("accum", "grad_acc", "gradient_acc", "ga_steps")
 
 
-def _is_accum_word(word: str) -> bool:
+def is_accum_word(word: str) -> bool:
     low = word.lower()
     return any(w in low for w in _ACCUM_WORDS)
 
@@ -27,7 +27,7 @@ def _is_accum_word(word: str) -> bool:
 def _divisions(node: ast.AST) -> list[ast.AST]:
     """Divisions by an accumulation count inside `node`: `x / accum_steps`."""
     return [n for n in ast.walk(node)
-            if isinstance(n, ast.BinOp) and isinstance(n.op, ast.Div) and mentions(n.right, _is_accum_word)]
+            if isinstance(n, ast.BinOp) and isinstance(n.op, ast.Div) and mentions(n.right, is_accum_word)]
 
 
 def _returns_divided(facts: Facts, name: str) -> bool:
@@ -175,7 +175,7 @@ def _blocks(node: ast.AST) -> list[list[ast.stmt]]:
 
 def _stmt_divisions(facts: Facts, stmt: ast.stmt, name: str) -> list[ast.AST]:
     if isinstance(stmt, ast.AugAssign) and isinstance(stmt.op, ast.Div) and ref(stmt.target) == name \
-            and mentions(stmt.value, _is_accum_word):
+            and mentions(stmt.value, is_accum_word):
         return [stmt]
     if isinstance(stmt, ast.Assign) and any(ref(t) == name for t in stmt.targets):
         out = list(_divisions(stmt.value))

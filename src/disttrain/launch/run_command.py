@@ -119,7 +119,7 @@ def _flag_value(argv: list[str], *names: str) -> str | None:
     return value
 
 
-def _split_script(argv: list[str]) -> tuple[list[str], list[str]]:
+def split_script(argv: list[str]) -> tuple[list[str], list[str]]:
     """Split at the first positional (the script or module), so its args pass untouched."""
     flags_with_value = {"--nproc", "--nproc-per-node", "--nproc_per_node", "--nnodes",
                         "--rdzv-backend", "--rdzv_backend", "--rdzv-endpoint", "--rdzv_endpoint",
@@ -225,7 +225,7 @@ def build_torchrun_args(argv: list[str]) -> tuple[list[str], dict[str, str]]:
     Raises `UserError` for a missing script, more processes than visible GPUs, or a
     bad preemption grace (see `preempt_grace_s`).
     """
-    flags, script = _split_script(argv)
+    flags, script = split_script(argv)
     debug, fast = "--debug" in flags, "--fast-recovery" in flags
     flags = [f for f in flags if f not in ("--debug", "--fast-recovery")]
     flags, hang_env = take_hang_timeout(flags, _flag_value(flags, HANG_FLAG))
@@ -311,7 +311,7 @@ def torchrun_has_shutdown_timeout() -> bool:
 
 def main(argv: list[str]) -> int:
     """Run torchrun in this process and return the job's exit code."""
-    if any(f in ("-h", "--help") for f in _split_script(argv)[0]):
+    if any(f in ("-h", "--help") for f in split_script(argv)[0]):
         return run_help.show()
     from disttrain.runtime.fault_injection import parse as parse_faults
 
