@@ -14,7 +14,13 @@ import warnings
 from typing import Any, Callable
 
 # old module -> its new module, or {name: new module} for a module split in several
-MOVED: dict[str, str | dict[str, str]] = {}
+MOVED: dict[str, str | dict[str, str]] = {
+    "disttrain.train.loop": "disttrain.train.accumulation",
+    "disttrain.train.metrics": {**dict.fromkeys(("global_sum", "global_mean", "MeanTracker"),
+                                                "disttrain.train.global_metrics"),
+                                **dict.fromkeys(("JsonlWriter", "print_main"), "disttrain.train.rank0_output"),
+                                **dict.fromkeys(("StepClock", "peak_memory_mb"), "disttrain.train.run_log")},
+}
 
 
 def new_home(old: str, name: str) -> str:

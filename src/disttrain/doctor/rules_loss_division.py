@@ -107,7 +107,7 @@ def _accumulator_names(facts: Facts) -> set[str]:
     `Accelerator(gradient_accumulation_steps=N)`: their backward() divides the loss by
     the accumulation steps itself (accelerate's `loss / self.gradient_accumulation_steps`)."""
     out = set()
-    makers = facts.calls_to("disttrain.Accumulator", "disttrain.train.loop.Accumulator",
+    makers = facts.calls_to("disttrain.Accumulator", "disttrain.train.accumulation.Accumulator", "disttrain.train.loop.Accumulator",
                             "disttrain.loop.Accumulator")
     makers += [c for c in facts.calls_to("accelerate.Accelerator")
                if (k := kwarg(c, "gradient_accumulation_steps")) is not None and not _is_one(k)]

@@ -11,10 +11,11 @@
     misuse.py        Job steps what it was given: a script's own step/backward is an error
     recorded.py      which samples a batch holds; which optimizers existed before wrap
     run_summary.py   summary.json and the table, over every attempt of a run
-    run_log.py       per-rank step time and memory, run_events.jsonl, TensorBoard
+    run_log.py       per-rank step time (StepClock) and memory, run_events.jsonl, TensorBoard
     trackers.py      W&B and MLflow: rank 0's records, one tracker run across attempts
-    loop.py          Accumulator (no_sync, loss scaled once, clip, step), warmup_cosine
-    metrics.py       global (sum, count) means, rank-0 JSONL writer, print_main
+    accumulation.py  Accumulator (no_sync, loss scaled once, clip, step), warmup_cosine
+    global_metrics.py  global (sum, count) means: global_sum, global_mean, MeanTracker
+    rank0_output.py  rank 0's JSONL writer and print_main
     progress.py      rich progress bar and summary table
     resume.py        the "checkpoint -> now" config comparison on resume
     sources.py       the model, data and loss a config names (built-in or the user's)

@@ -58,7 +58,7 @@ from disttrain.train.finite_check import FiniteCheck
 from disttrain.train.metrics_window import MetricsWindow
 from disttrain.train.saving import Saving
 from disttrain.train.sources import to_device
-from disttrain.train.loop import Accumulator
+from disttrain.train.accumulation import Accumulator
 from disttrain.train.misuse import BACKWARD_MESSAGE, Ownership, require_backward
 from disttrain.train.recorded import Recorded, built_after, optimizer_mark, watch_optimizers
 from disttrain.train.job_config import RunOptions, checkpoint_root

@@ -23,7 +23,7 @@ from disttrain.train import resume, run_summary, sources
 from disttrain.train.evaluation import loss_metric
 from disttrain.train.job import Job
 from disttrain.train.job_config import RunOptions
-from disttrain.train.loop import warmup_cosine
+from disttrain.train.accumulation import warmup_cosine
 
 
 def build_optimizer(model: torch.nn.Module, cfg: Config, ndims: dict[str, int]) -> torch.optim.Optimizer:
