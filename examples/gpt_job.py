@@ -7,7 +7,7 @@ the model is the one the plain script trains.
     python examples/gpt_job.py --make-data                                # data/stdlib/{train,val}.bin
     disttrain run --nproc 2 --max-restarts 3 examples/gpt_job.py          # killed: it resumes
 
-The change is 122 changed code lines (15 added, 107 removed; comments, blank lines and
+The change is 123 changed code lines (16 added, 107 removed; comments, blank lines and
 indentation not counted), as `python -m bench.code_diff examples/gpt_torchrun.py
 examples/gpt_job.py --diff` counts and shows them. What the lines buy: a kill -9 or a SIGTERM resumes
 from the newest valid checkpoint with bit-identical weights and every window of the
@@ -25,6 +25,7 @@ import numpy as np
 import torch
 
 import disttrain as dt
+from disttrain.config import CheckpointConfig, Config, TrainConfig
 from disttrain.demo import GPT, GPTConfig
 
 
@@ -58,9 +59,10 @@ def lr_lambda(args):
 def main(args) -> None:
     # The process group (torchrun's environment, or none under plain python), this rank's
     # device, the seed on every rank, SIGTERM, checkpoints and resume: the job's.
-    with dt.Job(args.out, accum_steps=args.accum, grad_clip=1.0, seed=args.seed,
-                checkpoint_every=args.ckpt_every, log_every=args.log_every,
-                tokens_per_sample=args.block_size) as job:
+    # The run's settings are the TOML's own sections (optim.grad_clip is 1.0 by default).
+    config = Config(train=TrainConfig(accum_steps=args.accum, seed=args.seed, log_every=args.log_every),
+                    checkpoint=CheckpointConfig(every=args.ckpt_every))
+    with dt.Job(args.out, config, run=dt.RunOptions(tokens_per_sample=args.block_size)) as job:
         config = GPTConfig(block_size=args.block_size, n_layer=args.n_layer, n_head=args.n_head, n_embd=args.n_embd)
         model = job.wrap(GPT(config))  # DDP, on this rank's device
         optimizer = torch.optim.AdamW(model.parameters(), lr=args.lr, weight_decay=0.1, betas=(0.9, 0.95))

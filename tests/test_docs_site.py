@@ -75,8 +75,8 @@ def test_reference_shows_arguments_and_defaults(site):
     # one line or one parameter a line, single or double quotes: as a formatter (ruff, black)
     # installed beside mkdocstrings renders it
     text = re.sub(r"\s+", " ", _text(site / "reference" / "api" / "index.html")).replace('"', "'")
-    for default in ("strategy: str = 'ddp'", "precision: str = 'fp32'", "seed: int = 0",
-                    "log_every: int = 1", "tokens_per_sample: int = 0", "at_start: bool = False"):
+    for default in ("progress: bool = True", "precision: str = 'fp32'", "seed: int = 0",
+                    "exit_on_preempt: bool = True", "tokens_per_sample: int = 0", "at_start: bool = False"):
         assert default in text, f"the reference does not show {default!r}"
 
 

@@ -14,6 +14,7 @@ from torch.utils.data import TensorDataset
 import disttrain as dt
 from conftest import built_once, ROOT, WORKERS, run_disttrain, worker_env
 from disttrain.demo import MLP, MLPConfig
+from disttrain.errors import UserError
 from disttrain.elastic import final_timeline
 
 EXAMPLE = "examples/plain_to_disttrain.py"
@@ -258,3 +259,38 @@ def test_the_step_loop_is_one_function_of_at_most_60_lines():
     source = inspect.getsource(Job._step_loop)
     assert len(source.splitlines()) <= 60, len(source.splitlines())
     assert "yield" in source and "job_finish.finish" in source and "saving.after_step" in source
+
+
+@pytest.mark.parametrize("keyword, where", [("keep_last", "config.checkpoint.keep_last"),
+                                            ("checkpoint_dir", "config.checkpoint.dir"),
+                                            ("async_save", "config.checkpoint.async_mode"),
+                                            ("compile", "config.train.compile"),
+                                            ("sharding", "config.parallel.sharding"),
+                                            ("tokens_per_sample", "dt.RunOptions(tokens_per_sample")])
+def test_a_keyword_that_moved_names_where_it_went(tmp_path, keyword, where):
+    with pytest.raises(UserError) as e:
+        dt.Job(tmp_path, **{keyword: 1})
+    assert where in str(e.value) and "\n" not in str(e.value)
+
+
+def test_an_unknown_keyword_lists_the_ones_taken(tmp_path):
+    with pytest.raises(UserError, match="unknown keyword 'checkpont_every'.*checkpoint_every"):
+        dt.Job(tmp_path, checkpont_every=5)
+
+
+def test_the_config_object_is_taken_whole_and_a_short_keyword_overrides_it(tmp_path):
+    """Without a config the Job's defaults (not the TOML's); a given Config's fields are
+    used, a short keyword wins over its field, and the caller's Config is not changed."""
+    from disttrain.config import CheckpointConfig, Config, ElasticConfig, TrainConfig
+
+    plain = dt.Job(tmp_path)
+    assert (plain.cfg.train.seed, plain.cfg.train.log_every, plain.cfg.optim.grad_clip,
+            plain.cfg.checkpoint.every) == (0, 1, 0.0, 100)
+    config = Config(train=TrainConfig(seed=5, log_every=3), elastic=ElasticConfig(batch_policy="rescale_lr"),
+                    checkpoint=CheckpointConfig(every=3, keep_last=7, dir=str(tmp_path / "ck")))
+    job = dt.Job(tmp_path / "out", config, checkpoint_every=9, strategy="fsdp")
+    assert (job.cfg.train.seed, job.cfg.train.log_every, job.cfg.checkpoint.keep_last) == (5, 3, 7)
+    assert (job.cfg.checkpoint.every, job.strategy, job.cfg.elastic.batch_policy) == (9, "fsdp", "rescale_lr")
+    assert job.checkpoint_dir == tmp_path / "ck" and config.checkpoint.every == 3
+    with pytest.raises(UserError, match="takes a disttrain.config.Config"):
+        dt.Job(tmp_path, {"train": {}})

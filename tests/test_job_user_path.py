@@ -16,6 +16,7 @@ import pytest
 import torch
 
 import disttrain as dt
+from disttrain.config import CheckpointConfig, Config
 from conftest import built_once, ROOT, WORKERS, run_disttrain, worker_env
 
 SCRIPT = str(WORKERS / "job_script.py")
@@ -195,8 +196,9 @@ def test_job_has_the_trainers_checkpoint_options(tmp_path):
     """Job lacked checkpoint.dir, async saves, fallback and on_error; a changed LR in a Job
     script was silently replaced by the checkpoint's."""
     def run(lr: float, steps: int) -> float:
-        with dt.Job(tmp_path / "out", checkpoint_dir=tmp_path / "ckpts", async_save="thread",
-                    fallback=True, on_error="continue", checkpoint_every=2, progress=False) as job:
+        config = Config(checkpoint=CheckpointConfig(dir=str(tmp_path / "ckpts"), async_mode="thread",
+                                                    fallback=True, on_error="continue", every=2))
+        with dt.Job(tmp_path / "out", config, progress=False) as job:
             model = job.wrap(torch.nn.Linear(4, 1))
             opt = torch.optim.SGD(model.parameters(), lr=lr)
             loader = job.loader(torch.utils.data.TensorDataset(torch.randn(32, 4)), batch_size=4)

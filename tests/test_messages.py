@@ -58,7 +58,7 @@ def test_the_speaker_is_the_way_in():
     """Fast recovery's and the buddy copy's messages take their prefix from here."""
     dt.Job("unused-dir")
     assert log.speaker() == "disttrain job"
-    dt.Job("unused-dir", config={"train": {}})  # how the trainer makes its Job
+    dt.Job("unused-dir", run=dt.RunOptions(stored_config={"train": {}}))  # how the trainer makes its Job
     assert log.speaker() == "disttrain train"
 
 

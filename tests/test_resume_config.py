@@ -12,7 +12,7 @@ from conftest import built_once, run_disttrain
 from disttrain.checkpoint import CheckpointMismatch
 from disttrain.config import load_config, to_dict
 from disttrain.train import resume
-from disttrain.train.loop import warmup_cosine
+from disttrain.train.accumulation import warmup_cosine
 
 SMALL = ["--model.n_layer=1", "--model.n_embd=32", "--model.n_head=2", "--model.block_size=32",
          "--data.max_bytes=50000", "--train.batch_size=4", "--train.eval_every=0",

@@ -27,9 +27,11 @@ _EXPORTS = {
     "disttrain.errors": ["ConfigError", "DistributedMismatchError", "UserError"],
     "disttrain.guard": ["check_consistency", "check_replicas", "start_guard"],
     "disttrain.train.job": ["Job"],
+    "disttrain.train.job_config": ["RunOptions"],
     "disttrain.train.trackers": ["MlflowTracker", "WandbTracker"],
-    "disttrain.train.loop": ["Accumulator", "clip_grad_norm", "no_sync", "warmup_cosine"],
-    "disttrain.train.metrics": ["JsonlWriter", "MeanTracker", "global_mean", "global_sum", "print_main"],
+    "disttrain.train.accumulation": ["Accumulator", "clip_grad_norm", "no_sync", "warmup_cosine"],
+    "disttrain.train.global_metrics": ["MeanTracker", "global_mean", "global_sum"],
+    "disttrain.train.rank0_output": ["JsonlWriter", "print_main"],
     "disttrain.parallel": ["Layout", "join", "make_optimizer", "unwrap", "wrap"],
     "disttrain.parallel.precision": ["AgreedGradScaler", "autocast", "make_grad_scaler"],
     "disttrain.runtime": ["RankInfo", "barrier", "distributed", "init", "rank_info", "shutdown"],
@@ -60,10 +62,11 @@ if TYPE_CHECKING:  # static tools see the real names
     from disttrain.errors import ConfigError, DistributedMismatchError, UserError  # noqa: F401
     from disttrain.guard import check_consistency, check_replicas, start_guard  # noqa: F401
     from disttrain.train.job import Job  # noqa: F401
+    from disttrain.train.job_config import RunOptions  # noqa: F401
     from disttrain.train.trackers import MlflowTracker, WandbTracker  # noqa: F401
-    from disttrain.train.loop import Accumulator, clip_grad_norm, no_sync, warmup_cosine  # noqa: F401
-    from disttrain.train.metrics import (JsonlWriter, MeanTracker, global_mean, global_sum,  # noqa: F401
-                                   print_main)
+    from disttrain.train.accumulation import Accumulator, clip_grad_norm, no_sync, warmup_cosine  # noqa: F401
+    from disttrain.train.global_metrics import MeanTracker, global_mean, global_sum  # noqa: F401
+    from disttrain.train.rank0_output import JsonlWriter, print_main  # noqa: F401
     from disttrain.parallel import Layout, join, make_optimizer, unwrap, wrap  # noqa: F401
     from disttrain.parallel.precision import AgreedGradScaler, autocast, make_grad_scaler  # noqa: F401
     from disttrain.runtime import RankInfo, barrier, distributed, init, rank_info, shutdown  # noqa: F401

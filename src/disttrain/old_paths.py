@@ -23,6 +23,11 @@ MOVED: dict[str, str | dict[str, str]] = {
     "disttrain.checkpoint.hf_export": {name: "disttrain.config.hf_model_config" for name in (
         "HF_PREFIX", "causal_lm_from_config", "hf_config_from_section", "hf_section", "import_transformers",
         "resolve_hf_path")},
+    "disttrain.train.loop": "disttrain.train.accumulation",
+    "disttrain.train.metrics": {**dict.fromkeys(("global_sum", "global_mean", "MeanTracker"),
+                                                "disttrain.train.global_metrics"),
+                                **dict.fromkeys(("JsonlWriter", "print_main"), "disttrain.train.rank0_output"),
+                                **dict.fromkeys(("StepClock", "peak_memory_mb"), "disttrain.train.run_log")},
 }
 
 

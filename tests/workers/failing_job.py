@@ -20,6 +20,7 @@ import os
 import torch
 
 import disttrain as dt
+from disttrain.config import Config, ParallelConfig
 
 
 def fail(kind: str, step: int, rank: int):
@@ -39,7 +40,8 @@ def main(a):
         import tracker
 
         tracker.send(a.tcp, "start")
-    with dt.Job(a.out, checkpoint_every=4, progress=False, timeout_s=a.timeout_s) as job:
+    config = Config(parallel=ParallelConfig(timeout_s=a.timeout_s))
+    with dt.Job(a.out, config, checkpoint_every=4, progress=False) as job:
         if job.info.rank == 0:
             os.makedirs(a.out, exist_ok=True)
             with open(f"{a.out}/starts.log", "a") as f:

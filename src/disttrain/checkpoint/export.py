@@ -46,7 +46,7 @@ def tensor_table(step_dir: Path) -> list[tuple[str, tuple, torch.dtype, int]]:
     return rows
 
 
-def _read_one(step_dir: Path, key: str) -> torch.Tensor:
+def read_one(step_dir: Path, key: str) -> torch.Tensor:
     with warnings.catch_warnings():  # "no process group: single process" is the intent here
         warnings.simplefilter("ignore")
         sd = load_keys(step_dir, {key})
@@ -117,7 +117,7 @@ def export_safetensors(step_dir: str | os.PathLike, to: str | os.PathLike,
             f.write(len(blob).to_bytes(8, "little"))
             f.write(blob)
             for key, shape, dtype, _ in rows:
-                t = _read_one(step_dir, key).detach().to("cpu").contiguous()
+                t = read_one(step_dir, key).detach().to("cpu").contiguous()
                 if tuple(t.shape) != shape or t.dtype != dtype:
                     raise UserError(f"{key}: read {tuple(t.shape)} {t.dtype}, metadata says {shape} {dtype}.")
                 f.write(t.view(torch.uint8).numpy().tobytes() if t.numel() else b"")

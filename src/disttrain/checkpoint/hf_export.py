@@ -48,7 +48,7 @@ def export_hf(step_dir: str | os.PathLike, out_dir: str | os.PathLike,
     Returns {'tensors', 'to', 'model_type'}."""
     import torch
 
-    from disttrain.checkpoint.export import _read_one, tensor_table
+    from disttrain.checkpoint.export import read_one, tensor_table
 
     step_dir, out = Path(step_dir), Path(out_dir)
     rows = {r[0]: r for r in tensor_table(step_dir) if r[0].startswith("model.")}
@@ -83,7 +83,7 @@ def export_hf(step_dir: str | os.PathLike, out_dir: str | os.PathLike,
         if tuple(old.shape) != rows[key][1]:
             wrong.append(f"{holders[0][2]} is {tuple(old.shape)} in the model, {rows[key][1]} stored")
             continue
-        value = _read_one(step_dir, key).detach().to("cpu")
+        value = read_one(step_dir, key).detach().to("cpu")
         new = torch.nn.Parameter(value, requires_grad=False) if isinstance(old, torch.nn.Parameter) else value
         for module, attr, _ in holders:
             setattr(module, attr, new)  # nn.Module files a known buffer's name under its buffers

@@ -18,7 +18,7 @@ from __future__ import annotations
 import ast
 import operator
 
-from disttrain.doctor.names import _FUNCS
+from disttrain.doctor.names import FUNCTION_NODES
 
 _UNKNOWN = object()
 _DEPTH = 8  # calls deep; each (function, constants, depth) is walked once
@@ -177,7 +177,7 @@ class _Walk:
     def block(self, stmts: list, env: dict, cond: bool):
         best = None
         for s in stmts:
-            if isinstance(s, (*_FUNCS, ast.ClassDef)):
+            if isinstance(s, (*FUNCTION_NODES, ast.ClassDef)):
                 continue
             if isinstance(s, ast.If):
                 best = _better(best, self.expr(s.test, env, cond))
@@ -230,7 +230,7 @@ class _Walk:
         if isinstance(node, ast.Call) and self.target is not None:
             return _better(best, (self.facts, node, "", not cond) if node is self.target else None)
         if isinstance(node, ast.Call):
-            name = self.project._collective_name(self.facts, node)
+            name = self.project.call_collective_name(self.facts, node)
             if name:
                 return _better(best, (self.facts, node, name, not cond))
             hit = reached_collective(self.project, self.facts, node, env, self.depth)

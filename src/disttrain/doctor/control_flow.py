@@ -13,7 +13,8 @@ from __future__ import annotations
 
 import ast
 
-from disttrain.doctor.rank_names import _is_local_word, is_guard_word, named_rank_counts
+from disttrain.doctor.names import ref as _ref, word as _word
+from disttrain.doctor.rank_names import is_guard_word, is_local_word, named_rank_counts
 
 GLOBAL = "global"
 LOCAL = "local"
@@ -28,9 +29,6 @@ _ZERO_ONLY_DECORATORS = ("main_process", "master_process", "is_main_process", "r
 
 # Statements that end a block: after `if rank != 0: return`, the rest is rank 0 only.
 _EXITS = (ast.Return, ast.Continue, ast.Break, ast.Raise)
-
-_FUNCS = (ast.FunctionDef, ast.AsyncFunctionDef, ast.Lambda)
-
 
 def exclusive(facts, a: ast.AST, b: ast.AST) -> bool:
     """True when `a` and `b` lie in different branches of the same if/elif/else chain
@@ -55,19 +53,6 @@ def _branch(node: ast.If | ast.IfExp, child: ast.AST) -> int:
     return 1 if child in node.body else -1 if child in node.orelse else 0
 
 
-def _word(n: ast.AST) -> str | None:
-    return n.id if isinstance(n, ast.Name) else n.attr if isinstance(n, ast.Attribute) else None
-
-
-def _ref(node: ast.AST) -> str | None:
-    if isinstance(node, ast.Name):
-        return node.id
-    if isinstance(node, ast.Attribute):
-        inner = _ref(node.value)
-        return f"{inner}.{node.attr}" if inner else None
-    return None
-
-
 def guard_kind(facts, test: ast.AST) -> str | None:
     """"global" or "local" when an `if` test checks the rank, None otherwise. A test
     that checks both (`rank == 0 and local_rank == 0`) is global."""
@@ -79,7 +64,7 @@ def guard_kind(facts, test: ast.AST) -> str | None:
 
 
 def _guard_kind(facts, test: ast.AST) -> str | None:
-    if _is_env_presence(test):
+    if is_env_presence(test):
         return None
     if isinstance(test, ast.BoolOp) and isinstance(test.op, ast.Or) and _or_on_every_rank(facts, test):
         return None
@@ -96,7 +81,7 @@ def _guard_kind(facts, test: ast.AST) -> str | None:
             kinds.add(funcs[_word(n.func)])
         elif word and not named_rank_counts(facts, n, word):
             continue  # `if self.negatives_across_rank:`: a setting, not a rank
-        elif word and _is_local_word(word):
+        elif word and is_local_word(word):
             kinds.add(LOCAL)
         elif word and is_guard_word(word):
             kinds.add(GLOBAL)
@@ -159,7 +144,7 @@ def distributed_test(test: ast.AST) -> int:
                 return 1
             if isinstance(op, (ast.Eq, ast.LtE)) and value == 1:
                 return -1
-        if (_is_local_word(w) or "rank" in w) and value == -1:
+        if (is_local_word(w) or "rank" in w) and value == -1:
             return 1 if isinstance(op, (ast.NotEq, ast.Gt, ast.GtE)) else -1 if isinstance(op, (ast.Eq, ast.Lt, ast.LtE)) else 0
         if "rank" in w and value == 0 and isinstance(op, (ast.GtE, ast.Lt)):
             return 1 if isinstance(op, ast.GtE) else -1  # `rank >= 0`: set up at all?
@@ -169,13 +154,13 @@ def distributed_test(test: ast.AST) -> int:
 _ENV_KEYS = ("RANK", "LOCAL_RANK", "WORLD_SIZE")
 
 
-def _is_env_presence(test: ast.AST) -> bool:
+def is_env_presence(test: ast.AST) -> bool:
     """`"RANK" in os.environ`, `os.environ.get("RANK") is not None`, `os.getenv("RANK")`:
     "launched by torchrun?", the same answer on every rank, so no rank guard."""
     while isinstance(test, ast.UnaryOp) and isinstance(test.op, ast.Not):
         test = test.operand
     if isinstance(test, ast.BoolOp):  # `"RANK" in os.environ and "WORLD_SIZE" in os.environ`
-        return all(_is_env_presence(v) for v in test.values)
+        return all(is_env_presence(v) for v in test.values)
     if isinstance(test, ast.Compare) and len(test.ops) == 1:
         op, right = test.ops[0], test.comparators[0]
         if isinstance(op, (ast.In, ast.NotIn)):

@@ -34,7 +34,7 @@ from typing import TYPE_CHECKING
 
 from disttrain.doctor import control_flow, rank_values
 from disttrain.doctor.names import (  # noqa: F401  (re-exported for the rules)
-    EXTERNAL, GLOBAL, LOCAL, SOLO, _FUNCS, callee_name, collective_name, is_launcher, is_spawn,
+    EXTERNAL, GLOBAL, LOCAL, SOLO, FUNCTION_NODES, callee_name, collective_name, is_launcher, is_spawn,
     kwarg_value, ref, word)
 from disttrain.doctor.program import ProgramFacts
 
@@ -75,7 +75,7 @@ class Project(ProgramFacts):
             for c, _ in f.calls:
                 if is_launcher(f, c):
                     s = f.scope_of(c)
-                    if isinstance(s, _FUNCS):
+                    if isinstance(s, FUNCTION_NODES):
                         out.add(s)
         return out
 
@@ -172,7 +172,7 @@ class Project(ProgramFacts):
         name = callee_name(facts, call)
         if name and name in self.classes:  # `TensorboardLogger(...)` runs its __init__
             inits = [(f, d) for f, c in self.classes[name] for d in c.body
-                     if isinstance(d, _FUNCS) and d.name == "__init__"]
+                     if isinstance(d, FUNCTION_NODES) and d.name == "__init__"]
             own = [(f, d) for f, d in inits if f is facts]
             imported = self.imports.get(id(facts), set())
             return own or [(f, d) for f, d in inits if id(f) in imported]
@@ -287,12 +287,12 @@ class Project(ProgramFacts):
         while changed:
             changed = False
             for fn, sites in self.call_sites.items():
-                if not isinstance(fn, _FUNCS) or fn.name in self.entry_points:  # (keys are all defs)
+                if not isinstance(fn, FUNCTION_NODES) or fn.name in self.entry_points:  # (keys are all defs)
                     continue
                 kinds = [control_flow.rank_guard(f, c) for f, c in sites]
                 if not kinds or not all(kinds):
                     continue
-                if _complementary(sites):
+                if complementary_sites(sites):
                     continue  # called from both branches of one rank test: every rank calls it
                 kind = LOCAL if LOCAL in kinds else GLOBAL if GLOBAL in kinds else SOLO
                 if guarded.get(fn) is None or (guarded[fn] != kind and guarded[fn] == SOLO):
@@ -303,7 +303,7 @@ class Project(ProgramFacts):
     # ----- printing and logging -----------------------------------------------------
 
 
-def _complementary(sites) -> bool:
+def complementary_sites(sites) -> bool:
     """Two call sites sit in opposite branches of the same `if` on the rank (sam2's
     `broadcast()` called under `if get_rank() == src:` and in its `else`)."""
     seen: dict[int, set[bool]] = {}
@@ -313,7 +313,7 @@ def _complementary(sites) -> bool:
             if isinstance(a, ast.If) and child is not a.test and control_flow.guard_kind(f, a.test):
                 seen.setdefault(id(a), set()).add(child in a.body)
                 break
-            if isinstance(a, _FUNCS):
+            if isinstance(a, FUNCTION_NODES):
                 break
             child = a
     return any(len(v) == 2 for v in seen.values())

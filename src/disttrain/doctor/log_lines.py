@@ -8,7 +8,7 @@ import ast
 from disttrain.doctor.facts import Facts, mentions
 
 
-def _is_rank_word(word: str) -> bool:
+def is_rank_word(word: str) -> bool:
     return "rank" in word.lower()
 
 
@@ -16,10 +16,10 @@ _OWN_IDS = ("gpu_id", "getpid", "proc_id", "local_id", "node_id", "process_index
 
 
 def _names_own_id(w: str) -> bool:
-    return _is_rank_word(w) or w in _OWN_IDS
+    return is_rank_word(w) or w in _OWN_IDS
 
 
-def _per_rank_message(facts: Facts, call: ast.Call) -> bool:
+def per_rank_message(facts: Facts, call: ast.Call) -> bool:
     """The line names this process (its rank, pid, SLURM ids): in an f-string or a
     format, as a %-argument of a logger call (`logger.info("rank=%s", cfg.local_rank)`),
     or in a message variable built so (`log_str += ' rank {}'.format(rank)`)."""
@@ -45,7 +45,7 @@ def _built_with_own_id(facts: Facts, call: ast.Call, name: str) -> bool:
     return False
 
 
-def _error_report(facts: Facts, call: ast.Call) -> bool:
+def error_report(facts: Facts, call: ast.Call) -> bool:
     """A print that reports this rank's own failure (a file it could not read), not a line
     every rank repeats: its text starts with "Error" or "Failed", or it sits in an `except`
     handler that carries on (no re-raise) and names the exception or starts with "Warning"."""

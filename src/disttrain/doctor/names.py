@@ -27,7 +27,7 @@ LIBRARY_LAUNCHERS = ("detectron2.engine.launch", "detectron2.engine.launch.launc
                      "detectron2.engine.defaults.launch", "accelerate.notebook_launcher",
                      "accelerate.launchers.notebook_launcher")
 
-_FUNCS = (ast.FunctionDef, ast.AsyncFunctionDef)
+FUNCTION_NODES = (ast.FunctionDef, ast.AsyncFunctionDef)
 
 # torch.distributed functions every rank of the group must call.
 TORCH_COLLECTIVES = {
@@ -198,7 +198,7 @@ def takes_node_rank(facts) -> bool:
     return False
 
 
-def _is_rank_word(w: str) -> bool:
+def is_rank_word(w: str) -> bool:
     return "rank" in w.lower()
 
 
@@ -213,7 +213,7 @@ def rank_aware_logging(facts) -> bool:
         last = q.rsplit(".", 1)[-1]
         # any Formatter (colorlog's ColoredFormatter too) whose format names the rank
         if last.endswith("Formatter") or last in ("basicConfig", "setLevel", "disable", "addHandler"):
-            if any(mentions(a, _is_rank_word) or any(
+            if any(mentions(a, is_rank_word) or any(
                     isinstance(c, ast.Constant) and isinstance(c.value, str) and "rank" in c.value.lower()
                     for c in ast.walk(a))
                    for a in list(call.args) + [k.value for k in call.keywords]):

@@ -11,7 +11,7 @@ from functools import cached_property
 from typing import TYPE_CHECKING
 
 from disttrain.doctor.names import (
-    DISTTRAIN_INITS, EXTERNAL, LIBRARY_DEVICE_BINDS, SET_DEVICE, _FUNCS, collective_name, is_const,
+    DISTTRAIN_INITS, EXTERNAL, LIBRARY_DEVICE_BINDS, SET_DEVICE, FUNCTION_NODES, collective_name, is_const,
     kwarg_value, rank_aware_logging, ref, word)
 
 if TYPE_CHECKING:
@@ -156,7 +156,7 @@ class ProgramFacts:
                 if d in self.collective_functions]
         return hits[0] if hits else None
 
-    def _collective_name(self, f: Facts, call: ast.Call) -> str | None:
+    def call_collective_name(self, f: Facts, call: ast.Call) -> str | None:
         key = id(call)
         cache = self._names
         if key not in cache:
@@ -181,7 +181,7 @@ class ProgramFacts:
                     flag = ref(a.test) if isinstance(a, ast.If) and child in a.body else None
                     if flag:
                         here.add(flag)
-                    if isinstance(a, _FUNCS):
+                    if isinstance(a, FUNCTION_NODES):
                         break
                     child = a
                 flags = here if flags is None else flags & here
@@ -196,7 +196,7 @@ class ProgramFacts:
         for n in f.scoped.get(d, ()):
             if not isinstance(n, ast.Call):
                 continue
-            name, inner = self._collective_name(f, n), True
+            name, inner = self.call_collective_name(f, n), True
             if name is None:
                 for _, callee in self.resolve(f, n):
                     if callee in known and callee is not d:
@@ -303,7 +303,7 @@ def off_mode(f, node: ast.AST, flags: set[str]) -> bool:
                     isinstance(s, ast.Assert) and isinstance(s.test, ast.UnaryOp) and isinstance(s.test.op, ast.Not)
                     and ref(s.test.operand) in flags for s in block[:block.index(child)]):
                 return True
-        if isinstance(a, _FUNCS):
+        if isinstance(a, FUNCTION_NODES):
             break
         child = a
     return False

@@ -26,7 +26,7 @@ _GUARD_WORDS = ("rank", "is_main", "main_process", "is_master", "master_process"
                 "rank_zero", "main_only", "master_only")
 
 
-def _is_local_word(word: str) -> bool:
+def is_local_word(word: str) -> bool:
     low = word.lower()
     # a GPU index, or Accelerate's `is_local_main_process`: one process per node
     return ("local" in low and any(w in low for w in ("rank", "main", "master"))) or low == "gpu_id"
@@ -76,7 +76,7 @@ def named_rank_counts(facts, node: ast.AST, word: str) -> bool:
     (`self.src_rank == 0`, `% 8`). A setting whose name mentions ranks, tested for its
     truth (`if self.negatives_across_rank:`), is no rank. Names that are not rank words
     pass through."""
-    if not (_is_local_word(word) or is_guard_word(word)) or _is_flag_word(word) or \
+    if not (is_local_word(word) or is_guard_word(word)) or _is_flag_word(word) or \
             word.lower() in _BARE_RANKS:
         return True
     parent = facts.parents.get(node)
@@ -107,7 +107,7 @@ def named_only(facts, test: ast.AST) -> str | None:
             return None
         if word in _LIBRARY_RANKS or (isinstance(n, ast.Attribute) and (word or "").lower() in _BARE_RANKS):
             return None
-        if first is None and word and (_is_local_word(word) or is_guard_word(word)) and \
+        if first is None and word and (is_local_word(word) or is_guard_word(word)) and \
                 named_rank_counts(facts, n, word) and not word.lower().endswith("_only"):
             first = _ref(n) or word
     return first

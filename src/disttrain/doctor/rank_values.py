@@ -7,8 +7,9 @@ from __future__ import annotations
 
 import ast
 
-from disttrain.doctor.control_flow import GLOBAL, LOCAL, _FUNCS, _is_env_presence, _ref, _word
-from disttrain.doctor.rank_names import _is_local_word, is_guard_word, named_rank_counts
+from disttrain.doctor.control_flow import GLOBAL, LOCAL, is_env_presence
+from disttrain.doctor.names import FUNCTION_NODES, ref as _ref, word as _word
+from disttrain.doctor.rank_names import is_guard_word, is_local_word, named_rank_counts
 
 def rank_variables(facts) -> dict[str, str]:
     """Names and attributes that hold a rank or a rank flag, with the kind: this file's
@@ -136,7 +137,7 @@ def value_rank_kind(facts, value: ast.AST, variables: dict, funcs: dict) -> str 
             k = value_rank_kind(facts, part, variables, funcs)
             if k is None and isinstance(part, (ast.Name, ast.Attribute)):
                 w = _word(part) or ""
-                if _is_local_word(w):
+                if is_local_word(w):
                     k = LOCAL
                 elif is_guard_word(w) and not any(x in w.lower() for x in _NOT_FLAGS):
                     k = GLOBAL
@@ -179,7 +180,7 @@ def _is_none(n: ast.AST) -> bool:
 
 
 def _test_kind(facts, test: ast.AST, variables: dict) -> str | None:
-    if _is_env_presence(test):
+    if is_env_presence(test):
         return None
     kinds = set()
     for n in ast.walk(test):
@@ -190,7 +191,7 @@ def _test_kind(facts, test: ast.AST, variables: dict) -> str | None:
             kinds.add(variables[name])
         elif w and not named_rank_counts(facts, n, w):
             continue  # a setting named after ranks, tested for its truth
-        elif w and _is_local_word(w):
+        elif w and is_local_word(w):
             kinds.add(LOCAL)
         elif w and is_guard_word(w):
             kinds.add(GLOBAL)
@@ -204,7 +205,7 @@ def _if_guard_only(facts, node: ast.AST, variables: dict) -> str | None:
             k = _test_kind(facts, a.test, variables)
             if k:
                 return k
-        if isinstance(a, _FUNCS):
+        if isinstance(a, FUNCTION_NODES):
             return None
         child = a
     return None

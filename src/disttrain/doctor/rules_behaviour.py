@@ -239,7 +239,7 @@ def guard_true_on_every_rank(facts: Facts):
     default = _local_rank_argument(facts)
     if default is None or facts.project.reads_local_rank_env or _starts_own_processes(facts):
         return
-    from disttrain.doctor.rules_io import _saves
+    from disttrain.doctor.rules_io import torch_saves
     for call in facts.calls_to("torch.cuda.set_device"):
         if call.args and "local_rank" in ast.unparse(call.args[0]) and facts.rank_guard(call) is None:
             yield finding(facts, call, "guard-true-on-every-rank",
@@ -248,7 +248,7 @@ def guard_true_on_every_rank(facts: Facts):
                           "environment) every rank binds the same GPU; torch.distributed.launch from torch "
                           "2.0 passes `--local-rank`, which this parser does not define.",
                           "read local_rank = int(os.environ['LOCAL_RANK']) (torchrun and launch both set it).")
-    for call in _saves(facts, wrappers=True):
+    for call in torch_saves(facts, wrappers=True):
         test = _guard_test_naming(facts, call, "local_rank")
         if test is None:
             continue

@@ -9,12 +9,12 @@ from __future__ import annotations
 
 import ast
 
-from disttrain.doctor.rank_names import _is_local_word
+from disttrain.doctor.rank_names import is_local_word
 from disttrain.doctor.facts import Facts, is_const, kwarg, mentions, ref
 from disttrain.doctor.findings import WARNING, finding, rule
 
 
-def _reads_local_rank(facts: Facts, value: ast.AST) -> bool:
+def reads_local_rank(facts: Facts, value: ast.AST) -> bool:
     """`value` is a LOCAL_RANK read, or a name assigned only from one in its file."""
     def local_read(v: ast.AST) -> bool:
         return any(isinstance(n, ast.Constant) and n.value == "LOCAL_RANK" for n in ast.walk(v))
@@ -31,8 +31,8 @@ def _local_rank_value(facts: Facts, value: ast.AST) -> bool:
     it), and no global rank (`rank`, `get_rank()`) alongside."""
     words = [w for n in ast.walk(value) if (w := (n.id if isinstance(n, ast.Name) else
                                                   n.attr if isinstance(n, ast.Attribute) else None))]
-    local = any(_is_local_word(w) for w in words) or _reads_local_rank(facts, value)
-    global_too = any("rank" in w.lower() and not _is_local_word(w) for w in words)
+    local = any(is_local_word(w) for w in words) or reads_local_rank(facts, value)
+    global_too = any("rank" in w.lower() and not is_local_word(w) for w in words)
     return local and not global_too
 
 

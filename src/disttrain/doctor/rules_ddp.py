@@ -11,7 +11,7 @@ import ast
 from disttrain.doctor.control_flow import distributed_test
 from disttrain.doctor.facts import Facts, arg, base_ref, is_const, kwarg, mentions, ref
 from disttrain.doctor.findings import ERROR, WARNING, finding, rule
-from disttrain.doctor.rules_io import _saves
+from disttrain.doctor.rules_io import torch_saves
 
 
 @rule("data-parallel", ("P-DDP-1",), WARNING,
@@ -120,7 +120,7 @@ def _block_of(parent: ast.AST | None, n: ast.stmt) -> list[ast.stmt]:
     return []
 
 
-def _is_optimizer(q: str) -> bool:
+def is_optimizer(q: str) -> bool:
     parts = q.split(".")
     last = parts[-1]
     if last in ("ZeroRedundancyOptimizer",):
@@ -129,7 +129,7 @@ def _is_optimizer(q: str) -> bool:
         and last not in ("Optimizer",)
 
 
-def _param_refs(call: ast.Call) -> set[str]:
+def param_refs(call: ast.Call) -> set[str]:
     """Modules whose parameters an optimizer receives: `model.parameters()` -> model."""
     params = arg(call, 0, "params")
     out: set[str] = set()
@@ -153,7 +153,7 @@ def _param_refs(call: ast.Call) -> set[str]:
       DDP trains (apex's amp.initialize even needs it that way). An optimizer and a wrap in
       different branches of one if/elif/else never meet.""")
 def optimizer_before_wrap(facts: Facts):
-    opts = [(c, _param_refs(c)) for c, q in facts.calls if _is_optimizer(q)]
+    opts = [(c, param_refs(c)) for c, q in facts.calls if is_optimizer(q)]
     for w in facts.wraps:
         if w.kind in ("dp", "ddp") or not w.arg:
             continue
@@ -242,7 +242,7 @@ def ddp_state_dict_prefix(facts: Facts):
                and not _resumed_into_wrapper(facts, w)]
     if not wrapped:
         return
-    for save in _saves(facts):
+    for save in torch_saves(facts):
         obj = arg(save, 0, "obj")
         if obj is None:
             continue

@@ -13,7 +13,7 @@ from typing import Iterable
 from disttrain.doctor.facts import DISTTRAIN_INITS, Facts, arg, kwarg
 from disttrain.doctor.findings import ERROR, WARNING, finding, rule
 from disttrain.doctor.names import LIBRARY_DEVICE_BINDS, SET_DEVICE as _SET_DEVICE
-from disttrain.doctor.rules_launch import _environ_key
+from disttrain.doctor.rules_launch import environ_key
 
 
 @rule("missing-set-device", ("P-INIT-2",), ERROR,
@@ -239,7 +239,7 @@ def _gloo_only(facts: Facts) -> bool:
 
 def _visible_devices_assignments(facts: Facts) -> list[ast.Assign]:
     return [n for n in facts.nodes if isinstance(n, ast.Assign)
-            and any(_environ_key(facts, t) == "CUDA_VISIBLE_DEVICES" for t in n.targets)]
+            and any(environ_key(facts, t) == "CUDA_VISIBLE_DEVICES" for t in n.targets)]
 
 
 def _cuda_uses(facts: Facts) -> list[tuple[ast.expr, bool]]:

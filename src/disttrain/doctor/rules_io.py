@@ -10,9 +10,9 @@ import ast
 
 from disttrain.doctor.facts import Facts, arg, has_star_kwargs, is_const, kwarg, mentions, ref
 from disttrain.doctor.control_flow import LOCAL
-from disttrain.doctor.log_lines import _error_report, _per_rank_message
+from disttrain.doctor.log_lines import error_report, per_rank_message
 from disttrain.doctor.save_paths import (
-    _accelerator_saves, _is_rank_word, _moves, _moves_path, _per_process_word, _per_rank_variable, checkpoint_copies,
+    accelerator_saves, is_rank_word, atomic_moves, moves_path, per_process_word, per_rank_variable, checkpoint_copies,
     ends_the_process, in_temporary_dir)
 from disttrain.doctor.findings import ERROR, WARNING, finding, rule
 from disttrain.doctor.names import rank_aware_logging
@@ -143,12 +143,12 @@ def unguarded_log(facts: Facts):
     if not (facts.distributed or facts.calls_to("lightning.fabric.Fabric", "lightning_fabric.Fabric")):
         return  # a Fabric script is launched on several ranks by `fabric run`
     for call, what in _log_calls(facts):
-        if _per_rank_message(facts, call):
+        if per_rank_message(facts, call):
             continue  # the line names its rank (or pid): one distinct line per rank is the intent
         if _unused_helper(facts, call):
             continue  # no file of the run calls it: whether every rank does is out of view
         kind = facts.rank_guard(call)
-        if kind is None and what == "print()" and _error_report(facts, call):
+        if kind is None and what == "print()" and error_report(facts, call):
             continue  # each failing rank reports its own failure
         if kind == LOCAL:
             yield finding(facts, call, "unguarded-log",
@@ -161,7 +161,7 @@ def unguarded_log(facts: Facts):
                           "guard it with `if rank == 0:` (or a rank-zero-only helper).")
 
 
-def _saves(facts: Facts, wrappers: bool = False) -> list[ast.Call]:
+def torch_saves(facts: Facts, wrappers: bool = False) -> list[ast.Call]:
     """torch.save calls; with `wrappers`, also the calls of the project's functions that
     hand their arguments to torch.save (`utils.save_on_master(ckpt, path)`)."""
     out = facts.calls_to("torch.save")
@@ -211,10 +211,10 @@ def reached_from_view(facts: Facts, node: ast.AST) -> bool:
       rank (LOCAL_RANK, local_rank, gpu_id read from LOCAL_RANK) is a warning: on several
       nodes sharing a filesystem, each node's local rank 0 writes the same file.""")
 def unguarded_save(facts: Facts):
-    for call in _saves(facts):
+    for call in torch_saves(facts):
         path = _save_path(call)
-        if path is not None and (mentions(path, _per_process_word) or _is_buffer(facts, path) or
-                                 _per_rank_variable(facts, path, call, _per_process_word)):
+        if path is not None and (mentions(path, per_process_word) or _is_buffer(facts, path) or
+                                 per_rank_variable(facts, path, call, per_process_word)):
             continue  # one file per rank, or memory: no two writers share a file
         kind = facts.rank_guard(call)
         if not facts.distributed and kind != LOCAL:
@@ -250,14 +250,14 @@ def unguarded_save(facts: Facts):
       name in the same directory, then `os.replace(tmp, path)`: readers see the old
       checkpoint or the new one, never half of one.""")
 def non_atomic_save(facts: Facts):
-    moves = _moves(facts)
-    for call in _saves(facts, wrappers=True) + _accelerator_saves(facts):
+    moves = atomic_moves(facts)
+    for call in torch_saves(facts, wrappers=True) + accelerator_saves(facts):
         path = _save_path(call, facts)
         if path is None or _is_buffer(facts, path) or _atomic_writer(facts, path) or \
                 in_temporary_dir(facts, call, path) or ends_the_process(facts, call):
             continue
         scope = facts.scope_of(call)
-        if any(facts.scope_of(m) is scope and m.lineno >= call.lineno and _moves_path(facts, m, path)
+        if any(facts.scope_of(m) is scope and m.lineno >= call.lineno and moves_path(facts, m, path)
                for m in moves):
             continue
         if moves and mentions(path, lambda w: "tmp" in w.lower() or "temp" in w.lower()):
@@ -274,7 +274,7 @@ def non_atomic_save(facts: Facts):
                       "torch.save writes the final checkpoint path directly: a crash mid-write "
                       "leaves a corrupt checkpoint under the real name.",
                       "save to f\"{path}.tmp\" in the same directory, then os.replace(tmp, path).")
-    for c in checkpoint_copies(facts, _saves(facts, wrappers=True), lambda s: _save_path(s, facts)):
+    for c in checkpoint_copies(facts, torch_saves(facts, wrappers=True), lambda s: _save_path(s, facts)):
         yield finding(facts, c, "non-atomic-save", "this copy of a checkpoint writes its target straight under "
                       "the final name: a crash mid-copy leaves a torn file there.",
                       "copy to a temporary name in the same directory, then os.replace it into place.")
@@ -359,7 +359,7 @@ def load_without_map_location(facts: Facts):
         source = arg(call, 0, "f")
         if source is not None and _is_buffer(facts, source):
             continue  # bytes another rank serialised (broadcast_object): no checkpoint file
-        if source is not None and (mentions(source, _is_rank_word) or _per_rank_variable(facts, source, call)):
+        if source is not None and (mentions(source, is_rank_word) or per_rank_variable(facts, source, call)):
             continue  # this rank's own shard (`..._rank_{rank}.pt`), saved from its own device
         if source is not None and any(isinstance(n, ast.Constant) and "scheduler" in str(n.value).lower()
                                       for n in ast.walk(source)):

@@ -15,7 +15,7 @@ from typing import TypeGuard
 
 from disttrain.doctor.facts import Facts, kwarg, ref
 from disttrain.doctor.findings import ERROR, WARNING, finding, rule
-from disttrain.doctor.rules_ddp import _is_optimizer, _param_refs
+from disttrain.doctor.rules_ddp import is_optimizer, param_refs
 
 _JOB = ("disttrain.Job", "disttrain.train.Job", "disttrain.train.job.Job")
 
@@ -120,7 +120,7 @@ def job_optimizer_before_wrap(facts: Facts):
     if not jobs:
         return
     wraps = [n for n in facts.nodes if _job_call(n, jobs, "wrap") and n.args]
-    opts = [(c, _param_refs(c)) for c, q in facts.calls if _is_optimizer(q)]
+    opts = [(c, param_refs(c)) for c, q in facts.calls if is_optimizer(q)]
     for w in wraps:
         arg = ref(w.args[0])
         parent = facts.parents.get(w)

@@ -12,7 +12,7 @@ import re
 from disttrain.doctor.facts import Facts, arg, has_star_kwargs, kwarg, ref
 from disttrain.doctor.findings import ERROR, WARNING, finding, rule
 from disttrain.doctor.names import SET_DEVICE, takes_node_rank
-from disttrain.doctor.rules_data import _reads_local_rank, rank_kwarg_calls
+from disttrain.doctor.rules_data import reads_local_rank, rank_kwarg_calls
 
 
 # Backends that simulate a process group in one process: nothing to wait for.
@@ -117,7 +117,7 @@ def _seconds(node: ast.AST) -> float | None:
       rendezvous fails or waits forever. Pass the global rank (`int(os.environ["RANK"])`),
       or leave rank out and let `env://` read it.""")
 def init_rank_is_local_rank(facts: Facts):
-    for call, value in rank_kwarg_calls(facts, "init_process_group", _reads_local_rank):
+    for call, value in rank_kwarg_calls(facts, "init_process_group", reads_local_rank):
         yield finding(facts, call, "init-rank-is-local-rank",
                       f"rank={ast.unparse(value)} is the node-local rank: on several nodes two "
                       "processes claim each rank and the group never forms.",
@@ -141,7 +141,7 @@ def hardcoded_master_port(facts: Facts):
         # os.environ["MASTER_PORT"] = "29500"
         if isinstance(node, ast.Assign) and isinstance(node.value, ast.Constant):
             for t in node.targets:
-                if _environ_key(facts, t) == "MASTER_PORT":
+                if environ_key(facts, t) == "MASTER_PORT":
                     yield finding(facts, node, "hardcoded-master-port", msg, fix)
         # os.environ.setdefault("MASTER_PORT", "12355") / os.putenv("MASTER_PORT", ...)
         if isinstance(node, ast.Call) and len(node.args) == 2 and \
@@ -169,7 +169,7 @@ def hardcoded_master_port(facts: Facts):
                           "host collide.", fix)
 
 
-def _environ_key(facts: Facts, target: ast.AST) -> str | None:
+def environ_key(facts: Facts, target: ast.AST) -> str | None:
     if isinstance(target, ast.Subscript) and (facts.qualname(target.value) or "").endswith("os.environ"):
         key = target.slice
         if isinstance(key, ast.Constant) and isinstance(key.value, str):
@@ -228,9 +228,9 @@ def sampler_without_set_epoch(facts: Facts):
         shuffle = arg(call, 3, "shuffle")
         if isinstance(shuffle, ast.Constant) and shuffle.value is False:
             continue  # a fixed order does not depend on the epoch
-        names = _sampler_names(facts, call)
+        names = sampler_names(facts, call)
         dataset = ref(arg(call, 0, "dataset") or call)
-        if any(_is_eval_name(n) for n in names | {dataset or ""}):
+        if any(is_eval_name(n) for n in names | {dataset or ""}):
             continue  # evaluation order does not matter
         unseen, followed = [], False
         for callee in _callees_given(facts, names):
@@ -308,11 +308,11 @@ def _caller_sets_epoch(facts: Facts, call: ast.Call, unseen: list[str], depth: i
 _EVAL_WORDS = {"val", "valid", "validation", "eval", "evaluation", "test", "testing", "dev"}
 
 
-def _is_eval_name(name: str) -> bool:
+def is_eval_name(name: str) -> bool:
     return any(t in _EVAL_WORDS for t in re.split(r"[^a-z]+", name.lower()))
 
 
-def _sampler_names(facts: Facts, call: ast.Call) -> set[str]:
+def sampler_names(facts: Facts, call: ast.Call) -> set[str]:
     """Every name the sampler is reachable by: its own (`sampler = DistributedSampler(...)`,
     or `... if distributed else None`), a kwargs dict holding it, the DataLoader built from
     it (`DataLoader(ds, **kwargs)`), a list it is appended to, and names copied from those."""

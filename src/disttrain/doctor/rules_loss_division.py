@@ -20,7 +20,7 @@ _ACCUM_WORDS = ("accum", "grad_acc", "gradient_acc", "ga_steps")
 Site = ast.expr | ast.stmt  # where a loss is divided: `x / k`, `loss /= k`, a call that divides
 
 
-def _is_accum_word(word: str) -> bool:
+def is_accum_word(word: str) -> bool:
     low = word.lower()
     return any(w in low for w in _ACCUM_WORDS)
 
@@ -28,7 +28,7 @@ def _is_accum_word(word: str) -> bool:
 def _divisions(node: ast.AST) -> list[Site]:
     """Divisions by an accumulation count inside `node`: `x / accum_steps`."""
     return [n for n in ast.walk(node)
-            if isinstance(n, ast.BinOp) and isinstance(n.op, ast.Div) and mentions(n.right, _is_accum_word)]
+            if isinstance(n, ast.BinOp) and isinstance(n.op, ast.Div) and mentions(n.right, is_accum_word)]
 
 
 def _returns_divided(facts: Facts, name: str) -> bool:
@@ -108,7 +108,7 @@ def _accumulator_names(facts: Facts) -> set[str]:
     `Accelerator(gradient_accumulation_steps=N)`: their backward() divides the loss by
     the accumulation steps itself (accelerate's `loss / self.gradient_accumulation_steps`)."""
     out = set()
-    makers = facts.calls_to("disttrain.Accumulator", "disttrain.train.loop.Accumulator",
+    makers = facts.calls_to("disttrain.Accumulator", "disttrain.train.accumulation.Accumulator", "disttrain.train.loop.Accumulator",
                             "disttrain.loop.Accumulator")
     makers += [c for c in facts.calls_to("accelerate.Accelerator")
                if (k := kwarg(c, "gradient_accumulation_steps")) is not None and not _is_one(k)]
@@ -176,7 +176,7 @@ def _blocks(node: ast.AST) -> list[list[ast.stmt]]:
 
 def _stmt_divisions(facts: Facts, stmt: ast.stmt, name: str) -> list[Site]:
     if isinstance(stmt, ast.AugAssign) and isinstance(stmt.op, ast.Div) and ref(stmt.target) == name \
-            and mentions(stmt.value, _is_accum_word):
+            and mentions(stmt.value, is_accum_word):
         return [stmt]
     if isinstance(stmt, ast.Assign) and any(ref(t) == name for t in stmt.targets):
         out = list(_divisions(stmt.value))

@@ -11,7 +11,7 @@ import ast
 from disttrain.doctor.facts import Facts, is_const, kwarg, mentions, ref
 from disttrain.doctor.findings import ERROR, WARNING, finding, rule
 from disttrain.doctor.program import off_mode
-from disttrain.doctor.rules_loss_division import _is_accum_word
+from disttrain.doctor.rules_loss_division import is_accum_word
 
 
 def _is_optim_word(word: str) -> bool:
@@ -34,7 +34,7 @@ def accumulation_without_no_sync(facts: Facts):
         if not mentions(step.func, _is_optim_word):
             continue
         for a in facts.ancestors(step):
-            if isinstance(a, ast.If) and (mentions(a.test, _is_accum_word) or any(
+            if isinstance(a, ast.If) and (mentions(a.test, is_accum_word) or any(
                     isinstance(n, ast.BinOp) and isinstance(n.op, ast.Mod) for n in ast.walk(a.test))):
                 yield finding(facts, step, "accumulation-without-no-sync",
                               "gradients are accumulated over micro-steps, but DDP still "

@@ -15,7 +15,7 @@ from disttrain.doctor.facts import Facts, arg, is_const, kwarg, mentions, ref
 from disttrain.doctor.findings import ERROR, WARNING, finding, rule
 from disttrain.doctor.names import _FUNCS
 from disttrain.doctor.program import off_mode
-from disttrain.doctor.rules_launch import _is_eval_name, _sampler_names
+from disttrain.doctor.rules_launch import is_eval_name, sampler_names
 
 # Which calls are collectives: names.collective_name (torch.distributed's, Accelerate's,
 # Fabric's, Lightning 2.1's Trainer.save_checkpoint, MPI-style communicators', DCP's).
@@ -166,7 +166,7 @@ def _guarded_calls_into_collectives(facts: Facts, direct: list):
         callees = [d for _, d in project.resolve(facts, call)]
         if hit is not None and any(d in facts.guarded_functions for d in callees):
             continue  # the callee runs under the guard on every call: its collective is reported there
-        if hit is not None and any(dataflow._complementary(project.call_sites.get(d, [])) for d in callees):
+        if hit is not None and any(dataflow.complementary_sites(project.call_sites.get(d, [])) for d in callees):
             continue  # called from both branches of one rank test: every rank reaches it
         if hit is not None:
             # `build_loader(..., rank=-1)`: the constants it passes may turn the collective off
@@ -279,12 +279,12 @@ def _padded_samplers(facts: Facts):
     for call in facts.calls_to("DistributedSampler"):
         if is_const(arg(call, 5, "drop_last"), True):
             continue
-        names = _sampler_names(facts, call)
+        names = sampler_names(facts, call)
         dataset = ref(arg(call, 0, "dataset") or call) or ""
-        if not any(_is_eval_name(n) for n in names | {dataset}):
+        if not any(is_eval_name(n) for n in names | {dataset}):
             continue
         loops = {facts.scope_of(n) for n in facts.nodes if isinstance(n, (ast.For, ast.AsyncFor)) and
-                 mentions(n.iter, lambda w: _is_eval_name(w) or w in names)}
+                 mentions(n.iter, lambda w: is_eval_name(w) or w in names)}
         if any(facts.scope_of(c) in loops for c in gathers):
             yield finding(facts, call, "eval-gather-padded",
                           "this evaluation sampler pads the last shard with repeated samples "
@@ -302,7 +302,7 @@ def _accelerate_gathers(facts: Facts):
             continue
         loop = facts.enclosing_loop(call)
         if loop is not None and loop not in loops and isinstance(loop, (ast.For, ast.AsyncFor)) and \
-                mentions(loop.iter, _is_eval_name) and not _truncates_after(facts, loop):
+                mentions(loop.iter, is_eval_name) and not _truncates_after(facts, loop):
             loops.add(loop)
             yield finding(facts, call, "eval-gather-padded",
                           "accelerator.gather() over an evaluation loader keeps the samples "
@@ -327,7 +327,7 @@ def _fabric_reductions(facts: Facts):
         looped = any(isinstance(n, (ast.For, ast.AsyncFor)) and facts.scope_of(n) is scope and
                      mentions(n.iter, lambda w: "loader" in w.lower()) for n in facts.nodes)
         if looped and (named or any(isinstance(n, (ast.For, ast.AsyncFor)) and facts.scope_of(n) is scope
-                                    and mentions(n.iter, _is_eval_name) for n in facts.nodes)):
+                                    and mentions(n.iter, is_eval_name) for n in facts.nodes)):
             yield finding(facts, call, "eval-gather-padded",
                           f"fabric.{name}() over an evaluation loader that setup_dataloaders gave a "
                           "DistributedSampler: the padded repeats of the last shard are counted.",
@@ -336,7 +336,7 @@ def _fabric_reductions(facts: Facts):
 
 
 def _is_eval_function(name: str) -> bool:
-    return _is_eval_name(name) or name.lower().startswith(("validate", "evaluate"))
+    return is_eval_name(name) or name.lower().startswith(("validate", "evaluate"))
 
 
 def _truncates_after(facts: Facts, loop: ast.AST) -> bool:

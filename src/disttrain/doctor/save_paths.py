@@ -9,7 +9,7 @@ import ast
 from disttrain.doctor.facts import Facts, mentions, ref
 
 
-def _accelerator_saves(facts: Facts) -> list[ast.Call]:
+def accelerator_saves(facts: Facts) -> list[ast.Call]:
     """`accelerator.save(obj, path)` (`self.accelerator.save`): Accelerate's torch.save."""
     return [c for c in facts.method_calls("save") if len(c.args) >= 2 and
             "accelerator" in (ref(c.func.value) or "").rsplit(".", 1)[-1].lower()]  # type: ignore[attr-defined]
@@ -18,7 +18,7 @@ def _accelerator_saves(facts: Facts) -> list[ast.Call]:
 _ATOMIC_MOVES = ("os.replace", "os.rename", "shutil.move")
 
 
-def _moves(facts: Facts) -> list[ast.Call]:
+def atomic_moves(facts: Facts) -> list[ast.Call]:
     """os.replace/os.rename/shutil.move, and Path.replace(target)/Path.rename(target):
     one argument, unlike str.replace(old, new)."""
     out = list(facts.calls_to(*_ATOMIC_MOVES))
@@ -40,7 +40,7 @@ def _path_refs(facts: Facts, node: ast.AST) -> set[str]:
     return out - {"self", "os", "os.path", "shutil", "Path", "str"}
 
 
-def _moves_path(facts: Facts, move: ast.Call, path: ast.AST) -> bool:
+def moves_path(facts: Facts, move: ast.Call, path: ast.AST) -> bool:
     """The move takes the saved file (`os.replace(tmp, path)` after `torch.save(x, tmp)`),
     not another one (verl renames its tracker file after an in-place torch.save of data.pt)."""
     parts = list(move.args) + [k.value for k in move.keywords]
@@ -115,16 +115,16 @@ def _mentions_temp(facts: Facts, node: ast.AST) -> bool:
     return any(w in ast.unparse(node).lower() for w in _TEMP_WORDS)
 
 
-def _is_rank_word(word: str) -> bool:
+def is_rank_word(word: str) -> bool:
     return "rank" in word.lower()
 
 
-def _per_process_word(word: str) -> bool:
+def per_process_word(word: str) -> bool:
     """The rank, or a name unique to the process or the call (`uuid4()`, `getpid()`)."""
-    return _is_rank_word(word) or word in ("uuid4", "uuid1", "getpid")
+    return is_rank_word(word) or word in ("uuid4", "uuid1", "getpid")
 
 
-def _per_rank_variable(facts: Facts, path: ast.AST, call: ast.Call, word=_is_rank_word) -> bool:
+def per_rank_variable(facts: Facts, path: ast.AST, call: ast.Call, word=is_rank_word) -> bool:
     """The path is a variable built from the rank in the same function (`queue_path =
     os.path.join(dump, "queue" + str(args.rank) + ".pth")`, `name = f"..._{rank_save}.pkl"`)."""
     def refs(node):  # whole references only: `args.out`, not `args` or a method's owner

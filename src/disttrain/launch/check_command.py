@@ -33,7 +33,7 @@ from datetime import timedelta
 from disttrain.errors import UserError
 from disttrain.launch.check_facts import Limits, NodeFacts, is_local_address, node_facts, problems, reach, render
 from disttrain.launch.launch_files import OneLineParser
-from disttrain.launch.run_command import DEFAULT_ENV, _split_script
+from disttrain.launch.run_command import DEFAULT_ENV, split_script
 
 ALLREDUCE_BYTES = 8 * 1024 * 1024
 ALLREDUCE_ITERS = 3
@@ -110,7 +110,7 @@ def parse(argv: list[str]) -> CheckArgs:
     """The check's arguments. Raises `UserError` for a bad value; torchrun flags the
     check has no use for (--max-restarts, --log-dir, ...) are ignored."""
     own, rest = _own_flags(argv)
-    flags, script = _split_script(rest)
+    flags, script = split_script(rest)
     ns, unused = _parser().parse_known_args(flags + own)
     _refuse_unknown(unused)
     config, overrides = ns.config, []

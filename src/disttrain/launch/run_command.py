@@ -129,7 +129,7 @@ def _flag_value(argv: list[str], *names: str) -> str | None:
     return value
 
 
-def _split_script(argv: list[str]) -> tuple[list[str], list[str]]:
+def split_script(argv: list[str]) -> tuple[list[str], list[str]]:
     """Split at the first positional (the script or module), so its args pass untouched."""
     flags_with_value = {"--nproc", "--nproc-per-node", "--nproc_per_node", "--nnodes",
                         "--rdzv-backend", "--rdzv_backend", "--rdzv-endpoint", "--rdzv_endpoint",
@@ -267,7 +267,7 @@ def torchrun_for(argv: list[str], cfg: Config | None = None) -> Torchrun:
     Raises `UserError` for a missing script, more processes than visible GPUs, a bad
     config or a bad preemption grace (see `preempt_grace_s`).
     """
-    flags, script = _split_script(argv)
+    flags, script = split_script(argv)
     debug, fast = "--debug" in flags, "--fast-recovery" in flags
     flags = [f for f in flags if f not in ("--debug", "--fast-recovery")]
     flags, hang_env = take_hang_timeout(flags, _flag_value(flags, HANG_FLAG))
@@ -354,7 +354,7 @@ def main(argv: list[str], launched: Launched | None = None) -> int:
     and the resume inspection). For `-m disttrain.train CONFIG` without it the config
     is loaded and checked here, once. Either way it is handed to the ranks for their
     first attempt (`train.launched`: a private file, removed when torchrun returns)."""
-    if any(f in ("-h", "--help") for f in _split_script(argv)[0]):
+    if any(f in ("-h", "--help") for f in split_script(argv)[0]):
         return run_help.show()
     from disttrain.runtime.fault_injection import parse as parse_faults
 
@@ -363,7 +363,7 @@ def main(argv: list[str], launched: Launched | None = None) -> int:
     from disttrain.train.launched import Launched, handed
 
     if launched is None and run.cfg is not None:
-        launched = Launched(tuple(_split_script(argv)[1][1:]), run.cfg)
+        launched = Launched(tuple(split_script(argv)[1][1:]), run.cfg)
     args = run.args
     slots = "disttrain.launch.slot_supervisor" in args and os.environ.get(warm_workers.SWITCH_ENV, "1") == "1"
     server = warm_workers.start_server() if "disttrain.launch.warm_workers" in args or slots else None

@@ -17,7 +17,7 @@ results (Goyal et al. 2017; Hoffer et al. 2017; LAMB) show linear scaling breaki
 around a few hundred to a thousand samples, so the earlier switch is the safe side.
 
 Warmup = min(5% of the total optimizer steps rounded, at least 1, 2000): the same rule
-as `disttrain.train.loop.warmup_cosine(warmup_steps=-1)`, so plan and trainer agree. Schedulers
+as `disttrain.train.accumulation.warmup_cosine(warmup_steps=-1)`, so plan and trainer agree. Schedulers
 count optimizer steps, not micro-steps: with accumulation, `steps` is optimizer steps.
 """
 

@@ -4,16 +4,18 @@
     metrics_window.py  job.log's window and its records (metrics.jsonl, run log, bar)
     finite_check.py  no non-finite loss or weights are saved: one agreed stop
     job_finish.py    the end of Job.steps: final save, model.pt, summary
+    job_config.py    what configures a Job: Config, RunOptions, short keywords
     job_resume.py    where a Job starts: memory (fast recovery), a checkpoint, or step 0
     saving.py        checkpoint cadence (steps, seconds agreed by the ranks) and on_error
     evaluation.py    the eval set sharded across ranks, (sum, count) metrics, its period
     misuse.py        Job steps what it was given: a script's own step/backward is an error
     recorded.py      which samples a batch holds; which optimizers existed before wrap
     run_summary.py   summary.json and the table, over every attempt of a run
-    run_log.py       per-rank step time and memory, run_events.jsonl, TensorBoard
+    run_log.py       per-rank step time (StepClock) and memory, run_events.jsonl, TensorBoard
     trackers.py      W&B and MLflow: rank 0's records, one tracker run across attempts
-    loop.py          Accumulator (no_sync, loss scaled once, clip, step), warmup_cosine
-    metrics.py       global (sum, count) means, rank-0 JSONL writer, print_main
+    accumulation.py  Accumulator (no_sync, loss scaled once, clip, step), warmup_cosine
+    global_metrics.py  global (sum, count) means: global_sum, global_mean, MeanTracker
+    rank0_output.py  rank 0's JSONL writer and print_main
     progress.py      rich progress bar and summary table
     resume.py        the "checkpoint -> now" config comparison on resume
     launched.py      what the launcher of `disttrain train` found, handed to the ranks

@@ -26,7 +26,7 @@ import torch
 from disttrain import runtime
 from disttrain.errors import UserError
 from disttrain.guard import tensor_nbytes
-from disttrain.train.metrics import global_sum
+from disttrain.train.global_metrics import global_sum
 from disttrain.train.sources import batch_loss, to_device
 
 Metric = Callable[[torch.nn.Module, Any], dict]

@@ -32,6 +32,7 @@ each call out of order, and each object that did not come from this job, is one
 
 from __future__ import annotations
 
+import os
 import re
 import signal
 from pathlib import Path
@@ -43,6 +44,7 @@ from torch.utils.data import DataLoader
 from disttrain import runtime, worker_notes
 from disttrain.checkpoint import Checkpointer, TrainState
 from disttrain.config.hf_model_config import hf_section
+from disttrain.config import Config
 from disttrain.data import ElasticSampler
 from disttrain.elastic import PreemptionHandler, SampleAudit, fast_recovery, generation_id
 from disttrain.errors import UserError
@@ -56,9 +58,12 @@ from disttrain.train.finite_check import FiniteCheck
 from disttrain.train.metrics_window import MetricsWindow
 from disttrain.train.saving import Saving
 from disttrain.train.sources import to_device
-from disttrain.train.loop import Accumulator
+from disttrain.train.accumulation import Accumulator
 from disttrain.train.misuse import BACKWARD_MESSAGE, Ownership, require_backward
 from disttrain.train.recorded import Recorded, built_after, optimizer_mark, watch_optimizers
+from disttrain.train.job_config import RunOptions, checkpoint_root
+from disttrain.train.job_config import resolve as resolve_config
+from disttrain.train.trackers import from_config as tracker_list
 from disttrain.train.trackers import resolve as resolve_trackers
 
 
@@ -88,51 +93,40 @@ class Job:
     Args:
         out_dir: Holds `checkpoints/`, `metrics.jsonl`, the final `model.pt`,
             `summary.json` (and `samples/`); the same script run again resumes from it.
+        config (Config | None): The TOML's own sections (`disttrain.config.Config`):
+            [parallel] (strategy, backend, device, timeout_s and `dt.wrap`'s options),
+            [train] (accum_steps, seed, precision, log_every, compile), [optim]
+            (grad_clip), [checkpoint] (every, every_s, keep_last, async_mode, fallback,
+            on_error, enabled, dir), [elastic] (batch_policy, record_samples,
+            preempt_grace_s, buddy_every), [guard], [log] (tensorboard, wandb,
+            mlflow); sections about the model and data are `disttrain train`'s. None:
+            the Job's defaults (the TOML's, except seed 0, log_every 1, grad_clip 0,
+            checkpoint.every 100). Under `disttrain run` the preemption grace is the
+            launcher's (`DISTTRAIN_PREEMPT_GRACE_S`), else `elastic.preempt_grace_s`.
+        run (RunOptions | None): What only an adapter passes (`dt.RunOptions`).
         strategy: For `dt.wrap`: 'ddp', 'zero1', 'fsdp', 'fsdp1' or 'dp'.
-        checkpoint_every: A checkpoint every this many optimizer steps (0: off).
-        checkpoint_every_s: And every this many seconds, agreed by the ranks (0: off);
-            also on preemption and at the end.
-        accum_steps: Micro-batches per optimizer step.
-        seed: Every RNG at start (the same model on every rank); dropout then from
-            (seed, step, rank), the data order from (seed, epoch): resumes bit-identical.
-        grad_clip: Clip the global gradient norm to this (0: off); logged as `grad_norm`.
         precision: 'fp32', 'bf16' or 'fp16' for `dt.wrap` (forward under autocast,
             outputs in fp32). fp16 makes no grad scaler by itself: pass
             `scaler=dt.make_grad_scaler("fp16")` to `resume`, or small gradients vanish.
-        keep_last: Committed checkpoints kept (0 keeps all).
-        batch_policy: For a checkpoint of another world size: 'keep_global' (more
-            accumulation per rank) or 'rescale_lr' (same per-rank batch, lr scaled).
+        accum_steps: Micro-batches per optimizer step.
+        checkpoint_every: A checkpoint every this many optimizer steps (0: off; also
+            every `checkpoint.every_s` seconds, on preemption and at the end).
+        seed: Every RNG at start (the same model on every rank); dropout then from
+            (seed, step, rank), the data order from (seed, epoch): resumes bit-identical.
+        grad_clip: Clip the global gradient norm to this (0: off); logged as `grad_norm`.
         record_samples: Write each step's sample indices under `samples/` (an audit).
-        preempt_grace_s: Seconds from SIGTERM to the kill (the save must fit); None
-            reads `DISTTRAIN_PREEMPT_GRACE_S` (set by `disttrain run`), else 60.
-        backend: 'auto' (gloo on CPU; on GPUs NCCL beside gloo), 'gloo' or 'nccl'.
-        device: 'auto' (this rank's GPU if CUDA is visible, else CPU), 'cuda' or 'cpu';
-            'cuda' without a GPU for this rank is a `UserError`.
-        timeout_s: Rendezvous and collective timeout (torch's is 10-30 minutes).
         tensorboard: Also write the metrics as TensorBoard events in `out_dir/tb`.
-        checkpoint_dir: Checkpoints here instead of `out_dir/checkpoints`.
-        async_save: 'off' (the step waits for the save) or 'thread' (in the background).
-        fallback: Set a damaged newest checkpoint aside and load the one before it.
-        on_error: A failed save: 'stop' raises `CheckpointSaveError` on every rank;
-            'continue' warns and trains on (the previous checkpoint stays newest).
-        log_every: Optimizer steps per metrics record (values averaged over them).
         progress: Rank 0's progress bar.
         trackers (str | list | None): "wandb", "mlflow", `dt.WandbTracker(...)`,
             `dt.MlflowTracker(...)` or a list of them: rank 0 sends each metrics record,
             the config, restarts and world-size changes there; a resumed or restarted
             run continues the same tracker run (a missing package is a `UserError` here).
-        guard (GuardConfig | None): For adapters: start checks and hang watchdog.
-        config: For adapters: the dict each checkpoint stores and a resume compares.
-        exit_on_preempt: False: on SIGTERM `steps()` returns after the save and
-            `job.preempted` is True, instead of `SystemExit(0)`.
-        tokens_per_sample: Throughput, bar and summary count tokens (0: samples).
-        buddy_every: Fast recovery, sharded: steps between in-memory buddy copies.
-        checkpoints: False: no checkpoints at all (nothing resumes).
-        guard_fields: For adapters: values every rank must agree on at start.
-        summary_config: For adapters: the config written into `summary.json`.
-        summary_extra: For adapters: extra entries of `summary.json`.
-        **wrap_options: For `dt.wrap`: `compile=True` (or `torch.compile` options),
-            `sharding=`, `activation_checkpointing=`, ... (unknown: `ConfigError`).
+            None: those the config's [log] names.
+
+    Each short keyword that is not None overrides the config's field. A keyword the
+    constructor of 0.2 took that moved into the config (`keep_last=`,
+    `checkpoint_dir=`, `async_save=`, `compile=`, ...) is one `UserError` naming
+    where it went.
     """
 
     info: runtime.RankInfo
@@ -149,42 +143,31 @@ class Job:
     finite_check: FiniteCheck
     """The parts a run holds, public (job_resume, job_finish, job_failure read them)."""
 
-    def __init__(self, out_dir: str | Path, *, strategy: str = "ddp", checkpoint_every: int = 100,
-                 checkpoint_every_s: float = 600.0, accum_steps: int = 1, seed: int = 0,
-                 grad_clip: float = 0.0, precision: str = "fp32", keep_last: int = 3,
-                 batch_policy: str = "keep_global", record_samples: bool = False,
-                 preempt_grace_s: float | None = None, backend: str = "auto", device: str = "auto",
-                 timeout_s: float = 300.0, tensorboard: bool = True, checkpoint_dir: str | Path | None = None,
-                 async_save: str = "off", fallback: bool = False, on_error: str = "stop",
-                 log_every: int = 1, progress: bool = True, guard=None, config: dict | None = None,
-                 exit_on_preempt: bool = True, tokens_per_sample: int = 0, buddy_every: int = 1,
-                 checkpoints: bool = True, guard_fields: dict | None = None,
-                 summary_config: dict | None = None, summary_extra: dict | None = None,
-                 trackers=None, **wrap_options: Any):
-        if checkpoint_every < 0 or checkpoint_every_s < 0 or accum_steps < 1 or log_every < 1:
-            raise UserError(f"dt.Job: checkpoint_every ({checkpoint_every}) and checkpoint_every_s "
-                            f"({checkpoint_every_s}) must be >= 0, accum_steps ({accum_steps}) and "
-                            f"log_every ({log_every}) >= 1.")
-        for name, value, allowed in (("batch_policy", batch_policy, ("keep_global", "rescale_lr")),
-                                     ("on_error", on_error, ("stop", "continue"))):
+    def __init__(self, out_dir: str | Path, config: Config | None = None, *, run: RunOptions | None = None,
+                 strategy: str | None = None, precision: str | None = None, accum_steps: int | None = None,
+                 checkpoint_every: int | None = None, seed: int | None = None, grad_clip: float | None = None,
+                 record_samples: bool | None = None, tensorboard: bool | None = None, progress: bool = True,
+                 trackers=None, **moved: Any):
+        short = dict(strategy=strategy, precision=precision, accum_steps=accum_steps, seed=seed,
+                     checkpoint_every=checkpoint_every, grad_clip=grad_clip,
+                     record_samples=record_samples, tensorboard=tensorboard)
+        self.cfg = cfg = resolve_config(config, short, moved)
+        """The configuration this job runs with (the config given, the keywords applied)."""
+        self.run = run or RunOptions()
+        c, t = cfg.checkpoint, cfg.train
+        if c.every < 0 or c.every_s < 0 or t.accum_steps < 1 or t.log_every < 1:
+            raise UserError(f"dt.Job: checkpoint.every ({c.every}) and checkpoint.every_s ({c.every_s}) "
+                            f"must be >= 0, train.accum_steps ({t.accum_steps}) and train.log_every "
+                            f"({t.log_every}) >= 1.")
+        for name, value, allowed in (("batch_policy", cfg.elastic.batch_policy, ("keep_global", "rescale_lr")),
+                                     ("on_error", c.on_error, ("stop", "continue"))):
             if value not in allowed:
                 raise UserError(f"dt.Job: {name} {value!r} is not one of {', '.join(map(repr, allowed))}.")
         self.out_dir = Path(out_dir)
-        self.checkpoint_dir = Path(checkpoint_dir) if checkpoint_dir else self.out_dir / "checkpoints"
-        self.strategy, self.precision, self.wrap_options = strategy, precision, wrap_options
-        self.checkpoint_every, self.checkpoint_every_s = checkpoint_every, checkpoint_every_s
-        self.accum_steps, self.seed, self.grad_clip = accum_steps, seed, grad_clip
-        self.keep_last, self.batch_policy, self.record_samples = keep_last, batch_policy, record_samples
-        self.async_save, self.fallback, self.on_error = async_save, fallback, on_error
-        self.preempt_grace_s, self.log_every, self.tensorboard = preempt_grace_s, log_every, tensorboard
-        self.show_progress, self.guard_cfg, self.exit_on_preempt = progress, guard, exit_on_preempt
-        self.tokens_per_sample, self.buddy_every = tokens_per_sample, buddy_every
-        self.summary_extra, self.summary_config = summary_extra or {}, summary_config
-        self.user_config, self.checkpoints, self.guard_fields = config, checkpoints, guard_fields or {}
-        self.trackers = resolve_trackers(trackers)  # a missing package: one line, before any step
-        self._init = dict(backend=backend, device=device, timeout_s=timeout_s, seed=seed)
-        # Each part is None until the call that builds it (enter, wrap, loader, resume,
-        # steps); typed as built, since the order of calls is checked (`_need`).
+        self.checkpoint_dir = checkpoint_root(cfg, self.out_dir)
+        self.show_progress = progress
+        # A missing package: one line, before any step.
+        self.trackers = resolve_trackers(trackers) if trackers is not None else tracker_list(cfg.log)
         self.info = self.model = self.sampler = self.train_loader = self.accumulator = None  # type: ignore[assignment]
         self.state = self.guard = self.preemption = self.handoff = self.saving = None  # type: ignore[assignment]
         self.metrics = self.finite_check = None  # type: ignore[assignment]
@@ -212,11 +195,15 @@ class Job:
 
         self.handoff = fast_recovery.current()
         self._owns_group = not dist.is_initialized()
-        self.info = runtime.init(**self._init)
+        p = self.cfg.parallel
+        self.info = runtime.init(backend=p.backend, device=p.device, timeout_s=p.timeout_s,
+                                 seed=self.cfg.train.seed)
         try:
-            self.preemption = PreemptionHandler(self.preempt_grace_s).install()
-            self.guard = start_guard(self.guard_cfg, config=self.config(),
-                                      timeout_s=self._init["timeout_s"], **self.guard_fields)
+            # The grace `disttrain run` gives its workers (the kill follows it), else the config's.
+            grace = os.environ.get("DISTTRAIN_PREEMPT_GRACE_S") or self.cfg.elastic.preempt_grace_s
+            self.preemption = PreemptionHandler(float(grace)).install()
+            self.guard = start_guard(self.cfg.guard, config=self.config(), timeout_s=p.timeout_s,
+                                     **self.run.guard_fields)
             if self.handoff is not None:
                 self.handoff.keep(guard=self.guard)
         except BaseException as e:
@@ -255,10 +242,12 @@ class Job:
         adapter's `config`, or this job's settings, after `wrap` of a Hugging Face model
         its model section (`model.hf`, `model.hf_config`: what `ckpt export --hf` reads),
         and, after `resume`, the optimizer's hyper-parameters (`job_resume.optim_config`)."""
-        if self.user_config is not None:
-            return self.user_config
-        own = {"strategy": self.strategy, "accum_steps": self.accum_steps, "seed": self.seed,
-               "precision": self.precision, **{k: repr(v) for k, v in self.wrap_options.items()}}
+        if self.run.stored_config is not None:
+            return self.run.stored_config
+        t = self.cfg.train
+        options = {**({"compile": True} if t.compile else {}), **self.run.wrap_options}
+        own = {"strategy": self.strategy, "accum_steps": t.accum_steps, "seed": t.seed,
+               "precision": self.precision, **{k: repr(v) for k, v in options.items()}}
         return {"job": own, **({"model": self._hf_section} if self._hf_section else {})}
 
     def _need(self, done: bool, message: str) -> None:
@@ -271,7 +260,17 @@ class Job:
     @property
     def name(self) -> str:
         """How the job speaks: 'job' (a script's dt.Job) or 'train' (`disttrain train`)."""
-        return "job" if self.user_config is None else "train"
+        return "job" if self.run.stored_config is None else "train"
+
+    @property
+    def strategy(self) -> str:
+        """`parallel.strategy`: how `wrap` distributes the model."""
+        return self.cfg.parallel.strategy
+
+    @property
+    def precision(self) -> str:
+        """`train.precision`: 'fp32', 'bf16' or 'fp16'."""
+        return self.cfg.train.precision
 
     @property
     def device(self) -> torch.device:
@@ -293,9 +292,10 @@ class Job:
                                        "wrapped a model.")
         self._wrap_mark = optimizer_mark()
         self._hf_section = hf_section(model)  # a Hugging Face model: `ckpt export --hf` rebuilds it
-        self.model = wrap(model, strategy=self.strategy, precision=self.precision, **self.wrap_options)
+        self.model = wrap(model, self.cfg.parallel, precision=self.precision,
+                          **{"compile": self.cfg.train.compile, **self.run.wrap_options})
         if self.handoff is not None:
-            self.handoff.attach_buddy(self.strategy != "ddp", self.buddy_every)
+            self.handoff.attach_buddy(self.strategy != "ddp", self.cfg.elastic.buddy_every)
         return self.model
 
     def loader(self, dataset, batch_size: int, *, drop_last: bool = False, shuffle: bool = True,
@@ -317,12 +317,12 @@ class Job:
         if loader_kwargs.get("num_workers", 0) > 0:
             chain = loader_kwargs.pop("worker_init_fn", None)
             loader_kwargs["worker_init_fn"] = lambda i: _ignore_stop_signals(i, chain)
-        self.sampler = ElasticSampler(dataset, batch_size=batch_size, accum_steps=self.accum_steps,
-                                       seed=self.seed, shuffle=shuffle, drop_last=drop_last)
+        self.sampler = ElasticSampler(dataset, batch_size=batch_size, accum_steps=self.cfg.train.accum_steps,
+                                      seed=self.cfg.train.seed, shuffle=shuffle, drop_last=drop_last)
         # A private generator: iter(loader) must not draw from the global (dropout) RNG.
         self._recorded = Recorded(self.sampler)
         self.train_loader = DataLoader(dataset, batch_size=batch_size, sampler=self._recorded,
-                                  drop_last=True, generator=torch.Generator().manual_seed(self.seed),
+                                  drop_last=True, generator=torch.Generator().manual_seed(self.cfg.train.seed),
                                   **loader_kwargs)
         return self.train_loader
 
@@ -375,14 +375,15 @@ class Job:
                                              "first; its sampler position is part of the checkpoint.")
         self._need(self.accumulator is None, "dt.Job.resume() is called once per job, before job.steps().")
         # Construction checks the optimizer holds the wrapped model's parameters (P-DDP-3).
-        acc = Accumulator(model, optimizer, self.accum_steps, scheduler=scheduler,
-                          grad_clip=self.grad_clip, scaler=scaler)
+        acc = Accumulator(model, optimizer, self.cfg.train.accum_steps, scheduler=scheduler,
+                          grad_clip=self.cfg.optim.grad_clip, scaler=scaler)
         self.guard.check_model(model, optimizer)
         self._owner.watch(optimizer, scheduler)
         self.state = TrainState(model=model, optimizer=optimizer, scheduler=scheduler, scaler=scaler,
                                  sampler=self.sampler, extras=extras or {})
-        ckpt = Checkpointer(self.checkpoint_dir, keep_last=self.keep_last, async_mode=self.async_save,
-                            fallback=self.fallback) if self.checkpoints else None
+        c = self.cfg.checkpoint
+        ckpt = Checkpointer(self.checkpoint_dir, keep_last=c.keep_last, async_mode=c.async_mode,
+                            fallback=c.fallback) if c.enabled else None
         if self.handoff is not None:  # the checkpointer's gloo group: cut in a recovery
             self.handoff.publish_listeners()
         self.accumulator = acc
@@ -419,7 +420,7 @@ class Job:
             return
         acc, guard, info, stopping = self.accumulator, self.guard, self.info, False
         audit = SampleAudit(self.out_dir / "samples", info.rank, info.world_size,
-                            self.record_samples, generation_id())
+                            self.cfg.elastic.record_samples, generation_id())
         self.finite_check = FiniteCheck(self.model, lambda: self.saving.saved_at)
         self.saving.check = self.finite_check.check  # before each save, on every rank
         self.metrics = MetricsWindow(self, max_steps)

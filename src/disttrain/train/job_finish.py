@@ -25,7 +25,7 @@ def finish(job, stopping: bool) -> None:
             worker_notes.note_saved(job.info.rank, job.step)  # the launcher says "saved"
         LOGGER.info(f"disttrain {job.name}: preempted ({job.preemption.signal_name}); saved step "
                     f"{job.step} and stopped. Start the same command again to resume.")
-        if job.exit_on_preempt:
+        if job.run.exit_on_preempt:
             raise SystemExit(0)
         return
     if job.saving.checked_at != job.step:
@@ -36,8 +36,8 @@ def finish(job, stopping: bool) -> None:
     job.summary = run_summary.build(
         job.out_dir, steps=job.step, world_size=job.info.world_size, strategy=job.strategy,
         attempt_t0=metrics.t0, samples_per_step=metrics.samples_per_step,
-        tokens_per_sample=job.tokens_per_sample, final=metrics.final, resumed=job.resumed,
-        extra={"checkpoint": str(path), **job.summary_extra},
+        tokens_per_sample=job.run.tokens_per_sample, final=metrics.final, resumed=job.resumed,
+        extra={"checkpoint": str(path), **job.run.summary_extra},
         eval_names=tuple(ev.name for ev in job.evaluators))
     if job.info.is_main:
-        run_summary.write(job.out_dir, job.summary, job.summary_config or job.config())
+        run_summary.write(job.out_dir, job.summary, job.run.summary_config or job.config())

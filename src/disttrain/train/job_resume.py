@@ -36,15 +36,15 @@ def load(job, ckpt, acc) -> bool:
     `disttrain train` config) before anything is loaded."""
     state, handoff = job.state, job.handoff
     optimizer, scheduler = state.optimizer, state.scheduler
-    if job.user_config is None:
+    if job.run.stored_config is None:
         state.config = {**job.config(), "optim": optim_config(optimizer, scheduler)}
     else:
-        state.config = job.user_config
-    plan = resume.inspect_root(job.checkpoint_dir, state.config) if job.checkpoints else None
+        state.config = job.run.stored_config
+    plan = resume.inspect_root(job.checkpoint_dir, state.config) if job.cfg.checkpoint.enabled else None
     fresh = resume.fresh_hyperparams(optimizer, scheduler)
     in_memory = handoff is not None and handoff.gen > 0 and handoff.restore(state)
     loaded = None
-    if job.checkpoints and not in_memory:
+    if job.cfg.checkpoint.enabled and not in_memory:
         with job.guard.slow_phase("checkpoint.load", nbytes=path_nbytes(job.checkpoint_dir)):
             loaded = ckpt.load(state)
     who = job.name
@@ -58,9 +58,9 @@ def load(job, ckpt, acc) -> bool:
     if resumed:
         job.resume_note = _rejoin(job, who, state.step, acc)
     job.step, job.in_memory = (state.step if resumed else 0), in_memory
-    job.saving = Saving(ckpt if job.checkpoints else None, state, job.guard,
-                         every=job.checkpoint_every, every_s=job.checkpoint_every_s,
-                         on_error=job.on_error, who=f"disttrain {who}")
+    job.saving = Saving(ckpt if job.cfg.checkpoint.enabled else None, state, job.guard,
+                         every=job.cfg.checkpoint.every, every_s=job.cfg.checkpoint.every_s,
+                         on_error=job.cfg.checkpoint.on_error, who=f"disttrain {who}")
     if handoff is not None:  # from here this attempt's objects hold the state a recovery keeps
         handoff.keep(state=state, acc=acc)
         handoff.committed(acc.optimizer_steps, state, first=True)  # the buddy copy of the start
@@ -79,7 +79,7 @@ def say_resumed(job, max_steps: int) -> bool:
         return False
     if job.resume_note:
         LOGGER.info(job.resume_note)
-    resume.print_changes(who, plan, job.batch_policy)
+    resume.print_changes(who, plan, job.cfg.elastic.batch_policy)
     return True
 
 
@@ -88,13 +88,13 @@ def _rejoin(job, who: str, step: int, acc) -> str:
     started (a Job's keywords, or the TOML keys)."""
     state = job.state
     try:
-        return resume.rejoin(who, step, acc, job.sampler, job.batch_policy, job.info,
+        return resume.rejoin(who, step, acc, job.sampler, job.cfg.elastic.batch_policy, job.info,
                              state.optimizer, state.scheduler)
     except UserError as e:
         if who != "job":
             raise
         text = (str(e).replace("train.batch_size", "job.loader(batch_size=...)")
-                .replace("set elastic.batch_policy = 'rescale_lr'", "pass dt.Job(..., batch_policy="
-                         "'rescale_lr')"))
+                .replace("set elastic.batch_policy = 'rescale_lr'", "pass dt.Job(out_dir, config) "
+                         "with config.elastic.batch_policy='rescale_lr'"))
         raise UserError(text + f" (the checkpoint in {job.checkpoint_dir} was written at another "
                                f"world size; a new out_dir starts afresh)") from None

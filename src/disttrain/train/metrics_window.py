@@ -14,7 +14,8 @@ import torch
 
 from disttrain.errors import UserError
 from disttrain.train import run_summary
-from disttrain.train.metrics import JsonlWriter, global_sum
+from disttrain.train.global_metrics import global_sum
+from disttrain.train.rank0_output import JsonlWriter
 from disttrain.train.progress import TrainProgress
 from disttrain.train.run_log import RunLog
 from disttrain.train.trackers import open_trackers
@@ -34,10 +35,10 @@ class MetricsWindow:
         self.samples_per_step = job.train_loader.batch_size * job.accumulator.accum_steps * info.world_size
         self.trackers = open_trackers(job.trackers, job.checkpoint_dir, job.out_dir, job.config()) \
             if info.is_main else None
-        self.run_log = RunLog(job.out_dir, info, job.step, job.resumed, job.tensorboard, self.trackers)
+        self.run_log = RunLog(job.out_dir, info, job.step, job.resumed, job.cfg.log.tensorboard, self.trackers)
         self.last_logged, self.t_window = job.step, time.perf_counter()
         self.progress = TrainProgress(max_steps, enabled=info.is_main and job.show_progress,
-                                      start=job.step, unit="token" if job.tokens_per_sample else "sample")
+                                      start=job.step, unit="token" if job.run.tokens_per_sample else "sample")
 
     def start(self, heldout: dict[str, float]) -> None:
         """Before the first step: the evaluation at the start into the newest values and,
@@ -65,7 +66,7 @@ class MetricsWindow:
         the window is due (every `log_every` steps and at the last)."""
         self.progress.advance(step)
         self.final.update(heldout)
-        if heldout or (self.window and (step % self.job.log_every == 0 or step >= self.max_steps)):
+        if heldout or (self.window and (step % self.job.cfg.train.log_every == 0 or step >= self.max_steps)):
             self.write(step, heldout)
 
     def write(self, step: int, heldout: dict[str, float]) -> None:
@@ -78,8 +79,8 @@ class MetricsWindow:
         rate = (step - self.last_logged) * self.samples_per_step / max(now - self.t_window, 1e-9)
         record.update(step=step, lr=job.state.optimizer.param_groups[0]["lr"], world_size=world,
                       samples_per_s=rate, **heldout)
-        if job.tokens_per_sample:
-            record["tokens_per_s"] = rate * job.tokens_per_sample
+        if job.run.tokens_per_sample:
+            record["tokens_per_s"] = rate * job.run.tokens_per_sample
         self.window, self.last_logged, self.t_window = {}, step, now
         self.final.update({k: record[k] for k in keys})
         self.run_log.log(record, job.accumulator.last_grad_norm)

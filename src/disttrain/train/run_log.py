@@ -32,7 +32,7 @@ from disttrain.errors import UserError
 from disttrain.jsonl import read_jsonl
 from disttrain.runtime import RankInfo
 from disttrain.runtime.collectives import gather_floats
-from disttrain.train.metrics import JsonlWriter, StepClock, peak_memory_mb
+from disttrain.train.rank0_output import JsonlWriter
 
 EVENTS = "run_events.jsonl"
 TB_DIR = "tb"
@@ -143,3 +143,27 @@ class RunLog:
         if self.writer is not None:
             self.writer.close()
             self.writer = None
+
+
+def peak_memory_mb(device: torch.device) -> float:
+    """This process's peak memory in MiB: `torch.cuda.max_memory_allocated` on a CUDA
+    rank (tensors only), the peak resident set size of the process on a CPU rank."""
+    if device.type == "cuda":
+        return torch.cuda.max_memory_allocated(device) / 2**20
+    import resource
+
+    return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024  # KiB on Linux
+
+
+class StepClock:
+    """This rank's wall time per optimizer step between two `lap` calls. A window that
+    holds an evaluation or a checkpoint save counts that time too."""
+
+    def __init__(self, step: int):
+        self.t, self.step = time.perf_counter(), step
+
+    def lap(self, step: int) -> float:
+        now = time.perf_counter()
+        per_step = (now - self.t) / max(step - self.step, 1)
+        self.t, self.step = now, step
+        return per_step

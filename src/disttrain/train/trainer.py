@@ -16,10 +16,11 @@ from disttrain.elastic import fast_recovery
 from disttrain.parallel.optimizers import build_optimizer
 from disttrain.parallel.precision import make_grad_scaler
 from disttrain.runtime.log import LOGGER
-from disttrain.train import resume, run_summary, sources, trackers
+from disttrain.train import resume, run_summary, sources
 from disttrain.train.evaluation import loss_metric
 from disttrain.train.job import Job
-from disttrain.train.loop import warmup_cosine
+from disttrain.train.job_config import RunOptions
+from disttrain.train.accumulation import warmup_cosine
 
 
 def train(cfg: Config, config_dir: str | Path | None = None, inspected: resume.Inspected | None = None) -> dict:
@@ -53,25 +54,15 @@ def _datasets(cfg: Config, config_dir, handoff):
 
 
 def job_for(cfg: Config, dataset_len: int, data_info: dict) -> Job:
-    """The `Job` a config describes: every [train], [checkpoint], [elastic], [guard] and
-    [log] key that is not the model's or the data's becomes a Job keyword."""
-    p, t, c, e = cfg.parallel, cfg.train, cfg.checkpoint, cfg.elastic
+    """The `Job` a config describes: the Config itself (its [parallel], [train],
+    [optim], [checkpoint], [elastic], [guard] and [log] sections), and what only this
+    adapter adds (`RunOptions`: the stored config, the summary, tokens, no exit)."""
     tokens = 0 if (cfg.data.factory or cfg.data.hf_dataset) else sources.window(cfg)
-    return Job(t.out_dir, cfg=p, strategy=p.strategy, precision=t.precision,
-               **({"compile": True} if t.compile else {}),
-               accum_steps=t.accum_steps, seed=t.seed, grad_clip=cfg.optim.grad_clip,
-               checkpoints=c.enabled, checkpoint_dir=resume.checkpoint_root(cfg),
-               checkpoint_every=c.every, checkpoint_every_s=c.every_s, keep_last=c.keep_last,
-               async_save=c.async_mode, fallback=c.fallback, on_error=c.on_error,
-               batch_policy=e.batch_policy, record_samples=e.record_samples,
-               preempt_grace_s=e.preempt_grace_s, buddy_every=e.buddy_every,
-               backend=p.backend, device=p.device, timeout_s=p.timeout_s,
-               tensorboard=cfg.log.tensorboard, trackers=trackers.from_config(cfg.log),
-               log_every=t.log_every, guard=cfg.guard,
-               guard_fields={"dataset_len": dataset_len}, config=to_dict(cfg),
-               summary_config=run_summary.applicable_config(cfg), exit_on_preempt=False,
-               tokens_per_sample=tokens, summary_extra={**data_info, "unit": "token" if tokens else "sample",
-                                                        "loss_unit": loss_unit(cfg)})
+    unit = "token" if tokens else "sample"
+    return Job(cfg.train.out_dir, cfg, run=RunOptions(
+        stored_config=to_dict(cfg), guard_fields={"dataset_len": dataset_len},
+        summary_config=run_summary.applicable_config(cfg), exit_on_preempt=False,
+        tokens_per_sample=tokens, summary_extra={**data_info, "unit": unit, "loss_unit": loss_unit(cfg)}))
 
 
 def loss_unit(cfg: Config) -> str:

@@ -1,0 +1,110 @@
+"""What a `dt.Job` is configured by: the TOML's own sections (`disttrain.config.Config`),
+a few short keywords for a script, and `RunOptions`, what only an adapter such as
+`disttrain train` passes.
+
+Precedence: a short keyword (not None) > the `config` given > the Job's defaults. The
+Job's defaults are the TOML's, except where a script's expectations differ:
+`train.seed` 0, `train.log_every` 1, `optim.grad_clip` 0 (off), `checkpoint.every` 100.
+A keyword of the old constructor (`keep_last=`, `checkpoint_dir=`, `compile=`, ...) is
+one `UserError` naming the field it moved to.
+"""
+
+from __future__ import annotations
+
+import copy
+import dataclasses
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+from disttrain.config import Config, ParallelConfig
+from disttrain.errors import UserError
+
+
+@dataclass(kw_only=True)
+class RunOptions:
+    """What an adapter (`disttrain train`, a framework integration) passes to `dt.Job`
+    beyond the configuration: `dt.Job(out_dir, config, run=dt.RunOptions(...))`. A
+    script needs none of it."""
+
+    stored_config: dict | None = None
+    """The dict each checkpoint stores and a resume compares (None: the job's settings
+    and its optimizer's hyper-parameters); given, the job speaks as 'train'."""
+    guard_fields: dict = field(default_factory=dict)
+    """Values every rank must agree on at start (the guard's fingerprint)."""
+    summary_config: dict | None = None
+    """The config written into `summary.json` (None: `stored_config` or the job's)."""
+    summary_extra: dict = field(default_factory=dict)
+    """Extra entries of `summary.json`."""
+    exit_on_preempt: bool = True
+    """False: on SIGTERM `steps()` returns after the save and `job.preempted` is True,
+    instead of `SystemExit(0)`."""
+    tokens_per_sample: int = 0
+    """Throughput, progress bar and summary count tokens (0: samples)."""
+    wrap_options: dict = field(default_factory=dict)
+    """More `dt.wrap` keywords, e.g. {"compile": {"backend": "aot_eager"}} (torch.compile
+    options); the [parallel] section's fields come from the config."""
+
+
+SHORT = {"strategy": ("parallel", "strategy"), "precision": ("train", "precision"),
+         "accum_steps": ("train", "accum_steps"), "checkpoint_every": ("checkpoint", "every"),
+         "seed": ("train", "seed"), "grad_clip": ("optim", "grad_clip"),
+         "record_samples": ("elastic", "record_samples"), "tensorboard": ("log", "tensorboard")}
+"""The short keywords of `dt.Job` -> the (section, field) each overrides."""
+
+MOVED = {"checkpoint_every_s": "config.checkpoint.every_s", "keep_last": "config.checkpoint.keep_last",
+         "async_save": "config.checkpoint.async_mode", "fallback": "config.checkpoint.fallback",
+         "on_error": "config.checkpoint.on_error", "checkpoints": "config.checkpoint.enabled",
+         "checkpoint_dir": "config.checkpoint.dir", "batch_policy": "config.elastic.batch_policy",
+         "preempt_grace_s": "config.elastic.preempt_grace_s", "buddy_every": "config.elastic.buddy_every",
+         "backend": "config.parallel.backend", "device": "config.parallel.device",
+         "timeout_s": "config.parallel.timeout_s", "log_every": "config.train.log_every",
+         "guard": "config.guard (a GuardConfig)", "compile": "config.train.compile (True), or "
+         "run=dt.RunOptions(wrap_options={'compile': {...}}) for torch.compile options",
+         "config": "run=dt.RunOptions(stored_config=...)",
+         **{k: f"run=dt.RunOptions({k}=...)" for k in ("guard_fields", "summary_config", "summary_extra",
+                                                        "exit_on_preempt", "tokens_per_sample")}}
+"""Each keyword of the 0.2 constructor that moved -> where it went (CHANGELOG)."""
+
+
+def job_defaults() -> Config:
+    """The configuration of a `dt.Job` given none (see the module for how it differs
+    from the TOML's defaults)."""
+    cfg = Config()
+    cfg.train.seed, cfg.train.log_every, cfg.optim.grad_clip, cfg.checkpoint.every = 0, 1, 0.0, 100
+    return cfg
+
+
+def resolve(config: Config | None, short: dict[str, Any], moved: dict[str, Any]) -> Config:
+    """The Job's `Config`: a copy of `config` (None: `job_defaults()`) with each short
+    keyword that is not None set. Raises `UserError` for a `config` that is not a
+    `Config`, a keyword that moved (naming where) or an unknown keyword."""
+    for key in moved:
+        raise UserError(refusal(key))
+    if config is not None and not isinstance(config, Config):
+        raise UserError(f"dt.Job(config=...) takes a disttrain.config.Config (the TOML's sections: "
+                        f"Config(train=TrainConfig(...), ...)), not a {type(config).__name__}; an "
+                        f"adapter's dict for the checkpoints goes to run=dt.RunOptions(stored_config=...).")
+    cfg = copy.deepcopy(config) if config is not None else job_defaults()
+    for key, value in short.items():
+        if value is not None:
+            section, name = SHORT[key]
+            setattr(getattr(cfg, section), name, value)
+    return cfg
+
+
+def refusal(key: str) -> str:
+    """One line for a keyword `dt.Job` no longer takes: where it moved, else the list."""
+    where = MOVED.get(key)
+    if where is None and key in {f.name for f in dataclasses.fields(ParallelConfig)}:
+        where = f"config.parallel.{key}"
+    if where is not None:
+        return (f"dt.Job({key}=...) moved to {where}: pass dt.Job(out_dir, config) with a "
+                f"disttrain.config.Config (see CHANGELOG).")
+    return (f"dt.Job got an unknown keyword {key!r}; it takes config, run and "
+            f"{', '.join(SHORT)}, progress, trackers.")
+
+
+def checkpoint_root(cfg: Config, out_dir: Path) -> Path:
+    """Where the job's checkpoints live: `checkpoint.dir`, or `out_dir/checkpoints`."""
+    return Path(cfg.checkpoint.dir) if cfg.checkpoint.dir else out_dir / "checkpoints"
