@@ -20,8 +20,6 @@ def test_the_worker_reaches_the_optimizer_step_in_at_most_4_files(chains):
     assert len(chains["worker"]) <= 4, chains["worker"]
 
 
-@pytest.mark.xfail(strict=True, reason="cli -> errors -> train_command -> run_command: 4 files; "
-                                       "the launcher's rework (parse once, issue 43) shortens it")
 def test_the_launcher_reaches_torchrun_in_at_most_3_files(chains):
     assert chains["launcher"][0] == "cli.py"
     assert len(chains["launcher"]) <= 3, chains["launcher"]

@@ -69,10 +69,3 @@ def one_line(name: str) -> Iterator[Exit]:
         result.code = report_user_error(name, e)  # under `disttrain run`: to the launcher, not retried
     except KeyboardInterrupt:
         result.code = 130
-
-
-def run_command(name: str, command, argv: list[str]) -> int:
-    """`command(argv)` in a `one_line(name)` block; returns its exit status."""
-    with one_line(name) as result:
-        result.code = int(command(argv) or 0)
-    return result.code

@@ -13,7 +13,7 @@ import ast
 from disttrain.doctor import constants, control_flow, dataflow, guard_names
 from disttrain.doctor.facts import Facts, arg, is_const, kwarg, mentions, ref
 from disttrain.doctor.findings import ERROR, WARNING, finding, rule
-from disttrain.doctor.names import _FUNCS
+from disttrain.doctor.names import FUNCTION_NODES
 from disttrain.doctor.program import off_mode
 from disttrain.doctor.rules_launch import is_eval_name, sampler_names
 
@@ -100,7 +100,7 @@ def collective_under_rank_guard(facts: Facts):
             sites = facts.project.call_sites.get(fn, [])
             if sites and not any(constants.call_reaches(facts.project, facts, c2, fn, call) for _, c2 in sites):
                 continue  # every call passes constants that turn this collective off
-            if sites and isinstance(fn, _FUNCS):  # (a function is what has call sites)
+            if sites and isinstance(fn, FUNCTION_NODES):  # (a function is what has call sites)
                 f2, c2 = sites[0]
                 via = f" (`{fn.name}()` is called only under one, e.g. {f2.path}:{c2.lineno})"
         unseen = guard_names.named_guard(facts, call)

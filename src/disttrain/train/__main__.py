@@ -9,7 +9,7 @@ A `UserError` prints one line and exits 2.
 import sys
 from pathlib import Path
 
-from disttrain.errors import UserError, run_command
+from disttrain.errors import UserError, one_line
 
 
 def _main(argv: list[str]) -> int:
@@ -28,4 +28,6 @@ def _main(argv: list[str]) -> int:
     return 0
 
 
-sys.exit(run_command("train", _main, sys.argv[1:]))
+with one_line("train") as result:  # inline, not a wrapper: it stays off the call chain
+    result.code = _main(sys.argv[1:])
+sys.exit(result.code)

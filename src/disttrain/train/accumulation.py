@@ -12,7 +12,7 @@ import torch
 import torch.nn as nn
 
 from disttrain.runtime.collectives import assert_same_across_ranks
-from disttrain.parallel.zero import check_optimizer
+from disttrain.parallel.optimizers import check_optimizer
 
 
 def no_sync(model: nn.Module):
