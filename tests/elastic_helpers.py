@@ -9,6 +9,7 @@ import subprocess
 import sys
 import time
 from collections import Counter
+from collections.abc import Sequence
 from pathlib import Path
 
 import torch
@@ -58,7 +59,7 @@ def metrics(out: Path) -> list[dict]:
     return [json.loads(line) for line in path.read_text().splitlines() if line.strip()]
 
 
-def wait_for(predicate, timeout: float, what: str, logs: list[Path] = ()) -> None:
+def wait_for(predicate, timeout: float, what: str, logs: Sequence[Path] = ()) -> None:
     deadline = time.monotonic() + timeout
     while time.monotonic() < deadline:
         if predicate():

@@ -96,10 +96,11 @@ def full_model_state(model: nn.Module) -> dict:
     from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_state_dict
 
     # FSDP1 crashes on CPU when asked to offload a full state dict; FSDP2 does not.
+    assert fsdp is not None  # sharded implies it was imported
     offload = not isinstance(model, fsdp.FullyShardedDataParallel)
     state = get_model_state_dict(model, options=StateDictOptions(full_state_dict=True,
                                                                  cpu_offload=offload))
-    return {k: v.detach().cpu() for k, v in state.items()}
+    return {k: v.detach().cpu() if isinstance(v, torch.Tensor) else v for k, v in state.items()}
 
 
 def save_model(model: nn.Module, path: str | os.PathLike, strip: str = "") -> Path:

@@ -179,7 +179,7 @@ class TrainState:
         tensors: dict[str, Any] = {"model": model_sd}
         if self.optimizer is not None:
             tensors["optim"] = optim_sd
-        extras = {}
+        extras: dict[str, Any] = {}
         for name, value in self.extras.items():
             if isinstance(value, nn.Module):
                 extras[name] = value.state_dict()

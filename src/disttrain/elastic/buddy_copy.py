@@ -107,7 +107,7 @@ def pack(sd: dict, capacity: int | None = None, into: torch.Tensor | None = None
     return buf
 
 
-def unpack(buf: torch.Tensor, template: dict) -> dict:
+def unpack(buf: torch.Tensor, template: dict | None) -> dict:
     """The state dict packed in `buf`, its tensors copied out of the buffer (on the
     CPU). A DTensor leaf takes its mesh and placements from the same place in
     `template`. Raises `KeyError` when the template has no DTensor there."""

@@ -334,6 +334,7 @@ def _recover(handoff: Handoff, e: Exception, info: runtime.RankInfo, world: int)
     handoff.snapshot()
     if "nccl" in str(info.backend):  # NCCL's communicators do not fail by themselves
         torch_compat.abort_process_groups()
+    assert handoff.store is not None  # joined before any generation ran
     group_sockets.cut(group_sockets.published(handoff.store, f"disttrain/fast/g{handoff.gen}", world))
     return RuntimeError(f"{type(e).__name__}: {e}")
 

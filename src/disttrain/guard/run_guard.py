@@ -123,7 +123,7 @@ def check_consistency(model: nn.Module | None = None, config: Any = None, **fiel
     if not bad:
         return fp
     # Second, rare exchange: the details behind a differing hash.
-    detail = {}
+    detail: dict[str, Any] = {}
     if "config" in bad and config is not None:
         detail["config"] = _config_items(config)
     if "model_structure" in bad and model is not None:

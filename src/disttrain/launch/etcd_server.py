@@ -142,6 +142,7 @@ def main(argv: list[str]) -> int:
     print(f"etcd (v2 API on) serving on {server.endpoint}. Use it with:\n"
           f"  disttrain run --nnodes 1:2 --rdzv-backend etcd --rdzv-endpoint {server.endpoint} "
           f"--rdzv-id JOB script.py\nCtrl-C stops it.", flush=True)
+    assert server.process is not None  # start() started it
     try:
         server.process.wait()
     except KeyboardInterrupt:

@@ -22,8 +22,8 @@ def state_bytes(facts: dict, strategy: str) -> int:
     shapes = [tuple(s) for s in facts.get("shapes") or []] or None
     spec = ModelSpec(name="the model", n_params=int(facts["params"]), n_layer=1, hidden=1, n_head=1,
                      ffn_hidden=1, vocab_size=1, max_seq=1, param_shapes=shapes)
-    optimizer = facts.get("optimizer") if facts.get("optimizer") in OPTIMIZERS else "adamw"
-    precision = facts.get("precision") if facts.get("precision") in ("fp32", "bf16", "fp16") else "fp32"
+    optimizer = str(facts["optimizer"]) if facts.get("optimizer") in OPTIMIZERS else "adamw"
+    precision = str(facts["precision"]) if facts.get("precision") in ("fp32", "bf16", "fp16") else "fp32"
     est = memory(spec, Workload(precision=precision, optimizer=optimizer), int(facts.get("world") or 1),
                  Variant(strategy))
     return est.params + est.grads + est.optim

@@ -58,10 +58,18 @@ def _host_store(world: int):
                          timeout=datetime.timedelta(seconds=300))
 
 
+def _go(spare: subprocess.Popen) -> None:
+    """Promote a spare: one line on its input (a pipe: `_spawn`)."""
+    assert spare.stdin is not None
+    spare.stdin.write(b"go\n")
+    spare.stdin.flush()
+
+
 def _end(proc: subprocess.Popen | None) -> None:
     """End a spare: end of input makes it exit 0; SIGKILL if it does not within 5 s."""
     if proc is None or proc.poll() is not None:
         return
+    assert proc.stdin is not None  # spares start with a pipe (_spawn)
     try:
         proc.stdin.close()
         proc.wait(timeout=5)
@@ -111,13 +119,11 @@ def supervise(cmd: list[str], rank: int, world: int) -> int:
         child.returncode = rc = code
         if rc < 0 and not stopping and promotions < MAX_PROMOTIONS:
             try:
-                spare.stdin.write(b"go\n")
-                spare.stdin.flush()
+                _go(spare)
             except OSError:  # the spare died just now (not yet reaped): a fresh one takes over
                 spare.kill()
                 spare = _spawn(cmd, "spare")
-                spare.stdin.write(b"go\n")
-                spare.stdin.flush()
+                _go(spare)
             promotions += 1
             print(f"disttrain run: rank {rank}'s training process died ({_how(rc)}); its warm spare "
                   f"took over and the job goes on from memory (promotion {promotions})", file=sys.stderr,

@@ -186,7 +186,8 @@ def serve(listener: socket.socket) -> NoReturn:
                     conn.close()
             else:  # the stub's end closed before its child ended: the stub was killed
                 sel.unregister(key.fd)
-                key.fileobj.close()
+                if isinstance(key.fileobj, socket.socket):  # the stub's end (registered as a socket)
+                    key.fileobj.close()
                 try:
                     os.kill(key.data[0], signal.SIGKILL)
                 except ProcessLookupError:

@@ -17,6 +17,8 @@ module (`make_optimizer`; P-DDP-3, P-FSDP-7).
 
 from __future__ import annotations
 
+from typing import Any
+
 import dataclasses
 import sys
 
@@ -115,7 +117,7 @@ def wrap(model: nn.Module, cfg: ParallelConfig | None = None, *, precision: str 
             blocks = apply_activation_checkpointing(model, blocks)
         if compile:
             compile_blocks(model, blocks, **compile_options)
-    ddp_options = dict(bucket_cap_mb=cfg.bucket_cap_mb, gradient_as_bucket_view=cfg.gradient_as_bucket_view,
+    ddp_options: dict[str, Any] = dict(bucket_cap_mb=cfg.bucket_cap_mb, gradient_as_bucket_view=cfg.gradient_as_bucket_view,
                        static_graph=cfg.static_graph, find_unused_parameters=cfg.find_unused_parameters)
     mesh = None
     if cfg.strategy == "dp":

@@ -47,7 +47,10 @@ def join(model: nn.Module, optimizer: torch.optim.Optimizer | None = None, *,
         raise UserError(f"dt.join() does not apply to strategy {info['strategy']!r}: FSDP does not "
                         f"implement torch's Join. Give every rank the same number of batches with "
                         f"dt.DistributedSampler (it pads or drops, P-DATA-1) instead (P-LOOP-3).")
-    joinables = [j for j in (model, optimizer) if isinstance(j, Joinable)]
+    joinables: list[Joinable] = []
+    for each in (model, optimizer):
+        if isinstance(each, Joinable):
+            joinables.append(each)
     if not joinables:
         raise UserError("dt.join() needs the module returned by dt.wrap() under ddp or zero1 "
                         "(a DDP module is Joinable); this model is not.")

@@ -87,7 +87,9 @@ class Layout:
         order); later calls in the same process group return the same mesh. Needs a
         started process group.
         """
-        built = _meshes.setdefault(dist.group.WORLD, {})
+        world = dist.group.WORLD
+        assert world is not None, "DeviceMesh needs a started process group"
+        built = _meshes.setdefault(world, {})
         key = (self.device_type, self.replicate, self.shard)
         if key not in built:
             if self.replicate == 1:

@@ -24,7 +24,7 @@ import torch.nn as nn
 from disttrain.runtime import torch_compat
 
 
-class GlooSyncBatchNorm(torch_compat.batchnorm_base()):
+class GlooSyncBatchNorm(torch_compat.batchnorm_base()):  # type: ignore[misc]  # torch's base, found at run time
     """BatchNorm over the global batch of all ranks, for any device and backend.
 
     Training: mean and variance come from an all-reduce of per-channel sums, whose

@@ -471,5 +471,5 @@ def on_optimizer_built(hook: Callable[[Any], None]) -> None:
         for each in _BUILT_HOOKS:
             each(self)
 
-    init_then_hooks.__wrapped__ = original
-    torch.optim.Optimizer.__init__ = init_then_hooks
+    setattr(init_then_hooks, "__wrapped__", original)  # what functools.wraps would set
+    setattr(torch.optim.Optimizer, "__init__", init_then_hooks)

@@ -108,7 +108,7 @@ class HFCausalLM(nn.Module):
     def forward(self, x: torch.Tensor | None = None, y: torch.Tensor | None = None, **kwargs):
         if x is None:
             return self.hf(**kwargs)
-        cfg = self.hf.config
+        cfg: Any = self.hf.config
         limit = getattr(cfg, "n_positions", None) or getattr(cfg, "max_position_embeddings", None)
         if isinstance(limit, int) and x.shape[-1] > limit:  # else an IndexError deep inside
             raise ValueError(f"sequence length {x.shape[-1]} exceeds the {cfg.model_type} model's "

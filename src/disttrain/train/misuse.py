@@ -34,7 +34,7 @@ class Ownership:
     def __init__(self) -> None:
         self.in_loop = False
         self._handle: Any = None
-        self.scheduler = None
+        self.scheduler: Any = None
         self._epoch: int | None = None
 
     def watch(self, optimizer: torch.optim.Optimizer, scheduler) -> None:

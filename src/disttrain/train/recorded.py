@@ -22,7 +22,7 @@ class Recorded(torch.utils.data.Sampler[int]):
     prefetch: the DataLoader draws indices in the order it returns batches."""
 
     def __init__(self, sampler: ElasticSampler):
-        self.sampler, self.queue = sampler, collections.deque()
+        self.sampler, self.queue = sampler, collections.deque[int]()
 
     def __len__(self) -> int:
         return len(self.sampler)

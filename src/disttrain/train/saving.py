@@ -112,6 +112,7 @@ class Saving:
             self.check(step)
             self.checked_at = step
         self.state.step, self.state.epoch = step, getattr(self.state.sampler, "epoch", 0)
+        assert self.ckpt is not None, "save() with checkpoints off"
         with self.guard.slow_phase("checkpoint.save", nbytes=self._nbytes()):
             try:
                 self.ckpt.save(self.state)

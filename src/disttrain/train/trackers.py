@@ -29,7 +29,7 @@ import secrets
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any
+from typing import Any, Literal
 
 from disttrain.errors import UserError
 from disttrain.jsonl import read_jsonl
@@ -52,7 +52,7 @@ class WandbTracker:
     project: str | None = None
     entity: str | None = None
     name: str | None = None
-    mode: str | None = None
+    mode: Literal["online", "offline", "disabled"] | None = None
     tags: tuple[str, ...] = field(default_factory=tuple)
 
 

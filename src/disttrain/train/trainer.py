@@ -107,5 +107,6 @@ def _train(cfg: Config, config_dir, handoff, inspected: resume.Inspected | None 
             job.log(loss=loss)
         if job.preempted:
             return {"steps": job.step, "preempted": True, "world_size": job.info.world_size}
+        assert job.summary is not None  # set by the loop's end
         return job.summary
 
