@@ -30,8 +30,11 @@ SECTIONS = [overhead, guard_overhead, peers, scaling, memory, imports]
 # Benchmarks with their own scripts: script -> (ranks under torchrun, 0 = plain python; arguments;
 # extra arguments for --quick). Each writes its own bench/results/*.md, merged by report.
 OTHERS = {
-    "checkpoint_bench.py": (0, ["--dir", "{tmp}", "--results", "{results}/checkpoint.md"],
-                            ["--repeat", "1", "--settle", "0"]),
+    "checkpoint_bench.py": (
+        0,
+        ["--dir", "{tmp}", "--results", "{results}/checkpoint.md"],
+        ["--repeat", "1", "--settle", "0"],
+    ),
     "recovery_bench.py": (0, [], []),
     "doctor_corpus.py": (0, ["--out", "{results}/doctor.md"], []),
 }
@@ -40,17 +43,20 @@ OTHERS = {
 def parse(argv: list[str]) -> tuple[argparse.Namespace, Options]:
     ap = argparse.ArgumentParser(prog="python -m bench", description=__doc__.splitlines()[0])
     ap.add_argument("--quick", action="store_true", help="few steps and repeats: a smoke run")
-    ap.add_argument("--sections", default=",".join(m.NAME for m in SECTIONS),
-                    help="comma-separated subset of: " + ", ".join(m.NAME for m in SECTIONS))
+    ap.add_argument(
+        "--sections",
+        default=",".join(m.NAME for m in SECTIONS),
+        help="comma-separated subset of: " + ", ".join(m.NAME for m in SECTIONS),
+    )
     ap.add_argument("--only", default="", help="timing jobs to run, e.g. torch_ddp,disttrain_ddp")
     ap.add_argument("--repeats", type=int, help="launches per job (default 5, quick 3)")
     ap.add_argument("--steps", type=int, help="timed optimizer steps per launch (default 20, quick 4)")
     ap.add_argument("--no-profile", action="store_true", help="skip the profiles of missed targets")
-    ap.add_argument("--others", action="store_true",
-                    help="also run the other benchmarks present: " + ", ".join(OTHERS))
+    ap.add_argument("--others", action="store_true", help="also run the other benchmarks present: " + ", ".join(OTHERS))
     ap.add_argument("--report-only", action="store_true", help="only re-render BENCHMARKS.md")
-    ap.add_argument("--output", type=Path, help="folder for BENCHMARKS.md and bench/results "
-                    "(default: the repository root)")
+    ap.add_argument(
+        "--output", type=Path, help="folder for BENCHMARKS.md and bench/results (default: the repository root)"
+    )
     args = ap.parse_args(argv)
     opts = Options(quick=args.quick, command=command_line(argv), profile=not args.no_profile)
     opts.repeats = args.repeats or (3 if args.quick else 5)
@@ -60,8 +66,7 @@ def parse(argv: list[str]) -> tuple[argparse.Namespace, Options]:
         opts.out_dir = args.output.resolve()
     unknown = set(args.sections.split(",")) - {m.NAME for m in SECTIONS}
     if unknown:
-        ap.error(f"unknown section(s) {', '.join(sorted(unknown))}; choose from "
-                 f"{', '.join(m.NAME for m in SECTIONS)}")
+        ap.error(f"unknown section(s) {', '.join(sorted(unknown))}; choose from {', '.join(m.NAME for m in SECTIONS)}")
     return args, opts
 
 
@@ -89,8 +94,11 @@ def run_others(opts: Options) -> None:
         with tempfile.TemporaryDirectory(prefix="bench-others-") as tmp:
             args = [a.format(tmp=tmp, results=opts.results) for a in args]
             args += quick_args if opts.quick else []
-            launcher = ([sys.executable, "-m", "torch.distributed.run", "--standalone",
-                         f"--nproc-per-node={ranks}"] if ranks else [sys.executable])
+            launcher = (
+                [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc-per-node={ranks}"]
+                if ranks
+                else [sys.executable]
+            )
             print(f"[others] {name} {' '.join(args)}")
             r = subprocess.run([*launcher, str(path), *args], env=env, cwd=ROOT)
         if r.returncode:
@@ -110,8 +118,7 @@ def main(argv: list[str] | None = None) -> int:
             keep = set(args.only.split(","))
             wanted = [j for j in wanted if j[0] in keep]
         if wanted:
-            print(f"[matrix] {len(dict.fromkeys(wanted))} jobs x {opts.repeats} repeats, "
-                  f"{opts.steps} timed steps each")
+            print(f"[matrix] {len(dict.fromkeys(wanted))} jobs x {opts.repeats} repeats, {opts.steps} timed steps each")
             matrix.run(wanted)
         for module in chosen:
             print(f"[{module.NAME}]")

@@ -31,7 +31,7 @@ WORKER_ENTRY = "train/__main__.py"
 """The module torchrun starts on each rank of `disttrain train` (`-m disttrain.train`)."""
 
 # Written as the sitecustomize of every process of the run: records stacks as JSON lines.
-_RECORDER = r'''
+_RECORDER = r"""
 import json, os, traceback
 
 _OUT = os.environ["DT_CALL_CHAIN_OUT"]
@@ -66,7 +66,7 @@ def _recording_init(self, *args, **kwargs):
 
 
 subprocess.Popen.__init__ = _recording_init
-'''
+"""
 
 
 def chain(files: list[str], package: Path = PACKAGE) -> list[str]:
@@ -92,14 +92,32 @@ def measure(timeout: float = 300) -> dict[str, list[str]]:
         hook.mkdir()
         out.mkdir()
         (hook / "sitecustomize.py").write_text(_RECORDER)
-        env = dict(os.environ, DT_CALL_CHAIN_OUT=str(out),
-                   PYTHONPATH=os.pathsep.join([str(hook), str(ROOT / "src"), os.environ.get("PYTHONPATH", "")]))
-        small = ["--model.n_layer=1", "--model.n_embd=32", "--model.n_head=2", "--model.block_size=32",
-                 "--data.max_bytes=100000", "--train.steps=2", "--train.batch_size=4",
-                 "--train.eval_every=0", "--train.eval_batches=1", "--parallel.nproc=2",
-                 f"--train.out_dir={Path(tmp) / 'run'}"]
-        proc = subprocess.run([sys.executable, "-m", "disttrain.cli", "train", "examples/tiny_gpt.toml", *small],
-                              cwd=ROOT, env=env, capture_output=True, text=True, timeout=timeout)
+        env = dict(
+            os.environ,
+            DT_CALL_CHAIN_OUT=str(out),
+            PYTHONPATH=os.pathsep.join([str(hook), str(ROOT / "src"), os.environ.get("PYTHONPATH", "")]),
+        )
+        small = [
+            "--model.n_layer=1",
+            "--model.n_embd=32",
+            "--model.n_head=2",
+            "--model.block_size=32",
+            "--data.max_bytes=100000",
+            "--train.steps=2",
+            "--train.batch_size=4",
+            "--train.eval_every=0",
+            "--train.eval_batches=1",
+            "--parallel.nproc=2",
+            f"--train.out_dir={Path(tmp) / 'run'}",
+        ]
+        proc = subprocess.run(
+            [sys.executable, "-m", "disttrain.cli", "train", "examples/tiny_gpt.toml", *small],
+            cwd=ROOT,
+            env=env,
+            capture_output=True,
+            text=True,
+            timeout=timeout,
+        )
         if proc.returncode != 0:
             raise RuntimeError(f"the tiny run failed:\n{(proc.stdout + proc.stderr)[-3000:]}")
         stacks: dict[str, list[list[str]]] = {"worker": [], "launcher": []}
@@ -111,9 +129,8 @@ def measure(timeout: float = 300) -> dict[str, list[str]]:
     launcher = [chain(s) for s in stacks["launcher"] if any("subprocess_handler" in f for f in s)]
     # A warm worker is forked from the launcher: its stack begins with the launcher's
     # frames. Its chain begins at its entry module, the one torchrun is asked to start.
-    workers = [w[w.index(WORKER_ENTRY):] if WORKER_ENTRY in w else w for w in workers]
-    return {"worker": max(workers, key=len) if workers else [],
-            "launcher": max(launcher, key=len) if launcher else []}
+    workers = [w[w.index(WORKER_ENTRY) :] if WORKER_ENTRY in w else w for w in workers]
+    return {"worker": max(workers, key=len) if workers else [], "launcher": max(launcher, key=len) if launcher else []}
 
 
 def main() -> None:

@@ -185,16 +185,23 @@ def main_world(args) -> None:
             raw.unlink()
             plain = root / f"dcp-{i}"
             tensors = state.state_dict()["tensors"]
-            rows.setdefault("dcp_save", []).append(timed(lambda: dcp.save(
-                tensors, storage_writer=dcp.FileSystemWriter(str(plain), sync_files=True), process_group=pg), True))
+            rows.setdefault("dcp_save", []).append(
+                timed(
+                    lambda: dcp.save(
+                        tensors, storage_writer=dcp.FileSystemWriter(str(plain), sync_files=True), process_group=pg
+                    ),
+                    True,
+                )
+            )
             if rank == 0:
                 evict(plain)
-            rows.setdefault("dcp_load", []).append(timed(lambda: dcp.load(
-                tensors, storage_reader=dcp.FileSystemReader(str(plain)), process_group=pg)))
+            rows.setdefault("dcp_load", []).append(
+                timed(lambda: dcp.load(tensors, storage_reader=dcp.FileSystemReader(str(plain)), process_group=pg))
+            )
             # the kinds take turns in each position, one repeat each (see the module docstring)
             kinds = [lambda: save_and_load(sync_ck), async_round]
             kinds += [lambda: save_and_load(before_ck, "before_")] if args.before_pkg else []
-            for run in kinds[i % len(kinds):] + kinds[:i % len(kinds)]:
+            for run in kinds[i % len(kinds) :] + kinds[: i % len(kinds)]:
                 run()
             if rank == 0:
                 shutil.rmtree(plain)
@@ -216,14 +223,16 @@ def phase_table(phases: list[dict[str, float]], loads: list[float]) -> list[str]
         "",
         "| " + " | ".join(names) + " | total | mean load | worst load |",
         "|" + "---:|" * (len(names) + 3),
-        "| " + " | ".join(ms([p.get(n, 0.0) for p in phases]) for n in names)
+        "| "
+        + " | ".join(ms([p.get(n, 0.0) for p in phases]) for n in names)
         + f" | {ms([p['total'] for p in phases])} | {1000 * statistics.mean(loads):.0f} | {1000 * max(loads):.0f} |",
         "",
     ]
 
 
-def write_section(args, world: int, rows: dict, phases: list[dict[str, float]], nbytes: int, n_params: int,
-                  torch_version: str) -> None:
+def write_section(
+    args, world: int, rows: dict, phases: list[dict[str, float]], nbytes: int, n_params: int, torch_version: str
+) -> None:
     gb = nbytes / 1e9
     load = os.getloadavg()[0]
     med = {k: statistics.median(v) for k, v in rows.items()}
@@ -239,8 +248,14 @@ def write_section(args, world: int, rows: dict, phases: list[dict[str, float]], 
     save_x, load_x = paired("raw_write", "save"), paired("raw_read", "load")
     verdict = lambda x: "met" if x >= 0.8 else "MISSED"  # noqa: E731
     key = f"world {world} size {args.size}"
-    before = [row("before (previous commit): save, sync", "before_save", "raw_write"),
-              row("before (previous commit): load", "before_load", "raw_read")] if args.before_pkg else []
+    before = (
+        [
+            row("before (previous commit): save, sync", "before_save", "raw_write"),
+            row("before (previous commit): load", "before_load", "raw_read"),
+        ]
+        if args.before_pkg
+        else []
+    )
     lines = [
         f"<!-- {key} -->",
         f"#### World size {world}, GPT {args.size} ({n_params / 1e6:.1f}M parameters)",
@@ -260,8 +275,9 @@ def write_section(args, world: int, rows: dict, phases: list[dict[str, float]], 
         row("DCP alone: load (dropped from the page cache)", "dcp_load", "raw_read"),
         row("disttrain load (each file read once, checked, then deserialised)", "load", "raw_read"),
         *before,
-        row("raw read of the whole checkpoint's bytes on every rank (what a DDP load reads)",
-            "raw_read_all", "raw_read"),
+        row(
+            "raw read of the whole checkpoint's bytes on every rank (what a DDP load reads)", "raw_read_all", "raw_read"
+        ),
         "",
         f"Target save >= 0.8x raw write: **{verdict(save_x)}** ({save_x:.2f}x); "
         f"load >= 0.8x raw read: **{verdict(load_x)}** ({load_x:.2f}x). Against DCP alone in the "
@@ -290,11 +306,13 @@ def write_section(args, world: int, rows: dict, phases: list[dict[str, float]], 
 
 
 def header(args) -> str:
-    return ("## Checkpoint save/load (disttrain.checkpoint, DCP, gloo, CPU)\n\n"
-            f"Command: `python bench/checkpoint_bench.py --dir CKPT_DIR --worlds {args.worlds} "
-            f"--sizes {args.sizes} --repeat {args.repeat} --settle {args.settle:g}`\n\n"
-            "Each world and model size is one torchrun job; within each repeat the raw write/read and "
-            "the checkpoint operations run one after the other on all ranks at once.\n\n")
+    return (
+        "## Checkpoint save/load (disttrain.checkpoint, DCP, gloo, CPU)\n\n"
+        f"Command: `python bench/checkpoint_bench.py --dir CKPT_DIR --worlds {args.worlds} "
+        f"--sizes {args.sizes} --repeat {args.repeat} --settle {args.settle:g}`\n\n"
+        "Each world and model size is one torchrun job; within each repeat the raw write/read and "
+        "the checkpoint operations run one after the other on all ranks at once.\n\n"
+    )
 
 
 def main() -> int:
@@ -306,8 +324,9 @@ def main() -> int:
     ap.add_argument("--before-pkg", default="", help="package name of an earlier tree, for before rows")
     ap.add_argument("--repeat", type=int, default=6)
     ap.add_argument("--results", default=str(RESULTS))
-    ap.add_argument("--settle", type=float, default=5.0,
-                    help="seconds of rest for the disk before each timed write (after a sync)")
+    ap.add_argument(
+        "--settle", type=float, default=5.0, help="seconds of rest for the disk before each timed write (after a sync)"
+    )
     args = ap.parse_args()
     if "RANK" in os.environ:
         main_world(args)
@@ -317,8 +336,17 @@ def main() -> int:
         out.write_text(header(args))  # else each section is replaced in place, notes kept
     for size in args.sizes.split(","):
         for world in map(int, args.worlds.split(",")):
-            cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc-per-node={world}",
-                   __file__, *sys.argv[1:], "--size", size]
+            cmd = [
+                sys.executable,
+                "-m",
+                "torch.distributed.run",
+                "--standalone",
+                f"--nproc-per-node={world}",
+                __file__,
+                *sys.argv[1:],
+                "--size",
+                size,
+            ]
             if subprocess.run(cmd, timeout=1200).returncode:
                 return 1
     return 0

@@ -62,8 +62,7 @@ def diff_counts(plain: str, converted: str) -> dict:
 
 def unified(plain: str, converted: str, name: str) -> str:
     """The code-line diff as a reviewer reads it (for the report's details block)."""
-    return "\n".join(difflib.unified_diff(code_lines(plain), code_lines(converted), PLAIN, name,
-                                          lineterm="", n=0))
+    return "\n".join(difflib.unified_diff(code_lines(plain), code_lines(converted), PLAIN, name, lineterm="", n=0))
 
 
 def count_all(names: dict[str, str], folder: Path = WORKLOADS) -> dict[str, dict]:
@@ -77,16 +76,19 @@ def count_all(names: dict[str, str], folder: Path = WORKLOADS) -> dict[str, dict
 
 
 def main(argv: list[str] | None = None) -> None:
-    ap = argparse.ArgumentParser(prog="python -m bench.code_diff",
-                                 description="changed code lines from one script to another")
+    ap = argparse.ArgumentParser(
+        prog="python -m bench.code_diff", description="changed code lines from one script to another"
+    )
     ap.add_argument("plain")
     ap.add_argument("converted")
     ap.add_argument("--diff", action="store_true", help="also print the code-line diff")
     a = ap.parse_args(argv)
     plain, converted = Path(a.plain).read_text(), Path(a.converted).read_text()
     c = diff_counts(plain, converted)
-    print(f"{c['changed']} changed code lines ({c['added']} added, {c['removed']} removed); "
-          f"{a.converted} has {c['total']}")
+    print(
+        f"{c['changed']} changed code lines ({c['added']} added, {c['removed']} removed); "
+        f"{a.converted} has {c['total']}"
+    )
     if a.diff:
         print(unified(plain, converted, a.converted))
 

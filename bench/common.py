@@ -63,8 +63,11 @@ def machine() -> dict:
     except OSError:
         pass
     return {
-        "cores": os.cpu_count(), "cpu": cpu, "torch": torch.__version__,
-        "python": platform.python_version(), "os": f"{platform.system()} {platform.release()}",
+        "cores": os.cpu_count(),
+        "cpu": cpu,
+        "torch": torch.__version__,
+        "python": platform.python_version(),
+        "os": f"{platform.system()} {platform.release()}",
         "date": datetime.datetime.now().astimezone().strftime("%Y-%m-%d %H:%M %Z"),
         "load_1min": round(os.getloadavg()[0], 2) if hasattr(os, "getloadavg") else None,
     }
@@ -75,8 +78,7 @@ def summary(values: list[float]) -> dict:
     values = [v for v in values if v is not None and v == v]
     if not values:
         return {}
-    return {"median": statistics.median(values), "min": min(values), "max": max(values),
-            "n": len(values)}
+    return {"median": statistics.median(values), "min": min(values), "max": max(values), "n": len(values)}
 
 
 def fmt(s: dict, scale: float = 1.0, digits: int = 3, unit: str = "") -> str:
@@ -84,8 +86,7 @@ def fmt(s: dict, scale: float = 1.0, digits: int = 3, unit: str = "") -> str:
     if not s:
         return "n/a"
     f = f"{{:.{digits}f}}"
-    return (f"{f.format(s['median'] * scale)}{unit} "
-            f"({f.format(s['min'] * scale)}-{f.format(s['max'] * scale)})")
+    return f"{f.format(s['median'] * scale)}{unit} ({f.format(s['min'] * scale)}-{f.format(s['max'] * scale)})"
 
 
 def variant_table(first: str, columns: list[tuple[str, str, int]], rows: list[dict]) -> list[str]:
@@ -94,11 +95,13 @@ def variant_table(first: str, columns: list[tuple[str, str, int]], rows: list[di
     KEY: summary}). `columns` are (heading, KEY, digits): each cell is `fmt` of
     row[KEY] ("n/a" when the row lacks it). A row with a note (a failed or pending
     job) shows the note in place of its figures and 0 runs."""
-    out = ["| " + " | ".join([first, *(c[0] for c in columns), "runs"]) + " |",
-           "|" + "---|" * (len(columns) + 2)]
+    out = ["| " + " | ".join([first, *(c[0] for c in columns), "runs"]) + " |", "|" + "---|" * (len(columns) + 2)]
     for row in rows:
-        cells = ([row["note"], *[""] * (len(columns) - 1), "0"] if row["note"] else
-                 [*(fmt(row.get(key, {}), digits=d) for _, key, d in columns), str(row["runs"])])
+        cells = (
+            [row["note"], *[""] * (len(columns) - 1), "0"]
+            if row["note"]
+            else [*(fmt(row.get(key, {}), digits=d) for _, key, d in columns), str(row["runs"])]
+        )
         out.append(" ".join(["|", row["label"], "|", *(f"{c} |" if c else "|" for c in cells)]))
     return out
 
@@ -112,9 +115,16 @@ def free_port() -> int:
 def base_env(threads: int = 1) -> dict[str, str]:
     """The parent environment with one compute thread per rank and src/ importable."""
     env = dict(os.environ)
-    env.update({"OMP_NUM_THREADS": str(threads), "MKL_NUM_THREADS": str(threads),
-                "PYTHONUNBUFFERED": "1", "TORCH_DISABLE_SHARE_RDZV_TCP_STORE": "1",
-                "TOKENIZERS_PARALLELISM": "false", "PYTHONWARNINGS": "ignore"})
+    env.update(
+        {
+            "OMP_NUM_THREADS": str(threads),
+            "MKL_NUM_THREADS": str(threads),
+            "PYTHONUNBUFFERED": "1",
+            "TORCH_DISABLE_SHARE_RDZV_TCP_STORE": "1",
+            "TOKENIZERS_PARALLELISM": "false",
+            "PYTHONWARNINGS": "ignore",
+        }
+    )
     paths = [str(ROOT / "src"), env.get("PYTHONPATH", "")]
     env["PYTHONPATH"] = os.pathsep.join(p for p in paths if p)
     return env
@@ -158,8 +168,15 @@ class Job:
         return self.world * self.ranks[0]["tokens_per_step"] / self.step_s
 
 
-def launch(script: str, world: int, opts: Options, *, env: dict | None = None,
-           prefix: list[str] | None = None, steps: int | None = None) -> Job:
+def launch(
+    script: str,
+    world: int,
+    opts: Options,
+    *,
+    env: dict | None = None,
+    prefix: list[str] | None = None,
+    steps: int | None = None,
+) -> Job:
     """Run bench/workloads/SCRIPT on `world` local ranks and collect every rank's JSON.
 
     `prefix` goes between the interpreter and the script (for example
@@ -173,17 +190,27 @@ def launch(script: str, world: int, opts: Options, *, env: dict | None = None,
         for rank in range(world):
             e = base_env()
             e.update(env or {})
-            e.update({"RANK": str(rank), "LOCAL_RANK": str(rank), "WORLD_SIZE": str(world),
-                      "LOCAL_WORLD_SIZE": str(world), "GROUP_RANK": "0", "ROLE_RANK": str(rank),
-                      "ROLE_WORLD_SIZE": str(world), "MASTER_ADDR": "127.0.0.1",
-                      "MASTER_PORT": str(port), "BENCH_OUT": tmp,
-                      "BENCH_STEPS": str(steps or opts.steps), "BENCH_WARMUP": str(opts.warmup)})
+            e.update(
+                {
+                    "RANK": str(rank),
+                    "LOCAL_RANK": str(rank),
+                    "WORLD_SIZE": str(world),
+                    "LOCAL_WORLD_SIZE": str(world),
+                    "GROUP_RANK": "0",
+                    "ROLE_RANK": str(rank),
+                    "ROLE_WORLD_SIZE": str(world),
+                    "MASTER_ADDR": "127.0.0.1",
+                    "MASTER_PORT": str(port),
+                    "BENCH_OUT": tmp,
+                    "BENCH_STEPS": str(steps or opts.steps),
+                    "BENCH_WARMUP": str(opts.warmup),
+                }
+            )
             pre = [p.replace("{rank}", str(rank)) for p in (prefix or [])]
             cmd = [sys.executable, *pre, str(WORKLOADS / script)]
             log = open(Path(tmp, f"log{rank}.txt"), "w")
             e["BENCH_T0"] = repr(time.time())
-            procs.append((subprocess.Popen(cmd, env=e, stdout=log, stderr=subprocess.STDOUT,
-                                           cwd=tmp), log))
+            procs.append((subprocess.Popen(cmd, env=e, stdout=log, stderr=subprocess.STDOUT, cwd=tmp), log))
         deadline = time.monotonic() + opts.timeout_s
         failed = None
         for rank, (p, log) in enumerate(procs):
@@ -206,20 +233,21 @@ def launch(script: str, world: int, opts: Options, *, env: dict | None = None,
     return Job(script, world, ranks)
 
 
-def run_python(code: str, *, env: dict | None = None, args: list[str] | None = None,
-               timeout: float = 120) -> subprocess.CompletedProcess:
+def run_python(
+    code: str, *, env: dict | None = None, args: list[str] | None = None, timeout: float = 120
+) -> subprocess.CompletedProcess:
     """`python [args] -c CODE` in a fresh process with the bench environment."""
     e = base_env()
     e.update(env or {})
-    return subprocess.run([sys.executable, *(args or []), "-c", code], env=e, text=True,
-                          capture_output=True, timeout=timeout, cwd=ROOT)
+    return subprocess.run(
+        [sys.executable, *(args or []), "-c", code], env=e, text=True, capture_output=True, timeout=timeout, cwd=ROOT
+    )
 
 
 def save(opts: Options, name: str, data: dict) -> Path:
     """Write a section's results to results/NAME.json with its command and machine."""
     opts.results.mkdir(parents=True, exist_ok=True)
-    data = {"section": name, "command": opts.command, "quick": opts.quick,
-            "machine": machine(), **data}
+    data = {"section": name, "command": opts.command, "quick": opts.quick, "machine": machine(), **data}
     path = opts.results / f"{name}.json"
     path.write_text(json.dumps(data, indent=1, default=str) + "\n")
     return path
@@ -245,12 +273,17 @@ def command_line(argv: list[str]) -> str:
 
 def disttrain_strategies() -> tuple[set[str], str]:
     """Strategies that `dt.wrap` accepts here, and a note for those it does not (yet)."""
-    r = run_python("import json, importlib.util as u, disttrain.config as c;"
-                   "print(json.dumps([s for s in c.STRATEGIES if s != 'fsdp' "
-                   "or u.find_spec('disttrain.parallel.fsdp')]))")
+    r = run_python(
+        "import json, importlib.util as u, disttrain.config as c;"
+        "print(json.dumps([s for s in c.STRATEGIES if s != 'fsdp' "
+        "or u.find_spec('disttrain.parallel.fsdp')]))"
+    )
     if r.returncode != 0:
         return {"ddp"}, "disttrain's strategy list could not be read: " + r.stderr[-300:]
     found = set(json.loads(r.stdout))
-    note = "" if "fsdp" in found else ("dt.wrap(strategy='fsdp') is not in this checkout yet; "
-                                      "fsdp rows are pending until it lands.")
+    note = (
+        ""
+        if "fsdp" in found
+        else ("dt.wrap(strategy='fsdp') is not in this checkout yet; fsdp rows are pending until it lands.")
+    )
     return found, note

@@ -46,13 +46,14 @@ RAW_URL = "https://raw.githubusercontent.com/{repo}/{commit}/{path}"
 @dataclass(frozen=True, kw_only=True)
 class Entry:
     """One public file: where it is upstream, what it hashes to, where it goes here."""
-    file: str              # path in the cache, e.g. projects/owner__name/train.py
-    repo: str              # owner/name on GitHub
-    commit: str | None     # None when the file was read from a release instead
-    path: str              # path in the repository (or in the release's wheel)
-    blob: str              # git blob SHA-1 of the exact bytes
+
+    file: str  # path in the cache, e.g. projects/owner__name/train.py
+    repo: str  # owner/name on GitHub
+    commit: str | None  # None when the file was read from a release instead
+    path: str  # path in the repository (or in the release's wheel)
+    blob: str  # git blob SHA-1 of the exact bytes
     lines: int
-    licence: str           # SPDX id (LicenseRef-... where SPDX has none)
+    licence: str  # SPDX id (LicenseRef-... where SPDX has none)
     release: str | None = None  # "dist==version": read from that wheel
     note: str | None = None
 
@@ -93,14 +94,20 @@ def how_to_fetch(entries: list[Entry] | None = None) -> str:
     """One line: what the cache lacks and how to fill it."""
     root = cache_dir()
     entries = load_manifest() if entries is None else entries
-    lacks = (f"{len(stale(root, entries))} of its {len(entries)} files are missing or changed in "
-             if root.is_dir() else "it is not in ")
-    return (f"the doctor's public corpus is not fetched ({lacks}{root}): run `python -m "
-            "bench.doctor_corpus fetch` (network) or `python -m bench.doctor_corpus fetch "
-            "--from-git DIR` (local clones), or point $DISTTRAIN_CORPUS_DIR at a fetched copy")
+    lacks = (
+        f"{len(stale(root, entries))} of its {len(entries)} files are missing or changed in "
+        if root.is_dir()
+        else "it is not in "
+    )
+    return (
+        f"the doctor's public corpus is not fetched ({lacks}{root}): run `python -m "
+        "bench.doctor_corpus fetch` (network) or `python -m bench.doctor_corpus fetch "
+        "--from-git DIR` (local clones), or point $DISTTRAIN_CORPUS_DIR at a fetched copy"
+    )
 
 
 # ----- where the bytes come from -------------------------------------------------------
+
 
 def _git(gitdir: Path, *args: str) -> bytes | None:
     r = subprocess.run(["git", "-C", str(gitdir), *args], capture_output=True)
@@ -146,8 +153,22 @@ def _wheel_name(release: str) -> str:
 
 
 def _download_wheel(release: str, into: Path) -> Path | None:
-    r = subprocess.run([sys.executable, "-m", "pip", "download", release, "--no-deps",
-                        "--only-binary", ":all:", "-d", str(into), "-q"], capture_output=True)
+    r = subprocess.run(
+        [
+            sys.executable,
+            "-m",
+            "pip",
+            "download",
+            release,
+            "--no-deps",
+            "--only-binary",
+            ":all:",
+            "-d",
+            str(into),
+            "-q",
+        ],
+        capture_output=True,
+    )
     found = sorted(into.glob(_wheel_name(release)))
     return found[0] if r.returncode == 0 and found else None
 
@@ -195,6 +216,7 @@ class Sources:
 
 # ----- the command ---------------------------------------------------------------------
 
+
 def fetch(dest: Path, entries: list[Entry], sources: Sources) -> list[str]:
     """Write each entry missing from `dest` (or not its pinned blob); one line per file
     that could not be brought, naming where it was looked for."""
@@ -217,17 +239,23 @@ def fetch(dest: Path, entries: list[Entry], sources: Sources) -> list[str]:
 
 
 def main(argv: list[str] | None = None) -> int:
-    ap = argparse.ArgumentParser(prog="python -m bench.doctor_corpus fetch",
-                                 description="Bring the doctor's public corpus into the cache, each file "
-                                             "at its pinned commit, checked against its blob hash.")
-    ap.add_argument("--from-git", type=Path, metavar="DIR",
-                    help="read local clones (and wheels) under DIR instead of the network")
-    ap.add_argument("--dir", type=Path, default=None,
-                    help="the cache (default $DISTTRAIN_CORPUS_DIR or ~/.cache/disttrain/doctor_corpus)")
+    ap = argparse.ArgumentParser(
+        prog="python -m bench.doctor_corpus fetch",
+        description="Bring the doctor's public corpus into the cache, each file "
+        "at its pinned commit, checked against its blob hash.",
+    )
+    ap.add_argument(
+        "--from-git", type=Path, metavar="DIR", help="read local clones (and wheels) under DIR instead of the network"
+    )
+    ap.add_argument(
+        "--dir",
+        type=Path,
+        default=None,
+        help="the cache (default $DISTTRAIN_CORPUS_DIR or ~/.cache/disttrain/doctor_corpus)",
+    )
     args = ap.parse_args(argv)
     if args.from_git is not None and not args.from_git.is_dir():
-        print(f"--from-git {args.from_git}: no such folder; give the folder that holds the clones",
-              file=sys.stderr)
+        print(f"--from-git {args.from_git}: no such folder; give the folder that holds the clones", file=sys.stderr)
         return 2
     dest = args.dir or cache_dir()
     entries = load_manifest()
@@ -236,6 +264,8 @@ def main(argv: list[str] | None = None) -> int:
     for line in problems:
         print(line, file=sys.stderr)
     ok = len(entries) - len(problems)
-    print(f"{ok} of {len(entries)} files in {dest}, each checked against its blob hash"
-          + (f"; {len(problems)} not brought (above)" if problems else ""))
+    print(
+        f"{ok} of {len(entries)} files in {dest}, each checked against its blob hash"
+        + (f"; {len(problems)} not brought (above)" if problems else "")
+    )
     return 1 if problems else 0

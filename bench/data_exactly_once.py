@@ -37,7 +37,7 @@ WINDOWS, BLOCK = 384, 32
 def make_source(kind: str, root: Path) -> str:
     """The --data.* override for `kind`, after writing its files under `root`."""
     text = b"".join(p.read_bytes() for p in sorted(Path(sysconfig.get_paths()["stdlib"]).glob("*.py")))
-    train, val = text[:WINDOWS * BLOCK + 1], text[200_000:202_000]
+    train, val = text[: WINDOWS * BLOCK + 1], text[200_000:202_000]
     if kind == "tokens":
         (root / "texts").mkdir()
         (root / "texts" / "train.txt").write_bytes(train)
@@ -46,18 +46,34 @@ def make_source(kind: str, root: Path) -> str:
         return f"--data.tokens={root / 'tokens'}"
     import datasets
 
-    rows = lambda b: [list(b[i * BLOCK:i * BLOCK + BLOCK + 1]) for i in range((len(b) - 1) // BLOCK)]
-    datasets.DatasetDict({"train": datasets.Dataset.from_dict({"input_ids": rows(train)}),
-                          "validation": datasets.Dataset.from_dict({"input_ids": rows(val)})}
-                         ).save_to_disk(str(root / "hf"))
+    rows = lambda b: [list(b[i * BLOCK : i * BLOCK + BLOCK + 1]) for i in range((len(b) - 1) // BLOCK)]
+    datasets.DatasetDict(
+        {
+            "train": datasets.Dataset.from_dict({"input_ids": rows(train)}),
+            "validation": datasets.Dataset.from_dict({"input_ids": rows(val)}),
+        }
+    ).save_to_disk(str(root / "hf"))
     return f"--data.hf_dataset={root / 'hf'}"
 
 
 def scenario(source: str, strategy: str, out: Path) -> dict:
-    flags = ("--nnodes", "1:2", "--nproc", "1", "--rdzv-backend", "c10d", "--rdzv-endpoint",
-             f"127.0.0.1:{free_port()}", "--rdzv-id", f"job-{out.name}", "--max-restarts", "10")
-    cmd = trainer_cmd(out, "--train.steps=48", source, f"--parallel.strategy={strategy}",
-                      "--checkpoint.every=2", run_flags=flags)
+    flags = (
+        "--nnodes",
+        "1:2",
+        "--nproc",
+        "1",
+        "--rdzv-backend",
+        "c10d",
+        "--rdzv-endpoint",
+        f"127.0.0.1:{free_port()}",
+        "--rdzv-id",
+        f"job-{out.name}",
+        "--max-restarts",
+        "10",
+    )
+    cmd = trainer_cmd(
+        out, "--train.steps=48", source, f"--parallel.strategy={strategy}", "--checkpoint.every=2", run_flags=flags
+    )
     out.mkdir(parents=True)
     logs = [out / f"agent{i}.txt" for i in range(3)]
     progressed = lambda w, b: any(m["world_size"] == w and m["step"] > b for m in metrics(out))
@@ -78,9 +94,13 @@ def scenario(source: str, strategy: str, out: Path) -> dict:
             kill_node(a)
     counts = Counter(i for s in audit_timeline(out).values() for i in s)
     worlds = [m["world_size"] for m in metrics(out)]
-    return {"exit": codes, "samples": len(counts), "max_count": max(counts.values()),
-            "missing": WINDOWS - len(set(counts) & set(range(WINDOWS))),
-            "worlds": "->".join(str(w) for i, w in enumerate(worlds) if i == 0 or w != worlds[i - 1])}
+    return {
+        "exit": codes,
+        "samples": len(counts),
+        "max_count": max(counts.values()),
+        "missing": WINDOWS - len(set(counts) & set(range(WINDOWS))),
+        "worlds": "->".join(str(w) for i, w in enumerate(worlds) if i == 0 or w != worlds[i - 1]),
+    }
 
 
 def main() -> int:
@@ -89,19 +109,25 @@ def main() -> int:
     ap.add_argument("--strategies", default="ddp,fsdp")
     ap.add_argument("--results", default=str(ROOT / "bench" / "results" / "data_exactly_once.md"))
     args = ap.parse_args()
-    lines = ["## Every sample once on data from disk (kill -9 of a node, world 2 -> 1 -> 2)", "",
-             f"`python bench/data_exactly_once.py --sources {args.sources} --strategies {args.strategies}`: "
-             f"{WINDOWS} samples, 48 steps of 8; the final timeline of the sample audit.", "",
-             "| source | strategy | worlds | samples seen | missing | most times one was seen | exit |",
-             "|---|---|---|---|---|---|---|"]
+    lines = [
+        "## Every sample once on data from disk (kill -9 of a node, world 2 -> 1 -> 2)",
+        "",
+        f"`python bench/data_exactly_once.py --sources {args.sources} --strategies {args.strategies}`: "
+        f"{WINDOWS} samples, 48 steps of 8; the final timeline of the sample audit.",
+        "",
+        "| source | strategy | worlds | samples seen | missing | most times one was seen | exit |",
+        "|---|---|---|---|---|---|---|",
+    ]
     ok = True
     for kind in args.sources.split(","):
         for strategy in args.strategies.split(","):
             with tempfile.TemporaryDirectory(prefix="exactly_once_") as tmp:
                 r = scenario(make_source(kind, Path(tmp)), strategy, Path(tmp) / f"{kind}_{strategy}")
             ok &= r["missing"] == 0 and r["max_count"] == 1 and r["exit"] == [0, 0]
-            lines.append(f"| {kind} | {strategy} | {r['worlds']} | {r['samples']} | {r['missing']} "
-                         f"| {r['max_count']} | {r['exit']} |")
+            lines.append(
+                f"| {kind} | {strategy} | {r['worlds']} | {r['samples']} | {r['missing']} "
+                f"| {r['max_count']} | {r['exit']} |"
+            )
             print(lines[-1], flush=True)
     Path(args.results).write_text("\n".join(lines) + "\n")
     return 0 if ok else 1

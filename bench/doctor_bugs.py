@@ -27,7 +27,7 @@ class BugCase:
     summary: str
     family: str
     expected: set = field(default_factory=set)  # (rule, line)
-    found: set = field(default_factory=set)     # (rule, line) of every finding
+    found: set = field(default_factory=set)  # (rule, line) of every finding
 
 
 def load_case(path: Path) -> BugCase:
@@ -42,8 +42,10 @@ def load_case(path: Path) -> BugCase:
             expected |= {(r.strip(), i) for r in e.group(1).split(",") if r.strip()}
     missing = {"issue", "summary", "family"} - set(head)
     if missing or not expected:
-        raise ValueError(f"{path}: a bug case needs # issue:, # summary:, # family: and at least "
-                         f"one `# expect: RULE` (missing: {', '.join(sorted(missing)) or 'expect'})")
+        raise ValueError(
+            f"{path}: a bug case needs # issue:, # summary:, # family: and at least "
+            f"one `# expect: RULE` (missing: {', '.join(sorted(missing)) or 'expect'})"
+        )
     return BugCase(path, head["issue"], head["summary"], head["family"], expected)
 
 
@@ -72,9 +74,13 @@ def bugs_table(cases: list[BugCase]) -> str:
     fams = family_recall(cases)
     hit = sum(h for h, _, _ in fams.values())
     total = sum(t for _, t, _ in fams.values())
-    rows = [f"{len(cases)} cases from {len({c.issue for c in cases})} reported issues; "
-            f"{hit} of {total} expected findings given (recall {_pct(hit, total)}).", "",
-            "| family | cases | found / expected | recall | rules |", "|---|---|---|---|---|"]
+    rows = [
+        f"{len(cases)} cases from {len({c.issue for c in cases})} reported issues; "
+        f"{hit} of {total} expected findings given (recall {_pct(hit, total)}).",
+        "",
+        "| family | cases | found / expected | recall | rules |",
+        "|---|---|---|---|---|",
+    ]
     for fam in sorted(fams):
         h, t, members = fams[fam]
         rules = sorted({r for c in members for r, _ in c.expected})
@@ -82,8 +88,7 @@ def bugs_table(cases: list[BugCase]) -> str:
     rows += ["", "| case | issue | what went wrong | found |", "|---|---|---|---|"]
     for c in cases:
         got = len(c.expected & c.found)
-        rows.append(f"| `{c.path.name}` | {_issue_link(c.issue)} | {c.summary} | "
-                    f"{got} / {len(c.expected)} |")
+        rows.append(f"| `{c.path.name}` | {_issue_link(c.issue)} | {c.summary} | {got} / {len(c.expected)} |")
     return "\n".join(rows)
 
 

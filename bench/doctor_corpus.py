@@ -43,22 +43,59 @@ if str(ROOT) not in sys.path:  # run as a script: `python bench/doctor_corpus.py
     sys.path.insert(0, str(ROOT))
 from bench import corpus_fetch  # noqa: E402
 from bench.doctor_bugs import (  # noqa: E402,F401  (re-exported for the tests)
-    BugCase, _pct, bugs_table, family_recall, load_case, measure_bugs)
+    BugCase,
+    _pct,
+    bugs_table,
+    family_recall,
+    load_case,
+    measure_bugs,
+)
 from bench.doctor_projects import (  # noqa: E402,F401  (re-exported for the tests)
-    FRESH_ROUND, HELD_BACK_CAUSES, PROJECTS, RECORDED, ROUND1_HELD_BACK, ROUND3_CAUSES, ROUND4_CAUSES,
-    ROUND5_CAUSES, ROUND6_CAUSES, ROUND7_CAUSES, ROUND8_CAUSES, ROUND9_CAUSES, ROUND10_CAUSES, ProjectResult, category, fresh_held_back, frozen_figures, half, held_back_round,
+    FRESH_ROUND,
+    HELD_BACK_CAUSES,
+    PROJECTS,
+    RECORDED,
+    ROUND1_HELD_BACK,
+    ROUND3_CAUSES,
+    ROUND4_CAUSES,
+    ROUND5_CAUSES,
+    ROUND6_CAUSES,
+    ROUND7_CAUSES,
+    ROUND8_CAUSES,
+    ROUND9_CAUSES,
+    ROUND10_CAUSES,
+    ProjectResult,
+    category,
+    fresh_held_back,
+    frozen_figures,
+    half,
+    held_back_round,
     measure_project,
-    measure_projects, project_dirs, project_figures, project_misses, project_totals, projects_table,
-    recorded_misses, recorded_table, reviewed_projects, round_figures, rule_table)
+    measure_projects,
+    project_dirs,
+    project_figures,
+    project_misses,
+    project_totals,
+    projects_table,
+    recorded_misses,
+    recorded_table,
+    reviewed_projects,
+    round_figures,
+    rule_table,
+)
 
 
 # ----- (a) the real scripts ----------------------------------------------------------
 
+
 def style_paths() -> list[str]:
     """Our scripts in the shape of public ones (tests/doctor_corpus/*_style*): everything
     in the corpus folder but bugs/ and projects/ (each its own program) and the data."""
-    return [str(p) for p in sorted(CORPUS.iterdir())
-            if p.name not in ("bugs", "real", PROJECTS.name) and (p.is_dir() or p.suffix == ".py")]
+    return [
+        str(p)
+        for p in sorted(CORPUS.iterdir())
+        if p.name not in ("bugs", "real", PROJECTS.name) and (p.is_dir() or p.suffix == ".py")
+    ]
 
 
 def corpus_paths(cache: Path) -> list[str]:
@@ -140,9 +177,11 @@ def real_table(r: RealResult) -> str:
     tot = totals(r.stats)
     rows.append(_row("**all**", tot))
     fp = tot["fp"]
-    head = (f"{r.files} scripts, {r.lines} lines; {fp} false warnings ({fp / r.lines * 500:.2f} per "
-            f"500 lines), {tot['fp_error']} false errors; {tot['out']} known miss(es) beyond the "
-            "rules' scope.")
+    head = (
+        f"{r.files} scripts, {r.lines} lines; {fp} false warnings ({fp / r.lines * 500:.2f} per "
+        f"500 lines), {tot['fp_error']} false errors; {tot['out']} known miss(es) beyond the "
+        "rules' scope."
+    )
     return head + "\n\n" + "\n".join(rows)
 
 
@@ -154,45 +193,73 @@ def _row(name: str, s: dict) -> str:
 
 # ----- the section ---------------------------------------------------------------------
 
-def _round_section(projects: list[ProjectResult] | None, n: int, heading: str, causes: str,
-                   full: bool = True) -> list[str]:
+
+def _round_section(
+    projects: list[ProjectResult] | None, n: int, heading: str, causes: str, full: bool = True
+) -> list[str]:
     """Round `n`: its recorded (frozen) figures against the targets, its causes, and (with
     `full`) the current doctor on the same projects, per project and per rule, when the
     rules changed since; older rounds' current figures are one row of `_seen_rounds_table`.
     With no corpus (`projects` None) only what the reviews give."""
     missed = recorded_misses(n)
-    recorded = [f"### {heading}", "", recorded_table(n), "",
-                ("Targets met." if not missed else "Targets missed: " + "; ".join(missed) + "."), ""]
+    recorded = [
+        f"### {heading}",
+        "",
+        recorded_table(n),
+        "",
+        ("Targets met." if not missed else "Targets missed: " + "; ".join(missed) + "."),
+        "",
+    ]
     if projects is None:
         return [*recorded, causes]
     held = held_back_round(projects, n)
     frozen = round_figures(held) == RECORDED[n]
-    current = [
-        projects_table(held, "held-back", f"round {n} held-back, current doctor"), "",
-        f"Per rule, round {n} held-back, current doctor:", "",
-        rule_table(held), ""] if full else []
+    current = (
+        [
+            projects_table(held, "held-back", f"round {n} held-back, current doctor"),
+            "",
+            f"Per rule, round {n} held-back, current doctor:",
+            "",
+            rule_table(held),
+            "",
+        ]
+        if full
+        else []
+    )
     return [
         *recorded,
-        (f"The current doctor gives exactly these figures on round {n}'s projects (it was not "
-         "changed after their review)." if frozen else
-         f"The rules have been changed since round {n} was reviewed: the recorded figures above "
-         "are the frozen doctor's (bench/doctor_projects.py `frozen_figures` reproduces them "
-         "from the reviews); the current doctor's on the same projects are seen, so no honest "
-         "figure" + (", and follow." if full else " (the table after round 3).")), "",
+        (
+            f"The current doctor gives exactly these figures on round {n}'s projects (it was not "
+            "changed after their review)."
+            if frozen
+            else f"The rules have been changed since round {n} was reviewed: the recorded figures above "
+            "are the frozen doctor's (bench/doctor_projects.py `frozen_figures` reproduces them "
+            "from the reviews); the current doctor's on the same projects are seen, so no honest "
+            "figure" + (", and follow." if full else " (the table after round 3).")
+        ),
+        "",
         *current,
-        causes]
+        causes,
+    ]
 
 
 def _seen_rounds_table(projects: list[ProjectResult]) -> str:
     """The current doctor on each round's held-back projects, one row per round (seen)."""
+
     def pct(pair):
         return f"{pair[0] / pair[1]:.0%}" if pair[1] else "-"
-    rows = ["| round | projects, lines | false errors | false / 500 lines | precision | hygiene recall | "
-            "behavioural recall |", "|---|---|---|---|---|---|---|"]
+
+    rows = [
+        "| round | projects, lines | false errors | false / 500 lines | precision | hygiene recall | "
+        "behavioural recall |",
+        "|---|---|---|---|---|---|---|",
+    ]
     for n in sorted(RECORDED):
         f = round_figures(held_back_round(projects, n))
-        rows.append(f"| {n} | {f['projects']}, {f['lines']} | {f['false_errors']} | {f['false_per_500']:.2f} | "
-                    f"{pct((f['tp'], f['findings']))} | {pct(f['hygiene'])} | {pct(f['behavioural'])} |")
+        rows.append(
+            f"| {n} | {f['projects']}, {f['lines']} | {f['false_errors']} | {f['false_per_500']:.2f} | "
+            f"{pct((f['tp'], f['findings']))} | {pct(f['hygiene'])} | {pct(f['behavioural'])} |"
+        )
     return "\n".join(rows)
 
 
@@ -203,89 +270,141 @@ _ROUNDS_TEXT = (
     "errors, were then fixed (each with a case in tests/doctor_rules/), which makes their "
     "projects seen, and each next round added projects none of the rules had been changed for, all held back by the "
     "same hash: 13 in round 2, 11 in round 3, 11 in round 4, 8 in round 5, 9 in round 6, 9 in "
-    "round 7, 12 in round 8, 8 in round 9, 9 in round 10.")
+    "round 7, 12 in round 8, 8 in round 9, 9 in round 10."
+)
 
 
 def _latest_round_text(projects: list[ProjectResult] | None) -> str:
     n = FRESH_ROUND
     if projects is not None and round_figures(held_back_round(projects, n)) == RECORDED[n]:
         return f"Round {n}'s are the current doctor's honest figures (it was not changed after the review)."
-    return (f"Round {n}'s recorded figures are the latest honest ones, those of the doctor frozen "
-            "for it; its causes have been fixed since, so the current doctor has no honest figure "
-            "until a new round of projects is reviewed.")
+    return (
+        f"Round {n}'s recorded figures are the latest honest ones, those of the doctor frozen "
+        "for it; its causes have been fixed since, so the current doctor has no honest figure "
+        "until a new round of projects is reviewed."
+    )
 
 
 def _no_corpus() -> list[str]:
     # no path of this machine in the section: it may be committed
-    return ["Not measured here: the public corpus was not fetched (`python -m bench.doctor_corpus fetch`, "
-            "or `fetch --from-git DIR` over local clones, into $DISTTRAIN_CORPUS_DIR, by default "
-            "~/.cache/disttrain/doctor_corpus).", ""]
+    return [
+        "Not measured here: the public corpus was not fetched (`python -m bench.doctor_corpus fetch`, "
+        "or `fetch --from-git DIR` over local clones, into $DISTTRAIN_CORPUS_DIR, by default "
+        "~/.cache/disttrain/doctor_corpus).",
+        "",
+    ]
 
 
 def render(real: RealResult | None, cases: list[BugCase], projects: list[ProjectResult] | None) -> str:
     """The section. `real` and `projects` are None when the corpus is not fetched: then
     each round's recorded figures (from the reviews) and the bug cases only."""
-    return "\n".join([
-        "# Doctor on real code", "",
-        f"Command: `{COMMAND}` (after `{COMMAND} fetch`, which brings the public code pinned in "
-        "tests/doctor_corpus/manifest.json into a cache outside the repository). Static "
-        "analysis: no timing, so the machine load does not matter.", "",
-        "## Held-back projects: the honest figures (issue 26)", "",
-        "Corpus: the training and distributed files of "
-        f"{len(project_dirs())} public projects (research code, frameworks' examples, LLM pre-training "
-        "and fine-tuning, diffusion, speech, RL), pinned by repository, commit, path and blob hash "
-        "in `tests/doctor_corpus/manifest.json` (with each file's SPDX licence id) and fetched, "
-        "never copied into the repository; each project checked as one run. Split once, before "
-        "tuning, by sha256 of the project's name (odd first byte: held back); the rules were tuned "
-        "on the other half only. Every finding carries a reviewer's verdict and every real problem "
-        "the doctor misses an entry (`review.json`). Precision = true / (true + false); recall "
-        "= true / (true + missed), per category (hygiene: timeout, weights_only, non-atomic "
-        "save; behavioural: hangs and wrong results; advice and log noise count for precision "
-        "only).", "",
-        _ROUNDS_TEXT + " " + _latest_round_text(projects), "",
-        *_round_section(projects, FRESH_ROUND, f"Round {FRESH_ROUND}: held-back projects added after "
-                        f"round {FRESH_ROUND - 1}'s fixes (the latest honest figures)", ROUND10_CAUSES),
-        *_round_section(projects, 9, "Round 9: held-back projects added after round 8's fixes", ROUND9_CAUSES),
-        *_round_section(projects, 8, "Round 8: held-back projects added after round 7's fixes",
-                        ROUND8_CAUSES, full=False),
-        *_round_section(projects, 7, "Round 7: held-back projects added after round 6's fixes",
-                        ROUND7_CAUSES, full=False),
-        *_round_section(projects, 6, "Round 6: held-back projects added after round 5's fixes",
-                        ROUND6_CAUSES, full=False),
-        *_round_section(projects, 5, "Round 5: held-back projects added after round 4's fixes",
-                        ROUND5_CAUSES, full=False),
-        *_round_section(projects, 4, "Round 4: held-back projects added after round 3's fixes",
-                        ROUND4_CAUSES, full=False),
-        *_round_section(projects, 3, "Round 3: held-back projects added after round 2's fixes",
-                        ROUND3_CAUSES, full=False),
-        *(["The current doctor on each round's held-back projects (all seen but the latest "
-           "round's when the rules are unchanged since its review; not honest figures):", "",
-           _seen_rounds_table(projects), ""] if projects is not None else _no_corpus()),
-        "### Rounds 1 and 2: the held-back projects of earlier rounds, frozen doctors", "",
-        recorded_table(2), "",
-        recorded_table(1), "",
-        HELD_BACK_CAUSES,
-        *(["The current doctor on every held-back project (rounds 1 to 10 have been seen, so this "
-           "is no honest figure; for comparison):", "",
-           projects_table(projects, "held-back", "all held-back, current doctor"), "",
-           "### Tuning half (for comparison, not the doctor's figures)", "",
-           "The misses of the tuning half were not surveyed (its recall columns count only the "
-           "findings no longer given), so only its precision compares.", "",
-           projects_table(projects, "tuning"), ""] if projects is not None else []),
-        "## Public training scripts", "",
-        "Corpus: `real/` in the cache, public scripts pinned in the manifest (pytorch/examples, "
-        "huggingface/accelerate, transformers, Lightning Fabric examples, torchtitan), "
-        "checked in one run with our scripts in their shape; each finding judged true or false "
-        "by a reviewer in `tests/doctor_corpus/review.json`. Precision = true / (true + false); "
-        "recall = true / (true + missed). Targets: no false error, at most one false warning per "
-        "500 lines, recall >= 90% per rule.", "",
-        *([real_table(real), ""] if real is not None else _no_corpus()),
-        "## Real reported bugs", "",
-        "Cases: `tests/doctor_corpus/bugs/`, one small script per bug reported in the PyTorch, "
-        "torchtitan, Accelerate, transformers or Lightning tracker, each checked alone; the lines marked "
-        "`# expect: RULE` are the findings the doctor must give. Target: recall >= 90% per "
-        "family.", "",
-        bugs_table(cases), ""])
+    return "\n".join(
+        [
+            "# Doctor on real code",
+            "",
+            f"Command: `{COMMAND}` (after `{COMMAND} fetch`, which brings the public code pinned in "
+            "tests/doctor_corpus/manifest.json into a cache outside the repository). Static "
+            "analysis: no timing, so the machine load does not matter.",
+            "",
+            "## Held-back projects: the honest figures (issue 26)",
+            "",
+            "Corpus: the training and distributed files of "
+            f"{len(project_dirs())} public projects (research code, frameworks' examples, LLM pre-training "
+            "and fine-tuning, diffusion, speech, RL), pinned by repository, commit, path and blob hash "
+            "in `tests/doctor_corpus/manifest.json` (with each file's SPDX licence id) and fetched, "
+            "never copied into the repository; each project checked as one run. Split once, before "
+            "tuning, by sha256 of the project's name (odd first byte: held back); the rules were tuned "
+            "on the other half only. Every finding carries a reviewer's verdict and every real problem "
+            "the doctor misses an entry (`review.json`). Precision = true / (true + false); recall "
+            "= true / (true + missed), per category (hygiene: timeout, weights_only, non-atomic "
+            "save; behavioural: hangs and wrong results; advice and log noise count for precision "
+            "only).",
+            "",
+            _ROUNDS_TEXT + " " + _latest_round_text(projects),
+            "",
+            *_round_section(
+                projects,
+                FRESH_ROUND,
+                f"Round {FRESH_ROUND}: held-back projects added after "
+                f"round {FRESH_ROUND - 1}'s fixes (the latest honest figures)",
+                ROUND10_CAUSES,
+            ),
+            *_round_section(projects, 9, "Round 9: held-back projects added after round 8's fixes", ROUND9_CAUSES),
+            *_round_section(
+                projects, 8, "Round 8: held-back projects added after round 7's fixes", ROUND8_CAUSES, full=False
+            ),
+            *_round_section(
+                projects, 7, "Round 7: held-back projects added after round 6's fixes", ROUND7_CAUSES, full=False
+            ),
+            *_round_section(
+                projects, 6, "Round 6: held-back projects added after round 5's fixes", ROUND6_CAUSES, full=False
+            ),
+            *_round_section(
+                projects, 5, "Round 5: held-back projects added after round 4's fixes", ROUND5_CAUSES, full=False
+            ),
+            *_round_section(
+                projects, 4, "Round 4: held-back projects added after round 3's fixes", ROUND4_CAUSES, full=False
+            ),
+            *_round_section(
+                projects, 3, "Round 3: held-back projects added after round 2's fixes", ROUND3_CAUSES, full=False
+            ),
+            *(
+                [
+                    "The current doctor on each round's held-back projects (all seen but the latest "
+                    "round's when the rules are unchanged since its review; not honest figures):",
+                    "",
+                    _seen_rounds_table(projects),
+                    "",
+                ]
+                if projects is not None
+                else _no_corpus()
+            ),
+            "### Rounds 1 and 2: the held-back projects of earlier rounds, frozen doctors",
+            "",
+            recorded_table(2),
+            "",
+            recorded_table(1),
+            "",
+            HELD_BACK_CAUSES,
+            *(
+                [
+                    "The current doctor on every held-back project (rounds 1 to 10 have been seen, so this "
+                    "is no honest figure; for comparison):",
+                    "",
+                    projects_table(projects, "held-back", "all held-back, current doctor"),
+                    "",
+                    "### Tuning half (for comparison, not the doctor's figures)",
+                    "",
+                    "The misses of the tuning half were not surveyed (its recall columns count only the "
+                    "findings no longer given), so only its precision compares.",
+                    "",
+                    projects_table(projects, "tuning"),
+                    "",
+                ]
+                if projects is not None
+                else []
+            ),
+            "## Public training scripts",
+            "",
+            "Corpus: `real/` in the cache, public scripts pinned in the manifest (pytorch/examples, "
+            "huggingface/accelerate, transformers, Lightning Fabric examples, torchtitan), "
+            "checked in one run with our scripts in their shape; each finding judged true or false "
+            "by a reviewer in `tests/doctor_corpus/review.json`. Precision = true / (true + false); "
+            "recall = true / (true + missed). Targets: no false error, at most one false warning per "
+            "500 lines, recall >= 90% per rule.",
+            "",
+            *([real_table(real), ""] if real is not None else _no_corpus()),
+            "## Real reported bugs",
+            "",
+            "Cases: `tests/doctor_corpus/bugs/`, one small script per bug reported in the PyTorch, "
+            "torchtitan, Accelerate, transformers or Lightning tracker, each checked alone; the lines marked "
+            "`# expect: RULE` are the findings the doctor must give. Target: recall >= 90% per "
+            "family.",
+            "",
+            bugs_table(cases),
+            "",
+        ]
+    )
 
 
 def targets(real: RealResult | None, cases: list[BugCase]) -> list[str]:
@@ -310,21 +429,31 @@ def targets(real: RealResult | None, cases: list[BugCase]) -> list[str]:
 def _figures_line(r: dict) -> str:
     def recall(pair):
         return f"{pair[0] / pair[1]:.0%}" if pair[1] else "-"
-    return (f"{r['projects']} projects, {r['lines']} lines: {r['false_errors']} false errors, "
-            f"{r['false_per_500']:.2f} false findings per 500 lines, precision {r['precision']:.0%} "
-            f"({r['tp']} true / {r['fp']} false), hygiene recall {recall(r['hygiene'])}, "
-            f"behavioural recall {recall(r['behavioural'])}")
+
+    return (
+        f"{r['projects']} projects, {r['lines']} lines: {r['false_errors']} false errors, "
+        f"{r['false_per_500']:.2f} false findings per 500 lines, precision {r['precision']:.0%} "
+        f"({r['tp']} true / {r['fp']} false), hygiene recall {recall(r['hygiene'])}, "
+        f"behavioural recall {recall(r['behavioural'])}"
+    )
 
 
 def _print_current(real: RealResult, projects: list[ProjectResult]) -> None:
     """What the current doctor gives on the fetched corpus, against what was recorded."""
     now = round_figures(fresh_held_back(projects))
-    print(f"current doctor on round {FRESH_ROUND}'s held-back projects: " + _figures_line(now)
-          + ("" if now == RECORDED[FRESH_ROUND] else " (rules changed since the review)"))
+    print(
+        f"current doctor on round {FRESH_ROUND}'s held-back projects: "
+        + _figures_line(now)
+        + ("" if now == RECORDED[FRESH_ROUND] else " (rules changed since the review)")
+    )
     for n in sorted(RECORDED)[1:]:  # seen rounds: the fixes made for them must hold
         f, then = round_figures(held_back_round(projects, n)), RECORDED[n]
-        if f["false_errors"] > then["false_errors"] or f["fp"] > then["fp"] \
-                or f["hygiene"][0] < then["hygiene"][0] or f["behavioural"][0] < then["behavioural"][0]:
+        if (
+            f["false_errors"] > then["false_errors"]
+            or f["fp"] > then["fp"]
+            or f["hygiene"][0] < then["hygiene"][0]
+            or f["behavioural"][0] < then["behavioural"][0]
+        ):
             print(f"  round {n}: the current doctor does worse than the frozen one: {_figures_line(f)}")
     unrev = [(r.name, u) for r in projects for u in r.unreviewed]
     if unrev:

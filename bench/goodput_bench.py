@@ -64,10 +64,24 @@ class Run:
         env = base_env(threads=1)
         if fault:
             env["DISTTRAIN_FAULT"] = fault
-        cmd = [sys.executable, "-m", "disttrain.cli", "run", "--nproc", "2", "-m", "disttrain.train",
-               "examples/tiny_gpt.toml", *TINY, "--checkpoint.every=50", *extra, f"--train.out_dir={self.out}"]
-        self.proc = subprocess.Popen(cmd, cwd=ROOT, env=env, stdout=self.log.open("ab"),
-                                     stderr=subprocess.STDOUT, start_new_session=True)
+        cmd = [
+            sys.executable,
+            "-m",
+            "disttrain.cli",
+            "run",
+            "--nproc",
+            "2",
+            "-m",
+            "disttrain.train",
+            "examples/tiny_gpt.toml",
+            *TINY,
+            "--checkpoint.every=50",
+            *extra,
+            f"--train.out_dir={self.out}",
+        ]
+        self.proc = subprocess.Popen(
+            cmd, cwd=ROOT, env=env, stdout=self.log.open("ab"), stderr=subprocess.STDOUT, start_new_session=True
+        )
 
     def records(self) -> list[dict]:
         out = []
@@ -181,8 +195,7 @@ def exactly_once(run: Run) -> tuple[int, list[str]]:
     if missing:
         problems.append(f"steps missing from the audit: {missing[:5]}")
     for e in range(top // EPOCH_STEPS):
-        counts = Counter(i for s in range(e * EPOCH_STEPS + 1, (e + 1) * EPOCH_STEPS + 1)
-                         for i in timeline.get(s, []))
+        counts = Counter(i for s in range(e * EPOCH_STEPS + 1, (e + 1) * EPOCH_STEPS + 1) for i in timeline.get(s, []))
         epochs += 1
         if len(counts) != EPOCH_STEPS * 8 or set(counts.values()) != {1}:
             dup = sum(1 for c in counts.values() if c > 1)
@@ -222,8 +235,9 @@ def bench_cost(tmp: Path, pairs: int, steps: int) -> dict:
     return {"off": off, "on": on, "ratio": [b / a - 1 for a, b in zip(off, on)]}
 
 
-def bench_goodput(tmp: Path, minutes: float, rng: random.Random, every_s: float | None,
-                  every_steps: int | None) -> dict:
+def bench_goodput(
+    tmp: Path, minutes: float, rng: random.Random, every_s: float | None, every_steps: int | None
+) -> dict:
     run = Run(tmp, "goodput", FAST + ["--train.steps=1000000"])
     kills, recovery, redone = 0, [], []
     try:
@@ -232,8 +246,9 @@ def bench_goodput(tmp: Path, minutes: float, rng: random.Random, every_s: float 
         next_kill = t0 + every_s if every_s else None
         mark = run.last_step()
         while time.monotonic() - t0 < minutes * 60:
-            due = (next_kill is not None and time.monotonic() >= next_kill) or \
-                  (every_steps and run.last_step() >= mark + every_steps)
+            due = (next_kill is not None and time.monotonic() >= next_kill) or (
+                every_steps and run.last_step() >= mark + every_steps
+            )
             if due:
                 t, before = kill_one(run, rng)
                 kills += 1
@@ -252,10 +267,20 @@ def bench_goodput(tmp: Path, minutes: float, rng: random.Random, every_s: float 
     base = statistics.median((b - a) / 1e9 for a, b in zip(times, times[1:]))
     useful = (len(times) - 1) * base
     epochs, problems = exactly_once(run)
-    return {"minutes": minutes, "kills": kills, "promotions": run.promotions(), "steps": len(times),
-            "wall_s": wall, "step_s": base, "goodput": useful / wall, "recovery": recovery,
-            "redone": redone, "epochs": epochs, "problems": problems,
-            "restarts": run.log.read_text().count("will restart worker group")}
+    return {
+        "minutes": minutes,
+        "kills": kills,
+        "promotions": run.promotions(),
+        "steps": len(times),
+        "wall_s": wall,
+        "step_s": base,
+        "goodput": useful / wall,
+        "recovery": recovery,
+        "redone": redone,
+        "epochs": epochs,
+        "problems": problems,
+        "restarts": run.log.read_text().count("will restart worker group"),
+    }
 
 
 def _label() -> str:
@@ -273,19 +298,23 @@ def render(m: dict, k: dict, c: dict, g: list[dict], argv: list[str], took: floa
     rec, red = summary(k["recovery"]), summary(k["redone"])
     cost = summary(c["ratio"])
     lines = [
-        f"## Fast recovery: warm spares and in-memory state, {_label()} (issue 13)", "",
+        f"## Fast recovery: warm spares and in-memory state, {_label()} (issue 13)",
+        "",
         f"Command: `{' '.join(['python bench/goodput_bench.py', *argv])}`  ",
         f"Machine: {m['cores']} cores ({m['cpu']}), torch {m['torch']}, Python {m['python']}; {m['date']}; "
         f"1-minute load {m['load_1min']} at the start, {load_end:.2f} at the end (a load near or above "
         f"the core count means other work ran alongside: times are then pessimistic and spread). "
-        f"The run took {took:.0f} s.", "",
+        f"The run took {took:.0f} s.",
+        "",
         "The tiny job of the elastic tests (1-layer GPT, gloo, CPU, 2 ranks, standalone), "
         "`[elastic] fast_recovery = true`, 200 ms of injected delay per step, a disk checkpoint "
         "every 50 steps. Times are read from the sample audit (`time_ns` of each rank's commit). "
         f"Median (min-max). Kills of (a) are {SPARE_WARM_S:g} s apart, so each finds a warm spare; "
         "the A/B runs have no injected delay and are timed after their first third (the spares "
-        "import torch alongside the first steps).", "",
-        "| figure | measured | goal | verdict |", "|---|---|---|---|",
+        "import torch alongside the first steps).",
+        "",
+        "| figure | measured | goal | verdict |",
+        "|---|---|---|---|",
         f"| kill -9 of one worker -> next step committed by every rank ({len(k['recovery'])} kills) | "
         f"{fmt(rec, digits=2, unit=' s')} | <= 1.0 s | {verdict(bool(rec) and rec['median'] <= TARGETS['kill'])} |",
         f"| completed steps redone after that kill (the step in flight is redone too) | "
@@ -296,24 +325,39 @@ def render(m: dict, k: dict, c: dict, g: list[dict], argv: list[str], took: floa
     ]
     for r in g:
         what = f"one kill every {r['every']}"
-        lines.append(f"| goodput, {what}, {r['minutes']:g} min | {100 * r['goodput']:.1f} % "
-                     f"({r['kills']} kills, {r['steps']} steps) | >= 95 % | "
-                     f"{verdict(r['goodput'] >= TARGETS['goodput'])} |")
-    lines += ["", f"Kill run: {k['promotions']} promotions, {k['restarts']} torchrun restarts, undisturbed "
-              f"step {k['step_s']:.3f} s (so a recovery costs the time above minus about one step); "
-              f"{k['epochs']} complete epoch(s) audited: "
-              f"{'every sample exactly once' if not k['problems'] else '; '.join(k['problems'])}.", "",
-              f"Step time without / with the machinery (s): {', '.join(f'{a:.4f}' for a in c['off'])} / "
-              f"{', '.join(f'{b:.4f}' for b in c['on'])}.", ""]
+        lines.append(
+            f"| goodput, {what}, {r['minutes']:g} min | {100 * r['goodput']:.1f} % "
+            f"({r['kills']} kills, {r['steps']} steps) | >= 95 % | "
+            f"{verdict(r['goodput'] >= TARGETS['goodput'])} |"
+        )
+    lines += [
+        "",
+        f"Kill run: {k['promotions']} promotions, {k['restarts']} torchrun restarts, undisturbed "
+        f"step {k['step_s']:.3f} s (so a recovery costs the time above minus about one step); "
+        f"{k['epochs']} complete epoch(s) audited: "
+        f"{'every sample exactly once' if not k['problems'] else '; '.join(k['problems'])}.",
+        "",
+        f"Step time without / with the machinery (s): {', '.join(f'{a:.4f}' for a in c['off'])} / "
+        f"{', '.join(f'{b:.4f}' for b in c['on'])}.",
+        "",
+    ]
     if g:
-        lines += ["| goodput run | kills | survived (spare promoted) | torchrun restarts | kill -> next step (s) "
-                  "| steps redone | epochs audited | samples |", "|---|---:|---:|---:|---|---|---:|---|"]
+        lines += [
+            "| goodput run | kills | survived (spare promoted) | torchrun restarts | kill -> next step (s) "
+            "| steps redone | epochs audited | samples |",
+            "|---|---:|---:|---:|---|---|---:|---|",
+        ]
         for r in g:
-            lines.append(f"| every {r['every']} | {r['kills']} | {r['promotions']} | {r['restarts']} | "
-                         f"{fmt(summary(r['recovery']), digits=2)} | {fmt(summary(r['redone']), digits=0)} | "
-                         f"{r['epochs']} | {'exactly once' if not r['problems'] else '; '.join(r['problems'])} |")
-        lines += ["", "Goodput counts every slowdown against the undisturbed (median) step, the "
-                  "shared machine's load included, not only the recoveries."]
+            lines.append(
+                f"| every {r['every']} | {r['kills']} | {r['promotions']} | {r['restarts']} | "
+                f"{fmt(summary(r['recovery']), digits=2)} | {fmt(summary(r['redone']), digits=0)} | "
+                f"{r['epochs']} | {'exactly once' if not r['problems'] else '; '.join(r['problems'])} |"
+            )
+        lines += [
+            "",
+            "Goodput counts every slowdown against the undisturbed (median) step, the "
+            "shared machine's load included, not only the recoveries.",
+        ]
         lines.append("")
     return "\n".join(lines) + "\n"
 
@@ -346,8 +390,9 @@ def main(argv: list[str]) -> int:
         if a.minutes > 0:
             g.append({**bench_goodput(tmp, a.minutes, rng, a.every_s, None), "every": f"{a.every_s:g} s"})
         if a.steps_minutes > 0:
-            g.append({**bench_goodput(tmp, a.steps_minutes, rng, None, a.every_steps),
-                      "every": f"{a.every_steps} steps"})
+            g.append(
+                {**bench_goodput(tmp, a.steps_minutes, rng, None, a.every_steps), "every": f"{a.every_steps} steps"}
+            )
     text = render(m, k, c, g, argv, time.monotonic() - t0, os.getloadavg()[0])
     Path(a.out).write_text(text)
     print(text)

@@ -85,11 +85,17 @@ def soak(tmp: Path, events: int, steps: int, rng: random.Random) -> dict:
     same = bool(a) and a.keys() == b.keys() and all(torch.equal(a[k], b[k]) for k in a)
     epochs, problems = exactly_once(run)
     text = run.log.read_text(errors="replace")
-    return {"events": done, "exit": code, "same": same, "epochs": epochs, "problems": problems,
-            "promotions": run.promotions(), "restarts": text.count("will restart worker group"),
-            "from_disk": text.count("no rank holds the state in memory")
-            + text.count("no step has every shard in memory"),
-            "last_step": run.last_step()}
+    return {
+        "events": done,
+        "exit": code,
+        "same": same,
+        "epochs": epochs,
+        "problems": problems,
+        "promotions": run.promotions(),
+        "restarts": text.count("will restart worker group"),
+        "from_disk": text.count("no rank holds the state in memory") + text.count("no step has every shard in memory"),
+        "last_step": run.last_step(),
+    }
 
 
 def main(argv: list[str]) -> int:
@@ -112,7 +118,8 @@ def main(argv: list[str]) -> int:
     e = r["events"]
     section = (
         f"\n### Soak ({a.strategy}): {sum(e.values())} random events over one run\n\n"
-        f"Command: `python bench/goodput_soak.py {' '.join(argv)}`".rstrip() + "  \n"
+        f"Command: `python bench/goodput_soak.py {' '.join(argv)}`".rstrip()
+        + "  \n"
         f"{m['date']}, 1-minute load {m['load_1min']} at the start, {os.getloadavg()[0]:.2f} at the end; "
         f"{time.monotonic() - t0:.0f} s.\n\n"
         f"Events: {e['worker']} kill -9 of a training process, {e['spare']} of a waiting spare, "
@@ -122,7 +129,8 @@ def main(argv: list[str]) -> int:
         f"exit status {r['exit']}; final model {'bit-identical to' if r['same'] else '**differs from**'} "
         f"the uninterrupted run's; {r['epochs']} complete epoch(s) audited: "
         f"{'zero duplicated and zero dropped samples' if not r['problems'] else '; '.join(r['problems'])}. "
-        f"Verdict: {'passed' if ok else '**failed**'}.\n")
+        f"Verdict: {'passed' if ok else '**failed**'}.\n"
+    )
     with open(a.out, "a") as f:
         f.write(section)
     print(section)

@@ -93,8 +93,11 @@ def build(args, cfg: dict, world: int) -> tuple[nn.Module, torch.optim.Optimizer
     key = (lambda n: n.replace(".block.", ".")) if args.ac else (lambda n: n)
     decay = [p for n, p in named if ndims[key(n)] >= 2]
     rest = [p for n, p in named if ndims[key(n)] < 2]
-    opt = torch.optim.AdamW([{"params": decay, "weight_decay": o["weight_decay"]},
-                             {"params": rest, "weight_decay": 0.0}], lr=o["lr"], betas=tuple(o["betas"]))
+    opt = torch.optim.AdamW(
+        [{"params": decay, "weight_decay": o["weight_decay"]}, {"params": rest, "weight_decay": 0.0}],
+        lr=o["lr"],
+        betas=tuple(o["betas"]),
+    )
     total, warm = args.steps + 1, max(1, round(0.05 * (args.steps + 1)))
 
     def factor(step: int) -> float:
@@ -131,10 +134,15 @@ def one_step(model, opt, sched, batch, grad_clip: float, profile=None) -> dict:
         t.append(time.perf_counter())
         loss.backward()
     t.append(time.perf_counter())
-    state = {"params": storage_bytes(model.parameters()),
-             "grads": storage_bytes(p.grad for p in model.parameters()),
-             "optim": storage_bytes(v for s in opt.state.values() for v in s.values()
-                                    if isinstance(v, torch.Tensor))} if profile else {}
+    state = (
+        {
+            "params": storage_bytes(model.parameters()),
+            "grads": storage_bytes(p.grad for p in model.parameters()),
+            "optim": storage_bytes(v for s in opt.state.values() for v in s.values() if isinstance(v, torch.Tensor)),
+        }
+        if profile
+        else {}
+    )
     with whole() as rest:
         norm = torch.nn.utils.clip_grad_norm_(model.parameters(), grad_clip)
         float(norm.full_tensor() if hasattr(norm, "full_tensor") else norm)
@@ -144,8 +152,13 @@ def one_step(model, opt, sched, batch, grad_clip: float, profile=None) -> dict:
         opt.zero_grad(set_to_none=True)
     value = loss.item()
     t.append(time.perf_counter())
-    out = {"loss": value, "forward": t[1] - t[0], "backward": t[2] - t[1], "clip": t[3] - t[2],
-           "optimizer": t[4] - t[3]}
+    out = {
+        "loss": value,
+        "forward": t[1] - t[0],
+        "backward": t[2] - t[1],
+        "clip": t[3] - t[2],
+        "optimizer": t[4] - t[3],
+    }
     return {**out, "state": state, "profiles": (fwd_bwd, rest)} if profile else out
 
 
@@ -153,8 +166,11 @@ def curve(prof) -> tuple[int, int]:
     """(highest, last) level of the allocation curve of a profile: every CPU allocation
     and free the profiler recorded (profile_memory), in time order, summed from 0 at
     its start."""
-    events = sorted((e.start_ns(), e.nbytes()) for e in prof.profiler.kineto_results.events()
-                    if e.name() == "[memory]" and e.device_type() == torch.autograd.DeviceType.CPU)
+    events = sorted(
+        (e.start_ns(), e.nbytes())
+        for e in prof.profiler.kineto_results.events()
+        if e.name() == "[memory]" and e.device_type() == torch.autograd.DeviceType.CPU
+    )
     level, top = 0, 0
     for _, nbytes in events:
         level += nbytes
@@ -176,8 +192,14 @@ def measure_memory(model, opt, sched, batch, grad_clip: float) -> dict:
     (top, end), (opt_top, _) = (curve(p) for p in step["profiles"])
     st = step["state"]
     state = st["params"] + st["grads"] + st["optim"]
-    return {**st, "state": state, "peak_fwd_bwd": state + top - end, "above_state_fwd_bwd": top - end,
-            "peak_optimizer": state + opt_top, "peak_rss_mb": peak_rss_mb()}
+    return {
+        **st,
+        "state": state,
+        "peak_fwd_bwd": state + top - end,
+        "above_state_fwd_bwd": top - end,
+        "peak_optimizer": state + opt_top,
+        "peak_rss_mb": peak_rss_mb(),
+    }
 
 
 def peak_rss_mb() -> float:
@@ -205,7 +227,9 @@ def main(argv: list[str] | None = None) -> int:
     rank, world = dist.get_rank(), dist.get_world_size()
     model, opt, sched = build(args, cfg, world)
     train, _, _ = token_datasets(args.tokens, args.block, heldout_fraction=cfg["data"]["heldout_fraction"])
-    sampler: DistributedSampler[int] = DistributedSampler(train, num_replicas=world, rank=rank, shuffle=True, seed=0, drop_last=True)
+    sampler: DistributedSampler[int] = DistributedSampler(
+        train, num_replicas=world, rank=rank, shuffle=True, seed=0, drop_last=True
+    )
     loader = iter(DataLoader(train, batch_size=args.batch, sampler=sampler, drop_last=True))
     clip = cfg["optim"]["grad_clip"]
     laps, phases, last = [], [], time.perf_counter()
@@ -216,14 +240,22 @@ def main(argv: list[str] | None = None) -> int:
         last = now
     memory = measure_memory(model, opt, sched, next(loader), clip) if args.memory else None
     every: list[dict] = [{}] * world  # (all_gather_object fills every entry)
-    dist.all_gather_object(every, {"laps": laps, "phases": phases, "memory": memory,
-                                   "threads": torch.get_num_threads()})
+    dist.all_gather_object(
+        every, {"laps": laps, "phases": phases, "memory": memory, "threads": torch.get_num_threads()}
+    )
     if rank == 0:
-        result = {"strategy": args.strategy, "compile": args.compile, "block": args.block, "world": world,
-                  "step_time_s": [list(t) for t in zip(*(e["laps"] for e in every))],
-                  "step_time_max_s": [max(t) for t in zip(*(e["laps"] for e in every))],
-                  "phases_rank0": every[0]["phases"], "memory": [e["memory"] for e in every],
-                  "threads": [e["threads"] for e in every], "omp_num_threads": os.environ.get("OMP_NUM_THREADS")}
+        result = {
+            "strategy": args.strategy,
+            "compile": args.compile,
+            "block": args.block,
+            "world": world,
+            "step_time_s": [list(t) for t in zip(*(e["laps"] for e in every))],
+            "step_time_max_s": [max(t) for t in zip(*(e["laps"] for e in every))],
+            "phases_rank0": every[0]["phases"],
+            "memory": [e["memory"] for e in every],
+            "threads": [e["threads"] for e in every],
+            "omp_num_threads": os.environ.get("OMP_NUM_THREADS"),
+        }
         Path(args.out).write_text(json.dumps(result, indent=1))
     dist.barrier()
     # Not a normal exit: freeing DDP's reducer at interpreter exit joins gloo's threads

@@ -45,8 +45,7 @@ from bench.checkpoint_bench import evict
 
 PEAK_FLOPS = 989e12
 # GPTConfig's keywords (disttrain is imported late: see _setup_env)
-FULL: dict[str, Any] = {"block_size": 2048, "n_layer": 20, "n_head": 16, "n_embd": 2048, "dropout": 0.0,
-        "bias": False}
+FULL: dict[str, Any] = {"block_size": 2048, "n_layer": 20, "n_head": 16, "n_embd": 2048, "dropout": 0.0, "bias": False}
 TINY: dict[str, Any] = {"block_size": 64, "n_layer": 2, "n_head": 4, "n_embd": 64, "dropout": 0.0, "bias": False}
 VARIANTS = ("torch_autocast", "disttrain_fsdp", "torch_autocast_compiled", "disttrain_fsdp_compiled")
 """Eager, then compiled per block (`dt.wrap(compile=True)`, and by hand `block.compile()`
@@ -59,8 +58,13 @@ def flops_per_token(cfg: dict, n_params: int) -> float:
 
 
 def _setup_env() -> None:
-    for key, value in {"RANK": "0", "LOCAL_RANK": "0", "WORLD_SIZE": "1", "LOCAL_WORLD_SIZE": "1",
-                       "MASTER_ADDR": "127.0.0.1"}.items():
+    for key, value in {
+        "RANK": "0",
+        "LOCAL_RANK": "0",
+        "WORLD_SIZE": "1",
+        "LOCAL_WORLD_SIZE": "1",
+        "MASTER_ADDR": "127.0.0.1",
+    }.items():
         os.environ.setdefault(key, value)
     if "MASTER_PORT" not in os.environ:
         from bench.common import free_port
@@ -215,10 +219,8 @@ def plan_estimate(cfg: dict, batch: int) -> dict:
     from disttrain.plan.model_size import from_gpt_config
 
     spec = from_gpt_config(GPTConfig(**cfg))
-    work = Workload(precision="bf16", optimizer="adamw", batch_per_device=batch,
-                    seq_len=cfg["block_size"])
-    return {f"plan_{v}_gib": memory(spec, work, 1, Variant(v)).total / 2**30
-            for v in ("ddp", "fsdp_full")}
+    work = Workload(precision="bf16", optimizer="adamw", batch_per_device=batch, seq_len=cfg["block_size"])
+    return {f"plan_{v}_gib": memory(spec, work, 1, Variant(v)).total / 2**30 for v in ("ddp", "fsdp_full")}
 
 
 def run(variant: str, out: Path, dry: bool, steps: int, warmup: int, batch: int) -> dict:
@@ -249,10 +251,20 @@ def run(variant: str, out: Path, dry: bool, steps: int, warmup: int, batch: int)
             first_step_s = time.perf_counter() - t_start
     step_s = sorted(times)[len(times) // 2]
     tokens = batch * cfg["block_size"]
-    result = {"variant": variant, "dry_run": dry, "config": cfg, "params": n_params, "sharded": sharded,
-              "batch": batch, "steps": steps, "step_s": step_s, "tokens_per_s": tokens / step_s,
-              "mfu": flops_per_token(cfg, n_params) * tokens / step_s / PEAK_FLOPS,
-              "first_step_s": first_step_s, "loss": loss.item()}
+    result = {
+        "variant": variant,
+        "dry_run": dry,
+        "config": cfg,
+        "params": n_params,
+        "sharded": sharded,
+        "batch": batch,
+        "steps": steps,
+        "step_s": step_s,
+        "tokens_per_s": tokens / step_s,
+        "mfu": flops_per_token(cfg, n_params) * tokens / step_s / PEAK_FLOPS,
+        "first_step_s": first_step_s,
+        "loss": loss.item(),
+    }
     if device.type == "cuda":
         result["peak_mem_gib"] = torch.cuda.max_memory_allocated() / 2**30
         result["peak_reserved_gib"] = torch.cuda.max_memory_reserved() / 2**30
@@ -261,8 +273,11 @@ def run(variant: str, out: Path, dry: bool, steps: int, warmup: int, batch: int)
         result["peak_mem_gib"] = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 2**20
         result["device"] = "cpu (dry run)"
     result.update(plan_estimate(cfg, batch))
-    result.update(torch=torch.__version__, cuda=torch.version.cuda,
-                  date=datetime.datetime.now().astimezone().strftime("%Y-%m-%d %H:%M %Z"))
+    result.update(
+        torch=torch.__version__,
+        cuda=torch.version.cuda,
+        date=datetime.datetime.now().astimezone().strftime("%Y-%m-%d %H:%M %Z"),
+    )
     out.mkdir(parents=True, exist_ok=True)
     path = out / f"{variant}.json"
     path.write_text(json.dumps(result, indent=1))  # the speed counts if a checkpoint hits the cap
@@ -275,8 +290,9 @@ def run(variant: str, out: Path, dry: bool, steps: int, warmup: int, batch: int)
         result["state_bytes"] = tensor_nbytes(model, optimizer)
         tmp = Path(tempfile.mkdtemp(prefix="gpu-ckpt-"))
         try:
-            result.update(checkpoint_rates(model, checkpoint, result["state_bytes"], tmp,
-                                           raw_disk=variant == "torch_autocast"))
+            result.update(
+                checkpoint_rates(model, checkpoint, result["state_bytes"], tmp, raw_disk=variant == "torch_autocast")
+            )
         except Exception as e:  # the training numbers still count
             result["ckpt_error"] = f"{type(e).__name__}: {e}"[:400]
         finally:
@@ -293,25 +309,31 @@ PARITY = 0.03
 def summarize(out: Path, command: str) -> Path:
     """Write OUT/gpu.md from the variants' JSON files: speed and memory, checkpoints, and
     the verdicts against the goals."""
-    results = [json.loads((out / f"{v}.json").read_text()) for v in VARIANTS
-               if (out / f"{v}.json").exists()]
-    lines = ["## GPU: bf16 GPT at world 1, disttrain against the same step by hand (both "
-             "unsharded, bf16 autocast)", ""]
+    results = [json.loads((out / f"{v}.json").read_text()) for v in VARIANTS if (out / f"{v}.json").exists()]
+    lines = ["## GPU: bf16 GPT at world 1, disttrain against the same step by hand (both unsharded, bf16 autocast)", ""]
     if not results:
         return _write(out, lines + ["No variant finished; see the logs in the output folder."])
     r0 = results[0]
-    lines += [f"Command: `{command}`  ",
-              f"Machine: {r0['device']}, torch {r0['torch']}, CUDA {r0['cuda']}; {r0['date']}."]
+    lines += [
+        f"Command: `{command}`  ",
+        f"Machine: {r0['device']}, torch {r0['torch']}, CUDA {r0['cuda']}; {r0['date']}.",
+    ]
     if r0["dry_run"]:
         lines.append("**Dry run on the CPU with a tiny model: proves the script, not the numbers.**")
-    lines += ["", f"Model: {r0['params'] / 1e6:,.1f}M parameters, {r0['config']}, micro-batch "
-              f"{r0['batch']}; median of {r0['steps']} steps after warm-up. MFU against 989 TFLOP/s.",
-              "", "| variant | tokens/s | s / step | MFU | peak memory GiB | plan GiB (unsharded) | "
-              "s to first step |", "|---|---|---|---|---|---|---|"]
+    lines += [
+        "",
+        f"Model: {r0['params'] / 1e6:,.1f}M parameters, {r0['config']}, micro-batch "
+        f"{r0['batch']}; median of {r0['steps']} steps after warm-up. MFU against 989 TFLOP/s.",
+        "",
+        "| variant | tokens/s | s / step | MFU | peak memory GiB | plan GiB (unsharded) | s to first step |",
+        "|---|---|---|---|---|---|---|",
+    ]
     for r in results:
-        lines.append(f"| {r['variant']} | {r['tokens_per_s']:,.0f} | {r['step_s']:.3f} | "
-                     f"{r['mfu']:.1%} | {r['peak_mem_gib']:.1f} | {r['plan_ddp_gib']:.1f} | "
-                     f"{r['first_step_s']:.1f} |")
+        lines.append(
+            f"| {r['variant']} | {r['tokens_per_s']:,.0f} | {r['step_s']:.3f} | "
+            f"{r['mfu']:.1%} | {r['peak_mem_gib']:.1f} | {r['plan_ddp_gib']:.1f} | "
+            f"{r['first_step_s']:.1f} |"
+        )
     if len({r.get("sharded") for r in results}) > 1:
         lines += ["", "**Not like for like: one side is sharded, the other not.**"]
     lines += ["", *_checkpoint_table(results), "", *_verdicts(results)]
@@ -320,22 +342,28 @@ def summarize(out: Path, command: str) -> Path:
 
 def _checkpoint_table(results: list[dict]) -> list[str]:
     raw = next((r for r in results if "raw_write_gbps" in r), {})
-    lines = ["| checkpoint | state GB | sync save s | save GB/s | cold load s | load GB/s | "
-             "load exact | async stall s | async total s |", "|---|---|---|---|---|---|---|---|---|"]
+    lines = [
+        "| checkpoint | state GB | sync save s | save GB/s | cold load s | load GB/s | "
+        "load exact | async stall s | async total s |",
+        "|---|---|---|---|---|---|---|---|---|",
+    ]
     for r in results:
         if "state_bytes" not in r:
             continue
         if "ckpt_error" in r:
-            lines.append(f"| {r['variant']} | {r['state_bytes'] / 1e9:.2f} | {r['ckpt_error']} "
-                         "| | | | | | |")
+            lines.append(f"| {r['variant']} | {r['state_bytes'] / 1e9:.2f} | {r['ckpt_error']} | | | | | | |")
             continue
-        lines.append(f"| {r['variant']} | {r['state_bytes'] / 1e9:.2f} | {r['ckpt_sync_s']:.2f} | "
-                     f"{r['ckpt_gbps']:.2f} | {r['ckpt_load_s']:.2f} | {r['ckpt_load_gbps']:.2f} | "
-                     f"{r['ckpt_load_exact']} | {r['ckpt_async_stall_s']:.2f} | "
-                     f"{r['ckpt_async_total_s']:.2f} |")
+        lines.append(
+            f"| {r['variant']} | {r['state_bytes'] / 1e9:.2f} | {r['ckpt_sync_s']:.2f} | "
+            f"{r['ckpt_gbps']:.2f} | {r['ckpt_load_s']:.2f} | {r['ckpt_load_gbps']:.2f} | "
+            f"{r['ckpt_load_exact']} | {r['ckpt_async_stall_s']:.2f} | "
+            f"{r['ckpt_async_total_s']:.2f} |"
+        )
     if raw:
-        lines.append(f"| raw disk (write + fsync, cold read) | | | {raw['raw_write_gbps']:.2f} | | "
-                     f"{raw['raw_read_gbps']:.2f} | | | |")
+        lines.append(
+            f"| raw disk (write + fsync, cold read) | | | {raw['raw_write_gbps']:.2f} | | "
+            f"{raw['raw_read_gbps']:.2f} | | | |"
+        )
     return lines
 
 
@@ -348,8 +376,9 @@ def _verdicts(results: list[dict]) -> list[str]:
         if hand and ours and hand["tokens_per_s"]:
             ratio = ours["tokens_per_s"] / hand["tokens_per_s"]
             met = "met" if ratio >= 1 - PARITY else "missed"
-            lines.append(f"- disttrain / hand-written tokens/s ({label}): {ratio:.3f} "
-                         f"(goal: within {PARITY:.0%}; {met}).")
+            lines.append(
+                f"- disttrain / hand-written tokens/s ({label}): {ratio:.3f} (goal: within {PARITY:.0%}; {met})."
+            )
     ours = by.get("disttrain_fsdp_compiled")
     if ours:
         met = "met" if ours["mfu"] >= MFU_GOAL else "missed"
@@ -381,8 +410,9 @@ def main(argv: list[str] | None = None) -> int:
         print("no CUDA device: run with --dry-run for the CPU check", file=sys.stderr)
         return 2
     steps = args.steps or (2 if args.dry_run else 15)
-    r = run(args.variant, args.out, args.dry_run, steps, warmup=1 if args.dry_run else 3,
-            batch=2 if args.dry_run else 8)
+    r = run(
+        args.variant, args.out, args.dry_run, steps, warmup=1 if args.dry_run else 3, batch=2 if args.dry_run else 8
+    )
     print(json.dumps(r))
     return 0
 

@@ -30,17 +30,27 @@ BASE, FULL = "hand_train", "dt_train"
 TARGET = 1.03
 # (feature, job with it, job without it, how it is switched off)
 FEATURES = [
-    ("guard: launch checks, heartbeats, watchdog, replica checksum (each checkpoint step)",
-     FULL, "dt_train_no_guard", "guard.enabled=false"),
-    ("sample audit (each rank appends its sample indices)", FULL, "dt_train_no_audit",
-     "elastic.record_samples=false"),
-    ("checkpoints, disttrain (DCP, xxh3 digests per rank, atomic commit, retention)", FULL,
-     "dt_train_no_ckpt", "checkpoint.enabled=false"),
-    ("preemption vote (`should_stop`), in the hand-written loop", "hand_train_vote",
-     BASE, "no config key in the trainer: measured on the baseline (BENCH_VOTE=1)"),
+    (
+        "guard: launch checks, heartbeats, watchdog, replica checksum (each checkpoint step)",
+        FULL,
+        "dt_train_no_guard",
+        "guard.enabled=false",
+    ),
+    ("sample audit (each rank appends its sample indices)", FULL, "dt_train_no_audit", "elastic.record_samples=false"),
+    (
+        "checkpoints, disttrain (DCP, xxh3 digests per rank, atomic commit, retention)",
+        FULL,
+        "dt_train_no_ckpt",
+        "checkpoint.enabled=false",
+    ),
+    (
+        "preemption vote (`should_stop`), in the hand-written loop",
+        "hand_train_vote",
+        BASE,
+        "no config key in the trainer: measured on the baseline (BENCH_VOTE=1)",
+    ),
 ]
-JOBS = [BASE, FULL, "dt_train_no_guard", "dt_train_no_audit", "dt_train_no_ckpt",
-        "hand_train_vote"]
+JOBS = [BASE, FULL, "dt_train_no_guard", "dt_train_no_audit", "dt_train_no_ckpt", "hand_train_vote"]
 METRICS = {"step_s": "wall", "cpu_s": "CPU"}
 NOISE = 0.5  # max - min of the paired ratios above which a verdict is not given
 
@@ -53,18 +63,38 @@ def analyse(matrix: Matrix, opts: Options) -> dict:
     rows = []
     for name in JOBS:
         job = matrix.get(name, WORLD)
-        rows.append({"name": name, "label": label(name), "note": job.note(), "runs": len(job.runs),
-                     **{m: job.stat(m) for m in (*METRICS, "rss_mb")}})
+        rows.append(
+            {
+                "name": name,
+                "label": label(name),
+                "note": job.note(),
+                "runs": len(job.runs),
+                **{m: job.stat(m) for m in (*METRICS, "rss_mb")},
+            }
+        )
     base, full = matrix.get(BASE, WORLD), matrix.get(FULL, WORLD)
     ratio = {m: paired(full, base, m) if base.ok and full.ok else {} for m in METRICS}
     shares = []
     for feature, on, off, switch in FEATURES:
         a, b = matrix.get(on, WORLD), matrix.get(off, WORLD)
         r = {m: paired(a, b, m) if a.ok and b.ok else {} for m in METRICS}
-        shares.append({"feature": feature, "switch": switch, "ratio": r,
-                       "note": "" if r["step_s"] else (a.note() or b.note() or "no paired repeats")})
-    return {"world": WORLD, "rows": rows, "ratio": ratio, "shares": shares, "target": TARGET,
-            "timed_steps": 5 * max(2, opts.steps), "jobs": [matrix.get(n, WORLD).to_json() for n in JOBS]}
+        shares.append(
+            {
+                "feature": feature,
+                "switch": switch,
+                "ratio": r,
+                "note": "" if r["step_s"] else (a.note() or b.note() or "no paired repeats"),
+            }
+        )
+    return {
+        "world": WORLD,
+        "rows": rows,
+        "ratio": ratio,
+        "shares": shares,
+        "target": TARGET,
+        "timed_steps": 5 * max(2, opts.steps),
+        "jobs": [matrix.get(n, WORLD).to_json() for n in JOBS],
+    }
 
 
 def extra_files(data: dict, results) -> None:
@@ -75,42 +105,54 @@ def extra_files(data: dict, results) -> None:
 def _pct(s: dict | None) -> str:
     if not s:
         return "n/a"
-    return (f"{(s['median'] - 1) * 100:+.1f} % ({(s['min'] - 1) * 100:+.1f} to "
-            f"{(s['max'] - 1) * 100:+.1f}), n={s['n']}")
+    return f"{(s['median'] - 1) * 100:+.1f} % ({(s['min'] - 1) * 100:+.1f} to {(s['max'] - 1) * 100:+.1f}), n={s['n']}"
 
 
 def render(data: dict) -> str:
-    out = variant_table("variant (2 ranks, gloo, 1 thread each)",
-                        [("wall s / step, evals and checkpoints included", "step_s", 4),
-                         ("CPU s / step (busiest rank)", "cpu_s", 4),
-                         ("peak RSS / rank MiB", "rss_mb", 0)], data["rows"])
+    out = variant_table(
+        "variant (2 ranks, gloo, 1 thread each)",
+        [
+            ("wall s / step, evals and checkpoints included", "step_s", 4),
+            ("CPU s / step (busiest rank)", "cpu_s", 4),
+            ("peak RSS / rank MiB", "rss_mb", 0),
+        ],
+        data["rows"],
+    )
     out.append("")
     r = data["ratio"]
     if not r.get("step_s"):
-        out.append(f"Target (disttrain train / hand-written <= {data['target']}): no paired "
-                   "measurement.")
+        out.append(f"Target (disttrain train / hand-written <= {data['target']}): no paired measurement.")
     else:
         verdicts = {m: _verdict(r.get(m), data["target"]) for m in METRICS}
-        out.append(f"Target: `disttrain train` / hand-written step time at most {data['target']} "
-                   f"with every guard on: wall **{verdicts['step_s']}** ({fmt(r['step_s'])}, "
-                   f"n={r['step_s']['n']}); CPU **{verdicts['cpu_s']}** ({fmt(r.get('cpu_s', {}))}).")
+        out.append(
+            f"Target: `disttrain train` / hand-written step time at most {data['target']} "
+            f"with every guard on: wall **{verdicts['step_s']}** ({fmt(r['step_s'])}, "
+            f"n={r['step_s']['n']}); CPU **{verdicts['cpu_s']}** ({fmt(r.get('cpu_s', {}))})."
+        )
     return "\n".join(out + ["", *_shares(data)])
 
 
 def _shares(data: dict) -> list[str]:
     """Each feature's share of the step (a details block: the report links it)."""
-    out = ["<details><summary>Each feature's share</summary>", "",
-           "Each feature's share: the run with it / without it, paired within each repeat "
-           "(median, min to max). CPU time (`time.process_time`, every thread of the rank) is "
-           "what the work costs; wall time also holds whatever else the shared machine ran "
-           "during that launch.", "",
-           "| feature | switched off by | added wall time | added CPU time |", "|---|---|---|---|"]
+    out = [
+        "<details><summary>Each feature's share</summary>",
+        "",
+        "Each feature's share: the run with it / without it, paired within each repeat "
+        "(median, min to max). CPU time (`time.process_time`, every thread of the rank) is "
+        "what the work costs; wall time also holds whatever else the shared machine ran "
+        "during that launch.",
+        "",
+        "| feature | switched off by | added wall time | added CPU time |",
+        "|---|---|---|---|",
+    ]
     for s in data["shares"]:
         if s["note"]:
             out.append(f"| {s['feature']} | {s['switch']} | {s['note']} | |")
         else:
-            out.append(f"| {s['feature']} | {s['switch']} | {_pct(s['ratio']['step_s'])} | "
-                       f"{_pct(s['ratio'].get('cpu_s', {}))} |")
+            out.append(
+                f"| {s['feature']} | {s['switch']} | {_pct(s['ratio']['step_s'])} | "
+                f"{_pct(s['ratio'].get('cpu_s', {}))} |"
+            )
     r = data["ratio"]
     if r.get("step_s") and "met" not in {_verdict(r.get(m), data["target"]) for m in METRICS}:
         out += ["", _where(data)]
@@ -131,37 +173,53 @@ def _where(data: dict) -> str:
     """The excess split into the measured shares (CPU, the steadier clock)."""
     m = "cpu_s" if data["ratio"].get("cpu_s") else "step_s"
     excess = data["ratio"][m]["median"] - 1
-    med = {s["feature"].split(":")[0].split(" (")[0]: s["ratio"][m]["median"] - 1
-           for s in data["shares"] if s["ratio"].get(m)}
+    med = {
+        s["feature"].split(":")[0].split(" (")[0]: s["ratio"][m]["median"] - 1
+        for s in data["shares"]
+        if s["ratio"].get(m)
+    }
     parts = "; ".join(f"{k} {v * 100:+.1f} %" for k, v in med.items())
     explained = sum(med.values())
-    return (f"Where the {METRICS[m]} excess of {excess * 100:+.1f} % goes (medians of the A/B "
-            f"above, each relative to its own 'off' run): {parts}. Together "
-            f"{explained * 100:+.1f} %; the rest ({(excess - explained) * 100:+.1f} %) is the "
-            "loop itself (the DataLoader over an index-carrying dataset and the ElasticSampler, "
-            "the Accumulator, the per-step dropout reseed, progress and metrics) and noise.")
+    return (
+        f"Where the {METRICS[m]} excess of {excess * 100:+.1f} % goes (medians of the A/B "
+        f"above, each relative to its own 'off' run): {parts}. Together "
+        f"{explained * 100:+.1f} %; the rest ({(excess - explained) * 100:+.1f} %) is the "
+        "loop itself (the DataLoader over an index-carrying dataset and the ElasticSampler, "
+        "the Accumulator, the per-step dropout reseed, progress and metrics) and noise."
+    )
 
 
 def guard_md(data: dict) -> str:
     """bench/results/guard.md: the guard's cost from the end-to-end A/B (docs/guard.md)."""
     guard = data["shares"][0]
     wall, cpu = guard["ratio"].get("step_s", {}), guard["ratio"].get("cpu_s", {})
-    return "\n".join([
-        "## Guard overhead (end-to-end A/B)", "",
-        f"Command: `{data['command']}` (section {NAME}).", "",
-        "`disttrain train` with the default guard (launch checks, heartbeats, the hang "
-        "watchdog thread, a replica checksum at every checkpoint step: at least as often as "
-        "the default 100) against the same run with `guard.enabled=false`, whole launches "
-        "interleaved with the other variants of section 1b, paired within each repeat; 2 gloo "
-        f"ranks on the CPU, {data.get('timed_steps', 100)} timed steps with evaluations and "
-        "checkpoints. This replaces the earlier sum of separately timed pieces.", "",
-        "| measure | added step time, median (min to max) |", "|---|---|",
-        f"| wall time | {guard['note'] or _pct(wall)} |",
-        f"| CPU time, all threads of the rank | {guard['note'] or _pct(cpu)} |",
-        "", "Goal (issue 6): at most 1 % of step time: "
-        + ("no measurement." if not cpu else
-           f"**{'met' if cpu['median'] <= 1.01 else 'MISSED'}** on the CPU median; the wall "
-           "figure's spread is the shared machine's noise, larger than the effect.")])
+    return "\n".join(
+        [
+            "## Guard overhead (end-to-end A/B)",
+            "",
+            f"Command: `{data['command']}` (section {NAME}).",
+            "",
+            "`disttrain train` with the default guard (launch checks, heartbeats, the hang "
+            "watchdog thread, a replica checksum at every checkpoint step: at least as often as "
+            "the default 100) against the same run with `guard.enabled=false`, whole launches "
+            "interleaved with the other variants of section 1b, paired within each repeat; 2 gloo "
+            f"ranks on the CPU, {data.get('timed_steps', 100)} timed steps with evaluations and "
+            "checkpoints. This replaces the earlier sum of separately timed pieces.",
+            "",
+            "| measure | added step time, median (min to max) |",
+            "|---|---|",
+            f"| wall time | {guard['note'] or _pct(wall)} |",
+            f"| CPU time, all threads of the rank | {guard['note'] or _pct(cpu)} |",
+            "",
+            "Goal (issue 6): at most 1 % of step time: "
+            + (
+                "no measurement."
+                if not cpu
+                else f"**{'met' if cpu['median'] <= 1.01 else 'MISSED'}** on the CPU median; the wall "
+                "figure's spread is the shared machine's noise, larger than the effect."
+            ),
+        ]
+    )
 
 
 def plot(data: dict, plt):
@@ -170,8 +228,7 @@ def plot(data: dict, plt):
         return None
     fig, ax = plt.subplots(figsize=(7, 3.5))
     med = [r["step_s"]["median"] for r in rows]  # wall
-    err = [[m - r["step_s"]["min"] for m, r in zip(med, rows)],
-           [r["step_s"]["max"] - m for m, r in zip(med, rows)]]
+    err = [[m - r["step_s"]["min"] for m, r in zip(med, rows)], [r["step_s"]["max"] - m for m, r in zip(med, rows)]]
     ax.barh([r["label"] for r in rows], med, xerr=err, color="#4878a8")
     ax.set_title("seconds per step, evals and checkpoints included (median, min-max)")
     ax.invert_yaxis()

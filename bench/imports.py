@@ -39,16 +39,20 @@ FIRST_STEP_TARGET = 1.05  # launch -> first step, main job / hand-written DDP lo
 MODULES = {
     "disttrain": ("disttrain", "import disttrain"),
     "disttrain, names a script uses": (
-        "disttrain", "import disttrain as dt; (dt.distributed, dt.wrap, dt.make_optimizer, "
-                     "dt.Accumulator, dt.DistributedSampler, dt.print_main, dt.global_mean)"),
+        "disttrain",
+        "import disttrain as dt; (dt.distributed, dt.wrap, dt.make_optimizer, "
+        "dt.Accumulator, dt.DistributedSampler, dt.print_main, dt.global_mean)",
+    ),
     "disttrain.train.trainer": ("disttrain", "import disttrain.train.trainer"),
     "accelerate": ("accelerate", "from accelerate import Accelerator"),
     "lightning.fabric": ("lightning", "from lightning.fabric import Fabric"),
 }
 
-_PROBE = ("import time; t0 = time.perf_counter(); import torch; t1 = time.perf_counter(); "
-          "{stmt}; t2 = time.perf_counter(); import json; "
-          "print(json.dumps([t1 - t0, t2 - t1]))")
+_PROBE = (
+    "import time; t0 = time.perf_counter(); import torch; t1 = time.perf_counter(); "
+    "{stmt}; t2 = time.perf_counter(); import json; "
+    "print(json.dumps([t1 - t0, t2 - t1]))"
+)
 
 
 def _available(package: str) -> bool:
@@ -138,15 +142,23 @@ def _first_step_once(kind: str, tmp: Path, timeout: float = 180.0) -> float:
     from train_spec import CONFIG, overrides
 
     env = base_env(threads=1)
-    env.update({"BENCH_WORKLOADS": str(BENCH / "workloads"), "BENCH_FIRST_STEP": str(tmp / "t"),
-                "BENCH_TRAIN_STEPS": "1"})
+    env.update(
+        {"BENCH_WORKLOADS": str(BENCH / "workloads"), "BENCH_FIRST_STEP": str(tmp / "t"), "BENCH_TRAIN_STEPS": "1"}
+    )
     run = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node=2"]
     if kind == "hand":
         (tmp / "hand.py").write_text(FIRST_STEP_HAND)
         cmd = [*run, str(tmp / "hand.py")]
     else:
-        cmd = [*run, "-m", "disttrain.train", str(CONFIG), *overrides(), "--train.log_every=1",
-               f"--train.out_dir={tmp / 'run'}"]
+        cmd = [
+            *run,
+            "-m",
+            "disttrain.train",
+            str(CONFIG),
+            *overrides(),
+            "--train.log_every=1",
+            f"--train.out_dir={tmp / 'run'}",
+        ]
     metrics, stamp = tmp / "run" / "metrics.jsonl", tmp / "t"
     t0 = time.time()
     proc = subprocess.Popen(cmd, env=env, cwd=tmp, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE)
@@ -189,8 +201,13 @@ def measure_first_step(opts: Options, log=print) -> dict:
             log(f"  first step: disttrain {a:.2f} s, hand-written {b:.2f} s")
     if not ours:
         raise RuntimeError("; ".join(failures) or "no repeat")
-    return {"disttrain": summary(ours), "hand": summary(hand), "failures": failures,
-            "ratio": summary([x / y for x, y in zip(ours, hand)]), "load": os.getloadavg()[0]}
+    return {
+        "disttrain": summary(ours),
+        "hand": summary(hand),
+        "failures": failures,
+        "ratio": summary([x / y for x, y in zip(ours, hand)]),
+        "load": os.getloadavg()[0],
+    }
 
 
 def jobs() -> list[tuple[str, int]]:
@@ -216,59 +233,91 @@ def analyse(matrix, opts: Options) -> dict:
     profile = import_profile(MODULES["disttrain"][1]) if (missed and opts.profile) else ""
     # The lazy import moves the cost to first use; show what that first use loads.
     use = res.get("disttrain, names a script uses", {})
-    use_profile = (import_profile(MODULES["disttrain, names a script uses"][1])
-                   if use and use["median"] > TARGET_S and opts.profile else "")
-    return {"results": res, "target_s": TARGET_S, "missed": missed, "profile": profile,
-            "use_profile": use_profile, "first_step": first_step,
-            "trainer_missed": bool(trainer) and trainer["median"] > TRAINER_TARGET_S}
+    use_profile = (
+        import_profile(MODULES["disttrain, names a script uses"][1])
+        if use and use["median"] > TARGET_S and opts.profile
+        else ""
+    )
+    return {
+        "results": res,
+        "target_s": TARGET_S,
+        "missed": missed,
+        "profile": profile,
+        "use_profile": use_profile,
+        "first_step": first_step,
+        "trainer_missed": bool(trainer) and trainer["median"] > TRAINER_TARGET_S,
+    }
 
 
 def render(data: dict) -> str:
     res = data["results"]
-    out = ["| statement (fresh interpreter, after `import torch`) | seconds above torch | runs |",
-           "|---|---|---|"]
+    out = ["| statement (fresh interpreter, after `import torch`) | seconds above torch | runs |", "|---|---|---|"]
     for name, (_, stmt) in MODULES.items():
         s = res.get(name)
-        out.append(f"| `{stmt}` | {fmt(s) if s else 'not installed'} | "
-                   f"{s.get('n', 0) if s else 0} |")
-    out.append(f"| (`import torch` itself) | {fmt(res.get('torch', {}))} | "
-               f"{res.get('torch', {}).get('n', 0)} |")
+        out.append(f"| `{stmt}` | {fmt(s) if s else 'not installed'} | {s.get('n', 0) if s else 0} |")
+    out.append(f"| (`import torch` itself) | {fmt(res.get('torch', {}))} | {res.get('torch', {}).get('n', 0)} |")
     ours = res.get("disttrain")
     if ours:
         verdict = "MISSED" if data["missed"] else "met"
-        out += ["", f"Target: `import disttrain` adds at most {data['target_s']} s: **{verdict}** "
-                f"(median {ours['median']:.3f} s). `import disttrain` is lazy: the second row is "
-                f"the import cost a training script pays by its first step, reported, not targeted."]
+        out += [
+            "",
+            f"Target: `import disttrain` adds at most {data['target_s']} s: **{verdict}** "
+            f"(median {ours['median']:.3f} s). `import disttrain` is lazy: the second row is "
+            f"the import cost a training script pays by its first step, reported, not targeted.",
+        ]
     trainer = res.get("disttrain.train.trainer")
     if trainer:
         verdict = "MISSED" if data.get("trainer_missed") else "met"
-        out += ["", f"Target: `import disttrain.train.trainer` (each rank of `disttrain train`) adds at "
-                f"most {TRAINER_TARGET_S} s: **{verdict}** (median {trainer['median']:.3f} s). DCP, "
-                f"DTensor (sympy), FSDP, rich, safetensors and transformers load on first use; "
-                f"tests/test_imports_startup.py keeps them out."]
+        out += [
+            "",
+            f"Target: `import disttrain.train.trainer` (each rank of `disttrain train`) adds at "
+            f"most {TRAINER_TARGET_S} s: **{verdict}** (median {trainer['median']:.3f} s). DCP, "
+            f"DTensor (sympy), FSDP, rich, safetensors and transformers load on first use; "
+            f"tests/test_imports_startup.py keeps them out.",
+        ]
     fs = data.get("first_step")
     if fs and "error" in fs:
         out += ["", f"Launch -> first step: the run failed: `{fs['error'][-300:]}`"]
     elif fs:
         verdict = "met" if fs["ratio"]["median"] <= FIRST_STEP_TARGET else "MISSED"
-        out += ["", "| launch -> first step (torchrun, 2 ranks, tiny_gpt A/B settings) | seconds | runs |",
-                "|---|---|---|",
-                f"| `disttrain train` (`python -m disttrain.train`) | {fmt(fs['disttrain'])} | {fs['disttrain']['n']} |",
-                f"| the same set-up written by hand (DDP) | {fmt(fs['hand'])} | {fs['hand']['n']} |",
-                f"| ratio, paired within each repeat | {fmt(fs['ratio'])} | {fs['ratio']['n']} |",
-                "", f"Target: launch -> first step within {FIRST_STEP_TARGET}x the hand-written loop's: "
-                f"**{verdict}** (median ratio {fs['ratio']['median']:.2f}; load average "
-                f"{fs['load']:.1f} at the end)."]
+        out += [
+            "",
+            "| launch -> first step (torchrun, 2 ranks, tiny_gpt A/B settings) | seconds | runs |",
+            "|---|---|---|",
+            f"| `disttrain train` (`python -m disttrain.train`) | {fmt(fs['disttrain'])} | {fs['disttrain']['n']} |",
+            f"| the same set-up written by hand (DDP) | {fmt(fs['hand'])} | {fs['hand']['n']} |",
+            f"| ratio, paired within each repeat | {fmt(fs['ratio'])} | {fs['ratio']['n']} |",
+            "",
+            f"Target: launch -> first step within {FIRST_STEP_TARGET}x the hand-written loop's: "
+            f"**{verdict}** (median ratio {fs['ratio']['median']:.2f}; load average "
+            f"{fs['load']:.1f} at the end).",
+        ]
         if fs.get("failures"):
-            out += ["", f"{len(fs['failures'])} launch(es) failed and were left out: "
-                    + "; ".join(f"`{f[:300]}`" for f in fs["failures"])]
+            out += [
+                "",
+                f"{len(fs['failures'])} launch(es) failed and were left out: "
+                + "; ".join(f"`{f[:300]}`" for f in fs["failures"]),
+            ]
     if data.get("profile"):
-        out += ["", "Why (`-X importtime`, modules loaded after torch, by cumulative time):", "",
-                "```", data["profile"], "```"]
+        out += [
+            "",
+            "Why (`-X importtime`, modules loaded after torch, by cumulative time):",
+            "",
+            "```",
+            data["profile"],
+            "```",
+        ]
     if data.get("use_profile"):
-        out += ["", "What first use of the names loads (`-X importtime`, after torch, by "
-                "cumulative time; this is most of disttrain's extra time to first step in "
-                "section 1):", "", "```", data["use_profile"], "```"]
+        out += [
+            "",
+            "What first use of the names loads (`-X importtime`, after torch, by "
+            "cumulative time; this is most of disttrain's extra time to first step in "
+            "section 1):",
+            "",
+            "```",
+            data["use_profile"],
+            "```",
+        ]
     return "\n".join(out)
 
 

@@ -33,15 +33,26 @@ WORKLOADS: dict[str, Workload] = {
     # The product A/B (bench/guard_overhead.py): `disttrain train` with one feature off at a
     # time through its config keys, against the same work written by hand.
     "hand_train": ("hand_train.py", None, "hand-written loop, same work"),
-    "hand_train_vote": ("hand_train.py", None, "hand-written + 1 all-reduce / step",
-                        {"BENCH_VOTE": "1"}),
+    "hand_train_vote": ("hand_train.py", None, "hand-written + 1 all-reduce / step", {"BENCH_VOTE": "1"}),
     "dt_train": ("trainer_run.py", "ddp", "disttrain train, everything on"),
-    "dt_train_no_guard": ("trainer_run.py", "ddp", "disttrain train, guard.enabled=false",
-                          {"BENCH_TRAIN_ARGS": "--guard.enabled=false"}),
-    "dt_train_no_audit": ("trainer_run.py", "ddp", "disttrain train, elastic.record_samples=false",
-                          {"BENCH_TRAIN_ARGS": "--elastic.record_samples=false"}),
-    "dt_train_no_ckpt": ("trainer_run.py", "ddp", "disttrain train, checkpoint.enabled=false",
-                         {"BENCH_TRAIN_ARGS": "--checkpoint.enabled=false"}),
+    "dt_train_no_guard": (
+        "trainer_run.py",
+        "ddp",
+        "disttrain train, guard.enabled=false",
+        {"BENCH_TRAIN_ARGS": "--guard.enabled=false"},
+    ),
+    "dt_train_no_audit": (
+        "trainer_run.py",
+        "ddp",
+        "disttrain train, elastic.record_samples=false",
+        {"BENCH_TRAIN_ARGS": "--elastic.record_samples=false"},
+    ),
+    "dt_train_no_ckpt": (
+        "trainer_run.py",
+        "ddp",
+        "disttrain train, checkpoint.enabled=false",
+        {"BENCH_TRAIN_ARGS": "--checkpoint.enabled=false"},
+    ),
 }
 
 EXTRA_HINT = "pip install -e '.[bench]' (accelerate, lightning)"
@@ -90,8 +101,13 @@ class JobResult:
         return "" if self.runs else "not run"
 
     def to_json(self) -> dict:
-        return {"name": self.name, "world": self.world, "runs": self.runs,
-                "skipped": self.skipped, "error": self.error[-3000:]}
+        return {
+            "name": self.name,
+            "world": self.world,
+            "runs": self.runs,
+            "skipped": self.skipped,
+            "error": self.error[-3000:],
+        }
 
     @classmethod
     def from_json(cls, d: dict) -> "JobResult":
@@ -152,9 +168,16 @@ class Matrix:
                     job.error = str(e)
                     log(f"    failed: {str(e).splitlines()[0]}")
                     continue
-                job.runs.append({"repeat": repeat, "step_s": res.step_s,
-                                 "first_step_s": res.first_step_s, "rss_mb": res.rss_mb,
-                                 "tokens_per_s": res.tokens_per_s, "cpu_s": res.cpu_s})
+                job.runs.append(
+                    {
+                        "repeat": repeat,
+                        "step_s": res.step_s,
+                        "first_step_s": res.first_step_s,
+                        "rss_mb": res.rss_mb,
+                        "tokens_per_s": res.tokens_per_s,
+                        "cpu_s": res.cpu_s,
+                    }
+                )
             sys.stdout.flush()
 
     def _launch(self, job: JobResult):

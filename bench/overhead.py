@@ -29,9 +29,15 @@ def jobs() -> list[tuple[str, int]]:
 
 
 def _job_row(job: JobResult) -> dict:
-    return {"key": job.key, "label": label(job.name), "note": job.note(),
-            "step_s": job.stat("step_s"), "first_step_s": job.stat("first_step_s"),
-            "rss_mb": job.stat("rss_mb"), "runs": len(job.runs)}
+    return {
+        "key": job.key,
+        "label": label(job.name),
+        "note": job.note(),
+        "step_s": job.stat("step_s"),
+        "first_step_s": job.stat("first_step_s"),
+        "rss_mb": job.stat("rss_mb"),
+        "runs": len(job.runs),
+    }
 
 
 def analyse(matrix: Matrix, opts: Options) -> dict:
@@ -42,8 +48,10 @@ def analyse(matrix: Matrix, opts: Options) -> dict:
         if not (base.ok and cand.ok):
             ratios.append({"strategy": strategy, "pending": cand.note() or base.note()})
             continue
-        r: dict[str, Any] = {"strategy": strategy, **{m: paired(cand, base, m) for m in
-                                      ("step_s", "first_step_s", "rss_mb")}}
+        r: dict[str, Any] = {
+            "strategy": strategy,
+            **{m: paired(cand, base, m) for m in ("step_s", "first_step_s", "rss_mb")},
+        }
         r["missed"] = [m for m, t in TARGETS.items() if r[m]["median"] > t]
         ratios.append(r)
         for metric in r["missed"] if opts.profile else []:
@@ -51,31 +59,52 @@ def analyse(matrix: Matrix, opts: Options) -> dict:
             prof_c, prof_b = matrix.profile(cand_name, WORLD, kind), matrix.profile(base_name, WORLD, kind)
             if prof_c and prof_b:
                 profiles[f"{strategy} {METRIC_NAMES[metric]}"] = excess_table(prof_c, prof_b)
-    return {"world": WORLD, "rows": rows, "ratios": ratios, "profiles": profiles,
-            "jobs": [j.to_json() for j in (matrix.get(n, WORLD) for _, b, c in PAIRS for n in (b, c))]}
+    return {
+        "world": WORLD,
+        "rows": rows,
+        "ratios": ratios,
+        "profiles": profiles,
+        "jobs": [j.to_json() for j in (matrix.get(n, WORLD) for _, b, c in PAIRS for n in (b, c))],
+    }
 
 
 def render(data: dict) -> str:
-    out = ["These are thin user-loop scripts (`dt.wrap`, `dt.Accumulator`, the sampler): the "
-           "trainer behind `disttrain train`, with its guard, preemption vote, audit, evaluations "
-           "and checkpoints, is measured against the same work by hand in section 1b.", ""]
-    out += variant_table("variant (2 ranks, gloo, 1 thread each)",
-                         [("s / step", "step_s", 4), ("s to first step", "first_step_s", 2),
-                          ("peak RSS / rank MiB", "rss_mb", 0)], data["rows"])
-    out += ["", "Ratios disttrain / hand-written, paired within each repeat "
-            "(targets: step time <= 1.02, time to first step <= 1.10):", "",
-            "| strategy | step time | time to first step | peak RSS | targets |", "|---|---|---|---|---|"]
+    out = [
+        "These are thin user-loop scripts (`dt.wrap`, `dt.Accumulator`, the sampler): the "
+        "trainer behind `disttrain train`, with its guard, preemption vote, audit, evaluations "
+        "and checkpoints, is measured against the same work by hand in section 1b.",
+        "",
+    ]
+    out += variant_table(
+        "variant (2 ranks, gloo, 1 thread each)",
+        [("s / step", "step_s", 4), ("s to first step", "first_step_s", 2), ("peak RSS / rank MiB", "rss_mb", 0)],
+        data["rows"],
+    )
+    out += [
+        "",
+        "Ratios disttrain / hand-written, paired within each repeat "
+        "(targets: step time <= 1.02, time to first step <= 1.10):",
+        "",
+        "| strategy | step time | time to first step | peak RSS | targets |",
+        "|---|---|---|---|---|",
+    ]
     for r in data["ratios"]:
         if "pending" in r:
             out.append(f"| {r['strategy']} | {r['pending']} | | | pending |")
             continue
-        verdict = "met" if not r["missed"] else "MISSED: " + ", ".join(
-            METRIC_NAMES[m] for m in r["missed"])
-        out.append(f"| {r['strategy']} | {fmt(r['step_s'])} | {fmt(r['first_step_s'])} | "
-                   f"{fmt(r['rss_mb'])} | {verdict} |")
+        verdict = "met" if not r["missed"] else "MISSED: " + ", ".join(METRIC_NAMES[m] for m in r["missed"])
+        out.append(
+            f"| {r['strategy']} | {fmt(r['step_s'])} | {fmt(r['first_step_s'])} | {fmt(r['rss_mb'])} | {verdict} |"
+        )
     for what, table in data.get("profiles", {}).items():
-        out += ["", f"Why {what} misses (cProfile, functions where disttrain spends more own "
-                    f"time than the hand-written job):", "", "```", table, "```"]
+        out += [
+            "",
+            f"Why {what} misses (cProfile, functions where disttrain spends more own time than the hand-written job):",
+            "",
+            "```",
+            table,
+            "```",
+        ]
     return "\n".join(out)
 
 
@@ -84,11 +113,12 @@ def plot(data: dict, plt):
     if not rows:
         return None
     fig, axes = plt.subplots(1, 2, figsize=(10, 3.5))
-    for ax, metric, title in ((axes[0], "step_s", "seconds per step"),
-                              (axes[1], "first_step_s", "seconds to first step")):
+    for ax, metric, title in (
+        (axes[0], "step_s", "seconds per step"),
+        (axes[1], "first_step_s", "seconds to first step"),
+    ):
         med = [r[metric]["median"] for r in rows]
-        err = [[m - r[metric]["min"] for m, r in zip(med, rows)],
-               [r[metric]["max"] - m for m, r in zip(med, rows)]]
+        err = [[m - r[metric]["min"] for m, r in zip(med, rows)], [r[metric]["max"] - m for m, r in zip(med, rows)]]
         ax.barh([r["label"] for r in rows], med, xerr=err, color="#4878a8")
         ax.set_title(title + " (median, min-max)")
         ax.invert_yaxis()

@@ -74,10 +74,12 @@ def excess_table(candidate: dict, baseline: dict, top: int = 12) -> str:
         rows.append((tt - base, tt, base, ct, key))
     rows.sort(reverse=True)
     own = sum(tt for key, (tt, _) in candidate["funcs"].items() if key.startswith("disttrain/"))
-    lines = [f"{_scope(candidate)}: total {candidate['total_s']:.2f} s "
-             f"vs {baseline['total_s']:.2f} s hand-written; in disttrain's own Python: "
-             f"{own:.3f} s ({own / candidate['steps'] * 1e3:.2f} ms per step)",
-             f"{'excess s':>9} {'own s':>8} {'base s':>8} {'cum s':>8}  function"]
+    lines = [
+        f"{_scope(candidate)}: total {candidate['total_s']:.2f} s "
+        f"vs {baseline['total_s']:.2f} s hand-written; in disttrain's own Python: "
+        f"{own:.3f} s ({own / candidate['steps'] * 1e3:.2f} ms per step)",
+        f"{'excess s':>9} {'own s':>8} {'base s':>8} {'cum s':>8}  function",
+    ]
     for excess, tt, base, ct, key in rows[:top]:
         lines.append(f"{excess:9.3f} {tt:8.3f} {base:8.3f} {ct:8.3f}  {key}")
     return "\n".join(lines)
@@ -87,10 +89,8 @@ def top_table(profile: dict, top: int = 12, only: str = "") -> str:
     """The `top` functions by own time (optionally only those whose name contains `only`)."""
     if "error" in profile:
         return "profile failed: " + profile["error"][-300:]
-    rows = sorted(((tt, ct, k) for k, (tt, ct) in profile["funcs"].items() if only in k),
-                  reverse=True)
-    lines = [f"{_scope(profile)}: total {profile['total_s']:.2f} s",
-             f"{'own s':>8} {'cum s':>8}  function"]
+    rows = sorted(((tt, ct, k) for k, (tt, ct) in profile["funcs"].items() if only in k), reverse=True)
+    lines = [f"{_scope(profile)}: total {profile['total_s']:.2f} s", f"{'own s':>8} {'cum s':>8}  function"]
     lines += [f"{tt:8.3f} {ct:8.3f}  {k}" for tt, ct, k in rows[:top]]
     return "\n".join(lines)
 
@@ -113,7 +113,9 @@ def import_profile(stmt: str, top: int = 15) -> str:
             rows.append((cum_us, self_us, indent, name))
     total = sum(c for c, _, i, _ in rows if i == 1)
     rows.sort(reverse=True)
-    lines = [f"`python -X importtime -c 'import torch; {stmt}'`: "
-             f"{total / 1e6:.3f} s loaded after torch", f"{'cum ms':>8} {'self ms':>8}  module"]
+    lines = [
+        f"`python -X importtime -c 'import torch; {stmt}'`: {total / 1e6:.3f} s loaded after torch",
+        f"{'cum ms':>8} {'self ms':>8}  module",
+    ]
     lines += [f"{c / 1e3:8.1f} {s / 1e3:8.1f}  {n}" for c, s, _, n in rows[:top]]
     return "\n".join(lines)

@@ -42,8 +42,11 @@ from bench.recovery_job import TARGETS, Hung, Job, children, kill_tree, phases  
 TARGETS = {**TARGETS, "down": 3.0, "up": 3.0}  # issue 13: scale-down / scale-up <= 3 s
 FLAVORS = {  # scale-cycle launchers: (label, extra environment, extra rendezvous settings)
     "disttrain": ("`disttrain run` defaults (warm workers)", {}, ""),
-    "cold": ("`disttrain run`, `DISTTRAIN_WARM_WORKERS=0` (fresh interpreters, as before)",
-             {"DISTTRAIN_WARM_WORKERS": "0"}, ""),
+    "cold": (
+        "`disttrain run`, `DISTTRAIN_WARM_WORKERS=0` (fresh interpreters, as before)",
+        {"DISTTRAIN_WARM_WORKERS": "0"},
+        "",
+    ),
     # A dead node noticed after 3 missed beats instead of 5. (last_call_timeout=1 as well made
     # the first agent start alone and fix the global batch at world 1: world 2 never came.)
     "fast": ("`disttrain run`, `--rdzv-conf keep_alive_max_attempt=3`", {}, "keep_alive_max_attempt=3"),
@@ -53,9 +56,21 @@ FLAVORS = {  # scale-cycle launchers: (label, extra environment, extra rendezvou
 
 def elastic_flags(backend: str, endpoint: str, plain: bool, conf: str = "") -> list[str]:
     rdzv = "etcd-v2" if plain and backend == "etcd" else backend  # disttrain maps etcd -> etcd-v2
-    return ["--nnodes", "1:2", "--nproc-per-node", "1", "--rdzv-backend", rdzv, "--rdzv-endpoint",
-            endpoint, "--rdzv-id", f"bench-{backend}", "--max-restarts", "100",
-            *(["--rdzv-conf", conf] if conf else [])]
+    return [
+        "--nnodes",
+        "1:2",
+        "--nproc-per-node",
+        "1",
+        "--rdzv-backend",
+        rdzv,
+        "--rdzv-endpoint",
+        endpoint,
+        "--rdzv-id",
+        f"bench-{backend}",
+        "--max-restarts",
+        "100",
+        *(["--rdzv-conf", conf] if conf else []),
+    ]
 
 
 def kill_workers(tmp: Path, backend: str, kills: int, rng: random.Random) -> dict:
@@ -118,8 +133,7 @@ def scale_cycles(tmp: Path, backend: str, cycles: int, flavor: str, timeouts: tu
                 os.environ[k] = v
 
 
-def _scale_cycles(tmp: Path, backend: str, cycles: int, flavor: str, timeouts: tuple[float, float],
-                  conf: str) -> dict:
+def _scale_cycles(tmp: Path, backend: str, cycles: int, flavor: str, timeouts: tuple[float, float], conf: str) -> dict:
     plain = flavor == "plain"
     job = Job(tmp, f"scale-{backend}-{flavor}", plain=plain)
     server = EtcdServer().start() if backend == "etcd" else None
@@ -181,10 +195,15 @@ def import_seconds() -> dict:
     interpreters, two at once (a restart starts both workers together), after an untimed
     import that warms the file cache (workers that restart find it warm too)."""
     out = {}
-    for name, module in (("warm", "disttrain.train.trainer"), ("torch", "torch"), ("disttrain", "disttrain.train.trainer")):
+    for name, module in (
+        ("warm", "disttrain.train.trainer"),
+        ("torch", "torch"),
+        ("disttrain", "disttrain.train.trainer"),
+    ):
         t0 = time.monotonic()
-        for proc in [subprocess.Popen([sys.executable, "-c", f"import {module}"], env=base_env(), cwd=ROOT)
-                     for _ in range(2)]:
+        for proc in [
+            subprocess.Popen([sys.executable, "-c", f"import {module}"], env=base_env(), cwd=ROOT) for _ in range(2)
+        ]:
             proc.wait(timeout=120)
         out[name] = time.monotonic() - t0
     return out
@@ -193,123 +212,207 @@ def import_seconds() -> dict:
 def render(res: dict, args, command: str) -> str:
     """The markdown section: tables (a), (b), the time breakdown, (c), and the misses."""
     m, imports, rows = machine(), res["imports"], []  # rows: (label, events) for the breakdown
-    title = ("## Recovery: scale-down and scale-up on the torchrun path (issue 13)" if args.scale_only else
-             "## Recovery: kill -9, scale-down and scale-up (issue 5)")
-    out = [title, "", f"Command: `{command}`  ",
-           f"Machine: {m['cores']} cores ({m['cpu']}), torch {m['torch']}, Python {m['python']}, {m['os']}; "
-           f"{m['date']}; 1-minute load {res['load_start']} at the start, {m['load_1min']} at the end.", ""]
+    title = (
+        "## Recovery: scale-down and scale-up on the torchrun path (issue 13)"
+        if args.scale_only
+        else "## Recovery: kill -9, scale-down and scale-up (issue 5)"
+    )
+    out = [
+        title,
+        "",
+        f"Command: `{command}`  ",
+        f"Machine: {m['cores']} cores ({m['cpu']}), torch {m['torch']}, Python {m['python']}, {m['os']}; "
+        f"{m['date']}; 1-minute load {res['load_start']} at the start, {m['load_1min']} at the end.",
+        "",
+    ]
     if args.quick:
         out += ["**Preliminary** (`--quick`: few kills and cycles; not for conclusions).", ""]
-    out += ["The tiny job of the elastic tests (1-layer GPT, gloo, CPU), 200 ms of injected delay per "
-            "step, a checkpoint every 2 steps. Times run from the kill (or the new agent's start) to the "
-            "first optimizer step completed by the new attempt, read from the sample audit. Median (min-max).", ""]
+    out += [
+        "The tiny job of the elastic tests (1-layer GPT, gloo, CPU), 200 ms of injected delay per "
+        "step, a checkpoint every 2 steps. Times run from the kill (or the new agent's start) to the "
+        "first optimizer step completed by the new attempt, read from the sample audit. Median (min-max).",
+        "",
+    ]
     if res["kill"]:
-        out += ["### Kill -9 of one worker", "",
-                "| job | kills | kill -> next step (s) | steps redone | target |", "|---|---:|---|---|---|"]
-    for key, label in [(k, v) for k, v in (("standalone", "standalone, `--nproc 2 --max-restarts` (c10d)"),
-                       ("etcd", "2 agents x 1 worker, `--nnodes 1:2 --rdzv-backend etcd`")) if k in res["kill"]]:
+        out += [
+            "### Kill -9 of one worker",
+            "",
+            "| job | kills | kill -> next step (s) | steps redone | target |",
+            "|---|---:|---|---|---|",
+        ]
+    for key, label in [
+        (k, v)
+        for k, v in (
+            ("standalone", "standalone, `--nproc 2 --max-restarts` (c10d)"),
+            ("etcd", "2 agents x 1 worker, `--nnodes 1:2 --rdzv-backend etcd`"),
+        )
+        if k in res["kill"]
+    ]:
         r = res["kill"][key]
         err = f" ({r['error']})" if r.get("error") else ""
         target = verdict(r["recovery"], TARGETS["kill"]) if key == "standalone" else "-"
-        out.append(f"| {label} | {len(r['recovery'])}{err} | {_cell(r['recovery'], None, '')} | "
-                   f"{fmt(summary(r['redone']), digits=0)} | {target} |")
+        out.append(
+            f"| {label} | {len(r['recovery'])}{err} | {_cell(r['recovery'], None, '')} | "
+            f"{fmt(summary(r['redone']), digits=0)} | {target} |"
+        )
         rows.append((f"kill -9, {key}", r["recovery"]))
-    out += ["", "### Scale-down and scale-up (`--nnodes 1:2`, 1 worker per agent)", "",
-            "| backend | launcher | cycles | scale-down (s) | scale-up (s) | targets |", "|---|---|---:|---|---|---|"]
+    out += [
+        "",
+        "### Scale-down and scale-up (`--nnodes 1:2`, 1 worker per agent)",
+        "",
+        "| backend | launcher | cycles | scale-down (s) | scale-up (s) | targets |",
+        "|---|---|---:|---|---|---|",
+    ]
     for (backend, flavor), r in res["scale"].items():
         err = r.get("error")
         other = f" ({err})" if err and not err.startswith(("scale-down", "scale-up")) else ""
-        targets = (f"down {verdict(r['down'], TARGETS['down'])}; up {verdict(r['up'], TARGETS['up'])}"
-                   if flavor != "plain" else "the baseline")
-        out.append(f"| {backend} | {FLAVORS[flavor][0]} "
-                   f"| {len(r['down'])}{other} | {_cell(r['down'], err, 'scale-down')} | "
-                   f"{_cell(r['up'], err, 'scale-up')} | {targets} |")
+        targets = (
+            f"down {verdict(r['down'], TARGETS['down'])}; up {verdict(r['up'], TARGETS['up'])}"
+            if flavor != "plain"
+            else "the baseline"
+        )
+        out.append(
+            f"| {backend} | {FLAVORS[flavor][0]} "
+            f"| {len(r['down'])}{other} | {_cell(r['down'], err, 'scale-down')} | "
+            f"{_cell(r['up'], err, 'scale-up')} | {targets} |"
+        )
         rows += [(f"{backend} scale-down, {flavor}", r["down"]), (f"{backend} scale-up, {flavor}", r["up"])]
-    out += ["", "Where the time goes (medians, s): *agent notices* = torchrun logs the failed worker "
-            "(for a scale-down: the survivor's worker has seen its collective fail and exited); "
-            "*workers ready* = the new attempt's ranks have started, imported, joined the process group "
-            "and loaded the checkpoint; *first step* = a held-out eval and one step. Fresh interpreters, "
-            f"two at once, on this machine: `import torch` {imports['torch']:.2f} s, "
-            f"`import disttrain.train.trainer` {imports['disttrain']:.2f} s.", "",
-            "| event | agent notices | workers ready | then first step | total |", "|---|---:|---:|---:|---:|"]
-    out += [f"| {label} | {_median(ev, 'detect')} | {_median(ev, 'ready')} | {_median(ev, 'step')} | "
-            f"{_median(ev, 'total')} |" for label, ev in rows if ev]
+    out += [
+        "",
+        "Where the time goes (medians, s): *agent notices* = torchrun logs the failed worker "
+        "(for a scale-down: the survivor's worker has seen its collective fail and exited); "
+        "*workers ready* = the new attempt's ranks have started, imported, joined the process group "
+        "and loaded the checkpoint; *first step* = a held-out eval and one step. Fresh interpreters, "
+        f"two at once, on this machine: `import torch` {imports['torch']:.2f} s, "
+        f"`import disttrain.train.trainer` {imports['disttrain']:.2f} s.",
+        "",
+        "| event | agent notices | workers ready | then first step | total |",
+        "|---|---:|---:|---:|---:|",
+    ]
+    out += [
+        f"| {label} | {_median(ev, 'detect')} | {_median(ev, 'ready')} | {_median(ev, 'step')} | "
+        f"{_median(ev, 'total')} |"
+        for label, ev in rows
+        if ev
+    ]
     out += ["", "### Split brain", "", "| job | cycles | findings |", "|---|---:|---|"]
-    out += [f"| {b}, {f} | {len(r['down'])} | "
-            f"{'; '.join(r['problems'][:3]) or 'none: no two worlds overlapped; each sample once per epoch'} |"
-            for (b, f), r in res["scale"].items()]
-    out += [f"| kill -9, {k} | {len(r['recovery'])} | {'; '.join(r['problems'][:3]) or 'none'} |"
-            for k, r in res["kill"].items()]
-    out += ["", "Checks: a line of an older attempt's audit first seen after a newer attempt's first "
-            "line (the newest file is read first) means two worlds trained at once; the kept timeline "
-            "(per step, the newest attempt) must have no step gaps and no sample twice in an epoch; a "
-            "`StaleWriterError` in a log (the WRITER.json fence refusing a writer) is reported.", ""]
+    out += [
+        f"| {b}, {f} | {len(r['down'])} | "
+        f"{'; '.join(r['problems'][:3]) or 'none: no two worlds overlapped; each sample once per epoch'} |"
+        for (b, f), r in res["scale"].items()
+    ]
+    out += [
+        f"| kill -9, {k} | {len(r['recovery'])} | {'; '.join(r['problems'][:3]) or 'none'} |"
+        for k, r in res["kill"].items()
+    ]
+    out += [
+        "",
+        "Checks: a line of an older attempt's audit first seen after a newer attempt's first "
+        "line (the newest file is read first) means two worlds trained at once; the kept timeline "
+        "(per step, the newest attempt) must have no step gaps and no sample twice in an epoch; a "
+        "`StaleWriterError` in a log (the WRITER.json fence refusing a writer) is reported.",
+        "",
+    ]
     return "\n".join(out + notes(res)) + "\n"
 
 
 def notes(res: dict) -> list[str]:
     """Plain words on each missed target, from the phases measured."""
     checks = [("kill -> next step", res["kill"]["standalone"]["recovery"], TARGETS["kill"])] if res["kill"] else []
-    checks += [(f"{b} scale-{k}, {f}", r[k], TARGETS[k]) for (b, f), r in res["scale"].items()
-               if f != "plain" for k in ("down", "up")]
+    checks += [
+        (f"{b} scale-{k}, {f}", r[k], TARGETS[k])
+        for (b, f), r in res["scale"].items()
+        if f != "plain"
+        for k in ("down", "up")
+    ]
     lines = []
     for what, events, target in checks:
         if events and summary(totals(events))["median"] > target:
             noticed = f" (the agent notices in {_median(events, 'detect')} s)" if "up" not in what else ""
-            why = (f"the new attempt's workers are ready {_median(events, 'ready')} s after the "
-                   f"{'new agent starts' if 'up' in what else 'kill'}{noticed}")
+            why = (
+                f"the new attempt's workers are ready {_median(events, 'ready')} s after the "
+                f"{'new agent starts' if 'up' in what else 'kill'}{noticed}"
+            )
             if "cold" in what or "kill" in what:
-                why += (f"; that includes fresh interpreters importing disttrain and torch (two at once: "
-                        f"{res['imports']['disttrain']:.2f} s here, torch alone {res['imports']['torch']:.2f} s)")
+                why += (
+                    f"; that includes fresh interpreters importing disttrain and torch (two at once: "
+                    f"{res['imports']['disttrain']:.2f} s here, torch alone {res['imports']['torch']:.2f} s)"
+                )
             if "down" in what:
-                why += ("; the rendezvous waits out the dead node's heartbeats (keep_alive_interval x "
-                        "keep_alive_max_attempt, from its last beat: 5 s by default, 3 s in `fast`), then "
-                        "the 2 s last call, each seen at torch's fixed 1 s polling")
+                why += (
+                    "; the rendezvous waits out the dead node's heartbeats (keep_alive_interval x "
+                    "keep_alive_max_attempt, from its last beat: 5 s by default, 3 s in `fast`), then "
+                    "the 2 s last call, each seen at torch's fixed 1 s polling"
+                )
             else:
-                why += ("; the new agent starts and imports torch, the running agent notices it at its next "
-                        "state sync (cached up to 1 s), stops its worker (SIGTERM: the step finishes, a "
-                        "checkpoint is saved), and both finish the rendezvous at torch's 1 s polling")
+                why += (
+                    "; the new agent starts and imports torch, the running agent notices it at its next "
+                    "state sync (cached up to 1 s), stops its worker (SIGTERM: the step finishes, a "
+                    "checkpoint is saved), and both finish the rendezvous at torch's 1 s polling"
+                )
             lines.append(f"- {what} missed {target:g} s: {why}.")
     return ["Where targets are missed, and why:", *lines, ""] if lines else []
 
 
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(prog="python bench/recovery_bench.py", description=__doc__.splitlines()[0])
-    ap.add_argument("--quick", action="store_true", default=os.environ.get("BENCH_QUICK") == "1",
-                    help="2 kills, 2 cycles, shorter hang timeouts (default from BENCH_QUICK)")
+    ap.add_argument(
+        "--quick",
+        action="store_true",
+        default=os.environ.get("BENCH_QUICK") == "1",
+        help="2 kills, 2 cycles, shorter hang timeouts (default from BENCH_QUICK)",
+    )
     ap.add_argument("--out", type=Path, help="default: recovery.md, or recovery_scale.md with --scale-only")
     ap.add_argument("--kills", type=int, help="kills per job in (a) (default 5, quick 2)")
-    ap.add_argument("--cycles", type=int, help="scale-down/up cycles, split between c10d and etcd "
-                    "(default 20, quick 2)")
+    ap.add_argument(
+        "--cycles", type=int, help="scale-down/up cycles, split between c10d and etcd (default 20, quick 2)"
+    )
     ap.add_argument("--no-plain", action="store_true", help="skip the plain torchrun comparison")
-    ap.add_argument("--scale-only", action="store_true",
-                    help="only (b) and (c): the scale cycles (c10d: default, cold and fast; etcd: default)")
+    ap.add_argument(
+        "--scale-only",
+        action="store_true",
+        help="only (b) and (c): the scale cycles (c10d: default, cold and fast; etcd: default)",
+    )
     ap.add_argument("--seed", type=int, default=0)
     args = ap.parse_args(sys.argv[1:] if argv is None else argv)
-    args.out = args.out or (Path(os.environ.get("BENCH_RESULTS", ROOT / "bench" / "results"))
-                            / ("recovery_scale.md" if args.scale_only else "recovery.md"))
+    args.out = args.out or (
+        Path(os.environ.get("BENCH_RESULTS", ROOT / "bench" / "results"))
+        / ("recovery_scale.md" if args.scale_only else "recovery.md")
+    )
     kills = args.kills or (2 if args.quick else 5)
     cycles = args.cycles or (2 if args.quick else 20)
     hang = (60.0, 20.0) if args.quick else (70.0, 30.0)  # plain torchrun: 46.6 s scale-down measured
     shown = [a if not os.path.isabs(a) else "OUT" for a in (sys.argv[1:] if argv is None else argv)]
     command = " ".join(["python bench/recovery_bench.py", *shown]) + (
-        "  (BENCH_QUICK=1)" if args.quick and "--quick" not in shown else "")
+        "  (BENCH_QUICK=1)" if args.quick and "--quick" not in shown else ""
+    )
     rng, t0 = random.Random(args.seed), time.monotonic()
 
     def done(what: str, r: dict) -> None:
         print(f"[recovery] {what}: {r}  ({time.monotonic() - t0:.0f} s)", flush=True)
 
-    res: dict[str, Any] = {"kill": {}, "scale": {}, "load_start": round(os.getloadavg()[0], 2), "imports": import_seconds()}
+    res: dict[str, Any] = {
+        "kill": {},
+        "scale": {},
+        "load_start": round(os.getloadavg()[0], 2),
+        "imports": import_seconds(),
+    }
     with tempfile.TemporaryDirectory(prefix="recovery-bench-") as tmp:
-        for key in ([] if args.scale_only else ["standalone", "etcd"]):
+        for key in [] if args.scale_only else ["standalone", "etcd"]:
             done(f"kill {key}", res["kill"].setdefault(key, kill_workers(Path(tmp), key, kills, rng)))
-        for backend, flavor, n in (("c10d", "disttrain", (cycles + 1) // 2), ("etcd", "disttrain", cycles // 2),
-                                   ("c10d", "cold", (cycles + 1) // 2), ("c10d", "fast", (cycles + 1) // 2)):
+        for backend, flavor, n in (
+            ("c10d", "disttrain", (cycles + 1) // 2),
+            ("etcd", "disttrain", cycles // 2),
+            ("c10d", "cold", (cycles + 1) // 2),
+            ("c10d", "fast", (cycles + 1) // 2),
+        ):
             r = res["scale"][(backend, flavor)] = scale_cycles(Path(tmp), backend, n, flavor, (60.0, 45.0))
             done(f"{backend} {flavor}", r)
-        for backend in ([] if args.no_plain or args.scale_only else ["c10d", "etcd"]):
-            done(f"{backend} plain", res["scale"].setdefault((backend, "plain"),
-                                                            scale_cycles(Path(tmp), backend, 1, "plain", hang)))
+        for backend in [] if args.no_plain or args.scale_only else ["c10d", "etcd"]:
+            done(
+                f"{backend} plain",
+                res["scale"].setdefault((backend, "plain"), scale_cycles(Path(tmp), backend, 1, "plain", hang)),
+            )
     args.out.parent.mkdir(parents=True, exist_ok=True)
     args.out.write_text(render(res, args, command))
     print(f"[recovery] wrote {args.out} in {time.monotonic() - t0:.0f} s")

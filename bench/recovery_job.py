@@ -20,11 +20,24 @@ from bench.common import base_env
 ROOT = Path(__file__).resolve().parent.parent
 
 # The tiny job of tests/elastic_helpers.py: 768 chunks, 96 steps of 8 samples per epoch.
-TINY = ["--model.n_layer=1", "--model.n_embd=32", "--model.n_head=2", "--model.block_size=32",
-        "--model.dropout=0.1", "--data.max_bytes=24577", "--data.drop_last=true",
-        "--train.batch_size=4", "--train.eval_every=0", "--train.eval_batches=1",
-        "--train.log_every=1", "--optim.lr=0.01", "--checkpoint.keep_last=2",
-        "--elastic.record_samples=true", "--train.steps=100000", "--checkpoint.every=2"]
+TINY = [
+    "--model.n_layer=1",
+    "--model.n_embd=32",
+    "--model.n_head=2",
+    "--model.block_size=32",
+    "--model.dropout=0.1",
+    "--data.max_bytes=24577",
+    "--data.drop_last=true",
+    "--train.batch_size=4",
+    "--train.eval_every=0",
+    "--train.eval_batches=1",
+    "--train.log_every=1",
+    "--optim.lr=0.01",
+    "--checkpoint.keep_last=2",
+    "--elastic.record_samples=true",
+    "--train.steps=100000",
+    "--checkpoint.every=2",
+]
 EPOCH_STEPS = 96
 SLOW = "delay@step:ms=200"
 TARGETS = {"kill": 3.0, "down": 8.0, "up": 6.0}
@@ -37,8 +50,11 @@ class Hung(Exception):
 def phases(t0: int, job: "Job", first: dict, failure: bool) -> dict:
     """Seconds from `t0` (ns) to: the agent logging the failed worker ("detect"), the new
     attempt's ranks up with the checkpoint loaded (its generation stamp), `first` step."""
-    out = {"total": (first["t"] - t0) / 1e9, "ready": (first["generation"] - t0) / 1e9,
-           "step": (first["t"] - first["generation"]) / 1e9}
+    out = {
+        "total": (first["t"] - t0) / 1e9,
+        "ready": (first["generation"] - t0) / 1e9,
+        "step": (first["t"] - first["generation"]) / 1e9,
+    }
     if failure:
         seen = [t for t in job.log_times("failed (exitcode") if t > t0]
         out["detect"] = (min(seen) - t0) / 1e9 if seen else None
@@ -66,11 +82,21 @@ class Job:
         else:
             launcher = [sys.executable, "-m", "disttrain.cli", "run"]
         log = self.out / f"agent{len(self.agents)}.txt"
-        cmd = [*launcher, *flags, "-m", "disttrain.train", "examples/tiny_gpt.toml", *TINY,
-               f"--train.out_dir={self.out}"]
+        cmd = [
+            *launcher,
+            *flags,
+            "-m",
+            "disttrain.train",
+            "examples/tiny_gpt.toml",
+            *TINY,
+            f"--train.out_dir={self.out}",
+        ]
         # Own session: the agent and its workers can be killed as one node.
-        self.agents.append(subprocess.Popen(cmd, cwd=ROOT, env=env, stdout=log.open("ab"),
-                                            stderr=subprocess.STDOUT, start_new_session=True))
+        self.agents.append(
+            subprocess.Popen(
+                cmd, cwd=ROOT, env=env, stdout=log.open("ab"), stderr=subprocess.STDOUT, start_new_session=True
+            )
+        )
         self.logs.append(log)
         return self.agents[-1]
 
@@ -78,8 +104,7 @@ class Job:
         """Read new complete audit lines, newest generation first: an older generation's
         line first seen after a newer one started was written while the newer trained."""
         self.polls += 1
-        files = sorted((self.out / "samples").glob("gen*-rank*.jsonl"),
-                       key=lambda p: -int(p.name[3:].split("-")[0]))
+        files = sorted((self.out / "samples").glob("gen*-rank*.jsonl"), key=lambda p: -int(p.name[3:].split("-")[0]))
         for f in files:
             try:  # stat after the read: mtime is then at or after every line read
                 with f.open("rb") as fh:
@@ -97,16 +122,20 @@ class Job:
                 self.first_poll.setdefault(gen, self.polls)
                 newer = [g for g, p in self.first_poll.items() if g > gen and p < self.polls]
                 if newer:
-                    self.violations.append(f"generation {gen} wrote step {r['step']} "
-                                           f"after generation {max(newer)} had started")
+                    self.violations.append(
+                        f"generation {gen} wrote step {r['step']} after generation {max(newer)} had started"
+                    )
                 self.lines.setdefault(gen, []).append(r)
 
     def log_times(self, needle: str) -> list[int]:
         """Times (ns) of the agents' torch log lines that contain `needle`."""
         year = datetime.date.today().year  # torch's glog prefix: "E1130 10:10:22.275000 PID ..."
-        return [int(datetime.datetime.strptime(f"{year}{line[1:21]}", "%Y%m%d %H:%M:%S.%f").timestamp() * 1e9)
-                for log in self.logs for line in log.read_text(errors="replace").splitlines()
-                if needle in line and line[:1] in "IWEF" and line[1:5].isdigit()]
+        return [
+            int(datetime.datetime.strptime(f"{year}{line[1:21]}", "%Y%m%d %H:%M:%S.%f").timestamp() * 1e9)
+            for log in self.logs
+            for line in log.read_text(errors="replace").splitlines()
+            if needle in line and line[:1] in "IWEF" and line[1:5].isdigit()
+        ]
 
     def records(self) -> list[dict]:
         return [r for lines in self.lines.values() for r in lines]
@@ -114,15 +143,18 @@ class Job:
     def wait_first(self, after_ns: int, world: int | None, timeout: float, what: str) -> dict:
         """The first record of an attempt started after `after_ns` (at `world`, if given).
         Raises `Hung` after `timeout` s, or at once when every agent has exited."""
+
         def found():
             rs = [r for r in self.records() if r["generation"] > after_ns and world in (None, r["world"])]
             return min(rs, key=lambda r: r["t"]) if rs else None
+
         return self._until(found, timeout, what)
 
     def wait_steps(self, after_ns: int, n: int, timeout: float = 60) -> None:
         """Wait until attempts started after `after_ns` have committed `n` steps."""
-        self._until(lambda: len({r["step"] for r in self.records() if r["generation"] > after_ns}) >= n,
-                    timeout, f"{n} steps")
+        self._until(
+            lambda: len({r["step"] for r in self.records() if r["generation"] > after_ns}) >= n, timeout, f"{n} steps"
+        )
 
     def _until(self, found, timeout: float, what: str):
         deadline = time.monotonic() + timeout
@@ -168,8 +200,7 @@ class Job:
 
 
 def children(pid: int) -> list[int]:
-    return [int(p) for p in subprocess.run(["pgrep", "-P", str(pid)], capture_output=True,
-                                           text=True).stdout.split()]
+    return [int(p) for p in subprocess.run(["pgrep", "-P", str(pid)], capture_output=True, text=True).stdout.split()]
 
 
 def kill_tree(pid: int) -> None:
@@ -182,5 +213,3 @@ def kill_tree(pid: int) -> None:
         pass
     for kid in kids:
         kill_tree(kid)
-
-

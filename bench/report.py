@@ -29,8 +29,10 @@ LINKED_ONLY = ("product_vote.md", "recovery_fast_fsdp_every4.md")
 
 def _machine_line(data: dict) -> str:
     m = data["machine"]
-    return (f"Machine: {m['cores']} cores ({m['cpu']}), torch {m['torch']}, Python {m['python']}, "
-            f"{m['os']}; {m['date']}; 1-minute load {m['load_1min']} at the start.")
+    return (
+        f"Machine: {m['cores']} cores ({m['cpu']}), torch {m['torch']}, Python {m['python']}, "
+        f"{m['os']}; {m['date']}; 1-minute load {m['load_1min']} at the start."
+    )
 
 
 def _section(module, data: dict, results: Path) -> list[str]:
@@ -88,8 +90,12 @@ def headline(text: str) -> str:
 
 def _summary(path: Path, level: int) -> list[str]:
     """A results file's headline, its highest heading at `level`, and a link to all of it."""
-    return [_demote(headline(path.read_text()), level), "",
-            f"All of it: [bench/results/{path.name}](bench/results/{path.name}).", ""]
+    return [
+        _demote(headline(path.read_text()), level),
+        "",
+        f"All of it: [bench/results/{path.name}](bench/results/{path.name}).",
+        "",
+    ]
 
 
 def _include(path: Path, heading: str | None) -> list[str]:
@@ -101,20 +107,30 @@ def _include(path: Path, heading: str | None) -> list[str]:
 def write(opts: Options, modules: list) -> Path:
     """Render BENCHMARKS.md in `opts.out_dir` from every result found; return its path."""
     results = opts.results
-    sections = {m.NAME: json.loads((results / f"{m.NAME}.json").read_text())
-                for m in modules if (results / f"{m.NAME}.json").exists()}
+    sections = {
+        m.NAME: json.loads((results / f"{m.NAME}.json").read_text())
+        for m in modules
+        if (results / f"{m.NAME}.json").exists()
+    }
     quick = any(d.get("quick") for d in sections.values())
-    out = ["# Benchmarks", "",
-           "Written by `python -m bench` (bench/__main__.py); do not edit by hand. Each table "
-           "names the command and machine that produced it. Timings are the median of the "
-           "repeats with (min-max); ratios are taken within the same repeat, side by side. "
-           "Targets are reported, never asserted.", ""]
+    out = [
+        "# Benchmarks",
+        "",
+        "Written by `python -m bench` (bench/__main__.py); do not edit by hand. Each table "
+        "names the command and machine that produced it. Timings are the median of the "
+        "repeats with (min-max); ratios are taken within the same repeat, side by side. "
+        "Targets are reported, never asserted.",
+        "",
+    ]
     if quick:
-        out += ["> **Preliminary.** Some tables below come from `--quick` runs on a shared, busy "
-                "2-core machine (see each table's load figure): they show the suite works, not "
-                "what disttrain costs. Regenerate on a quiet machine with "
-                f"`{REGENERATE}` (about 10 minutes; add `--others` to rerun the checkpoint and "
-                "recovery benchmarks).", ""]
+        out += [
+            "> **Preliminary.** Some tables below come from `--quick` runs on a shared, busy "
+            "2-core machine (see each table's load figure): they show the suite works, not "
+            "what disttrain costs. Regenerate on a quiet machine with "
+            f"`{REGENERATE}` (about 10 minutes; add `--others` to rerun the checkpoint and "
+            "recovery benchmarks).",
+            "",
+        ]
     by_name = {m.NAME: m for m in modules}
     for name, data in sections.items():  # results a section derives for others to cite
         if hasattr(by_name[name], "extra_files"):
@@ -127,8 +143,16 @@ def write(opts: Options, modules: list) -> Path:
         found = _external(results, prefixes)
         used.update(found)
         if not found:
-            out += [f"## {heading}", "", "Pending: no bench/results/" + prefixes[0] +
-                    "*.md yet (written by bench/" + prefixes[0] + "_bench.py when it lands).", ""]
+            out += [
+                f"## {heading}",
+                "",
+                "Pending: no bench/results/"
+                + prefixes[0]
+                + "*.md yet (written by bench/"
+                + prefixes[0]
+                + "_bench.py when it lands).",
+                "",
+            ]
         for i, path in enumerate(found):  # several files of one section share its heading
             out += _include(path, heading) if i == 0 else _summary(path, 3)
     if "imports" in sections:
@@ -142,20 +166,27 @@ def write(opts: Options, modules: list) -> Path:
     for path in gpu:
         out += _summary(path, 3)
     if not any(p.name == "gpu.md" for p in gpu):
-        out += ["bench/gpu.sh's comparison (bf16 GPT of about 1B parameters, sequence 2048, at "
-                "world 1: disttrain's `fsdp`, which one device runs unsharded under autocast, "
-                "against the same unsharded bf16-autocast step written by hand, like for like; "
-                "tokens/s, MFU against 989 TFLOP/s, peak memory, async-checkpoint stall) has not "
-                "been run since its baseline was made like for like (it was a sharded "
-                "`fully_shard` baseline): no GPU was lent for that change. Copy OUTDIR/gpu.md to "
-                "bench/results/gpu.md and rerun `python -m bench --report-only` to include it. "
-                "A CPU dry run of the same script is a test (tests/test_bench_smoke.py).", ""]
+        out += [
+            "bench/gpu.sh's comparison (bf16 GPT of about 1B parameters, sequence 2048, at "
+            "world 1: disttrain's `fsdp`, which one device runs unsharded under autocast, "
+            "against the same unsharded bf16-autocast step written by hand, like for like; "
+            "tokens/s, MFU against 989 TFLOP/s, peak memory, async-checkpoint stall) has not "
+            "been run since its baseline was made like for like (it was a sharded "
+            "`fully_shard` baseline): no GPU was lent for that change. Copy OUTDIR/gpu.md to "
+            "bench/results/gpu.md and rerun `python -m bench --report-only` to include it. "
+            "A CPU dry run of the same script is a test (tests/test_bench_smoke.py).",
+            "",
+        ]
     for path in doctor:
         out += _include(path, None)
     more = sorted(p for p in results.glob("*.md") if _linked_only(p))
     if more:
-        out += ["## More in bench/results", "", *[f"- [bench/results/{p.name}](bench/results/{p.name})"
-                                                 for p in more], ""]
+        out += [
+            "## More in bench/results",
+            "",
+            *[f"- [bench/results/{p.name}](bench/results/{p.name})" for p in more],
+            "",
+        ]
     path = opts.out_dir / "BENCHMARKS.md"
     path.write_text("\n".join(out).rstrip() + "\n")
     return path

@@ -30,8 +30,12 @@ def analyse(matrix: Matrix, opts: Options) -> dict:
     rows, profiles = [], {}
     for strategy, name in STRATEGIES.items():
         one, two = matrix.get(name, 1), matrix.get(name, 2)
-        row: dict[str, Any] = {"strategy": strategy, "tps1": one.stat("tokens_per_s"),
-               "tps2": two.stat("tokens_per_s"), "note": two.note() or one.note()}
+        row: dict[str, Any] = {
+            "strategy": strategy,
+            "tps1": one.stat("tokens_per_s"),
+            "tps2": two.stat("tokens_per_s"),
+            "note": two.note() or one.note(),
+        }
         if one.ok and two.ok:
             speedup = paired(two, one, "tokens_per_s")
             row["speedup"] = speedup
@@ -43,25 +47,39 @@ def analyse(matrix: Matrix, opts: Options) -> dict:
                 if prof:
                     profiles[strategy] = top_table(prof)
         rows.append(row)
-    return {"rows": rows, "profiles": profiles, "targets": TARGET,
-            "jobs": [matrix.get(n, w).to_json() for n, w in jobs()]}
+    return {
+        "rows": rows,
+        "profiles": profiles,
+        "targets": TARGET,
+        "jobs": [matrix.get(n, w).to_json() for n, w in jobs()],
+    }
 
 
 def render(data: dict) -> str:
-    out = ["| strategy | tokens/s, 1 rank | tokens/s, 2 ranks | speedup (ideal 2.00) | "
-           "efficiency | target |", "|---|---|---|---|---|---|"]
+    out = [
+        "| strategy | tokens/s, 1 rank | tokens/s, 2 ranks | speedup (ideal 2.00) | efficiency | target |",
+        "|---|---|---|---|---|---|",
+    ]
     for r in data["rows"]:
         if "speedup" not in r:
             out.append(f"| {r['strategy']} | {r['note']} | | | | pending |")
             continue
         target = data["targets"].get(r["strategy"])
         verdict = (f">= {target}: " + ("MISSED" if r["missed"] else "met")) if target else "reported"
-        out.append(f"| {r['strategy']} | {fmt(r['tps1'], digits=0)} | {fmt(r['tps2'], digits=0)} | "
-                   f"{fmt(r['speedup'], digits=2)} | {fmt(r['efficiency'], digits=2)} | {verdict} |")
+        out.append(
+            f"| {r['strategy']} | {fmt(r['tps1'], digits=0)} | {fmt(r['tps2'], digits=0)} | "
+            f"{fmt(r['speedup'], digits=2)} | {fmt(r['efficiency'], digits=2)} | {verdict} |"
+        )
     for strategy, table in data.get("profiles", {}).items():
-        out += ["", f"Where the 2-rank {strategy} job spends its time (cProfile, top own time; "
-                    f"time in gloo waits and in the other ranks' share of 2 cores shows here):",
-                "", "```", table, "```"]
+        out += [
+            "",
+            f"Where the 2-rank {strategy} job spends its time (cProfile, top own time; "
+            f"time in gloo waits and in the other ranks' share of 2 cores shows here):",
+            "",
+            "```",
+            table,
+            "```",
+        ]
     return "\n".join(out)
 
 
@@ -73,8 +91,7 @@ def plot(data: dict, plt):
     xs = range(len(rows))
     ax.bar([x - 0.2 for x in xs], [r["tps1"]["median"] for r in rows], 0.2, label="1 rank")
     ax.bar(list(xs), [r["tps2"]["median"] for r in rows], 0.2, label="2 ranks")
-    ax.bar([x + 0.2 for x in xs], [2 * r["tps1"]["median"] for r in rows], 0.2,
-           label="ideal 2 ranks", color="#bbb")
+    ax.bar([x + 0.2 for x in xs], [2 * r["tps1"]["median"] for r in rows], 0.2, label="ideal 2 ranks", color="#bbb")
     ax.set_xticks(list(xs), [r["strategy"] for r in rows])
     ax.set_ylabel("tokens / s")
     ax.legend()

@@ -47,7 +47,7 @@ def evaluate(model, heldout, batch_size: int, batches: int, rank: int, world: in
     mine = list(range(rank, n, world))
     total = torch.zeros(2, dtype=torch.float64)
     for start in range(0, len(mine), batch_size):
-        x, y = (torch.stack(t) for t in zip(*(heldout[i] for i in mine[start:start + batch_size])))
+        x, y = (torch.stack(t) for t in zip(*(heldout[i] for i in mine[start : start + batch_size])))
         _, loss = model(x, y)
         total += torch.tensor([float(loss.detach()) * y.numel(), y.numel()], dtype=torch.float64)
     dist.all_reduce(total)
@@ -67,9 +67,13 @@ def main() -> None:
     model = DDP(GPT(GPTConfig(**m)), gradient_as_bucket_view=True)
     params = [p for p in model.parameters() if p.requires_grad]
     optimizer = torch.optim.AdamW(
-        [{"params": [p for p in params if p.dim() >= 2], "weight_decay": o["weight_decay"]},
-         {"params": [p for p in params if p.dim() < 2], "weight_decay": 0.0}],
-        lr=o["lr"], betas=(0.9, 0.95))
+        [
+            {"params": [p for p in params if p.dim() >= 2], "weight_decay": o["weight_decay"]},
+            {"params": [p for p in params if p.dim() < 2], "weight_decay": 0.0},
+        ],
+        lr=o["lr"],
+        betas=(0.9, 0.95),
+    )
     steps = t["steps"]
     every = c["every"]
     scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, lambda s: lr_factor(s, steps))

@@ -124,8 +124,11 @@ class Bench:
         timed = self.times[self.warmup :]
         step_s = [b - a for a, b in zip(timed, timed[1:])]
         result = {
-            "rank": self.rank, "world": self.world, "step_s": step_s,
-            "first_step_s": self.first_step_s, "loss": self.loss,
+            "rank": self.rank,
+            "world": self.world,
+            "step_s": step_s,
+            "first_step_s": self.first_step_s,
+            "loss": self.loss,
             "peak_rss_mb": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024,
             "tokens_per_step": BATCH_SIZE * ACCUM_STEPS * model_config()["block_size"],
         }

@@ -82,19 +82,32 @@ def measure(spec: str) -> dict:
     p, g, o = _storages(params), _storages(q.grad for q in params), _storages(state)
     steady = {"params": sum(p.values()), "grads": sum(g.values()), "optim": sum(o.values())}
     steady["total"] = sum(steady.values())
-    return {**steady, "peak": int(snap.get("Total", 0)),
-            "peak_parts": {k: int(v) for k, v in snap.items() if k != "Total"},
-            "rss_peak_mib": rss_peak / 1024, "rss_base_mib": rss_base / 1024}
+    return {
+        **steady,
+        "peak": int(snap.get("Total", 0)),
+        "peak_parts": {k: int(v) for k, v in snap.items() if k != "Total"},
+        "rss_peak_mib": rss_peak / 1024,
+        "rss_base_mib": rss_base / 1024,
+    }
 
 
 def main() -> None:
     spec = os.environ.get("BENCH_STRATEGIES", "ddp")
     with dt.distributed(seed=0) as info:
         out = {spec: measure(spec)}
-        Path(os.environ["BENCH_OUT"], f"rank{info.rank}.json").write_text(json.dumps(
-            {"rank": info.rank, "world": info.world_size, "bytes": out, "step_s": [0.0],
-             "first_step_s": 0.0, "peak_rss_mb": out[spec]["rss_peak_mib"],
-             "tokens_per_step": 0}))
+        Path(os.environ["BENCH_OUT"], f"rank{info.rank}.json").write_text(
+            json.dumps(
+                {
+                    "rank": info.rank,
+                    "world": info.world_size,
+                    "bytes": out,
+                    "step_s": [0.0],
+                    "first_step_s": 0.0,
+                    "peak_rss_mb": out[spec]["rss_peak_mib"],
+                    "tokens_per_step": 0,
+                }
+            )
+        )
 
 
 if __name__ == "__main__":

@@ -30,10 +30,17 @@ TIMED = 5 * max(2, int(os.environ.get("BENCH_STEPS", "20")))
 STEPS = LOG_EVERY + TIMED
 EVERY = max(LOG_EVERY, TIMED // 2 // LOG_EVERY * LOG_EVERY)
 SETTINGS = {
-    "model.block_size": 64, "data.max_bytes": 1_000_000, "train.batch_size": 8,
-    "train.steps": STEPS, "train.eval_every": EVERY, "train.eval_batches": 4,
-    "train.log_every": LOG_EVERY, "checkpoint.every": EVERY, "checkpoint.keep_last": 2,
-    "elastic.record_samples": True, "train.out_dir": "run",
+    "model.block_size": 64,
+    "data.max_bytes": 1_000_000,
+    "train.batch_size": 8,
+    "train.steps": STEPS,
+    "train.eval_every": EVERY,
+    "train.eval_batches": 4,
+    "train.log_every": LOG_EVERY,
+    "checkpoint.every": EVERY,
+    "checkpoint.keep_last": 2,
+    "elastic.record_samples": True,
+    "train.out_dir": "run",
     # A replica checksum inside the clock: every EVERY steps (the default, 100, would fall
     # past a short run), so the guard is measured at a cadence at least its default's.
     "guard.divergence_every": EVERY,
@@ -68,7 +75,12 @@ def clocks() -> tuple[float, float]:
 
 def result(rank: int, world: int, log_times: dict[int, tuple[float, float]], tokens: int) -> dict:
     """This rank's JSON for bench.launch: wall and CPU seconds per timed step, peak RSS."""
-    return {"rank": rank, "world": world, "first_step_s": 0.0, "tokens_per_step": tokens,
-            "step_s": [step_seconds({k: v[0] for k, v in log_times.items()})],
-            "cpu_s": step_seconds({k: v[1] for k, v in log_times.items()}),
-            "peak_rss_mb": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024}
+    return {
+        "rank": rank,
+        "world": world,
+        "first_step_s": 0.0,
+        "tokens_per_step": tokens,
+        "step_s": [step_seconds({k: v[0] for k, v in log_times.items()})],
+        "cpu_s": step_seconds({k: v[1] for k, v in log_times.items()}),
+        "peak_rss_mb": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024,
+    }

@@ -21,8 +21,15 @@ from disttrain.version import __version__  # noqa: F401
 
 # public name -> the module that defines it
 _EXPORTS = {
-    "disttrain.checkpoint": ["Checkpointer", "TrainState", "atomic_torch_save", "load", "load_model",
-                             "save", "save_model"],
+    "disttrain.checkpoint": [
+        "Checkpointer",
+        "TrainState",
+        "atomic_torch_save",
+        "load",
+        "load_model",
+        "save",
+        "save_model",
+    ],
     "disttrain.data": ["DistributedSampler", "ElasticSampler", "TokenWindows"],
     "disttrain.errors": ["ConfigError", "DistributedMismatchError", "UserError"],
     "disttrain.guard": ["check_consistency", "check_replicas", "start_guard"],
@@ -56,19 +63,26 @@ def __dir__() -> list[str]:
 
 
 if TYPE_CHECKING:  # static tools see the real names
-    from disttrain.checkpoint import (Checkpointer, TrainState, atomic_torch_save, load,  # noqa: F401
-                                      load_model, save, save_model)
-    from disttrain.data import DistributedSampler, ElasticSampler, TokenWindows  # noqa: F401
-    from disttrain.errors import ConfigError, DistributedMismatchError, UserError  # noqa: F401
-    from disttrain.guard import check_consistency, check_replicas, start_guard  # noqa: F401
-    from disttrain.train.job import Job  # noqa: F401
-    from disttrain.train.job_config import RunOptions  # noqa: F401
-    from disttrain.train.trackers import MlflowTracker, WandbTracker  # noqa: F401
-    from disttrain.train.accumulation import Accumulator, clip_grad_norm, no_sync, warmup_cosine  # noqa: F401
-    from disttrain.train.global_metrics import MeanTracker, global_mean, global_sum  # noqa: F401
-    from disttrain.train.rank0_output import JsonlWriter, print_main  # noqa: F401
-    from disttrain.parallel import Layout, join, make_optimizer, unwrap, wrap  # noqa: F401
-    from disttrain.parallel.precision import AgreedGradScaler, autocast, make_grad_scaler  # noqa: F401
-    from disttrain.runtime import RankInfo, barrier, distributed, init, rank_info, shutdown  # noqa: F401
-    from disttrain.guard.sanity import NotDistributedError, NotDistributedWarning  # noqa: F401
-    from disttrain.guard.watchdog import Watchdog  # noqa: F401
+    from disttrain.checkpoint import (
+        Checkpointer,
+        TrainState,
+        atomic_torch_save,
+        load,
+        load_model,
+        save,
+        save_model,
+    )
+    from disttrain.data import DistributedSampler, ElasticSampler, TokenWindows
+    from disttrain.errors import ConfigError, DistributedMismatchError, UserError
+    from disttrain.guard import check_consistency, check_replicas, start_guard
+    from disttrain.train.job import Job
+    from disttrain.train.job_config import RunOptions
+    from disttrain.train.trackers import MlflowTracker, WandbTracker
+    from disttrain.train.accumulation import Accumulator, clip_grad_norm, no_sync, warmup_cosine
+    from disttrain.train.global_metrics import MeanTracker, global_mean, global_sum
+    from disttrain.train.rank0_output import JsonlWriter, print_main
+    from disttrain.parallel import Layout, join, make_optimizer, unwrap, wrap
+    from disttrain.parallel.precision import AgreedGradScaler, autocast, make_grad_scaler
+    from disttrain.runtime import RankInfo, barrier, distributed, init, rank_info, shutdown
+    from disttrain.guard.sanity import NotDistributedError, NotDistributedWarning
+    from disttrain.guard.watchdog import Watchdog

@@ -20,14 +20,23 @@ MOVED: dict[str, str | dict[str, str]] = {
     "disttrain.launcher_notes": "disttrain.worker_notes",
     "disttrain.launch.user_notes": "disttrain.launch.notes_watch",
     # 0.2: the Hugging Face facts the trainer shares with the export; hf_export keeps export_hf
-    "disttrain.checkpoint.hf_export": {name: "disttrain.config.hf_model_config" for name in (
-        "HF_PREFIX", "causal_lm_from_config", "hf_config_from_section", "hf_section", "import_transformers",
-        "resolve_hf_path")},
+    "disttrain.checkpoint.hf_export": {
+        name: "disttrain.config.hf_model_config"
+        for name in (
+            "HF_PREFIX",
+            "causal_lm_from_config",
+            "hf_config_from_section",
+            "hf_section",
+            "import_transformers",
+            "resolve_hf_path",
+        )
+    },
     "disttrain.train.loop": "disttrain.train.accumulation",
-    "disttrain.train.metrics": {**dict.fromkeys(("global_sum", "global_mean", "MeanTracker"),
-                                                "disttrain.train.global_metrics"),
-                                **dict.fromkeys(("JsonlWriter", "print_main"), "disttrain.train.rank0_output"),
-                                **dict.fromkeys(("StepClock", "peak_memory_mb"), "disttrain.train.run_log")},
+    "disttrain.train.metrics": {
+        **dict.fromkeys(("global_sum", "global_mean", "MeanTracker"), "disttrain.train.global_metrics"),
+        **dict.fromkeys(("JsonlWriter", "print_main"), "disttrain.train.rank0_output"),
+        **dict.fromkeys(("StepClock", "peak_memory_mb"), "disttrain.train.run_log"),
+    },
 }
 
 
@@ -49,8 +58,12 @@ def forward(old: str) -> Callable[[str], Any]:
         if name.startswith("__"):
             raise AttributeError(name)
         new = new_home(old, name)
-        warnings.warn(f"{old} moved to {new}; import {name} from there (the old path goes away "
-                      f"in the next release, see CHANGELOG.md).", DeprecationWarning, stacklevel=2)
+        warnings.warn(
+            f"{old} moved to {new}; import {name} from there (the old path goes away "
+            f"in the next release, see CHANGELOG.md).",
+            DeprecationWarning,
+            stacklevel=2,
+        )
         return getattr(importlib.import_module(new), name)
 
     return __getattr__

@@ -33,8 +33,14 @@ export.
 """
 
 from disttrain.checkpoint.checkpointer import Checkpointer
-from disttrain.checkpoint.checkpoint_errors import (CheckpointCorrupt, CheckpointError, CheckpointMismatch,
-                                         CheckpointSaveError, CheckpointUnsafe, StaleWriterError)
+from disttrain.checkpoint.checkpoint_errors import (
+    CheckpointCorrupt,
+    CheckpointError,
+    CheckpointMismatch,
+    CheckpointSaveError,
+    CheckpointUnsafe,
+    StaleWriterError,
+)
 from disttrain.checkpoint.files import atomic_torch_save, load_model, save_model, strip_prefix
 from disttrain.checkpoint.finite import NonFiniteError, check_finite
 from disttrain.checkpoint.functional import load, save
@@ -42,8 +48,22 @@ from disttrain.checkpoint.layout import latest_valid, verify
 from disttrain.checkpoint.state import TrainState
 
 __all__ = [
-    "CheckpointCorrupt", "CheckpointError", "CheckpointMismatch", "CheckpointSaveError", "CheckpointUnsafe",
-    "Checkpointer", "NonFiniteError", "StaleWriterError", "TrainState", "atomic_torch_save",
-    "check_finite", "latest_valid", "load",
-    "load_model", "save", "save_model", "strip_prefix", "verify",
+    "CheckpointCorrupt",
+    "CheckpointError",
+    "CheckpointMismatch",
+    "CheckpointSaveError",
+    "CheckpointUnsafe",
+    "Checkpointer",
+    "NonFiniteError",
+    "StaleWriterError",
+    "TrainState",
+    "atomic_torch_save",
+    "check_finite",
+    "latest_valid",
+    "load",
+    "load_model",
+    "save",
+    "save_model",
+    "strip_prefix",
+    "verify",
 ]

@@ -23,17 +23,24 @@ def layout_of(tensors: dict) -> tuple:
     """The layout of a state dict: each flattened key with its shape and dtype
     (tensors) or its type (values), in order."""
     flat = torch_compat.flatten_state_dict(tensors)
-    return tuple((k, tuple(v.shape), v.dtype) if isinstance(v, torch.Tensor) else (k, type(v).__name__)
-                 for k, v in flat.items())
+    return tuple(
+        (k, tuple(v.shape), v.dtype) if isinstance(v, torch.Tensor) else (k, type(v).__name__) for k, v in flat.items()
+    )
 
 
 def written_paths(planner) -> list[tuple]:
     """The nested paths (DCP's flattening mappings) of the tensors this rank's final
     plan wrote and of every non-tensor value, from a save planner after its save."""
-    tensors = {item.index.fqn for item in planner.plan.items if isinstance(
-        planner.state_dict.get(item.index.fqn), torch.Tensor)}
-    return [planner.mappings[fqn] for fqn, value in planner.state_dict.items()
-            if fqn in tensors or not isinstance(value, torch.Tensor)]
+    tensors = {
+        item.index.fqn
+        for item in planner.plan.items
+        if isinstance(planner.state_dict.get(item.index.fqn), torch.Tensor)
+    }
+    return [
+        planner.mappings[fqn]
+        for fqn, value in planner.state_dict.items()
+        if fqn in tensors or not isinstance(value, torch.Tensor)
+    ]
 
 
 def _get(tree: Any, path: tuple) -> Any:
@@ -70,9 +77,14 @@ class AsyncStaging:
         if self._stager is None:
             from torch.distributed.checkpoint.staging import DefaultStager, StagingOptions
 
-            self._stager = DefaultStager(StagingOptions(use_pinned_memory=torch.cuda.is_available(),
-                                                        use_shared_memory=False, use_async_staging=False,
-                                                        use_non_blocking_copy=False))
+            self._stager = DefaultStager(
+                StagingOptions(
+                    use_pinned_memory=torch.cuda.is_available(),
+                    use_shared_memory=False,
+                    use_async_staging=False,
+                    use_non_blocking_copy=False,
+                )
+            )
         return self._stager
 
     def part(self, tensors: dict) -> dict:

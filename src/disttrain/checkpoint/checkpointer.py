@@ -40,8 +40,12 @@ import torch.distributed as dist
 
 from disttrain.checkpoint import layout, load_phases
 from disttrain.checkpoint.compat import describe, describe_failure
-from disttrain.checkpoint.checkpoint_errors import (CheckpointCorrupt, CheckpointError,
-                                         CheckpointSaveError, StaleWriterError)
+from disttrain.checkpoint.checkpoint_errors import (
+    CheckpointCorrupt,
+    CheckpointError,
+    CheckpointSaveError,
+    StaleWriterError,
+)
 from disttrain.checkpoint.digests import digest_bytes
 from disttrain.checkpoint.files import atomic_write_bytes
 from disttrain.checkpoint.state import TrainState, config_hash, param_fqns, strategy_of
@@ -61,8 +65,9 @@ def _failures() -> tuple:
 
 
 # DCP warns on each save and load of one process that it assumes one process: noise here.
-warnings.filterwarnings("ignore", message="torch.distributed is disabled, unavailable or uninitialized",
-                        category=UserWarning)
+warnings.filterwarnings(
+    "ignore", message="torch.distributed is disabled, unavailable or uninitialized", category=UserWarning
+)
 
 
 class Checkpointer:
@@ -84,12 +89,13 @@ class Checkpointer:
             before it, instead of refusing to start.
     """
 
-    def __init__(self, root: str | Path, *, keep_last: int = 3, async_mode: str = "off",
-                 fallback: bool = False):
+    def __init__(self, root: str | Path, *, keep_last: int = 3, async_mode: str = "off", fallback: bool = False):
         if async_mode not in ASYNC_MODES:
-            raise CheckpointError(f"checkpoint async mode {async_mode!r} is not offered; choose one "
-                                  f"of {', '.join(ASYNC_MODES)} (the process mode is not proven "
-                                  f"bit-exact in torch {torch.__version__.split('+')[0]}).")
+            raise CheckpointError(
+                f"checkpoint async mode {async_mode!r} is not offered; choose one "
+                f"of {', '.join(ASYNC_MODES)} (the process mode is not proven "
+                f"bit-exact in torch {torch.__version__.split('+')[0]})."
+            )
         self.root, self.keep_last = Path(root), keep_last
         self.async_mode, self.fallback = async_mode, fallback
         info = rank_info()
@@ -99,6 +105,7 @@ class Checkpointer:
         self.generation: int | None = None
         self._inflight: Future | None = None
         from disttrain.checkpoint.async_part import AsyncStaging
+
         self._async = AsyncStaging()
         processes.freeze_long_lived()  # DCP's imports (sympy, DTensor) live as long as the rank
         self._pool = ThreadPoolExecutor(max_workers=1, thread_name_prefix="disttrain-ckpt")
@@ -152,8 +159,9 @@ class Checkpointer:
             raise CheckpointSaveError(f"{getattr(earlier, 'head', earlier)} Then: {e}") from None
         if earlier is not None:
             latest = result.name if result is not None else "it"  # (a Path: the save completed)
-            raise CheckpointSaveError(f"{getattr(earlier, 'head', earlier)} The next save did "
-                                      f"commit: {latest} is now the latest checkpoint.") from None
+            raise CheckpointSaveError(
+                f"{getattr(earlier, 'head', earlier)} The next save did commit: {latest} is now the latest checkpoint."
+            ) from None
         return result
 
     def _settle(self) -> CheckpointSaveError | None:
@@ -168,8 +176,7 @@ class Checkpointer:
     def _save_now(self, state: TrainState) -> Path | None:
         step = state.step
         if self.generation is None:
-            self.generation = self._bcast(layout.claim_generation(self.root, self.run_id)
-                                          if self.rank == 0 else None)
+            self.generation = self._bcast(layout.claim_generation(self.root, self.run_id) if self.rank == 0 else None)
         tmp = self.root / layout.tmp_name(step, self.generation, self.run_id)
         final = self.root / layout.step_name(step)
         err, done = None, False
@@ -203,21 +210,26 @@ class Checkpointer:
         small = self._write_small(tmp, sd, writer.digests)
         if self.async_mode == "off":
             try:
-                dcp.save(sd["tensors"], storage_writer=writer, planner=JsonSavePlanner(self.run_id),
-                         process_group=self.pg)
+                dcp.save(
+                    sd["tensors"], storage_writer=writer, planner=JsonSavePlanner(self.run_id), process_group=self.pg
+                )
             except _failures() as e:
                 local = describe_failure(e, self.rank)
             return self._finish(step, tmp, final, small, info, local, writer)
         part, planner = self._async.part(sd["tensors"]), JsonSavePlanner(self.run_id)
         try:
-            future = dcp.async_save(part, storage_writer=writer, planner=planner, process_group=self.pg,
-                                    async_stager=self._async.stager(),
-                                    async_checkpointer_type=AsyncCheckpointerType.THREAD)
+            future = dcp.async_save(
+                part,
+                storage_writer=writer,
+                planner=planner,
+                process_group=self.pg,
+                async_stager=self._async.stager(),
+                async_checkpointer_type=AsyncCheckpointerType.THREAD,
+            )
         except BaseException:
             self._written(small + writer.pending)  # nothing writes into the directory once this raises
             raise
-        self._inflight = self._pool.submit(self._complete, future, step, tmp, final, small,
-                                           info, writer, planner)
+        self._inflight = self._pool.submit(self._complete, future, step, tmp, final, small, info, writer, planner)
         return None
 
     def _write_small(self, tmp: Path, sd: dict, digests: dict) -> list[Future]:
@@ -245,8 +257,9 @@ class Checkpointer:
             local = describe_failure(e, self.rank)
         return self._finish(step, tmp, final, small, info, local, writer)
 
-    def _finish(self, step: int, tmp: Path, final: Path, small: list[Future], info: dict,
-                local: str | None, writer) -> Path:
+    def _finish(
+        self, step: int, tmp: Path, final: Path, small: list[Future], info: dict, local: str | None, writer
+    ) -> Path:
         from disttrain.checkpoint.fault_points import fault_point
 
         local = self._written(small) or local  # every file of this rank is on disk, or the save fails
@@ -294,12 +307,19 @@ class Checkpointer:
     def _manifest_info(self, state: TrainState, sd: dict) -> dict:
         from disttrain.version import __version__
 
-        return {"step": state.step, "epoch": state.epoch, "generation": self.generation,
-                "run_id": self.run_id, "world_size": self.world,
-                "strategy": strategy_of(state.model), "storage": RAW_FORMAT,
-                "config_hash": config_hash(state.config) if state.config is not None else None,
-                "torch_version": torch.__version__, "disttrain_version": __version__,
-                "created": time.strftime("%Y-%m-%dT%H:%M:%S%z")}
+        return {
+            "step": state.step,
+            "epoch": state.epoch,
+            "generation": self.generation,
+            "run_id": self.run_id,
+            "world_size": self.world,
+            "strategy": strategy_of(state.model),
+            "storage": RAW_FORMAT,
+            "config_hash": config_hash(state.config) if state.config is not None else None,
+            "torch_version": torch.__version__,
+            "disttrain_version": __version__,
+            "created": time.strftime("%Y-%m-%dT%H:%M:%S%z"),
+        }
 
     def _remove_later(self, path: Path) -> None:
         """Delete a pruned (already renamed-aside) directory off the save's path."""
@@ -345,8 +365,7 @@ class Checkpointer:
         with load_phases.recording() as self.last_load_phases:
             step_dir = self._load(state, Path(path) if path else None, strict)
         if step_dir is not None:
-            LOGGER.debug(f"disttrain checkpoint: loaded {step_dir.name}, "
-                         f"{load_phases.summary(self.last_load_phases)}")
+            LOGGER.debug(f"disttrain checkpoint: loaded {step_dir.name}, {load_phases.summary(self.last_load_phases)}")
         return step_dir
 
     def _load(self, state: TrainState, path: Path | None, strict: bool) -> Path | None:
@@ -357,8 +376,14 @@ class Checkpointer:
                 candidates = [path]
             else:
                 layout.note_empty_step_dirs(path or self.root, self.rank)
-                candidates = list(map(Path, self._bcast([str(p) for _, _, p in layout.committed(path or self.root)]
-                                                        if self.rank == 0 else None)))
+                candidates = list(
+                    map(
+                        Path,
+                        self._bcast(
+                            [str(p) for _, _, p in layout.committed(path or self.root)] if self.rank == 0 else None
+                        ),
+                    )
+                )
         if not candidates:
             return None  # a fresh start: no state_dict(), whose optimizer-state init counts a step
         with load_phases.phase("targets"):
@@ -369,8 +394,10 @@ class Checkpointer:
             if err is None:
                 break
             if not self.fallback or len(candidates) == 1 and path is not None:
-                raise CheckpointCorrupt(f"{err} Refusing to load {step_dir.name}. Set checkpoint.fallback "
-                                        f"= true to load the previous valid checkpoint instead.")
+                raise CheckpointCorrupt(
+                    f"{err} Refusing to load {step_dir.name}. Set checkpoint.fallback "
+                    f"= true to load the previous valid checkpoint instead."
+                )
             notes.append(f"skipped corrupt checkpoint {step_dir.name}: {err}")
             LOGGER.warning(f"disttrain checkpoint: warning: {notes[-1]}")
         else:
@@ -390,6 +417,8 @@ class Checkpointer:
         sd["rng"] = json.loads(rng_file.read_text()) if same_world and rng_file.name in manifest["files"] else None
         state.load_state_dict(sd, param_fqns=fqns)
         if not same_world:
-            LOGGER.info(f"disttrain checkpoint: note: {step_dir.name} was saved at world size "
-                        f"{manifest.get('world_size')}, loaded at {self.world}: weights and optimizer "
-                        f"are resharded; per-rank RNG streams start fresh.")
+            LOGGER.info(
+                f"disttrain checkpoint: note: {step_dir.name} was saved at world size "
+                f"{manifest.get('world_size')}, loaded at {self.world}: weights and optimizer "
+                f"are resharded; per-rank RNG streams start fresh."
+            )

@@ -14,8 +14,7 @@ from disttrain.checkpoint.checkpoint_errors import CheckpointCorrupt, Checkpoint
 from disttrain.checkpoint.storage_formats import check_readable
 from disttrain.errors import UserError
 
-USAGE = ("disttrain ckpt {inspect,verify,export} DIR [--to model.safetensors] [--optim optim.pt] "
-         "[--hf OUTDIR]")
+USAGE = "disttrain ckpt {inspect,verify,export} DIR [--to model.safetensors] [--optim optim.pt] [--hf OUTDIR]"
 
 
 def _step_dir(path: str) -> Path:
@@ -44,19 +43,22 @@ def inspect(step_dir: Path) -> None:
 
     rows = tensor_table(step_dir)
     m = layout.read_manifest(step_dir)
-    table = Table(title=f"{step_dir}  step {m.get('step')}  world {m.get('world_size')}  "
-                        f"strategy {m.get('strategy')}  generation {m.get('generation')}")
+    table = Table(
+        title=f"{step_dir}  step {m.get('step')}  world {m.get('world_size')}  "
+        f"strategy {m.get('strategy')}  generation {m.get('generation')}"
+    )
     for col in ("tensor", "shape", "dtype", "size"):
         table.add_column(col, justify="right" if col == "size" else "left")
     for key, shape, dtype, nbytes in rows:
-        table.add_row(key, "x".join(map(str, shape)) or "scalar", str(dtype).removeprefix("torch."),
-                      _human(nbytes))
+        table.add_row(key, "x".join(map(str, shape)) or "scalar", str(dtype).removeprefix("torch."), _human(nbytes))
     console = Console(width=120)
     console.print(table)
     files = sum(f["size"] for f in m["files"].values())
-    console.print(f"{len(rows)} tensors, {_human(sum(r[3] for r in rows))}; {len(m['files'])} files, "
-                  f"{_human(files)}; torch {m.get('torch_version')}, disttrain "
-                  f"{m.get('disttrain_version')}, config hash {m.get('config_hash')}")
+    console.print(
+        f"{len(rows)} tensors, {_human(sum(r[3] for r in rows))}; {len(m['files'])} files, "
+        f"{_human(files)}; torch {m.get('torch_version')}, disttrain "
+        f"{m.get('disttrain_version')}, config hash {m.get('config_hash')}"
+    )
 
 
 def main(argv: list[str]) -> int:
@@ -65,9 +67,11 @@ def main(argv: list[str]) -> int:
     parser.add_argument("dir")
     parser.add_argument("--to", help="export: the safetensors file to write")
     parser.add_argument("--optim", help="export: also write the full optimizer state here")
-    parser.add_argument("--hf", metavar="OUTDIR",
-                        help="export: a Hugging Face folder (safetensors + config.json) for a "
-                             "model.hf / model.hf_path run")
+    parser.add_argument(
+        "--hf",
+        metavar="OUTDIR",
+        help="export: a Hugging Face folder (safetensors + config.json) for a model.hf / model.hf_path run",
+    )
     args = parser.parse_args(argv)
     step_dir = _step_dir(args.dir)
     if args.action == "verify":
@@ -90,14 +94,18 @@ def main(argv: list[str]) -> int:
         from disttrain.checkpoint.hf_export import export_hf
 
         s = export_hf(step_dir, args.hf)
-        print(f"wrote {s['to']}: {s['model_type']}, {s['tensors']} tensors; load it with "
-              f"AutoModelForCausalLM.from_pretrained({s['to']!r})")
+        print(
+            f"wrote {s['to']}: {s['model_type']}, {s['tensors']} tensors; load it with "
+            f"AutoModelForCausalLM.from_pretrained({s['to']!r})"
+        )
         return 0
     if not args.to:
         raise UserError("ckpt export needs --to FILE.safetensors (or --hf OUTDIR for a Hugging Face model).")
     from disttrain.checkpoint.export import export_safetensors
 
     s = export_safetensors(step_dir, args.to, args.optim)
-    print(f"wrote {s['to']}: {s['tensors']} tensors, {_human(s['bytes'])}"
-          + (f"; optimizer state to {s['optimizer']}" if "optimizer" in s else ""))
+    print(
+        f"wrote {s['to']}: {s['tensors']} tensors, {_human(s['bytes'])}"
+        + (f"; optimizer state to {s['optimizer']}" if "optimizer" in s else "")
+    )
     return 0

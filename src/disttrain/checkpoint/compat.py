@@ -16,8 +16,9 @@ from disttrain.runtime import torch_compat
 SHOW = 5
 
 
-def check_compatible(tensors: dict, step_dir: Path, *, strict: bool = True, metadata=None,
-                     flat: dict | None = None) -> None:
+def check_compatible(
+    tensors: dict, step_dir: Path, *, strict: bool = True, metadata=None, flat: dict | None = None
+) -> None:
     """Compare the keys, global shapes and dtypes of `tensors` (the dict DCP will
     load into) with DCP's metadata in `step_dir`.
 
@@ -44,11 +45,9 @@ def check_compatible(tensors: dict, step_dir: Path, *, strict: bool = True, meta
             if not isinstance(meta, TensorStorageMetadata):
                 problems.append(f"{key}: the checkpoint holds a non-tensor value")
             elif tuple(meta.size) != tuple(value.shape):
-                problems.append(f"{key}: shape {tuple(meta.size)} in the checkpoint, "
-                                f"{tuple(value.shape)} in the model")
+                problems.append(f"{key}: shape {tuple(meta.size)} in the checkpoint, {tuple(value.shape)} in the model")
             elif meta.properties.dtype != value.dtype:
-                problems.append(f"{key}: dtype {meta.properties.dtype} in the checkpoint, "
-                                f"{value.dtype} in the model")
+                problems.append(f"{key}: dtype {meta.properties.dtype} in the checkpoint, {value.dtype} in the model")
     if strict:
         for key in saved:
             if key.startswith("model.") and key not in flat:
@@ -60,7 +59,8 @@ def check_compatible(tensors: dict, step_dir: Path, *, strict: bool = True, meta
             f"{step_dir} does not match the model/optimizer being loaded "
             f"({len(problems)} mismatches):\n  {listing}{more}\n"
             f"Load it into the model it was saved from (see `disttrain ckpt inspect "
-            f"{step_dir}`), or start a fresh run in another checkpoint directory.")
+            f"{step_dir}`), or start a fresh run in another checkpoint directory."
+        )
 
 
 def walk_causes(exc: BaseException):

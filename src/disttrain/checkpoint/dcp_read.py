@@ -44,12 +44,17 @@ def allowed_globals() -> dict[tuple[str, str], object]:
     runs anything but building a value, whatever arguments a pickle gives it."""
     from torch.distributed.checkpoint import metadata
 
-    found: dict[tuple[str, str], object] = {("torch", "Size"): torch.Size,
-                                            ("pathlib", "PosixPath"): pathlib.PosixPath}
-    found.update((("torch", name), value) for name, value in vars(torch).items()
-                 if isinstance(value, torch.dtype))
-    for name in ("Metadata", "StorageMeta", "MetadataIndex", "TensorStorageMetadata",
-                 "BytesStorageMetadata", "ChunkStorageMetadata", "TensorProperties"):
+    found: dict[tuple[str, str], object] = {("torch", "Size"): torch.Size, ("pathlib", "PosixPath"): pathlib.PosixPath}
+    found.update((("torch", name), value) for name, value in vars(torch).items() if isinstance(value, torch.dtype))
+    for name in (
+        "Metadata",
+        "StorageMeta",
+        "MetadataIndex",
+        "TensorStorageMetadata",
+        "BytesStorageMetadata",
+        "ChunkStorageMetadata",
+        "TensorProperties",
+    ):
         found[(metadata.__name__, name)] = getattr(metadata, name)
     found.update(torch_compat.dcp_metadata_private_globals())
     return found
@@ -70,12 +75,16 @@ class MetadataUnpickler(pickle.Unpickler):
             raise CheckpointUnsafe(
                 f"{self.path} asks its unpickler for {module}.{name}, which is no part of DCP's "
                 f"checkpoint metadata: refused, nothing of it ran. The folder was altered or not "
-                f"written by disttrain; do not load it.", self.path.name)
+                f"written by disttrain; do not load it.",
+                self.path.name,
+            )
         return found
 
     def persistent_load(self, pid):
-        raise CheckpointUnsafe(f"{self.path} holds a persistent id ({str(pid)[:60]!r}), which DCP's "
-                               f"metadata never does: refused.", self.path.name)
+        raise CheckpointUnsafe(
+            f"{self.path} holds a persistent id ({str(pid)[:60]!r}), which DCP's metadata never does: refused.",
+            self.path.name,
+        )
 
 
 def read_metadata(step_dir: str | Path) -> Metadata:
@@ -90,13 +99,18 @@ def read_metadata(step_dir: str | Path) -> Metadata:
     except CheckpointCorrupt:
         raise
     except Exception as e:  # what an allowed class raised on a crafted argument, or not a pickle
-        raise CheckpointCorrupt(f"{path} is not DCP's checkpoint metadata "
-                                f"({type(e).__name__}: {str(e)[:200]}).", METADATA) from None
+        raise CheckpointCorrupt(
+            f"{path} is not DCP's checkpoint metadata ({type(e).__name__}: {str(e)[:200]}).", METADATA
+        ) from None
     if not isinstance(metadata, Metadata) or not isinstance(metadata.storage_data, dict):
-        raise CheckpointCorrupt(f"{path} is not DCP's checkpoint metadata (it holds a "
-                                f"{type(metadata).__name__}).", METADATA)
-    check_listed(layout.read_manifest(Path(step_dir))["files"],
-                 [getattr(info, "relative_path", None) for info in metadata.storage_data.values()], by=path)
+        raise CheckpointCorrupt(
+            f"{path} is not DCP's checkpoint metadata (it holds a {type(metadata).__name__}).", METADATA
+        )
+    check_listed(
+        layout.read_manifest(Path(step_dir))["files"],
+        [getattr(info, "relative_path", None) for info in metadata.storage_data.values()],
+        by=path,
+    )
     if not isinstance(metadata.storage_meta, StorageMeta):
         metadata.storage_meta = StorageMeta()
     return metadata
@@ -137,8 +151,9 @@ class _WeightsOnlyValues:
         except pickle.UnpicklingError as e:
             info = self._reader.storage_data.get(read_item.storage_index)
             name = str(getattr(info, "relative_path", ""))
-            raise CheckpointUnsafe(value_refusal(Path(self._reader.path) / name, read_item.dest_index.fqn,
-                                                 data, e), name) from None
+            raise CheckpointUnsafe(
+                value_refusal(Path(self._reader.path) / name, read_item.dest_index.fqn, data, e), name
+            ) from None
         again = io.BytesIO()
         torch.save(obj, again)
         again.seek(0)
@@ -163,8 +178,10 @@ def value_refusal(path: Path, fqn: str, data: bytes, error: Exception | None = N
     if not named and error is None:
         return None
     what = f"asks for {named}" if named else f"is no weights-only record ({str(error).splitlines()[0][:120]})"
-    return (f"{path}: the value {fqn!r} {what}, which a checkpoint's values never hold: refused, "
-            f"nothing of it ran. The folder was altered or not written by disttrain; do not load it.")
+    return (
+        f"{path}: the value {fqn!r} {what}, which a checkpoint's values never hold: refused, "
+        f"nothing of it ran. The folder was altered or not written by disttrain; do not load it."
+    )
 
 
 def check_values(step_dir: str | Path, metadata: Metadata) -> None:

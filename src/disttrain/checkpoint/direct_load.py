@@ -38,11 +38,24 @@ def direct_plan(flat: dict, metadata) -> LoadPlan | None:
         md = saved.get(fqn)
         if isinstance(md, BytesStorageMetadata) and not isinstance(obj, torch.Tensor):
             zero = torch.Size((0,))
-            items.append(ReadItem(type=LoadItemType.BYTE_IO, dest_index=MetadataIndex(fqn), dest_offsets=zero,
-                                  storage_index=MetadataIndex(fqn), storage_offsets=zero, lengths=zero))
+            items.append(
+                ReadItem(
+                    type=LoadItemType.BYTE_IO,
+                    dest_index=MetadataIndex(fqn),
+                    dest_offsets=zero,
+                    storage_index=MetadataIndex(fqn),
+                    storage_offsets=zero,
+                    lengths=zero,
+                )
+            )
             continue
-        if not isinstance(md, TensorStorageMetadata) or type(obj) is not torch.Tensor \
-                or obj.device.type == "meta" or md.size != obj.size() or len(md.chunks) != 1:
+        if (
+            not isinstance(md, TensorStorageMetadata)
+            or type(obj) is not torch.Tensor
+            or obj.device.type == "meta"
+            or md.size != obj.size()
+            or len(md.chunks) != 1
+        ):
             return None
         chunk = md.chunks[0]
         if any(chunk.offsets) or chunk.sizes != md.size:
@@ -50,9 +63,16 @@ def direct_plan(flat: dict, metadata) -> LoadPlan | None:
         if 0 in obj.size():
             continue  # DCP's overlap test reads nothing into an empty tensor
         origin = torch.Size([0] * obj.dim())
-        items.append(ReadItem(type=LoadItemType.TENSOR, dest_index=MetadataIndex(fqn, origin, 0),
-                              dest_offsets=origin, storage_index=MetadataIndex(fqn, chunk.offsets, 0),
-                              storage_offsets=origin, lengths=obj.size()))
+        items.append(
+            ReadItem(
+                type=LoadItemType.TENSOR,
+                dest_index=MetadataIndex(fqn, origin, 0),
+                dest_offsets=origin,
+                storage_index=MetadataIndex(fqn, chunk.offsets, 0),
+                storage_offsets=origin,
+                lengths=obj.size(),
+            )
+        )
     return LoadPlan(items)
 
 

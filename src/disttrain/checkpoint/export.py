@@ -25,9 +25,18 @@ from disttrain.checkpoint.storage_formats import load_keys, read_metadata
 from disttrain.config.paths import output_file
 from disttrain.errors import UserError
 
-_ST_DTYPES = {torch.float64: "F64", torch.float32: "F32", torch.float16: "F16",
-              torch.bfloat16: "BF16", torch.int64: "I64", torch.int32: "I32", torch.int16: "I16",
-              torch.int8: "I8", torch.uint8: "U8", torch.bool: "BOOL"}
+_ST_DTYPES = {
+    torch.float64: "F64",
+    torch.float32: "F32",
+    torch.float16: "F16",
+    torch.bfloat16: "BF16",
+    torch.int64: "I64",
+    torch.int32: "I32",
+    torch.int16: "I16",
+    torch.int8: "I8",
+    torch.uint8: "U8",
+    torch.bool: "BOOL",
+}
 
 
 def tensor_table(step_dir: Path) -> list[tuple[str, tuple, torch.dtype, int]]:
@@ -77,8 +86,9 @@ def is_disttrain_export(path: Path) -> bool:
         return False
 
 
-def export_safetensors(step_dir: str | os.PathLike, to: str | os.PathLike,
-                       optim_to: str | os.PathLike | None = None) -> dict:
+def export_safetensors(
+    step_dir: str | os.PathLike, to: str | os.PathLike, optim_to: str | os.PathLike | None = None
+) -> dict:
     """Write the model as one safetensors file, tensor by tensor; optionally the full
     optimizer state (consolidated, fqn-keyed) as a torch file loadable with
     `weights_only=True`. Returns a summary. Raises `UserError` for a bad directory, or
@@ -98,12 +108,14 @@ def export_safetensors(step_dir: str | os.PathLike, to: str | os.PathLike,
     for key, shape, dtype, nbytes in rows:
         if dtype not in _ST_DTYPES:
             raise UserError(f"{key} has dtype {dtype}, which safetensors cannot store.")
-        header[key[len("model."):]] = {"dtype": _ST_DTYPES[dtype], "shape": list(shape),
-                                       "data_offsets": [offset, offset + nbytes]}
+        header[key[len("model.") :]] = {
+            "dtype": _ST_DTYPES[dtype],
+            "shape": list(shape),
+            "data_offsets": [offset, offset + nbytes],
+        }
         offset += nbytes
     manifest = layout.read_manifest(step_dir)
-    header["__metadata__"] = {"format": "pt", "step": str(manifest.get("step")),
-                              "source": "disttrain"}
+    header["__metadata__"] = {"format": "pt", "step": str(manifest.get("step")), "source": "disttrain"}
     blob = json.dumps(header, separators=(",", ":")).encode()
     blob += b" " * (-len(blob) % 8)  # the data section starts 8-byte aligned
     try:

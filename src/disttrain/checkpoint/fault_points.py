@@ -38,7 +38,7 @@ class _FaultyStream:
             self._stream.flush()
             os.fsync(self._stream.fileno())
             fault_point("shards", self._rank, self._step)
-            return half + self._stream.write(bytes(memoryview(data)[len(data) // 2:]))
+            return half + self._stream.write(bytes(memoryview(data)[len(data) // 2 :]))
         return self._stream.write(data)
 
     def __getattr__(self, name):

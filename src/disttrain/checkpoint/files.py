@@ -98,8 +98,7 @@ def full_model_state(model: nn.Module) -> dict:
     # FSDP1 crashes on CPU when asked to offload a full state dict; FSDP2 does not.
     assert fsdp is not None  # sharded implies it was imported
     offload = not isinstance(model, fsdp.FullyShardedDataParallel)
-    state = get_model_state_dict(model, options=StateDictOptions(full_state_dict=True,
-                                                                 cpu_offload=offload))
+    state = get_model_state_dict(model, options=StateDictOptions(full_state_dict=True, cpu_offload=offload))
     return {k: v.detach().cpu() if isinstance(v, torch.Tensor) else v for k, v in state.items()}
 
 
@@ -131,7 +130,7 @@ def strip_prefix(state: dict, prefix: str = "module.") -> dict:
     Not built on `torch_compat.canonical_name`: that removes every wrapper's parts and
     nothing else, while this removes exactly the one prefix asked for, whatever it is.
     `load_model` reads wrapped names through `canonical_name`."""
-    return {k[len(prefix):] if k.startswith(prefix) else k: v for k, v in state.items()}
+    return {k[len(prefix) :] if k.startswith(prefix) else k: v for k, v in state.items()}
 
 
 def model_keys(state: dict, model: nn.Module) -> dict:
@@ -166,8 +165,10 @@ def load_model(model: nn.Module, path: str | os.PathLike) -> None:
     target = unwrap(model)
     renamed = model_keys(state, target)
     if list(renamed) != list(state):
-        LOGGER.info(f"note: {path} has a wrapper's names (DDP's 'module.', torch.compile's '_orig_mod.'); "
-                    f"they were mapped to the model's names for loading (P-CKPT-4).")
+        LOGGER.info(
+            f"note: {path} has a wrapper's names (DDP's 'module.', torch.compile's '_orig_mod.'); "
+            f"they were mapped to the model's names for loading (P-CKPT-4)."
+        )
     try:
         target.load_state_dict(renamed, strict=True)
     except RuntimeError as e:

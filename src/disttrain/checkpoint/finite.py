@@ -128,4 +128,6 @@ def check_finite(loss_or_tensors: Any, step: int) -> None:
     raise NonFiniteError(
         f"step {step}: {what} is not finite (NaN or infinity), so the run stops before saving; the "
         f"checkpoints on disk are those of earlier steps. Lower optim.lr, keep optim.grad_clip > 0, "
-        f"or use precision bf16 instead of fp16, then resume.", step)
+        f"or use precision bf16 instead of fp16, then resume.",
+        step,
+    )

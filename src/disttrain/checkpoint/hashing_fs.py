@@ -58,9 +58,16 @@ class VerifyingFileSystem(FileSystem):
             yield stream
 
 
-def load_verified(tensors: dict, step_dir: Path, files: dict[str, dict], pg,
-                  select=lambda name: True, storage: str = "dcp",
-                  metadata=None, flat: tuple[dict, dict] | None = None) -> tuple[tuple | None, set[str]]:
+def load_verified(
+    tensors: dict,
+    step_dir: Path,
+    files: dict[str, dict],
+    pg,
+    select=lambda name: True,
+    storage: str = "dcp",
+    metadata=None,
+    flat: tuple[dict, dict] | None = None,
+) -> tuple[tuple | None, set[str]]:
     """DCP-load `tensors` in place from `step_dir` (in the storage format `storage`;
     `metadata`: its DCP metadata, when read already), each file `select` accepts read
     once and checked against `files` (the manifest's records) before its values are
@@ -162,8 +169,7 @@ def problems(mine, pg, gather) -> list:
     return gather(mine) if flag.item() else []
 
 
-def load_one(step_dir: Path, tensors: dict, strict: bool, rank: int, world: int, pg,
-             gather) -> str | None:
+def load_one(step_dir: Path, tensors: dict, strict: bool, rank: int, world: int, pg, gather) -> str | None:
     """A collective: load `step_dir` into `tensors`, every file checked once;
     returns None or the first bad file's message, the same on every rank (`gather`:
     the checkpointer's all-gather of one object per rank).
@@ -191,8 +197,9 @@ def load_one(step_dir: Path, tensors: dict, strict: bool, rank: int, world: int,
         stop_for(step_dir)  # on every way out: DCP's format, another rank's problem, an error
 
 
-def _load_checked(step_dir: Path, tensors: dict, strict: bool, rank: int, world: int, pg, gather,
-                  first: set[str], mine: tuple | None) -> str | None:
+def _load_checked(
+    step_dir: Path, tensors: dict, strict: bool, rank: int, world: int, pg, gather, first: set[str], mine: tuple | None
+) -> str | None:
     """`load_one` once this rank checked its small files `first` (`mine`: None or
     its problem)."""
     from disttrain.checkpoint import layout
@@ -221,8 +228,9 @@ def _load_checked(step_dir: Path, tensors: dict, strict: bool, rank: int, world:
     ours = lambda n: share(n, world) == rank  # noqa: E731
     with phase("small files"):
         manifest = layout.read_manifest(step_dir)
-    problem, read = load_verified(tensors, step_dir, manifest["files"], pg, ours,
-                                  manifest.get("storage", "dcp"), metadata, flat)
+    problem, read = load_verified(
+        tensors, step_dir, manifest["files"], pg, ours, manifest.get("storage", "dcp"), metadata, flat
+    )
     done = first | read
     if problem is None:
         with phase("share check"):

@@ -25,6 +25,7 @@ from disttrain.config import hf_model_config
 from disttrain.errors import UserError
 from disttrain.old_paths import forward
 
+
 def _stored_model_section(step_dir: Path) -> dict:
     state = step_dir / "state.json"
     try:
@@ -33,13 +34,16 @@ def _stored_model_section(step_dir: Path) -> dict:
         raise UserError(f"{state} cannot be read ({e}); is {step_dir} a disttrain checkpoint?") from e
     model = config.get("model") or {}
     if not (model.get("hf") or model.get("hf_path")):
-        raise UserError(f"{step_dir} holds a model that is not a Hugging Face model (its config "
-                        f"has no model.hf or model.hf_path); export it with --to model.safetensors.")
+        raise UserError(
+            f"{step_dir} holds a model that is not a Hugging Face model (its config "
+            f"has no model.hf or model.hf_path); export it with --to model.safetensors."
+        )
     return model
 
 
-def export_hf(step_dir: str | os.PathLike, out_dir: str | os.PathLike,
-              config_dir: str | os.PathLike | None = None) -> dict:
+def export_hf(
+    step_dir: str | os.PathLike, out_dir: str | os.PathLike, config_dir: str | os.PathLike | None = None
+) -> dict:
     """Write `out_dir` as a Hugging Face folder (safetensors + config.json) from the
     committed checkpoint `step_dir`. Verifies the manifest first. `config_dir` is the
     folder that a relative `model.hf_path` is taken from (default: the current one).
@@ -53,8 +57,7 @@ def export_hf(step_dir: str | os.PathLike, out_dir: str | os.PathLike,
     step_dir, out = Path(step_dir), Path(out_dir)
     rows = {r[0]: r for r in tensor_table(step_dir) if r[0].startswith("model.")}
     if out.exists() and (not out.is_dir() or any(out.iterdir())):
-        raise UserError(f"{out} already exists and is not an empty folder; choose a new folder "
-                        f"for --hf or remove it.")
+        raise UserError(f"{out} already exists and is not an empty folder; choose a new folder for --hf or remove it.")
     hf_config = hf_model_config.hf_config_from_section(_stored_model_section(step_dir), config_dir)
     with torch.device("meta"):
         model = hf_model_config.causal_lm_from_config(hf_config, f"{step_dir} model")
@@ -65,8 +68,10 @@ def export_hf(step_dir: str | os.PathLike, out_dir: str | os.PathLike,
     groups: dict[int, list[tuple[torch.nn.Module, str, str]]] = {}
     persistent = set(model.state_dict().keys())
     for mod_name, module in model.named_modules(remove_duplicate=False):
-        for attr, t in [*module.named_parameters(recurse=False, remove_duplicate=False),
-                        *module.named_buffers(recurse=False, remove_duplicate=False)]:
+        for attr, t in [
+            *module.named_parameters(recurse=False, remove_duplicate=False),
+            *module.named_buffers(recurse=False, remove_duplicate=False),
+        ]:
             full = f"{mod_name}.{attr}".lstrip(".")
             if full in persistent:
                 groups.setdefault(id(t), []).append((module, attr, full))
@@ -87,12 +92,16 @@ def export_hf(step_dir: str | os.PathLike, out_dir: str | os.PathLike,
         new = torch.nn.Parameter(value, requires_grad=False) if isinstance(old, torch.nn.Parameter) else value
         for module, attr, _ in holders:
             setattr(module, attr, new)  # nn.Module files a known buffer's name under its buffers
-    extra = sorted(k[len(prefix):] for k in rows if k.startswith(prefix) and k not in used)
+    extra = sorted(k[len(prefix) :] for k in rows if k.startswith(prefix) and k not in used)
     if missing or wrong or extra:
-        parts = ([f"missing {', '.join(missing[:5])}"] if missing else []) + wrong[:5] + \
-                ([f"unexpected {', '.join(extra[:5])}"] if extra else [])
-        raise UserError(f"{step_dir} does not hold the model its config describes "
-                        f"({hf_config.model_type}): {'; '.join(parts)}.")
+        parts = (
+            ([f"missing {', '.join(missing[:5])}"] if missing else [])
+            + wrong[:5]
+            + ([f"unexpected {', '.join(extra[:5])}"] if extra else [])
+        )
+        raise UserError(
+            f"{step_dir} does not hold the model its config describes ({hf_config.model_type}): {'; '.join(parts)}."
+        )
     model.eval()
     try:  # one line of output from the CLI, not a progress bar per shard
         hf_model_config.import_transformers().utils.logging.disable_progress_bar()

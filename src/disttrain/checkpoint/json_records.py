@@ -22,9 +22,15 @@ from dataclasses import dataclass
 from typing import Any
 
 import torch
-from torch.distributed.checkpoint.metadata import (BytesStorageMetadata, ChunkStorageMetadata, Metadata,
-                                                   MetadataIndex, StorageMeta, TensorProperties,
-                                                   TensorStorageMetadata)
+from torch.distributed.checkpoint.metadata import (
+    BytesStorageMetadata,
+    ChunkStorageMetadata,
+    Metadata,
+    MetadataIndex,
+    StorageMeta,
+    TensorProperties,
+    TensorStorageMetadata,
+)
 
 _TAGS = ("__tuple__", "__dict__", "__dtype__")
 
@@ -57,9 +63,11 @@ def encode_value(obj: Any) -> Any:
         if all(isinstance(k, str) and k not in _TAGS for k in obj):
             return {k: encode_value(v) for k, v in obj.items()}
         return {"__dict__": [[encode_value(k), encode_value(v)] for k, v in obj.items()]}
-    raise TypeError(f"a {type(obj).__name__} cannot be stored in a checkpoint without pickle: the "
-                    f"non-tensor values of the state (an optimizer's param_groups) must be numbers, "
-                    f"strings, bools, None, dtypes, or lists, tuples and dicts of them.")
+    raise TypeError(
+        f"a {type(obj).__name__} cannot be stored in a checkpoint without pickle: the "
+        f"non-tensor values of the state (an optimizer's param_groups) must be numbers, "
+        f"strings, bools, None, dtypes, or lists, tuples and dicts of them."
+    )
 
 
 def decode_value(obj: Any) -> Any:
@@ -122,18 +130,27 @@ def set_path(root: dict, path: tuple, value: Any) -> None:
 def metadata_bytes(md: Metadata) -> bytes:
     """DCP's `Metadata` of a raw-format save (its `storage_data` maps each index to
     an `Extent`) as UTF-8 JSON."""
-    extents = {(i.fqn, tuple(i.offset) if i.offset is not None else None): e
-               for i, e in md.storage_data.items()}
+    extents = {(i.fqn, tuple(i.offset) if i.offset is not None else None): e for i, e in md.storage_data.items()}
     tensors, objects = {}, {}
     for fqn, meta in md.state_dict_metadata.items():
         if isinstance(meta, TensorStorageMetadata):
             chunks = []
             for c in meta.chunks:
                 e = extents[(fqn, tuple(c.offsets))]
-                chunks.append({"offsets": list(c.offsets), "sizes": list(c.sizes), "file": e.file,
-                               "offset": e.offset, "length": e.length})
-            tensors[fqn] = {"dtype": str(meta.properties.dtype).removeprefix("torch."),
-                            "size": list(meta.size), "chunks": chunks}
+                chunks.append(
+                    {
+                        "offsets": list(c.offsets),
+                        "sizes": list(c.sizes),
+                        "file": e.file,
+                        "offset": e.offset,
+                        "length": e.length,
+                    }
+                )
+            tensors[fqn] = {
+                "dtype": str(meta.properties.dtype).removeprefix("torch."),
+                "size": list(meta.size),
+                "chunks": chunks,
+            }
         else:
             e = extents[(fqn, None)]
             objects[fqn] = {"file": e.file, "offset": e.offset, "length": e.length}
@@ -153,12 +170,16 @@ def metadata_of(data: bytes) -> Metadata:
         chunks = []
         for i, c in enumerate(t["chunks"]):
             chunks.append(ChunkStorageMetadata(offsets=torch.Size(c["offsets"]), sizes=torch.Size(c["sizes"])))
-            storage[MetadataIndex(fqn, c["offsets"], i)] = Extent(str(c["file"]), int(c["offset"]),
-                                                                  int(c["length"]))
+            storage[MetadataIndex(fqn, c["offsets"], i)] = Extent(str(c["file"]), int(c["offset"]), int(c["length"]))
         state[fqn] = TensorStorageMetadata(properties=props, size=torch.Size(t["size"]), chunks=chunks)
     for fqn, o in doc["objects"].items():
         state[fqn] = BytesStorageMetadata()
         storage[MetadataIndex(fqn)] = Extent(str(o["file"]), int(o["offset"]), int(o["length"]))
     paths = {fqn: tuple(p) for fqn, p in doc["paths"].items()}
-    return Metadata(state_dict_metadata=state, planner_data=paths, storage_data=storage,
-                    storage_meta=StorageMeta(), version=doc.get("version"))
+    return Metadata(
+        state_dict_metadata=state,
+        planner_data=paths,
+        storage_data=storage,
+        storage_meta=StorageMeta(),
+        version=doc.get("version"),
+    )

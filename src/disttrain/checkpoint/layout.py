@@ -61,14 +61,19 @@ def write_manifest(tmp_dir: Path, info: dict, files: dict[str, dict]) -> dict:
     otherwise `CheckpointCorrupt` names the first difference. Raises `OSError`
     (ENOSPC included) if the manifest cannot be written.
     """
-    present = {p.name: p.stat().st_size for p in tmp_dir.iterdir()
-               if p.is_file() and p.name != MANIFEST and not p.name.startswith("." + MANIFEST)}
+    present = {
+        p.name: p.stat().st_size
+        for p in tmp_dir.iterdir()
+        if p.is_file() and p.name != MANIFEST and not p.name.startswith("." + MANIFEST)
+    }
     for name in sorted(set(present) | set(files)):
         if name not in files:
             raise CheckpointCorrupt(f"{tmp_dir / name} was written but no rank reported its checksum.", name)
         if present.get(name) != files[name]["size"]:
-            raise CheckpointCorrupt(f"{tmp_dir / name} has {present.get(name)} bytes on disk, its "
-                                    f"writer hashed {files[name]['size']}.", name)
+            raise CheckpointCorrupt(
+                f"{tmp_dir / name} has {present.get(name)} bytes on disk, its writer hashed {files[name]['size']}.",
+                name,
+            )
     manifest = {"format": FORMAT, **info, "files": dict(sorted(files.items()))}
     atomic_write_bytes(json.dumps(manifest, indent=1, sort_keys=True).encode(), tmp_dir / MANIFEST)
     return manifest
@@ -87,22 +92,27 @@ def read_manifest(step_dir: Path) -> dict:
             raise ValueError("unknown format")
         for name in manifest["files"]:
             if (why := name_problem(name)) is not None:
-                raise CheckpointUnsafe(f"{path} names the file {name!r}, {why}: refused, nothing "
-                                       f"outside {step_dir} is read. A manifest lists plain names of "
-                                       f"files in its own folder; this one was altered.", MANIFEST)
+                raise CheckpointUnsafe(
+                    f"{path} names the file {name!r}, {why}: refused, nothing "
+                    f"outside {step_dir} is read. A manifest lists plain names of "
+                    f"files in its own folder; this one was altered.",
+                    MANIFEST,
+                )
         return manifest
     except FileNotFoundError:
         if is_empty_dir(step_dir):
-            raise CheckpointCorrupt(f"{step_dir} is an empty folder, not a checkpoint (a commit renames a "
-                                    f"complete folder into place, so disttrain never leaves one empty); "
-                                    f"remove it with rmdir.", MANIFEST) from None
+            raise CheckpointCorrupt(
+                f"{step_dir} is an empty folder, not a checkpoint (a commit renames a "
+                f"complete folder into place, so disttrain never leaves one empty); "
+                f"remove it with rmdir.",
+                MANIFEST,
+            ) from None
         raise CheckpointCorrupt(f"{step_dir}: no {MANIFEST}; the commit is incomplete.", MANIFEST) from None
     except (ValueError, OSError) as e:
         raise CheckpointCorrupt(f"{path} is unreadable ({e}); the checkpoint is damaged.", MANIFEST) from None
 
 
-def verify(step_dir: str | os.PathLike, *, checksums: bool = True,
-           select: Callable[[str], bool] | None = None) -> dict:
+def verify(step_dir: str | os.PathLike, *, checksums: bool = True, select: Callable[[str], bool] | None = None) -> dict:
     """Check that every file in the manifest exists with its size and checksum, that
     DCP's `.metadata` is among them, and that no unlisted shard is present.
 
@@ -155,9 +165,11 @@ def misnamed(step_dir: Path, manifest: dict) -> str | None:
     step = manifest.get("step")
     if m is None or not isinstance(step, int) or isinstance(step, bool) or step == int(m.group(1)):
         return None
-    return (f"{step_dir} holds step {step} by its manifest (run {manifest.get('run_id')!r}, generation "
-            f"{manifest.get('generation')}), not step {int(m.group(1))}: the folder was copied or renamed. "
-            f"It is not trusted; move it out of {step_dir.parent}, or name it {step_name(step)}.")
+    return (
+        f"{step_dir} holds step {step} by its manifest (run {manifest.get('run_id')!r}, generation "
+        f"{manifest.get('generation')}), not step {int(m.group(1))}: the folder was copied or renamed. "
+        f"It is not trusted; move it out of {step_dir.parent}, or name it {step_name(step)}."
+    )
 
 
 def _manifest_or_none(step_dir: Path) -> dict | None:
@@ -224,8 +236,10 @@ def empty_step_dirs(root: str | os.PathLike) -> list[Path]:
 def note_empty_step_dirs(root: str | os.PathLike, rank: int = 0) -> None:
     """On rank 0, one note per empty `step-*` folder under `root` (which `committed` skips)."""
     for empty in empty_step_dirs(root) if rank == 0 else []:
-        LOGGER.info(f"disttrain checkpoint: note: {empty} is an empty folder, not a checkpoint; it is "
-                    f"ignored (remove it with rmdir).")
+        LOGGER.info(
+            f"disttrain checkpoint: note: {empty} is an empty folder, not a checkpoint; it is "
+            f"ignored (remove it with rmdir)."
+        )
 
 
 def latest_valid(root: str | os.PathLike, *, checksums: bool = True) -> Path | None:
@@ -267,7 +281,8 @@ def check_fence(root: Path, run_id: str, generation: int) -> None:
             f"{root}: another job (run {lease.get('run_id')!r}, generation "
             f"{lease.get('generation')}) took over this checkpoint directory; this writer "
             f"(run {run_id!r}, generation {generation}) is stale and does not commit. "
-            f"Stop this job: two jobs must never train into one directory.")
+            f"Stop this job: two jobs must never train into one directory."
+        )
 
 
 def committed_by(final: Path, run_id: str, generation: int) -> bool:
@@ -311,7 +326,8 @@ def commit(tmp_dir: Path, final: Path, run_id: str, generation: int) -> None:
             raise StaleWriterError(
                 f"{final} was already committed by run {owner[0]!r}, generation {owner[1]}; "
                 f"this writer (run {run_id!r}, generation {generation}) is stale and does not "
-                f"overwrite it. Stop this job: two jobs must never train into one directory.")
+                f"overwrite it. Stop this job: two jobs must never train into one directory."
+            )
         try:
             if owner is None:
                 raise CheckpointCorrupt("unreadable manifest")
@@ -328,8 +344,12 @@ def commit(tmp_dir: Path, final: Path, run_id: str, generation: int) -> None:
 # ---------------------------------------------------------------- retention
 
 
-def prune(root: Path, keep_last: int, generation: int,
-          remove: Callable[[Path], object] = lambda p: shutil.rmtree(p, ignore_errors=True)) -> list[Path]:
+def prune(
+    root: Path,
+    keep_last: int,
+    generation: int,
+    remove: Callable[[Path], object] = lambda p: shutil.rmtree(p, ignore_errors=True),
+) -> list[Path]:
     """Delete committed directories beyond the newest `keep_last` valid ones, leftover
     temporary directories of older generations, and replaced directories.
 

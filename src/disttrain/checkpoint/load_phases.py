@@ -35,7 +35,6 @@ from typing import Iterator
 from disttrain.runtime import processes
 
 
-
 @contextmanager
 def recording() -> Iterator[dict[str, float]]:
     """Record the phases of the code inside into the dict this yields, with its

@@ -37,8 +37,10 @@ def escapes(step_dir: Path, name: str) -> bool:
 
 
 def escape_message(step_dir: Path, name: str) -> str:
-    return (f"{step_dir / name} is a symlink to {os.path.realpath(step_dir / name)}, outside "
-            f"{step_dir}: refused, it is not read. A checkpoint's files are its own.")
+    return (
+        f"{step_dir / name} is a symlink to {os.path.realpath(step_dir / name)}, outside "
+        f"{step_dir}: refused, it is not read. A checkpoint's files are its own."
+    )
 
 
 def check_listed(files: dict, names, *, by: Path) -> None:
@@ -47,5 +49,8 @@ def check_listed(files: dict, names, *, by: Path) -> None:
     records): a name outside them is never opened."""
     for name in names:
         if not isinstance(name, str) or name not in files:
-            raise CheckpointUnsafe(f"{by} points to the data file {name!r}, which its manifest does not "
-                                   f"list: refused, it is not read. The metadata was altered.", by.name)
+            raise CheckpointUnsafe(
+                f"{by} points to the data file {name!r}, which its manifest does not "
+                f"list: refused, it is not read. The metadata was altered.",
+                by.name,
+            )

@@ -152,7 +152,7 @@ class FileRead:
         if storage is not None:
             self._filled.add(storage)
         for start in range(0, len(view), _PIECE):
-            piece = view[start:start + _PIECE]
+            piece = view[start : start + _PIECE]
             if self._cached is None:
                 read_exact(self.f, piece, self.path)
             else:
@@ -208,8 +208,9 @@ def read_all(names: list[str], own, read_file) -> list:
     results: dict[str, object] = {}
     done = threading.Event()
     k = min(len(rest), _READERS)
-    others = [pool(f"read-{i}").submit(lambda part: [(n, read_file(n, done)) for n in part], rest[i::k])
-              for i in range(k)]
+    others = [
+        pool(f"read-{i}").submit(lambda part: [(n, read_file(n, done)) for n in part], rest[i::k]) for i in range(k)
+    ]
     try:
         for name in mine:
             results[name] = read_file(name, None)

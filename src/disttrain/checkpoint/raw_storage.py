@@ -41,8 +41,7 @@ from disttrain.checkpoint.files import fsync_file
 from disttrain.checkpoint.finite import FiniteTally
 from disttrain.checkpoint.own_files import check_listed
 from disttrain.checkpoint.raw_read import FileRead, narrow, pool, read_all, read_exact, shared_storages, stop_for
-from disttrain.checkpoint.json_records import (Extent, metadata_bytes, metadata_of, set_path, value_bytes,
-                                               value_of)
+from disttrain.checkpoint.json_records import Extent, metadata_bytes, metadata_of, set_path, value_bytes, value_of
 
 FORMAT = "raw-1"
 METADATA = ".metadata"
@@ -101,8 +100,13 @@ class RawWriter(StorageWriter):
     `syncer` (an executor), `.metadata` is fsynced there: wait for `pending` before
     the commit."""
 
-    def __init__(self, path: str | Path, inner: FileSystem | None = None, finite_prefix: str = "model.",
-                 syncer: Executor | None = None):
+    def __init__(
+        self,
+        path: str | Path,
+        inner: FileSystem | None = None,
+        finite_prefix: str = "model.",
+        syncer: Executor | None = None,
+    ):
         super().__init__()
         self.path, self.inner = Path(path), inner if inner is not None else FileSystem()
         self.digests: dict[str, dict] = {}
@@ -189,8 +193,11 @@ def read_metadata(step_dir: str | Path):
         metadata = metadata_of(path.read_bytes())
     except (ValueError, KeyError, TypeError) as e:
         raise CheckpointCorrupt(f"{path} is not a {FORMAT} metadata document ({e}).", METADATA) from None
-    check_listed(layout.read_manifest(Path(step_dir))["files"],
-                 {extent.file for extent in metadata.storage_data.values()}, by=path)
+    check_listed(
+        layout.read_manifest(Path(step_dir))["files"],
+        {extent.file for extent in metadata.storage_data.values()},
+        by=path,
+    )
     return metadata
 
 
@@ -201,8 +208,13 @@ class RawReader(StorageReader):
     A mismatch raises `CheckpointCorrupt` naming the file. `metadata`: the parsed
     `.metadata`, when the caller read it already."""
 
-    def __init__(self, path: str | Path, files: dict[str, dict] | None = None,
-                 select: Callable[[str], bool] = lambda name: True, metadata=None):
+    def __init__(
+        self,
+        path: str | Path,
+        files: dict[str, dict] | None = None,
+        select: Callable[[str], bool] = lambda name: True,
+        metadata=None,
+    ):
         super().__init__()
         self.path, self.files, self.select = Path(path), files or {}, select
         self.verified: set[str] = set()
@@ -238,8 +250,7 @@ class RawReader(StorageReader):
         names = sorted(per_file, key=lambda n: (not self.select(n), n))
         stop_for(self.path)  # the page-cache prefetch of a load (`raw_read.prefetch_share`) is done
         shared = shared_storages(per_file, planner.resolve_tensor) if len(names) > 1 else set()
-        done = read_all(names, self.select, lambda n, cached: self._read_file(n, per_file[n], planner,
-                                                                                shared, cached))
+        done = read_all(names, self.select, lambda n, cached: self._read_file(n, per_file[n], planner, shared, cached))
         for objects, later in done:  # in the order one thread would have read them
             for buf, items in later:
                 self._copy_out(buf, items, planner)
@@ -250,8 +261,7 @@ class RawReader(StorageReader):
         fut.set_result(None)
         return fut
 
-    def _read_file(self, name: str, records: dict[Extent, list], planner, shared: set[int],
-                   cached=None) -> tuple:
+    def _read_file(self, name: str, records: dict[Extent, list], planner, shared: set[int], cached=None) -> tuple:
         """Read one file; returns (its values to parse, its records for memory that
         another file's records target too, as (buffer, items) to copy out later)."""
         path = self.path / name
@@ -288,12 +298,16 @@ class RawReader(StorageReader):
         meta = self.metadata.state_dict_metadata[index.fqn]
         chunk = next(c for c in meta.chunks if tuple(c.offsets) == tuple(index.offset))
         dtype, sizes = meta.properties.dtype, tuple(chunk.sizes)
-        if len(items) == 1 and all(o == 0 for o in items[0].storage_offsets) \
-                and tuple(items[0].lengths) == sizes:
+        if len(items) == 1 and all(o == 0 for o in items[0].storage_offsets) and tuple(items[0].lengths) == sizes:
             target = planner.resolve_tensor(items[0]).detach()
             ptr = target.untyped_storage().data_ptr()
-            if target.device.type == "cpu" and target.dtype == dtype and target.is_contiguous() \
-                    and target.numel() * dtype.itemsize == extent.length and ptr not in shared:
+            if (
+                target.device.type == "cpu"
+                and target.dtype == dtype
+                and target.is_contiguous()
+                and target.numel() * dtype.itemsize == extent.length
+                and ptr not in shared
+            ):
                 if extent.length:
                     read.into(byte_view(target), ptr)
                 planner.commit_tensor(items[0], target)  # a no-op in both planners: safe on a thread

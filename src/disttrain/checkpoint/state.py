@@ -52,9 +52,11 @@ def to_jsonable(obj: Any) -> Any:
     base64 records. Floats survive exactly (JSON writes their shortest repr)."""
     if isinstance(obj, torch.Tensor):
         t = obj.detach().cpu().contiguous()
-        return {"__tensor__": base64.b64encode(t.view(torch.uint8).numpy().tobytes()
-                                               if t.numel() else b"").decode(),
-                "dtype": str(t.dtype).removeprefix("torch."), "shape": list(t.shape)}
+        return {
+            "__tensor__": base64.b64encode(t.view(torch.uint8).numpy().tobytes() if t.numel() else b"").decode(),
+            "dtype": str(t.dtype).removeprefix("torch."),
+            "shape": list(t.shape),
+        }
     if type(obj).__module__ == "numpy" and hasattr(obj, "tolist"):
         return obj.tolist()
     if isinstance(obj, dict):
@@ -65,8 +67,10 @@ def to_jsonable(obj: Any) -> Any:
         return to_jsonable(dataclasses.asdict(obj))
     if obj is None or isinstance(obj, (bool, int, float, str)):
         return obj
-    raise TypeError(f"cannot store a {type(obj).__name__} in checkpoint JSON; keep extras "
-                    f"to tensors, modules, and plain numbers/strings/lists/dicts.")
+    raise TypeError(
+        f"cannot store a {type(obj).__name__} in checkpoint JSON; keep extras "
+        f"to tensors, modules, and plain numbers/strings/lists/dicts."
+    )
 
 
 def from_jsonable(obj: Any) -> Any:
@@ -183,8 +187,9 @@ class TrainState:
         for name, value in self.extras.items():
             if isinstance(value, nn.Module):
                 extras[name] = value.state_dict()
-            elif isinstance(value, torch.Tensor) or (isinstance(value, dict) and value and all(
-                    isinstance(v, torch.Tensor) for v in value.values())):
+            elif isinstance(value, torch.Tensor) or (
+                isinstance(value, dict) and value and all(isinstance(v, torch.Tensor) for v in value.values())
+            ):
                 extras[name] = value
         if extras:
             tensors["extras"] = extras
@@ -195,16 +200,20 @@ class TrainState:
 
         A collective under FSDP (`get_state_dict`): every rank must call it."""
         meta = {
-            "step": self.step, "epoch": self.epoch,
+            "step": self.step,
+            "epoch": self.epoch,
             "scheduler": to_jsonable(self.scheduler.state_dict()) if self.scheduler else None,
             "scaler": to_jsonable(self.scaler.state_dict()) if self.scaler else None,
-            "sampler": to_jsonable(self.sampler.state_dict()) if self.sampler is not None
-            and hasattr(self.sampler, "state_dict") else None,
+            "sampler": to_jsonable(self.sampler.state_dict())
+            if self.sampler is not None and hasattr(self.sampler, "state_dict")
+            else None,
             "config": to_jsonable(self.config) if self.config is not None else None,
-            "extras": {k: to_jsonable(v) for k, v in self.extras.items()
-                       if not isinstance(v, (nn.Module, torch.Tensor, dict))
-                       or (isinstance(v, dict) and not any(isinstance(x, torch.Tensor)
-                                                           for x in v.values()))},
+            "extras": {
+                k: to_jsonable(v)
+                for k, v in self.extras.items()
+                if not isinstance(v, (nn.Module, torch.Tensor, dict))
+                or (isinstance(v, dict) and not any(isinstance(x, torch.Tensor) for x in v.values()))
+            },
         }
         return {"tensors": self._tensor_parts(), "meta": meta, "rng": rng_state()}
 
@@ -227,8 +236,12 @@ class TrainState:
             set_rng_state(sd["rng"])
 
     def _load_tensors(self, tensors: dict, param_fqns: list[list[str]] | None) -> None:
-        from torch.distributed.checkpoint.state_dict import (StateDictOptions, set_model_state_dict,
-                                                             set_optimizer_state_dict, set_state_dict)
+        from torch.distributed.checkpoint.state_dict import (
+            StateDictOptions,
+            set_model_state_dict,
+            set_optimizer_state_dict,
+            set_state_dict,
+        )
 
         from disttrain.checkpoint.in_place import model_in_place, optimizer_state
 
@@ -244,12 +257,17 @@ class TrainState:
             # Each rank loaded the state of its own partition only, so the optimizer
             # part is not strict (check_compatible already found every key it asked for).
             set_model_state_dict(self._module(), tensors["model"], options=StateDictOptions(strict=True))
-            set_optimizer_state_dict(self._module(), optims, tensors.get("optim", {}),
-                                     options=StateDictOptions(strict=False))
+            set_optimizer_state_dict(
+                self._module(), optims, tensors.get("optim", {}), options=StateDictOptions(strict=False)
+            )
         else:
-            set_state_dict(self._module(), optims, model_state_dict=tensors["model"],
-                           optim_state_dict=tensors.get("optim", {}),
-                           options=StateDictOptions(strict=True))
+            set_state_dict(
+                self._module(),
+                optims,
+                model_state_dict=tensors["model"],
+                optim_state_dict=tensors.get("optim", {}),
+                options=StateDictOptions(strict=True),
+            )
 
     def _load_extras(self, tensors: dict, meta: dict) -> None:
         for name, value in tensors.get("extras", {}).items():

@@ -68,8 +68,7 @@ class ZeroView:
         groups, start = [], 0
         for g in self.zero.param_groups:
             n = len(g["params"])
-            groups.append({**{k: v for k, v in g.items() if k != "params"},
-                           "params": list(range(start, start + n))})
+            groups.append({**{k: v for k, v in g.items() if k != "params"}, "params": list(range(start, start + n))})
             start += n
         return {"state": state, "param_groups": groups}
 
@@ -82,8 +81,10 @@ class ZeroView:
         """
         saved_groups = state_dict["param_groups"]
         if [len(g["params"]) for g in saved_groups] != [len(g["params"]) for g in self.zero.param_groups]:
-            raise ValueError("the saved optimizer parameter groups do not match the ZeRO "
-                             "optimizer's groups (another model or parameter grouping).")
+            raise ValueError(
+                "the saved optimizer parameter groups do not match the ZeRO "
+                "optimizer's groups (another model or parameter grouping)."
+            )
         params = self._global_params()
         by_key = dict(zip((k for g in saved_groups for k in g["params"]), params))
         for saved, group in zip(saved_groups, self.zero.param_groups):
@@ -96,10 +97,13 @@ class ZeroView:
             if p in local_index:
                 local_state[local_index[p]] = value
         # ZeRO's local groups mirror its global groups one for one (same hyperparameters).
-        local_sd = {"state": local_state,
-                    "param_groups": [{**{k: v for k, v in g.items() if k != "params"},
-                                      "params": [local_index[p] for p in lg["params"]]}
-                                     for g, lg in zip(self.zero.param_groups, local_groups)]}
+        local_sd = {
+            "state": local_state,
+            "param_groups": [
+                {**{k: v for k, v in g.items() if k != "params"}, "params": [local_index[p] for p in lg["params"]]}
+                for g, lg in zip(self.zero.param_groups, local_groups)
+            ],
+        }
         self.zero.optim.load_state_dict(local_sd)
 
     def step(self, closure=None):

@@ -11,10 +11,45 @@ Nothing here imports torch at module level.
 """
 
 from disttrain.config.gpt_shape import GPTConfig
-from disttrain.config.schema import (PRECISIONS, SHARDINGS, STRATEGIES, CheckpointConfig, Config, DataConfig,
-                                     ElasticConfig, GuardConfig, ModelConfig, OptimConfig, ParallelConfig, TrainConfig,
-                                     check_fsdp1, load_config, shard_grid, to_dict, validate, validate_parallel)
+from disttrain.config.schema import (
+    PRECISIONS,
+    SHARDINGS,
+    STRATEGIES,
+    CheckpointConfig,
+    Config,
+    DataConfig,
+    ElasticConfig,
+    GuardConfig,
+    ModelConfig,
+    OptimConfig,
+    ParallelConfig,
+    TrainConfig,
+    check_fsdp1,
+    load_config,
+    shard_grid,
+    to_dict,
+    validate,
+    validate_parallel,
+)
 
-__all__ = ["PRECISIONS", "SHARDINGS", "STRATEGIES", "CheckpointConfig", "Config", "DataConfig", "ElasticConfig",
-           "GPTConfig", "GuardConfig", "ModelConfig", "OptimConfig", "ParallelConfig", "TrainConfig", "check_fsdp1",
-           "load_config", "shard_grid", "to_dict", "validate", "validate_parallel"]
+__all__ = [
+    "PRECISIONS",
+    "SHARDINGS",
+    "STRATEGIES",
+    "CheckpointConfig",
+    "Config",
+    "DataConfig",
+    "ElasticConfig",
+    "GPTConfig",
+    "GuardConfig",
+    "ModelConfig",
+    "OptimConfig",
+    "ParallelConfig",
+    "TrainConfig",
+    "check_fsdp1",
+    "load_config",
+    "shard_grid",
+    "to_dict",
+    "validate",
+    "validate_parallel",
+]

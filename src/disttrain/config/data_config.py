@@ -76,16 +76,25 @@ def check_data_source(d: DataConfig, model_key: str = "") -> None:
     the window length: data.block_size with data.tokens beside `model_key` ('model.factory',
     whose model has no model.block_size; '' otherwise). Raises `ConfigError` naming the
     keys in use."""
-    _require(d.block_size >= 0, f"config key 'data.block_size' is {d.block_size}; use the tokens per "
-                                f"sample (at least 1), or 0 for the built-in GPT's model.block_size.")
-    _require(not (d.tokens and model_key and d.block_size == 0),
-             f"config keys 'data.tokens' and {model_key!r} are set but 'data.block_size' is not: the "
-             f"tokens per sample come from the data beside a model of your own. Set data.block_size "
-             f"= N (your model's context length).")
+    _require(
+        d.block_size >= 0,
+        f"config key 'data.block_size' is {d.block_size}; use the tokens per "
+        f"sample (at least 1), or 0 for the built-in GPT's model.block_size.",
+    )
+    _require(
+        not (d.tokens and model_key and d.block_size == 0),
+        f"config keys 'data.tokens' and {model_key!r} are set but 'data.block_size' is not: the "
+        f"tokens per sample come from the data beside a model of your own. Set data.block_size "
+        f"= N (your model's context length).",
+    )
     chosen = [k for k in ("factory", "tokens", "hf_dataset") if getattr(d, k)]
-    _require(len(chosen) <= 1, f"config keys {', '.join('data.' + k for k in chosen)} are all set; the "
-                               f"training data comes from one of them. Remove the others.")
+    _require(
+        len(chosen) <= 1,
+        f"config keys {', '.join('data.' + k for k in chosen)} are all set; the "
+        f"training data comes from one of them. Remove the others.",
+    )
     _one_of("data.tokens_dtype", d.tokens_dtype, TOKEN_DTYPES)
-    _require(not d.hf_dataset or (bool(d.hf_columns) and all(isinstance(c, str) and c for c in d.hf_columns)),
-             f"data.hf_columns is {d.hf_columns!r}; name the column(s) a sample is made of, for "
-             f"example [\"input_ids\"].")
+    _require(
+        not d.hf_dataset or (bool(d.hf_columns) and all(isinstance(c, str) and c for c in d.hf_columns)),
+        f'data.hf_columns is {d.hf_columns!r}; name the column(s) a sample is made of, for example ["input_ids"].',
+    )

@@ -36,10 +36,13 @@ class ElasticConfig:
 def check_elastic(e: ElasticConfig) -> None:
     """Raise `ConfigError` naming the bad `[elastic]` value and the fix."""
     if e.batch_policy not in ("keep_global", "rescale_lr"):
-        raise ConfigError(f"config key 'elastic.batch_policy' is {e.batch_policy!r}; choose one of "
-                          f"keep_global, rescale_lr.")
+        raise ConfigError(
+            f"config key 'elastic.batch_policy' is {e.batch_policy!r}; choose one of keep_global, rescale_lr."
+        )
     if not e.preempt_grace_s > 0:
         raise ConfigError(f"elastic.preempt_grace_s is {e.preempt_grace_s}; it must be positive.")
     if isinstance(e.buddy_every, bool) or not isinstance(e.buddy_every, int) or e.buddy_every < 1:
-        raise ConfigError(f"elastic.buddy_every is {e.buddy_every!r}; it must be a whole number >= 1 "
-                          f"(1: a buddy copy after every optimizer step).")
+        raise ConfigError(
+            f"elastic.buddy_every is {e.buddy_every!r}; it must be a whole number >= 1 "
+            f"(1: a buddy copy after every optimizer step)."
+        )

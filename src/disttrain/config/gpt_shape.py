@@ -25,4 +25,3 @@ class GPTConfig:
     """Dropout probability on attention, MLP output and embeddings."""
     bias: bool = True
     """Biases in the linear layers and layer norms."""
-

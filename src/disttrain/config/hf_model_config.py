@@ -32,8 +32,9 @@ def import_transformers():
     try:
         import transformers
     except ImportError as e:
-        raise UserError("model.hf / model.hf_path need the `transformers` package, which is not "
-                        "installed: pip install transformers") from e
+        raise UserError(
+            "model.hf / model.hf_path need the `transformers` package, which is not installed: pip install transformers"
+        ) from e
     return transformers
 
 
@@ -45,11 +46,15 @@ def resolve_hf_path(hf_path: str, config_dir: str | os.PathLike | None) -> Path:
     if not p.is_absolute() and config_dir is not None:
         p = Path(config_dir) / p
     if not p.is_dir():
-        raise UserError(f"model.hf_path {hf_path!r}: no folder {p} (a relative path is taken "
-                        f"from the config file's folder). Point it at a save_pretrained folder.")
+        raise UserError(
+            f"model.hf_path {hf_path!r}: no folder {p} (a relative path is taken "
+            f"from the config file's folder). Point it at a save_pretrained folder."
+        )
     if not (p / "config.json").is_file():
-        raise UserError(f"model.hf_path {hf_path!r}: {p} has no config.json, so it is not a "
-                        f"save_pretrained folder. Use model.hf = \"<model type>\" to build from a config.")
+        raise UserError(
+            f"model.hf_path {hf_path!r}: {p} has no config.json, so it is not a "
+            f'save_pretrained folder. Use model.hf = "<model type>" to build from a config.'
+        )
     return p
 
 
@@ -63,16 +68,19 @@ def hf_config_from_section(section: Any, config_dir: str | os.PathLike | None = 
     hf, hf_path = _get(section, "hf") or "", _get(section, "hf_path") or ""
     overrides = dict(_get(section, "hf_config") or {})
     if hf and hf_path:
-        raise UserError("model.hf and model.hf_path are both set; use one: hf builds from a "
-                        "config, hf_path loads a local save_pretrained folder.")
+        raise UserError(
+            "model.hf and model.hf_path are both set; use one: hf builds from a "
+            "config, hf_path loads a local save_pretrained folder."
+        )
     if hf_path:
         folder = resolve_hf_path(hf_path, config_dir)
         try:
-            return transformers.AutoConfig.from_pretrained(str(folder), local_files_only=True,
-                                                           **overrides)
+            return transformers.AutoConfig.from_pretrained(str(folder), local_files_only=True, **overrides)
         except (OSError, ValueError) as e:
-            raise UserError(f"model.hf_path {hf_path!r}: {folder}/config.json cannot be read "
-                            f"by transformers: {str(e).splitlines()[0]}") from e
+            raise UserError(
+                f"model.hf_path {hf_path!r}: {folder}/config.json cannot be read "
+                f"by transformers: {str(e).splitlines()[0]}"
+            ) from e
     if not hf:
         raise UserError("the model section names no Hugging Face model (model.hf or model.hf_path).")
     from transformers.models.auto.configuration_auto import CONFIG_MAPPING
@@ -81,9 +89,11 @@ def hf_config_from_section(section: Any, config_dir: str | os.PathLike | None = 
     if hf not in known:
         close = difflib.get_close_matches(hf, known, n=3)
         hint = f" Did you mean {', '.join(repr(c) for c in close)}?" if close else ""
-        raise UserError(f"model.hf is {hf!r}, which is not a transformers model type "
-                        f"(transformers {transformers.__version__}).{hint} Use a model type "
-                        f"such as 'gpt2' or 'llama', not a hub name.")
+        raise UserError(
+            f"model.hf is {hf!r}, which is not a transformers model type "
+            f"(transformers {transformers.__version__}).{hint} Use a model type "
+            f"such as 'gpt2' or 'llama', not a hub name."
+        )
     try:
         return transformers.AutoConfig.for_model(hf, **overrides)
     except (TypeError, ValueError) as e:
@@ -111,6 +121,8 @@ def causal_lm_from_config(hf_config, where: str):
     try:
         return transformers.AutoModelForCausalLM.from_config(hf_config)
     except ValueError as e:
-        raise UserError(f"{where}: model type {hf_config.model_type!r} has no causal language "
-                        f"model class in transformers (AutoModelForCausalLM); disttrain trains "
-                        f"causal LMs such as gpt2 or llama.") from e
+        raise UserError(
+            f"{where}: model type {hf_config.model_type!r} has no causal language "
+            f"model class in transformers (AutoModelForCausalLM); disttrain trains "
+            f"causal LMs such as gpt2 or llama."
+        ) from e

@@ -37,9 +37,13 @@ def _field_literals(cls: type) -> dict[str, str]:
         node = tree.body[0]  # the class statement (getsource gives its decorators with it)
         body = node.body if isinstance(node, ast.ClassDef) else []
         for field_node, after in zip(body, body[1:]):
-            if (isinstance(field_node, ast.AnnAssign) and isinstance(field_node.target, ast.Name)
-                    and isinstance(after, ast.Expr) and isinstance(after.value, ast.Constant)
-                    and isinstance(after.value.value, str)):
+            if (
+                isinstance(field_node, ast.AnnAssign)
+                and isinstance(field_node.target, ast.Name)
+                and isinstance(after, ast.Expr)
+                and isinstance(after.value, ast.Constant)
+                and isinstance(after.value.value, str)
+            ):
                 docs[field_node.target.id] = after.value.value
     return docs
 
@@ -56,7 +60,7 @@ def _first_sentence(text: str) -> str:
     """The meaning on one line: the literal's first sentence, whitespace collapsed."""
     flat = " ".join(text.split())
     end = flat.find(". ")
-    return flat if end < 0 else flat[:end + 1]
+    return flat if end < 0 else flat[: end + 1]
 
 
 def config_keys() -> list[KeyDoc]:
@@ -68,8 +72,9 @@ def config_keys() -> list[KeyDoc]:
             raise TypeError(f"config section {section.name} is no dataclass")
         docs = _field_literals(cls)
         for f in dataclasses.fields(cls):
-            out.append(KeyDoc(f"{section.name}.{f.name}", str(f.type), _default(f),
-                              _first_sentence(docs.get(f.name, ""))))
+            out.append(
+                KeyDoc(f"{section.name}.{f.name}", str(f.type), _default(f), _first_sentence(docs.get(f.name, "")))
+            )
     return out
 
 

@@ -42,5 +42,7 @@ def check_log(log: LogConfig) -> None:
     extra, in the launching process (nothing is imported)."""
     for key, module in _EXTRAS.items():
         if getattr(log, key) and importlib.util.find_spec(module) is None:
-            raise ConfigError(f"config key 'log.{key}' is set but the {module} package is not installed: "
-                              f"pip install 'disttrain[{key}]', or remove log.{key}.")
+            raise ConfigError(
+                f"config key 'log.{key}' is set but the {module} package is not installed: "
+                f"pip install 'disttrain[{key}]', or remove log.{key}."
+            )

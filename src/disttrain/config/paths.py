@@ -57,8 +57,7 @@ def _check_creatable(path: Path, what: str, fix: str) -> None:
     """Raise `UserError` unless the directories up to `path` exist or can be made."""
     base = _nearest_existing(path)
     if not base.is_dir():
-        raise UserError(f"{what} {path}: {base} is a file, not a directory, so nothing can be "
-                        f"created under it. {fix}")
+        raise UserError(f"{what} {path}: {base} is a file, not a directory, so nothing can be created under it. {fix}")
     why = _probe(base)
     if why is not None:
         raise UserError(f"{what} {path} cannot be written: {base}: {why}. {fix}")
@@ -82,16 +81,20 @@ def writable_dir(path: str | os.PathLike, what: str, *, fix: str = "") -> Path:
 def describe_kind(path: Path) -> str:
     """'a directory', 'a device', 'a link', ...: what a non-regular path is."""
     mode = os.lstat(path).st_mode
-    for test, name in ((stat.S_ISDIR, "a directory"), (stat.S_ISLNK, "a symbolic link"),
-                       (stat.S_ISCHR, "a device"), (stat.S_ISBLK, "a device"),
-                       (stat.S_ISFIFO, "a pipe"), (stat.S_ISSOCK, "a socket")):
+    for test, name in (
+        (stat.S_ISDIR, "a directory"),
+        (stat.S_ISLNK, "a symbolic link"),
+        (stat.S_ISCHR, "a device"),
+        (stat.S_ISBLK, "a device"),
+        (stat.S_ISFIFO, "a pipe"),
+        (stat.S_ISSOCK, "a socket"),
+    ):
         if test(mode):
             return name
     return "not a regular file"
 
 
-def output_file(path: str | os.PathLike, what: str,
-                replaceable: Callable[[Path], bool] | None = None) -> Path:
+def output_file(path: str | os.PathLike, what: str, replaceable: Callable[[Path], bool] | None = None) -> Path:
     """`path` as a new file that a command may create: refused (`UserError`) when it
     exists as anything but a regular file that `replaceable` accepts, or when its
     directory cannot be written. `what` names the option (e.g. "--to")."""
@@ -103,8 +106,10 @@ def output_file(path: str | os.PathLike, what: str,
         if p.is_symlink() or not p.is_file():
             raise UserError(f"{what} {p} is {describe_kind(p)}; name a new file to write.")
         if replaceable is None or not replaceable(p):
-            raise UserError(f"{what} {p} already exists and would be overwritten; choose a new "
-                            f"file name, or move that file away first.")
+            raise UserError(
+                f"{what} {p} already exists and would be overwritten; choose a new "
+                f"file name, or move that file away first."
+            )
     _check_creatable(p.parent, what, f"Choose {what} in a writable directory.")
     return p
 
@@ -112,12 +117,14 @@ def output_file(path: str | os.PathLike, what: str,
 def has_prefix(prefix: bytes) -> Callable[[Path], bool]:
     """A `replaceable` test: the file starts with `prefix` (e.g. the PNG signature), so it
     is an earlier output of the same kind and may be replaced."""
+
     def check(path: Path) -> bool:
         try:
             with open(path, "rb") as f:
                 return f.read(len(prefix)) == prefix
         except OSError:
             return False
+
     return check
 
 

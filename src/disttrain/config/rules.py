@@ -27,10 +27,12 @@ MAX_TIMEOUT_S = 30 * 86400.0
 """Longest timeout or period a key may name: torch turns seconds into a `timedelta`."""
 
 
-def _between(low: float, high: float, *, low_open: bool = False, high_open: bool = False,
-             whole: bool = False) -> tuple[Callable[[Any], bool], str]:
+def _between(
+    low: float, high: float, *, low_open: bool = False, high_open: bool = False, whole: bool = False
+) -> tuple[Callable[[Any], bool], str]:
     def test(v: Any) -> bool:
-        return ((low < v if low_open else low <= v) and (v < high if high_open else v <= high))
+        return (low < v if low_open else low <= v) and (v < high if high_open else v <= high)
+
     kind = "a whole number" if whole else "a number"
     if math.isinf(high):
         return test, f"{kind} {'>' if low_open else '>='} {low:g}"
@@ -115,11 +117,15 @@ def _cross(cfg: Any) -> list[str]:
     if m.n_embd % m.n_head:
         out.append(f"model.n_embd ({m.n_embd}) must be divisible by model.n_head ({m.n_head}).")
     if _builtin_gpt(cfg) and _byte_corpus(cfg) and m.vocab_size < BYTE_VOCAB:
-        out.append(f"model.vocab_size is {m.vocab_size}, but the byte corpus has {BYTE_VOCAB} symbols; "
-                   f"use model.vocab_size >= {BYTE_VOCAB}.")
+        out.append(
+            f"model.vocab_size is {m.vocab_size}, but the byte corpus has {BYTE_VOCAB} symbols; "
+            f"use model.vocab_size >= {BYTE_VOCAB}."
+        )
     if _byte_corpus(cfg) and _builtin_gpt(cfg) and d.max_bytes < m.block_size + 1:
-        out.append(f"data.max_bytes is {d.max_bytes}, less than one training window of model.block_size "
-                   f"+ 1 = {m.block_size + 1} bytes; raise data.max_bytes or lower model.block_size.")
+        out.append(
+            f"data.max_bytes is {d.max_bytes}, less than one training window of model.block_size "
+            f"+ 1 = {m.block_size + 1} bytes; raise data.max_bytes or lower model.block_size."
+        )
     if g.hang_cap_s < g.hang_min_s:
         out.append(f"guard.hang_cap_s ({g.hang_cap_s:g}) must be >= guard.hang_min_s ({g.hang_min_s:g}).")
     return out
@@ -159,8 +165,9 @@ def check_values(cfg: Any) -> None:
     for key, value in values.items():
         for v in _plain(value):
             if isinstance(v, float) and not math.isfinite(v):
-                raise ConfigError(f"config key {key!r} is {_show(value)}; it must be a finite number "
-                                  f"(nan and inf are refused).")
+                raise ConfigError(
+                    f"config key {key!r} is {_show(value)}; it must be a finite number (nan and inf are refused)."
+                )
             if isinstance(v, str) and "\x00" in v:
                 raise ConfigError(f"config key {key!r} contains a NUL character; remove it.")
     for key, (test, says) in RANGES.items():

@@ -30,6 +30,7 @@ FAST_RECOVERY_STRATEGIES = ("ddp", "fsdp")  # fsdp: each shard also in a buddy's
 SHARDINGS = ("full", "grad_op", "hybrid", "none")
 PRECISIONS = ("fp32", "bf16", "fp16")
 
+
 @dataclass(kw_only=True)
 class ModelConfig(GPTConfig):
     """[model]: the built-in GPT's shape (the default), or a model of your own.
@@ -177,10 +178,14 @@ class CheckpointConfig:
 
 
 def _check_checkpoint(c: CheckpointConfig) -> None:
-    _require(c.every >= 0 and c.keep_last >= 0,
-             f"checkpoint.every ({c.every}) and checkpoint.keep_last ({c.keep_last}) must be >= 0.")
-    _require(c.every_s >= 0 and c.every_s != float("inf"),
-             f"checkpoint.every_s ({c.every_s}) must be a finite number of seconds >= 0 (0 turns it off).")
+    _require(
+        c.every >= 0 and c.keep_last >= 0,
+        f"checkpoint.every ({c.every}) and checkpoint.keep_last ({c.keep_last}) must be >= 0.",
+    )
+    _require(
+        c.every_s >= 0 and c.every_s != float("inf"),
+        f"checkpoint.every_s ({c.every_s}) must be a finite number of seconds >= 0 (0 turns it off).",
+    )
     _one_of("checkpoint.async_mode", c.async_mode, ("off", "thread"))
     _one_of("checkpoint.on_error", c.on_error, ("stop", "continue"))
 
@@ -228,27 +233,32 @@ def _require(ok: bool, message: str) -> None:
 
 
 def _one_of(key: str, value: str, allowed: tuple[str, ...]) -> None:
-    _require(value in allowed, f"config key {key!r} is {value!r}; choose one of "
-                               f"{', '.join(allowed)}.")
+    _require(value in allowed, f"config key {key!r} is {value!r}; choose one of {', '.join(allowed)}.")
 
 
 def validate(cfg: Config) -> None:
     """Check values and their combinations. Raises `ConfigError` naming the key and fix."""
     t, p, m, o = cfg.train, cfg.parallel, cfg.model, cfg.optim
-    for key, value in (("train.steps", t.steps), ("train.batch_size", t.batch_size),
-                       ("train.accum_steps", t.accum_steps), ("parallel.nproc", p.nproc),
-                       ("model.n_layer", m.n_layer), ("model.n_head", m.n_head),
-                       ("model.block_size", m.block_size), ("train.log_every", t.log_every)):
+    for key, value in (
+        ("train.steps", t.steps),
+        ("train.batch_size", t.batch_size),
+        ("train.accum_steps", t.accum_steps),
+        ("parallel.nproc", p.nproc),
+        ("model.n_layer", m.n_layer),
+        ("model.n_head", m.n_head),
+        ("model.block_size", m.block_size),
+        ("train.log_every", t.log_every),
+    ):
         _require(value >= 1, f"config key {key!r} is {value}; it must be at least 1.")
-    _require(m.n_embd % m.n_head == 0,
-             f"model.n_embd ({m.n_embd}) must be divisible by model.n_head ({m.n_head}).")
+    _require(m.n_embd % m.n_head == 0, f"model.n_embd ({m.n_embd}) must be divisible by model.n_head ({m.n_head}).")
     _require(0.0 <= m.dropout < 1.0, f"model.dropout is {m.dropout}; use a value in [0, 1).")
     _require(o.lr > 0, f"optim.lr is {o.lr}; it must be positive.")
     _require(o.grad_clip >= 0, f"optim.grad_clip is {o.grad_clip}; use 0 to disable or a positive norm.")
-    _require(0.0 < cfg.data.heldout_fraction < 1.0,
-             f"data.heldout_fraction is {cfg.data.heldout_fraction}; use a value in (0, 1).")
-    _require(t.eval_every >= 0 and t.eval_batches >= 1,
-             "train.eval_every must be >= 0 and train.eval_batches >= 1.")
+    _require(
+        0.0 < cfg.data.heldout_fraction < 1.0,
+        f"data.heldout_fraction is {cfg.data.heldout_fraction}; use a value in (0, 1).",
+    )
+    _require(t.eval_every >= 0 and t.eval_batches >= 1, "train.eval_every must be >= 0 and train.eval_batches >= 1.")
     _one_of("optim.name", o.name, ("adamw", "sgd"))
     _one_of("parallel.strategy", p.strategy, STRATEGIES)
     _one_of("parallel.sharding", p.sharding, SHARDINGS)
@@ -259,30 +269,44 @@ def validate(cfg: Config) -> None:
     _require(p.timeout_s > 0, f"parallel.timeout_s is {p.timeout_s}; it must be positive.")
     check_values(cfg)  # the table of ranges, finiteness and cross-key rules (config/rules.py)
     g = cfg.guard
-    _require(g.divergence_every >= 0 and g.hang_factor > 1 and g.hang_min_s > 0 and g.tick_s > 0
-             and g.hang_cap_s >= g.hang_min_s,
-             "guard: divergence_every must be >= 0, hang_factor > 1, hang_min_s and tick_s > 0, "
-             "and hang_cap_s >= hang_min_s.")
+    _require(
+        g.divergence_every >= 0
+        and g.hang_factor > 1
+        and g.hang_min_s > 0
+        and g.tick_s > 0
+        and g.hang_cap_s >= g.hang_min_s,
+        "guard: divergence_every must be >= 0, hang_factor > 1, hang_min_s and tick_s > 0, "
+        "and hang_cap_s >= hang_min_s.",
+    )
     _check_checkpoint(cfg.checkpoint)
     d = cfg.data
-    _require(d.num_workers >= 0, f"data.num_workers is {d.num_workers}; use 0 (load in the training "
-                                 f"process) or a positive number of worker processes.")
-    _require(not d.persistent_workers or d.num_workers > 0,
-             "data.persistent_workers = true needs data.num_workers > 0 (there are no workers to keep).")
+    _require(
+        d.num_workers >= 0,
+        f"data.num_workers is {d.num_workers}; use 0 (load in the training "
+        f"process) or a positive number of worker processes.",
+    )
+    _require(
+        not d.persistent_workers or d.num_workers > 0,
+        "data.persistent_workers = true needs data.num_workers > 0 (there are no workers to keep).",
+    )
     check_elastic(cfg.elastic)
     check_log(cfg.log)
     check_sources(cfg)  # model.factory, data.factory, train.loss (config/user_code.py)
     check_data_source(cfg.data, "model.factory" if m.factory else "")
     builtin = not (m.factory or m.hf or m.hf_path)
-    _require(not builtin or cfg.data.block_size <= m.block_size,
-             f"config key 'data.block_size' is {cfg.data.block_size}, more than the built-in GPT's "
-             f"model.block_size ({m.block_size}); lower data.block_size or leave it 0.")
+    _require(
+        not builtin or cfg.data.block_size <= m.block_size,
+        f"config key 'data.block_size' is {cfg.data.block_size}, more than the built-in GPT's "
+        f"model.block_size ({m.block_size}); lower data.block_size or leave it 0.",
+    )
     _check_hardware(p)
     device = p.device if p.device != "auto" else ("cuda" if _cuda_count() else "cpu")
     # On CUDA it runs (NCCL aborted on a failure, elastic.fast_recovery) but says it is unproven.
-    _require(not cfg.elastic.fast_recovery or p.strategy in FAST_RECOVERY_STRATEGIES,
-             f"elastic.fast_recovery = true works with parallel.strategy 'ddp' or 'fsdp', not "
-             f"{p.strategy!r} on {device}; set elastic.fast_recovery = false, or one of those strategies.")
+    _require(
+        not cfg.elastic.fast_recovery or p.strategy in FAST_RECOVERY_STRATEGIES,
+        f"elastic.fast_recovery = true works with parallel.strategy 'ddp' or 'fsdp', not "
+        f"{p.strategy!r} on {device}; set elastic.fast_recovery = false, or one of those strategies.",
+    )
     validate_parallel(p, t.precision, world_size=p.nproc, local_world_size=p.nproc, device_type=device)
 
 
@@ -295,8 +319,9 @@ def _cuda_count() -> int:
 _FSDP = ("fsdp", "fsdp1")
 
 
-def validate_parallel(p: ParallelConfig, precision: str, *, world_size: int, local_world_size: int,
-                      device_type: str) -> None:
+def validate_parallel(
+    p: ParallelConfig, precision: str, *, world_size: int, local_world_size: int, device_type: str
+) -> None:
     """Refuse strategy/option combinations that cannot work, naming the fix.
 
     Called by `validate` (world = parallel.nproc) and again by `wrap` with the real
@@ -306,31 +331,45 @@ def validate_parallel(p: ParallelConfig, precision: str, *, world_size: int, loc
     _one_of("parallel.strategy", s, STRATEGIES)
     _one_of("parallel.sharding", p.sharding, SHARDINGS)
     _one_of("train.precision", precision, PRECISIONS)
-    _require(s in _FSDP or p.sharding == "full",
-             f"parallel.sharding is {p.sharding!r}, but sharding modes apply only to strategy fsdp "
-             f"or fsdp1 (strategy is {s!r}). Use --parallel.strategy=fsdp or drop the sharding key.")
-    _require(p.shard_group_size >= 0, f"parallel.shard_group_size is {p.shard_group_size}; use 0 "
-                                      f"(one node) or a positive group size.")
-    _require(p.shard_group_size == 0 or p.sharding == "hybrid",
-             f"parallel.shard_group_size is set but parallel.sharding is {p.sharding!r}; the group "
-             f"size applies only to --parallel.sharding=hybrid.")
-    _require(not p.cpu_offload or s in _FSDP,
-             f"parallel.cpu_offload needs a sharding strategy (fsdp), but strategy is {s!r}: "
-             f"{s} keeps every parameter on the device. Use --parallel.strategy=fsdp (P-FSDP-6).")
-    _require(not (p.static_graph or p.find_unused_parameters) or s in ("ddp", "zero1"),
-             f"parallel.static_graph / find_unused_parameters are DDP options; strategy {s!r} "
-             f"does not use them. Turn them off.")
-    _require(s != "dp" or world_size == 1,
-             f"parallel.strategy 'dp' (DataParallel) runs in one process, but the job has "
-             f"{world_size}; that would nest DataParallel inside DDP (P-DDP-1, P-DDP-3). Use "
-             f"--parallel.nproc=1, or --parallel.strategy=ddp.")
-    _require(not (p.sync_batchnorm and s == "dp"),
-             "parallel.sync_batchnorm needs one process per device; DataParallel's threads cannot "
-             "synchronise statistics. Use --parallel.strategy=ddp (P-DDP-8).")
+    _require(
+        s in _FSDP or p.sharding == "full",
+        f"parallel.sharding is {p.sharding!r}, but sharding modes apply only to strategy fsdp "
+        f"or fsdp1 (strategy is {s!r}). Use --parallel.strategy=fsdp or drop the sharding key.",
+    )
+    _require(
+        p.shard_group_size >= 0,
+        f"parallel.shard_group_size is {p.shard_group_size}; use 0 (one node) or a positive group size.",
+    )
+    _require(
+        p.shard_group_size == 0 or p.sharding == "hybrid",
+        f"parallel.shard_group_size is set but parallel.sharding is {p.sharding!r}; the group "
+        f"size applies only to --parallel.sharding=hybrid.",
+    )
+    _require(
+        not p.cpu_offload or s in _FSDP,
+        f"parallel.cpu_offload needs a sharding strategy (fsdp), but strategy is {s!r}: "
+        f"{s} keeps every parameter on the device. Use --parallel.strategy=fsdp (P-FSDP-6).",
+    )
+    _require(
+        not (p.static_graph or p.find_unused_parameters) or s in ("ddp", "zero1"),
+        f"parallel.static_graph / find_unused_parameters are DDP options; strategy {s!r} "
+        f"does not use them. Turn them off.",
+    )
+    _require(
+        s != "dp" or world_size == 1,
+        f"parallel.strategy 'dp' (DataParallel) runs in one process, but the job has "
+        f"{world_size}; that would nest DataParallel inside DDP (P-DDP-1, P-DDP-3). Use "
+        f"--parallel.nproc=1, or --parallel.strategy=ddp.",
+    )
+    _require(
+        not (p.sync_batchnorm and s == "dp"),
+        "parallel.sync_batchnorm needs one process per device; DataParallel's threads cannot "
+        "synchronise statistics. Use --parallel.strategy=ddp (P-DDP-8).",
+    )
     if s == "fsdp1":
         check_fsdp1(precision=precision, cpu_offload=p.cpu_offload, device_type=device_type)
-    shard_grid(s, p.sharding, world_size, shard_group_size=p.shard_group_size,
-               local_world_size=local_world_size)
+    shard_grid(s, p.sharding, world_size, shard_group_size=p.shard_group_size, local_world_size=local_world_size)
+
 
 def check_fsdp1(*, precision: str, cpu_offload: bool, device_type: str) -> None:
     """Raise `ConfigError` for a combination FSDP1 cannot run; each message names `fsdp`.
@@ -340,17 +379,22 @@ def check_fsdp1(*, precision: str, cpu_offload: bool, device_type: str) -> None:
     - cpu_offload on a CPU job: `CPUOffload(offload_params=True)` fails there.
     """
     if precision == "fp16":
-        raise ConfigError("train.precision 'fp16' is not available with parallel.strategy 'fsdp1' "
-                          "(its gradients need FSDP1's own sharded grad scaler). Use "
-                          "--parallel.strategy=fsdp, or precision bf16/fp32.")
+        raise ConfigError(
+            "train.precision 'fp16' is not available with parallel.strategy 'fsdp1' "
+            "(its gradients need FSDP1's own sharded grad scaler). Use "
+            "--parallel.strategy=fsdp, or precision bf16/fp32."
+        )
     if cpu_offload and device_type == "cpu":
-        raise ConfigError("parallel.cpu_offload with strategy 'fsdp1' fails on a CPU job "
-                          "(FSDP1 CPUOffload(offload_params=True) needs an accelerator). Use "
-                          "--parallel.strategy=fsdp, whose CPUOffloadPolicy runs on CPU.")
+        raise ConfigError(
+            "parallel.cpu_offload with strategy 'fsdp1' fails on a CPU job "
+            "(FSDP1 CPUOffload(offload_params=True) needs an accelerator). Use "
+            "--parallel.strategy=fsdp, whose CPUOffloadPolicy runs on CPU."
+        )
 
 
-def shard_grid(strategy: str, sharding: str, world_size: int, *, shard_group_size: int = 0,
-               local_world_size: int | None = None) -> tuple[int, int]:
+def shard_grid(
+    strategy: str, sharding: str, world_size: int, *, shard_group_size: int = 0, local_world_size: int | None = None
+) -> tuple[int, int]:
     """(replicas, shards) of the rank grid for a strategy and sharding mode; the
     arithmetic of `disttrain.parallel.Layout`, kept here so validation needs no torch.
 
@@ -365,9 +409,11 @@ def shard_grid(strategy: str, sharding: str, world_size: int, *, shard_group_siz
     group = shard_group_size or local_world_size or world_size
     if group < 1 or world_size % group:
         divisors = [d for d in range(1, world_size + 1) if world_size % d == 0]
-        raise ConfigError(f"parallel.shard_group_size is {group}, which does not divide the "
-                          f"world of {world_size} ranks; hybrid sharding needs equal shard "
-                          f"groups. Use one of {divisors}.")
+        raise ConfigError(
+            f"parallel.shard_group_size is {group}, which does not divide the "
+            f"world of {world_size} ranks; hybrid sharding needs equal shard "
+            f"groups. Use one of {divisors}."
+        )
     return world_size // group, group
 
 
@@ -377,15 +423,21 @@ def _check_hardware(p: ParallelConfig) -> None:
 
     gpus = torch.cuda.device_count() if torch.cuda.is_available() else 0
     if p.device == "cuda" and gpus == 0:
-        raise ConfigError("parallel.device is 'cuda' but no CUDA device is visible. "
-                          "Use --parallel.device=cpu (or auto), or check CUDA_VISIBLE_DEVICES.")
+        raise ConfigError(
+            "parallel.device is 'cuda' but no CUDA device is visible. "
+            "Use --parallel.device=cpu (or auto), or check CUDA_VISIBLE_DEVICES."
+        )
     if p.device != "cpu" and gpus and p.nproc > gpus:
-        raise ConfigError(f"parallel.nproc is {p.nproc} but only {gpus} GPU(s) are visible; "
-                          f"each process needs its own GPU (P-INIT-5). Set --parallel.nproc={gpus} "
-                          f"or make more devices visible with CUDA_VISIBLE_DEVICES.")
+        raise ConfigError(
+            f"parallel.nproc is {p.nproc} but only {gpus} GPU(s) are visible; "
+            f"each process needs its own GPU (P-INIT-5). Set --parallel.nproc={gpus} "
+            f"or make more devices visible with CUDA_VISIBLE_DEVICES."
+        )
     if p.backend == "nccl" and (p.device == "cpu" or gpus == 0):
-        raise ConfigError("parallel.backend is 'nccl' but the job runs on CPU; NCCL needs CUDA. "
-                          "Use --parallel.backend=gloo (or auto).")
+        raise ConfigError(
+            "parallel.backend is 'nccl' but the job runs on CPU; NCCL needs CUDA. "
+            "Use --parallel.backend=gloo (or auto)."
+        )
 
 
 def to_dict(cfg: Any) -> dict:

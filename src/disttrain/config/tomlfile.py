@@ -29,16 +29,21 @@ def read_toml(path: str | os.PathLike) -> dict:
     """The parsed file. Raises `ConfigError` for a missing file or bad TOML."""
     p = Path(path)
     if p.is_dir():
-        raise ConfigError(f"config file {p} is a directory; pass the path of a TOML file inside it, "
-                          f"for example examples/tiny_gpt.toml.")
+        raise ConfigError(
+            f"config file {p} is a directory; pass the path of a TOML file inside it, "
+            f"for example examples/tiny_gpt.toml."
+        )
     if not p.is_file():
-        raise ConfigError(f"config file not found: {p}. Pass the path of a TOML file, "
-                          f"for example examples/tiny_gpt.toml.")
+        raise ConfigError(
+            f"config file not found: {p}. Pass the path of a TOML file, for example examples/tiny_gpt.toml."
+        )
     try:
         return tomllib.loads(p.read_bytes().decode("utf-8"))
     except UnicodeDecodeError as e:
-        raise ConfigError(f"{p} is not UTF-8 text (byte {e.start} is {e.object[e.start]:#04x}); TOML "
-                          f"files are UTF-8: save it in that encoding.") from None
+        raise ConfigError(
+            f"{p} is not UTF-8 text (byte {e.start} is {e.object[e.start]:#04x}); TOML "
+            f"files are UTF-8: save it in that encoding."
+        ) from None
     except OSError as e:
         raise ConfigError(f"cannot read config file {p}: {e.strerror or e}.") from None
     except tomllib.TOMLDecodeError as e:
@@ -61,8 +66,9 @@ def build(cls: type, raw: Any) -> Any:
 def _parse_override(item: str) -> tuple[str, Any]:
     text = item[2:] if item.startswith("--") else item
     if "=" not in text:
-        raise ConfigError(f"override {item!r} has no value. Write it as --section.key=value, "
-                          f"for example --train.steps=100.")
+        raise ConfigError(
+            f"override {item!r} has no value. Write it as --section.key=value, for example --train.steps=100."
+        )
     key, value = text.split("=", 1)
     try:  # A TOML literal (number, bool, list, quoted string) keeps its type.
         return key.strip(), tomllib.loads(f"v = {value}")["v"]
@@ -91,8 +97,9 @@ def _build(cls: type, raw: Any, prefix: str) -> Any:
         if key not in fields:
             close = difflib.get_close_matches(key, fields, n=1)
             hint = f" Did you mean '{prefix}{close[0]}'?" if close else ""
-            raise ConfigError(f"unknown config key '{prefix}{key}'.{hint} "
-                              f"Valid keys in [{where}]: {', '.join(fields)}.")
+            raise ConfigError(
+                f"unknown config key '{prefix}{key}'.{hint} Valid keys in [{where}]: {', '.join(fields)}."
+            )
         kwargs[key] = _coerce(hints[key], value, prefix + key)
     return cls(**kwargs)
 
@@ -117,10 +124,17 @@ def _coerce(tp: Any, value: Any, key: str) -> Any:
         return [_coerce(item_tp, v, key) for v in value]
     if tp is float and isinstance(value, int) and not isinstance(value, bool):
         return float(value)
-    if tp is bool and not isinstance(value, bool) or tp is not bool and isinstance(value, bool) \
-            or not isinstance(value, tp):
-        raise ConfigError(f"config key {key!r} must be {tp.__name__}, got {value!r} "
-                          f"({type(value).__name__}). Example: --{key}={_example(tp)}.")
+    if (
+        tp is bool
+        and not isinstance(value, bool)
+        or tp is not bool
+        and isinstance(value, bool)
+        or not isinstance(value, tp)
+    ):
+        raise ConfigError(
+            f"config key {key!r} must be {tp.__name__}, got {value!r} "
+            f"({type(value).__name__}). Example: --{key}={_example(tp)}."
+        )
     return value
 
 

@@ -29,9 +29,11 @@ def parse_reference(key: str, value: str) -> tuple[str, str]:
     """'pkg.module:name' -> ('pkg.module', 'name'). Raises `ConfigError` naming `key`."""
     match = _REFERENCE.match(value.strip())
     if not match:
-        raise ConfigError(f"config key {key!r} is {value!r}; write it as \"module:callable\", for "
-                          f"example \"mymodels:build\" (the module is imported from the config "
-                          f"file's folder, then sys.path).")
+        raise ConfigError(
+            f'config key {key!r} is {value!r}; write it as "module:callable", for '
+            f'example "mymodels:build" (the module is imported from the config '
+            f"file's folder, then sys.path)."
+        )
     return match.group(1), match.group(3)
 
 
@@ -42,14 +44,18 @@ def check_model_keys(model: dict) -> None:
         return
     for other in ("hf", "hf_path"):
         if model.get(other):
-            raise ConfigError(f"config keys 'model.factory' and 'model.{other}' are both set; a "
-                              f"model comes from one of them. Remove one.")
+            raise ConfigError(
+                f"config keys 'model.factory' and 'model.{other}' are both set; a "
+                f"model comes from one of them. Remove one."
+            )
     gpt = [k for k in model if k in GPT_KEYS]
     if gpt:
-        raise ConfigError(f"config key 'model.factory' ({model['factory']!r}) is set together with "
-                          f"the built-in GPT's key(s) {', '.join('model.' + k for k in gpt)}; those "
-                          f"shape only the built-in GPT. Remove them, or pass your model's settings "
-                          f"in [model.kwargs].")
+        raise ConfigError(
+            f"config key 'model.factory' ({model['factory']!r}) is set together with "
+            f"the built-in GPT's key(s) {', '.join('model.' + k for k in gpt)}; those "
+            f"shape only the built-in GPT. Remove them, or pass your model's settings "
+            f"in [model.kwargs]."
+        )
 
 
 def check_plain(key: str, value: Any) -> None:
@@ -62,9 +68,11 @@ def check_plain(key: str, value: Any) -> None:
         for v in value:
             check_plain(key, v)
     elif not isinstance(value, (str, int, float, bool)):
-        raise ConfigError(f"config key {key!r} is {value!r} ({type(value).__name__}); kwargs must be "
-                          f"plain data (string, number, boolean, list, table): the config is stored "
-                          f"as JSON in every checkpoint. Pass it as a string.")
+        raise ConfigError(
+            f"config key {key!r} is {value!r} ({type(value).__name__}); kwargs must be "
+            f"plain data (string, number, boolean, list, table): the config is stored "
+            f"as JSON in every checkpoint. Pass it as a string."
+        )
 
 
 def check_sources(cfg: Any) -> None:
@@ -78,12 +86,14 @@ def check_sources(cfg: Any) -> None:
         defaults = GPTConfig()
         changed = [k for k in GPT_KEYS if getattr(m, k) != getattr(defaults, k)]
         if changed or m.hf or m.hf_path:
-            check_model_keys({"factory": m.factory, "hf": m.hf, "hf_path": m.hf_path,
-                              **{k: getattr(m, k) for k in changed}})
-    for key, value in (("model.kwargs", m.kwargs), ("data.kwargs", cfg.data.kwargs),
-                       ("model.hf_config", m.hf_config)):
+            check_model_keys(
+                {"factory": m.factory, "hf": m.hf, "hf_path": m.hf_path, **{k: getattr(m, k) for k in changed}}
+            )
+    for key, value in (("model.kwargs", m.kwargs), ("data.kwargs", cfg.data.kwargs), ("model.hf_config", m.hf_config)):
         check_plain(key, value)
     if (m.kwargs and not m.factory) or (cfg.data.kwargs and not cfg.data.factory):
         key = "model" if m.kwargs and not m.factory else "data"
-        raise ConfigError(f"config key '{key}.kwargs' is set but '{key}.factory' is not; kwargs are "
-                          f"passed to the factory. Set {key}.factory = \"module:callable\".")
+        raise ConfigError(
+            f"config key '{key}.kwargs' is set but '{key}.factory' is not; kwargs are "
+            f'passed to the factory. Set {key}.factory = "module:callable".'
+        )

@@ -44,9 +44,17 @@ class DistributedSampler(Sampler[int]):
     fewer samples than ranks.
     """
 
-    def __init__(self, dataset_len: int | Sized, *, rank: int | None = None,
-                 world_size: int | None = None, seed: int = 0, shuffle: bool = True,
-                 drop_last: bool = False, epoch: int = 0):
+    def __init__(
+        self,
+        dataset_len: int | Sized,
+        *,
+        rank: int | None = None,
+        world_size: int | None = None,
+        seed: int = 0,
+        shuffle: bool = True,
+        drop_last: bool = False,
+        epoch: int = 0,
+    ):
         n = dataset_len if isinstance(dataset_len, int) else len(dataset_len)
         info = rank_info()
         self.rank = info.rank if rank is None else rank
@@ -54,8 +62,10 @@ class DistributedSampler(Sampler[int]):
         if n < 1:
             raise UserError("the dataset is empty; a sampler needs at least one sample.")
         if drop_last and n < self.world_size:
-            raise UserError(f"drop_last=True with {n} samples and {self.world_size} ranks leaves "
-                            f"no sample for some ranks; use drop_last=False or more data.")
+            raise UserError(
+                f"drop_last=True with {n} samples and {self.world_size} ranks leaves "
+                f"no sample for some ranks; use drop_last=False or more data."
+            )
         self.n, self.seed, self.shuffle, self.drop_last = n, seed, shuffle, drop_last
         self.epoch = epoch
 

@@ -48,17 +48,28 @@ class ElasticSampler(Sampler[int]):
     another seed.
     """
 
-    def __init__(self, dataset_len: int | Sized, *, batch_size: int, accum_steps: int = 1, seed: int = 0,
-                 shuffle: bool = True, drop_last: bool = False, rank: int | None = None,
-                 world_size: int | None = None):
+    def __init__(
+        self,
+        dataset_len: int | Sized,
+        *,
+        batch_size: int,
+        accum_steps: int = 1,
+        seed: int = 0,
+        shuffle: bool = True,
+        drop_last: bool = False,
+        rank: int | None = None,
+        world_size: int | None = None,
+    ):
         info = rank_info()
         self.rank = info.rank if rank is None else rank
         self.world_size = info.world_size if world_size is None else world_size
         if not isinstance(dataset_len, int):
             if not hasattr(dataset_len, "__len__"):
-                raise UserError(f"ElasticSampler needs a dataset with len() or a sample count, got "
-                                f"{type(dataset_len).__name__}; a stream without a length cannot "
-                                f"be resumed exactly.")
+                raise UserError(
+                    f"ElasticSampler needs a dataset with len() or a sample count, got "
+                    f"{type(dataset_len).__name__}; a stream without a length cannot "
+                    f"be resumed exactly."
+                )
             dataset_len = len(dataset_len)
         if dataset_len < 1:
             raise UserError("the dataset is empty; a sampler needs at least one sample.")
@@ -67,9 +78,11 @@ class ElasticSampler(Sampler[int]):
         self.n, self.seed, self.shuffle, self.drop_last = dataset_len, seed, shuffle, drop_last
         self.batch_size, self.accum_steps = batch_size, accum_steps
         if drop_last and self.global_batch > self.n:  # not one full step
-            raise UserError(f"drop_last=True with {self.n} samples and a global batch of "
-                            f"{self.global_batch} leaves no full step; lower the batch or "
-                            f"use drop_last=False.")
+            raise UserError(
+                f"drop_last=True with {self.n} samples and a global batch of "
+                f"{self.global_batch} leaves no full step; lower the batch or "
+                f"use drop_last=False."
+            )
         self.epoch = 0
         self.cursor = 0
         self.saved_global_batch = self.global_batch
@@ -140,21 +153,29 @@ class ElasticSampler(Sampler[int]):
     def state_dict(self) -> dict:
         """The committed position (epoch, cursor) with the dataset length, seed and global
         batch: plain numbers, independent of the world size."""
-        return {"epoch": self.epoch, "cursor": self.cursor, "seed": self.seed, "n": self.n,
-                "global_batch": self.global_batch}
+        return {
+            "epoch": self.epoch,
+            "cursor": self.cursor,
+            "seed": self.seed,
+            "n": self.n,
+            "global_batch": self.global_batch,
+        }
 
     def load_state_dict(self, state: dict) -> None:
         """Resume at (epoch, cursor), at any world size. Raises `UserError` when the
         checkpoint was taken on a dataset of another length or another seed."""
         if state["n"] != self.n or state["seed"] != self.seed:
-            raise UserError(f"the checkpoint's sampler was built for {state['n']} samples with seed "
-                            f"{state['seed']}, this run has {self.n} samples with seed {self.seed}; "
-                            f"resume with the same dataset and train.seed.")
+            raise UserError(
+                f"the checkpoint's sampler was built for {state['n']} samples with seed "
+                f"{state['seed']}, this run has {self.n} samples with seed {self.seed}; "
+                f"resume with the same dataset and train.seed."
+            )
         self.epoch, self.cursor = int(state["epoch"]), int(state["cursor"])
         self.saved_global_batch = int(state.get("global_batch", self.global_batch))
 
-    def reconfigure(self, *, world_size: int, rank: int, accum_steps: int | None = None,
-                    batch_size: int | None = None) -> None:
+    def reconfigure(
+        self, *, world_size: int, rank: int, accum_steps: int | None = None, batch_size: int | None = None
+    ) -> None:
         """Adopt a new world layout (after a re-rendezvous); the cursor stays."""
         self.world_size, self.rank = world_size, rank
         self.accum_steps = accum_steps or self.accum_steps

@@ -31,16 +31,20 @@ def _load(folder: Path) -> Any:
     try:
         import datasets
     except ImportError:
-        raise UserError("data.hf_dataset needs the `datasets` package: pip install 'disttrain[data]' "
-                        "(or pip install datasets).") from None
+        raise UserError(
+            "data.hf_dataset needs the `datasets` package: pip install 'disttrain[data]' (or pip install datasets)."
+        ) from None
     if not folder.is_dir():
-        raise UserError(f"data.hf_dataset: {folder} is not a folder; point it at a folder written by "
-                        f"Dataset.save_to_disk.")
+        raise UserError(
+            f"data.hf_dataset: {folder} is not a folder; point it at a folder written by Dataset.save_to_disk."
+        )
     try:
         return datasets.load_from_disk(str(folder))
     except Exception as e:  # not a save_to_disk folder: the user's to fix
-        raise UserError(f"data.hf_dataset: {folder} is not a Hugging Face datasets folder "
-                        f"({type(e).__name__}: {str(e)[:200]}); write it with Dataset.save_to_disk.") from None
+        raise UserError(
+            f"data.hf_dataset: {folder} is not a Hugging Face datasets folder "
+            f"({type(e).__name__}: {str(e)[:200]}); write it with Dataset.save_to_disk."
+        ) from None
 
 
 class HFRows(Dataset):
@@ -49,8 +53,10 @@ class HFRows(Dataset):
     def __init__(self, table: Any, columns: list[str], where: str):
         missing = [c for c in columns if c not in table.column_names]
         if missing:
-            raise UserError(f"data.hf_columns names {', '.join(map(repr, missing))}, but {where} has the "
-                            f"columns {', '.join(table.column_names)}; name some of those.")
+            raise UserError(
+                f"data.hf_columns names {', '.join(map(repr, missing))}, but {where} has the "
+                f"columns {', '.join(table.column_names)}; name some of those."
+            )
         self.table = table.with_format("numpy", columns=list(columns))
         self.columns = list(columns)
 
@@ -71,15 +77,23 @@ def _check_rows(rows: HFRows, block_size: int | None, where: str) -> None:
         return
     n = len(rows[0][0]) + 1
     if n < 2 or (block_size is not None and n > block_size + 1):
-        raise UserError(f"data.hf_dataset: the first row of {where} has {n} tokens in column "
-                        f"{rows.columns[0]!r}; one column gives (x, y) next-token pairs and needs 2 to "
-                        f"block_size + 1 = {(block_size or 0) + 1} tokens per row (cut the text into "
-                        f"windows with Dataset.map, or raise model.block_size).")
+        raise UserError(
+            f"data.hf_dataset: the first row of {where} has {n} tokens in column "
+            f"{rows.columns[0]!r}; one column gives (x, y) next-token pairs and needs 2 to "
+            f"block_size + 1 = {(block_size or 0) + 1} tokens per row (cut the text into "
+            f"windows with Dataset.map, or raise model.block_size)."
+        )
 
 
-def hf_datasets(folder: str | os.PathLike, columns: list[str], *, split: str = "train",
-                heldout_split: str = "validation", block_size: int | None = None,
-                base: str | os.PathLike | None = None) -> tuple[HFRows, HFRows | None, dict]:
+def hf_datasets(
+    folder: str | os.PathLike,
+    columns: list[str],
+    *,
+    split: str = "train",
+    heldout_split: str = "validation",
+    block_size: int | None = None,
+    base: str | os.PathLike | None = None,
+) -> tuple[HFRows, HFRows | None, dict]:
     """(train rows, held-out rows or None, summary fields) of a `save_to_disk` folder
     (relative to `base`). A DatasetDict gives `split` and `heldout_split` (None when
     that split is the default "validation" and absent, or ''); a single Dataset has no
@@ -94,12 +108,16 @@ def hf_datasets(folder: str | os.PathLike, columns: list[str], *, split: str = "
     else:
         splits = list(loaded.keys())
         if split not in splits:
-            raise UserError(f"data.hf_split is {split!r}, but {path} has the splits {', '.join(splits)}; "
-                            f"set data.hf_split to one of them.")
+            raise UserError(
+                f"data.hf_split is {split!r}, but {path} has the splits {', '.join(splits)}; "
+                f"set data.hf_split to one of them."
+            )
         train_table = loaded[split]
         if heldout_split and heldout_split not in splits and heldout_split != DEFAULT_HELDOUT:
-            raise UserError(f"data.hf_heldout_split is {heldout_split!r}, but {path} has the splits "
-                            f"{', '.join(splits)}; set it to one of them, or to \"\" for no held-out set.")
+            raise UserError(
+                f"data.hf_heldout_split is {heldout_split!r}, but {path} has the splits "
+                f'{", ".join(splits)}; set it to one of them, or to "" for no held-out set.'
+            )
         held_table = loaded[heldout_split] if heldout_split and heldout_split in splits else None
     train = HFRows(train_table, columns, f"{path} [{split}]")
     held = HFRows(held_table, columns, f"{path} [{heldout_split}]") if held_table is not None else None

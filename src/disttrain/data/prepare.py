@@ -60,13 +60,15 @@ class _HFTokenizer:
         try:
             from tokenizers import Tokenizer
         except ImportError:
-            raise UserError("--tokenizer needs the `tokenizers` package: pip install tokenizers "
-                            "(or disttrain[data]).") from None
+            raise UserError(
+                "--tokenizer needs the `tokenizers` package: pip install tokenizers (or disttrain[data])."
+            ) from None
         try:
             self.tok = Tokenizer.from_file(str(path))
         except Exception as e:  # a file the library cannot parse is the user's to fix
-            raise UserError(f"--tokenizer {path}: not a Hugging Face tokenizer.json file "
-                            f"({type(e).__name__}: {str(e)[:200]}).") from None
+            raise UserError(
+                f"--tokenizer {path}: not a Hugging Face tokenizer.json file ({type(e).__name__}: {str(e)[:200]})."
+            ) from None
         self.vocab_size = self.tok.get_vocab_size(with_added_tokens=True)
         self.name = path.name
         self.fingerprint = hashlib.sha1(path.read_bytes()).hexdigest()
@@ -92,8 +94,7 @@ def output_names(texts: list[Path]) -> dict[Path, str]:
     that would share a name."""
     for p in texts:
         if p.is_dir():
-            raise UserError(f"disttrain data prepare: {p} is a folder; pass its files (for example "
-                            f"{p}/*.txt).")
+            raise UserError(f"disttrain data prepare: {p} is a folder; pass its files (for example {p}/*.txt).")
         if not p.is_file():
             raise UserError(f"disttrain data prepare: input {p} does not exist.")
     # absolute, not resolved: a symlinked input keeps the name it was given
@@ -103,8 +104,10 @@ def output_names(texts: list[Path]) -> dict[Path, str]:
     for f in full:
         name = "__".join(f.relative_to(common).with_suffix(".bin").parts)
         if name in names.values():
-            raise UserError(f"disttrain data prepare: two inputs would both be written as {name}; "
-                            f"rename one, or prepare them into different --out folders.")
+            raise UserError(
+                f"disttrain data prepare: two inputs would both be written as {name}; "
+                f"rename one, or prepare them into different --out folders."
+            )
         names[f] = name
     return names
 
@@ -140,8 +143,13 @@ def write_token_file(path: Path, chunks: Iterator[np.ndarray], dtype: type, fmt:
 
 def _record(src: Path, tokenizer, tokens: int) -> dict:
     st = src.stat()
-    return {"source": str(src), "size": st.st_size, "mtime_ns": st.st_mtime_ns,
-            "tokenizer": tokenizer.fingerprint, "tokens": tokens}
+    return {
+        "source": str(src),
+        "size": st.st_size,
+        "mtime_ns": st.st_mtime_ns,
+        "tokenizer": tokenizer.fingerprint,
+        "tokens": tokens,
+    }
 
 
 def _is_done(out_file: Path, src: Path, record: dict | None, tokenizer, fmt: str) -> bool:
@@ -163,8 +171,14 @@ def _write_meta(out: Path, meta: dict) -> None:
     os.replace(tmp, out / META)
 
 
-def prepare(texts: list[str | os.PathLike], out: str | os.PathLike, *, tokenizer: str | None = None,
-            fmt: str = "llmc", progress: bool = True) -> PrepareReport:
+def prepare(
+    texts: list[str | os.PathLike],
+    out: str | os.PathLike,
+    *,
+    tokenizer: str | None = None,
+    fmt: str = "llmc",
+    progress: bool = True,
+) -> PrepareReport:
     """Tokenize `texts` into `out` (created); skip files already written for the same
     source and tokenizer. Raises `UserError` for a missing input, a bad tokenizer
     file, an unknown format, or an output folder prepared with other settings."""
@@ -180,12 +194,13 @@ def prepare(texts: list[str | os.PathLike], out: str | os.PathLike, *, tokenizer
         stale.unlink(missing_ok=True)
     meta = read_meta(out_dir)
     dtype = _dtype(tok.vocab_size)
-    settings = {"tokenizer": tok.name, "vocab_size": tok.vocab_size, "format": fmt,
-                "dtype": np.dtype(dtype).name}
+    settings = {"tokenizer": tok.name, "vocab_size": tok.vocab_size, "format": fmt, "dtype": np.dtype(dtype).name}
     if meta.get("files") and any(meta.get(k) != v for k, v in settings.items() if k != "tokenizer"):
-        raise UserError(f"--out {out_dir} was prepared with {({k: meta.get(k) for k in settings})}, this run "
-                        f"asks for {settings}; use another --out folder (token files of two "
-                        f"vocabularies cannot train one model).")
+        raise UserError(
+            f"--out {out_dir} was prepared with { ({k: meta.get(k) for k in settings}) }, this run "
+            f"asks for {settings}; use another --out folder (token files of two "
+            f"vocabularies cannot train one model)."
+        )
     meta = {**settings, "files": dict(meta.get("files", {}))}
     report = PrepareReport(vocab_size=tok.vocab_size)
     todo = []
@@ -196,10 +211,12 @@ def prepare(texts: list[str | os.PathLike], out: str | os.PathLike, *, tokenizer
             todo.append((src, name))
     with _progress_bar(progress, sum(src.stat().st_size for src, _ in todo)) as advance:
         for src, name in todo:
+
             def chunks(src=src, name=name):
                 for ids, nbytes in tok.chunks(src):
                     yield ids
                     advance(nbytes, name)
+
             count = write_token_file(out_dir / name, chunks(), dtype, fmt)
             meta["files"][name] = _record(src, tok, count)
             _write_meta(out_dir, meta)  # after the rename: a record always names a whole file
@@ -220,8 +237,9 @@ class _progress_bar:
         if self.enabled:
             from rich.progress import BarColumn, DownloadColumn, Progress, TextColumn, TimeRemainingColumn
 
-            self._bar = Progress(TextColumn("[bold]prepare[/] {task.fields[name]}"), BarColumn(),
-                                 DownloadColumn(), TimeRemainingColumn())
+            self._bar = Progress(
+                TextColumn("[bold]prepare[/] {task.fields[name]}"), BarColumn(), DownloadColumn(), TimeRemainingColumn()
+            )
             self._bar.start()
             self._task = self._bar.add_task("prepare", total=self.total, name="")
         return self.advance

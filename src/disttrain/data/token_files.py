@@ -82,26 +82,34 @@ def read_token_file(path: str | os.PathLike, raw_dtype: str = "uint16") -> Token
         raise UserError(f"token file {path}: cannot read it ({e.strerror or e}).") from None
     if len(head) and int(head[0]) == LLMC_MAGIC:
         if len(head) < LLMC_HEADER_INTS:
-            raise UserError(f"token file {path}: it starts with the llm.c magic but has {size} bytes, "
-                            f"less than the {LLMC_HEADER_BYTES}-byte header; it is truncated. Rewrite "
-                            f"it with `disttrain data prepare`.")
+            raise UserError(
+                f"token file {path}: it starts with the llm.c magic but has {size} bytes, "
+                f"less than the {LLMC_HEADER_BYTES}-byte header; it is truncated. Rewrite "
+                f"it with `disttrain data prepare`."
+            )
         version, count = int(head[1]), int(head[2])
         if version not in LLMC_DTYPES:
-            raise UserError(f"token file {path}: llm.c header version {version} is unknown (1 = uint16, "
-                            f"2 = uint32 tokens); rewrite it with `disttrain data prepare`.")
+            raise UserError(
+                f"token file {path}: llm.c header version {version} is unknown (1 = uint16, "
+                f"2 = uint32 tokens); rewrite it with `disttrain data prepare`."
+            )
         dtype = LLMC_DTYPES[version]
         want = LLMC_HEADER_BYTES + count * np.dtype(dtype).itemsize
         if count < 0 or size != want:
-            raise UserError(f"token file {path}: its llm.c header says {count} tokens ({want} bytes), "
-                            f"but the file has {size} bytes; it is truncated or not an llm.c file. "
-                            f"Rewrite it with `disttrain data prepare`.")
+            raise UserError(
+                f"token file {path}: its llm.c header says {count} tokens ({want} bytes), "
+                f"but the file has {size} bytes; it is truncated or not an llm.c file. "
+                f"Rewrite it with `disttrain data prepare`."
+            )
         return TokenFile(path, LLMC_HEADER_BYTES, count, dtype, "llmc")
     dtype = RAW_DTYPES[raw_dtype]
     item = np.dtype(dtype).itemsize
     if size % item:
-        raise UserError(f"token file {path}: {size} bytes is not a whole number of {raw_dtype} tokens "
-                        f"({item} bytes each), and it has no llm.c header; it is truncated, or set "
-                        f"data.tokens_dtype to the dtype it was written with.")
+        raise UserError(
+            f"token file {path}: {size} bytes is not a whole number of {raw_dtype} tokens "
+            f"({item} bytes each), and it has no llm.c header; it is truncated, or set "
+            f"data.tokens_dtype to the dtype it was written with."
+        )
     return TokenFile(path, 0, size // item, dtype, "nanogpt")
 
 
@@ -125,9 +133,11 @@ def check_vocab(files: list[Path], vocab_size: int | None) -> None:
     for folder in sorted({p.parent for p in files}):
         need = read_meta(folder).get("vocab_size")
         if isinstance(need, int) and need > vocab_size:
-            raise UserError(f"token files in {folder} were prepared with a vocabulary of {need} "
-                            f"({read_meta(folder).get('tokenizer')}), but model.vocab_size is {vocab_size}; "
-                            f"set model.vocab_size to at least {need}.")
+            raise UserError(
+                f"token files in {folder} were prepared with a vocabulary of {need} "
+                f"({read_meta(folder).get('tokenizer')}), but model.vocab_size is {vocab_size}; "
+                f"set model.vocab_size to at least {need}."
+            )
 
 
 def _is_val_name(path: Path) -> bool:
@@ -150,13 +160,16 @@ def expand_tokens(spec: str, base: str | os.PathLike | None = None, key: str = "
         files = [full] if full.is_file() else []
     if not files:
         what = "has no *.bin file" if full.is_dir() else "matches no file"
-        raise UserError(f"{key} = {spec!r} {what} (looked at {full}); write token files with "
-                        f"`disttrain data prepare TEXT_FILES... --out DIR`.")
+        raise UserError(
+            f"{key} = {spec!r} {what} (looked at {full}); write token files with "
+            f"`disttrain data prepare TEXT_FILES... --out DIR`."
+        )
     return files
 
 
-def split_files(files: list[Path], heldout: str, base: str | os.PathLike | None = None
-                ) -> tuple[list[Path], list[Path]]:
+def split_files(
+    files: list[Path], heldout: str, base: str | os.PathLike | None = None
+) -> tuple[list[Path], list[Path]]:
     """(train files, held-out files). `heldout` is a glob or path (relative to `base`)
     naming the held-out files; '' picks the files named like a validation split
     (`val.bin`, `NAME_val_000000.bin`). Either list may come back empty: no held-out
@@ -192,11 +205,21 @@ class TokenWindows(Dataset):
         loader = job.loader(dt.TokenWindows("data/train.bin", 256), batch_size=12)
     """
 
-    def __init__(self, paths, block_size: int, *, dtype: str = "uint16", start: int = 0,
-                 stop: int | None = None, block_key: str = "block_size"):
+    def __init__(
+        self,
+        paths,
+        block_size: int,
+        *,
+        dtype: str = "uint16",
+        start: int = 0,
+        stop: int | None = None,
+        block_key: str = "block_size",
+    ):
         if not isinstance(block_size, int) or block_size < 1:
-            raise UserError(f"TokenWindows: {block_key} is {block_size!r}; it must be an integer of "
-                            f"at least 1 (the tokens per window).")
+            raise UserError(
+                f"TokenWindows: {block_key} is {block_size!r}; it must be an integer of "
+                f"at least 1 (the tokens per window)."
+            )
         self.files, self.block_size = _token_files(paths, dtype), block_size
         # windows per file: a file of n tokens holds (n - 1) // block windows
         self.ends = np.cumsum([max(0, (f.count - 1) // block_size) for f in self.files]).tolist()
@@ -259,10 +282,17 @@ def _token_files(paths, dtype: str) -> list[TokenFile]:
     return out
 
 
-def token_datasets(spec: str, block_size: int, *, heldout: str = "", heldout_fraction: float = 0.1,
-                   raw_dtype: str = "uint16", base: str | os.PathLike | None = None,
-                   vocab_size: int | None = None, block_key: str = "model.block_size"
-                   ) -> tuple[TokenWindows, TokenWindows, dict]:
+def token_datasets(
+    spec: str,
+    block_size: int,
+    *,
+    heldout: str = "",
+    heldout_fraction: float = 0.1,
+    raw_dtype: str = "uint16",
+    base: str | os.PathLike | None = None,
+    vocab_size: int | None = None,
+    block_key: str = "model.block_size",
+) -> tuple[TokenWindows, TokenWindows, dict]:
     """(train windows, held-out windows, summary fields) for `data.tokens`.
 
     Held-out by file when `heldout` names files or some files are named like a
@@ -276,13 +306,17 @@ def token_datasets(spec: str, block_size: int, *, heldout: str = "", heldout_fra
     train_paths, held_paths = split_files(expand_tokens(spec, base), heldout, base)
     check_vocab(train_paths + held_paths, vocab_size)
     if not train_paths:
-        raise UserError(f"data.tokens = {spec!r}: every file is held out ({', '.join(p.name for p in held_paths)}); "
-                        f"name the training files in data.tokens, the held-out ones in data.tokens_heldout.")
+        raise UserError(
+            f"data.tokens = {spec!r}: every file is held out ({', '.join(p.name for p in held_paths)}); "
+            f"name the training files in data.tokens, the held-out ones in data.tokens_heldout."
+        )
     train_files = [read_token_file(p, raw_dtype) for p in train_paths]
     held_files = [read_token_file(p, raw_dtype) for p in held_paths]
     if held_files:
-        train, held = (TokenWindows(train_files, block_size, block_key=block_key),
-                       TokenWindows(held_files, block_size, block_key=block_key))
+        train, held = (
+            TokenWindows(train_files, block_size, block_key=block_key),
+            TokenWindows(held_files, block_size, block_key=block_key),
+        )
         split = "file"
     else:
         everything = TokenWindows(train_files, block_size, block_key=block_key)
@@ -291,10 +325,17 @@ def token_datasets(spec: str, block_size: int, *, heldout: str = "", heldout_fra
         held = TokenWindows(train_files, block_size, start=cut, block_key=block_key)
         split = "fraction"
     if len(train) == 0:
-        raise UserError(f"data.tokens = {spec!r}: {sum(f.count for f in train_files)} tokens in "
-                        f"{len(train_files)} file(s) give no training window of block_size + 1 = "
-                        f"{block_size + 1} tokens (windows do not cross files); lower {block_key} "
-                        f"or add data.")
-    summary = {"train_files": len(train_files), "heldout_files": len(held_files), "heldout_split": split,
-               "train_windows": len(train), "train_tokens": len(train) * block_size}
+        raise UserError(
+            f"data.tokens = {spec!r}: {sum(f.count for f in train_files)} tokens in "
+            f"{len(train_files)} file(s) give no training window of block_size + 1 = "
+            f"{block_size + 1} tokens (windows do not cross files); lower {block_key} "
+            f"or add data."
+        )
+    summary = {
+        "train_files": len(train_files),
+        "heldout_files": len(held_files),
+        "heldout_split": split,
+        "train_windows": len(train),
+        "train_tokens": len(train) * block_size,
+    }
     return train, held, summary

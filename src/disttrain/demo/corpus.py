@@ -16,6 +16,7 @@ from torch.utils.data import Dataset
 
 from disttrain.errors import UserError
 
+
 def stdlib_files() -> list[Path]:
     """The standard library's own .py files, sorted, without tests and site-packages."""
     root = Path(sysconfig.get_paths()["stdlib"])
@@ -25,8 +26,9 @@ def stdlib_files() -> list[Path]:
         dirnames[:] = [d for d in dirnames if d not in skip]  # prune: site-packages is huge
         files += [Path(dirpath, f) for f in filenames if f.endswith(".py")]
     if not files:
-        raise UserError(f"no Python source files were found under {root}; the stdlib corpus "
-                        f"needs the standard library's .py files.")
+        raise UserError(
+            f"no Python source files were found under {root}; the stdlib corpus needs the standard library's .py files."
+        )
     return sorted(files)
 
 
@@ -46,8 +48,7 @@ class ByteCorpus:
     files_heldout: int
 
 
-def load_stdlib_corpus(max_bytes: int, heldout_fraction: float,
-                       heldout_max_bytes: int | None = None) -> ByteCorpus:
+def load_stdlib_corpus(max_bytes: int, heldout_fraction: float, heldout_max_bytes: int | None = None) -> ByteCorpus:
     """Read stdlib source as bytes until `max_bytes` of training text (deterministic)."""
     heldout_max_bytes = heldout_max_bytes or max(max_bytes // 10, 65_536)
     train, heldout, n_train, n_heldout = bytearray(), bytearray(), 0, 0
@@ -61,8 +62,7 @@ def load_stdlib_corpus(max_bytes: int, heldout_fraction: float,
         buf += path.read_bytes()
         n_heldout, n_train = n_heldout + held, n_train + (not held)
     to_tensor = lambda b: torch.frombuffer(bytearray(b), dtype=torch.uint8).long()
-    return ByteCorpus(to_tensor(train[:max_bytes]), to_tensor(heldout[:heldout_max_bytes]),
-                      n_train, n_heldout)
+    return ByteCorpus(to_tensor(train[:max_bytes]), to_tensor(heldout[:heldout_max_bytes]), n_train, n_heldout)
 
 
 class ChunkDataset(Dataset):
@@ -70,8 +70,10 @@ class ChunkDataset(Dataset):
 
     def __init__(self, tokens: torch.Tensor, block_size: int):
         if len(tokens) < block_size + 1:
-            raise UserError(f"the corpus has {len(tokens)} tokens, fewer than one window of "
-                            f"block_size + 1 = {block_size + 1}; lower model.block_size.")
+            raise UserError(
+                f"the corpus has {len(tokens)} tokens, fewer than one window of "
+                f"block_size + 1 = {block_size + 1}; lower model.block_size."
+            )
         self.tokens, self.block_size = tokens, block_size
 
     def __len__(self) -> int:

@@ -32,12 +32,21 @@ def _ids(text: str) -> set[str]:
 
 def _parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(prog="disttrain doctor", description=_DESCRIPTION)
-    p.add_argument("paths", nargs="*", metavar="PATH",
-                   help="training scripts or directories (searched recursively for *.py)")
-    p.add_argument("--format", choices=("text", "json", "sarif"), default="text",
-                   help="text (default, for people), json, or sarif (SARIF 2.1.0 for CI code scanning)")
-    p.add_argument("-o", "--output", metavar="FILE", help="write the report to FILE instead of stdout "
-                   "(an existing FILE only when it is an earlier report)")
+    p.add_argument(
+        "paths", nargs="*", metavar="PATH", help="training scripts or directories (searched recursively for *.py)"
+    )
+    p.add_argument(
+        "--format",
+        choices=("text", "json", "sarif"),
+        default="text",
+        help="text (default, for people), json, or sarif (SARIF 2.1.0 for CI code scanning)",
+    )
+    p.add_argument(
+        "-o",
+        "--output",
+        metavar="FILE",
+        help="write the report to FILE instead of stdout (an existing FILE only when it is an earlier report)",
+    )
     p.add_argument("--select", type=_ids, metavar="IDS", help="only these rule ids (comma-separated)")
     p.add_argument("--ignore", type=_ids, metavar="IDS", help="skip these rule ids (comma-separated)")
     p.add_argument("--list-rules", action="store_true", help="print every rule with its help and exit")
@@ -80,8 +89,10 @@ def _deep(fn, *args):
     finally:
         threading.stack_size(old)
     if isinstance(box.get("err"), RecursionError):
-        raise UserError("a script is nested too deeply for doctor to analyse (a very long expression or "
-                        "deeply nested code); split it into smaller statements") from None
+        raise UserError(
+            "a script is nested too deeply for doctor to analyse (a very long expression or "
+            "deeply nested code); split it into smaller statements"
+        ) from None
     if "err" in box:
         raise box["err"]
     return box["out"]
@@ -101,8 +112,10 @@ def main(argv: list[str]) -> int:
         raise UserError("no script given: disttrain doctor SCRIPT.py [DIR ...] (see --help)")
     for path in args.paths:  # a folder without scripts must not pass as checked and clean
         if os.path.isdir(path) and not analyzer.collect_files([path]):
-            raise UserError(f"{path}: no Python files in this folder (hidden, build and virtualenv "
-                            f"folders are skipped); give the training script(s) to check")
+            raise UserError(
+                f"{path}: no Python files in this folder (hidden, build and virtualenv "
+                f"folders are skipped); give the training script(s) to check"
+            )
     if args.output:  # before the analysis: a user's file is refused, not overwritten
         from disttrain.config.paths import output_file
 

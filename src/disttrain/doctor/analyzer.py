@@ -13,8 +13,19 @@ from pathlib import Path
 
 # Importing the rule modules fills the registry (each rule registers itself).
 from disttrain.doctor import (  # noqa: F401
-    rules_behaviour, rules_data, rules_ddp, rules_device, rules_fsdp2, rules_io, rules_job, rules_launch,
-    rules_loss_division, rules_resume, rules_step, rules_sync)
+    rules_behaviour,
+    rules_data,
+    rules_ddp,
+    rules_device,
+    rules_fsdp2,
+    rules_io,
+    rules_job,
+    rules_launch,
+    rules_loss_division,
+    rules_resume,
+    rules_step,
+    rules_sync,
+)
 from disttrain.doctor.facts import Facts
 from disttrain.doctor.source_text import read_source
 from disttrain.doctor.findings import ERROR, RULES, Finding, ignore_comments, suppressed
@@ -36,8 +47,9 @@ def collect_files(paths: list[str]) -> list[Path]:
         if p.is_dir():
             found = []
             for root, dirs, files in os.walk(p):
-                dirs[:] = sorted(d for d in dirs if not d.startswith(".") and d not in _SKIP_DIRS
-                                 and not d.endswith(".egg-info"))
+                dirs[:] = sorted(
+                    d for d in dirs if not d.startswith(".") and d not in _SKIP_DIRS and not d.endswith(".egg-info")
+                )
                 found += [Path(root) / f for f in files if f.endswith(".py")]
             candidates = sorted(found)
         else:
@@ -55,14 +67,16 @@ def parse(path: str, source: str) -> Facts:
     try:
         return Facts.parse(path, source)
     except SyntaxError as e:
-        raise UserError(f"{path}:{e.lineno or 0}: not valid Python ({e.msg}); "
-                        "doctor checks scripts that parse") from None
+        raise UserError(
+            f"{path}:{e.lineno or 0}: not valid Python ({e.msg}); doctor checks scripts that parse"
+        ) from None
     except ValueError as e:  # e.g. source with NUL bytes
         raise UserError(f"{path}: cannot be parsed ({e})") from None
 
 
-def analyze_source(path: str, source: str, select: set[str] | None = None,
-                   ignore: set[str] | None = None, facts: Facts | None = None) -> list[Finding]:
+def analyze_source(
+    path: str, source: str, select: set[str] | None = None, ignore: set[str] | None = None, facts: Facts | None = None
+) -> list[Finding]:
     """Findings for one script's source text. `select`/`ignore` restrict the rule ids;
     `facts` (already parsed, with the other files of the run) saves parsing again."""
     facts = facts or parse(path, source)
@@ -79,12 +93,12 @@ def analyze_source(path: str, source: str, select: set[str] | None = None,
     return sorted(unique.values(), key=lambda f: (f.line, f.column, f.rule))
 
 
-def analyze_paths(paths: list[str], select: set[str] | None = None,
-                  ignore: set[str] | None = None) -> tuple[list[Path], list[Finding]]:
+def analyze_paths(
+    paths: list[str], select: set[str] | None = None, ignore: set[str] | None = None
+) -> tuple[list[Path], list[Finding]]:
     unknown = sorted(r for r in (select or set()) | (ignore or set()) if r not in RULES)
     if unknown:
-        raise UserError(f"unknown rule id(s): {', '.join(unknown)}; "
-                        "see `disttrain doctor --list-rules`")
+        raise UserError(f"unknown rule id(s): {', '.join(unknown)}; see `disttrain doctor --list-rules`")
     files = collect_files(paths)
     parsed: list[Facts] = []
     for f in files:
@@ -97,6 +111,7 @@ def analyze_paths(paths: list[str], select: set[str] | None = None,
         parsed.append(parse(str(f), source))
     findings: list[Finding] = []
     from disttrain.doctor.dataflow import Project
+
     project = Project(parsed)  # one data-flow view of the whole run, shared by its files
     for facts in parsed:
         # Rules may follow a call into the other files of the run (a train() in utils/).

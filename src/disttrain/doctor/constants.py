@@ -22,9 +22,18 @@ from disttrain.doctor.names import FUNCTION_NODES
 
 _UNKNOWN = object()
 _DEPTH = 8  # calls deep; each (function, constants, depth) is walked once
-_COMPARE = {ast.Eq: operator.eq, ast.NotEq: operator.ne, ast.Lt: operator.lt, ast.LtE: operator.le,
-            ast.Gt: operator.gt, ast.GtE: operator.ge, ast.Is: operator.is_, ast.IsNot: operator.is_not,
-            ast.In: lambda a, b: a in b, ast.NotIn: lambda a, b: a not in b}
+_COMPARE = {
+    ast.Eq: operator.eq,
+    ast.NotEq: operator.ne,
+    ast.Lt: operator.lt,
+    ast.LtE: operator.le,
+    ast.Gt: operator.gt,
+    ast.GtE: operator.ge,
+    ast.Is: operator.is_,
+    ast.IsNot: operator.is_not,
+    ast.In: lambda a, b: a in b,
+    ast.NotIn: lambda a, b: a not in b,
+}
 
 
 def value(node: ast.AST, env: dict):
@@ -103,7 +112,7 @@ def bind(call: ast.Call, d: ast.AST, env: dict) -> dict:
             out[k.arg] = value(k.value, env)
     if not starred:
         positional = [p.arg for p in (*a.posonlyargs, *a.args)]
-        for p, dv in zip(positional[len(positional) - len(a.defaults):], a.defaults):
+        for p, dv in zip(positional[len(positional) - len(a.defaults) :], a.defaults):
             if p not in given:
                 out[p] = value(dv, {})
         for p, dv in zip(a.kwonlyargs, a.kw_defaults):
@@ -117,8 +126,7 @@ def _assigned_names(d: ast.AST) -> set[str]:
     return {n.id for n in ast.walk(d) if isinstance(n, ast.Name) and isinstance(n.ctx, ast.Store)}
 
 
-def reached_collective(project, facts, call: ast.Call, env: dict | None = None,
-                       depth: int = _DEPTH) -> tuple | None:
+def reached_collective(project, facts, call: ast.Call, env: dict | None = None, depth: int = _DEPTH) -> tuple | None:
     """(facts, call, name, unconditional) of the collective `call` reaches with its
     constant arguments followed, or None when no path the constants allow reaches one."""
     best = None
@@ -201,8 +209,11 @@ class _Walk:
             # case runs on some paths only
             best = _better(best, self.block(getattr(s, "body", None) or [], env, cond or isinstance(s, ast.Try)))
             best = _better(best, self.block(getattr(s, "finalbody", None) or [], env, cond))
-            for sub in [getattr(s, "orelse", None) or [], *(h.body for h in getattr(s, "handlers", [])),
-                        *(c.body for c in getattr(s, "cases", []))]:
+            for sub in [
+                getattr(s, "orelse", None) or [],
+                *(h.body for h in getattr(s, "handlers", [])),
+                *(c.body for c in getattr(s, "cases", [])),
+            ]:
                 best = _better(best, self.block(sub, env, True))
             if isinstance(s, (ast.Return, ast.Raise)) and not cond:
                 return best

@@ -21,14 +21,30 @@ LOCAL = "local"
 SOLO = "solo"  # a single-process path: no other rank runs it at all
 
 # A function so named or decorated runs on rank 0 only (`@rank_zero_only`, `log_rank0`).
-_ZERO_ONLY_WORDS = ("rank0", "rank_0", "rank_zero", "main_process_only", "master_only",
-                    "main_only", "zero_only", "on_main_process")
+_ZERO_ONLY_WORDS = (
+    "rank0",
+    "rank_0",
+    "rank_zero",
+    "main_process_only",
+    "master_only",
+    "main_only",
+    "zero_only",
+    "on_main_process",
+)
 # Decorators that run the function on the main process only (LAVIS' `@main_process`).
-_ZERO_ONLY_DECORATORS = ("main_process", "master_process", "is_main_process", "rank_zero_only",
-                         "only_main", "on_rank_0", "rank0_only")
+_ZERO_ONLY_DECORATORS = (
+    "main_process",
+    "master_process",
+    "is_main_process",
+    "rank_zero_only",
+    "only_main",
+    "on_rank_0",
+    "rank0_only",
+)
 
 # Statements that end a block: after `if rank != 0: return`, the rest is rank 0 only.
 _EXITS = (ast.Return, ast.Continue, ast.Break, ast.Raise)
+
 
 def exclusive(facts, a: ast.AST, b: ast.AST) -> bool:
     """True when `a` and `b` lie in different branches of the same if/elif/else chain
@@ -54,7 +70,7 @@ def _branch(node: ast.If | ast.IfExp, child: ast.AST) -> int:
 
 
 def guard_kind(facts, test: ast.AST) -> str | None:
-    """"global" or "local" when an `if` test checks the rank, None otherwise. A test
+    """ "global" or "local" when an `if` test checks the rank, None otherwise. A test
     that checks both (`rank == 0 and local_rank == 0`) is global."""
     cache = facts.__dict__.setdefault("_guard_kinds", {})
     key = id(test)
@@ -101,12 +117,29 @@ def _or_on_every_rank(facts, test: ast.BoolOp) -> bool:
     return any(guard_kind(facts, v) is None and distributed_test(v) != -1 for v in test.values)
 
 
-_DIST_WORDS = {"distributed", "ddp", "is_distributed", "use_ddp", "multiprocessing_distributed",
-               "use_distributed", "is_ddp", "dist_on", "use_dist", "distributed_run"}
+_DIST_WORDS = {
+    "distributed",
+    "ddp",
+    "is_distributed",
+    "use_ddp",
+    "multiprocessing_distributed",
+    "use_distributed",
+    "is_ddp",
+    "dist_on",
+    "use_dist",
+    "distributed_run",
+}
 # `dist.is_available()`: false means one process for sure (jukebox's print_all), so its
 # else branch (and `not dist.is_available()`) is a single-process path
-_DIST_CALLS = {"is_initialized", "is_dist_avail_and_initialized", "is_dist_initialized", "is_distributed",
-               "is_dist", "dist_is_initialized", "is_available"}
+_DIST_CALLS = {
+    "is_initialized",
+    "is_dist_avail_and_initialized",
+    "is_dist_initialized",
+    "is_distributed",
+    "is_dist",
+    "dist_is_initialized",
+    "is_available",
+}
 
 
 def distributed_test(test: ast.AST) -> int:
@@ -134,9 +167,18 @@ def distributed_test(test: ast.AST) -> int:
         if isinstance(test.left, ast.Call) and _word(test.left.func) in ("get_world_size",):
             w = "world_size"
         c, op = test.comparators[0], test.ops[0]
-        value = c.value if isinstance(c, ast.Constant) else -c.operand.value if (
-            isinstance(c, ast.UnaryOp) and isinstance(c.op, ast.USub) and isinstance(c.operand, ast.Constant)
-            and isinstance(c.operand.value, int)) else None
+        value = (
+            c.value
+            if isinstance(c, ast.Constant)
+            else -c.operand.value
+            if (
+                isinstance(c, ast.UnaryOp)
+                and isinstance(c.op, ast.USub)
+                and isinstance(c.operand, ast.Constant)
+                and isinstance(c.operand.value, int)
+            )
+            else None
+        )
         if not isinstance(value, int):
             return 0
         if w in ("world_size", "num_gpus", "n_gpu", "ngpus", "nprocs", "num_processes", "gpus"):
@@ -145,7 +187,13 @@ def distributed_test(test: ast.AST) -> int:
             if isinstance(op, (ast.Eq, ast.LtE)) and value == 1:
                 return -1
         if (is_local_word(w) or "rank" in w) and value == -1:
-            return 1 if isinstance(op, (ast.NotEq, ast.Gt, ast.GtE)) else -1 if isinstance(op, (ast.Eq, ast.Lt, ast.LtE)) else 0
+            return (
+                1
+                if isinstance(op, (ast.NotEq, ast.Gt, ast.GtE))
+                else -1
+                if isinstance(op, (ast.Eq, ast.Lt, ast.LtE))
+                else 0
+            )
         if "rank" in w and value == 0 and isinstance(op, (ast.GtE, ast.Lt)):
             return 1 if isinstance(op, ast.GtE) else -1  # `rank >= 0`: set up at all?
     return 0
@@ -167,8 +215,13 @@ def is_env_presence(test: ast.AST) -> bool:
             return isinstance(test.left, ast.Constant) and test.left.value in _ENV_KEYS
         if isinstance(op, (ast.Is, ast.IsNot)) and isinstance(right, ast.Constant) and right.value is None:
             test = test.left
-    return isinstance(test, ast.Call) and _word(test.func) in ("get", "getenv") and bool(test.args) \
-        and isinstance(test.args[0], ast.Constant) and test.args[0].value in _ENV_KEYS
+    return (
+        isinstance(test, ast.Call)
+        and _word(test.func) in ("get", "getenv")
+        and bool(test.args)
+        and isinstance(test.args[0], ast.Constant)
+        and test.args[0].value in _ENV_KEYS
+    )
 
 
 def is_rank_test(facts, test: ast.AST) -> bool:
@@ -201,7 +254,7 @@ def rank_guard(facts, node: ast.AST, subset: bool = False, local: bool = False) 
                 if k:
                     kinds.add(k)
         elif isinstance(a, ast.BoolOp) and isinstance(a.op, ast.And) and child in a.values:
-            for v in a.values[:a.values.index(child)]:
+            for v in a.values[: a.values.index(child)]:
                 k = guard_kind(facts, v)
                 if k:
                     kinds.add(k)
@@ -227,8 +280,9 @@ def zero_only_function(d: ast.AST) -> bool:
     """Named or decorated rank-zero-only (`@rank_zero_only`, `def log_rank0`)."""
     words = [d.name] + [ast.unparse(x) for x in d.decorator_list]  # type: ignore[attr-defined]
     decos = [ast.unparse(x).split(".")[-1].split("(")[0] for x in d.decorator_list]  # type: ignore[attr-defined]
-    return any(w in x.lower() for w in _ZERO_ONLY_WORDS for x in words) or \
-        any(x in _ZERO_ONLY_DECORATORS for x in decos)
+    return any(w in x.lower() for w in _ZERO_ONLY_WORDS for x in words) or any(
+        x in _ZERO_ONLY_DECORATORS for x in decos
+    )
 
 
 def _is_main_block(node: ast.If) -> bool:
@@ -242,6 +296,7 @@ def spawner_scopes(facts) -> set[ast.AST]:
     == "__main__":` block that does or calls one: what runs there runs in the launcher's
     parent, once."""
     from disttrain.doctor.names import is_launcher as is_spawn  # mp.spawn or a library's launch()
+
     out: set[ast.AST] = set()
     names = set()
     for c, _ in facts.calls:
@@ -253,15 +308,21 @@ def spawner_scopes(facts) -> set[ast.AST]:
     spawners = facts.project.spawner_defs
     for c, _ in facts.calls:  # a function that calls a launcher of the project (launch(main, ...))
         s = facts.scope_of(c)
-        if isinstance(s, (ast.FunctionDef, ast.AsyncFunctionDef)) and s not in spawners and any(
-                d in spawners for _, d in facts.project.resolve(facts, c)):
+        if (
+            isinstance(s, (ast.FunctionDef, ast.AsyncFunctionDef))
+            and s not in spawners
+            and any(d in spawners for _, d in facts.project.resolve(facts, c))
+        ):
             out.add(s)
             names.add(s.name)
     for stmt in facts.tree.body:
         if isinstance(stmt, ast.If) and _is_main_block(stmt):
             for n in ast.walk(stmt):
-                if isinstance(n, ast.Call) and (is_spawn(facts, n) or _word(n.func) in names or any(
-                        d in spawners for _, d in facts.project.resolve(facts, n))):
+                if isinstance(n, ast.Call) and (
+                    is_spawn(facts, n)
+                    or _word(n.func) in names
+                    or any(d in spawners for _, d in facts.project.resolve(facts, n))
+                ):
                     out.add(stmt)
                     break
     return out
@@ -274,8 +335,7 @@ def guarded_functions(facts) -> dict[ast.AST, str]:
 
 
 def _blocks(node: ast.AST) -> list[list[ast.stmt]]:
-    return [getattr(node, f) for f in ("body", "orelse", "finalbody")
-            if isinstance(getattr(node, f, None), list)]
+    return [getattr(node, f) for f in ("body", "orelse", "finalbody") if isinstance(getattr(node, f, None), list)]
 
 
 def _early_exit_before(facts, block: list[ast.stmt], index: int, subset: bool = False) -> str | None:
@@ -299,8 +359,10 @@ def ends_in_exit(body: list[ast.stmt]) -> bool:
     call of `sys.exit()` (`exit`, `quit`, `os._exit`)."""
     last = body[-1] if body else None
     return isinstance(last, _EXITS) or (
-        isinstance(last, ast.Expr) and isinstance(last.value, ast.Call)
-        and ast.unparse(last.value.func) in ("sys.exit", "exit", "quit", "os._exit"))
+        isinstance(last, ast.Expr)
+        and isinstance(last.value, ast.Call)
+        and ast.unparse(last.value.func) in ("sys.exit", "exit", "quit", "os._exit")
+    )
 
 
 def _pure_rank_test(facts, test: ast.AST) -> bool:

@@ -25,7 +25,6 @@ checked alone gets a project of one). It answers, across the files:
 Contract: read-only over the files' trees; every answer is computed once, lazily.
 """
 
-
 from __future__ import annotations
 
 import ast
@@ -34,12 +33,24 @@ from typing import TYPE_CHECKING
 
 from disttrain.doctor import control_flow, rank_values
 from disttrain.doctor.names import (  # noqa: F401  (re-exported for the rules)
-    EXTERNAL, GLOBAL, LOCAL, SOLO, FUNCTION_NODES, callee_name, collective_name, is_launcher, is_spawn,
-    kwarg_value, ref, word)
+    EXTERNAL,
+    GLOBAL,
+    LOCAL,
+    SOLO,
+    FUNCTION_NODES,
+    callee_name,
+    collective_name,
+    is_launcher,
+    is_spawn,
+    kwarg_value,
+    ref,
+    word,
+)
 from disttrain.doctor.program import ProgramFacts
 
 if TYPE_CHECKING:
     from disttrain.doctor.facts import Facts, FuncDef
+
 
 class Project(ProgramFacts):
     """The files of one run, and what holds across them."""
@@ -84,6 +95,7 @@ class Project(ProgramFacts):
         """id(file) -> ids of the other files of the run it imports (by module name:
         `import util.misc as misc`, `from engine import train_one_epoch`, `from . import utils`)."""
         from pathlib import PurePath
+
         by_stem: dict[str, list] = {}
         for f in self.files:
             p = PurePath(f.path)
@@ -113,14 +125,18 @@ class Project(ProgramFacts):
         missing `__init__` re-exports them, as far as the doctor can tell. Matched on the
         whole dotted path (`fourm/utils`), so `import torch.utils.data` links nothing."""
         from pathlib import PurePath
+
         inits = {PurePath(f.path).parent.as_posix() for f in self.files if PurePath(f.path).stem == "__init__"}
         out = []
         for f in self.files:
             folder = PurePath(f.path).parent.as_posix()
             if folder in inits:
                 continue
-            if any(folder == p.replace(".", "/") or folder.endswith("/" + p.replace(".", "/")) for p in packages
-                   if "." in p):
+            if any(
+                folder == p.replace(".", "/") or folder.endswith("/" + p.replace(".", "/"))
+                for p in packages
+                if "." in p
+            ):
                 out.append(f)
         return out
 
@@ -171,8 +187,12 @@ class Project(ProgramFacts):
         (`self.ema.update()` in `def update(self)` delegates)."""
         name = callee_name(facts, call)
         if name and name in self.classes:  # `TensorboardLogger(...)` runs its __init__
-            inits = [(f, d) for f, c in self.classes[name] for d in c.body
-                     if isinstance(d, FUNCTION_NODES) and d.name == "__init__"]
+            inits = [
+                (f, d)
+                for f, c in self.classes[name]
+                for d in c.body
+                if isinstance(d, FUNCTION_NODES) and d.name == "__init__"
+            ]
             own = [(f, d) for f, d in inits if f is facts]
             imported = self.imports.get(id(facts), set())
             return own or [(f, d) for f, d in inits if id(f) in imported]
@@ -231,7 +251,9 @@ class Project(ProgramFacts):
         for f in self.files:
             for c, _ in f.calls:
                 if is_launcher(f, c):
-                    for a in list(c.args[:1]) + [k.value for k in c.keywords if k.arg in ("fn", "target", "entrypoint")]:
+                    for a in list(c.args[:1]) + [
+                        k.value for k in c.keywords if k.arg in ("fn", "target", "entrypoint")
+                    ]:
                         w = word(a)
                         if w:
                             out.add(w)
@@ -325,5 +347,3 @@ def _is_method(f, d: ast.AST) -> bool:
 
 def _module_level(f, d: ast.AST) -> bool:
     return f.parents.get(d) is f.tree
-
-

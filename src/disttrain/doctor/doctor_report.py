@@ -60,8 +60,9 @@ def print_text(files: list[Path], findings: list[Finding], stream: TextIO) -> No
         console.print(f"[bold underline]{escape(path)}[/]")
         for f in group:
             sev = f"[{colors[f.severity]}]{f.severity:<7}[/]"
-            console.print(f"  {escape(path)}:{f.line}:{f.column}  {sev} [cyan]{f.rule}[/] "
-                          f"[dim]\\[{', '.join(f.practices)}][/]")
+            console.print(
+                f"  {escape(path)}:{f.line}:{f.column}  {sev} [cyan]{f.rule}[/] [dim]\\[{', '.join(f.practices)}][/]"
+            )
             console.print(f"      {escape(f.message)}")
             console.print(f"      [green]fix:[/] {escape(f.fix)}")
         console.print()
@@ -69,10 +70,12 @@ def print_text(files: list[Path], findings: list[Finding], stream: TextIO) -> No
     if not findings:
         console.print(f"[green]No findings[/] in {s['files']} file{'s' * (s['files'] != 1)}.")
     else:
-        console.print(f"{s['errors']} error{'s' * (s['errors'] != 1)}, "
-                      f"{s['warnings']} warning{'s' * (s['warnings'] != 1)} "
-                      f"in {s['files']} file{'s' * (s['files'] != 1)}. "
-                      + escape("Silence one with `# disttrain: ignore[rule-id]` on its line."))
+        console.print(
+            f"{s['errors']} error{'s' * (s['errors'] != 1)}, "
+            f"{s['warnings']} warning{'s' * (s['warnings'] != 1)} "
+            f"in {s['files']} file{'s' * (s['files'] != 1)}. "
+            + escape("Silence one with `# disttrain: ignore[rule-id]` on its line.")
+        )
 
 
 def print_rules(stream: TextIO) -> None:
@@ -115,11 +118,10 @@ def _rule_descriptor(r) -> dict:
         "help": {
             "text": f"{r.help} (practices: {practices})",
             "markdown": f"**{r.title}** ({practices})\n\n{r.help}\n\n"
-                        f"Silence one occurrence with `# disttrain: ignore[{r.id}]`.",
+            f"Silence one occurrence with `# disttrain: ignore[{r.id}]`.",
         },
         "defaultConfiguration": {"level": _LEVEL[r.severity]},
-        "properties": {"tags": ["distributed-training", *r.practices],
-                       "practices": list(r.practices)},
+        "properties": {"tags": ["distributed-training", *r.practices], "practices": list(r.practices)},
     }
 
 
@@ -130,17 +132,24 @@ def render_sarif(files: list[Path], findings: list[Finding]) -> str:
     for f in findings:
         uri, relative = _uri(f.file)
         artifact = {"uri": uri, **({"uriBaseId": "%SRCROOT%"} if relative else {})}
-        location = {"artifactLocation": artifact, "region": {
-            "startLine": f.line, "startColumn": f.column,
-            **({"endLine": f.end_line} if f.end_line >= f.line else {})}}
-        results.append({
-            "ruleId": f.rule,
-            "ruleIndex": index[f.rule],
-            "level": _LEVEL[f.severity],
-            "message": {"text": f"{f.message} Fix: {f.fix}"},
-            "locations": [{"physicalLocation": location}],
-            "properties": {"practices": list(f.practices), "fix": f.fix},
-        })
+        location = {
+            "artifactLocation": artifact,
+            "region": {
+                "startLine": f.line,
+                "startColumn": f.column,
+                **({"endLine": f.end_line} if f.end_line >= f.line else {}),
+            },
+        }
+        results.append(
+            {
+                "ruleId": f.rule,
+                "ruleIndex": index[f.rule],
+                "level": _LEVEL[f.severity],
+                "message": {"text": f"{f.message} Fix: {f.fix}"},
+                "locations": [{"physicalLocation": location}],
+                "properties": {"practices": list(f.practices), "fix": f.fix},
+            }
+        )
     artifacts = []
     for p in files:
         uri, relative = _uri(str(p))
@@ -149,18 +158,22 @@ def render_sarif(files: list[Path], findings: list[Finding]) -> str:
     doc = {
         "$schema": SCHEMA_URI,
         "version": "2.1.0",
-        "runs": [{
-            "tool": {"driver": {
-                "name": "disttrain-doctor",
-                "fullName": "disttrain doctor: distributed-training pitfalls",
-                "version": _version(),
-                "rules": [_rule_descriptor(r) for r in rules],
-            }},
-            "originalUriBaseIds": {"%SRCROOT%": {"uri": Path.cwd().resolve().as_uri() + "/"}},
-            "artifacts": artifacts,
-            "results": results,
-            "columnKind": "unicodeCodePoints",
-        }],
+        "runs": [
+            {
+                "tool": {
+                    "driver": {
+                        "name": "disttrain-doctor",
+                        "fullName": "disttrain doctor: distributed-training pitfalls",
+                        "version": _version(),
+                        "rules": [_rule_descriptor(r) for r in rules],
+                    }
+                },
+                "originalUriBaseIds": {"%SRCROOT%": {"uri": Path.cwd().resolve().as_uri() + "/"}},
+                "artifacts": artifacts,
+                "results": results,
+                "columnKind": "unicodeCodePoints",
+            }
+        ],
     }
     return json.dumps(doc, indent=2) + "\n"
 
@@ -182,4 +195,3 @@ def is_earlier_report(path: Path) -> bool:
     if head.lstrip().startswith("{"):
         return '"disttrain doctor"' in head or '"disttrain-doctor"' in head
     return bool(_TEXT_SUMMARY.search(tail))
-

@@ -114,9 +114,16 @@ class Facts:
         """
         cache = self.__dict__.setdefault("_calls_to", {})
         if names not in cache:
-            cache[names] = [c for c, q in self.calls if any(
-                ends_with(q, n) and (n.startswith("disttrain") or not q.startswith("disttrain."))
-                and not _foreign(q, n) for n in names)]
+            cache[names] = [
+                c
+                for c, q in self.calls
+                if any(
+                    ends_with(q, n)
+                    and (n.startswith("disttrain") or not q.startswith("disttrain."))
+                    and not _foreign(q, n)
+                    for n in names
+                )
+            ]
         return list(cache[names])
 
     def method_calls(self, attr: str) -> list[ast.Call]:
@@ -133,8 +140,7 @@ class Facts:
 
     @cached_property
     def strings(self) -> set[str]:
-        return {n.value for n in self.nodes
-                if isinstance(n, ast.Constant) and isinstance(n.value, str)}
+        return {n.value for n in self.nodes if isinstance(n, ast.Constant) and isinstance(n.value, str)}
 
     # ----- structure ---------------------------------------------------------------
 
@@ -183,12 +189,19 @@ class Facts:
 
     @cached_property
     def wraps(self) -> list[Wrap]:
-        kinds = {"DistributedDataParallel": "ddp", "FullyShardedDataParallel": "fsdp1",
-                 "fully_shard": "fsdp2", "DataParallel": "dp"}
+        kinds = {
+            "DistributedDataParallel": "ddp",
+            "FullyShardedDataParallel": "fsdp1",
+            "fully_shard": "fsdp2",
+            "DataParallel": "dp",
+        }
         out = []
         for call, q in self.calls:
-            kind = "disttrain" if q in DISTTRAIN_WRAPS else (
-                None if q.startswith("disttrain.") else kinds.get(q.rsplit(".", 1)[-1]))
+            kind = (
+                "disttrain"
+                if q in DISTTRAIN_WRAPS
+                else (None if q.startswith("disttrain.") else kinds.get(q.rsplit(".", 1)[-1]))
+            )
             if kind is None or not call.args:
                 continue
             parent = self.parents.get(call)
@@ -210,8 +223,10 @@ class Facts:
             return True
         if any(w.kind != "dp" for w in self.wraps):
             return True
-        if any(_multi_process_trainer(c) for c in self.calls_to("lightning.Trainer", "pytorch.Trainer",
-                                                                 "pytorch_lightning.Trainer")):
+        if any(
+            _multi_process_trainer(c)
+            for c in self.calls_to("lightning.Trainer", "pytorch.Trainer", "pytorch_lightning.Trainer")
+        ):
             return True  # Lightning runs the whole script once per device
         return bool({"LOCAL_RANK", "WORLD_SIZE", "RANK"} & self.strings)
 
@@ -222,7 +237,7 @@ class Facts:
         return control_flow.exclusive(self, a, b)
 
     def rank_guard(self, node: ast.AST, subset: bool = False, local: bool = False) -> str | None:
-        """"global", "local" (one process per node), "solo" (one process: the single-process
+        """ "global", "local" (one process per node), "solo" (one process: the single-process
         branch, the launcher's parent) or None: see control_flow.rank_guard."""
         return control_flow.rank_guard(self, node, subset, local)
 
@@ -251,6 +266,7 @@ class Facts:
         """What holds across the files of the run (dataflow.Project); analyze_paths
         shares one between them, a file checked alone is a project of one."""
         from disttrain.doctor.dataflow import Project
+
         return Project([self, *self.others])
 
     # ----- the other files checked in the same run -----------------------------------
@@ -263,8 +279,11 @@ class Facts:
 def _multi_process_trainer(call: ast.Call) -> bool:
     """A Lightning Trainer with a ddp/fsdp/deepspeed strategy or more than one device."""
     strategy = kwarg(call, "strategy")
-    if isinstance(strategy, ast.Constant) and isinstance(strategy.value, str) and \
-            any(w in strategy.value for w in ("ddp", "fsdp", "deepspeed")):
+    if (
+        isinstance(strategy, ast.Constant)
+        and isinstance(strategy.value, str)
+        and any(w in strategy.value for w in ("ddp", "fsdp", "deepspeed"))
+    ):
         return True
     devices = kwarg(call, "devices") or kwarg(call, "gpus")
     return isinstance(devices, ast.Constant) and isinstance(devices.value, int) and devices.value > 1
@@ -306,7 +325,7 @@ def has_star_kwargs(call: ast.Call) -> bool:
 
 def arg(call: ast.Call, index: int, name: str) -> ast.expr | None:
     """Positional argument `index`, or keyword `name`."""
-    if len(call.args) > index and not any(isinstance(a, ast.Starred) for a in call.args[:index + 1]):
+    if len(call.args) > index and not any(isinstance(a, ast.Starred) for a in call.args[: index + 1]):
         return call.args[index]
     return kwarg(call, name)
 

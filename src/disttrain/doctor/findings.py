@@ -68,8 +68,15 @@ def rule(id: str, practices: tuple[str, ...], severity: str, title: str, help: s
     return deco
 
 
-def finding(facts, node: ast.AST, rule_id: str, message: str, fix: str,
-            severity: str | None = None, practices: tuple[str, ...] | None = None) -> Finding:
+def finding(
+    facts,
+    node: ast.AST,
+    rule_id: str,
+    message: str,
+    fix: str,
+    severity: str | None = None,
+    practices: tuple[str, ...] | None = None,
+) -> Finding:
     """A Finding at `node`, with the rule's defaults unless overridden for this case."""
     meta = RULES[rule_id]
     line = getattr(node, "lineno", 1)

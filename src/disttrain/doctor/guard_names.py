@@ -20,8 +20,12 @@ def guarding_ifs(facts: Facts, node: ast.AST) -> list[tuple[ast.If, bool]]:
     same answer on every rank, and is no guard."""
     out, child = [], node
     for a in facts.ancestors(node):
-        if isinstance(a, ast.If) and child is not a.test and control_flow.is_rank_test(facts, a.test) \
-                and not is_distributed_check(a.test):
+        if (
+            isinstance(a, ast.If)
+            and child is not a.test
+            and control_flow.is_rank_test(facts, a.test)
+            and not is_distributed_check(a.test)
+        ):
             out.append((a, child in a.body))
         if isinstance(a, (ast.FunctionDef, ast.AsyncFunctionDef, ast.Lambda)):
             break
@@ -34,13 +38,20 @@ def is_distributed_check(test: ast.AST) -> bool:
     if not isinstance(test, ast.Compare) or len(test.comparators) != 1:
         return False
     c = test.comparators[0]
-    return isinstance(c, ast.UnaryOp) and isinstance(c.op, ast.USub) and \
-        isinstance(c.operand, ast.Constant) and c.operand.value == 1
+    return (
+        isinstance(c, ast.UnaryOp)
+        and isinstance(c.op, ast.USub)
+        and isinstance(c.operand, ast.Constant)
+        and c.operand.value == 1
+    )
 
 
 def unseen_note(name: str | None) -> str:
-    return (f" The doctor takes `{name}` for a rank from its name alone: it cannot see where "
-            "its value is set." if name else "")
+    return (
+        f" The doctor takes `{name}` for a rank from its name alone: it cannot see where its value is set."
+        if name
+        else ""
+    )
 
 
 def named_exit(facts: Facts, node: ast.AST) -> str | None:
@@ -59,8 +70,13 @@ def exit_tests(facts: Facts, node: ast.AST) -> list[ast.AST]:
         for field in ("body", "orelse", "finalbody"):
             block = getattr(a, field, None)
             if isinstance(block, list) and child in block:
-                tests += [s.test for s in block[:block.index(child)] if isinstance(s, ast.If)
-                          and control_flow.ends_in_exit(s.body) and control_flow.is_rank_test(facts, s.test)]
+                tests += [
+                    s.test
+                    for s in block[: block.index(child)]
+                    if isinstance(s, ast.If)
+                    and control_flow.ends_in_exit(s.body)
+                    and control_flow.is_rank_test(facts, s.test)
+                ]
         if isinstance(a, (ast.FunctionDef, ast.AsyncFunctionDef)):
             break
         child = a

@@ -17,8 +17,18 @@ from disttrain.doctor import control_flow
 
 # Calls that change or wait on what other ranks share: deleting a folder, asking on the
 # terminal (only rank 0's stdin is attached under torchrun), writing a checkpoint.
-_SHARED_EFFECTS = {"rmtree", "remove", "unlink", "rmdir", "removedirs", "input", "save", "save_pretrained",
-                   "save_state", "save_model"}
+_SHARED_EFFECTS = {
+    "rmtree",
+    "remove",
+    "unlink",
+    "rmdir",
+    "removedirs",
+    "input",
+    "save",
+    "save_pretrained",
+    "save_state",
+    "save_model",
+}
 _DELETES = {"rmtree", "rmdir", "removedirs"}
 _BARRIERS = {"barrier", "wait_for_everyone"}
 
@@ -41,21 +51,26 @@ def or_precedence(facts):
     """`if <rank test> and a or b:` where `b` tests no rank: the body runs on every rank
     whenever `b` is true. Reported when the body touches shared state."""
     for node in ast.walk(facts.tree):
-        if not (isinstance(node, ast.If) and isinstance(node.test, ast.BoolOp)
-                and isinstance(node.test.op, ast.Or)):
+        if not (isinstance(node, ast.If) and isinstance(node.test, ast.BoolOp) and isinstance(node.test.op, ast.Or)):
             continue
         first, rest = node.test.values[0], node.test.values[1:]
-        if not (isinstance(first, ast.BoolOp) and isinstance(first.op, ast.And)
-                and any(control_flow.guard_kind(facts, v) for v in first.values)):
+        if not (
+            isinstance(first, ast.BoolOp)
+            and isinstance(first.op, ast.And)
+            and any(control_flow.guard_kind(facts, v) for v in first.values)
+        ):
             continue
         free = [v for v in rest if control_flow.guard_kind(facts, v) is None]
         call = _effect(node.body)
         if not free or call is None:
             continue
-        yield (node, f"`{ast.unparse(node.test)[:120]}`: `and` binds before `or`, so the rank test "
-                     f"covers only the first part; whenever `{ast.unparse(free[0])[:80]}` is true the "
-                     f"body ({_call_name(call)}() at line {call.lineno}) runs on every rank.",
-               "parenthesise the alternatives: `if is_main and (a or b):`.")
+        yield (
+            node,
+            f"`{ast.unparse(node.test)[:120]}`: `and` binds before `or`, so the rank test "
+            f"covers only the first part; whenever `{ast.unparse(free[0])[:80]}` is true the "
+            f"body ({_call_name(call)}() at line {call.lineno}) runs on every rank.",
+            "parenthesise the alternatives: `if is_main and (a or b):`.",
+        )
 
 
 def unguarded_reset(facts):
@@ -66,10 +81,13 @@ def unguarded_reset(facts):
             continue
         stmt = _barrier_follows(facts, call)
         if stmt is not None:
-            yield (call, f"{_call_name(call)}() runs on every rank (no rank test around it), then the "
-                         f"ranks wait for each other (line {stmt.lineno}): each rank deletes the shared "
-                         "folder, possibly while another has already written to it again.",
-                   "delete on the main process only, then wait: `if is_main: rmtree(...)` before the barrier.")
+            yield (
+                call,
+                f"{_call_name(call)}() runs on every rank (no rank test around it), then the "
+                f"ranks wait for each other (line {stmt.lineno}): each rank deletes the shared "
+                "folder, possibly while another has already written to it again.",
+                "delete on the main process only, then wait: `if is_main: rmtree(...)` before the barrier.",
+            )
 
 
 def _barrier_follows(facts, node: ast.AST) -> ast.stmt | None:
@@ -82,8 +100,7 @@ def _barrier_follows(facts, node: ast.AST) -> ast.stmt | None:
             if isinstance(block, list) and child in block:
                 i = block.index(child)
                 nxt = block[i + 1] if i + 1 < len(block) else None
-                if isinstance(nxt, ast.Expr) and isinstance(nxt.value, ast.Call) and \
-                        _call_name(nxt.value) in _BARRIERS:
+                if isinstance(nxt, ast.Expr) and isinstance(nxt.value, ast.Call) and _call_name(nxt.value) in _BARRIERS:
                     return nxt
         if isinstance(a, (ast.FunctionDef, ast.AsyncFunctionDef, ast.Lambda)):
             return None

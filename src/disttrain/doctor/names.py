@@ -9,36 +9,107 @@ import ast
 
 GLOBAL, LOCAL, SOLO = "global", "local", "solo"
 
-EXTERNAL = {"torch", "numpy", "np", "os", "sys", "math", "logging", "random", "time", "json",
-            "shutil", "datetime", "accelerate", "transformers", "wandb", "tqdm", "argparse",
-            "pathlib", "copy", "functools", "itertools", "collections", "re", "subprocess",
-            "torchvision", "timm", "PIL", "yaml", "pickle", "io", "builtins", "warnings",
-            "lightning", "pytorch_lightning", "deepspeed", "datasets", "einops", "tensorboard",
-            "typing", "glob", "socket", "signal", "traceback", "contextlib", "inspect", "string"}
+EXTERNAL = {
+    "torch",
+    "numpy",
+    "np",
+    "os",
+    "sys",
+    "math",
+    "logging",
+    "random",
+    "time",
+    "json",
+    "shutil",
+    "datetime",
+    "accelerate",
+    "transformers",
+    "wandb",
+    "tqdm",
+    "argparse",
+    "pathlib",
+    "copy",
+    "functools",
+    "itertools",
+    "collections",
+    "re",
+    "subprocess",
+    "torchvision",
+    "timm",
+    "PIL",
+    "yaml",
+    "pickle",
+    "io",
+    "builtins",
+    "warnings",
+    "lightning",
+    "pytorch_lightning",
+    "deepspeed",
+    "datasets",
+    "einops",
+    "tensorboard",
+    "typing",
+    "glob",
+    "socket",
+    "signal",
+    "traceback",
+    "contextlib",
+    "inspect",
+    "string",
+}
 
-SPAWNERS = ("torch.multiprocessing.spawn", "torch.multiprocessing.start_processes",
-            "multiprocessing.spawn", "torch.distributed.launcher.api.elastic_launch",
-            "torch.distributed.elastic.multiprocessing.start_processes")
+SPAWNERS = (
+    "torch.multiprocessing.spawn",
+    "torch.multiprocessing.start_processes",
+    "multiprocessing.spawn",
+    "torch.distributed.launcher.api.elastic_launch",
+    "torch.distributed.elastic.multiprocessing.start_processes",
+)
 
 # Libraries' launchers: like mp.spawn they start the workers, so the code around the call
 # runs once, in the launcher's parent (Detic's `detectron2.engine.launch(main, ...)`). The
 # function they are handed takes no process index (detectron2 passes `args`).
-LIBRARY_LAUNCHERS = ("detectron2.engine.launch", "detectron2.engine.launch.launch",
-                     "detectron2.engine.defaults.launch", "accelerate.notebook_launcher",
-                     "accelerate.launchers.notebook_launcher")
+LIBRARY_LAUNCHERS = (
+    "detectron2.engine.launch",
+    "detectron2.engine.launch.launch",
+    "detectron2.engine.defaults.launch",
+    "accelerate.notebook_launcher",
+    "accelerate.launchers.notebook_launcher",
+)
 
 FUNCTION_NODES = (ast.FunctionDef, ast.AsyncFunctionDef)
 
 # torch.distributed functions every rank of the group must call.
 TORCH_COLLECTIVES = {
-    "barrier", "monitored_barrier", "all_reduce", "all_gather", "all_gather_object",
-    "all_gather_into_tensor", "broadcast", "broadcast_object_list", "reduce", "reduce_scatter",
-    "reduce_scatter_tensor", "gather", "gather_object", "scatter", "scatter_object_list",
-    "all_to_all", "all_to_all_single", "new_group"}
+    "barrier",
+    "monitored_barrier",
+    "all_reduce",
+    "all_gather",
+    "all_gather_object",
+    "all_gather_into_tensor",
+    "broadcast",
+    "broadcast_object_list",
+    "reduce",
+    "reduce_scatter",
+    "reduce_scatter_tensor",
+    "gather",
+    "gather_object",
+    "scatter",
+    "scatter_object_list",
+    "all_to_all",
+    "all_to_all_single",
+    "new_group",
+}
 DCP = {"save", "load", "async_save", "save_state_dict", "load_state_dict"}
 # DCP's state-dict helpers gather (full_state_dict) or at least talk to every rank.
-DCP_STATE = {"get_model_state_dict", "get_state_dict", "get_optimizer_state_dict",
-             "set_model_state_dict", "set_state_dict", "set_optimizer_state_dict"}
+DCP_STATE = {
+    "get_model_state_dict",
+    "get_state_dict",
+    "get_optimizer_state_dict",
+    "set_model_state_dict",
+    "set_state_dict",
+    "set_optimizer_state_dict",
+}
 WRAPPER_COLLECTIVES = {
     "accelerator": {"wait_for_everyone", "gather", "gather_for_metrics", "reduce", "pad_across_processes"},
     "fabric": {"barrier", "all_reduce", "all_gather", "broadcast"},
@@ -46,8 +117,20 @@ WRAPPER_COLLECTIVES = {
     "trainer": {"save_checkpoint"},
 }
 # mpi4py-style communicators (guided-diffusion's dist_util: MPI.COMM_WORLD.bcast).
-MPI_COLLECTIVES = {"bcast", "Bcast", "allreduce", "Allreduce", "allgather", "Allgather", "Barrier",
-                   "barrier", "gather", "scatter", "reduce", "Reduce"}
+MPI_COLLECTIVES = {
+    "bcast",
+    "Bcast",
+    "allreduce",
+    "Allreduce",
+    "allgather",
+    "Allgather",
+    "Barrier",
+    "barrier",
+    "gather",
+    "scatter",
+    "reduce",
+    "Reduce",
+}
 
 
 def ref(node: ast.AST) -> str | None:
@@ -87,8 +170,10 @@ def callee_name(facts, call: ast.Call) -> str | None:
 
 def is_spawn(facts, call: ast.Call) -> bool:
     q = facts.qualname(call.func) or ""
-    if any(q == s or q.endswith("." + s.rsplit(".", 1)[-1]) and q.startswith(("torch.", "mp.", "multiprocessing."))
-           for s in SPAWNERS):
+    if any(
+        q == s or q.endswith("." + s.rsplit(".", 1)[-1]) and q.startswith(("torch.", "mp.", "multiprocessing."))
+        for s in SPAWNERS
+    ):
         return True
     return q in ("torch.multiprocessing.Process", "multiprocessing.Process")
 
@@ -125,8 +210,14 @@ def collective_name(facts, call: ast.Call, fsdp1_targets: set[str] | frozenset[s
 
 # What Lightning removed in 2.0: a script that uses it runs on a Lightning before 2.0,
 # whose Trainer.save_checkpoint writes on global zero and ends in no barrier.
-_LIGHTNING_BEFORE_2 = {"from_argparse_args", "add_argparse_args", "on_pretrain_routine_start",
-                       "on_pretrain_routine_end", "on_keyboard_interrupt", "TestTubeLogger"}
+_LIGHTNING_BEFORE_2 = {
+    "from_argparse_args",
+    "add_argparse_args",
+    "on_pretrain_routine_start",
+    "on_pretrain_routine_end",
+    "on_keyboard_interrupt",
+    "TestTubeLogger",
+}
 
 
 def lightning_before_2(facts) -> bool:
@@ -134,18 +225,36 @@ def lightning_before_2(facts) -> bool:
     `on_pretrain_routine_start` hook, `accelerator="ddp"`)."""
     cache = facts.__dict__.setdefault("_lightning_before_2", [])
     if not cache:
-        cache.append(any(
-            (word(n) or getattr(n, "name", None)) in _LIGHTNING_BEFORE_2 or (
-                isinstance(n, ast.keyword) and n.arg == "accelerator" and isinstance(n.value, ast.Constant)
-                and n.value.value in ("ddp", "ddp_spawn", "dp", "ddp2"))
-            for n in facts.nodes))
+        cache.append(
+            any(
+                (word(n) or getattr(n, "name", None)) in _LIGHTNING_BEFORE_2
+                or (
+                    isinstance(n, ast.keyword)
+                    and n.arg == "accelerator"
+                    and isinstance(n.value, ast.Constant)
+                    and n.value.value in ("ddp", "ddp_spawn", "dp", "ddp2")
+                )
+                for n in facts.nodes
+            )
+        )
     return cache[0]
 
 
 def _zero_only_name(text: str) -> bool:
     low = text.lower()
-    return any(w in low for w in ("rank0", "rank_0", "rank_zero", "main_process_only", "master_only",
-                                  "main_only", "zero_only", "on_main_process"))
+    return any(
+        w in low
+        for w in (
+            "rank0",
+            "rank_0",
+            "rank_zero",
+            "main_process_only",
+            "master_only",
+            "main_only",
+            "zero_only",
+            "on_main_process",
+        )
+    )
 
 
 def kwarg_value(call: ast.Call, name: str):
@@ -153,7 +262,6 @@ def kwarg_value(call: ast.Call, name: str):
         if k.arg == name:
             return k.value
     return None
-
 
 
 def is_const(node, value) -> bool:
@@ -170,16 +278,24 @@ def mentions(node: ast.AST, pred) -> bool:
 
 # disttrain's own entry points: they start the group (with a timeout), bind the device
 # and wrap the model, so a script built on them is distributed and set up right.
-DISTTRAIN_INITS = ("disttrain.init", "disttrain.distributed", "disttrain.runtime.init",
-                   "disttrain.runtime.distributed")
+DISTTRAIN_INITS = ("disttrain.init", "disttrain.distributed", "disttrain.runtime.init", "disttrain.runtime.distributed")
 
-SET_DEVICE = ("torch.cuda.set_device", "torch.accelerator.set_device_index", "torch.cuda.device",
-              "init_device_mesh")  # a CUDA mesh binds cuda:LOCAL_RANK itself
+SET_DEVICE = (
+    "torch.cuda.set_device",
+    "torch.accelerator.set_device_index",
+    "torch.cuda.device",
+    "init_device_mesh",
+)  # a CUDA mesh binds cuda:LOCAL_RANK itself
 # Objects whose construction binds each process's GPU (Accelerate's state calls
 # torch.cuda.set_device(local_rank) when it sets up a multi-GPU run; dora's distrib.init
 # binds the local rank's device before it starts the process group).
-LIBRARY_DEVICE_BINDS = ("accelerate.Accelerator", "accelerate.accelerator.Accelerator",
-                        "accelerate.PartialState", "accelerate.state.PartialState", "dora.distrib.init")
+LIBRARY_DEVICE_BINDS = (
+    "accelerate.Accelerator",
+    "accelerate.accelerator.Accelerator",
+    "accelerate.PartialState",
+    "accelerate.state.PartialState",
+    "dora.distrib.init",
+)
 
 
 def takes_node_rank(facts) -> bool:
@@ -192,8 +308,12 @@ def takes_node_rank(facts) -> bool:
         w = word(n)
         if w and w.lower() in words:
             return True
-        if isinstance(n, ast.BinOp) and isinstance(n.op, ast.Mult) and \
-                "rank" in ast.unparse(n.left).lower() and "per_node" in ast.unparse(n.right).lower():
+        if (
+            isinstance(n, ast.BinOp)
+            and isinstance(n.op, ast.Mult)
+            and "rank" in ast.unparse(n.left).lower()
+            and "per_node" in ast.unparse(n.right).lower()
+        ):
             return True
     return False
 
@@ -206,17 +326,24 @@ def rank_aware_logging(facts) -> bool:
     """The file filters or formats its logs by rank: a logging filter, a rank in a format
     string, a level chosen by the rank, or a handler/level set up on the main process only."""
     if facts.method_calls("addFilter") or any(
-            (facts.qualname(b) or "").endswith("logging.Filter")
-            for n in facts.nodes if isinstance(n, ast.ClassDef) for b in n.bases):
+        (facts.qualname(b) or "").endswith("logging.Filter")
+        for n in facts.nodes
+        if isinstance(n, ast.ClassDef)
+        for b in n.bases
+    ):
         return True
     for call, q in facts.calls:
         last = q.rsplit(".", 1)[-1]
         # any Formatter (colorlog's ColoredFormatter too) whose format names the rank
         if last.endswith("Formatter") or last in ("basicConfig", "setLevel", "disable", "addHandler"):
-            if any(mentions(a, is_rank_word) or any(
+            if any(
+                mentions(a, is_rank_word)
+                or any(
                     isinstance(c, ast.Constant) and isinstance(c.value, str) and "rank" in c.value.lower()
-                    for c in ast.walk(a))
-                   for a in list(call.args) + [k.value for k in call.keywords]):
+                    for c in ast.walk(a)
+                )
+                for a in list(call.args) + [k.value for k in call.keywords]
+            ):
                 return True
             if last in ("setLevel", "disable", "addHandler", "basicConfig") and facts.is_rank_guarded(call):
                 return True

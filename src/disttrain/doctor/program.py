@@ -11,8 +11,18 @@ from functools import cached_property
 from typing import TYPE_CHECKING
 
 from disttrain.doctor.names import (
-    DISTTRAIN_INITS, EXTERNAL, LIBRARY_DEVICE_BINDS, SET_DEVICE, FUNCTION_NODES, collective_name, is_const,
-    kwarg_value, rank_aware_logging, ref, word)
+    DISTTRAIN_INITS,
+    EXTERNAL,
+    LIBRARY_DEVICE_BINDS,
+    SET_DEVICE,
+    FUNCTION_NODES,
+    collective_name,
+    is_const,
+    kwarg_value,
+    rank_aware_logging,
+    ref,
+    word,
+)
 
 if TYPE_CHECKING:
     from disttrain.doctor.facts import Facts, FuncDef, Wrap
@@ -48,15 +58,27 @@ class ProgramFacts:
             for n in f.nodes:
                 if isinstance(n, ast.Assign):
                     for t in n.targets:
-                        if isinstance(t, ast.Attribute) and t.attr == "print" and \
-                                (f.qualname(t.value) or "") in ("builtins", "__builtin__", "__builtins__"):
+                        if (
+                            isinstance(t, ast.Attribute)
+                            and t.attr == "print"
+                            and (f.qualname(t.value) or "") in ("builtins", "__builtin__", "__builtins__")
+                        ):
                             out.append((f, n))
-                        if isinstance(t, ast.Subscript) and isinstance(t.slice, ast.Constant) and \
-                                t.slice.value == "print" and "builtin" in ast.unparse(t.value):
+                        if (
+                            isinstance(t, ast.Subscript)
+                            and isinstance(t.slice, ast.Constant)
+                            and t.slice.value == "print"
+                            and "builtin" in ast.unparse(t.value)
+                        ):
                             out.append((f, n))
-                if isinstance(n, ast.Call) and word(n.func) == "setattr" and len(n.args) >= 2 and \
-                        isinstance(n.args[1], ast.Constant) and n.args[1].value == "print" and \
-                        "builtin" in ast.unparse(n.args[0]):
+                if (
+                    isinstance(n, ast.Call)
+                    and word(n.func) == "setattr"
+                    and len(n.args) >= 2
+                    and isinstance(n.args[1], ast.Constant)
+                    and n.args[1].value == "print"
+                    and "builtin" in ast.unparse(n.args[0])
+                ):
                     out.append((f, n))
         return out
 
@@ -89,15 +111,35 @@ class ProgramFacts:
                 last = q.rsplit(".", 1)[-1].lower()
                 if q.startswith("accelerate.logging.get_logger") or q.endswith("accelerate.logging.get_logger"):
                     return q
-                if last in ("setup_logger", "setup_logging", "init_logger", "init_logging", "configure_logging",
-                            "setup_default_logging", "set_up_logging") and last not in self.defs:
+                if (
+                    last
+                    in (
+                        "setup_logger",
+                        "setup_logging",
+                        "init_logger",
+                        "init_logging",
+                        "configure_logging",
+                        "setup_default_logging",
+                        "set_up_logging",
+                    )
+                    and last not in self.defs
+                ):
                     return q  # logging configured by code out of view: not judged here
-                if "log" in last and any(w in last for w in ("setup", "set_up", "init", "config", "create")) \
-                        and last not in self.defs and (
-                        any(k.arg and "rank" in k.arg.lower() for k in c.keywords) or any(
-                            "rank" in (word(n) or "").lower() or "main" in (word(n) or "").lower()
+                if (
+                    "log" in last
+                    and any(w in last for w in ("setup", "set_up", "init", "config", "create"))
+                    and last not in self.defs
+                    and (
+                        any(k.arg and "rank" in k.arg.lower() for k in c.keywords)
+                        or any(
+                            "rank" in (word(n) or "").lower()
+                            or "main" in (word(n) or "").lower()
                             or "master" in (word(n) or "").lower()
-                            for a in list(c.args) + [k.value for k in c.keywords] for n in ast.walk(a))):
+                            for a in list(c.args) + [k.value for k in c.keywords]
+                            for n in ast.walk(a)
+                        )
+                    )
+                ):
                     return q
         return None
 
@@ -105,8 +147,12 @@ class ProgramFacts:
     def referenced_names(self) -> set[str]:
         """Every name read (`f`, `obj.f`) in the files of the run: a function whose name is
         not among them is called from nowhere the doctor sees."""
-        return {n.id if isinstance(n, ast.Name) else n.attr for f in self.files for n in f.nodes
-                if (isinstance(n, ast.Name) and isinstance(n.ctx, ast.Load)) or isinstance(n, ast.Attribute)}
+        return {
+            n.id if isinstance(n, ast.Name) else n.attr
+            for f in self.files
+            for n in f.nodes
+            if (isinstance(n, ast.Name) and isinstance(n.ctx, ast.Load)) or isinstance(n, ast.Attribute)
+        }
 
     # ----- wraps, collectives, devices ----------------------------------------------
 
@@ -120,14 +166,16 @@ class ProgramFacts:
 
     def fsdp1_targets(self, facts: Facts) -> set[str]:
         """Names bound to an FSDP1 wrap in the program `facts` belongs to."""
-        return {t for f in self.component(facts) for w in f.wraps if w.kind == "fsdp1"
-                for t in (w.target, w.arg) if t}
+        return {t for f in self.component(facts) for w in f.wraps if w.kind == "fsdp1" for t in (w.target, w.arg) if t}
 
     @cached_property
     def ddp_targets(self) -> dict[str, Wrap]:
         """Names bound to a DDP wrap that broadcasts buffers in forward (the default)."""
-        return {w.target: w for _, w in self.wraps if w.kind == "ddp" and w.target
-                and not is_const(kwarg_value(w.call, "broadcast_buffers"), False)}
+        return {
+            w.target: w
+            for _, w in self.wraps
+            if w.kind == "ddp" and w.target and not is_const(kwarg_value(w.call, "broadcast_buffers"), False)
+        }
 
     @cached_property
     def collective_functions(self) -> dict[ast.AST, Reach]:
@@ -152,8 +200,7 @@ class ProgramFacts:
     def reached_collective(self, facts: Facts, call: ast.Call) -> Reach | None:
         """(facts, call, name, unconditional) of the collective a call to a project
         function reaches, or None."""
-        hits = [self.collective_functions[d] for _, d in self.resolve(facts, call)
-                if d in self.collective_functions]
+        hits = [self.collective_functions[d] for _, d in self.resolve(facts, call) if d in self.collective_functions]
         return hits[0] if hits else None
 
     def call_collective_name(self, f: Facts, call: ast.Call) -> str | None:
@@ -204,8 +251,9 @@ class ProgramFacts:
                         inner = known[callee][3]  # a collective under a condition in the callee
                         break
             if name:
-                unconditional = inner and not any(isinstance(a, (ast.If, ast.IfExp, ast.Try, ast.BoolOp))
-                                                  for a in _ancestors_until(f, n, d))
+                unconditional = inner and not any(
+                    isinstance(a, (ast.If, ast.IfExp, ast.Try, ast.BoolOp)) for a in _ancestors_until(f, n, d)
+                )
                 cand = (f, n, name, unconditional)
                 if best is None or (unconditional and not best[3]):
                     best = cand
@@ -214,13 +262,19 @@ class ProgramFacts:
     def binds_device(self, facts: Facts) -> list[tuple[Facts, ast.Call]]:
         """set_device calls (and the library objects that make one) in the program `facts`
         belongs to."""
-        return [(f, c) for f in self.component(facts)
-                for c in f.calls_to(*SET_DEVICE, *DISTTRAIN_INITS, *LIBRARY_DEVICE_BINDS)]
+        return [
+            (f, c)
+            for f in self.component(facts)
+            for c in f.calls_to(*SET_DEVICE, *DISTTRAIN_INITS, *LIBRARY_DEVICE_BINDS)
+        ]
 
     def no_sync_used(self, facts: Facts) -> bool:
-        return any(isinstance(n, ast.Attribute) and n.attr in (
-            "no_sync", "require_backward_grad_sync", "set_requires_gradient_sync")
-            for f in self.component(facts) for n in f.nodes)
+        return any(
+            isinstance(n, ast.Attribute)
+            and n.attr in ("no_sync", "require_backward_grad_sync", "set_requires_gradient_sync")
+            for f in self.component(facts)
+            for n in f.nodes
+        )
 
     @cached_property
     def save_wrappers(self) -> dict[str, int]:
@@ -247,19 +301,28 @@ class ProgramFacts:
     def rank_seeded(self) -> ast.Call | None:
         """A global seed that differs per rank: `torch.manual_seed(args.seed + rank)`."""
         for f in self.files:
-            for c in f.calls_to("torch.manual_seed", "torch.random.manual_seed", "random_seed", "set_seed",
-                                "seed_everything", "init_seeds", "fix_random_seeds"):
+            for c in f.calls_to(
+                "torch.manual_seed",
+                "torch.random.manual_seed",
+                "random_seed",
+                "set_seed",
+                "seed_everything",
+                "init_seeds",
+                "fix_random_seeds",
+            ):
                 for a in c.args:
                     if _mentions_rank(f, a):
                         return c
                     r = ref(a)
                     if r:
                         for n in f.nodes:
-                            if isinstance(n, ast.Assign) and any(ref(t) == r for t in n.targets) and \
-                                    _mentions_rank(f, n.value):
+                            if (
+                                isinstance(n, ast.Assign)
+                                and any(ref(t) == r for t in n.targets)
+                                and _mentions_rank(f, n.value)
+                            ):
                                 return c
         return None
-
 
 
 def _mentions_rank(f, node: ast.AST) -> bool:
@@ -267,8 +330,11 @@ def _mentions_rank(f, node: ast.AST) -> bool:
     for n in ast.walk(node):
         r = ref(n)
         w = word(n)
-        if (r and r in vs) or (w and ("rank" in w.lower())) or (isinstance(n, ast.Call) and
-                                                               word(n.func) in ("get_rank", "get_global_rank")):
+        if (
+            (r and r in vs)
+            or (w and ("rank" in w.lower()))
+            or (isinstance(n, ast.Call) and word(n.func) in ("get_rank", "get_global_rank"))
+        ):
             return True
     return False
 
@@ -299,9 +365,17 @@ def off_mode(f, node: ast.AST, flags: set[str]) -> bool:
             if (ref(t) in flags and in_else) or (negated and not in_else):
                 return True
         for block in (getattr(a, "body", None), getattr(a, "orelse", None)):
-            if isinstance(block, list) and child in block and any(
-                    isinstance(s, ast.Assert) and isinstance(s.test, ast.UnaryOp) and isinstance(s.test.op, ast.Not)
-                    and ref(s.test.operand) in flags for s in block[:block.index(child)]):
+            if (
+                isinstance(block, list)
+                and child in block
+                and any(
+                    isinstance(s, ast.Assert)
+                    and isinstance(s.test, ast.UnaryOp)
+                    and isinstance(s.test.op, ast.Not)
+                    and ref(s.test.operand) in flags
+                    for s in block[: block.index(child)]
+                )
+            ):
                 return True
         if isinstance(a, FUNCTION_NODES):
             break

@@ -21,9 +21,21 @@ from disttrain.doctor.names import ref as _ref, word as _word
 
 # Words that make an `if` test a rank guard: `if rank == 0`, `if dist.get_rank() == 0`,
 # `if is_main_process():`, `if accelerator.is_main_process`, `if trainer.is_global_zero`.
-_GUARD_WORDS = ("rank", "is_main", "main_process", "is_master", "master_process",
-                "is_primary", "primary_process", "is_global_zero", "is_chief", "rank0",
-                "rank_zero", "main_only", "master_only")
+_GUARD_WORDS = (
+    "rank",
+    "is_main",
+    "main_process",
+    "is_master",
+    "master_process",
+    "is_primary",
+    "primary_process",
+    "is_global_zero",
+    "is_chief",
+    "rank0",
+    "rank_zero",
+    "main_only",
+    "master_only",
+)
 
 
 def is_local_word(word: str) -> bool:
@@ -39,8 +51,26 @@ def is_guard_word(text: str) -> bool:
 
 # `val_av_rank_start_epoch` (the epoch a ranking metric starts), `lora_rank`: the word
 # "rank" in a name that is no process rank.
-_NOT_RANK_AFTER = {"epoch", "epochs", "step", "steps", "iter", "iters", "start", "freq", "interval",
-                   "bsz", "neg", "qs", "max", "min", "topk", "loss", "score", "metric"}
+_NOT_RANK_AFTER = {
+    "epoch",
+    "epochs",
+    "step",
+    "steps",
+    "iter",
+    "iters",
+    "start",
+    "freq",
+    "interval",
+    "bsz",
+    "neg",
+    "qs",
+    "max",
+    "min",
+    "topk",
+    "loss",
+    "score",
+    "metric",
+}
 _NOT_RANK_BEFORE = {"lora", "av", "avg", "mean", "matrix", "low"}
 
 
@@ -50,7 +80,7 @@ def _rank_quantity(low: str) -> bool:
     if not at or any(w in low for w in _GUARD_WORDS if w != "rank"):
         return False
     i = at[-1]
-    return bool(set(parts[i + 1:]) & _NOT_RANK_AFTER or set(parts[:i]) & _NOT_RANK_BEFORE)
+    return bool(set(parts[i + 1 :]) & _NOT_RANK_AFTER or set(parts[:i]) & _NOT_RANK_BEFORE)
 
 
 # Names that say "this process is the one" (`is_main`, `rank0_only`, `on_leader`): flags,
@@ -76,8 +106,7 @@ def named_rank_counts(facts, node: ast.AST, word: str) -> bool:
     (`self.src_rank == 0`, `% 8`). A setting whose name mentions ranks, tested for its
     truth (`if self.negatives_across_rank:`), is no rank. Names that are not rank words
     pass through."""
-    if not (is_local_word(word) or is_guard_word(word)) or _is_flag_word(word) or \
-            word.lower() in _BARE_RANKS:
+    if not (is_local_word(word) or is_guard_word(word)) or _is_flag_word(word) or word.lower() in _BARE_RANKS:
         return True
     parent = facts.parents.get(node)
     if isinstance(parent, ast.Call) and parent.func is node:
@@ -87,9 +116,19 @@ def named_rank_counts(facts, node: ast.AST, word: str) -> bool:
 
 # What a library defines as the rank or the main process (torch.distributed's getters,
 # Accelerate's and Lightning's attributes): facts about the library, not guesses from a name.
-_LIBRARY_RANKS = {"get_rank", "get_local_rank", "get_global_rank", "get_node_local_rank", "is_main_process",
-                  "is_local_main_process", "is_global_zero", "is_world_process_zero", "is_local_process_zero",
-                  "process_index", "local_process_index"}
+_LIBRARY_RANKS = {
+    "get_rank",
+    "get_local_rank",
+    "get_global_rank",
+    "get_node_local_rank",
+    "is_main_process",
+    "is_local_main_process",
+    "is_global_zero",
+    "is_world_process_zero",
+    "is_local_process_zero",
+    "process_index",
+    "local_process_index",
+}
 
 
 def named_only(facts, test: ast.AST) -> str | None:
@@ -107,7 +146,12 @@ def named_only(facts, test: ast.AST) -> str | None:
             return None
         if word in _LIBRARY_RANKS or (isinstance(n, ast.Attribute) and (word or "").lower() in _BARE_RANKS):
             return None
-        if first is None and word and (is_local_word(word) or is_guard_word(word)) and \
-                named_rank_counts(facts, n, word) and not word.lower().endswith("_only"):
+        if (
+            first is None
+            and word
+            and (is_local_word(word) or is_guard_word(word))
+            and named_rank_counts(facts, n, word)
+            and not word.lower().endswith("_only")
+        ):
             first = _ref(n) or word
     return first

@@ -11,6 +11,7 @@ from disttrain.doctor.control_flow import GLOBAL, LOCAL, is_env_presence
 from disttrain.doctor.names import FUNCTION_NODES, ref as _ref, word as _word
 from disttrain.doctor.rank_names import is_guard_word, is_local_word, named_rank_counts
 
+
 def rank_variables(facts) -> dict[str, str]:
     """Names and attributes that hold a rank or a rank flag, with the kind: this file's
     own (`own_rank_values`), attributes set in any file of the run (`args.save_logs = ...
@@ -75,6 +76,7 @@ def own_rank_values(facts) -> dict[str, str]:
     spawned = facts.project.spawn_index_params
     if spawned:
         from disttrain.doctor.names import takes_node_rank as _takes_node_rank
+
         # mp.spawn passes the process index first: the rank itself on one node, a local
         # rank when the script computes the global one from a node rank
         index_kind = LOCAL if _takes_node_rank(facts) else GLOBAL
@@ -84,8 +86,9 @@ def own_rank_values(facts) -> dict[str, str]:
     assigns = [n for n in facts.nodes if isinstance(n, (ast.Assign, ast.AnnAssign)) and n.value is not None]
     # what the script joins the group with is the rank of the group, whatever it was read
     # from (cleanrl: `init_process_group(rank=local_rank)`, so local rank 0 is rank 0)
-    joined = {_ref(k.value) for c in facts.calls_to("init_process_group") for k in c.keywords
-              if k.arg == "rank"} - {None}
+    joined = {_ref(k.value) for c in facts.calls_to("init_process_group") for k in c.keywords if k.arg == "rank"} - {
+        None
+    }
     for _ in range(4):
         before = len(out)
         for n in assigns:
@@ -128,8 +131,11 @@ def value_rank_kind(facts, value: ast.AST, variables: dict, funcs: dict) -> str 
     if isinstance(value, ast.UnaryOp) and isinstance(value.op, ast.Not):
         return value_rank_kind(facts, value.operand, variables, funcs)
     if isinstance(value, ast.IfExp):
-        return value_rank_kind(facts, value.test, variables, funcs) if all(
-            isinstance(x, ast.Constant) and isinstance(x.value, bool) for x in (value.body, value.orelse)) else None
+        return (
+            value_rank_kind(facts, value.test, variables, funcs)
+            if all(isinstance(x, ast.Constant) and isinstance(x.value, bool) for x in (value.body, value.orelse))
+            else None
+        )
     if isinstance(value, (ast.Compare, ast.BoolOp)):
         parts = [value.left, *value.comparators] if isinstance(value, ast.Compare) else value.values
         kinds = set()
@@ -212,8 +218,7 @@ def _if_guard_only(facts, node: ast.AST, variables: dict) -> str | None:
 
 
 def _rank_source(value: ast.AST) -> str | None:
-    while isinstance(value, ast.Call) and isinstance(value.func, ast.Name) and \
-            value.func.id == "int" and value.args:
+    while isinstance(value, ast.Call) and isinstance(value.func, ast.Name) and value.func.id == "int" and value.args:
         value = value.args[0]
     key = None
     if isinstance(value, ast.Subscript):
@@ -226,5 +231,3 @@ def _rank_source(value: ast.AST) -> str | None:
     if word in ("get_local_rank", "get_node_local_rank") or (word or "").lower() == "local_rank":
         return LOCAL
     return GLOBAL if word == "get_rank" else None
-
-

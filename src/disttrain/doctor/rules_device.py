@@ -16,16 +16,19 @@ from disttrain.doctor.names import LIBRARY_DEVICE_BINDS, SET_DEVICE as _SET_DEVI
 from disttrain.doctor.rules_launch import environ_key
 
 
-@rule("missing-set-device", ("P-INIT-2",), ERROR,
-      "no torch.cuda.set_device before CUDA use under torchrun",
-      """Each rank must bind its own GPU with `torch.cuda.set_device(local_rank)` before
+@rule(
+    "missing-set-device",
+    ("P-INIT-2",),
+    ERROR,
+    "no torch.cuda.set_device before CUDA use under torchrun",
+    """Each rank must bind its own GPU with `torch.cuda.set_device(local_rank)` before
       any CUDA allocation. Without it, `.cuda()`, `"cuda"` and NCCL's default device all
-      mean cuda:0, so every rank allocates on (and runs out of) the first GPU.""")
+      mean cuda:0, so every rank allocates on (and runs out of) the first GPU.""",
+)
 def missing_set_device(facts: Facts):
     if not facts.distributed:
         return
-    binds = facts.calls_to(*_SET_DEVICE, *DISTTRAIN_INITS, *LIBRARY_DEVICE_BINDS) + \
-        _visible_devices_assignments(facts)
+    binds = facts.calls_to(*_SET_DEVICE, *DISTTRAIN_INITS, *LIBRARY_DEVICE_BINDS) + _visible_devices_assignments(facts)
     uses = _cuda_uses(facts)
     yield from _launch_path_without_bind(facts, binds)
     if not uses:
@@ -41,12 +44,16 @@ def missing_set_device(facts: Facts):
         if not unindexed_uses:  # every allocation names its device: only NCCL's own device is unbound
             if _gloo_only(facts) or not _object_collectives(facts):
                 return  # tensor collectives run on their tensors' devices
-            yield finding(facts, uses[0][0], "missing-set-device",
-                          "every CUDA use here names its device, but no device is bound: the object "
-                          "collectives this program calls (all_gather_object, broadcast_object_list) "
-                          "stage their data on the current device, cuda:0 on every rank.",
-                          "call torch.cuda.set_device(local_rank) (or pass device_id= to "
-                          "init_process_group).", severity=WARNING)
+            yield finding(
+                facts,
+                uses[0][0],
+                "missing-set-device",
+                "every CUDA use here names its device, but no device is bound: the object "
+                "collectives this program calls (all_gather_object, broadcast_object_list) "
+                "stage their data on the current device, cuda:0 on every rank.",
+                "call torch.cuda.set_device(local_rank) (or pass device_id= to init_process_group).",
+                severity=WARNING,
+            )
             return
         node, _ = unindexed_uses[0]
         if _unseen_device_binder(facts):
@@ -54,31 +61,43 @@ def missing_set_device(facts: Facts):
         helper = _unseen_init_helper(facts)
         if helper or not any(f.calls_to("init_process_group") for f in facts.project.files):
             what = f"`{helper}()`" if helper else "the code that starts the process group"
-            yield finding(facts, node, "missing-set-device",
-                          "CUDA is used under torchrun and nothing in the files checked binds a device; "
-                          f"{what} is out of view, so the doctor cannot see whether it calls "
-                          "torch.cuda.set_device. If not, every rank defaults to cuda:0.",
-                          "make sure each rank calls torch.cuda.set_device(local_rank) at start-up "
-                          "(check the helper's file in the same run).", severity=WARNING)
+            yield finding(
+                facts,
+                node,
+                "missing-set-device",
+                "CUDA is used under torchrun and nothing in the files checked binds a device; "
+                f"{what} is out of view, so the doctor cannot see whether it calls "
+                "torch.cuda.set_device. If not, every rank defaults to cuda:0.",
+                "make sure each rank calls torch.cuda.set_device(local_rank) at start-up "
+                "(check the helper's file in the same run).",
+                severity=WARNING,
+            )
             return
         starts_here = any(facts.scope_of(c) is facts.scope_of(node) for c in facts.calls_to("init_process_group"))
         if not starts_here and not _entry_in_view(facts):
             if _an_entry_of_the_run_binds(facts):
                 return  # KAIR, Stark: the entry script in view binds the device, then reaches this
                 # file through an import out of view or importlib
-            yield finding(facts, node, "missing-set-device",
-                          "CUDA is used under torchrun and nothing in the files checked binds a device, "
-                          "but the script that runs this code is not among them (no `__main__` block or "
-                          "top-level code): if it does not call torch.cuda.set_device first, every rank "
-                          "defaults to cuda:0.",
-                          "check the entry script in the same run, or bind the device in the set-up "
-                          "helper here.", severity=WARNING)
+            yield finding(
+                facts,
+                node,
+                "missing-set-device",
+                "CUDA is used under torchrun and nothing in the files checked binds a device, "
+                "but the script that runs this code is not among them (no `__main__` block or "
+                "top-level code): if it does not call torch.cuda.set_device first, every rank "
+                "defaults to cuda:0.",
+                "check the entry script in the same run, or bind the device in the set-up helper here.",
+                severity=WARNING,
+            )
             return
-        yield finding(facts, node, "missing-set-device",
-                      "CUDA is used under torchrun but the script never binds a device: every "
-                      "rank defaults to cuda:0.",
-                      "call torch.cuda.set_device(int(os.environ['LOCAL_RANK'])) right at start-up, "
-                      "before init_process_group and any CUDA tensor.")
+        yield finding(
+            facts,
+            node,
+            "missing-set-device",
+            "CUDA is used under torchrun but the script never binds a device: every rank defaults to cuda:0.",
+            "call torch.cuda.set_device(int(os.environ['LOCAL_RANK'])) right at start-up, "
+            "before init_process_group and any CUDA tensor.",
+        )
         return
     for node, unindexed in uses:
         if not unindexed or _leaves_before_ranks(facts, node):
@@ -89,10 +108,14 @@ def missing_set_device(facts: Facts):
         same = [b for b in binds if facts.scope_of(b) is scope and not facts.exclusive(b, node)]
         # A bind in another function (a setup() helper) is assumed to run first.
         if same and all(b.lineno > node.lineno for b in same) and len(same) == len(binds):
-            yield finding(facts, node, "missing-set-device",
-                          f"CUDA is used here before torch.cuda.set_device (line {same[0].lineno}): "
-                          "this allocation lands on cuda:0 on every rank.",
-                          "move torch.cuda.set_device(local_rank) before the first CUDA use.")
+            yield finding(
+                facts,
+                node,
+                "missing-set-device",
+                f"CUDA is used here before torch.cuda.set_device (line {same[0].lineno}): "
+                "this allocation lands on cuda:0 on every rank.",
+                "move torch.cuda.set_device(local_rank) before the first CUDA use.",
+            )
             return
 
 
@@ -104,9 +127,13 @@ def _unseen_init_helper(facts: Facts) -> str | None:
     for f in [facts, *(g for g in facts.project.component(facts) if g is not facts)]:
         for c, q in f.calls:
             last = q.rsplit(".", 1)[-1].lower()
-            if ("dist" in last or "ddp" in last or "setup" in last or "init" in last) and \
-                    not q.startswith(("torch.", "disttrain.")) and last not in facts.project.defs and \
-                    last not in ("init_process_group",) and (f is facts or "dist" in last or "ddp" in last):
+            if (
+                ("dist" in last or "ddp" in last or "setup" in last or "init" in last)
+                and not q.startswith(("torch.", "disttrain."))
+                and last not in facts.project.defs
+                and last not in ("init_process_group",)
+                and (f is facts or "dist" in last or "ddp" in last)
+            ):
                 return q
     return None
 
@@ -133,11 +160,19 @@ def _entry_in_view(facts: Facts) -> bool:
             if isinstance(stmt, ast.If) and "__name__" in ast.unparse(stmt.test):
                 return True
             if isinstance(stmt, (ast.Expr, ast.For, ast.While, ast.With)) and any(
-                    isinstance(n, ast.Call) for n in ast.walk(stmt)):
+                isinstance(n, ast.Call) for n in ast.walk(stmt)
+            ):
                 return True  # a bare `main()`, a training loop at top level
-            if isinstance(stmt, ast.Assign) and isinstance(stmt.value, ast.Call) and (
-                    f.project.resolve(f, stmt.value) or (f.qualname(stmt.value.func) or "").endswith(
-                        ("init_process_group", "DistributedDataParallel", "to", "cuda"))):
+            if (
+                isinstance(stmt, ast.Assign)
+                and isinstance(stmt.value, ast.Call)
+                and (
+                    f.project.resolve(f, stmt.value)
+                    or (f.qualname(stmt.value.func) or "").endswith(
+                        ("init_process_group", "DistributedDataParallel", "to", "cuda")
+                    )
+                )
+            ):
                 return True  # `model = build(...)`, `model = DDP(...)`: script code, not a library's logger
     return False
 
@@ -147,8 +182,12 @@ def _unseen_device_binder(facts: Facts) -> str | None:
     work (`init_distributed_device`, `setup_device`): assumed to bind it."""
     for _, q in facts.calls:
         last = q.rsplit(".", 1)[-1].lower()
-        if "device" in last and any(w in last for w in ("init", "setup", "set_up")) and \
-                not q.startswith(("torch.", "disttrain.")) and last not in facts.project.defs:
+        if (
+            "device" in last
+            and any(w in last for w in ("init", "setup", "set_up"))
+            and not q.startswith(("torch.", "disttrain."))
+            and last not in facts.project.defs
+        ):
             return q
     return None
 
@@ -185,12 +224,16 @@ def _launch_path_without_bind(facts: Facts, binds: list) -> "Iterable":
                 continue
             where = next(c for c in calls if any(_within(facts, c, b) for (_, b), k in zip(branches, bound) if k))
             first = body[0]
-            yield finding(facts, first, "missing-set-device",
-                          "this launch path reads the rank from the environment (or starts the process "
-                          f"group, or wraps with DDP) but never binds a device; only another path does "
-                          f"(line {where.lineno}), so here every rank allocates on cuda:0.",
-                          "call torch.cuda.set_device(local_rank) on this path too, or once after the "
-                          "if/elif chain.", severity=WARNING)
+            yield finding(
+                facts,
+                first,
+                "missing-set-device",
+                "this launch path reads the rank from the environment (or starts the process "
+                f"group, or wraps with DDP) but never binds a device; only another path does "
+                f"(line {where.lineno}), so here every rank allocates on cuda:0.",
+                "call torch.cuda.set_device(local_rank) on this path too, or once after the if/elif chain.",
+                severity=WARNING,
+            )
 
 
 def _leaves_before_ranks(facts: Facts, node: ast.AST) -> bool:
@@ -202,8 +245,12 @@ def _leaves_before_ranks(facts: Facts, node: ast.AST) -> bool:
     for a in facts.ancestors(node):
         if isinstance(a, ast.If):
             for block in (a.body, a.orelse):
-                if child in block and block and isinstance(block[-1], (ast.Return, ast.Raise)) \
-                        and not _starts_ranks(facts, block):
+                if (
+                    child in block
+                    and block
+                    and isinstance(block[-1], (ast.Return, ast.Raise))
+                    and not _starts_ranks(facts, block)
+                ):
                     return True
         if isinstance(a, (ast.FunctionDef, ast.AsyncFunctionDef, ast.Lambda)):
             return False
@@ -221,25 +268,30 @@ def _starts_ranks(facts: Facts, body: list) -> bool:
             if isinstance(n, ast.Constant) and n.value in ("LOCAL_RANK", "RANK"):
                 return True
             if isinstance(n, ast.Call) and (facts.qualname(n.func) or "").endswith(
-                    ("init_process_group", "DistributedDataParallel")):
+                ("init_process_group", "DistributedDataParallel")
+            ):
                 return True  # starts the group, or wraps with DDP (which needs the device bound)
     return False
 
 
 def _object_collectives(facts: Facts) -> bool:
-    return any(f.calls_to("all_gather_object", "broadcast_object_list", "gather_object",
-                          "scatter_object_list") for f in facts.project.component(facts))
+    return any(
+        f.calls_to("all_gather_object", "broadcast_object_list", "gather_object", "scatter_object_list")
+        for f in facts.project.component(facts)
+    )
 
 
 def _gloo_only(facts: Facts) -> bool:
     inits = facts.calls_to("init_process_group")
-    return bool(inits) and all(isinstance(b := arg(c, 0, "backend"), ast.Constant) and b.value == "gloo"
-                               for c in inits)
+    return bool(inits) and all(isinstance(b := arg(c, 0, "backend"), ast.Constant) and b.value == "gloo" for c in inits)
 
 
 def _visible_devices_assignments(facts: Facts) -> list[ast.Assign]:
-    return [n for n in facts.nodes if isinstance(n, ast.Assign)
-            and any(environ_key(facts, t) == "CUDA_VISIBLE_DEVICES" for t in n.targets)]
+    return [
+        n
+        for n in facts.nodes
+        if isinstance(n, ast.Assign) and any(environ_key(facts, t) == "CUDA_VISIBLE_DEVICES" for t in n.targets)
+    ]
 
 
 def _cuda_uses(facts: Facts) -> list[tuple[ast.expr, bool]]:
@@ -247,13 +299,20 @@ def _cuda_uses(facts: Facts) -> list[tuple[ast.expr, bool]]:
     `"cuda"`) mean "the current device"; indexed ones (`cuda:{local_rank}`) name it."""
     out: list[tuple[ast.expr, bool]] = []
     for node in facts.nodes:
-        if isinstance(node, ast.Call) and isinstance(node.func, ast.Attribute) \
-                and node.func.attr == "cuda" and facts.qualname(node.func) != "torch.cuda":
+        if (
+            isinstance(node, ast.Call)
+            and isinstance(node.func, ast.Attribute)
+            and node.func.attr == "cuda"
+            and facts.qualname(node.func) != "torch.cuda"
+        ):
             out.append((node, not node.args and not node.keywords))
         elif isinstance(node, ast.Constant) and node.value == "cuda" and _is_device_use(facts, node):
             parent = facts.parents.get(node)
-            named = isinstance(parent, ast.Call) and (facts.qualname(parent.func) or "") == "torch.device" \
+            named = (
+                isinstance(parent, ast.Call)
+                and (facts.qualname(parent.func) or "") == "torch.device"
                 and (len(parent.args) > 1 or kwarg(parent, "index") is not None)
+            )
             out.append((node, not named))  # torch.device("cuda", local_rank) names its device
         elif isinstance(node, (ast.Constant, ast.JoinedStr)) and _is_indexed_cuda(node):
             out.append((node, False))
@@ -262,7 +321,7 @@ def _cuda_uses(facts: Facts) -> list[tuple[ast.expr, bool]]:
 
 
 def _is_device_use(facts: Facts, node: ast.AST) -> bool:
-    """"cuda" as a device (torch.device("cuda"), .to("cuda"), device="cuda"), not as a
+    """ "cuda" as a device (torch.device("cuda"), .to("cuda"), device="cuda"), not as a
     string compared against (`device.type == "cuda"`) or a backend/amp device_type."""
     parent = facts.parents.get(node)
     while isinstance(parent, ast.IfExp):  # "cuda" if torch.cuda.is_available() else "cpu"
@@ -281,5 +340,3 @@ def _is_indexed_cuda(node: ast.AST) -> bool:
         return isinstance(node.value, str) and re.fullmatch(r"cuda:\d+", node.value) is not None
     first = node.values[0] if node.values else None  # type: ignore[attr-defined]
     return isinstance(first, ast.Constant) and isinstance(first.value, str) and first.value == "cuda:"
-
-

@@ -30,21 +30,27 @@ def _fsdp2_only(facts: Facts) -> list[str]:
     own = [w.target or w.arg or "model" for w in facts.wraps if w.kind == "fsdp2"]
     if own or "fsdp2" in kinds:
         return own or ["model"]
-    if {"fully_shard", "FSDPModule"} & set(imports) and \
-            not {"DistributedDataParallel", "FullyShardedDataParallel"} & set(imports):
+    if {"fully_shard", "FSDPModule"} & set(imports) and not {
+        "DistributedDataParallel",
+        "FullyShardedDataParallel",
+    } & set(imports):
         return ["model"]  # sharded in another module
     return []
 
 
-@rule("fsdp2-no-sync", ("P-DDP-5", "P-FSDP-9"), ERROR,
-      "no_sync() or require_backward_grad_sync on an FSDP2 module",
-      """`fully_shard` modules (FSDP2) have no `no_sync()` context manager: calling it raises
+@rule(
+    "fsdp2-no-sync",
+    ("P-DDP-5", "P-FSDP-9"),
+    ERROR,
+    "no_sync() or require_backward_grad_sync on an FSDP2 module",
+    """`fully_shard` modules (FSDP2) have no `no_sync()` context manager: calling it raises
       AttributeError at the first accumulation micro-step. Setting DDP's
       `require_backward_grad_sync = False` on one is worse: nothing reads it, so gradients
       are still reduce-scattered on every micro-step. FSDP2's switch is
       `model.set_requires_gradient_sync(is_last_microbatch)` (recursing into every
       fully_shard submodule). Accelerate's `accelerator.no_sync(model)` picks the right
-      call itself and is not reported.""")
+      call itself and is not reported.""",
+)
 def fsdp2_no_sync(facts: Facts):
     targets = _fsdp2_only(facts)
     if not targets:
@@ -54,19 +60,26 @@ def fsdp2_no_sync(facts: Facts):
         owner = (ref(call.func.value) or "").split(".")[-1].lower()  # type: ignore[attr-defined]
         if "accelerator" in owner or "fabric" in owner:
             continue  # the library dispatches to FSDP2's setter
-        yield finding(facts, call, "fsdp2-no-sync",
-                      "FSDP2 (fully_shard) modules have no no_sync(): this raises AttributeError "
-                      "at the first accumulation micro-step.",
-                      f"call {name}.set_requires_gradient_sync(is_last_microbatch) before each "
-                      "micro-step's backward instead.")
+        yield finding(
+            facts,
+            call,
+            "fsdp2-no-sync",
+            "FSDP2 (fully_shard) modules have no no_sync(): this raises AttributeError "
+            "at the first accumulation micro-step.",
+            f"call {name}.set_requires_gradient_sync(is_last_microbatch) before each micro-step's backward instead.",
+        )
     for n in facts.nodes:
-        if isinstance(n, ast.Assign) and any(isinstance(t, ast.Attribute) and
-                                             t.attr == "require_backward_grad_sync" for t in n.targets):
-            yield finding(facts, n, "fsdp2-no-sync",
-                          "require_backward_grad_sync is DDP's flag; FSDP2 never reads it, so "
-                          "gradients are still reduce-scattered on every micro-step.",
-                          f"call {name}.set_requires_gradient_sync(False) on the non-final "
-                          "micro-steps (and True on the last).")
+        if isinstance(n, ast.Assign) and any(
+            isinstance(t, ast.Attribute) and t.attr == "require_backward_grad_sync" for t in n.targets
+        ):
+            yield finding(
+                facts,
+                n,
+                "fsdp2-no-sync",
+                "require_backward_grad_sync is DDP's flag; FSDP2 never reads it, so "
+                "gradients are still reduce-scattered on every micro-step.",
+                f"call {name}.set_requires_gradient_sync(False) on the non-final micro-steps (and True on the last).",
+            )
 
 
 def _fp16_policy(facts: Facts) -> ast.Call | None:
@@ -78,23 +91,31 @@ def _fp16_policy(facts: Facts) -> ast.Call | None:
     return None
 
 
-@rule("fsdp2-fp16-without-scaler", ("P-DDP-7",), WARNING,
-      "FSDP2 with fp16 parameters and no GradScaler",
-      """With `MixedPrecisionPolicy(param_dtype=torch.float16)` the backward runs in fp16,
+@rule(
+    "fsdp2-fp16-without-scaler",
+    ("P-DDP-7",),
+    WARNING,
+    "FSDP2 with fp16 parameters and no GradScaler",
+    """With `MixedPrecisionPolicy(param_dtype=torch.float16)` the backward runs in fp16,
       whose 5-bit exponent flushes small gradients to zero before FSDP2 casts them for the
       reduce-scatter: training quietly stalls. Scale the loss with the plain
       `torch.amp.GradScaler("cuda")`: under FSDP2 it is shard-aware (the gradients are
       DTensors and the found-inf check is reduced across the mesh, so all ranks skip the
-      same steps), and ShardedGradScaler, FSDP1's, is not needed. bf16 needs no scaler.""")
+      same steps), and ShardedGradScaler, FSDP1's, is not needed. bf16 needs no scaler.""",
+)
 def fsdp2_fp16_without_scaler(facts: Facts):
     if not _fsdp2_only(facts):
         return
     policy = _fp16_policy(facts)
     if policy is None or facts.calls_to("GradScaler", "ShardedGradScaler"):
         return
-    yield finding(facts, policy, "fsdp2-fp16-without-scaler",
-                  "fully_shard computes in fp16 (param_dtype=float16) but no GradScaler scales the "
-                  "loss: small gradients underflow to zero in the fp16 backward.",
-                  "scale with torch.amp.GradScaler(\"cuda\") (shard-aware under FSDP2: no "
-                  "ShardedGradScaler needed), or use param_dtype=torch.bfloat16, which needs none.",
-                  severity=WARNING)
+    yield finding(
+        facts,
+        policy,
+        "fsdp2-fp16-without-scaler",
+        "fully_shard computes in fp16 (param_dtype=float16) but no GradScaler scales the "
+        "loss: small gradients underflow to zero in the fp16 backward.",
+        'scale with torch.amp.GradScaler("cuda") (shard-aware under FSDP2: no '
+        "ShardedGradScaler needed), or use param_dtype=torch.bfloat16, which needs none.",
+        severity=WARNING,
+    )

@@ -42,21 +42,29 @@ def job_windows(facts: Facts) -> dict[str, ast.expr]:
         if steps is None or (isinstance(steps, ast.Constant) and steps.value == 1):
             continue
         parent = facts.parents.get(call)
-        targets = [parent.optional_vars] if isinstance(parent, ast.withitem) and parent.optional_vars else \
-            parent.targets if isinstance(parent, ast.Assign) else []
+        targets = (
+            [parent.optional_vars]
+            if isinstance(parent, ast.withitem) and parent.optional_vars
+            else parent.targets
+            if isinstance(parent, ast.Assign)
+            else []
+        )
         out.update({r: steps for t in targets if (r := ref(t))})
     return out
 
 
 def _job_call(node: ast.AST, jobs: set[str], method: str) -> TypeGuard[ast.Call]:
     """`node` is `<job>.method(...)` for one of the `jobs` names."""
-    return isinstance(node, ast.Call) and isinstance(node.func, ast.Attribute) and \
-        node.func.attr == method and ref(node.func.value) in jobs
+    return (
+        isinstance(node, ast.Call)
+        and isinstance(node.func, ast.Attribute)
+        and node.func.attr == method
+        and ref(node.func.value) in jobs
+    )
 
 
 def _step_loops(facts: Facts, jobs: set[str]) -> list[ast.For | ast.AsyncFor]:
-    return [n for n in facts.nodes if isinstance(n, (ast.For, ast.AsyncFor)) and
-            _job_call(n.iter, jobs, "steps")]
+    return [n for n in facts.nodes if isinstance(n, (ast.For, ast.AsyncFor)) and _job_call(n.iter, jobs, "steps")]
 
 
 def _in_body(loop: ast.For | ast.AsyncFor) -> Iterator[ast.AST]:
@@ -75,14 +83,18 @@ def _resume_kwarg(facts: Facts, jobs: set[str], name: str) -> set[str]:
     return out
 
 
-@rule("job-scheduler-stepped-twice", ("P-LOOP-3",), ERROR,
-      "a scheduler given to job.resume() and stepped again in job.steps()",
-      """`job.resume(..., scheduler=sched)` hands the scheduler to the job, which steps it
+@rule(
+    "job-scheduler-stepped-twice",
+    ("P-LOOP-3",),
+    ERROR,
+    "a scheduler given to job.resume() and stepped again in job.steps()",
+    """`job.resume(..., scheduler=sched)` hands the scheduler to the job, which steps it
       on every optimizer step (at the accumulation boundary) and checkpoints it. A
       `sched.step()` inside `for batch in job.steps(...)` steps it again, on every
       micro-batch: the learning-rate schedule runs (accum_steps + 1) times too fast. Remove
       the manual step. A scheduler the job was not given is stepped per micro-batch and is
-      not checkpointed: pass it to job.resume().""")
+      not checkpointed: pass it to job.resume().""",
+)
 def job_scheduler_stepped_twice(facts: Facts):
     jobs = _jobs(facts)
     if not jobs:
@@ -94,27 +106,39 @@ def job_scheduler_stepped_twice(facts: Facts):
                 continue
             owner = ref(n.func.value) or ""
             if owner in given:
-                yield finding(facts, n, "job-scheduler-stepped-twice",
-                              f"`{owner}` was given to job.resume(scheduler=...), so the job already "
-                              "steps it at every optimizer step; this second step() inside job.steps() "
-                              "runs the schedule too fast.",
-                              f"remove {owner}.step(); the job steps it.")
+                yield finding(
+                    facts,
+                    n,
+                    "job-scheduler-stepped-twice",
+                    f"`{owner}` was given to job.resume(scheduler=...), so the job already "
+                    "steps it at every optimizer step; this second step() inside job.steps() "
+                    "runs the schedule too fast.",
+                    f"remove {owner}.step(); the job steps it.",
+                )
             elif "sched" in owner.lower() or owner.lower().endswith("lr"):
-                yield finding(facts, n, "job-scheduler-stepped-twice",
-                              f"`{owner}.step()` inside job.steps() runs on every micro-batch, and the job "
-                              "does not checkpoint this scheduler: the schedule depends on accum_steps "
-                              "and restarts on resume.",
-                              f"pass it to job.resume(scheduler={owner}) and remove the manual step().",
-                              severity=WARNING)
+                yield finding(
+                    facts,
+                    n,
+                    "job-scheduler-stepped-twice",
+                    f"`{owner}.step()` inside job.steps() runs on every micro-batch, and the job "
+                    "does not checkpoint this scheduler: the schedule depends on accum_steps "
+                    "and restarts on resume.",
+                    f"pass it to job.resume(scheduler={owner}) and remove the manual step().",
+                    severity=WARNING,
+                )
 
 
-@rule("job-optimizer-before-wrap", ("P-DDP-3", "P-FSDP-7"), ERROR,
-      "an optimizer built before job.wrap()",
-      """`job.wrap(model)` returns the wrapped model (DDP, or FSDP whose sharding replaces
+@rule(
+    "job-optimizer-before-wrap",
+    ("P-DDP-3", "P-FSDP-7"),
+    ERROR,
+    "an optimizer built before job.wrap()",
+    """`job.wrap(model)` returns the wrapped model (DDP, or FSDP whose sharding replaces
       the parameters). An optimizer built from the bare model's parameters before the
       wrap updates tensors the wrapped model may no longer use; dt.Job refuses it at
       job.resume() with a UserError. Build the optimizer from the module job.wrap()
-      returned.""")
+      returned.""",
+)
 def job_optimizer_before_wrap(facts: Facts):
     jobs = _jobs(facts)
     if not jobs:
@@ -133,21 +157,29 @@ def job_optimizer_before_wrap(facts: Facts):
             rebuilt = any(c.lineno > w.lineno and (target in rs or arg in rs) for c, rs in opts)
             if rebuilt:
                 continue
-            yield finding(facts, call, "job-optimizer-before-wrap",
-                          f"the optimizer takes `{arg}`'s parameters before job.wrap() (line {w.lineno}): "
-                          "it must hold the wrapped model's parameters (dt.Job raises a UserError at "
-                          "resume; under FSDP they are other tensors).",
-                          f"build the optimizer after `{target or arg} = job.wrap(...)`, from its parameters().")
+            yield finding(
+                facts,
+                call,
+                "job-optimizer-before-wrap",
+                f"the optimizer takes `{arg}`'s parameters before job.wrap() (line {w.lineno}): "
+                "it must hold the wrapped model's parameters (dt.Job raises a UserError at "
+                "resume; under FSDP they are other tensors).",
+                f"build the optimizer after `{target or arg} = job.wrap(...)`, from its parameters().",
+            )
 
 
-@rule("job-manual-step", ("P-DDP-5", "P-LOOP-3"), ERROR,
-      "loss.backward() or optimizer.step() by hand inside job.steps()",
-      """Inside `for batch in job.steps(...)` the job does the backward (`job.backward(loss)`:
+@rule(
+    "job-manual-step",
+    ("P-DDP-5", "P-LOOP-3"),
+    ERROR,
+    "loss.backward() or optimizer.step() by hand inside job.steps()",
+    """Inside `for batch in job.steps(...)` the job does the backward (`job.backward(loss)`:
       divided by the accumulation window, no_sync on the micro-steps) and steps the
       optimizer at the boundary. A leftover `loss.backward()` adds a second, unscaled
       gradient (or, without job.backward, the job stops with a UserError), and a leftover
       `optimizer.step()` / `zero_grad()` steps or clears on every micro-batch. Keep only
-      job.backward(loss).""")
+      job.backward(loss).""",
+)
 def job_manual_step(facts: Facts):
     jobs = _jobs(facts)
     if not jobs:
@@ -161,18 +193,31 @@ def job_manual_step(facts: Facts):
                 continue
             attr = n.func.attr
             if attr == "backward" and not n.args:
-                yield finding(facts, n, "job-manual-step",
-                              f"`{ast.unparse(n.func)}()` inside job.steps(): the job does the backward "
-                              "(job.backward(loss), scaled for accumulation, with no_sync); this one adds "
-                              "an unscaled second gradient, or without job.backward the job stops.",
-                              "replace it with job.backward(loss).")
+                yield finding(
+                    facts,
+                    n,
+                    "job-manual-step",
+                    f"`{ast.unparse(n.func)}()` inside job.steps(): the job does the backward "
+                    "(job.backward(loss), scaled for accumulation, with no_sync); this one adds "
+                    "an unscaled second gradient, or without job.backward the job stops.",
+                    "replace it with job.backward(loss).",
+                )
             elif attr == "step" and ("optim" in owner.lower() or owner.lower() in ("opt", "scaler")):
-                yield finding(facts, n, "job-manual-step",
-                              f"`{ast.unparse(n.func)}()` inside job.steps(): the job steps the optimizer "
-                              "at the accumulation boundary; this steps it again on every micro-batch.",
-                              "remove it; the job steps the optimizer.")
+                yield finding(
+                    facts,
+                    n,
+                    "job-manual-step",
+                    f"`{ast.unparse(n.func)}()` inside job.steps(): the job steps the optimizer "
+                    "at the accumulation boundary; this steps it again on every micro-batch.",
+                    "remove it; the job steps the optimizer.",
+                )
             elif attr == "zero_grad" and "optim" in owner.lower():
-                yield finding(facts, n, "job-manual-step",
-                              f"`{ast.unparse(n.func)}()` inside job.steps() clears the gradients the job "
-                              "is accumulating over the micro-batches of a window.",
-                              "remove it; the job zeroes the gradients after its step.", severity=WARNING)
+                yield finding(
+                    facts,
+                    n,
+                    "job-manual-step",
+                    f"`{ast.unparse(n.func)}()` inside job.steps() clears the gradients the job "
+                    "is accumulating over the micro-batches of a window.",
+                    "remove it; the job zeroes the gradients after its step.",
+                    severity=WARNING,
+                )

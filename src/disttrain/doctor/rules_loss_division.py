@@ -27,8 +27,11 @@ def is_accum_word(word: str) -> bool:
 
 def _divisions(node: ast.AST) -> list[Site]:
     """Divisions by an accumulation count inside `node`: `x / accum_steps`."""
-    return [n for n in ast.walk(node)
-            if isinstance(n, ast.BinOp) and isinstance(n.op, ast.Div) and mentions(n.right, is_accum_word)]
+    return [
+        n
+        for n in ast.walk(node)
+        if isinstance(n, ast.BinOp) and isinstance(n.op, ast.Div) and mentions(n.right, is_accum_word)
+    ]
 
 
 def _returns_divided(facts: Facts, name: str) -> bool:
@@ -39,14 +42,18 @@ def _returns_divided(facts: Facts, name: str) -> bool:
     return False
 
 
-@rule("loss-divided-twice", ("P-DDP-5",), ERROR,
-      "loss divided by the accumulation steps twice",
-      """With gradient accumulation the loss is divided by the number of micro-steps
+@rule(
+    "loss-divided-twice",
+    ("P-DDP-5",),
+    ERROR,
+    "loss divided by the accumulation steps twice",
+    """With gradient accumulation the loss is divided by the number of micro-steps
       exactly once. Dividing twice (in the loss function and again before backward, or
       `loss /= accum` then `(loss / accum).backward()`) shrinks every gradient by that
       factor again: an effective learning rate accum_steps times too small. A dt.Job
       built with accum_steps (like disttrain's Accumulator) divides in job.backward(loss):
-      inside job.steps() the script's own division is the second one.""")
+      inside job.steps() the script's own division is the second one.""",
+)
 def loss_divided_twice(facts: Facts):
     accumulators = _accumulator_names(facts)
     windows = job_windows(facts)
@@ -55,8 +62,12 @@ def loss_divided_twice(facts: Facts):
         # accelerator.backward(loss) / acc.backward(loss) / loss.backward()
         target = bw.args[0] if bw.args else receiver
         # scaler.scale(loss).backward()
-        if isinstance(target, ast.Call) and isinstance(target.func, ast.Attribute) and \
-                target.func.attr == "scale" and target.args:
+        if (
+            isinstance(target, ast.Call)
+            and isinstance(target.func, ast.Attribute)
+            and target.func.attr == "scale"
+            and target.args
+        ):
             target = target.args[0]
         sites = list(_divisions(target))
         if bw.args and ref(receiver) in accumulators:
@@ -70,16 +81,24 @@ def loss_divided_twice(facts: Facts):
             continue
         if len(sites) >= 2:
             second = sorted(sites, key=lambda n: (n.lineno, n.col_offset))[1]
-            yield finding(facts, second, "loss-divided-twice",
-                          f"the loss is divided by the accumulation steps {len(sites)} times before "
-                          "backward(): gradients end up accum_steps times too small.",
-                          "divide exactly once, right before backward().")
+            yield finding(
+                facts,
+                second,
+                "loss-divided-twice",
+                f"the loss is divided by the accumulation steps {len(sites)} times before "
+                "backward(): gradients end up accum_steps times too small.",
+                "divide exactly once, right before backward().",
+            )
     for div in _lightning_divisions(facts):
-        yield finding(facts, div, "loss-divided-twice",
-                      "training_step returns the loss divided by the accumulation steps, and "
-                      "Lightning divides it by accumulate_grad_batches again before backward(): "
-                      "gradients end up accumulate_grad_batches times too small.",
-                      "return the plain loss; Lightning scales it for accumulation itself.")
+        yield finding(
+            facts,
+            div,
+            "loss-divided-twice",
+            "training_step returns the loss divided by the accumulation steps, and "
+            "Lightning divides it by accumulate_grad_batches again before backward(): "
+            "gradients end up accumulate_grad_batches times too small.",
+            "return the plain loss; Lightning scales it for accumulation itself.",
+        )
 
 
 def _divided_before_job(facts: Facts, sites: list[Site], bw: ast.Call, steps: ast.expr):
@@ -89,18 +108,23 @@ def _divided_before_job(facts: Facts, sites: list[Site], bw: ast.Call, steps: as
     warning when the doctor cannot see the window's value."""
     first = sorted(sites, key=lambda n: (n.lineno, n.col_offset))[0]
     window = ast.unparse(steps)
-    divisor = first.right if isinstance(first, ast.BinOp) else first.value if isinstance(first, ast.AugAssign) \
-        else None
+    divisor = first.right if isinstance(first, ast.BinOp) else first.value if isinstance(first, ast.AugAssign) else None
     proven = (isinstance(steps, ast.Constant) and isinstance(steps.value, int) and steps.value > 1) or (
-        divisor is not None and ast.unparse(divisor) == window)
-    seen = "" if proven else (f" The doctor cannot see the value of `{window}`: if it is 1 the division "
-                              "changes nothing.")
-    return finding(facts, first, "loss-divided-twice",
-                   f"job.backward() (line {bw.lineno}) divides the loss by accum_steps ({window}) itself; "
-                   "this division inside job.steps() is a second one: the gradients and the logged loss "
-                   f"come out accum_steps times too small.{seen}",
-                   "remove the script's own division and pass the plain loss to job.backward() and "
-                   "job.log().", severity=ERROR if proven else WARNING)
+        divisor is not None and ast.unparse(divisor) == window
+    )
+    seen = (
+        "" if proven else (f" The doctor cannot see the value of `{window}`: if it is 1 the division changes nothing.")
+    )
+    return finding(
+        facts,
+        first,
+        "loss-divided-twice",
+        f"job.backward() (line {bw.lineno}) divides the loss by accum_steps ({window}) itself; "
+        "this division inside job.steps() is a second one: the gradients and the logged loss "
+        f"come out accum_steps times too small.{seen}",
+        "remove the script's own division and pass the plain loss to job.backward() and job.log().",
+        severity=ERROR if proven else WARNING,
+    )
 
 
 def _accumulator_names(facts: Facts) -> set[str]:
@@ -108,10 +132,17 @@ def _accumulator_names(facts: Facts) -> set[str]:
     `Accelerator(gradient_accumulation_steps=N)`: their backward() divides the loss by
     the accumulation steps itself (accelerate's `loss / self.gradient_accumulation_steps`)."""
     out = set()
-    makers = facts.calls_to("disttrain.Accumulator", "disttrain.train.accumulation.Accumulator", "disttrain.train.loop.Accumulator",
-                            "disttrain.loop.Accumulator")
-    makers += [c for c in facts.calls_to("accelerate.Accelerator")
-               if (k := kwarg(c, "gradient_accumulation_steps")) is not None and not _is_one(k)]
+    makers = facts.calls_to(
+        "disttrain.Accumulator",
+        "disttrain.train.accumulation.Accumulator",
+        "disttrain.train.loop.Accumulator",
+        "disttrain.loop.Accumulator",
+    )
+    makers += [
+        c
+        for c in facts.calls_to("accelerate.Accelerator")
+        if (k := kwarg(c, "gradient_accumulation_steps")) is not None and not _is_one(k)
+    ]
     for call in makers:
         parent = facts.parents.get(call)
         if isinstance(parent, ast.Assign) and len(parent.targets) == 1 and (r := ref(parent.targets[0])):
@@ -127,12 +158,16 @@ def _lightning_divisions(facts: Facts):
     """Divisions by the accumulation count in a LightningModule's training_step return:
     under automatic optimization Lightning divides the returned loss by
     accumulate_grad_batches itself (ClosureResult.from_training_step_output)."""
-    if any(isinstance(n, ast.Assign) and any(isinstance(t, ast.Attribute) and
-           t.attr == "automatic_optimization" for t in n.targets) for n in facts.nodes):
+    if any(
+        isinstance(n, ast.Assign)
+        and any(isinstance(t, ast.Attribute) and t.attr == "automatic_optimization" for t in n.targets)
+        for n in facts.nodes
+    ):
         return
     for cls in facts.nodes:
         if not isinstance(cls, ast.ClassDef) or not any(
-                (facts.qualname(b) or "").endswith("LightningModule") for b in cls.bases):
+            (facts.qualname(b) or "").endswith("LightningModule") for b in cls.bases
+        ):
             continue
         for fn in cls.body:
             if isinstance(fn, ast.FunctionDef) and fn.name == "training_step":
@@ -162,7 +197,7 @@ def _assign_divisions(facts: Facts, bw: ast.Call, name: str) -> list[Site]:
     for a in facts.ancestors(bw):
         for block in _blocks(a):
             if child in block:
-                for stmt in block[:block.index(child)]:
+                for stmt in block[: block.index(child)]:
                     out += _stmt_divisions(facts, stmt, name)
         if isinstance(a, (ast.For, ast.AsyncFor, ast.While, ast.FunctionDef, ast.AsyncFunctionDef)):
             break
@@ -175,8 +210,12 @@ def _blocks(node: ast.AST) -> list[list[ast.stmt]]:
 
 
 def _stmt_divisions(facts: Facts, stmt: ast.stmt, name: str) -> list[Site]:
-    if isinstance(stmt, ast.AugAssign) and isinstance(stmt.op, ast.Div) and ref(stmt.target) == name \
-            and mentions(stmt.value, is_accum_word):
+    if (
+        isinstance(stmt, ast.AugAssign)
+        and isinstance(stmt.op, ast.Div)
+        and ref(stmt.target) == name
+        and mentions(stmt.value, is_accum_word)
+    ):
         return [stmt]
     if isinstance(stmt, ast.Assign) and any(ref(t) == name for t in stmt.targets):
         out = list(_divisions(stmt.value))

@@ -25,12 +25,17 @@ def _checkpoint_items(facts: Facts, call: ast.Call) -> list[tuple[str, ast.AST]]
     node, before = arg(call, 0, "obj"), call.lineno
     for _ in range(6):  # snapshot = asdict(snapshot) <- snapshot = Snapshot(...)
         if isinstance(node, ast.Dict):
-            return [(k.value.lower() if isinstance(k, ast.Constant) and isinstance(k.value, str) else "", v)
-                    for k, v in zip(node.keys, node.values)]
+            return [
+                (k.value.lower() if isinstance(k, ast.Constant) and isinstance(k.value, str) else "", v)
+                for k, v in zip(node.keys, node.values)
+            ]
         if isinstance(node, ast.Call) and node.keywords and not node.args:
             return [((k.arg or "").lower(), k.value) for k in node.keywords]
-        if isinstance(node, ast.Call) and len(node.args) == 1 and \
-                (facts.qualname(node.func) or "").split(".")[-1] == "asdict":
+        if (
+            isinstance(node, ast.Call)
+            and len(node.args) == 1
+            and (facts.qualname(node.func) or "").split(".")[-1] == "asdict"
+        ):
             node = node.args[0]
             continue
         name = ref(node) if node is not None else None
@@ -44,15 +49,25 @@ def _checkpoint_items(facts: Facts, call: ast.Call) -> list[tuple[str, ast.AST]]
 def _last_assignment(facts: Facts, name: str, call: ast.Call, before: int) -> ast.Assign | None:
     """The last `name = ...` above line `before` in `call`'s function."""
     scope = facts.scope_of(call)
-    found = [n for n in facts.nodes if isinstance(n, ast.Assign) and n.lineno < before and
-             facts.scope_of(n) is scope and any(ref(t) == name for t in n.targets)]
+    found = [
+        n
+        for n in facts.nodes
+        if isinstance(n, ast.Assign)
+        and n.lineno < before
+        and facts.scope_of(n) is scope
+        and any(ref(t) == name for t in n.targets)
+    ]
     return max(found, key=lambda n: n.lineno) if found else None
 
 
 def _holds_optimizer(items: list[tuple[str, ast.AST]]) -> bool:
     return any("optim" in k for k, _ in items) or any(
-        isinstance(v, ast.Call) and isinstance(v.func, ast.Attribute) and v.func.attr == "state_dict"
-        and mentions(v.func.value, lambda w: "optim" in w.lower()) for _, v in items)
+        isinstance(v, ast.Call)
+        and isinstance(v.func, ast.Attribute)
+        and v.func.attr == "state_dict"
+        and mentions(v.func.value, lambda w: "optim" in w.lower())
+        for _, v in items
+    )
 
 
 def _batch_loop(facts: Facts, call: ast.Call) -> bool:
@@ -65,21 +80,26 @@ def _batch_loop(facts: Facts, call: ast.Call) -> bool:
     return False
 
 
-@rule("checkpoint-missing-state", ("P-CKPT-1",), WARNING,
-      "a resumable checkpoint without RNG state or data position",
-      """A checkpoint the script resumes from must restore the run, not only the weights:
+@rule(
+    "checkpoint-missing-state",
+    ("P-CKPT-1",),
+    WARNING,
+    "a resumable checkpoint without RNG state or data position",
+    """A checkpoint the script resumes from must restore the run, not only the weights:
       with model and optimizer but no RNG state (torch.get_rng_state(),
       torch.cuda.get_rng_state_all(), random/NumPy state), dropout masks and every
       sampler that draws from the global generator differ from the uninterrupted run; saved
       inside the batch loop (mid-epoch) without the data position (the sampler's or
       loader's state, or the step to skip to), a resume restarts the epoch from its first
       batch and trains on those samples twice. Save both, or use a Stateful loader
-      (torchdata's StatefulDataLoader) and DCP, which checkpoint them.""")
+      (torchdata's StatefulDataLoader) and DCP, which checkpoint them.""",
+)
 def checkpoint_missing_state(facts: Facts):
     if not facts.calls_to("torch.load", "torch.distributed.checkpoint.load"):
         return  # the script never resumes: an export, not a training checkpoint
-    rng_elsewhere = any(facts.method_calls(n) for n in _RNG_CALLS) or \
-        any(facts.calls_to(f"torch.{n}") for n in _RNG_CALLS)
+    rng_elsewhere = any(facts.method_calls(n) for n in _RNG_CALLS) or any(
+        facts.calls_to(f"torch.{n}") for n in _RNG_CALLS
+    )
     for call in facts.calls_to("torch.save"):
         items = _checkpoint_items(facts, call)
         if items is None or not _holds_optimizer(items):
@@ -87,16 +107,20 @@ def checkpoint_missing_state(facts: Facts):
         keys = [k for k, _ in items]
         missing = []
         if not rng_elsewhere and not any(w in k for k in keys for w in _RNG_WORDS):
-            missing.append("no RNG state (dropout and any global-generator shuffle restart "
-                           "from the seed)")
+            missing.append("no RNG state (dropout and any global-generator shuffle restart from the seed)")
         if _batch_loop(facts, call) and not any(w in k for k in keys for w in _DATA_WORDS):
-            missing.append("no data position although it is saved mid-epoch (a resume restarts "
-                           "the epoch from its first batch and repeats the samples already seen)")
+            missing.append(
+                "no data position although it is saved mid-epoch (a resume restarts "
+                "the epoch from its first batch and repeats the samples already seen)"
+            )
         if missing:
-            yield finding(facts, call, "checkpoint-missing-state",
-                          "this training checkpoint holds model and optimizer but " +
-                          "; and ".join(missing) + ".",
-                          "add torch.get_rng_state() / torch.cuda.get_rng_state_all() (and random/"
-                          "NumPy state) and the sampler or loader position (or the step to skip "
-                          "to), and restore them on resume.",
-                          severity=WARNING)
+            yield finding(
+                facts,
+                call,
+                "checkpoint-missing-state",
+                "this training checkpoint holds model and optimizer but " + "; and ".join(missing) + ".",
+                "add torch.get_rng_state() / torch.cuda.get_rng_state_all() (and random/"
+                "NumPy state) and the sampler or loader position (or the step to skip "
+                "to), and restore them on resume.",
+                severity=WARNING,
+            )

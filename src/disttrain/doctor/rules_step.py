@@ -18,11 +18,15 @@ def _is_optim_word(word: str) -> bool:
     return "optim" in word.lower() or word == "opt"
 
 
-@rule("accumulation-without-no-sync", ("P-DDP-5",), WARNING,
-      "gradient accumulation without no_sync",
-      """DDP all-reduces gradients on every backward. With accumulation, only the last
+@rule(
+    "accumulation-without-no-sync",
+    ("P-DDP-5",),
+    WARNING,
+    "gradient accumulation without no_sync",
+    """DDP all-reduces gradients on every backward. With accumulation, only the last
       micro-step before optimizer.step() needs it: wrap the other micro-steps in
-      `with model.no_sync():` to skip (accum_steps - 1) of every accum_steps all-reduces.""")
+      `with model.no_sync():` to skip (accum_steps - 1) of every accum_steps all-reduces.""",
+)
 def accumulation_without_no_sync(facts: Facts):
     # the wrap and the loop may sit in different files of one program (main.py wraps,
     # engine.py accumulates)
@@ -34,12 +38,17 @@ def accumulation_without_no_sync(facts: Facts):
         if not mentions(step.func, _is_optim_word):
             continue
         for a in facts.ancestors(step):
-            if isinstance(a, ast.If) and (mentions(a.test, is_accum_word) or any(
-                    isinstance(n, ast.BinOp) and isinstance(n.op, ast.Mod) for n in ast.walk(a.test))):
-                yield finding(facts, step, "accumulation-without-no-sync",
-                              "gradients are accumulated over micro-steps, but DDP still "
-                              "all-reduces on every backward.",
-                              "run the non-final micro-steps under `with model.no_sync():`.")
+            if isinstance(a, ast.If) and (
+                mentions(a.test, is_accum_word)
+                or any(isinstance(n, ast.BinOp) and isinstance(n.op, ast.Mod) for n in ast.walk(a.test))
+            ):
+                yield finding(
+                    facts,
+                    step,
+                    "accumulation-without-no-sync",
+                    "gradients are accumulated over micro-steps, but DDP still all-reduces on every backward.",
+                    "run the non-final micro-steps under `with model.no_sync():`.",
+                )
                 return
             if isinstance(a, (ast.FunctionDef, ast.AsyncFunctionDef)):
                 break
@@ -48,16 +57,20 @@ def accumulation_without_no_sync(facts: Facts):
 _SYNC_WORDS = ("inf", "found", "overflow", "finite", "nan", "skip")
 
 
-@rule("gradscaler-unsynced", ("P-DDP-7",), ERROR,
-      "fp16 GradScaler in a multi-rank loop without a synced skip",
-      """With fp16 GradScaler, every rank must skip the same steps. DDP guarantees it (the
+@rule(
+    "gradscaler-unsynced",
+    ("P-DDP-7",),
+    ERROR,
+    "fp16 GradScaler in a multi-rank loop without a synced skip",
+    """With fp16 GradScaler, every rank must skip the same steps. DDP guarantees it (the
       gradients are all-reduced before unscale, so all ranks see the same inf/nan). With
       FSDP1 (each rank holds a different shard) or a hand-written loop (no DDP), a plain
       GradScaler only sees its own gradients: one rank skips, the others step, and the
       replicas diverge silently. Use ShardedGradScaler for FSDP1, or all-reduce the
       found-inf flag (MAX) before deciding to step. Under FSDP2 (fully_shard) the plain
       torch.amp.GradScaler is right: the gradients are DTensors and the found-inf check
-      is reduced across the mesh, so it is not reported there.""")
+      is reduced across the mesh, so it is not reported there.""",
+)
 def gradscaler_unsynced(facts: Facts):
     if not facts.distributed and not facts.calls_to("GradScaler"):
         return
@@ -80,25 +93,34 @@ def gradscaler_unsynced(facts: Facts):
         if "fsdp1" in kinds and off_mode(facts, call, modes):
             continue  # `assert not args.fsdp` before it: the DDP path, where the plain scaler is right
         if "fsdp1" in kinds:
-            yield finding(facts, call, "gradscaler-unsynced",
-                          "GradScaler with FSDP shards: each rank checks only its own gradients for "
-                          "inf/nan, so ranks can disagree on skipping a step and diverge silently.",
-                          "use torch.distributed.fsdp.sharded_grad_scaler.ShardedGradScaler (FSDP), or "
-                          "all_reduce the found-inf flag with ReduceOp.MAX before scaler.step(); or use "
-                          "bf16 autocast, which needs no scaler.")
+            yield finding(
+                facts,
+                call,
+                "gradscaler-unsynced",
+                "GradScaler with FSDP shards: each rank checks only its own gradients for "
+                "inf/nan, so ranks can disagree on skipping a step and diverge silently.",
+                "use torch.distributed.fsdp.sharded_grad_scaler.ShardedGradScaler (FSDP), or "
+                "all_reduce the found-inf flag with ReduceOp.MAX before scaler.step(); or use "
+                "bf16 autocast, which needs no scaler.",
+            )
             continue
         # No wrap in the files checked: the model is usually wrapped out of view (then the
         # plain scaler is right). Only a hand-written gradient all-reduce shows there is no
         # DDP; then it is a warning that says what it could not see.
         if not _manual_grad_reduce(program) or _reduced_before_scaler_step(program):
             continue
-        yield finding(facts, call, "gradscaler-unsynced",
-                      "GradScaler in a multi-rank program that all-reduces gradients by hand (no "
-                      "DDP/FSDP wrap in the files checked): unscale_ runs on each rank's own view, so "
-                      "unless the gradients are reduced before it, ranks can disagree on skipping a "
-                      "step. Under DDP (wrapped in a file not checked) it is right.",
-                      "check the file that wraps the model in the same run; without DDP, all_reduce the "
-                      "found-inf flag with ReduceOp.MAX before scaler.step().", severity=WARNING)
+        yield finding(
+            facts,
+            call,
+            "gradscaler-unsynced",
+            "GradScaler in a multi-rank program that all-reduces gradients by hand (no "
+            "DDP/FSDP wrap in the files checked): unscale_ runs on each rank's own view, so "
+            "unless the gradients are reduced before it, ranks can disagree on skipping a "
+            "step. Under DDP (wrapped in a file not checked) it is right.",
+            "check the file that wraps the model in the same run; without DDP, all_reduce the "
+            "found-inf flag with ReduceOp.MAX before scaler.step().",
+            severity=WARNING,
+        )
 
 
 def _grad_reduces(call: ast.Call) -> bool:
@@ -109,18 +131,27 @@ def _reduced_before_scaler_step(program) -> bool:
     """Every `scaler.step()` comes after a gradient all-reduce in its function (directly, or
     through a project function that does one: LSGM's `average_gradients`) and no
     `unscale_` comes before that reduce: the ranks unscale the same, reduced gradients."""
-    reducers = {n.name for f in program for n in f.nodes if isinstance(n, ast.FunctionDef) and any(
-        isinstance(c, ast.Call) and (ref(c.func) or "").rsplit(".", 1)[-1] in _REDUCES and _grad_reduces(c)
-        for c in ast.walk(n))}
-    steps = [(f, c) for f in program for c in f.method_calls("step")
-             if "scal" in (ref(c.func.value) or "").lower()]  # type: ignore[attr-defined]
+    reducers = {
+        n.name
+        for f in program
+        for n in f.nodes
+        if isinstance(n, ast.FunctionDef)
+        and any(
+            isinstance(c, ast.Call) and (ref(c.func) or "").rsplit(".", 1)[-1] in _REDUCES and _grad_reduces(c)
+            for c in ast.walk(n)
+        )
+    }
+    steps = [(f, c) for f in program for c in f.method_calls("step") if "scal" in (ref(c.func.value) or "").lower()]  # type: ignore[attr-defined]
     if not steps:
         return False
     for f, step in steps:
         fn = f.scope_of(step)
         calls = [c for c, _ in f.calls if f.scope_of(c) is fn and c.lineno < step.lineno]
-        reduce_at = [c.lineno for c in calls if (name := (ref(c.func) or "").rsplit(".", 1)[-1]) in reducers
-                     or (name in _REDUCES and _grad_reduces(c))]
+        reduce_at = [
+            c.lineno
+            for c in calls
+            if (name := (ref(c.func) or "").rsplit(".", 1)[-1]) in reducers or (name in _REDUCES and _grad_reduces(c))
+        ]
         unscale_at = [c.lineno for c in calls if (ref(c.func) or "").endswith("unscale_")]
         if not reduce_at or any(u < min(reduce_at) for u in unscale_at):
             return False
@@ -139,22 +170,30 @@ def _manual_grad_reduce(program) -> bool:
     return False
 
 
-@rule("fsdp1-clip-grad", ("P-LOOP-5",), ERROR,
-      "torch.nn.utils.clip_grad_norm_ on an FSDP1 module",
-      """Under FullyShardedDataParallel (FSDP1) each rank holds a shard of every gradient,
+@rule(
+    "fsdp1-clip-grad",
+    ("P-LOOP-5",),
+    ERROR,
+    "torch.nn.utils.clip_grad_norm_ on an FSDP1 module",
+    """Under FullyShardedDataParallel (FSDP1) each rank holds a shard of every gradient,
       so torch.nn.utils.clip_grad_norm_ computes a different, local norm on each rank
       and clips each shard by a different factor. Call the wrapped module's own
-      `model.clip_grad_norm_(max_norm)`, which all-reduces the total norm.""")
+      `model.clip_grad_norm_(max_norm)`, which all-reduces the total norm.""",
+)
 def fsdp1_clip_grad(facts: Facts):
     fsdp = [w for w in facts.wraps if w.kind == "fsdp1"]
     if not fsdp:
         return
     name = fsdp[0].target or "model"
     for call in facts.calls_to("torch.nn.utils.clip_grad_norm_", "torch.nn.utils.clip_grad.clip_grad_norm_"):
-        yield finding(facts, call, "fsdp1-clip-grad",
-                      "torch.nn.utils.clip_grad_norm_ on FSDP-sharded gradients clips each rank's "
-                      "shard by its own local norm, not the global one.",
-                      f"call {name}.clip_grad_norm_(max_norm) on the FSDP module instead.")
+        yield finding(
+            facts,
+            call,
+            "fsdp1-clip-grad",
+            "torch.nn.utils.clip_grad_norm_ on FSDP-sharded gradients clips each rank's "
+            "shard by its own local norm, not the global one.",
+            f"call {name}.clip_grad_norm_(max_norm) on the FSDP module instead.",
+        )
 
 
 def _is_optimizer_step(call: ast.Call) -> bool:
@@ -175,8 +214,12 @@ def _mod_zero(test: ast.AST | None, branch: str) -> ast.BinOp | None:
         test = test.left if isinstance(test.ops[0], wanted) else None
     elif branch == "body":
         return None
-    if isinstance(test, ast.BinOp) and isinstance(test.op, ast.Mod) and isinstance(test.left, ast.Name) \
-            and not (isinstance(test.right, ast.Constant) and test.right.value in (0, 1)):
+    if (
+        isinstance(test, ast.BinOp)
+        and isinstance(test.op, ast.Mod)
+        and isinstance(test.left, ast.Name)
+        and not (isinstance(test.right, ast.Constant) and test.right.value in (0, 1))
+    ):
         return test
     return None
 
@@ -195,8 +238,12 @@ def _zero_based_index_loop(facts: Facts, start: ast.AST, name: str) -> ast.For |
         if not isinstance(a, ast.For):
             continue
         target, it = a.target, a.iter
-        if not (isinstance(target, ast.Tuple) and target.elts and isinstance(target.elts[0], ast.Name)
-                and target.elts[0].id == name):
+        if not (
+            isinstance(target, ast.Tuple)
+            and target.elts
+            and isinstance(target.elts[0], ast.Name)
+            and target.elts[0].id == name
+        ):
             continue
         if not (isinstance(it, ast.Call) and isinstance(it.func, ast.Name) and it.func.id == "enumerate"):
             return None
@@ -205,21 +252,26 @@ def _zero_based_index_loop(facts: Facts, start: ast.AST, name: str) -> ast.For |
             return None
         body = [n for s in a.body for n in ast.walk(s)]
         rebinds = any(isinstance(n, ast.Name) and n.id == name and isinstance(n.ctx, ast.Store) for n in body)
-        backward = any(isinstance(n, ast.Call) and isinstance(n.func, ast.Attribute) and
-                       n.func.attr == "backward" for n in body)
+        backward = any(
+            isinstance(n, ast.Call) and isinstance(n.func, ast.Attribute) and n.func.attr == "backward" for n in body
+        )
         return a if backward and not rebinds else None
     return None
 
 
-@rule("accumulation-off-by-one", ("P-DDP-5",), WARNING,
-      "optimizer step when a 0-based enumerate index % N == 0",
-      """With gradient accumulation over N micro-batches, `for step, batch in
+@rule(
+    "accumulation-off-by-one",
+    ("P-DDP-5",),
+    WARNING,
+    "optimizer step when a 0-based enumerate index % N == 0",
+    """With gradient accumulation over N micro-batches, `for step, batch in
       enumerate(loader): ... if step % N == 0: optimizer.step()` steps at step 0, after
       the first micro-batch alone, and only then every N: each epoch starts with a
       one-micro-batch update and every later window is shifted by one. The else branch
       of `if step % N != 0` is the same test. enumerate() counts from 0: test `(step + 1) % N == 0`, or count
       from 1 with `enumerate(loader, start=1)`. (transformers' `*_no_trainer.py`
-      examples and Accelerate's nlp_example.py carried this test; huggingface/transformers#15801.)""")
+      examples and Accelerate's nlp_example.py carried this test; huggingface/transformers#15801.)""",
+)
 def accumulation_off_by_one(facts: Facts):
     for call in facts.method_calls("step"):
         if not _is_optimizer_step(call):
@@ -230,15 +282,19 @@ def accumulation_off_by_one(facts: Facts):
                 break  # the test must guard the step within one iteration of the loop
             if isinstance(a, ast.If) and child is not a.test:
                 mod = _mod_zero(a.test, "body" if child in a.body else "orelse")
-                if mod is not None and isinstance(mod.left, ast.Name) and \
-                        _zero_based_index_loop(facts, a, mod.left.id):  # (_mod_zero checked the Name)
+                if (
+                    mod is not None and isinstance(mod.left, ast.Name) and _zero_based_index_loop(facts, a, mod.left.id)
+                ):  # (_mod_zero checked the Name)
                     i, n = mod.left.id, ast.unparse(mod.right)
-                    yield finding(facts, call, "accumulation-off-by-one",
-                                  f"the optimizer steps when `{i} % {n}` is 0, and `{i}` comes from "
-                                  f"enumerate(), which counts from 0: the first step comes after one "
-                                  f"micro-batch, then every {n}, so each epoch's first update "
-                                  "accumulates a single micro-batch.",
-                                  f"test `({i} + 1) % {n} == 0`, or count from 1 with "
-                                  f"`enumerate(..., start=1)`.")
+                    yield finding(
+                        facts,
+                        call,
+                        "accumulation-off-by-one",
+                        f"the optimizer steps when `{i} % {n}` is 0, and `{i}` comes from "
+                        f"enumerate(), which counts from 0: the first step comes after one "
+                        f"micro-batch, then every {n}, so each epoch's first update "
+                        "accumulates a single micro-batch.",
+                        f"test `({i} + 1) % {n} == 0`, or count from 1 with `enumerate(..., start=1)`.",
+                    )
                     break
             child = a

@@ -11,8 +11,13 @@ from disttrain.doctor.facts import Facts, mentions, ref
 
 def accelerator_saves(facts: Facts) -> list[ast.Call]:
     """`accelerator.save(obj, path)` (`self.accelerator.save`): Accelerate's torch.save."""
-    return [c for c in facts.method_calls("save") if len(c.args) >= 2 and
-            "accelerator" in (ref(c.func.value) or "").rsplit(".", 1)[-1].lower()]  # type: ignore[attr-defined]
+    return [
+        c
+        for c in facts.method_calls("save")
+        if len(c.args) >= 2
+        and isinstance(c.func, ast.Attribute)
+        and "accelerator" in (ref(c.func.value) or "").rsplit(".", 1)[-1].lower()
+    ]
 
 
 _ATOMIC_MOVES = ("os.replace", "os.rename", "shutil.move")
@@ -23,8 +28,11 @@ def atomic_moves(facts: Facts) -> list[ast.Call]:
     one argument, unlike str.replace(old, new)."""
     out = list(facts.calls_to(*_ATOMIC_MOVES))
     for attr in ("replace", "rename"):
-        out += [c for c in facts.method_calls(attr) if len(c.args) + len(c.keywords) == 1
-                and (facts.qualname(c.func) or "") not in _ATOMIC_MOVES]
+        out += [
+            c
+            for c in facts.method_calls(attr)
+            if len(c.args) + len(c.keywords) == 1 and (facts.qualname(c.func) or "") not in _ATOMIC_MOVES
+        ]
     return out
 
 
@@ -69,17 +77,20 @@ def in_temporary_dir(facts: Facts, call: ast.Call, path: ast.AST) -> bool:
     sites = facts.project.call_sites.get(fn, [])
     hits = [i for i, p in enumerate(params) if p in names]
     return bool(sites and hits) and all(
-        any(i - bound < len(c.args) and _bound_by_temporary_with(f, c.args[i - bound]) for i in hits)
-        for f, c in sites)
+        any(i - bound < len(c.args) and _bound_by_temporary_with(f, c.args[i - bound]) for i in hits) for f, c in sites
+    )
 
 
 def _bound_by_temporary_with(facts: Facts, value: ast.AST) -> bool:
     name = ref(value)
     return bool(name) and any(
-        isinstance(n, ast.withitem) and n.optional_vars is not None and ref(n.optional_vars) == name
+        isinstance(n, ast.withitem)
+        and n.optional_vars is not None
+        and ref(n.optional_vars) == name
         and isinstance(n.context_expr, ast.Call)
         and any(w in (ref(n.context_expr.func) or "").rsplit(".", 1)[-1].lower() for w in _TEMP_WORDS)
-        for n in facts.nodes)
+        for n in facts.nodes
+    )
 
 
 def ends_the_process(facts: Facts, call: ast.Call) -> bool:
@@ -91,8 +102,12 @@ def ends_the_process(facts: Facts, call: ast.Call) -> bool:
         block = getattr(parent, field, None)
         if isinstance(block, list) and stmt in block:
             last = block[-1]
-            return last is not stmt and isinstance(last, ast.Expr) and isinstance(last.value, ast.Call) and \
-                ast.unparse(last.value.func) in ("exit", "sys.exit", "quit", "os._exit")
+            return (
+                last is not stmt
+                and isinstance(last, ast.Expr)
+                and isinstance(last.value, ast.Call)
+                and ast.unparse(last.value.func) in ("exit", "sys.exit", "quit", "os._exit")
+            )
     return False
 
 
@@ -105,8 +120,13 @@ def checkpoint_copies(facts: Facts, saves: list[ast.Call], path_of) -> list[ast.
         if len(c.args) < 2 or _mentions_temp(facts, c.args[1]):
             continue
         src = _path_refs(facts, c.args[0])
-        if src and any(facts.scope_of(s) is facts.scope_of(c) and s.lineno < c.lineno and path_of(s) is not None
-                       and src & _path_refs(facts, path_of(s)) for s in saves):
+        if src and any(
+            facts.scope_of(s) is facts.scope_of(c)
+            and s.lineno < c.lineno
+            and path_of(s) is not None
+            and src & _path_refs(facts, path_of(s))
+            for s in saves
+        ):
             out.append(c)
     return out
 
@@ -127,9 +147,13 @@ def per_process_word(word: str) -> bool:
 def per_rank_variable(facts: Facts, path: ast.AST, call: ast.Call, word=is_rank_word) -> bool:
     """The path is a variable built from the rank in the same function (`queue_path =
     os.path.join(dump, "queue" + str(args.rank) + ".pth")`, `name = f"..._{rank_save}.pkl"`)."""
+
     def refs(node):  # whole references only: `args.out`, not `args` or a method's owner
-        return {ref(n) for n in ast.walk(node) if isinstance(n, (ast.Name, ast.Attribute))
-                and not isinstance(facts.parents.get(n), ast.Attribute)} - {None}
+        return {
+            ref(n)
+            for n in ast.walk(node)
+            if isinstance(n, (ast.Name, ast.Attribute)) and not isinstance(facts.parents.get(n), ast.Attribute)
+        } - {None}
 
     names = refs(path)
     scope = facts.scope_of(call)
@@ -137,11 +161,15 @@ def per_rank_variable(facts: Facts, path: ast.AST, call: ast.Call, word=is_rank_
     for _ in range(3):
         grown = set(names)
         for n in facts.nodes:
-            if isinstance(n, (ast.Assign, ast.For)) and facts.scope_of(n) in (scope, facts.tree) and \
-                    any(ref(t) in names for t in (n.targets if isinstance(n, ast.Assign) else [n.target])):
+            if (
+                isinstance(n, (ast.Assign, ast.For))
+                and facts.scope_of(n) in (scope, facts.tree)
+                and any(ref(t) in names for t in (n.targets if isinstance(n, ast.Assign) else [n.target]))
+            ):
                 n = n if isinstance(n, ast.Assign) else ast.Assign(targets=[n.target], value=n.iter)
                 if mentions(n.value, word) or any(
-                        ref(x) in variables for x in ast.walk(n.value) if isinstance(x, (ast.Name, ast.Attribute))):
+                    ref(x) in variables for x in ast.walk(n.value) if isinstance(x, (ast.Name, ast.Attribute))
+                ):
                     return True
                 grown |= refs(n.value)
         if grown == names:

@@ -1,12 +1,12 @@
 """What a restarted or resized job needs beyond TorchElastic (docs/elastic.md).
 
-    batch_policy.py  the global batch (or the LR) on a world-size change (P-ELASTIC-3, P-LOOP-4)
-    sample_audit.py  the samples each step consumed, per attempt (P-DATA-3); the generation id
-    preemption.py    SIGTERM/SIGINT -> an agreed stop, a save, exit 0 (P-ELASTIC-5)
-    fast_recovery.py a dead rank replaced by a warm spare in the same generation, the state
-                     from the survivors' memory (`[elastic] fast_recovery = true`)
-    buddy_copy.py    each rank's shard kept also in its buddy's CPU memory, for fast
-                     recovery under FSDP
+batch_policy.py  the global batch (or the LR) on a world-size change (P-ELASTIC-3, P-LOOP-4)
+sample_audit.py  the samples each step consumed, per attempt (P-DATA-3); the generation id
+preemption.py    SIGTERM/SIGINT -> an agreed stop, a save, exit 0 (P-ELASTIC-5)
+fast_recovery.py a dead rank replaced by a warm spare in the same generation, the state
+                 from the survivors' memory (`[elastic] fast_recovery = true`)
+buddy_copy.py    each rank's shard kept also in its buddy's CPU memory, for fast
+                 recovery under FSDP
 """
 
 from disttrain.elastic.batch_policy import apply_batch_policy

@@ -21,8 +21,16 @@ def divisors_note(global_batch: int, batch_size: int) -> str:
     return ", ".join(map(str, worlds))
 
 
-def apply_batch_policy(policy: str, *, saved_global_batch: int, batch_size: int, world_size: int,
-                       accum_steps: int, optimizer: torch.optim.Optimizer, scheduler=None) -> tuple[int, str | None]:
+def apply_batch_policy(
+    policy: str,
+    *,
+    saved_global_batch: int,
+    batch_size: int,
+    world_size: int,
+    accum_steps: int,
+    optimizer: torch.optim.Optimizer,
+    scheduler=None,
+) -> tuple[int, str | None]:
     """Decide accum_steps (and the LR) for a world that differs from the checkpoint's.
 
     'keep_global': the global batch stays `saved_global_batch`; accum_steps becomes
@@ -41,14 +49,19 @@ def apply_batch_policy(policy: str, *, saved_global_batch: int, batch_size: int,
                 f"the checkpoint's global batch is {saved_global_batch}, which {world_size} ranks x "
                 f"train.batch_size {batch_size} do not divide. Resume with a world size in "
                 f"[{divisors_note(saved_global_batch, batch_size)}], change train.batch_size, or set "
-                f"elastic.batch_policy = 'rescale_lr'.")
+                f"elastic.batch_policy = 'rescale_lr'."
+            )
         accum = saved_global_batch // per_step
-        return accum, (f"world size is now {world_size}: accum_steps {accum_steps} -> {accum} keeps "
-                       f"the global batch at {saved_global_batch}")
+        return accum, (
+            f"world size is now {world_size}: accum_steps {accum_steps} -> {accum} keeps "
+            f"the global batch at {saved_global_batch}"
+        )
     factor = batch_scale(new_global) / batch_scale(saved_global_batch)
     for group in optimizer.param_groups:
         group["lr"] *= factor
     if scheduler is not None:
         scheduler.base_lrs = [lr * factor for lr in scheduler.base_lrs]
-    return accum_steps, (f"world size is now {world_size}: global batch {saved_global_batch} -> "
-                         f"{new_global}, LR x {factor:.4f} (P-LOOP-4)")
+    return accum_steps, (
+        f"world size is now {world_size}: global batch {saved_global_batch} -> "
+        f"{new_global}, LR x {factor:.4f} (P-LOOP-4)"
+    )

@@ -74,8 +74,9 @@ def _skeleton(tree: Any, leaves: list[tuple[_Slot, torch.Tensor]], offset: list[
     return tree
 
 
-def pack(sd: dict, capacity: int | None = None, into: torch.Tensor | None = None,
-         copier: HostCopy | None = None) -> torch.Tensor:
+def pack(
+    sd: dict, capacity: int | None = None, into: torch.Tensor | None = None, copier: HostCopy | None = None
+) -> torch.Tensor:
     """`sd` (a nested state dict: `live_state`) as one flat uint8 CPU tensor of `capacity`
     bytes (None: exactly what it needs), written into `into` when it has that size
     (the buffer of an older pack, reused). Device tensors go through `copier` (a side
@@ -93,15 +94,21 @@ def pack(sd: dict, capacity: int | None = None, into: torch.Tensor | None = None
     device = on_cuda(local for _, local in leaves)
     buf = into if into is not None and into.numel() == size else host_buffer(size, pinned=device)
     buf[:8].view(torch.int64)[0] = len(skeleton)
-    buf[_HEADER:_HEADER + len(skeleton)].copy_(torch.frombuffer(bytearray(skeleton), dtype=torch.uint8))
+    buf[_HEADER : _HEADER + len(skeleton)].copy_(torch.frombuffer(bytearray(skeleton), dtype=torch.uint8))
     if leaves and not device:  # one copy kernel for every tensor, back to back
-        torch.cat([local.detach().reshape(-1).view(torch.uint8) for _, local in leaves],
-                  out=buf[start:need])
+        torch.cat([local.detach().reshape(-1).view(torch.uint8) for _, local in leaves], out=buf[start:need])
     elif leaves:
         own = copier is None
         copier = copier or HostCopy()
-        copier.copy([(buf[start + slot.offset:start + slot.offset + slot.nbytes],
-                      local.detach().reshape(-1).view(torch.uint8)) for slot, local in leaves])
+        copier.copy(
+            [
+                (
+                    buf[start + slot.offset : start + slot.offset + slot.nbytes],
+                    local.detach().reshape(-1).view(torch.uint8),
+                )
+                for slot, local in leaves
+            ]
+        )
         if own:
             copier.wait()
     return buf
@@ -112,22 +119,26 @@ def unpack(buf: torch.Tensor, template: dict | None) -> dict:
     CPU). A DTensor leaf takes its mesh and placements from the same place in
     `template`. Raises `KeyError` when the template has no DTensor there."""
     n = int(buf[:8].view(torch.int64)[0])
-    skeleton = pickle.loads(buf[_HEADER:_HEADER + n].numpy().tobytes())
-    data = buf[_HEADER + -(-n // 16) * 16:]
+    skeleton = pickle.loads(buf[_HEADER : _HEADER + n].numpy().tobytes())
+    data = buf[_HEADER + -(-n // 16) * 16 :]
     return _fill(skeleton, data, template)
 
 
 def _fill(tree: Any, data: torch.Tensor, template: Any) -> Any:
     if isinstance(tree, dict):
-        return {k: _fill(v, data, template[k] if isinstance(template, dict) and k in template else None)
-                for k, v in tree.items()}
+        return {
+            k: _fill(v, data, template[k] if isinstance(template, dict) and k in template else None)
+            for k, v in tree.items()
+        }
     if isinstance(tree, (list, tuple)):
-        return type(tree)(_fill(v, data, template[i] if isinstance(template, (list, tuple))
-                                and i < len(template) else None) for i, v in enumerate(tree))
+        return type(tree)(
+            _fill(v, data, template[i] if isinstance(template, (list, tuple)) and i < len(template) else None)
+            for i, v in enumerate(tree)
+        )
     if not isinstance(tree, _Slot):
         return tree
     # cloned first: a fresh, aligned storage that views as any dtype
-    raw = data[tree.offset:tree.offset + tree.nbytes].clone()
+    raw = data[tree.offset : tree.offset + tree.nbytes].clone()
     local = (raw.view(tree.dtype) if tree.nbytes else torch.empty(0, dtype=tree.dtype)).reshape(tree.shape)
     if not tree.dtensor:  # stays on the CPU: load_state_dict moves it where it belongs
         return local
@@ -135,8 +146,14 @@ def _fill(tree: Any, data: torch.Tensor, template: Any) -> Any:
         raise KeyError("a sharded tensor of the buddy copy has no DTensor in this rank's state")
     from torch.distributed.tensor import DTensor
 
-    return DTensor.from_local(local.to(template.device), template.device_mesh, template.placements,
-                              shape=template.shape, stride=template.stride(), run_check=False)
+    return DTensor.from_local(
+        local.to(template.device),
+        template.device_mesh,
+        template.placements,
+        shape=template.shape,
+        stride=template.stride(),
+        run_check=False,
+    )
 
 
 def live_state(state) -> dict:
@@ -148,8 +165,7 @@ def live_state(state) -> dict:
     for name in ("scheduler", "sampler", "scaler"):
         obj = getattr(state, name)
         meta[name] = obj.state_dict() if obj is not None and hasattr(obj, "state_dict") else None
-    return {"model": state.model.state_dict(), "optim": opt.state_dict() if opt is not None else None,
-            "meta": meta}
+    return {"model": state.model.state_dict(), "optim": opt.state_dict() if opt is not None else None, "meta": meta}
 
 
 def load_live_state(state, sd: dict) -> None:
@@ -194,9 +210,15 @@ def choose_step(offers: list[dict]) -> int | None:
     world = len(offers)
     candidates = {s for o in offers for s in (*o["mine"], *o["theirs"])}
     for step in sorted(candidates, reverse=True):
-        if all(step in (o["mine"] if not o["new"] else
-                        (() if offers[(i + 1) % world]["new"] else offers[(i + 1) % world]["theirs"]))
-               for i, o in enumerate(offers)):
+        if all(
+            step
+            in (
+                o["mine"]
+                if not o["new"]
+                else (() if offers[(i + 1) % world]["new"] else offers[(i + 1) % world]["theirs"])
+            )
+            for i, o in enumerate(offers)
+        ):
             return step
     return None
 
@@ -242,12 +264,12 @@ class BuddyCopy:
             self._capacity = caps
         oldest = min(self.mine) if len(self.mine) >= 2 else None
         try:  # the oldest pack's buffer is reused: nothing sends it any more (waited above)
-            buf = pack(sd, self._capacity[rank], into=self.mine.pop(oldest) if oldest is not None else None,
-                       copier=self.copier)
+            buf = pack(
+                sd, self._capacity[rank], into=self.mine.pop(oldest) if oldest is not None else None, copier=self.copier
+            )
         except OverflowError as e:
             self.disabled = True  # every later copy would not fit either; the disk checkpoint remains
-            LOGGER.warning(f"{speaker()}: rank {rank}: the buddy copy is off for this run ({e})",
-                           extra=EVERY_RANK)
+            LOGGER.warning(f"{speaker()}: rank {rank}: the buddy copy is off for this run ({e})", extra=EVERY_RANK)
             return
         self.mine[step] = buf
         size = self._capacity[(rank - 1) % world]
@@ -255,8 +277,10 @@ class BuddyCopy:
         incoming = spare if spare is not None and spare.numel() == size else torch.empty(size, dtype=torch.uint8)
         self.copier.wait()  # on CUDA: the side stream's copy is in the buffer before gloo reads it
         # The group spans the whole world in rank order: its ranks are the global ones.
-        works = [dist.isend(buf, dst=(rank + 1) % world, group=self.group),
-                 dist.irecv(incoming, src=(rank - 1) % world, group=self.group)]
+        works = [
+            dist.isend(buf, dst=(rank + 1) % world, group=self.group),
+            dist.irecv(incoming, src=(rank - 1) % world, group=self.group),
+        ]
         self._pending = (step, works, incoming)
         fault_injection.inject("buddy", step, dist.get_rank())
 
@@ -286,8 +310,12 @@ class BuddyCopy:
 
     # ------------------------------------------------------------ recovery
     def offer(self, newcomer: bool) -> dict:
-        return {"new": newcomer, "mine": sorted(self.mine), "theirs": sorted(self.theirs),
-                "sizes": {s: b.numel() for s, b in self.theirs.items()}}
+        return {
+            "new": newcomer,
+            "mine": sorted(self.mine),
+            "theirs": sorted(self.theirs),
+            "sizes": {s: b.numel() for s, b in self.theirs.items()},
+        }
 
     def restore(self, state, newcomer: bool, gen: int) -> bool:
         """A collective of the new generation (default group and buddy group): load the
@@ -299,8 +327,9 @@ class BuddyCopy:
         step = choose_step(offers)
         fault_injection.inject("recovery", -1 if step is None else step, rank)
         if step is None:
-            LOGGER.info(f"{speaker()}: generation {gen}: no step has every shard in memory; "
-                        f"loading the newest checkpoint")
+            LOGGER.info(
+                f"{speaker()}: generation {gen}: no step has every shard in memory; loading the newest checkpoint"
+            )
             return False
         left, right = (rank - 1) % world, (rank + 1) % world
         works = []
@@ -317,6 +346,8 @@ class BuddyCopy:
         self.mine = {step: own}
         self.theirs = {}
         newcomers = [i for i, o in enumerate(offers) if o["new"]]
-        LOGGER.info(f"{speaker()}: generation {gen}: step {step} restored from memory "
-                    f"(shards of ranks {newcomers} from their buddies)")
+        LOGGER.info(
+            f"{speaker()}: generation {gen}: step {step} restored from memory "
+            f"(shards of ranks {newcomers} from their buddies)"
+        )
         return True

@@ -83,8 +83,12 @@ def warm_up() -> None:
 
 def connect_store(timeout_s: float) -> dist.TCPStore:
     """A client of the supervisor's store (it may still be starting: the client retries)."""
-    return dist.TCPStore(os.environ.get("MASTER_ADDR", "127.0.0.1"), int(os.environ["MASTER_PORT"]),
-                         is_master=False, timeout=datetime.timedelta(seconds=timeout_s))
+    return dist.TCPStore(
+        os.environ.get("MASTER_ADDR", "127.0.0.1"),
+        int(os.environ["MASTER_PORT"]),
+        is_master=False,
+        timeout=datetime.timedelta(seconds=timeout_s),
+    )
 
 
 def join(store: dist.Store, gen: int, world: int, wait_s: float) -> int:
@@ -104,8 +108,9 @@ def join(store: dist.Store, gen: int, world: int, wait_s: float) -> int:
                 gen = current
                 break
             if time.monotonic() > deadline:
-                raise TimeoutError(f"generation {gen}: only {store.add(key, 0)} of {world} ranks "
-                                   f"joined within {wait_s:.0f} s")
+                raise TimeoutError(
+                    f"generation {gen}: only {store.add(key, 0)} of {world} ranks joined within {wait_s:.0f} s"
+                )
             time.sleep(0.002)
 
 
@@ -195,13 +200,16 @@ class Handoff:
         best = max(steps)
         fault_injection.inject("recovery", best, dist.get_rank())
         if best < 0:
-            LOGGER.info(f"{speaker()}: generation {self.gen}: no rank holds the state in memory; "
-                        f"loading the newest checkpoint")
+            LOGGER.info(
+                f"{speaker()}: generation {self.gen}: no rank holds the state in memory; loading the newest checkpoint"
+            )
             return False
         src = steps.index(best)
         state.load_state_dict(broadcast_state(self.memory if dist.get_rank() == src else None, src))
-        LOGGER.info(f"{speaker()}: generation {self.gen}: state of step {best} taken from rank "
-                    f"{src}'s memory (ranks' steps {steps})")
+        LOGGER.info(
+            f"{speaker()}: generation {self.gen}: state of step {best} taken from rank "
+            f"{src}'s memory (ranks' steps {steps})"
+        )
         return True
 
     def snapshot(self) -> None:
@@ -237,9 +245,11 @@ def broadcast_state(memory: dict | None, src: int) -> dict:
     return unpack(wire.cpu(), template=None)
 
 
-UNPROVEN_NCCL = ("disttrain: fast recovery on NCCL is unproven: its test (tests/test_fast_recovery_cuda.py) "
-                 "needs a machine with 2 GPUs and has not run on one yet; a failed recovery falls back "
-                 "to torchrun's restart and the disk checkpoint.")
+UNPROVEN_NCCL = (
+    "disttrain: fast recovery on NCCL is unproven: its test (tests/test_fast_recovery_cuda.py) "
+    "needs a machine with 2 GPUs and has not run on one yet; a failed recovery falls back "
+    "to torchrun's restart and the disk checkpoint."
+)
 
 
 def nccl_expected(backend: str, device: str) -> bool:
@@ -255,8 +265,15 @@ def current() -> Handoff | None:
     return processes.STATE.handoff
 
 
-def run(body: Callable[[runtime.RankInfo, Handoff], Any], *, backend: str, device: str,
-        timeout_s: float, seed: int, prepare: Callable[[Handoff], None] | None = None) -> Any:
+def run(
+    body: Callable[[runtime.RankInfo, Handoff], Any],
+    *,
+    backend: str,
+    device: str,
+    timeout_s: float,
+    seed: int,
+    prepare: Callable[[Handoff], None] | None = None,
+) -> Any:
     """Run `body(info, handoff)` in process groups of successive generations until it
     returns. `prepare(handoff)` runs before the first group (a spare: before it waits,
     so its datasets are built while it is idle). The body's `dt.Job` asks for a buddy
@@ -292,8 +309,13 @@ def run(body: Callable[[runtime.RankInfo, Handoff], Any], *, backend: str, devic
             handoff.gen = gen
             fault_injection.set_attempt(gen)  # a fault for attempt k fires once, in generation k
             handoff.listening = group_sockets.listeners()
-            info = runtime.init(backend=backend, device=device, timeout_s=timeout_s, seed=seed,
-                                store=dist.PrefixStore(f"disttrain/fast/g{gen}/pg", store))
+            info = runtime.init(
+                backend=backend,
+                device=device,
+                timeout_s=timeout_s,
+                seed=seed,
+                store=dist.PrefixStore(f"disttrain/fast/g{gen}/pg", store),
+            )
             handoff.publish_listeners()
             processes.STATE.handoff = handoff
             try:
@@ -367,5 +389,7 @@ def _stop_a_loop(handoff: Handoff, verdict: failures.Verdict, rank: int) -> None
     if failures.crash_loop(verdict, _failed_step(handoff), unit="generations"):
         worker_notes.wait_to_be_stopped()
         raise SystemExit(1) from None
-    failures.say_once(f"{speaker()}: rank {rank}: generation {handoff.gen} failed and no peer died "
-                      f"({verdict.cause}); recovering in memory once more")
+    failures.say_once(
+        f"{speaker()}: rank {rank}: generation {handoff.gen} failed and no peer died "
+        f"({verdict.cause}); recovering in memory once more"
+    )

@@ -46,7 +46,7 @@ def _endpoint(hex_addr: str) -> tuple[str, int]:
     addr, port = hex_addr.split(":")
     raw = bytes.fromhex(addr)
     if sys.byteorder == "little":  # the kernel prints each 32-bit word in host order
-        raw = b"".join(raw[i:i + 4][::-1] for i in range(0, len(raw), 4))
+        raw = b"".join(raw[i : i + 4][::-1] for i in range(0, len(raw), 4))
     family = socket.AF_INET if len(raw) == 4 else socket.AF_INET6
     return socket.inet_ntop(family, raw), int(port, 16)
 

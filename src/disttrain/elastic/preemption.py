@@ -137,8 +137,11 @@ class PreemptionHandler:
         v = self._vote
         # MAX of (flag, step time, -budget): one signalled rank is enough, and every rank
         # learns the slowest step and the smallest budget, so all choose the same steps.
-        vote = torch.tensor([1.0 if self.requested else 0.0, v.slowest, -VOTE_BUDGET * self.grace_s],
-                            dtype=torch.float64, device=comm_device())  # NCCL: CUDA
+        vote = torch.tensor(
+            [1.0 if self.requested else 0.0, v.slowest, -VOTE_BUDGET * self.grace_s],
+            dtype=torch.float64,
+            device=comm_device(),
+        )  # NCCL: CUDA
         work = dist.all_reduce(vote, op=dist.ReduceOp.MAX, async_op=True)
         v.pending, v.slowest = (work, vote, v.calls), 0.0  # the tensor lives until read
 

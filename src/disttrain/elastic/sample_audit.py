@@ -12,6 +12,7 @@ from pathlib import Path
 
 import torch
 
+
 def generation_id() -> int:
     """A number every rank of this attempt shares, larger than any earlier attempt's:
     rank 0's clock in ns, broadcast. (TORCHELASTIC_RESTART_COUNT is per agent, so two
@@ -30,8 +31,7 @@ class SampleAudit:
     """Appends {"step", "rank", "world", "generation", "time_ns", "indices"} lines, one file per
     rank and attempt, under `root`. A no-op when disabled."""
 
-    def __init__(self, root: str | os.PathLike, rank: int, world_size: int, enabled: bool,
-                 generation: int = 0):
+    def __init__(self, root: str | os.PathLike, rank: int, world_size: int, enabled: bool, generation: int = 0):
         self.enabled = enabled
         self.rank, self.world, self.generation = rank, world_size, generation
         self._pending: list[int] = []
@@ -48,9 +48,19 @@ class SampleAudit:
         """Record the samples of optimizer step `step` (1-based), then start afresh."""
         if self.enabled:
             with self.path.open("a") as f:
-                f.write(json.dumps({"step": step, "rank": self.rank, "world": self.world,
-                                    "generation": self.generation, "time_ns": time.time_ns(),
-                                    "indices": self._pending}) + "\n")
+                f.write(
+                    json.dumps(
+                        {
+                            "step": step,
+                            "rank": self.rank,
+                            "world": self.world,
+                            "generation": self.generation,
+                            "time_ns": time.time_ns(),
+                            "indices": self._pending,
+                        }
+                    )
+                    + "\n"
+                )
         self._pending = []
 
 

@@ -12,8 +12,7 @@ The names below load run_guard (and torch) on first use, so the launcher's use o
 script_watchdog imports no torch.
 """
 
-__all__ = ["RunGuard", "check_consistency", "check_replicas", "path_nbytes", "start_guard",
-           "tensor_nbytes"]
+__all__ = ["RunGuard", "check_consistency", "check_replicas", "path_nbytes", "start_guard", "tensor_nbytes"]
 
 
 def __getattr__(name: str):

@@ -20,8 +20,12 @@ from __future__ import annotations
 from collections import Counter
 from pathlib import Path
 
-_SIGNALS = {"T": "stopped (SIGSTOP or a debugger)", "t": "stopped by a tracer", "Z": "dead (zombie)",
-            "D": "in uninterruptible I/O"}
+_SIGNALS = {
+    "T": "stopped (SIGSTOP or a debugger)",
+    "t": "stopped by a tracer",
+    "Z": "dead (zombie)",
+    "D": "in uninterruptible I/O",
+}
 
 
 def _skipped(beats: list[dict]) -> list[tuple[int, str, int | None]]:
@@ -36,8 +40,14 @@ def _skipped(beats: list[dict]) -> list[tuple[int, str, int | None]]:
     for phase in phases:
         for b in beats:
             mine = b.get("counts", {}).get(phase, 0)
-            ahead = [o for o in beats if o is not b and o.get("counts", {}).get(phase, 0) > mine
-                     and o.get("history", {}).get(phase) and b["step"] > o["history"][phase][-1]]
+            ahead = [
+                o
+                for o in beats
+                if o is not b
+                and o.get("counts", {}).get(phase, 0) > mine
+                and o.get("history", {}).get(phase)
+                and b["step"] > o["history"][phase][-1]
+            ]
             if not ahead:
                 continue
             kept = set(b.get("history", {}).get(phase, []))
@@ -48,8 +58,9 @@ def _skipped(beats: list[dict]) -> list[tuple[int, str, int | None]]:
     return found
 
 
-def diagnose(beats: list[dict], now: float, stale_after: float,
-             stacks: dict[int, str] | None = None) -> tuple[str, list[int]]:
+def diagnose(
+    beats: list[dict], now: float, stale_after: float, stacks: dict[int, str] | None = None
+) -> tuple[str, list[int]]:
     """(verdict sentence, lagging ranks) from every rank's last heartbeat, and from the
     ranks' stack dumps (`stacks`, by rank) where the heartbeats single out none."""
     verdict, lagging = _by_beats(beats, now, stale_after)
@@ -58,9 +69,24 @@ def diagnose(beats: list[dict], now: float, stale_after: float,
     return verdict, lagging
 
 
-COLLECTIVE_WORDS = ("all_reduce", "allreduce", "all_gather", "allgather", "reduce_scatter", "broadcast",
-                    "barrier", "all_to_all", "alltoall", "isend", "irecv", "c10d", "_functional_collectives",
-                    "_fully_shard/", "torch/nn/parallel/distributed.py", "_engine_run_backward")
+COLLECTIVE_WORDS = (
+    "all_reduce",
+    "allreduce",
+    "all_gather",
+    "allgather",
+    "reduce_scatter",
+    "broadcast",
+    "barrier",
+    "all_to_all",
+    "alltoall",
+    "isend",
+    "irecv",
+    "c10d",
+    "_functional_collectives",
+    "_fully_shard/",
+    "torch/nn/parallel/distributed.py",
+    "_engine_run_backward",
+)
 """Words of a frame that waits for the other ranks: a collective or point-to-point op
 (torch.distributed's API and its logging wrapper are `distributed_c10d.py` and
 `c10d_logger.py`), functional collectives, FSDP2's unshard and reduce waits, DDP's
@@ -87,58 +113,82 @@ def _by_stacks(beats: list[dict], stacks: dict[int, str]) -> tuple[str, list[int
     if len(known) < 2 or not waiting or not lagging:
         return None
     where = "; ".join(f"rank {r} at {where_in_stack(stacks[r])}" for r in lagging)
-    return (f"rank(s) {lagging} are not in a collective while rank(s) {sorted(waiting)} wait in one: "
-            f"they stopped making progress in their own code ({where})."), lagging
+    return (
+        f"rank(s) {lagging} are not in a collective while rank(s) {sorted(waiting)} wait in one: "
+        f"they stopped making progress in their own code ({where})."
+    ), lagging
 
 
 def _by_beats(beats: list[dict], now: float, stale_after: float) -> tuple[str, list[int]]:
     """Rules 1 to 5 of the module docstring, on the heartbeats alone."""
     running = [b for b in beats if b.get("state") == "running"]
-    frozen = [b for b in running
-              if b.get("proc_state") in _SIGNALS or now - b["alive"] > stale_after]
+    frozen = [b for b in running if b.get("proc_state") in _SIGNALS or now - b["alive"] > stale_after]
     if frozen:
-        parts = [f"rank {b['rank']} is {_SIGNALS.get(b.get('proc_state') or '', 'not responding')}: "
-                 f"no heartbeat for {now - b['alive']:.1f} s (the last one was at step {b['step']}, "
-                 f"phase {b['phase']!r}; its stack below shows where it is now)" for b in frozen]
+        parts = [
+            f"rank {b['rank']} is {_SIGNALS.get(b.get('proc_state') or '', 'not responding')}: "
+            f"no heartbeat for {now - b['alive']:.1f} s (the last one was at step {b['step']}, "
+            f"phase {b['phase']!r}; its stack below shows where it is now)"
+            for b in frozen
+        ]
         return "; ".join(parts) + ". The others wait for it.", [b["rank"] for b in frozen]
     skipped = _skipped(beats)
     if skipped:
         ranks = sorted({r for r, _, _ in skipped})
-        parts = [f"rank {r} skipped phase {p!r} " + (f"at step {s}" if s is not None else
-                 "(before the steps its history keeps)") for r, p, s in skipped]
-        return ("; ".join(parts) + " while the other ranks entered it: a rank-specific branch "
-                "around a collective leaves the others waiting (or pairs mismatched "
-                "collectives)."), ranks
+        parts = [
+            f"rank {r} skipped phase {p!r} "
+            + (f"at step {s}" if s is not None else "(before the steps its history keeps)")
+            for r, p, s in skipped
+        ]
+        return (
+            "; ".join(parts) + " while the other ranks entered it: a rank-specific branch "
+            "around a collective leaves the others waiting (or pairs mismatched "
+            "collectives)."
+        ), ranks
     exited = [b for b in beats if b.get("state") == "exited"]
     if exited:
-        return (f"rank(s) {[b['rank'] for b in exited]} already left the training loop while "
-                f"the others wait in a collective."), [b["rank"] for b in exited]
+        return (
+            f"rank(s) {[b['rank'] for b in exited]} already left the training loop while "
+            f"the others wait in a collective."
+        ), [b["rank"] for b in exited]
     steps = {b["step"] for b in beats}
     if len(steps) > 1:
         low = min(steps)
         lag = [b["rank"] for b in beats if b["step"] == low]
-        return (f"rank(s) {lag} are behind at step {low} (others reached step {max(steps)}); "
-                f"a slow rank, often its data loading (P-DEBUG-4)."), lag
+        return (
+            f"rank(s) {lag} are behind at step {low} (others reached step {max(steps)}); "
+            f"a slow rank, often its data loading (P-DEBUG-4)."
+        ), lag
     phases = Counter(b["phase"] for b in beats)
     if len(phases) > 1:
         # Ranks that have not yet entered, at this step, the phase another rank waits in.
-        behind = [b["rank"] for b in beats if any(
-            o is not b and o["step"] in o.get("history", {}).get(o["phase"], [])
-            and b["step"] not in b.get("history", {}).get(o["phase"], []) for o in beats)]
+        behind = [
+            b["rank"]
+            for b in beats
+            if any(
+                o is not b
+                and o["step"] in o.get("history", {}).get(o["phase"], [])
+                and b["step"] not in b.get("history", {}).get(o["phase"], [])
+                for o in beats
+            )
+        ]
         if behind and len(behind) < len(beats):
             where = ", ".join(f"rank {b['rank']} in {b['phase']!r}" for b in beats)
-            return (f"rank(s) {behind} have not reached, at step {min(steps)}, the phase the others "
-                    f"wait in ({where}): they lag, often in data loading (P-DEBUG-4)."), behind
-        (common, n), = phases.most_common(1)
+            return (
+                f"rank(s) {behind} have not reached, at step {min(steps)}, the phase the others "
+                f"wait in ({where}): they lag, often in data loading (P-DEBUG-4)."
+            ), behind
+        ((common, n),) = phases.most_common(1)
         if n > len(beats) / 2:
             lag = [b["rank"] for b in beats if b["phase"] != common]
             where = ", ".join(f"rank {b['rank']} in {b['phase']!r}" for b in beats if b["rank"] in lag)
             return (f"{where}, while the others wait in {common!r}: those ranks lag."), lag
         where = ", ".join(f"rank {b['rank']} in {b['phase']!r}" for b in beats)
         return f"ranks are in different phases at the same step ({where}).", []
-    return ("every rank waits in the same step and phase: a communication problem (network, "
-            "NCCL, a dead peer on another host), not a lagging rank. Rerun with "
-            "`disttrain run --debug` (P-DEBUG-2)."), []
+    return (
+        "every rank waits in the same step and phase: a communication problem (network, "
+        "NCCL, a dead peer on another host), not a lagging rank. Rerun with "
+        "`disttrain run --debug` (P-DEBUG-2)."
+    ), []
 
 
 def main_frames(stack: str) -> list[str]:
@@ -150,7 +200,7 @@ def main_frames(stack: str) -> list[str]:
     if not heads:
         return []
     frames = []
-    for frame in lines[heads[0] + 1:]:
+    for frame in lines[heads[0] + 1 :]:
         frame = frame.strip()
         if not frame or frame.startswith(("Thread", "Current thread")):
             break
@@ -171,26 +221,39 @@ def where_in_stack(stack: str) -> str:
     return frames[0] + (f", called from {own}" if own and own != frames[0] else "")
 
 
-def format_summary(*, reason: str, reporter: int, world: int, beats: list[dict], verdict: str,
-                   lagging: list[int], stacks: dict[int, str], report: Path) -> str:
+def format_summary(
+    *,
+    reason: str,
+    reporter: int,
+    world: int,
+    beats: list[dict],
+    verdict: str,
+    lagging: list[int],
+    stacks: dict[int, str],
+    report: Path,
+) -> str:
     """The one summary a hang prints: why it fired, who lags, where every rank is."""
     seen = {b["rank"] for b in beats}
-    lines = [f"disttrain guard: HANG detected by rank {reporter}: {reason}.",
-             f"Lagging rank(s): {', '.join(map(str, lagging)) if lagging else 'none singled out'}. "
-             f"{verdict}",
-             "Where each rank is:"]
+    lines = [
+        f"disttrain guard: HANG detected by rank {reporter}: {reason}.",
+        f"Lagging rank(s): {', '.join(map(str, lagging)) if lagging else 'none singled out'}. {verdict}",
+        "Where each rank is:",
+    ]
     for b in beats:
         state = b.get("proc_state", "")
         extra = f" [process state {state}]" if state and state not in "RS" else ""
         frame = where_in_stack(stacks.get(b["rank"], ""))
-        lines.append(f"  rank {b['rank']} (pid {b['pid']} on {b['host']}){extra}: step {b['step']}, "
-                     f"phase {b['phase']!r} for {b['phase_elapsed']:.1f} s"
-                     + (f"; at {frame}" if frame else "") + ("" if b.get("state") == "running"
-                                                            else f" ({b.get('state')})"))
+        lines.append(
+            f"  rank {b['rank']} (pid {b['pid']} on {b['host']}){extra}: step {b['step']}, "
+            f"phase {b['phase']!r} for {b['phase_elapsed']:.1f} s"
+            + (f"; at {frame}" if frame else "")
+            + ("" if b.get("state") == "running" else f" ({b.get('state')})")
+        )
     missing = sorted(set(range(world)) - seen)
     if missing:
-        lines.append(f"  rank(s) {missing}: no heartbeat on this host's side channel "
-                     f"(other hosts: set guard.dir to a shared directory).")
-    lines.append(f"Full stacks: {report}. Stopping the job now instead of waiting for the "
-                 f"collective timeout.")
+        lines.append(
+            f"  rank(s) {missing}: no heartbeat on this host's side channel "
+            f"(other hosts: set guard.dir to a shared directory)."
+        )
+    lines.append(f"Full stacks: {report}. Stopping the job now instead of waiting for the collective timeout.")
     return "\n".join(lines)

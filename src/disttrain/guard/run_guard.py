@@ -46,8 +46,7 @@ def model_structure(model: nn.Module) -> list[str]:
     flat = torch_compat.fsdp1_unsharded_shapes(model)  # the root FSDP1 unit sits above `m`
     items = [(n, t) for n, t in m.named_parameters()] + [(n, t) for n, t in m.named_buffers()]
     name = torch_compat.canonical_name
-    return [f"{name(n)}:{flat.get(id(t), tuple(t.shape))}:{str(t.dtype).replace('torch.', '')}"
-            for n, t in items]
+    return [f"{name(n)}:{flat.get(id(t), tuple(t.shape))}:{str(t.dtype).replace('torch.', '')}" for n, t in items]
 
 
 def _config_items(config: Any) -> dict[str, str]:
@@ -90,14 +89,14 @@ def _first_difference(values: list[Any]) -> str:
     if all(isinstance(v, dict) for v in values):
         keys = sorted(set().union(*values))
         diff = [k for k in keys if len({json.dumps(v.get(k)) for v in values}) > 1]
-        shown = "; ".join(f"{k}: " + ", ".join(f"rank {r}={v.get(k, '<missing>')}"
-                                               for r, v in enumerate(values)) for k in diff[:5])
+        shown = "; ".join(
+            f"{k}: " + ", ".join(f"rank {r}={v.get(k, '<missing>')}" for r, v in enumerate(values)) for k in diff[:5]
+        )
         return f"differing keys ({len(diff)}): {shown}"
     for i in range(max(len(v) for v in values)):
         entries = [v[i] if i < len(v) else "<missing>" for v in values]
         if len(set(entries)) > 1:
-            return f"first difference at entry {i}: " + ", ".join(
-                f"rank {r}={e}" for r, e in enumerate(entries))
+            return f"first difference at entry {i}: " + ", ".join(f"rank {r}={e}" for r, e in enumerate(entries))
     return "no entry differs"
 
 
@@ -144,7 +143,8 @@ def check_consistency(model: nn.Module | None = None, config: Any = None, **fiel
     raise DistributedMismatchError(
         f"ranks disagree at start on {', '.join(bad)} (P-DEBUG-3); rank(s) {ranks} differ from "
         "the others:\n" + "\n".join(lines) + "\nEvery rank must run the same code, config, model "
-        "and library versions; check per-rank overrides, environment variables and installs.")
+        "and library versions; check per-rank overrides, environment variables and installs."
+    )
 
 
 # ---------------------------------------------------------------- replica divergence
@@ -159,8 +159,10 @@ def _is_replicated(model: nn.Module) -> bool:
 @torch.no_grad()
 def parameter_checksums(model: nn.Module) -> torch.Tensor:
     """Per parameter: (sum, sum of squares) in float64, shape (n_params, 2), on CPU."""
-    sums = [torch.stack([p.sum(dtype=torch.float64), p.double().square().sum()])
-            for p in torch_compat.unwrap(model).parameters()]
+    sums = [
+        torch.stack([p.sum(dtype=torch.float64), p.double().square().sum()])
+        for p in torch_compat.unwrap(model).parameters()
+    ]
     return torch.stack(sums).cpu() if sums else torch.zeros(0, 2, dtype=torch.float64)
 
 
@@ -181,7 +183,7 @@ def check_replicas(model: nn.Module, step: int) -> None:
     both = torch.cat([local, -local]).to(comm_device())  # one MAX all-reduce: max and -min
     dist.all_reduce(both, op=dist.ReduceOp.MAX)
     both = both.cpu()
-    hi, lo = both[: len(local)], -both[len(local):]
+    hi, lo = both[: len(local)], -both[len(local) :]
     differs = (hi != lo).any(dim=1)
     if not bool(differs.any()):
         return
@@ -196,10 +198,12 @@ def check_replicas(model: nn.Module, step: int) -> None:
     raise DistributedMismatchError(
         f"replicas diverged by step {step}: parameter {names[first]!r} (and "
         f"{int(differs.sum()) - 1} more) differs on rank(s) {ranks} from rank 0 "
-        f"(sums: " + ", ".join(f"rank {r}={float(v[0]):.9g}" for r, v in enumerate(everyone)) +
-        "). Under DDP every rank must apply the same update: look for rank-specific "
+        f"(sums: "
+        + ", ".join(f"rank {r}={float(v[0]):.9g}" for r, v in enumerate(everyone))
+        + "). Under DDP every rank must apply the same update: look for rank-specific "
         "optimizer steps or parameter edits, an fp16 GradScaler whose skip is not agreed "
-        "by all ranks (P-DDP-7), or non-deterministic kernels.")
+        "by all ranks (P-DDP-7), or non-deterministic kernels."
+    )
 
 
 # ---------------------------------------------------------------- sizes of slow phases
@@ -219,8 +223,7 @@ def tensor_nbytes(*objects: Any) -> int:
         if isinstance(obj, nn.Module):
             tensors = [*obj.parameters(), *obj.buffers()]
         elif isinstance(obj, torch.optim.Optimizer):
-            tensors = [v for state in obj.state.values() for v in state.values()
-                       if isinstance(v, torch.Tensor)]
+            tensors = [v for state in obj.state.values() for v in state.values() if isinstance(v, torch.Tensor)]
         else:
             continue
         total += sum(_local(t).numel() * t.element_size() for t in tensors)
@@ -335,8 +338,12 @@ def start_guard(cfg=None, *, config: Any = None, timeout_s: float | None = None,
         # A shared guard.dir gets one subdirectory per job attempt, so runs never mix.
         side = Path(cfg.dir) / job_key() if cfg.dir else None
         hand_over(side or default_dir())  # this watchdog knows the steps
-        watchdog = Watchdog(dir=side, hang_factor=cfg.hang_factor,
-                            hang_min_s=min(cfg.hang_min_s, cap), hang_cap_s=cap,
-                            tick_s=cfg.tick_s).start()
+        watchdog = Watchdog(
+            dir=side,
+            hang_factor=cfg.hang_factor,
+            hang_min_s=min(cfg.hang_min_s, cap),
+            hang_cap_s=cap,
+            tick_s=cfg.tick_s,
+        ).start()
         atexit.register(watchdog.stop)
     return RunGuard(cfg, watchdog)

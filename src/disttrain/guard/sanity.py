@@ -75,15 +75,22 @@ def check_world_size(expected: int | None = None, *, strict: bool = False) -> No
         return
     world = _world()
     if world < expected:
-        how = ("no torchrun environment (WORLD_SIZE unset): this is a single process"
-               if "WORLD_SIZE" not in os.environ else f"WORLD_SIZE is {world}")
+        how = (
+            "no torchrun environment (WORLD_SIZE unset): this is a single process"
+            if "WORLD_SIZE" not in os.environ
+            else f"WORLD_SIZE is {world}"
+        )
         raise NotDistributedError(
             f"looks distributed but is not: {expected} processes were asked for, but {how}. "
             f"Launch with `disttrain run --nproc {expected} SCRIPT` (or torchrun), and check "
-            f"that every node joined the rendezvous.")
+            f"that every node joined the rendezvous."
+        )
     if world > expected:
-        _report(f"{world} processes run but {expected} were asked for; check --nnodes/--nproc.",
-                certain=False, strict=strict)
+        _report(
+            f"{world} processes run but {expected} were asked for; check --nnodes/--nproc.",
+            certain=False,
+            strict=strict,
+        )
 
 
 def usable_cores() -> int:
@@ -104,15 +111,22 @@ def check_threads(*, local_world: int | None = None, strict: bool = False) -> No
     ranks = local_world or int(os.environ.get("LOCAL_WORLD_SIZE", 1))
     threads, cores = torch.get_num_threads(), usable_cores()
     if ranks > 1 and threads == 1 and ranks > cores:  # OMP_NUM_THREADS=1 already: too many ranks
-        _report(f"CPU oversubscribed: {ranks} ranks on this host for {cores} cores, each already on "
-                f"1 thread, so steps run much slower. Start at most {cores} processes per host "
-                f"(--nproc {cores}).", certain=False, strict=strict)
+        _report(
+            f"CPU oversubscribed: {ranks} ranks on this host for {cores} cores, each already on "
+            f"1 thread, so steps run much slower. Start at most {cores} processes per host "
+            f"(--nproc {cores}).",
+            certain=False,
+            strict=strict,
+        )
     elif ranks > 1 and threads * ranks > cores:
-        _report(f"CPU oversubscribed: {ranks} ranks on this host x {threads} threads each = "
-                f"{threads * ranks} threads for {cores} cores, so steps run much slower "
-                f"(2.35x measured). Set OMP_NUM_THREADS={max(1, cores // ranks)} or call "
-                f"torch.set_num_threads({max(1, cores // ranks)}); `disttrain run` does this.",
-                certain=False, strict=strict)
+        _report(
+            f"CPU oversubscribed: {ranks} ranks on this host x {threads} threads each = "
+            f"{threads * ranks} threads for {cores} cores, so steps run much slower "
+            f"(2.35x measured). Set OMP_NUM_THREADS={max(1, cores // ranks)} or call "
+            f"torch.set_num_threads({max(1, cores // ranks)}); `disttrain run` does this.",
+            certain=False,
+            strict=strict,
+        )
 
 
 def is_wrapped(model: nn.Module) -> bool:
@@ -138,8 +152,7 @@ def is_wrapped(model: nn.Module) -> bool:
     return False
 
 
-def check_wrapped(model: nn.Module, optimizer: torch.optim.Optimizer | None = None, *,
-                  strict: bool = False) -> None:
+def check_wrapped(model: nn.Module, optimizer: torch.optim.Optimizer | None = None, *, strict: bool = False) -> None:
     """In a world > 1, check that the model the optimizer steps is wrapped by a strategy.
 
     An unwrapped model trains one unsynchronised copy per rank. That warns (a user may
@@ -155,12 +168,17 @@ def check_wrapped(model: nn.Module, optimizer: torch.optim.Optimizer | None = No
             raise NotDistributedError(
                 "looks distributed but is not: the optimizer steps none of the wrapped model's "
                 "parameters, so the synchronised model never changes. Build the optimizer "
-                "after `dt.wrap(model)`, over the wrapped model's parameters (P-DDP-3).")
+                "after `dt.wrap(model)`, over the wrapped model's parameters (P-DDP-3)."
+            )
     if not is_wrapped(model):
-        _report(f"looks distributed but is not: world size is {_world()} but the model is not "
-                f"wrapped by any strategy (DDP/FSDP), so each rank trains its own copy and "
-                f"gradients are never averaged. Use `model = dt.wrap(model)` before building "
-                f"the optimizer.", certain=False, strict=strict)
+        _report(
+            f"looks distributed but is not: world size is {_world()} but the model is not "
+            f"wrapped by any strategy (DDP/FSDP), so each rank trains its own copy and "
+            f"gradients are never averaged. Use `model = dt.wrap(model)` before building "
+            f"the optimizer.",
+            certain=False,
+            strict=strict,
+        )
 
 
 def batch_digest(batch: Any) -> int:
@@ -198,13 +216,19 @@ def check_first_batch(batch: Any, *, strict: bool = False) -> None:
 
     digests = gather_ints(batch_digest(batch))
     if len(set(digests)) == 1:
-        _report(f"looks distributed but is not: all {len(digests)} ranks drew the same first "
-                f"batch, so they train on the same data and the job is no faster than one "
-                f"process. Use `dt.DistributedSampler(dataset)` (a disjoint shard per rank, "
-                f"P-DATA-1) instead of a plain shuffle or a shared seed.",
-                certain=False, strict=strict)
+        _report(
+            f"looks distributed but is not: all {len(digests)} ranks drew the same first "
+            f"batch, so they train on the same data and the job is no faster than one "
+            f"process. Use `dt.DistributedSampler(dataset)` (a disjoint shard per rank, "
+            f"P-DATA-1) instead of a plain shuffle or a shared seed.",
+            certain=False,
+            strict=strict,
+        )
     else:
         same = [r for r, d in enumerate(digests) if digests.count(d) > 1]
         if same:
-            _report(f"ranks {same} drew identical first batches; their data shards overlap "
-                    f"(P-DATA-1).", certain=False, strict=strict)
+            _report(
+                f"ranks {same} drew identical first batches; their data shards overlap (P-DATA-1).",
+                certain=False,
+                strict=strict,
+            )

@@ -85,9 +85,11 @@ class ScriptWatchdog(Watchdog):
             self._wait = (count, now)
             self.phase_name, self.phase_since = WAITING, now
         elif now - self._wait[1] > bound:
-            return (f"rank {self.rank}'s main thread has waited {now - self._wait[1]:.0f} s in a "
-                    f"collective with no progress (at {frames[0]}), over the bound of {bound:g} s "
-                    f"(disttrain run --hang-timeout)")
+            return (
+                f"rank {self.rank}'s main thread has waited {now - self._wait[1]:.0f} s in a "
+                f"collective with no progress (at {frames[0]}), over the bound of {bound:g} s "
+                f"(disttrain run --hang-timeout)"
+            )
         return self._silent_peer(bound)
 
 
@@ -102,8 +104,10 @@ def hang_timeout_s(env: dict | None = None) -> float:
     except ValueError:
         value = -1.0
     if not value >= 0 or value == float("inf"):
-        raise ValueError(f"{HANG_TIMEOUT_ENV} (--hang-timeout) is {raw!r}; give the seconds a rank may "
-                         f"wait in one collective, e.g. 600, or 0 for no hang watchdog.")
+        raise ValueError(
+            f"{HANG_TIMEOUT_ENV} (--hang-timeout) is {raw!r}; give the seconds a rank may "
+            f"wait in one collective, e.g. 600, or 0 for no hang watchdog."
+        )
     return value
 
 

@@ -53,8 +53,7 @@ def join(folder: Path, first_files: Callable[[], T]) -> T:
             return first_files()
         finally:
             os.close(fd)
-    raise OSError(f"the watchdog's folder {folder} was removed {JOIN_TRIES} times while this rank "
-                  f"joined it")
+    raise OSError(f"the watchdog's folder {folder} was removed {JOIN_TRIES} times while this rank joined it")
 
 
 def leave(folder: Path, may_remove: Callable[[], bool]) -> bool:

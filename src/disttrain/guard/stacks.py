@@ -42,9 +42,15 @@ def dump_stacks(beats: list[dict], dir: Path) -> dict[int, str]:
     stacks: dict[int, str] = {}
     if py_spy:
         # --nonblocking reads memory without pausing: safe on a stopped process.
-        procs = {b["rank"]: subprocess.Popen([py_spy, "dump", "--nonblocking", "--pid", str(b["pid"])],
-                                             stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
-                 for b in beats}
+        procs = {
+            b["rank"]: subprocess.Popen(
+                [py_spy, "dump", "--nonblocking", "--pid", str(b["pid"])],
+                stdout=subprocess.PIPE,
+                stderr=subprocess.STDOUT,
+                text=True,
+            )
+            for b in beats
+        }
         for rank, proc in procs.items():
             try:
                 stacks[rank] = proc.communicate(timeout=20)[0]

@@ -74,10 +74,19 @@ class Watchdog:
     blocked in C++ and cannot be interrupted.
     """
 
-    def __init__(self, *, dir: str | os.PathLike | None = None, hang_factor: float = 20.0,
-                 hang_min_s: float = 60.0, hang_cap_s: float = 600.0, tick_s: float = 1.0,
-                 warmup_steps: int = 3, exit_code: int = HANG_EXIT_CODE,
-                 slow_min_s: float = SLOW_MIN_S, slow_bytes_per_s: float = SLOW_BYTES_PER_S):
+    def __init__(
+        self,
+        *,
+        dir: str | os.PathLike | None = None,
+        hang_factor: float = 20.0,
+        hang_min_s: float = 60.0,
+        hang_cap_s: float = 600.0,
+        tick_s: float = 1.0,
+        warmup_steps: int = 3,
+        exit_code: int = HANG_EXIT_CODE,
+        slow_min_s: float = SLOW_MIN_S,
+        slow_bytes_per_s: float = SLOW_BYTES_PER_S,
+    ):
         self.rank = int(os.environ.get("RANK", 0))
         self.local_rank = int(os.environ.get("LOCAL_RANK", 0))
         self.world = int(os.environ.get("WORLD_SIZE", 1))
@@ -152,8 +161,11 @@ class Watchdog:
         # Fallback stack dump for when py-spy is absent: the reporter sends SIGUSR1.
         self._stack_file = side_channel.join(self.dir, self._first_files)
         # Only when nobody else handles SIGUSR1: a user's handler is never replaced.
-        if (hasattr(signal, "SIGUSR1") and threading.current_thread() is threading.main_thread()
-                and signal.getsignal(signal.SIGUSR1) in (signal.SIG_DFL, None)):
+        if (
+            hasattr(signal, "SIGUSR1")
+            and threading.current_thread() is threading.main_thread()
+            and signal.getsignal(signal.SIGUSR1) in (signal.SIG_DFL, None)
+        ):
             faulthandler.register(signal.SIGUSR1, file=self._stack_file, all_threads=True, chain=False)
             self._usr1 = True
         self._thread = threading.Thread(target=self._run, name="disttrain-watchdog", daemon=True)
@@ -217,11 +229,21 @@ class Watchdog:
             counts = dict(self.counts)
         except RuntimeError:  # the training thread added a phase meanwhile; next tick
             history, counts = {}, {}
-        return {"rank": self.rank, "local_rank": self.local_rank, "pid": os.getpid(),
-                "host": self.host, "step": self.step_no, "phase": self.phase_name,
-                "step_elapsed": now - self.step_since, "phase_elapsed": now - self.phase_since,
-                "alive": time.time(), "state": state, "history": history, "counts": counts,
-                "bound": self.bound()}
+        return {
+            "rank": self.rank,
+            "local_rank": self.local_rank,
+            "pid": os.getpid(),
+            "host": self.host,
+            "step": self.step_no,
+            "phase": self.phase_name,
+            "step_elapsed": now - self.step_since,
+            "phase_elapsed": now - self.phase_since,
+            "alive": time.time(),
+            "state": state,
+            "history": history,
+            "counts": counts,
+            "bound": self.bound(),
+        }
 
     def _beat(self, state: str = "running") -> None:
         path = self.dir / f"hb{self.rank}.json"
@@ -243,8 +265,9 @@ class Watchdog:
                 reason = self._check()
             except Exception as e:  # e.g. a foreign file in the directory; keep watching
                 if not warned:
-                    LOGGER.warning(f"disttrain guard: watchdog on rank {self.rank}: {type(e).__name__}: {e}",
-                                   extra=EVERY_RANK)
+                    LOGGER.warning(
+                        f"disttrain guard: watchdog on rank {self.rank}: {type(e).__name__}: {e}", extra=EVERY_RANK
+                    )
                     warned = True
                 continue
             if reason:
@@ -265,11 +288,12 @@ class Watchdog:
         if deadline is not None:
             elapsed = time.monotonic() - self.slow_since
             if elapsed > bound:
-                return (f"slow phase '{self.phase_name}' in step {self.step_no} on rank {self.rank} "
-                        f"has run {elapsed:.1f} s, over its bound of {bound:.1f} s")
+                return (
+                    f"slow phase '{self.phase_name}' in step {self.step_no} on rank {self.rank} "
+                    f"has run {elapsed:.1f} s, over its bound of {bound:.1f} s"
+                )
         elif (elapsed := time.monotonic() - self.step_since) > bound:
-            return (f"step {self.step_no} on rank {self.rank} has run {elapsed:.1f} s, over the "
-                    f"bound of {bound:.1f} s")
+            return f"step {self.step_no} on rank {self.rank} has run {elapsed:.1f} s, over the bound of {bound:.1f} s"
         return self._silent_peer(bound)
 
     def _silent_peer(self, bound: float) -> str | None:
@@ -301,8 +325,11 @@ class Watchdog:
         try:
             self._report(reason)
         except Exception as e:  # a bug in the report must never turn back into a hang
-            LOGGER.error(f"disttrain guard: HANG detected by rank {self.rank}: {reason}. (The full "
-                         f"report failed: {type(e).__name__}: {e}.)", extra=EVERY_RANK)
+            LOGGER.error(
+                f"disttrain guard: HANG detected by rank {self.rank}: {reason}. (The full "
+                f"report failed: {type(e).__name__}: {e}.)",
+                extra=EVERY_RANK,
+            )
         os._exit(self.exit_code)
 
     def _report(self, reason: str) -> None:
@@ -313,11 +340,17 @@ class Watchdog:
             b["proc_state"] = proc_state(b["pid"])
         stacks = dump_stacks(local, self.dir)
         verdict, lagging = diagnose(beats, now, stale_after=max(self.bound(), 5 * self.tick_s), stacks=stacks)
-        summary = format_summary(reason=reason, reporter=self.rank, world=self.world, beats=beats,
-                                 verdict=verdict, lagging=lagging, stacks=stacks,
-                                 report=self.dir / "hang_report.txt")
-        full = summary + "\n\n" + "\n\n".join(f"--- rank {r} stack ---\n{text}"
-                                              for r, text in sorted(stacks.items()))
+        summary = format_summary(
+            reason=reason,
+            reporter=self.rank,
+            world=self.world,
+            beats=beats,
+            verdict=verdict,
+            lagging=lagging,
+            stacks=stacks,
+            report=self.dir / "hang_report.txt",
+        )
+        full = summary + "\n\n" + "\n\n".join(f"--- rank {r} stack ---\n{text}" for r, text in sorted(stacks.items()))
         try:
             (self.dir / "hang_report.txt").write_text(full)
         except OSError:

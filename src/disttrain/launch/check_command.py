@@ -60,9 +60,10 @@ class CheckArgs:
 
 
 def _parser() -> argparse.ArgumentParser:
-    p = OneLineParser(prog="disttrain check",
-                                description="Preflight of a multi-node job: run it on every node "
-                                            "with the flags of `disttrain run`.")
+    p = OneLineParser(
+        prog="disttrain check",
+        description="Preflight of a multi-node job: run it on every node with the flags of `disttrain run`.",
+    )
     p.add_argument("--nnodes", default="1")
     p.add_argument("--nproc-per-node", "--nproc_per_node", "--nproc", dest="nproc", default=None)
     p.add_argument("--rdzv-backend", "--rdzv_backend", dest="backend", default=None)
@@ -98,7 +99,7 @@ def _own_flags(argv: list[str]) -> tuple[list[str], list[str]]:
         name = argv[i].split("=", 1)[0]
         if name in OWN_FLAGS:
             take = 1 if "=" in argv[i] else 2
-            own += argv[i:i + take]
+            own += argv[i : i + take]
             i += take
         else:
             rest.append(argv[i])
@@ -131,26 +132,38 @@ def parse(argv: list[str]) -> CheckArgs:
     elif backend == "static":
         endpoint = ns.endpoint or (f"{ns.master_addr}:{ns.master_port}" if ns.master_addr else "")
         if not endpoint or ns.node_rank is None:
-            raise UserError("a multi-node job without --rdzv-backend uses torchrun's static "
-                            "rendezvous: give --master-addr HOST and --node-rank N (or use "
-                            "--rdzv-backend c10d --rdzv-endpoint HOST:PORT).")
+            raise UserError(
+                "a multi-node job without --rdzv-backend uses torchrun's static "
+                "rendezvous: give --master-addr HOST and --node-rank N (or use "
+                "--rdzv-backend c10d --rdzv-endpoint HOST:PORT)."
+            )
     elif backend in ("c10d", "etcd-v2"):
         endpoint = ns.endpoint
         if not endpoint:
-            raise UserError(f"--rdzv-backend {ns.backend} needs --rdzv-endpoint HOST:PORT, the address "
-                            f"every node can reach.")
+            raise UserError(
+                f"--rdzv-backend {ns.backend} needs --rdzv-endpoint HOST:PORT, the address every node can reach."
+            )
     else:
-        raise UserError(f"--rdzv-backend {ns.backend!r} is not one the check knows; use c10d, etcd "
-                        f"(etcd-v2) or static.")
+        raise UserError(
+            f"--rdzv-backend {ns.backend!r} is not one the check knows; use c10d, etcd (etcd-v2) or static."
+        )
     host, _, port = endpoint.rpartition(":") if ":" in endpoint else (endpoint, "", "")
     default_port = {"c10d": C10D_PORT, "etcd-v2": 2379, "static": STATIC_PORT}[backend]
     if port and not port.isdigit():
         raise UserError(f"--rdzv-endpoint {endpoint!r} has no valid port; write it as HOST:PORT.")
-    return CheckArgs(nnodes=nnodes, nproc=nproc, backend=backend, host=host or "127.0.0.1",
-                     port=int(port) if port else (0 if not endpoint else default_port),
-                     run_id=f"{ns.run_id}-check", node_rank=ns.node_rank, local_addr=ns.local_addr,
-                     ckpt_dir=_ckpt_dir(ns.checkpoint_dir, config, overrides), timeout_s=ns.timeout,
-                     limits=Limits(min_free_gib=ns.min_free_gib, max_clock_skew_s=ns.max_clock_skew))
+    return CheckArgs(
+        nnodes=nnodes,
+        nproc=nproc,
+        backend=backend,
+        host=host or "127.0.0.1",
+        port=int(port) if port else (0 if not endpoint else default_port),
+        run_id=f"{ns.run_id}-check",
+        node_rank=ns.node_rank,
+        local_addr=ns.local_addr,
+        ckpt_dir=_ckpt_dir(ns.checkpoint_dir, config, overrides),
+        timeout_s=ns.timeout,
+        limits=Limits(min_free_gib=ns.min_free_gib, max_clock_skew_s=ns.max_clock_skew),
+    )
 
 
 def _refuse_unknown(unused: list[str]) -> None:
@@ -161,8 +174,7 @@ def _refuse_unknown(unused: list[str]) -> None:
     torchrun = torchrun_flags()
     bad = [a for a in unused if a.startswith("--") and a.split("=", 1)[0] not in torchrun]
     if bad:
-        raise UserError(f"unknown flag {bad[0]}; see `disttrain check --help` (torchrun's own flags "
-                        f"are accepted too).")
+        raise UserError(f"unknown flag {bad[0]}; see `disttrain check --help` (torchrun's own flags are accepted too).")
 
 
 def _ckpt_dir(explicit: str | None, config: str | None, overrides: list[str]) -> str:
@@ -186,17 +198,28 @@ def _rendezvous(args: CheckArgs, addr: str, deadline: float):
     from torch.distributed.elastic.rendezvous.registry import get_rendezvous_handler
 
     left = max(1, int(deadline - time.monotonic()))
-    conf: dict = {"join_timeout": left, "last_call_timeout": 1, "read_timeout": left,
-                  "keep_alive_interval": 1, "keep_alive_max_attempt": 3}
+    conf: dict = {
+        "join_timeout": left,
+        "last_call_timeout": 1,
+        "read_timeout": left,
+        "keep_alive_interval": 1,
+        "keep_alive_max_attempt": 3,
+    }
     if args.backend == "c10d":
         # torch guesses the store host from the hostname, which misses a secondary NIC or
         # a network namespace; binding to the endpoint's address is exact.
         conf["is_host"] = is_local_address(args.host)
     if args.backend == "static":
         conf = {"rank": args.node_rank, "timeout": left}
-    params = RendezvousParameters(backend=args.backend, endpoint=f"{args.host}:{args.port}",
-                                  run_id=args.run_id, min_nodes=args.nnodes, max_nodes=args.nnodes,
-                                  local_addr=addr, **conf)
+    params = RendezvousParameters(
+        backend=args.backend,
+        endpoint=f"{args.host}:{args.port}",
+        run_id=args.run_id,
+        min_nodes=args.nnodes,
+        max_nodes=args.nnodes,
+        local_addr=addr,
+        **conf,
+    )
     handler = get_rendezvous_handler(params)
     # The handler must outlive the check: it owns the store behind `info.store` (for
     # etcd-v2 a Python store, which a PrefixStore cannot use once it is collected).
@@ -264,14 +287,23 @@ def _collectives(info, nodes: list[NodeFacts], args: CheckArgs) -> dict[str, flo
     try:
         if args.backend == "etcd-v2":  # as torchrun: a TCPStore on rank 0's node, not etcd, for the group
             where = info.bootstrap_store_info
-            store = dist.TCPStore(where.master_addr, where.master_port, world_size=world,
-                                  is_master=rank == 0, timeout=timeout, multi_tenant=True)
-        dist.init_process_group("gloo", store=dist.PrefixStore("check-pg", store), rank=rank,
-                                world_size=world, timeout=timeout)
+            store = dist.TCPStore(
+                where.master_addr,
+                where.master_port,
+                world_size=world,
+                is_master=rank == 0,
+                timeout=timeout,
+                multi_tenant=True,
+            )
+        dist.init_process_group(
+            "gloo", store=dist.PrefixStore("check-pg", store), rank=rank, world_size=world, timeout=timeout
+        )
     except Exception as e:  # gloo's own error types differ by version; all mean "no mesh"
-        raise NodeFailed(f"node {me.name}: the nodes met at the store but gloo could not connect "
-                         f"them within {args.timeout_s:g} s ({_first_line(e)}). Set "
-                         f"GLOO_SOCKET_IFNAME to the interface of the network between the nodes.") from None
+        raise NodeFailed(
+            f"node {me.name}: the nodes met at the store but gloo could not connect "
+            f"them within {args.timeout_s:g} s ({_first_line(e)}). Set "
+            f"GLOO_SOCKET_IFNAME to the interface of the network between the nodes."
+        ) from None
     try:
         gbps: dict[str, float] = {}
         if world > 1:  # one node has no network between nodes to measure
@@ -308,7 +340,8 @@ def check(args: CheckArgs, started: float | None = None) -> tuple[list[NodeFacts
         port = free_port()
     args = dataclasses.replace(args, port=port)
     hosting = args.backend in ("c10d", "static") and (
-        is_local_address(args.host) if args.backend == "c10d" else args.node_rank == 0)
+        is_local_address(args.host) if args.backend == "c10d" else args.node_rank == 0
+    )
     if hosting:
         addr = args.local_addr or args.host
     else:
@@ -316,26 +349,33 @@ def check(args: CheckArgs, started: float | None = None) -> tuple[list[NodeFacts
             addr = reach(args.host, args.port, deadline)
         except OSError as e:
             who = f"{args.local_addr} ({_own_name()})" if args.local_addr else _own_name()
-            raise NodeFailed(f"node {who}: cannot reach the rendezvous endpoint {args.host}:{args.port} "
-                             f"within {args.timeout_s:g} s ({e.strerror or e}); check this node's "
-                             f"link, route and firewall to {args.host}.") from None
+            raise NodeFailed(
+                f"node {who}: cannot reach the rendezvous endpoint {args.host}:{args.port} "
+                f"within {args.timeout_s:g} s ({e.strerror or e}); check this node's "
+                f"link, route and firewall to {args.host}."
+            ) from None
         addr = args.local_addr or addr
     mine = node_facts(addr, args.nproc, args.ckpt_dir)
     try:
         handler, info = _rendezvous(args, addr, deadline)
     except RendezvousTimeoutError:
-        raise NodeFailed(f"node {mine.name}: not all {args.nnodes} nodes joined the rendezvous at "
-                         f"{args.host}:{args.port} within {args.timeout_s:g} s; a missing node cannot "
-                         f"reach it or was not started (its own `disttrain check` names why).") from None
+        raise NodeFailed(
+            f"node {mine.name}: not all {args.nnodes} nodes joined the rendezvous at "
+            f"{args.host}:{args.port} within {args.timeout_s:g} s; a missing node cannot "
+            f"reach it or was not started (its own `disttrain check` names why)."
+        ) from None
     except Exception as e:  # a store that went away, refused connections: torch's types vary
-        raise NodeFailed(f"node {mine.name}: the rendezvous at {args.host}:{args.port} failed: "
-                         f"{_first_line(e)}") from None
+        raise NodeFailed(
+            f"node {mine.name}: the rendezvous at {args.host}:{args.port} failed: {_first_line(e)}"
+        ) from None
     mine.rank = info.rank
     try:
         nodes = _exchange(info.store, info.rank, info.world_size, mine, hosting, deadline)
     except Exception as e:
-        raise NodeFailed(f"node {mine.name}: the other nodes' facts did not arrive through the store "
-                         f"within {args.timeout_s:g} s ({_first_line(e)}).") from None
+        raise NodeFailed(
+            f"node {mine.name}: the other nodes' facts did not arrive through the store "
+            f"within {args.timeout_s:g} s ({_first_line(e)})."
+        ) from None
     bad = problems(nodes, args.limits)
     gbps: dict[str, float] = {}
     if not bad:  # mismatched versions could hang a collective: only healthy nodes go on

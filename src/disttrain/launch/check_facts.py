@@ -65,9 +65,16 @@ def node_facts(addr: str, nproc: int, ckpt_dir: str) -> NodeFacts:
 
     import disttrain.version
 
-    facts = NodeFacts(host=socket.gethostname(), addr=addr, python=platform.python_version(),
-                      torch=torch.__version__, disttrain=disttrain.version.__version__,
-                      devices=visible_devices(), nproc=nproc, ckpt_dir=ckpt_dir)
+    facts = NodeFacts(
+        host=socket.gethostname(),
+        addr=addr,
+        python=platform.python_version(),
+        torch=torch.__version__,
+        disttrain=disttrain.version.__version__,
+        devices=visible_devices(),
+        nproc=nproc,
+        ckpt_dir=ckpt_dir,
+    )
     if ckpt_dir:
         facts.ckpt_free_gib, facts.ckpt_error = probe_dir(Path(ckpt_dir))
     return facts
@@ -157,26 +164,38 @@ def problems(nodes: list[NodeFacts], limits: Limits) -> list[str]:
     out = []
     for key, label in (("disttrain", "disttrain"), ("torch", "torch"), ("python", "Python")):
         for n, value, ref in _odd_ones(nodes, key):
-            out.append(f"node {n.name}: {label} {value} differs from {getattr(ref, key)} on node "
-                       f"{ref.name}; install the same {label} version on every node.")
+            out.append(
+                f"node {n.name}: {label} {value} differs from {getattr(ref, key)} on node "
+                f"{ref.name}; install the same {label} version on every node."
+            )
     for n, value, ref in _odd_ones(nodes, "devices"):
-        out.append(f"node {n.name}: sees {value} GPU(s), node {ref.name} sees {ref.devices}; "
-                   f"check CUDA_VISIBLE_DEVICES and the node's drivers.")
+        out.append(
+            f"node {n.name}: sees {value} GPU(s), node {ref.name} sees {ref.devices}; "
+            f"check CUDA_VISIBLE_DEVICES and the node's drivers."
+        )
     for n in nodes:
         if n.devices and n.nproc > n.devices:
-            out.append(f"node {n.name}: --nproc-per-node {n.nproc} is more than its {n.devices} "
-                       f"visible GPU(s); each process needs its own GPU.")
+            out.append(
+                f"node {n.name}: --nproc-per-node {n.nproc} is more than its {n.devices} "
+                f"visible GPU(s); each process needs its own GPU."
+            )
         if n.ckpt_error:
-            out.append(f"node {n.name}: checkpoint directory {n.ckpt_dir} is {n.ckpt_error}; "
-                       f"point checkpoint.dir at a writable (shared) directory.")
+            out.append(
+                f"node {n.name}: checkpoint directory {n.ckpt_dir} is {n.ckpt_error}; "
+                f"point checkpoint.dir at a writable (shared) directory."
+            )
         elif n.ckpt_free_gib is not None and n.ckpt_free_gib < limits.min_free_gib:
-            out.append(f"node {n.name}: only {n.ckpt_free_gib:.2f} GiB free at {n.ckpt_dir} "
-                       f"(at least {limits.min_free_gib:g} GiB asked by --min-free-gib); free "
-                       f"space or move checkpoint.dir.")
+            out.append(
+                f"node {n.name}: only {n.ckpt_free_gib:.2f} GiB free at {n.ckpt_dir} "
+                f"(at least {limits.min_free_gib:g} GiB asked by --min-free-gib); free "
+                f"space or move checkpoint.dir."
+            )
         if n.clock_offset_s is not None and abs(n.clock_offset_s) > limits.max_clock_skew_s:
-            out.append(f"node {n.name}: its clock is {n.clock_offset_s:+.2f} s off node "
-                       f"{nodes[0].name}'s (limit {limits.max_clock_skew_s:g} s); enable NTP "
-                       f"(chrony or systemd-timesyncd) on every node.")
+            out.append(
+                f"node {n.name}: its clock is {n.clock_offset_s:+.2f} s off node "
+                f"{nodes[0].name}'s (limit {limits.max_clock_skew_s:g} s); enable NTP "
+                f"(chrony or systemd-timesyncd) on every node."
+            )
     return out
 
 
@@ -186,17 +205,24 @@ def render(nodes: list[NodeFacts], bandwidth: dict[str, float], bad: list[str]) 
     from rich.table import Table
 
     table = Table(title=f"disttrain check: {len(nodes)} node(s)")
-    for col in ("rank", "node", "python", "torch", "disttrain", "GPUs", "nproc",
-                "ckpt free", "clock offset", "status"):
+    for col in ("rank", "node", "python", "torch", "disttrain", "GPUs", "nproc", "ckpt free", "clock offset", "status"):
         table.add_column(col)
     for n in nodes:
         mine = [p for p in bad if p.startswith(f"node {n.name}:")]
-        free = ("-" if not n.ckpt_dir else "not writable" if n.ckpt_error
-                else f"{n.ckpt_free_gib:.1f} GiB" if n.ckpt_free_gib is not None else "?")
+        free = (
+            "-"
+            if not n.ckpt_dir
+            else "not writable"
+            if n.ckpt_error
+            else f"{n.ckpt_free_gib:.1f} GiB"
+            if n.ckpt_free_gib is not None
+            else "?"
+        )
         clock = "-" if n.clock_offset_s is None else f"{n.clock_offset_s * 1000:+.1f} ms"
         status = "[green]ok[/]" if not mine else f"[red]{len(mine)} problem(s)[/]"
-        table.add_row(str(n.rank), n.name, n.python, n.torch, n.disttrain, str(n.devices),
-                      str(n.nproc), free, clock, status)
+        table.add_row(
+            str(n.rank), n.name, n.python, n.torch, n.disttrain, str(n.devices), str(n.nproc), free, clock, status
+        )
     console = Console(width=140)
     console.print(table)
     for backend, gbps in bandwidth.items():

@@ -36,8 +36,10 @@ def find_etcd() -> str:
     """Path of the etcd binary. Raises `UserError` with the install command if missing."""
     path = shutil.which("etcd") or ("/usr/bin/etcd" if os.path.exists("/usr/bin/etcd") else None)
     if path is None:
-        raise UserError("etcd is not installed. On Debian/Ubuntu: apt-get install -y etcd-server; "
-                        "Python side: pip install python-etcd.")
+        raise UserError(
+            "etcd is not installed. On Debian/Ubuntu: apt-get install -y etcd-server; "
+            "Python side: pip install python-etcd."
+        )
     return path
 
 
@@ -69,20 +71,35 @@ class EtcdServer:
         if self.data_dir is None:
             self.data_dir, self._own_dir = Path(tempfile.mkdtemp(prefix="disttrain-etcd-")), True
         url = f"http://{self.host}:{self.port}"
-        cmd = [find_etcd(), "--enable-v2=true", "--name", "disttrain",
-               "--data-dir", str(self.data_dir),
-               "--listen-client-urls", url, "--advertise-client-urls", url,
-               "--listen-peer-urls", f"http://{self.host}:{peer_port}",
-               "--initial-advertise-peer-urls", f"http://{self.host}:{peer_port}",
-               "--initial-cluster", f"disttrain=http://{self.host}:{peer_port}"]
+        cmd = [
+            find_etcd(),
+            "--enable-v2=true",
+            "--name",
+            "disttrain",
+            "--data-dir",
+            str(self.data_dir),
+            "--listen-client-urls",
+            url,
+            "--advertise-client-urls",
+            url,
+            "--listen-peer-urls",
+            f"http://{self.host}:{peer_port}",
+            "--initial-advertise-peer-urls",
+            f"http://{self.host}:{peer_port}",
+            "--initial-cluster",
+            f"disttrain=http://{self.host}:{peer_port}",
+        ]
         log = open(log_path, "ab") if log_path else subprocess.DEVNULL
-        self.process = subprocess.Popen([*self.prefix, *cmd], stdout=log, stderr=subprocess.STDOUT,
-                                        start_new_session=True)
+        self.process = subprocess.Popen(
+            [*self.prefix, *cmd], stdout=log, stderr=subprocess.STDOUT, start_new_session=True
+        )
         deadline = time.monotonic() + timeout_s
         while time.monotonic() < deadline:
             if self.process.poll() is not None:
-                raise UserError(f"etcd exited with status {self.process.returncode} at start; "
-                                f"is port {self.port} taken? Run it by hand to see its log: {' '.join(cmd)}")
+                raise UserError(
+                    f"etcd exited with status {self.process.returncode} at start; "
+                    f"is port {self.port} taken? Run it by hand to see its log: {' '.join(cmd)}"
+                )
             if self.healthy():
                 return self
             time.sleep(0.1)
@@ -91,12 +108,19 @@ class EtcdServer:
 
     def healthy(self) -> bool:
         if self.prefix:  # the address is only reachable from inside the prefix's namespace
-            check = ("import json,sys,urllib.request as u; r = u.urlopen(sys.argv[1], timeout=1); "
-                     "sys.exit(json.loads(r.read()).get('health') != 'true')")
+            check = (
+                "import json,sys,urllib.request as u; r = u.urlopen(sys.argv[1], timeout=1); "
+                "sys.exit(json.loads(r.read()).get('health') != 'true')"
+            )
             try:
-                return subprocess.run([*self.prefix, sys.executable, "-c", check,
-                                       f"http://{self.endpoint}/health"], capture_output=True,
-                                      timeout=5).returncode == 0
+                return (
+                    subprocess.run(
+                        [*self.prefix, sys.executable, "-c", check, f"http://{self.endpoint}/health"],
+                        capture_output=True,
+                        timeout=5,
+                    ).returncode
+                    == 0
+                )
             except subprocess.TimeoutExpired:
                 return False
         try:
@@ -139,9 +163,12 @@ def main(argv: list[str]) -> int:
     parser.add_argument("--data-dir", type=Path, default=None)
     args = parser.parse_args(argv)
     server = EtcdServer(port=args.port, data_dir=args.data_dir).start()
-    print(f"etcd (v2 API on) serving on {server.endpoint}. Use it with:\n"
-          f"  disttrain run --nnodes 1:2 --rdzv-backend etcd --rdzv-endpoint {server.endpoint} "
-          f"--rdzv-id JOB script.py\nCtrl-C stops it.", flush=True)
+    print(
+        f"etcd (v2 API on) serving on {server.endpoint}. Use it with:\n"
+        f"  disttrain run --nnodes 1:2 --rdzv-backend etcd --rdzv-endpoint {server.endpoint} "
+        f"--rdzv-id JOB script.py\nCtrl-C stops it.",
+        flush=True,
+    )
     assert server.process is not None  # start() started it
     try:
         server.process.wait()

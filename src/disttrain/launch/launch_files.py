@@ -25,8 +25,7 @@ from pathlib import Path
 
 from disttrain.config.paths import output_file
 from disttrain.errors import UserError
-from disttrain.launch.launch_templates import (LaunchSpec, config_map, etcd_objects, pytorchjob,
-                                               sbatch)
+from disttrain.launch.launch_templates import LaunchSpec, config_map, etcd_objects, pytorchjob, sbatch
 from disttrain.launch.run_command import SHUTDOWN_MARGIN_S
 
 DEFAULT_ETCD_IMAGE = "quay.io/coreos/etcd:v3.5.17"  # 3.5 still serves the v2 API torch needs
@@ -43,8 +42,9 @@ class OneLineParser(argparse.ArgumentParser):
 
 
 def _parser() -> argparse.ArgumentParser:
-    p = OneLineParser(prog="disttrain launch-file",
-                                description="Write a Slurm sbatch script or a Kubernetes PyTorchJob.")
+    p = OneLineParser(
+        prog="disttrain launch-file", description="Write a Slurm sbatch script or a Kubernetes PyTorchJob."
+    )
     p.add_argument("kind", choices=("slurm", "k8s"))
     p.add_argument("config", help="the trainer's TOML (validated now)")
     p.add_argument("--nodes", type=int, required=True, help="nodes (k8s: the most replicas)")
@@ -93,8 +93,7 @@ def _one_line(flag: str, value: str) -> None:
     """A value written into the launch file must be one line of printable text: a newline
     would start another #SBATCH directive or shell command (an injection)."""
     if any(ord(c) < 32 or ord(c) == 127 for c in value):
-        raise UserError(f"{flag} {value!r} contains a newline or another control character; "
-                        f"give it on one line.")
+        raise UserError(f"{flag} {value!r} contains a newline or another control character; give it on one line.")
 
 
 def spec_from(ns: argparse.Namespace) -> tuple[LaunchSpec, str]:
@@ -114,26 +113,44 @@ def spec_from(ns: argparse.Namespace) -> tuple[LaunchSpec, str]:
     for flag in ("partition", "time", "name", "image", "etcd_image", "namespace", "pvc", "config"):
         _one_line(f"--{flag.replace('_', '-')}" if flag != "config" else "the config path", getattr(ns, flag))
     if ns.partition and not SLURM_PARTITION.match(ns.partition):
-        raise UserError(f"--partition {ns.partition!r} is not a Slurm partition name; use letters, "
-                        f"digits, '_', '.', '-' (several: comma-separated).")
+        raise UserError(
+            f"--partition {ns.partition!r} is not a Slurm partition name; use letters, "
+            f"digits, '_', '.', '-' (several: comma-separated)."
+        )
     grace = math.ceil(cfg.elastic.preempt_grace_s) + SHUTDOWN_MARGIN_S
     if ns.time and slurm_seconds(ns.time) <= grace:
-        raise UserError(f"--time {ns.time!r} is not longer than the {grace} s the job needs to save "
-                        f"on its SIGTERM (elastic.preempt_grace_s + {SHUTDOWN_MARGIN_S} s); give more time.")
+        raise UserError(
+            f"--time {ns.time!r} is not longer than the {grace} s the job needs to save "
+            f"on its SIGTERM (elastic.preempt_grace_s + {SHUTDOWN_MARGIN_S} s); give more time."
+        )
     name = ns.name or Path(ns.config).stem.replace("_", "-").lower()
     if ns.kind == "k8s" and not K8S_NAME.match(name):
-        raise UserError(f"job name {name!r} is not a Kubernetes name; pass --name with lower-case "
-                        f"letters, digits and '-' (at most 42 characters).")
+        raise UserError(
+            f"job name {name!r} is not a Kubernetes name; pass --name with lower-case "
+            f"letters, digits and '-' (at most 42 characters)."
+        )
     if ns.kind == "slurm" and not re.match(r"^[\w.-]+$", name):
         raise UserError(f"job name {name!r} has characters Slurm file names cannot take; pass --name.")
     if ns.kind == "k8s" and not ns.image:
         raise UserError("k8s needs --image IMAGE: a container image with disttrain and your code installed.")
     config = str(Path(ns.config).resolve()) if ns.kind == "slurm" else ns.config
-    spec = LaunchSpec(config=config, name=name, nodes=ns.nodes, min_nodes=min_nodes,
-                      nproc=ns.gpus_per_node or cfg.parallel.nproc, gpus=ns.gpus_per_node,
-                      max_restarts=ns.max_restarts, grace_s=grace, partition=ns.partition,
-                      time=ns.time, check=not ns.no_check, image=ns.image, etcd_image=ns.etcd_image,
-                      namespace=ns.namespace, pvc=ns.pvc)
+    spec = LaunchSpec(
+        config=config,
+        name=name,
+        nodes=ns.nodes,
+        min_nodes=min_nodes,
+        nproc=ns.gpus_per_node or cfg.parallel.nproc,
+        gpus=ns.gpus_per_node,
+        max_restarts=ns.max_restarts,
+        grace_s=grace,
+        partition=ns.partition,
+        time=ns.time,
+        check=not ns.no_check,
+        image=ns.image,
+        etcd_image=ns.etcd_image,
+        namespace=ns.namespace,
+        pvc=ns.pvc,
+    )
     return spec, Path(ns.config).read_text()
 
 

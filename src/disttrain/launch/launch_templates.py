@@ -43,57 +43,64 @@ def sbatch(s: LaunchSpec) -> str:
     """A batch script: one `disttrain run` per node under srun, the c10d rendezvous on the
     allocation's first node, a `disttrain check` first, and SIGTERM -> save -> exit 0 ->
     `scontrol requeue` (the next start resumes from the checkpoint just written)."""
-    lines = ["#!/bin/bash",
-             f"# Written by `disttrain launch-file slurm`: {s.nodes} node(s) x {s.nproc} process(es).",
-             "# Submit from the environment disttrain is installed in (sbatch exports it to srun).",
-             f"#SBATCH --job-name={s.name}",
-             f"#SBATCH --nodes={s.nodes}",
-             "#SBATCH --ntasks-per-node=1"]
+    lines = [
+        "#!/bin/bash",
+        f"# Written by `disttrain launch-file slurm`: {s.nodes} node(s) x {s.nproc} process(es).",
+        "# Submit from the environment disttrain is installed in (sbatch exports it to srun).",
+        f"#SBATCH --job-name={s.name}",
+        f"#SBATCH --nodes={s.nodes}",
+        "#SBATCH --ntasks-per-node=1",
+    ]
     if s.gpus:
         lines.append(f"#SBATCH --gpus-per-node={s.gpus}")
     if s.partition:
         lines.append(f"#SBATCH --partition={s.partition}")
     if s.time:
         lines.append(f"#SBATCH --time={s.time}")
-    lines += ["#SBATCH --requeue",
-              "#SBATCH --open-mode=append",
-              f"#SBATCH --output={s.name}-%j.out",
-              "# SIGTERM to this script before the time limit: enough for the save and the requeue.",
-              f"#SBATCH --signal=B:TERM@{s.grace_s + REQUEUE_SLACK_S}",
-              "set -euo pipefail",
-              "",
-              f"config={shlex.quote(s.config)}",
-              "# The rendezvous (torch's c10d store) runs on the first node of the allocation.",
-              'head_node=$(scontrol show hostnames "$SLURM_JOB_NODELIST" | head -n 1)',
-              f'run_flags=(--nnodes {s.nodes} --nproc-per-node {s.nproc} --rdzv-backend c10d',
-              f'           --rdzv-endpoint "$head_node:{C10D_PORT}" --rdzv-id "$SLURM_JOB_ID")',
-              ""]
+    lines += [
+        "#SBATCH --requeue",
+        "#SBATCH --open-mode=append",
+        f"#SBATCH --output={s.name}-%j.out",
+        "# SIGTERM to this script before the time limit: enough for the save and the requeue.",
+        f"#SBATCH --signal=B:TERM@{s.grace_s + REQUEUE_SLACK_S}",
+        "set -euo pipefail",
+        "",
+        f"config={shlex.quote(s.config)}",
+        "# The rendezvous (torch's c10d store) runs on the first node of the allocation.",
+        'head_node=$(scontrol show hostnames "$SLURM_JOB_NODELIST" | head -n 1)',
+        f"run_flags=(--nnodes {s.nodes} --nproc-per-node {s.nproc} --rdzv-backend c10d",
+        f'           --rdzv-endpoint "$head_node:{C10D_PORT}" --rdzv-id "$SLURM_JOB_ID")',
+        "",
+    ]
     if s.check:
-        lines += ["# Preflight: every node reaches the rendezvous, versions and GPU counts agree, the",
-                  "# checkpoint directory is writable. A broken node is named here within seconds.",
-                  'srun --ntasks-per-node=1 --kill-on-bad-exit=1 disttrain check "${run_flags[@]}" '
-                  '--config "$config"',
-                  ""]
-    lines += ["# Preemption (or the time limit's SIGTERM above): every rank finishes its step, saves",
-              "# and exits 0; then the job is requeued and the same command resumes.",
-              "preempted=0",
-              "# scancel --signal (not --batch) passes SIGTERM to the step's processes without",
-              "# cancelling it: srun itself would cancel the step on a SIGTERM of its own.",
-              "trap 'preempted=1; echo \"disttrain: SIGTERM: saving, then requeueing job $SLURM_JOB_ID\" >&2; "
-              "scancel --signal=TERM \"$SLURM_JOB_ID\" || true' TERM",
-              'srun --ntasks-per-node=1 --kill-on-bad-exit=0 disttrain run "${run_flags[@]}" '
-              f'--max-restarts {s.max_restarts} -m disttrain.train "$config" &',
-              "train_pid=$!",
-              "rc=0",
-              'wait "$train_pid" || rc=$?',
-              'if [ "$preempted" -eq 1 ]; then',
-              "  # The ranks save and exit 0; torchrun's agent itself exits 1 on its SIGTERM.",
-              '  wait "$train_pid" || true',
-              '  scontrol requeue "$SLURM_JOB_ID" || true  # already queued again under PreemptMode=REQUEUE',
-              "  rc=0",
-              "fi",
-              'exit "$rc"',
-              ""]
+        lines += [
+            "# Preflight: every node reaches the rendezvous, versions and GPU counts agree, the",
+            "# checkpoint directory is writable. A broken node is named here within seconds.",
+            'srun --ntasks-per-node=1 --kill-on-bad-exit=1 disttrain check "${run_flags[@]}" --config "$config"',
+            "",
+        ]
+    lines += [
+        "# Preemption (or the time limit's SIGTERM above): every rank finishes its step, saves",
+        "# and exits 0; then the job is requeued and the same command resumes.",
+        "preempted=0",
+        "# scancel --signal (not --batch) passes SIGTERM to the step's processes without",
+        "# cancelling it: srun itself would cancel the step on a SIGTERM of its own.",
+        'trap \'preempted=1; echo "disttrain: SIGTERM: saving, then requeueing job $SLURM_JOB_ID" >&2; '
+        'scancel --signal=TERM "$SLURM_JOB_ID" || true\' TERM',
+        'srun --ntasks-per-node=1 --kill-on-bad-exit=0 disttrain run "${run_flags[@]}" '
+        f'--max-restarts {s.max_restarts} -m disttrain.train "$config" &',
+        "train_pid=$!",
+        "rc=0",
+        'wait "$train_pid" || rc=$?',
+        'if [ "$preempted" -eq 1 ]; then',
+        "  # The ranks save and exit 0; torchrun's agent itself exits 1 on its SIGTERM.",
+        '  wait "$train_pid" || true',
+        '  scontrol requeue "$SLURM_JOB_ID" || true  # already queued again under PreemptMode=REQUEUE',
+        "  rc=0",
+        "fi",
+        'exit "$rc"',
+        "",
+    ]
     return "\n".join(lines)
 
 
@@ -108,25 +115,45 @@ def etcd_objects(s: LaunchSpec) -> list[dict]:
     """A one-replica etcd (v2 API on: torch's etcd-v2 rendezvous speaks it) and its Service."""
     name = f"{s.name}-etcd"
     labels = {"app.kubernetes.io/name": name}
-    service = {"apiVersion": "v1", "kind": "Service", "metadata": _meta(s, name, **labels),
-               "spec": {"selector": labels, "ports": [{"name": "client", "port": ETCD_PORT,
-                                                       "targetPort": ETCD_PORT}]}}
-    container = {"name": "etcd", "image": s.etcd_image,
-                 "command": ["etcd", "--enable-v2=true", "--data-dir=/var/lib/etcd",
-                             f"--listen-client-urls=http://0.0.0.0:{ETCD_PORT}",
-                             f"--advertise-client-urls=http://{name}:{ETCD_PORT}"],
-                 "ports": [{"containerPort": ETCD_PORT, "name": "client"}],
-                 "readinessProbe": {"tcpSocket": {"port": ETCD_PORT}, "periodSeconds": 2}}
-    deployment = {"apiVersion": "apps/v1", "kind": "Deployment", "metadata": _meta(s, name, **labels),
-                  "spec": {"replicas": 1, "selector": {"matchLabels": labels},
-                           "template": {"metadata": {"labels": labels},
-                                        "spec": {"containers": [container]}}}}
+    service = {
+        "apiVersion": "v1",
+        "kind": "Service",
+        "metadata": _meta(s, name, **labels),
+        "spec": {"selector": labels, "ports": [{"name": "client", "port": ETCD_PORT, "targetPort": ETCD_PORT}]},
+    }
+    container = {
+        "name": "etcd",
+        "image": s.etcd_image,
+        "command": [
+            "etcd",
+            "--enable-v2=true",
+            "--data-dir=/var/lib/etcd",
+            f"--listen-client-urls=http://0.0.0.0:{ETCD_PORT}",
+            f"--advertise-client-urls=http://{name}:{ETCD_PORT}",
+        ],
+        "ports": [{"containerPort": ETCD_PORT, "name": "client"}],
+        "readinessProbe": {"tcpSocket": {"port": ETCD_PORT}, "periodSeconds": 2},
+    }
+    deployment = {
+        "apiVersion": "apps/v1",
+        "kind": "Deployment",
+        "metadata": _meta(s, name, **labels),
+        "spec": {
+            "replicas": 1,
+            "selector": {"matchLabels": labels},
+            "template": {"metadata": {"labels": labels}, "spec": {"containers": [container]}},
+        },
+    }
     return [service, deployment]
 
 
 def config_map(s: LaunchSpec, toml_text: str) -> dict:
-    return {"apiVersion": "v1", "kind": "ConfigMap", "metadata": _meta(s, f"{s.name}-config"),
-            "data": {"config.toml": toml_text}}
+    return {
+        "apiVersion": "v1",
+        "kind": "ConfigMap",
+        "metadata": _meta(s, f"{s.name}-config"),
+        "data": {"config.toml": toml_text},
+    }
 
 
 def pytorchjob(s: LaunchSpec) -> dict:
@@ -134,28 +161,59 @@ def pytorchjob(s: LaunchSpec) -> dict:
     Service; the config comes from the ConfigMap, checkpoints go to the claim `pvc`."""
     endpoint = f"{s.name}-etcd:{ETCD_PORT}"
     overrides = [f"--train.out_dir={POD_SHARED}/out"] if s.pvc else []
-    command = ["disttrain", "run", "--nnodes", f"{s.min_nodes}:{s.nodes}", "--nproc-per-node",
-               str(s.nproc), "--rdzv-backend", "etcd", "--rdzv-endpoint", endpoint, "--rdzv-id",
-               s.name, "--max-restarts", str(s.max_restarts), "-m", "disttrain.train", POD_CONFIG,
-               *overrides]
+    command = [
+        "disttrain",
+        "run",
+        "--nnodes",
+        f"{s.min_nodes}:{s.nodes}",
+        "--nproc-per-node",
+        str(s.nproc),
+        "--rdzv-backend",
+        "etcd",
+        "--rdzv-endpoint",
+        endpoint,
+        "--rdzv-id",
+        s.name,
+        "--max-restarts",
+        str(s.max_restarts),
+        "-m",
+        "disttrain.train",
+        POD_CONFIG,
+        *overrides,
+    ]
     mounts = [{"name": "config", "mountPath": "/etc/disttrain", "readOnly": True}]
     volumes: list[dict] = [{"name": "config", "configMap": {"name": f"{s.name}-config"}}]
     if s.pvc:
         mounts.append({"name": "shared", "mountPath": POD_SHARED})
         volumes.append({"name": "shared", "persistentVolumeClaim": {"claimName": s.pvc}})
-    container: dict = {"name": "pytorch", "image": s.image, "command": command,
-                       "volumeMounts": mounts}
+    container: dict = {"name": "pytorch", "image": s.image, "command": command, "volumeMounts": mounts}
     if s.gpus:
         container["resources"] = {"limits": {"nvidia.com/gpu": s.gpus}}
-    pod = {"metadata": {"labels": {"app.kubernetes.io/part-of": s.name}},
-           "spec": {"containers": [container], "volumes": volumes,
-                    # SIGTERM -> every rank saves within the grace -> exit 0, before SIGKILL.
-                    "terminationGracePeriodSeconds": s.grace_s + 5}}
-    return {"apiVersion": "kubeflow.org/v1", "kind": "PyTorchJob", "metadata": _meta(s, s.name),
-            "spec": {"elasticPolicy": {"minReplicas": s.min_nodes, "maxReplicas": s.nodes,
-                                       "maxRestarts": s.max_restarts, "rdzvBackend": "etcd-v2",
-                                       "rdzvHost": f"{s.name}-etcd", "rdzvPort": ETCD_PORT,
-                                       "rdzvId": s.name, "nProcPerNode": s.nproc},
-                     "runPolicy": {"cleanPodPolicy": "None"},
-                     "pytorchReplicaSpecs": {"Worker": {"replicas": s.nodes, "restartPolicy": "OnFailure",
-                                                        "template": pod}}}}
+    pod = {
+        "metadata": {"labels": {"app.kubernetes.io/part-of": s.name}},
+        "spec": {
+            "containers": [container],
+            "volumes": volumes,
+            # SIGTERM -> every rank saves within the grace -> exit 0, before SIGKILL.
+            "terminationGracePeriodSeconds": s.grace_s + 5,
+        },
+    }
+    return {
+        "apiVersion": "kubeflow.org/v1",
+        "kind": "PyTorchJob",
+        "metadata": _meta(s, s.name),
+        "spec": {
+            "elasticPolicy": {
+                "minReplicas": s.min_nodes,
+                "maxReplicas": s.nodes,
+                "maxRestarts": s.max_restarts,
+                "rdzvBackend": "etcd-v2",
+                "rdzvHost": f"{s.name}-etcd",
+                "rdzvPort": ETCD_PORT,
+                "rdzvId": s.name,
+                "nProcPerNode": s.nproc,
+            },
+            "runPolicy": {"cleanPodPolicy": "None"},
+            "pytorchReplicaSpecs": {"Worker": {"replicas": s.nodes, "restartPolicy": "OnFailure", "template": pod}},
+        },
+    }

@@ -44,8 +44,10 @@ class Notes:
 
     def stopped(self) -> bool:
         """Whether a rank asked for the job to stop: a user error or a failure not retried."""
-        return (worker_notes.read_user_error(self.folder) is not None
-                or worker_notes.read_not_retried(self.folder) is not None)
+        return (
+            worker_notes.read_user_error(self.folder) is not None
+            or worker_notes.read_not_retried(self.folder) is not None
+        )
 
     def report(self) -> int:
         """Print what stopped the job (once, from the launching process, last) and

@@ -8,8 +8,7 @@ usual fixes. The failing rank sends the facts (`worker_notes.report_not_retried`
 
 from __future__ import annotations
 
-STATE_OF = {"ddp": "ddp", "zero1": "zero1", "fsdp": "fsdp_full", "fsdp1": "fsdp_full",
-            "fsdp_grad_op": "fsdp_grad_op"}
+STATE_OF = {"ddp": "ddp", "zero1": "zero1", "fsdp": "fsdp_full", "fsdp1": "fsdp_full", "fsdp_grad_op": "fsdp_grad_op"}
 """A job's strategy -> the planner's row for it (other strategies: as DDP)."""
 
 
@@ -20,17 +19,29 @@ def state_bytes(facts: dict, strategy: str) -> int:
     from disttrain.plan.model_size import ModelSpec
 
     shapes = [tuple(s) for s in facts.get("shapes") or []] or None
-    spec = ModelSpec(name="the model", n_params=int(facts["params"]), n_layer=1, hidden=1, n_head=1,
-                     ffn_hidden=1, vocab_size=1, max_seq=1, param_shapes=shapes)
+    spec = ModelSpec(
+        name="the model",
+        n_params=int(facts["params"]),
+        n_layer=1,
+        hidden=1,
+        n_head=1,
+        ffn_hidden=1,
+        vocab_size=1,
+        max_seq=1,
+        param_shapes=shapes,
+    )
     optimizer = str(facts["optimizer"]) if facts.get("optimizer") in OPTIMIZERS else "adamw"
     precision = str(facts["precision"]) if facts.get("precision") in ("fp32", "bf16", "fp16") else "fp32"
-    est = memory(spec, Workload(precision=precision, optimizer=optimizer), int(facts.get("world") or 1),
-                 Variant(strategy))
+    est = memory(
+        spec, Workload(precision=precision, optimizer=optimizer), int(facts.get("world") or 1), Variant(strategy)
+    )
     return est.params + est.grads + est.optim
 
 
-FIXES = ("fixes: a smaller batch per rank (raise accum_steps to keep the global batch), activation "
-         "checkpointing, or strategy='fsdp' (see `disttrain plan`)")
+FIXES = (
+    "fixes: a smaller batch per rank (raise accum_steps to keep the global batch), activation "
+    "checkpointing, or strategy='fsdp' (see `disttrain plan`)"
+)
 
 
 def advice(facts: dict) -> str:
@@ -44,6 +55,8 @@ def advice(facts: dict) -> str:
     world = int(facts.get("world") or 1)
     now = state_bytes(facts, used)
     sharded = "" if used.startswith("fsdp") else f" ({fmt_bytes(state_bytes(facts, 'fsdp_full'))} under fsdp)"
-    return (f"the planner puts the model's weights, gradients and {facts.get('optimizer') or 'optimizer'} "
-            f"state at {fmt_bytes(now)} per rank under {facts.get('strategy')} on {world} rank(s)"
-            f"{sharded}, before activations; {FIXES}")
+    return (
+        f"the planner puts the model's weights, gradients and {facts.get('optimizer') or 'optimizer'} "
+        f"state at {fmt_bytes(now)} per rank under {facts.get('strategy')} on {world} rank(s)"
+        f"{sharded}, before activations; {FIXES}"
+    )

@@ -21,6 +21,7 @@ from disttrain.config import Config
 from disttrain.config.paths import writable_dir
 from disttrain.errors import ConfigError
 
+
 def checkpoint_root(cfg: Config) -> Path:
     """checkpoint.dir, or {train.out_dir}/checkpoints (the trainer's rule)."""
     return Path(cfg.checkpoint.dir) if cfg.checkpoint.dir else Path(cfg.train.out_dir) / "checkpoints"
@@ -31,8 +32,9 @@ def check_writable(cfg: Config) -> None:
     writable_dir(cfg.train.out_dir, "train.out_dir")
     if cfg.checkpoint.enabled:
         what = "checkpoint.dir" if cfg.checkpoint.dir else "train.out_dir's checkpoints folder"
-        writable_dir(checkpoint_root(cfg), what, fix=f"Point {what} at a writable directory, or set "
-                                                     f"checkpoint.enabled = false.")
+        writable_dir(
+            checkpoint_root(cfg), what, fix=f"Point {what} at a writable directory, or set checkpoint.enabled = false."
+        )
 
 
 def _gpt_spec(cfg: Config):
@@ -42,8 +44,17 @@ def _gpt_spec(cfg: Config):
     h, L, V, T = m.n_embd, m.n_layer, m.vocab_size, m.block_size
     block = 12 * h * h + 13 * h
     n_params = 2 * V * h + T * h + L * block + 2 * h
-    return ModelSpec(name="GPT", n_params=n_params, n_layer=L, hidden=h, n_head=m.n_head,
-                     ffn_hidden=4 * h, vocab_size=V, max_seq=T, block_params=block)
+    return ModelSpec(
+        name="GPT",
+        n_params=n_params,
+        n_layer=L,
+        hidden=h,
+        n_head=m.n_head,
+        ffn_hidden=4 * h,
+        vocab_size=V,
+        max_seq=T,
+        block_params=block,
+    )
 
 
 def _variant(cfg: Config):
@@ -56,8 +67,7 @@ def _variant(cfg: Config):
         name = "fsdp_grad_op" if p.sharding == "grad_op" else "fsdp_full"
     else:
         name = "ddp"
-    return Variant(name, cpu_offload=p.cpu_offload and name.startswith("fsdp"),
-                   act_ckpt=p.activation_checkpointing)
+    return Variant(name, cpu_offload=p.cpu_offload and name.startswith("fsdp"), act_ckpt=p.activation_checkpointing)
 
 
 def _host_memory() -> int | None:
@@ -97,9 +107,13 @@ def check_memory(cfg: Config, world: int | None = None) -> None:
     avail, where = _device_memory(cfg)
     if avail is None:
         return
-    work = Workload(precision=cfg.train.precision, optimizer=cfg.optim.name,
-                    batch_per_device=cfg.train.batch_size, seq_len=m.block_size,
-                    gradient_as_bucket_view=cfg.parallel.gradient_as_bucket_view)
+    work = Workload(
+        precision=cfg.train.precision,
+        optimizer=cfg.optim.name,
+        batch_per_device=cfg.train.batch_size,
+        seq_len=m.block_size,
+        gradient_as_bucket_view=cfg.parallel.gradient_as_bucket_view,
+    )
     world = world or cfg.parallel.nproc
     if cfg.parallel.strategy == "dp":  # one process holds the whole batch of every device
         world = 1
@@ -113,7 +127,8 @@ def check_memory(cfg: Config, world: int | None = None) -> None:
         f"state {fmt_bytes(state)}; activations of train.batch_size={cfg.train.batch_size} x "
         f"model.block_size={m.block_size}: {fmt_bytes(est.activations)}), more than the "
         f"{fmt_bytes(avail)} of {where}; lower train.batch_size (raise train.accum_steps to keep the "
-        f"global batch), model.block_size or the model's size, or see `disttrain plan`.")
+        f"global batch), model.block_size or the model's size, or see `disttrain plan`."
+    )
 
 
 def preflight(cfg: Config, world: int | None = None) -> None:

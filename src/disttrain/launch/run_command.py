@@ -131,17 +131,51 @@ def _flag_value(argv: list[str], *names: str) -> str | None:
 
 def split_script(argv: list[str]) -> tuple[list[str], list[str]]:
     """Split at the first positional (the script or module), so its args pass untouched."""
-    flags_with_value = {"--nproc", "--nproc-per-node", "--nproc_per_node", "--nnodes",
-                        "--rdzv-backend", "--rdzv_backend", "--rdzv-endpoint", "--rdzv_endpoint",
-                        "--rdzv-id", "--rdzv_id", "--rdzv-conf", "--rdzv_conf", "--max-restarts",
-                        "--max_restarts", "--monitor-interval", "--monitor_interval",
-                        "--node-rank", "--node_rank", "--master-addr", "--master_addr",
-                        "--master-port", "--master_port", "--local-addr", "--local_addr",
-                        "--log-dir", "--log_dir", "-r", "--redirects", "-t", "--tee",
-                        "--start-method", "--start_method", "--role", "--local-ranks-filter",
-                        "--local_ranks_filter", "--logs-specs", "--logs_specs",
-                        "--rdzv-timeout", "--event-log-handler", "--signals-to-handle",
-                        "--signals_to_handle", HANG_FLAG, *SHUTDOWN_FLAGS}
+    flags_with_value = {
+        "--nproc",
+        "--nproc-per-node",
+        "--nproc_per_node",
+        "--nnodes",
+        "--rdzv-backend",
+        "--rdzv_backend",
+        "--rdzv-endpoint",
+        "--rdzv_endpoint",
+        "--rdzv-id",
+        "--rdzv_id",
+        "--rdzv-conf",
+        "--rdzv_conf",
+        "--max-restarts",
+        "--max_restarts",
+        "--monitor-interval",
+        "--monitor_interval",
+        "--node-rank",
+        "--node_rank",
+        "--master-addr",
+        "--master_addr",
+        "--master-port",
+        "--master_port",
+        "--local-addr",
+        "--local_addr",
+        "--log-dir",
+        "--log_dir",
+        "-r",
+        "--redirects",
+        "-t",
+        "--tee",
+        "--start-method",
+        "--start_method",
+        "--role",
+        "--local-ranks-filter",
+        "--local_ranks_filter",
+        "--logs-specs",
+        "--logs_specs",
+        "--rdzv-timeout",
+        "--event-log-handler",
+        "--signals-to-handle",
+        "--signals_to_handle",
+        HANG_FLAG,
+        *SHUTDOWN_FLAGS,
+    }
     i = 0
     while i < len(argv):
         arg = argv[i]
@@ -161,15 +195,18 @@ NPROC_WORDS = ("auto", "cpu", "gpu", "xpu")
 def check_counts(nproc: str, nnodes: str | None) -> None:
     """Refuse an --nproc or --nnodes torchrun cannot use (`UserError`, one line)."""
     if not (nproc.isdigit() or nproc in NPROC_WORDS):
-        raise UserError(f"--nproc is {nproc!r}; give a number of processes per node (or one of "
-                        f"{', '.join(NPROC_WORDS)}), for example --nproc 2.")
+        raise UserError(
+            f"--nproc is {nproc!r}; give a number of processes per node (or one of "
+            f"{', '.join(NPROC_WORDS)}), for example --nproc 2."
+        )
     if nnodes is None:
         return
     parts = nnodes.split(":")
-    if (len(parts) > 2 or not all(p.isdigit() for p in parts) or int(parts[0]) < 1
-            or int(parts[-1]) < int(parts[0])):
-        raise UserError(f"--nnodes is {nnodes!r}; give a number of nodes >= 1, or MIN:MAX with "
-                        f"1 <= MIN <= MAX for an elastic job, for example --nnodes 2 or --nnodes 1:4.")
+    if len(parts) > 2 or not all(p.isdigit() for p in parts) or int(parts[0]) < 1 or int(parts[-1]) < int(parts[0]):
+        raise UserError(
+            f"--nnodes is {nnodes!r}; give a number of nodes >= 1, or MIN:MAX with "
+            f"1 <= MIN <= MAX for an elastic job, for example --nnodes 2 or --nnodes 1:4."
+        )
 
 
 def visible_gpus() -> int:
@@ -182,8 +219,7 @@ def debug_env(backend: str) -> dict[str, str]:
     """The verbose switches of P-DEBUG-2 for `backend` ('nccl' or 'gloo')."""
     env = {"TORCH_DISTRIBUTED_DEBUG": "DETAIL"}
     if backend == "nccl":
-        env.update(NCCL_DEBUG="INFO", NCCL_DEBUG_SUBSYS="INIT,COLL",
-                   TORCH_NCCL_ASYNC_ERROR_HANDLING="1")
+        env.update(NCCL_DEBUG="INFO", NCCL_DEBUG_SUBSYS="INIT,COLL", TORCH_NCCL_ASYNC_ERROR_HANDLING="1")
     else:  # gloo logs through c10d's C++ logger
         env["TORCH_CPP_LOG_LEVEL"] = "INFO"
     return env
@@ -204,8 +240,10 @@ def preempt_grace_s(cfg: Config | None) -> float:
     except ValueError:
         grace = -1.0
     if not grace > 0:
-        raise UserError(f"DISTTRAIN_PREEMPT_GRACE_S is {raw!r}; set it to the positive number of "
-                        f"seconds a preempted worker has to save.")
+        raise UserError(
+            f"DISTTRAIN_PREEMPT_GRACE_S is {raw!r}; set it to the positive number of "
+            f"seconds a preempted worker has to save."
+        )
     return grace
 
 
@@ -222,10 +260,15 @@ def warm_workers_wanted(flags: list[str], script: list[str]) -> bool:
     DISTTRAIN_WARM_WORKERS not 0. Raises `UserError` for a switch other than 0 or 1."""
     switch = os.environ.get(warm_workers.SWITCH_ENV, "1")
     if switch not in ("0", "1"):
-        raise UserError(f"{warm_workers.SWITCH_ENV} is {switch!r}; set it to 1 (fork workers from "
-                        f"a process with torch imported, the default) or 0 (fresh interpreters).")
-    return (switch == "1" and script[:1] != ["disttrain.launch.slot_supervisor"]
-            and not any(f in flags for f in NOT_PYTHON_FLAGS))
+        raise UserError(
+            f"{warm_workers.SWITCH_ENV} is {switch!r}; set it to 1 (fork workers from "
+            f"a process with torch imported, the default) or 0 (fresh interpreters)."
+        )
+    return (
+        switch == "1"
+        and script[:1] != ["disttrain.launch.slot_supervisor"]
+        and not any(f in flags for f in NOT_PYTHON_FLAGS)
+    )
 
 
 def trainer_config(script: list[str], is_module: bool, cfg: Config | None, world: int | None) -> Config | None:
@@ -273,9 +316,14 @@ def torchrun_for(argv: list[str], cfg: Config | None = None) -> Torchrun:
     flags, hang_env = take_hang_timeout(flags, _flag_value(flags, HANG_FLAG))
     if not script:
         raise UserError(f"no script given. {run_help.USAGE}; disttrain run --help lists the flags.")
-    flags = ["--nproc-per-node" if f == "--nproc" else
-             f.replace("--nproc=", "--nproc-per-node=", 1) if f.startswith("--nproc=") else f
-             for f in flags]
+    flags = [
+        "--nproc-per-node"
+        if f == "--nproc"
+        else f.replace("--nproc=", "--nproc-per-node=", 1)
+        if f.startswith("--nproc=")
+        else f
+        for f in flags
+    ]
     gpus = visible_gpus()
     nproc = _flag_value(flags, "--nproc-per-node", "--nproc_per_node")
     if nproc is None:
@@ -286,9 +334,11 @@ def torchrun_for(argv: list[str], cfg: Config | None = None) -> Torchrun:
         if int(nproc) < 1:
             raise UserError(f"--nproc is {nproc}; start at least one process.")
         if gpus and int(nproc) > gpus:
-            raise UserError(f"--nproc {nproc} asks for more processes than the {gpus} visible GPU(s); "
-                            f"each process needs its own GPU (P-INIT-5). Use --nproc {gpus} or "
-                            f"widen CUDA_VISIBLE_DEVICES.")
+            raise UserError(
+                f"--nproc {nproc} asks for more processes than the {gpus} visible GPU(s); "
+                f"each process needs its own GPU (P-INIT-5). Use --nproc {gpus} or "
+                f"widen CUDA_VISIBLE_DEVICES."
+            )
     nnodes = _flag_value(flags, "--nnodes") or "1"
     endpoint = _flag_value(flags, "--rdzv-endpoint", "--rdzv_endpoint")
     if nnodes in ("1", "1:1") and endpoint is None and "--standalone" not in flags:
@@ -304,19 +354,21 @@ def torchrun_for(argv: list[str], cfg: Config | None = None) -> Torchrun:
         env["OMP_NUM_THREADS"] = str(max(1, (os.cpu_count() or 1) // int(nproc)))
     is_module = any(f in flags for f in ("-m", "--module", "--no-python", "--no_python"))
     if not is_module and not os.path.isfile(script[0]):
-        raise UserError(f"script {script[0]!r} not found. Pass the path of a Python file "
-                        f"(or -m package.module).")
+        raise UserError(f"script {script[0]!r} not found. Pass the path of a Python file (or -m package.module).")
     nodes = nnodes.split(":")[-1]
-    cfg = trainer_config(script, is_module, cfg,
-                         world=int(nproc) * int(nodes) if nproc.isdigit() and nodes.isdigit() else None)
+    cfg = trainer_config(
+        script, is_module, cfg, world=int(nproc) * int(nodes) if nproc.isdigit() and nodes.isdigit() else None
+    )
     grace = preempt_grace_s(cfg)
     if cfg is not None and cfg.elastic.fast_recovery:
         script = ["disttrain.launch.slot_supervisor", *script]
     if fast and not (script[:1] == ["disttrain.train"] and is_module):
         if is_module or not script[0].endswith(".py"):
-            raise UserError("--fast-recovery runs a Python script that uses dt.Job (disttrain run "
-                            "--fast-recovery --nproc N script.py); for disttrain train set "
-                            "[elastic] fast_recovery = true in the config.")
+            raise UserError(
+                "--fast-recovery runs a Python script that uses dt.Job (disttrain run "
+                "--fast-recovery --nproc N script.py); for disttrain train set "
+                "[elastic] fast_recovery = true in the config."
+            )
         # each worker slot: a supervisor with the training process and a warm spare
         script = ["disttrain.launch.slot_supervisor", "disttrain.train.script_runner", *script]
         flags, is_module = flags + ["-m"], True
@@ -333,8 +385,11 @@ def torchrun_for(argv: list[str], cfg: Config | None = None) -> Torchrun:
         script = ["disttrain.launch.worker_entry", *(["-m"] if is_module else []), *script]
         flags = flags if is_module else flags + ["-m"]
     env["DISTTRAIN_PREEMPT_GRACE_S"] = f"{grace:g}"
-    if (_flag_value(flags, *SHUTDOWN_FLAGS) is None and not any(os.environ.get(k) for k in SHUTDOWN_ENV)
-            and torchrun_has_shutdown_timeout()):
+    if (
+        _flag_value(flags, *SHUTDOWN_FLAGS) is None
+        and not any(os.environ.get(k) for k in SHUTDOWN_ENV)
+        and torchrun_has_shutdown_timeout()
+    ):
         flags = flags + ["--shutdown-timeout", str(math.ceil(grace) + SHUTDOWN_MARGIN_S)]
     return Torchrun(flags + script, env, cfg)
 
@@ -407,11 +462,15 @@ def _launch(args: list[str], env: dict[str, str]) -> int:
         os.environ["DISTTRAIN_EXPECTED_WORLD_SIZE"] = env["DISTTRAIN_EXPECTED_WORLD_SIZE"]
     if "TORCH_DISTRIBUTED_DEBUG" in env:  # --debug: say what was switched on and where it goes
         log_dir = _flag_value(args, "--log-dir", "--log_dir")
-        where = (f"per-rank files under {log_dir}" if log_dir else
-                 "this terminal (every rank's stdout and stderr, interleaved); add "
-                 "--log-dir DIR --tee 3 for one file per rank")
-        switches = " ".join(f"{k}={os.environ[k]}" for k in sorted(env) if k.startswith(("TORCH_", "NCCL_"))
-                             and k not in DEFAULT_ENV)
+        where = (
+            f"per-rank files under {log_dir}"
+            if log_dir
+            else "this terminal (every rank's stdout and stderr, interleaved); add "
+            "--log-dir DIR --tee 3 for one file per rank"
+        )
+        switches = " ".join(
+            f"{k}={os.environ[k]}" for k in sorted(env) if k.startswith(("TORCH_", "NCCL_")) and k not in DEFAULT_ENV
+        )
         print(f"disttrain run --debug: {switches}. Logs: {where}.", file=sys.stderr, flush=True)
     notes = notes_watch.watch()
     try:
@@ -421,13 +480,15 @@ def _launch(args: list[str], env: dict[str, str]) -> int:
             return notes.report()
         rank, failure = e.get_first_failure()
         code = failure.exitcode if failure.exitcode >= 0 else 128 - failure.exitcode
-        how = (f"exit code {failure.exitcode}" if failure.exitcode >= 0
-               else f"signal {failure.signal_name()}")
+        how = f"exit code {failure.exitcode}" if failure.exitcode >= 0 else f"signal {failure.signal_name()}"
         more = _others(e.failures, rank)
         if failure.exitcode == 124:  # watchdog.HANG_EXIT_CODE; the reporter is not the culprit
             more += " after reporting a hang (it is the reporter, not the culprit: see the guard's summary above)"
-        print(f"disttrain run: rank {rank} failed first with {how}{more}. "
-              f"Its error is above; per-rank logs: --log-dir DIR --tee 3.", file=sys.stderr)
+        print(
+            f"disttrain run: rank {rank} failed first with {how}{more}. "
+            f"Its error is above; per-rank logs: --log-dir DIR --tee 3.",
+            file=sys.stderr,
+        )
         return code or 1
     except SignalException as e:
         # The agent itself was signalled (Kubernetes signals PID 1, Slurm the step). torchrun
@@ -438,9 +499,12 @@ def _launch(args: list[str], env: dict[str, str]) -> int:
             return notes.report()
         name = signal.Signals(e.sigval).name
         saved = notes.saved_step()
-        then = (f"saved step {saved}. The same command resumes from it." if saved is not None else
-                "had --shutdown-timeout to save, but no rank reported a committed checkpoint "
-                "(a script without dt.Job saves nothing on SIGTERM).")
+        then = (
+            f"saved step {saved}. The same command resumes from it."
+            if saved is not None
+            else "had --shutdown-timeout to save, but no rank reported a committed checkpoint "
+            "(a script without dt.Job saves nothing on SIGTERM)."
+        )
         print(f"disttrain run: stopped by {name}; the workers were passed it and {then}", file=sys.stderr)
         return 0 if e.sigval == signal.SIGTERM else 128 + int(e.sigval)
     finally:

@@ -9,8 +9,10 @@ USAGE = "usage: disttrain run [disttrain flags] [torchrun flags] (script.py | -m
 OWN_FLAGS = (
     ("--nproc N", "processes per node (alias of --nproc-per-node); default: the GPU count, or 2 on CPU"),
     ("--fast-recovery", "a dt.Job script: a warm spare per slot and in-memory recovery (docs/elastic.md)"),
-    (f"{HANG_FLAG} S", "a rank stuck S seconds in one collective reports the hang and the job stops "
-                       "(default 600, 0: off)"),
+    (
+        f"{HANG_FLAG} S",
+        "a rank stuck S seconds in one collective reports the hang and the job stops (default 600, 0: off)",
+    ),
     ("--debug", "torch's and NCCL's verbose switches for the backend in use, and where the logs go"),
     ("-h, --help", "show this help and exit (after the script, --help is the script's)"),
 )
@@ -24,17 +26,19 @@ def help_text() -> str:
     width = max(len(flag) for flag, _ in OWN_FLAGS) + 2
     own = "\n".join(f"  {flag.ljust(width)}{meaning}" for flag, meaning in OWN_FLAGS)
     flags = torchrun_flags()
-    passed = sorted(f for f in flags if f.startswith("--") and f != "--help"
-                    and not ("_" in f and f.replace("_", "-") in flags))  # one spelling each
-    return (f"{USAGE}\n\n"
-            "Launch a training script on torchrun with safe defaults: a free port on one node,\n"
-            "OMP_NUM_THREADS per process, workers that die with the launcher, one line per\n"
-            "failure, a mistake never retried. At start it prints each rank's pid (the\n"
-            "processes are named rankR.localL in ps -e, top and pgrep).\n\n"
-            f"disttrain flags:\n{own}\n\n"
-            "Every torchrun flag passes through unchanged (python -m torch.distributed.run\n"
-            "--help explains them):\n"
-            + "\n".join(f"  {line}" for line in _columns(passed)) + "\n")
+    passed = sorted(
+        f for f in flags if f.startswith("--") and f != "--help" and not ("_" in f and f.replace("_", "-") in flags)
+    )  # one spelling each
+    return (
+        f"{USAGE}\n\n"
+        "Launch a training script on torchrun with safe defaults: a free port on one node,\n"
+        "OMP_NUM_THREADS per process, workers that die with the launcher, one line per\n"
+        "failure, a mistake never retried. At start it prints each rank's pid (the\n"
+        "processes are named rankR.localL in ps -e, top and pgrep).\n\n"
+        f"disttrain flags:\n{own}\n\n"
+        "Every torchrun flag passes through unchanged (python -m torch.distributed.run\n"
+        "--help explains them):\n" + "\n".join(f"  {line}" for line in _columns(passed)) + "\n"
+    )
 
 
 def show() -> int:

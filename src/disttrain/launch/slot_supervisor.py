@@ -53,9 +53,14 @@ def _host_store(world: int):
     """Global rank 0's slot: the store every generation rendezvouses on."""
     import torch.distributed as dist
 
-    return dist.TCPStore(os.environ.get("MASTER_ADDR", "127.0.0.1"), int(os.environ["MASTER_PORT"]),
-                         world_size=None, is_master=True, wait_for_workers=False,
-                         timeout=datetime.timedelta(seconds=300))
+    return dist.TCPStore(
+        os.environ.get("MASTER_ADDR", "127.0.0.1"),
+        int(os.environ["MASTER_PORT"]),
+        world_size=None,
+        is_master=True,
+        wait_for_workers=False,
+        timeout=datetime.timedelta(seconds=300),
+    )
 
 
 def _go(spare: subprocess.Popen) -> None:
@@ -81,8 +86,11 @@ def _end(proc: subprocess.Popen | None) -> None:
 def _how(rc: int) -> str:
     """How a training process ended, in the classifier's words (`runtime.failures`)."""
     verdict = classify_death(rc)
-    whose = "the machine's: a kill from outside, the OOM killer included" if verdict.kind == MACHINE else \
-        "a crash in native code, retried like the machine's"
+    whose = (
+        "the machine's: a kill from outside, the OOM killer included"
+        if verdict.kind == MACHINE
+        else "a crash in native code, retried like the machine's"
+    )
     return f"{verdict.error}, {whose}"
 
 
@@ -110,8 +118,9 @@ def supervise(cmd: list[str], rank: int, world: int) -> int:
         if pid == spare.pid:  # a killed spare: replaced in the background
             spare.returncode = code
             if not stopping:
-                print(f"disttrain run: rank {rank}'s spare exited ({code}); starting another",
-                      file=sys.stderr, flush=True)
+                print(
+                    f"disttrain run: rank {rank}'s spare exited ({code}); starting another", file=sys.stderr, flush=True
+                )
                 spare = _spawn(cmd, "spare")
             continue
         if pid != child.pid:
@@ -125,9 +134,12 @@ def supervise(cmd: list[str], rank: int, world: int) -> int:
                 spare = _spawn(cmd, "spare")
                 _go(spare)
             promotions += 1
-            print(f"disttrain run: rank {rank}'s training process died ({_how(rc)}); its warm spare "
-                  f"took over and the job goes on from memory (promotion {promotions})", file=sys.stderr,
-                  flush=True)
+            print(
+                f"disttrain run: rank {rank}'s training process died ({_how(rc)}); its warm spare "
+                f"took over and the job goes on from memory (promotion {promotions})",
+                file=sys.stderr,
+                flush=True,
+            )
             child, spare = spare, _spawn(cmd, "spare")
             continue
         break
@@ -143,20 +155,25 @@ def supervise(cmd: list[str], rank: int, world: int) -> int:
 
 def main(argv: list[str]) -> int:
     if not argv:
-        print("usage: python -m disttrain.launch.slot_supervisor MODULE [ARGS...] (started by "
-              "`disttrain run` for [elastic] fast_recovery = true)", file=sys.stderr)
+        print(
+            "usage: python -m disttrain.launch.slot_supervisor MODULE [ARGS...] (started by "
+            "`disttrain run` for [elastic] fast_recovery = true)",
+            file=sys.stderr,
+        )
         return 2
     if "RANK" not in os.environ or "MASTER_PORT" not in os.environ:
-        print("disttrain: the slot supervisor runs under torchrun (`disttrain run` or `disttrain "
-              "train` start it); RANK or MASTER_PORT is not set.", file=sys.stderr)
+        print(
+            "disttrain: the slot supervisor runs under torchrun (`disttrain run` or `disttrain "
+            "train` start it); RANK or MASTER_PORT is not set.",
+            file=sys.stderr,
+        )
         return 2
     # Under `disttrain run` the training processes and spares fork from its warm server
     # (torch already imported): a spare is ready in a fraction of a second, not after an
     # interpreter's imports. Without a server the stub runs the module itself.
     warm = ["disttrain.launch.warm_workers"] if os.environ.get(WARM_SOCKET_ENV) else []
     processes.name_worker("slot")
-    return supervise([sys.executable, "-m", *warm, *argv], int(os.environ["RANK"]),
-                     int(os.environ["WORLD_SIZE"]))
+    return supervise([sys.executable, "-m", *warm, *argv], int(os.environ["RANK"]), int(os.environ["WORLD_SIZE"]))
 
 
 if __name__ == "__main__":

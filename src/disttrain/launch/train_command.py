@@ -35,8 +35,10 @@ def split_restarts(argv: list[str]) -> tuple[list[str], int]:
             value = arg.split("=", 1)[1] if "=" in arg else (argv[i + 1] if i + 1 < len(argv) else "")
             i += 1 if "=" in arg else 2
             if not value.isdigit():
-                raise UserError(f"--max-restarts {value!r}: give a whole number >= 0 (default "
-                                f"{DEFAULT_MAX_RESTARTS}), e.g. --max-restarts 3.")
+                raise UserError(
+                    f"--max-restarts {value!r}: give a whole number >= 0 (default "
+                    f"{DEFAULT_MAX_RESTARTS}), e.g. --max-restarts 3."
+                )
             restarts = int(value)
             continue
         rest.append(arg)
@@ -52,17 +54,18 @@ def help_text() -> str:
     schema: `config.key_docs`)."""
     from disttrain.config.key_docs import keys_help
 
-    return (f"{USAGE}\n\n"
-            "Validate CONFIG.toml, then train: in this process, or on parallel.nproc processes\n"
-            "through `disttrain run`. A killed run resumes from its newest valid checkpoint when\n"
-            "the same command starts again. Precedence: --section.key=value > CONFIG.toml > default.\n\n"
-            "options:\n"
-            "  -h, --help          show this help (every config key) and exit\n"
-            "  --section.key=VALUE set one config key, e.g. --train.steps=100 --optim.lr=3e-4\n"
-            f"  --max-restarts N    restarts after a worker dies (default {DEFAULT_MAX_RESTARTS}); a\n"
-            "                      mistake in the config or code is never retried\n\n"
-            "config keys (TOML: [section] key = value; CLI: --section.key=value):\n\n"
-            + keys_help())
+    return (
+        f"{USAGE}\n\n"
+        "Validate CONFIG.toml, then train: in this process, or on parallel.nproc processes\n"
+        "through `disttrain run`. A killed run resumes from its newest valid checkpoint when\n"
+        "the same command starts again. Precedence: --section.key=value > CONFIG.toml > default.\n\n"
+        "options:\n"
+        "  -h, --help          show this help (every config key) and exit\n"
+        "  --section.key=VALUE set one config key, e.g. --train.steps=100 --optim.lr=3e-4\n"
+        f"  --max-restarts N    restarts after a worker dies (default {DEFAULT_MAX_RESTARTS}); a\n"
+        "                      mistake in the config or code is never retried\n\n"
+        "config keys (TOML: [section] key = value; CLI: --section.key=value):\n\n" + keys_help()
+    )
 
 
 def main(argv: list[str]) -> int:
@@ -98,9 +101,10 @@ def main(argv: list[str]) -> int:
         if plan is not None and plan.step >= cfg.train.steps:
             print(resume.train_complete_message(plan))
             return 0
-        return run_command.main(["--nproc", str(cfg.parallel.nproc), "--max-restarts", str(restarts),
-                                 "-m", WORKER_MODULE, *argv],
-                                launched=Launched(tuple(argv), cfg, resume.Inspected(plan)))
+        return run_command.main(
+            ["--nproc", str(cfg.parallel.nproc), "--max-restarts", str(restarts), "-m", WORKER_MODULE, *argv],
+            launched=Launched(tuple(argv), cfg, resume.Inspected(plan)),
+        )
     from disttrain.train.trainer import train
 
     train(cfg, config_dir=config_dir)

@@ -64,6 +64,7 @@ def _recv_exact(conn: socket.socket, n: int) -> bytes:
 
 # ----------------------------------------------------------------------------- server
 
+
 def preload() -> None:
     """Import what every warm worker starts with: `PRELOAD` and torch._dynamo."""
     import importlib
@@ -229,8 +230,13 @@ def _child(request: dict, fds: list[int], conn: socket.socket) -> NoReturn:
     processes.name_worker(announce=announcer([request["module"], *request["args"]]))
     sys.stdin = io.TextIOWrapper(os.fdopen(0, "rb", closefd=False))
     for name, fd in (("stdout", 1), ("stderr", 2)):  # as `python -u`: unbuffered
-        setattr(sys, name, io.TextIOWrapper(os.fdopen(fd, "wb", buffering=0, closefd=False),
-                                            errors="backslashreplace", write_through=True))
+        setattr(
+            sys,
+            name,
+            io.TextIOWrapper(
+                os.fdopen(fd, "wb", buffering=0, closefd=False), errors="backslashreplace", write_through=True
+            ),
+        )
     import torch
 
     threads = os.environ.get("OMP_NUM_THREADS", "")
@@ -276,6 +282,7 @@ def _run_module(module: str, args: list[str]) -> int:
 
 
 # ----------------------------------------------------------------------------- stub
+
 
 def run_stub(module: str, args: list[str]) -> int:
     """Have the server fork this worker; return its exit status (or die of its signal).

@@ -52,8 +52,9 @@ def main(argv: list[str]) -> None:
     if earlier_stop():  # a restart after a rank's user error: the mistake would repeat
         os._exit(2)
     os.environ.pop(LAUNCHER_ENV, None)  # the worker's own children have another parent
-    if not (argv[:1] == ["-m"] and argv[1:2] in (["disttrain.launch.warm_workers"],
-                                                  ["disttrain.launch.slot_supervisor"])):
+    if not (
+        argv[:1] == ["-m"] and argv[1:2] in (["disttrain.launch.warm_workers"], ["disttrain.launch.slot_supervisor"])
+    ):
         processes.name_worker(announce=announcer(argv))  # a stub or supervisor names itself
     if not (argv[:1] == ["-m"] and argv[1:2] and argv[1].startswith("disttrain.")):
         # A user's script: a hang names the rank that stopped (Job's watchdog takes over
@@ -92,7 +93,9 @@ def script_failed(exc: Exception) -> None:
         failures.report_program_error(exc, rank, None, oom={} if verdict.oom else None)
         worker_notes.wait_to_be_stopped()
         sys.exit(failures.exit_status(exc))
-    failures.say_once(f"disttrain run: rank {rank} {verdict.what} ({verdict.cause}); {failures.trace_to_log(rank, exc)}")
+    failures.say_once(
+        f"disttrain run: rank {rank} {verdict.what} ({verdict.cause}); {failures.trace_to_log(rank, exc)}"
+    )
     sys.exit(1)
 
 

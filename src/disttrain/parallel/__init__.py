@@ -40,6 +40,7 @@ from disttrain.runtime.torch_compat import unwrap, wrapper_kind
 
 __all__ = ["Layout", "check_optimizer", "join", "make_optimizer", "unwrap", "wrap", "wrap_info"]
 
+
 def _is_fsdp2(module: nn.Module) -> bool:
     fsdp = sys.modules.get("torch.distributed.fsdp")
     return fsdp is not None and isinstance(module, fsdp.FSDPModule)
@@ -50,8 +51,9 @@ def _parallel_config(cfg: ParallelConfig | None, overrides: dict) -> ParallelCon
     names = {f.name for f in dataclasses.fields(ParallelConfig)}
     for key, value in overrides.items():
         if key not in names:
-            raise ConfigError(f"wrap() got an unknown option {key!r}; valid options: "
-                              f"precision, {', '.join(sorted(names))}.")
+            raise ConfigError(
+                f"wrap() got an unknown option {key!r}; valid options: precision, {', '.join(sorted(names))}."
+            )
         setattr(cfg, key, value)
     if cfg.strategy not in STRATEGIES:
         raise ConfigError(f"strategy {cfg.strategy!r} is unknown; choose one of {', '.join(STRATEGIES)}.")
@@ -68,13 +70,21 @@ def _refuse_nested(model: nn.Module) -> None:
     for name, sub in model.named_modules():
         if wrapper_kind(sub) in _DATA_PARALLEL or _is_fsdp2(sub) or hasattr(sub, WRAP_INFO):
             where = f"its submodule {name!r} is" if name else "it is"
-            raise UserError(f"the model is already wrapped ({where} a {type(sub).__name__}); "
-                            f"wrapping it again nests data parallelism (P-DDP-3). Pass the plain "
-                            f"module to dt.wrap() once.")
+            raise UserError(
+                f"the model is already wrapped ({where} a {type(sub).__name__}); "
+                f"wrapping it again nests data parallelism (P-DDP-3). Pass the plain "
+                f"module to dt.wrap() once."
+            )
 
 
-def wrap(model: nn.Module, cfg: ParallelConfig | None = None, *, precision: str = "fp32",
-         compile: bool | dict = False, **options) -> nn.Module:
+def wrap(
+    model: nn.Module,
+    cfg: ParallelConfig | None = None,
+    *,
+    precision: str = "fp32",
+    compile: bool | dict = False,
+    **options,
+) -> nn.Module:
     """Apply the configured strategy and return the module to train.
 
     `options` override fields of `cfg` (for example `strategy="fsdp"`,
@@ -95,8 +105,9 @@ def wrap(model: nn.Module, cfg: ParallelConfig | None = None, *, precision: str 
     cfg = _parallel_config(cfg, options)
     info = rank_info()
     device_type = info.device.type
-    validate_parallel(cfg, precision, world_size=info.world_size,
-                      local_world_size=info.local_world_size, device_type=device_type)
+    validate_parallel(
+        cfg, precision, world_size=info.world_size, local_world_size=info.local_world_size, device_type=device_type
+    )
     model, was_compiled = plain_module(model)
     compile_options = compile if isinstance(compile, dict) else {}
     compile = bool(compile) or isinstance(compile, dict) or was_compiled
@@ -106,9 +117,14 @@ def wrap(model: nn.Module, cfg: ParallelConfig | None = None, *, precision: str 
     model = model.to(info.device)
     if cfg.sync_batchnorm:
         model = convert_sync_batchnorm(model, device_type)
-    layout = Layout.for_strategy(cfg.strategy, cfg.sharding, info.world_size,
-                                 shard_group_size=cfg.shard_group_size,
-                                 local_world_size=info.local_world_size, device_type=device_type)
+    layout = Layout.for_strategy(
+        cfg.strategy,
+        cfg.sharding,
+        info.world_size,
+        shard_group_size=cfg.shard_group_size,
+        local_world_size=info.local_world_size,
+        device_type=device_type,
+    )
     sharded = cfg.strategy in ("fsdp", "fsdp1") and info.world_size > 1
     if not sharded and (cfg.activation_checkpointing or compile):
         # torchtitan's order: checkpointing, then compile per block, then DDP
@@ -117,8 +133,12 @@ def wrap(model: nn.Module, cfg: ParallelConfig | None = None, *, precision: str 
             blocks = apply_activation_checkpointing(model, blocks)
         if compile:
             compile_blocks(model, blocks, **compile_options)
-    ddp_options: dict[str, Any] = dict(bucket_cap_mb=cfg.bucket_cap_mb, gradient_as_bucket_view=cfg.gradient_as_bucket_view,
-                       static_graph=cfg.static_graph, find_unused_parameters=cfg.find_unused_parameters)
+    ddp_options: dict[str, Any] = dict(
+        bucket_cap_mb=cfg.bucket_cap_mb,
+        gradient_as_bucket_view=cfg.gradient_as_bucket_view,
+        static_graph=cfg.static_graph,
+        find_unused_parameters=cfg.find_unused_parameters,
+    )
     mesh = None
     if cfg.strategy == "dp":
         model = apply_dp(model, info.world_size)
@@ -132,20 +152,43 @@ def wrap(model: nn.Module, cfg: ParallelConfig | None = None, *, precision: str 
         mesh = layout.build_mesh()
         from disttrain.parallel.fsdp import apply_fsdp
 
-        model = apply_fsdp(model, mesh, sharding=cfg.sharding, wrap=cfg.wrap, precision=precision,
-                           cpu_offload=cfg.cpu_offload,
-                           activation_checkpointing=cfg.activation_checkpointing,
-                           compile=compile_options if compile_options else compile)
+        model = apply_fsdp(
+            model,
+            mesh,
+            sharding=cfg.sharding,
+            wrap=cfg.wrap,
+            precision=precision,
+            cpu_offload=cfg.cpu_offload,
+            activation_checkpointing=cfg.activation_checkpointing,
+            compile=compile_options if compile_options else compile,
+        )
     elif cfg.strategy == "fsdp1":
         from disttrain.parallel.fsdp1 import apply_fsdp1
 
-        model = apply_fsdp1(model, layout, info.device, sharding=cfg.sharding, wrap=cfg.wrap,
-                            precision=precision, cpu_offload=cfg.cpu_offload,
-                            activation_checkpointing=cfg.activation_checkpointing)
+        model = apply_fsdp1(
+            model,
+            layout,
+            info.device,
+            sharding=cfg.sharding,
+            wrap=cfg.wrap,
+            precision=precision,
+            cpu_offload=cfg.cpu_offload,
+            activation_checkpointing=cfg.activation_checkpointing,
+        )
     if not sharded:
         # Replicated strategies compute under autocast; FSDP casts via its own policy.
         apply_autocast(model, precision, device_type)
-    setattr(model, WRAP_INFO, {"strategy": cfg.strategy, "precision": precision, "compile": compile,
-                               "world_size": info.world_size, "layout": layout, "mesh": mesh})
+    setattr(
+        model,
+        WRAP_INFO,
+        {
+            "strategy": cfg.strategy,
+            "precision": precision,
+            "compile": compile,
+            "world_size": info.world_size,
+            "layout": layout,
+            "mesh": mesh,
+        },
+    )
     seed_rank_stream(info)
     return model

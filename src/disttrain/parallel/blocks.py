@@ -46,9 +46,11 @@ def find_blocks(model: nn.Module, wrap: str = "auto") -> list[nn.Module]:
     chosen = [m for m in model.modules() if type(m).__name__ in names and m is not model]
     if not chosen and wrap != "auto":
         present = sorted({type(m).__name__ for m in model.modules()})
-        raise ConfigError(f"parallel.wrap names {', '.join(names)}, but the model has no module of "
-                          f"that class. Classes in this model: {', '.join(present)}. Use 'auto', "
-                          f"'model', or one of these names.")
+        raise ConfigError(
+            f"parallel.wrap names {', '.join(names)}, but the model has no module of "
+            f"that class. Classes in this model: {', '.join(present)}. Use 'auto', "
+            f"'model', or one of these names."
+        )
     inside: set[int] = set()
     for block in chosen:
         for sub in block.modules():
@@ -75,10 +77,12 @@ def check_tied_weights(model: nn.Module, blocks: list[nn.Module]) -> None:
         for group in tied:
             n_in = sum(id(m) in inside for m, _ in group)
             if 0 < n_in < len(group):
-                raise ConfigError(f"parallel.wrap puts a tied parameter in two sharding units "
-                                  f"({', '.join(n for _, n in group)}). Tied weights must share "
-                                  f"one unit: wrap a module that contains all of them, or use "
-                                  f"'auto'.")
+                raise ConfigError(
+                    f"parallel.wrap puts a tied parameter in two sharding units "
+                    f"({', '.join(n for _, n in group)}). Tied weights must share "
+                    f"one unit: wrap a module that contains all of them, or use "
+                    f"'auto'."
+                )
 
 
 def apply_activation_checkpointing(model: nn.Module, blocks: list[nn.Module]) -> list[nn.Module]:
@@ -90,9 +94,11 @@ def apply_activation_checkpointing(model: nn.Module, blocks: list[nn.Module]) ->
     Raises `ConfigError` when there is no block to checkpoint.
     """
     if not blocks:
-        raise ConfigError("parallel.activation_checkpointing needs blocks to checkpoint, but the "
-                          "model declares no `_no_split_modules`. Name the block classes with "
-                          "parallel.wrap = \"MyBlock\".")
+        raise ConfigError(
+            "parallel.activation_checkpointing needs blocks to checkpoint, but the "
+            "model declares no `_no_split_modules`. Name the block classes with "
+            'parallel.wrap = "MyBlock".'
+        )
     targets = {id(b) for b in blocks}
     wrapped: list[nn.Module] = []
     for parent in list(model.modules()):

@@ -29,9 +29,9 @@ from disttrain.runtime import torch_compat
 
 _REFUSED = {
     "dp": "DataParallel copies the module into a thread per device on every forward, so "
-          "compiled code is traced again each step; use parallel.strategy = \"ddp\"",
+    'compiled code is traced again each step; use parallel.strategy = "ddp"',
     "fsdp1": "FSDP1 flattens the parameters of each unit, which compile sees only with "
-             "use_orig_params; use parallel.strategy = \"fsdp\" (FSDP2)",
+    'use_orig_params; use parallel.strategy = "fsdp" (FSDP2)',
 }
 
 
@@ -39,12 +39,16 @@ def check_compile(strategy: str, *, cpu_offload: bool = False) -> None:
     """Raise `ConfigError` (one line naming the fix) for a combination that compile
     does not support: strategy dp or fsdp1, or parallel.cpu_offload."""
     if strategy in _REFUSED:
-        raise ConfigError(f"train.compile = true does not work with parallel.strategy {strategy!r}: "
-                          f"{_REFUSED[strategy]}, or set train.compile = false.")
+        raise ConfigError(
+            f"train.compile = true does not work with parallel.strategy {strategy!r}: "
+            f"{_REFUSED[strategy]}, or set train.compile = false."
+        )
     if cpu_offload:
-        raise ConfigError("train.compile = true with parallel.cpu_offload = true is not supported (the "
-                          "offloaded optimizer steps on the host outside the compiled graphs, untested); "
-                          "set one of them to false.")
+        raise ConfigError(
+            "train.compile = true with parallel.cpu_offload = true is not supported (the "
+            "offloaded optimizer steps on the host outside the compiled graphs, untested); "
+            "set one of them to false."
+        )
 
 
 def plain_module(model: nn.Module) -> tuple[nn.Module, bool]:

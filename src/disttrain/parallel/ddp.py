@@ -14,7 +14,7 @@ from disttrain.errors import UserError
 
 _UNUSED_PARAMS_HELP = (
     "DDP found parameters that received no gradient in the previous step "
-    "(\"Expected to have finished reduction in the prior iteration\", P-DDP-4).\n"
+    '("Expected to have finished reduction in the prior iteration", P-DDP-4).\n'
     "Cause: some parameters did not take part in computing the loss (a branch that was "
     "skipped, an unused head, or outputs left out of the loss).\n"
     "Fix, one of:\n"
@@ -37,18 +37,27 @@ class ExplainedDDP(DistributedDataParallel):
             raise
 
 
-def apply_ddp(model: nn.Module, device: torch.device, *, bucket_cap_mb: float = 25.0,
-              gradient_as_bucket_view: bool = True, static_graph: bool = False,
-              find_unused_parameters: bool = False, process_group=None) -> DistributedDataParallel:
+def apply_ddp(
+    model: nn.Module,
+    device: torch.device,
+    *,
+    bucket_cap_mb: float = 25.0,
+    gradient_as_bucket_view: bool = True,
+    static_graph: bool = False,
+    find_unused_parameters: bool = False,
+    process_group=None,
+) -> DistributedDataParallel:
     """Wrap `model` (already on `device`) in DDP. Build the optimizer afterwards.
 
     `device_ids` is set only for one-GPU-per-process jobs, as DDP requires (P-DDP-3).
     """
     if static_graph and find_unused_parameters:
         # static_graph already handles a fixed unused set; both together is a config mistake.
-        raise UserError("parallel.static_graph and parallel.find_unused_parameters are both on; "
-                        "static_graph already handles a fixed set of unused parameters. "
-                        "Turn one off.")
+        raise UserError(
+            "parallel.static_graph and parallel.find_unused_parameters are both on; "
+            "static_graph already handles a fixed set of unused parameters. "
+            "Turn one off."
+        )
     return ExplainedDDP(
         model,
         device_ids=[device.index] if device.type == "cuda" else None,

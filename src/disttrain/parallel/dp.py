@@ -17,6 +17,7 @@ import torch.nn as nn
 from disttrain.errors import ConfigError
 from disttrain.runtime import processes
 
+
 def apply_dp(model: nn.Module, world_size: int) -> nn.DataParallel:
     """Wrap `model` (already on cuda:0 or the CPU) in `nn.DataParallel` and return it.
 
@@ -26,11 +27,16 @@ def apply_dp(model: nn.Module, world_size: int) -> nn.DataParallel:
     nest DataParallel inside data-parallel processes.
     """
     if world_size > 1:
-        raise ConfigError(f"parallel.strategy 'dp' runs in one process, but this job has "
-                          f"{world_size} processes (DataParallel inside DDP, P-DDP-3). Launch "
-                          f"with --parallel.nproc=1, or use --parallel.strategy=ddp.")
+        raise ConfigError(
+            f"parallel.strategy 'dp' runs in one process, but this job has "
+            f"{world_size} processes (DataParallel inside DDP, P-DDP-3). Launch "
+            f"with --parallel.nproc=1, or use --parallel.strategy=ddp."
+        )
     if not torch.cuda.is_available() and processes.first_time("dp on the CPU"):
-        warnings.warn("parallel.strategy 'dp' without CUDA runs as a world of 1 on the CPU; "
-                      "DataParallel only helps with several GPUs. Use 'ddp' for multi-process "
-                      "training (P-DDP-1).", stacklevel=3)
+        warnings.warn(
+            "parallel.strategy 'dp' without CUDA runs as a world of 1 on the CPU; "
+            "DataParallel only helps with several GPUs. Use 'ddp' for multi-process "
+            "training (P-DDP-1).",
+            stacklevel=3,
+        )
     return nn.DataParallel(model)

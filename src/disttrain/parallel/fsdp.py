@@ -42,8 +42,9 @@ def mixed_precision_policy(precision: str, *, root: bool = False) -> MixedPrecis
     dtype = _PARAM_DTYPE[precision]
     if dtype is None:
         return MixedPrecisionPolicy()
-    return MixedPrecisionPolicy(param_dtype=dtype, reduce_dtype=torch.float32,
-                                output_dtype=torch.float32 if root else None)
+    return MixedPrecisionPolicy(
+        param_dtype=dtype, reduce_dtype=torch.float32, output_dtype=torch.float32 if root else None
+    )
 
 
 def offload_policy(cpu_offload: bool, device_type: str) -> OffloadPolicy:
@@ -54,9 +55,17 @@ def offload_policy(cpu_offload: bool, device_type: str) -> OffloadPolicy:
     return CPUOffloadPolicy(pin_memory=device_type == "cuda")
 
 
-def apply_fsdp(model: nn.Module, mesh: DeviceMesh, *, sharding: str = "full", wrap: str = "auto",
-               precision: str = "fp32", cpu_offload: bool = False,
-               activation_checkpointing: bool = False, compile: bool | dict = False) -> nn.Module:
+def apply_fsdp(
+    model: nn.Module,
+    mesh: DeviceMesh,
+    *,
+    sharding: str = "full",
+    wrap: str = "auto",
+    precision: str = "fp32",
+    cpu_offload: bool = False,
+    activation_checkpointing: bool = False,
+    compile: bool | dict = False,
+) -> nn.Module:
     """Shard `model` in place with FSDP2 on `mesh` and return it.
 
     `wrap` chooses the units (`blocks.find_blocks`): 'auto' per block from
@@ -77,12 +86,22 @@ def apply_fsdp(model: nn.Module, mesh: DeviceMesh, *, sharding: str = "full", wr
     reshard = _RESHARD_AFTER_FORWARD[sharding]
     offload = offload_policy(cpu_offload, mesh.device_type)
     for block in blocks:
-        fully_shard(block, mesh=mesh, reshard_after_forward=reshard,
-                    mp_policy=mixed_precision_policy(precision), offload_policy=offload)
+        fully_shard(
+            block,
+            mesh=mesh,
+            reshard_after_forward=reshard,
+            mp_policy=mixed_precision_policy(precision),
+            offload_policy=offload,
+        )
     # The root's parameters are needed first in backward: keeping them gathered after
     # forward saves one all-gather at no real memory cost (what FSDP2 picks by default).
-    fully_shard(model, mesh=mesh, reshard_after_forward=False if blocks else reshard,
-                mp_policy=mixed_precision_policy(precision, root=True), offload_policy=offload)
+    fully_shard(
+        model,
+        mesh=mesh,
+        reshard_after_forward=False if blocks else reshard,
+        mp_policy=mixed_precision_policy(precision, root=True),
+        offload_policy=offload,
+    )
     return model
 
 

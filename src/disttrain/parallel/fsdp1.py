@@ -33,11 +33,17 @@ STRATEGY_NAMES = {
 }
 
 
-
-
-def apply_fsdp1(model: nn.Module, layout: Layout, device: torch.device, *, sharding: str = "full",
-                wrap: str = "auto", precision: str = "fp32", cpu_offload: bool = False,
-                activation_checkpointing: bool = False) -> FullyShardedDataParallel:
+def apply_fsdp1(
+    model: nn.Module,
+    layout: Layout,
+    device: torch.device,
+    *,
+    sharding: str = "full",
+    wrap: str = "auto",
+    precision: str = "fp32",
+    cpu_offload: bool = False,
+    activation_checkpointing: bool = False,
+) -> FullyShardedDataParallel:
     """Wrap `model` in FSDP1 with one unit per block and return the wrapper.
 
     A collective: every rank calls it with the same arguments. Raises `ConfigError`
@@ -51,8 +57,7 @@ def apply_fsdp1(model: nn.Module, layout: Layout, device: torch.device, *, shard
     classes = {type(b) for b in blocks}
     mixed = None
     if precision == "bf16":
-        mixed = MixedPrecision(param_dtype=torch.bfloat16, reduce_dtype=torch.float32,
-                               buffer_dtype=torch.bfloat16)
+        mixed = MixedPrecision(param_dtype=torch.bfloat16, reduce_dtype=torch.float32, buffer_dtype=torch.bfloat16)
     mesh = None
     if sharding == "hybrid":
         # Always pass the mesh: rows replicate, columns shard (see the module docstring).

@@ -28,8 +28,7 @@ from disttrain.errors import UserError
 from disttrain.parallel.optimizers import wrap_info
 
 
-def join(model: nn.Module, optimizer: torch.optim.Optimizer | None = None, *,
-         throw_on_early_termination: bool = False):
+def join(model: nn.Module, optimizer: torch.optim.Optimizer | None = None, *, throw_on_early_termination: bool = False):
     """A context under which ranks may run different numbers of training steps.
 
     Contract: every rank enters it, runs its own batches, and leaves it; no rank
@@ -44,14 +43,18 @@ def join(model: nn.Module, optimizer: torch.optim.Optimizer | None = None, *,
     if info.get("world_size", 1) <= 1 and not isinstance(model, Joinable):
         return contextlib.nullcontext()
     if info.get("strategy") in ("fsdp", "fsdp1"):
-        raise UserError(f"dt.join() does not apply to strategy {info['strategy']!r}: FSDP does not "
-                        f"implement torch's Join. Give every rank the same number of batches with "
-                        f"dt.DistributedSampler (it pads or drops, P-DATA-1) instead (P-LOOP-3).")
+        raise UserError(
+            f"dt.join() does not apply to strategy {info['strategy']!r}: FSDP does not "
+            f"implement torch's Join. Give every rank the same number of batches with "
+            f"dt.DistributedSampler (it pads or drops, P-DATA-1) instead (P-LOOP-3)."
+        )
     joinables: list[Joinable] = []
     for each in (model, optimizer):
         if isinstance(each, Joinable):
             joinables.append(each)
     if not joinables:
-        raise UserError("dt.join() needs the module returned by dt.wrap() under ddp or zero1 "
-                        "(a DDP module is Joinable); this model is not.")
+        raise UserError(
+            "dt.join() needs the module returned by dt.wrap() under ddp or zero1 "
+            "(a DDP module is Joinable); this model is not."
+        )
     return Join(joinables, throw_on_early_termination=throw_on_early_termination)

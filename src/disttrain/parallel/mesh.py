@@ -54,21 +54,31 @@ class Layout:
 
     def __post_init__(self):
         if self.replicate * self.shard != self.world_size or min(self.replicate, self.shard) < 1:
-            raise ConfigError(f"layout {self.replicate} replicas x {self.shard} shards does not "
-                              f"cover a world of {self.world_size} ranks.")
+            raise ConfigError(
+                f"layout {self.replicate} replicas x {self.shard} shards does not "
+                f"cover a world of {self.world_size} ranks."
+            )
 
     @classmethod
-    def for_strategy(cls, strategy: str, sharding: str, world_size: int, *,
-                     shard_group_size: int = 0, local_world_size: int | None = None,
-                     device_type: str = "cpu") -> "Layout":
+    def for_strategy(
+        cls,
+        strategy: str,
+        sharding: str,
+        world_size: int,
+        *,
+        shard_group_size: int = 0,
+        local_world_size: int | None = None,
+        device_type: str = "cpu",
+    ) -> "Layout":
         """The grid for a strategy and sharding mode.
 
         `shard_group_size=0` means one node's processes (`local_world_size`), the
         usual HSDP layout. Raises `ConfigError` when the group size does not divide
         the world, naming the sizes that would.
         """
-        replicate, shard = shard_grid(strategy, sharding, world_size, shard_group_size=shard_group_size,
-                                      local_world_size=local_world_size)
+        replicate, shard = shard_grid(
+            strategy, sharding, world_size, shard_group_size=shard_group_size, local_world_size=local_world_size
+        )
         return cls(world_size, replicate, shard, device_type)
 
     @property
@@ -95,6 +105,7 @@ class Layout:
             if self.replicate == 1:
                 built[key] = init_device_mesh(self.device_type, (self.shard,), mesh_dim_names=(SHARD,))
             else:
-                built[key] = init_device_mesh(self.device_type, (self.replicate, self.shard),
-                                              mesh_dim_names=(REPLICATE, SHARD))
+                built[key] = init_device_mesh(
+                    self.device_type, (self.replicate, self.shard), mesh_dim_names=(REPLICATE, SHARD)
+                )
         return built[key]

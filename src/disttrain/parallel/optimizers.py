@@ -37,8 +37,9 @@ def wrap_info(model: nn.Module) -> dict | None:
     return getattr(model, WRAP_INFO, None)
 
 
-def make_optimizer(model: nn.Module, optimizer_class: type[torch.optim.Optimizer],
-                   params: Iterable[Any] | None = None, **kwargs) -> torch.optim.Optimizer:
+def make_optimizer(
+    model: nn.Module, optimizer_class: type[torch.optim.Optimizer], params: Iterable[Any] | None = None, **kwargs
+) -> torch.optim.Optimizer:
     """Build the optimizer for a wrapped model: ZeRO-1 under `zero1`, plain otherwise.
 
     `params` defaults to the model's trainable parameters; parameter groups (dicts)
@@ -48,8 +49,10 @@ def make_optimizer(model: nn.Module, optimizer_class: type[torch.optim.Optimizer
     """
     info = wrap_info(model)
     if info is None:
-        raise UserError("make_optimizer() needs the module returned by dt.wrap(); wrap the model "
-                        "first, then build the optimizer from it (P-DDP-3, P-FSDP-7).")
+        raise UserError(
+            "make_optimizer() needs the module returned by dt.wrap(); wrap the model "
+            "first, then build the optimizer from it (P-DDP-3, P-FSDP-7)."
+        )
     if params is None:
         params = [p for p in model.parameters() if p.requires_grad]
     if info["strategy"] == "zero1" and info["world_size"] > 1:
@@ -73,17 +76,25 @@ def check_optimizer(model: nn.Module, optimizer: torch.optim.Optimizer) -> None:
     for group in optimizer.param_groups:
         for p in group["params"]:
             if id(p) not in own:
-                raise UserError("the optimizer holds parameters that are not the wrapped model's: "
-                                "it was built before dt.wrap() (or from another model). Build it "
-                                "after wrapping, from the returned module: "
-                                "dt.make_optimizer(model, torch.optim.AdamW, lr=...) (P-DDP-3, "
-                                "P-FSDP-7).")
+                raise UserError(
+                    "the optimizer holds parameters that are not the wrapped model's: "
+                    "it was built before dt.wrap() (or from another model). Build it "
+                    "after wrapping, from the returned module: "
+                    "dt.make_optimizer(model, torch.optim.AdamW, lr=...) (P-DDP-3, "
+                    "P-FSDP-7)."
+                )
     info = wrap_info(model)
-    if info and info["strategy"] == "zero1" and info["world_size"] > 1 \
-            and type(optimizer).__name__ != "ZeroRedundancyOptimizer":
-        raise UserError("parallel.strategy is 'zero1' but the optimizer is a plain "
-                        f"{type(optimizer).__name__}, so its state is not sharded. Build it with "
-                        "dt.make_optimizer(model, torch.optim.AdamW, lr=...).")
+    if (
+        info
+        and info["strategy"] == "zero1"
+        and info["world_size"] > 1
+        and type(optimizer).__name__ != "ZeroRedundancyOptimizer"
+    ):
+        raise UserError(
+            "parallel.strategy is 'zero1' but the optimizer is a plain "
+            f"{type(optimizer).__name__}, so its state is not sharded. Build it with "
+            "dt.make_optimizer(model, torch.optim.AdamW, lr=...)."
+        )
 
 
 def decaying(model: nn.Module) -> list[tuple[str, nn.Parameter, bool]]:
@@ -98,16 +109,21 @@ def decaying(model: nn.Module) -> list[tuple[str, nn.Parameter, bool]]:
     are read from FSDP1's metadata (`fsdp1_unsharded_shapes`), and FSDP2's DTensors
     report their global shape. No collective."""
     flat = fsdp1_unsharded_shapes(model)
-    return [(canonical_name(name), q, len(flat.get(id(q), tuple(q.shape))) >= 2)
-            for name, q in unwrap(model).named_parameters() if q.requires_grad]
+    return [
+        (canonical_name(name), q, len(flat.get(id(q), tuple(q.shape))) >= 2)
+        for name, q in unwrap(model).named_parameters()
+        if q.requires_grad
+    ]
 
 
 def decay_groups(model: nn.Module, weight_decay: float) -> list[dict]:
     """Two optimizer parameter groups of `model`'s trainable parameters (`decaying`):
     those that decay with `weight_decay`, the rest with 0.0. Either may be empty."""
     named = decaying(model)
-    return [{"params": [q for _, q, d in named if d], "weight_decay": weight_decay},
-            {"params": [q for _, q, d in named if not d], "weight_decay": 0.0}]
+    return [
+        {"params": [q for _, q, d in named if d], "weight_decay": weight_decay},
+        {"params": [q for _, q, d in named if not d], "weight_decay": 0.0},
+    ]
 
 
 def build_optimizer(model: nn.Module, cfg: Config) -> torch.optim.Optimizer:
@@ -118,7 +134,6 @@ def build_optimizer(model: nn.Module, cfg: Config) -> torch.optim.Optimizer:
     o = cfg.optim
     if o.name == "sgd":
         params = [q for q in unwrap(model).parameters() if q.requires_grad]
-        return make_optimizer(model, torch.optim.SGD, params, lr=o.lr, momentum=o.momentum,
-                              weight_decay=o.weight_decay)
+        return make_optimizer(model, torch.optim.SGD, params, lr=o.lr, momentum=o.momentum, weight_decay=o.weight_decay)
     groups = decay_groups(model, o.weight_decay)
     return make_optimizer(model, torch.optim.AdamW, groups, lr=o.lr, betas=tuple(o.betas))

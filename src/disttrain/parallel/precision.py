@@ -99,8 +99,15 @@ class AgreedGradScaler:
     is therefore identical on all ranks at all times.
     """
 
-    def __init__(self, init_scale: float = 2.0**16, *, growth_factor: float = 2.0,
-                 backoff_factor: float = 0.5, growth_interval: int = 2000, process_group=None):
+    def __init__(
+        self,
+        init_scale: float = 2.0**16,
+        *,
+        growth_factor: float = 2.0,
+        backoff_factor: float = 0.5,
+        growth_interval: int = 2000,
+        process_group=None,
+    ):
         self._scale = float(init_scale)
         self.growth_factor, self.backoff_factor = growth_factor, backoff_factor
         self.growth_interval, self.process_group = growth_interval, process_group
@@ -122,8 +129,7 @@ class AgreedGradScaler:
         """Divide the gradients by the scale; return whether any rank overflowed."""
         if id(optimizer) in self._found_inf:
             raise RuntimeError("unscale_() was already called on this optimizer since the last update().")
-        grads = [_local(p.grad) for group in optimizer.param_groups for p in group["params"]
-                 if p.grad is not None]
+        grads = [_local(p.grad) for group in optimizer.param_groups for p in group["params"] if p.grad is not None]
         device = grads[0].device if grads else torch.device("cpu")
         found = torch.zeros(1, device=device)
         # torch's fused unscale + non-finite check, one call per (device, dtype): no host
@@ -167,8 +173,7 @@ class AgreedGradScaler:
 
     def state_dict(self) -> dict:
         """Everything a resume needs (P-CKPT-1)."""
-        return {"scale": self._scale, "growth_tracker": self._growth_tracker,
-                "skipped_steps": self.skipped_steps}
+        return {"scale": self._scale, "growth_tracker": self._growth_tracker, "skipped_steps": self.skipped_steps}
 
     def load_state_dict(self, state: dict) -> None:
         """Restore the scale, growth tracker and skipped-step count of `state_dict()`."""

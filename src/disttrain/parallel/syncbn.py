@@ -39,8 +39,7 @@ class GlooSyncBatchNorm(torch_compat.batchnorm_base()):  # type: ignore[misc]  #
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         self._check_input_dim(x)
-        sync = self.training and dist.is_available() and dist.is_initialized() \
-            and dist.get_world_size() > 1
+        sync = self.training and dist.is_available() and dist.is_initialized() and dist.get_world_size() > 1
         if not sync:
             return super().forward(x)
         dims = [0] + list(range(2, x.dim()))
@@ -50,7 +49,7 @@ class GlooSyncBatchNorm(torch_compat.batchnorm_base()):  # type: ignore[misc]  #
         c = x.size(1)
         n = stats[-1]
         mean = stats[:c] / n
-        var = stats[c:2 * c] / n - mean ** 2
+        var = stats[c : 2 * c] / n - mean**2
         if self.track_running_stats:
             with torch.no_grad():
                 self.num_batches_tracked.add_(1)
@@ -79,8 +78,9 @@ def convert_sync_batchnorm(model: nn.Module, device_type: str) -> nn.Module:
 def _convert_cpu(module: nn.Module) -> nn.Module:
     out = module
     if isinstance(module, torch_compat.batchnorm_base()) and not isinstance(module, GlooSyncBatchNorm):
-        out = GlooSyncBatchNorm(module.num_features, module.eps, module.momentum, module.affine,
-                                module.track_running_stats)
+        out = GlooSyncBatchNorm(
+            module.num_features, module.eps, module.momentum, module.affine, module.track_running_stats
+        )
         if module.affine:
             with torch.no_grad():
                 out.weight = module.weight
@@ -97,4 +97,3 @@ def _convert_cpu(module: nn.Module) -> nn.Module:
 
 def has_batchnorm(model: nn.Module) -> bool:
     return any(isinstance(m, torch_compat.batchnorm_base()) for m in model.modules())
-

@@ -29,13 +29,24 @@ wire), `lr` (learning-rate rules), `planner` (`estimate`, the recommendation), `
 from __future__ import annotations
 
 from disttrain.plan.lr import LRAdvice, advise, scaled_lr, warmup_steps
-from disttrain.plan.model_size import (ModelSpec, from_gpt_config, from_hf_config,
-                                       from_param_count)
+from disttrain.plan.model_size import ModelSpec, from_gpt_config, from_hf_config, from_param_count
 from disttrain.plan.planner import Plan, StrategyEstimate, estimate, parse_bytes
 
-__all__ = ["main", "estimate", "Plan", "StrategyEstimate", "ModelSpec", "LRAdvice", "advise",
-           "scaled_lr", "warmup_steps", "from_gpt_config", "from_hf_config", "from_param_count",
-           "parse_bytes"]
+__all__ = [
+    "main",
+    "estimate",
+    "Plan",
+    "StrategyEstimate",
+    "ModelSpec",
+    "LRAdvice",
+    "advise",
+    "scaled_lr",
+    "warmup_steps",
+    "from_gpt_config",
+    "from_hf_config",
+    "from_param_count",
+    "parse_bytes",
+]
 
 
 def main(argv: list[str]) -> int:

@@ -63,8 +63,10 @@ def communication(spec: ModelSpec, work: Workload, world: int, variant: Variant)
         padded, _ = fsdp_layout(spec, world)
         full = padded * world  # the unsharded, padded size that each collective covers
         gathers = work.accum_steps * (2 if variant.strategy == "fsdp_full" else 1)
-        parts = {f"all-gather params x{gathers}": round(gathers * f * work.compute_bytes * full),
-                 "reduce-scatter grads": round(f * FP32 * full)}
+        parts = {
+            f"all-gather params x{gathers}": round(gathers * f * work.compute_bytes * full),
+            "reduce-scatter grads": round(f * FP32 * full),
+        }
         host = (gathers + 1) * FP32 * padded if variant.cpu_offload else 0
     if world == 1:
         parts = {}

@@ -69,34 +69,49 @@ class LRAdvice:
     warmup_steps: int | None
 
     def lines(self) -> list[str]:
-        out = [f"effective batch = {self.per_device_batch} per device x {self.world} devices x "
-               f"{self.accum_steps} accumulation steps = {self.effective_batch}"]
+        out = [
+            f"effective batch = {self.per_device_batch} per device x {self.world} devices x "
+            f"{self.accum_steps} accumulation steps = {self.effective_batch}"
+        ]
         scale = f"x{self.factor:.3g} vs base batch {self.base_batch}, {self.rule}"
         if self.scaled_lr is not None:
             out.append(f"learning rate {self.base_lr:g} -> {self.scaled_lr:.4g} ({scale})")
         else:
-            out.append(f"learning rate: multiply the base LR by {self.factor:.3g} ({scale}); "
-                       f"pass --base-lr for the value")
+            out.append(
+                f"learning rate: multiply the base LR by {self.factor:.3g} ({scale}); pass --base-lr for the value"
+            )
         if self.warmup_steps is not None:
-            out.append(f"warmup {self.warmup_steps} of {self.total_steps} optimizer steps "
-                       f"(min(5%, {WARMUP_CAP}))")
+            out.append(f"warmup {self.warmup_steps} of {self.total_steps} optimizer steps (min(5%, {WARMUP_CAP}))")
         return out
 
 
-def advise(per_device_batch: int, world: int, accum_steps: int = 1, base_lr: float | None = None,
-           base_batch: int = 256, total_steps: int | None = None) -> LRAdvice:
+def advise(
+    per_device_batch: int,
+    world: int,
+    accum_steps: int = 1,
+    base_lr: float | None = None,
+    base_batch: int = 256,
+    total_steps: int | None = None,
+) -> LRAdvice:
     """Effective batch, scaled LR and warmup. Raises UserError on impossible inputs."""
     if base_lr is not None and not (math.isfinite(base_lr) and base_lr > 0):
         raise UserError(f"--base-lr is {base_lr}; it must be a positive number such as 3e-4.")
     if base_batch < 1:
-        raise UserError(f"--base-batch is {base_batch}; it must be at least 1 (the batch "
-                        f"the base LR was tuned at).")
+        raise UserError(f"--base-batch is {base_batch}; it must be at least 1 (the batch the base LR was tuned at).")
     if total_steps is not None and total_steps < 1:
         raise UserError(f"--steps is {total_steps}; it must be at least 1 (optimizer steps).")
     eff = per_device_batch * world * accum_steps
     factor = batch_scale(eff) / batch_scale(base_batch)
-    return LRAdvice(per_device_batch=per_device_batch, world=world, accum_steps=accum_steps,
-                    effective_batch=eff, base_lr=base_lr, base_batch=base_batch,
-                    scaled_lr=None if base_lr is None else base_lr * factor, factor=factor,
-                    rule=rule_for(eff), total_steps=total_steps,
-                    warmup_steps=None if total_steps is None else warmup_steps(total_steps))
+    return LRAdvice(
+        per_device_batch=per_device_batch,
+        world=world,
+        accum_steps=accum_steps,
+        effective_batch=eff,
+        base_lr=base_lr,
+        base_batch=base_batch,
+        scaled_lr=None if base_lr is None else base_lr * factor,
+        factor=factor,
+        rule=rule_for(eff),
+        total_steps=total_steps,
+        warmup_steps=None if total_steps is None else warmup_steps(total_steps),
+    )

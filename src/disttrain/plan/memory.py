@@ -49,8 +49,7 @@ PRECISIONS = ("fp32", "bf16", "fp16")
 STRATEGIES = ("ddp", "zero1", "fsdp_grad_op", "fsdp_full")
 
 # bytes of optimizer state per parameter element, and whether each tensor has a step counter
-OPTIMIZERS: dict[str, tuple[int, bool]] = {"adamw": (8, True), "sgd": (0, False),
-                                           "sgd-momentum": (4, False)}
+OPTIMIZERS: dict[str, tuple[int, bool]] = {"adamw": (8, True), "sgd": (0, False), "sgd-momentum": (4, False)}
 STEP_BYTES = 4  # AdamW's `step`: a float32 scalar per parameter tensor
 FP32 = 4
 
@@ -69,8 +68,9 @@ class Variant:
 
     @property
     def label(self) -> str:
-        base = {"ddp": "DDP", "zero1": "ZeRO-1", "fsdp_grad_op": "FSDP grad_op",
-                "fsdp_full": "FSDP full"}[self.strategy]
+        base = {"ddp": "DDP", "zero1": "ZeRO-1", "fsdp_grad_op": "FSDP grad_op", "fsdp_full": "FSDP full"}[
+            self.strategy
+        ]
         return base + (" + offload" if self.cpu_offload else "") + (" + AC" if self.act_ckpt else "")
 
 
@@ -78,7 +78,7 @@ def all_variants() -> list[Variant]:
     """Every row, simplest first. CPU offload exists only for FSDP in native torch."""
     out = []
     for s in STRATEGIES:
-        for offload in ((False, True) if s.startswith("fsdp") else (False,)):
+        for offload in (False, True) if s.startswith("fsdp") else (False,):
             for ac in (False, True):
                 out.append(Variant(s, offload, ac))
     return out
@@ -98,13 +98,14 @@ class Workload:
 
     def __post_init__(self) -> None:
         if self.precision not in PRECISIONS:
-            raise UserError(f"--precision {self.precision!r} is unknown; choose one of "
-                            f"{', '.join(PRECISIONS)}.")
+            raise UserError(f"--precision {self.precision!r} is unknown; choose one of {', '.join(PRECISIONS)}.")
         if self.optimizer not in OPTIMIZERS:
-            raise UserError(f"--optimizer {self.optimizer!r} is unknown; choose one of "
-                            f"{', '.join(OPTIMIZERS)}.")
-        for arg, v in (("--batch", self.batch_per_device), ("--seq-len", self.seq_len),
-                       ("--accum-steps", self.accum_steps)):
+            raise UserError(f"--optimizer {self.optimizer!r} is unknown; choose one of {', '.join(OPTIMIZERS)}.")
+        for arg, v in (
+            ("--batch", self.batch_per_device),
+            ("--seq-len", self.seq_len),
+            ("--accum-steps", self.accum_steps),
+        ):
             if int(v) != v or v < 1:
                 raise UserError(f"{arg} is {v}; it must be a whole number of at least 1.")
 
@@ -234,8 +235,9 @@ def memory(spec: ModelSpec, work: Workload, world: int, variant: Variant) -> Mem
             buffers += cb * P  # autocast's 16-bit weight copies, saved for backward
     else:
         padded, local = fsdp_layout(spec, world)
-        state = [{"params": FP32 * padded, "grads": FP32 * padded,
-                  "optim": optim_bytes(work, n, len(sizes))} for n in local]
+        state = [
+            {"params": FP32 * padded, "grads": FP32 * padded, "optim": optim_bytes(work, n, len(sizes))} for n in local
+        ]
         unit = spec.block_params or P
         if variant.strategy == "fsdp_full":
             gathered = cb * (spec.root_params + 2 * unit)  # root + current + prefetched block
@@ -247,5 +249,4 @@ def memory(spec: ModelSpec, work: Workload, world: int, variant: Variant) -> Mem
     if variant.cpu_offload:
         host = worst["params"] + worst["grads"] + worst["optim"]
         return Memory(0, 0, 0, acts, buffers, host=host, state_per_rank=state)
-    return Memory(worst["params"], worst["grads"], worst["optim"], acts, buffers,
-                  state_per_rank=state)
+    return Memory(worst["params"], worst["grads"], worst["optim"], acts, buffers, state_per_rank=state)

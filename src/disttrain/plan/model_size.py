@@ -90,12 +90,21 @@ def from_param_count(n_params: int, vocab_size: int = 32000, max_seq: int = 2048
     """
     layers = max(1, round((n_params / (12 * 85**2)) ** (1 / 3)))
     hidden = max(128, int(round(math.sqrt(n_params / (12 * layers)) / 128)) * 128)
-    spec = ModelSpec(name=f"{_human(n_params)} parameters", n_params=n_params, n_layer=layers,
-                     hidden=hidden, n_head=max(1, hidden // 128), ffn_hidden=4 * hidden,
-                     vocab_size=vocab_size, max_seq=max_seq,
-                     block_params=min(n_params // layers, 12 * hidden * hidden))
-    spec.notes.append(f"shape assumed from the count alone: {layers} layers, hidden {hidden}, "
-                      f"vocab {vocab_size}; pass --gpt or --hf for exact activations and sharding.")
+    spec = ModelSpec(
+        name=f"{_human(n_params)} parameters",
+        n_params=n_params,
+        n_layer=layers,
+        hidden=hidden,
+        n_head=max(1, hidden // 128),
+        ffn_hidden=4 * hidden,
+        vocab_size=vocab_size,
+        max_seq=max_seq,
+        block_params=min(n_params // layers, 12 * hidden * hidden),
+    )
+    spec.notes.append(
+        f"shape assumed from the count alone: {layers} layers, hidden {hidden}, "
+        f"vocab {vocab_size}; pass --gpt or --hf for exact activations and sharding."
+    )
     return spec
 
 
@@ -121,8 +130,10 @@ def parse_gpt_spec(text: str):
         key, sep, value = item.partition("=")
         key = key.strip()
         if not sep or key not in fields:
-            raise UserError(f"--gpt {text!r}: {item!r} is not key=value with a GPTConfig key. "
-                            f"Valid keys: {', '.join(fields)}; e.g. --gpt n_layer=4,n_embd=128.")
+            raise UserError(
+                f"--gpt {text!r}: {item!r} is not key=value with a GPTConfig key. "
+                f"Valid keys: {', '.join(fields)}; e.g. --gpt n_layer=4,n_embd=128."
+            )
         kwargs[key] = _gpt_value(key, value.strip(), fields[key])
     return _gpt_config(kwargs, f"--gpt {text!r}")
 
@@ -147,12 +158,15 @@ def _gpt_config(kwargs: dict, where: str):
     types = {f.name: str(f.type) for f in dataclasses.fields(GPTConfig)}
     for key, value in kwargs.items():
         if key not in types:
-            raise UserError(f"{where}: unknown GPTConfig key {key!r}; valid keys: "
-                            f"{', '.join(types)}.")
+            raise UserError(f"{where}: unknown GPTConfig key {key!r}; valid keys: {', '.join(types)}.")
         want = types[key]
-        ok = (isinstance(value, bool) if "bool" in want else
-              isinstance(value, (int, float)) and not isinstance(value, bool) if "float" in want else
-              isinstance(value, int) and not isinstance(value, bool))
+        ok = (
+            isinstance(value, bool)
+            if "bool" in want
+            else isinstance(value, (int, float)) and not isinstance(value, bool)
+            if "float" in want
+            else isinstance(value, int) and not isinstance(value, bool)
+        )
         if not ok:
             raise UserError(f"{where}: {key} = {value!r} must be {want}.")
     cfg = GPTConfig(**kwargs)
@@ -173,8 +187,10 @@ def read_toml(path: str | Path) -> tuple[Any, dict]:
     """
     p = Path(path)
     if not p.is_file():
-        raise UserError(f"--gpt: TOML file not found: {p}. Pass an existing disttrain config, "
-                        f"or a spec such as n_layer=4,n_embd=128.")
+        raise UserError(
+            f"--gpt: TOML file not found: {p}. Pass an existing disttrain config, "
+            f"or a spec such as n_layer=4,n_embd=128."
+        )
     raw = configfile.read_toml(p)  # bad TOML: one ConfigError naming the file and line
     model = raw.get("model", {})
     if not isinstance(model, dict):
@@ -182,9 +198,11 @@ def read_toml(path: str | Path) -> tuple[Any, dict]:
     other = [k for k in ("factory", "hf", "hf_path") if model.get(k)]
     if other:
         # A user's model is sized from its parameters, not from GPT fields.
-        raise UserError(f"{p}: [model] {other[0]} names a model that `disttrain plan` cannot "
-                        f"build from the TOML; plan it by size: --params N (its parameter "
-                        f"count), or --hf CONFIG.json for a Hugging Face model.")
+        raise UserError(
+            f"{p}: [model] {other[0]} names a model that `disttrain plan` cannot "
+            f"build from the TOML; plan it by size: --params N (its parameter "
+            f"count), or --hf CONFIG.json for a Hugging Face model."
+        )
     model = {k: v for k, v in model.items() if k not in ("factory", "kwargs", "hf", "hf_path", "hf_config")}
     return _gpt_config(model, f"{p} [model]"), raw
 
@@ -197,9 +215,16 @@ def from_gpt_config(cfg) -> ModelSpec:
 
     with torch.device("meta"):
         model = GPT(cfg)
-    spec = ModelSpec(name=f"GPT(n_layer={cfg.n_layer}, n_embd={cfg.n_embd}, n_head={cfg.n_head})",
-                     n_params=0, n_layer=cfg.n_layer, hidden=cfg.n_embd, n_head=cfg.n_head,
-                     ffn_hidden=4 * cfg.n_embd, vocab_size=cfg.vocab_size, max_seq=cfg.block_size)
+    spec = ModelSpec(
+        name=f"GPT(n_layer={cfg.n_layer}, n_embd={cfg.n_embd}, n_head={cfg.n_head})",
+        n_params=0,
+        n_layer=cfg.n_layer,
+        hidden=cfg.n_embd,
+        n_head=cfg.n_head,
+        ffn_hidden=4 * cfg.n_embd,
+        vocab_size=cfg.vocab_size,
+        max_seq=cfg.block_size,
+    )
     return _fill_from_module(spec, model, {"Block"})
 
 
@@ -225,15 +250,13 @@ def from_hf_config(path: str | Path) -> ModelSpec:
     if p.is_dir():
         p = p / "config.json"
     if not p.is_file():
-        raise UserError(f"--hf: no such file {p}. Pass the path of a Hugging Face config.json "
-                        f"(nothing is downloaded).")
+        raise UserError(f"--hf: no such file {p}. Pass the path of a Hugging Face config.json (nothing is downloaded).")
     try:
         cfg = json.loads(p.read_text())
     except json.JSONDecodeError as e:
         raise UserError(f"--hf: {p} is not valid JSON: {e}.") from None
     if not isinstance(cfg, dict) or "model_type" not in cfg:
-        raise UserError(f"--hf: {p} has no 'model_type'; it does not look like a Hugging Face "
-                        f"config.json.")
+        raise UserError(f"--hf: {p} has no 'model_type'; it does not look like a Hugging Face config.json.")
     spec = _hf_dims(cfg, p)
     try:
         import transformers  # noqa: F401
@@ -253,13 +276,17 @@ def _hf_dims(cfg: dict, p: Path) -> ModelSpec:
 
     hidden = int(first("hidden_size", "n_embd", "d_model"))
     gated = cfg.get("hidden_act") in ("silu", "swiglu", "gelu_pytorch_tanh") and "intermediate_size" in cfg
-    return ModelSpec(name=f"{cfg['model_type']} ({p.name})", n_params=0,
-                     n_layer=int(first("num_hidden_layers", "n_layer", "num_layers")), hidden=hidden,
-                     n_head=int(first("num_attention_heads", "n_head")),
-                     ffn_hidden=int(first("intermediate_size", "n_inner", default=4 * hidden) or 4 * hidden),
-                     vocab_size=int(first("vocab_size")),
-                     max_seq=int(first("max_position_embeddings", "n_positions", default=2048)),
-                     gated_mlp=gated)
+    return ModelSpec(
+        name=f"{cfg['model_type']} ({p.name})",
+        n_params=0,
+        n_layer=int(first("num_hidden_layers", "n_layer", "num_layers")),
+        hidden=hidden,
+        n_head=int(first("num_attention_heads", "n_head")),
+        ffn_hidden=int(first("intermediate_size", "n_inner", default=4 * hidden) or 4 * hidden),
+        vocab_size=int(first("vocab_size")),
+        max_seq=int(first("max_position_embeddings", "n_positions", default=2048)),
+        gated_mlp=gated,
+    )
 
 
 def _hf_meta(spec: ModelSpec, cfg: dict, p: Path) -> ModelSpec:
@@ -270,8 +297,10 @@ def _hf_meta(spec: ModelSpec, cfg: dict, p: Path) -> ModelSpec:
     try:
         config = transformers.AutoConfig.for_model(cfg["model_type"], **kwargs)
     except (ValueError, KeyError) as e:
-        raise UserError(f"--hf: transformers does not know model_type {cfg['model_type']!r} "
-                        f"({e}). Use --params with the parameter count instead.") from None
+        raise UserError(
+            f"--hf: transformers does not know model_type {cfg['model_type']!r} "
+            f"({e}). Use --params with the parameter count instead."
+        ) from None
     with torch.device("meta"):
         try:
             model = transformers.AutoModelForCausalLM.from_config(config)
@@ -299,13 +328,22 @@ def _hf_formula(spec: ModelSpec, cfg: dict, p: Path) -> ModelSpec:
         def lin(out: int, inp: int, bias: bool) -> list[tuple[int, ...]]:
             return [(out, inp)] + ([(out,)] if bias else [])
 
-        block = (lin(q, h, qkv_bias) + lin(kv, h, qkv_bias) + lin(kv, h, qkv_bias) + lin(h, q, o_bias)
-                 + lin(f, h, mlp_bias) + lin(f, h, mlp_bias) + lin(h, f, mlp_bias) + [(h,), (h,)])
+        block = (
+            lin(q, h, qkv_bias)
+            + lin(kv, h, qkv_bias)
+            + lin(kv, h, qkv_bias)
+            + lin(h, q, o_bias)
+            + lin(f, h, mlp_bias)
+            + lin(f, h, mlp_bias)
+            + lin(h, f, mlp_bias)
+            + [(h,), (h,)]
+        )
         shapes = [(V, h)] + block * L + [(h,)]
         spec.gated_mlp = True
     else:
-        raise UserError(f"--hf: model_type {kind!r} needs transformers to be counted "
-                        f"(pip install transformers), or pass --params.")
+        raise UserError(
+            f"--hf: model_type {kind!r} needs transformers to be counted (pip install transformers), or pass --params."
+        )
     if not tied:
         shapes.append((V, h))
     spec.param_shapes = shapes
@@ -335,5 +373,7 @@ def resolve_model(model: Any) -> ModelSpec:
         if "=" in s:
             return from_gpt_config(parse_gpt_spec(s))
         return from_param_count(parse_count(s))
-    raise UserError(f"cannot plan for a model given as {type(model).__name__}; pass a parameter "
-                    f"count, a GPTConfig, a TOML path or a Hugging Face config.json path.")
+    raise UserError(
+        f"cannot plan for a model given as {type(model).__name__}; pass a parameter "
+        f"count, a GPTConfig, a TOML path or a Hugging Face config.json path."
+    )

@@ -32,23 +32,30 @@ class _Parser(argparse.ArgumentParser):
 
 
 def build_parser() -> argparse.ArgumentParser:
-    p = _Parser(prog="disttrain plan", epilog=EXAMPLES,
-                formatter_class=argparse.RawDescriptionHelpFormatter,
-                description="Per-device memory (params, grads, optimizer state, activations, "
-                            "buffers) and communication per step of DDP, ZeRO-1 and FSDP, "
-                            "whether each fits, a recommendation, and the scaled learning rate.")
+    p = _Parser(
+        prog="disttrain plan",
+        epilog=EXAMPLES,
+        formatter_class=argparse.RawDescriptionHelpFormatter,
+        description="Per-device memory (params, grads, optimizer state, activations, "
+        "buffers) and communication per step of DDP, ZeRO-1 and FSDP, "
+        "whether each fits, a recommendation, and the scaled learning rate.",
+    )
     src = p.add_argument_group("model (one of)")
     src.add_argument("--params", help="parameter count: 1.3e9, 350M, 7B (shape is assumed)")
-    src.add_argument("--gpt", help="disttrain GPT: 'n_layer=4,n_embd=128,...' or a disttrain "
-                                   "TOML file whose [model] is a GPTConfig (its [train] and "
-                                   "[optim] give defaults for the flags below)")
+    src.add_argument(
+        "--gpt",
+        help="disttrain GPT: 'n_layer=4,n_embd=128,...' or a disttrain "
+        "TOML file whose [model] is a GPTConfig (its [train] and "
+        "[optim] give defaults for the flags below)",
+    )
     src.add_argument("--hf", help="a Hugging Face config.json (or its folder); nothing is downloaded")
     hw = p.add_argument_group("hardware")
     hw.add_argument("--devices", type=int, default=None, help="devices per node (default 1)")
     hw.add_argument("--nodes", type=int, default=1, help="nodes (default 1); world = devices x nodes")
     hw.add_argument("--device-mem", default="80GiB", help="memory per device (default 80GiB)")
-    hw.add_argument("--headroom", type=float, default=0.10,
-                    help="fraction kept free for what the model ignores (default 0.1)")
+    hw.add_argument(
+        "--headroom", type=float, default=0.10, help="fraction kept free for what the model ignores (default 0.1)"
+    )
     wl = p.add_argument_group("workload")
     wl.add_argument("--precision", choices=PRECISIONS, default=None, help="default fp32")
     wl.add_argument("--optimizer", choices=tuple(OPTIMIZERS), default=None, help="default adamw")
@@ -68,9 +75,13 @@ def build_parser() -> argparse.ArgumentParser:
 def _toml_defaults(raw: dict) -> dict:
     """Flag defaults taken from a disttrain TOML's [train], [optim] and [parallel] tables."""
     train, optim, par = (raw.get(k, {}) for k in ("train", "optim", "parallel"))
-    d = {"batch": train.get("batch_size"), "accum_steps": train.get("accum_steps"),
-         "precision": train.get("precision"), "steps": train.get("steps"),
-         "devices": par.get("nproc")}
+    d = {
+        "batch": train.get("batch_size"),
+        "accum_steps": train.get("accum_steps"),
+        "precision": train.get("precision"),
+        "steps": train.get("steps"),
+        "devices": par.get("nproc"),
+    }
     if optim.get("name") == "sgd":
         d["optimizer"] = "sgd-momentum" if optim.get("momentum", 0) else "sgd"
     elif optim.get("name"):
@@ -88,9 +99,12 @@ def run(argv: list[str]) -> int:
         output_file(args.png, "--png", replaceable=has_prefix(PNG_SIGNATURE))
     given = [k for k in ("params", "gpt", "hf") if getattr(args, k) is not None]
     if len(given) != 1:
-        raise UserError("give exactly one model: --params 1.3e9, --gpt n_layer=4,n_embd=128 "
-                        "(or a TOML file), or --hf config.json"
-                        + (f" (got {', '.join('--' + g for g in given)})" if given else "") + ".")
+        raise UserError(
+            "give exactly one model: --params 1.3e9, --gpt n_layer=4,n_embd=128 "
+            "(or a TOML file), or --hf config.json"
+            + (f" (got {', '.join('--' + g for g in given)})" if given else "")
+            + "."
+        )
     defaults: dict = {}
     if args.params is not None:
         model = model_size.from_param_count(model_size.parse_count(args.params))
@@ -106,12 +120,21 @@ def run(argv: list[str]) -> int:
         value = getattr(args, name)
         return value if value is not None else defaults.get(name, fallback)
 
-    plan = estimate(model, devices=pick("devices", 1), nodes=args.nodes,
-                    device_mem=args.device_mem, precision=pick("precision", "fp32"),
-                    optimizer=pick("optimizer", "adamw"), batch_per_device=pick("batch", 1),
-                    seq_len=args.seq_len, accum_steps=pick("accum_steps", 1),
-                    headroom=args.headroom, base_lr=args.base_lr, base_batch=args.base_batch,
-                    steps=pick("steps", None))
+    plan = estimate(
+        model,
+        devices=pick("devices", 1),
+        nodes=args.nodes,
+        device_mem=args.device_mem,
+        precision=pick("precision", "fp32"),
+        optimizer=pick("optimizer", "adamw"),
+        batch_per_device=pick("batch", 1),
+        seq_len=args.seq_len,
+        accum_steps=pick("accum_steps", 1),
+        headroom=args.headroom,
+        base_lr=args.base_lr,
+        base_batch=args.base_batch,
+        steps=pick("steps", None),
+    )
     if args.format == "json":
         print(report.to_json(plan))
     else:

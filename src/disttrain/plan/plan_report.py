@@ -27,9 +27,11 @@ def fmt_count(n: float) -> str:
 def title(plan: Plan) -> str:
     w, m = plan.workload, plan.model
     where = f"{plan.nodes} x {plan.devices_per_node}" if plan.nodes > 1 else f"{plan.world}"
-    return (f"{m.name}: {fmt_count(m.n_params)} params on {where} device(s) of "
-            f"{fmt_bytes(plan.device_mem)} | {w.precision}, {w.optimizer}, batch "
-            f"{w.batch_per_device} x seq {w.seq_len} per device, accum {w.accum_steps}")
+    return (
+        f"{m.name}: {fmt_count(m.n_params)} params on {where} device(s) of "
+        f"{fmt_bytes(plan.device_mem)} | {w.precision}, {w.optimizer}, batch "
+        f"{w.batch_per_device} x seq {w.seq_len} per device, accum {w.accum_steps}"
+    )
 
 
 def print_table(plan: Plan, console=None) -> None:
@@ -53,9 +55,13 @@ def print_table(plan: Plan, console=None) -> None:
     colour = {FITS: "green", NO_FIT: "red"}
     for s in plan.strategies:
         mark = " *" if s.key == plan.recommended else ""
-        cells = [f"{s.label}{mark}", *(fmt_bytes(getattr(s, p)) for p in PARTS),
-                 fmt_bytes(s.total), f"[{colour.get(s.fit, 'yellow')}]{s.fit}[/]",
-                 fmt_bytes(s.comm_bytes)]
+        cells = [
+            f"{s.label}{mark}",
+            *(fmt_bytes(getattr(s, p)) for p in PARTS),
+            fmt_bytes(s.total),
+            f"[{colour.get(s.fit, 'yellow')}]{s.fit}[/]",
+            fmt_bytes(s.comm_bytes),
+        ]
         if offload:
             cells.append(fmt_bytes(s.host) if s.host else "-")
         table.add_row(*cells, style="bold" if mark else None)
@@ -65,8 +71,9 @@ def print_table(plan: Plan, console=None) -> None:
     for line in plan.lr.lines():
         console.print(f"  {line}", highlight=False)
     for note in plan.notes + [
-            "memory per device (worst rank); comm = bytes each device sends per optimizer step "
-            "(ring); not counted: CUDA context, allocator fragmentation, NCCL buffers."]:
+        "memory per device (worst rank); comm = bytes each device sends per optimizer step "
+        "(ring); not counted: CUDA context, allocator fragmentation, NCCL buffers."
+    ]:
         console.print(f"  note: {note}", highlight=False, style="dim")
 
 
@@ -92,8 +99,11 @@ def write_png(plan: Plan, path: str | Path) -> Path:
     peak = max(r.total for r in rows)
     # Tiny models next to an 80 GiB line would be invisible: pick the unit from the bars and
     # leave the device line off the chart (named in the legend) when it dwarfs them.
-    scale, unit = next((d, u) for d, u in ((2**40, "TiB"), (2**30, "GiB"), (2**20, "MiB"),
-                                           (2**10, "KiB"), (1, "B")) if max(peak, 1) >= d)
+    scale, unit = next(
+        (d, u)
+        for d, u in ((2**40, "TiB"), (2**30, "GiB"), (2**20, "MiB"), (2**10, "KiB"), (1, "B"))
+        if max(peak, 1) >= d
+    )
     fig, ax = plt.subplots(figsize=(max(8, 0.8 * len(rows) + 2), 5.5))
     x = list(range(len(rows)))
     bottom = [0.0] * len(rows)
@@ -105,18 +115,26 @@ def write_png(plan: Plan, path: str | Path) -> Path:
     show_mem = plan.device_mem <= 3 * peak
     top = max(max(bottom), mem if show_mem else 0) * 1.12
     if show_mem:
-        ax.axhline(mem, color="black", linestyle="--", linewidth=1,
-                   label=f"device memory {fmt_bytes(plan.device_mem)}")
-        ax.axhline(mem * (1 - plan.headroom), color="grey", linestyle=":", linewidth=1,
-                   label=f"{plan.headroom:.0%} headroom")
+        ax.axhline(mem, color="black", linestyle="--", linewidth=1, label=f"device memory {fmt_bytes(plan.device_mem)}")
+        ax.axhline(
+            mem * (1 - plan.headroom), color="grey", linestyle=":", linewidth=1, label=f"{plan.headroom:.0%} headroom"
+        )
     else:
         ax.plot([], [], " ", label=f"device memory {fmt_bytes(plan.device_mem)} (off scale)")
     for xi, r, b in zip(x, rows, bottom):
-        ax.text(xi, b + top * 0.01, "no fit" if r.fit == NO_FIT else fmt_bytes(r.total),
-                ha="center", va="bottom", fontsize=7, color="red" if r.fit == NO_FIT else "black")
+        ax.text(
+            xi,
+            b + top * 0.01,
+            "no fit" if r.fit == NO_FIT else fmt_bytes(r.total),
+            ha="center",
+            va="bottom",
+            fontsize=7,
+            color="red" if r.fit == NO_FIT else "black",
+        )
     ax.set_xticks(x)
-    ax.set_xticklabels([r.label + (" *" if r.key == plan.recommended else "") for r in rows],
-                       rotation=35, ha="right", fontsize=8)
+    ax.set_xticklabels(
+        [r.label + (" *" if r.key == plan.recommended else "") for r in rows], rotation=35, ha="right", fontsize=8
+    )
     for tick, r in zip(ax.get_xticklabels(), rows):
         if r.key == plan.recommended:
             tick.set_fontweight("bold")

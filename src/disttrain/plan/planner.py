@@ -30,9 +30,22 @@ from disttrain.plan.model_size import ModelSpec, resolve_model
 FITS, TIGHT, NO_FIT = "fits", "tight", "does not fit"
 MAX_WORLD = 65536
 """Most ranks a plan models: FSDP and ZeRO-1 layouts are per rank, so memory grows with it."""
-_UNITS = {"": None, "b": 1, "kb": 10**3, "mb": 10**6, "gb": 10**9, "tb": 10**12,
-          "kib": 2**10, "mib": 2**20, "gib": 2**30, "tib": 2**40, "k": 2**10, "m": 2**20,
-          "g": 2**30, "t": 2**40}
+_UNITS = {
+    "": None,
+    "b": 1,
+    "kb": 10**3,
+    "mb": 10**6,
+    "gb": 10**9,
+    "tb": 10**12,
+    "kib": 2**10,
+    "mib": 2**20,
+    "gib": 2**30,
+    "tib": 2**40,
+    "k": 2**10,
+    "m": 2**20,
+    "g": 2**30,
+    "t": 2**40,
+}
 
 
 def parse_bytes(text: str | int | float, arg: str = "--device-mem") -> int:
@@ -132,11 +145,23 @@ def _check_int(arg: str, value: Any, low: int = 1) -> int:
     return value
 
 
-def estimate(model: Any, *, devices: int = 1, nodes: int = 1, device_mem: str | int = "80GiB",
-             precision: str = "fp32", optimizer: str = "adamw", batch_per_device: int = 1,
-             seq_len: int | None = None, accum_steps: int = 1, headroom: float = 0.10,
-             base_lr: float | None = None, base_batch: int = 256, steps: int | None = None,
-             gradient_as_bucket_view: bool = True) -> Plan:
+def estimate(
+    model: Any,
+    *,
+    devices: int = 1,
+    nodes: int = 1,
+    device_mem: str | int = "80GiB",
+    precision: str = "fp32",
+    optimizer: str = "adamw",
+    batch_per_device: int = 1,
+    seq_len: int | None = None,
+    accum_steps: int = 1,
+    headroom: float = 0.10,
+    base_lr: float | None = None,
+    base_batch: int = 256,
+    steps: int | None = None,
+    gradient_as_bucket_view: bool = True,
+) -> Plan:
     """Plan training of `model` on `nodes` x `devices` devices of `device_mem` each.
 
     `model`: a `ModelSpec`, a parameter count, a `GPTConfig`, a 'k=v,...' GPT spec, or a
@@ -147,15 +172,22 @@ def estimate(model: Any, *, devices: int = 1, nodes: int = 1, device_mem: str | 
     _check_int("--devices", devices)
     _check_int("--nodes", nodes)
     if devices * nodes > MAX_WORLD:
-        raise UserError(f"--devices x --nodes is {devices * nodes:,} ranks; the planner models up to "
-                        f"{MAX_WORLD:,} (per-rank layouts are computed rank by rank).")
+        raise UserError(
+            f"--devices x --nodes is {devices * nodes:,} ranks; the planner models up to "
+            f"{MAX_WORLD:,} (per-rank layouts are computed rank by rank)."
+        )
     mem = parse_bytes(device_mem)
     if not (isinstance(headroom, (int, float)) and 0 <= headroom < 1):
         raise UserError(f"--headroom is {headroom!r}; use a fraction in [0, 1), e.g. 0.1.")
     spec = resolve_model(model)
-    work = Workload(precision=precision, optimizer=optimizer, batch_per_device=batch_per_device,
-                    seq_len=seq_len if seq_len is not None else spec.max_seq,
-                    accum_steps=accum_steps, gradient_as_bucket_view=gradient_as_bucket_view)
+    work = Workload(
+        precision=precision,
+        optimizer=optimizer,
+        batch_per_device=batch_per_device,
+        seq_len=seq_len if seq_len is not None else spec.max_seq,
+        accum_steps=accum_steps,
+        gradient_as_bucket_view=gradient_as_bucket_view,
+    )
     world = devices * nodes
     rows = [_row(spec, work, world, v, mem, headroom) for v in all_variants()]
     notes = list(spec.notes)
@@ -163,47 +195,75 @@ def estimate(model: Any, *, devices: int = 1, nodes: int = 1, device_mem: str | 
         notes.append(f"--seq-len {work.seq_len} exceeds the model's context {spec.max_seq}.")
     rec, reason = _recommend(rows, spec, work, world, devices, mem, headroom)
     lr = advise(batch_per_device, world, accum_steps, base_lr, base_batch, steps)
-    return Plan(model=spec, workload=work, devices_per_node=devices, nodes=nodes, device_mem=mem,
-                headroom=headroom, strategies=rows, recommended=rec, reason=reason, lr=lr,
-                notes=notes)
+    return Plan(
+        model=spec,
+        workload=work,
+        devices_per_node=devices,
+        nodes=nodes,
+        device_mem=mem,
+        headroom=headroom,
+        strategies=rows,
+        recommended=rec,
+        reason=reason,
+        lr=lr,
+        notes=notes,
+    )
 
 
-def _row(spec: ModelSpec, work: Workload, world: int, v: Variant, mem: int,
-         headroom: float) -> StrategyEstimate:
+def _row(spec: ModelSpec, work: Workload, world: int, v: Variant, mem: int, headroom: float) -> StrategyEstimate:
     m = memory(spec, work, world, v)
     c = communication(spec, work, world, v)
     fit = FITS if m.total <= mem * (1 - headroom) else TIGHT if m.total <= mem else NO_FIT
-    return StrategyEstimate(key=v.key, label=v.label, strategy=v.strategy,
-                            cpu_offload=v.cpu_offload, act_ckpt=v.act_ckpt, params=m.params,
-                            grads=m.grads, optim=m.optim, activations=m.activations,
-                            buffers=m.buffers, total=m.total, host=m.host, comm_bytes=c.total,
-                            comm_parts=c.parts, host_transfer=c.host_transfer, fit=fit,
-                            state_per_rank=m.state_per_rank)
+    return StrategyEstimate(
+        key=v.key,
+        label=v.label,
+        strategy=v.strategy,
+        cpu_offload=v.cpu_offload,
+        act_ckpt=v.act_ckpt,
+        params=m.params,
+        grads=m.grads,
+        optim=m.optim,
+        activations=m.activations,
+        buffers=m.buffers,
+        total=m.total,
+        host=m.host,
+        comm_bytes=c.total,
+        comm_parts=c.parts,
+        host_transfer=c.host_transfer,
+        fit=fit,
+        state_per_rank=m.state_per_rank,
+    )
 
 
-def _recommend(rows: list[StrategyEstimate], spec: ModelSpec, work: Workload, world: int,
-               per_node: int, mem: int, headroom: float) -> tuple[str | None, str]:
+def _recommend(
+    rows: list[StrategyEstimate], spec: ModelSpec, work: Workload, world: int, per_node: int, mem: int, headroom: float
+) -> tuple[str | None, str]:
     order = {r.key: i for i, r in enumerate(rows)}
 
     def preference(r: StrategyEstimate):
         return (r.cpu_offload, r.comm_bytes, r.act_ckpt, order[r.key])
 
     ddp = next(r for r in rows if r.key == "ddp")
-    for wanted, how in ((FITS, f"fit with {headroom:.0%} headroom"),
-                        (TIGHT, f"fit only inside the {headroom:.0%} headroom")):
+    for wanted, how in (
+        (FITS, f"fit with {headroom:.0%} headroom"),
+        (TIGHT, f"fit only inside the {headroom:.0%} headroom"),
+    ):
         ok = [r for r in rows if r.fit == wanted]
         if ok:
             best = min(ok, key=preference)
-            why = (f"least communication ({fmt_bytes(best.comm_bytes)}/step per device) of the rows that "
-                   f"{how}: {fmt_bytes(best.total)} of {fmt_bytes(mem)}")
+            why = (
+                f"least communication ({fmt_bytes(best.comm_bytes)}/step per device) of the rows that "
+                f"{how}: {fmt_bytes(best.total)} of {fmt_bytes(mem)}"
+            )
             if best.key != "ddp" and ddp.fit != FITS:
                 why += f"; DDP needs {fmt_bytes(ddp.total)}"
             if wanted == TIGHT:
                 why += "; lower the batch or add devices for safety"
             return best.key, why
     best = min(rows, key=lambda r: (r.total, r.comm_bytes))
-    why = (f"nothing fits on {world} x {fmt_bytes(mem)}; {best.label} comes closest at "
-           f"{fmt_bytes(best.total)} per device")
+    why = (
+        f"nothing fits on {world} x {fmt_bytes(mem)}; {best.label} comes closest at {fmt_bytes(best.total)} per device"
+    )
     need = _devices_needed(spec, work, world, mem, headroom)
     if need:
         why += f"; FSDP full + AC fits on about {need} devices ({-(-need // per_node)} nodes)"
@@ -212,8 +272,7 @@ def _recommend(rows: list[StrategyEstimate], spec: ModelSpec, work: Workload, wo
     return best.key, why
 
 
-def _devices_needed(spec: ModelSpec, work: Workload, world: int, mem: int,
-                    headroom: float) -> int | None:
+def _devices_needed(spec: ModelSpec, work: Workload, world: int, mem: int, headroom: float) -> int | None:
     """Smallest power-of-two multiple of `world` (up to 64x) where FSDP full + AC fits."""
     lean = dataclasses.replace(spec, param_shapes=None)  # even split is close enough here
     w = world * 2

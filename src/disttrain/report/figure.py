@@ -20,8 +20,10 @@ class _Style(TypedDict):
 
 
 # One style per kind of mark, the same in every panel and in the legend.
-MARK_STYLE: dict[str, _Style] = {"restart": _Style(color="#d62728", linestyle="--", linewidth=1.6),
-                                 "world_size": _Style(color="#7b2cbf", linestyle="-.", linewidth=1.6)}
+MARK_STYLE: dict[str, _Style] = {
+    "restart": _Style(color="#d62728", linestyle="--", linewidth=1.6),
+    "world_size": _Style(color="#7b2cbf", linestyle="-.", linewidth=1.6),
+}
 MARK_NAME = {"restart": "restart (resumed from checkpoint)", "world_size": "world-size change"}
 
 
@@ -37,10 +39,17 @@ def _label_marks(ax, data: RunData) -> None:
     for m in data.marks:
         row = stacked.get(m.step, 0)
         stacked[m.step] = row + 1
-        ax.annotate(m.label, xy=(m.step, 1.0), xycoords=("data", "axes fraction"),
-                    xytext=(4, -12 - 14 * row), textcoords="offset points", fontsize=9,
-                    color=MARK_STYLE[m.kind]["color"], va="top",
-                    bbox=dict(boxstyle="round,pad=0.2", fc="white", ec="none", alpha=0.8))
+        ax.annotate(
+            m.label,
+            xy=(m.step, 1.0),
+            xycoords=("data", "axes fraction"),
+            xytext=(4, -12 - 14 * row),
+            textcoords="offset points",
+            fontsize=9,
+            color=MARK_STYLE[m.kind]["color"],
+            va="top",
+            bbox=dict(boxstyle="round,pad=0.2", fc="white", ec="none", alpha=0.8),
+        )
 
 
 def _loss(ax, data: RunData) -> None:
@@ -73,20 +82,34 @@ def _throughput(ax, data: RunData) -> None:
 
 
 def _step_time(ax, data: RunData) -> None:
-    rows = [(r["step"], [t * 1000 for t in r["step_time_s"]]) for r in data.records
-            if isinstance(r.get("step_time_s"), list) and r["step_time_s"]]
-    ax.set_title("Step time per rank (wall time per optimizer step)", loc="left", fontsize=11,
-                 fontweight="bold")
+    rows = [
+        (r["step"], [t * 1000 for t in r["step_time_s"]])
+        for r in data.records
+        if isinstance(r.get("step_time_s"), list) and r["step_time_s"]
+    ]
+    ax.set_title("Step time per rank (wall time per optimizer step)", loc="left", fontsize=11, fontweight="bold")
     ax.set_ylabel("milliseconds")
     if not rows:
-        ax.text(0.5, 0.5, "no per-rank step times in metrics.jsonl", transform=ax.transAxes,
-                ha="center", color="0.4")
+        ax.text(0.5, 0.5, "no per-rank step times in metrics.jsonl", transform=ax.transAxes, ha="center", color="0.4")
         return
     x = [s for s, _ in rows]
-    ax.fill_between(x, [min(t) for _, t in rows], [max(t) for _, t in rows], step="mid",
-                    color="#9467bd", alpha=0.3, label="fastest to slowest rank")
-    ax.plot(x, [statistics.median(t) for _, t in rows], color="#9467bd", linewidth=1.2,
-            drawstyle="steps-mid", label="median rank")
+    ax.fill_between(
+        x,
+        [min(t) for _, t in rows],
+        [max(t) for _, t in rows],
+        step="mid",
+        color="#9467bd",
+        alpha=0.3,
+        label="fastest to slowest rank",
+    )
+    ax.plot(
+        x,
+        [statistics.median(t) for _, t in rows],
+        color="#9467bd",
+        linewidth=1.2,
+        drawstyle="steps-mid",
+        label="median rank",
+    )
     # Clip the axis at a high percentile: evaluation and checkpoint windows are spikes that
     # would flatten every other step.
     tops = sorted(max(t) for _, t in rows)
@@ -117,8 +140,11 @@ def render(data: RunData, png: str | Path) -> Path:
     axes[2].legend(loc="upper left", fontsize=9)
     axes[2].set_xlabel("optimizer step")
     restarts = sum(m.kind == "restart" for m in data.marks)
-    fig.suptitle(f"disttrain run {data.run_dir.name}: {data.records[-1]['step']} steps, "
-                 f"{data.attempts} attempt(s), {restarts} restart(s)", fontsize=13)
+    fig.suptitle(
+        f"disttrain run {data.run_dir.name}: {data.records[-1]['step']} steps, "
+        f"{data.attempts} attempt(s), {restarts} restart(s)",
+        fontsize=13,
+    )
     png = Path(png)
     png.parent.mkdir(parents=True, exist_ok=True)
     fig.savefig(png, dpi=100)

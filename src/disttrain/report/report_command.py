@@ -28,8 +28,14 @@ def report(run_dir: str | Path, out: str | Path | None = None) -> dict:
     output_file(target.with_suffix(".json"), "--out's sidecar", replaceable=_is_sidecar)
     try:
         png = render(data, target)
-        side = {"png": str(png), "steps": data.records[-1]["step"], "attempts": data.attempts,
-                "marks": data.marks_json(), "marks_from": data.source, "skipped_lines": data.skipped}
+        side = {
+            "png": str(png),
+            "steps": data.records[-1]["step"],
+            "attempts": data.attempts,
+            "marks": data.marks_json(),
+            "marks_from": data.source,
+            "skipped_lines": data.skipped,
+        }
         png.with_suffix(".json").write_text(json.dumps(side, indent=2) + "\n")
     except OSError as e:
         raise UserError(f"cannot write the report {target}: {e.strerror or e}.") from None
@@ -53,9 +59,11 @@ def _last(data: RunData, key: str) -> str:
 
 def summary_rows(data: RunData) -> list[tuple[str, str]]:
     """(what, value) rows of the terminal summary."""
-    rows = [("optimizer steps", str(data.records[-1]["step"])),
-            ("final train loss", _last(data, "loss")),
-            ("final held-out loss", _last(data, "heldout_loss"))]
+    rows = [
+        ("optimizer steps", str(data.records[-1]["step"])),
+        ("final train loss", _last(data, "loss")),
+        ("final held-out loss", _last(data, "heldout_loss")),
+    ]
     key = "tokens_per_s" if data.series("tokens_per_s")[0] else "samples_per_s"
     by_world: dict[int, list[float]] = {}
     for r in data.records:
@@ -63,19 +71,30 @@ def summary_rows(data: RunData) -> list[tuple[str, str]]:
             by_world.setdefault(int(r.get("world_size", 1)), []).append(float(r[key]))
     for world, values in sorted(by_world.items()):
         rows.append((f"{key.replace('_per_s', '/s')} on {world} rank(s), median", f"{statistics.median(values):,.0f}"))
-    spread = [(r["step_time_max_s"], r["step_time_min_s"]) for r in data.records
-              if isinstance(r.get("step_time_max_s"), (int, float)) and isinstance(r.get("step_time_min_s"), (int, float))]
+    spread = [
+        (r["step_time_max_s"], r["step_time_min_s"])
+        for r in data.records
+        if isinstance(r.get("step_time_max_s"), (int, float)) and isinstance(r.get("step_time_min_s"), (int, float))
+    ]
     if spread:
-        rows.append(("step time, slowest / fastest rank (median)",
-                     f"{statistics.median(s for s, _ in spread) * 1000:.1f} / "
-                     f"{statistics.median(f for _, f in spread) * 1000:.1f} ms"))
+        rows.append(
+            (
+                "step time, slowest / fastest rank (median)",
+                f"{statistics.median(s for s, _ in spread) * 1000:.1f} / "
+                f"{statistics.median(f for _, f in spread) * 1000:.1f} ms",
+            )
+        )
     memory = [r["peak_mem_mb"] for r in data.records if isinstance(r.get("peak_mem_mb"), list)]
     if memory:
         rows.append(("peak memory per rank (last record)", ", ".join(f"{m:,.0f}" for m in memory[-1]) + " MiB"))
     restarts = [m for m in data.marks if m.kind == "restart"]
-    rows.append(("attempts / restarts", f"{data.attempts} / {len(restarts)}"
-                 + (f" (at step{'s' * (len(restarts) > 1)} {', '.join(str(m.step) for m in restarts)})"
-                    if restarts else "")))
+    rows.append(
+        (
+            "attempts / restarts",
+            f"{data.attempts} / {len(restarts)}"
+            + (f" (at step{'s' * (len(restarts) > 1)} {', '.join(str(m.step) for m in restarts)})" if restarts else ""),
+        )
+    )
     for m in data.marks:
         if m.kind == "world_size":
             rows.append(("world-size change", f"step {m.step}: {m.label}"))
@@ -86,12 +105,15 @@ def summary_rows(data: RunData) -> list[tuple[str, str]]:
 
 
 def main(argv: list[str]) -> int:
-    parser = argparse.ArgumentParser(prog="disttrain report",
-                                     description="Draw a run: loss, throughput, per-rank step time, "
-                                                 "restarts and world-size changes.")
+    parser = argparse.ArgumentParser(
+        prog="disttrain report",
+        description="Draw a run: loss, throughput, per-rank step time, restarts and world-size changes.",
+    )
     parser.add_argument("run_dir", help="the run's train.out_dir (holds metrics.jsonl)")
-    parser.add_argument("--out", help="the PNG to write (default RUN_DIR/report.png); a .json "
-                                      "sidecar with the marks is written next to it")
+    parser.add_argument(
+        "--out",
+        help="the PNG to write (default RUN_DIR/report.png); a .json sidecar with the marks is written next to it",
+    )
     args = parser.parse_args(argv)
     if args.out and not args.out.endswith(".png"):
         raise UserError(f"--out {args.out!r} must name a .png file, for example --out report.png.")

@@ -44,8 +44,11 @@ class RunData:
 
     def series(self, key: str, records: list[dict] | None = None) -> tuple[list[int], list[float]]:
         """(steps, values) of the records that hold a number under `key`."""
-        pairs = [(r["step"], r[key]) for r in (self.records if records is None else records)
-                 if isinstance(r.get(key), (int, float)) and r[key] == r[key]]  # drops NaN
+        pairs = [
+            (r["step"], r[key])
+            for r in (self.records if records is None else records)
+            if isinstance(r.get(key), (int, float)) and r[key] == r[key]
+        ]  # drops NaN
         return [p[0] for p in pairs], [float(p[1]) for p in pairs]
 
     def marks_json(self) -> list[dict]:
@@ -57,18 +60,29 @@ def load_run(run_dir: str | Path) -> RunData:
     does not exist or holds no metrics records."""
     run = Path(run_dir)
     if run.exists() and not run.is_dir():
-        raise UserError(f"{str(run)!r} is a file, not a run directory. Pass the train.out_dir of a "
-                        f"run (the folder that holds metrics.jsonl).")
+        raise UserError(
+            f"{str(run)!r} is a file, not a run directory. Pass the train.out_dir of a "
+            f"run (the folder that holds metrics.jsonl)."
+        )
     if not run.is_dir():
-        raise UserError(f"run directory {str(run)!r} does not exist. Pass the train.out_dir of a "
-                        f"run (the folder that holds metrics.jsonl).")
+        raise UserError(
+            f"run directory {str(run)!r} does not exist. Pass the train.out_dir of a "
+            f"run (the folder that holds metrics.jsonl)."
+        )
     path = run / "metrics.jsonl"
     raw, skipped, lines = _metrics(path)
     if not raw:
-        what = (f"a metrics.jsonl with no metrics record in its {lines} line(s)" if lines else
-                "an empty metrics.jsonl" if path.is_file() else "no metrics.jsonl")
-        raise UserError(f"{str(run)!r} has {what}, so there is nothing to draw. Pass the "
-                        f"train.out_dir of a run that reached its first log step (train.log_every).")
+        what = (
+            f"a metrics.jsonl with no metrics record in its {lines} line(s)"
+            if lines
+            else "an empty metrics.jsonl"
+            if path.is_file()
+            else "no metrics.jsonl"
+        )
+        raise UserError(
+            f"{str(run)!r} has {what}, so there is nothing to draw. Pass the "
+            f"train.out_dir of a run that reached its first log step (train.log_every)."
+        )
     latest: dict[int, dict] = {}
     superseded = []
     for r in raw:  # file order is time order: a later record of a step replaces the earlier
@@ -76,8 +90,11 @@ def load_run(run_dir: str | Path) -> RunData:
             superseded.append(latest[r["step"]])
         latest[r["step"]] = r
     data = RunData(run, [latest[s] for s in sorted(latest)], superseded, skipped=skipped)
-    for source, find in (("run_events.jsonl", _from_events), ("samples/", _from_audit),
-                         ("metrics.jsonl", _from_metrics)):
+    for source, find in (
+        ("run_events.jsonl", _from_events),
+        ("samples/", _from_audit),
+        ("metrics.jsonl", _from_metrics),
+    ):
         found = find(run, raw)
         if found is not None:
             data.marks, data.attempts = found
@@ -88,8 +105,7 @@ def load_run(run_dir: str | Path) -> RunData:
 
 def _is_record(item) -> bool:
     step = item.get("step") if isinstance(item, dict) else None
-    return (isinstance(step, int) and not isinstance(step, bool) and step >= 0
-            and any(k != "step" for k in item))
+    return isinstance(step, int) and not isinstance(step, bool) and step >= 0 and any(k != "step" for k in item)
 
 
 def _metrics(path: Path) -> tuple[list[dict], list[int], int]:

@@ -8,8 +8,18 @@ The names below load process_group (and torch) on first use, so `runtime.log` (t
 one logger) stays light for the launcher and a plain script's watchdog.
 """
 
-__all__ = ["RankInfo", "barrier", "distributed", "freeze_long_lived", "init", "rank_info", "seed_all",
-           "seed_rank_stream", "seed_step", "shutdown"]
+__all__ = [
+    "RankInfo",
+    "barrier",
+    "distributed",
+    "freeze_long_lived",
+    "init",
+    "rank_info",
+    "seed_all",
+    "seed_rank_stream",
+    "seed_step",
+    "shutdown",
+]
 
 
 def __getattr__(name: str):

@@ -51,4 +51,5 @@ def assert_same_across_ranks(name: str, value: int) -> None:
         listing = ", ".join(f"rank {r}: {v}" for r, v in enumerate(values))
         raise DistributedMismatchError(
             f"ranks disagree on {name} ({listing}). Every rank must use the same {name}; "
-            f"check per-rank config or environment overrides.")
+            f"check per-rank config or environment overrides."
+        )

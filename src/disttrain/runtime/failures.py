@@ -45,11 +45,9 @@ MACHINE, PROGRAM, UNKNOWN = "machine", "program", "unknown"
 
 TRANSPORT_TYPES = ("DistBackendError", "DistNetworkError", "DistStoreError")
 """torch.distributed's error classes for a collective's backend, its network and its store."""
-CLOSED_WORDS = ("Connection closed by peer", "Connection reset by peer", "Read error", "Write error",
-                "Broken pipe")
+CLOSED_WORDS = ("Connection closed by peer", "Connection reset by peer", "Read error", "Write error", "Broken pipe")
 """gloo's words for a connection a peer closed (never a slow peer)."""
-NCCL_WORDS = ("NCCL error", "ncclRemoteError", "ncclSystemError", "NCCL communicator was aborted",
-              "ProcessGroupNCCL")
+NCCL_WORDS = ("NCCL error", "ncclRemoteError", "ncclSystemError", "NCCL communicator was aborted", "ProcessGroupNCCL")
 TRANSPORT_WORDS = ("gloo/transport", *CLOSED_WORDS, *NCCL_WORDS)
 """Words of the RuntimeError gloo and NCCL raise when a peer's connection fails (checked
 on torch 2.13: gloo raises a plain RuntimeError naming pair.cc)."""
@@ -129,8 +127,12 @@ def classify_death(returncode: int) -> Verdict:
     return Verdict(UNKNOWN, "exit", f"exit status {returncode}")
 
 
-_MASKS = (re.compile(r"\[[0-9a-fA-F.:]+\]:\d+"), re.compile(r"0x[0-9a-fA-F]+"),
-          re.compile(r"\bpid:? \d+"), re.compile(r"\d+(\.\d+)?\s*m?s\b"))
+_MASKS = (
+    re.compile(r"\[[0-9a-fA-F.:]+\]:\d+"),
+    re.compile(r"0x[0-9a-fA-F]+"),
+    re.compile(r"\bpid:? \d+"),
+    re.compile(r"\d+(\.\d+)?\s*m?s\b"),
+)
 
 
 def signature(error: str, message: str, step: int) -> str:
@@ -158,7 +160,10 @@ def report_program_error(exc: BaseException, rank: int, step: int | None, oom: d
     where = "" if step is None else f" at step {step}" if step else " before the first step"
     return worker_notes.report_not_retried(
         f"not retried: {type(exc).__name__}{where} on rank {rank} is the program's error",
-        exit_status(exc), traceback="".join(traceback.format_exception(exc)), oom=oom)
+        exit_status(exc),
+        traceback="".join(traceback.format_exception(exc)),
+        oom=oom,
+    )
 
 
 def attempt() -> tuple[int, int]:
@@ -174,8 +179,9 @@ def crash_loop(verdict: Verdict, step: int, unit: str = "attempts") -> bool:
     sig = signature(verdict.error, verdict.message, step)
     if worker_notes.repeated_failure(attempt(), sig) is None:
         return False
-    worker_notes.report_not_retried(f"stopped: two {unit} in a row ended with the same failure ({sig}), "
-                                      f"so a retry would repeat it; not retried", 1)
+    worker_notes.report_not_retried(
+        f"stopped: two {unit} in a row ended with the same failure ({sig}), so a retry would repeat it; not retried", 1
+    )
     return True
 
 

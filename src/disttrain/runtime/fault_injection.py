@@ -35,9 +35,16 @@ from disttrain.runtime import processes
 from disttrain.runtime.log import EVERY_RANK, LOGGER
 
 ACTIONS = ("kill", "stop", "term", "exit", "raise", "enospc", "delay")
-PHASES = ("forward", "backward", "step",
-          "checkpoint.shards", "checkpoint.after_shards", "checkpoint.during_commit", "recovery",
-          "buddy")
+PHASES = (
+    "forward",
+    "backward",
+    "step",
+    "checkpoint.shards",
+    "checkpoint.after_shards",
+    "checkpoint.during_commit",
+    "recovery",
+    "buddy",
+)
 """Every point where disttrain calls `inject`: the trainer's, then the checkpoint
 writer's (disttrain.checkpoint.fault_points). A new fault point is added here, so a
 spec naming it is accepted; any other phase is refused, so a typo cannot make a
@@ -63,20 +70,21 @@ def parse(spec: str) -> list[Fault]:
         head, _, tail = part.partition(":")
         action, _, phase = head.partition("@")
         if not phase:
-            raise UserError(f"fault {part!r}: write ACTION@PHASE[:key=value,...] with ACTION one of "
-                            f"{', '.join(ACTIONS)}, e.g. kill@backward:rank=1,step=7.")
+            raise UserError(
+                f"fault {part!r}: write ACTION@PHASE[:key=value,...] with ACTION one of "
+                f"{', '.join(ACTIONS)}, e.g. kill@backward:rank=1,step=7."
+            )
         if action not in ACTIONS:
-            raise UserError(f"fault {part!r}: unknown action {action!r}; use one of "
-                            f"{', '.join(ACTIONS)}.")
+            raise UserError(f"fault {part!r}: unknown action {action!r}; use one of {', '.join(ACTIONS)}.")
         if phase not in PHASES:
-            raise UserError(f"fault {part!r}: unknown phase {phase!r}; use one of "
-                            f"{', '.join(PHASES)}.")
+            raise UserError(f"fault {part!r}: unknown phase {phase!r}; use one of {', '.join(PHASES)}.")
         keys = {}
         for item in filter(None, tail.split(",")):
             key, _, value = item.partition("=")
             if key not in ("rank", "step", "restart", "code", "ms") or not value.lstrip("-").isdigit():
-                raise UserError(f"fault {part!r}: bad key {item!r}; keys are rank, step, restart, ms, "
-                                f"code with integer values.")
+                raise UserError(
+                    f"fault {part!r}: bad key {item!r}; keys are rank, step, restart, ms, code with integer values."
+                )
             keys[key] = int(value)
         faults.append(Fault(action=action, phase=phase, **keys))
     return faults

@@ -70,8 +70,9 @@ def rank_info() -> RankInfo:
     """
     if processes.STATE.rank_info is not None:
         return processes.STATE.rank_info
-    return RankInfo(rank=0, local_rank=0, world_size=1, local_world_size=1,
-                    device=torch.device("cpu"), backend=None, seed=0)
+    return RankInfo(
+        rank=0, local_rank=0, world_size=1, local_world_size=1, device=torch.device("cpu"), backend=None, seed=0
+    )
 
 
 def _env_int(name: str, default: int) -> int:
@@ -81,8 +82,10 @@ def _env_int(name: str, default: int) -> int:
     try:
         return int(value)
     except ValueError:
-        raise UserError(f"environment variable {name}={value!r} is not an integer; "
-                        f"launch with torchrun or `disttrain run`, which set it.") from None
+        raise UserError(
+            f"environment variable {name}={value!r} is not an integer; "
+            f"launch with torchrun or `disttrain run`, which set it."
+        ) from None
 
 
 def _pick_device(device: str, local_rank: int) -> torch.device:
@@ -90,12 +93,13 @@ def _pick_device(device: str, local_rank: int) -> torch.device:
         device = "cuda" if torch.cuda.is_available() else "cpu"
     if device == "cuda":
         if not torch.cuda.is_available():
-            raise UserError("device 'cuda' was asked for but no CUDA device is visible; "
-                            "use device='cpu' or 'auto'.")
+            raise UserError("device 'cuda' was asked for but no CUDA device is visible; use device='cpu' or 'auto'.")
         count = torch.cuda.device_count()
         if local_rank >= count:
-            raise UserError(f"LOCAL_RANK {local_rank} has no GPU: only {count} visible. "
-                            f"Start at most {count} processes per node (P-INIT-5).")
+            raise UserError(
+                f"LOCAL_RANK {local_rank} has no GPU: only {count} visible. "
+                f"Start at most {count} processes per node (P-INIT-5)."
+            )
         torch.cuda.set_device(local_rank)  # before any allocation (P-INIT-2)
         return torch.device("cuda", local_rank)
     return torch.device("cpu")
@@ -148,8 +152,14 @@ def group_backend(device_type: str, backend: str = "auto") -> str:
     return f"cpu:gloo,{device_type}:{accel}"
 
 
-def init(*, backend: str = "auto", device: str = "auto", timeout_s: float = 300.0,
-         seed: int = 0, store: "dist.Store | None" = None) -> RankInfo:
+def init(
+    *,
+    backend: str = "auto",
+    device: str = "auto",
+    timeout_s: float = 300.0,
+    seed: int = 0,
+    store: "dist.Store | None" = None,
+) -> RankInfo:
     """Start the process group from the torchrun environment and return `RankInfo`.
 
     Seeds every RNG with `seed` on every rank, so the model initialisation is the same
@@ -169,8 +179,10 @@ def init(*, backend: str = "auto", device: str = "auto", timeout_s: float = 300.
     local_rank = _env_int("LOCAL_RANK", 0)
     local_world = _env_int("LOCAL_WORLD_SIZE", world)
     if not 0 <= rank < world:
-        raise UserError(f"RANK={rank} is outside WORLD_SIZE={world}; the launcher environment "
-                        f"is inconsistent. Launch with `disttrain run`.")
+        raise UserError(
+            f"RANK={rank} is outside WORLD_SIZE={world}; the launcher environment "
+            f"is inconsistent. Launch with `disttrain run`."
+        )
     dev = _pick_device(device, local_rank)
     chosen = None
     if store is None:  # a recovery's generations skip the collection (0.3-0.6 s on a loaded host)
@@ -180,15 +192,24 @@ def init(*, backend: str = "auto", device: str = "auto", timeout_s: float = 300.
         if not dist.is_initialized():
             on_store: dict[str, Any] = {"store": store, "rank": rank, "world_size": world} if store else {}
             dist.init_process_group(
-                backend=chosen, timeout=datetime.timedelta(seconds=timeout_s),
-                device_id=dev if dev.type == "cuda" else None, **on_store,
+                backend=chosen,
+                timeout=datetime.timedelta(seconds=timeout_s),
+                device_id=dev if dev.type == "cuda" else None,
+                **on_store,
             )
     if "RANK" in os.environ:  # a launcher's worker: `ps` names its rank (a promoted spare's too)
         processes.name_worker(rank=rank, local_rank=local_rank)
     seed_all(seed)
     processes.freeze_long_lived()
-    info = RankInfo(rank=rank, local_rank=local_rank, world_size=world,
-                    local_world_size=local_world, device=dev, backend=chosen, seed=seed)
+    info = RankInfo(
+        rank=rank,
+        local_rank=local_rank,
+        world_size=world,
+        local_world_size=local_world,
+        device=dev,
+        backend=chosen,
+        seed=seed,
+    )
     processes.STATE.rank_info = info
     return info
 

@@ -35,8 +35,16 @@ import sys
 from disttrain.runtime.log import EVERY_RANK, LOGGER
 from disttrain.runtime.process_state import STATE, first_time
 
-__all__ = ["STATE", "die_with_parent", "first_time", "freeze_long_lived", "name_for", "name_worker",
-           "set_name", "thaw_long_lived"]
+__all__ = [
+    "STATE",
+    "die_with_parent",
+    "first_time",
+    "freeze_long_lived",
+    "name_for",
+    "name_worker",
+    "set_name",
+    "thaw_long_lived",
+]
 
 PR_SET_PDEATHSIG = 1
 PR_SET_NAME = 15
@@ -45,7 +53,6 @@ NAME_BYTES = 15
 ROLE_ENV = "DISTTRAIN_FAST_ROLE"
 """elastic.fast_recovery.ROLE_ENV (not imported: that imports torch): 'spare' names a
 warm spare."""
-
 
 
 def _prctl(option: int, arg) -> bool:
@@ -74,8 +81,9 @@ def name_for(role: str, rank: int | str, local_rank: int | str = 0) -> str:
     return f"rank{rank}.local{local_rank}" if role == "rank" else f"{role}.rank{rank}"
 
 
-def name_worker(role: str = "rank", *, rank: int | None = None, local_rank: int | None = None,
-                announce: str = "") -> str:
+def name_worker(
+    role: str = "rank", *, rank: int | None = None, local_rank: int | None = None, announce: str = ""
+) -> str:
     """Name this worker from its rank (the arguments, else torchrun's RANK and
     LOCAL_RANK); a warm spare (ROLE_ENV 'spare') is named as one. With `announce` (the
     speaker, e.g. 'disttrain run'), a training process also prints its pid once on
@@ -90,8 +98,7 @@ def name_worker(role: str = "rank", *, rank: int | None = None, local_rank: int 
     set_name(name)
     if announce and role == "rank" and STATE.announced_pid != os.getpid():
         STATE.announced_pid = os.getpid()
-        LOGGER.info(f"{announce}: rank {rank_s} (local rank {local_s}) is pid {os.getpid()} ({name})",
-                    extra=EVERY_RANK)
+        LOGGER.info(f"{announce}: rank {rank_s} (local rank {local_s}) is pid {os.getpid()} ({name})", extra=EVERY_RANK)
     return name
 
 

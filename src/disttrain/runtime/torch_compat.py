@@ -36,6 +36,7 @@ def process_groups() -> list:
 
     try:
         from torch.distributed.distributed_c10d import _world
+
         return list(_world.pg_map)
     except (ImportError, AttributeError):
         return [dist.group.WORLD] if dist.is_initialized() else []
@@ -82,9 +83,11 @@ def _checkpoint_wrapper_module():
     try:
         from torch.distributed.algorithms._checkpoint import checkpoint_wrapper
     except ImportError as e:
-        raise ImportError(f"torch {torch.__version__} has no activation-checkpoint wrapper where "
-                          f"disttrain looks for it (checked on {', '.join(CHECKED_ON)}); "
-                          f"turn activation_checkpointing off") from e
+        raise ImportError(
+            f"torch {torch.__version__} has no activation-checkpoint wrapper where "
+            f"disttrain looks for it (checked on {', '.join(CHECKED_ON)}); "
+            f"turn activation_checkpointing off"
+        ) from e
     return checkpoint_wrapper
 
 
@@ -163,10 +166,14 @@ def load_is_copy(module: nn.Module) -> bool:
             return False
         for m in module.modules():
             cls = type(m)
-            if (cls.load_state_dict is not nn.Module.load_state_dict or "load_state_dict" in vars(m)
-                    or cls._load_from_state_dict is not nn.Module._load_from_state_dict
-                    or cls.set_extra_state is not nn.Module.set_extra_state
-                    or m._load_state_dict_pre_hooks or m._load_state_dict_post_hooks):
+            if (
+                cls.load_state_dict is not nn.Module.load_state_dict
+                or "load_state_dict" in vars(m)
+                or cls._load_from_state_dict is not nn.Module._load_from_state_dict
+                or cls.set_extra_state is not nn.Module.set_extra_state
+                or m._load_state_dict_pre_hooks
+                or m._load_state_dict_post_hooks
+            ):
                 return False
     except AttributeError:
         return False
@@ -183,8 +190,9 @@ def load_keys(keys: set[str], storage_reader: Any) -> dict:
     try:
         from torch.distributed.checkpoint.state_dict_loader import _load_state_dict_from_keys
     except ImportError as e:
-        raise ImportError(f"torch {torch.__version__} cannot read single keys of a checkpoint "
-                          f"(checked on {', '.join(CHECKED_ON)})") from e
+        raise ImportError(
+            f"torch {torch.__version__} cannot read single keys of a checkpoint (checked on {', '.join(CHECKED_ON)})"
+        ) from e
     return _load_state_dict_from_keys(keys, storage_reader=storage_reader)
 
 
@@ -271,8 +279,10 @@ def finish_interpreter() -> None:
     import atexit
     import threading
 
-    steps: list[Callable[[], Any] | None] = [getattr(threading, "_shutdown", None),
-                                             getattr(atexit, "_run_exitfuncs", None)]
+    steps: list[Callable[[], Any] | None] = [
+        getattr(threading, "_shutdown", None),
+        getattr(atexit, "_run_exitfuncs", None),
+    ]
     for step in steps:
         if step is not None:
             step()
@@ -280,8 +290,13 @@ def finish_interpreter() -> None:
 
 # ---------------------------------------------------------------- wrappers: one way to see through them
 
-WRAPPER_PARTS = {"compile": "_orig_mod", "ddp": "module", "dp": "module",
-                 "fsdp1": "_fsdp_wrapped_module", "checkpoint": "_checkpoint_wrapped_module"}
+WRAPPER_PARTS = {
+    "compile": "_orig_mod",
+    "ddp": "module",
+    "dp": "module",
+    "fsdp1": "_fsdp_wrapped_module",
+    "checkpoint": "_checkpoint_wrapped_module",
+}
 """Each wrapper kind -> the attribute that holds the module it wraps. That attribute is a
 registered submodule, so it is also the part the wrapper inserts into every parameter
 and state-dict name below it (`_orig_mod.`, `module.`, ...). Checked on 2.13.0; a
@@ -392,7 +407,6 @@ def abort_process_groups() -> bool:
     except (RuntimeError, ValueError, AssertionError):  # a group already gone, or not NCCL
         return False
     return False
-
 
 
 def collectives_issued() -> int | None:

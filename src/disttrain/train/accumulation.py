@@ -81,8 +81,16 @@ class Accumulator:
     `accum_steps` and raises `DistributedMismatchError` on all ranks otherwise.
     """
 
-    def __init__(self, model: nn.Module, optimizer: torch.optim.Optimizer, accum_steps: int,
-                 *, scheduler=None, grad_clip: float = 0.0, scaler=None):
+    def __init__(
+        self,
+        model: nn.Module,
+        optimizer: torch.optim.Optimizer,
+        accum_steps: int,
+        *,
+        scheduler=None,
+        grad_clip: float = 0.0,
+        scaler=None,
+    ):
         if accum_steps < 1:
             raise ValueError(f"accum_steps must be at least 1, got {accum_steps}")
         # Fail before the first step, not after silent non-training (P-DDP-3, P-FSDP-7).
@@ -172,8 +180,9 @@ class Accumulator:
         self._in_window = 0
 
 
-def warmup_cosine(optimizer: torch.optim.Optimizer, *, total_steps: int, warmup_steps: int = -1,
-                  min_lr_ratio: float = 0.1) -> torch.optim.lr_scheduler.LambdaLR:
+def warmup_cosine(
+    optimizer: torch.optim.Optimizer, *, total_steps: int, warmup_steps: int = -1, min_lr_ratio: float = 0.1
+) -> torch.optim.lr_scheduler.LambdaLR:
     """Linear warmup then cosine decay, counted in optimizer steps (P-LOOP-4).
 
     Returns a `LambdaLR` over `optimizer`: the learning rate rises linearly to each

@@ -53,8 +53,10 @@ def _sum_count(name: str, value: Any, n: int) -> tuple[float, float]:
         return float(value.detach().double()) * n, float(n)
     if isinstance(value, (int, float)) and not isinstance(value, bool):
         return float(value) * n, float(n)
-    raise UserError(f"the eval metric {name!r} returned {type(value).__name__}; return a number "
-                    f"(a mean over the batch) or a (sum, count) pair.")
+    raise UserError(
+        f"the eval metric {name!r} returned {type(value).__name__}; return a number "
+        f"(a mean over the batch) or a (sum, count) pair."
+    )
 
 
 class Evaluator:
@@ -63,15 +65,28 @@ class Evaluator:
     `run(model)` is a collective returning {metric: global value}; the job records them
     as `<name>_<metric>`."""
 
-    def __init__(self, dataset, batch_size: int, *, every: int = 0, max_batches: int | None = None,
-                 metric: Metric | None = None, collate: Callable | None = None, at_start: bool = False,
-                 name: str = "heldout"):
+    def __init__(
+        self,
+        dataset,
+        batch_size: int,
+        *,
+        every: int = 0,
+        max_batches: int | None = None,
+        metric: Metric | None = None,
+        collate: Callable | None = None,
+        at_start: bool = False,
+        name: str = "heldout",
+    ):
         if batch_size < 1 or every < 0 or (max_batches is not None and max_batches < 1):
-            raise UserError(f"evaluator: batch_size ({batch_size}) and max_batches ({max_batches}) "
-                            f"must be >= 1, every ({every}) >= 0.")
+            raise UserError(
+                f"evaluator: batch_size ({batch_size}) and max_batches ({max_batches}) "
+                f"must be >= 1, every ({every}) >= 0."
+            )
         if not (hasattr(dataset, "__len__") and hasattr(dataset, "__getitem__")):
-            raise UserError(f"evaluator: the eval set is a {type(dataset).__name__}; pass a map-style "
-                            f"dataset (with __len__ and __getitem__) so it can be split across ranks.")
+            raise UserError(
+                f"evaluator: the eval set is a {type(dataset).__name__}; pass a map-style "
+                f"dataset (with __len__ and __getitem__) so it can be split across ranks."
+            )
         self.dataset, self.batch_size, self.every = dataset, batch_size, every
         self.max_batches, self.at_start, self.name = max_batches, at_start, name
         self.metric = metric or loss_metric()
@@ -104,7 +119,7 @@ class Evaluator:
         sums: dict[str, list[float]] = {}
         try:
             for b in range(math.ceil(per_rank / self.batch_size)):
-                ids = mine[b * self.batch_size:(b + 1) * self.batch_size]
+                ids = mine[b * self.batch_size : (b + 1) * self.batch_size]
                 weight = 1.0 if ids else 0.0  # a padding batch: forwards, counts nothing
                 batch = to_device(self.collate([self.dataset[i] for i in (ids or [0])]), info.device)
                 for name, value in self.metric(model, batch).items():
@@ -115,14 +130,16 @@ class Evaluator:
             model.train(was_training)
         names = sorted(sums)  # the same order on every rank
         totals = global_sum([v for n in names for v in sums[n]])
-        self.last = {n: (totals[2 * i] / totals[2 * i + 1] if totals[2 * i + 1] else float("nan"))
-                     for i, n in enumerate(names)}
+        self.last = {
+            n: (totals[2 * i] / totals[2 * i + 1] if totals[2 * i + 1] else float("nan")) for i, n in enumerate(names)
+        }
         self.seconds = time.perf_counter() - t0
         return self.last
 
 
-def evaluate(evaluators: list[Evaluator], model: torch.nn.Module, guard,
-             due: Callable[[Evaluator], bool]) -> dict[str, float]:
+def evaluate(
+    evaluators: list[Evaluator], model: torch.nn.Module, guard, due: Callable[[Evaluator], bool]
+) -> dict[str, float]:
     """Run each evaluator `due` selects, in the order built, each as a slow phase of the
     guard's watchdog; returns {"<name>_<metric>": value}. A collective: every rank
     calls it with the same `due` answers."""

@@ -45,7 +45,9 @@ class FiniteCheck:
             first = first.to(comm_device())
             dist.all_reduce(first, op=dist.ReduceOp.MIN)
         if math.isfinite(float(first.item())):
-            raise UserError(f"training diverged: the loss or the weights became non-finite (nan/inf) "
-                            f"at step {int(first.item())}; stopped before saving it (the newest "
-                            f"checkpoint is step {self.saved_at()}). Lower the learning rate, "
-                            f"clip gradients, or check the data.")
+            raise UserError(
+                f"training diverged: the loss or the weights became non-finite (nan/inf) "
+                f"at step {int(first.item())}; stopped before saving it (the newest "
+                f"checkpoint is step {self.saved_at()}). Lower the learning rate, "
+                f"clip gradients, or check the data."
+            )

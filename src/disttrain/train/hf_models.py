@@ -34,8 +34,12 @@ from disttrain.errors import UserError
 
 __all__ = ["HF_PREFIX", "HFCausalLM", "build_hf_model"]
 
-_WEIGHT_FILES = ("model.safetensors", "model.safetensors.index.json", "pytorch_model.bin",
-                 "pytorch_model.bin.index.json")
+_WEIGHT_FILES = (
+    "model.safetensors",
+    "model.safetensors.index.json",
+    "pytorch_model.bin",
+    "pytorch_model.bin.index.json",
+)
 
 
 def build_hf_model(model_cfg: Any, config_dir: str | os.PathLike | None = None) -> nn.Module:
@@ -62,10 +66,12 @@ def build_hf_model(model_cfg: Any, config_dir: str | os.PathLike | None = None) 
             transformers = import_transformers()
             try:
                 model = transformers.AutoModelForCausalLM.from_pretrained(
-                    str(folder), config=hf_config, local_files_only=True)
+                    str(folder), config=hf_config, local_files_only=True
+                )
             except (OSError, ValueError) as e:
-                raise UserError(f"model.hf_path {hf_path!r}: transformers cannot load {folder}: "
-                                f"{str(e).splitlines()[0]}") from e
+                raise UserError(
+                    f"model.hf_path {hf_path!r}: transformers cannot load {folder}: {str(e).splitlines()[0]}"
+                ) from e
         else:
             model = causal_lm_from_config(hf_config, f"model.hf_path {hf_path!r}")
     else:
@@ -111,12 +117,13 @@ class HFCausalLM(nn.Module):
         cfg: Any = self.hf.config
         limit = getattr(cfg, "n_positions", None) or getattr(cfg, "max_position_embeddings", None)
         if isinstance(limit, int) and x.shape[-1] > limit:  # else an IndexError deep inside
-            raise ValueError(f"sequence length {x.shape[-1]} exceeds the {cfg.model_type} model's "
-                             f"{limit} positions: set model.block_size <= {limit} or raise "
-                             f"the position count in [model.hf_config].")
+            raise ValueError(
+                f"sequence length {x.shape[-1]} exceeds the {cfg.model_type} model's "
+                f"{limit} positions: set model.block_size <= {limit} or raise "
+                f"the position count in [model.hf_config]."
+            )
         logits = self.hf(input_ids=x, use_cache=False, **kwargs).logits
         loss = None
         if y is not None:
             loss = F.cross_entropy(logits.reshape(-1, logits.size(-1)), y.reshape(-1))
         return logits, loss
-

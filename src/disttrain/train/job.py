@@ -143,24 +143,48 @@ class Job:
     finite_check: FiniteCheck
     """The parts a run holds, public (job_resume, job_finish, job_failure read them)."""
 
-    def __init__(self, out_dir: str | Path, config: Config | None = None, *, run: RunOptions | None = None,
-                 strategy: str | None = None, precision: str | None = None, accum_steps: int | None = None,
-                 checkpoint_every: int | None = None, seed: int | None = None, grad_clip: float | None = None,
-                 record_samples: bool | None = None, tensorboard: bool | None = None, progress: bool = True,
-                 trackers=None, **moved: Any):
-        short = dict(strategy=strategy, precision=precision, accum_steps=accum_steps, seed=seed,
-                     checkpoint_every=checkpoint_every, grad_clip=grad_clip,
-                     record_samples=record_samples, tensorboard=tensorboard)
+    def __init__(
+        self,
+        out_dir: str | Path,
+        config: Config | None = None,
+        *,
+        run: RunOptions | None = None,
+        strategy: str | None = None,
+        precision: str | None = None,
+        accum_steps: int | None = None,
+        checkpoint_every: int | None = None,
+        seed: int | None = None,
+        grad_clip: float | None = None,
+        record_samples: bool | None = None,
+        tensorboard: bool | None = None,
+        progress: bool = True,
+        trackers=None,
+        **moved: Any,
+    ):
+        short = dict(
+            strategy=strategy,
+            precision=precision,
+            accum_steps=accum_steps,
+            seed=seed,
+            checkpoint_every=checkpoint_every,
+            grad_clip=grad_clip,
+            record_samples=record_samples,
+            tensorboard=tensorboard,
+        )
         self.cfg = cfg = resolve_config(config, short, moved)
         """The configuration this job runs with (the config given, the keywords applied)."""
         self.run = run or RunOptions()
         c, t = cfg.checkpoint, cfg.train
         if c.every < 0 or c.every_s < 0 or t.accum_steps < 1 or t.log_every < 1:
-            raise UserError(f"dt.Job: checkpoint.every ({c.every}) and checkpoint.every_s ({c.every_s}) "
-                            f"must be >= 0, train.accum_steps ({t.accum_steps}) and train.log_every "
-                            f"({t.log_every}) >= 1.")
-        for name, value, allowed in (("batch_policy", cfg.elastic.batch_policy, ("keep_global", "rescale_lr")),
-                                     ("on_error", c.on_error, ("stop", "continue"))):
+            raise UserError(
+                f"dt.Job: checkpoint.every ({c.every}) and checkpoint.every_s ({c.every_s}) "
+                f"must be >= 0, train.accum_steps ({t.accum_steps}) and train.log_every "
+                f"({t.log_every}) >= 1."
+            )
+        for name, value, allowed in (
+            ("batch_policy", cfg.elastic.batch_policy, ("keep_global", "rescale_lr")),
+            ("on_error", c.on_error, ("stop", "continue")),
+        ):
             if value not in allowed:
                 raise UserError(f"dt.Job: {name} {value!r} is not one of {', '.join(map(repr, allowed))}.")
         self.out_dir = Path(out_dir)
@@ -196,14 +220,14 @@ class Job:
         self.handoff = fast_recovery.current()
         self._owns_group = not dist.is_initialized()
         p = self.cfg.parallel
-        self.info = runtime.init(backend=p.backend, device=p.device, timeout_s=p.timeout_s,
-                                 seed=self.cfg.train.seed)
+        self.info = runtime.init(backend=p.backend, device=p.device, timeout_s=p.timeout_s, seed=self.cfg.train.seed)
         try:
             # The grace `disttrain run` gives its workers (the kill follows it), else the config's.
             grace = os.environ.get("DISTTRAIN_PREEMPT_GRACE_S") or self.cfg.elastic.preempt_grace_s
             self.preemption = PreemptionHandler(float(grace)).install()
-            self.guard = start_guard(self.cfg.guard, config=self.config(), timeout_s=p.timeout_s,
-                                     **self.run.guard_fields)
+            self.guard = start_guard(
+                self.cfg.guard, config=self.config(), timeout_s=p.timeout_s, **self.run.guard_fields
+            )
             if self.handoff is not None:
                 self.handoff.keep(guard=self.guard)
         except BaseException as e:
@@ -246,14 +270,21 @@ class Job:
             return self.run.stored_config
         t = self.cfg.train
         options = {**({"compile": True} if t.compile else {}), **self.run.wrap_options}
-        own = {"strategy": self.strategy, "accum_steps": t.accum_steps, "seed": t.seed,
-               "precision": self.precision, **{k: repr(v) for k, v in options.items()}}
+        own = {
+            "strategy": self.strategy,
+            "accum_steps": t.accum_steps,
+            "seed": t.seed,
+            "precision": self.precision,
+            **{k: repr(v) for k, v in options.items()},
+        }
         return {"job": own, **({"model": self._hf_section} if self._hf_section else {})}
 
     def _need(self, done: bool, message: str) -> None:
         if self.info is None:
-            raise UserError("dt.Job is used outside its `with dt.Job(...) as job:` block; enter it "
-                            "first (it starts the process group).")
+            raise UserError(
+                "dt.Job is used outside its `with dt.Job(...) as job:` block; enter it "
+                "first (it starts the process group)."
+            )
         if not done:
             raise UserError(message)
 
@@ -288,18 +319,22 @@ class Job:
         """`dt.wrap(model, strategy=..., precision=...)` once per job; build the optimizer
         from the returned module afterwards (one built before is refused by `resume`).
         A second call is a `UserError`."""
-        self._need(self.model is None, "dt.Job.wrap() is called once per job; this job already "
-                                       "wrapped a model.")
+        self._need(self.model is None, "dt.Job.wrap() is called once per job; this job already wrapped a model.")
         self._wrap_mark = optimizer_mark()
         self._hf_section = hf_section(model)  # a Hugging Face model: `ckpt export --hf` rebuilds it
-        self.model = wrap(model, self.cfg.parallel, precision=self.precision,
-                          **{"compile": self.cfg.train.compile, **self.run.wrap_options})
+        self.model = wrap(
+            model,
+            self.cfg.parallel,
+            precision=self.precision,
+            **{"compile": self.cfg.train.compile, **self.run.wrap_options},
+        )
         if self.handoff is not None:
             self.handoff.attach_buddy(self.strategy != "ddp", self.cfg.elastic.buddy_every)
         return self.model
 
-    def loader(self, dataset, batch_size: int, *, drop_last: bool = False, shuffle: bool = True,
-               **loader_kwargs: Any) -> DataLoader:
+    def loader(
+        self, dataset, batch_size: int, *, drop_last: bool = False, shuffle: bool = True, **loader_kwargs: Any
+    ) -> DataLoader:
         """A DataLoader over `dataset` (a map-style dataset: `len` and `[i]`) drawn by an
         `ElasticSampler`: this rank's share of a global order that depends on (seed,
         epoch) only, resumable mid-epoch at any world size; the epoch advances by
@@ -308,26 +343,52 @@ class Job:
         workers ignore SIGTERM/SIGINT, which are the job's. `sampler`, `shuffle` and
         `batch_sampler` are the job's. One training loader per job (`evaluator` for
         an eval set)."""
-        self._need(self.train_loader is None, "dt.Job.loader() is called once per job, for the training "
-                                         "set; pass an eval set to job.evaluator(...) instead.")
+        self._need(
+            self.train_loader is None,
+            "dt.Job.loader() is called once per job, for the training "
+            "set; pass an eval set to job.evaluator(...) instead.",
+        )
         taken = {"sampler", "batch_sampler", "generator"} & set(loader_kwargs)
         if taken:
-            raise UserError(f"dt.Job.loader(): {', '.join(sorted(taken))} are the job's (an "
-                            f"ElasticSampler makes resume exact); pass shuffle=, drop_last= instead.")
+            raise UserError(
+                f"dt.Job.loader(): {', '.join(sorted(taken))} are the job's (an "
+                f"ElasticSampler makes resume exact); pass shuffle=, drop_last= instead."
+            )
         if loader_kwargs.get("num_workers", 0) > 0:
             chain = loader_kwargs.pop("worker_init_fn", None)
             loader_kwargs["worker_init_fn"] = lambda i: _ignore_stop_signals(i, chain)
-        self.sampler = ElasticSampler(dataset, batch_size=batch_size, accum_steps=self.cfg.train.accum_steps,
-                                      seed=self.cfg.train.seed, shuffle=shuffle, drop_last=drop_last)
+        self.sampler = ElasticSampler(
+            dataset,
+            batch_size=batch_size,
+            accum_steps=self.cfg.train.accum_steps,
+            seed=self.cfg.train.seed,
+            shuffle=shuffle,
+            drop_last=drop_last,
+        )
         # A private generator: iter(loader) must not draw from the global (dropout) RNG.
         self._recorded = Recorded(self.sampler)
-        self.train_loader = DataLoader(dataset, batch_size=batch_size, sampler=self._recorded,
-                                  drop_last=True, generator=torch.Generator().manual_seed(self.cfg.train.seed),
-                                  **loader_kwargs)
+        self.train_loader = DataLoader(
+            dataset,
+            batch_size=batch_size,
+            sampler=self._recorded,
+            drop_last=True,
+            generator=torch.Generator().manual_seed(self.cfg.train.seed),
+            **loader_kwargs,
+        )
         return self.train_loader
 
-    def evaluator(self, dataset, batch_size: int, *, every: int = 0, max_batches: int | None = None,
-                  metric=None, collate_fn=None, at_start: bool = False, name: str = "heldout") -> Evaluator:
+    def evaluator(
+        self,
+        dataset,
+        batch_size: int,
+        *,
+        every: int = 0,
+        max_batches: int | None = None,
+        metric=None,
+        collate_fn=None,
+        at_start: bool = False,
+        name: str = "heldout",
+    ) -> Evaluator:
         """Evaluate on `dataset` every `every` steps and at the last step, split across
         the ranks (`train/evaluation.py`: equal forwards per rank, global means from
         (sum, count)); `metric(model, batch) -> {metric: value}` adds metrics beyond the
@@ -344,15 +405,32 @@ class Job:
         self._need(self.accumulator is None, "dt.Job.evaluator() is called before job.resume().")
         if not re.fullmatch(r"[a-z][a-z0-9_]*", name) or name in {e.name for e in self.evaluators}:
             taken = ", ".join(repr(e.name) for e in self.evaluators) or "none"
-            raise UserError(f"dt.Job.evaluator(name={name!r}): each evaluator needs its own name, a "
-                            f"lowercase identifier (its metrics are '<name>_loss', ...); taken: {taken}.")
-        ev = Evaluator(dataset, batch_size, every=every, max_batches=max_batches, metric=metric,
-                       collate=collate_fn, at_start=at_start, name=name)
+            raise UserError(
+                f"dt.Job.evaluator(name={name!r}): each evaluator needs its own name, a "
+                f"lowercase identifier (its metrics are '<name>_loss', ...); taken: {taken}."
+            )
+        ev = Evaluator(
+            dataset,
+            batch_size,
+            every=every,
+            max_batches=max_batches,
+            metric=metric,
+            collate=collate_fn,
+            at_start=at_start,
+            name=name,
+        )
         self.evaluators.append(ev)
         return ev
 
-    def resume(self, *, model: torch.nn.Module, optimizer: torch.optim.Optimizer, scheduler=None,
-               scaler=None, extras: dict | None = None) -> bool:
+    def resume(
+        self,
+        *,
+        model: torch.nn.Module,
+        optimizer: torch.optim.Optimizer,
+        scheduler=None,
+        scaler=None,
+        extras: dict | None = None,
+    ) -> bool:
         """Load the newest valid checkpoint into the model, optimizer, scheduler, scaler,
         extras and the loader's sampler; True when one was loaded (or, under fast
         recovery, the state came from a survivor's memory), False on a fresh start.
@@ -366,24 +444,45 @@ class Job:
         optimizer built before wrap, or a call before `loader()`; a damaged or
         mismatched checkpoint raises the checkpoint layer's error."""
         self._need(self.model is not None, "dt.Job.resume(): wrap the model with job.wrap() first.")
-        self._need(model is self.model, "dt.Job.resume(model=...) must be the module job.wrap() "
-                                        "returned (the wrapped one).")
-        self._need(built_after(optimizer, self._wrap_mark or 0),
-                   "dt.Job.resume(): the optimizer was built before job.wrap(); build it after, from "
-                   "the module job.wrap() returned (under FSDP the old parameters no longer train).")
-        self._need(self.train_loader is not None, "dt.Job.resume(): build the loader with job.loader() "
-                                             "first; its sampler position is part of the checkpoint.")
+        self._need(
+            model is self.model, "dt.Job.resume(model=...) must be the module job.wrap() returned (the wrapped one)."
+        )
+        self._need(
+            built_after(optimizer, self._wrap_mark or 0),
+            "dt.Job.resume(): the optimizer was built before job.wrap(); build it after, from "
+            "the module job.wrap() returned (under FSDP the old parameters no longer train).",
+        )
+        self._need(
+            self.train_loader is not None,
+            "dt.Job.resume(): build the loader with job.loader() "
+            "first; its sampler position is part of the checkpoint.",
+        )
         self._need(self.accumulator is None, "dt.Job.resume() is called once per job, before job.steps().")
         # Construction checks the optimizer holds the wrapped model's parameters (P-DDP-3).
-        acc = Accumulator(model, optimizer, self.cfg.train.accum_steps, scheduler=scheduler,
-                          grad_clip=self.cfg.optim.grad_clip, scaler=scaler)
+        acc = Accumulator(
+            model,
+            optimizer,
+            self.cfg.train.accum_steps,
+            scheduler=scheduler,
+            grad_clip=self.cfg.optim.grad_clip,
+            scaler=scaler,
+        )
         self.guard.check_model(model, optimizer)
         self._owner.watch(optimizer, scheduler)
-        self.state = TrainState(model=model, optimizer=optimizer, scheduler=scheduler, scaler=scaler,
-                                 sampler=self.sampler, extras=extras or {})
+        self.state = TrainState(
+            model=model,
+            optimizer=optimizer,
+            scheduler=scheduler,
+            scaler=scaler,
+            sampler=self.sampler,
+            extras=extras or {},
+        )
         c = self.cfg.checkpoint
-        ckpt = Checkpointer(self.checkpoint_dir, keep_last=c.keep_last, async_mode=c.async_mode,
-                            fallback=c.fallback) if c.enabled else None
+        ckpt = (
+            Checkpointer(self.checkpoint_dir, keep_last=c.keep_last, async_mode=c.async_mode, fallback=c.fallback)
+            if c.enabled
+            else None
+        )
         if self.handoff is not None:  # the checkpointer's gloo group: cut in a recovery
             self.handoff.publish_listeners()
         self.accumulator = acc
@@ -404,10 +503,14 @@ class Job:
         so. Breaking out of the loop ends it without a save; a step whose last backward
         ran before the break is kept (`job.step` counts it). `job.step` is the number of
         optimizer steps done: inside the loop, the batch belongs to step `job.step + 1`."""
-        self._need(self.accumulator is not None, "dt.Job.steps(): call job.resume(model=..., "
-                                          "optimizer=...) first (it loads the newest checkpoint).")
-        self._need(loader is self.train_loader, "dt.Job.steps() takes the loader job.loader() returned; "
-                                           "another loader's position is not checkpointed.")
+        self._need(
+            self.accumulator is not None,
+            "dt.Job.steps(): call job.resume(model=..., optimizer=...) first (it loads the newest checkpoint).",
+        )
+        self._need(
+            loader is self.train_loader,
+            "dt.Job.steps() takes the loader job.loader() returned; another loader's position is not checkpointed.",
+        )
         self._need(not self._in_step and self.metrics is None, "dt.Job.steps() runs once per job.")
         return self._step_loop(max_steps)
 
@@ -419,15 +522,15 @@ class Job:
         if not job_resume.say_resumed(self, max_steps):  # complete already: says so, trains nothing
             return
         acc, guard, info, stopping = self.accumulator, self.guard, self.info, False
-        audit = SampleAudit(self.out_dir / "samples", info.rank, info.world_size,
-                            self.cfg.elastic.record_samples, generation_id())
+        audit = SampleAudit(
+            self.out_dir / "samples", info.rank, info.world_size, self.cfg.elastic.record_samples, generation_id()
+        )
         self.finite_check = FiniteCheck(self.model, lambda: self.saving.saved_at)
         self.saving.check = self.finite_check.check  # before each save, on every rank
         self.metrics = MetricsWindow(self, max_steps)
         self.saving.start(self.step)
         # The evaluation at the start (not after an in-memory recovery: it does not wait).
-        self.metrics.start(evaluate(self.evaluators, self.model, guard,
-                                    lambda ev: ev.at_start and not self.in_memory))
+        self.metrics.start(evaluate(self.evaluators, self.model, guard, lambda ev: ev.at_start and not self.in_memory))
         while self.step < max_steps and not stopping:
             for batch in self.train_loader:  # each pass is a new epoch: the sampler advances
                 guard.first_batch(batch)
@@ -457,9 +560,15 @@ class Job:
                     self.handoff.committed(self.step, self.state)
                 inject("step", self.step, info.rank)
                 guard.step(self.step, self.model)
-                self.metrics.after_step(self.step, evaluate(
-                    self.evaluators, self.model, guard,  # skipped when a SIGTERM's grace no longer fits it
-                    lambda ev: ev.due(self.step, max_steps) and self.preemption.time_for(ev.seconds)))
+                self.metrics.after_step(
+                    self.step,
+                    evaluate(
+                        self.evaluators,
+                        self.model,
+                        guard,  # skipped when a SIGTERM's grace no longer fits it
+                        lambda ev: ev.due(self.step, max_steps) and self.preemption.time_for(ev.seconds),
+                    ),
+                )
                 stopping = self.preemption.should_stop()  # agreed by all ranks (one all-reduce)
                 self.saving.after_step(self.step, stopping)
                 if stopping or self.step >= max_steps:
@@ -486,10 +595,11 @@ class Job:
         no gradient sync except on its last micro-batch, where the optimizer (and the
         scheduler given to `resume`) step. Raises `UserError` outside the loop, twice
         per batch, or after the script's own `loss.backward()` of the same loss."""
-        self._need(self._in_step, "dt.Job.backward() is called inside `for batch in job.steps(...)`, "
-                                  "once per batch.")
-        self._need(not self._backward_done, "dt.Job.backward() was already called for this batch; "
-                                            "add the losses and call it once.")
+        self._need(self._in_step, "dt.Job.backward() is called inside `for batch in job.steps(...)`, once per batch.")
+        self._need(
+            not self._backward_done,
+            "dt.Job.backward() was already called for this batch; add the losses and call it once.",
+        )
         inject("backward", self.step + 1, self.info.rank)
         self.finite_check.watch_loss(loss, self.step + 1)
         try:
@@ -513,6 +623,5 @@ class Job:
         rank 0 appends the record to `out_dir/metrics.jsonl` and TensorBoard
         (`out_dir/tb`). Raises `UserError` outside the loop or for a value that is
         not a number or a one-element tensor."""
-        self._need(self._in_step, "dt.Job.log() is called inside `for batch in job.steps(...)`, "
-                                  "on every rank.")
+        self._need(self._in_step, "dt.Job.log() is called inside `for batch in job.steps(...)`, on every rank.")
         self.metrics.add(values)

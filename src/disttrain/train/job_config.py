@@ -46,24 +46,42 @@ class RunOptions:
     options); the [parallel] section's fields come from the config."""
 
 
-SHORT = {"strategy": ("parallel", "strategy"), "precision": ("train", "precision"),
-         "accum_steps": ("train", "accum_steps"), "checkpoint_every": ("checkpoint", "every"),
-         "seed": ("train", "seed"), "grad_clip": ("optim", "grad_clip"),
-         "record_samples": ("elastic", "record_samples"), "tensorboard": ("log", "tensorboard")}
+SHORT = {
+    "strategy": ("parallel", "strategy"),
+    "precision": ("train", "precision"),
+    "accum_steps": ("train", "accum_steps"),
+    "checkpoint_every": ("checkpoint", "every"),
+    "seed": ("train", "seed"),
+    "grad_clip": ("optim", "grad_clip"),
+    "record_samples": ("elastic", "record_samples"),
+    "tensorboard": ("log", "tensorboard"),
+}
 """The short keywords of `dt.Job` -> the (section, field) each overrides."""
 
-MOVED = {"checkpoint_every_s": "config.checkpoint.every_s", "keep_last": "config.checkpoint.keep_last",
-         "async_save": "config.checkpoint.async_mode", "fallback": "config.checkpoint.fallback",
-         "on_error": "config.checkpoint.on_error", "checkpoints": "config.checkpoint.enabled",
-         "checkpoint_dir": "config.checkpoint.dir", "batch_policy": "config.elastic.batch_policy",
-         "preempt_grace_s": "config.elastic.preempt_grace_s", "buddy_every": "config.elastic.buddy_every",
-         "backend": "config.parallel.backend", "device": "config.parallel.device",
-         "timeout_s": "config.parallel.timeout_s", "log_every": "config.train.log_every",
-         "guard": "config.guard (a GuardConfig)", "compile": "config.train.compile (True), or "
-         "run=dt.RunOptions(wrap_options={'compile': {...}}) for torch.compile options",
-         "config": "run=dt.RunOptions(stored_config=...)",
-         **{k: f"run=dt.RunOptions({k}=...)" for k in ("guard_fields", "summary_config", "summary_extra",
-                                                        "exit_on_preempt", "tokens_per_sample")}}
+MOVED = {
+    "checkpoint_every_s": "config.checkpoint.every_s",
+    "keep_last": "config.checkpoint.keep_last",
+    "async_save": "config.checkpoint.async_mode",
+    "fallback": "config.checkpoint.fallback",
+    "on_error": "config.checkpoint.on_error",
+    "checkpoints": "config.checkpoint.enabled",
+    "checkpoint_dir": "config.checkpoint.dir",
+    "batch_policy": "config.elastic.batch_policy",
+    "preempt_grace_s": "config.elastic.preempt_grace_s",
+    "buddy_every": "config.elastic.buddy_every",
+    "backend": "config.parallel.backend",
+    "device": "config.parallel.device",
+    "timeout_s": "config.parallel.timeout_s",
+    "log_every": "config.train.log_every",
+    "guard": "config.guard (a GuardConfig)",
+    "compile": "config.train.compile (True), or "
+    "run=dt.RunOptions(wrap_options={'compile': {...}}) for torch.compile options",
+    "config": "run=dt.RunOptions(stored_config=...)",
+    **{
+        k: f"run=dt.RunOptions({k}=...)"
+        for k in ("guard_fields", "summary_config", "summary_extra", "exit_on_preempt", "tokens_per_sample")
+    },
+}
 """Each keyword of the 0.2 constructor that moved -> where it went (CHANGELOG)."""
 
 
@@ -82,9 +100,11 @@ def resolve(config: Config | None, short: dict[str, Any], moved: dict[str, Any])
     for key in moved:
         raise UserError(refusal(key))
     if config is not None and not isinstance(config, Config):
-        raise UserError(f"dt.Job(config=...) takes a disttrain.config.Config (the TOML's sections: "
-                        f"Config(train=TrainConfig(...), ...)), not a {type(config).__name__}; an "
-                        f"adapter's dict for the checkpoints goes to run=dt.RunOptions(stored_config=...).")
+        raise UserError(
+            f"dt.Job(config=...) takes a disttrain.config.Config (the TOML's sections: "
+            f"Config(train=TrainConfig(...), ...)), not a {type(config).__name__}; an "
+            f"adapter's dict for the checkpoints goes to run=dt.RunOptions(stored_config=...)."
+        )
     cfg = copy.deepcopy(config) if config is not None else job_defaults()
     for key, value in short.items():
         if value is not None:
@@ -99,10 +119,11 @@ def refusal(key: str) -> str:
     if where is None and key in {f.name for f in dataclasses.fields(ParallelConfig)}:
         where = f"config.parallel.{key}"
     if where is not None:
-        return (f"dt.Job({key}=...) moved to {where}: pass dt.Job(out_dir, config) with a "
-                f"disttrain.config.Config (see CHANGELOG).")
-    return (f"dt.Job got an unknown keyword {key!r}; it takes config, run and "
-            f"{', '.join(SHORT)}, progress, trackers.")
+        return (
+            f"dt.Job({key}=...) moved to {where}: pass dt.Job(out_dir, config) with a "
+            f"disttrain.config.Config (see CHANGELOG)."
+        )
+    return f"dt.Job got an unknown keyword {key!r}; it takes config, run and {', '.join(SHORT)}, progress, trackers."
 
 
 def checkpoint_root(cfg: Config, out_dir: Path) -> Path:

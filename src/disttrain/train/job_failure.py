@@ -58,9 +58,14 @@ def oom_facts(job) -> dict | None:
     if opt is not None and name.startswith("sgd"):
         momentum = any(g.get("momentum", 0) for g in opt.param_groups)
         name = "sgd-momentum" if momentum else "sgd"
-    return {"params": sum(math.prod(s) for s in shapes), "shapes": shapes,
-            "strategy": job.strategy, "world": job.info.world_size if job.info else 1,
-            "optimizer": name, "precision": job.precision}
+    return {
+        "params": sum(math.prod(s) for s in shapes),
+        "shapes": shapes,
+        "strategy": job.strategy,
+        "world": job.info.world_size if job.info else 1,
+        "optimizer": name,
+        "precision": job.precision,
+    }
 
 
 def judge(job, exc: BaseException, peer_gone: Callable[[], bool] = lambda: False) -> Ending | None:
@@ -87,8 +92,11 @@ def machine_ending(rank: int, step: int, verdict: failures.Verdict, exc: BaseExc
         return Ending(1, wait=True)
     restart, _ = failures.attempt()
     left = int(os.environ.get("TORCHELASTIC_MAX_RESTARTS", "0")) - restart
-    then = (f"torchrun restarts the job from its newest checkpoint ({left} restart(s) left)" if left > 0
-            else "no restart left: the job stops")
+    then = (
+        f"torchrun restarts the job from its newest checkpoint ({left} restart(s) left)"
+        if left > 0
+        else "no restart left: the job stops"
+    )
     at = f"at step {step}" if step else "before the first step"
     failures.say_once(f"disttrain run: rank {rank} {verdict.what} {at} ({verdict.cause}); {then}; {where}")
     sys.stderr.flush()

@@ -23,8 +23,10 @@ def finish(job, stopping: bool) -> None:
         job.preempted = True
         if job.saving.ckpt is not None and job.saving.saved_at == job.step:
             worker_notes.note_saved(job.info.rank, job.step)  # the launcher says "saved"
-        LOGGER.info(f"disttrain {job.name}: preempted ({job.preemption.signal_name}); saved step "
-                    f"{job.step} and stopped. Start the same command again to resume.")
+        LOGGER.info(
+            f"disttrain {job.name}: preempted ({job.preemption.signal_name}); saved step "
+            f"{job.step} and stopped. Start the same command again to resume."
+        )
         if job.run.exit_on_preempt:
             raise SystemExit(0)
         return
@@ -34,10 +36,17 @@ def finish(job, stopping: bool) -> None:
     prefix = getattr(unwrap(job.model), "export_prefix", "")
     path = save_model(job.model, job.out_dir / "model.pt", strip=prefix)
     job.summary = run_summary.build(
-        job.out_dir, steps=job.step, world_size=job.info.world_size, strategy=job.strategy,
-        attempt_t0=metrics.t0, samples_per_step=metrics.samples_per_step,
-        tokens_per_sample=job.run.tokens_per_sample, final=metrics.final, resumed=job.resumed,
+        job.out_dir,
+        steps=job.step,
+        world_size=job.info.world_size,
+        strategy=job.strategy,
+        attempt_t0=metrics.t0,
+        samples_per_step=metrics.samples_per_step,
+        tokens_per_sample=job.run.tokens_per_sample,
+        final=metrics.final,
+        resumed=job.resumed,
         extra={"checkpoint": str(path), **job.run.summary_extra},
-        eval_names=tuple(ev.name for ev in job.evaluators))
+        eval_names=tuple(ev.name for ev in job.evaluators),
+    )
     if job.info.is_main:
         run_summary.write(job.out_dir, job.summary, job.run.summary_config or job.config())

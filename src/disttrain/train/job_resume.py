@@ -58,9 +58,15 @@ def load(job, ckpt, acc) -> bool:
     if resumed:
         job.resume_note = _rejoin(job, who, state.step, acc)
     job.step, job.in_memory = (state.step if resumed else 0), in_memory
-    job.saving = Saving(ckpt if job.cfg.checkpoint.enabled else None, state, job.guard,
-                         every=job.cfg.checkpoint.every, every_s=job.cfg.checkpoint.every_s,
-                         on_error=job.cfg.checkpoint.on_error, who=f"disttrain {who}")
+    job.saving = Saving(
+        ckpt if job.cfg.checkpoint.enabled else None,
+        state,
+        job.guard,
+        every=job.cfg.checkpoint.every,
+        every_s=job.cfg.checkpoint.every_s,
+        on_error=job.cfg.checkpoint.on_error,
+        who=f"disttrain {who}",
+    )
     if handoff is not None:  # from here this attempt's objects hold the state a recovery keeps
         handoff.keep(state=state, acc=acc)
         handoff.committed(acc.optimizer_steps, state, first=True)  # the buddy copy of the start
@@ -73,8 +79,11 @@ def say_resumed(job, max_steps: int) -> bool:
     the table of applied changes. Returns whether there is anything to train."""
     who, plan = f"disttrain {job.name}", job.resume_plan
     if job.step >= max_steps:
-        how = (resume.TRAIN_CONTINUES if job.name == "train" else
-               f"nothing to train: raise max_steps ({max_steps}) to continue, or use another out_dir")
+        how = (
+            resume.TRAIN_CONTINUES
+            if job.name == "train"
+            else f"nothing to train: raise max_steps ({max_steps}) to continue, or use another out_dir"
+        )
         LOGGER.info(resume.complete_message(who, job.step, how, plan.changes if plan else ()))
         return False
     if job.resume_note:
@@ -88,13 +97,21 @@ def _rejoin(job, who: str, step: int, acc) -> str:
     started (a Job's keywords, or the TOML keys)."""
     state = job.state
     try:
-        return resume.rejoin(who, step, acc, job.sampler, job.cfg.elastic.batch_policy, job.info,
-                             state.optimizer, state.scheduler)
+        return resume.rejoin(
+            who, step, acc, job.sampler, job.cfg.elastic.batch_policy, job.info, state.optimizer, state.scheduler
+        )
     except UserError as e:
         if who != "job":
             raise
-        text = (str(e).replace("train.batch_size", "job.loader(batch_size=...)")
-                .replace("set elastic.batch_policy = 'rescale_lr'", "pass dt.Job(out_dir, config) "
-                         "with config.elastic.batch_policy='rescale_lr'"))
-        raise UserError(text + f" (the checkpoint in {job.checkpoint_dir} was written at another "
-                               f"world size; a new out_dir starts afresh)") from None
+        text = (
+            str(e)
+            .replace("train.batch_size", "job.loader(batch_size=...)")
+            .replace(
+                "set elastic.batch_policy = 'rescale_lr'",
+                "pass dt.Job(out_dir, config) with config.elastic.batch_policy='rescale_lr'",
+            )
+        )
+        raise UserError(
+            text + f" (the checkpoint in {job.checkpoint_dir} was written at another "
+            f"world size; a new out_dir starts afresh)"
+        ) from None

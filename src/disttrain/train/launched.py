@@ -46,14 +46,20 @@ class Launched:
     inspected: Inspected | None = None
 
     def to_json(self) -> dict:
-        return {"argv": list(self.argv), "config": to_dict(self.cfg),
-                "inspected": None if self.inspected is None else {"plan": self.inspected.to_json()}}
+        return {
+            "argv": list(self.argv),
+            "config": to_dict(self.cfg),
+            "inspected": None if self.inspected is None else {"plan": self.inspected.to_json()},
+        }
 
     @staticmethod
     def from_json(data: dict) -> "Launched":
         inspected = data["inspected"]
-        return Launched(tuple(data["argv"]), build(Config, data["config"]),
-                        None if inspected is None else Inspected.from_json(inspected["plan"]))
+        return Launched(
+            tuple(data["argv"]),
+            build(Config, data["config"]),
+            None if inspected is None else Inspected.from_json(inspected["plan"]),
+        )
 
 
 @contextmanager
@@ -83,8 +89,7 @@ def handed(launched: Launched | None) -> Iterator[Path | None]:
 def first_attempt() -> bool:
     """Whether this process is its slot's first training process of the job: torchrun's
     restart 0, and not a fast recovery's spare or promoted newcomer."""
-    return (os.environ.get(RESTART_ENV, "0") in ("", "0")
-            and os.environ.get(ROLE_ENV, "") not in ("spare", "newcomer"))
+    return os.environ.get(RESTART_ENV, "0") in ("", "0") and os.environ.get(ROLE_ENV, "") not in ("spare", "newcomer")
 
 
 def read(argv: list[str]) -> Launched | None:

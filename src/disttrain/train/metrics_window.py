@@ -33,12 +33,17 @@ class MetricsWindow:
         self.final: dict[str, float] = {}
         self.t0 = time.perf_counter()
         self.samples_per_step = job.train_loader.batch_size * job.accumulator.accum_steps * info.world_size
-        self.trackers = open_trackers(job.trackers, job.checkpoint_dir, job.out_dir, job.config()) \
-            if info.is_main else None
+        self.trackers = (
+            open_trackers(job.trackers, job.checkpoint_dir, job.out_dir, job.config()) if info.is_main else None
+        )
         self.run_log = RunLog(job.out_dir, info, job.step, job.resumed, job.cfg.log.tensorboard, self.trackers)
         self.last_logged, self.t_window = job.step, time.perf_counter()
-        self.progress = TrainProgress(max_steps, enabled=info.is_main and job.show_progress,
-                                      start=job.step, unit="token" if job.run.tokens_per_sample else "sample")
+        self.progress = TrainProgress(
+            max_steps,
+            enabled=info.is_main and job.show_progress,
+            start=job.step,
+            unit="token" if job.run.tokens_per_sample else "sample",
+        )
 
     def start(self, heldout: dict[str, float]) -> None:
         """Before the first step: the evaluation at the start into the newest values and,
@@ -46,8 +51,9 @@ class MetricsWindow:
         job = self.job
         self.final.update(heldout)
         if job.step == 0 and not job.resumed:
-            run_summary.record_start(job.out_dir, {k.removeprefix("heldout_"): v for k, v in heldout.items()},
-                                     job.info.is_main)
+            run_summary.record_start(
+                job.out_dir, {k.removeprefix("heldout_"): v for k, v in heldout.items()}, job.info.is_main
+            )
 
     def add(self, values: dict) -> None:
         """`job.log(**values)`: each value into the window; `UserError` for a value that
@@ -56,8 +62,10 @@ class MetricsWindow:
             if isinstance(value, torch.Tensor) and value.numel() == 1:
                 value = value.item()
             if not isinstance(value, (int, float)) or isinstance(value, bool):
-                raise UserError(f"dt.Job.log({key}=...) got {type(value).__name__}; pass a number "
-                                f"or a one-element tensor, e.g. job.log(loss=loss).")
+                raise UserError(
+                    f"dt.Job.log({key}=...) got {type(value).__name__}; pass a number "
+                    f"or a one-element tensor, e.g. job.log(loss=loss)."
+                )
             acc = self.window.setdefault(key, [0.0, 0.0])
             acc[0], acc[1] = acc[0] + float(value), acc[1] + 1.0
 
@@ -77,17 +85,21 @@ class MetricsWindow:
         record = {k: totals[2 * i] / totals[2 * i + 1] for i, k in enumerate(keys)}
         now = time.perf_counter()
         rate = (step - self.last_logged) * self.samples_per_step / max(now - self.t_window, 1e-9)
-        record.update(step=step, lr=job.state.optimizer.param_groups[0]["lr"], world_size=world,
-                      samples_per_s=rate, **heldout)
+        record.update(
+            step=step, lr=job.state.optimizer.param_groups[0]["lr"], world_size=world, samples_per_s=rate, **heldout
+        )
         if job.run.tokens_per_sample:
             record["tokens_per_s"] = rate * job.run.tokens_per_sample
         self.window, self.last_logged, self.t_window = {}, step, now
         self.final.update({k: record[k] for k in keys})
         self.run_log.log(record, job.accumulator.last_grad_norm)
         JsonlWriter(job.out_dir / "metrics.jsonl").write(record)
-        self.progress.update(step, self.final.get("loss", float("nan")),
-                             self.final.get("heldout_loss", float("nan")),
-                             record.get("tokens_per_s", rate))
+        self.progress.update(
+            step,
+            self.final.get("loss", float("nan")),
+            self.final.get("heldout_loss", float("nan")),
+            record.get("tokens_per_s", rate),
+        )
 
     def close(self) -> None:
         """The progress bar and the trackers (a preempted run continues the same tracker

@@ -18,12 +18,16 @@ import torch
 
 from disttrain.errors import UserError
 
-STEP_MESSAGE = ("dt.Job steps the {what} given to job.resume() on each accumulation boundary; "
-                "remove the script's own `{call}` inside `for batch in job.steps(...)` (with it "
-                "the {what} steps twice per step{extra}).")
-BACKWARD_MESSAGE = ("a `loss.backward()` ran inside `for batch in job.steps(...)` besides "
-                    "job.backward(loss); call only job.backward(loss) (it divides by accum_steps "
-                    "and skips the gradient sync between boundaries), once per batch.")
+STEP_MESSAGE = (
+    "dt.Job steps the {what} given to job.resume() on each accumulation boundary; "
+    "remove the script's own `{call}` inside `for batch in job.steps(...)` (with it "
+    "the {what} steps twice per step{extra})."
+)
+BACKWARD_MESSAGE = (
+    "a `loss.backward()` ran inside `for batch in job.steps(...)` besides "
+    "job.backward(loss); call only job.backward(loss) (it divides by accum_steps "
+    "and skips the gradient sync between boundaries), once per batch."
+)
 
 
 class Ownership:
@@ -70,8 +74,11 @@ class Ownership:
         """Right after the user's code for a batch (and its job.backward) returned."""
         self.in_loop = False
         if self._epoch is not None and self.scheduler.last_epoch != self._epoch:
-            raise UserError(STEP_MESSAGE.format(what="scheduler", call="scheduler.step()",
-                                                extra=": the schedule runs twice as fast"))
+            raise UserError(
+                STEP_MESSAGE.format(
+                    what="scheduler", call="scheduler.step()", extra=": the schedule runs twice as fast"
+                )
+            )
 
     @staticmethod
     def second_backward(e: RuntimeError) -> bool:
@@ -87,6 +94,8 @@ def require_backward(done: bool) -> None:
     """After the user's code for one batch: `UserError` unless it called
     `job.backward(loss)` (a script's own `loss.backward()` does not count)."""
     if not done:
-        raise UserError("each batch from job.steps() needs one job.backward(loss) before the "
-                        "next; this one had none (a script's own loss.backward() does not "
-                        "count: call job.backward(loss)).")
+        raise UserError(
+            "each batch from job.steps() needs one job.backward(loss) before the "
+            "next; this one had none (a script's own loss.backward() does not "
+            "count: call job.backward(loss))."
+        )

@@ -22,17 +22,30 @@ class TrainProgress:
             return
         # rich loads here, on rank 0 only: 0.1 s off every start (tests/test_imports_startup.py)
         from rich.console import Console
-        from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn, \
-            TimeRemainingColumn
+        from rich.progress import (
+            BarColumn,
+            MofNCompleteColumn,
+            Progress,
+            TextColumn,
+            TimeElapsedColumn,
+            TimeRemainingColumn,
+        )
 
         self._progress = Progress(
-            TextColumn("[bold]train"), BarColumn(), MofNCompleteColumn(),
-            TextColumn("loss {task.fields[loss]}"), TextColumn("held-out {task.fields[heldout]}"),
-            TextColumn("{task.fields[tok_s]} " + ("tok/s" if unit == "token" else "samples/s")), TimeElapsedColumn(), TimeRemainingColumn(),
-            console=Console(stderr=False), transient=False,
+            TextColumn("[bold]train"),
+            BarColumn(),
+            MofNCompleteColumn(),
+            TextColumn("loss {task.fields[loss]}"),
+            TextColumn("held-out {task.fields[heldout]}"),
+            TextColumn("{task.fields[tok_s]} " + ("tok/s" if unit == "token" else "samples/s")),
+            TimeElapsedColumn(),
+            TimeRemainingColumn(),
+            console=Console(stderr=False),
+            transient=False,
         )
-        self._task = self._progress.add_task("train", total=total_steps, completed=start, loss="-", heldout="-",
-                                             tok_s="-")
+        self._task = self._progress.add_task(
+            "train", total=total_steps, completed=start, loss="-", heldout="-", tok_s="-"
+        )
         self._progress.start()
 
     def advance(self, step: int) -> None:
@@ -43,8 +56,9 @@ class TrainProgress:
 
     def update(self, step: int, loss: float, heldout: float, tok_s: float) -> None:
         if self.enabled:
-            self._progress.update(self._task, completed=step, loss=_fmt(loss), heldout=_fmt(heldout),
-                                  tok_s=f"{tok_s:,.0f}")
+            self._progress.update(
+                self._task, completed=step, loss=_fmt(loss), heldout=_fmt(heldout), tok_s=f"{tok_s:,.0f}"
+            )
 
     def close(self) -> None:
         if self.enabled:
@@ -74,8 +88,11 @@ def print_summary(summary: dict) -> None:
         (f"held-out loss at start{per}", _fmt(summary["initial_heldout_loss"])),
         (f"final train loss{per}", _fmt(summary["final_train_loss"])),
         (f"final held-out loss{per}", _fmt(summary["final_heldout_loss"])),
-        *((k.replace("final_heldout_", "final held-out "), _fmt(v)) for k, v in summary.items()
-          if k.startswith("final_heldout_") and k != "final_heldout_loss"),
+        *(
+            (k.replace("final_heldout_", "final held-out "), _fmt(v))
+            for k, v in summary.items()
+            if k.startswith("final_heldout_") and k != "final_heldout_loss"
+        ),
         ("wall time", wall),
         ("model", summary["checkpoint"]),
     ]

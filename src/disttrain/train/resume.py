@@ -44,26 +44,37 @@ IDENTITY = {
     "train.seed": "the epoch order, which the saved sample cursor counts through",
     "train.loss": "the objective the saved weights were trained for",
     "data.drop_last": "the length of an epoch, which the saved sample cursor counts through",
-    **{f"data.{k}": _SAMPLES for k in ("factory", "kwargs", "corpus", "max_bytes", "heldout_fraction",
-                                       "tokens", "tokens_heldout", "tokens_dtype", "hf_dataset",
-                                       "hf_columns", "hf_split", "block_size")},
+    **{
+        f"data.{k}": _SAMPLES
+        for k in (
+            "factory",
+            "kwargs",
+            "corpus",
+            "max_bytes",
+            "heldout_fraction",
+            "tokens",
+            "tokens_heldout",
+            "tokens_dtype",
+            "hf_dataset",
+            "hf_columns",
+            "hf_split",
+            "block_size",
+        )
+    },
 }
 """The run's identity besides model.* (model.factory, model.kwargs and the hf keys
 included): key -> what a change of it changes. A data.* key that is in neither this
 table nor `NOT_IDENTITY` counts as identity too (it may change the samples)."""
-NOT_IDENTITY = frozenset({"data.num_workers", "data.pin_memory", "data.persistent_workers",
-                          "data.hf_heldout_split"})
+NOT_IDENTITY = frozenset({"data.num_workers", "data.pin_memory", "data.persistent_workers", "data.hf_heldout_split"})
 """data.* keys that change how samples are loaded, or only the held-out set, not which
 samples train in which order: ignored like the performance knobs and cadences."""
 WHOLE = frozenset({"model.kwargs", "data.kwargs", "model.hf_config"})
 """Tables compared as one value: a key added to or dropped from them is a change too."""
-APPLIED = frozenset({"model.dropout", "train.steps", "train.batch_size", "train.accum_steps",
-                     "train.precision"})
+APPLIED = frozenset({"model.dropout", "train.steps", "train.batch_size", "train.accum_steps", "train.precision"})
 """Applied besides optim.*: read from this run's config when the run is built."""
 SCHEDULE = frozenset({"optim.lr", "optim.warmup_steps", "optim.min_lr_ratio", "train.steps"})
 """Keys that move the learning rate at the resumed step."""
-GROUP_KEYS = {"optim.weight_decay": "weight_decay", "optim.betas": "betas",
-              "optim.momentum": "momentum"}
+GROUP_KEYS = {"optim.weight_decay": "weight_decay", "optim.betas": "betas", "optim.momentum": "momentum"}
 """Config key -> the param-group key that holds it."""
 
 
@@ -119,14 +130,14 @@ class ResumePlan:
     def check(self) -> "ResumePlan":
         """Raise `CheckpointMismatch` (one line) when a refused key differs; else self."""
         if self.refused:
-            listing = "; ".join(f"{k}: {_fmt(a)} -> {_fmt(b)} changes {identity_of(k)}"
-                                for k, a, b in self.refused)
+            listing = "; ".join(f"{k}: {_fmt(a)} -> {_fmt(b)} changes {identity_of(k)}" for k, a, b in self.refused)
             path = Path(self.directory)
             raise CheckpointMismatch(
                 f"the checkpoint {path.name} in {path.parent} belongs to another run ({listing}). "
                 f"A checkpoint resumes only the run that wrote it: use another --train.out_dir (or "
                 f"checkpoint.dir) to start a new run, or set these keys back to the checkpoint's "
-                f"values to resume it.")
+                f"values to resume it."
+            )
         return self
 
 
@@ -217,8 +228,11 @@ def complete_message(who: str, step: int, how: str, changes=()) -> str:
     this run's value), as `ResumePlan.changes`) that a continued run would apply."""
     text = f"{who}: complete at step {step}; {how}."
     if changes:
-        text += (" Continued, it would apply the changes since the checkpoint: "
-                 + ", ".join(f"{key} {_fmt(old)} -> {_fmt(new)}" for key, old, new in changes) + ".")
+        text += (
+            " Continued, it would apply the changes since the checkpoint: "
+            + ", ".join(f"{key} {_fmt(old)} -> {_fmt(new)}" for key, old, new in changes)
+            + "."
+        )
     return text
 
 
@@ -230,8 +244,10 @@ def train_complete_message(plan: ResumePlan) -> str:
 def fresh_hyperparams(optimizer: torch.optim.Optimizer, scheduler) -> dict:
     """This run's optimizer settings, taken before a load overwrites them with the
     checkpoint's: each param group's values (no params) and the scheduler's base LRs."""
-    return {"groups": [{k: v for k, v in g.items() if k != "params"} for g in optimizer.param_groups],
-            "base_lrs": list(scheduler.base_lrs) if scheduler is not None else None}
+    return {
+        "groups": [{k: v for k, v in g.items() if k != "params"} for g in optimizer.param_groups],
+        "base_lrs": list(scheduler.base_lrs) if scheduler is not None else None,
+    }
 
 
 def apply(plan: ResumePlan | None, optimizer: torch.optim.Optimizer, scheduler, fresh: dict) -> None:
@@ -260,13 +276,13 @@ def apply(plan: ResumePlan | None, optimizer: torch.optim.Optimizer, scheduler, 
         return
     if "optim.lr" in changed:
         saved_lr = float((plan.saved_config or {})["optim"]["lr"])  # changes come from a saved config
-        scheduler.base_lrs = [new * (old / saved_lr)
-                              for new, old in zip(fresh["base_lrs"], scheduler.base_lrs)]
+        scheduler.base_lrs = [new * (old / saved_lr) for new, old in zip(fresh["base_lrs"], scheduler.base_lrs)]
     step = scheduler.last_epoch
     for i, (group, base) in enumerate(zip(groups, scheduler.base_lrs)):
         group["initial_lr"] = base
         group["lr"] = base * scheduler.lr_lambdas[i](step)  # as LambdaLR.get_lr computes it
     from disttrain.runtime.torch_compat import set_last_lr  # the one place torch's private names live
+
     set_last_lr(scheduler, [g["lr"] for g in groups])
 
 
@@ -296,8 +312,16 @@ def rejoin(who: str, step: int, acc, sampler, batch_policy: str, info, optimizer
     when the saved global batch cannot be kept at this world size."""
     acc.optimizer_steps = step
     acc.accum_steps, note = apply_batch_policy(
-        batch_policy, saved_global_batch=sampler.saved_global_batch, batch_size=sampler.batch_size,
-        world_size=info.world_size, accum_steps=acc.accum_steps, optimizer=optimizer, scheduler=scheduler)
+        batch_policy,
+        saved_global_batch=sampler.saved_global_batch,
+        batch_size=sampler.batch_size,
+        world_size=info.world_size,
+        accum_steps=acc.accum_steps,
+        optimizer=optimizer,
+        scheduler=scheduler,
+    )
     sampler.reconfigure(world_size=info.world_size, rank=info.rank, accum_steps=acc.accum_steps)
-    return (f"disttrain {who}: resumed at step {step} (epoch {sampler.epoch}, sample "
-            f"{sampler.cursor}) on {info.world_size} rank(s)" + (f"; {note}" if note else ""))
+    return (
+        f"disttrain {who}: resumed at step {step} (epoch {sampler.epoch}, sample "
+        f"{sampler.cursor}) on {info.world_size} rank(s)" + (f"; {note}" if note else "")
+    )

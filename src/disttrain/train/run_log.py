@@ -38,10 +38,17 @@ EVENTS = "run_events.jsonl"
 TB_DIR = "tb"
 
 # Record key -> TensorBoard tag. Keys not named here are written as "train/<key>".
-_TAGS = {"loss": "loss/train", "heldout_loss": "loss/heldout", "lr": "optim/lr",
-         "grad_norm": "optim/grad_norm", "tokens_per_s": "throughput/tokens_per_s",
-         "samples_per_s": "throughput/samples_per_s", "step_time_max_s": "step_time/slowest_rank_s",
-         "step_time_min_s": "step_time/fastest_rank_s", "world_size": "run/world_size"}
+_TAGS = {
+    "loss": "loss/train",
+    "heldout_loss": "loss/heldout",
+    "lr": "optim/lr",
+    "grad_norm": "optim/grad_norm",
+    "tokens_per_s": "throughput/tokens_per_s",
+    "samples_per_s": "throughput/samples_per_s",
+    "step_time_max_s": "step_time/slowest_rank_s",
+    "step_time_min_s": "step_time/fastest_rank_s",
+    "world_size": "run/world_size",
+}
 _NOT_SCALARS = {"step", "attempt", "step_time_s", "peak_mem_mb"}
 
 
@@ -75,8 +82,15 @@ class RunLog:
     rank 0; a missing tensorboard package, a `UserError` there.
     """
 
-    def __init__(self, out_dir: str | os.PathLike, info: RankInfo, step: int, resumed: bool,
-                 tensorboard: bool = True, trackers=None):
+    def __init__(
+        self,
+        out_dir: str | os.PathLike,
+        info: RankInfo,
+        step: int,
+        resumed: bool,
+        tensorboard: bool = True,
+        trackers=None,
+    ):
         self.info, self.clock, self.trackers = info, StepClock(step), trackers
         self.attempt, self.writer = 0, None
         if not info.is_main:
@@ -84,11 +98,15 @@ class RunLog:
         out = Path(out_dir)
         past = read_jsonl(out / EVENTS)
         self.attempt = len(past)
-        self.event = {"attempt": self.attempt, "step": step, "resumed": resumed,
-                      "world_size": info.world_size,
-                      "prev_world_size": past[-1]["world_size"] if past else None,
-                      "torchelastic_restart": int(os.environ.get("TORCHELASTIC_RESTART_COUNT", "0")),
-                      "time": time.time()}
+        self.event = {
+            "attempt": self.attempt,
+            "step": step,
+            "resumed": resumed,
+            "world_size": info.world_size,
+            "prev_world_size": past[-1]["world_size"] if past else None,
+            "torchelastic_restart": int(os.environ.get("TORCHELASTIC_RESTART_COUNT", "0")),
+            "time": time.time(),
+        }
         JsonlWriter(out / EVENTS).write(self.event)
         if trackers is not None:  # W&B / MLflow (train/trackers.py)
             trackers.begin([_event_text(e) for e in [*past, self.event]], step)
@@ -97,9 +115,11 @@ class RunLog:
             try:
                 from torch.utils.tensorboard import SummaryWriter
             except ImportError as e:  # torch checks for the tensorboard package
-                raise UserError(f"TensorBoard logging needs the tensorboard package ({e}). Install it "
-                                f"(pip install tensorboard), or turn it off with [log] tensorboard = "
-                                f"false (dt.Job(..., tensorboard=False)).") from None
+                raise UserError(
+                    f"TensorBoard logging needs the tensorboard package ({e}). Install it "
+                    f"(pip install tensorboard), or turn it off with [log] tensorboard = "
+                    f"false (dt.Job(..., tensorboard=False))."
+                ) from None
 
             # Steps after `step` are trained again: hide what an earlier attempt logged for them.
             self.writer = SummaryWriter(str(out / TB_DIR), purge_step=step + 1 if past else None)
@@ -109,8 +129,7 @@ class RunLog:
             self.writer.flush()
             atexit.register(self.close)  # the trainer returns without a close; flushes on exit
 
-    def log(self, record: dict, grad_norm: float | torch.Tensor | None = None,
-            samples_per_step: int = 0) -> dict:
+    def log(self, record: dict, grad_norm: float | torch.Tensor | None = None, samples_per_step: int = 0) -> dict:
         """Add this rank's and every other rank's wall time per step since the last call
         and peak memory (one all-gather), `grad_norm`, samples_per_s (`samples_per_step`
         over the slowest rank's step time, when given) and the attempt to `record`, write
@@ -120,8 +139,13 @@ class RunLog:
         step = int(record["step"])
         rows = gather_floats([self.clock.lap(step), peak_memory_mb(self.info.device)])
         times, memory = [r[0] for r in rows], [r[1] for r in rows]
-        record.update(step_time_s=times, step_time_max_s=max(times), step_time_min_s=min(times),
-                      peak_mem_mb=memory, attempt=self.attempt)
+        record.update(
+            step_time_s=times,
+            step_time_max_s=max(times),
+            step_time_min_s=min(times),
+            peak_mem_mb=memory,
+            attempt=self.attempt,
+        )
         if grad_norm is not None:
             record["grad_norm"] = float(grad_norm)
         if samples_per_step:

@@ -37,10 +37,20 @@ def read_start(out_dir: Path) -> dict[str, Any]:
         return {}
 
 
-def build(out_dir: Path, *, steps: int, world_size: int, strategy: str, attempt_t0: float,
-          samples_per_step: int, tokens_per_sample: int, final: dict[str, float],
-          resumed: bool, extra: dict | None = None, eval_names: tuple[str, ...] = ("heldout",)
-          ) -> dict[str, Any]:
+def build(
+    out_dir: Path,
+    *,
+    steps: int,
+    world_size: int,
+    strategy: str,
+    attempt_t0: float,
+    samples_per_step: int,
+    tokens_per_sample: int,
+    final: dict[str, float],
+    resumed: bool,
+    extra: dict | None = None,
+    eval_names: tuple[str, ...] = ("heldout",),
+) -> dict[str, Any]:
     """The summary dict (see the module); `final` holds the last train loss and the
     last metrics of each evaluator (named `eval_names`), keyed as in metrics.jsonl."""
     start = read_start(out_dir)
@@ -48,14 +58,17 @@ def build(out_dir: Path, *, steps: int, world_size: int, strategy: str, attempt_
     attempt_s = time.perf_counter() - attempt_t0
     first = start.get("heldout", {})
     summary: dict[str, Any] = {
-        "steps": steps, "world_size": world_size, "strategy": strategy,
+        "steps": steps,
+        "world_size": world_size,
+        "strategy": strategy,
         "initial_heldout_loss": first.get("loss", float("nan")),
         "final_train_loss": final.get("loss", float("nan")),
         "final_heldout_loss": final.get("heldout_loss", float("nan")),
         "wall_time_s": now - start["time"] if "time" in start else attempt_s,
         "attempt_wall_time_s": attempt_s,
         "samples_seen": samples_per_step * steps,
-        "resumed": resumed, "preempted": False,
+        "resumed": resumed,
+        "preempted": False,
     }
     if tokens_per_sample:
         summary["tokens_seen"] = samples_per_step * steps * tokens_per_sample
@@ -90,7 +103,9 @@ def write(out_dir: Path, summary: dict, config: dict | None) -> None:
     """Rank 0: summary.json (with the run's config when given) and the table."""
     from disttrain.train.progress import print_summary
 
-    body = {k: None if isinstance(v, float) and not math.isfinite(v) else v  # NaN is no JSON
-            for k, v in {**summary, **({"config": config} if config is not None else {})}.items()}
+    body = {
+        k: None if isinstance(v, float) and not math.isfinite(v) else v  # NaN is no JSON
+        for k, v in {**summary, **({"config": config} if config is not None else {})}.items()
+    }
     (out_dir / SUMMARY).write_text(json.dumps(body, indent=2, default=str, allow_nan=False))
     print_summary(summary)

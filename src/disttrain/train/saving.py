@@ -73,8 +73,17 @@ class _NoGuard:
 class Saving:
     """The run's checkpointer with its cadence and error policy (see the module)."""
 
-    def __init__(self, ckpt: Checkpointer | None, state: TrainState, guard, *, every: int = 0,
-                 every_s: float = 0.0, on_error: str = "stop", who: str = "disttrain"):
+    def __init__(
+        self,
+        ckpt: Checkpointer | None,
+        state: TrainState,
+        guard,
+        *,
+        every: int = 0,
+        every_s: float = 0.0,
+        on_error: str = "stop",
+        who: str = "disttrain",
+    ):
         self.ckpt, self.state, self.guard = ckpt, state, guard or _NoGuard()
         self.every, self.clock, self.on_error, self.who = every, SaveClock(every_s), on_error, who
         self.saved_at = state.step
@@ -128,5 +137,4 @@ class Saving:
         if self.on_error == "stop":
             raise e
         if not dist.is_initialized() or dist.get_rank() == 0:
-            LOGGER.warning("%s: warning: %s Training continues (checkpoint.on_error = 'continue').",
-                        self.who, e)
+            LOGGER.warning("%s: warning: %s Training continues (checkpoint.on_error = 'continue').", self.who, e)

@@ -38,19 +38,21 @@ def _body(script: str, args: list[str]):
             if e.code not in (None, 0):
                 raise
         return 0
+
     return body
 
 
 def main(argv: list[str]) -> int:
     if not argv:
-        print("usage: python -m disttrain.train.script_runner SCRIPT [ARGS] (started by "
-              "`disttrain run --fast-recovery`)", file=sys.stderr)
+        print(
+            "usage: python -m disttrain.train.script_runner SCRIPT [ARGS] (started by `disttrain run --fast-recovery`)",
+            file=sys.stderr,
+        )
         return 2
     script, args = argv[0], argv[1:]
     sys.path.insert(0, os.path.dirname(os.path.abspath(script)))  # as `python SCRIPT` does
     timeout_s = float(os.environ.get(TIMEOUT_ENV) or 300.0)
-    return fast_recovery.run(_body(script, args), backend="auto", device="auto",
-                             timeout_s=timeout_s, seed=0)
+    return fast_recovery.run(_body(script, args), backend="auto", device="auto", timeout_s=timeout_s, seed=0)
 
 
 if __name__ == "__main__":

@@ -39,30 +39,39 @@ def resolve(key: str, reference: str, config_dir: str | Path | None) -> Callable
     module_name, attr = parse_reference(key, reference)
     if config_dir is not None and str(Path(config_dir).resolve()) not in sys.path:
         sys.path.insert(0, str(Path(config_dir).resolve()))
-    where = f"the config file's folder ({Path(config_dir).name or '.'}), then sys.path" \
-        if config_dir is not None else "sys.path"
+    where = (
+        f"the config file's folder ({Path(config_dir).name or '.'}), then sys.path"
+        if config_dir is not None
+        else "sys.path"
+    )
     try:
         module = importlib.import_module(module_name)
     except Exception as e:  # an error inside the user's module is the user's too
-        raise ConfigError(f"config key {key!r} = {reference!r}: cannot import module {module_name!r} "
-                          f"(searched {where}): {type(e).__name__}: {e}") from None
+        raise ConfigError(
+            f"config key {key!r} = {reference!r}: cannot import module {module_name!r} "
+            f"(searched {where}): {type(e).__name__}: {e}"
+        ) from None
     target: Any = module
     for part in attr.split("."):
         if not hasattr(target, part):
-            raise ConfigError(f"config key {key!r} = {reference!r}: module {module_name!r} has no "
-                              f"attribute {attr!r}.")
+            raise ConfigError(f"config key {key!r} = {reference!r}: module {module_name!r} has no attribute {attr!r}.")
         target = getattr(target, part)
     if not callable(target):
-        raise ConfigError(f"config key {key!r} = {reference!r}: {attr!r} in module {module_name!r} is "
-                          f"a {type(target).__name__}, not callable. Name a function or class.")
+        raise ConfigError(
+            f"config key {key!r} = {reference!r}: {attr!r} in module {module_name!r} is "
+            f"a {type(target).__name__}, not callable. Name a function or class."
+        )
     return target
 
 
 def check_references(cfg: Config, config_dir: str | Path | None) -> None:
     """Import every user-code reference of `cfg` once (the launching process calls this
     before starting workers). Raises `ConfigError` as `resolve` does."""
-    for key, value in (("model.factory", cfg.model.factory), ("data.factory", cfg.data.factory),
-                       ("train.loss", cfg.train.loss)):
+    for key, value in (
+        ("model.factory", cfg.model.factory),
+        ("data.factory", cfg.data.factory),
+        ("train.loss", cfg.train.loss),
+    ):
         if value:
             resolve(key, value, config_dir)
 
@@ -89,8 +98,10 @@ def build_model(cfg: Config, config_dir: str | Path | None) -> torch.nn.Module:
     factory = resolve("model.factory", m.factory, config_dir)
     model = _call("model.factory", m.factory, factory, m.kwargs)
     if not isinstance(model, torch.nn.Module):
-        raise ConfigError(f"config key 'model.factory' = {m.factory!r} returned a "
-                          f"{type(model).__name__}; it must return a torch.nn.Module.")
+        raise ConfigError(
+            f"config key 'model.factory' = {m.factory!r} returned a "
+            f"{type(model).__name__}; it must return a torch.nn.Module."
+        )
     return model
 
 
@@ -107,9 +118,11 @@ def build_datasets(cfg: Config, config_dir: str | Path | None) -> tuple[Any, Any
         from disttrain.demo.corpus import ChunkDataset, load_stdlib_corpus
 
         corpus = load_stdlib_corpus(d.max_bytes, d.heldout_fraction)
-        return (ChunkDataset(corpus.train, cfg.model.block_size),
-                ChunkDataset(corpus.heldout, cfg.model.block_size),
-                {"train_files": corpus.files_train, "heldout_files": corpus.files_heldout})
+        return (
+            ChunkDataset(corpus.train, cfg.model.block_size),
+            ChunkDataset(corpus.heldout, cfg.model.block_size),
+            {"train_files": corpus.files_train, "heldout_files": corpus.files_heldout},
+        )
     factory = resolve("data.factory", d.factory, config_dir)
     result = _call("data.factory", d.factory, factory, d.kwargs)
     pair = isinstance(result, (tuple, list)) and len(result) == 2
@@ -118,12 +131,15 @@ def build_datasets(cfg: Config, config_dir: str | Path | None) -> tuple[Any, Any
         if ds is None and role == "eval":
             continue
         if isinstance(ds, torch.utils.data.IterableDataset) or not (
-                hasattr(ds, "__len__") and hasattr(ds, "__getitem__")):
+            hasattr(ds, "__len__") and hasattr(ds, "__getitem__")
+        ):
             shape = "a (train, eval) pair whose " + role + " item is" if pair else "returned"
-            raise ConfigError(f"config key 'data.factory' = {d.factory!r} {shape} a "
-                              f"{type(ds).__name__}; it must return a map-style dataset (with "
-                              f"__len__ and __getitem__), or a (train, eval) pair of them. "
-                              f"Iterable datasets cannot be resumed sample-exactly.")
+            raise ConfigError(
+                f"config key 'data.factory' = {d.factory!r} {shape} a "
+                f"{type(ds).__name__}; it must return a map-style dataset (with "
+                f"__len__ and __getitem__), or a (train, eval) pair of them. "
+                f"Iterable datasets cannot be resumed sample-exactly."
+            )
     if len(train) == 0:
         raise ConfigError(f"config key 'data.factory' = {d.factory!r} returned an empty train set.")
     return train, heldout, {}
@@ -137,14 +153,26 @@ def _disk_datasets(cfg: Config, config_dir: str | Path | None) -> tuple[Any, Any
     if d.tokens:
         from disttrain.data.token_files import token_datasets
 
-        return token_datasets(d.tokens, window(cfg), heldout=d.tokens_heldout,
-                              heldout_fraction=d.heldout_fraction, raw_dtype=d.tokens_dtype, base=config_dir,
-                              vocab_size=cfg.model.vocab_size if builtin else None,
-                              block_key="data.block_size" if d.block_size else "model.block_size")
+        return token_datasets(
+            d.tokens,
+            window(cfg),
+            heldout=d.tokens_heldout,
+            heldout_fraction=d.heldout_fraction,
+            raw_dtype=d.tokens_dtype,
+            base=config_dir,
+            vocab_size=cfg.model.vocab_size if builtin else None,
+            block_key="data.block_size" if d.block_size else "model.block_size",
+        )
     from disttrain.data.hf_data import hf_datasets
 
-    return hf_datasets(d.hf_dataset, d.hf_columns, split=d.hf_split, heldout_split=d.hf_heldout_split,
-                       block_size=window(cfg) if builtin or d.block_size else None, base=config_dir)
+    return hf_datasets(
+        d.hf_dataset,
+        d.hf_columns,
+        split=d.hf_split,
+        heldout_split=d.hf_heldout_split,
+        block_size=window(cfg) if builtin or d.block_size else None,
+        base=config_dir,
+    )
 
 
 def window(cfg: Config) -> int:
@@ -169,8 +197,9 @@ def _call(key: str, reference: str, factory: Callable, kwargs: dict) -> Any:
     try:
         return factory(**kwargs)
     except Exception as e:
-        raise ConfigError(f"config key {key!r} = {reference!r} raised {type(e).__name__}: {e} "
-                          f"(called with kwargs {kwargs}).") from e
+        raise ConfigError(
+            f"config key {key!r} = {reference!r} raised {type(e).__name__}: {e} (called with kwargs {kwargs})."
+        ) from e
 
 
 def to_device(batch: Any, device: torch.device) -> Any:
@@ -218,8 +247,9 @@ def output_loss(output: Any) -> Any:
     return output
 
 
-def batch_loss(model: torch.nn.Module, batch: Any, loss_fn: Callable | None, *, first: bool = False,
-               data: str = "data.factory") -> torch.Tensor:
+def batch_loss(
+    model: torch.nn.Module, batch: Any, loss_fn: Callable | None, *, first: bool = False, data: str = "data.factory"
+) -> torch.Tensor:
     """The scalar loss of one batch: `loss_fn(model, batch)` when train.loss is set, else
     the loss in `forward(model, batch)`'s output (`output_loss`).
 
@@ -233,17 +263,29 @@ def batch_loss(model: torch.nn.Module, batch: Any, loss_fn: Callable | None, *, 
     except Exception as e:
         if not first:
             raise
-        how = "train.loss(model, batch)" if loss_fn is not None else (
-            "model(**batch)" if isinstance(batch, dict) else
-            "model(*batch)" if isinstance(batch, (tuple, list)) else "model(batch)")
-        raise UserError(f"the first batch failed in {how}: model {name} raised {type(e).__name__}: "
-                        f"{e}. The batch is {describe(batch)}. Make {data}'s samples match "
-                        f"the model's forward arguments (a dict's keys are passed as keyword "
-                        f"arguments), or set train.loss = \"module:fn\".") from e
+        how = (
+            "train.loss(model, batch)"
+            if loss_fn is not None
+            else (
+                "model(**batch)"
+                if isinstance(batch, dict)
+                else "model(*batch)"
+                if isinstance(batch, (tuple, list))
+                else "model(batch)"
+            )
+        )
+        raise UserError(
+            f"the first batch failed in {how}: model {name} raised {type(e).__name__}: "
+            f"{e}. The batch is {describe(batch)}. Make {data}'s samples match "
+            f"the model's forward arguments (a dict's keys are passed as keyword "
+            f'arguments), or set train.loss = "module:fn".'
+        ) from e
     if not isinstance(loss, torch.Tensor) or loss.dim() != 0:
         what = describe(loss) if isinstance(loss, (torch.Tensor, tuple, list, dict)) else type(loss).__name__
         src = "train.loss" if loss_fn is not None else f"model {name}'s output"
-        raise UserError(f"the loss from {src} is {what}, not a scalar tensor. Return the loss as "
-                        f"the output, as `output.loss`, or as the last element of a tuple; or set "
-                        f"train.loss = \"module:fn\" with fn(model, batch) -> scalar tensor.")
+        raise UserError(
+            f"the loss from {src} is {what}, not a scalar tensor. Return the loss as "
+            f"the output, as `output.loss`, or as the last element of a tuple; or set "
+            f'train.loss = "module:fn" with fn(model, batch) -> scalar tensor.'
+        )
     return loss

@@ -89,12 +89,16 @@ def resolve(trackers: Any) -> list:
         if isinstance(item, str) and item in named:
             item = named[item]()
         if not isinstance(item, (WandbTracker, MlflowTracker)):
-            raise UserError(f"dt.Job(trackers=...): {item!r} is not a tracker; pass \"wandb\", "
-                            f"\"mlflow\", dt.WandbTracker(...), dt.MlflowTracker(...) or a list of them.")
+            raise UserError(
+                f'dt.Job(trackers=...): {item!r} is not a tracker; pass "wandb", '
+                f'"mlflow", dt.WandbTracker(...), dt.MlflowTracker(...) or a list of them.'
+            )
         module, extra = _PACKAGES[type(item)]
         if importlib.util.find_spec(module) is None:
-            raise UserError(f"the {extra} tracker needs the {module} package, which is not installed: "
-                            f"pip install 'disttrain[{extra}]' (or drop it from the trackers).")
+            raise UserError(
+                f"the {extra} tracker needs the {module} package, which is not installed: "
+                f"pip install 'disttrain[{extra}]' (or drop it from the trackers)."
+            )
         out.append(item)
     return out
 
@@ -122,8 +126,11 @@ def _flat(config: dict, prefix: str = "") -> dict[str, str]:
 
 def _numbers(record: dict) -> dict[str, float]:
     """The record's scalar numbers (lists, such as per-rank step times, and NaN left out)."""
-    return {k: float(v) for k, v in record.items() if k != "step" and isinstance(v, (int, float))
-            and not isinstance(v, bool) and v == v}
+    return {
+        k: float(v)
+        for k, v in record.items()
+        if k != "step" and isinstance(v, (int, float)) and not isinstance(v, bool) and v == v
+    }
 
 
 class _Wandb:
@@ -133,10 +140,17 @@ class _Wandb:
         import wandb
 
         out_dir.mkdir(parents=True, exist_ok=True)
-        self.run = wandb.init(project=spec.project or os.environ.get("WANDB_PROJECT") or "disttrain",
-                              entity=spec.entity, name=spec.name, tags=list(spec.tags) or None,
-                              mode=spec.mode, id=run_id or secrets.token_hex(6), resume="allow",
-                              dir=str(out_dir), settings=wandb.Settings(console="off", silent=True))
+        self.run = wandb.init(
+            project=spec.project or os.environ.get("WANDB_PROJECT") or "disttrain",
+            entity=spec.entity,
+            name=spec.name,
+            tags=list(spec.tags) or None,
+            mode=spec.mode,
+            id=run_id or secrets.token_hex(6),
+            resume="allow",
+            dir=str(out_dir),
+            settings=wandb.Settings(console="off", silent=True),
+        )
         self.run.config.update(config, allow_val_change=True)  # a resume may change the lr
         self.id = self.run.id
 
@@ -168,7 +182,7 @@ class _Mlflow:
         self.id = self.client.create_run(experiment, run_name=name).info.run_id
         params = [Param(k, v) for k, v in _flat(config).items()]
         for i in range(0, len(params), 100):  # MLflow takes at most 100 params per batch
-            self.client.log_batch(self.id, params=params[i:i + 100])
+            self.client.log_batch(self.id, params=params[i : i + 100])
 
     def events(self, texts: list[str]) -> None:
         for attempt, text in enumerate(texts):

@@ -38,10 +38,14 @@ def train(cfg: Config, config_dir: str | Path | None = None, inspected: resume.I
     """
     p, t = cfg.parallel, cfg.train
     if fast_recovery.enabled():
-        return fast_recovery.run(lambda info, handoff: _train(cfg, config_dir, handoff,
-                                                              inspected if handoff.gen == 0 else None),
-                                 backend=p.backend, device=p.device, timeout_s=p.timeout_s, seed=t.seed,
-                                 prepare=lambda h: _datasets(cfg, config_dir, h))
+        return fast_recovery.run(
+            lambda info, handoff: _train(cfg, config_dir, handoff, inspected if handoff.gen == 0 else None),
+            backend=p.backend,
+            device=p.device,
+            timeout_s=p.timeout_s,
+            seed=t.seed,
+            prepare=lambda h: _datasets(cfg, config_dir, h),
+        )
     return _train(cfg, config_dir, None, inspected)
 
 
@@ -59,10 +63,18 @@ def job_for(cfg: Config, dataset_len: int, data_info: dict) -> Job:
     adapter adds (`RunOptions`: the stored config, the summary, tokens, no exit)."""
     tokens = 0 if (cfg.data.factory or cfg.data.hf_dataset) else sources.window(cfg)
     unit = "token" if tokens else "sample"
-    return Job(cfg.train.out_dir, cfg, run=RunOptions(
-        stored_config=to_dict(cfg), guard_fields={"dataset_len": dataset_len},
-        summary_config=run_summary.applicable_config(cfg), exit_on_preempt=False,
-        tokens_per_sample=tokens, summary_extra={**data_info, "unit": unit, "loss_unit": loss_unit(cfg)}))
+    return Job(
+        cfg.train.out_dir,
+        cfg,
+        run=RunOptions(
+            stored_config=to_dict(cfg),
+            guard_fields={"dataset_len": dataset_len},
+            summary_config=run_summary.applicable_config(cfg),
+            exit_on_preempt=False,
+            tokens_per_sample=tokens,
+            summary_extra={**data_info, "unit": unit, "loss_unit": loss_unit(cfg)},
+        ),
+    )
 
 
 def loss_unit(cfg: Config) -> str:
@@ -85,18 +97,30 @@ def _train(cfg: Config, config_dir, handoff, inspected: resume.Inspected | None 
         plan = resume.inspect_once(cfg, inspected)
         if plan is not None and plan.step >= t.steps:
             LOGGER.info(resume.train_complete_message(plan))
-            return {"steps": plan.step, "world_size": job.info.world_size, "complete": True,
-                    "preempted": False}
+            return {"steps": plan.step, "world_size": job.info.world_size, "complete": True, "preempted": False}
         raw = sources.build_model(cfg, config_dir)
         model = job.wrap(raw)  # bf16/fp16 (P-DDP-7, P-FSDP-5)
         optimizer = build_optimizer(model, cfg)  # after wrap (P-DDP-3)
-        scheduler = warmup_cosine(optimizer, total_steps=t.steps, warmup_steps=cfg.optim.warmup_steps,
-                                  min_lr_ratio=cfg.optim.min_lr_ratio)
-        loader = job.loader(train_set, t.batch_size, drop_last=d.drop_last, num_workers=d.num_workers,
-                            pin_memory=d.pin_memory, persistent_workers=d.persistent_workers)
+        scheduler = warmup_cosine(
+            optimizer, total_steps=t.steps, warmup_steps=cfg.optim.warmup_steps, min_lr_ratio=cfg.optim.min_lr_ratio
+        )
+        loader = job.loader(
+            train_set,
+            t.batch_size,
+            drop_last=d.drop_last,
+            num_workers=d.num_workers,
+            pin_memory=d.pin_memory,
+            persistent_workers=d.persistent_workers,
+        )
         if heldout_set is not None:
-            job.evaluator(heldout_set, t.batch_size, every=t.eval_every, max_batches=t.eval_batches,
-                          metric=loss_metric(loss_fn), at_start=True)
+            job.evaluator(
+                heldout_set,
+                t.batch_size,
+                every=t.eval_every,
+                max_batches=t.eval_batches,
+                metric=loss_metric(loss_fn),
+                at_start=True,
+            )
         job.resume(model=model, optimizer=optimizer, scheduler=scheduler, scaler=make_grad_scaler(t.precision))
         first, data_key = True, sources.data_key(cfg)
         for batch in job.steps(loader, t.steps):
@@ -109,4 +133,3 @@ def _train(cfg: Config, config_dir, handoff, inspected: resume.Inspected | None 
             return {"steps": job.step, "preempted": True, "world_size": job.info.world_size}
         assert job.summary is not None  # set by the loop's end
         return job.summary
-
