@@ -138,10 +138,10 @@ def test_supervisor_outside_torchrun_says_how_to_start_it():
 
 
 def test_disttrain_run_starts_a_supervisor_per_slot_only_when_asked():
-    from disttrain.launch.run_command import build_torchrun_args
+    from disttrain.launch.run_command import torchrun_for
 
     base = ["--nproc", "2", "-m", "disttrain.train", "examples/tiny_gpt.toml"]
-    args, _ = build_torchrun_args([*base, "--elastic.fast_recovery=true"])
+    args = torchrun_for([*base, "--elastic.fast_recovery=true"]).args
     assert args[-4:-2] == ["disttrain.launch.slot_supervisor", "disttrain.train"] and "-m" in args
-    args, _ = build_torchrun_args(base)
+    args = torchrun_for(base).args
     assert "disttrain.launch.slot_supervisor" not in args

@@ -146,15 +146,16 @@ def test_diagnose_rules_without_processes():
 def test_run_debug_sets_backend_switches_P_DEBUG_2(monkeypatch):
     script = str(WORKERS / "hello.py")
     monkeypatch.setattr(launch, "visible_gpus", lambda: 0)
-    args, env = launch.build_torchrun_args(["--debug", "--nproc", "2", script])
+    run = launch.torchrun_for(["--debug", "--nproc", "2", script])
+    args, env = run.args, run.env
     assert "--debug" not in args
     assert env["TORCH_DISTRIBUTED_DEBUG"] == "DETAIL" and env["TORCH_CPP_LOG_LEVEL"] == "INFO"
     assert env["DISTTRAIN_EXPECTED_WORLD_SIZE"] == "2"
     monkeypatch.setattr(launch, "visible_gpus", lambda: 2)  # mocked: no GPU on this machine
-    _, env = launch.build_torchrun_args(["--debug", "--nproc", "2", script])
+    env = launch.torchrun_for(["--debug", "--nproc", "2", script]).env
     assert env["NCCL_DEBUG"] == "INFO" and env["NCCL_DEBUG_SUBSYS"] == "INIT,COLL"
     assert env["TORCH_NCCL_ASYNC_ERROR_HANDLING"] == "1"
-    _, env = launch.build_torchrun_args(["--nproc", "2", script])
+    env = launch.torchrun_for(["--nproc", "2", script]).env
     assert "TORCH_DISTRIBUTED_DEBUG" not in env
 
 

@@ -51,20 +51,21 @@ def test_missing_script_is_a_clear_error():
 
 
 def test_flags_pass_through_and_standalone_only_for_one_node():
-    args, env = launch.build_torchrun_args(["--nnodes", "1:2", "--rdzv-backend", "c10d",
+    run = launch.torchrun_for(["--nnodes", "1:2", "--rdzv-backend", "c10d",
                                             "--rdzv-endpoint", "127.0.0.1:29400", "--max-restarts",
                                             "3", SCRIPT, "--lr", "1"])
+    args, env = run.args, run.env
     assert "--standalone" not in args
     assert args[-3:] == [SCRIPT, "--lr", "1"] and "--max-restarts" in args
     conf = args[args.index("--rdzv-conf") + 1]
     assert "last_call_timeout=2" in conf and "keep_alive_max_attempt=5" in conf
-    args, _ = launch.build_torchrun_args(["--nnodes", "1:2", "--rdzv-backend=etcd", "--rdzv-endpoint",
+    args = launch.torchrun_for(["--nnodes", "1:2", "--rdzv-backend=etcd", "--rdzv-endpoint",
                                           "127.0.0.1:2379", "--rdzv-conf", "last_call_timeout=7",
-                                          SCRIPT])
+                                          SCRIPT]).args
     assert args[args.index("--rdzv-backend") + 1] == "etcd-v2"
     conf = args[args.index("--rdzv-conf") + 1]
     assert "last_call_timeout=7" in conf and "last_call_timeout=2" not in conf
-    args, _ = launch.build_torchrun_args(["--nproc=3", SCRIPT])
+    args = launch.torchrun_for(["--nproc=3", SCRIPT]).args
     assert args[0] == "--standalone" and "--nproc-per-node=3" in args
     assert env["TORCH_DISABLE_SHARE_RDZV_TCP_STORE"] == "1"
 
@@ -73,8 +74,8 @@ def test_more_processes_than_gpus_refused_mocked_cuda(monkeypatch):
     # Mocked: this machine has no GPU; the check only needs the visible count.
     monkeypatch.setattr(launch, "visible_gpus", lambda: 2)
     with pytest.raises(UserError, match="more processes than the 2 visible GPU"):
-        launch.build_torchrun_args(["--nproc", "4", SCRIPT])
-    args, _ = launch.build_torchrun_args([SCRIPT])
+        launch.torchrun_for(["--nproc", "4", SCRIPT])
+    args = launch.torchrun_for([SCRIPT]).args
     assert args[:3] == ["--standalone", "--nproc-per-node", "2"]
 
 
@@ -102,28 +103,30 @@ def test_shutdown_timeout_covers_the_preemption_grace(monkeypatch, tmp_path):
     def timeout(args):
         return args[args.index("--shutdown-timeout") + 1]
 
-    args, env = launch.build_torchrun_args(["--nproc", "2", SCRIPT])
+    run = launch.torchrun_for(["--nproc", "2", SCRIPT])
+    args, env = run.args, run.env
     assert timeout(args) == str(60 + launch.SHUTDOWN_MARGIN_S) and env["DISTTRAIN_PREEMPT_GRACE_S"] == "60"
     assert args[-1] == SCRIPT
     cfg = tmp_path / "job.toml"
     cfg.write_text("[elastic]\npreempt_grace_s = 100\n")
-    args, env = launch.build_torchrun_args(["--nproc", "2", "-m", "disttrain.train", str(cfg),
+    run = launch.torchrun_for(["--nproc", "2", "-m", "disttrain.train", str(cfg),
                                             "--elastic.preempt_grace_s=120.5"])
+    args, env = run.args, run.env
     assert timeout(args) == str(121 + launch.SHUTDOWN_MARGIN_S) and env["DISTTRAIN_PREEMPT_GRACE_S"] == "120.5"
     assert args[-3:] == ["disttrain.train", str(cfg), "--elastic.preempt_grace_s=120.5"]
     monkeypatch.setenv("DISTTRAIN_PREEMPT_GRACE_S", "7")
-    args, _ = launch.build_torchrun_args(["--nproc", "2", SCRIPT])
+    args = launch.torchrun_for(["--nproc", "2", SCRIPT]).args
     assert timeout(args) == str(7 + launch.SHUTDOWN_MARGIN_S)
-    args, _ = launch.build_torchrun_args(["--shutdown-timeout", "5", "--nproc", "2", SCRIPT])
+    args = launch.torchrun_for(["--shutdown-timeout", "5", "--nproc", "2", SCRIPT]).args
     assert args.count("--shutdown-timeout") == 1 and timeout(args) == "5" and args[-1] == SCRIPT
-    args, _ = launch.build_torchrun_args(["--shutdown_timeout=9", SCRIPT])
+    args = launch.torchrun_for(["--shutdown_timeout=9", SCRIPT]).args
     assert "--shutdown-timeout" not in args and "--shutdown_timeout=9" in args
     monkeypatch.setenv("TORCH_ELASTIC_SHUTDOWN_TIMEOUT", "11")
-    args, _ = launch.build_torchrun_args([SCRIPT])
+    args = launch.torchrun_for([SCRIPT]).args
     assert "--shutdown-timeout" not in args
     monkeypatch.setenv("DISTTRAIN_PREEMPT_GRACE_S", "soon")
     with pytest.raises(UserError, match="DISTTRAIN_PREEMPT_GRACE_S is 'soon'"):
-        launch.build_torchrun_args([SCRIPT])
+        launch.torchrun_for([SCRIPT])
 
 
 def test_a_torchrun_without_shutdown_timeout_is_not_given_one(monkeypatch):
@@ -132,7 +135,7 @@ def test_a_torchrun_without_shutdown_timeout_is_not_given_one(monkeypatch):
     for key in launch.SHUTDOWN_ENV:
         monkeypatch.delenv(key, raising=False)
     monkeypatch.setattr(launch, "torchrun_has_shutdown_timeout", lambda: False)
-    args, _ = launch.build_torchrun_args(["--nproc", "2", SCRIPT])
+    args = launch.torchrun_for(["--nproc", "2", SCRIPT]).args
     assert "--shutdown-timeout" not in args and args[-1] == SCRIPT
 
 
@@ -165,20 +168,20 @@ TRAIN = ["-m", "disttrain.train", "examples/tiny_gpt.toml"]
 
 def test_warm_workers_for_every_python_worker_but_fast_recovery(monkeypatch):
     monkeypatch.delenv("DISTTRAIN_WARM_WORKERS", raising=False)
-    args, _ = launch.build_torchrun_args(ELASTIC + TRAIN)
+    args = launch.torchrun_for(ELASTIC + TRAIN).args
     assert args[-3:] == ["disttrain.launch.warm_workers", "disttrain.train", "examples/tiny_gpt.toml"]
-    args, _ = launch.build_torchrun_args(["--nproc", "2"] + TRAIN)
+    args = launch.torchrun_for(["--nproc", "2"] + TRAIN).args
     assert args[-3:] == ["disttrain.launch.warm_workers", "disttrain.train", "examples/tiny_gpt.toml"]
     # a user's script: the forked child runs it through worker_entry (its watchdog there)
-    args, _ = launch.build_torchrun_args(ELASTIC + [SCRIPT, "x"])
+    args = launch.torchrun_for(ELASTIC + [SCRIPT, "x"]).args
     assert args[-6:] == ["disttrain.launch.worker_entry", "-m", "disttrain.launch.warm_workers",
                          "disttrain.launch.worker_entry", SCRIPT, "x"]
     assert "-m" in args[:-6]
     for argv in (ELASTIC + TRAIN + ["--elastic.fast_recovery=true"], ["--fast-recovery", SCRIPT],
                  ["--no-python", "echo"]):
-        assert "disttrain.launch.warm_workers" not in launch.build_torchrun_args(argv)[0]
+        assert "disttrain.launch.warm_workers" not in launch.torchrun_for(argv).args
     monkeypatch.setenv("DISTTRAIN_WARM_WORKERS", "0")
-    assert "disttrain.launch.warm_workers" not in launch.build_torchrun_args(ELASTIC + TRAIN)[0]
+    assert "disttrain.launch.warm_workers" not in launch.torchrun_for(ELASTIC + TRAIN).args
 
 
 def test_a_bad_warm_workers_switch_is_one_clear_message():

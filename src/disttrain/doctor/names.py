@@ -240,23 +240,6 @@ def lightning_before_2(facts) -> bool:
     return cache[0]
 
 
-def _zero_only_name(text: str) -> bool:
-    low = text.lower()
-    return any(
-        w in low
-        for w in (
-            "rank0",
-            "rank_0",
-            "rank_zero",
-            "main_process_only",
-            "master_only",
-            "main_only",
-            "zero_only",
-            "on_main_process",
-        )
-    )
-
-
 def kwarg_value(call: ast.Call, name: str):
     for k in call.keywords:
         if k.arg == name:

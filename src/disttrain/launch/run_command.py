@@ -253,7 +253,7 @@ warm server)."""
 
 
 def warm_workers_wanted(flags: list[str], script: list[str]) -> bool:
-    """Whether torchrun's workers for FLAGS SCRIPT (as `build_torchrun_args` has made
+    """Whether torchrun's workers for FLAGS SCRIPT (as `torchrun_for` has made
     them, a slot supervisor already in front for fast recovery) fork from a warm server:
     any Python worker but a slot supervisor (it forks its training process and spare
     from the server itself), and
@@ -294,12 +294,6 @@ class Torchrun:
     args: list[str]
     env: dict[str, str]
     cfg: Config | None
-
-
-def build_torchrun_args(argv: list[str]) -> tuple[list[str], dict[str, str]]:
-    """`torchrun_for(argv)`'s arguments and environment defaults."""
-    run = torchrun_for(argv)
-    return run.args, run.env
 
 
 def torchrun_for(argv: list[str], cfg: Config | None = None) -> Torchrun:
@@ -446,7 +440,7 @@ def _others(failures: dict, first: int) -> str:
 
 
 def _launch(args: list[str], env: dict[str, str]) -> int:
-    """torchrun with `build_torchrun_args`'s arguments and environment defaults;
+    """torchrun with `torchrun_for`'s arguments and environment defaults;
     failures reported in one line (see `main`)."""
     from torch.distributed.elastic.multiprocessing import SignalException
     from torch.distributed.elastic.multiprocessing.errors import ChildFailedError
