@@ -171,7 +171,11 @@ def test_classifier_contract():
         assert failures.classify(exc, peer_gone=gone).kind == kind, exc
     assert failures.classify(MemoryError()).oom
     assert failures.classify_death(-9).kind == failures.MACHINE
-    assert failures.classify_death(-11).kind == failures.UNKNOWN
+    for sig in (-11, -6, -7, -4, -8, -2):  # SIGSEGV, SIGABRT, SIGBUS, SIGILL, SIGFPE: raised by itself; SIGINT
+        assert failures.classify_death(sig).kind == failures.PROGRAM, sig
+    assert failures.classify_death(-15).kind == failures.MACHINE  # a stop
+    assert failures.classify_death(-10).kind == failures.UNKNOWN  # SIGUSR1's default: nobody's
+    assert failures.classify_death(3).kind == failures.UNKNOWN  # an exit status without a note
     a = failures.signature("RuntimeError", str(slow) + " [10.0.0.1]:4000", 6)
     assert a == failures.signature("RuntimeError", str(slow).replace("3000ms", "2999ms") + " [10.0.0.2]:51", 6)
     assert a != failures.signature("RuntimeError", str(slow), 7)

@@ -28,11 +28,15 @@ def test_two_concurrent_jobs_on_one_host_both_succeed_P_INIT_4(tmp_path):
     assert len(ports) == 2  # each job rendezvoused on its own free port
 
 
-def test_worker_exit_code_and_failing_rank_are_reported(tmp_path):
-    proc = run_disttrain(["run", "--nproc", "2", SCRIPT, str(tmp_path / "x"), "--fail-rank", "1"],
-                         timeout=120)
-    assert proc.returncode == 3
-    assert "disttrain run: rank 1 failed first with exit code 3" in proc.stderr
+def test_a_scripts_own_exit_status_and_rank_are_reported_and_not_retried(tmp_path):
+    """Rank 1 calls sys.exit(3): the program's own exit, reported with its rank and
+    status, once, even with restarts left (a restart would exit the same way)."""
+    proc = run_disttrain(["run", "--nproc", "2", "--max-restarts", "2", SCRIPT, str(tmp_path / "x"),
+                          "--fail-rank", "1"], timeout=120)
+    assert proc.returncode == 3, proc.stderr[-2000:]
+    assert proc.stderr.rstrip().splitlines()[-1] == (
+        "disttrain run: not retried: rank 1 called sys.exit(3): the program's own exit (exit status 3).")
+    assert len((tmp_path / "x").read_text().split()) == 2  # one attempt: each rank wrote once
 
 
 def test_omp_threads_and_store_defaults(tmp_path):

@@ -87,12 +87,26 @@ def write_user_error(name: str, error: BaseException) -> bool:
     return True
 
 
-def earlier_stop() -> bool:
+PEER_NOTE_WAIT_S = 1.0
+"""How long a rank whose collective failed waits for a peer's note before it calls the
+failure a lost peer: a peer that crashed in native code has its note written by the
+process that saw it die, a few milliseconds after the connection closed."""
+
+
+def earlier_stop(wait_s: float = 0.0) -> bool:
     """True when a rank of this launch already reported a user error or a failure that
     is not retried (in a worker at its start: a restart the launcher did not stop in
-    time; after a failed collective: its peer stopped on purpose)."""
+    time; after a failed collective: its peer stopped on purpose), waiting up to
+    `wait_s` seconds for such a note to appear."""
     folder = _folder()
-    return folder is not None and ((folder / USER_ERROR).exists() or (folder / NOT_RETRIED).exists())
+    if folder is None:
+        return False
+    deadline = time.monotonic() + wait_s
+    while not ((folder / USER_ERROR).exists() or (folder / NOT_RETRIED).exists()):
+        if time.monotonic() >= deadline:
+            return False
+        time.sleep(0.02)
+    return True
 
 
 def report_not_retried(line: str, status: int, traceback: str | None = None, oom: dict | None = None) -> bool:

@@ -2,12 +2,14 @@
 (tests/test_failure_kinds.py).
 
     failing_job.py OUT [--steps N] [--raise-at STEP] [--raise-rank R]
-                       [--kind runtime|oom|hostoom|timeout] [--tcp PORT] [--timeout-s S]
+                       [--kind KIND] [--tcp PORT] [--timeout-s S]
 
 `--raise-at STEP`: rank R raises at that step in every attempt (-1: after resume, before
 the first step): "runtime" RuntimeError("shapes do not match"), "oom"
 torch.OutOfMemoryError, "hostoom" MemoryError (the program's errors), "timeout" a
-TimeoutError (which cannot be classified). `--tcp PORT`: the process of RANK 0 sends
+TimeoutError (which cannot be classified); the program's deaths: "segv" a native crash,
+"abort" `os.abort()`, "exit" `sys.exit(3)`, "interrupt" a KeyboardInterrupt, "mismatch"
+an all_reduce on rank R alone; "sleep" a rank that stops making progress. `--tcp PORT`: the process of RANK 0 sends
 "step N" after every step and "done" at the end on its one connection to
 127.0.0.1:PORT (tests/workers/tracker.py), opened before the first step. Rank 0
 appends a line to OUT/starts.log at each start of the job (each attempt, each
@@ -15,7 +17,10 @@ generation).
 """
 
 import argparse
+import ctypes
 import os
+import sys
+import time
 
 import torch
 
@@ -24,6 +29,18 @@ from disttrain.config import Config, ParallelConfig
 
 
 def fail(kind: str, step: int, rank: int):
+    if kind == "segv":  # a native crash: what a faulty extension does
+        ctypes.string_at(0)
+    if kind == "abort":
+        os.abort()
+    if kind == "exit":
+        sys.exit(3)
+    if kind == "interrupt":
+        raise KeyboardInterrupt
+    if kind == "mismatch":  # a collective no peer enters: gloo ends this rank
+        torch.distributed.all_reduce(torch.ones(3))
+    if kind == "sleep":
+        time.sleep(3600)
     if kind == "oom":
         raise torch.OutOfMemoryError(f"CUDA out of memory. Tried to allocate 2.00 GiB (step {step})")
     if kind == "hostoom":

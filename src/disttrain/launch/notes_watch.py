@@ -39,6 +39,7 @@ class Notes:
     def _poll(self) -> None:
         while not self._stop.wait(POLL_S):
             if self.stopped():
+                quiet_torchrun()
                 os.kill(os.getpid(), signal.SIGTERM)  # the agent stops the workers: no restart
                 return
 
@@ -81,6 +82,17 @@ class Notes:
             os.rmdir(self.traces)  # kept when a rank wrote its trace there
         except OSError:
             pass
+
+
+def quiet_torchrun() -> None:
+    """Silence torchrun's own warnings while it stops a job on a rank's note: its
+    "Received 15 death signal" and "Sending process N closing signal" lines would read
+    as a signal from outside, above the note's own line that says what happened."""
+    import logging
+
+    names = [n for n in list(logging.Logger.manager.loggerDict) if n.startswith("torch.distributed.elastic")]
+    for name in ["torch.distributed.elastic", *names]:
+        logging.getLogger(name).setLevel(logging.ERROR)
 
 
 def watch() -> Notes:

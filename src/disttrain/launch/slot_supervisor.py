@@ -32,8 +32,8 @@ import time
 
 from disttrain.launch.warm_workers import SOCKET_ENV as WARM_SOCKET_ENV
 from disttrain.runtime import processes
-from disttrain.worker_notes import earlier_stop
-from disttrain.runtime.failures import MACHINE, classify_death
+from disttrain.worker_notes import earlier_stop, wait_to_be_stopped
+from disttrain.runtime.failures import MACHINE, classify_death, report_crash
 
 ROLE_ENV = "DISTTRAIN_FAST_ROLE"  # elastic.fast_recovery.ROLE_ENV; not imported: that imports torch
 DONE_KEY = "disttrain/fast/done"
@@ -89,7 +89,7 @@ def _how(rc: int) -> str:
     whose = (
         "the machine's: a kill from outside, the OOM killer included"
         if verdict.kind == MACHINE
-        else "a crash in native code, retried like the machine's"
+        else "a signal that cannot be classified, retried like the machine's"
     )
     return f"{verdict.error}, {whose}"
 
@@ -126,6 +126,12 @@ def supervise(cmd: list[str], rank: int, world: int) -> int:
         if pid != child.pid:
             continue
         child.returncode = rc = code
+        if rc < 0 and not stopping and report_crash(rank, rc):
+            # the program's (a native crash, an abort): a spare would crash the same way.
+            # Wait for the launcher to stop the job; its SIGTERM ends this process.
+            signal.signal(signal.SIGTERM, signal.SIG_DFL)
+            wait_to_be_stopped()
+            break
         if rc < 0 and not stopping and promotions < MAX_PROMOTIONS:
             try:
                 _go(spare)

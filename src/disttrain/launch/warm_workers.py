@@ -242,6 +242,9 @@ def _child(request: dict, fds: list[int], conn: socket.socket) -> NoReturn:
     threads = os.environ.get("OMP_NUM_THREADS", "")
     if threads.isdigit() and int(threads) > 0:
         torch.set_num_threads(int(threads))  # the server's OpenMP read the agent's value
+    from disttrain.runtime.failures import record_native_crashes
+
+    record_native_crashes()  # a native crash shows the Python line it happened at
     code = _run_module(request["module"], request["args"])
     from disttrain.runtime.torch_compat import finish_interpreter
 
@@ -303,14 +306,17 @@ def run_stub(module: str, args: list[str]) -> int:
         conn.close()
         return _run_here(module, args)
     processes.name_worker("stub")
+    forwarded: list[int] = []
     for sig in FORWARDED:
-        signal.signal(sig, lambda signum, _frame: _forward(pid, signum))
+        signal.signal(sig, lambda signum, _frame: _forward(pid, signum, forwarded))
     try:
         (status,) = _HEADER.unpack(_recv_exact(conn, _HEADER.size))
     except ConnectionError:
         print(f"disttrain run: the warm-worker server died while running pid {pid}.", file=sys.stderr)
         return 1
     code = os.waitstatus_to_exitcode(status)
+    if code < 0 and not forwarded:
+        _judge_death(code)
     if code < 0:  # die of the child's signal, so torchrun reports it as its own
         if -code not in (signal.SIGKILL, signal.SIGSTOP):
             signal.signal(-code, signal.SIG_DFL)
@@ -318,7 +324,21 @@ def run_stub(module: str, args: list[str]) -> int:
     return code
 
 
-def _forward(pid: int, signum: int) -> None:
+def _judge_death(code: int) -> None:
+    """The worker died of signal -`code` that nobody sent it through this stub: when it
+    is the program's (a native crash, an abort, SIGINT: `failures.classify_death`), hand
+    the launcher the note that stops the job without a restart, then wait to be stopped
+    (a SIGTERM now ends the stub at once)."""
+    from disttrain import worker_notes
+    from disttrain.runtime import failures
+
+    if failures.report_crash(int(os.environ.get("RANK", "0")), code):
+        signal.signal(signal.SIGTERM, signal.SIG_DFL)
+        worker_notes.wait_to_be_stopped()
+
+
+def _forward(pid: int, signum: int, forwarded: list[int]) -> None:
+    forwarded.append(signum)
     try:
         os.kill(pid, signum)
     except ProcessLookupError:

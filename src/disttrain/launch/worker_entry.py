@@ -56,12 +56,17 @@ def main(argv: list[str]) -> None:
         argv[:1] == ["-m"] and argv[1:2] in (["disttrain.launch.warm_workers"], ["disttrain.launch.slot_supervisor"])
     ):
         processes.name_worker(announce=announcer(argv))  # a stub or supervisor names itself
+        from disttrain.runtime.failures import record_native_crashes
+
+        record_native_crashes()  # a native crash shows the Python line it happened at
     if not (argv[:1] == ["-m"] and argv[1:2] and argv[1].startswith("disttrain.")):
         # A user's script: a hang names the rank that stopped (Job's watchdog takes over
         # at wrap). disttrain's own modules (the trainer, a supervisor) have their own.
         from disttrain.guard.script_watchdog import start_for_script
+        from disttrain.runtime.process_group import hold_script_groups
 
         start_for_script()
+        hold_script_groups()  # a correct script must not hang at exit (freeing a destroyed group)
     if argv[:1] == ["-m"] and len(argv) > 1:
         sys.argv = [argv[1], *argv[2:]]
         keep_globals(runpy.run_module(argv[1], run_name="__main__", alter_sys=True))
@@ -69,13 +74,20 @@ def main(argv: list[str]) -> None:
     script = argv[0]
     sys.argv = list(argv)
     sys.path[0] = os.path.dirname(os.path.abspath(script))  # as `python SCRIPT` sets it
+    from disttrain.runtime import failures
+
+    failures.watch_interrupts()
     try:
         keep_globals(runpy.run_path(script, run_name="__main__"))
-    except Exception as e:  # a dt.Job has judged its own failure already (SystemExit)
+    except Exception as e:  # a dt.Job has judged its own failure already (failures.JudgedExit)
+        script_failed(e)
+    except (SystemExit, KeyboardInterrupt) as e:
+        if not failures.is_program_exit(e):
+            raise
         script_failed(e)
 
 
-def script_failed(exc: Exception) -> None:
+def script_failed(exc: BaseException) -> None:
     """A plain script's exception under `disttrain run`, judged as a `dt.Job`'s is
     (`runtime.failures`, docs/elastic.md): the program's error goes to the launcher,
     which prints it last and stops the job without a restart; a rank whose peer stopped
@@ -87,7 +99,7 @@ def script_failed(exc: Exception) -> None:
     if not worker_notes.under_launcher():
         raise exc
     rank, verdict = int(os.environ.get("RANK", "0")), failures.classify(exc)
-    if worker_notes.earlier_stop():
+    if worker_notes.earlier_stop(0.0 if verdict.kind == failures.PROGRAM else worker_notes.PEER_NOTE_WAIT_S):
         os._exit(0)
     if verdict.kind == failures.PROGRAM:
         failures.report_program_error(exc, rank, None, oom={} if verdict.oom else None)

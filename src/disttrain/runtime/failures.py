@@ -11,6 +11,8 @@ The contract:
 | a collective's transport error: gloo's closed or reset pair, an NCCL error | machine | retried |
 | a collective timeout while a peer is gone | machine | retried |
 | SIGKILL from outside (the OOM killer included) | machine | retried |
+| a crash signal the process raised itself (SIGSEGV, SIGBUS, SIGILL, SIGFPE, SIGABRT: a native crash, gloo or NCCL aborting a rank for a mismatched collective) | program | stopped, with the Python stack at the crash |
+| SIGINT or `KeyboardInterrupt` the program raised, or `sys.exit(n)` with n > 0, in a plain script | program | stopped |
 | any other exception, the user's code or ours, on the rank that raised it | program | stopped, not retried |
 | `torch.OutOfMemoryError`, `MemoryError` | program | stopped, with the planner's estimate and the fixes |
 | a collective timeout with every peer alive (a RuntimeError or TimeoutError saying it timed out) | unknown | retried, until the same failure ends two attempts in a row |
@@ -40,6 +42,7 @@ from dataclasses import dataclass
 from disttrain import worker_notes
 from disttrain.runtime import fault_injection
 from disttrain.runtime.log import EVERY_RANK, LOGGER
+from disttrain.runtime.process_state import STATE
 
 MACHINE, PROGRAM, UNKNOWN = "machine", "program", "unknown"
 
@@ -115,16 +118,115 @@ def classify(exc: BaseException, *, peer_gone: bool = False) -> Verdict:
     return Verdict(PROGRAM, name, message)
 
 
+CRASH_SIGNALS = {
+    signal.SIGSEGV: "a crash in native code: a bad memory access",
+    signal.SIGBUS: "a crash in native code: a bad memory access",
+    signal.SIGILL: "a crash in native code: an illegal instruction",
+    signal.SIGFPE: "a crash in native code: an arithmetic fault",
+    signal.SIGABRT: "an abort in native code: a failed assertion, or gloo or NCCL ending a rank "
+    "whose collectives did not match its peers'",
+}
+"""Signals a process raises on itself (the kernel for a fault, `abort()` for an
+assertion): the program's, never the machine's."""
+
+
 def classify_death(returncode: int) -> Verdict:
     """A process that ended with `returncode` (negative: the signal) and raised nothing
-    we saw: SIGKILL from outside (the OOM killer too) is the machine's; SIGTERM and
-    SIGINT are a stop, also the machine's; any other end (a crash in native code, an
-    exit status without a note) cannot be classified."""
+    we saw: SIGKILL from outside (the OOM killer too) and SIGTERM (a stop) are the
+    machine's; a crash signal (`CRASH_SIGNALS`) and SIGINT (a `KeyboardInterrupt` the
+    program raised, or its own terminal's Ctrl-C) are the program's; any other end (an
+    exit status without a note, another signal) cannot be classified."""
     if returncode < 0:
-        sig = signal.Signals(-returncode).name
-        kind = MACHINE if -returncode in (signal.SIGKILL, signal.SIGTERM, signal.SIGINT) else UNKNOWN
-        return Verdict(kind, sig, f"killed by {sig}")
+        sig = signal.Signals(-returncode)
+        if sig in CRASH_SIGNALS:
+            return Verdict(PROGRAM, sig.name, f"killed by {sig.name}, {CRASH_SIGNALS[sig]}")
+        kind = MACHINE if sig in (signal.SIGKILL, signal.SIGTERM) else PROGRAM if sig == signal.SIGINT else UNKNOWN
+        return Verdict(kind, sig.name, f"killed by {sig.name}")
     return Verdict(UNKNOWN, "exit", f"exit status {returncode}")
+
+
+CRASH_HEADER = "Fatal Python error: "
+"""How faulthandler starts its report of a crash (CPython 3.10 to 3.13)."""
+CRASH_READ_BYTES = 64 * 1024
+"""How much of a rank's log the crash report reads back (its end)."""
+
+
+def record_native_crashes() -> None:
+    """Under `disttrain run`: have faulthandler write every thread's Python stack to
+    this rank's log (`worker_notes.trace_file`) when the process dies of a crash signal,
+    so that `report_crash` can show where. A no-op elsewhere or without RANK."""
+    import faulthandler
+
+    rank = os.environ.get("RANK", "")
+    path = worker_notes.trace_file(int(rank)) if rank.isdigit() else None
+    if path is None or faulthandler.is_enabled():  # done already (a warm worker's entry and its script's)
+        return
+    log = open(path, "a")  # noqa: SIM115  (kept open for the life of the process: faulthandler writes to its fd)
+    faulthandler.enable(file=log, all_threads=True)
+    STATE.kept.append(log)
+
+
+def crash_stack(rank: int) -> str | None:
+    """The last crash report faulthandler wrote to `rank`'s log (`record_native_crashes`),
+    or None: the crashing thread's stack first, as faulthandler orders it."""
+    path = worker_notes.trace_file(rank)
+    if path is None:
+        return None
+    try:
+        with open(path, "rb") as f:
+            f.seek(max(0, os.fstat(f.fileno()).st_size - CRASH_READ_BYTES))
+            text = f.read(CRASH_READ_BYTES).decode("utf-8", "replace")
+    except OSError:
+        return None
+    start = text.rfind(CRASH_HEADER)
+    return _program_frames(text[start:]) if start >= 0 else None
+
+
+def _program_frames(report: str) -> str:
+    """A faulthandler report cut to what the user needs on the console: its first line
+    and the crashing thread's frames (when the crash was in a thread with no Python
+    frames, such as gloo's, the main thread's), without those of the launcher that ran
+    the script (runpy, disttrain's entry points); the whole report stays in the log."""
+    lines = report.splitlines()
+    blocks: list[tuple[str, list[str]]] = []
+    for line in lines[1:]:
+        if line.startswith(("Current thread", "Thread ")):
+            blocks.append((line, []))
+        elif line.startswith("  File ") and blocks:
+            blocks[-1][1].append(line)
+    current = [frames for head, frames in blocks if head.startswith("Current thread") and frames]
+    main = [frames for _, frames in blocks if any(f.endswith(" in <module>") for f in frames)]
+    if not (current or main):
+        return lines[0]
+    title = (
+        "The Python stack at the crash (most recent call first):"
+        if current
+        else "The crash was in a thread of native code; the main thread was at (most recent call first):"
+    )
+    ours = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+    frames = (current or main)[0]
+    shown = [f for f in frames if not _launcher_frame(f[len('  File "') :].split('"', 1)[0], ours)]
+    return "\n".join([lines[0], "", title, *(shown or frames)])
+
+
+def _launcher_frame(path: str, ours: str) -> bool:
+    """A frame of what ran the user's script, not of the script: runpy, disttrain."""
+    return path.startswith(("<frozen ", ours)) or os.path.basename(path) == "disttrain"
+
+
+def report_crash(rank: int, returncode: int) -> bool:
+    """Hand the launcher a death by signal that is the program's (`classify_death`): a
+    crash signal or SIGINT, with the Python stack at the crash when faulthandler wrote
+    one. Returns whether a note was written (the caller then waits to be stopped); False
+    for the machine's deaths, outside `disttrain run`, or when another note came first."""
+    verdict = classify_death(returncode)
+    if returncode >= 0 or verdict.kind != PROGRAM:
+        return False
+    stack = crash_stack(rank)
+    where = f"its Python stack at the crash is above (also in {worker_notes.trace_file(rank)})" if stack else ""
+    what = verdict.message.removeprefix("killed by ")
+    line = f"not retried: rank {rank} died of {what}; the program's error" + (f"; {where}" if where else "")
+    return worker_notes.report_not_retried(line, 128 - returncode, traceback=stack)
 
 
 _MASKS = (
@@ -143,11 +245,42 @@ def signature(error: str, message: str, step: int) -> str:
     return f"{error}: {message} at step {step}" if step > 0 else f"{error}: {message} before the first step"
 
 
+class JudgedExit(SystemExit):
+    """The exit of a rank whose failure disttrain has judged and reported already
+    (`dt.Job`'s end): passed through as it is, never judged again."""
+
+
+def watch_interrupts() -> None:
+    """Tell a SIGINT from outside (a stop: the launcher passes on a Ctrl-C) from a
+    `KeyboardInterrupt` the program raised itself: the handler records the signal in
+    `STATE.interrupted`, then raises as Python's own does. Kept when the process
+    already has a handler of its own."""
+
+    def interrupted(_signum, _frame) -> None:
+        STATE.interrupted = True
+        raise KeyboardInterrupt
+
+    if signal.getsignal(signal.SIGINT) is signal.default_int_handler:
+        signal.signal(signal.SIGINT, interrupted)
+
+
+def is_program_exit(exc: BaseException) -> bool:
+    """Whether `exc`, ending a script, is the program's own end, which a retry would
+    repeat: `sys.exit(n)` with n other than 0 (a message too), or a `KeyboardInterrupt`
+    that no SIGINT from outside caused (`watch_interrupts`). Not a `JudgedExit`."""
+    if isinstance(exc, JudgedExit):
+        return False
+    if isinstance(exc, SystemExit):
+        return exc.code not in (None, 0)
+    return isinstance(exc, KeyboardInterrupt) and not STATE.interrupted
+
+
 def exit_status(exc: BaseException) -> int:
-    """The exit status Python gives a process that dies of `exc` (1; a `SystemExit`'s own code)."""
+    """The exit status Python gives a process that dies of `exc` (1; a `SystemExit`'s own
+    code; 130 for a `KeyboardInterrupt`, as a shell reports a death by SIGINT)."""
     if isinstance(exc, SystemExit):
         return exc.code if isinstance(exc.code, int) else 1
-    return 1
+    return 128 + signal.SIGINT if isinstance(exc, KeyboardInterrupt) else 1
 
 
 def report_program_error(exc: BaseException, rank: int, step: int | None, oom: dict | None = None) -> bool:
@@ -158,8 +291,13 @@ def report_program_error(exc: BaseException, rank: int, step: int | None, oom: d
     waits to be stopped (`worker_notes.wait_to_be_stopped`) and exits with
     `exit_status(exc)`."""
     where = "" if step is None else f" at step {step}" if step else " before the first step"
+    what = (
+        f"not retried: rank {rank} called sys.exit({exc.code!r}){where}: the program's own exit"
+        if isinstance(exc, SystemExit)
+        else f"not retried: {type(exc).__name__}{where} on rank {rank} is the program's error"
+    )
     return worker_notes.report_not_retried(
-        f"not retried: {type(exc).__name__}{where} on rank {rank} is the program's error",
+        what,
         exit_status(exc),
         traceback="".join(traceback.format_exception(exc)),
         oom=oom,

@@ -247,6 +247,27 @@ def shutdown(*, collect: bool = True) -> None:
     state.rank_info = None
 
 
+def hold_destroyed(groups: list) -> None:
+    """Hold `groups`, which a script's own `destroy_process_group()` is about to destroy,
+    as `shutdown` holds its own: whatever still references one (a DDP reducer, a
+    DeviceMesh) can then be freed at any moment without destructing the group, and at
+    exit the still-referenced ones are never destructed. Installed for every script
+    `disttrain run` starts (`hold_script_groups`)."""
+    state = processes.STATE
+    held = {id(g) for g in state.lingering_groups}
+    state.lingering_groups.extend(g for g in groups if id(g) not in held)
+    if not state.exit_hook_set:
+        atexit.register(_release_lingering, True)
+        state.exit_hook_set = True
+
+
+def hold_script_groups() -> None:
+    """Route every `torch.distributed.destroy_process_group()` of this process through
+    `hold_destroyed` (see `torch_compat.on_destroy_process_group` for the hang it
+    prevents: a correct DDP script that never exits)."""
+    torch_compat.on_destroy_process_group(hold_destroyed)
+
+
 def _release_lingering(at_exit: bool = False) -> None:
     """Drop our hold on lingering groups nobody else references (they are destructed
     now); at exit, make the still-referenced ones immortal instead. Nothing held:

@@ -45,6 +45,8 @@ class ProcessState:
     script's globals, objects whose destructor would abort at finalization)."""
     said: set = dataclasses.field(default_factory=set)
     """Keys of the once-per-process messages already given (`first_time`)."""
+    interrupted: bool = False
+    """A SIGINT reached this process from outside (failures.watch_interrupts)."""
 
 
 STATE = ProcessState()

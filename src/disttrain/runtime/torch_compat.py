@@ -42,6 +42,41 @@ def process_groups() -> list:
         return [dist.group.WORLD] if dist.is_initialized() else []
 
 
+def on_destroy_process_group(hold: Callable[[list], None]) -> None:
+    """Wrap `torch.distributed.destroy_process_group` (both names a script can call it
+    by: `torch.distributed` and `distributed_c10d`) so that `hold(groups)` receives the
+    groups it is about to destroy, before torch drops its own references to them.
+    Idempotent.
+
+    Why: after a script's own `destroy_process_group()`, the last reference to a gloo
+    group may be a DDP reducer or a DeviceMesh that the script frees later, with the GIL
+    held (a `return` from `main()`, `SystemExit` unwinding). The group's destructor then
+    joins its worker threads, and a worker still freeing its last collective (whose
+    thread-local state holds a Python object) waits for the GIL: the process never
+    exits. Holding the groups moves their destruction to a point where no collective
+    is pending (`process_group.hold_destroyed`).
+
+    Checked on 2.13.0 (the function reads `_world.pg_map` through `process_groups`).
+    Fallback: a release without the function leaves it unwrapped."""
+    import torch.distributed as dist
+    import torch.distributed.distributed_c10d as c10d
+
+    original = getattr(c10d, "destroy_process_group", None)
+    if original is None or getattr(original, "__disttrain_wrapped__", False):
+        return
+
+    def destroy_process_group(group: Any = None) -> Any:
+        world = group is None or group is getattr(dist.GroupMember, "WORLD", None)
+        hold(process_groups() if world else [group])
+        return original(group)
+
+    destroy_process_group.__doc__ = original.__doc__
+    setattr(destroy_process_group, "__wrapped__", original)
+    setattr(destroy_process_group, "__disttrain_wrapped__", True)
+    c10d.destroy_process_group = destroy_process_group
+    dist.destroy_process_group = destroy_process_group
+
+
 def make_immortal(obj: Any) -> None:
     """Give `obj` one reference nobody ever drops, so it is never destructed, not even
     during interpreter finalization (`ctypes.pythonapi.Py_IncRef`, CPython only).

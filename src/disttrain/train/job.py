@@ -50,6 +50,7 @@ from disttrain.elastic import PreemptionHandler, SampleAudit, fast_recovery, gen
 from disttrain.errors import UserError
 from disttrain.guard import RunGuard, start_guard
 from disttrain.parallel import wrap
+from disttrain.runtime import failures
 from disttrain.runtime.fault_injection import inject
 from disttrain.runtime.log import set_speaker
 from disttrain.train import job_failure, job_finish, job_resume
@@ -247,7 +248,7 @@ class Job:
         if ending is not None:
             if ending.wait:
                 worker_notes.wait_to_be_stopped()
-            raise SystemExit(ending.status) from None
+            raise failures.JudgedExit(ending.status) from None
 
     def _peer_gone(self) -> bool:
         return self.handoff is not None and self.handoff.peer_gone()

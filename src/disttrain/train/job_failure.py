@@ -70,15 +70,20 @@ def oom_facts(job) -> dict | None:
 
 def judge(job, exc: BaseException, peer_gone: Callable[[], bool] = lambda: False) -> Ending | None:
     """The ending for `exc` under `disttrain run` (see the module); None: propagate."""
-    if not worker_notes.under_launcher() or not isinstance(exc, Exception):
+    if not worker_notes.under_launcher():
         return None
+    if not isinstance(exc, Exception) and not failures.is_program_exit(exc):
+        return None  # a preemption's exit, a stop from outside: not a failure
     if isinstance(exc, UserError):
         worker_notes.write_user_error(job.name, exc)
         return Ending(2, wait=True)
-    if worker_notes.earlier_stop():
-        return Ending(0)
     rank, step = (job.info.rank if job.info else int(os.environ.get("RANK", "0"))), failed_step(job)
     verdict = failures.classify(exc, peer_gone=peer_gone())
+    # On the restart path a lost peer may be a peer that crashed: its note comes a moment
+    # after the connection closed. Fast recovery does not wait (a real loss costs ~0.4 s).
+    wait = job.handoff is None and verdict.kind != failures.PROGRAM
+    if worker_notes.earlier_stop(worker_notes.PEER_NOTE_WAIT_S if wait else 0.0):
+        return Ending(0)
     if verdict.kind == failures.PROGRAM:
         failures.report_program_error(exc, rank, step, oom=oom_facts(job) if verdict.oom else None)
         return Ending(failures.exit_status(exc), wait=True)

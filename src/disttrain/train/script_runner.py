@@ -24,7 +24,9 @@ import os
 import runpy
 import sys
 
+from disttrain import worker_notes
 from disttrain.elastic import fast_recovery
+from disttrain.runtime import failures
 
 TIMEOUT_ENV = "DISTTRAIN_FAST_TIMEOUT_S"
 
@@ -34,8 +36,13 @@ def _body(script: str, args: list[str]):
         sys.argv = [script, *args]
         try:
             runpy.run_path(script, run_name="__main__")
-        except SystemExit as e:  # a preempted Job exits 0; a user error 2
-            if e.code not in (None, 0):
+        except (SystemExit, KeyboardInterrupt) as e:  # a preempted Job exits 0; a user error 2
+            if failures.is_program_exit(e) and worker_notes.under_launcher():
+                # outside a Job (a Job judged its own): the program's, never a new generation
+                failures.report_program_error(e, info.rank, None)
+                worker_notes.wait_to_be_stopped()
+                raise SystemExit(failures.exit_status(e)) from None
+            if isinstance(e, KeyboardInterrupt) or e.code not in (None, 0):
                 raise
         return 0
 
@@ -52,6 +59,11 @@ def main(argv: list[str]) -> int:
     script, args = argv[0], argv[1:]
     sys.path.insert(0, os.path.dirname(os.path.abspath(script)))  # as `python SCRIPT` does
     timeout_s = float(os.environ.get(TIMEOUT_ENV) or 300.0)
+    from disttrain.runtime.process_group import hold_script_groups
+
+    hold_script_groups()  # the script's own destroy_process_group must not hang its exit
+    failures.watch_interrupts()
+    failures.record_native_crashes()
     return fast_recovery.run(_body(script, args), backend="auto", device="auto", timeout_s=timeout_s, seed=0)
 
 

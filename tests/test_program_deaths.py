@@ -1,0 +1,90 @@
+"""A program that ends its own process is the program's failure, never the machine's
+(runtime/failures.py, docs/elastic.md "What is retried and what is not"): a native
+crash, an abort (gloo's, on a collective no peer entered), `sys.exit(n)`, a
+`KeyboardInterrupt` it raised. Real `disttrain run` jobs of tests/workers/failing_job.py
+on gloo under both recovery paths: one attempt, the last line naming the cause and the
+rank, the crash's Python line on the console, a non-zero status, and the newest
+checkpoint there for a plain re-run to resume from. Every launch has a timeout: a job
+that retries forever fails the test."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+
+from conftest import WORKERS, run_disttrain, worker_env
+
+SCRIPT = str(WORKERS / "failing_job.py")
+PATHS = {"fast": ("--fast-recovery", "--nproc", "2"), "restart": ("--nproc", "2", "--max-restarts", "3")}
+DEATHS = {
+    # kind: (exit status, the last line's words after "rank 1 ", the script's line on the console)
+    "segv": (139, "died of SIGSEGV, a crash in native code", "in fail"),
+    "abort": (134, "died of SIGABRT, an abort in native code", "in fail"),
+    "mismatch": (134, "died of SIGABRT, an abort in native code", "in fail"),
+    "exit": (3, "called sys.exit(3) at step 6: the program's own exit", "sys.exit(3)"),
+}
+
+
+def launch(out: Path, path: str, *args: str, timeout: float = 150):
+    proc = run_disttrain(["run", *PATHS[path], SCRIPT, str(out), *args], timeout=timeout, env=worker_env())
+    return proc, proc.stdout + proc.stderr
+
+
+@pytest.mark.parametrize("kind", sorted(DEATHS))
+@pytest.mark.parametrize("path", sorted(PATHS))
+def test_a_program_that_ends_its_own_process_is_stopped_once(path, kind, tmp_path):
+    """Before: a segfault or abort took 409 spare take-overs under fast recovery (never
+    stopping) and four attempts under --max-restarts 3, with no trace; sys.exit(3) four
+    attempts."""
+    status, words, shown = DEATHS[kind]
+    proc, out = launch(tmp_path, path, "--raise-at", "6", "--kind", kind, "--steps", "12")
+    assert proc.returncode == status, out[-3000:]
+    assert len((tmp_path / "starts.log").read_text().splitlines()) == 1, out[-3000:]  # no retry
+    last = proc.stderr.rstrip().splitlines()[-1]
+    assert last.startswith(f"disttrain run: not retried: rank 1 {words}"), last
+    assert "the program's" in last and "took over" not in out and "lost a peer" not in out, out[-3000:]
+    assert "failing_job.py" in out and shown in out, out[-3000:]  # where, on the console
+    assert "death signal" not in out and "closing signal" not in out  # torchrun's words for a stop from outside
+
+
+@pytest.mark.parametrize("path", sorted(PATHS))
+def test_a_raised_keyboard_interrupt_is_the_programs(path, tmp_path):
+    proc, out = launch(tmp_path, path, "--raise-at", "6", "--kind", "interrupt", "--steps", "12")
+    assert proc.returncode == 130, out[-3000:]
+    assert len((tmp_path / "starts.log").read_text().splitlines()) == 1
+    assert proc.stderr.rstrip().splitlines()[-1] == (
+        "disttrain run: not retried: KeyboardInterrupt at step 6 on rank 1 is the program's error (exit status 130).")
+
+
+def test_after_a_crash_the_newest_checkpoint_resumes(tmp_path):
+    """A segfault at step 6 (checkpoints every 4 steps): a plain re-run resumes from step
+    4 and finishes."""
+    proc, out = launch(tmp_path, "restart", "--raise-at", "6", "--kind", "segv", "--steps", "8")
+    assert proc.returncode == 139, out[-3000:]
+    again, out = launch(tmp_path, "restart", "--steps", "8")
+    assert again.returncode == 0 and "resumed at step 4" in out and "done at step 8" in out, out[-3000:]
+
+
+def test_a_crash_report_shows_the_scripts_frames_not_the_launchers():
+    """faulthandler's report cut for the console: the crashing thread's frames of the
+    user's code; when that thread has no Python frames (gloo's), the main thread's."""
+    from disttrain.runtime import failures
+
+    ours = str(Path(failures.__file__).parents[1] / "launch" / "worker_entry.py")
+    report = "\n".join([
+        "Fatal Python error: Segmentation fault", "",
+        "Thread 0x1 (most recent call first):", '  File "/x/threading.py", line 3 in wait', "",
+        "Current thread 0x2 (most recent call first):",
+        '  File "/u/train.py", line 9 in crash', '  File "/u/train.py", line 20 in <module>',
+        '  File "<frozen runpy>", line 88 in _run_code', f'  File "{ours}", line 75 in main', "",
+        "Extension modules: torch._C (total: 1)"])
+    cut = failures._program_frames(report)
+    assert cut.splitlines()[0] == "Fatal Python error: Segmentation fault"
+    assert "train.py\", line 9 in crash" in cut and "threading" not in cut and "runpy" not in cut
+    assert ours not in cut and "Extension" not in cut
+    native = report.replace("Current thread 0x2 (most recent call first):\n", "Thread 0x2 (most recent call first):\n")
+    native = native.replace("Thread 0x1 (most recent call first):", "Current thread 0x1 (most recent call first):")
+    native = native.replace('  File "/x/threading.py", line 3 in wait\n', "")
+    assert "the main thread was at" in failures._program_frames(native)
+    assert "line 9 in crash" in failures._program_frames(native)
