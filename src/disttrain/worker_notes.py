@@ -48,6 +48,11 @@ def _folder() -> Path | None:
     return Path(path)
 
 
+def notes_folder() -> Path | None:
+    """This launch's notes folder, in a worker of `disttrain run` (None elsewhere)."""
+    return _folder()
+
+
 def under_launcher() -> bool:
     """True in a worker started by `disttrain run`."""
     return _folder() is not None

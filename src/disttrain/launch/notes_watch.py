@@ -78,8 +78,11 @@ class Notes:
         os.environ.pop(worker_notes.NOTES_ENV, None)
         os.environ.pop(worker_notes.TRACES_ENV, None)
         shutil.rmtree(self.folder, ignore_errors=True)
-        try:
-            os.rmdir(self.traces)  # kept when a rank wrote its trace there
+        try:  # kept when a rank wrote there; the empty logs every rank opens at start go
+            for entry in os.scandir(self.traces):
+                if entry.is_file(follow_symlinks=False) and entry.stat(follow_symlinks=False).st_size == 0:
+                    os.unlink(entry.path)
+            os.rmdir(self.traces)
         except OSError:
             pass
 

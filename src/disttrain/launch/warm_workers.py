@@ -246,11 +246,15 @@ def _child(request: dict, fds: list[int], conn: socket.socket) -> NoReturn:
 
     record_native_crashes()  # a native crash shows the Python line it happened at
     code = _run_module(request["module"], request["args"])
+    from disttrain.runtime import exit_bound
     from disttrain.runtime.torch_compat import finish_interpreter
 
+    armed = exit_bound.arm(code)  # a thread or destructor that never ends must not keep the rank
     finish_interpreter()  # what the interpreter does at exit: join threads, run atexit
     for stream in (sys.stdout, sys.stderr):
         stream.flush()
+    if armed:
+        exit_bound.disarm()
     os._exit(code)
 
 
@@ -317,11 +321,33 @@ def run_stub(module: str, args: list[str]) -> int:
     code = os.waitstatus_to_exitcode(status)
     if code < 0 and not forwarded:
         _judge_death(code)
+    if code == 1:
+        code = _stuck_exit(pid, code)
     if code < 0:  # die of the child's signal, so torchrun reports it as its own
         if -code not in (signal.SIGKILL, signal.SIGSTOP):
             signal.signal(-code, signal.SIG_DFL)
         os.kill(os.getpid(), -code)
     return code
+
+
+def _stuck_exit(pid: int, code: int) -> int:
+    """The worker ended with status 1: when that was the exit bound ending a rank whose
+    code had finished (`runtime.exit_bound`), say so in one line and return the status
+    its code ended with; else `code`."""
+    from disttrain.runtime import exit_bound
+
+    stuck = exit_bound.stuck_exit(pid)
+    if stuck is None:
+        return code
+    status, log = stuck
+    print(
+        f"disttrain run: rank {os.environ.get('RANK', '?')} finished its code but had not exited "
+        f"{exit_bound.bound_s():g} s later (a thread that never ends, or a destructor waiting on one); "
+        f"it was ended, and its stack at that moment is in {log}. {exit_bound.BOUND_ENV} sets the bound.",
+        file=sys.stderr,
+        flush=True,
+    )
+    return status
 
 
 def _judge_death(code: int) -> None:
