@@ -88,3 +88,30 @@ def test_a_crash_report_shows_the_scripts_frames_not_the_launchers():
     native = native.replace('  File "/x/threading.py", line 3 in wait\n', "")
     assert "the main thread was at" in failures._program_frames(native)
     assert "line 9 in crash" in failures._program_frames(native)
+
+
+def final_weights(out: Path) -> dict:
+    import torch
+
+    return torch.load(out / "model.pt", map_location="cpu", weights_only=True)
+
+
+def test_a_loader_worker_killed_from_outside_is_retried_bit_identically(tmp_path):
+    """SIGKILL of one of rank 1's loader workers at step 6 (the kernel's OOM killer does
+    this): the machine's, so torchrun restarts from step 4 and the run ends with the
+    weights of an uninterrupted one. Before: "the program's error", not retried."""
+    killed, clean = tmp_path / "killed", tmp_path / "clean"
+    proc, out = launch(killed, "restart", "--raise-at", "6", "--kind", "loaderkill", "--workers", "2", "--steps", "10")
+    assert proc.returncode == 0 and "resumed at step 4" in out, out[-3000:]
+    assert "rank 1 lost a loader worker to a kill from outside" in out, out[-3000:]
+    assert (killed / "loader-killed").exists()
+    proc, out = launch(clean, "restart", "--workers", "2", "--steps", "10")
+    assert proc.returncode == 0, out[-3000:]
+    a, b = final_weights(killed), final_weights(clean)
+    assert a.keys() == b.keys() and all(torch_equal(a[k], b[k]) for k in a)
+
+
+def torch_equal(x, y) -> bool:
+    import torch
+
+    return bool(torch.equal(x, y)) if isinstance(x, torch.Tensor) else x == y

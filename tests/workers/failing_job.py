@@ -18,7 +18,9 @@ generation).
 
 import argparse
 import ctypes
+import multiprocessing
 import os
+import signal
 import sys
 import time
 
@@ -41,6 +43,11 @@ def fail(kind: str, step: int, rank: int):
         torch.distributed.all_reduce(torch.ones(3))
     if kind == "sleep":
         time.sleep(3600)
+    if kind == "loaderkill":  # what the kernel's OOM killer does to a loader worker, once
+        if not os.path.exists(marker := f"{os.environ.get('OUT_DIR', '.')}/loader-killed"):
+            open(marker, "w").close()
+            os.kill(multiprocessing.active_children()[0].pid, signal.SIGKILL)
+        return
     if kind == "oom":
         raise torch.OutOfMemoryError(f"CUDA out of memory. Tried to allocate 2.00 GiB (step {step})")
     if kind == "hostoom":
@@ -51,7 +58,9 @@ def fail(kind: str, step: int, rank: int):
 
 
 def main(a):
-    data = torch.utils.data.TensorDataset(torch.randn(1024, 8), torch.randn(1024, 1))
+    os.environ["OUT_DIR"] = a.out
+    g = torch.Generator().manual_seed(0)  # the same data in every run and on every rank
+    data = torch.utils.data.TensorDataset(torch.randn(1024, 8, generator=g), torch.randn(1024, 1, generator=g))
     tracked = a.tcp and os.environ.get("RANK") == "0"
     if tracked:
         import tracker
@@ -65,7 +74,7 @@ def main(a):
                 f.write("start\n")
         model = job.wrap(torch.nn.Sequential(torch.nn.Linear(8, 16), torch.nn.ReLU(), torch.nn.Linear(16, 1)))
         opt = torch.optim.AdamW(model.parameters(), lr=1e-2)
-        loader = job.loader(data, batch_size=8)
+        loader = job.loader(data, batch_size=8, num_workers=a.workers)
         job.resume(model=model, optimizer=opt)
         if a.raise_at == -1 and job.info.rank == a.raise_rank:
             fail(a.kind, 0, job.info.rank)
@@ -88,6 +97,7 @@ if __name__ == "__main__":
     ap.add_argument("--raise-at", type=int, default=0)
     ap.add_argument("--raise-rank", type=int, default=1)
     ap.add_argument("--kind", default="runtime")
+    ap.add_argument("--workers", type=int, default=0)
     ap.add_argument("--tcp", type=int, default=0)
     ap.add_argument("--timeout-s", type=float, default=300.0)
     main(ap.parse_args())

@@ -11,6 +11,7 @@ The contract:
 | a collective's transport error: gloo's closed or reset pair, an NCCL error | machine | retried |
 | a collective timeout while a peer is gone | machine | retried |
 | SIGKILL from outside (the OOM killer included) | machine | retried |
+| a loader worker killed by SIGKILL ("DataLoader worker ... is killed by signal: Killed") | machine | retried |
 | a crash signal the process raised itself (SIGSEGV, SIGBUS, SIGILL, SIGFPE, SIGABRT: a native crash, gloo or NCCL aborting a rank for a mismatched collective) | program | stopped, with the Python stack at the crash |
 | SIGINT or `KeyboardInterrupt` the program raised, or `sys.exit(n)` with n > 0, in a plain script | program | stopped |
 | any other exception, the user's code or ours, on the rank that raised it | program | stopped, not retried |
@@ -56,6 +57,11 @@ TRANSPORT_WORDS = ("gloo/transport", *CLOSED_WORDS, *NCCL_WORDS)
 on torch 2.13: gloo raises a plain RuntimeError naming pair.cc)."""
 TIMEOUT_WORDS = ("Timed out waiting", "timed out", "Watchdog caught collective operation timeout")
 OOM_TYPES = ("OutOfMemoryError", "MemoryError")
+LOADER_KILLED = re.compile(r"DataLoader worker \(pid\(?s?\)? [\d, ]+\) is killed by signal: Killed")
+"""torch's words when a loader worker died of SIGKILL: from outside (the OOM killer). A
+worker that crashed by itself is "killed by signal: Segmentation fault" and the like."""
+LOADER_VANISHED = "exited unexpectedly"
+"""torch's words for a loader worker gone without a signal it could name: cannot tell."""
 
 
 @dataclass(frozen=True)
@@ -74,8 +80,11 @@ class Verdict:
 
     @property
     def what(self) -> str:
-        """How a retried failure reads in its one line: a lost peer, or one of unknown kind."""
-        return "lost a peer" if self.kind == MACHINE else "failed (cannot tell whose failure)"
+        """How a retried failure reads in its one line: a lost peer or loader worker, or
+        one of unknown kind."""
+        if self.kind != MACHINE:
+            return "failed (cannot tell whose failure)"
+        return "lost a loader worker to a kill from outside" if LOADER_KILLED.search(self.message) else "lost a peer"
 
     @property
     def cause(self) -> str:
@@ -113,8 +122,10 @@ def classify(exc: BaseException, *, peer_gone: bool = False) -> Verdict:
         return Verdict(PROGRAM, name, message, oom=True)
     if is_collective_timeout(exc) and not any(w in str(exc) for w in CLOSED_WORDS):
         return Verdict(MACHINE if peer_gone else UNKNOWN, name, message)
-    if is_transport_error(exc):
+    if is_transport_error(exc) or (isinstance(exc, RuntimeError) and LOADER_KILLED.search(message)):
         return Verdict(MACHINE, name, message)
+    if isinstance(exc, RuntimeError) and "DataLoader worker" in message and LOADER_VANISHED in message:
+        return Verdict(UNKNOWN, name, message)
     return Verdict(PROGRAM, name, message)
 
 
