@@ -115,3 +115,51 @@ def torch_equal(x, y) -> bool:
     import torch
 
     return bool(torch.equal(x, y)) if isinstance(x, torch.Tensor) else x == y
+
+
+def _table_rows() -> list[tuple[str, str]]:
+    """(what ended the attempt, whose) of each row of docs/elastic.md's table."""
+    text = (Path(__file__).parents[1] / "docs" / "elastic.md").read_text()
+    section = text.split("## What is retried and what is not", 1)[1].split("\n## ", 1)[0]
+    rows = [line.split("|")[1:4] for line in section.splitlines() if line.startswith("| ") and "---" not in line]
+    return [(what.strip(), whose.strip()) for what, whose, _ in rows[1:]]
+
+
+def test_the_docs_table_of_what_is_retried_is_what_the_classifier_does():
+    """Every row of docs/elastic.md "What is retried and what is not" has a case here,
+    judged by runtime/failures.py as the row says: a row added, or a verdict changed,
+    without the other fails this test."""
+    from disttrain.errors import UserError
+    from disttrain.runtime import failures
+
+    closed = RuntimeError("[gloo/transport/tcp/pair.cc:553] Connection closed by peer [127.0.0.1]:5285")
+    slow = RuntimeError("[gloo/transport/tcp/unbound_buffer.cc:81] Timed out waiting 3000ms for recv")
+    cases = {
+        "a peer process died": failures.classify(closed).kind,
+        "a collective's transport error": failures.classify(RuntimeError("NCCL error: ncclRemoteError")).kind,
+        "a collective timeout while a peer is gone": failures.classify(slow, peer_gone=True).kind,
+        "SIGKILL from outside": failures.classify_death(-9).kind,
+        "a loader worker killed by SIGKILL": failures.classify(
+            RuntimeError("DataLoader worker (pid 4121) is killed by signal: Killed.")).kind,
+        "a native crash": {failures.classify_death(-s).kind for s in (11, 7, 4, 8)}.pop(),
+        "an abort": failures.classify_death(-6).kind,
+        "`sys.exit(n)`": failures.classify(SystemExit(3)).kind if failures.is_program_exit(SystemExit(3)) else "",
+        "a `KeyboardInterrupt`": failures.PROGRAM if failures.is_program_exit(KeyboardInterrupt()) else "",
+        "any other exception": failures.classify(KeyError("x")).kind,
+        "`torch.OutOfMemoryError`": failures.classify(MemoryError()).kind,
+        "a collective timeout with every peer alive": failures.classify(slow).kind,
+        "a loader worker gone without a signal": failures.classify(
+            RuntimeError("DataLoader worker (pid(s) 4121) exited unexpectedly")).kind,
+        "another signal, or an exit status with no note": {failures.classify_death(c).kind for c in (-10, 3)}.pop(),
+        "a hang the watchdog reports": failures.classify_death(124).kind,
+        "a `UserError`": "user" if isinstance(UserError("x"), UserError) else "",
+        "a rank whose code finished but whose exit is stuck": "nobody",
+    }
+    words = {failures.MACHINE: "the machine's", failures.PROGRAM: "the program's", failures.UNKNOWN: "cannot tell",
+             "user": "the user's", "nobody": "nobody's: the code finished"}
+    rows = _table_rows()
+    assert len(rows) == len(cases), [what for what, _ in rows]
+    for what, whose in rows:
+        case = [key for key in cases if what.startswith(key)]
+        assert len(case) == 1, f"no case for the row {what!r}"
+        assert words[cases[case[0]]] == whose, (what, whose, cases[case[0]])

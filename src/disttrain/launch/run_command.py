@@ -496,8 +496,9 @@ def _launch(args: list[str], env: dict[str, str]) -> int:
         then = (
             f"saved step {saved}. The same command resumes from it."
             if saved is not None
-            else "had --shutdown-timeout to save, but no rank reported a committed checkpoint "
-            "(a script without dt.Job saves nothing on SIGTERM)."
+            else "had --shutdown-timeout to save, but no rank reported a checkpoint committed after "
+            "the signal (a dt.Job commits one when the signal comes after its first step; a script "
+            "without dt.Job saves only what its own handler saves)."
         )
         print(f"disttrain run: stopped by {name}; the workers were passed it and {then}", file=sys.stderr)
         return 0 if e.sigval == signal.SIGTERM else 128 + int(e.sigval)
