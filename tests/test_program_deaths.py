@@ -57,6 +57,20 @@ def test_a_raised_keyboard_interrupt_is_the_programs(path, tmp_path):
         "disttrain run: not retried: KeyboardInterrupt at step 6 on rank 1 is the program's error (exit status 130).")
 
 
+@pytest.mark.parametrize("path", sorted(PATHS))
+def test_a_rank_that_ends_while_its_peers_train_is_named_as_the_cause(path, tmp_path):
+    """Rank 1 returns from main() at step 6: rank 0's next collective fails. Before: rank
+    0 "lost a peer" and was restarted (three times), or waited for a generation that
+    never filled under fast recovery."""
+    proc, out = launch(tmp_path, path, "--raise-at", "6", "--kind", "return", "--steps", "12")
+    assert proc.returncode == 1, out[-3000:]
+    assert len((tmp_path / "starts.log").read_text().splitlines()) == 1, out[-3000:]
+    last = proc.stderr.rstrip().splitlines()[-1]
+    assert last.startswith("disttrain run: not retried: rank 1 finished its code (a return, a break or an exit 0 "
+                           "on one rank only) while rank 0 still waited in a collective at step 6"), last
+    assert "lost a peer" not in out
+
+
 def test_after_a_crash_the_newest_checkpoint_resumes(tmp_path):
     """A segfault at step 6 (checkpoints every 4 steps): a plain re-run resumes from step
     4 and finishes."""

@@ -16,6 +16,9 @@ launch (`NOTES_ENV`): what the launcher says at the end must be what happened.
   which the crash-loop breaker compares with the attempt before (`repeated_failure`).
 - `saved-rank<N>`: the step a rank saved after a SIGTERM. The launcher says "saved"
   only when one is there.
+- `finished-rank<N>-<restart>`: rank N's code ended with status 0 in that attempt; a
+  peer whose collective fails afterwards names it as the cause (a return, a break or an
+  exit on one rank only), not a lost machine.
 
 Beside the notes, a folder for the per-rank logs (`TRACES_ENV`): the full traceback
 of a failure a rank reported in one line (`trace_file`); `disttrain run` keeps it
@@ -27,11 +30,15 @@ and a user error is printed as usual. Plain Python, no torch: the lowest layer.
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
+import signal
 import sys
+import threading
 import time
 from pathlib import Path
+from typing import Iterator
 
 NOTES_ENV = "DISTTRAIN_LAUNCH_NOTES"
 TRACES_ENV = "DISTTRAIN_TRACES"
@@ -107,11 +114,28 @@ def earlier_stop(wait_s: float = 0.0) -> bool:
     if folder is None:
         return False
     deadline = time.monotonic() + wait_s
-    while not ((folder / USER_ERROR).exists() or (folder / NOT_RETRIED).exists()):
-        if time.monotonic() >= deadline:
-            return False
-        time.sleep(0.02)
+    # torchrun's agent stops this rank (SIGTERM) as soon as it sees the peer gone: the wait
+    # must end with this rank's own line, not be cut short by it.
+    with _sigterm_ignored(wait_s > 0):
+        while not ((folder / USER_ERROR).exists() or (folder / NOT_RETRIED).exists()):
+            if time.monotonic() >= deadline:
+                return False
+            time.sleep(0.02)
     return True
+
+
+@contextlib.contextmanager
+def _sigterm_ignored(wanted: bool) -> Iterator[None]:
+    """SIGTERM ignored inside the block, when `wanted` and on the main thread (where
+    handlers are set); the handler before is restored after it."""
+    if not wanted or threading.current_thread() is not threading.main_thread():
+        yield
+        return
+    before = signal.signal(signal.SIGTERM, signal.SIG_IGN)
+    try:
+        yield
+    finally:
+        signal.signal(signal.SIGTERM, before)
 
 
 def report_not_retried(line: str, status: int, traceback: str | None = None, oom: dict | None = None) -> bool:
@@ -173,6 +197,28 @@ def trace_file(rank: int) -> Path | None:
     """This rank's log of full tracebacks under `disttrain run` (None elsewhere)."""
     path = os.environ.get(TRACES_ENV)
     return Path(path) / f"rank{rank}.log" if path and _folder() is not None else None
+
+
+def _restart() -> int:
+    return int(os.environ.get("TORCHELASTIC_RESTART_COUNT", "0") or 0)
+
+
+def note_finished(rank: int) -> None:
+    """This rank's code ended with status 0 in this attempt (a no-op outside `disttrain
+    run`): a peer whose collective then fails knows why (`finished_peers`)."""
+    folder = _folder()
+    if folder is not None:
+        _write_once(folder / f"finished-rank{rank}-{_restart():06d}", "")
+
+
+def finished_peers(rank: int) -> list[int]:
+    """The ranks other than `rank` whose code ended with status 0 in this attempt."""
+    folder = _folder()
+    if folder is None:
+        return []
+    suffix = f"-{_restart():06d}"
+    names = [p.name[len("finished-rank") : -len(suffix)] for p in folder.glob(f"finished-rank*{suffix}")]
+    return sorted(int(n) for n in names if n.isdigit() and int(n) != rank)
 
 
 def note_saved(rank: int, step: int) -> None:

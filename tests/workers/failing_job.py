@@ -8,7 +8,7 @@
 the first step): "runtime" RuntimeError("shapes do not match"), "oom"
 torch.OutOfMemoryError, "hostoom" MemoryError (the program's errors), "timeout" a
 TimeoutError (which cannot be classified); the program's deaths: "segv" a native crash,
-"abort" `os.abort()`, "exit" `sys.exit(3)`, "interrupt" a KeyboardInterrupt, "mismatch"
+"abort" `os.abort()`, "exit" `sys.exit(3)`, "return" rank R's main() returns, "interrupt" a KeyboardInterrupt, "mismatch"
 an all_reduce on rank R alone; "sleep" a rank that stops making progress. `--tcp PORT`: the process of RANK 0 sends
 "step N" after every step and "done" at the end on its one connection to
 127.0.0.1:PORT (tests/workers/tracker.py), opened before the first step. Rank 0
@@ -80,6 +80,8 @@ def main(a):
             fail(a.kind, 0, job.info.rank)
         for x, y in job.steps(loader, max_steps=a.steps):
             if job.step + 1 == a.raise_at and job.info.rank == a.raise_rank:
+                if a.kind == "return":  # this rank leaves its loop and ends; its peers go on
+                    return
                 fail(a.kind, job.step + 1, job.info.rank)
             loss = torch.nn.functional.mse_loss(model(x), y)
             job.backward(loss)

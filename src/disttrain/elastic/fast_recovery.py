@@ -349,6 +349,9 @@ def _recover(handoff: Handoff, e: Exception, info: runtime.RankInfo, world: int)
     verdict = failures.classify(e, peer_gone=handoff.peer_gone())
     if not verdict.retried or worker_notes.earlier_stop():
         _stop(handoff, e, info.rank)  # no new generation
+    if failures.report_early_finish(info.rank, _failed_step(handoff), verdict):
+        worker_notes.wait_to_be_stopped()  # a peer ended its code while this rank trains
+        raise SystemExit(1) from None
     _stop_a_loop(handoff, verdict, info.rank)
     # The console's one line per lost peer is its supervisor's (which rank died, how, and
     # that its spare took over); the survivor's trace goes to its log.

@@ -74,11 +74,13 @@ def main(argv: list[str]) -> None:
     script = argv[0]
     sys.argv = list(argv)
     sys.path[0] = os.path.dirname(os.path.abspath(script))  # as `python SCRIPT` sets it
+    from disttrain import worker_notes
     from disttrain.runtime import failures
 
     failures.watch_interrupts()
     try:
         keep_globals(runpy.run_path(script, run_name="__main__"))
+        worker_notes.note_finished(int(os.environ.get("RANK", "0")))
     except Exception as e:  # a dt.Job has judged its own failure already (failures.JudgedExit)
         script_failed(e)
     except (SystemExit, KeyboardInterrupt) as e:
@@ -101,6 +103,9 @@ def script_failed(exc: BaseException) -> None:
     rank, verdict = int(os.environ.get("RANK", "0")), failures.classify(exc)
     if worker_notes.earlier_stop(0.0 if verdict.kind == failures.PROGRAM else worker_notes.PEER_NOTE_WAIT_S):
         os._exit(0)
+    if failures.report_early_finish(rank, None, verdict):
+        worker_notes.wait_to_be_stopped()
+        sys.exit(1)
     if verdict.kind == failures.PROGRAM:
         failures.report_program_error(exc, rank, None, oom={} if verdict.oom else None)
         worker_notes.wait_to_be_stopped()

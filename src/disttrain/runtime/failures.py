@@ -294,6 +294,25 @@ def exit_status(exc: BaseException) -> int:
     return 128 + signal.SIGINT if isinstance(exc, KeyboardInterrupt) else 1
 
 
+def report_early_finish(rank: int, step: int | None, verdict: Verdict) -> bool:
+    """After this rank's collective failed (`verdict` not the program's): when a peer's
+    code had ended with status 0 in this attempt, that is the cause, and the program's
+    (every rank must make the same collectives: a `break`, `return` or `sys.exit(0)` on
+    one rank only). Hands the launcher that line and returns True (the caller waits to
+    be stopped); False when no peer had finished."""
+    peers = worker_notes.finished_peers(rank)
+    if verdict.kind == PROGRAM or not peers:
+        return False
+    where = "" if step is None else f" at step {step}" if step else " before the first step"
+    who = f"rank {peers[0]} finished its" if len(peers) == 1 else f"ranks {', '.join(map(str, peers))} finished their"
+    return worker_notes.report_not_retried(
+        f"not retried: {who} code (a return, a break or an exit 0 on one rank only) while rank "
+        f"{rank} still waited in a collective{where} ({verdict.cause}); every rank must make the same "
+        f"collectives: the program's error",
+        1,
+    )
+
+
 def report_program_error(exc: BaseException, rank: int, step: int | None, oom: dict | None = None) -> bool:
     """Under `disttrain run`: hand the launcher the program's error `exc` of `rank` at
     `step` (0: before the first step; None: a plain script's, unknown), its traceback

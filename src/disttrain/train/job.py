@@ -246,6 +246,7 @@ class Job:
         ending = job_failure.judge(self, exc, self._peer_gone) if exc is not None else None
         self._close()
         if ending is not None:
+            ending = ending.settled()
             if ending.wait:
                 worker_notes.wait_to_be_stopped()
             raise failures.JudgedExit(ending.status) from None

@@ -41,6 +41,13 @@ class Ending:
 
     status: int
     wait: bool = False
+    then: Callable[[], "Ending"] | None = None
+    """What decides the ending once the job is closed: a retried failure's line waits a
+    moment for a peer's note (`settled`), and the job's trackers must be closed first,
+    before torchrun's agent stops this rank."""
+
+    def settled(self) -> "Ending":
+        return self.then() if self.then is not None else self
 
 
 def failed_step(job) -> int:
@@ -77,17 +84,27 @@ def judge(job, exc: BaseException, peer_gone: Callable[[], bool] = lambda: False
     if isinstance(exc, UserError):
         worker_notes.write_user_error(job.name, exc)
         return Ending(2, wait=True)
+    if worker_notes.earlier_stop():  # first: a peer that stopped the job may have taken the store
+        return Ending(0)
     rank, step = (job.info.rank if job.info else int(os.environ.get("RANK", "0"))), failed_step(job)
     verdict = failures.classify(exc, peer_gone=peer_gone())
-    # On the restart path a lost peer may be a peer that crashed: its note comes a moment
-    # after the connection closed. Fast recovery does not wait (a real loss costs ~0.4 s).
-    wait = job.handoff is None and verdict.kind != failures.PROGRAM
-    if worker_notes.earlier_stop(worker_notes.PEER_NOTE_WAIT_S if wait else 0.0):
-        return Ending(0)
     if verdict.kind == failures.PROGRAM:
         failures.report_program_error(exc, rank, step, oom=oom_facts(job) if verdict.oom else None)
         return Ending(failures.exit_status(exc), wait=True)
-    return None if job.handoff is not None else machine_ending(rank, step, verdict, exc)
+    if job.handoff is not None:
+        return None  # fast recovery recovers in memory
+    return Ending(1, then=lambda: lost_peer_ending(rank, step, verdict, exc))
+
+
+def lost_peer_ending(rank: int, step: int, verdict: failures.Verdict, exc: BaseException) -> Ending:
+    """The restart path's end of a rank whose collective failed, decided after the job
+    closed: a peer that crashed, or ended its code, leaves its note a moment after the
+    connection closed (`worker_notes.PEER_NOTE_WAIT_S`); without one, a lost peer."""
+    if worker_notes.earlier_stop(worker_notes.PEER_NOTE_WAIT_S):
+        return Ending(0)
+    if failures.report_early_finish(rank, step, verdict):
+        return Ending(1, wait=True)
+    return machine_ending(rank, step, verdict, exc)
 
 
 def machine_ending(rank: int, step: int, verdict: failures.Verdict, exc: BaseException) -> Ending:

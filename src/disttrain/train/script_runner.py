@@ -44,6 +44,9 @@ def _body(script: str, args: list[str]):
                 raise SystemExit(failures.exit_status(e)) from None
             if isinstance(e, KeyboardInterrupt) or e.code not in (None, 0):
                 raise
+        # Before this generation's group closes: a peer whose collective fails when it
+        # does must find why (a rank that ended while its peers train), not recover.
+        worker_notes.note_finished(info.rank)
         return 0
 
     return body
