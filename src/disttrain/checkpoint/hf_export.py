@@ -27,12 +27,18 @@ from disttrain.old_paths import forward
 
 
 def _stored_model_section(step_dir: Path) -> dict:
+    """The model section of the checkpoint's state.json, checked for shape only: a
+    table whose `hf` / `hf_path` are strings. What they say is judged by
+    `hf_config_from_section`. Raises `UserError` naming the file."""
     state = step_dir / "state.json"
     try:
-        config = json.loads(state.read_text()).get("config") or {}
+        stored = json.loads(state.read_text())
     except (OSError, ValueError) as e:
         raise UserError(f"{state} cannot be read ({e}); is {step_dir} a disttrain checkpoint?") from e
-    model = config.get("model") or {}
+    config = stored.get("config") if isinstance(stored, dict) else None
+    model = (config.get("model") if isinstance(config, dict) else None) or {}
+    if not isinstance(model, dict) or not all(isinstance(model.get(k) or "", str) for k in ("hf", "hf_path")):
+        raise UserError(f"{state}: config.model is not a table whose model.hf and model.hf_path are strings.")
     if not (model.get("hf") or model.get("hf_path")):
         raise UserError(
             f"{step_dir} holds a model that is not a Hugging Face model (its config "
@@ -58,7 +64,11 @@ def export_hf(
     rows = {r[0]: r for r in tensor_table(step_dir) if r[0].startswith("model.")}
     if out.exists() and (not out.is_dir() or any(out.iterdir())):
         raise UserError(f"{out} already exists and is not an empty folder; choose a new folder for --hf or remove it.")
-    hf_config = hf_model_config.hf_config_from_section(_stored_model_section(step_dir), config_dir)
+    # The stored section is data: hf_config_from_section builds a shipped config class
+    # from its plain values and refuses anything that would choose code.
+    hf_config = hf_model_config.hf_config_from_section(
+        _stored_model_section(step_dir), config_dir, stored_in=str(step_dir / "state.json")
+    )
     with torch.device("meta"):
         model = hf_model_config.causal_lm_from_config(hf_config, f"{step_dir} model")
     adapter = "model." + hf_model_config.HF_PREFIX  # saved from HFCausalLM, not the bare model

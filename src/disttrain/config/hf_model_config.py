@@ -58,46 +58,134 @@ def resolve_hf_path(hf_path: str, config_dir: str | os.PathLike | None) -> Path:
     return p
 
 
-def hf_config_from_section(section: Any, config_dir: str | os.PathLike | None = None):
-    """The `transformers` config that a model section describes: `hf` (a model type such
-    as "gpt2") with `hf_config` overrides, or `hf_path` (a local save_pretrained folder,
-    overrides applied on top). `section` is the config dataclass or its dict form.
-    Raises `UserError` for a missing `transformers`, an unknown model type, a bad
-    override key type, or a folder without a config. Never downloads anything."""
-    transformers = import_transformers()
-    hf, hf_path = _get(section, "hf") or "", _get(section, "hf_path") or ""
-    overrides = dict(_get(section, "hf_config") or {})
-    if hf and hf_path:
-        raise UserError(
-            "model.hf and model.hf_path are both set; use one: hf builds from a "
-            "config, hf_path loads a local save_pretrained folder."
-        )
-    if hf_path:
-        folder = resolve_hf_path(hf_path, config_dir)
-        try:
-            return transformers.AutoConfig.from_pretrained(str(folder), local_files_only=True, **overrides)
-        except (OSError, ValueError) as e:
+LOADER_KEYS = frozenset(
+    {
+        # Each chooses code to import or how transformers loads, not what the model is.
+        "trust_remote_code",
+        "auto_map",
+        "attn_implementation",
+        "custom_pipelines",
+        "name_or_path",
+        "quantization_config",
+        "cache_dir",
+        "code_revision",
+        "force_download",
+        "local_files_only",
+        "proxies",
+        "revision",
+        "subfolder",
+        "token",
+    }
+)
+"""Keys a model section's `hf_config` (and a `hf_path` folder's config.json) may not
+hold; so may no key that starts with `_` (transformers' internal fields)."""
+
+_CONFIG_JSON_LIMIT = 4 << 20  # a config.json is a few KiB; a bigger one is not one
+
+
+def _plain(value, depth: int = 0) -> bool:
+    if value is None or isinstance(value, (bool, int, float, str)):
+        return True
+    if depth >= 8:
+        return False
+    if isinstance(value, list):
+        return all(_plain(v, depth + 1) for v in value)
+    if isinstance(value, dict):
+        return all(isinstance(k, str) and _plain(v, depth + 1) for k, v in value.items())
+    return False
+
+
+def plain_config_values(values: Any, where: str) -> dict:
+    """`values` (an `hf_config` table or a config.json) as keyword values for a config
+    class: a dict of JSON scalars, lists and tables only, none of whose keys is in
+    `LOADER_KEYS` or starts with `_`. Raises `UserError` naming `where` (the file or
+    key the values came from) and the first offending key; returns a copy."""
+    if not isinstance(values, dict):
+        raise UserError(f"{where}: expected a table of config values, got {type(values).__name__}.")
+    for key, value in values.items():
+        if not isinstance(key, str) or key in LOADER_KEYS or key.startswith("_"):
             raise UserError(
-                f"model.hf_path {hf_path!r}: {folder}/config.json cannot be read "
-                f"by transformers: {str(e).splitlines()[0]}"
-            ) from e
-    if not hf:
-        raise UserError("the model section names no Hugging Face model (model.hf or model.hf_path).")
+                f"{where}: {key!r} chooses code or how transformers loads a model, not a "
+                f"config value; disttrain never passes it on: remove it."
+            )
+        if not _plain(value):
+            raise UserError(f"{where}: {key!r} is not a plain value (JSON numbers, strings, lists and tables).")
+    return dict(values)
+
+
+def read_config_json(folder: Path, where: str) -> tuple[str, dict]:
+    """The model type and the plain values of `folder/config.json`, read as JSON (never
+    by transformers' loader, which may import code the folder names). `where` says who
+    named the folder. Raises `UserError` for an unreadable, oversized or malformed file,
+    one without a `model_type`, or one with a key `plain_config_values` refuses."""
+    path = folder.absolute() / "config.json"
+    try:
+        with open(path, "rb") as f:
+            data = f.read(_CONFIG_JSON_LIMIT + 1)
+        if len(data) > _CONFIG_JSON_LIMIT:
+            raise ValueError(f"larger than {_CONFIG_JSON_LIMIT} bytes")
+        values = json.loads(data)
+    except (OSError, ValueError) as e:
+        raise UserError(f"{path} ({where}) cannot be read as a config.json: {str(e).splitlines()[0]}") from e
+    values = plain_config_values(
+        {k: v for k, v in values.items() if k != "transformers_version"} if isinstance(values, dict) else values,
+        f"{path} ({where})",
+    )
+    model_type = values.pop("model_type", None)
+    if not isinstance(model_type, str) or not model_type:
+        raise UserError(f"{path} ({where}) has no model_type; it is not a save_pretrained config.json.")
+    return model_type, values
+
+
+def config_for_type(model_type: str, values: dict, where: str):
+    """`AutoConfig.for_model(model_type, **values)` for a model type transformers ships
+    (so no code of a folder's choosing); `values` must come from `plain_config_values`.
+    Raises `UserError` naming `where` for an unknown type (with close matches) or a
+    value the config class rejects."""
+    transformers = import_transformers()
     from transformers.models.auto.configuration_auto import CONFIG_MAPPING
 
     known = list(CONFIG_MAPPING.keys())
-    if hf not in known:
-        close = difflib.get_close_matches(hf, known, n=3)
+    if model_type not in known:
+        close = difflib.get_close_matches(model_type, known, n=3)
         hint = f" Did you mean {', '.join(repr(c) for c in close)}?" if close else ""
         raise UserError(
-            f"model.hf is {hf!r}, which is not a transformers model type "
+            f"{where} is {model_type!r}, which is not a transformers model type "
             f"(transformers {transformers.__version__}).{hint} Use a model type "
             f"such as 'gpt2' or 'llama', not a hub name."
         )
     try:
-        return transformers.AutoConfig.for_model(hf, **overrides)
-    except (TypeError, ValueError) as e:
-        raise UserError(f"model.hf_config for {hf!r} is invalid: {str(e).splitlines()[0]}") from e
+        return transformers.AutoConfig.for_model(model_type, **values)
+    except Exception as e:  # a config class validates as its release does (TypeError, hub's strict errors)
+        raise UserError(f"{where}: the config values for {model_type!r} are invalid: {str(e).splitlines()[0]}") from e
+
+
+def hf_config_from_section(section: Any, config_dir: str | os.PathLike | None = None, stored_in: str = ""):
+    """The `transformers` config that a model section describes: `hf` (a model type such
+    as "gpt2") with `hf_config` overrides, or `hf_path` (a local save_pretrained folder,
+    whose config.json is read as data, overrides applied on top). `section` is the
+    config dataclass or its dict form; `stored_in` names the file it was read from (a
+    checkpoint's state.json) for messages. Whatever the section says, the config is a
+    class transformers ships built from plain values: no code is imported, nothing is
+    downloaded, and `trust_remote_code` or an `auto_map` (`LOADER_KEYS`) is refused.
+    Raises `UserError` for a missing `transformers`, an unknown model type, a refused
+    or malformed value, or a folder without a config."""
+    import_transformers()
+    at = f"{stored_in}: " if stored_in else ""
+    hf, hf_path = _get(section, "hf") or "", _get(section, "hf_path") or ""
+    overrides = plain_config_values(_get(section, "hf_config") or {}, f"{at}model.hf_config")
+    if hf and hf_path:
+        raise UserError(
+            f"{at}model.hf and model.hf_path are both set; use one: hf builds from a "
+            "config, hf_path loads a local save_pretrained folder."
+        )
+    if hf_path:
+        folder = resolve_hf_path(hf_path, config_dir)
+        model_type, values = read_config_json(folder, f"{at}model.hf_path {hf_path!r}")
+        return config_for_type(model_type, {**values, **overrides}, f"{folder}/config.json's model_type")
+    if not hf:
+        raise UserError(f"{at}the model section names no Hugging Face model (model.hf or model.hf_path).")
+    return config_for_type(hf, overrides, f"{at}model.hf")
 
 
 def hf_section(model: Any) -> dict | None:

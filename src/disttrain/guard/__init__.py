@@ -4,6 +4,7 @@
     watchdog.py         a thread that names a hung step, dumps stacks, exits 124
     script_watchdog.py  the same for a plain script under `disttrain run` (no steps)
     side_channel.py     the heartbeat folder: made, shared and removed under a lock
+    private_dir.py      where that folder lives (private to this user and job), safe file opens
     hang_report.py      the lagging-rank verdict from every rank's dump
     stacks.py           the local ranks' Python stacks (py-spy, else faulthandler)
     sanity.py           'does this look distributed?' checks on world size, threads, wrap, first batch

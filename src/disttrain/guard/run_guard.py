@@ -332,12 +332,17 @@ def start_guard(cfg=None, *, config: Any = None, timeout_s: float | None = None,
     check_consistency(config=config, **fields)
     watchdog = None
     if dist.is_initialized() and dist.get_world_size() > 1:
+        from disttrain.guard.private_dir import UnsafeGuardDir
         from disttrain.guard.watchdog import Watchdog, default_dir, job_key
 
         cap = min(cfg.hang_cap_s, 0.9 * timeout_s) if timeout_s else cfg.hang_cap_s
         # A shared guard.dir gets one subdirectory per job attempt, so runs never mix.
         side = Path(cfg.dir) / job_key() if cfg.dir else None
-        hand_over(side or default_dir())  # this watchdog knows the steps
+        try:
+            successor = side or default_dir()
+        except UnsafeGuardDir:
+            successor = None  # Job's watchdog says why and stays off
+        hand_over(successor)  # this watchdog knows the steps
         watchdog = Watchdog(
             dir=side,
             hang_factor=cfg.hang_factor,

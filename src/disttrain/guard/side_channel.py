@@ -21,11 +21,14 @@ where the file system refuses locks, both go ahead unlocked, as before.
 
 from __future__ import annotations
 
+import errno
 import fcntl
 import os
 import shutil
 from pathlib import Path
 from typing import Callable, TypeVar
+
+from disttrain.guard import private_dir
 
 LOCK_NAME = ".lock"
 """The lock file in the side channel (no heartbeat reader globs it)."""
@@ -40,12 +43,17 @@ def join(folder: Path, first_files: Callable[[], T]) -> T:
     """Make `folder` if needed and return `first_files()`, run while no `leave` can
     remove the folder. `first_files` must leave a "running" heartbeat in it, so that a
     later `leave` keeps the folder. Raises OSError when the folder cannot be made (a
-    read-only or full disk) or keeps vanishing."""
+    read-only or full disk) or keeps vanishing, `UnsafeGuardDir` when it is not this
+    user's private folder."""
     for _ in range(JOIN_TRIES):
         try:
-            folder.mkdir(parents=True, exist_ok=True)
+            private_dir.make(folder)  # 0700, ours, not a symlink (UnsafeGuardDir otherwise)
         except FileExistsError:  # removed between mkdir's EEXIST and its is_dir check
             continue
+        except private_dir.UnsafeGuardDir:
+            if os.path.lexists(folder):
+                raise
+            continue  # removed by a peer between the mkdir and the check
         fd = _locked(folder, fcntl.LOCK_SH, create=True)
         if fd is None:
             continue  # removed after our mkdir: make it again
@@ -81,10 +89,16 @@ def leave(folder: Path, may_remove: Callable[[], bool]) -> bool:
 def _locked(folder: Path, mode: int, *, create: bool) -> int | None:
     """An open descriptor of the folder's lock file, locked in `mode`; None when the
     folder (or, for a remover, the lock file) is gone or was removed while we waited."""
-    flags = os.O_RDWR | (os.O_CREAT if create else 0)
+    flags = os.O_RDWR | (os.O_CREAT if create else 0) | getattr(os, "O_NOFOLLOW", 0) | getattr(os, "O_CLOEXEC", 0)
     try:
-        fd = os.open(folder / LOCK_NAME, flags, 0o644)
+        fd = os.open(folder / LOCK_NAME, flags, 0o600)
     except (FileNotFoundError, NotADirectoryError):
+        return None
+    except OSError as e:
+        if e.errno != errno.ELOOP:
+            raise
+        if create:  # a symlink where the lock belongs: never followed; removed, and a start retries
+            os.unlink(folder / LOCK_NAME)
         return None
     try:
         fcntl.flock(fd, mode)

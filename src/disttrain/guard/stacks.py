@@ -15,6 +15,8 @@ import sys
 import time
 from pathlib import Path
 
+from disttrain.guard import private_dir
+
 
 def find_py_spy() -> str | None:
     """py-spy next to this interpreter (a venv) or on PATH; None when not installed.
@@ -37,7 +39,9 @@ def proc_state(pid: int) -> str:
 
 
 def dump_stacks(beats: list[dict], dir: Path) -> dict[int, str]:
-    """Python stacks of the local ranks in `beats`: py-spy, else their faulthandler files."""
+    """Python stacks of the local ranks in `beats`: py-spy, else their faulthandler files.
+    Every pid in `beats` is signalled (SIGUSR1): the caller passes only processes it
+    checked to be its job's own (`watchdog._same_process`)."""
     py_spy = find_py_spy()
     stacks: dict[int, str] = {}
     if py_spy:
@@ -70,7 +74,7 @@ def dump_stacks(beats: list[dict], dir: Path) -> dict[int, str]:
     for b in beats:
         if not stacks.get(b["rank"], "").strip() or "Error" in stacks[b["rank"]][:200]:
             try:
-                text = (dir / f"stack{b['rank']}.txt").read_text()
+                text = private_dir.read(dir / f"stack{b['rank']}.txt").decode(errors="replace")
             except OSError:
                 text = ""
             stacks[b["rank"]] = text or f"(no stack: process state {b.get('proc_state', '?')})"

@@ -4,8 +4,11 @@ Each rank runs one daemon thread. The training thread only updates a few attribu
 (`step()` at each step boundary, `phase(name)` around the parts worth naming), so the
 cost per step is a few microseconds. Every `tick_s` the thread writes this rank's
 heartbeat (step, phase, recent phase history, pid, host) to a side channel that does
-not depend on the process group: files in a directory (by default a per-job temp
-directory on this host; point `dir` at a shared file system for several nodes).
+not depend on the process group: files in a directory (by default a private per-job
+folder on this host, `private_dir.default_dir`; point `dir` at a shared file system
+for several nodes). Only this user's folders are used, files are never opened through
+a symlink, a `stall` file older than this process is stale, and only processes whose
+pid and start time match their heartbeat are ever signalled.
 
 A rank fires when its own step has run longer than the bound, or a peer's heartbeat
 stops (a stopped or dead process). The bound is `hang_factor` x the median step time,
@@ -27,14 +30,13 @@ import os
 import signal
 import socket
 import statistics
-import tempfile
 import threading
 import time
 from collections import deque
 from pathlib import Path
 from typing import TextIO
 
-from disttrain.guard import side_channel
+from disttrain.guard import private_dir, side_channel
 from disttrain.guard.hang_report import diagnose, format_summary
 from disttrain.guard.stacks import dump_stacks, proc_state
 from disttrain.runtime.log import EVERY_RANK, LOGGER
@@ -49,7 +51,8 @@ busy network file system, so a large save or load is not called a hang."""
 
 
 def job_key() -> str:
-    """Names one attempt of one job: torchrun's run id, port and restart count.
+    """Names one attempt of one job: torchrun's run id, port and restart count (the
+    subfolder of a shared `guard.dir`; `private_dir.attempt_name` names the default).
 
     The restart count matters: an elastic restart keeps the run id, and a stale
     'stall' file from the failed attempt must not stop the new one.
@@ -60,8 +63,15 @@ def job_key() -> str:
 
 
 def default_dir() -> Path:
-    """A directory unique to this attempt of this job on this host."""
-    return Path(tempfile.gettempdir()) / f"disttrain-guard-{job_key()}"
+    """A private directory unique to this attempt of this job on this host (see
+    `private_dir.default_dir`; raises `UnsafeGuardDir` when its parent is not private)."""
+    return private_dir.default_dir()
+
+
+_FIRST_START: dict[int, float] = {}
+"""pid -> when that process first started a watchdog (per pid: a forked worker is a new
+process): a `stall` written before it is stale (from an earlier job that used the same
+folder), however the folder was named."""
 
 
 class Watchdog:
@@ -90,7 +100,8 @@ class Watchdog:
         self.rank = int(os.environ.get("RANK", 0))
         self.local_rank = int(os.environ.get("LOCAL_RANK", 0))
         self.world = int(os.environ.get("WORLD_SIZE", 1))
-        self.dir = Path(dir) if dir else default_dir()
+        self._chosen = dir is not None
+        self.dir = Path(dir) if dir else Path()  # the default is found (and checked) by start()
         self.hang_factor, self.hang_min_s, self.hang_cap_s = hang_factor, hang_min_s, hang_cap_s
         self.tick_s, self.warmup_steps, self.exit_code = tick_s, warmup_steps, exit_code
         self.slow_min_s, self.slow_bytes_per_s = slow_min_s, slow_bytes_per_s
@@ -156,10 +167,21 @@ class Watchdog:
     # ------------------------------------------------------------ lifetime
 
     def start(self) -> "Watchdog":
-        """Join the side channel (made if needed, safe against a peer's removal: see
-        `side_channel`), arm faulthandler, start the thread."""
-        # Fallback stack dump for when py-spy is absent: the reporter sends SIGUSR1.
-        self._stack_file = side_channel.join(self.dir, self._first_files)
+        """Join the side channel (made 0700 if needed, safe against a peer's removal: see
+        `side_channel`), arm faulthandler, start the thread. A folder given as `dir`
+        that another user owns or can write raises `UnsafeGuardDir`; when the default
+        one is such, the watchdog stays off with a warning (training goes on)."""
+        _FIRST_START.setdefault(os.getpid(), time.time())
+        try:
+            if not self._chosen:
+                self.dir = default_dir()
+            # Fallback stack dump for when py-spy is absent: the reporter sends SIGUSR1.
+            self._stack_file = side_channel.join(self.dir, self._first_files)
+        except private_dir.UnsafeGuardDir as e:
+            if self._chosen:
+                raise
+            LOGGER.warning(f"disttrain guard: hang watchdog off on rank {self.rank}: {e}", extra=EVERY_RANK)
+            return self
         # Only when nobody else handles SIGUSR1: a user's handler is never replaced.
         if (
             hasattr(signal, "SIGUSR1")
@@ -175,7 +197,7 @@ class Watchdog:
     def _first_files(self) -> TextIO:
         """This rank's stack file and its first "running" heartbeat, which keeps a
         peer's `_cleanup` from removing the folder from now on."""
-        stack_file = open(self.dir / f"stack{self.rank}.txt", "w")
+        stack_file = os.fdopen(private_dir.create(self.dir / f"stack{self.rank}.txt"), "w")
         self._beat()
         return stack_file
 
@@ -206,7 +228,7 @@ class Watchdog:
         side_channel.leave(self.dir, self._all_exited)
 
     def _all_exited(self) -> bool:
-        if (self.dir / "stall").exists():
+        if self._stall() is not None:
             return False
         beats = self._read_beats()
         return bool(beats) and all(b["state"] == "exited" for b in beats) and len(beats) >= self.local_world()
@@ -233,6 +255,7 @@ class Watchdog:
             "rank": self.rank,
             "local_rank": self.local_rank,
             "pid": os.getpid(),
+            "start": _own_start(),
             "host": self.host,
             "step": self.step_no,
             "phase": self.phase_name,
@@ -249,17 +272,26 @@ class Watchdog:
         path = self.dir / f"hb{self.rank}.json"
         tmp = path.with_suffix(".tmp")
         try:
-            tmp.write_text(json.dumps(self.heartbeat(state)))
+            private_dir.write(tmp, json.dumps(self.heartbeat(state)).encode())
             os.replace(tmp, path)  # readers never see half a heartbeat
         except OSError:
             pass  # a full or vanished disk must not kill training; the next tick retries
+
+    def _stall(self) -> dict | None:
+        """The `stall` record of this job's hang, or None: no file, not yet written in
+        full, or stale (`_stale`)."""
+        try:
+            record = json.loads(private_dir.read(self.dir / "stall"))
+        except (OSError, ValueError):
+            return None
+        return None if _stale(record) else record
 
     def _run(self) -> None:
         warned = False
         while not self._stop.wait(self.tick_s):
             try:
                 self._beat()
-                if (self.dir / "stall").exists():
+                if self._stall() is not None:
                     self._follow()
                     return
                 reason = self._check()
@@ -278,7 +310,7 @@ class Watchdog:
         beats = []
         for path in sorted(self.dir.glob("hb*.json")):
             try:
-                beats.append(json.loads(path.read_text()))
+                beats.append(json.loads(private_dir.read(path)))
             except (OSError, ValueError):
                 continue
         return sorted(beats, key=lambda b: b["rank"])
@@ -313,15 +345,18 @@ class Watchdog:
         os._exit(self.exit_code)
 
     def _fire(self, reason: str) -> None:
+        record = json.dumps({"rank": self.rank, "reason": reason, "time": time.time()}).encode()
+        stall = self.dir / "stall"
         try:
-            fd = os.open(self.dir / "stall", os.O_CREAT | os.O_EXCL | os.O_WRONLY)
-            os.write(fd, json.dumps({"rank": self.rank, "reason": reason}).encode())
-            os.close(fd)
+            fd = self._elect(stall)
         except FileExistsError:
             self._follow()
             return
         except OSError:
-            pass  # no election possible (the directory vanished): report anyway
+            fd = None  # no election possible (the directory vanished): report anyway
+        if fd is not None:
+            os.write(fd, record)
+            os.close(fd)
         try:
             self._report(reason)
         except Exception as e:  # a bug in the report must never turn back into a hang
@@ -332,14 +367,38 @@ class Watchdog:
             )
         os._exit(self.exit_code)
 
+    def _elect(self, stall: Path) -> int:
+        """The `stall` file created by this rank (O_EXCL: the first rank to fire wins).
+        A stale one (see `_stall`) is replaced; a current one raises FileExistsError."""
+        flags = os.O_CREAT | os.O_EXCL | os.O_WRONLY | getattr(os, "O_NOFOLLOW", 0)
+        try:
+            return os.open(stall, flags, 0o600)
+        except FileExistsError:
+            try:
+                record = json.loads(private_dir.read(stall))
+            except ValueError:
+                raise FileExistsError(stall) from None  # a peer's, still being written
+            except OSError:
+                record = None  # gone since, or not a plain file: replace it
+            if record is not None and not _stale(record):
+                raise
+        try:
+            os.unlink(stall)  # stale, or a peer's still empty: the O_EXCL below decides again
+        except FileNotFoundError:
+            pass
+        return os.open(stall, flags, 0o600)
+
     def _report(self, reason: str) -> None:
         beats = self._read_beats()
         now = time.time()  # before the dumps: their duration must not age the heartbeats
-        local = [b for b in beats if b["host"] == self.host]
+        # Signalled (SIGUSR1, SIGCONT) and read by py-spy: only this host's processes
+        # that are still the ones their heartbeat names (this user's, same start time).
+        local = [b for b in beats if b["host"] == self.host and _same_process(b)]
         for b in local:
             b["proc_state"] = proc_state(b["pid"])
         stacks = dump_stacks(local, self.dir)
         verdict, lagging = diagnose(beats, now, stale_after=max(self.bound(), 5 * self.tick_s), stacks=stacks)
+        report = self.dir / private_dir.REPORT_NAME
         summary = format_summary(
             reason=reason,
             reporter=self.rank,
@@ -348,11 +407,11 @@ class Watchdog:
             verdict=verdict,
             lagging=lagging,
             stacks=stacks,
-            report=self.dir / "hang_report.txt",
+            report=report,
         )
         full = summary + "\n\n" + "\n\n".join(f"--- rank {r} stack ---\n{text}" for r, text in sorted(stacks.items()))
         try:
-            (self.dir / "hang_report.txt").write_text(full)
+            private_dir.write(report, full.encode())
         except OSError:
             pass
         LOGGER.error(summary, extra=EVERY_RANK)
@@ -362,6 +421,35 @@ class Watchdog:
                     os.kill(b["pid"], signal.SIGCONT)
                 except OSError:
                     pass
+
+
+_OWN_START: dict[int, int | None] = {}
+"""pid -> its start time: per pid, as a warm worker is forked after this import."""
+
+
+def _own_start() -> int | None:
+    """This process's start time, in its heartbeat: with the pid, what a reporter checks
+    before it signals the process (a pid alone may have been reused)."""
+    pid = os.getpid()
+    if pid not in _OWN_START:
+        _OWN_START[pid] = private_dir.this_process_start()
+    return _OWN_START[pid]
+
+
+def _stale(record) -> bool:
+    """A `stall` record written before this process first started a watchdog: an
+    earlier job's, in a folder that job used too (same guard.dir and job key)."""
+    written = record.get("time") if isinstance(record, dict) else None
+    # 1 s: the clocks of hosts that share a guard.dir drift a little
+    first = _FIRST_START.get(os.getpid())
+    return not isinstance(written, (int, float)) or first is None or written < first - 1.0
+
+
+def _same_process(beat: dict) -> bool:
+    """True when the heartbeat's pid is still the process that wrote it: this user's,
+    started when the heartbeat says."""
+    pid, start = beat.get("pid"), beat.get("start")
+    return isinstance(pid, int) and start is not None and private_dir.process_start(pid) == start
 
 
 class _Phase:

@@ -16,7 +16,9 @@ What it changes, and why:
   watchdog (`guard.script_watchdog`); a rank that waits in one collective with no
   progress for S seconds reports the hang, naming the rank that stopped making progress
   and its stack, and the job stops (exit 124). A `dt.Job` script's own watchdog, which
-  knows the steps, takes over at `job.wrap`.
+  knows the steps, takes over at `job.wrap`. The watchdogs' side channel is a folder
+  this launcher makes private (`guard.private_dir.for_launch`: mkdtemp, 0700), handed
+  to the ranks in DISTTRAIN_GUARD_DIR and removed at the end.
 - `--debug` sets the verbose switches of P-DEBUG-2 for the backend in use (see
   `debug_env`) and prints them and where the logs go.
 - `DISTTRAIN_EXPECTED_WORLD_SIZE` = nnodes x nproc, so a rank can tell that fewer
@@ -60,6 +62,7 @@ from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
 from disttrain.errors import UserError
+from disttrain.guard import private_dir
 from disttrain.guard.script_watchdog import HANG_FLAG, take_hang_timeout
 from disttrain.launch import notes_watch, run_help, warm_workers
 from disttrain.launch.worker_entry import LAUNCHER_ENV
@@ -415,16 +418,19 @@ def main(argv: list[str], launched: Launched | None = None) -> int:
         launched = Launched(tuple(split_script(argv)[1][1:]), run.cfg)
     args = run.args
     slots = "disttrain.launch.slot_supervisor" in args and os.environ.get(warm_workers.SWITCH_ENV, "1") == "1"
-    server = warm_workers.start_server() if "disttrain.launch.warm_workers" in args or slots else None
-    try:
-        if server:
-            os.environ[warm_workers.SOCKET_ENV] = server[1]
-        with handed(launched):
-            return _launch(args, run.env)
-    finally:
-        if server:
-            warm_workers.stop_server(server)
-            os.environ.pop(warm_workers.SOCKET_ENV, None)
+    # The ranks' hang-watchdog folder: private to this user and this job (issue 49), made
+    # before the warm-worker server so that its forks inherit it too.
+    with private_dir.for_launch():
+        server = warm_workers.start_server() if "disttrain.launch.warm_workers" in args or slots else None
+        try:
+            if server:
+                os.environ[warm_workers.SOCKET_ENV] = server[1]
+            with handed(launched):
+                return _launch(args, run.env)
+        finally:
+            if server:
+                warm_workers.stop_server(server)
+                os.environ.pop(warm_workers.SOCKET_ENV, None)
 
 
 def _others(failures: dict, first: int) -> str:
