@@ -143,6 +143,24 @@ def test_diagnose_rules_without_processes():
     assert lag == [1] and "not responding" in verdict
 
 
+def test_ranks_waiting_in_different_collectives_are_a_mismatch_not_the_network():
+    """Every rank waits in a collective, but rank 0 in a barrier at line 72 and rank 1 in
+    an all_reduce at line 62: the program's collectives do not match (before: "a
+    communication problem (network, NCCL ...)")."""
+    beats = [{"rank": r, "step": 5, "phase": "sync", "alive": 100.0, "state": "running", "history": {}}
+             for r in (0, 1)]
+
+    def waiting(op: str, line: int) -> str:
+        return (f'Thread 1 (idle): "MainThread"\n    {op} (torch/distributed/distributed_c10d.py:3252)\n'
+                f'    <module> (train.py:{line})\n')
+
+    verdict, lag = diagnose(beats, 101.0, 3, stacks={0: waiting("barrier", 72), 1: waiting("all_reduce", 62)})
+    assert lag == [] and "not in the same call" in verdict and "communication problem" not in verdict
+    assert "rank 0 in barrier" in verdict and "train.py:72" in verdict and "train.py:62" in verdict
+    verdict, lag = diagnose(beats, 101.0, 3, stacks={0: waiting("all_reduce", 62), 1: waiting("all_reduce", 62)})
+    assert "communication problem" in verdict  # the same call everywhere: the stacks cannot tell
+
+
 def test_run_debug_sets_backend_switches_P_DEBUG_2(monkeypatch):
     script = str(WORKERS / "hello.py")
     monkeypatch.setattr(launch, "visible_gpus", lambda: 0)

@@ -71,6 +71,23 @@ def test_a_rank_that_ends_while_its_peers_train_is_named_as_the_cause(path, tmp_
     assert "lost a peer" not in out
 
 
+def test_a_hang_that_repeats_at_the_same_step_stops_the_job_and_the_last_line_names_the_rank(tmp_path):
+    """Rank 1 sleeps forever at step 6 in every attempt (a hang cannot be classified: it is
+    retried once). The second identical hang stops the job; every line names rank 1 as
+    the rank that stopped making progress. Before: four attempts, each waiting the hang
+    bound and the 30 s a non-reporting rank slept, and a last line calling the reporter
+    "not the culprit" under a summary that named it."""
+    proc, out = launch(tmp_path, "restart", "--raise-at", "6", "--kind", "sleep", "--steps", "12", "--hang-s", "3",
+                       timeout=200)
+    assert proc.returncode != 0, out[-3000:]
+    assert len((tmp_path / "starts.log").read_text().splitlines()) == 2, out[-3000:]
+    # the step as the guard's summary counts it (the step running when the bound passed)
+    step = out.split("HANG detected by rank 1: step ", 1)[1].split()[0]
+    assert "stopped: two attempts in a row ended with the same failure (hang: rank(s) 1 stopped making progress " \
+           f"at step {step})" in out, out[-3000:]
+    assert "not the culprit" not in out
+
+
 def test_after_a_crash_the_newest_checkpoint_resumes(tmp_path):
     """A segfault at step 6 (checkpoints every 4 steps): a plain re-run resumes from step
     4 and finishes."""

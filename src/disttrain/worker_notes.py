@@ -221,6 +221,25 @@ def finished_peers(rank: int) -> list[int]:
     return sorted(int(n) for n in names if n.isdigit() and int(n) != rank)
 
 
+def note_hang(reporter: int, lagging: list[int]) -> None:
+    """The hang watchdog's verdict (the ranks that stopped making progress), for the
+    launcher's last line, which must agree with the guard's summary (a no-op outside
+    `disttrain run`)."""
+    folder = _folder()
+    if folder is not None:
+        _write_once(folder / f"hang-{_restart():06d}", json.dumps({"reporter": reporter, "lagging": lagging}))
+
+
+def read_hang(folder: str | Path) -> dict | None:
+    """The newest attempt's hang verdict (`note_hang`), or None."""
+    notes = sorted(Path(folder).glob("hang-*"))
+    try:
+        record = json.loads(notes[-1].read_text()) if notes else None
+    except (OSError, ValueError):
+        return None
+    return record if isinstance(record, dict) else None
+
+
 def note_saved(rank: int, step: int) -> None:
     """After a preemption's save on `rank` (a no-op outside `disttrain run`)."""
     folder = _folder()

@@ -27,7 +27,7 @@ import time
 import torch
 
 import disttrain as dt
-from disttrain.config import Config, ParallelConfig
+from disttrain.config import Config, GuardConfig, ParallelConfig
 
 
 def fail(kind: str, step: int, rank: int):
@@ -67,6 +67,8 @@ def main(a):
 
         tracker.send(a.tcp, "start")
     config = Config(parallel=ParallelConfig(timeout_s=a.timeout_s))
+    if a.hang_s:  # test-sized hang bounds, tick and all
+        config = Config(parallel=config.parallel, guard=GuardConfig(hang_min_s=a.hang_s, hang_cap_s=a.hang_s, tick_s=0.25))
     with dt.Job(a.out, config, checkpoint_every=4, progress=False) as job:
         if job.info.rank == 0:
             os.makedirs(a.out, exist_ok=True)
@@ -100,6 +102,7 @@ if __name__ == "__main__":
     ap.add_argument("--raise-rank", type=int, default=1)
     ap.add_argument("--kind", default="runtime")
     ap.add_argument("--workers", type=int, default=0)
+    ap.add_argument("--hang-s", type=float, default=0.0)
     ap.add_argument("--tcp", type=int, default=0)
     ap.add_argument("--timeout-s", type=float, default=300.0)
     main(ap.parse_args())

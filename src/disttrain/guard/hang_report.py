@@ -110,6 +110,8 @@ def _by_stacks(beats: list[dict], stacks: dict[int, str]) -> tuple[str, list[int
     known = {r: f for r, f in known.items() if f}
     waiting = {r for r, frames in known.items() if in_collective(frames)}
     lagging = sorted(set(known) - waiting)
+    if len(known) >= 2 and waiting == set(known):
+        return _mismatched(stacks, sorted(waiting))
     if len(known) < 2 or not waiting or not lagging:
         return None
     where = "; ".join(f"rank {r} at {where_in_stack(stacks[r])}" for r in lagging)
@@ -117,6 +119,21 @@ def _by_stacks(beats: list[dict], stacks: dict[int, str]) -> tuple[str, list[int
         f"rank(s) {lagging} are not in a collective while rank(s) {sorted(waiting)} wait in one: "
         f"they stopped making progress in their own code ({where})."
     ), lagging
+
+
+def _mismatched(stacks: dict[int, str], ranks: list[int]) -> tuple[str, list[int]] | None:
+    """(verdict, no lagging rank) when every rank waits in a collective but not in the
+    same call (another collective, or the same one from another line): the program's
+    collectives do not match; None when they all wait in the same call."""
+    where = {r: where_in_stack(stacks[r]) for r in ranks}
+    if len(set(where.values())) < 2:
+        return None
+    each = "; ".join(f"rank {r} in {w}" for r, w in where.items())
+    return (
+        f"every rank waits in a collective, but not in the same call ({each}): the program's "
+        f"collectives do not match across ranks (a rank-specific branch around a collective, "
+        f"or ranks that call them in another order), not the network."
+    ), []
 
 
 def _by_beats(beats: list[dict], now: float, stale_after: float) -> tuple[str, list[int]]:

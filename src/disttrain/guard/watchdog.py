@@ -68,6 +68,9 @@ def default_dir() -> Path:
     return private_dir.default_dir()
 
 
+FOLLOW_S = 30.0
+"""How long a rank that did not report a hang waits for the reporter's report."""
+
 _FIRST_START: dict[int, float] = {}
 """pid -> when that process first started a watchdog (per pid: a forked worker is a new
 process): a `stall` written before it is stale (from an earlier job that used the same
@@ -341,7 +344,11 @@ class Watchdog:
         """Another rank reports; give it time to dump our stack, then leave."""
         if self._stack_file is not None:
             faulthandler.dump_traceback(file=self._stack_file, all_threads=True)
-        time.sleep(30)  # torchrun normally stops this process long before
+        # Leave once the reporter has read the stacks (its report is written after them),
+        # so the job ends seconds after a hang; 30 s at most when the reporter died.
+        deadline = time.monotonic() + FOLLOW_S
+        while not (self.dir / private_dir.REPORT_NAME).exists() and time.monotonic() < deadline:
+            time.sleep(0.1)
         os._exit(self.exit_code)
 
     def _fire(self, reason: str) -> None:
@@ -415,6 +422,9 @@ class Watchdog:
         except OSError:
             pass
         LOGGER.error(summary, extra=EVERY_RANK)
+        from disttrain.runtime.failures import report_hang
+
+        report_hang(self.rank, lagging, self.step_no)
         for b in local:  # let stopped peers receive the launcher's SIGTERM
             if b.get("proc_state") == "T":
                 try:

@@ -70,6 +70,10 @@ class Notes:
         print(f"disttrain run: {text} (exit status {status}).", file=sys.stderr, flush=True)
         return status
 
+    def hang(self) -> dict | None:
+        """The hang watchdog's verdict of the newest attempt, if a rank reported one."""
+        return worker_notes.read_hang(self.folder)
+
     def saved_step(self) -> int | None:
         return worker_notes.read_saved(self.folder)
 

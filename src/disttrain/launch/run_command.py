@@ -445,6 +445,22 @@ def _others(failures: dict, first: int) -> str:
     return f" ({'; '.join(parts)})" if parts else ""
 
 
+def _hang_line(hang: dict) -> str:
+    """The last line after a hang: the guard summary's own verdict (`worker_notes.note_hang`)."""
+    lagging = [r for r in hang.get("lagging") or [] if isinstance(r, int)]
+    who = (
+        f"rank {lagging[0]} stopped making progress"
+        if len(lagging) == 1
+        else f"ranks {', '.join(map(str, lagging))} stopped making progress"
+        if lagging
+        else "no single rank stopped first"
+    )
+    return (
+        f"the job hung and was stopped (exit status 124): {who}, as the guard's summary above says "
+        f"(reported by rank {hang.get('reporter', '?')}, with every rank's line)."
+    )
+
+
 def _launch(args: list[str], env: dict[str, str]) -> int:
     """torchrun with `torchrun_for`'s arguments and environment defaults;
     failures reported in one line (see `main`)."""
@@ -481,9 +497,11 @@ def _launch(args: list[str], env: dict[str, str]) -> int:
         rank, failure = e.get_first_failure()
         code = failure.exitcode if failure.exitcode >= 0 else 128 - failure.exitcode
         how = f"exit code {failure.exitcode}" if failure.exitcode >= 0 else f"signal {failure.signal_name()}"
+        hang = notes.hang() if failure.exitcode == 124 else None  # watchdog.HANG_EXIT_CODE
+        if hang is not None:
+            print(f"disttrain run: {_hang_line(hang)}", file=sys.stderr)
+            return failure.exitcode
         more = _others(e.failures, rank)
-        if failure.exitcode == 124:  # watchdog.HANG_EXIT_CODE; the reporter is not the culprit
-            more += " after reporting a hang (it is the reporter, not the culprit: see the guard's summary above)"
         print(
             f"disttrain run: rank {rank} failed first with {how}{more}. "
             f"Its error is above; per-rank logs: --log-dir DIR --tee 3.",

@@ -88,9 +88,10 @@ class Verdict:
 
     @property
     def cause(self) -> str:
-        """A few words for a one-line report: the transport's words, else the message's start."""
-        words = [w for w in (*TIMEOUT_WORDS, *CLOSED_WORDS, *NCCL_WORDS) if w in self.message]
-        return f"{self.error}: {words[0] if words else self.message[:100]}"
+        """A few words for a one-line report: a closed connection's or NCCL's words (their
+        messages are long and name addresses), else the message as raised (its start)."""
+        words = [w for w in (*CLOSED_WORDS, *NCCL_WORDS) if w in self.message]
+        return f"{self.error}: {words[0] if words else self.message[:160]}"
 
 
 def _names(exc: BaseException) -> set[str]:
@@ -351,6 +352,16 @@ def crash_loop(verdict: Verdict, step: int, unit: str = "attempts") -> bool:
         f"stopped: two {unit} in a row ended with the same failure ({sig}), so a retry would repeat it; not retried", 1
     )
     return True
+
+
+def report_hang(reporter: int, lagging: list[int], step: int) -> bool:
+    """After the hang watchdog's report: the verdict for the launcher's last line, and the
+    crash-loop breaker's record (a hang cannot be classified: the program's deadlock or a
+    stalled machine). Returns True when the attempt before hung the same way at the same
+    step: the launcher then stops the job instead of restarting it."""
+    worker_notes.note_hang(reporter, lagging)
+    who = f"rank(s) {', '.join(map(str, lagging))}" if lagging else "no single rank"
+    return crash_loop(Verdict(UNKNOWN, "hang", f"{who} stopped making progress"), step)
 
 
 def say_once(line: str) -> None:
