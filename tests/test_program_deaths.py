@@ -26,6 +26,14 @@ DEATHS = {
 }
 
 
+def newest_checkpoint_is_intact(out: Path) -> int:
+    """The newest committed checkpoint's step, after verifying every file it lists."""
+    from disttrain.checkpoint import layout
+
+    newest = sorted((out / "checkpoints").glob("step-*"))[-1]
+    return int(layout.verify(newest)["step"])
+
+
 def launch(out: Path, path: str, *args: str, timeout: float = 150):
     proc = run_disttrain(["run", *PATHS[path], SCRIPT, str(out), *args], timeout=timeout, env=worker_env())
     return proc, proc.stdout + proc.stderr
@@ -46,6 +54,7 @@ def test_a_program_that_ends_its_own_process_is_stopped_once(path, kind, tmp_pat
     assert "the program's" in last and "took over" not in out and "lost a peer" not in out, out[-3000:]
     assert "failing_job.py" in out and shown in out, out[-3000:]  # where, on the console
     assert "death signal" not in out and "closing signal" not in out  # torchrun's words for a stop from outside
+    assert newest_checkpoint_is_intact(tmp_path) == 4  # checkpoints every 4 steps; step 6 failed
 
 
 @pytest.mark.parametrize("path", sorted(PATHS))
@@ -55,6 +64,7 @@ def test_a_raised_keyboard_interrupt_is_the_programs(path, tmp_path):
     assert len((tmp_path / "starts.log").read_text().splitlines()) == 1
     assert proc.stderr.rstrip().splitlines()[-1] == (
         "disttrain run: not retried: KeyboardInterrupt at step 6 on rank 1 is the program's error (exit status 130).")
+    assert newest_checkpoint_is_intact(tmp_path) == 4
 
 
 @pytest.mark.parametrize("path", sorted(PATHS))
@@ -86,6 +96,20 @@ def test_a_hang_that_repeats_at_the_same_step_stops_the_job_and_the_last_line_na
     assert "stopped: two attempts in a row ended with the same failure (hang: rank(s) 1 stopped making progress " \
            f"at step {step})" in out, out[-3000:]
     assert "not the culprit" not in out
+    assert newest_checkpoint_is_intact(tmp_path) == 4
+
+
+def test_a_hang_under_fast_recovery_ends_the_job_in_seconds_naming_the_rank(tmp_path):
+    """Rank 1 sleeps forever at step 6 under fast recovery (no restart left): the hang is
+    reported, the other rank leaves once the report is written (before: 30 s), and the
+    last line names rank 1 as the summary does."""
+    proc, out = launch(tmp_path, "fast", "--raise-at", "6", "--kind", "sleep", "--steps", "12", "--hang-s", "3",
+                       timeout=120)
+    assert proc.returncode == 124, out[-3000:]
+    assert "Lagging rank(s): 1." in out, out[-3000:]
+    assert proc.stderr.rstrip().splitlines()[-1].startswith(
+        "disttrain run: the job hung and was stopped (exit status 124): rank 1 stopped making progress"), out[-3000:]
+    assert newest_checkpoint_is_intact(tmp_path) == 4
 
 
 def test_after_a_crash_the_newest_checkpoint_resumes(tmp_path):
