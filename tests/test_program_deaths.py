@@ -57,6 +57,17 @@ def test_a_program_that_ends_its_own_process_is_stopped_once(path, kind, tmp_pat
     assert newest_checkpoint_is_intact(tmp_path) == 4  # checkpoints every 4 steps; step 6 failed
 
 
+def test_a_native_crash_without_warm_workers_is_the_programs_too(tmp_path):
+    """DISTTRAIN_WARM_WORKERS=0: each worker's entry watches its worker as a stub does.
+    Before: four attempts under --max-restarts 3, no stack."""
+    proc = run_disttrain(["run", *PATHS["restart"], SCRIPT, str(tmp_path), "--raise-at", "6", "--kind", "segv",
+                          "--steps", "12"], timeout=150, env=worker_env(DISTTRAIN_WARM_WORKERS="0"))
+    out = proc.stdout + proc.stderr
+    assert proc.returncode == 139 and len((tmp_path / "starts.log").read_text().splitlines()) == 1, out[-3000:]
+    assert proc.stderr.rstrip().splitlines()[-1].startswith("disttrain run: not retried: rank 1 died of SIGSEGV")
+    assert "in fail" in out
+
+
 @pytest.mark.parametrize("path", sorted(PATHS))
 def test_a_raised_keyboard_interrupt_is_the_programs(path, tmp_path):
     proc, out = launch(tmp_path, path, "--raise-at", "6", "--kind", "interrupt", "--steps", "12")

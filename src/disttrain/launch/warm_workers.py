@@ -37,7 +37,7 @@ import socket
 import struct
 import sys
 import tempfile
-from typing import NoReturn
+from typing import Callable, NoReturn
 
 from disttrain.launch.worker_entry import announcer, keep_globals
 from disttrain.runtime import processes
@@ -313,14 +313,28 @@ def run_stub(module: str, args: list[str]) -> int:
     except OSError:  # the server died before forking (ConnectionError is an OSError)
         conn.close()
         return _run_here(module, args)
+
+    def status_from_server() -> int | None:
+        try:
+            return _HEADER.unpack(_recv_exact(conn, _HEADER.size))[0]
+        except ConnectionError:
+            print(f"disttrain run: the warm-worker server died while running pid {pid}.", file=sys.stderr)
+            return None
+
+    return watch(pid, status_from_server)
+
+
+def watch(pid: int, wait_status: Callable[[], int | None]) -> int:
+    """Be the process torchrun watches for worker `pid` (a stub): pass it the signals of
+    `FORWARDED`, wait for its wait status (`wait_status`; None: lost, exit 1), judge a
+    death by a signal nobody sent through here (`_judge_death`) and a stuck exit
+    (`_stuck_exit`); return its exit status, or die of its signal."""
     processes.name_worker("stub")
     forwarded: list[int] = []
     for sig in FORWARDED:
         signal.signal(sig, lambda signum, _frame: _forward(pid, signum, forwarded))
-    try:
-        (status,) = _HEADER.unpack(_recv_exact(conn, _HEADER.size))
-    except ConnectionError:
-        print(f"disttrain run: the warm-worker server died while running pid {pid}.", file=sys.stderr)
+    status = wait_status()
+    if status is None:
         return 1
     code = os.waitstatus_to_exitcode(status)
     if code < 0 and not forwarded:

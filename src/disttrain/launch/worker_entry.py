@@ -44,9 +44,24 @@ def die_with_launcher() -> bool:
     return True
 
 
+def watched_by_parent() -> None:
+    """Fork: the child returns and runs the worker; this process becomes its stub
+    (`warm_workers.watch`) and never returns. For a worker that the launcher started
+    directly, without a warm server: a death by signal is then judged as a warm
+    worker's is (a native crash is the program's, with its stack), and torchrun still
+    sees the worker's own status or signal."""
+    pid = os.fork()
+    if pid == 0:
+        processes.die_with_parent()  # the stub's death (torchrun's SIGKILL) takes the worker
+        return
+    from disttrain.launch.warm_workers import watch
+
+    os._exit(watch(pid, lambda: os.waitpid(pid, 0)[1]))
+
+
 def main(argv: list[str]) -> None:
     """Run `argv` (`-m MODULE ARGS` or `SCRIPT ARGS`) as `__main__` after `die_with_launcher`."""
-    die_with_launcher()
+    direct = die_with_launcher()
     from disttrain.worker_notes import earlier_stop
 
     if earlier_stop():  # a restart after a rank's user error: the mistake would repeat
@@ -55,6 +70,8 @@ def main(argv: list[str]) -> None:
     if not (
         argv[:1] == ["-m"] and argv[1:2] in (["disttrain.launch.warm_workers"], ["disttrain.launch.slot_supervisor"])
     ):
+        if direct:  # no stub of a warm server in front: this process becomes one
+            watched_by_parent()
         processes.name_worker(announce=announcer(argv))  # a stub or supervisor names itself
         from disttrain.runtime.failures import record_native_crashes
 
