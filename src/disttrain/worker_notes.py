@@ -40,6 +40,8 @@ import time
 from pathlib import Path
 from typing import Iterator
 
+from disttrain.terminal_text import shown
+
 NOTES_ENV = "DISTTRAIN_LAUNCH_NOTES"
 TRACES_ENV = "DISTTRAIN_TRACES"
 USER_ERROR = "user-error"
@@ -90,7 +92,7 @@ def report_user_error(name: str, error: BaseException) -> int:
 def write_user_error(name: str, error: BaseException) -> bool:
     """The note of `report_user_error` without the wait; False (and the line printed to
     stderr) outside `disttrain run`."""
-    line = f"disttrain {name}: error: {error}"
+    line = f"disttrain {name}: error: {shown(error, lines=True)}"  # it may quote a folder's text
     folder = _folder()
     if folder is None:
         print(line, file=sys.stderr, flush=True)

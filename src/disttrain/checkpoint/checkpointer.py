@@ -48,6 +48,7 @@ from disttrain.checkpoint.checkpoint_errors import (
 )
 from disttrain.checkpoint.digests import digest_bytes
 from disttrain.checkpoint.files import atomic_write_bytes
+from disttrain.checkpoint.own_files import read_own
 from disttrain.checkpoint.state import TrainState, config_hash, param_fqns, strategy_of
 from disttrain.runtime import processes, rank_info
 from disttrain.runtime.log import LOGGER
@@ -407,14 +408,15 @@ class Checkpointer:
         return step_dir
 
     def _hand_over(self, state: TrainState, sd: dict, fqns, step_dir: Path) -> None:
-        """Give `state` the loaded tensors `sd` and the JSON parts of `step_dir`."""
-        manifest = json.loads((step_dir / layout.MANIFEST).read_text())
-        rng_file = step_dir / f"rank-{self.rank:05d}.json"
+        """Give `state` the loaded tensors `sd` and the JSON parts of `step_dir`, each
+        parsed from the very bytes checked against its manifest record (`read_own`)."""
+        manifest = layout.read_manifest(step_dir)
+        files, rng_file = manifest["files"], f"rank-{self.rank:05d}.json"
         same_world = manifest.get("world_size") == self.world
-        if "state.json" not in manifest["files"]:  # only verified files are read
+        if "state.json" not in files:  # only verified files are read
             raise CheckpointCorrupt(f"{step_dir}: the manifest lists no state.json.", "state.json")
-        sd["meta"] = json.loads((step_dir / "state.json").read_text())
-        sd["rng"] = json.loads(rng_file.read_text()) if same_world and rng_file.name in manifest["files"] else None
+        sd["meta"] = _json_file(step_dir, "state.json", files["state.json"])
+        sd["rng"] = _json_file(step_dir, rng_file, files[rng_file]) if same_world and rng_file in files else None
         state.load_state_dict(sd, param_fqns=fqns)
         if not same_world:
             LOGGER.info(
@@ -422,3 +424,13 @@ class Checkpointer:
                 f"{manifest.get('world_size')}, loaded at {self.world}: weights and optimizer "
                 f"are resharded; per-rank RNG streams start fresh."
             )
+
+
+def _json_file(step_dir: Path, name: str, want: dict):
+    """The JSON of the file `name` of `step_dir`, parsed from the bytes checked against
+    its manifest record `want` (`own_files.read_own`). Raises `CheckpointCorrupt` (or
+    `CheckpointUnsafe`) naming it."""
+    try:
+        return json.loads(read_own(step_dir, name, want))
+    except (OSError, ValueError) as e:
+        raise CheckpointCorrupt(f"{step_dir / name} cannot be read as JSON ({e}).", name) from None

@@ -13,6 +13,7 @@ from disttrain.checkpoint import layout
 from disttrain.checkpoint.checkpoint_errors import CheckpointCorrupt, CheckpointUnsafe
 from disttrain.checkpoint.storage_formats import check_readable
 from disttrain.errors import UserError
+from disttrain.terminal_text import shown
 
 USAGE = "disttrain ckpt {inspect,verify,export} DIR [--to model.safetensors] [--optim optim.pt] [--hf OUTDIR]"
 
@@ -35,7 +36,17 @@ def _human(n: float) -> str:
     return str(n)
 
 
+def _text(value):
+    """A folder's text as a rich cell: escaped (`terminal_text.shown`) and plain text,
+    never read as rich's markup (whose `[link=...]` would write an escape sequence)."""
+    from rich.text import Text
+
+    return Text(shown(value))
+
+
 def inspect(step_dir: Path) -> None:
+    """Print the table of `step_dir`'s tensors and its manifest's facts. Every name
+    and value from the folder is printed escaped (`terminal_text.shown`)."""
     from rich.console import Console
     from rich.table import Table
 
@@ -44,20 +55,25 @@ def inspect(step_dir: Path) -> None:
     rows = tensor_table(step_dir)
     m = layout.read_manifest(step_dir)
     table = Table(
-        title=f"{step_dir}  step {m.get('step')}  world {m.get('world_size')}  "
-        f"strategy {m.get('strategy')}  generation {m.get('generation')}"
+        title=_text(
+            f"{step_dir}  step {m.get('step')}  world {m.get('world_size')}  "
+            f"strategy {m.get('strategy')}  generation {m.get('generation')}"
+        )
     )
     for col in ("tensor", "shape", "dtype", "size"):
         table.add_column(col, justify="right" if col == "size" else "left")
     for key, shape, dtype, nbytes in rows:
-        table.add_row(key, "x".join(map(str, shape)) or "scalar", str(dtype).removeprefix("torch."), _human(nbytes))
+        cells = (key, "x".join(map(str, shape)) or "scalar", str(dtype).removeprefix("torch."), _human(nbytes))
+        table.add_row(*map(_text, cells))
     console = Console(width=120)
     console.print(table)
     files = sum(f["size"] for f in m["files"].values())
     console.print(
-        f"{len(rows)} tensors, {_human(sum(r[3] for r in rows))}; {len(m['files'])} files, "
-        f"{_human(files)}; torch {m.get('torch_version')}, disttrain "
-        f"{m.get('disttrain_version')}, config hash {m.get('config_hash')}"
+        _text(
+            f"{len(rows)} tensors, {_human(sum(r[3] for r in rows))}; {len(m['files'])} files, "
+            f"{_human(files)}; torch {m.get('torch_version')}, disttrain "
+            f"{m.get('disttrain_version')}, config hash {m.get('config_hash')}"
+        )
     )
 
 
@@ -81,9 +97,9 @@ def main(argv: list[str]) -> int:
         except CheckpointUnsafe:
             raise  # a UserError: one line, exit 2 (a folder made to mislead, not damage)
         except CheckpointCorrupt as e:
-            print(f"disttrain ckpt verify: FAILED: {e.bad_file or step_dir}: {e}")
+            print(shown(f"disttrain ckpt verify: FAILED: {e.bad_file or step_dir}: {e}", lines=True))
             return 1
-        print(f"{step_dir}: OK ({len(m['files'])} files, step {m.get('step')})")
+        print(shown(f"{step_dir}: OK ({len(m['files'])} files, step {m.get('step')})"))
         return 0
     if args.action == "inspect":
         inspect(step_dir)
@@ -95,8 +111,10 @@ def main(argv: list[str]) -> int:
 
         s = export_hf(step_dir, args.hf)
         print(
-            f"wrote {s['to']}: {s['model_type']}, {s['tensors']} tensors; load it with "
-            f"AutoModelForCausalLM.from_pretrained({s['to']!r})"
+            shown(  # the model type is the checkpoint's text
+                f"wrote {s['to']}: {s['model_type']}, {s['tensors']} tensors; load it with "
+                f"AutoModelForCausalLM.from_pretrained({s['to']!r})"
+            )
         )
         return 0
     if not args.to:

@@ -21,17 +21,20 @@ from __future__ import annotations
 
 import io
 import pathlib
+from contextlib import contextmanager
 import pickle
 from pathlib import Path
 from typing import overload
 
 import torch
 from torch.distributed.checkpoint import FileSystemReader
+from torch.distributed.checkpoint.filesystem import FileSystem
 from torch.distributed.checkpoint.metadata import BytesStorageMetadata, Metadata, StorageMeta
 
 from disttrain.checkpoint import layout
 from disttrain.checkpoint.checkpoint_errors import CheckpointCorrupt, CheckpointUnsafe
-from disttrain.checkpoint.own_files import check_listed
+from disttrain.checkpoint.digests import file_mismatch
+from disttrain.checkpoint.own_files import check_listed, open_own, read_own
 from disttrain.runtime import torch_compat
 
 METADATA = ".metadata"
@@ -90,12 +93,16 @@ class MetadataUnpickler(pickle.Unpickler):
 def read_metadata(step_dir: str | Path) -> Metadata:
     """DCP's `Metadata` of `step_dir`, unpickled by `MetadataUnpickler`, each data file
     it names checked to be one its manifest lists. Raises `CheckpointUnsafe` (a
-    foreign global, a file outside the manifest) or `CheckpointCorrupt` (not DCP's
-    metadata), each naming the file."""
+    foreign global, a file outside the manifest, no regular file) or `CheckpointCorrupt`
+    (not DCP's metadata, or bytes that fail the manifest's record: they are unpickled
+    from the very bytes checked, `own_files.read_own`), each naming the file."""
     path = Path(step_dir) / METADATA
+    files = layout.read_manifest(Path(step_dir))["files"]
+    if METADATA not in files:
+        raise CheckpointCorrupt(f"{step_dir}: the manifest lists no {METADATA}.", METADATA)
     try:
-        with open(path, "rb") as f:
-            metadata = MetadataUnpickler(f, path).load()
+        data = read_own(Path(step_dir), METADATA, files[METADATA])
+        metadata = MetadataUnpickler(io.BytesIO(data), path).load()
     except CheckpointCorrupt:
         raise
     except Exception as e:  # what an allowed class raised on a crafted argument, or not a pickle
@@ -106,11 +113,7 @@ def read_metadata(step_dir: str | Path) -> Metadata:
         raise CheckpointCorrupt(
             f"{path} is not DCP's checkpoint metadata (it holds a {type(metadata).__name__}).", METADATA
         )
-    check_listed(
-        layout.read_manifest(Path(step_dir))["files"],
-        [getattr(info, "relative_path", None) for info in metadata.storage_data.values()],
-        by=path,
-    )
+    check_listed(files, [getattr(info, "relative_path", None) for info in metadata.storage_data.values()], by=path)
     if not isinstance(metadata.storage_meta, StorageMeta):
         metadata.storage_meta = StorageMeta()
     return metadata
@@ -187,12 +190,14 @@ def value_refusal(path: Path, fqn: str, data: bytes, error: Exception | None = N
 def check_values(step_dir: str | Path, metadata: Metadata) -> None:
     """Raise `CheckpointUnsafe` for the first value record (`BYTE_IO`) of `step_dir`
     whose pickle asks for a global beyond the weights-only unpickler's: what a load
-    would refuse, found without unpickling anything (`ckpt verify`)."""
+    would refuse, found without unpickling anything (`ckpt verify`). Each file is
+    opened by `own_files.open_own` (a regular file of its recorded size)."""
+    files = layout.read_manifest(Path(step_dir))["files"]
     for index, info in sorted(metadata.storage_data.items(), key=lambda kv: kv[0].fqn):
         if not isinstance(metadata.state_dict_metadata.get(index.fqn), BytesStorageMetadata):
             continue
         path = Path(step_dir) / info.relative_path
-        with open(path, "rb") as f:
+        with open_own(Path(step_dir), info.relative_path, files.get(info.relative_path), limit=None) as f:
             f.seek(info.offset)
             data = f.read(info.length)
         if (refusal := value_refusal(path, index.fqn, data)) is not None:
@@ -201,5 +206,51 @@ def check_values(step_dir: str | Path, metadata: Metadata) -> None:
 
 def load_keys(step_dir: str | Path, keys: set[str]) -> dict:
     """The nested state dict of just `keys` (DCP's flattened names), in one process,
-    read by `SafeReader`."""
-    return torch_compat.load_keys(keys, storage_reader=SafeReader(str(step_dir)))
+    read by `SafeReader`, each file opened by `own_files.open_own` (through
+    `VerifyingFileSystem`, hashing none: the caller verified them)."""
+    reader = SafeReader(str(step_dir))
+    files = layout.read_manifest(Path(step_dir))["files"]
+    reader.fs = VerifyingFileSystem(Path(step_dir), files, select=lambda name: False)
+    return torch_compat.load_keys(keys, storage_reader=reader)
+
+
+class VerifyingFileSystem(FileSystem):
+    """DCP's local `FileSystem` for a load: a file listed in `files` (the manifest's
+    {name: record}) that `select(name)` accepts is hashed in one sequential pass
+    right when DCP opens it, and only then handed to DCP, whose reads of it then
+    come from the page cache: the disk is read once. `verified` holds the names
+    checked. (Each rank selects its own share: under DDP every rank reads every
+    shard, and a corrupt one fails the load on all ranks through DCP either way.)
+
+    (Reading the whole file into one buffer instead, and handing DCP that buffer,
+    measured slower: faulting in fresh memory for a file of 500 MB cost more than
+    the second, cached read.) A file that fails raises `CheckpointCorrupt` naming it
+    before any of its bytes is deserialised; DCP then fails the load on every rank.
+    Every read opens its file once (`own_files.open_own`: no symlink followed, a
+    regular file, the size of its record where `files` has one) and DCP reads the
+    descriptor that was hashed. Writes pass through unchanged.
+    """
+
+    def __init__(self, step_dir: Path, files: dict[str, dict], select=lambda name: True):
+        super().__init__()
+        self.step_dir, self.files, self.select = Path(step_dir), files, select
+        self.verified: set[str] = set()
+
+    @contextmanager
+    def create_stream(self, path, mode):
+        if "r" not in mode:
+            with super().create_stream(path, mode) as stream:
+                yield stream
+            return
+        name = Path(path).name
+        want = self.files.get(name)
+        # opened once (no symlink followed, a regular file of its recorded size), hashed
+        # and handed to DCP on that one descriptor: a file swapped after its check is
+        # never what DCP reads
+        with open_own(self.step_dir, name, want, limit=None) as f:
+            if want is not None and name not in self.verified and self.select(name):
+                if (bad := file_mismatch(f, want, self.step_dir / name)) is not None:
+                    raise CheckpointCorrupt(bad, name)
+                self.verified.add(name)
+            f.seek(0)
+            yield io.BufferedReader(f)

@@ -14,7 +14,7 @@ digests travel to rank 0, which writes the manifest: no file is read back before
 the commit, and the hashing runs on every rank at once (on the checkpoint thread
 in async mode, not the training thread).
 
-Load: `hashing_fs.VerifyingFileSystem` hashes each file DCP opens right then, in
+Load: `dcp_read.VerifyingFileSystem` hashes each file DCP opens right then, in
 one sequential pass, before DCP reads it (from the page cache by then). `share(name,
 world)` assigns every file to one rank (its writer's rank modulo the world size;
 `.metadata` and `state.json` to rank 0): a rank also hashes the files of its share
@@ -60,18 +60,18 @@ def digest_bytes(data) -> dict:
     return record(len(data), xxhash.xxh3_128_hexdigest(data))
 
 
-def file_digest(path: str | os.PathLike, algorithm: str = ALGORITHM) -> tuple[int, str]:
-    """(size, hex digest) of a file, read in 8 MiB chunks into one reused buffer
-    (both hashes release the GIL on large buffers, so ranks' threads hash in parallel)."""
+def stream_digest(f, algorithm: str = ALGORITHM) -> tuple[int, str]:
+    """(bytes read, hex digest) of the open binary file `f` from where it stands to its
+    end, read in 8 MiB chunks into one reused buffer (both hashes release the GIL on
+    large buffers, so ranks' threads hash in parallel)."""
     h, size = new_hash(algorithm), 0
-    with open(path, "rb", buffering=0) as f:
-        # a small file gets a buffer of its size (+1 to see its end in one read): a fresh
-        # 8 MiB buffer costs more than hashing a few kilobytes
-        buf = bytearray(min(_CHUNK, os.fstat(f.fileno()).st_size + 1))
-        view = memoryview(buf)
-        while n := f.readinto(buf):
-            h.update(view[:n])
-            size += n
+    # a small file gets a buffer of its size (+1 to see its end in one read): a fresh
+    # 8 MiB buffer costs more than hashing a few kilobytes
+    buf = bytearray(min(_CHUNK, max(0, os.fstat(f.fileno()).st_size - f.tell()) + 1))
+    view = memoryview(buf)
+    while n := f.readinto(buf):
+        h.update(view[:n])
+        size += n
     return size, h.hexdigest()
 
 
@@ -82,19 +82,33 @@ def corrupt_message(path, size: int, want: dict) -> str:
     return f"{path} fails its {expected(want)[0]} checksum (the bytes changed after the save)."
 
 
-def file_mismatch(path: str | os.PathLike, want: dict, shown=None) -> str | None:
-    """Hash the file at `path` in one sequential pass and compare the size and digest
-    it read with the manifest record `want` (of this version or an older one).
+def file_mismatch(f, want: dict, shown) -> str | None:
+    """Hash the open binary file `f` (the descriptor the caller then reads, if it
+    reads it: `own_files.open_own`) from its start, in one sequential pass, and compare
+    the size and digest it read with the manifest record `want` (of this version or
+    an older one).
 
     Returns None when both match, else the one line (`corrupt_message`, naming
-    `shown`, default `path`) with the size as read, so a file cut after an earlier
-    size check is reported as truncated. Raises `OSError` when the file cannot be
-    read, `ValueError` for a record that names no digest."""
+    `shown`) with the size as read, so a file cut after an earlier size check is
+    reported as truncated. Raises `OSError` when the file cannot be read,
+    `ValueError` for a record that names no digest."""
     algorithm, hexdigest = expected(want)
-    size, digest = file_digest(path, algorithm)
+    f.seek(0)
+    size, digest = stream_digest(f, algorithm)
     if (size, digest) == (want["size"], hexdigest):
         return None
-    return corrupt_message(path if shown is None else shown, size, want)
+    return corrupt_message(shown, size, want)
+
+
+def bytes_mismatch(data, want: dict, shown) -> str | None:
+    """`file_mismatch` of a file already read into `data` (a small file, hashed from
+    the very bytes that are then parsed)."""
+    algorithm, hexdigest = expected(want)
+    h = new_hash(algorithm)
+    h.update(data)
+    if (len(data), h.hexdigest()) == (want["size"], hexdigest):
+        return None
+    return corrupt_message(shown, len(data), want)
 
 
 def share(name: str, world: int) -> int:

@@ -5,57 +5,23 @@ Imported when a checkpoint is read, so DCP stays out of start-up.
 
 from __future__ import annotations
 
-from contextlib import contextmanager
 from pathlib import Path
 from typing import TYPE_CHECKING
 
 import torch
 import torch.distributed as dist
-from torch.distributed.checkpoint.filesystem import FileSystem
 
 from disttrain.checkpoint.checkpoint_errors import CheckpointCorrupt, CheckpointUnsafe
-from disttrain.checkpoint.digests import file_mismatch
 from disttrain.checkpoint.load_phases import phase
 
 if TYPE_CHECKING:
     from torch.distributed.checkpoint import LoadPlanner, StorageReader
 
+    from disttrain.checkpoint.dcp_read import VerifyingFileSystem
     from disttrain.checkpoint.raw_storage import RawReader
 
 UNSAFE = "unsafe"
 """The kind of a problem ("", UNSAFE, message) that refuses the folder (`CheckpointUnsafe`)."""
-
-
-class VerifyingFileSystem(FileSystem):
-    """DCP's local `FileSystem` for a load: a file listed in `files` (the manifest's
-    {name: record}) that `select(name)` accepts is hashed in one sequential pass
-    right when DCP opens it, and only then handed to DCP, whose reads of it then
-    come from the page cache: the disk is read once. `verified` holds the names
-    checked. (Each rank selects its own share: under DDP every rank reads every
-    shard, and a corrupt one fails the load on all ranks through DCP either way.)
-
-    (Reading the whole file into one buffer instead, and handing DCP that buffer,
-    measured slower: faulting in fresh memory for a file of 500 MB cost more than
-    the second, cached read.) A file that fails raises `CheckpointCorrupt` naming it
-    before any of its bytes is deserialised; DCP then fails the load on every rank.
-    Files not in `files`, and writes, pass through unchanged.
-    """
-
-    def __init__(self, step_dir: Path, files: dict[str, dict], select=lambda name: True):
-        super().__init__()
-        self.step_dir, self.files, self.select = Path(step_dir), files, select
-        self.verified: set[str] = set()
-
-    @contextmanager
-    def create_stream(self, path, mode):
-        name = Path(path).name
-        want = self.files.get(name)
-        if "r" in mode and want is not None and name not in self.verified and self.select(name):
-            if (bad := file_mismatch(path, want, shown=self.step_dir / name)) is not None:
-                raise CheckpointCorrupt(bad, name)
-            self.verified.add(name)
-        with super().create_stream(path, mode) as stream:
-            yield stream
 
 
 def load_verified(
@@ -102,7 +68,7 @@ def load_verified(
         reader = raw_storage.RawReader(step_dir, files, select, metadata)
         planner, checked = raw_storage.JsonLoadPlanner(), reader
     else:
-        from disttrain.checkpoint.dcp_read import SafeReader  # here: the first format only
+        from disttrain.checkpoint.dcp_read import SafeReader, VerifyingFileSystem  # here: the first format only
 
         safe = SafeReader(str(step_dir), metadata)
         planner, checked = None, VerifyingFileSystem(step_dir, files, select)

@@ -21,6 +21,8 @@ import os
 import shutil
 from pathlib import Path
 
+from disttrain.checkpoint import layout
+from disttrain.checkpoint.own_files import read_own
 from disttrain.config import hf_model_config
 from disttrain.errors import UserError
 from disttrain.old_paths import forward
@@ -31,8 +33,9 @@ def _stored_model_section(step_dir: Path) -> dict:
     table whose `hf` / `hf_path` are strings. What they say is judged by
     `hf_config_from_section`. Raises `UserError` naming the file."""
     state = step_dir / "state.json"
-    try:
-        stored = json.loads(state.read_text())
+    try:  # parsed from the bytes checked against the manifest (`own_files.read_own`)
+        record = layout.read_manifest(step_dir)["files"].get("state.json")
+        stored = json.loads(read_own(step_dir, "state.json", record))
     except (OSError, ValueError) as e:
         raise UserError(f"{state} cannot be read ({e}); is {step_dir} a disttrain checkpoint?") from e
     config = stored.get("config") if isinstance(stored, dict) else None

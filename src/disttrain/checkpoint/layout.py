@@ -32,13 +32,15 @@ from pathlib import Path
 from typing import Callable
 
 from disttrain.checkpoint.checkpoint_errors import CheckpointCorrupt, CheckpointUnsafe, StaleWriterError
-from disttrain.checkpoint.digests import corrupt_message, file_mismatch
+from disttrain.checkpoint.digests import file_mismatch
 from disttrain.checkpoint.files import atomic_write_bytes, fsync_dir
-from disttrain.checkpoint.own_files import escape_message, escapes, name_problem
+from disttrain.checkpoint.own_files import SMALL_LIMIT, escape_message, escapes, name_problem, open_own, read_own
+from disttrain.plain_files import MiB, NotPlainFile, read_plain
 from disttrain.runtime.log import LOGGER
 
 MANIFEST = "manifest.json"
 LEASE = "WRITER.json"
+LEASE_LIMIT = 1 * MiB  # the lease is two values: a larger one is no lease of ours
 FORMAT = 1
 _STEP_RE = re.compile(r"^step-(\d{8})$")
 _STEP_IN = re.compile(r"step-\d{8}")
@@ -81,13 +83,16 @@ def write_manifest(tmp_dir: Path, info: dict, files: dict[str, dict]) -> dict:
 
 def read_manifest(step_dir: Path) -> dict:
     """The parsed manifest (JSON, never pickle). Raises `CheckpointCorrupt` naming it,
-    or `CheckpointUnsafe` for a manifest that is a symlink out of `step_dir` or names
-    a file that is not a plain name in it (`name_problem`)."""
+    or `CheckpointUnsafe` for a manifest that is a symlink, not a regular file, over
+    `own_files.SMALL_LIMIT` bytes (each refused before it is read: `own_files.read_own`),
+    or that names a file that is not a plain name in it (`name_problem`)."""
     path = step_dir / MANIFEST
     try:
         if escapes(step_dir, MANIFEST):
             raise CheckpointUnsafe(escape_message(step_dir, MANIFEST), MANIFEST)
-        manifest = json.loads(path.read_text())
+        manifest = json.loads(read_own(step_dir, MANIFEST))
+        if not isinstance(manifest, dict):
+            raise ValueError("not a JSON object")
         if not isinstance(manifest.get("files"), dict) or manifest.get("format") != FORMAT:
             raise ValueError("unknown format")
         for name in manifest["files"]:
@@ -136,18 +141,26 @@ def verify(step_dir: str | os.PathLike, *, checksums: bool = True, select: Calla
         if escapes(step_dir, name):
             raise CheckpointUnsafe(escape_message(step_dir, name), name)
     for name, want in sorted(files.items()):
-        path = step_dir / name
-        if not path.is_file():
-            raise CheckpointCorrupt(f"{path} is missing (listed in the manifest).", name)
-        size = path.stat().st_size
-        if size != want["size"]:
-            raise CheckpointCorrupt(corrupt_message(path, size, want), name)
-        if checksums and (select is None or select(name)) and (bad := file_mismatch(path, want)):
-            raise CheckpointCorrupt(bad, name)
+        _check_file(step_dir, name, want, checksums and (select is None or select(name)))
     for path in step_dir.iterdir():
         if path.suffix == ".distcp" and path.name not in files:
             raise CheckpointCorrupt(f"{path} is not in the manifest (a foreign shard).", path.name)
     return manifest
+
+
+def _check_file(step_dir: Path, name: str, want: dict, hashed: bool) -> None:
+    """Check the file `name` of `step_dir` against its manifest record `want` on one
+    open descriptor (`own_files.open_own`: a regular file, no symlink followed, its
+    size), and with `hashed` its digest from that descriptor."""
+    path = step_dir / name
+    try:
+        with open_own(step_dir, name, want) as f:
+            if hashed and (bad := file_mismatch(f, want, path)):
+                raise CheckpointCorrupt(bad, name)
+    except FileNotFoundError:
+        raise CheckpointCorrupt(f"{path} is missing (listed in the manifest).", name) from None
+    except OSError as e:
+        raise CheckpointCorrupt(f"{path} cannot be read ({e.strerror or e}).", name) from None
 
 
 def is_empty_dir(path: Path) -> bool:
@@ -173,20 +186,24 @@ def misnamed(step_dir: Path, manifest: dict) -> str | None:
 
 
 def _manifest_or_none(step_dir: Path) -> dict | None:
+    """The manifest of `step_dir` as a dict, or None when it cannot be read: missing,
+    truncated, not JSON, or refused before it is read (a symlink, a FIFO, a device,
+    over `own_files.SMALL_LIMIT` bytes: `plain_files.read_plain`), so listing a root
+    never hangs or fills memory on one such folder."""
     try:
-        manifest = json.loads((step_dir / MANIFEST).read_text())
+        manifest = json.loads(read_plain(step_dir / MANIFEST, SMALL_LIMIT))
         return manifest if isinstance(manifest, dict) else None
-    except (OSError, ValueError):
+    except (OSError, ValueError, NotPlainFile):
         return None
 
 
 def manifest_owner(step_dir: Path) -> tuple[str, int] | None:
     """(run_id, generation) from the manifest of `step_dir`, or None when it cannot be
-    read (missing, truncated, not JSON)."""
+    read (`_manifest_or_none`)."""
     try:
-        manifest = json.loads((step_dir / MANIFEST).read_text())
-        return str(manifest.get("run_id", "")), int(manifest.get("generation", 0))
-    except (OSError, ValueError, AttributeError, TypeError):
+        manifest = _manifest_or_none(step_dir)
+        return None if manifest is None else (str(manifest.get("run_id", "")), int(manifest.get("generation", 0)))
+    except (ValueError, TypeError):
         return None
 
 
@@ -257,9 +274,13 @@ def latest_valid(root: str | os.PathLike, *, checksums: bool = True) -> Path | N
 
 
 def read_lease(root: Path) -> dict:
+    """The writer lease of `root`; no lease (generation 0) when it is missing, not
+    JSON, or refused before it is read (`plain_files.read_plain`: a symlink, not a
+    regular file, over `LEASE_LIMIT` bytes). Taking the lease replaces it."""
     try:
-        return json.loads((root / LEASE).read_text())
-    except (OSError, ValueError):
+        lease = json.loads(read_plain(root / LEASE, LEASE_LIMIT))
+        return lease if isinstance(lease, dict) else {"run_id": "", "generation": 0}
+    except (OSError, ValueError, NotPlainFile):
         return {"run_id": "", "generation": 0}
 
 

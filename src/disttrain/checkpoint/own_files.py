@@ -5,14 +5,20 @@ A manifest names each file of its step folder; the metadata names the data files
 Both are written by whoever wrote the folder, so a name is checked before it is
 opened: no separator, no `..`, not absolute (`name_problem`), not a symlink out of
 the folder (`escapes`), and a data file is one the manifest lists (`check_listed`).
+Each file is then opened once (`open_own`, `read_own`): no symlink followed, a regular
+file of the size its manifest records (or a bound), read, hashed and parsed from that
+one descriptor, so a file swapped after its check is never what is read.
 """
 
 from __future__ import annotations
 
+import io
 import os
 from pathlib import Path
 
-from disttrain.checkpoint.checkpoint_errors import CheckpointUnsafe
+from disttrain.checkpoint.checkpoint_errors import CheckpointCorrupt, CheckpointUnsafe
+from disttrain.checkpoint.digests import bytes_mismatch, corrupt_message
+from disttrain.plain_files import MiB, NotPlainFile, open_plain, read_at_most
 
 
 def name_problem(name: str) -> str | None:
@@ -54,3 +60,44 @@ def check_listed(files: dict, names, *, by: Path) -> None:
                 f"list: refused, it is not read. The metadata was altered.",
                 by.name,
             )
+
+
+SMALL_LIMIT = 16 * MiB
+"""The bound of a checkpoint file that no manifest record sizes (`manifest.json`
+itself, `WRITER.json`): a manifest of 100,000 files is about 12 MiB."""
+
+
+def open_own(step_dir: Path, name: str, want: dict | None = None, limit: int | None = SMALL_LIMIT) -> io.FileIO:
+    """Open the file `name` of `step_dir` once, for every read, hash and parse of it
+    (`plain_files.open_plain`: no symlink followed, a regular file), checked on the
+    open descriptor to hold `want["size"]` bytes (its manifest record) or, without
+    one, at most `limit` bytes. The caller closes it.
+
+    Raises `CheckpointUnsafe` for a symlink or a file that is not regular or over its
+    bound, `CheckpointCorrupt` for a size other than the record's, `OSError`
+    (`FileNotFoundError` for a missing file) when it cannot be opened."""
+    path = step_dir / name
+    try:
+        f = open_plain(path, limit if want is None else None)
+    except NotPlainFile as e:
+        raise CheckpointUnsafe(f"{e} A checkpoint's files are regular files of its own folder.", name) from None
+    if want is not None and (size := os.fstat(f.fileno()).st_size) != want.get("size"):
+        f.close()
+        raise CheckpointCorrupt(corrupt_message(path, size, want), name)
+    return f
+
+
+def read_own(step_dir: Path, name: str, want: dict | None = None, limit: int = SMALL_LIMIT) -> bytes:
+    """The bytes of the file `name` of `step_dir`, read from the one descriptor
+    `open_own` opened and checked; with `want` (its manifest record) hashed from those
+    very bytes and compared with the record, so what the caller parses is what was
+    checked. Raises `CheckpointUnsafe` or `CheckpointCorrupt` naming the file."""
+    path = step_dir / name
+    with open_own(step_dir, name, want, limit) as f:
+        try:
+            data = read_at_most(f, limit if want is None else int(want["size"]), path)
+        except NotPlainFile as e:
+            raise CheckpointCorrupt(f"{e} It changed while it was read.", name) from None
+    if want is not None and (bad := bytes_mismatch(data, want, path)) is not None:
+        raise CheckpointCorrupt(bad, name)
+    return data

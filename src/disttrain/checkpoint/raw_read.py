@@ -35,6 +35,7 @@ from pathlib import Path
 import torch
 
 from disttrain.checkpoint.checkpoint_errors import CheckpointCorrupt
+from disttrain.plain_files import NotPlainFile, open_plain
 
 _SCRATCH = 1 << 23
 _PIECE = 1 << 24  # a record is read and hashed in pieces of 16 MiB
@@ -246,10 +247,12 @@ def _warm(step_dir: Path, files: list[Path], stop: threading.Event) -> None:
     buf = bytearray(_SCRATCH)
     try:
         for path in files:
-            with open(path, "rb", buffering=0) as f:
+            # never a FIFO (its open would wait for a writer, and this thread with it),
+            # a device or a symlink: only what a load itself would read
+            with open_plain(path, None) as f:
                 while not stop.is_set() and f.readinto(buf):
                     pass
-    except OSError:
+    except (OSError, NotPlainFile):
         pass
     finally:
         if _PREFETCH.get(step_dir) is stop:

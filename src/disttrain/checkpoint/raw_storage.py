@@ -39,7 +39,7 @@ from disttrain.checkpoint.checkpoint_errors import CheckpointCorrupt
 from disttrain.checkpoint.digests import HashingStream, corrupt_message, digest_bytes, expected, new_hash, record
 from disttrain.checkpoint.files import fsync_file
 from disttrain.checkpoint.finite import FiniteTally
-from disttrain.checkpoint.own_files import check_listed
+from disttrain.checkpoint.own_files import check_listed, open_own, read_own
 from disttrain.checkpoint.raw_read import FileRead, narrow, pool, read_all, read_exact, shared_storages, stop_for
 from disttrain.checkpoint.json_records import Extent, metadata_bytes, metadata_of, set_path, value_bytes, value_of
 
@@ -185,19 +185,20 @@ class RawWriter(StorageWriter):
 
 
 def read_metadata(step_dir: str | Path):
-    """DCP's `Metadata` of a raw-format checkpoint, parsed from JSON. Raises
-    `CheckpointCorrupt` for a `.metadata` that is not this format's JSON, or
-    `CheckpointUnsafe` when it names a data file its manifest does not list."""
+    """DCP's `Metadata` of a raw-format checkpoint, parsed from JSON: from the very
+    bytes checked against the manifest's record (`own_files.read_own`). Raises
+    `CheckpointCorrupt` for a `.metadata` that is missing from the manifest, fails its
+    check or is not this format's JSON, or `CheckpointUnsafe` when it is no regular
+    file or names a data file its manifest does not list."""
     path = Path(step_dir) / METADATA
+    files = layout.read_manifest(Path(step_dir))["files"]
+    if METADATA not in files:
+        raise CheckpointCorrupt(f"{step_dir}: the manifest lists no {METADATA}.", METADATA)
     try:
-        metadata = metadata_of(path.read_bytes())
+        metadata = metadata_of(read_own(Path(step_dir), METADATA, files[METADATA]))
     except (ValueError, KeyError, TypeError) as e:
         raise CheckpointCorrupt(f"{path} is not a {FORMAT} metadata document ({e}).", METADATA) from None
-    check_listed(
-        layout.read_manifest(Path(step_dir))["files"],
-        {extent.file for extent in metadata.storage_data.values()},
-        by=path,
-    )
+    check_listed(files, {extent.file for extent in metadata.storage_data.values()}, by=path)
     return metadata
 
 
@@ -269,7 +270,7 @@ class RawReader(StorageReader):
         if want is not None and (name in self.verified or not self.select(name)):
             want = None  # nothing to check: verified already, or not selected
         objects, later = [], []
-        with open(path, "rb", buffering=0) as f:
+        with open_own(self.path, name, self.files.get(name), limit=None) as f:
             # the process's hash thread; `read.close` waits for this file's hashes
             read = FileRead(f, path, new_hash(expected(want)[0]) if want is not None else None, pool("hash"), cached)
             try:
@@ -339,27 +340,30 @@ def load_keys(step_dir: str | Path, keys: set[str]) -> dict:
     verified."""
     step_dir = Path(step_dir)
     md = read_metadata(step_dir)
+    files = layout.read_manifest(step_dir)["files"]
     out: dict = {}
     wanted = [k for k in md.state_dict_metadata if k in keys or any(k.startswith(p + ".") for p in keys)]
     for key in sorted(wanted):
         meta = md.state_dict_metadata[key]
         extents = [(i, e) for i, e in md.storage_data.items() if i.fqn == key]
         if not isinstance(meta, TensorStorageMetadata):
-            value = value_of(_read_extent(step_dir, extents[0][1], bytearray(extents[0][1].length)))
+            value = value_of(_read_extent(step_dir, files, extents[0][1], bytearray(extents[0][1].length)))
         else:
             value = torch.empty(tuple(meta.size), dtype=meta.properties.dtype)
             for index, extent in extents:
                 chunk = next(c for c in meta.chunks if tuple(c.offsets) == tuple(index.offset))
                 part = torch.empty(tuple(chunk.sizes), dtype=meta.properties.dtype)
-                _read_extent(step_dir, extent, byte_view(part) if extent.length else memoryview(b""))
+                _read_extent(step_dir, files, extent, byte_view(part) if extent.length else memoryview(b""))
                 narrow(value, chunk.offsets, chunk.sizes).copy_(part)
         set_path(out, md.planner_data.get(key, (key,)), value)
     return out
 
 
-def _read_extent(step_dir: Path, extent: Extent, into):
-    """Read the record `extent` into the writable buffer `into`; returns `into`."""
-    with open(step_dir / extent.file, "rb", buffering=0) as f:
+def _read_extent(step_dir: Path, files: dict, extent: Extent, into):
+    """Read the record `extent` into the writable buffer `into`; returns `into`. The
+    file is opened by `own_files.open_own` (a regular file of its recorded size in
+    `files`, the manifest's records, no symlink followed)."""
+    with open_own(step_dir, extent.file, files.get(extent.file), limit=None) as f:
         f.seek(extent.offset)
         read_exact(f, memoryview(into), step_dir / extent.file)
     return into

@@ -13,7 +13,7 @@ from dataclasses import asdict, dataclass, field
 from pathlib import Path
 
 from disttrain.errors import UserError
-from disttrain.jsonl import read_jsonl
+from disttrain.jsonl import read_jsonl, read_text
 
 
 @dataclass(frozen=True)
@@ -111,7 +111,7 @@ def _is_record(item) -> bool:
 def _metrics(path: Path) -> tuple[list[dict], list[int], int]:
     """(records, line numbers that are not records, non-blank lines) of metrics.jsonl."""
     try:
-        text = path.read_text(errors="replace") if path.is_file() else ""
+        text = read_text(path) or ""  # a FIFO, a symlink or a file over the bound: one line
     except OSError as e:
         raise UserError(f"cannot read {path}: {e.strerror or e}.") from None
     records, skipped, lines = [], [], 0

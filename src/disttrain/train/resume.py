@@ -31,9 +31,9 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
-from disttrain.checkpoint import CheckpointMismatch
+from disttrain.checkpoint import CheckpointCorrupt, CheckpointMismatch
 from disttrain.checkpoint.layout import committed
-from disttrain.checkpoint.own_files import escapes
+from disttrain.checkpoint.own_files import escapes, read_own
 from disttrain.config import Config, to_dict
 from disttrain.elastic import apply_batch_policy
 
@@ -142,15 +142,16 @@ class ResumePlan:
 
 
 def plan_for(directory: str | Path, cfg: Config | dict) -> ResumePlan | None:
-    """Read `directory/state.json` (plain JSON, nothing unpickled) and compare its config
-    with `cfg` (a `Config`, or the dict a `dt.Job` stores). None when the file is
-    missing or unreadable, or a symlink out of `directory` (the load reports that)."""
+    """Read `directory/state.json` (plain JSON, nothing unpickled; `own_files.read_own`:
+    a regular file within a bound, no symlink followed) and compare its config with
+    `cfg` (a `Config`, or the dict a `dt.Job` stores). None when the file is missing,
+    unreadable or refused (a symlink, a FIFO, ...: the load reports that)."""
     if escapes(Path(directory), "state.json"):
         return None
     try:
-        meta = json.loads((Path(directory) / "state.json").read_text())
+        meta = json.loads(read_own(Path(directory), "state.json"))
         step, saved = int(meta["step"]), meta.get("config")
-    except (OSError, ValueError, KeyError, TypeError):
+    except (OSError, ValueError, KeyError, TypeError, CheckpointCorrupt):
         return None
     plan = ResumePlan(str(directory), step, saved if isinstance(saved, dict) else None)
     if plan.saved_config is None:
