@@ -32,7 +32,7 @@ def loaded():
     return sorted(m for m in sys.modules if m.split('.')[0] in {roots!r} or m.startswith('torch.distributed.'))
 import disttrain.train.trainer, disttrain.train.job
 start = loaded()
-import disttrain.checkpoint.hashing_fs
+import disttrain.checkpoint.dcp_read
 print(json.dumps([start, loaded()]))
 """
 

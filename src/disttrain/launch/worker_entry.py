@@ -46,7 +46,7 @@ def die_with_launcher() -> bool:
 
 def watched_by_parent() -> None:
     """Fork: the child returns and runs the worker; this process becomes its stub
-    (`warm_workers.watch`) and never returns. For a worker that the launcher started
+    (`worker_watch.watch`) and never returns. For a worker that the launcher started
     directly, without a warm server: a death by signal is then judged as a warm
     worker's is (a native crash is the program's, with its stack), and torchrun still
     sees the worker's own status or signal."""
@@ -54,7 +54,7 @@ def watched_by_parent() -> None:
     if pid == 0:
         processes.die_with_parent()  # the stub's death (torchrun's SIGKILL) takes the worker
         return
-    from disttrain.launch.warm_workers import watch
+    from disttrain.launch.worker_watch import watch
 
     os._exit(watch(pid, lambda: os.waitpid(pid, 0)[1]))
 
