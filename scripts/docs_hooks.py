@@ -27,6 +27,7 @@ CLI_MARKER = "<!-- disttrain:cli -->"
 # section after these, titled by its name.
 SECTIONS = {
     "train": "Training loop and jobs",
+    "config": "Configuration",
     "parallel": "Strategies and precision",
     "data": "Data",
     "checkpoint": "Checkpoints",

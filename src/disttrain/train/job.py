@@ -100,8 +100,8 @@ class Job:
             on_error, enabled, dir), [elastic] (batch_policy, record_samples,
             preempt_grace_s, buddy_every), [guard], [log] (tensorboard, wandb,
             mlflow); sections about the model and data are `disttrain train`'s. None:
-            the Job's defaults (the TOML's, except seed 0, log_every 1, grad_clip 0,
-            checkpoint.every 100). Under `disttrain run` the preemption grace is the
+            `Config()`, whose fields hold the one default of each setting (a short
+            keyword left out is its field's default, as in `disttrain train`). Under `disttrain run` the preemption grace is the
             launcher's (`DISTTRAIN_PREEMPT_GRACE_S`), else `elastic.preempt_grace_s`.
         run (RunOptions | None): What only an adapter passes (`dt.RunOptions`).
         strategy: For `dt.wrap`: 'ddp', 'zero1', 'fsdp', 'fsdp1' or 'dp'.
