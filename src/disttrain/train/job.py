@@ -129,6 +129,8 @@ class Job:
     where it went.
     """
 
+    # The parts a run holds: public to the train package (job_resume, job_finish and
+    # job_failure read them, and no module reads another's private name), no API.
     info: runtime.RankInfo
     model: torch.nn.Module
     sampler: ElasticSampler
@@ -141,7 +143,6 @@ class Job:
     saving: Saving
     metrics: MetricsWindow
     finite_check: FiniteCheck
-    """The parts a run holds, public (job_resume, job_finish, job_failure read them)."""
 
     def __init__(
         self,
