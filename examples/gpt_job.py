@@ -25,7 +25,7 @@ import numpy as np
 import torch
 
 import disttrain as dt
-from disttrain.config import CheckpointConfig, Config, TrainConfig
+from disttrain.config import CheckpointConfig, Config, OptimConfig, TrainConfig
 from disttrain.demo import GPT, GPTConfig
 
 
@@ -59,9 +59,9 @@ def lr_lambda(args):
 def main(args) -> None:
     # The process group (torchrun's environment, or none under plain python), this rank's
     # device, the seed on every rank, SIGTERM, checkpoints and resume: the job's.
-    # The run's settings are the TOML's own sections (optim.grad_clip is 1.0 by default).
+    # The run's settings are the TOML's own sections; the clip is the plain script's 1.0.
     config = Config(train=TrainConfig(accum_steps=args.accum, seed=args.seed, log_every=args.log_every),
-                    checkpoint=CheckpointConfig(every=args.ckpt_every))
+                    optim=OptimConfig(grad_clip=1.0), checkpoint=CheckpointConfig(every=args.ckpt_every))
     with dt.Job(args.out, config, run=dt.RunOptions(tokens_per_sample=args.block_size)) as job:
         config = GPTConfig(block_size=args.block_size, n_layer=args.n_layer, n_head=args.n_head, n_embd=args.n_embd)
         model = job.wrap(GPT(config))  # DDP, on this rank's device

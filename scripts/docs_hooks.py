@@ -27,12 +27,19 @@ CLI_MARKER = "<!-- disttrain:cli -->"
 # section after these, titled by its name.
 SECTIONS = {
     "train": "Training loop and jobs",
+    "config": "Configuration",
     "parallel": "Strategies and precision",
     "data": "Data",
     "checkpoint": "Checkpoints",
     "runtime": "Process group and ranks",
     "guard": "Guardrails",
     "errors": "Errors",
+}
+
+# Members that the package's own modules read, so they cannot be private (no module reads
+# another's private name), but that are no API: left off the page by mkdocstrings' filters.
+INTERNAL_MEMBERS = {
+    "Job": ("name", "config", "step_in_flight"),
 }
 
 
@@ -66,12 +73,19 @@ def reference_path(name: str) -> str:
     return f"{value.__module__}.{value.__qualname__}"
 
 
+def _entry(name: str) -> str:
+    entry = (f"::: {reference_path(name)}\n    options:\n      heading: dt.{name}\n"
+             f"      toc_label: dt.{name}\n")
+    if name in INTERNAL_MEMBERS:  # mkdocs.yml's filter, and one per internal member
+        entry += f"      filters: {['!^_', *(f'!^{m}$' for m in INTERNAL_MEMBERS[name])]}\n"
+    return entry
+
+
 def api_markdown() -> str:
     parts = []
     for package, names in public_names().items():
         parts.append(f"## {SECTIONS.get(package, package)}\n")
-        parts += [f"::: {reference_path(name)}\n    options:\n      heading: dt.{name}\n"
-                  f"      toc_label: dt.{name}\n" for name in names]
+        parts += [_entry(name) for name in names]
     return "\n".join(parts)
 
 

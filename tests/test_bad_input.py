@@ -177,6 +177,16 @@ def test_3_cli_refuses_a_checkpoint_dir_that_is_a_file_before_any_worker(tmp_pat
     assert not (tmp_path / "run").exists()
 
 
+def test_ckpt_commands_say_that_a_folder_does_not_exist(tmp_path, capsys):
+    """A mistyped folder was said to hold "no committed checkpoint", which sent a user
+    looking for a damaged checkpoint instead of at the path."""
+    for missing in (tmp_path / "runs" / "x" / "checkpoints", tmp_path / "step-00000004"):
+        for action in ("inspect", "verify", "export"):
+            err = _one_line_error(capsys, "ckpt", action, str(missing), "--to", str(tmp_path / "m.safetensors"))
+            assert f"{missing} does not exist" in err and "no committed checkpoint" not in err, err
+    assert not (tmp_path / "m.safetensors").exists()
+
+
 def test_10_doctor_analyses_a_3000_term_expression(tmp_path, capsys):
     script = tmp_path / "long.py"
     script.write_text("import torch\nx = " + " + ".join(["a"] * 3000) + "\n")

@@ -80,3 +80,14 @@ def test_help_after_the_script_is_the_scripts_own(tmp_path):
     proc = run_disttrain(["run", "--nproc", "1", str(script), "--help"], timeout=180)
     assert proc.returncode == 0, proc.stderr
     assert "script got ['--help']" in proc.stdout and "disttrain flags" not in proc.stdout
+
+
+def test_bare_disttrain_prints_the_usage_and_exits_2(capsys):
+    """No command is a usage error, as in argparse and git: the usage on stderr, exit 2
+    (it exited 0, so a script calling `disttrain $CMD` with an empty CMD passed)."""
+    from disttrain import cli
+
+    assert cli.main([]) == 2
+    out, err = capsys.readouterr()
+    assert out == "" and "usage: disttrain COMMAND" in err and "commands:" in err
+    assert cli.main(["--help"]) == 0 and "usage: disttrain COMMAND" in capsys.readouterr().out

@@ -53,3 +53,31 @@ def test_cli_config_error_is_one_line_without_traceback_and_starts_nothing():
     assert proc.stderr.strip() == ("disttrain train: error: config key 'train.accum_steps' is 0; "
                                    "it must be at least 1.")
     assert "Traceback" not in proc.stderr and "torch.distributed" not in proc.stdout + proc.stderr
+
+
+def _config_classes(cls=None) -> set[type]:
+    """`Config` and every dataclass among its sections' types, their bases included."""
+    import dataclasses
+    import typing
+
+    from disttrain.config import Config
+
+    cls = cls or Config
+    found = {base for base in cls.__mro__ if dataclasses.is_dataclass(base)}
+    for hint in typing.get_type_hints(cls).values():
+        if dataclasses.is_dataclass(hint):
+            found |= _config_classes(hint)
+    return found
+
+
+def test_every_config_class_is_importable_from_the_package_and_in_the_api_reference():
+    """`from disttrain.config import LogConfig` failed, though `Config(log=LogConfig(...))`
+    is how a script turns TensorBoard off; the reference (dt.__all__) listed none."""
+    import disttrain as dt
+    import disttrain.config as config
+
+    classes = _config_classes()
+    assert {c.__name__ for c in classes} >= {"Config", "LogConfig", "TrainConfig", "CheckpointConfig"}
+    for cls in classes:
+        assert cls.__name__ in config.__all__ and getattr(config, cls.__name__) is cls, cls.__name__
+        assert cls.__name__ in dt.__all__ and getattr(dt, cls.__name__) is cls, cls.__name__

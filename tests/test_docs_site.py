@@ -109,3 +109,15 @@ def test_site_loads_nothing_from_the_web(site):
     # The theme's web fonts are off (mkdocs.yml, font: false): a reader offline sees it all.
     for page in site.rglob("*.html"):
         assert "fonts.googleapis" not in page.read_text(), page
+
+
+def test_the_reference_hides_the_parts_of_a_job_its_own_package_reads(site):
+    """The page showed `finite_check`, with a docstring about the run's parts: the parts
+    and the plumbing the train package's modules read (`name`, `config()`,
+    `step_in_flight`) are no API, while what a script uses stays."""
+    page = (site / "reference" / "api" / "index.html").read_text()
+    shown = set(re.findall(r'id="disttrain\.train\.job\.Job\.(\w+)"', page))
+    assert not shown & {*dt.Job.__annotations__, "name", "config", "step_in_flight"}, shown
+    assert {"wrap", "loader", "evaluator", "resume", "steps", "backward", "log", "step", "cfg"} <= shown
+    # hidden from the page, not from the code
+    assert all(hasattr(dt.Job, name) for name in ("name", "config", "step_in_flight"))

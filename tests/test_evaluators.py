@@ -52,3 +52,13 @@ def test_two_evaluators_each_with_its_prefix_and_period(tmp_path):
     summary = json.loads((tmp_path / "summary.json").read_text())
     assert summary["final_heldout_loss"] == val.last["loss"]
     assert summary["final_train_sample_loss"] == on_train.last["loss"]
+
+
+def test_an_evaluator_named_train_is_refused_so_the_loops_loss_keeps_its_name(tmp_path):
+    """`train_loss`, `final_train_loss` and TensorBoard's `loss/train` are the loop's own
+    loss; an evaluator named "train" would write its loss under the same names."""
+    with dt.Job(tmp_path, checkpoint_every=0, progress=False) as job:
+        job.wrap(torch.nn.Linear(4, 1))
+        with pytest.raises(UserError, match=r"name='train'.*training loop's own.*name='train_sample'"):
+            job.evaluator(_data(16, 0), batch_size=8, name="train")
+        assert job.evaluators == []

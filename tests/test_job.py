@@ -278,14 +278,38 @@ def test_an_unknown_keyword_lists_the_ones_taken(tmp_path):
         dt.Job(tmp_path, checkpont_every=5)
 
 
+def _fields(obj, prefix=""):
+    """Every leaf setting of a config dataclass, as {dotted key: value}."""
+    import dataclasses
+
+    out = {}
+    for f in dataclasses.fields(obj):
+        value = getattr(obj, f.name)
+        if dataclasses.is_dataclass(value):
+            out.update(_fields(value, f"{prefix}{f.name}."))
+        else:
+            out[f"{prefix}{f.name}"] = value
+    return out
+
+
+def test_a_job_without_a_config_runs_with_the_configs_own_defaults(tmp_path):
+    """One set of defaults whichever way a Job is made: `dt.Job(out)` and
+    `dt.Job(out, Config())` had different seeds, clipping, log and checkpoint periods."""
+    from disttrain.config import Config
+
+    plain, given = _fields(dt.Job(tmp_path).cfg), _fields(dt.Job(tmp_path, Config()).cfg)
+    assert plain.keys() == given.keys()
+    assert {k: (v, given[k]) for k, v in plain.items() if v != given[k]} == {}
+    keyword = dt.Job(tmp_path, seed=7, grad_clip=0.5, checkpoint_every=4)  # a keyword sets its field only
+    assert {k for k, v in _fields(keyword.cfg).items() if v != given[k]} == {
+        "train.seed", "optim.grad_clip", "checkpoint.every"}
+
+
 def test_the_config_object_is_taken_whole_and_a_short_keyword_overrides_it(tmp_path):
-    """Without a config the Job's defaults (not the TOML's); a given Config's fields are
-    used, a short keyword wins over its field, and the caller's Config is not changed."""
+    """A given Config's fields are used, a short keyword wins over its field, and the
+    caller's Config is not changed."""
     from disttrain.config import CheckpointConfig, Config, ElasticConfig, TrainConfig
 
-    plain = dt.Job(tmp_path)
-    assert (plain.cfg.train.seed, plain.cfg.train.log_every, plain.cfg.optim.grad_clip,
-            plain.cfg.checkpoint.every) == (0, 1, 0.0, 100)
     config = Config(train=TrainConfig(seed=5, log_every=3), elastic=ElasticConfig(batch_policy="rescale_lr"),
                     checkpoint=CheckpointConfig(every=3, keep_last=7, dir=str(tmp_path / "ck")))
     job = dt.Job(tmp_path / "out", config, checkpoint_every=9, strategy="fsdp")

@@ -30,6 +30,19 @@ _EXPORTS = {
         "save",
         "save_model",
     ],
+    "disttrain.config": [
+        "CheckpointConfig",
+        "Config",
+        "DataConfig",
+        "ElasticConfig",
+        "GPTConfig",
+        "GuardConfig",
+        "LogConfig",
+        "ModelConfig",
+        "OptimConfig",
+        "ParallelConfig",
+        "TrainConfig",
+    ],
     "disttrain.data": ["DistributedSampler", "ElasticSampler", "TokenWindows"],
     "disttrain.errors": ["ConfigError", "DistributedMismatchError", "UserError"],
     "disttrain.guard": ["check_consistency", "check_replicas", "start_guard"],
@@ -71,6 +84,19 @@ if TYPE_CHECKING:  # static tools see the real names
         load_model,
         save,
         save_model,
+    )
+    from disttrain.config import (
+        CheckpointConfig,
+        Config,
+        DataConfig,
+        ElasticConfig,
+        GPTConfig,
+        GuardConfig,
+        LogConfig,
+        ModelConfig,
+        OptimConfig,
+        ParallelConfig,
+        TrainConfig,
     )
     from disttrain.data import DistributedSampler, ElasticSampler, TokenWindows
     from disttrain.errors import ConfigError, DistributedMismatchError, UserError

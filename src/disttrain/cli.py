@@ -51,7 +51,10 @@ def _command(name: str):
 
 def main(argv: list[str] | None = None) -> int:
     argv = list(sys.argv[1:] if argv is None else argv)
-    if not argv or argv[0] in ("-h", "--help", "help"):
+    if not argv:  # no command is a usage error, as argparse and git treat it
+        print(USAGE, end="", file=sys.stderr)
+        return 2
+    if argv[0] in ("-h", "--help", "help"):
         print(USAGE, end="")
         return 0
     if argv[0] in ("-V", "--version"):

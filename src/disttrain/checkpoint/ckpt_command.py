@@ -19,7 +19,14 @@ USAGE = "disttrain ckpt {inspect,verify,export} DIR [--to model.safetensors] [--
 
 
 def _step_dir(path: str) -> Path:
+    """The step folder `path` names (see the module); a `UserError` for a path that does
+    not exist or a root without a committed step."""
     p = Path(path)
+    if not p.exists():
+        raise UserError(
+            f"{p} does not exist; pass a checkpoint root (a run's checkpoints/ folder, or "
+            f"checkpoint.dir) or one of its step-* folders."
+        )
     if p.name.startswith("step-") or (p / layout.MANIFEST).exists():
         return p
     found = layout.committed(p)

@@ -23,6 +23,9 @@ def _one_of(key: str, value: str, allowed: tuple[str, ...]) -> None:
 
 @dataclass(kw_only=True)
 class DataConfig:
+    """[data]: where `disttrain train`'s training data comes from (the stdlib corpus, a
+    factory of your own, token files or a Hugging Face datasets folder) and how it loads."""
+
     factory: str = ""
     """'module:callable' returning a map-style train dataset, or (train, eval); '' = the corpus."""
     kwargs: dict = field(default_factory=dict)

@@ -14,7 +14,8 @@ from disttrain.errors import ConfigError
 
 @dataclass(kw_only=True)
 class ElasticConfig:
-    """Behaviour across restarts and world-size changes (P-ELASTIC-3,5, P-DATA-3)."""
+    """[elastic]: behaviour across restarts, world-size changes and the loss of a worker
+    (P-ELASTIC-3,5, P-DATA-3): the batch policy, preemption and in-memory recovery."""
 
     batch_policy: str = "keep_global"
     """On a world-size change: 'keep_global' keeps the global batch by re-deriving

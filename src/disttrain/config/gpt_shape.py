@@ -9,7 +9,8 @@ from dataclasses import dataclass
 
 @dataclass(kw_only=True)
 class GPTConfig:
-    """Shape of the model. Defaults give about 0.8M parameters."""
+    """The shape of the built-in GPT (`[model]` without a factory or a Hugging Face
+    model). The defaults give about 0.8M parameters."""
 
     vocab_size: int = 256
     """Vocabulary size: 256 for bytes; for token files at least their vocabulary."""

@@ -13,7 +13,8 @@ from disttrain.errors import ConfigError
 
 @dataclass(kw_only=True)
 class LogConfig:
-    """Run records for people and tools; none of them changes training."""
+    """[log]: run records for people and tools (TensorBoard, Weights & Biases, MLflow)
+    beside metrics.jsonl; none of them changes training."""
 
     tensorboard: bool = True
     """Rank 0 writes TensorBoard event files under {train.out_dir}/tb (losses, LR,

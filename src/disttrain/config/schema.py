@@ -53,6 +53,9 @@ class ModelConfig(GPTConfig):
 
 @dataclass(kw_only=True)
 class ParallelConfig:
+    """[parallel]: how the model is split across processes and devices (the strategy,
+    its sharding and precision options) and how many processes a node starts."""
+
     strategy: str = "ddp"
     """One of ddp, fsdp, zero1, dp, fsdp1."""
     nproc: int = 2
@@ -87,6 +90,9 @@ class ParallelConfig:
 
 @dataclass(kw_only=True)
 class OptimConfig:
+    """[optim]: the optimizer `disttrain train` builds, its warmup-cosine schedule and the
+    gradient clipping that `dt.Job` (and so the trainer) applies at each step."""
+
     name: str = "adamw"
     """'adamw' or 'sgd'."""
     lr: float = 1e-3
@@ -98,8 +104,9 @@ class OptimConfig:
     """SGD only."""
     betas: list[float] = field(default_factory=lambda: [0.9, 0.95])
     """AdamW's (beta1, beta2)."""
-    grad_clip: float = 1.0
-    """Clip the global gradient norm to this value (P-LOOP-5); 0 disables."""
+    grad_clip: float = 0.0
+    """Clip the global gradient norm to this value (P-LOOP-5); 0 disables, so a loop's
+    gradients are what it computed unless clipping is asked for."""
     warmup_steps: int = -1
     """Optimizer steps of linear warmup; -1 chooses min(5% of steps, 2000) (P-LOOP-4)."""
     min_lr_ratio: float = 0.1
@@ -108,6 +115,9 @@ class OptimConfig:
 
 @dataclass(kw_only=True)
 class TrainConfig:
+    """[train]: the length of the run, the batch and its accumulation, precision, seed,
+    evaluation and logging periods, and where the run's files go."""
+
     steps: int = 1000
     """Optimizer steps (not micro-steps)."""
     batch_size: int = 16
@@ -118,8 +128,9 @@ class TrainConfig:
     """fp32, bf16 (autocast, no scaler) or fp16 (autocast with a gradient scaler)."""
     seed: int = 1337
     """Seeds the model's initialisation, the data order and the per-step dropout."""
-    log_every: int = 10
-    """Optimizer steps between metrics records (metrics.jsonl, TensorBoard, the progress bar)."""
+    log_every: int = 1
+    """Optimizer steps between metrics records (metrics.jsonl, TensorBoard, the progress
+    bar); each record is one small all-reduce."""
     eval_every: int = 250
     """Optimizer steps between held-out evaluations; 0 evaluates only at the end."""
     eval_batches: int = 20
@@ -134,7 +145,8 @@ class TrainConfig:
 
 @dataclass(kw_only=True)
 class GuardConfig:
-    """Runtime guardrails (P-DEBUG-1,3): on by default and cheap (<= 1% of step time)."""
+    """[guard]: runtime guardrails (P-DEBUG-1,3), on by default and cheap (<= 1% of step
+    time): a start-of-run consistency check, replica checksums and a hang watchdog."""
 
     enabled: bool = True
     """Start-of-run consistency check, replica divergence check and hang watchdog."""
@@ -156,7 +168,8 @@ class GuardConfig:
 
 @dataclass(kw_only=True)
 class CheckpointConfig:
-    """Periodic, atomic, verified checkpoints and automatic resume (P-CKPT-1..5)."""
+    """[checkpoint]: periodic, atomic, verified checkpoints and automatic resume from the
+    newest valid one (P-CKPT-1..5), by step count and by the clock."""
 
     enabled: bool = True
     """Save checkpoints, and resume from the newest valid one on start (no flag needed)."""
@@ -192,7 +205,10 @@ def _check_checkpoint(c: CheckpointConfig) -> None:
 
 @dataclass(kw_only=True)
 class Config:
-    """The whole run. One section per concern, as in the TOML file."""
+    """The whole run, one section per concern as in the TOML file: what `disttrain train`
+    reads from its file and what `dt.Job(out_dir, config)` takes. Each field's default is
+    the one default of its key, whichever way a run is made (`dt.Job(out_dir)` runs with
+    `Config()`); `load_config` and `validate` check the values."""
 
     model: ModelConfig = field(default_factory=ModelConfig)
     data: DataConfig = field(default_factory=DataConfig)

@@ -19,6 +19,7 @@ the sum of the counts (one all-reduce for all metrics), never a mean of rank mea
 from __future__ import annotations
 
 import math
+import re
 from typing import Any, Callable
 
 import torch
@@ -44,6 +45,26 @@ def loss_metric(loss_fn: Callable | None = None) -> Metric:
     model rejects is one `UserError` naming the batch's structure (the evaluation at the
     start is often a run's first forward)."""
     return lambda model, batch: {"loss": batch_loss(model, batch, loss_fn, first=True)}
+
+
+def check_name(name: str, taken: list[str]) -> None:
+    """A new evaluator's name: a lowercase identifier, not in `taken`, and not "train".
+    Each is one `UserError` naming the fix."""
+    if name == "train":
+        # The loop's own loss is already `train_loss` to people: the summary's
+        # `final_train_loss`, TensorBoard's `loss/train`; an evaluator's `train_loss`
+        # would silently replace it there.
+        raise UserError(
+            "dt.Job.evaluator(name='train'): 'train' is the training loop's own loss "
+            "(final_train_loss, TensorBoard loss/train); name the evaluator for its data, "
+            "e.g. name='train_sample' (logged as train_sample_loss)."
+        )
+    if not re.fullmatch(r"[a-z][a-z0-9_]*", name) or name in taken:
+        raise UserError(
+            f"dt.Job.evaluator(name={name!r}): each evaluator needs its own name, a "
+            f"lowercase identifier (its metrics are '<name>_loss', ...); taken: "
+            f"{', '.join(map(repr, taken)) or 'none'}."
+        )
 
 
 def _sum_count(name: str, value: Any, n: int) -> tuple[float, float]:

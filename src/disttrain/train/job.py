@@ -17,7 +17,7 @@ evaluation, the run log, the progress bar, the summary and the final save, and, 
         sched = torch.optim.lr_scheduler.LambdaLR(opt, warmup)  # Job steps it
         loader = job.loader(dataset, batch_size=32)
         evaluator = job.evaluator(eval_set, batch_size=64, every=50)  # and at the last step
-        job.evaluator(train_sample, batch_size=64, every=50, name="train")  # train_loss
+        job.evaluator(train_sample, batch_size=64, every=50, name="train_sample")
         job.resume(model=model, optimizer=opt, scheduler=sched)  # newest valid checkpoint
         for batch in job.steps(loader, max_steps=1000):
             loss = model(**batch).loss
@@ -33,7 +33,6 @@ each call out of order, and each object that did not come from this job, is one
 from __future__ import annotations
 
 import os
-import re
 import signal
 from pathlib import Path
 from typing import Any, Iterator
@@ -54,7 +53,7 @@ from disttrain.runtime import failures
 from disttrain.runtime.fault_injection import inject
 from disttrain.runtime.log import set_speaker
 from disttrain.train import job_failure, job_finish, job_resume
-from disttrain.train.evaluation import Evaluator, evaluate
+from disttrain.train.evaluation import Evaluator, check_name, evaluate
 from disttrain.train.finite_check import FiniteCheck
 from disttrain.train.metrics_window import MetricsWindow
 from disttrain.train.saving import Saving
@@ -101,8 +100,8 @@ class Job:
             on_error, enabled, dir), [elastic] (batch_policy, record_samples,
             preempt_grace_s, buddy_every), [guard], [log] (tensorboard, wandb,
             mlflow); sections about the model and data are `disttrain train`'s. None:
-            the Job's defaults (the TOML's, except seed 0, log_every 1, grad_clip 0,
-            checkpoint.every 100). Under `disttrain run` the preemption grace is the
+            `Config()`, whose fields hold the one default of each setting (a short
+            keyword left out is its field's default, as in `disttrain train`). Under `disttrain run` the preemption grace is the
             launcher's (`DISTTRAIN_PREEMPT_GRACE_S`), else `elastic.preempt_grace_s`.
         run (RunOptions | None): What only an adapter passes (`dt.RunOptions`).
         strategy: For `dt.wrap`: 'ddp', 'zero1', 'fsdp', 'fsdp1' or 'dp'.
@@ -130,6 +129,8 @@ class Job:
     where it went.
     """
 
+    # The parts a run holds: public to the train package (job_resume, job_finish and
+    # job_failure read them, and no module reads another's private name), no API.
     info: runtime.RankInfo
     model: torch.nn.Module
     sampler: ElasticSampler
@@ -142,7 +143,6 @@ class Job:
     saving: Saving
     metrics: MetricsWindow
     finite_check: FiniteCheck
-    """The parts a run holds, public (job_resume, job_finish, job_failure read them)."""
 
     def __init__(
         self,
@@ -403,14 +403,10 @@ class Job:
         `resume`, once per eval set: several evaluators, each with its own `name` (a
         lowercase identifier, e.g. "val", "train_sample"), run in the order built. A
         `batch_size` or `max_batches` below 1, a negative `every`, a repeated or
-        malformed name or a call after `resume` is a `UserError`."""
+        malformed name, the name "train" (the loop's own `loss` is the run's train loss)
+        or a call after `resume` is a `UserError`."""
         self._need(self.accumulator is None, "dt.Job.evaluator() is called before job.resume().")
-        if not re.fullmatch(r"[a-z][a-z0-9_]*", name) or name in {e.name for e in self.evaluators}:
-            taken = ", ".join(repr(e.name) for e in self.evaluators) or "none"
-            raise UserError(
-                f"dt.Job.evaluator(name={name!r}): each evaluator needs its own name, a "
-                f"lowercase identifier (its metrics are '<name>_loss', ...); taken: {taken}."
-            )
+        check_name(name, [e.name for e in self.evaluators])
         ev = Evaluator(
             dataset,
             batch_size,

@@ -2,10 +2,8 @@
 a few short keywords for a script, and `RunOptions`, what only an adapter such as
 `disttrain train` passes.
 
-Precedence: a short keyword (not None) > the `config` given > the Job's defaults. The
-Job's defaults are the TOML's, except where a script's expectations differ:
-`train.seed` 0, `train.log_every` 1, `optim.grad_clip` 0 (off), `checkpoint.every` 100.
-A keyword of the old constructor (`keep_last=`, `checkpoint_dir=`, `compile=`, ...) is
+Precedence: a short keyword (not None) > the `config` given > `Config()`'s defaults,
+the TOML's: one default per setting whichever way a Job is made. A keyword of the old constructor (`keep_last=`, `checkpoint_dir=`, `compile=`, ...) is
 one `UserError` naming the field it moved to.
 """
 
@@ -85,16 +83,8 @@ MOVED = {
 """Each keyword of the 0.2 constructor that moved -> where it went (CHANGELOG)."""
 
 
-def job_defaults() -> Config:
-    """The configuration of a `dt.Job` given none (see the module for how it differs
-    from the TOML's defaults)."""
-    cfg = Config()
-    cfg.train.seed, cfg.train.log_every, cfg.optim.grad_clip, cfg.checkpoint.every = 0, 1, 0.0, 100
-    return cfg
-
-
 def resolve(config: Config | None, short: dict[str, Any], moved: dict[str, Any]) -> Config:
-    """The Job's `Config`: a copy of `config` (None: `job_defaults()`) with each short
+    """The Job's `Config`: a copy of `config` (None: `Config()`) with each short
     keyword that is not None set. Raises `UserError` for a `config` that is not a
     `Config`, a keyword that moved (naming where) or an unknown keyword."""
     for key in moved:
@@ -105,7 +95,7 @@ def resolve(config: Config | None, short: dict[str, Any], moved: dict[str, Any])
             f"Config(train=TrainConfig(...), ...)), not a {type(config).__name__}; an "
             f"adapter's dict for the checkpoints goes to run=dt.RunOptions(stored_config=...)."
         )
-    cfg = copy.deepcopy(config) if config is not None else job_defaults()
+    cfg = copy.deepcopy(config) if config is not None else Config()
     for key, value in short.items():
         if value is not None:
             section, name = SHORT[key]
