@@ -161,6 +161,29 @@ def test_ranks_waiting_in_different_collectives_are_a_mismatch_not_the_network()
     assert "communication problem" in verdict  # the same call everywhere: the stacks cannot tell
 
 
+def test_a_resumed_attempt_starts_with_the_bound_of_the_attempt_before(tmp_path, monkeypatch):
+    """Under `disttrain run` (a notes folder), an attempt's typical step time outlives it:
+    the next attempt's watchdog bounds its first steps by it, not by `hang_cap_s` (before:
+    a resumed attempt waited the whole cap, 240 s by default, before calling a hang)."""
+    from disttrain import worker_notes
+    from disttrain.guard.watchdog import Watchdog
+
+    monkeypatch.setenv(worker_notes.NOTES_ENV, str(tmp_path))
+    monkeypatch.setenv("LOCAL_RANK", "0")
+    monkeypatch.setenv("RANK", "1")
+    first = Watchdog(hang_factor=20, hang_min_s=5.0, hang_cap_s=240.0)
+    assert first.bound() == 240.0  # no steps yet: the cap
+    first.durations.extend([0.5, 0.6, 0.7])
+    first._note_pace()
+    assert first.bound() == 12.0  # 20 x the median
+    again = Watchdog(hang_factor=20, hang_min_s=5.0, hang_cap_s=240.0)
+    assert again.bound() == 12.0
+    monkeypatch.setenv("RANK", "0")  # another rank's pace is not this one's
+    assert Watchdog(hang_factor=20, hang_min_s=5.0, hang_cap_s=240.0).bound() == 240.0
+    monkeypatch.delenv(worker_notes.NOTES_ENV)  # outside `disttrain run`: nothing kept
+    assert Watchdog(hang_factor=20, hang_min_s=5.0, hang_cap_s=240.0).bound() == 240.0
+
+
 def test_run_debug_sets_backend_switches_P_DEBUG_2(monkeypatch):
     script = str(WORKERS / "hello.py")
     monkeypatch.setattr(launch, "visible_gpus", lambda: 0)

@@ -311,3 +311,25 @@ def test_warm_server_not_used_when_cuda_poisoned_its_fork_mocked_cuda(monkeypatc
     finally:
         if server is not None:
             warm_workers.stop_server(server)
+
+
+def test_a_stop_in_the_middle_of_failed_attempts_with_nothing_saved_exits_non_zero(tmp_path):
+    """SIGTERM to the launcher: a clean stop (0, a scheduler's requeue) when a rank saved
+    after it or the job had not failed; after failed attempts (a crash loop, spare
+    take-overs) with nothing saved, 143 and a line that says so (before: 0 and "a script
+    without dt.Job saves nothing")."""
+    import signal
+
+    from disttrain import worker_notes
+
+    assert worker_notes.failed_attempts(tmp_path) == 0
+    for name in ("failure-000000-000001", "said-failure-000000-000001", "said-failure-000001-000000",
+                 "said-promotion-rank1-000001", "saved-rank0", "said-other"):
+        (tmp_path / name).write_text("")
+    assert worker_notes.failed_attempts(tmp_path) == 3  # two attempts' failures, one take-over
+    line, status = launch.stopped_by_signal(signal.SIGTERM, None, 3)
+    assert status == 143 and "failed 3 time(s) before the signal" in line
+    line, status = launch.stopped_by_signal(signal.SIGTERM, 12, 3)
+    assert status == 0 and "saved step 12" in line
+    assert launch.stopped_by_signal(signal.SIGTERM, None, 0)[1] == 0
+    assert launch.stopped_by_signal(signal.SIGINT, None, 0)[1] == 130

@@ -242,6 +242,40 @@ def read_hang(folder: str | Path) -> dict | None:
     return record if isinstance(record, dict) else None
 
 
+def note_pace(rank: int, seconds: float) -> None:
+    """`rank`'s typical step time so far, kept across the attempts of this launch, so
+    that a resumed attempt's hang watchdog starts with the bound the attempt before had
+    (`read_pace`). A no-op outside `disttrain run`; a failed write is skipped."""
+    folder = _folder()
+    if folder is None:
+        return
+    path = folder / f"pace-rank{rank}"
+    tmp = path.with_name(f".{path.name}.{os.getpid()}")
+    try:
+        tmp.write_text(repr(float(seconds)))
+        os.replace(tmp, path)
+    except OSError:
+        pass
+
+
+def read_pace(rank: int) -> float | None:
+    """The step time an earlier attempt of this launch noted for `rank` (`note_pace`)."""
+    folder = _folder()
+    try:
+        value = float((folder / f"pace-rank{rank}").read_text()[:64]) if folder is not None else None
+    except (OSError, ValueError):
+        return None
+    return value if value is not None and 0 < value < float("inf") else None
+
+
+def failed_attempts(folder: str | Path) -> int:
+    """The failed attempts this launch went on from: each attempt's failure a rank
+    reported (`failure-*`, `said-failure-*`) and each spare take-over (`said-promotion-*`)."""
+    names = {p.name for p in Path(folder).glob("*") if p.name.startswith(("failure-", "said-"))}
+    attempts = {n.removeprefix("said-") for n in names if n.removeprefix("said-").startswith("failure-")}
+    return len(attempts) + sum(1 for n in names if n.startswith("said-promotion-"))
+
+
 def note_saved(rank: int, step: int) -> None:
     """After a preemption's save on `rank` (a no-op outside `disttrain run`)."""
     folder = _folder()

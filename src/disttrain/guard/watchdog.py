@@ -36,6 +36,7 @@ from collections import deque
 from pathlib import Path
 from typing import TextIO
 
+from disttrain import worker_notes
 from disttrain.guard import private_dir, side_channel
 from disttrain.guard.hang_report import diagnose, format_summary
 from disttrain.guard.stacks import dump_stacks, proc_state
@@ -112,6 +113,11 @@ class Watchdog:
         self.phase_name = "start"
         self.step_since = self.phase_since = time.monotonic()
         self.durations: deque[float] = deque(maxlen=101)
+        # A resumed attempt starts with the pace of the attempt before (`_note_pace`), not
+        # with the cap: its hang is found as soon as the first attempt's was.
+        earlier = worker_notes.read_pace(self.rank)
+        if earlier is not None:
+            self.durations.extend([earlier] * warmup_steps)
         self.history: dict[str, deque[int]] = {}
         """phase -> the steps of its last entries (to name the step a rank skipped)."""
         self.counts: dict[str, int] = {}
@@ -280,6 +286,11 @@ class Watchdog:
         except OSError:
             pass  # a full or vanished disk must not kill training; the next tick retries
 
+    def _note_pace(self) -> None:
+        """Keep this rank's typical step time for a later attempt of the launch."""
+        if len(self.durations) >= self.warmup_steps:
+            worker_notes.note_pace(self.rank, statistics.median(self.durations))
+
     def _stall(self) -> dict | None:
         """The `stall` record of this job's hang, or None: no file, not yet written in
         full, or stale (`_stale`)."""
@@ -294,6 +305,7 @@ class Watchdog:
         while not self._stop.wait(self.tick_s):
             try:
                 self._beat()
+                self._note_pace()
                 if self._stall() is not None:
                     self._follow()
                     return

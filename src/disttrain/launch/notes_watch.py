@@ -74,6 +74,10 @@ class Notes:
         """The hang watchdog's verdict of the newest attempt, if a rank reported one."""
         return worker_notes.read_hang(self.folder)
 
+    def failed_attempts(self) -> int:
+        """How often the job failed and went on in this launch (restarts, generations)."""
+        return worker_notes.failed_attempts(self.folder)
+
     def saved_step(self) -> int | None:
         return worker_notes.read_saved(self.folder)
 

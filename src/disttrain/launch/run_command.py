@@ -445,6 +445,29 @@ def _others(failures: dict, first: int) -> str:
     return f" ({'; '.join(parts)})" if parts else ""
 
 
+def stopped_by_signal(sigval: int, saved: int | None, failed: int) -> tuple[str, int]:
+    """The last line and exit status of a job whose launcher got `sigval`: a rank's save
+    after it (`saved`, its step) or a SIGTERM to a job that had not failed is a clean
+    stop (0: a scheduler's requeue); a job stopped in the middle of failed attempts
+    (`failed`: a crash loop, spare take-overs) with nothing saved after the signal is not."""
+    name = signal.Signals(sigval).name
+    if saved is not None:
+        then = f"saved step {saved}. The same command resumes from it."
+    else:
+        then = (
+            "had --shutdown-timeout to save, but no rank reported a checkpoint committed after the "
+            "signal (a dt.Job commits one when the signal comes after its first step; a script "
+            "without dt.Job saves only what its own handler saves)."
+        )
+        if failed:
+            then += (
+                f" The job had failed {failed} time(s) before the signal; a re-run resumes from the "
+                "newest checkpoint on disk."
+            )
+    clean = sigval == signal.SIGTERM and (saved is not None or not failed)
+    return f"disttrain run: stopped by {name}; the workers were passed it and {then}", 0 if clean else 128 + sigval
+
+
 def _hang_line(hang: dict) -> str:
     """The last line after a hang: the guard summary's own verdict (`worker_notes.note_hang`)."""
     lagging = [r for r in hang.get("lagging") or [] if isinstance(r, int)]
@@ -515,17 +538,9 @@ def _launch(args: list[str], env: dict[str, str]) -> int:
         # (the requeue path of docs/elastic.md), instead of a traceback and exit 1.
         if notes.stopped():
             return notes.report()
-        name = signal.Signals(e.sigval).name
-        saved = notes.saved_step()
-        then = (
-            f"saved step {saved}. The same command resumes from it."
-            if saved is not None
-            else "had --shutdown-timeout to save, but no rank reported a checkpoint committed after "
-            "the signal (a dt.Job commits one when the signal comes after its first step; a script "
-            "without dt.Job saves only what its own handler saves)."
-        )
-        print(f"disttrain run: stopped by {name}; the workers were passed it and {then}", file=sys.stderr)
-        return 0 if e.sigval == signal.SIGTERM else 128 + int(e.sigval)
+        line, status = stopped_by_signal(int(e.sigval), notes.saved_step(), notes.failed_attempts())
+        print(line, file=sys.stderr)
+        return status
     finally:
         notes.close()
     return 0

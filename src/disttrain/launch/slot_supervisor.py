@@ -32,7 +32,7 @@ import time
 
 from disttrain.launch.warm_workers import SOCKET_ENV as WARM_SOCKET_ENV
 from disttrain.runtime import processes
-from disttrain.worker_notes import earlier_stop, wait_to_be_stopped
+from disttrain.worker_notes import earlier_stop, first_to_say, wait_to_be_stopped
 from disttrain.runtime.failures import MACHINE, classify_death, report_crash
 
 ROLE_ENV = "DISTTRAIN_FAST_ROLE"  # elastic.fast_recovery.ROLE_ENV; not imported: that imports torch
@@ -140,6 +140,7 @@ def supervise(cmd: list[str], rank: int, world: int) -> int:
                 spare = _spawn(cmd, "spare")
                 _go(spare)
             promotions += 1
+            first_to_say(f"promotion-rank{rank}-{promotions:06d}")  # counted if the job is then stopped
             print(
                 f"disttrain run: rank {rank}'s training process died ({_how(rc)}); its warm spare "
                 f"took over and the job goes on from memory (promotion {promotions})",
