@@ -169,7 +169,11 @@ def test_a_loader_worker_killed_from_outside_is_retried_bit_identically(tmp_path
     killed, clean = tmp_path / "killed", tmp_path / "clean"
     proc, out = launch(killed, "restart", "--raise-at", "6", "--kind", "loaderkill", "--workers", "2", "--steps", "10")
     assert proc.returncode == 0 and "resumed at step 4" in out, out[-3000:]
-    assert "rank 1 lost a loader worker to a kill from outside" in out, out[-3000:]
+    # torch names the signal when its SIGCHLD handler sees the death first ("killed by
+    # signal: Killed", the machine's); when the fetch fails first it says "exited
+    # unexpectedly", which cannot be told and is retried too (the crash-loop breaker)
+    assert ("rank 1 lost a loader worker to a kill from outside" in out
+            or "exited unexpectedly" in out and "cannot tell whose failure" in out), out[-3000:]
     assert (killed / "loader-killed").exists()
     proc, out = launch(clean, "restart", "--workers", "2", "--steps", "10")
     assert proc.returncode == 0, out[-3000:]

@@ -51,7 +51,7 @@ from disttrain.guard import RunGuard, start_guard
 from disttrain.parallel import wrap
 from disttrain.runtime import failures
 from disttrain.runtime.fault_injection import inject
-from disttrain.runtime.log import set_speaker
+from disttrain.runtime.log import LOGGER, set_speaker
 from disttrain.train import job_failure, job_finish, job_resume
 from disttrain.train.evaluation import Evaluator, check_name, evaluate
 from disttrain.train.finite_check import FiniteCheck
@@ -244,12 +244,25 @@ class Job:
         (a user error or the program's error: not retried; a lost peer: one line). The
         judgement comes first: its note must be there when a peer's collective fails."""
         ending = job_failure.judge(self, exc, self._peer_gone) if exc is not None else None
+        if exc is not None and self.handoff is None:
+            self._close_trackers()
         self._close()
         if ending is not None:
             ending = ending.settled()
             if ending.wait:
                 worker_notes.wait_to_be_stopped()
             raise failures.JudgedExit(ending.status) from None
+
+    def _close_trackers(self) -> None:
+        """After a failure on the restart path: the trackers record the last step they
+        hold, so the next attempt sends each step once (an in-memory recovery keeps them
+        open instead). A tracker's own failure here must not replace the job's error."""
+        if self.metrics is None:
+            return
+        try:
+            self.metrics.close()
+        except Exception as e:  # noqa: BLE001  (the job's own failure is what is reported)
+            LOGGER.warning(f"disttrain job: a tracker failed to close after the failure: {type(e).__name__}: {e}")
 
     def _peer_gone(self) -> bool:
         return self.handoff is not None and self.handoff.peer_gone()
