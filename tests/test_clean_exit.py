@@ -34,9 +34,11 @@ def test_a_correct_script_exits_after_its_last_line(variant, times):
         assert "finished its code but had not exited" not in proc.stderr
 
 
-def test_a_rank_stuck_at_exit_is_ended_at_the_bound_and_said_in_one_line():
-    """A non-daemon thread that never ends: Python itself would wait for it forever."""
-    proc = run("thread", DISTTRAIN_EXIT_BOUND_S="2")
+@pytest.mark.parametrize("warm", ["1", "0"])
+def test_a_rank_stuck_at_exit_is_ended_at_the_bound_and_said_in_one_line(warm):
+    """A non-daemon thread that never ends: Python itself would wait for it forever.
+    With warm workers and without (each worker's entry then watches a forked worker)."""
+    proc = run("thread", DISTTRAIN_EXIT_BOUND_S="2", DISTTRAIN_WARM_WORKERS=warm)
     assert proc.returncode == 0, proc.stderr[-2000:]
     stuck = [line for line in proc.stderr.splitlines() if "finished its code but had not exited 2 s later" in line]
     assert sorted(line.split()[3] for line in stuck) == ["0", "1"], proc.stderr[-2000:]

@@ -123,6 +123,23 @@ def test_a_hang_under_fast_recovery_ends_the_job_in_seconds_naming_the_rank(tmp_
     assert newest_checkpoint_is_intact(tmp_path) == 4
 
 
+def test_a_spare_take_over_that_repeats_at_the_same_step_stops_the_job(tmp_path):
+    """kill -9 of rank 1 at step 6 in the first generation and again when its spare redoes
+    step 6 (the OOM killer does this to a step that needs too much memory): one take-over,
+    then the job stops, saying what repeated and where. Before: a spare took over after
+    every death, up to 1000 times."""
+    fault = "kill@backward:rank=1,step=6,restart=0;kill@backward:rank=1,step=6,restart=1"
+    proc = run_disttrain(["run", *PATHS["fast"], SCRIPT, str(tmp_path), "--steps", "12"], timeout=150,
+                         env=worker_env(DISTTRAIN_FAULT=fault))
+    out = proc.stdout + proc.stderr
+    assert proc.returncode == 137, out[-3000:]
+    assert out.count("its warm spare took over") == 1, out[-3000:]
+    assert proc.stderr.rstrip().splitlines()[-1] == (
+        "disttrain run: stopped: rank 1's training process died of SIGKILL at step 6 twice in a row, so a spare "
+        "would die there again; not retried (exit status 137)."), out[-3000:]
+    assert newest_checkpoint_is_intact(tmp_path) == 4
+
+
 def test_after_a_crash_the_newest_checkpoint_resumes(tmp_path):
     """A segfault at step 6 (checkpoints every 4 steps): a plain re-run resumes from step
     4 and finishes."""

@@ -32,7 +32,7 @@ import time
 
 from disttrain.launch.warm_workers import SOCKET_ENV as WARM_SOCKET_ENV
 from disttrain.runtime import processes
-from disttrain.worker_notes import earlier_stop, first_to_say, wait_to_be_stopped
+from disttrain.worker_notes import earlier_stop, first_to_say, read_step, report_not_retried, wait_to_be_stopped
 from disttrain.runtime.failures import MACHINE, classify_death, report_crash
 
 ROLE_ENV = "DISTTRAIN_FAST_ROLE"  # elastic.fast_recovery.ROLE_ENV; not imported: that imports torch
@@ -94,6 +94,26 @@ def _how(rc: int) -> str:
     return f"{verdict.error}, {whose}"
 
 
+def _not_to_retry(rank: int, rc: int, last_death: str | None) -> tuple[bool, str]:
+    """Whether the training process's death by signal -`rc` must not be taken over by
+    the spare (the note that stops the job is written), and the death's signature for
+    the next one: the program's death (a native crash, an abort), or the same signal at
+    the same step as the slot's death before (the crash-loop breaker: spare take-overs
+    count as attempts; the step is the one the process had marked, `read_step`)."""
+    step = read_step(rank)
+    death = f"{classify_death(rc).error} at step {step}"
+    if report_crash(rank, rc):
+        return True, death
+    if step is None or death != last_death:  # no step known (outside `disttrain run`): no breaker
+        return False, death
+    report_not_retried(
+        f"stopped: rank {rank}'s training process died of {death} twice in a row, so a spare "
+        f"would die there again; not retried",
+        128 - rc,
+    )
+    return True, death
+
+
 def supervise(cmd: list[str], rank: int, world: int) -> int:
     """Run the slot until its training process is done; return the exit status."""
     store = _host_store(world) if rank == 0 else None
@@ -111,6 +131,7 @@ def supervise(cmd: list[str], rank: int, world: int) -> int:
     for sig in (signal.SIGTERM, signal.SIGINT):
         signal.signal(sig, forward)
     promotions = 0
+    last_death: str | None = None
     while True:
         # Block until a child ends: no polling, so nothing competes with training.
         pid, status = os.wait()
@@ -126,12 +147,12 @@ def supervise(cmd: list[str], rank: int, world: int) -> int:
         if pid != child.pid:
             continue
         child.returncode = rc = code
-        if rc < 0 and not stopping and report_crash(rank, rc):
-            # the program's (a native crash, an abort): a spare would crash the same way.
-            # Wait for the launcher to stop the job; its SIGTERM ends this process.
-            signal.signal(signal.SIGTERM, signal.SIG_DFL)
-            wait_to_be_stopped()
-            break
+        if rc < 0 and not stopping:
+            stop, last_death = _not_to_retry(rank, rc, last_death)
+            if stop:  # the launcher stops the job now; its SIGTERM ends this process
+                signal.signal(signal.SIGTERM, signal.SIG_DFL)
+                wait_to_be_stopped()
+                break
         if rc < 0 and not stopping and promotions < MAX_PROMOTIONS:
             try:
                 _go(spare)

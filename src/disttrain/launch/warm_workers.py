@@ -247,19 +247,12 @@ def _child(request: dict, fds: list[int], conn: socket.socket) -> NoReturn:
     record_native_crashes()  # a native crash shows the Python line it happened at
     code = _run_module(request["module"], request["args"])
     from disttrain.runtime import exit_bound
-    from disttrain.runtime.torch_compat import finish_interpreter
 
     if code == 0:
         from disttrain import worker_notes
 
         worker_notes.note_finished(int(os.environ.get("RANK", "0")))
-    armed = exit_bound.arm(code)  # a thread or destructor that never ends must not keep the rank
-    finish_interpreter()  # what the interpreter does at exit: join threads, run atexit
-    for stream in (sys.stdout, sys.stderr):
-        stream.flush()
-    if armed:
-        exit_bound.disarm()
-    os._exit(code)
+    exit_bound.end_process(code)  # a thread or destructor that never ends must not keep the rank
 
 
 def _worker_sys_path(cwd: str, pythonpath: str) -> list[str]:

@@ -87,6 +87,10 @@ def main(argv: list[str]) -> None:
     if argv[:1] == ["-m"] and len(argv) > 1:
         sys.argv = [argv[1], *argv[2:]]
         keep_globals(runpy.run_module(argv[1], run_name="__main__", alter_sys=True))
+        if direct:  # the watched child of `watched_by_parent`: a bounded exit
+            from disttrain.runtime.exit_bound import end_process
+
+            end_process(0)
         return
     script = argv[0]
     sys.argv = list(argv)
@@ -104,6 +108,11 @@ def main(argv: list[str]) -> None:
         if not failures.is_program_exit(e):
             raise
         script_failed(e)
+    else:
+        if direct:  # the watched child of `watched_by_parent`: a bounded exit
+            from disttrain.runtime.exit_bound import end_process
+
+            end_process(0)
 
 
 def script_failed(exc: BaseException) -> None:

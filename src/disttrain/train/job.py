@@ -547,6 +547,8 @@ class Job:
                 guard.first_batch(batch)
                 if acc.window_start:  # dropout from (seed, step, rank): exact resume
                     runtime.seed_step(self.step)
+                    if self.handoff is not None:
+                        self.handoff.step_started(self.step + 1)
                 inject("forward", self.step + 1, info.rank)
                 with acc.micro_step():
                     self._in_step, self._backward_done = True, False
