@@ -253,6 +253,13 @@ class Job:
                 worker_notes.wait_to_be_stopped()
             raise failures.JudgedExit(ending.status) from None
 
+    def _begin_step(self) -> None:
+        """A step's first micro-batch: dropout from (seed, step, rank), for an exact resume;
+        under fast recovery, the step marked for the slot supervisor's crash-loop breaker."""
+        runtime.seed_step(self.step)
+        if self.handoff is not None:
+            self.handoff.step_started(self.step + 1)
+
     def _close_trackers(self) -> None:
         """After a failure on the restart path: the trackers record the last step they
         hold, so the next attempt sends each step once (an in-memory recovery keeps them
@@ -545,10 +552,8 @@ class Job:
         while self.step < max_steps and not stopping:
             for batch in self.train_loader:  # each pass is a new epoch: the sampler advances
                 guard.first_batch(batch)
-                if acc.window_start:  # dropout from (seed, step, rank): exact resume
-                    runtime.seed_step(self.step)
-                    if self.handoff is not None:
-                        self.handoff.step_started(self.step + 1)
+                if acc.window_start:
+                    self._begin_step()
                 inject("forward", self.step + 1, info.rank)
                 with acc.micro_step():
                     self._in_step, self._backward_done = True, False
