@@ -114,11 +114,13 @@ def test_12_report_says_what_is_wrong_with_the_run_directory(tmp_path, capsys):
 
 def test_12_ranks_the_launcher_stopped_are_not_named_as_failed():
     fail = lambda code: SimpleNamespace(exitcode=code)  # noqa: E731
-    assert _others({1: fail(3), 0: fail(-signal.SIGTERM)}, 1) == \
+    assert _others({1: fail(3), 0: fail(-signal.SIGTERM)}, 1, []) == \
         " (ranks [0] were stopped by the launcher after that)"
-    assert _others({1: fail(3), 2: fail(1), 0: fail(-signal.SIGTERM)}, 1) == \
+    assert _others({1: fail(3), 2: fail(1), 0: fail(-signal.SIGTERM)}, 1, []) == \
         " (also failed: ranks [2]; ranks [0] were stopped by the launcher after that)"
-    assert _others({1: fail(3)}, 1) == ""
+    assert _others({1: fail(-9), 2: fail(1), 0: fail(1)}, 1, [0]) == \
+        " (also failed: ranks [2]; ranks [0] lost their peer after that)"
+    assert _others({1: fail(3)}, 1, []) == ""
 
 
 SLEEPER = """

@@ -140,6 +140,39 @@ def test_a_spare_take_over_that_repeats_at_the_same_step_stops_the_job(tmp_path)
     assert newest_checkpoint_is_intact(tmp_path) == 4
 
 
+@pytest.mark.parametrize("action,status,how", [("kill", 137, "died of SIGKILL"), ("exit", 3, "exited with status 3")])
+def test_a_death_that_repeats_at_the_same_step_stops_the_restart_path(action, status, how, tmp_path):
+    """Rank 1 is killed (SIGKILL: the OOM killer, a step that needs too much memory), or
+    ends with an exit status and no exception (`os._exit(3)`), at step 6 in the first
+    attempt and again when the restart redoes step 6: one restart, then the job stops
+    saying what repeated and where. Before: every such death was restarted until no
+    restart was left."""
+    code = ",code=3" if action == "exit" else ""
+    fault = f"{action}@backward:rank=1,step=6,restart=0{code};{action}@backward:rank=1,step=6,restart=1{code}"
+    proc = run_disttrain(["run", *PATHS["restart"], SCRIPT, str(tmp_path), "--steps", "12"], timeout=150,
+                         env=worker_env(DISTTRAIN_FAULT=fault))
+    out = proc.stdout + proc.stderr
+    assert proc.returncode == status, out[-3000:]
+    assert len((tmp_path / "starts.log").read_text().splitlines()) == 2, out[-3000:]
+    assert proc.stderr.rstrip().splitlines()[-1] == (
+        f"disttrain run: stopped: rank 1 {how} at step 6 in two attempts in a row, so a retry would end there "
+        f"again; not retried (exit status {status})."), out[-3000:]
+    assert newest_checkpoint_is_intact(tmp_path) == 4
+
+
+def test_a_rank_that_lost_its_peer_is_not_listed_as_failed(tmp_path):
+    """No restart left: rank 1 is killed at step 6, rank 0's next collective fails. The
+    last line names rank 1 and never lists healthy rank 0 as failed (before: "also
+    failed: ranks [0]", sending the user to the wrong rank)."""
+    proc = run_disttrain(["run", "--nproc", "2", SCRIPT, str(tmp_path), "--steps", "12"], timeout=150,
+                         env=worker_env(DISTTRAIN_FAULT="kill@backward:rank=1,step=6"))
+    out = proc.stdout + proc.stderr
+    assert proc.returncode == 137, out[-3000:]
+    last = proc.stderr.rstrip().splitlines()[-1]
+    assert last.startswith("disttrain run: rank 1 failed first with signal SIGKILL"), last
+    assert "also failed" not in last, last
+
+
 def test_after_a_crash_the_newest_checkpoint_resumes(tmp_path):
     """A segfault at step 6 (checkpoints every 4 steps): a plain re-run resumes from step
     4 and finishes."""

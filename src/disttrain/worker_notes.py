@@ -19,6 +19,11 @@ launch (`NOTES_ENV`): what the launcher says at the end must be what happened.
 - `finished-rank<N>-<restart>`: rank N's code ended with status 0 in that attempt; a
   peer whose collective fails afterwards names it as the cause (a return, a break or an
   exit on one rank only), not a lost machine.
+- `lostpeer-rank<N>-<restart>`: rank N ended that attempt because a peer was lost (its
+  own line said so): the launcher does not list it as failed, and the crash-loop
+  breaker leaves its end alone.
+- `step-rank<N>-r<restart>`: the step rank N is in (`mark_step`), for the crash-loop
+  breaker of the process that watches it.
 
 Beside the notes, a folder for the per-rank logs (`TRACES_ENV`): the full traceback
 of a failure a rank reported in one line (`trace_file`); `disttrain run` keeps it
@@ -213,6 +218,32 @@ def note_finished(rank: int) -> None:
         _write_once(folder / f"finished-rank{rank}-{_restart():06d}", "")
 
 
+def note_lost_peer(rank: int) -> None:
+    """This rank ends the attempt because a peer was lost, and said so in its own line
+    (a no-op outside `disttrain run`): it did not fail of its own (`lost_peer_ranks`,
+    `judged_lost_peer`)."""
+    folder = _folder()
+    if folder is not None:
+        _write_once(folder / f"lostpeer-rank{rank}-{_restart():06d}", "")
+
+
+def judged_lost_peer(rank: int) -> bool:
+    """Whether `rank` noted a lost peer in this attempt (`note_lost_peer`)."""
+    folder = _folder()
+    return folder is not None and (folder / f"lostpeer-rank{rank}-{_restart():06d}").exists()
+
+
+def lost_peer_ranks(folder: str | Path) -> list[int]:
+    """For the launcher after the job failed: the ranks that noted a lost peer in the
+    newest attempt that noted one."""
+    found: dict[int, list[int]] = {}
+    for p in Path(folder).glob("lostpeer-rank*-*"):
+        rank, _, restart = p.name.removeprefix("lostpeer-rank").partition("-")
+        if rank.isdigit() and restart.isdigit():
+            found.setdefault(int(restart), []).append(int(rank))
+    return sorted(found[max(found)]) if found else []
+
+
 def finished_peers(rank: int) -> list[int]:
     """The ranks other than `rank` whose code ended with status 0 in this attempt."""
     folder = _folder()
@@ -276,28 +307,40 @@ def failed_attempts(folder: str | Path) -> int:
     return len(attempts) + sum(1 for n in names if n.startswith("said-promotion-"))
 
 
-class StepBoard:
-    """The step a training process is in, for its slot supervisor under fast recovery
-    (`read_step`): the supervisor's crash-loop breaker compares the step of two deaths
-    in a row. One `pwrite` of 12 bytes per step into a file opened once; nothing
-    outside `disttrain run`."""
+_BOARD: dict[str, int] = {}
+"""The open step file of this process (`mark_step`), by its path."""
 
-    def __init__(self, rank: int) -> None:
-        folder = _folder()
+
+def _step_file(rank: int) -> Path | None:
+    """`rank`'s step file for this torchrun attempt: a new attempt starts with none, so
+    a death before its first step is never taken for one at the step of the attempt
+    before."""
+    folder = _folder()
+    return None if folder is None else folder / f"step-rank{rank}-r{_restart()}"
+
+
+def mark_step(step: int) -> None:
+    """Step `step` begins on this rank: marked for the process that watches it (the
+    stub, or the slot supervisor under fast recovery), whose crash-loop breaker compares
+    the steps of two deaths in a row (`read_step`). One `pwrite` of 12 bytes per step
+    into a file opened once; nothing outside `disttrain run`."""
+    path = _step_file(int(os.environ.get("RANK", "0")))
+    if path is None:
+        return
+    fd = _BOARD.get(str(path))
+    if fd is None:
         flags = os.O_CREAT | os.O_WRONLY | getattr(os, "O_NOFOLLOW", 0)
-        self.fd = None if folder is None else os.open(folder / f"step-rank{rank}", flags, 0o600)
-
-    def mark(self, step: int) -> None:
-        if self.fd is not None:
-            os.pwrite(self.fd, b"%012d" % step, 0)
+        fd = _BOARD[str(path)] = os.open(path, flags, 0o600)
+    os.pwrite(fd, b"%012d" % step, 0)
 
 
 def read_step(rank: int) -> int | None:
-    """The step `rank`'s training process last marked on its `StepBoard` (0: none begun
-    since it started), or None."""
-    folder = _folder()
+    """The step `rank`'s training process last marked in this torchrun attempt
+    (`mark_step`), or None: none marked (outside `dt.Job`, before its first step),
+    or outside `disttrain run`."""
+    path = _step_file(rank)
     try:
-        return int((folder / f"step-rank{rank}").read_bytes()[:12]) if folder is not None else None
+        return int(path.read_bytes()[:12]) if path is not None else None
     except (OSError, ValueError):
         return None
 

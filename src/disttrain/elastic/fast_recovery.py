@@ -133,16 +133,7 @@ class Handoff:
     store: dist.Store | None = None
     listening: set = field(default_factory=set)
     """The listeners this process had when the generation began (`group_sockets`)."""
-    steps: worker_notes.StepBoard | None = None
-    """Where the running step is marked for the slot supervisor (`step_started`)."""
     _buddy_gen: int = -1
-
-    def step_started(self, step: int) -> None:
-        """Step `step` begins: marked for the slot supervisor, whose crash-loop breaker
-        stops a slot whose training process dies at the same step the same way twice."""
-        if self.steps is None:
-            self.steps = worker_notes.StepBoard(int(os.environ.get("RANK", "0")))
-        self.steps.mark(step)
 
     def peer_gone(self) -> bool:
         """Whether a peer of this generation has died: a promoted spare bumped the
@@ -316,7 +307,7 @@ def run(
                     raise failure
                 raise
             handoff.gen = gen
-            handoff.step_started(0)  # a generation's start and recovery: no step in flight yet
+            worker_notes.mark_step(0)  # a generation's start and recovery: no step in flight yet
             fault_injection.set_attempt(gen)  # a fault for attempt k fires once, in generation k
             handoff.listening = group_sockets.listeners()
             info = runtime.init(

@@ -78,6 +78,10 @@ class Notes:
         """How often the job failed and went on in this launch (restarts, generations)."""
         return worker_notes.failed_attempts(self.folder)
 
+    def lost_peer_ranks(self) -> list[int]:
+        """The ranks that ended the last attempt because they lost a peer."""
+        return worker_notes.lost_peer_ranks(self.folder)
+
     def saved_step(self) -> int | None:
         return worker_notes.read_saved(self.folder)
 

@@ -433,13 +433,17 @@ def main(argv: list[str], launched: Launched | None = None) -> int:
                 os.environ.pop(warm_workers.SOCKET_ENV, None)
 
 
-def _others(failures: dict, first: int) -> str:
+def _others(failures: dict, first: int, lost_peer: list[int]) -> str:
     """The clause on the ranks besides the first failure: those that failed of their own,
-    and apart from them those the agent stopped with SIGTERM once the first failed (they
-    were healthy; naming them as failed sends the user to the wrong rank)."""
+    and apart from them those the agent stopped with SIGTERM once the first failed and
+    those that ended because they lost it (`lost_peer`, from their notes): they were
+    healthy, and naming them as failed sends the user to the wrong rank."""
     stopped = sorted(r for r, f in failures.items() if r != first and f.exitcode == -signal.SIGTERM)
-    failed = sorted(r for r in failures if r != first and r not in stopped)
+    lost = sorted(r for r in failures if r != first and r in lost_peer and r not in stopped)
+    failed = sorted(r for r in failures if r != first and r not in stopped and r not in lost)
     parts = [f"also failed: ranks {failed}"] if failed else []
+    if lost:
+        parts.append(f"ranks {lost} lost their peer after that")
     if stopped:
         parts.append(f"ranks {stopped} were stopped by the launcher after that")
     return f" ({'; '.join(parts)})" if parts else ""
@@ -524,7 +528,7 @@ def _launch(args: list[str], env: dict[str, str]) -> int:
         if hang is not None:
             print(f"disttrain run: {_hang_line(hang)}", file=sys.stderr)
             return failure.exitcode
-        more = _others(e.failures, rank)
+        more = _others(e.failures, rank, notes.lost_peer_ranks())
         print(
             f"disttrain run: rank {rank} failed first with {how}{more}. "
             f"Its error is above; per-rank logs: --log-dir DIR --tee 3.",

@@ -136,6 +136,8 @@ def script_failed(exc: BaseException) -> None:
         failures.report_program_error(exc, rank, None, oom={} if verdict.oom else None)
         worker_notes.wait_to_be_stopped()
         sys.exit(failures.exit_status(exc))
+    if verdict.kind == failures.MACHINE:
+        worker_notes.note_lost_peer(rank)
     failures.say_once(
         f"disttrain run: rank {rank} {verdict.what} ({verdict.cause}); {failures.trace_to_log(rank, exc)}"
     )

@@ -10,6 +10,9 @@ worker and waits for it itself (`launch.worker_entry.watched_by_parent`). Either
   stops the job without a restart, with the Python stack faulthandler wrote;
 - a worker ended at the exit bound after its code had finished (`runtime.exit_bound`)
   is one line, and the stub exits with its code's status;
+- any other end that is not a success (a kill from outside, an exit status with no
+  exception reported) goes to the crash-loop breaker: the same end at the same step
+  in two attempts in a row stops the job;
 - otherwise the stub exits with the worker's status, or dies of its signal, so torchrun
   reports what it would have without the stub.
 Plain Python: the stub imports nothing heavy.
@@ -44,6 +47,8 @@ def watch(pid: int, wait_status: Callable[[], int | None]) -> int:
         _judge_death(code)
     if code == 1:
         code = _stuck_exit(pid, code)
+    if code != 0 and not forwarded:
+        _break_loop(code)
     if code < 0:  # die of the child's signal, so torchrun reports it as its own
         if -code not in (signal.SIGKILL, signal.SIGSTOP):
             signal.signal(-code, signal.SIG_DFL)
@@ -80,6 +85,19 @@ def _judge_death(code: int) -> None:
     from disttrain.runtime import failures
 
     if failures.report_crash(int(os.environ.get("RANK", "0")), code):
+        signal.signal(signal.SIGTERM, signal.SIG_DFL)
+        worker_notes.wait_to_be_stopped()
+
+
+def _break_loop(code: int) -> None:
+    """The worker ended with `code` (a status, or minus a signal) that no one passed on
+    through this stub: the crash-loop breaker's turn (`failures.repeated_death`): the
+    same end at the same step as the attempt before stops the job; then wait to be
+    stopped."""
+    from disttrain import worker_notes
+    from disttrain.runtime import failures
+
+    if failures.repeated_death(int(os.environ.get("RANK", "0")), code):
         signal.signal(signal.SIGTERM, signal.SIG_DFL)
         worker_notes.wait_to_be_stopped()
 

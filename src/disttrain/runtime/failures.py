@@ -354,6 +354,25 @@ def crash_loop(verdict: Verdict, step: int, unit: str = "attempts") -> bool:
     return True
 
 
+def repeated_death(rank: int, returncode: int) -> bool:
+    """The crash-loop breaker for a rank's end that nobody judged: a kill from outside
+    (SIGKILL, the OOM killer) or an exit status without a reported exception
+    (`os._exit`). Records rank, how and step as this attempt's failure; when the
+    attempt before ended the same way, hands the launcher the note that stops the job
+    and returns True (the caller then waits to be stopped). False outside `disttrain
+    run`, when no step is known (a plain script: no `dt.Job` marks one), when a rank's
+    note already decided the attempt, or when this rank ended because it lost a peer."""
+    step = worker_notes.read_step(rank)
+    if step is None or worker_notes.earlier_stop() or worker_notes.judged_lost_peer(rank):
+        return False
+    how = f"died of {classify_death(returncode).error}" if returncode < 0 else f"exited with status {returncode}"
+    what = f"rank {rank} {how} " + (f"at step {step}" if step else "before its first step")
+    if worker_notes.repeated_failure(attempt(), what) is None:
+        return False
+    line = f"stopped: {what} in two attempts in a row, so a retry would end there again; not retried"
+    return worker_notes.report_not_retried(line, 128 - returncode if returncode < 0 else returncode)
+
+
 def report_hang(reporter: int, lagging: list[int], step: int) -> bool:
     """After the hang watchdog's report: the verdict for the launcher's last line, and the
     crash-loop breaker's record (a hang cannot be classified: the program's deadlock or a

@@ -255,10 +255,9 @@ class Job:
 
     def _begin_step(self) -> None:
         """A step's first micro-batch: dropout from (seed, step, rank), for an exact resume;
-        under fast recovery, the step marked for the slot supervisor's crash-loop breaker."""
+        the step marked for the crash-loop breaker of the process watching this rank."""
         runtime.seed_step(self.step)
-        if self.handoff is not None:
-            self.handoff.step_started(self.step + 1)
+        worker_notes.mark_step(self.step + 1)
 
     def _close_trackers(self) -> None:
         """After a failure on the restart path: the trackers record the last step they

@@ -120,6 +120,8 @@ def machine_ending(rank: int, step: int, verdict: failures.Verdict, exc: BaseExc
         else "no restart left: the job stops"
     )
     at = f"at step {step}" if step else "before the first step"
+    if verdict.kind == failures.MACHINE:
+        worker_notes.note_lost_peer(rank)
     failures.say_once(f"disttrain run: rank {rank} {verdict.what} {at} ({verdict.cause}); {then}; {where}")
     sys.stderr.flush()
     return Ending(1)
