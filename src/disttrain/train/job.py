@@ -459,7 +459,8 @@ class Job:
         (sum, count)); `metric(model, batch) -> {metric: value}` adds metrics beyond the
         loss (default: {"loss": the model's loss}). Each result goes into metrics.jsonl
         as `<name>_<metric>` (`heldout_loss` by default; the trackers too) and into
-        `evaluator.last`; the watchdog treats the evaluation as a slow phase. `every=0`
+        `evaluator.last` ({metric: value}, without the name). Each evaluation runs under
+        `torch.no_grad()` with the model in `eval()` mode, restored after; the watchdog treats the evaluation as a slow phase. `every=0`
         evaluates at the last step only; `max_batches` caps the batches per rank (None:
         the whole set); `at_start=True` also evaluates before the first step of a fresh
         run (not of a resumed one); `collate_fn` goes to the DataLoader. Call it before

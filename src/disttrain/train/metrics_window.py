@@ -94,6 +94,8 @@ class MetricsWindow:
         self.final.update({k: record[k] for k in keys})
         self.run_log.log(record, job.accumulator.last_grad_norm)
         JsonlWriter(job.out_dir / "metrics.jsonl").write(record)
+        if job.info.is_main:  # the run's wall time counts the attempts' own (run_summary)
+            run_summary.record_attempt_time(job.out_dir, self.run_log.attempt, now - self.t0)
         self.progress.update(
             step,
             self.final.get("loss", float("nan")),
