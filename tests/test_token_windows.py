@@ -34,16 +34,22 @@ def _token_folder(root: Path) -> Path:
 
 def test_token_windows_takes_paths_globs_and_lists(tmp_path):
     folder = _token_folder(tmp_path)
-    every = dt.TokenWindows(folder, block_size=8)
-    assert len(every) == 96 + 96 + 8
+    assert len(dt.TokenWindows(folder, block_size=8)) == 96 + 96  # the training files only
+    assert len(dt.TokenWindows(folder, 8, split="heldout")) == len(dt.TokenWindows(folder / "val.bin", 8)) == 8
+    assert len(dt.TokenWindows(folder, 8, split="all")) == 96 + 96 + 8
     train = dt.TokenWindows([folder / "train_a.bin", str(folder / "train_b.bin")], 8)
     assert len(train) == len(dt.TokenWindows(str(folder / "train_*.bin"), 8)) == 192
     x, y = train[96]  # the llm.c file's first window: its header is not tokens
     assert x.tolist() == [(7 * i) % 64 for i in range(8)] and y.tolist() == [(7 * i) % 64 for i in range(1, 9)]
     with pytest.raises(UserError, match="TokenWindows: block_size is 0"):
         dt.TokenWindows(folder, 0)
-    with pytest.raises(UserError, match=r"TokenWindows = '.*nothing\*\.bin' matches no file"):
+    with pytest.raises(UserError, match=r"TokenWindows\(paths\) = '.*nothing\*\.bin' matches no file"):
         dt.TokenWindows(str(folder / "nothing*.bin"), 8)
+    # the script's arguments, not the config's keys
+    with pytest.raises(UserError, match=r"^TokenWindows\(dtype=...\) is 'int8'; choose one of"):
+        dt.TokenWindows(folder, 8, dtype="int8")
+    with pytest.raises(UserError, match=r"split='heldout'\): none of its 1 file"):
+        dt.TokenWindows(str(folder / "train_a*.bin"), 8, split="heldout")
 
 
 def _check_every_window_once(out: Path) -> None:

@@ -103,6 +103,12 @@ def test_kill_9_restart_and_resize_leave_one_tracker_run_with_every_step_once(tm
     wb = {r["_step"]: r["loss"] for r in rows if "loss" in r}
     ml = {m.step: m.value for m in client.get_metric_history(run.info.run_id, "loss")}
     assert wb == pytest.approx(ml)
+    # the summary, the report and both trackers give the same final loss
+    from disttrain.report.report_command import report
+
+    summary = json.loads((tmp_path / "summary.json").read_text())
+    assert summary["final_train_loss"] == pytest.approx(wb[16]) == pytest.approx(run.data.metrics["loss"])
+    assert dict(report(tmp_path)["table"])["final train loss"] == f"{wb[16]:.3f}"
 
 
 def test_log_section_names_the_trackers(tmp_path):

@@ -48,6 +48,7 @@ _EXPORTS = {
     "disttrain.guard": ["check_consistency", "check_replicas", "start_guard"],
     "disttrain.train.job": ["Job"],
     "disttrain.train.job_config": ["RunOptions"],
+    "disttrain.train.evaluation": ["Evaluator"],
     "disttrain.train.trackers": ["MlflowTracker", "WandbTracker"],
     "disttrain.train.accumulation": ["Accumulator", "clip_grad_norm", "no_sync", "warmup_cosine"],
     "disttrain.train.global_metrics": ["MeanTracker", "global_mean", "global_sum"],
@@ -103,6 +104,7 @@ if TYPE_CHECKING:  # static tools see the real names
     from disttrain.guard import check_consistency, check_replicas, start_guard
     from disttrain.train.job import Job
     from disttrain.train.job_config import RunOptions
+    from disttrain.train.evaluation import Evaluator
     from disttrain.train.trackers import MlflowTracker, WandbTracker
     from disttrain.train.accumulation import Accumulator, clip_grad_norm, no_sync, warmup_cosine
     from disttrain.train.global_metrics import MeanTracker, global_mean, global_sum

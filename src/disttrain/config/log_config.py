@@ -24,7 +24,11 @@ class LogConfig:
     wandb: str = ""
     """The Weights & Biases project rank 0 sends the run to ('' = none): each metrics record,
     the config, restarts and world-size changes; a resumed run continues the same W&B run.
-    WANDB_MODE=offline writes {train.out_dir}/wandb only. Needs disttrain[wandb]."""
+    Needs disttrain[wandb]."""
+    wandb_mode: str = ""
+    """'online' (send to the W&B server: needs an API key, checked before the ranks start),
+    'offline' (write {train.out_dir}/wandb only; `wandb sync` uploads it later) or
+    'disabled'; '' = WANDB_MODE, else online."""
     wandb_entity: str = ""
     """The W&B entity (user or team) of [log] wandb; '' = W&B's default."""
     mlflow: str = ""
@@ -36,11 +40,18 @@ class LogConfig:
 
 
 _EXTRAS = {"wandb": "wandb", "mlflow": "mlflow"}
+WANDB_MODES = ("online", "offline", "disabled")
 
 
 def check_log(log: LogConfig) -> None:
-    """[log] wandb / mlflow need their package: one `ConfigError` naming the key and the
-    extra, in the launching process (nothing is imported)."""
+    """[log] wandb / mlflow need their package, and log.wandb_mode is a W&B mode: one
+    `ConfigError` naming the key and the fix, in the launching process (nothing is
+    imported; the machine's checks, an API key or a server, are `launch/preflight.py`'s)."""
+    if log.wandb_mode not in ("", *WANDB_MODES):
+        raise ConfigError(
+            f"config key 'log.wandb_mode' is {log.wandb_mode!r}; choose one of {', '.join(WANDB_MODES)} "
+            f"(or leave it unset for WANDB_MODE)."
+        )
     for key, module in _EXTRAS.items():
         if getattr(log, key) and importlib.util.find_spec(module) is None:
             raise ConfigError(

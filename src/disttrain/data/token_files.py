@@ -62,17 +62,20 @@ class TokenFile:
     """'llmc' or 'nanogpt'."""
 
 
-def read_token_file(path: str | os.PathLike, raw_dtype: str = "uint16") -> TokenFile:
+def read_token_file(
+    path: str | os.PathLike, raw_dtype: str = "uint16", dtype_key: str = "data.tokens_dtype"
+) -> TokenFile:
     """The layout of one token file, from its header and size (no token is read).
 
     A file that starts with the llm.c magic is llm.c; any other is raw tokens of
     `raw_dtype`. Raises `UserError` naming the file for a header of an unknown
     version, a header whose token count disagrees with the file size, or a raw file
-    whose size is not a multiple of the dtype's size.
+    whose size is not a multiple of the dtype's size; `dtype_key` is what the errors
+    call the raw dtype (a config key, or a script's argument).
     """
     path = Path(path)
     if raw_dtype not in RAW_DTYPES:
-        raise UserError(f"data.tokens_dtype is {raw_dtype!r}; choose one of {', '.join(RAW_DTYPES)}.")
+        raise UserError(f"{dtype_key} is {raw_dtype!r}; choose one of {', '.join(RAW_DTYPES)}.")
     try:
         size = path.stat().st_size
         with path.open("rb") as f:
@@ -108,7 +111,7 @@ def read_token_file(path: str | os.PathLike, raw_dtype: str = "uint16") -> Token
         raise UserError(
             f"token file {path}: {size} bytes is not a whole number of {raw_dtype} tokens "
             f"({item} bytes each), and it has no llm.c header; it is truncated, or set "
-            f"data.tokens_dtype to the dtype it was written with."
+            f"{dtype_key} to the dtype it was written with."
         )
     return TokenFile(path, 0, size // item, dtype, "nanogpt")
 
@@ -190,8 +193,12 @@ class TokenWindows(Dataset):
     nanoGPT raw format (tokens of `dtype`: 'uint16', 'uint32' or 'int32', no header) or
     llm.c's (a 256-int32 header that carries its dtype); both may be mixed. Windows
     never cross files, and a file of n tokens holds (n - 1) // block_size of them.
-    `start` / `stop` keep windows [start, stop) of the whole sequence (a held-out tail).
-    `block_key` is what the errors call `block_size` (`disttrain train` passes its key).
+    `split` chooses among the files of a folder or a glob: "train" (the default) leaves
+    out those named like a validation split (nanoGPT's `val.bin`, llm.c's
+    `NAME_val_000000.bin`), "heldout" keeps only those, "all" keeps every one; a file
+    named by itself is always read. `start` / `stop` keep windows [start, stop) of the
+    whole sequence (a held-out tail). `block_key` is what the errors call `block_size`
+    (`disttrain train` passes its config keys; a script's errors name the arguments).
 
     The contract that makes resume exact: window `i` is the same tokens on every rank,
     every run and every world size, so `dt.Job.loader` (an `ElasticSampler`) consumes
@@ -201,7 +208,8 @@ class TokenWindows(Dataset):
     Raises `UserError` naming the file for a missing, truncated or malformed file, and
     for a `block_size` below 1; `IndexError` for an index out of range.
 
-        windows = dt.TokenWindows("data/shakespeare", block_size=256)   # train.bin, val.bin
+        windows = dt.TokenWindows("data/shakespeare", block_size=256)   # train.bin, not val.bin
+        held = dt.TokenWindows("data/shakespeare", 256, split="heldout")  # val.bin
         loader = job.loader(dt.TokenWindows("data/train.bin", 256), batch_size=12)
     """
 
@@ -213,6 +221,7 @@ class TokenWindows(Dataset):
         dtype: str = "uint16",
         start: int = 0,
         stop: int | None = None,
+        split: str = "train",
         block_key: str = "block_size",
     ):
         if not isinstance(block_size, int) or block_size < 1:
@@ -220,7 +229,9 @@ class TokenWindows(Dataset):
                 f"TokenWindows: {block_key} is {block_size!r}; it must be an integer of "
                 f"at least 1 (the tokens per window)."
             )
-        self.files, self.block_size = _token_files(paths, dtype), block_size
+        if split not in SPLITS:
+            raise UserError(f"TokenWindows: split is {split!r}; choose one of {', '.join(map(repr, SPLITS))}.")
+        self.files, self.block_size = _token_files(paths, dtype, split), block_size
         # windows per file: a file of n tokens holds (n - 1) // block windows
         self.ends = np.cumsum([max(0, (f.count - 1) // block_size) for f in self.files]).tolist()
         total = self.ends[-1] if self.ends else 0
@@ -270,16 +281,34 @@ class TokenWindows(Dataset):
         return window[:-1], window[1:]
 
 
-def _token_files(paths, dtype: str) -> list[TokenFile]:
-    """`TokenWindows`' `paths` as `TokenFile`s: each str or path expanded by `expand_tokens`."""
+SPLITS = ("train", "heldout", "all")
+"""`TokenWindows`' `split`: which files of a folder or glob it reads."""
+
+
+def _token_files(paths, dtype: str, split: str = "all") -> list[TokenFile]:
+    """`TokenWindows`' `paths` as `TokenFile`s: each str or path expanded by `expand_tokens`,
+    a folder's or glob's files chosen by `split` (a single file is always kept)."""
     items = [paths] if isinstance(paths, (str, os.PathLike, TokenFile)) else list(paths)
     out: list[TokenFile] = []
     for item in items:
         if isinstance(item, TokenFile):
             out.append(item)
-        else:
-            out.extend(read_token_file(p, dtype) for p in expand_tokens(os.fspath(item), key="TokenWindows"))
+            continue
+        found = expand_tokens(os.fspath(item), key="TokenWindows(paths)")
+        one_file = Path(os.fspath(item)).expanduser().is_file()  # named by itself: the user chose it
+        chosen = found if split == "all" or one_file else _split(found, split)
+        if not chosen:
+            raise UserError(
+                f"TokenWindows(paths={os.fspath(item)!r}, split={split!r}): none of its {len(found)} file(s) is "
+                f"a {split} file (val.bin, *_val_*.bin are held out); pass split='all' or name the files."
+            )
+        out.extend(read_token_file(p, dtype, "TokenWindows(dtype=...)") for p in chosen)
     return out
+
+
+def _split(files: list[Path], split: str) -> list[Path]:
+    train, held = split_files(files, "")
+    return train if split == "train" else held
 
 
 def token_datasets(

@@ -11,6 +11,9 @@ process before any worker starts (`disttrain train`, `disttrain run -m disttrain
   processes (CPU). Only a request that can never fit is refused, in one line with
   the numbers, so a busy machine never refuses a job that would run; a model of the
   user's own (model.factory, model.hf) is not estimated.
+- `check_trackers`: the trackers `[log]` names can start: W&B online has an API key
+  and reaches its server, MLflow's store is one MLflow accepts
+  (`disttrain.train.tracker_checks`).
 """
 
 from __future__ import annotations
@@ -131,7 +134,16 @@ def check_memory(cfg: Config, world: int | None = None) -> None:
     )
 
 
+def check_trackers(cfg: Config) -> None:
+    """Raise `UserError` when a tracker of `[log]` cannot start (see the module)."""
+    from disttrain.train.tracker_checks import check_trackers as check
+    from disttrain.train.trackers import from_config
+
+    check(from_config(cfg.log), from_config=True)
+
+
 def preflight(cfg: Config, world: int | None = None) -> None:
     """Every check of this module, in the launching process. Raises `UserError`."""
     check_memory(cfg, world)
     check_writable(cfg)
+    check_trackers(cfg)

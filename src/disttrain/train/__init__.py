@@ -13,6 +13,7 @@ recorded.py      which samples a batch holds; which optimizers existed before wr
 run_summary.py   summary.json and the table, over every attempt of a run
 run_log.py       per-rank step time (StepClock) and memory, run_events.jsonl, TensorBoard
 trackers.py      W&B and MLflow: rank 0's records, one tracker run across attempts
+tracker_checks.py  a tracker that cannot start (no key, no server): one line, before training
 accumulation.py  Accumulator (no_sync, loss scaled once, clip, step), warmup_cosine
 global_metrics.py  global (sum, count) means: global_sum, global_mean, MeanTracker
 rank0_output.py  rank 0's JSONL writer and print_main

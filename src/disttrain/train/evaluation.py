@@ -81,10 +81,21 @@ def _sum_count(name: str, value: Any, n: int) -> tuple[float, float]:
 
 
 class Evaluator:
-    """Evaluates `model` on `dataset` every `every` optimizer steps (0: only at the last
-    step) and at the last step; `at_start` also before the first step of a fresh run.
-    `run(model)` is a collective returning {metric: global value}; the job records them
-    as `<name>_<metric>`."""
+    """One eval set of a job: what `job.evaluator(...)` returns (build it there, not
+    directly). The job evaluates `model` on `dataset` every `every` optimizer steps (0:
+    only at the last step) and at the last step; `at_start` also before the first step
+    of a fresh run; it records each metric as `<name>_<metric>` in metrics.jsonl.
+
+    Each evaluation runs under `torch.no_grad()` with the model in `eval()` mode
+    (dropout off, batch-norm statistics frozen); the model's own mode is restored after
+    it, also when a forward raises. `run(model)` is a collective returning {metric:
+    global value}.
+
+    Attributes:
+        last: The newest evaluation's {metric: global value}, keyed without the name
+            (`{"loss": 2.31}` for `heldout_loss`); {} before the first. The same on
+            every rank.
+        seconds: How long the newest evaluation took."""
 
     def __init__(
         self,

@@ -61,8 +61,9 @@ from disttrain.train.sources import to_device
 from disttrain.train.accumulation import Accumulator
 from disttrain.train.misuse import BACKWARD_MESSAGE, Ownership, require_backward
 from disttrain.train.recorded import Recorded, built_after, optimizer_mark, watch_optimizers
-from disttrain.train.job_config import RunOptions, checkpoint_root
+from disttrain.train.job_config import JOB_KEYS, RunOptions, checkpoint_root, tracker_config
 from disttrain.train.job_config import resolve as resolve_config
+from disttrain.train.tracker_checks import check_trackers
 from disttrain.train.trackers import from_config as tracker_list
 from disttrain.train.trackers import resolve as resolve_trackers
 
@@ -172,27 +173,19 @@ class Job:
             record_samples=record_samples,
             tensorboard=tensorboard,
         )
-        self.cfg = cfg = resolve_config(config, short, moved)
-        """The configuration this job runs with (the config given, the keywords applied)."""
         self.run = run or RunOptions()
-        c, t = cfg.checkpoint, cfg.train
-        if c.every < 0 or c.every_s < 0 or t.accum_steps < 1 or t.log_every < 1:
-            raise UserError(
-                f"dt.Job: checkpoint.every ({c.every}) and checkpoint.every_s ({c.every_s}) "
-                f"must be >= 0, train.accum_steps ({t.accum_steps}) and train.log_every "
-                f"({t.log_every}) >= 1."
-            )
-        for name, value, allowed in (
-            ("batch_policy", cfg.elastic.batch_policy, ("keep_global", "rescale_lr")),
-            ("on_error", c.on_error, ("stop", "continue")),
-        ):
-            if value not in allowed:
-                raise UserError(f"dt.Job: {name} {value!r} is not one of {', '.join(map(repr, allowed))}.")
+        try:
+            self.cfg: Config = self._settings(config, short, moved)
+            """The configuration this job runs with (the config given, the keywords applied)."""
+            self.trackers = resolve_trackers(trackers) if trackers is not None else tracker_list(self.cfg.log)
+            if int(os.environ.get("RANK", "0")) == 0:  # rank 0 sends to the trackers: before any collective
+                check_trackers(self.trackers, from_config=trackers is None)
+        except UserError as e:
+            job_failure.refuse_at_start(self.name, e)
         self.out_dir = Path(out_dir)
-        self.checkpoint_dir = checkpoint_root(cfg, self.out_dir)
+        self.checkpoint_dir = checkpoint_root(self.cfg, self.out_dir)
         self.show_progress = progress
-        # A missing package: one line, before any step.
-        self.trackers = resolve_trackers(trackers) if trackers is not None else tracker_list(cfg.log)
+        self._user_config: dict = {}
         self.info = self.model = self.sampler = self.train_loader = self.accumulator = None  # type: ignore[assignment]
         self.state = self.guard = self.preemption = self.handoff = self.saving = None  # type: ignore[assignment]
         self.metrics = self.finite_check = None  # type: ignore[assignment]
@@ -214,6 +207,24 @@ class Job:
         self._in_step = self._backward_done = False
 
     # ------------------------------------------------------------------ setup
+
+    def _settings(self, config: Config | None, short: dict, moved: dict) -> Config:
+        """The job's `Config` (`job_config.resolve`), its values checked. Raises `UserError`."""
+        cfg = resolve_config(config, short, moved)
+        c, t = cfg.checkpoint, cfg.train
+        if c.every < 0 or c.every_s < 0 or t.accum_steps < 1 or t.log_every < 1:
+            raise UserError(
+                f"dt.Job: checkpoint.every ({c.every}) and checkpoint.every_s ({c.every_s}) "
+                f"must be >= 0, train.accum_steps ({t.accum_steps}) and train.log_every "
+                f"({t.log_every}) >= 1."
+            )
+        for name, value, allowed in (
+            ("batch_policy", cfg.elastic.batch_policy, ("keep_global", "rescale_lr")),
+            ("on_error", c.on_error, ("stop", "continue")),
+        ):
+            if value not in allowed:
+                raise UserError(f"dt.Job: {name} {value!r} is not one of {', '.join(map(repr, allowed))}.")
+        return cfg
 
     def __enter__(self) -> "Job":
         import torch.distributed as dist
@@ -299,6 +310,38 @@ class Job:
             **{k: repr(v) for k, v in options.items()},
         }
         return {"job": own, **({"model": self._hf_section} if self._hf_section else {})}
+
+    def log_config(self, values: dict) -> None:
+        """Add the script's own settings to the run's config that the trackers get (W&B
+        config, MLflow params; the whole run's config is there already: the job's
+        sections, the optimizer's hyper-parameters), e.g. `job.log_config({"model":
+        "resnet18", "data": "cifar10"})`. Call it on any rank, any time: before `steps()`
+        the values go with the config, after it they are sent at once. A later call
+        adds to earlier ones (MLflow keeps a parameter's first value: it cannot change
+        one). Raises `UserError` for a `values` that is not a dict with string keys, or a
+        key that is one of the job's own sections (`tracker_config`)."""
+        if not isinstance(values, dict) or not all(isinstance(k, str) and k for k in values):
+            raise UserError("dt.Job.log_config() takes a dict of your settings, e.g. {'model': 'resnet18'}.")
+        taken = sorted(set(values) & {*JOB_KEYS, "job", "model", "data"})
+        if taken:
+            raise UserError(
+                f"dt.Job.log_config(): {', '.join(taken)} is a section of the job's own config, which "
+                f"the trackers get already; name your settings otherwise (e.g. 'my_{taken[0]}')."
+            )
+        self._user_config.update(values)
+        if self.metrics is not None and self.metrics.trackers is not None:
+            self.metrics.trackers.add_config(values)
+
+    def tracker_config(self) -> dict:
+        """The run's config as the trackers get it: `job_config.tracker_config` of this
+        job's settings, what its checkpoints store, and the script's `log_config` values."""
+        whole = self.run.stored_config is not None
+        stored = self.state.config if self.state is not None else self.config()
+        if self.state is not None and not whole:  # which optimizer and scheduler the script built
+            opt, sched = self.state.optimizer, self.state.scheduler
+            named = {"optimizer": type(opt).__name__, **({"scheduler": type(sched).__name__} if sched else {})}
+            stored = {**stored, "optim": {**stored.get("optim", {}), **named}}
+        return tracker_config(self.cfg, stored, self._user_config, whole=whole)
 
     def _need(self, done: bool, message: str) -> None:
         if self.info is None:
@@ -415,7 +458,8 @@ class Job:
         (sum, count)); `metric(model, batch) -> {metric: value}` adds metrics beyond the
         loss (default: {"loss": the model's loss}). Each result goes into metrics.jsonl
         as `<name>_<metric>` (`heldout_loss` by default; the trackers too) and into
-        `evaluator.last`; the watchdog treats the evaluation as a slow phase. `every=0`
+        `evaluator.last` ({metric: value}, without the name). Each evaluation runs under
+        `torch.no_grad()` with the model in `eval()` mode, restored after; the watchdog treats the evaluation as a slow phase. `every=0`
         evaluates at the last step only; `max_batches` caps the batches per rank (None:
         the whole set); `at_start=True` also evaluates before the first step of a fresh
         run (not of a resumed one); `collate_fn` goes to the DataLoader. Call it before

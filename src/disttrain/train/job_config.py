@@ -119,3 +119,37 @@ def refusal(key: str) -> str:
 def checkpoint_root(cfg: Config, out_dir: Path) -> Path:
     """Where the job's checkpoints live: `checkpoint.dir`, or `out_dir/checkpoints`."""
     return Path(cfg.checkpoint.dir) if cfg.checkpoint.dir else out_dir / "checkpoints"
+
+
+JOB_KEYS = {
+    "parallel": None,
+    "train": ("accum_steps", "precision", "seed", "log_every", "compile"),
+    "optim": ("grad_clip",),
+    "checkpoint": None,
+    "elastic": None,
+    "guard": None,
+    "log": None,
+}
+"""The config a `dt.Job` script's run applies: each section with the keys it reads
+(None: all). The rest (the model, the data, train.steps, optim.lr) is `disttrain
+train`'s; a script's own model, data and optimizer make them meaningless there."""
+
+
+def tracker_config(cfg: Config, stored: dict, user: dict, *, whole: bool = False) -> dict:
+    """The run's config for the trackers: the sections of `cfg` the job applies
+    (`JOB_KEYS`; `whole`: `stored` is a `disttrain train` config already, the whole
+    run), merged with `stored` (what the checkpoints store: the job's strategy, the
+    optimizer's real hyper-parameters, `optim.lr` included), then the script's own
+    `user` values at the top level."""
+    out: dict[str, Any] = {}
+    if not whole:
+        for section, keys in JOB_KEYS.items():
+            values = dataclasses.asdict(getattr(cfg, section))
+            out[section] = {k: v for k, v in values.items() if keys is None or k in keys}
+        out["parallel"].pop("nproc", None)  # the launcher's; the job's world size is the metrics'
+    for section, values in stored.items():
+        if isinstance(values, dict) and isinstance(out.get(section), dict):
+            out[section] = {**out[section], **values}
+        else:
+            out[section] = values
+    return {**out, **user}

@@ -96,6 +96,17 @@ def judge(job, exc: BaseException, peer_gone: Callable[[], bool] = lambda: False
     return Ending(1, then=lambda: lost_peer_ending(rank, step, verdict, exc))
 
 
+def refuse_at_start(name: str, error: UserError) -> None:
+    """A mistake found while a `dt.Job` is built, before its `with` block (so `judge`
+    never sees it): under `disttrain run` one line from the launcher, which stops the
+    job (exit 2, not retried); elsewhere `error` propagates."""
+    if not worker_notes.under_launcher():
+        raise error
+    worker_notes.write_user_error(name, error)
+    worker_notes.wait_to_be_stopped()
+    raise failures.JudgedExit(2) from None
+
+
 def lost_peer_ending(rank: int, step: int, verdict: failures.Verdict, exc: BaseException) -> Ending:
     """The restart path's end of a rank whose collective failed, decided after the job
     closed: a peer that crashed, or ended its code, leaves its note a moment after the

@@ -47,6 +47,7 @@ def finish(job, stopping: bool) -> None:
         resumed=job.resumed,
         extra={"checkpoint": str(path), **job.run.summary_extra},
         eval_names=tuple(ev.name for ev in job.evaluators),
+        attempt=metrics.run_log.attempt,
     )
     if job.info.is_main:
         run_summary.write(job.out_dir, job.summary, job.run.summary_config or job.config())

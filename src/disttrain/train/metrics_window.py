@@ -34,7 +34,7 @@ class MetricsWindow:
         self.t0 = time.perf_counter()
         self.samples_per_step = job.train_loader.batch_size * job.accumulator.accum_steps * info.world_size
         self.trackers = (
-            open_trackers(job.trackers, job.checkpoint_dir, job.out_dir, job.config()) if info.is_main else None
+            open_trackers(job.trackers, job.checkpoint_dir, job.out_dir, job.tracker_config()) if info.is_main else None
         )
         self.run_log = RunLog(job.out_dir, info, job.step, job.resumed, job.cfg.log.tensorboard, self.trackers)
         self.last_logged, self.t_window = job.step, time.perf_counter()
@@ -94,6 +94,8 @@ class MetricsWindow:
         self.final.update({k: record[k] for k in keys})
         self.run_log.log(record, job.accumulator.last_grad_norm)
         JsonlWriter(job.out_dir / "metrics.jsonl").write(record)
+        if job.info.is_main:  # the run's wall time counts the attempts' own (run_summary)
+            run_summary.record_attempt_time(job.out_dir, self.run_log.attempt, now - self.t0)
         self.progress.update(
             step,
             self.final.get("loss", float("nan")),

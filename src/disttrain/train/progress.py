@@ -80,7 +80,7 @@ def print_summary(summary: dict) -> None:
     seen = f"{summary['tokens_seen']:,} tokens" if tokens else f"{summary['samples_seen']:,} samples"
     wall = f"{summary['wall_time_s']:.1f} s"
     if summary.get("resumed"):  # a run of several attempts: the whole run, then this attempt
-        wall += f" since the first start ({summary['attempt_wall_time_s']:.1f} s this attempt)"
+        wall += f" over all attempts ({summary['attempt_wall_time_s']:.1f} s this attempt)"
     rows = [
         ("strategy / world size", f"{summary['strategy']} x {summary['world_size']}"),
         ("optimizer steps", str(summary["steps"])),

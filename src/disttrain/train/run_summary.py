@@ -4,21 +4,26 @@ rank 0 prints at the end.
 A run is every attempt that wrote into one `out_dir` (restarts, in-memory recoveries,
 resizes). `run_start.json` is written once, by the attempt that starts at step 0, with
 the time and the held-out metrics before the first step; later attempts read it, so
-the summary's starting loss and wall time are the whole run's. `wall_time_s` counts
-from the first start (downtime between attempts included); `attempt_wall_time_s` is
-this attempt's alone.
+the summary's starting loss is the whole run's. `wall_time_s` is the sum of the
+attempts' own durations, each from its start of training to its last metrics record
+(`run_clock.json`, rewritten by rank 0 at each record: a killed attempt keeps the time
+it had trained), so the idle time between attempts (a day before a resume) is not
+counted; `attempt_wall_time_s` is this attempt's alone.
 """
 
 from __future__ import annotations
 
 import json
 import math
+import os
 import time
 from pathlib import Path
 from typing import Any
 
 START = "run_start.json"
 SUMMARY = "summary.json"
+CLOCK = "run_clock.json"
+"""{attempt number: seconds it trained}, for `wall_time_s`."""
 
 
 def record_start(out_dir: Path, heldout: dict[str, float], is_main: bool) -> None:
@@ -37,6 +42,24 @@ def read_start(out_dir: Path) -> dict[str, Any]:
         return {}
 
 
+def record_attempt_time(out_dir: Path, attempt: int, seconds: float) -> None:
+    """Rank 0, at each metrics record: attempt `attempt` has trained for `seconds` (an
+    atomic rewrite, so a kill leaves the previous record's time)."""
+    clock = _read_clock(out_dir)
+    clock[str(attempt)] = seconds
+    tmp = out_dir / f".{CLOCK}.tmp"
+    tmp.write_text(json.dumps(clock))
+    os.replace(tmp, out_dir / CLOCK)
+
+
+def _read_clock(out_dir: Path) -> dict[str, float]:
+    try:
+        data = json.loads((out_dir / CLOCK).read_text())
+    except (OSError, ValueError):
+        return {}
+    return {k: float(v) for k, v in data.items() if isinstance(v, (int, float))} if isinstance(data, dict) else {}
+
+
 def build(
     out_dir: Path,
     *,
@@ -50,12 +73,14 @@ def build(
     resumed: bool,
     extra: dict | None = None,
     eval_names: tuple[str, ...] = ("heldout",),
+    attempt: int = 0,
 ) -> dict[str, Any]:
     """The summary dict (see the module); `final` holds the last train loss and the
-    last metrics of each evaluator (named `eval_names`), keyed as in metrics.jsonl."""
+    last metrics of each evaluator (named `eval_names`), keyed as in metrics.jsonl;
+    `attempt` is this attempt's number (`run_events.jsonl`)."""
     start = read_start(out_dir)
-    now = time.time()
     attempt_s = time.perf_counter() - attempt_t0
+    earlier = sum(s for a, s in _read_clock(out_dir).items() if a != str(attempt))
     first = start.get("heldout", {})
     summary: dict[str, Any] = {
         "steps": steps,
@@ -64,7 +89,7 @@ def build(
         "initial_heldout_loss": first.get("loss", float("nan")),
         "final_train_loss": final.get("loss", float("nan")),
         "final_heldout_loss": final.get("heldout_loss", float("nan")),
-        "wall_time_s": now - start["time"] if "time" in start else attempt_s,
+        "wall_time_s": earlier + attempt_s,
         "attempt_wall_time_s": attempt_s,
         "samples_seen": samples_per_step * steps,
         "resumed": resumed,

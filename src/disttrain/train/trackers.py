@@ -9,13 +9,14 @@ not sent again to a tracker that holds them, and the steps a tracker lost with t
 killed process are sent again from `metrics.jsonl` (see `Trackers`).
 
 Forwarded: every numeric value of each metrics record at its step (loss, lr,
-throughput, held-out metrics, `attempt`, `world_size`), the run's config (W&B config,
-MLflow params, once), and one line per attempt: the start, each restart and each
+throughput, held-out metrics, `attempt`, `world_size`), the run's whole config and the
+script's `job.log_config` values (W&B config; MLflow params, each key once: MLflow
+cannot change one), and one line per attempt: the start, each restart and each
 world-size change (W&B summary `run/events`, MLflow tags `disttrain.attempt.N`).
 
 The packages are optional extras (`pip install disttrain[wandb]`, `disttrain[mlflow]`),
 imported only on rank 0 of a run that uses them; a missing one is one `UserError`
-when the job is built. Neither needs a network in its offline form: W&B with
+when the job is built, as is a tracker that cannot start (`tracker_checks`). Neither needs a network in its offline form: W&B with
 `WANDB_MODE=offline` (or `WandbTracker(mode="offline")`) writes `out_dir/wandb/`,
 and MLflow with a `file://` tracking URI writes a file store.
 """
@@ -107,7 +108,7 @@ def from_config(log) -> list:
     """The trackers a config's `[log]` section names (`[log] wandb`, `[log] mlflow`)."""
     out: list = []
     if log.wandb:
-        out.append(WandbTracker(project=log.wandb, entity=log.wandb_entity or None))
+        out.append(WandbTracker(project=log.wandb, entity=log.wandb_entity or None, mode=log.wandb_mode or None))  # type: ignore[arg-type]
     if log.mlflow:
         out.append(MlflowTracker(experiment=log.mlflow, tracking_uri=log.mlflow_tracking_uri or None))
     return out
@@ -153,6 +154,12 @@ class _Wandb:
         )
         self.run.config.update(config, allow_val_change=True)  # a resume may change the lr
         self.id = self.run.id
+        # A resumed online run: the server holds every step before its next one, which a
+        # killed process may have sent beyond the mark in trackers.json (offline: unknown).
+        self.received = max(int(self.run.starting_step) - 1, 0) if self.run.resumed else 0
+
+    def add_config(self, values: dict) -> None:
+        self.run.config.update(values, allow_val_change=True)
 
     def events(self, texts: list[str]) -> None:
         self.run.summary.update({"run/events": texts, "run/attempt": len(texts) - 1})
@@ -171,16 +178,22 @@ class _Mlflow:
         from mlflow.entities import Metric, Param
         from mlflow.tracking import MlflowClient
 
-        self.Metric, self.client = Metric, MlflowClient(tracking_uri=spec.tracking_uri)
+        self.Metric, self.Param, self.client = Metric, Param, MlflowClient(tracking_uri=spec.tracking_uri)
+        self.received = 0  # each log_batch is durable: trackers.json's mark is exact
         if run_id is not None:
             self.client.update_run(run_id, "RUNNING")
             self.id = run_id
-            return
-        found = self.client.get_experiment_by_name(spec.experiment)
-        experiment = found.experiment_id if found else self.client.create_experiment(spec.experiment)
-        name = spec.run_name or out_dir.resolve().name
-        self.id = self.client.create_run(experiment, run_name=name).info.run_id
-        params = [Param(k, v) for k, v in _flat(config).items()]
+        else:
+            found = self.client.get_experiment_by_name(spec.experiment)
+            experiment = found.experiment_id if found else self.client.create_experiment(spec.experiment)
+            name = spec.run_name or out_dir.resolve().name
+            self.id = self.client.create_run(experiment, run_name=name).info.run_id
+        self.add_config(config)
+
+    def add_config(self, values: dict) -> None:
+        """The params the run does not hold yet: MLflow refuses to change a param's value."""
+        held = self.client.get_run(self.id).data.params
+        params = [self.Param(k, v) for k, v in _flat(values).items() if k not in held]
         for i in range(0, len(params), 100):  # MLflow takes at most 100 params per batch
             self.client.log_batch(self.id, params=params[i : i + 100])
 
@@ -224,7 +237,7 @@ class Trackers:
             key, kind = _KINDS[type(spec)]
             kept = self.state.get(key) or {}
             self.open[key] = kind(spec, kept.get("id"), self.out_dir, config)
-            self.state[key] = {"id": self.open[key].id, "step": kept.get("step", 0)}
+            self.state[key] = {"id": self.open[key].id, "step": max(kept.get("step", 0), self.open[key].received)}
         self._save()
 
     def _save(self) -> None:
@@ -264,6 +277,11 @@ class Trackers:
                 self.sent[key] = step
         if any(run.durable for run in self.open.values()):
             self._mark(step)
+
+    def add_config(self, values: dict) -> None:
+        """`job.log_config(values)` after the runs opened: into each tracker's config."""
+        for run in self.open.values():
+            run.add_config(values)
 
     def close(self) -> None:
         """Finish each tracker run (W&B: `finish`, MLflow: FINISHED); safe to call twice."""
