@@ -1,15 +1,13 @@
-"""The house keeps its shape: layers that only point down (import-linter contracts in
-pyproject.toml), no import circles, small files, a light `import disttrain`, and the
-0.1 module paths still importable with a DeprecationWarning."""
+"""The house keeps its layers: imports that only point down (import-linter contracts in
+pyproject.toml), no import circles, unique file names, a light `import disttrain` that
+installs no import hook."""
 
 from __future__ import annotations
 
-import importlib
 import os
 import shutil
 import subprocess
 import sys
-import warnings
 from pathlib import Path
 
 import grimp
@@ -37,7 +35,7 @@ def test_an_upward_import_breaks_the_contract(tmp_path):
     shutil.copytree(SRC / "disttrain", tmp_path / "disttrain",
                     ignore=shutil.ignore_patterns("__pycache__"))
     target = tmp_path / "disttrain" / "runtime" / "collectives.py"
-    target.write_text(target.read_text() + "\nfrom disttrain.train import loop  # noqa\n")
+    target.write_text(target.read_text() + "\nfrom disttrain.train import job  # noqa\n")
     proc = _lint(tmp_path)
     assert proc.returncode != 0
     assert "disttrain.runtime is not allowed to import disttrain.train" in proc.stdout
@@ -94,16 +92,6 @@ def test_no_import_circles():
     assert _cycles(grimp.build_graph("disttrain", exclude_type_checking_imports=True)) == []
 
 
-def test_every_module_states_its_one_concept():
-    """One concept per file (not a line count, which split files by size): each module of
-    the package opens with a docstring whose first sentence says what it holds."""
-    import ast
-
-    missing = [str(p.relative_to(SRC)) for p in (SRC / "disttrain").rglob("*.py")
-               if len((ast.get_docstring(ast.parse(p.read_text())) or "").split()) < 4]
-    assert missing == [], f"modules without a docstring naming their concept: {missing}"
-
-
 def test_file_names_are_unique():
     names = [p.name for p in (SRC / "disttrain").rglob("*.py") if p.name not in ("__init__.py", "__main__.py")]
     assert sorted({n for n in names if names.count(n) > 1}) == []
@@ -116,24 +104,6 @@ def test_light_modules_do_not_import_torch(module):
     code = f"import sys, {module}; assert 'torch' not in sys.modules, 'torch imported'"
     proc = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=60)
     assert proc.returncode == 0, proc.stderr
-
-
-def test_old_paths_import_with_a_deprecation_warning():
-    from disttrain.old_paths import MOVED, new_home
-
-    for old, target in MOVED.items():
-        sys.modules.pop(old, None)
-        module = importlib.import_module(old)
-        names = target.keys() if isinstance(target, dict) else [
-            n for n in vars(importlib.import_module(target)) if not n.startswith("_")]
-        assert names, old
-        for name in names:
-            new = new_home(old, name)
-            with warnings.catch_warnings(record=True) as caught:
-                warnings.simplefilter("always")
-                value = getattr(module, name)
-            assert any(issubclass(w.category, DeprecationWarning) and new in str(w.message) for w in caught)
-            assert value is getattr(importlib.import_module(new), name), (old, name)
 
 
 def test_import_disttrain_installs_no_import_hook():

@@ -25,7 +25,6 @@ from disttrain.checkpoint import layout
 from disttrain.checkpoint.own_files import read_own
 from disttrain.config import hf_model_config
 from disttrain.errors import UserError
-from disttrain.old_paths import forward
 
 
 def _stored_model_section(step_dir: Path) -> dict:
@@ -134,6 +133,3 @@ def export_hf(
         shutil.rmtree(tmp, ignore_errors=True)
         raise
     return {"tensors": len(used), "to": str(out), "model_type": hf_config.model_type}
-
-
-__getattr__ = forward(__name__)  # the names that moved to config.hf_model_config (old_paths.MOVED)

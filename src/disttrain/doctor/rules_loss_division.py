@@ -135,7 +135,6 @@ def _accumulator_names(facts: Facts) -> set[str]:
     makers = facts.calls_to(
         "disttrain.Accumulator",
         "disttrain.train.accumulation.Accumulator",
-        "disttrain.train.loop.Accumulator",
         "disttrain.loop.Accumulator",
     )
     makers += [

@@ -124,10 +124,8 @@ class Job:
             run continues the same tracker run (a missing package is a `UserError` here).
             None: those the config's [log] names.
 
-    Each short keyword that is not None overrides the config's field. A keyword the
-    constructor of 0.2 took that moved into the config (`keep_last=`,
-    `checkpoint_dir=`, `async_save=`, `compile=`, ...) is one `UserError` naming
-    where it went.
+    Each short keyword that is not None overrides the config's field; any other
+    keyword is Python's own `TypeError`.
     """
 
     # The parts a run holds: public to the train package (job_resume, job_finish and
@@ -161,7 +159,6 @@ class Job:
         tensorboard: bool | None = None,
         progress: bool = True,
         trackers=None,
-        **moved: Any,
     ):
         short = dict(
             strategy=strategy,
@@ -175,7 +172,7 @@ class Job:
         )
         self.run = run or RunOptions()
         try:
-            self.cfg: Config = self._settings(config, short, moved)
+            self.cfg: Config = self._settings(config, short)
             """The configuration this job runs with (the config given, the keywords applied)."""
             self.trackers = resolve_trackers(trackers) if trackers is not None else tracker_list(self.cfg.log)
             if int(os.environ.get("RANK", "0")) == 0:  # rank 0 sends to the trackers: before any collective
@@ -208,9 +205,9 @@ class Job:
 
     # ------------------------------------------------------------------ setup
 
-    def _settings(self, config: Config | None, short: dict, moved: dict) -> Config:
+    def _settings(self, config: Config | None, short: dict) -> Config:
         """The job's `Config` (`job_config.resolve`), its values checked. Raises `UserError`."""
-        cfg = resolve_config(config, short, moved)
+        cfg = resolve_config(config, short)
         c, t = cfg.checkpoint, cfg.train
         if c.every < 0 or c.every_s < 0 or t.accum_steps < 1 or t.log_every < 1:
             raise UserError(

@@ -15,7 +15,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from disttrain.config import Config, ParallelConfig
+from disttrain.config import Config
 from disttrain.errors import UserError
 
 
@@ -56,39 +56,11 @@ SHORT = {
 }
 """The short keywords of `dt.Job` -> the (section, field) each overrides."""
 
-MOVED = {
-    "checkpoint_every_s": "config.checkpoint.every_s",
-    "keep_last": "config.checkpoint.keep_last",
-    "async_save": "config.checkpoint.async_mode",
-    "fallback": "config.checkpoint.fallback",
-    "on_error": "config.checkpoint.on_error",
-    "checkpoints": "config.checkpoint.enabled",
-    "checkpoint_dir": "config.checkpoint.dir",
-    "batch_policy": "config.elastic.batch_policy",
-    "preempt_grace_s": "config.elastic.preempt_grace_s",
-    "buddy_every": "config.elastic.buddy_every",
-    "backend": "config.parallel.backend",
-    "device": "config.parallel.device",
-    "timeout_s": "config.parallel.timeout_s",
-    "log_every": "config.train.log_every",
-    "guard": "config.guard (a GuardConfig)",
-    "compile": "config.train.compile (True), or "
-    "run=dt.RunOptions(wrap_options={'compile': {...}}) for torch.compile options",
-    "config": "run=dt.RunOptions(stored_config=...)",
-    **{
-        k: f"run=dt.RunOptions({k}=...)"
-        for k in ("guard_fields", "summary_config", "summary_extra", "exit_on_preempt", "tokens_per_sample")
-    },
-}
-"""Each keyword of the 0.2 constructor that moved -> where it went (CHANGELOG)."""
 
-
-def resolve(config: Config | None, short: dict[str, Any], moved: dict[str, Any]) -> Config:
+def resolve(config: Config | None, short: dict[str, Any]) -> Config:
     """The Job's `Config`: a copy of `config` (None: `Config()`) with each short
     keyword that is not None set. Raises `UserError` for a `config` that is not a
-    `Config`, a keyword that moved (naming where) or an unknown keyword."""
-    for key in moved:
-        raise UserError(refusal(key))
+    `Config`."""
     if config is not None and not isinstance(config, Config):
         raise UserError(
             f"dt.Job(config=...) takes a disttrain.config.Config (the TOML's sections: "
@@ -101,19 +73,6 @@ def resolve(config: Config | None, short: dict[str, Any], moved: dict[str, Any])
             section, name = SHORT[key]
             setattr(getattr(cfg, section), name, value)
     return cfg
-
-
-def refusal(key: str) -> str:
-    """One line for a keyword `dt.Job` no longer takes: where it moved, else the list."""
-    where = MOVED.get(key)
-    if where is None and key in {f.name for f in dataclasses.fields(ParallelConfig)}:
-        where = f"config.parallel.{key}"
-    if where is not None:
-        return (
-            f"dt.Job({key}=...) moved to {where}: pass dt.Job(out_dir, config) with a "
-            f"disttrain.config.Config (see CHANGELOG)."
-        )
-    return f"dt.Job got an unknown keyword {key!r}; it takes config, run and {', '.join(SHORT)}, progress, trackers."
 
 
 def checkpoint_root(cfg: Config, out_dir: Path) -> Path:

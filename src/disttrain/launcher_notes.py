@@ -1,5 +1,0 @@
-"""Moved to `disttrain.worker_notes`; this path goes away in the next release."""
-
-from disttrain.old_paths import forward
-
-__getattr__ = forward(__name__)
