@@ -181,6 +181,7 @@ def test_warm_workers_for_every_python_worker_but_fast_recovery(monkeypatch):
     assert args[-6:] == ["disttrain.launch.worker_entry", "-m", "disttrain.launch.warm_workers",
                          "disttrain.launch.worker_entry", SCRIPT, "x"]
     assert "-m" in args[:-6]
+    monkeypatch.setenv("DISTTRAIN_JOB_SECRET", "ab" * 32)  # a multi-node fast-recovery job needs the user's
     for argv in (ELASTIC + TRAIN + ["--elastic.fast_recovery=true"], ["--fast-recovery", SCRIPT],
                  ["--no-python", "echo"]):
         assert "disttrain.launch.warm_workers" not in launch.torchrun_for(argv).args

@@ -14,14 +14,18 @@ After a peer's death every rank offers the steps it holds (`offer`); the newest 
 T whose every shard is held somewhere (by its owner, or by the dead owner's buddy) is
 chosen (`choose_step`); the buddies send the newcomers their packs of T, and every
 rank loads T (`restore`). Two neighbours dead at once leave a shard nowhere: T is
-None and the caller loads the disk checkpoint. The state is copied raw (no pickling
-of tensors): one flat uint8 buffer with a pickled skeleton in front.
+None and the caller loads the disk checkpoint. The state is copied raw: one flat uint8
+buffer with the state's skeleton in front, as JSON (`_encode`): dicts, lists, tuples,
+plain numbers, strings and the tensors' places. Nothing a peer sends is unpickled; a
+skeleton that is not one `_encode` writes, or whose tensors fall outside the buffer, is
+refused (`MalformedPack`).
 """
 
 from __future__ import annotations
 
 import datetime
-import pickle
+import json
+import math
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any, TypeGuard
 
@@ -30,6 +34,7 @@ import torch.distributed as dist
 
 from disttrain.elastic.host_copy import HostCopy, host_buffer, on_cuda
 from disttrain.runtime import fault_injection
+from disttrain.runtime.collectives import all_gather_json
 from disttrain.runtime.log import EVERY_RANK, LOGGER, speaker
 
 if TYPE_CHECKING:
@@ -56,6 +61,10 @@ def _is_dtensor(x: Any) -> TypeGuard[DTensor]:
     return type(x).__name__ == "DTensor" and hasattr(x, "to_local")
 
 
+class MalformedPack(ValueError):
+    """A pack whose skeleton is not what `pack` writes: refused, never interpreted."""
+
+
 def _skeleton(tree: Any, leaves: list[tuple[_Slot, torch.Tensor]], offset: list[int]) -> Any:
     """`tree` with each tensor replaced by a `_Slot`; (slot, local shard) pairs go to
     `leaves` in order."""
@@ -74,6 +83,56 @@ def _skeleton(tree: Any, leaves: list[tuple[_Slot, torch.Tensor]], offset: list[
     return tree
 
 
+def _encode(tree: Any) -> Any:
+    """A skeleton as JSON values that keep what JSON alone would lose (a dict's int
+    keys, a tuple): each node is a one-key dict naming its kind. Raises `TypeError` for
+    a value that only a pickle could carry."""
+    if isinstance(tree, dict):
+        return {"d": [[_encode(k), _encode(v)] for k, v in tree.items()]}
+    if isinstance(tree, (list, tuple)):
+        return {"t" if isinstance(tree, tuple) else "l": [_encode(v) for v in tree]}
+    if isinstance(tree, _Slot):
+        dtype = str(tree.dtype).removeprefix("torch.")
+        return {"s": [tree.offset, tree.nbytes, dtype, list(tree.shape), tree.dtensor]}
+    if tree is None or isinstance(tree, (bool, int, float, str)):
+        return {"v": tree}
+    raise TypeError(f"a {type(tree).__name__} in the state cannot be copied without pickle")
+
+
+def _slot(fields: Any, size: int) -> _Slot:
+    """The `_Slot` of a decoded skeleton; its bytes must lie within `size` and match
+    its dtype and shape."""
+    offset, nbytes, name, shape, dtensor = fields
+    dtype = getattr(torch, name, None) if isinstance(name, str) else None
+    if not isinstance(dtype, torch.dtype) or not all(type(d) is int and d >= 0 for d in (offset, nbytes, *shape)):
+        raise MalformedPack(f"a tensor's place in the pack is not one a pack writes: {fields!r:.200}")
+    itemsize = torch.empty(0, dtype=dtype).element_size()
+    if offset + nbytes > size or math.prod(shape) * itemsize != nbytes:
+        raise MalformedPack(f"a tensor of the pack does not fit its bytes: {fields!r:.200}")
+    return _Slot(offset, nbytes, dtype, tuple(shape), bool(dtensor))
+
+
+def _decode(node: Any, size: int) -> Any:
+    """The skeleton `_encode` wrote, its slots checked against a data part of `size`
+    bytes. Raises `MalformedPack` for anything else."""
+    if not isinstance(node, dict) or len(node) != 1:
+        raise MalformedPack(f"a node of the pack's skeleton is not one a pack writes: {node!r:.200}")
+    ((kind, body),) = node.items()
+    if kind == "v" and (body is None or isinstance(body, (bool, int, float, str))):
+        return body
+    if kind in ("l", "t") and isinstance(body, list):
+        items = [_decode(v, size) for v in body]
+        return tuple(items) if kind == "t" else items
+    if kind == "d" and isinstance(body, list) and all(isinstance(p, list) and len(p) == 2 for p in body):
+        pairs = [(_decode(k, size), _decode(v, size)) for k, v in body]
+        if not all(k is None or isinstance(k, (bool, int, float, str)) for k, _ in pairs):
+            raise MalformedPack("a key of the pack's skeleton is not a plain value")
+        return dict(pairs)
+    if kind == "s" and isinstance(body, list) and len(body) == 5:
+        return _slot(body, size)
+    raise MalformedPack(f"a node of the pack's skeleton is not one a pack writes: {node!r:.200}")
+
+
 def pack(
     sd: dict, capacity: int | None = None, into: torch.Tensor | None = None, copier: HostCopy | None = None
 ) -> torch.Tensor:
@@ -82,10 +141,10 @@ def pack(
     (the buffer of an older pack, reused). Device tensors go through `copier` (a side
     stream into pinned memory, `elastic.host_copy`); the caller waits on it before the
     buffer is read (a fresh copier is waited here). Raises `OverflowError` when it does
-    not fit."""
+    not fit, `TypeError` for a value that only a pickle could carry (`_encode`)."""
     leaves: list[tuple[_Slot, torch.Tensor]] = []
     offset = [0]
-    skeleton = pickle.dumps(_skeleton(sd, leaves, offset), protocol=pickle.HIGHEST_PROTOCOL)
+    skeleton = json.dumps(_encode(_skeleton(sd, leaves, offset)), separators=(",", ":")).encode()
     start = _HEADER + -(-len(skeleton) // 16) * 16
     need = start + offset[0]
     size = need if capacity is None else capacity
@@ -117,11 +176,19 @@ def pack(
 def unpack(buf: torch.Tensor, template: dict | None) -> dict:
     """The state dict packed in `buf`, its tensors copied out of the buffer (on the
     CPU). A DTensor leaf takes its mesh and placements from the same place in
-    `template`. Raises `KeyError` when the template has no DTensor there."""
-    n = int(buf[:8].view(torch.int64)[0])
-    skeleton = pickle.loads(buf[_HEADER : _HEADER + n].numpy().tobytes())
-    data = buf[_HEADER + -(-n // 16) * 16 :]
-    return _fill(skeleton, data, template)
+    `template`. Raises `KeyError` when the template has no DTensor there, and
+    `MalformedPack` when `buf` is not a pack (`_decode`): a peer's bytes are parsed as
+    JSON and checked, never unpickled."""
+    n = int(buf[:8].view(torch.int64)[0]) if buf.numel() >= _HEADER else -1
+    start = _HEADER + -(-n // 16) * 16
+    if n < 0 or start > buf.numel():
+        raise MalformedPack(f"the pack's skeleton claims {n} bytes of a {buf.numel()}-byte buffer")
+    try:
+        tree = json.loads(buf[_HEADER : _HEADER + n].numpy().tobytes())
+    except (UnicodeDecodeError, ValueError, RecursionError) as e:
+        raise MalformedPack(f"the pack's skeleton is not JSON ({type(e).__name__})") from None
+    data = buf[start:]
+    return _fill(_decode(tree, data.numel()), data, template)
 
 
 def _fill(tree: Any, data: torch.Tensor, template: Any) -> Any:
@@ -257,19 +324,20 @@ class BuddyCopy:
         sd = live_state(state)
         rank, world = dist.get_rank(self.group), dist.get_world_size(self.group)
         if self._capacity is None:
-            need = pack(sd).numel()
+            try:
+                need = pack(sd).numel()
+            except TypeError as e:  # the same state on every rank: each turns its copy off here
+                self._off(rank, e)
+                return
             mine_cap = need + need // 8 + 65536  # room for a skeleton that grows a little
-            caps: list[int] = [0] * world
-            dist.all_gather_object(caps, mine_cap, group=self.group)
-            self._capacity = caps
+            self._capacity = [int(c) for c in all_gather_json(mine_cap, group=self.group)]
         oldest = min(self.mine) if len(self.mine) >= 2 else None
         try:  # the oldest pack's buffer is reused: nothing sends it any more (waited above)
             buf = pack(
                 sd, self._capacity[rank], into=self.mine.pop(oldest) if oldest is not None else None, copier=self.copier
             )
-        except OverflowError as e:
-            self.disabled = True  # every later copy would not fit either; the disk checkpoint remains
-            LOGGER.warning(f"{speaker()}: rank {rank}: the buddy copy is off for this run ({e})", extra=EVERY_RANK)
+        except (OverflowError, TypeError) as e:  # every later copy would fail too
+            self._off(rank, e)
             return
         self.mine[step] = buf
         size = self._capacity[(rank - 1) % world]
@@ -283,6 +351,11 @@ class BuddyCopy:
         ]
         self._pending = (step, works, incoming)
         fault_injection.inject("buddy", step, dist.get_rank())
+
+    def _off(self, rank: int, why: Exception) -> None:
+        """Turn the copy off for the run; the disk checkpoint remains."""
+        self.disabled = True
+        LOGGER.warning(f"{speaker()}: rank {rank}: the buddy copy is off for this run ({why})", extra=EVERY_RANK)
 
     def finish(self) -> None:
         """Wait for the exchange in flight; the received pack becomes `theirs`."""
@@ -314,7 +387,7 @@ class BuddyCopy:
             "new": newcomer,
             "mine": sorted(self.mine),
             "theirs": sorted(self.theirs),
-            "sizes": {s: b.numel() for s, b in self.theirs.items()},
+            "sizes": [[s, b.numel()] for s, b in self.theirs.items()],  # JSON: no int keys
         }
 
     def restore(self, state, newcomer: bool, gen: int) -> bool:
@@ -322,8 +395,7 @@ class BuddyCopy:
         newest step every shard is held for into `state`. False when there is none
         (the caller loads the disk checkpoint)."""
         rank, world = dist.get_rank(), dist.get_world_size()
-        offers: list[dict] = [{}] * world
-        dist.all_gather_object(offers, self.offer(newcomer))
+        offers: list[dict] = all_gather_json(self.offer(newcomer))
         step = choose_step(offers)
         fault_injection.inject("recovery", -1 if step is None else step, rank)
         if step is None:
@@ -336,7 +408,7 @@ class BuddyCopy:
         if offers[left]["new"]:  # this rank holds the dead left neighbour's shard
             works.append(dist.isend(self.theirs[step], dst=left, group=self.group))
         if newcomer:
-            buf = torch.empty(offers[right]["sizes"][step], dtype=torch.uint8)
+            buf = torch.empty(int(dict(offers[right]["sizes"])[step]), dtype=torch.uint8)
             works.append(dist.irecv(buf, src=right, group=self.group))
         for w in works:
             if w is not None:  # (None only for a rank outside the group)

@@ -10,6 +10,10 @@ role a child plays comes from `ROLE_ENV`:
   its supervisor writes a line on its stdin (the slot's training process died). It
   then bumps the generation counter and joins that generation as the newcomer.
 
+What the ranks write to the store for each other is sealed with the job's secret and
+checked on reading (`elastic.job_store`); the state itself goes over the group as
+tensors and JSON, never as a pickle.
+
 A generation is one process group: every member adds itself to the generation's
 join counter and the group is created with `init_process_group(store=PrefixStore(
 "disttrain/fast/g<N>", store))`. When a collective fails (gloo raises on a closed
@@ -31,7 +35,6 @@ supervisor's loss falls back to torchrun's restart and the disk checkpoint.
 
 from __future__ import annotations
 
-import datetime
 import os
 import sys
 import time
@@ -42,9 +45,11 @@ import torch
 import torch.distributed as dist
 
 from disttrain import runtime, worker_notes
-from disttrain.elastic import group_sockets
+from disttrain.elastic import group_sockets, job_store
 from disttrain.elastic.buddy_copy import BuddyCopy, pack, unpack
+from disttrain.elastic.job_store import JobStore
 from disttrain.runtime import failures, fault_injection, processes, torch_compat
+from disttrain.runtime.collectives import comm_device, gather_ints
 from disttrain.runtime.log import LOGGER, speaker
 
 ROLE_ENV = "DISTTRAIN_FAST_ROLE"
@@ -81,17 +86,13 @@ def warm_up() -> None:
     import torch.distributed.checkpoint.state_dict  # noqa: F401  (TrainState.load_state_dict)
 
 
-def connect_store(timeout_s: float) -> dist.TCPStore:
-    """A client of the supervisor's store (it may still be starting: the client retries)."""
-    return dist.TCPStore(
-        os.environ.get("MASTER_ADDR", "127.0.0.1"),
-        int(os.environ["MASTER_PORT"]),
-        is_master=False,
-        timeout=datetime.timedelta(seconds=timeout_s),
-    )
+def connect_store(timeout_s: float) -> JobStore:
+    """A client of the supervisor's store (it may still be starting: the client
+    retries), sealing and checking values with the job's secret (`elastic.job_store`)."""
+    return job_store.connect(timeout_s)
 
 
-def join(store: dist.Store, gen: int, world: int, wait_s: float) -> int:
+def join(store: JobStore, gen: int, world: int, wait_s: float) -> int:
     """Join generation `gen` or a later one; return it once all `world` ranks are in.
 
     A generation someone bumps past (another death during the wait) is left for the
@@ -130,7 +131,7 @@ class Handoff:
     cache: dict = field(default_factory=dict)
     live: dict = field(default_factory=dict)
     buddy: BuddyCopy | None = None
-    store: dist.Store | None = None
+    store: JobStore | None = None
     listening: set = field(default_factory=set)
     """The listeners this process had when the generation began (`group_sockets`)."""
     _buddy_gen: int = -1
@@ -195,8 +196,7 @@ class Handoff:
         if self.buddy is not None:
             return self.buddy.restore(state, newcomer=not self.buddy.mine, gen=self.gen)
         mine = -1 if self.memory is None else int(self.memory["meta"]["step"])
-        steps: list[int] = [0] * dist.get_world_size()
-        dist.all_gather_object(steps, mine)
+        steps = gather_ints(mine)
         best = max(steps)
         fault_injection.inject("recovery", best, dist.get_rank())
         if best < 0:
@@ -232,15 +232,13 @@ class Handoff:
 
 def broadcast_state(memory: dict | None, src: int) -> dict:
     """`memory` (a `TrainState.state_dict()`, given on rank `src` only) on every rank, as
-    one raw buffer (`buddy_copy.pack`: the tensors' bytes back to back, only a small
-    skeleton pickled) broadcast on the backend's device (CUDA under NCCL), not as one
-    pickled object. A collective."""
-    from disttrain.runtime.collectives import comm_device
-
+    one raw buffer (`buddy_copy.pack`: the tensors' bytes back to back after a JSON
+    skeleton) broadcast on the backend's device (CUDA under NCCL); nothing is pickled.
+    A collective. Raises `buddy_copy.MalformedPack` on a buffer that is not a pack."""
     buf = pack(memory) if memory is not None else None
-    size = [buf.numel() if buf is not None else 0]
-    dist.broadcast_object_list(size, src=src)
-    wire = (buf if buf is not None else torch.empty(size[0], dtype=torch.uint8)).to(comm_device())
+    size = torch.tensor([buf.numel() if buf is not None else 0], dtype=torch.int64, device=comm_device())
+    dist.broadcast(size, src=src)
+    wire = (buf if buf is not None else torch.empty(int(size.item()), dtype=torch.uint8)).to(comm_device())
     dist.broadcast(wire, src=src)
     return unpack(wire.cpu(), template=None)
 
@@ -315,7 +313,7 @@ def run(
                 device=device,
                 timeout_s=timeout_s,
                 seed=seed,
-                store=dist.PrefixStore(f"disttrain/fast/g{gen}/pg", store),
+                store=dist.PrefixStore(f"disttrain/fast/g{gen}/pg", store.store),
             )
             handoff.publish_listeners()
             processes.STATE.handoff = handoff

@@ -10,7 +10,9 @@ the generation began (`publish`: right after each group is made: the generation'
 the buddy copy's, the checkpointer's), and a survivor cuts the
 connections whose local or remote endpoint is one of them (`cut`). What a
 connection's endpoints are comes from /proc/self/net/tcp[6] (Linux; elsewhere nothing
-is cut and a blocked survivor waits for the group's timeout).
+is cut and a blocked survivor waits for the group's timeout). The lists are sealed with
+the job's secret (`elastic.job_store`): one that a client outside the job wrote, or that
+does not parse, is skipped, so it can neither crash a survivor nor choose what it cuts.
 """
 
 from __future__ import annotations
@@ -19,7 +21,8 @@ import os
 import socket
 import sys
 
-import torch.distributed as dist
+from disttrain.elastic.job_store import JobStore
+from disttrain.runtime.log import EVERY_RANK, LOGGER, speaker
 
 LISTEN = "0A"  # the kernel's TCP_LISTEN state in /proc/net/tcp
 
@@ -71,23 +74,36 @@ def listeners() -> set[tuple[str, int]]:
     return {local for _, state, local, _ in tcp_sockets() if state == LISTEN}
 
 
-def publish(store: dist.Store, prefix: str, rank: int, before: set[tuple[str, int]]) -> None:
+def publish(store: JobStore, prefix: str, rank: int, before: set[tuple[str, int]]) -> None:
     """Put this rank's listeners opened since `before` (the generation's start) on the
-    store under `prefix`."""
+    store under `prefix`, sealed."""
     mine = sorted(listeners() - before)
     store.set(f"{prefix}/listen/{rank}", ",".join(f"{host}|{port}" for host, port in mine))
 
 
-def published(store: dist.Store, prefix: str, world: int) -> set[tuple[str, int]]:
-    """Every rank's published listeners (a rank that published nothing: none)."""
+def _parsed(text: str) -> set[tuple[str, int]] | None:
+    """A published list, or None when it is not one `publish` writes."""
     found = set()
+    for item in filter(None, text.split(",")):
+        host, _, port = item.rpartition("|")
+        if not host or not port.isdigit() or not 0 < int(port) < 65536:
+            return None
+        found.add((host, int(port)))
+    return found
+
+
+def published(store: JobStore, prefix: str, world: int) -> set[tuple[str, int]]:
+    """Every rank's published listeners (a rank that published nothing, or whose value
+    is not the job's or does not parse: none)."""
+    found: set[tuple[str, int]] = set()
     for rank in range(world):
         key = f"{prefix}/listen/{rank}"
-        if not store.check([key]):
+        text = store.get(key)
+        listed = _parsed(text) if text is not None else set()
+        if listed is None:
+            LOGGER.warning(f"{speaker()}: ignored {key}: not a list of listeners", extra=EVERY_RANK)
             continue
-        for item in filter(None, store.get(key).decode().split(",")):
-            host, port = item.rsplit("|", 1)
-            found.add((host, int(port)))
+        found |= listed
     return found
 
 

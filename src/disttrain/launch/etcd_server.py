@@ -3,9 +3,16 @@
 torch's etcd rendezvous backends (`etcd-v2`, and the legacy `etcd`) speak etcd's v2
 API, which etcd 3.4 serves only with `--enable-v2=true`; without it both fail (404 or
 a connection error). The server binds 127.0.0.1 by default, keeps its data in a
-directory of its own, and is stopped (SIGTERM, then SIGKILL) by `stop()`. With a
-`prefix` such as `ip netns exec NS` it runs (and is health-checked) inside another
-network namespace, bound to that namespace's address.
+directory of its own, and is stopped (SIGTERM, then SIGKILL) by `stop()`. It gets
+SIGTERM from the kernel when the process that started it dies (PR_SET_PDEATHSIG), and
+`disttrain etcd start` stops it on its own SIGTERM, SIGHUP or Ctrl-C: it never outlives
+the command. With a `prefix` such as `ip netns exec NS` it runs (and is health-checked)
+inside another network namespace, bound to that namespace's address.
+
+This server has no authentication and no TLS: any process that can reach its address
+can read and change the rendezvous. Hence loopback by default; `--host ADDR` is for a
+network only the job's nodes reach. For anything wider, run etcd yourself with its
+client TLS and authentication (docs/security.md).
 """
 
 from __future__ import annotations
@@ -24,6 +31,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 from disttrain.errors import UserError
+from disttrain.runtime import processes
 
 
 def free_port(host: str = "127.0.0.1") -> int:
@@ -41,6 +49,19 @@ def find_etcd() -> str:
             "Python side: pip install python-etcd."
         )
     return path
+
+
+def _die_with_parent() -> None:
+    # in the child before exec: etcd gets SIGTERM when the thread that started it dies
+    processes.die_with_parent(signal.SIGTERM)
+
+
+class _Stopped(Exception):
+    """A signal that ends `disttrain etcd start`."""
+
+
+def _stop_on_signal(signum, _frame) -> None:
+    raise _Stopped(signum)
 
 
 @dataclass
@@ -91,7 +112,11 @@ class EtcdServer:
         ]
         log = open(log_path, "ab") if log_path else subprocess.DEVNULL
         self.process = subprocess.Popen(
-            [*self.prefix, *cmd], stdout=log, stderr=subprocess.STDOUT, start_new_session=True
+            [*self.prefix, *cmd],
+            stdout=log,
+            stderr=subprocess.STDOUT,
+            start_new_session=True,  # a Ctrl-C in the terminal reaches the command, which stops etcd
+            preexec_fn=_die_with_parent,
         )
         deadline = time.monotonic() + timeout_s
         while time.monotonic() < deadline:
@@ -154,25 +179,35 @@ class EtcdServer:
 
 
 def main(argv: list[str]) -> int:
-    """`disttrain etcd start [--port N] [--data-dir DIR]`: run in the foreground until Ctrl-C."""
+    """`disttrain etcd start [--host ADDR] [--port N] [--data-dir DIR]`: run in the
+    foreground until Ctrl-C, SIGTERM or SIGHUP, each of which stops etcd too."""
     import argparse
 
     parser = argparse.ArgumentParser(prog="disttrain etcd")
     parser.add_argument("action", choices=["start"])
+    parser.add_argument(
+        "--host",
+        default="127.0.0.1",
+        help="address to listen on (default 127.0.0.1); etcd here has no authentication or TLS: "
+        "bind it only to a network that the job's nodes alone reach (docs/security.md)",
+    )
     parser.add_argument("--port", type=int, default=2379)
     parser.add_argument("--data-dir", type=Path, default=None)
     args = parser.parse_args(argv)
-    server = EtcdServer(port=args.port, data_dir=args.data_dir).start()
-    print(
-        f"etcd (v2 API on) serving on {server.endpoint}. Use it with:\n"
-        f"  disttrain run --nnodes 1:2 --rdzv-backend etcd --rdzv-endpoint {server.endpoint} "
-        f"--rdzv-id JOB script.py\nCtrl-C stops it.",
-        flush=True,
-    )
-    assert server.process is not None  # start() started it
+    for sig in (signal.SIGTERM, signal.SIGHUP):
+        signal.signal(sig, _stop_on_signal)
+    server = EtcdServer(host=args.host, port=args.port, data_dir=args.data_dir)
     try:
+        server.start()
+        print(
+            f"etcd (v2 API on, no authentication) serving on {server.endpoint}. Use it with:\n"
+            f"  disttrain run --nnodes 1:2 --rdzv-backend etcd --rdzv-endpoint {server.endpoint} "
+            f"--rdzv-id JOB script.py\nCtrl-C stops it.",
+            flush=True,
+        )
+        assert server.process is not None  # start() started it
         server.process.wait()
-    except KeyboardInterrupt:
+    except (KeyboardInterrupt, _Stopped):
         pass
     finally:
         server.stop(remove_data=args.data_dir is None)

@@ -49,6 +49,9 @@ What it changes, and why:
 - Warm workers (`disttrain.launch.warm_workers`): every start and restart forks the
   Python workers (under fast recovery the training processes and spares) from a process
   that has imported torch and disttrain. `DISTTRAIN_WARM_WORKERS=0` turns it off.
+- A fast-recovery job gets a random secret in DISTTRAIN_JOB_SECRET (the environment,
+  never the command line), with which its ranks seal what they write to their store
+  (`runtime.job_secret`); a multi-node one needs the user's, the same on every node.
 Every other torchrun flag passes through unchanged.
 """
 
@@ -66,6 +69,7 @@ from disttrain.guard import private_dir
 from disttrain.guard.script_watchdog import HANG_FLAG, take_hang_timeout
 from disttrain.launch import notes_watch, run_help, warm_workers
 from disttrain.launch.worker_entry import LAUNCHER_ENV
+from disttrain.runtime import job_secret
 
 if TYPE_CHECKING:  # the config and the trainer's modules import torch: only when used
     from disttrain.config import Config
@@ -369,6 +373,10 @@ def torchrun_for(argv: list[str], cfg: Config | None = None) -> Torchrun:
         # each worker slot: a supervisor with the training process and a warm spare
         script = ["disttrain.launch.slot_supervisor", "disttrain.train.script_runner", *script]
         flags, is_module = flags + ["-m"], True
+    if script[:1] == ["disttrain.launch.slot_supervisor"]:
+        secret = job_secret.for_job(nnodes)  # the store's values carry it (runtime/job_secret.py)
+        if secret is not None:
+            env[job_secret.SECRET_ENV] = secret
     warm = warm_workers_wanted(flags, script)
     if warm and not (is_module and script[0].startswith("disttrain.")):
         # a user's script or module: the forked child starts it through worker_entry
@@ -516,6 +524,9 @@ def _launch(args: list[str], env: dict[str, str]) -> int:
         )
         print(f"disttrain run --debug: {switches}. Logs: {where}.", file=sys.stderr, flush=True)
     notes = notes_watch.watch()
+    made_secret = env.get(job_secret.SECRET_ENV)
+    if made_secret:  # this job's own, never one an earlier job left in this process
+        os.environ[job_secret.SECRET_ENV] = made_secret
     try:
         run(parse_args(args))
     except ChildFailedError as e:
@@ -547,4 +558,6 @@ def _launch(args: list[str], env: dict[str, str]) -> int:
         return status
     finally:
         notes.close()
+        if made_secret:
+            os.environ.pop(job_secret.SECRET_ENV, None)
     return 0

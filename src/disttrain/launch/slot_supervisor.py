@@ -11,7 +11,10 @@ the training process is killed by a signal, the supervisor promotes the spare (o
 line on its stdin) and starts a new spare in the background; torchrun sees nothing.
 A spare that dies is replaced the same way. Global rank 0's supervisor also hosts the
 `TCPStore` (at MASTER_ADDR:MASTER_PORT) on which the training processes agree on
-generations, so the store outlives any training process.
+generations, so the store outlives any training process. It listens on MASTER_ADDR's
+address only, and the ranks seal what they write to it with the job's secret
+(DISTTRAIN_JOB_SECRET, from `disttrain run`; `elastic.job_store`): without one the
+supervisor refuses to start.
 
 What falls back to torchrun's restart and the disk checkpoint: a training process
 that exits with a status (an error, a hang the watchdog reported), more than
@@ -23,7 +26,6 @@ process's status (128 + signal when killed by one).
 
 from __future__ import annotations
 
-import datetime
 import os
 import signal
 import subprocess
@@ -31,7 +33,8 @@ import sys
 import time
 
 from disttrain.launch.warm_workers import SOCKET_ENV as WARM_SOCKET_ENV
-from disttrain.runtime import processes
+from disttrain.errors import UserError
+from disttrain.runtime import job_secret, processes
 from disttrain.worker_notes import earlier_stop, first_to_say, read_step, report_not_retried, wait_to_be_stopped
 from disttrain.runtime.failures import MACHINE, classify_death, report_crash
 
@@ -49,18 +52,12 @@ def _spawn(cmd: list[str], role: str) -> subprocess.Popen:
     return subprocess.Popen(cmd, env=env, stdin=stdin, preexec_fn=processes.die_with_parent)
 
 
-def _host_store(world: int):
-    """Global rank 0's slot: the store every generation rendezvouses on."""
-    import torch.distributed as dist
+def _host_store():
+    """Global rank 0's slot: the store every generation rendezvouses on, listening only
+    on MASTER_ADDR's address (`elastic.job_store.host_store`)."""
+    from disttrain.elastic.job_store import host_store
 
-    return dist.TCPStore(
-        os.environ.get("MASTER_ADDR", "127.0.0.1"),
-        int(os.environ["MASTER_PORT"]),
-        world_size=None,
-        is_master=True,
-        wait_for_workers=False,
-        timeout=datetime.timedelta(seconds=300),
-    )
+    return host_store(timeout_s=300)
 
 
 def _go(spare: subprocess.Popen) -> None:
@@ -116,7 +113,7 @@ def _not_to_retry(rank: int, rc: int, last_death: str | None) -> tuple[bool, str
 
 def supervise(cmd: list[str], rank: int, world: int) -> int:
     """Run the slot until its training process is done; return the exit status."""
-    store = _host_store(world) if rank == 0 else None
+    store = _host_store() if rank == 0 else None
     child = _spawn(cmd, "first")
     spare = _spawn(cmd, "spare")
     stopping = []
@@ -195,6 +192,11 @@ def main(argv: list[str]) -> int:
             "train` start it); RANK or MASTER_PORT is not set.",
             file=sys.stderr,
         )
+        return 2
+    try:
+        job_secret.from_env()  # the ranks need it for every value they share
+    except UserError as e:
+        print(f"disttrain: {e}", file=sys.stderr)
         return 2
     # Under `disttrain run` the training processes and spares fork from its warm server
     # (torch already imported): a spare is ready in a fraction of a second, not after an

@@ -1,0 +1,270 @@
+"""What disttrain listens on, and what it accepts from whoever connects: fast recovery's
+store (bound to MASTER_ADDR's address, values sealed with the job's secret), the state
+a peer sends (JSON and tensors, never a pickle), and `disttrain etcd start` (loopback by
+default, gone with the command). Real processes and sockets; every wait has a timeout."""
+
+from __future__ import annotations
+
+import datetime
+import json
+import math
+import multiprocessing
+import os
+import pickle
+import shutil
+import signal
+import socket
+import subprocess
+import sys
+import time
+import urllib.request
+from pathlib import Path
+
+import pytest
+import torch
+
+from conftest import worker_env
+from disttrain.errors import UserError
+from disttrain.launch import run_command
+from disttrain.runtime import job_secret
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def _listening(port: int) -> set[str]:
+    """The local addresses listening on TCP `port` in this network namespace."""
+    found = set()
+    for table in ("/proc/net/tcp", "/proc/net/tcp6"):
+        for line in Path(table).read_text().splitlines()[1:]:
+            parts = line.split()
+            address, hex_port = parts[1].split(":")
+            if parts[3] == "0A" and int(hex_port, 16) == port:
+                found.add(address)
+    return found
+
+
+LOOPBACK = "0100007F"  # 127.0.0.1 as /proc/net/tcp prints it (little-endian hosts)
+
+
+# ---------------------------------------------------------------- the job's secret
+
+
+def test_disttrain_run_hands_a_fast_recovery_job_a_fresh_secret_in_its_environment(monkeypatch, tmp_path):
+    monkeypatch.delenv(job_secret.SECRET_ENV, raising=False)
+    script = tmp_path / "job.py"
+    script.write_text("")
+    runs = [run_command.torchrun_for(["--fast-recovery", "--nproc", "2", str(script)]) for _ in range(2)]
+    secrets_made = [r.env[job_secret.SECRET_ENV] for r in runs]
+    assert secrets_made[0] != secrets_made[1] and len(bytes.fromhex(secrets_made[0])) == 32
+    assert not any(secrets_made[0] in a for a in runs[0].args)  # never on a command line
+    assert job_secret.SECRET_ENV not in run_command.torchrun_for(["--nproc", "2", str(script)]).env
+    with pytest.raises(UserError, match="same DISTTRAIN_JOB_SECRET on every node"):
+        run_command.torchrun_for(
+            ["--fast-recovery", "--nnodes", "2", "--rdzv-endpoint", "h:1", "--nproc", "2", str(script)]
+        )
+    monkeypatch.setenv(job_secret.SECRET_ENV, "ab" * 32)  # the user's own wins, on every node
+    run = run_command.torchrun_for(
+        ["--fast-recovery", "--nnodes", "2", "--rdzv-endpoint", "h:1", "--nproc", "2", str(script)]
+    )
+    assert job_secret.SECRET_ENV not in run.env
+    monkeypatch.setenv(job_secret.SECRET_ENV, "not hex")
+    with pytest.raises(UserError, match="hex-encoded"):
+        run_command.torchrun_for(["--fast-recovery", "--nproc", "2", str(script)])
+
+
+# ---------------------------------------------------------------- fast recovery's store
+
+
+def _foreign_client(port: int, prefix: str) -> None:
+    """Another user's process: no secret, a plain client of the job's store. It writes
+    a list that would make a survivor cut its own store connection (0.0.0.0 matches any
+    address), one that does not parse, and a copy of a sealed value under another key."""
+    import torch.distributed as dist
+
+    store = dist.TCPStore("127.0.0.1", port, is_master=False, timeout=datetime.timedelta(seconds=20))
+    store.set(f"{prefix}/listen/1", f"0.0.0.0|{port}")
+    store.set(f"{prefix}/listen/2", "no|list|at all")
+    store.set(f"{prefix}/listen/3", store.get(f"{prefix}/listen/0"))  # replayed under another key
+
+
+def test_store_listens_on_master_addr_only_and_ignores_a_foreign_clients_values(monkeypatch, caplog):
+    import torch.distributed as dist
+
+    from disttrain.elastic import group_sockets, job_store
+
+    port = _free_port()
+    monkeypatch.setenv("MASTER_ADDR", "localhost")
+    monkeypatch.setenv("MASTER_PORT", str(port))
+    monkeypatch.setenv("WORLD_SIZE", "4")
+    monkeypatch.setenv("LOCAL_WORLD_SIZE", "4")
+    monkeypatch.setenv(job_secret.SECRET_ENV, job_secret.new_secret())
+    server = job_store.host_store(timeout_s=20)
+    assert _listening(port) == {LOOPBACK}  # torch's own server would listen on every interface
+    ours = job_store.connect(timeout_s=20)
+    prefix = "disttrain/fast/g0"
+    with socket.socket() as group_listener:  # what a gloo group of rank 0 would have opened
+        group_listener.bind(("127.0.0.1", 0))
+        group_listener.listen(1)
+        group_sockets.publish(ours, prefix, 0, before=set())
+        mine = ("127.0.0.1", group_listener.getsockname()[1])
+    ctx = multiprocessing.get_context("spawn")
+    foreign = ctx.Process(target=_foreign_client, args=(port, prefix))
+    foreign.start()
+    foreign.join(timeout=60)
+    assert foreign.exitcode == 0
+    with caplog.at_level("WARNING", logger="disttrain"):
+        found = group_sockets.published(ours, prefix, world=4)
+    assert mine in found and ("0.0.0.0", port) not in found
+    ignored = sorted(r.getMessage().split("value of ")[1].split(" on")[0] for r in caplog.records if "ignored" in r.getMessage())
+    assert ignored == [f"{prefix}/listen/{r}" for r in (1, 2, 3)]
+    assert ours.add("probe", 1) == 1 and isinstance(server, dist.TCPStore)  # the store still serves
+
+
+def test_slot_supervisor_refuses_to_start_without_the_jobs_secret():
+    env = {k: v for k, v in worker_env(RANK="0", WORLD_SIZE="1", MASTER_PORT="1").items()
+           if k != job_secret.SECRET_ENV}
+    out = subprocess.run([sys.executable, "-m", "disttrain.launch.slot_supervisor", "disttrain.train", "x.toml"],
+                         capture_output=True, text=True, timeout=60, env=env)
+    assert out.returncode == 2 and "DISTTRAIN_JOB_SECRET is not set" in out.stderr
+
+
+# ---------------------------------------------------------------- what a peer sends
+
+
+class _Runs:
+    """Runs a command when unpickled: what a pickle from a peer could do."""
+
+    def __init__(self, marker: str) -> None:
+        self.marker = marker
+
+    def __reduce__(self):
+        return (os.system, (f"touch {self.marker}",))
+
+
+def _pickle_pack(marker: str) -> torch.Tensor:
+    """A buffer in the older pack layout (int64 length, padding, a pickled skeleton)."""
+    skeleton = pickle.dumps({"meta": _Runs(marker)})
+    buf = torch.zeros(16 + -(-len(skeleton) // 16) * 16, dtype=torch.uint8)
+    buf[:8].view(torch.int64)[0] = len(skeleton)
+    buf[16 : 16 + len(skeleton)] = torch.frombuffer(bytearray(skeleton), dtype=torch.uint8)
+    return buf
+
+
+def _peer(rank: int, port: int, marker: str, out: str) -> None:
+    """Rank 1 sends a pickle where a state belongs; rank 0 receives it as a survivor
+    does (`broadcast_state`) and writes what happened."""
+    import torch.distributed as dist
+
+    from disttrain.elastic.buddy_copy import MalformedPack
+    from disttrain.elastic.fast_recovery import broadcast_state
+
+    dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=2,
+                            timeout=datetime.timedelta(seconds=30))
+    try:
+        if rank == 1:
+            buf = _pickle_pack(marker)
+            dist.broadcast(torch.tensor([buf.numel()], dtype=torch.int64), src=1)
+            dist.broadcast(buf, src=1)
+            return
+        try:
+            broadcast_state(None, src=1)
+            result = "accepted"
+        except MalformedPack as e:
+            result = f"refused: {e}"
+        Path(out).write_text(result)
+    finally:
+        dist.destroy_process_group()
+
+
+def test_a_pickle_from_a_peer_is_refused_and_never_run(tmp_path):
+    marker, out = tmp_path / "ran", tmp_path / "result"
+    ctx = multiprocessing.get_context("spawn")
+    port = _free_port()
+    procs = [ctx.Process(target=_peer, args=(r, port, str(marker), str(out))) for r in range(2)]
+    for p in procs:
+        p.start()
+    for p in procs:
+        p.join(timeout=90)
+    assert [p.exitcode for p in procs] == [0, 0]
+    assert out.read_text().startswith("refused: the pack's skeleton is not JSON")
+    assert not marker.exists()
+
+
+def test_pack_keeps_int_keys_tuples_and_plain_values_without_pickle():
+    from disttrain.elastic.buddy_copy import MalformedPack, pack, unpack
+
+    sd = {"optim": {"state": {0: {"step": torch.tensor(3.0)}}, "param_groups": [{"betas": (0.9, 0.99), "eps": 1e-8,
+                                                                             "fused": None, "params": [0]}]},
+          "meta": {"step": 3, "nan": math.inf, "flag": True, "name": "x"},
+          "empty": torch.empty(0, 4, dtype=torch.bfloat16)}
+    back = unpack(pack(sd), None)
+    assert back["optim"]["param_groups"] == sd["optim"]["param_groups"] and back["meta"] == sd["meta"]
+    assert torch.equal(back["optim"]["state"][0]["step"], torch.tensor(3.0))
+    assert back["empty"].shape == (0, 4) and back["empty"].dtype == torch.bfloat16
+    with pytest.raises(TypeError, match="cannot be copied without pickle"):
+        pack({"device": torch.device("cpu")})
+    # a slot that reaches past the buffer, and a dtype that is no dtype: refused
+    for slot in ([0, 4096, "float32", [1024], False], [0, 4, "Tensor", [1], False]):
+        skeleton = json.dumps({"s": slot}).encode()
+        buf = torch.zeros(16 + -(-len(skeleton) // 16) * 16 + 8, dtype=torch.uint8)
+        buf[:8].view(torch.int64)[0] = len(skeleton)
+        buf[16 : 16 + len(skeleton)] = torch.frombuffer(bytearray(skeleton), dtype=torch.uint8)
+        with pytest.raises(MalformedPack):
+            unpack(buf, None)
+
+
+# ---------------------------------------------------------------- disttrain etcd start
+
+
+def _children(pid: int) -> list[int]:
+    found = []
+    for task in Path(f"/proc/{pid}/task").iterdir():
+        found += [int(c) for c in (task / "children").read_text().split()]
+    return found
+
+
+def _alive(pid: int) -> bool:
+    try:
+        state = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[0]
+    except OSError:
+        return False
+    return state != "Z"
+
+
+def _healthy(port: int) -> bool:
+    try:
+        with urllib.request.urlopen(f"http://127.0.0.1:{port}/health", timeout=1) as r:
+            return json.loads(r.read()).get("health") == "true"
+    except (OSError, ValueError):
+        return False
+
+
+@pytest.mark.skipif(shutil.which("etcd") is None and not os.path.exists("/usr/bin/etcd"),
+                    reason="etcd is not installed (scripts/test.sh installs etcd-server)")
+def test_etcd_start_binds_loopback_and_stops_etcd_on_sigterm(tmp_path):
+    port = _free_port()
+    cmd = [sys.executable, "-m", "disttrain.cli", "etcd", "start", "--port", str(port), "--data-dir", str(tmp_path)]
+    proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, env=worker_env())
+    etcd: list[int] = []
+    try:
+        deadline = time.monotonic() + 60
+        while not _healthy(port):
+            assert proc.poll() is None and time.monotonic() < deadline, proc.stdout.read() if proc.stdout else ""
+            time.sleep(0.1)
+        etcd += _children(proc.pid)
+        assert len(etcd) == 1 and _listening(port) == {LOOPBACK}
+        proc.send_signal(signal.SIGTERM)
+        assert proc.wait(timeout=30) == 0
+        deadline = time.monotonic() + 10
+        while _alive(etcd[0]) and time.monotonic() < deadline:
+            time.sleep(0.05)
+        assert not _alive(etcd[0]) and not _listening(port)
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+            proc.wait()
+        for pid in filter(_alive, etcd):  # what this test started, if the command left it
+            os.kill(pid, signal.SIGKILL)
