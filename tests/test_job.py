@@ -229,23 +229,21 @@ def test_leaving_the_loop_after_the_stepping_backward_keeps_that_step(tmp_path, 
 
 
 def test_a_failure_after_the_stepping_backward_is_reported_at_that_step(tmp_path):
-    """The step a failure names (`job_failure.failed_step`; fast recovery's likewise) is
+    """The step a failure names (`job.step_in_flight`; fast recovery's likewise) is
     the one its batch belongs to, also once the loop is left by the exception after the
     backward that stepped the optimizer (the report said step 6 for an error in step 5's
     batch)."""
-    from disttrain.train.job_failure import failed_step
-
     seen = []
     with dt.Job(tmp_path, checkpoint_every=0, accum_steps=2) as job:
         model, _, loader = setup(job)
         with pytest.raises(KeyboardInterrupt):
             for x, y in job.steps(loader, max_steps=3):
-                before = failed_step(job)
+                before = job.step_in_flight
                 job.backward(model(x, y)[1])
-                seen.append((before, failed_step(job)))
+                seen.append((before, job.step_in_flight))
                 if len(seen) == 4:  # the closing batch of step 2
                     raise KeyboardInterrupt
-        assert job.step == 2 and failed_step(job) == 2
+        assert job.step == 2 and job.step_in_flight == 2
     assert seen == [(1, 1), (1, 1), (2, 2), (2, 2)]
 
 

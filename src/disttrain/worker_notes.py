@@ -36,6 +36,7 @@ and a user error is printed as usual. Plain Python, no torch: the lowest layer.
 from __future__ import annotations
 
 import contextlib
+import hashlib
 import json
 import os
 import signal
@@ -319,11 +320,13 @@ def _step_file(rank: int) -> Path | None:
     return None if folder is None else folder / f"step-rank{rank}-r{_restart()}"
 
 
-def mark_step(step: int) -> None:
-    """Step `step` begins on this rank: marked for the process that watches it (the
-    stub, or the slot supervisor under fast recovery), whose crash-loop breaker compares
-    the steps of two deaths in a row (`read_step`). One `pwrite` of 12 bytes per step
-    into a file opened once; nothing outside `disttrain run`."""
+def mark_step(step: int, run: str = "") -> None:
+    """Step `step` of the run whose checkpoints live in `run` begins on this rank:
+    marked for the process that watches it (the stub, or the slot supervisor under fast
+    recovery), whose crash-loop breaker compares the steps of two deaths in a row
+    (`read_mark`); a script that runs several jobs one after the other has one step
+    count per job. One `pwrite` of 28 bytes per step into a file opened once; nothing
+    outside `disttrain run`."""
     path = _step_file(int(os.environ.get("RANK", "0")))
     if path is None:
         return
@@ -331,18 +334,26 @@ def mark_step(step: int) -> None:
     if fd is None:
         flags = os.O_CREAT | os.O_WRONLY | getattr(os, "O_NOFOLLOW", 0)
         fd = _BOARD[str(path)] = os.open(path, flags, 0o600)
-    os.pwrite(fd, b"%012d" % step, 0)
+    key = hashlib.sha256(run.encode()).hexdigest()[:16] if run else "-" * 16
+    os.pwrite(fd, b"%012d" % step + key.encode(), 0)
+
+
+def read_mark(rank: int) -> tuple[int, str] | None:
+    """The step `rank`'s training process last marked in this torchrun attempt
+    (`mark_step`) and a key of the run it belongs to, or None: none marked (outside
+    `dt.Job`, before its first step), or outside `disttrain run`."""
+    path = _step_file(rank)
+    try:
+        raw = path.read_bytes()[:28] if path is not None else b""
+        return (int(raw[:12]), raw[12:].decode("ascii", "replace")) if raw else None
+    except (OSError, ValueError):
+        return None
 
 
 def read_step(rank: int) -> int | None:
-    """The step `rank`'s training process last marked in this torchrun attempt
-    (`mark_step`), or None: none marked (outside `dt.Job`, before its first step),
-    or outside `disttrain run`."""
-    path = _step_file(rank)
-    try:
-        return int(path.read_bytes()[:12]) if path is not None else None
-    except (OSError, ValueError):
-        return None
+    """The step of `read_mark`, or None."""
+    mark = read_mark(rank)
+    return None if mark is None else mark[0]
 
 
 def note_saved(rank: int, step: int) -> None:

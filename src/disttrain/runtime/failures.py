@@ -362,12 +362,13 @@ def repeated_death(rank: int, returncode: int) -> bool:
     and returns True (the caller then waits to be stopped). False outside `disttrain
     run`, when no step is known (a plain script: no `dt.Job` marks one), when a rank's
     note already decided the attempt, or when this rank ended because it lost a peer."""
-    step = worker_notes.read_step(rank)
-    if step is None or worker_notes.earlier_stop() or worker_notes.judged_lost_peer(rank):
+    mark = worker_notes.read_mark(rank)
+    if mark is None or worker_notes.earlier_stop() or worker_notes.judged_lost_peer(rank):
         return False
+    step, run = mark
     how = f"died of {classify_death(returncode).error}" if returncode < 0 else f"exited with status {returncode}"
     what = f"rank {rank} {how} " + (f"at step {step}" if step else "before its first step")
-    if worker_notes.repeated_failure(attempt(), what) is None:
+    if worker_notes.repeated_failure(attempt(), f"{what} (run {run})") is None:
         return False
     line = f"stopped: {what} in two attempts in a row, so a retry would end there again; not retried"
     return worker_notes.report_not_retried(line, 128 - returncode if returncode < 0 else returncode)

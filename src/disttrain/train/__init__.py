@@ -3,7 +3,6 @@
 job.py           dt.Job and its step loop (wrap, loader, evaluator, resume, steps)
 metrics_window.py  job.log's window and its records (metrics.jsonl, run log, bar)
 finite_check.py  no non-finite loss or weights are saved: one agreed stop
-job_finish.py    the end of Job.steps: final save, model.pt, summary
 job_config.py    what configures a Job: Config, RunOptions, short keywords
 job_resume.py    where a Job starts: memory (fast recovery), a checkpoint, or step 0
 saving.py        checkpoint cadence (steps, seconds agreed by the ranks) and on_error

@@ -41,18 +41,18 @@ import torch
 from torch.utils.data import DataLoader
 
 from disttrain import runtime, worker_notes
-from disttrain.checkpoint import Checkpointer, TrainState
+from disttrain.checkpoint import Checkpointer, TrainState, save_model
 from disttrain.config.hf_model_config import hf_section
 from disttrain.config import Config
 from disttrain.data import ElasticSampler
 from disttrain.elastic import PreemptionHandler, SampleAudit, fast_recovery, generation_id
 from disttrain.errors import UserError
 from disttrain.guard import RunGuard, start_guard
-from disttrain.parallel import wrap
+from disttrain.parallel import unwrap, wrap
 from disttrain.runtime import failures
 from disttrain.runtime.fault_injection import inject
 from disttrain.runtime.log import LOGGER, set_speaker
-from disttrain.train import job_failure, job_finish, job_resume
+from disttrain.train import job_failure, job_resume, run_summary
 from disttrain.train.evaluation import Evaluator, check_name, evaluate
 from disttrain.train.finite_check import FiniteCheck
 from disttrain.train.metrics_window import MetricsWindow
@@ -65,6 +65,7 @@ from disttrain.train.job_config import JOB_KEYS, RunOptions, checkpoint_root, tr
 from disttrain.train.job_config import resolve as resolve_config
 from disttrain.train.tracker_checks import check_trackers
 from disttrain.train.trackers import from_config as tracker_list
+from disttrain.train.trackers import open_trackers
 from disttrain.train.trackers import resolve as resolve_trackers
 
 
@@ -191,7 +192,7 @@ class Job:
         self._wrap_mark: int | None = None
         self._hf_section: dict | None = None
         self._recorded: Recorded | None = None  # the loader's sampler: which samples each batch held
-        self.resume_note, self.resume_plan = "", None  # said by steps(): job_resume.say_resumed
+        self._start = job_resume.Resumed()  # where resume() found the run: said by steps()
         set_speaker(f"disttrain {self.name}")  # fast recovery's messages too
         watch_optimizers()  # an optimizer built before this is one built before wrap
         self._owner = Ownership()
@@ -251,7 +252,7 @@ class Job:
         """Close the job; under `disttrain run` a failure ends as `job_failure` judges it
         (a user error or the program's error: not retried; a lost peer: one line). The
         judgement comes first: its note must be there when a peer's collective fails."""
-        ending = job_failure.judge(self, exc, self._peer_gone) if exc is not None else None
+        ending = job_failure.judge(exc, self._failure_point()) if exc is not None else None
         if exc is not None and self.handoff is None:
             self._close_trackers()
         self._close()
@@ -265,7 +266,7 @@ class Job:
         """A step's first micro-batch: dropout from (seed, step, rank), for an exact resume;
         the step marked for the crash-loop breaker of the process watching this rank."""
         runtime.seed_step(self.step)
-        worker_notes.mark_step(self.step + 1)
+        worker_notes.mark_step(self.step + 1, run=str(self.checkpoint_dir))
 
     def _close_trackers(self) -> None:
         """After a failure on the restart path: the trackers record the last step they
@@ -278,8 +279,23 @@ class Job:
         except Exception as e:  # noqa: BLE001  (the job's own failure is what is reported)
             LOGGER.warning(f"disttrain job: a tracker failed to close after the failure: {type(e).__name__}: {e}")
 
-    def _peer_gone(self) -> bool:
-        return self.handoff is not None and self.handoff.peer_gone()
+    def _failure_point(self) -> job_failure.FailurePoint:
+        """What `job_failure.judge` needs of this job, and nothing else."""
+        info = self.info
+        return job_failure.FailurePoint(
+            name=self.name,
+            rank=info.rank if info is not None else int(os.environ.get("RANK", "0")),
+            step=self.step_in_flight,
+            in_memory_recovery=self.handoff is not None,
+            oom_facts=lambda: job_failure.oom_facts(
+                self.model,
+                self.state.optimizer if self.state is not None else None,
+                self.strategy,
+                info.world_size if info is not None else 1,
+                self.precision,
+            ),
+            peer_gone=lambda: self.handoff is not None and self.handoff.peer_gone(),
+        )
 
     def _close(self) -> None:
         self._owner.close()
@@ -544,8 +560,33 @@ class Job:
         if self.handoff is not None:  # the checkpointer's gloo group: cut in a recovery
             self.handoff.publish_listeners()
         self.accumulator = acc
-        self.resumed = job_resume.load(self, ckpt, acc)
+        self._start = job_resume.load(self._resume_inputs(), ckpt, acc)
+        self.resumed, self.step, self.in_memory = self._start.resumed, self._start.step, self._start.in_memory
+        self.saving = Saving(
+            ckpt,
+            self.state,
+            self.guard,
+            every=c.every,
+            every_s=c.every_s,
+            on_error=c.on_error,
+            who=f"disttrain {self.name}",
+        )
         return self.resumed
+
+    def _resume_inputs(self) -> job_resume.ResumeInputs:
+        """What `job_resume.load` reads of this job, and nothing else."""
+        return job_resume.ResumeInputs(
+            name=self.name,
+            state=self.state,
+            config=self.config(),
+            whole_config=self.run.stored_config is not None,
+            checkpoint_dir=self.checkpoint_dir,
+            batch_policy=self.cfg.elastic.batch_policy,
+            sampler=self.sampler,
+            info=self.info,
+            guard=self.guard,
+            handoff=self.handoff,
+        )
 
     # ------------------------------------------------------------------ the loop
 
@@ -574,10 +615,11 @@ class Job:
 
     def _step_loop(self, max_steps: int) -> Iterator[Any]:
         """The one training loop, top to bottom. Per batch: the dropout seed, the user's
-        forward and `job.backward` (the `yield`; on a window's last batch the optimizer
-        steps inside `backward`), the commit, then each part at its own cadence:
-        evaluation, the metrics record, the preemption vote (stop), the save."""
-        if not job_resume.say_resumed(self, max_steps):  # complete already: says so, trains nothing
+        forward and `job.backward` (the `yield`), on a window's last batch the optimizer
+        step and its commit, then each part at its own cadence: evaluation, the metrics
+        record, the preemption vote (stop), the save; after the loop, `_finish`."""
+        # complete already: says so, trains nothing
+        if not job_resume.say_resumed(self.name, self.step, max_steps, self._start, self.cfg.elastic.batch_policy):
             return
         acc, guard, info, stopping = self.accumulator, self.guard, self.info, False
         audit = SampleAudit(
@@ -585,7 +627,7 @@ class Job:
         )
         self.finite_check = FiniteCheck(self.model, lambda: self.saving.saved_at)
         self.saving.check = self.finite_check.check  # before each save, on every rank
-        self.metrics = MetricsWindow(self, max_steps)
+        self.metrics = self._metrics_window(max_steps)
         self.saving.start(self.step)
         # The evaluation at the start (not after an in-memory recovery: it does not wait).
         self.metrics.start(evaluate(self.evaluators, self.model, guard, lambda ev: ev.at_start and not self.in_memory))
@@ -595,14 +637,15 @@ class Job:
                 if acc.window_start:
                     self._begin_step()
                 inject("forward", self.step + 1, info.rank)
-                with acc.micro_step():
+                with acc.micro_step():  # no gradient sync unless it closes the window
                     self._in_step, self._backward_done = True, False
                     self._owner.before_user()
                     try:
-                        yield to_device(batch, info.device)
-                    except GeneratorExit:  # the script left the loop: a step taken is kept
+                        yield to_device(batch, info.device)  # the user's forward and job.backward
+                    except GeneratorExit:  # the script left the loop: a window its backward closed steps
                         self._owner.left_loop()
-                        if acc.stepped:
+                        if self._backward_done and acc.boundary:
+                            acc.end_micro_step()
                             self._take_batch(audit)
                             self._commit(audit)
                         raise
@@ -610,6 +653,7 @@ class Job:
                         self._in_step = False
                     self._owner.after_user()
                     require_backward(self._backward_done)
+                    acc.end_micro_step()  # the window's last batch: clip, optimizer and scheduler step
                 self._take_batch(audit)
                 if not acc.stepped:
                     continue
@@ -631,7 +675,73 @@ class Job:
                 self.saving.after_step(self.step, stopping)
                 if stopping or self.step >= max_steps:
                     break
-        job_finish.finish(self, stopping)
+        self._finish(stopping)
+
+    def _finish(self, stopping: bool) -> None:
+        """After the loop: the final save, then either the preemption's stop (`stopping`:
+        the ranks agreed to stop on a signal; `job.preempted`, the launcher's "saved"
+        note, `SystemExit(0)` when `exit_on_preempt`) or the finite check (when the final
+        save did not run it), the prefix-free `model.pt` and `job.summary` (rank 0 writes
+        `summary.json`)."""
+        metrics, saving, info = self.metrics, self.saving, self.info
+        saving.finish(self.step)
+        metrics.close()
+        self.guard.close()
+        if stopping:
+            self.preempted = True
+            if saving.ckpt is not None and saving.saved_at == self.step:
+                worker_notes.note_saved(info.rank, self.step)  # the launcher says "saved"
+            LOGGER.info(
+                f"disttrain {self.name}: preempted ({self.preemption.signal_name}); saved step "
+                f"{self.step} and stopped. Start the same command again to resume."
+            )
+            if self.run.exit_on_preempt:
+                raise SystemExit(0)
+            return
+        if saving.checked_at != self.step:
+            self.finite_check.check(self.step)
+        # An adapter (HFCausalLM) saves its inner model's own keys: model.pt loads strict there.
+        path = save_model(self.model, self.out_dir / "model.pt", strip=getattr(unwrap(self.model), "export_prefix", ""))
+        self.summary = run_summary.build(
+            self.out_dir,
+            steps=self.step,
+            world_size=info.world_size,
+            strategy=self.strategy,
+            attempt_t0=metrics.t0,
+            samples_per_step=metrics.samples_per_step,
+            tokens_per_sample=self.run.tokens_per_sample,
+            final=metrics.final,
+            resumed=self.resumed,
+            extra={"checkpoint": str(path), **self.run.summary_extra},
+            eval_names=tuple(ev.name for ev in self.evaluators),
+            attempt=metrics.run_log.attempt,
+        )
+        if info.is_main:
+            run_summary.write(self.out_dir, self.summary, self.run.summary_config or self.config())
+
+    def _metrics_window(self, max_steps: int) -> MetricsWindow:
+        """This attempt's metrics: rank 0 opens the trackers (a restart continues their runs)."""
+        info, acc = self.info, self.accumulator
+        trackers = (
+            open_trackers(self.trackers, self.checkpoint_dir, self.out_dir, self.tracker_config())
+            if info.is_main
+            else None
+        )
+        assert self.train_loader.batch_size is not None  # loader() always sets one
+        return MetricsWindow(
+            info,
+            self.out_dir,
+            max_steps=max_steps,
+            start_step=self.step,
+            resumed=self.resumed,
+            samples_per_step=self.train_loader.batch_size * acc.accum_steps * info.world_size,
+            tokens_per_sample=self.run.tokens_per_sample,
+            log_every=self.cfg.train.log_every,
+            accumulator=acc,
+            trackers=trackers,
+            tensorboard=self.cfg.log.tensorboard,
+            progress=self.show_progress,
+        )
 
     def _take_batch(self, audit: SampleAudit) -> None:
         """The batch just trained on: its sample indices into the audit, which records
@@ -650,8 +760,9 @@ class Job:
 
     def backward(self, loss: torch.Tensor) -> None:
         """Backward of `loss` inside `job.steps()`: divided by the accumulation window,
-        no gradient sync except on its last micro-batch, where the optimizer (and the
-        scheduler given to `resume`) step. Raises `UserError` outside the loop, twice
+        no gradient sync except on its last micro-batch. After that batch's code (or
+        when the loop is left after this backward), the optimizer and the scheduler
+        given to `resume` step. Raises `UserError` outside the loop, twice
         per batch, or after the script's own `loss.backward()` of the same loss."""
         self._need(self._in_step, "dt.Job.backward() is called inside `for batch in job.steps(...)`, once per batch.")
         self._need(
@@ -667,9 +778,6 @@ class Job:
                 raise UserError(BACKWARD_MESSAGE) from None
             raise
         self._backward_done = True
-        if self.accumulator.boundary:  # the optimizer steps here: a loop left after this keeps it
-            with self._owner.own_step():
-                self.accumulator.end_micro_step()
 
     def log(self, **values: float | torch.Tensor) -> None:
         """Record numbers for the optimizer step this batch belongs to, e.g.

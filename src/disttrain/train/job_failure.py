@@ -27,11 +27,14 @@ import math
 import os
 import sys
 from dataclasses import dataclass
-from typing import Callable
+from typing import TYPE_CHECKING, Callable
 
 from disttrain import worker_notes
 from disttrain.errors import UserError
 from disttrain.runtime import failures
+
+if TYPE_CHECKING:
+    import torch
 
 
 @dataclass(frozen=True)
@@ -50,48 +53,62 @@ class Ending:
         return self.then() if self.then is not None else self
 
 
-def failed_step(job) -> int:
-    """The step the failure happened in (0: before the first step)."""
-    return job.step_in_flight
+@dataclass(frozen=True)
+class FailurePoint:
+    """What `judge` knows of the job that failed: who speaks, where it failed, and the
+    two facts it asks only when the verdict needs them."""
+
+    name: str
+    """How the job speaks: 'job' (a script's `dt.Job`) or 'train' (`disttrain train`)."""
+    rank: int
+    step: int
+    """The step the failure belongs to (0: before the first step)."""
+    in_memory_recovery: bool
+    """Under fast recovery: a lost peer is recovered in memory, not restarted."""
+    oom_facts: Callable[[], dict | None] = lambda: None
+    """The planner's facts for an out-of-memory line (`oom_facts`)."""
+    peer_gone: Callable[[], bool] = lambda: False
 
 
-def oom_facts(job) -> dict | None:
-    """What the launcher's planner needs for an out-of-memory line."""
-    if job.model is None:
+def oom_facts(
+    model: torch.nn.Module | None, optimizer: torch.optim.Optimizer | None, strategy: str, world: int, precision: str
+) -> dict | None:
+    """What the launcher's planner needs for an out-of-memory line: the parameters'
+    shapes, the strategy, the world size, the optimizer's kind and the precision."""
+    if model is None:
         return None
-    shapes = [list(p.shape) for p in job.model.parameters()]
-    opt = job.state.optimizer if job.state is not None else None
-    name = type(opt).__name__.lower() if opt is not None else "adamw"
-    if opt is not None and name.startswith("sgd"):
-        momentum = any(g.get("momentum", 0) for g in opt.param_groups)
+    shapes = [list(p.shape) for p in model.parameters()]
+    name = type(optimizer).__name__.lower() if optimizer is not None else "adamw"
+    if optimizer is not None and name.startswith("sgd"):
+        momentum = any(g.get("momentum", 0) for g in optimizer.param_groups)
         name = "sgd-momentum" if momentum else "sgd"
     return {
         "params": sum(math.prod(s) for s in shapes),
         "shapes": shapes,
-        "strategy": job.strategy,
-        "world": job.info.world_size if job.info else 1,
+        "strategy": strategy,
+        "world": world,
         "optimizer": name,
-        "precision": job.precision,
+        "precision": precision,
     }
 
 
-def judge(job, exc: BaseException, peer_gone: Callable[[], bool] = lambda: False) -> Ending | None:
+def judge(exc: BaseException, where: FailurePoint) -> Ending | None:
     """The ending for `exc` under `disttrain run` (see the module); None: propagate."""
     if not worker_notes.under_launcher():
         return None
     if not isinstance(exc, Exception) and not failures.is_program_exit(exc):
         return None  # a preemption's exit, a stop from outside: not a failure
     if isinstance(exc, UserError):
-        worker_notes.write_user_error(job.name, exc)
+        worker_notes.write_user_error(where.name, exc)
         return Ending(2, wait=True)
     if worker_notes.earlier_stop():  # first: a peer that stopped the job may have taken the store
         return Ending(0)
-    rank, step = (job.info.rank if job.info else int(os.environ.get("RANK", "0"))), failed_step(job)
-    verdict = failures.classify(exc, peer_gone=peer_gone())
+    rank, step = where.rank, where.step
+    verdict = failures.classify(exc, peer_gone=where.peer_gone())
     if verdict.kind == failures.PROGRAM:
-        failures.report_program_error(exc, rank, step, oom=oom_facts(job) if verdict.oom else None)
+        failures.report_program_error(exc, rank, step, oom=where.oom_facts() if verdict.oom else None)
         return Ending(failures.exit_status(exc), wait=True)
-    if job.handoff is not None:
+    if where.in_memory_recovery:
         return None  # fast recovery recovers in memory
     return Ending(1, then=lambda: lost_peer_ending(rank, step, verdict, exc))
 

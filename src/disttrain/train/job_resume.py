@@ -9,11 +9,22 @@ so), as a `disttrain train` config does.
 
 from __future__ import annotations
 
+from dataclasses import dataclass
+from pathlib import Path
+from typing import TYPE_CHECKING
+
 from disttrain.errors import UserError
 from disttrain.guard import path_nbytes
 from disttrain.runtime.log import LOGGER
 from disttrain.train import resume
-from disttrain.train.saving import Saving
+
+if TYPE_CHECKING:
+    from disttrain.checkpoint import Checkpointer, TrainState
+    from disttrain.data import ElasticSampler
+    from disttrain.elastic.fast_recovery import Handoff
+    from disttrain.guard import RunGuard
+    from disttrain.runtime import RankInfo
+    from disttrain.train.accumulation import Accumulator
 
 _OPTIM_KEYS = ("weight_decay", "betas", "momentum")
 
@@ -30,78 +41,96 @@ def optim_config(optimizer, scheduler) -> dict:
     return out
 
 
-def load(job, ckpt, acc) -> bool:
-    """Fill `job.state` and return whether the run resumed; builds `job.saving`. A
-    collective. Raises `CheckpointMismatch` for a changed model or data (a
-    `disttrain train` config) before anything is loaded."""
+@dataclass(frozen=True)
+class ResumeInputs:
+    """What a resume reads of the job that asks for it."""
+
+    name: str
+    """How the job speaks: 'job' (a script's `dt.Job`) or 'train' (`disttrain train`)."""
+    state: TrainState
+    config: dict
+    """What the checkpoints store as the run's config: the adapter's whole config, or
+    the job's settings (the optimizer's hyper-parameters are added here)."""
+    whole_config: bool
+    """`config` is an adapter's (`disttrain train`'s TOML): stored as it is."""
+    checkpoint_dir: Path
+    batch_policy: str
+    sampler: ElasticSampler
+    info: RankInfo
+    guard: RunGuard
+    handoff: Handoff | None
+
+
+@dataclass(frozen=True)
+class Resumed:
+    """Where the job starts: `step` (0: a fresh start), from a survivor's memory or a
+    checkpoint, the "resumed at" line and the checkpoint's plan of changes."""
+
+    resumed: bool = False
+    step: int = 0
+    in_memory: bool = False
+    note: str = ""
+    plan: resume.ResumePlan | None = None
+
+
+def load(job: ResumeInputs, ckpt: Checkpointer | None, acc: Accumulator) -> Resumed:
+    """Fill `job.state` from a survivor's memory or the newest valid checkpoint in
+    `ckpt`'s root (None: checkpoints are off), and say where the job starts. A collective. Raises `CheckpointMismatch` for a changed model
+    or data (a `disttrain train` config) before anything is loaded."""
     state, handoff = job.state, job.handoff
     optimizer, scheduler = state.optimizer, state.scheduler
-    if job.run.stored_config is None:
-        state.config = {**job.config(), "optim": optim_config(optimizer, scheduler)}
-    else:
-        state.config = job.run.stored_config
-    plan = resume.inspect_root(job.checkpoint_dir, state.config) if job.cfg.checkpoint.enabled else None
+    assert optimizer is not None  # Job.resume() builds the state with the script's optimizer
+    state.config = job.config if job.whole_config else {**job.config, "optim": optim_config(optimizer, scheduler)}
+    plan = resume.inspect_root(job.checkpoint_dir, state.config) if ckpt is not None else None
     fresh = resume.fresh_hyperparams(optimizer, scheduler)
     in_memory = handoff is not None and handoff.gen > 0 and handoff.restore(state)
     loaded = None
-    if job.cfg.checkpoint.enabled and not in_memory:
+    if ckpt is not None and not in_memory:
         with job.guard.slow_phase("checkpoint.load", nbytes=path_nbytes(job.checkpoint_dir)):
             loaded = ckpt.load(state)
-    who = job.name
     if loaded is not None:
         if plan is None or plan.directory != str(loaded):  # the load fell back to another one
             plan = resume.plan_for(loaded, state.config)
             plan = plan.check() if plan is not None else None
         resume.apply(plan, optimizer, scheduler, fresh)  # before the batch policy scales the LR
-    resumed = in_memory or loaded is not None
-    job.resume_note, job.resume_plan = "", (plan if loaded is not None else None)
-    if resumed:
-        job.resume_note = _rejoin(job, who, state.step, acc)
-    job.step, job.in_memory = (state.step if resumed else 0), in_memory
-    job.saving = Saving(
-        ckpt if job.cfg.checkpoint.enabled else None,
-        state,
-        job.guard,
-        every=job.cfg.checkpoint.every,
-        every_s=job.cfg.checkpoint.every_s,
-        on_error=job.cfg.checkpoint.on_error,
-        who=f"disttrain {who}",
-    )
     if handoff is not None:  # from here this attempt's objects hold the state a recovery keeps
         handoff.keep(state=state, acc=acc)
         handoff.committed(acc.optimizer_steps, state, first=True)  # the buddy copy of the start
-    return resumed
+    if not (in_memory or loaded is not None):
+        return Resumed()
+    note = _rejoin(job, state.step, acc)
+    return Resumed(True, state.step, in_memory, note, plan if loaded is not None else None)
 
 
-def say_resumed(job, max_steps: int) -> bool:
+def say_resumed(name: str, step: int, max_steps: int, start: Resumed, batch_policy: str) -> bool:
     """At the start of `job.steps`: for a run already at `max_steps`, one line that it is
     complete (and what a continued run would change); else the "resumed at" line and
     the table of applied changes. Returns whether there is anything to train."""
-    who, plan = f"disttrain {job.name}", job.resume_plan
-    if job.step >= max_steps:
+    who, plan = f"disttrain {name}", start.plan
+    if step >= max_steps:
         how = (
             resume.TRAIN_CONTINUES
-            if job.name == "train"
+            if name == "train"
             else f"nothing to train: raise max_steps ({max_steps}) to continue, or use another out_dir"
         )
-        LOGGER.info(resume.complete_message(who, job.step, how, plan.changes if plan else ()))
+        LOGGER.info(resume.complete_message(who, step, how, plan.changes if plan else ()))
         return False
-    if job.resume_note:
-        LOGGER.info(job.resume_note)
-    resume.print_changes(who, plan, job.cfg.elastic.batch_policy)
+    if start.note:
+        LOGGER.info(start.note)
+    resume.print_changes(who, plan, batch_policy)
     return True
 
 
-def _rejoin(job, who: str, step: int, acc) -> str:
+def _rejoin(job: ResumeInputs, step: int, acc: Accumulator) -> str:
     """`resume.rejoin`, its batch-size refusal in the words of the way the run was
     started (a Job's keywords, or the TOML keys)."""
     state = job.state
     try:
         return resume.rejoin(
-            who, step, acc, job.sampler, job.cfg.elastic.batch_policy, job.info, state.optimizer, state.scheduler
+            job.name, step, acc, job.sampler, job.batch_policy, job.info, state.optimizer, state.scheduler
         )
     except UserError as e:
-        if who != "job":
+        if job.name != "job":
             raise
         text = (
             str(e)

@@ -9,6 +9,8 @@ writes it at the same steps.
 from __future__ import annotations
 
 import time
+from pathlib import Path
+from typing import TYPE_CHECKING
 
 import torch
 
@@ -18,7 +20,11 @@ from disttrain.train.global_metrics import global_sum
 from disttrain.train.rank0_output import JsonlWriter
 from disttrain.train.progress import TrainProgress
 from disttrain.train.run_log import RunLog
-from disttrain.train.trackers import open_trackers
+
+if TYPE_CHECKING:
+    from disttrain.runtime import RankInfo
+    from disttrain.train.accumulation import Accumulator
+    from disttrain.train.trackers import Trackers
 
 
 class MetricsWindow:
@@ -26,33 +32,49 @@ class MetricsWindow:
     newest values (`final`), the run log, the trackers and the progress bar. Built when
     `job.steps()` starts training."""
 
-    def __init__(self, job, max_steps: int):
-        info = job.info
-        self.job, self.max_steps = job, max_steps
+    def __init__(
+        self,
+        info: RankInfo,
+        out_dir: Path,
+        *,
+        max_steps: int,
+        start_step: int,
+        resumed: bool,
+        samples_per_step: int,
+        tokens_per_sample: int,
+        log_every: int,
+        accumulator: Accumulator,
+        trackers: Trackers | None,
+        tensorboard: bool,
+        progress: bool,
+    ):
+        """`trackers`: rank 0's open tracker runs (None elsewhere); `accumulator`: where
+        each record reads the learning rate and the gradient norm; `progress`: rank 0's
+        progress bar on."""
+        self.info, self.out_dir, self.max_steps, self.log_every = info, out_dir, max_steps, log_every
+        self.accumulator, self.tokens_per_sample = accumulator, tokens_per_sample
+        self.start_step, self.resumed = start_step, resumed
         self.window: dict[str, list[float]] = {}
         self.final: dict[str, float] = {}
         self.t0 = time.perf_counter()
-        self.samples_per_step = job.train_loader.batch_size * job.accumulator.accum_steps * info.world_size
-        self.trackers = (
-            open_trackers(job.trackers, job.checkpoint_dir, job.out_dir, job.tracker_config()) if info.is_main else None
-        )
-        self.run_log = RunLog(job.out_dir, info, job.step, job.resumed, job.cfg.log.tensorboard, self.trackers)
-        self.last_logged, self.t_window = job.step, time.perf_counter()
+        self.samples_per_step = samples_per_step
+        self.trackers = trackers
+        self.run_log = RunLog(out_dir, info, start_step, resumed, tensorboard, trackers)
+        self.last_logged, self.t_window = start_step, time.perf_counter()
         self.progress = TrainProgress(
             max_steps,
-            enabled=info.is_main and job.show_progress,
-            start=job.step,
-            unit="token" if job.run.tokens_per_sample else "sample",
+            enabled=info.is_main and progress,
+            start=start_step,
+            unit="token" if tokens_per_sample else "sample",
         )
 
     def start(self, heldout: dict[str, float]) -> None:
         """Before the first step: the evaluation at the start into the newest values and,
         on a fresh run, the run's start record."""
-        job = self.job
         self.final.update(heldout)
-        if job.step == 0 and not job.resumed:
+        if self.start_step == 0 and not self.resumed:
             run_summary.record_start(
-                job.out_dir, {k.removeprefix("heldout_"): v for k, v in heldout.items()}, job.info.is_main
+                self.out_dir, {k.removeprefix("heldout_"): v for k, v in heldout.items()}, self.info.is_main
             )
 
     def add(self, values: dict) -> None:
@@ -74,28 +96,26 @@ class MetricsWindow:
         the window is due (every `log_every` steps and at the last)."""
         self.progress.advance(step)
         self.final.update(heldout)
-        if heldout or (self.window and (step % self.job.cfg.train.log_every == 0 or step >= self.max_steps)):
+        if heldout or (self.window and (step % self.log_every == 0 or step >= self.max_steps)):
             self.write(step, heldout)
 
     def write(self, step: int, heldout: dict[str, float]) -> None:
         """One metrics record (a collective: see the module)."""
-        job, world = self.job, self.job.info.world_size
         keys = sorted(self.window)  # the same order on every rank
         totals = global_sum([v for k in keys for v in self.window[k]])
         record = {k: totals[2 * i] / totals[2 * i + 1] for i, k in enumerate(keys)}
         now = time.perf_counter()
         rate = (step - self.last_logged) * self.samples_per_step / max(now - self.t_window, 1e-9)
-        record.update(
-            step=step, lr=job.state.optimizer.param_groups[0]["lr"], world_size=world, samples_per_s=rate, **heldout
-        )
-        if job.run.tokens_per_sample:
-            record["tokens_per_s"] = rate * job.run.tokens_per_sample
+        lr = self.accumulator.optimizer.param_groups[0]["lr"]
+        record.update(step=step, lr=lr, world_size=self.info.world_size, samples_per_s=rate, **heldout)
+        if self.tokens_per_sample:
+            record["tokens_per_s"] = rate * self.tokens_per_sample
         self.window, self.last_logged, self.t_window = {}, step, now
         self.final.update({k: record[k] for k in keys})
-        self.run_log.log(record, job.accumulator.last_grad_norm)
-        JsonlWriter(job.out_dir / "metrics.jsonl").write(record)
-        if job.info.is_main:  # the run's wall time counts the attempts' own (run_summary)
-            run_summary.record_attempt_time(job.out_dir, self.run_log.attempt, now - self.t0)
+        self.run_log.log(record, self.accumulator.last_grad_norm)
+        JsonlWriter(self.out_dir / "metrics.jsonl").write(record)
+        if self.info.is_main:  # the run's wall time counts the attempts' own (run_summary)
+            run_summary.record_attempt_time(self.out_dir, self.run_log.attempt, now - self.t0)
         self.progress.update(
             step,
             self.final.get("loss", float("nan")),

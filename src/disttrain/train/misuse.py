@@ -11,8 +11,7 @@ autograd error of a second backward through the same graph.
 
 from __future__ import annotations
 
-import contextlib
-from typing import Any, Iterator
+from typing import Any
 
 import torch
 
@@ -32,8 +31,7 @@ BACKWARD_MESSAGE = (
 
 class Ownership:
     """Brackets the user's code for each batch (`before_user` / `after_user`); Job's own
-    optimizer and scheduler steps run outside it or under `own_step` (the boundary's
-    `job.backward`), so any other step inside it is the user's."""
+    optimizer and scheduler steps run outside it, so any step inside it is the user's."""
 
     def __init__(self) -> None:
         self.in_loop = False
@@ -53,17 +51,6 @@ class Ownership:
         """Right before the loop hands a batch to the user's code."""
         self.in_loop = True
         self._epoch = getattr(self.scheduler, "last_epoch", None)
-
-    @contextlib.contextmanager
-    def own_step(self) -> Iterator[None]:
-        """Job's own optimizer and scheduler step inside the user's code (the boundary's
-        `job.backward`): neither is the user's."""
-        was, self.in_loop = self.in_loop, False
-        try:
-            yield
-        finally:
-            self.in_loop = was
-            self._epoch = getattr(self.scheduler, "last_epoch", None)
 
     def left_loop(self) -> None:
         """The script left the loop mid-batch (`break`, `return`): its own steps after the
