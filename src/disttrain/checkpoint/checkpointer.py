@@ -454,9 +454,10 @@ def _handed(path: Path, hand, *also: type[Exception]) -> None:
     state of the wrong length) is `CheckpointCorrupt` naming the file: the values of a
     file that passed its checksum were written so, by hand or by another program.
     `also`: more exception types to read so (torch's `RuntimeError` for an RNG state)."""
+    caught: tuple[type[Exception], ...] = (TypeError, ValueError, KeyError, IndexError, AttributeError, OverflowError)
     try:
         hand()
-    except (TypeError, ValueError, KeyError, IndexError, AttributeError, OverflowError, *also) as e:
+    except caught + also as e:
         why = str(e).strip().splitlines()
         raise CheckpointCorrupt(
             f"{path} holds a value this state cannot take ({type(e).__name__}: {why[0][:200] if why else ''}).",

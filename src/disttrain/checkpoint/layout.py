@@ -32,7 +32,7 @@ from pathlib import Path
 from typing import Callable
 
 from disttrain.checkpoint.checkpoint_errors import CheckpointCorrupt, CheckpointUnsafe, StaleWriterError
-from disttrain.checkpoint.digests import file_mismatch
+from disttrain.checkpoint.digests import KNOWN, expected, file_mismatch
 from disttrain.checkpoint.files import atomic_write_bytes, fsync_dir
 from disttrain.checkpoint.own_files import SMALL_LIMIT, escape_message, escapes, name_problem, open_own, read_own
 from disttrain import json_text
@@ -135,6 +135,10 @@ def _wrong_entry(manifest: dict) -> str | None:
         digest = want.get("digest", want.get("sha256")) if isinstance(want, dict) else None
         if not isinstance(want, dict) or not count(want.get("size")) or not isinstance(digest, str):
             return f"the record of {str(name)[:80]!r} is not {{size, digest}}"
+        if (algorithm := expected(want)[0]) not in KNOWN:
+            return (
+                f"the record of {str(name)[:80]!r} names the digest {algorithm[:40]!r}, not one of {', '.join(KNOWN)}"
+            )
     return None
 
 

@@ -17,6 +17,7 @@ from __future__ import annotations
 import functools
 import math
 from pathlib import Path
+from typing import Any
 
 import torch
 from torch.distributed.checkpoint.metadata import (
@@ -39,9 +40,24 @@ elements each hold at least one key, but an empty one holds none)."""
 
 def _counts(values, length: int | None = None) -> bool:
     """True when `values` is a sequence of whole numbers >= 0 (of `length` of them)."""
-    if not isinstance(values, (tuple, list)) or (length is not None and len(values) != length):
+    if not isinstance(values, (tuple, list)):
+        return False
+    try:
+        values = list(values)  # a torch.Size of a number past 64 bits raises only when read
+    except (ValueError, OverflowError):
+        return False
+    if length is not None and len(values) != length:
         return False
     return all(isinstance(v, int) and not isinstance(v, bool) and v >= 0 for v in values)
+
+
+def _shown(value, limit: int = 60) -> str:
+    """`str(value)` cut to `limit` characters; a value that cannot be shown (a
+    `torch.Size` of a number past 64 bits raises) is named by its type."""
+    try:
+        return str(value)[:limit]
+    except (ValueError, OverflowError, TypeError):
+        return f"a {type(value).__name__}"
 
 
 def _extent(info) -> tuple:
@@ -58,7 +74,7 @@ def _records(md, files: dict) -> tuple[dict, str | None]:
     declared = 0
     for index, info in md.storage_data.items():
         if not isinstance(index, MetadataIndex) or index.fqn not in md.state_dict_metadata:
-            return found, f"a record of a key it does not declare ({str(index)[:80]})"
+            return found, f"a record of a key it does not declare ({_shown(index, 80)})"
         name, offset, length = _extent(info)
         if not _counts((offset, length)) or offset + length > int(files.get(name, {}).get("size", 0)):
             return found, f"the record of {index.fqn!r} lies outside {name} (offset {offset}, length {length})"
@@ -71,11 +87,13 @@ def _records(md, files: dict) -> tuple[dict, str | None]:
 
 def _tensor_problem(fqn: str, meta, records: dict, exact: bool) -> str | None:
     """What is wrong with the tensor entry `meta` of `fqn`, or None."""
-    props, size = getattr(meta, "properties", None), getattr(meta, "size", None)
+    props, size_given = getattr(meta, "properties", None), getattr(meta, "size", None)
+    size_given = size_given if isinstance(size_given, (tuple, list)) else None
+    size: Any = tuple(size_given) if size_given is not None and _counts(size_given) else None
     if not isinstance(props, TensorProperties) or not isinstance(props.dtype, torch.dtype):
         return f"{fqn!r} has no dtype"
-    if not _counts(size) or not isinstance(meta.chunks, list):
-        return f"{fqn!r} has the size {str(size)[:60]}"
+    if size is None or not isinstance(meta.chunks, list):
+        return f"{fqn!r} has the size {_shown(getattr(meta, 'size', None))}"
     if not _usable(props.dtype):
         return f"{fqn!r} has the dtype {props.dtype}, which holds no plain data"
     covered = 0
@@ -116,14 +134,14 @@ def _path_problem(md) -> str | None:
     leaves = set()
     for fqn, path in paths.items():
         if not isinstance(path, (tuple, list)) or not 0 < len(path) <= MAX_PATH:
-            return f"the nesting of {str(fqn)[:80]!r} is {str(path)[:60]}"
+            return f"the nesting of {_shown(fqn, 80)!r} is {_shown(path, 60)}"
         for depth, key in enumerate(path):
             whole = isinstance(key, int) and not isinstance(key, bool)
             if not (isinstance(key, str) or whole and 0 <= key < limit):
-                return f"the nesting of {str(fqn)[:80]!r} holds the key {str(key)[:40]!r}"
+                return f"the nesting of {_shown(fqn, 80)!r} holds the key {_shown(key, 40)!r}"
             prefix = tuple(path[:depth])
             if kinds.setdefault(prefix, type(key)) is not type(key) or prefix in leaves:
-                return f"the nesting of {str(fqn)[:80]!r} clashes with another key's"
+                return f"the nesting of {_shown(fqn, 80)!r} clashes with another key's"
         leaves.add(tuple(path))
     if any(leaf in kinds for leaf in leaves):
         return "a key nested inside another key's value"
@@ -141,7 +159,7 @@ def check(md, files: dict, path: Path, *, exact: bool) -> None:
     records, why = _records(md, files)
     for fqn, meta in state.items() if why is None else ():
         if not isinstance(fqn, str):
-            why = f"the key {str(fqn)[:60]!r}, which is not a string"
+            why = f"the key {_shown(fqn, 60)!r}, which is not a string"
         elif isinstance(meta, TensorStorageMetadata):
             why = _tensor_problem(fqn, meta, records, exact)
         elif not isinstance(meta, BytesStorageMetadata):

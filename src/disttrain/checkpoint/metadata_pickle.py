@@ -26,12 +26,14 @@ import dataclasses
 import pathlib
 import pickle
 from pathlib import Path
-from typing import Any, NoReturn
+from typing import Any, ClassVar, NoReturn
 
 import torch
 
 from disttrain.checkpoint.checkpoint_errors import CheckpointUnsafe
 from disttrain.runtime import torch_compat
+
+_BASE: dict[int, Any] = dict(pickle._Unpickler.dispatch)  # pickle's own opcodes, called after a check
 
 MAX_DEPTH = 32
 """How deeply a value in DCP's metadata may nest (it nests three or four levels)."""
@@ -75,13 +77,17 @@ class MetadataUnpickler(pickle._Unpickler):
     allows); any other global, call or state raises `CheckpointUnsafe` naming
     `path`, before anything of it ran."""
 
-    dispatch = dict(pickle._Unpickler.dispatch)
+    dispatch: ClassVar[dict[int, Any]] = dict(pickle._Unpickler.dispatch)
+    stack: list[Any]  # pickle's own, declared for the type checker
+    metastack: list[list[Any]]
 
     def __init__(self, file, path: Path):
         super().__init__(file)
         self.path, self.allowed = path, allowed_globals()
-        self.classes = {v for v in self.allowed.values() if isinstance(v, type)}
-        self.callables = self.classes | {v for v in self.allowed.values() if callable(v) and not isinstance(v, type)}
+        self.classes: set[Any] = {v for v in self.allowed.values() if isinstance(v, type)}
+        self.callables: set[Any] = self.classes | {
+            v for v in self.allowed.values() if callable(v) and not isinstance(v, type)
+        }
 
     def refuse(self, what: str) -> NoReturn:
         raise CheckpointUnsafe(
@@ -123,14 +129,14 @@ class MetadataUnpickler(pickle._Unpickler):
         if not any(func is c for c in self.callables) or type(args) is not tuple:
             self.refuse(f"calls {str(func)[:60]}")
         self.check_value(args)
-        super().load_reduce()
+        _BASE[pickle.REDUCE[0]](self)
 
     def load_newobj(self) -> None:
         args, cls = self.stack[-1], self.stack[-2]
         if not any(cls is c for c in self.classes) or type(args) is not tuple:
             self.refuse(f"makes an object of {str(cls)[:60]}")
         self.check_value(args)
-        super().load_newobj()
+        _BASE[pickle.NEWOBJ[0]](self)
 
     def load_build(self) -> None:
         state, inst = self.stack[-1], self.stack[-2]
@@ -158,23 +164,23 @@ class MetadataUnpickler(pickle._Unpickler):
     # ADDITEMS the one below their mark (the top of the stack the mark put aside)
     def load_append(self) -> None:
         self._fill(self.stack[-2], list)
-        super().load_append()
+        _BASE[pickle.APPEND[0]](self)
 
     def load_appends(self) -> None:
         self._fill(self.metastack[-1][-1], list)
-        super().load_appends()
+        _BASE[pickle.APPENDS[0]](self)
 
     def load_setitem(self) -> None:
         self._fill(self.stack[-3], dict)
-        super().load_setitem()
+        _BASE[pickle.SETITEM[0]](self)
 
     def load_setitems(self) -> None:
         self._fill(self.metastack[-1][-1], dict)
-        super().load_setitems()
+        _BASE[pickle.SETITEMS[0]](self)
 
     def load_additems(self) -> None:
         self._fill(self.metastack[-1][-1], set)
-        super().load_additems()
+        _BASE[pickle.ADDITEMS[0]](self)
 
     def load_refused(self) -> None:
         self.refuse("uses an opcode (INST, OBJ, NEWOBJ_EX or an extension code) that DCP's pickle never does")

@@ -58,13 +58,20 @@ def _parsed(text: str, what: str) -> dict:
 
     try:
         doc = tomllib.loads(text)
-        json_text.check_depth(doc)
     except tomllib.TOMLDecodeError:
         raise
-    except (RecursionError, ValueError):  # (a TOMLDecodeError is a ValueError too)
+    except ValueError as e:  # a number of thousands of digits (a TOMLDecodeError is one too)
+        raise ConfigError(f"{what} holds a value TOML cannot read: {str(e)[:120]}.") from None
+    except RecursionError:
+        doc = None
+    try:
+        json_text.check_depth(doc)
+    except ValueError:
+        doc = None
+    if doc is None:
         raise ConfigError(
             f"{what} nests arrays or tables more than {json_text.MAX_DEPTH} levels deep; a config needs a few."
-        ) from None
+        )
     return doc
 
 

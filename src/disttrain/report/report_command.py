@@ -81,7 +81,7 @@ def summary_rows(data: RunData) -> list[tuple[str, str]]:
                 f"{statistics.median(f for _, f in spread) * 1000:.1f} ms",
             )
         )
-    memory = [m for r in data.records if (m := numbers(r.get("peak_mem_mb")))]
+    memory = [mem for r in data.records if (mem := numbers(r.get("peak_mem_mb")))]
     if memory:
         rows.append(("peak memory per rank (last record)", ", ".join(f"{m:,.0f}" for m in memory[-1]) + " MiB"))
     restarts = [m for m in data.marks if m.kind == "restart"]
