@@ -4,10 +4,10 @@ sample audit). Plain Python: the trainer and the torch-free `disttrain report` s
 
 from __future__ import annotations
 
-import json
 import os
 from pathlib import Path
 
+from disttrain import json_text
 from disttrain.plain_files import MiB, read_plain
 
 JSONL_LIMIT = 512 * MiB
@@ -37,7 +37,7 @@ def read_jsonl(path: str | os.PathLike) -> list[dict]:
     out = []
     for line in text.splitlines():
         try:
-            item = json.loads(line)
+            item = json_text.loads(line)
         except ValueError:
             continue
         if isinstance(item, dict):

@@ -70,3 +70,14 @@ def mismatches(a: dict, b: dict) -> list[str]:
     out = sorted(set(a) ^ set(b))
     out += [k for k in sorted(set(a) & set(b)) if not torch.equal(a[k], b[k])]
     return out
+
+
+def saved_once(root, steps: int = 1, strategy: str = "ddp") -> TrainState:
+    """Train the tiny GPT `steps` steps and commit one checkpoint of it under `root`
+    (in this process); returns the state, which a resume may load into again."""
+    from disttrain.checkpoint import Checkpointer
+
+    state = build(strategy)
+    train(state, steps)
+    Checkpointer(root).save(state)
+    return state

@@ -38,6 +38,7 @@ from pathlib import Path
 import torch
 import torch.distributed as dist
 
+from disttrain import json_text
 from disttrain.checkpoint import layout, load_phases
 from disttrain.checkpoint.compat import describe, describe_failure
 from disttrain.checkpoint.checkpoint_errors import (
@@ -49,7 +50,7 @@ from disttrain.checkpoint.checkpoint_errors import (
 from disttrain.checkpoint.digests import digest_bytes
 from disttrain.checkpoint.files import atomic_write_bytes
 from disttrain.checkpoint.own_files import read_own
-from disttrain.checkpoint.state import TrainState, config_hash, param_fqns, strategy_of
+from disttrain.checkpoint.state import TrainState, config_hash, param_fqns, set_rng_state, strategy_of
 from disttrain.runtime import processes, rank_info
 from disttrain.runtime.log import LOGGER
 
@@ -416,8 +417,15 @@ class Checkpointer:
         if "state.json" not in files:  # only verified files are read
             raise CheckpointCorrupt(f"{step_dir}: the manifest lists no state.json.", "state.json")
         sd["meta"] = _json_file(step_dir, "state.json", files["state.json"])
-        sd["rng"] = _json_file(step_dir, rng_file, files[rng_file]) if same_world and rng_file in files else None
-        state.load_state_dict(sd, param_fqns=fqns)
+        rng = _json_file(step_dir, rng_file, files[rng_file]) if same_world and rng_file in files else None
+        for key in ("step", "epoch"):
+            if not layout.count(sd["meta"].get(key)):
+                raise CheckpointCorrupt(
+                    f"{step_dir / 'state.json'}: its {key} is not a whole number >= 0.", "state.json"
+                )
+        _handed(step_dir / "state.json", lambda: state.load_state_dict({**sd, "rng": None}, param_fqns=fqns))
+        if rng is not None:
+            _handed(step_dir / rng_file, lambda: set_rng_state(rng), RuntimeError)
         if not same_world:
             LOGGER.info(
                 f"disttrain checkpoint: note: {step_dir.name} was saved at world size "
@@ -426,11 +434,32 @@ class Checkpointer:
             )
 
 
-def _json_file(step_dir: Path, name: str, want: dict):
-    """The JSON of the file `name` of `step_dir`, parsed from the bytes checked against
-    its manifest record `want` (`own_files.read_own`). Raises `CheckpointCorrupt` (or
-    `CheckpointUnsafe`) naming it."""
+def _json_file(step_dir: Path, name: str, want: dict) -> dict:
+    """The JSON object of the file `name` of `step_dir`, parsed from the bytes checked
+    against its manifest record `want` (`own_files.read_own`), nested at most
+    `json_text.MAX_DEPTH` deep. Raises `CheckpointCorrupt` (or `CheckpointUnsafe`)
+    naming it."""
     try:
-        return json.loads(read_own(step_dir, name, want))
+        value = json_text.loads(read_own(step_dir, name, want))
     except (OSError, ValueError) as e:
         raise CheckpointCorrupt(f"{step_dir / name} cannot be read as JSON ({e}).", name) from None
+    if not isinstance(value, dict):
+        raise CheckpointCorrupt(f"{step_dir / name} holds a {type(value).__name__}, not a JSON object.", name)
+    return value
+
+
+def _handed(path: Path, hand, *also: type[Exception]) -> None:
+    """Run `hand()`, which gives the state what the checkpoint file `path` holds; what
+    it raises on a value of the wrong type or range (a step that is a string, an RNG
+    state of the wrong length) is `CheckpointCorrupt` naming the file: the values of a
+    file that passed its checksum were written so, by hand or by another program.
+    `also`: more exception types to read so (torch's `RuntimeError` for an RNG state)."""
+    caught: tuple[type[Exception], ...] = (TypeError, ValueError, KeyError, IndexError, AttributeError, OverflowError)
+    try:
+        hand()
+    except caught + also as e:
+        why = str(e).strip().splitlines()
+        raise CheckpointCorrupt(
+            f"{path} holds a value this state cannot take ({type(e).__name__}: {why[0][:200] if why else ''}).",
+            path.name,
+        ) from None

@@ -4,9 +4,10 @@ see `storage_formats`) read without running anything its folder holds.
 Everything in a checkpoint folder, the manifest and its digests included, is written
 by whoever wrote the folder: the digests catch damage, not an author. So:
 
-- `.metadata` is unpickled by `MetadataUnpickler`, which resolves only the globals
-  DCP's metadata is made of (`allowed_globals`). A pickle naming
-  any other is refused, naming the file and the global, before anything is called.
+- `.metadata` is unpickled by `metadata_pickle.MetadataUnpickler`, which resolves only
+  the globals DCP's metadata is made of, calls only its classes and sets only their
+  declared fields on their instances. Anything else is refused, naming the file and
+  what it asked for, before it ran.
 - Every data file the metadata names is a file the manifest lists
   (`own_files.check_listed`): nothing outside the folder is read.
 - The records: DCP reads tensors with `torch.load(weights_only=True)`; values
@@ -20,9 +21,8 @@ Call these only after the manifest verified (`layout.verify`).
 from __future__ import annotations
 
 import io
-import pathlib
-from contextlib import contextmanager
 import pickle
+from contextlib import contextmanager
 from pathlib import Path
 from typing import overload
 
@@ -31,63 +31,14 @@ from torch.distributed.checkpoint import FileSystemReader
 from torch.distributed.checkpoint.filesystem import FileSystem
 from torch.distributed.checkpoint.metadata import BytesStorageMetadata, Metadata, StorageMeta
 
-from disttrain.checkpoint import layout
+from disttrain.checkpoint import layout, metadata_bounds
 from disttrain.checkpoint.checkpoint_errors import CheckpointCorrupt, CheckpointUnsafe
 from disttrain.checkpoint.digests import file_mismatch
+from disttrain.checkpoint.metadata_pickle import MetadataUnpickler
 from disttrain.checkpoint.own_files import check_listed, open_own, read_own
 from disttrain.runtime import torch_compat
 
 METADATA = ".metadata"
-
-
-def allowed_globals() -> dict[tuple[str, str], object]:
-    """Every global DCP's pickled metadata names, (module, name) -> the object: its
-    dataclasses, dtypes, `torch.Size`, the `PosixPath` of `StorageMeta.checkpoint_id`,
-    and the private ones (`torch_compat.dcp_metadata_private_globals`). None of them
-    runs anything but building a value, whatever arguments a pickle gives it."""
-    from torch.distributed.checkpoint import metadata
-
-    found: dict[tuple[str, str], object] = {("torch", "Size"): torch.Size, ("pathlib", "PosixPath"): pathlib.PosixPath}
-    found.update((("torch", name), value) for name, value in vars(torch).items() if isinstance(value, torch.dtype))
-    for name in (
-        "Metadata",
-        "StorageMeta",
-        "MetadataIndex",
-        "TensorStorageMetadata",
-        "BytesStorageMetadata",
-        "ChunkStorageMetadata",
-        "TensorProperties",
-    ):
-        found[(metadata.__name__, name)] = getattr(metadata, name)
-    found.update(torch_compat.dcp_metadata_private_globals())
-    return found
-
-
-class MetadataUnpickler(pickle.Unpickler):
-    """An unpickler that resolves only DCP's metadata globals: any other raises
-    `CheckpointUnsafe` naming `path` and the global, so no callable outside the
-    allow-list is ever reached (pickle calls only what `find_class` returned)."""
-
-    def __init__(self, file, path: Path):
-        super().__init__(file)
-        self.path, self.allowed = path, allowed_globals()
-
-    def find_class(self, module: str, name: str):
-        found = self.allowed.get((module, name))
-        if found is None:
-            raise CheckpointUnsafe(
-                f"{self.path} asks its unpickler for {module}.{name}, which is no part of DCP's "
-                f"checkpoint metadata: refused, nothing of it ran. The folder was altered or not "
-                f"written by disttrain; do not load it.",
-                self.path.name,
-            )
-        return found
-
-    def persistent_load(self, pid):
-        raise CheckpointUnsafe(
-            f"{self.path} holds a persistent id ({str(pid)[:60]!r}), which DCP's metadata never does: refused.",
-            self.path.name,
-        )
 
 
 def read_metadata(step_dir: str | Path) -> Metadata:
@@ -114,6 +65,7 @@ def read_metadata(step_dir: str | Path) -> Metadata:
             f"{path} is not DCP's checkpoint metadata (it holds a {type(metadata).__name__}).", METADATA
         )
     check_listed(files, [getattr(info, "relative_path", None) for info in metadata.storage_data.values()], by=path)
+    metadata_bounds.check(metadata, files, path, exact=False)
     if not isinstance(metadata.storage_meta, StorageMeta):
         metadata.storage_meta = StorageMeta()
     return metadata

@@ -30,6 +30,8 @@ import re
 import xxhash
 
 ALGORITHM = "xxh3_128"
+KNOWN = (ALGORITHM, "sha256")
+"""The digests a manifest may name: this version's and older manifests'."""
 _CHUNK = 1 << 23
 _OWNER = re.compile(r"^(?:__(\d+)_\d+\.distcp|rank-(\d+)\.json)$")
 

@@ -16,11 +16,11 @@ names, read from here, still forward there with a `DeprecationWarning` for a rel
 from __future__ import annotations
 
 import inspect
-import json
 import os
 import shutil
 from pathlib import Path
 
+from disttrain import json_text
 from disttrain.checkpoint import layout
 from disttrain.checkpoint.own_files import read_own
 from disttrain.config import hf_model_config
@@ -34,7 +34,7 @@ def _stored_model_section(step_dir: Path) -> dict:
     state = step_dir / "state.json"
     try:  # parsed from the bytes checked against the manifest (`own_files.read_own`)
         record = layout.read_manifest(step_dir)["files"].get("state.json")
-        stored = json.loads(read_own(step_dir, "state.json", record))
+        stored = json_text.loads(read_own(step_dir, "state.json", record))
     except (OSError, ValueError) as e:
         raise UserError(f"{state} cannot be read ({e}); is {step_dir} a disttrain checkpoint?") from e
     config = stored.get("config") if isinstance(stored, dict) else None

@@ -32,6 +32,8 @@ from torch.distributed.checkpoint.metadata import (
     TensorStorageMetadata,
 )
 
+from disttrain import json_text
+
 _TAGS = ("__tuple__", "__dict__", "__dtype__")
 
 
@@ -95,8 +97,9 @@ def value_bytes(obj: Any) -> bytes:
 
 
 def value_of(data: bytes) -> Any:
-    """The value `value_bytes` wrote."""
-    return decode_value(json.loads(data))
+    """The value `value_bytes` wrote. Raises `ValueError` for bytes that are not JSON
+    or nest deeper than `json_text.MAX_DEPTH`."""
+    return decode_value(json_text.loads(data))
 
 
 def dtype_of(name: str) -> torch.dtype:
@@ -161,8 +164,9 @@ def metadata_bytes(md: Metadata) -> bytes:
 
 def metadata_of(data: bytes) -> Metadata:
     """DCP's `Metadata` from the JSON `metadata_bytes` wrote. Raises `ValueError`
-    (or `KeyError`, `TypeError`) for a document of another shape."""
-    doc = json.loads(data)
+    (or `KeyError`, `TypeError`, `AttributeError`, `OverflowError`) for a document of
+    another shape, or one nested deeper than `json_text.MAX_DEPTH`."""
+    doc = json_text.loads(data)
     state: dict[str, TensorStorageMetadata | BytesStorageMetadata] = {}
     storage: dict[MetadataIndex, Extent] = {}
     for fqn, t in doc["tensors"].items():

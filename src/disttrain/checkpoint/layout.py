@@ -32,9 +32,10 @@ from pathlib import Path
 from typing import Callable
 
 from disttrain.checkpoint.checkpoint_errors import CheckpointCorrupt, CheckpointUnsafe, StaleWriterError
-from disttrain.checkpoint.digests import file_mismatch
+from disttrain.checkpoint.digests import KNOWN, expected, file_mismatch
 from disttrain.checkpoint.files import atomic_write_bytes, fsync_dir
 from disttrain.checkpoint.own_files import SMALL_LIMIT, escape_message, escapes, name_problem, open_own, read_own
+from disttrain import json_text
 from disttrain.plain_files import MiB, NotPlainFile, read_plain
 from disttrain.runtime.log import LOGGER
 
@@ -90,11 +91,13 @@ def read_manifest(step_dir: Path) -> dict:
     try:
         if escapes(step_dir, MANIFEST):
             raise CheckpointUnsafe(escape_message(step_dir, MANIFEST), MANIFEST)
-        manifest = json.loads(read_own(step_dir, MANIFEST))
+        manifest = json_text.loads(read_own(step_dir, MANIFEST))
         if not isinstance(manifest, dict):
             raise ValueError("not a JSON object")
         if not isinstance(manifest.get("files"), dict) or manifest.get("format") != FORMAT:
             raise ValueError("unknown format")
+        if (wrong := _wrong_entry(manifest)) is not None:
+            raise ValueError(wrong)
         for name in manifest["files"]:
             if (why := name_problem(name)) is not None:
                 raise CheckpointUnsafe(
@@ -115,6 +118,28 @@ def read_manifest(step_dir: Path) -> dict:
         raise CheckpointCorrupt(f"{step_dir}: no {MANIFEST}; the commit is incomplete.", MANIFEST) from None
     except (ValueError, OSError) as e:
         raise CheckpointCorrupt(f"{path} is unreadable ({e}); the checkpoint is damaged.", MANIFEST) from None
+
+
+def count(value) -> bool:
+    """True for a whole number >= 0 (not a bool): a size, a step, a generation."""
+    return isinstance(value, int) and not isinstance(value, bool) and value >= 0
+
+
+def _wrong_entry(manifest: dict) -> str | None:
+    """What is not of its type in `manifest` (a file record that is not {size, digest},
+    a step, generation or world size that is not a count), or None."""
+    for key in ("step", "generation", "world_size", "epoch"):
+        if key in manifest and not count(manifest[key]):
+            return f"its {key} is {str(manifest[key])[:40]!r}, not a whole number >= 0"
+    for name, want in manifest["files"].items():
+        digest = want.get("digest", want.get("sha256")) if isinstance(want, dict) else None
+        if not isinstance(want, dict) or not count(want.get("size")) or not isinstance(digest, str):
+            return f"the record of {str(name)[:80]!r} is not {{size, digest}}"
+        if (algorithm := expected(want)[0]) not in KNOWN:
+            return (
+                f"the record of {str(name)[:80]!r} names the digest {algorithm[:40]!r}, not one of {', '.join(KNOWN)}"
+            )
+    return None
 
 
 def verify(step_dir: str | os.PathLike, *, checksums: bool = True, select: Callable[[str], bool] | None = None) -> dict:
@@ -191,7 +216,7 @@ def _manifest_or_none(step_dir: Path) -> dict | None:
     over `own_files.SMALL_LIMIT` bytes: `plain_files.read_plain`), so listing a root
     never hangs or fills memory on one such folder."""
     try:
-        manifest = json.loads(read_plain(step_dir / MANIFEST, SMALL_LIMIT))
+        manifest = json_text.loads(read_plain(step_dir / MANIFEST, SMALL_LIMIT))
         return manifest if isinstance(manifest, dict) else None
     except (OSError, ValueError, NotPlainFile):
         return None
@@ -203,7 +228,7 @@ def manifest_owner(step_dir: Path) -> tuple[str, int] | None:
     try:
         manifest = _manifest_or_none(step_dir)
         return None if manifest is None else (str(manifest.get("run_id", "")), int(manifest.get("generation", 0)))
-    except (ValueError, TypeError):
+    except (ValueError, TypeError, OverflowError):
         return None
 
 
@@ -276,10 +301,13 @@ def latest_valid(root: str | os.PathLike, *, checksums: bool = True) -> Path | N
 def read_lease(root: Path) -> dict:
     """The writer lease of `root`; no lease (generation 0) when it is missing, not
     JSON, or refused before it is read (`plain_files.read_plain`: a symlink, not a
-    regular file, over `LEASE_LIMIT` bytes). Taking the lease replaces it."""
+    regular file, over `LEASE_LIMIT` bytes) or not a lease (a run id and a generation).
+    Taking the lease replaces it."""
     try:
-        lease = json.loads(read_plain(root / LEASE, LEASE_LIMIT))
-        return lease if isinstance(lease, dict) else {"run_id": "", "generation": 0}
+        lease = json_text.loads(read_plain(root / LEASE, LEASE_LIMIT))
+        if isinstance(lease, dict) and isinstance(lease.get("run_id"), str) and count(lease.get("generation")):
+            return lease
+        return {"run_id": "", "generation": 0}  # not a lease of ours: as good as none
     except (OSError, ValueError, NotPlainFile):
         return {"run_id": "", "generation": 0}
 

@@ -34,7 +34,7 @@ from torch.distributed.checkpoint.metadata import TensorStorageMetadata
 from torch.distributed.checkpoint.planner import LoadItemType, WriteItemType
 from torch.distributed.checkpoint.storage import WriteResult
 
-from disttrain.checkpoint import layout
+from disttrain.checkpoint import layout, metadata_bounds
 from disttrain.checkpoint.checkpoint_errors import CheckpointCorrupt
 from disttrain.checkpoint.digests import HashingStream, corrupt_message, digest_bytes, expected, new_hash, record
 from disttrain.checkpoint.files import fsync_file
@@ -196,9 +196,10 @@ def read_metadata(step_dir: str | Path):
         raise CheckpointCorrupt(f"{step_dir}: the manifest lists no {METADATA}.", METADATA)
     try:
         metadata = metadata_of(read_own(Path(step_dir), METADATA, files[METADATA]))
-    except (ValueError, KeyError, TypeError) as e:
+    except (ValueError, KeyError, TypeError, AttributeError, OverflowError) as e:
         raise CheckpointCorrupt(f"{path} is not a {FORMAT} metadata document ({e}).", METADATA) from None
     check_listed(files, {extent.file for extent in metadata.storage_data.values()}, by=path)
+    metadata_bounds.check(metadata, files, path, exact=True)
     return metadata
 
 

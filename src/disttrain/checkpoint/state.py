@@ -21,6 +21,7 @@ import base64
 import dataclasses
 import hashlib
 import json
+import math
 import random
 from dataclasses import dataclass, field
 from typing import Any
@@ -74,14 +75,20 @@ def to_jsonable(obj: Any) -> Any:
 
 
 def from_jsonable(obj: Any) -> Any:
-    """Inverse of `to_jsonable` for tensors; lists stay lists."""
+    """Inverse of `to_jsonable` for tensors; lists stay lists. Raises `ValueError` for a
+    tensor record whose shape does not hold exactly its bytes (nothing is allocated
+    beyond them) or whose dtype is not torch's."""
     if isinstance(obj, dict):
         if "__tensor__" in obj:
-            dtype = getattr(torch, obj["dtype"])
+            from disttrain.checkpoint.json_records import dtype_of
+
+            dtype, shape = dtype_of(obj["dtype"]), obj["shape"]
             raw = bytearray(base64.b64decode(obj["__tensor__"]))
+            if not all(type(n) is int and n >= 0 for n in shape) or math.prod(shape) * dtype.itemsize != len(raw):
+                raise ValueError(f"a tensor of shape {str(shape)[:60]} and dtype {dtype} in {len(raw)} bytes")
             if not raw:
-                return torch.empty(obj["shape"], dtype=dtype)
-            return torch.frombuffer(raw, dtype=torch.uint8).view(dtype).reshape(obj["shape"])
+                return torch.empty(shape, dtype=dtype)
+            return torch.frombuffer(raw, dtype=torch.uint8).view(dtype).reshape(shape)
         return {k: from_jsonable(v) for k, v in obj.items()}
     if isinstance(obj, list):
         return [from_jsonable(v) for v in obj]

@@ -15,6 +15,7 @@ import os
 from pathlib import Path
 from typing import Any
 
+from disttrain import json_text
 from disttrain.errors import UserError
 
 HF_PREFIX = "hf."
@@ -124,7 +125,7 @@ def read_config_json(folder: Path, where: str) -> tuple[str, dict]:
             data = f.read(_CONFIG_JSON_LIMIT + 1)
         if len(data) > _CONFIG_JSON_LIMIT:
             raise ValueError(f"larger than {_CONFIG_JSON_LIMIT} bytes")
-        values = json.loads(data)
+        values = json_text.loads(data)
     except (OSError, ValueError) as e:
         raise UserError(f"{path} ({where}) cannot be read as a config.json: {str(e).splitlines()[0]}") from e
     values = plain_config_values(

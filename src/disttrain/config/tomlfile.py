@@ -38,7 +38,7 @@ def read_toml(path: str | os.PathLike) -> dict:
             f"config file not found: {p}. Pass the path of a TOML file, for example examples/tiny_gpt.toml."
         )
     try:
-        return tomllib.loads(p.read_bytes().decode("utf-8"))
+        return _parsed(p.read_bytes().decode("utf-8"), str(p))
     except UnicodeDecodeError as e:
         raise ConfigError(
             f"{p} is not UTF-8 text (byte {e.start} is {e.object[e.start]:#04x}); TOML "
@@ -48,6 +48,31 @@ def read_toml(path: str | os.PathLike) -> dict:
         raise ConfigError(f"cannot read config file {p}: {e.strerror or e}.") from None
     except tomllib.TOMLDecodeError as e:
         raise ConfigError(f"{p} is not valid TOML: {e}. Fix the syntax at that line.") from None
+
+
+def _parsed(text: str, what: str) -> dict:
+    """The TOML document `text` (`what` names it), nested at most `json_text.MAX_DEPTH`
+    deep. Raises `tomllib.TOMLDecodeError` for bad TOML, `ConfigError` for a document
+    nested deeper (tomllib recurses once per level, and so would every later walk)."""
+    from disttrain import json_text
+
+    try:
+        doc = tomllib.loads(text)
+    except tomllib.TOMLDecodeError:
+        raise
+    except ValueError as e:  # a number of thousands of digits (a TOMLDecodeError is one too)
+        raise ConfigError(f"{what} holds a value TOML cannot read: {str(e)[:120]}.") from None
+    except RecursionError:
+        doc = None
+    try:
+        json_text.check_depth(doc)
+    except ValueError:
+        doc = None
+    if doc is None:
+        raise ConfigError(
+            f"{what} nests arrays or tables more than {json_text.MAX_DEPTH} levels deep; a config needs a few."
+        )
+    return doc
 
 
 def apply_overrides(raw: dict, overrides: Sequence[str]) -> dict:
@@ -71,7 +96,7 @@ def _parse_override(item: str) -> tuple[str, Any]:
         )
     key, value = text.split("=", 1)
     try:  # A TOML literal (number, bool, list, quoted string) keeps its type.
-        return key.strip(), tomllib.loads(f"v = {value}")["v"]
+        return key.strip(), _parsed(f"v = {value}", f"override {item[:80]!r}")["v"]
     except tomllib.TOMLDecodeError:
         return key.strip(), value  # a bare word is a string
 

@@ -8,7 +8,7 @@ import statistics
 from pathlib import Path
 from typing import Literal, TypedDict
 
-from disttrain.report.run_data import RunData
+from disttrain.report.run_data import RunData, numbers
 
 
 class _Style(TypedDict):
@@ -27,16 +27,35 @@ MARK_STYLE: dict[str, _Style] = {
 MARK_NAME = {"restart": "restart (resumed from checkpoint)", "world_size": "world-size change"}
 
 
+MAX_LABELS = 40
+"""The most marks labelled in the picture: a run of thousands of restarts draws every
+line but labels only the first ones (the summary table counts them all)."""
+
+
 def _panel_marks(ax, data: RunData) -> None:
-    for m in data.marks:
-        ax.axvline(m.step, **MARK_STYLE[m.kind], alpha=0.85, zorder=1)
+    """One vertical line per mark, all of one kind drawn as one collection: drawing
+    and laying out stay linear in the number of marks."""
+    for kind, style in MARK_STYLE.items():
+        steps = [m.step for m in data.marks if m.kind == kind]
+        if steps:
+            ax.vlines(
+                steps,
+                0,
+                1,
+                transform=ax.get_xaxis_transform(),
+                colors=style["color"],
+                linestyles=style["linestyle"],
+                linewidths=style["linewidth"],
+                alpha=0.85,
+                zorder=1,
+            )
 
 
 def _label_marks(ax, data: RunData) -> None:
-    """Each mark's label at the top of the panel, right of its line; labels of marks
-    at one step are stacked."""
+    """The label of each of the first `MAX_LABELS` marks at the top of the panel, right
+    of its line; labels of marks at one step are stacked."""
     stacked: dict[int, int] = {}
-    for m in data.marks:
+    for m in data.marks[:MAX_LABELS]:
         row = stacked.get(m.step, 0)
         stacked[m.step] = row + 1
         ax.annotate(
@@ -82,11 +101,7 @@ def _throughput(ax, data: RunData) -> None:
 
 
 def _step_time(ax, data: RunData) -> None:
-    rows = [
-        (r["step"], [t * 1000 for t in r["step_time_s"]])
-        for r in data.records
-        if isinstance(r.get("step_time_s"), list) and r["step_time_s"]
-    ]
+    rows = [(r["step"], [t * 1000 for t in times]) for r in data.records if (times := numbers(r.get("step_time_s")))]
     ax.set_title("Step time per rank (wall time per optimizer step)", loc="left", fontsize=11, fontweight="bold")
     ax.set_ylabel("milliseconds")
     if not rows:

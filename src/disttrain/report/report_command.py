@@ -13,7 +13,7 @@ from rich.table import Table
 from disttrain.config.paths import PNG_SIGNATURE, has_prefix, output_file
 from disttrain.errors import UserError
 from disttrain.report.figure import render
-from disttrain.report.run_data import RunData, load_run
+from disttrain.report.run_data import RunData, load_run, number, numbers, whole
 
 
 def report(run_dir: str | Path, out: str | Path | None = None) -> dict:
@@ -67,15 +67,12 @@ def summary_rows(data: RunData) -> list[tuple[str, str]]:
     key = "tokens_per_s" if data.series("tokens_per_s")[0] else "samples_per_s"
     by_world: dict[int, list[float]] = {}
     for r in data.records:
-        if isinstance(r.get(key), (int, float)):
-            by_world.setdefault(int(r.get("world_size", 1)), []).append(float(r[key]))
+        if (value := number(r.get(key))) is not None:
+            by_world.setdefault(whole(r.get("world_size"), 1), []).append(value)
     for world, values in sorted(by_world.items()):
         rows.append((f"{key.replace('_per_s', '/s')} on {world} rank(s), median", f"{statistics.median(values):,.0f}"))
-    spread = [
-        (r["step_time_max_s"], r["step_time_min_s"])
-        for r in data.records
-        if isinstance(r.get("step_time_max_s"), (int, float)) and isinstance(r.get("step_time_min_s"), (int, float))
-    ]
+    pairs = ((number(r.get("step_time_max_s")), number(r.get("step_time_min_s"))) for r in data.records)
+    spread = [(high, low) for high, low in pairs if high is not None and low is not None]
     if spread:
         rows.append(
             (
@@ -84,7 +81,7 @@ def summary_rows(data: RunData) -> list[tuple[str, str]]:
                 f"{statistics.median(f for _, f in spread) * 1000:.1f} ms",
             )
         )
-    memory = [r["peak_mem_mb"] for r in data.records if isinstance(r.get("peak_mem_mb"), list)]
+    memory = [mem for r in data.records if (mem := numbers(r.get("peak_mem_mb")))]
     if memory:
         rows.append(("peak memory per rank (last record)", ", ".join(f"{m:,.0f}" for m in memory[-1]) + " MiB"))
     restarts = [m for m in data.marks if m.kind == "restart"]

@@ -8,10 +8,11 @@ and, when `elastic.record_samples` was on, the sample audit `samples/*.jsonl`. N
 
 from __future__ import annotations
 
-import json
+import math
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 
+from disttrain import json_text
 from disttrain.errors import UserError
 from disttrain.jsonl import read_jsonl, read_text
 
@@ -45,11 +46,11 @@ class RunData:
     def series(self, key: str, records: list[dict] | None = None) -> tuple[list[int], list[float]]:
         """(steps, values) of the records that hold a number under `key`."""
         pairs = [
-            (r["step"], r[key])
+            (r["step"], value)
             for r in (self.records if records is None else records)
-            if isinstance(r.get(key), (int, float)) and r[key] == r[key]
-        ]  # drops NaN
-        return [p[0] for p in pairs], [float(p[1]) for p in pairs]
+            if (value := number(r.get(key))) is not None
+        ]  # drops NaN, infinities and what is not a number
+        return [p[0] for p in pairs], [p[1] for p in pairs]
 
     def marks_json(self) -> list[dict]:
         return [asdict(m) for m in self.marks]
@@ -120,7 +121,7 @@ def _metrics(path: Path) -> tuple[list[dict], list[int], int]:
             continue
         lines += 1
         try:
-            item = json.loads(line)
+            item = json_text.loads(line)
         except ValueError:
             item = None
         if _is_record(item):
@@ -128,6 +129,31 @@ def _metrics(path: Path) -> tuple[list[dict], list[int], int]:
         else:
             skipped.append(number)
     return records, skipped, lines
+
+
+def number(value) -> float | None:
+    """`value` as a float when it is a finite number (not a bool), else None."""
+    if isinstance(value, bool) or not isinstance(value, (int, float)):
+        return None
+    try:
+        f = float(value)
+    except OverflowError:  # an integer of hundreds of digits
+        return None
+    return f if math.isfinite(f) else None
+
+
+def numbers(value) -> list[float] | None:
+    """`value` as floats when it is a non-empty list of finite numbers, else None."""
+    if not isinstance(value, list) or not value:
+        return None
+    floats = [f for f in map(number, value) if f is not None]
+    return floats if len(floats) == len(value) else None
+
+
+def whole(value, default: int = 0) -> int:
+    """`value` when it is a whole number (not a bool), else `default`: a run file's
+    field that holds a string, a float or a list is read as missing."""
+    return value if isinstance(value, int) and not isinstance(value, bool) else default
 
 
 def _marks(starts: list[tuple[int, int, int]]) -> list[Mark]:
@@ -145,7 +171,7 @@ def _from_events(run: Path, raw: list[dict]):
     events = [e for e in read_jsonl(path) if {"step", "world_size"} <= e.keys()]
     if not events:
         return None
-    return _marks([(i, int(e["step"]), int(e["world_size"])) for i, e in enumerate(events)]), len(events)
+    return _marks([(i, whole(e["step"]), whole(e["world_size"], 1)) for i, e in enumerate(events)]), len(events)
 
 
 def _from_audit(run: Path, raw: list[dict]):
@@ -156,7 +182,7 @@ def _from_audit(run: Path, raw: list[dict]):
     for rec in (r for f in files for r in read_jsonl(f)):
         g, s = rec.get("generation"), rec.get("step")
         if isinstance(g, int) and isinstance(s, int) and (g not in first or s < first[g][0]):
-            first[g] = (s, int(rec.get("world", 0)))
+            first[g] = (s, whole(rec.get("world")))
     if not first:
         return None
     gens = sorted(first)
@@ -171,6 +197,6 @@ def _from_metrics(run: Path, raw: list[dict]):
     for r in raw:
         key = r.get("attempt", prev[0] if prev else 0)  # a record without one keeps the attempt
         if prev is None or key != prev[0] or r["step"] <= prev[1]:
-            starts.append((len(starts), r["step"] - 1 if starts else 0, int(r.get("world_size", 1))))
+            starts.append((len(starts), r["step"] - 1 if starts else 0, whole(r.get("world_size"), 1)))
         prev = (key, r["step"])
     return _marks(starts), len(starts)

@@ -24,6 +24,7 @@ is not compared. A checkpoint without a stored config is resumed as before.
 from __future__ import annotations
 
 import json
+import math
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any
@@ -31,6 +32,7 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
+from disttrain import json_text
 from disttrain.checkpoint import CheckpointCorrupt, CheckpointMismatch
 from disttrain.checkpoint.layout import committed
 from disttrain.checkpoint.own_files import escapes, read_own
@@ -149,10 +151,10 @@ def plan_for(directory: str | Path, cfg: Config | dict) -> ResumePlan | None:
     if escapes(Path(directory), "state.json"):
         return None
     try:
-        meta = json.loads(read_own(Path(directory), "state.json"))
+        meta = json_text.loads(read_own(Path(directory), "state.json"))
         step, saved = int(meta["step"]), meta.get("config")
-    except (OSError, ValueError, KeyError, TypeError, CheckpointCorrupt):
-        return None
+    except (OSError, ValueError, KeyError, TypeError, AttributeError, OverflowError, CheckpointCorrupt):
+        return None  # the load that follows reads it again and names what is wrong
     plan = ResumePlan(str(directory), step, saved if isinstance(saved, dict) else None)
     if plan.saved_config is None:
         return plan
@@ -276,8 +278,8 @@ def apply(plan: ResumePlan | None, optimizer: torch.optim.Optimizer, scheduler, 
                 group["lr"] = new["lr"]
         return
     if "optim.lr" in changed:
-        saved_lr = float((plan.saved_config or {})["optim"]["lr"])  # changes come from a saved config
-        scheduler.base_lrs = [new * (old / saved_lr) for new, old in zip(fresh["base_lrs"], scheduler.base_lrs)]
+        factor = _carried_factor(plan.saved_config, scheduler.base_lrs)
+        scheduler.base_lrs = [new * f for new, f in zip(fresh["base_lrs"], factor)]
     step = scheduler.last_epoch
     for i, (group, base) in enumerate(zip(groups, scheduler.base_lrs)):
         group["initial_lr"] = base
@@ -285,6 +287,17 @@ def apply(plan: ResumePlan | None, optimizer: torch.optim.Optimizer, scheduler, 
     from disttrain.runtime.torch_compat import set_last_lr  # the one place torch's private names live
 
     set_last_lr(scheduler, [g["lr"] for g in groups])
+
+
+def _carried_factor(saved_config: dict | None, base_lrs: list) -> list[float]:
+    """Per group, the factor the checkpoint's base LR carried over its configured lr (a
+    rescale_lr resume scaled it), to carry over to the new lr. A configured lr of 0 (or
+    one that is not a finite number) says nothing of a factor: 1, the new lr as given."""
+    optim = (saved_config or {}).get("optim")
+    saved_lr = optim.get("lr") if isinstance(optim, dict) else None
+    if not isinstance(saved_lr, (int, float)) or isinstance(saved_lr, bool) or not math.isfinite(saved_lr):
+        saved_lr = 0
+    return [old / saved_lr if saved_lr else 1.0 for old in base_lrs]
 
 
 def print_changes(who: str, plan: ResumePlan | None, batch_policy: str) -> None:
