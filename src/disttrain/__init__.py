@@ -109,7 +109,8 @@ if TYPE_CHECKING:  # static tools see the real names
     from disttrain.train.accumulation import Accumulator, clip_grad_norm, no_sync, warmup_cosine
     from disttrain.train.global_metrics import MeanTracker, global_mean, global_sum
     from disttrain.train.rank0_output import JsonlWriter, print_main
-    from disttrain.parallel import Layout, join, make_optimizer, unwrap, wrap
+    from disttrain.parallel import Layout, make_optimizer, unwrap, wrap
+    from disttrain.parallel.join import join
     from disttrain.parallel.precision import AgreedGradScaler, autocast, make_grad_scaler
     from disttrain.runtime import RankInfo, barrier, distributed, init, rank_info, shutdown
     from disttrain.guard.sanity import NotDistributedError, NotDistributedWarning

@@ -22,6 +22,7 @@ if sys.version_info >= (3, 11):
 else:  # pragma: no cover
     import tomli as tomllib
 
+from disttrain import json_text
 from disttrain.errors import ConfigError
 
 
@@ -54,8 +55,6 @@ def _parsed(text: str, what: str) -> dict:
     """The TOML document `text` (`what` names it), nested at most `json_text.MAX_DEPTH`
     deep. Raises `tomllib.TOMLDecodeError` for bad TOML, `ConfigError` for a document
     nested deeper (tomllib recurses once per level, and so would every later walk)."""
-    from disttrain import json_text
-
     try:
         doc = tomllib.loads(text)
     except tomllib.TOMLDecodeError:
