@@ -240,3 +240,18 @@ def test_launch_file_names_a_bad_config_key(tmp_path, capsys):
     cfg.write_text("[train]\nstepz = 3\n")
     rc, err = _cli(capsys, "launch-file", "slurm", str(cfg), "--nodes", "2")
     assert rc == 2 and "stepz" in err and len(err.strip().splitlines()) == 1, err
+
+
+def test_k8s_refuses_a_relative_path_that_would_land_in_the_config_mount(tmp_path, capsys):
+    """In the pod the TOML is /etc/disttrain/config.toml and a relative path in it is taken
+    from that read-only folder: one line at launch-file time, not a failed pod."""
+    cfg = tmp_path / "c.toml"
+    flags = ("--nodes", "2", "--image", "x", "-o", str(tmp_path / "job.yaml"))
+    cfg.write_text(TINY.format(out="runs/x"))
+    rc, err = _cli(capsys, "launch-file", "k8s", str(cfg), *flags)
+    assert rc == 2 and "train.out_dir = 'runs/x'" in err and "/etc/disttrain" in err, err
+    assert len(err.strip().splitlines()) == 1 and not (tmp_path / "job.yaml").exists()
+    assert _cli(capsys, "launch-file", "k8s", str(cfg), *flags, "--pvc", "claim")[0] == 0  # out_dir on the claim
+    cfg.write_text(TINY.format(out="/shared/out") + '[checkpoint]\ndir = "ck"\n')
+    rc, err = _cli(capsys, "launch-file", "k8s", str(cfg), *flags[:-1], str(tmp_path / "b.yaml"), "--pvc", "claim")
+    assert rc == 2 and "checkpoint.dir = 'ck'" in err, err

@@ -48,8 +48,8 @@ def resolve_hf_path(hf_path: str, config_dir: str | os.PathLike | None) -> Path:
         p = Path(config_dir) / p
     if not p.is_dir():
         raise UserError(
-            f"model.hf_path {hf_path!r}: no folder {p} (a relative path is taken "
-            f"from the config file's folder). Point it at a save_pretrained folder."
+            f"model.hf_path {hf_path!r}: no folder {p} (a relative path in a TOML "
+            f"file is taken from that file's folder). Point it at a save_pretrained folder."
         )
     if not (p / "config.json").is_file():
         raise UserError(

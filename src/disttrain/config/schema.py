@@ -1,6 +1,8 @@
 """Typed configuration: kw_only dataclasses, a TOML file, dotted CLI overrides.
 
-Precedence, one rule: CLI overrides > TOML file > dataclass defaults.
+Precedence, one rule: CLI overrides > TOML file > dataclass defaults. Relative paths,
+one rule (config/path_keys.py): a file's from its folder, an override's from the
+current folder.
 
 Every mistake (unknown key, wrong type, impossible value, hardware that cannot serve
 the request) raises `ConfigError` with a message that names the key and the fix,
@@ -14,12 +16,14 @@ import dataclasses
 import os
 from collections.abc import Sequence
 from dataclasses import dataclass, field
+from pathlib import Path
 from typing import Any
 
 from disttrain.config.gpt_shape import GPTConfig
 from disttrain.config.data_config import DataConfig, check_data_source
 from disttrain.config.elastic_config import ElasticConfig, check_elastic
 from disttrain.config.log_config import LogConfig, check_log
+from disttrain.config.path_keys import anchor_override, anchor_paths
 from disttrain.config.rules import check_values
 from disttrain.config.tomlfile import apply_overrides, build, read_toml
 from disttrain.config.user_code import check_model_keys, check_sources
@@ -227,11 +231,14 @@ class Config:
 def load_config(path: str | os.PathLike | None, overrides: Sequence[str] = ()) -> Config:
     """Build a validated `Config` from a TOML file and `--section.key=value` overrides.
 
+    Every path key (`path_keys.PATH_KEYS`) comes back absolute when it was given: a
+    relative one from the file is taken from the file's folder, one from an override
+    from the current folder; a default stays as it is (relative to the current folder).
     Raises `ConfigError` naming the file or key on any problem; nothing else escapes
     for user mistakes.
     """
-    raw = read_toml(path) if path is not None else {}
-    apply_overrides(raw, overrides)
+    raw = anchor_paths(read_toml(path), Path(path).parent) if path is not None else {}
+    apply_overrides(raw, overrides, lambda key, value: anchor_override(key, value, "."))
     model = raw.get("model")
     if isinstance(model, dict):
         check_model_keys(model)

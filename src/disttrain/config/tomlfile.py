@@ -13,7 +13,7 @@ import os
 import sys
 import types
 import typing
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from pathlib import Path
 from typing import Any
 
@@ -74,11 +74,12 @@ def _parsed(text: str, what: str) -> dict:
     return doc
 
 
-def apply_overrides(raw: dict, overrides: Sequence[str]) -> dict:
-    """Set each `--section.key=value` in `raw` (in place, and returned)."""
+def apply_overrides(raw: dict, overrides: Sequence[str], convert: Callable[[str, Any], Any] | None = None) -> dict:
+    """Set each `--section.key=value` in `raw` (in place, and returned); `convert(key,
+    value)`, when given, maps each parsed value before it is set."""
     for item in overrides:
         key, value = _parse_override(item)
-        _set_dotted(raw, key, value)
+        _set_dotted(raw, key, convert(key, value) if convert is not None else value)
     return raw
 
 

@@ -25,7 +25,15 @@ from pathlib import Path
 
 from disttrain.config.paths import output_file
 from disttrain.errors import UserError
-from disttrain.launch.launch_templates import LaunchSpec, config_map, etcd_objects, pytorchjob, sbatch
+from disttrain.launch.launch_templates import (
+    POD_CONFIG,
+    POD_SHARED,
+    LaunchSpec,
+    config_map,
+    etcd_objects,
+    pytorchjob,
+    sbatch,
+)
 from disttrain.launch.run_command import SHUTDOWN_MARGIN_S
 
 DEFAULT_ETCD_IMAGE = "quay.io/coreos/etcd:v3.5.17"  # 3.5 still serves the v2 API torch needs
@@ -133,6 +141,8 @@ def spec_from(ns: argparse.Namespace) -> tuple[LaunchSpec, str]:
         raise UserError(f"job name {name!r} has characters Slurm file names cannot take; pass --name.")
     if ns.kind == "k8s" and not ns.image:
         raise UserError("k8s needs --image IMAGE: a container image with disttrain and your code installed.")
+    if ns.kind == "k8s":
+        _pod_paths(ns.config, ns.pvc)
     config = str(Path(ns.config).resolve()) if ns.kind == "slurm" else ns.config
     spec = LaunchSpec(
         config=config,
@@ -152,6 +162,28 @@ def spec_from(ns: argparse.Namespace) -> tuple[LaunchSpec, str]:
         pvc=ns.pvc,
     )
     return spec, Path(ns.config).read_text()
+
+
+def _pod_paths(config: str, pvc: str) -> None:
+    """Refuse (`UserError`) a relative path key in a TOML bound for k8s: in the pod the TOML
+    is `POD_CONFIG`, and a relative path is taken from its folder, a read-only ConfigMap
+    mount. train.out_dir is exempt under --pvc, which sets it on the claim."""
+    from disttrain.config.path_keys import PATH_KEYS
+    from disttrain.config.tomlfile import read_toml
+
+    raw = read_toml(config)
+    for key in PATH_KEYS:
+        section, name = key.split(".")
+        table = raw.get(section)
+        value = table.get(name) if isinstance(table, dict) else None
+        if (key == "train.out_dir" and pvc) or not isinstance(value, str) or not value.strip():
+            continue
+        if not Path(value).is_absolute() and not value.startswith("~"):
+            raise UserError(
+                f"{key} = {value!r} in {config} is relative, so in the pod it would be under "
+                f"{Path(POD_CONFIG).parent}, the read-only config mount; give a path in the pod "
+                f"from /, e.g. on the claim --pvc mounts at {POD_SHARED}."
+            )
 
 
 def render(ns: argparse.Namespace) -> tuple[str, str]:

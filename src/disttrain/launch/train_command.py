@@ -52,13 +52,17 @@ USAGE = "usage: disttrain train CONFIG.toml [--section.key=value ...] [--max-res
 def help_text() -> str:
     """`disttrain train --help`: the usage, the options and every config key (from the
     schema: `config.key_docs`)."""
+    import textwrap
+
     from disttrain.config.key_docs import keys_help
+    from disttrain.config.path_keys import rule_text
 
     return (
         f"{USAGE}\n\n"
         "Validate CONFIG.toml, then train: in this process, or on parallel.nproc processes\n"
         "through `disttrain run`. A killed run resumes from its newest valid checkpoint when\n"
         "the same command starts again. Precedence: --section.key=value > CONFIG.toml > default.\n\n"
+        f"{textwrap.fill(rule_text(), width=88)}\n\n"
         "options:\n"
         "  -h, --help          show this help (every config key) and exit\n"
         "  --section.key=VALUE set one config key, e.g. --train.steps=100 --optim.lr=3e-4\n"

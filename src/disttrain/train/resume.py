@@ -18,7 +18,9 @@ it with this run's config, key by key, in three classes:
   reported.
 
 A key that only one of the two configs has (a checkpoint of another disttrain version)
-is not compared. A checkpoint without a stored config is resumed as before.
+is not compared. A path key is compared as a place (`path_keys.same_place`): a checkpoint
+of an earlier version stored it relative to the config file's folder, this run absolute.
+A checkpoint without a stored config is resumed as before.
 """
 
 from __future__ import annotations
@@ -37,6 +39,7 @@ from disttrain.checkpoint import CheckpointCorrupt, CheckpointMismatch
 from disttrain.checkpoint.layout import committed
 from disttrain.checkpoint.own_files import escapes, read_own
 from disttrain.config import Config, to_dict
+from disttrain.config.path_keys import same_place
 from disttrain.elastic import apply_batch_policy
 
 _WEIGHTS = "the model, which the saved weights fit"
@@ -161,7 +164,7 @@ def plan_for(directory: str | Path, cfg: Config | dict) -> ResumePlan | None:
     old = _flatten(plan.saved_config)
     now = _flatten(json.loads(json.dumps(cfg if isinstance(cfg, dict) else to_dict(cfg))))  # as stored
     for key in sorted(old.keys() & now.keys()):
-        if old[key] != now[key] and (kind := classify(key)) != "ignore":
+        if not same_place(key, old[key], now[key]) and (kind := classify(key)) != "ignore":
             (plan.refused if kind == "refuse" else plan.changes).append((key, old[key], now[key]))
     return plan
 

@@ -90,7 +90,7 @@ def build_model(cfg: Config, config_dir: str | Path | None) -> torch.nn.Module:
     m = cfg.model
     # ---- hook: Hugging Face models (disttrain.train.hf_models, imported lazily) ----
     if m.hf or m.hf_path:
-        return importlib.import_module(HF_MODULE).build_hf_model(m, config_dir)
+        return importlib.import_module(HF_MODULE).build_hf_model(m)  # hf_path: as load_config made it
     if not m.factory:
         from disttrain.demo import GPT
 
@@ -109,11 +109,13 @@ def build_datasets(cfg: Config, config_dir: str | Path | None) -> tuple[Any, Any
     """(train set, eval set or None, extra summary fields). The default is the stdlib
     corpus cut into block_size chunks of (x, y); data.factory(**data.kwargs) may return
     a map-style dataset (`__len__` and `__getitem__`) or a (train, eval) pair of them.
-    Raises `ConfigError` for any other return value or an empty train set."""
+    `config_dir` is where data.factory's module is looked up first; data.tokens and
+    data.hf_dataset are read as the config holds them (config/path_keys.py). Raises
+    `ConfigError` for any other return value or an empty train set."""
     d = cfg.data
     # ---- hook: token files and Hugging Face datasets on disk (disttrain.data, lazily) ----
     if d.tokens or d.hf_dataset:
-        return _disk_datasets(cfg, config_dir)
+        return _disk_datasets(cfg)
     if not d.factory:
         from disttrain.demo.corpus import ChunkDataset, load_stdlib_corpus
 
@@ -145,10 +147,11 @@ def build_datasets(cfg: Config, config_dir: str | Path | None) -> tuple[Any, Any
     return train, heldout, {}
 
 
-def _disk_datasets(cfg: Config, config_dir: str | Path | None) -> tuple[Any, Any | None, dict]:
-    """data.tokens (disttrain.data.token_files) or data.hf_dataset (disttrain.data.hf_data),
-    relative to the config file's folder. The built-in GPT's block_size and vocab_size
-    bound the windows and the token files' vocabulary."""
+def _disk_datasets(cfg: Config) -> tuple[Any, Any | None, dict]:
+    """data.tokens (disttrain.data.token_files) or data.hf_dataset (disttrain.data.hf_data)
+    as the config holds them: `load_config` made a file's relative paths absolute, and a
+    relative path left is the current folder's (config/path_keys.py). The built-in GPT's
+    block_size and vocab_size bound the windows and the token files' vocabulary."""
     d, builtin = cfg.data, uses_builtin_model(cfg)
     if d.tokens:
         from disttrain.data.token_files import token_datasets
@@ -159,7 +162,6 @@ def _disk_datasets(cfg: Config, config_dir: str | Path | None) -> tuple[Any, Any
             heldout=d.tokens_heldout,
             heldout_fraction=d.heldout_fraction,
             raw_dtype=d.tokens_dtype,
-            base=config_dir,
             vocab_size=cfg.model.vocab_size if builtin else None,
             block_key="data.block_size" if d.block_size else "model.block_size",
         )
@@ -171,7 +173,6 @@ def _disk_datasets(cfg: Config, config_dir: str | Path | None) -> tuple[Any, Any
         split=d.hf_split,
         heldout_split=d.hf_heldout_split,
         block_size=window(cfg) if builtin or d.block_size else None,
-        base=config_dir,
     )
 
 
