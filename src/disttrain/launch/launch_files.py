@@ -25,7 +25,7 @@ from pathlib import Path
 
 from disttrain.config.paths import output_file
 from disttrain.errors import UserError
-from disttrain.launch.launch_templates import LaunchSpec, config_map, etcd_objects, pytorchjob, sbatch
+from disttrain.launch.launch_templates import ETCD_NOTE, LaunchSpec, config_map, etcd_objects, pytorchjob, sbatch
 from disttrain.launch.run_command import SHUTDOWN_MARGIN_S
 
 DEFAULT_ETCD_IMAGE = "quay.io/coreos/etcd:v3.5.17"  # 3.5 still serves the v2 API torch needs
@@ -159,8 +159,10 @@ def render(ns: argparse.Namespace) -> tuple[str, str]:
     spec, toml_text = spec_from(ns)
     if ns.kind == "slurm":
         return sbatch(spec), f"{spec.name}.sbatch"
-    docs = [*etcd_objects(spec), config_map(spec, toml_text), pytorchjob(spec)]
-    text = "".join(f"---\n{json.dumps(d, indent=2)}\n" for d in docs)
+    service, deployment = etcd_objects(spec)
+    notes = {id(deployment): ETCD_NOTE}  # YAML comments: the JSON documents cannot hold one
+    docs = [service, deployment, config_map(spec, toml_text), pytorchjob(spec)]
+    text = "".join(f"---\n{notes.get(id(d), '')}{json.dumps(d, indent=2)}\n" for d in docs)
     return text, f"{spec.name}.yaml"
 
 
