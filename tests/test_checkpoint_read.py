@@ -119,10 +119,10 @@ def _agree_in_rank(rank: int, store_path: str, mine: list, out) -> None:
     dist.init_process_group("gloo", store=dist.FileStore(store_path, 2), rank=rank, world_size=2)
     pg = dist.new_group(backend="gloo")
 
-    def gather(obj):
-        got = [None, None]
-        dist.all_gather_object(got, obj, group=pg)
-        return got
+    from disttrain.runtime.collectives import all_gather_json
+
+    def gather(obj, shape):
+        return all_gather_json(obj, group=pg, shape=shape)
 
     out.put((rank, [problems(m, pg, gather) for m in mine]))
     dist.destroy_process_group()

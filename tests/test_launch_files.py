@@ -205,6 +205,18 @@ def test_k8s_manifest_validates_against_the_schemas(tmp_path, capsys):
     assert docs[2]["data"]["config.toml"] == (tmp_path / "tiny_job.toml").read_text()
 
 
+def test_k8s_etcd_listens_on_its_pods_address_and_says_how_to_require_certificates(tmp_path, capsys):
+    text = _write(tmp_path, capsys, "k8s", "--nodes", "2", "--image", "registry.example/train:1")
+    etcd = [d for d in yaml.safe_load_all(text) if d][1]["spec"]["template"]["spec"]["containers"][0]
+    flags = dict(a.split("=", 1) for a in etcd["command"][1:])
+    assert flags["--listen-client-urls"] == "http://$(POD_IP):2379"  # not 0.0.0.0: the pod's own address
+    assert flags["--listen-peer-urls"].startswith("http://127.0.0.1:")
+    assert etcd["env"] == [{"name": "POD_IP", "valueFrom": {"fieldRef": {"fieldPath": "status.podIP"}}}]
+    head, _, rest = text.partition('"kind": "Deployment"')  # the note sits right above the etcd Deployment
+    note = head.rsplit("---", 1)[1]
+    assert "no authentication and no TLS" in note and "docs/security.md" in note and "--client-cert-auth" in note
+
+
 @pytest.mark.parametrize("breakage", ["unknown elastic field", "replicas as text", "bad pod field"])
 def test_a_broken_pytorchjob_fails_the_schema(tmp_path, capsys, breakage):
     job = _k8s(tmp_path, capsys)[3]

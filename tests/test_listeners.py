@@ -216,6 +216,139 @@ def test_pack_keeps_int_keys_tuples_and_plain_values_without_pickle():
             unpack(buf, None)
 
 
+def _send_pickle(marker: str, group=None) -> None:
+    """As rank 0: a pickle where a broadcast's JSON belongs (the layout of both torch's
+    `broadcast_object_list` and `broadcast_json`: a length, then the bytes)."""
+    import torch.distributed as dist
+
+    data = pickle.dumps(_Runs(marker))
+    dist.broadcast(torch.tensor([len(data)], dtype=torch.int64), src=0, group=group)
+    dist.broadcast(torch.frombuffer(bytearray(data), dtype=torch.uint8), src=0, group=group)
+
+
+def _gather_pickle(marker: str, group=None) -> None:
+    """A pickle where an all-gather's JSON belongs (the layout of torch's
+    `all_gather_object` and of `all_gather_json`: the lengths, then the padded bytes)."""
+    import torch.distributed as dist
+
+    data = pickle.dumps(_Runs(marker))
+    sizes = [torch.zeros(1, dtype=torch.int64) for _ in range(2)]
+    dist.all_gather(sizes, torch.tensor([len(data)], dtype=torch.int64), group=group)
+    longest = max(int(t.item()) for t in sizes)
+    mine = torch.zeros(longest, dtype=torch.uint8)
+    mine[: len(data)] = torch.frombuffer(bytearray(data), dtype=torch.uint8)
+    dist.all_gather([torch.empty(longest, dtype=torch.uint8) for _ in range(2)], mine, group=group)
+
+
+def _honest(ran: Path, tmp: Path) -> list[str]:
+    """Rank 1's side: a resume, a checkpointer's start and load, the guard's start check,
+    each fed a pickle by rank 0; what each did."""
+    from disttrain.checkpoint.checkpointer import Checkpointer
+    from disttrain.checkpoint.state import TrainState
+    from disttrain.guard.run_guard import check_consistency
+    from disttrain.train.resume import inspect_root
+
+    steps = {
+        "resume plan": lambda: inspect_root(tmp, {}),
+        "checkpointer's run id": lambda: Checkpointer(tmp),
+        "checkpointer's load agreement": lambda: Checkpointer(tmp).load(
+            TrainState(model=torch.nn.Linear(2, 2)), tmp / "step-00000001"
+        ),
+        "guard's fingerprints": lambda: check_consistency(accum_steps=1),
+    }
+    results = []
+    for name, step in steps.items():
+        try:
+            step()
+            results.append(f"{name}: accepted")
+        except Exception as e:  # what disttrain raises is the test's to check
+            results.append(f"{name}: refused: {type(e).__name__}: {e}")
+        results[-1] += " (ran)" if ran.exists() else ""
+    return results
+
+
+def _pickling_peer(rank: int, port: int, tmp: str) -> None:
+    """Rank 0 sends a pickle into each of the exchanges rank 1 makes (`_honest`), and
+    plays its part honestly where rank 1's side needs it to get there."""
+    import torch.distributed as dist
+
+    from disttrain.checkpoint.checkpointer import Checkpointer
+
+    dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=2,
+                            timeout=datetime.timedelta(seconds=30))
+    ran = Path(tmp) / "ran"
+    try:
+        if rank == 1:
+            Path(tmp, "result").write_text("\n".join(_honest(ran, Path(tmp))))
+            return
+        _send_pickle(str(ran))  # the resume plan
+        _send_pickle(str(ran), dist.new_group(backend="gloo"))  # a checkpointer's run id
+        pg = Checkpointer(tmp).pg  # an honest start, then a load whose ranks disagree
+        dist.all_reduce(torch.tensor([1], dtype=torch.int32), op=dist.ReduceOp.MAX, group=pg)
+        _gather_pickle(str(ran), pg)
+        _gather_pickle(str(ran))  # the guard's fingerprints
+    finally:
+        dist.destroy_process_group()
+
+
+def test_a_pickle_in_a_resume_checkpoint_or_guard_exchange_is_refused_and_never_run(tmp_path):
+    ctx = multiprocessing.get_context("spawn")
+    port = _free_port()
+    procs = [ctx.Process(target=_pickling_peer, args=(r, port, str(tmp_path))) for r in range(2)]
+    for p in procs:
+        p.start()
+    for p in procs:
+        p.join(timeout=90)
+    assert [p.exitcode for p in procs] == [0, 0]
+    lines = (tmp_path / "result").read_text().splitlines()
+    names = ["resume plan", "checkpointer's run id", "checkpointer's load agreement", "guard's fingerprints"]
+    assert [line.split(":")[0] for line in lines] == names
+    for line in lines:
+        assert "refused: MalformedPeerValue: rank 0 sent bytes that are not JSON" in line, line
+        assert "(ran)" not in line, line
+    assert not (tmp_path / "ran").exists()
+
+
+def test_a_value_of_another_shape_is_refused_not_used():
+    from disttrain.runtime.collectives import MalformedPeerValue, conform
+    from disttrain.train.resume import ResumePlan
+
+    plan = ResumePlan("ckpt/step-00000003", 3, {"optim": {"lr": 0.1}}, changes=[("optim.lr", 0.1, 0.2)])
+    assert ResumePlan.from_json(json.loads(json.dumps(plan.to_json())), "rank 0") == plan  # tuples back
+    for bad in ({**plan.to_json(), "step": "3"}, {**plan.to_json(), "changes": [["optim.lr", 1]]},
+                {**plan.to_json(), "extra": 1}, ["ckpt", 3]):
+        with pytest.raises(MalformedPeerValue, match=r"rank 0 \(its resume plan\) sent"):
+            ResumePlan.from_json(bad, "rank 0")
+    problem = tuple[str, str] | tuple[str, str, str] | None
+    assert conform(["", "unsafe", "why"], problem) == ("", "unsafe", "why")
+    for bad, shape in ((True, int), ([1, 2], problem), ({"a": 1}, dict[str, str])):
+        with pytest.raises(MalformedPeerValue, match="rank 1 sent"):
+            conform(bad, shape, "rank 1")
+
+
+def _listening_while(cmd: list[str], port: int) -> tuple[set[str], subprocess.CompletedProcess]:
+    """The local addresses that listened on `port` at any moment while `cmd` ran."""
+    seen: set[str] = set()
+    with subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=worker_env()) as proc:
+        deadline = time.monotonic() + 90
+        while proc.poll() is None and time.monotonic() < deadline:
+            seen |= _listening(port)
+            time.sleep(0.005)
+        if proc.poll() is None:
+            proc.kill()
+        out, err = proc.communicate()
+    return seen, subprocess.CompletedProcess(cmd, proc.returncode, out, err)
+
+
+def test_disttrain_checks_store_listens_on_the_loopback_endpoint_only():
+    port = _free_port()
+    cmd = [sys.executable, "-m", "disttrain.cli", "check", "--nproc", "1", "--rdzv-backend", "c10d",
+           "--rdzv-endpoint", f"127.0.0.1:{port}", "--timeout", "30"]
+    seen, done = _listening_while(cmd, port)
+    assert done.returncode == 0, done.stderr[-2000:]
+    assert seen == {LOOPBACK}  # torch's own store would listen on every interface
+
+
 # ---------------------------------------------------------------- disttrain etcd start
 
 

@@ -52,12 +52,18 @@ from disttrain.checkpoint.files import atomic_write_bytes
 from disttrain.checkpoint.own_files import read_own
 from disttrain.checkpoint.state import TrainState, config_hash, param_fqns, set_rng_state, strategy_of
 from disttrain.runtime import processes, rank_info
+from disttrain.runtime.collectives import all_gather_json, broadcast_json
 from disttrain.runtime.log import LOGGER
 
 # DCP (torch.distributed.checkpoint) pulls in DTensor and sympy, about half a second:
 # it is imported on the first save or load, not when the trainer starts.
 ASYNC_MODES = ("off", "thread")
 RAW_FORMAT = "raw-1"  # raw_storage.FORMAT, named here so the manifest needs no DCP import
+
+
+_OUTCOME = tuple[str | None, dict[str, dict[str, int | str]], bool]
+"""What each rank says of its part of a save: its failure or None, the manifest record
+({"size", "digest"}) of each file it wrote, whether the weights it wrote are finite."""
 
 
 def _failures() -> tuple:
@@ -103,7 +109,7 @@ class Checkpointer:
         info = rank_info()
         self.rank, self.world = info.rank, info.world_size
         self.pg = dist.new_group(backend="gloo") if dist.is_initialized() else None
-        self.run_id = self._bcast(uuid.uuid4().hex[:8])
+        self.run_id = self._bcast(uuid.uuid4().hex[:8], str)
         self.generation: int | None = None
         self._inflight: Future | None = None
         from disttrain.checkpoint.async_part import AsyncStaging
@@ -120,19 +126,20 @@ class Checkpointer:
 
     # ------------------------------------------------------------ collectives
 
-    def _bcast(self, obj):
+    def _bcast(self, obj, shape):
+        """Rank 0's `obj` on every rank, as JSON of `shape` (`broadcast_json`, `conform`:
+        a tuple comes back a tuple). Raises `MalformedPeerValue` on a value of another
+        shape: nothing a peer sends is unpickled."""
         if self.pg is None:
             return obj
-        box = [obj]
-        dist.broadcast_object_list(box, src=0, group=self.pg)
-        return box[0]
+        return broadcast_json(obj, src=0, group=self.pg, shape=shape)
 
-    def _gather(self, obj) -> list:
+    def _gather(self, obj, shape) -> list:
+        """Every rank's `obj`, in rank order, as JSON of `shape` (`all_gather_json`),
+        checked as `_bcast` checks."""
         if self.pg is None:
             return [obj]
-        out = [None] * self.world
-        dist.all_gather_object(out, obj, group=self.pg)
-        return out
+        return all_gather_json(obj, group=self.pg, shape=shape)
 
     # ------------------------------------------------------------ save
 
@@ -178,7 +185,9 @@ class Checkpointer:
     def _save_now(self, state: TrainState) -> Path | None:
         step = state.step
         if self.generation is None:
-            self.generation = self._bcast(layout.claim_generation(self.root, self.run_id) if self.rank == 0 else None)
+            self.generation = self._bcast(
+                layout.claim_generation(self.root, self.run_id) if self.rank == 0 else None, int
+            )
         tmp = self.root / layout.tmp_name(step, self.generation, self.run_id)
         final = self.root / layout.step_name(step)
         err, done = None, False
@@ -194,7 +203,7 @@ class Checkpointer:
                 err = f"stale writer: {e}"
             except OSError as e:
                 err = f"cannot create {tmp}: {describe(e)}"
-        err, done = self._bcast((err, done))
+        err, done = self._bcast((err, done), tuple[str | None, bool])
         self._raise_if(err, step, tmp)
         if done:
             self.last_saved = final
@@ -267,7 +276,7 @@ class Checkpointer:
         local = self._written(small) or local  # every file of this rank is on disk, or the save fails
         # one all-gather: each rank's outcome, digests, and whether the weights it wrote are finite
         digests, finite = writer.digests, writer.finite.all() if local is None else True
-        gathered = self._gather((local, digests if local is None else {}, finite))
+        gathered = self._gather((local, digests if local is None else {}, finite), _OUTCOME)
         err = next((e for e, _, _ in gathered if e), None)
         fault_point("after_shards", self.rank, step)
         if self.rank == 0 and err is None:
@@ -287,7 +296,7 @@ class Checkpointer:
             except (OSError, CheckpointError) as e:
                 err = str(e) if isinstance(e, CheckpointError) else f"rank 0: {describe(e)}"
         self._written(writer.pending)  # nothing writes into the directory after this
-        self._raise_if(self._bcast(err), step, tmp)
+        self._raise_if(self._bcast(err, str | None), step, tmp)
         self.last_saved = final
         return final
 
@@ -382,7 +391,8 @@ class Checkpointer:
                     map(
                         Path,
                         self._bcast(
-                            [str(p) for _, _, p in layout.committed(path or self.root)] if self.rank == 0 else None
+                            [str(p) for _, _, p in layout.committed(path or self.root)] if self.rank == 0 else None,
+                            list[str],
                         ),
                     )
                 )

@@ -22,6 +22,8 @@ if TYPE_CHECKING:
 
 UNSAFE = "unsafe"
 """The kind of a problem ("", UNSAFE, message) that refuses the folder (`CheckpointUnsafe`)."""
+PROBLEM = tuple[str, str] | tuple[str, str, str] | None
+"""A rank's problem with a load: None, (bad file, message), or ("", kind, message)."""
 
 
 def load_verified(
@@ -124,21 +126,21 @@ def agree(gathered: list) -> tuple | None:
 
 
 def problems(mine, pg, gather) -> list:
-    """Every rank's problem (`gather`: an all-gather of one object per rank), or []
-    when no rank has one: one all-reduce of a flag decides that first. A problem is
-    rare, and an object all-gather is two collectives and a pickle, which took tens
-    of milliseconds of a small load at 4 ranks on 2 cores."""
+    """Every rank's problem (`gather(value, shape)`: an all-gather of one JSON value
+    per rank, checked against `PROBLEM`), or [] when no rank has one: one all-reduce of
+    a flag decides that first. A problem is rare, and the all-gather is two
+    collectives of padded texts."""
     if pg is None:
-        return gather(mine)
+        return gather(mine, PROBLEM)
     flag = torch.tensor([mine is not None], dtype=torch.int32)
     dist.all_reduce(flag, op=dist.ReduceOp.MAX, group=pg)
-    return gather(mine) if flag.item() else []
+    return gather(mine, PROBLEM) if flag.item() else []
 
 
 def load_one(step_dir: Path, tensors: dict, strict: bool, rank: int, world: int, pg, gather) -> str | None:
     """A collective: load `step_dir` into `tensors`, every file checked once;
     returns None or the first bad file's message, the same on every rank (`gather`:
-    the checkpointer's all-gather of one object per rank).
+    the checkpointer's all-gather of one JSON value per rank, `problems`).
 
     Before anything is parsed every rank hashes the small files it parses itself
     (`.metadata`, `state.json`, its RNG file) and compares keys and shapes; the data

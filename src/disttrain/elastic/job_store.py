@@ -8,22 +8,20 @@ secret, and a server that listens only where the job does.
   `TCPStore` has no authentication); what it cannot do is make a rank act on a value
   it wrote. The counters (`add`) and torch's own keys (the process groups' rendezvous)
   are not sealed.
-- `listening_socket` binds the server's socket to the address MASTER_ADDR resolves to
-  (torch's own `TCPStore` server listens on every interface); `host_store` hands that
-  socket to the store.
+- `host_store` serves it listening only on the address MASTER_ADDR resolves to
+  (`runtime.store_server`; torch's own `TCPStore` server listens on every interface).
 """
 
 from __future__ import annotations
 
 import datetime
-import ipaddress
 import os
-import socket
 
 import torch.distributed as dist
 
 from disttrain.runtime import job_secret
 from disttrain.runtime.log import EVERY_RANK, LOGGER, speaker
+from disttrain.runtime.store_server import hosted_store
 
 
 class JobStore:
@@ -75,53 +73,17 @@ def connect(timeout_s: float) -> JobStore:
     return JobStore(store, secret)
 
 
-def _is_loopback(address: str) -> bool:
-    return ipaddress.ip_address(address.split("%", 1)[0]).is_loopback
-
-
-def bind_address(host: str, port: int, one_node: bool) -> tuple[socket.AddressFamily, str] | None:
-    """Where the store listens: the address `host` (MASTER_ADDR) resolves to here, IPv4
-    first. None (every interface, as torch would) only when that address is a loopback
-    one in a job of several nodes (a host name that /etc/hosts maps to 127.0.1.1, while
-    the other nodes reach it by its network address)."""
-    found = socket.getaddrinfo(host, port, type=socket.SOCK_STREAM)
-    found.sort(key=lambda info: info[0] != socket.AF_INET)
-    family, address = found[0][0], str(found[0][4][0])
-    if _is_loopback(address) and not one_node:
-        return None
-    return family, address
-
-
-def listening_socket(host: str, port: int, one_node: bool) -> socket.socket:
-    """A listening TCP socket on `port` at `bind_address`; says so once when it has to
-    listen on every interface."""
-    where = bind_address(host, port, one_node)
-    if where is None:
-        LOGGER.warning(
-            f"disttrain: MASTER_ADDR {host} is a loopback address on this node of a multi-node job; "
-            f"fast recovery's store listens on every interface (set MASTER_ADDR to this node's "
-            f"address on the job's network to bind it there)"
-        )
-        where = (socket.AF_INET6 if socket.has_ipv6 else socket.AF_INET, "::" if socket.has_ipv6 else "0.0.0.0")
-    sock = socket.socket(where[0], socket.SOCK_STREAM)
-    sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)  # a restarted attempt reuses the port
-    sock.bind((where[1], port))
-    sock.listen(512)
-    return sock
-
-
 def host_store(timeout_s: float) -> dist.TCPStore:
     """The store server of global rank 0's slot supervisor, at MASTER_ADDR:MASTER_PORT,
-    listening only on MASTER_ADDR's address (`listening_socket`)."""
+    listening only on MASTER_ADDR's address (`runtime.store_server.hosted_store`)."""
     host, port = os.environ.get("MASTER_ADDR", "127.0.0.1"), int(os.environ["MASTER_PORT"])
     one_node = os.environ.get("WORLD_SIZE") == os.environ.get("LOCAL_WORLD_SIZE", os.environ.get("WORLD_SIZE"))
-    sock = listening_socket(host, port, one_node)
-    return dist.TCPStore(
+    return hosted_store(
         host,
         port,
+        one_node=one_node,
+        what="fast recovery's store",
+        timeout_s=timeout_s,
         world_size=None,
-        is_master=True,
         wait_for_workers=False,
-        timeout=datetime.timedelta(seconds=timeout_s),
-        master_listen_fd=sock.detach(),  # the store owns the descriptor from now on
     )

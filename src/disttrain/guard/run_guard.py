@@ -29,7 +29,7 @@ import torch.nn as nn
 
 from disttrain.errors import DistributedMismatchError
 from disttrain.runtime import torch_compat
-from disttrain.runtime.collectives import comm_device
+from disttrain.runtime.collectives import all_gather_json, comm_device
 
 
 # ---------------------------------------------------------------- start-of-run fingerprint
@@ -100,6 +100,10 @@ def _first_difference(values: list[Any]) -> str:
     return "no entry differs"
 
 
+_DETAIL = {"config": dict[str, str] | None, "model_structure": list[str] | None}
+"""The details behind a differing hash, as each rank sends them (None: not asked for)."""
+
+
 def check_consistency(model: nn.Module | None = None, config: Any = None, **fields: Any) -> dict[str, str]:
     """Check that every rank runs the same job; return this rank's fingerprint.
 
@@ -114,21 +118,17 @@ def check_consistency(model: nn.Module | None = None, config: Any = None, **fiel
     fp = fingerprint(model, config, **fields)
     if not dist.is_initialized() or dist.get_world_size() == 1:
         return fp
-    world = dist.get_world_size()
-    every: list[dict] = [None] * world  # type: ignore[list-item]
-    dist.all_gather_object(every, fp)
+    every: list[dict[str, str]] = all_gather_json(fp, shape=dict[str, str])
     keys = sorted(set().union(*every))
     bad = [k for k in keys if len({e.get(k) for e in every}) > 1]
     if not bad:
         return fp
     # Second, rare exchange: the details behind a differing hash.
-    detail: dict[str, Any] = {}
-    if "config" in bad and config is not None:
-        detail["config"] = _config_items(config)
-    if "model_structure" in bad and model is not None:
-        detail["model_structure"] = model_structure(model)
-    details: list[dict] = [None] * world  # type: ignore[list-item]
-    dist.all_gather_object(details, detail)
+    detail = {
+        "config": _config_items(config) if "config" in bad and config is not None else None,
+        "model_structure": model_structure(model) if "model_structure" in bad and model is not None else None,
+    }
+    details = all_gather_json(detail, shape=_DETAIL)
     odd: set[int] = set()
     lines = []
     for k in bad:
@@ -136,7 +136,7 @@ def check_consistency(model: nn.Module | None = None, config: Any = None, **fiel
         common = Counter(values).most_common(1)[0][0]  # ties keep rank 0's value
         odd |= {r for r, v in enumerate(values) if v != common}
         line = f"  {k}: " + ", ".join(f"rank {r}={v}" for r, v in enumerate(values))
-        if all(k in d for d in details):
+        if all(d.get(k) is not None for d in details):
             line += f"\n    {_first_difference([d[k] for d in details])}"
         lines.append(line)
     ranks = ", ".join(str(r) for r in sorted(odd))

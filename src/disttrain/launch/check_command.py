@@ -5,9 +5,11 @@ Run it on each node with the flags of `disttrain run` (a trailing script, or
 1. connects to the rendezvous endpoint (retrying until the deadline: the host's store
    may start a moment later) -- a node that cannot is named with the OS error;
 2. joins a rendezvous of all `--nnodes` nodes (the upper bound of MIN:MAX) through
-   torch's own handler for the backend (c10d, etcd-v2, static), under the run id
-   `{rdzv-id}-check` so the job's own rendezvous state is never touched; a node that
-   is still waiting at the deadline says how many nodes are missing;
+   torch's own handler for the backend (c10d, etcd-v2; static: one store at the
+   endpoint, as torchrun's), under the run id `{rdzv-id}-check` so the job's own
+   rendezvous state is never touched; a node that is still waiting at the deadline
+   says how many nodes are missing. A store the check hosts listens only on the
+   endpoint's address (`runtime.store_server`), not on every interface;
 3. publishes its facts (versions, visible GPUs, free space and write access at the
    checkpoint directory) through the rendezvous store, so a version mismatch is named
    before any collective could hang on it;
@@ -192,12 +194,46 @@ class NodeFailed(UserError):
     """This node could not finish a phase; the message names it."""
 
 
-def _rendezvous(args: CheckArgs, addr: str, deadline: float):
-    """torch's rendezvous handler for the backend -> RendezvousInfo (store, rank, world)."""
-    from torch.distributed.elastic.rendezvous import RendezvousParameters
+STORE = "disttrain check's store"
+"""How a warning names the stores the check hosts (`runtime.store_server`)."""
+
+
+def _host_store(host: str, port: int, nnodes: int, timeout_s: float, **options):
+    """The server of a store the check hosts at `host:port`, listening only on `host`'s
+    address (`hosted_store`), not on every interface as torch's own would."""
+    from disttrain.runtime.store_server import hosted_store
+
+    return hosted_store(host, port, one_node=nnodes == 1, what=STORE, timeout_s=timeout_s, **options)
+
+
+def _static(args: CheckArgs, hosting: bool, timeout_s: float):
+    """torchrun's static rendezvous (node rank given, one store at the endpoint) ->
+    RendezvousInfo; node rank 0 hosts the store (`_host_store`). A node that is missing
+    is found when its facts do not arrive (`_exchange`)."""
+    import torch.distributed as dist
+    from torch.distributed.elastic.rendezvous.api import RendezvousInfo, RendezvousStoreInfo
+
+    if hosting:
+        store = _host_store(args.host, args.port, args.nnodes, timeout_s, wait_for_workers=False)
+    else:
+        store = dist.TCPStore(args.host, args.port, is_master=False, timeout=timedelta(seconds=timeout_s))
+    assert args.node_rank is not None, "parse requires --node-rank for static"
+    where = RendezvousStoreInfo(args.host, args.port)
+    return RendezvousInfo(dist.PrefixStore(args.run_id, store), args.node_rank, args.nnodes, where)
+
+
+def _rendezvous(args: CheckArgs, addr: str, deadline: float, hosting: bool):
+    """(handler, RendezvousInfo (store, rank, world)) through torch's rendezvous for the
+    backend; a store this node hosts (c10d's, static's) listens only on the endpoint's
+    address (`_host_store`)."""
+    from torch.distributed.elastic.rendezvous import RendezvousHandler, RendezvousParameters
+    from torch.distributed.elastic.rendezvous.c10d_rendezvous_backend import C10dRendezvousBackend
+    from torch.distributed.elastic.rendezvous.dynamic_rendezvous import create_handler
     from torch.distributed.elastic.rendezvous.registry import get_rendezvous_handler
 
     left = max(1, int(deadline - time.monotonic()))
+    if args.backend == "static":
+        return None, _static(args, hosting, left)
     conf: dict = {
         "join_timeout": left,
         "last_call_timeout": 1,
@@ -209,8 +245,6 @@ def _rendezvous(args: CheckArgs, addr: str, deadline: float):
         # torch guesses the store host from the hostname, which misses a secondary NIC or
         # a network namespace; binding to the endpoint's address is exact.
         conf["is_host"] = is_local_address(args.host)
-    if args.backend == "static":
-        conf = {"rank": args.node_rank, "timeout": left}
     params = RendezvousParameters(
         backend=args.backend,
         endpoint=f"{args.host}:{args.port}",
@@ -220,7 +254,12 @@ def _rendezvous(args: CheckArgs, addr: str, deadline: float):
         local_addr=addr,
         **conf,
     )
-    handler = get_rendezvous_handler(params)
+    handler: RendezvousHandler
+    if hosting:  # c10d: torch's handler, on a store bound to the endpoint's address
+        store = _host_store(args.host, args.port, args.nnodes, left, wait_for_workers=False)
+        handler = create_handler(store, C10dRendezvousBackend(store, params.run_id), params)
+    else:
+        handler = get_rendezvous_handler(params)
     # The handler must outlive the check: it owns the store behind `info.store` (for
     # etcd-v2 a Python store, which a PrefixStore cannot use once it is collected).
     return handler, handler.next_rendezvous()
@@ -287,14 +326,10 @@ def _collectives(info, nodes: list[NodeFacts], args: CheckArgs) -> dict[str, flo
     try:
         if args.backend == "etcd-v2":  # as torchrun: a TCPStore on rank 0's node, not etcd, for the group
             where = info.bootstrap_store_info
-            store = dist.TCPStore(
-                where.master_addr,
-                where.master_port,
-                world_size=world,
-                is_master=rank == 0,
-                timeout=timeout,
-                multi_tenant=True,
-            )
+            if rank == 0:
+                store = _host_store(where.master_addr, where.master_port, world, args.timeout_s, world_size=world)
+            else:
+                store = dist.TCPStore(where.master_addr, where.master_port, world_size=world, timeout=timeout)
         dist.init_process_group(
             "gloo", store=dist.PrefixStore("check-pg", store), rank=rank, world_size=world, timeout=timeout
         )
@@ -357,7 +392,7 @@ def check(args: CheckArgs, started: float | None = None) -> tuple[list[NodeFacts
         addr = args.local_addr or addr
     mine = node_facts(addr, args.nproc, args.ckpt_dir)
     try:
-        handler, info = _rendezvous(args, addr, deadline)
+        handler, info = _rendezvous(args, addr, deadline, hosting)
     except RendezvousTimeoutError:
         raise NodeFailed(
             f"node {mine.name}: not all {args.nnodes} nodes joined the rendezvous at "

@@ -26,6 +26,7 @@ from pathlib import Path
 from disttrain.config.paths import output_file
 from disttrain.errors import UserError
 from disttrain.launch.launch_templates import (
+    ETCD_NOTE,
     POD_CONFIG,
     POD_SHARED,
     LaunchSpec,
@@ -191,8 +192,10 @@ def render(ns: argparse.Namespace) -> tuple[str, str]:
     spec, toml_text = spec_from(ns)
     if ns.kind == "slurm":
         return sbatch(spec), f"{spec.name}.sbatch"
-    docs = [*etcd_objects(spec), config_map(spec, toml_text), pytorchjob(spec)]
-    text = "".join(f"---\n{json.dumps(d, indent=2)}\n" for d in docs)
+    service, deployment = etcd_objects(spec)
+    notes = {id(deployment): ETCD_NOTE}  # YAML comments: the JSON documents cannot hold one
+    docs = [service, deployment, config_map(spec, toml_text), pytorchjob(spec)]
+    text = "".join(f"---\n{notes.get(id(d), '')}{json.dumps(d, indent=2)}\n" for d in docs)
     return text, f"{spec.name}.yaml"
 
 

@@ -111,8 +111,25 @@ def _meta(s: LaunchSpec, name: str, **labels: str) -> dict:
     return meta
 
 
+ETCD_NOTE = """\
+# The etcd below has no authentication and no TLS: any pod that reaches it can read and
+# rewrite the rendezvous (torch keeps its etcd-v2 rendezvous state there as a pickle).
+# It listens only on its pod's own address (clients, port 2379, reached through the
+# Service) and on 127.0.0.1 (peers: it is a cluster of one). Restrict which pods reach
+# it with a NetworkPolicy. To require client certificates, see "Protect etcd with its
+# own options" in disttrain's docs/security.md: add --cert-file, --key-file,
+# --client-cert-auth and --trusted-ca-file with https:// client URLs here, mount the
+# files from a Secret, and give the workers' command --rdzv-conf
+# protocol=https,ca_cert=CA,ssl_cert=CERT,ssl_cert_key=KEY.
+"""
+"""The comment the manifest carries above the etcd Deployment (`etcd_objects`)."""
+
+
 def etcd_objects(s: LaunchSpec) -> list[dict]:
-    """A one-replica etcd (v2 API on: torch's etcd-v2 rendezvous speaks it) and its Service."""
+    """A one-replica etcd (v2 API on: torch's etcd-v2 rendezvous speaks it) and its
+    Service. etcd listens for clients on its pod's address only (the downward API's
+    status.podIP), not on every interface of the pod, and for peers on 127.0.0.1.
+    Without authentication: see `ETCD_NOTE`."""
     name = f"{s.name}-etcd"
     labels = {"app.kubernetes.io/name": name}
     service = {
@@ -128,9 +145,11 @@ def etcd_objects(s: LaunchSpec) -> list[dict]:
             "etcd",
             "--enable-v2=true",
             "--data-dir=/var/lib/etcd",
-            f"--listen-client-urls=http://0.0.0.0:{ETCD_PORT}",
+            f"--listen-client-urls=http://$(POD_IP):{ETCD_PORT}",  # Kubernetes expands $(POD_IP)
             f"--advertise-client-urls=http://{name}:{ETCD_PORT}",
+            "--listen-peer-urls=http://127.0.0.1:2380",  # a cluster of one has no peers to hear
         ],
+        "env": [{"name": "POD_IP", "valueFrom": {"fieldRef": {"fieldPath": "status.podIP"}}}],
         "ports": [{"containerPort": ETCD_PORT, "name": "client"}],
         "readinessProbe": {"tcpSocket": {"port": ETCD_PORT}, "periodSeconds": 2},
     }

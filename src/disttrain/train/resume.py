@@ -41,6 +41,7 @@ from disttrain.checkpoint.own_files import escapes, read_own
 from disttrain.config import Config, to_dict
 from disttrain.config.path_keys import same_place
 from disttrain.elastic import apply_batch_policy
+from disttrain.runtime.collectives import broadcast_json, conform
 
 _WEIGHTS = "the model, which the saved weights fit"
 _SAMPLES = "the training samples, which the saved sample cursor counts through"
@@ -145,6 +146,23 @@ class ResumePlan:
             )
         return self
 
+    def to_json(self) -> dict:
+        """Plain JSON values (the rows become lists); `from_json` is the inverse."""
+        return asdict(self)
+
+    @staticmethod
+    def from_json(data: Any, who: str) -> "ResumePlan":
+        """The plan of `to_json`'s `data`, which `who` sent, every field checked
+        (`conform`). Raises `MalformedPeerValue` for anything else: a peer's or a
+        handed file's value is data, never code."""
+        fields = conform(data, _PLAN_SHAPE, f"{who} (its resume plan)")
+        return ResumePlan(**fields)
+
+
+_ROWS = list[tuple[str, Any, Any]]
+_PLAN_SHAPE = {"directory": str, "step": int, "saved_config": dict[str, Any] | None, "changes": _ROWS, "refused": _ROWS}
+"""A resume plan as JSON: each field of `ResumePlan` with its type (a row is a list)."""
+
 
 def plan_for(directory: str | Path, cfg: Config | dict) -> ResumePlan | None:
     """Read `directory/state.json` (plain JSON, nothing unpickled; `own_files.read_own`:
@@ -191,9 +209,8 @@ def inspect_root(root: str | Path, cfg: Config | dict) -> ResumePlan | None:
         newest = committed(Path(root))
         plan = plan_for(newest[0][2], cfg) if newest else None
     if dist.is_initialized() and dist.get_world_size() > 1:
-        box = [plan]
-        dist.broadcast_object_list(box, src=0)
-        plan = box[0]
+        sent = broadcast_json(plan.to_json() if plan is not None else None, src=0)
+        plan = ResumePlan.from_json(sent, "rank 0") if sent is not None else None
     return plan.check() if plan is not None else None
 
 
@@ -207,15 +224,13 @@ class Inspected:
 
     def to_json(self) -> dict | None:
         """Plain data for the launcher's handed file (`train.launched`)."""
-        return None if self.plan is None else asdict(self.plan)
+        return None if self.plan is None else self.plan.to_json()
 
     @staticmethod
     def from_json(data: dict | None) -> "Inspected":
-        """The inverse of `to_json` (JSON's lists turned back into the plan's tuples)."""
-        if data is None:
-            return Inspected(None)
-        rows = {k: [tuple(row) for row in data[k]] for k in ("changes", "refused")}
-        return Inspected(ResumePlan(data["directory"], int(data["step"]), data["saved_config"], **rows))
+        """The inverse of `to_json` (JSON's lists turned back into the plan's tuples).
+        Raises `MalformedPeerValue` for data that is not a plan (`ResumePlan.from_json`)."""
+        return Inspected(None if data is None else ResumePlan.from_json(data, "the launcher"))
 
 
 def inspect_once(cfg: Config, inspected: Inspected | None) -> ResumePlan | None:
