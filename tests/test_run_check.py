@@ -121,3 +121,48 @@ def test_checks_change_no_number_of_the_run(tmp_path):
     assert ours.keys() == theirs.keys()
     for name in ours:
         assert torch.equal(ours[name], theirs[name]), name
+
+
+JOB_SCRIPT = WORKERS / "check_scripts" / "job_edit.py"
+
+
+@pytest.mark.parametrize("edit", [True, False])
+def test_job_check_true_finds_a_parameter_changed_outside_the_optimizer(edit, tmp_path):
+    """`dt.Job(check=True)` under a plain `disttrain run`: the twin is silent."""
+    cmd = run_cmd(2, str(JOB_SCRIPT), str(tmp_path), *(["--edit"] if edit else []))
+    proc = subprocess.run(cmd, capture_output=True, text=True, timeout=JOB_TIMEOUT, env=worker_env())
+    if edit:
+        assert proc.returncode == 3, proc.stderr[-3000:]
+        lines = JOB_SCRIPT.read_text().splitlines()
+        step_line = next(i for i, line in enumerate(lines, 1) if "job.backward(" in line)
+        for text in ("step 4: the parameter `0.bias` differs across ranks", "changed outside the optimizer",
+                     f"job_edit.py:{step_line}"):
+            assert text in proc.stderr, (text, proc.stderr[-3000:])
+    else:
+        assert proc.returncode == 0, proc.stderr[-3000:]
+        assert "checked 6 optimizer steps on 2 ranks" in proc.stderr and "no problem found" in proc.stderr
+
+
+def test_guard_check_steps_is_validated():
+    from disttrain.config import Config
+    from disttrain.config.schema import validate
+
+    cfg = Config()
+    cfg.guard.check, cfg.guard.check_steps = True, 0
+    with pytest.raises(UserError, match="guard.check_steps is 0"):
+        validate(cfg)
+    cfg.guard.check_steps = -1
+    validate(cfg)
+
+
+def test_disttrain_train_guard_check_runs_the_checks(tmp_path):
+    """`[guard] check = true` reaches the trainer's Job: the summary of a tiny run."""
+    from conftest import ROOT, run_disttrain
+
+    proc = run_disttrain(["train", str(ROOT / "examples" / "tiny_gpt.toml"), "--train.steps=3",
+                          "--model.n_layer=1", "--model.n_embd=32", "--model.block_size=32",
+                          "--data.max_bytes=100000", f"--train.out_dir={tmp_path}", "--train.eval_every=0",
+                          "--guard.check=true"], timeout=JOB_TIMEOUT)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    assert "disttrain --check: checked 3 optimizer steps on 2 ranks" in proc.stderr, proc.stderr[-3000:]
+    assert "DDP averages the gradients" in proc.stderr and "no problem found" in proc.stderr

@@ -56,12 +56,12 @@ class Session:
         self.data.install()
 
     def close(self) -> None:
-        """Remove every hook; print the summary once."""
+        """End the window: the module hooks and the DataLoader wrapper removed, the
+        summary printed, once. The optimizer hooks stay (returning at once) until
+        `finish`: this is called from inside them, while torch iterates over them."""
         if self.closed:
             return
         self.closed = True
-        for handle in self._handles:
-            handle.remove()
         self.models.remove()
         self.data.remove()
         LOGGER.info(self.report.summary(self.checked, self.boundary_seen, self.world))
@@ -74,6 +74,8 @@ class Session:
     def _before(self, opt: torch.optim.Optimizer, args: Any, kwargs: Any) -> None:
         if self.closed or (self.stepping is not None and self.stepping is not opt):
             return  # the local optimizer of a ZeroRedundancyOptimizer, inside its step
+        if all(float(group.get("lr", 1.0)) == 0.0 for group in opt.param_groups):
+            return  # changes nothing: torch's own step that makes the optimizer's state (DCP)
         self.stepping, self.pending = opt, None
         self.steps += 1
         if not self._wanted():
@@ -169,19 +171,27 @@ SESSION: list[Session] = []
 """This process's session, once installed (a list: no global statement needed)."""
 
 
-def install_from_env() -> Session | None:
-    """Install the checks when `disttrain run --check` asked for them (DISTTRAIN_CHECK);
-    None otherwise. Idempotent."""
-    window = window_from_env()
-    if window is None:
-        return None
+def install(window: int) -> Session:
+    """This process's checks for `window` optimizer steps (`ALL`: every step), installed
+    once: a second call returns the session already there (`disttrain run --check` and a
+    `dt.Job(check=True)` in its script)."""
     if not SESSION:
         SESSION.append(Session(window))
         SESSION[0].install()
     return SESSION[0]
 
 
+def install_from_env() -> Session | None:
+    """Install the checks when `disttrain run --check` asked for them (DISTTRAIN_CHECK);
+    None otherwise."""
+    window = window_from_env()
+    return None if window is None else install(window)
+
+
 def finish() -> None:
-    """The script ended: remove the hooks and print the summary, if not done yet."""
+    """The script ended: the summary, if not printed yet, and every hook removed."""
     if SESSION:
         SESSION[0].close()
+        for handle in SESSION[0]._handles:
+            handle.remove()
+        SESSION[0]._handles = []
