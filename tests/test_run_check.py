@@ -56,7 +56,13 @@ BUGS = {
         ("--bug", "bypass"),
         3,
         ["gradients of `0.weight` differ across ranks", "rank 1 differs from rank 0", "`.module` directly"],
-        ["forward(x)", "optimizer.step()"],
+        ["forward(x), y)", "optimizer.step()"],
+    ),
+    "accum_no_sync": (
+        ("--bug", "accum_no_sync"),
+        0,
+        ["warning: step 1: 2 forwards through DistributedDataParallel", "model.no_sync()", "1 warning above"],
+        ["forward(x[:half])"],
     ),
     "rank_init": (
         ("--strategy", "manual", "--bug", "rank_init"),
@@ -116,6 +122,7 @@ def test_checks_change_no_number_of_the_run(tmp_path):
     plain = run_script(tmp_path / "plain", check=())
     assert (checked.returncode, plain.returncode) == (0, 0), checked.stderr[-3000:] + plain.stderr[-3000:]
     assert "no problem found" in checked.stderr and "DDP averages the gradients" in checked.stderr
+    assert "2 micro-batches per step, no_sync() on all but the last" in checked.stderr
     assert "warning" not in checked.stderr and "--check" not in plain.stderr
     ours, theirs = torch.load(tmp_path / "checked" / "params.pt"), torch.load(tmp_path / "plain" / "params.pt")
     assert ours.keys() == theirs.keys()

@@ -8,5 +8,6 @@ user's unchanged script by checks installed from outside it (docs/check.md).
     replicas.py     parameters, gradients and buffers compared across replicas
     data.py         the DataLoader wrapper: same samples, batches per epoch, set_epoch
     wrapping.py     an optimizer holding parameters the model no longer has
+    micro_steps.py  accumulation under DDP without no_sync()
     verdicts.py     the messages, the stop (exit 3) and the summary
 """

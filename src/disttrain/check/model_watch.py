@@ -41,6 +41,9 @@ class ModelWatch:
         """id(wrapped module) -> its DDP."""
         self.bypass: str | None = None
         """The line of the first forward through a DDP's `.module` since the last step."""
+        self.forwards = self.synced = 0
+        """Training forwards through a DDP since the last step, and those outside no_sync()."""
+        self.forward_line: str | None = None
         self._handles: list[Any] = []
 
     def install(self) -> None:
@@ -65,6 +68,10 @@ class ModelWatch:
             self.roots[id(module)] = module
             if id(module) in self.wrapped and self.bypass is None and torch.is_grad_enabled():
                 self.bypass = user_line()
+            elif isinstance(module, DistributedDataParallel) and torch.is_grad_enabled():
+                self.forwards += 1
+                self.synced += bool(getattr(module, "require_backward_grad_sync", True))
+                self.forward_line = self.forward_line or user_line()
         self._depth.n = depth + 1
 
     def _left(self, module: nn.Module, args: Any, output: Any) -> None:
@@ -76,6 +83,14 @@ class ModelWatch:
         self.models.update(self.roots)
         self.roots, self.bypass = {}, None
         return roots, bypass
+
+    def take_micro_steps(self) -> tuple[int, int, str | None]:
+        """(training forwards through a DDP, those of them outside no_sync, the first's
+        line) since the last call; all start over."""
+        counts = (self.forwards, self.synced, self.forward_line)
+        self.forwards = self.synced = 0
+        self.forward_line = None
+        return counts
 
     def ddp_params(self) -> set[int]:
         """ids of the parameters some live DDP averages."""

@@ -25,7 +25,7 @@ from typing import Any
 import torch
 from torch.optim.optimizer import register_optimizer_step_post_hook, register_optimizer_step_pre_hook
 
-from disttrain.check import data, replicas, wrapping
+from disttrain.check import data, micro_steps, replicas, wrapping
 from disttrain.check.channel import Channel
 from disttrain.check.verdicts import Finding, Report, user_line
 from disttrain.check.model_watch import ModelWatch
@@ -78,11 +78,12 @@ class Session:
             return  # changes nothing: torch's own step that makes the optimizer's state (DCP)
         self.stepping, self.pending = opt, None
         self.steps += 1
+        taken = self.models.take_step(), self.models.take_micro_steps()  # this step's only
         if not self._wanted():
             if self.boundary_seen or not self.aligned:
                 self.close()
             return
-        self._guarded(self._check_before, opt)
+        self._guarded(self._check_before, opt, *taken)
 
     def _after(self, opt: torch.optim.Optimizer, args: Any, kwargs: Any) -> None:
         if opt is not self.stepping:
@@ -100,10 +101,14 @@ class Session:
             )
             self.close()
 
-    def _check_before(self, opt: torch.optim.Optimizer) -> None:
+    def _check_before(self, opt: torch.optim.Optimizer, model: tuple, micro: tuple[int, int, str | None]) -> None:
         params = [p for group in opt.param_groups for p in group["params"]]
-        roots, bypass = self.models.take_step()
+        roots, bypass = model
         line = user_line()
+        if micro_steps.all_synced(micro[0], micro[1]):
+            self.report.add(micro_steps.all_synced_finding(self.steps, micro[0], micro[2]))
+        elif micro[0] > 1:
+            self.report.note("accumulation", f"{micro[0]} micro-batches per step, no_sync() on all but the last")
         whole = replicas.plain(params)
         lost = wrapping.orphaned(params, roots)
         mine = [float(len(whole)), *replicas.before_values(whole), float(lost), *self.data.vector()]

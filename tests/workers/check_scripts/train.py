@@ -4,12 +4,14 @@ epochs of 4 steps on each of 2 ranks.
 
     python train.py OUT [--strategy ddp|manual|fsdp2] [--bug NAME]
 
-Bugs: bypass (forward through DDP's .module), rank_init (a seed per rank, gradients
-averaged by hand), no_sampler (every rank iterates the whole dataset), no_set_epoch,
-opt_first (the optimizer built before fully_shard). OUT/params.pt: the final parameters.
+Under DDP each step accumulates two micro-batches, the first under no_sync(). Bugs:
+bypass (forward through DDP's .module), rank_init (a seed per rank, gradients averaged
+by hand), no_sampler (every rank iterates the whole dataset), no_set_epoch, opt_first
+(the optimizer built before fully_shard), accum_no_sync (no no_sync()). OUT/params.pt: the final parameters.
 """
 
 import argparse
+import contextlib
 import os
 
 import torch
@@ -49,14 +51,25 @@ else:
     trained = model
     optimizer = torch.optim.SGD(model.parameters(), lr=0.1)
 
+
+def backward(x, y):
+    """Two micro-batches under DDP (no_sync on the first, but for the accum_no_sync bug)."""
+    forward = trained.module if args.bug == "bypass" else trained
+    if args.strategy != "ddp" or args.bug == "bypass":
+        nn.functional.mse_loss(forward(x), y).backward()
+        return
+    half = len(x) // 2
+    with trained.no_sync() if args.bug != "accum_no_sync" else contextlib.nullcontext():
+        (nn.functional.mse_loss(forward(x[:half]), y[:half]) / 2).backward()
+    (nn.functional.mse_loss(forward(x[half:]), y[half:]) / 2).backward()
+
+
 for epoch in range(2):
     if sampler is not None and args.bug != "no_set_epoch":
         sampler.set_epoch(epoch)
     for x, y in loader:
         optimizer.zero_grad()
-        forward = trained.module if args.bug == "bypass" else trained
-        loss = nn.functional.mse_loss(forward(x), y)
-        loss.backward()
+        backward(x, y)
         if args.strategy == "manual":
             for p in model.parameters():
                 dist.all_reduce(p.grad)
