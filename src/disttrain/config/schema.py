@@ -168,6 +168,10 @@ class GuardConfig:
     """Heartbeat directory; '' is a per-job temp directory. Use a shared one for several nodes."""
     strict: bool = False
     """Turn 'looks distributed but is not' warnings into errors."""
+    check: bool = False
+    """Runtime checks of `disttrain run --check` (docs/check.md): a wrong-results bug stops the run, exit 3."""
+    check_steps: int = 50
+    """Optimizer steps the checks cover (then one epoch boundary); -1: every step."""
 
 
 @dataclass(kw_only=True)
@@ -300,6 +304,10 @@ def validate(cfg: Config) -> None:
         and g.hang_cap_s >= g.hang_min_s,
         "guard: divergence_every must be >= 0, hang_factor > 1, hang_min_s and tick_s > 0, "
         "and hang_cap_s >= hang_min_s.",
+    )
+    _require(
+        g.check_steps >= 1 or g.check_steps == -1,
+        f"guard.check_steps is {g.check_steps}; give the optimizer steps to check (>= 1), or -1 for every step.",
     )
     _check_checkpoint(cfg.checkpoint)
     d = cfg.data

@@ -65,6 +65,7 @@ from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
 from disttrain.errors import UserError
+from disttrain.check.settings import STEPS_FLAG, take_check_flags
 from disttrain.guard import private_dir
 from disttrain.guard.script_watchdog import HANG_FLAG, take_hang_timeout
 from disttrain.launch import notes_watch, run_help, warm_workers
@@ -181,6 +182,7 @@ def split_script(argv: list[str]) -> tuple[list[str], list[str]]:
         "--signals-to-handle",
         "--signals_to_handle",
         HANG_FLAG,
+        STEPS_FLAG,
         *SHUTDOWN_FLAGS,
     }
     i = 0
@@ -315,6 +317,7 @@ def torchrun_for(argv: list[str], cfg: Config | None = None) -> Torchrun:
     debug, fast = "--debug" in flags, "--fast-recovery" in flags
     flags = [f for f in flags if f not in ("--debug", "--fast-recovery")]
     flags, hang_env = take_hang_timeout(flags, _flag_value(flags, HANG_FLAG))
+    flags, check_env = take_check_flags(flags)  # --check: the ranks install disttrain.check
     if not script:
         raise UserError(f"no script given. {run_help.USAGE}; disttrain run --help lists the flags.")
     flags = [
@@ -346,7 +349,7 @@ def torchrun_for(argv: list[str], cfg: Config | None = None) -> Torchrun:
         flags = ["--standalone"] + flags
     elif "--standalone" not in flags:
         flags = _elastic_flags(flags)
-    env = dict(DEFAULT_ENV, **hang_env)
+    env = dict(DEFAULT_ENV, **hang_env, **check_env)
     if debug:
         env.update(debug_env("nccl" if gpus else "gloo"))
     if nproc.isdigit() and nnodes.isdigit():

@@ -3,6 +3,7 @@ through unchanged (read from torchrun's own parser, so the list cannot drift).""
 
 from __future__ import annotations
 
+from disttrain.check.settings import DEFAULT_STEPS, STEPS_FLAG
 from disttrain.guard.script_watchdog import HANG_FLAG
 
 USAGE = "usage: disttrain run [disttrain flags] [torchrun flags] (script.py | -m module) [args]"
@@ -12,6 +13,14 @@ OWN_FLAGS = (
     (
         f"{HANG_FLAG} S",
         "a rank stuck S seconds in one collective reports the hang and the job stops (default 600, 0: off)",
+    ),
+    (
+        "--check",
+        "check replicas, gradients, data and optimizer as it runs; a wrong-results bug exits 3 (docs/check.md)",
+    ),
+    (
+        f"{STEPS_FLAG} N",
+        f"the optimizer steps --check covers (default {DEFAULT_STEPS}; 'all'), plus one epoch boundary",
     ),
     ("--debug", "torch's and NCCL's verbose switches for the backend in use, and where the logs go"),
     ("-h, --help", "show this help and exit (after the script, --help is the script's)"),

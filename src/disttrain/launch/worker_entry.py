@@ -84,9 +84,11 @@ def main(argv: list[str]) -> None:
 
         start_for_script()
         hold_script_groups()  # a correct script must not hang at exit (freeing a destroyed group)
+        start_checks()
     if argv[:1] == ["-m"] and len(argv) > 1:
         sys.argv = [argv[1], *argv[2:]]
         keep_globals(runpy.run_module(argv[1], run_name="__main__", alter_sys=True))
+        finish_checks()
         if direct:  # the watched child of `watched_by_parent`: a bounded exit
             from disttrain.runtime.exit_bound import end_process
 
@@ -101,6 +103,7 @@ def main(argv: list[str]) -> None:
     failures.watch_interrupts()
     try:
         keep_globals(runpy.run_path(script, run_name="__main__"))
+        finish_checks()
         worker_notes.note_finished(int(os.environ.get("RANK", "0")))
     except Exception as e:  # a dt.Job has judged its own failure already (failures.JudgedExit)
         script_failed(e)
@@ -142,6 +145,25 @@ def script_failed(exc: BaseException) -> None:
         f"disttrain run: rank {rank} {verdict.what} ({verdict.cause}); {failures.trace_to_log(rank, exc)}"
     )
     sys.exit(1)
+
+
+def start_checks() -> None:
+    """`disttrain run --check`: the checks in place before the user's script runs
+    (`disttrain.check`); nothing, and no torch import, without it."""
+    from disttrain.check.settings import window_from_env
+
+    if window_from_env() is not None:
+        from disttrain.check.session import install_from_env
+
+        install_from_env()
+
+
+def finish_checks() -> None:
+    """The script returned: the checks' summary, if they ran and it was not said yet."""
+    if "disttrain.check.session" in sys.modules:
+        from disttrain.check.session import finish
+
+        finish()
 
 
 def announcer(argv: list[str]) -> str:

@@ -34,6 +34,7 @@ from __future__ import annotations
 
 import os
 import signal
+import sys
 from pathlib import Path
 from typing import Any, Iterator
 
@@ -118,6 +119,9 @@ class Job:
         grad_clip: Clip the global gradient norm to this (0: off); logged as `grad_norm`.
         record_samples: Write each step's sample indices under `samples/` (an audit).
         tensorboard: Also write the metrics as TensorBoard events in `out_dir/tb`.
+        check: The runtime checks of `disttrain run --check` for the first
+            `guard.check_steps` optimizer steps and one epoch boundary (docs/check.md):
+            a bug that makes the results wrong stops the run with exit status 3.
         progress: Rank 0's progress bar.
         trackers (str | list | None): "wandb", "mlflow", `dt.WandbTracker(...)`,
             `dt.MlflowTracker(...)` or a list of them: rank 0 sends each metrics record,
@@ -158,6 +162,7 @@ class Job:
         grad_clip: float | None = None,
         record_samples: bool | None = None,
         tensorboard: bool | None = None,
+        check: bool | None = None,
         progress: bool = True,
         trackers=None,
     ):
@@ -170,6 +175,7 @@ class Job:
             grad_clip=grad_clip,
             record_samples=record_samples,
             tensorboard=tensorboard,
+            check=check,
         )
         self.run = run or RunOptions()
         try:
@@ -240,6 +246,10 @@ class Job:
             )
             if self.handoff is not None:
                 self.handoff.keep(guard=self.guard)
+            if self.cfg.guard.check:  # before wrap: the checks see the DDP being built
+                from disttrain.check.session import install
+
+                install(self.cfg.guard.check_steps)
         except BaseException as e:
             self._end(e)
             raise
@@ -298,6 +308,10 @@ class Job:
         )
 
     def _close(self) -> None:
+        if "disttrain.check.session" in sys.modules:  # `check`: the summary, the hooks removed
+            from disttrain.check.session import finish
+
+            finish()
         self._owner.close()
         if self.guard is not None:
             self.guard.close()

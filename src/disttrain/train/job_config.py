@@ -53,6 +53,7 @@ SHORT = {
     "grad_clip": ("optim", "grad_clip"),
     "record_samples": ("elastic", "record_samples"),
     "tensorboard": ("log", "tensorboard"),
+    "check": ("guard", "check"),
 }
 """The short keywords of `dt.Job` -> the (section, field) each overrides."""
 

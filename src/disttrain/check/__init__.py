@@ -1,0 +1,13 @@
+"""`disttrain run --check`: the bugs that only show when the program runs, found in the
+user's unchanged script by checks installed from outside it (docs/check.md).
+
+    settings.py     the --check / --check-steps flags and the window (no torch)
+    session.py      the hooks' installation, the check window, each checked step
+    channel.py      the checks' own gloo group: every rank's numbers, bit for bit
+    model_watch.py  global module hooks: the models run, DDP wrappers, `.module` bypass
+    replicas.py     parameters, gradients and buffers compared across replicas
+    data.py         the DataLoader wrapper: same samples, batches per epoch, set_epoch
+    wrapping.py     an optimizer holding parameters the model no longer has
+    micro_steps.py  accumulation under DDP without no_sync()
+    verdicts.py     the messages, the stop (exit 3) and the summary
+"""

@@ -1,0 +1,66 @@
+"""The checks' own way to compare numbers across ranks: a gloo process group of their
+own, made with `dist.new_group` at the first checked step.
+
+Why a group of our own: a collective on the user's group would sit in the same queue
+as the user's collectives (DDP's buckets, FSDP's gathers), could reorder them on an
+NCCL stream, and would change what `TORCH_DISTRIBUTED_DEBUG` sees. The new group's
+collectives run on their own gloo connections, on CPU tensors, whatever the user's
+backend. Every rank makes it at the same point (its first checked optimizer step), as
+`new_group` requires, and every exchange after that happens at the same checked step on
+every rank, so the calls always match.
+
+An exchange that fails (the user destroyed the process groups, a peer is gone, the
+group's timeout passed) turns the checks off on this rank with one warning; it never
+raises into the user's program.
+"""
+
+from __future__ import annotations
+
+import os
+
+import torch
+import torch.distributed as dist
+
+from disttrain.runtime.log import EVERY_RANK, LOGGER
+
+
+class Channel:
+    """`gather(values)`: every rank's list of floats, in rank order, bit for bit."""
+
+    def __init__(self) -> None:
+        self.group: object | None = None
+        self.broken = False
+
+    def world(self) -> int:
+        """The ranks to compare (1 without a process group)."""
+        return dist.get_world_size() if dist.is_available() and dist.is_initialized() else 1
+
+    def gather(self, values: list[float]) -> list[torch.Tensor] | None:
+        """Every rank's `values` as float64 tensors, rank 0 first (their lengths may
+        differ). A collective of the checks' group: every rank must call it at the same
+        checked step. None once the channel is broken (see the module)."""
+        mine = torch.tensor(values, dtype=torch.float64)
+        world = self.world()
+        if world == 1:
+            return [mine]
+        if self.broken:
+            return None
+        try:
+            if self.group is None:
+                self.group = dist.new_group(backend="gloo")
+            sizes = [torch.zeros(1, dtype=torch.int64) for _ in range(world)]
+            dist.all_gather(sizes, torch.tensor([mine.numel()], dtype=torch.int64), group=self.group)
+            longest = int(max(s.item() for s in sizes))
+            padded = torch.zeros(longest, dtype=torch.float64)
+            padded[: mine.numel()] = mine
+            every = [torch.empty(longest, dtype=torch.float64) for _ in range(world)]
+            dist.all_gather(every, padded, group=self.group)
+        except (RuntimeError, ValueError) as e:  # a torch.distributed error: the checks stop here
+            self.broken = True
+            LOGGER.warning(
+                f"disttrain --check: rank {os.environ.get('RANK', '0')} could not compare with the other "
+                f"ranks ({type(e).__name__}: {str(e)[:200]}); the checks stop.",
+                extra=EVERY_RANK,
+            )
+            return None
+        return [t[: int(n.item())] for t, n in zip(every, sizes)]

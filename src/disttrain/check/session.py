@@ -1,0 +1,202 @@
+"""The checks of `disttrain run --check`, installed from outside the user's script.
+
+`install_from_env()` (called by `launch.worker_entry` before the script runs, when
+`DISTTRAIN_CHECK` is set) puts in place, with public torch APIs only:
+- torch's global optimizer step hooks (`register_optimizer_step_pre_hook`, `_post_`):
+  every checked step compares gradients and replicas before it, replicas after it;
+- the global module hooks of `model_watch` (models, DDP wrappers, `.module` bypass);
+- the DataLoader wrapper of `data`.
+
+The window: the first N optimizer steps (`--check-steps`, default 50, or all), and the
+first step of the training loader's second epoch. When it closes every hook is removed
+and the summary is printed on rank 0 (or at the end of the script, if sooner). A step
+inside another optimizer's step (ZeroRedundancyOptimizer's local optimizer) is not one.
+
+Whether a step is checked depends only on numbers every rank shares (the step count,
+and the epoch boundary once the ranks were seen to have equal epochs), so each checked
+step's exchange is matched on every rank. A failure of the checks' own code turns them
+off with one warning; it never reaches the user's program.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+from torch.optim.optimizer import register_optimizer_step_post_hook, register_optimizer_step_pre_hook
+
+from disttrain.check import data, micro_steps, replicas, wrapping
+from disttrain.check.channel import Channel
+from disttrain.check.verdicts import Finding, Report, user_line
+from disttrain.check.model_watch import ModelWatch
+from disttrain.check.settings import ALL, window_from_env
+from disttrain.runtime.log import EVERY_RANK, LOGGER
+
+
+class Session:
+    """One process's checks: `install`, then torch calls the hooks; `finish` at the end."""
+
+    def __init__(self, window: int) -> None:
+        self.window = window
+        self.steps = self.checked = 0
+        self.channel, self.report = Channel(), Report()
+        self.models, self.data, self.replicas = ModelWatch(), data.DataWatch(), replicas.Replicas()
+        self.stepping: Any = None
+        """The optimizer whose step is running (a nested step is not checked)."""
+        self.pending: tuple[list[torch.Tensor], replicas.Context] | None = None
+        self.boundary_seen = self.aligned = self.closed = False
+        """aligned: the training loader had the same known length on every rank."""
+        self.world = 1
+        self.seen_opts: set[int] = set()
+        self._handles: list[Any] = []
+
+    def install(self) -> None:
+        self._handles = [register_optimizer_step_pre_hook(self._before), register_optimizer_step_post_hook(self._after)]
+        self.models.install()
+        self.data.install()
+
+    def close(self) -> None:
+        """End the window: the module hooks and the DataLoader wrapper removed, the
+        summary printed, once. The optimizer hooks stay (returning at once) until
+        `finish`: this is called from inside them, while torch iterates over them."""
+        if self.closed:
+            return
+        self.closed = True
+        self.models.remove()
+        self.data.remove()
+        LOGGER.info(self.report.summary(self.checked, self.boundary_seen, self.world))
+
+    def _wanted(self) -> bool:
+        if self.window == ALL or self.steps <= self.window:
+            return True
+        return self.aligned and not self.boundary_seen and self.data.boundary()
+
+    def _before(self, opt: torch.optim.Optimizer, args: Any, kwargs: Any) -> None:
+        if self.closed or (self.stepping is not None and self.stepping is not opt):
+            return  # the local optimizer of a ZeroRedundancyOptimizer, inside its step
+        if all(float(group.get("lr", 1.0)) == 0.0 for group in opt.param_groups):
+            return  # changes nothing: torch's own step that makes the optimizer's state (DCP)
+        self.stepping, self.pending = opt, None
+        self.steps += 1
+        taken = self.models.take_step(), self.models.take_micro_steps()  # this step's only
+        if not self._wanted():
+            if self.boundary_seen or not self.aligned:
+                self.close()
+            return
+        self._guarded(self._check_before, opt, *taken)
+
+    def _after(self, opt: torch.optim.Optimizer, args: Any, kwargs: Any) -> None:
+        if opt is not self.stepping:
+            return
+        self.stepping = None
+        if self.pending is not None and not self.closed:
+            self._guarded(self._check_after)
+
+    def _guarded(self, check: Any, *args: Any) -> None:
+        try:
+            check(*args)
+        except Exception as e:  # noqa: BLE001  (the checks' own fault must never reach the script)
+            LOGGER.warning(
+                f"disttrain --check: the checks failed ({type(e).__name__}: {e}) and stop.", extra=EVERY_RANK
+            )
+            self.close()
+
+    def _check_before(self, opt: torch.optim.Optimizer, model: tuple, micro: tuple[int, int, str | None]) -> None:
+        params = [p for group in opt.param_groups for p in group["params"]]
+        roots, bypass = model
+        line = user_line()
+        if micro_steps.all_synced(micro[0], micro[1]):
+            self.report.add(micro_steps.all_synced_finding(self.steps, micro[0], micro[2]))
+        elif micro[0] > 1:
+            self.report.note("accumulation", f"{micro[0]} micro-batches per step, no_sync() on all but the last")
+        whole = replicas.plain(params)
+        lost = wrapping.orphaned(params, roots)
+        mine = [float(len(whole)), *replicas.before_values(whole), float(lost), *self.data.vector()]
+        rows = self.channel.gather(mine)
+        if rows is None:
+            return self.close()
+        self.checked, self.world = self.checked + 1, len(rows)
+        first = id(opt) not in self.seen_opts
+        self.seen_opts.add(id(opt))
+        if any(bool(r[1 + 4 * int(r[0])]) for r in rows):
+            self.report.add(Finding("wrapping", True, wrapping.orphaned_text(self.steps, len(params), roots, line)))
+        self.report.note("optimizer", "holds the model's parameters")
+        self._compare_data([r[2 + 4 * int(r[0]) :] for r in rows], line)
+        ctx = replicas.Context(self.steps, first, self._names(whole), line, bypass, self.models.outside_sync())
+        if len({int(r[0]) for r in rows}) != 1:
+            self.report.note("replicas", "not compared: the ranks' optimizers hold different parameters")
+            return
+        ddp = self.models.ddp_params()
+        own = torch.tensor([id(p) in ddp for p in whole], dtype=torch.bool)
+        body = [r[1 : 1 + 4 * int(r[0])] for r in rows]
+        self.report.add(self.replicas.before(body, own, ctx))
+        self.pending = (whole, ctx)
+        self._note_replicas(bool(own.any()), sharded=len(whole) < len(params))
+
+    def _check_after(self) -> None:
+        assert self.pending is not None
+        whole, ctx = self.pending
+        named = self.models.buffers({id(p) for p in whole})
+        mine = replicas.after_values([*whole, *(b for _, b in named)])
+        rows = self.channel.gather(mine)
+        if rows is None:
+            return self.close()
+        if len({len(r) for r in rows}) != 1:
+            return  # the models' buffers differ in number: not comparable
+        self.report.add(self.replicas.after(rows, len(whole), [n for n, _ in named], ctx))
+
+    def _compare_data(self, rows: list[torch.Tensor], line: str | None) -> None:
+        for key, finding in data.compare(rows, self.steps, self.data.current.line if self.data.current else line):
+            self.report.add(finding, key)
+        present = all(bool(r[0] == 1) for r in rows)
+        lengths = {int(r[2]) for r in rows}
+        self.aligned = present and len(lengths) == 1 and min(lengths) >= 0
+        if present:
+            epochs = {int(r[1]) for r in rows}
+            self.boundary_seen = self.boundary_seen or (len(epochs) == 1 and min(epochs) >= 2)
+            self.report.note("data", f"compared across ranks up to epoch {max(epochs)}")
+
+    def _note_replicas(self, ddp: bool, sharded: bool) -> None:
+        if self.replicas.replica is not None and bool(self.replicas.replica.any()):
+            how = "DDP averages the gradients" if ddp else "the gradients are averaged"
+            self.report.note("replicas", f"identical on every rank ({how})")
+        elif sharded:
+            self.report.note("replicas", "not compared: sharded parameters (DTensor), a shard per rank")
+        else:
+            self.report.note("replicas", "not compared: each rank trains its own parameters")
+
+    def _names(self, params: list[torch.Tensor]) -> list[str]:
+        known = self.models.names()
+        return [
+            known.get(id(p), f"parameter {i} of the optimizer, shape {tuple(p.shape)}") for i, p in enumerate(params)
+        ]
+
+
+SESSION: list[Session] = []
+"""This process's session, once installed (a list: no global statement needed)."""
+
+
+def install(window: int) -> Session:
+    """This process's checks for `window` optimizer steps (`ALL`: every step), installed
+    once: a second call returns the session already there (`disttrain run --check` and a
+    `dt.Job(check=True)` in its script)."""
+    if not SESSION:
+        SESSION.append(Session(window))
+        SESSION[0].install()
+    return SESSION[0]
+
+
+def install_from_env() -> Session | None:
+    """Install the checks when `disttrain run --check` asked for them (DISTTRAIN_CHECK);
+    None otherwise."""
+    window = window_from_env()
+    return None if window is None else install(window)
+
+
+def finish() -> None:
+    """The script ended: the summary, if not printed yet, and every hook removed."""
+    if SESSION:
+        SESSION[0].close()
+        for handle in SESSION[0]._handles:
+            handle.remove()
+        SESSION[0]._handles = []

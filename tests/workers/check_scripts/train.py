@@ -1,0 +1,81 @@
+"""A small training script for `disttrain run --check` (tests/test_run_check.py): the
+correct form by default, one bug with `--bug NAME`. The model and data are tiny; two
+epochs of 4 steps on each of 2 ranks.
+
+    python train.py OUT [--strategy ddp|manual|fsdp2] [--bug NAME]
+
+Under DDP each step accumulates two micro-batches, the first under no_sync(). Bugs:
+bypass (forward through DDP's .module), rank_init (a seed per rank, gradients averaged
+by hand), no_sampler (every rank iterates the whole dataset), no_set_epoch, opt_first
+(the optimizer built before fully_shard), accum_no_sync (no no_sync()). OUT/params.pt: the final parameters.
+"""
+
+import argparse
+import contextlib
+import os
+
+import torch
+import torch.distributed as dist
+import torch.nn as nn
+from torch.utils.data import DataLoader, DistributedSampler, TensorDataset
+
+parser = argparse.ArgumentParser()
+parser.add_argument("out")
+parser.add_argument("--strategy", default="ddp")
+parser.add_argument("--bug", default="")
+args = parser.parse_args()
+
+dist.init_process_group("gloo")
+rank, world = dist.get_rank(), dist.get_world_size()
+torch.manual_seed(rank if args.bug == "rank_init" else 0)
+model = nn.Sequential(nn.Linear(8, 16), nn.Tanh(), nn.Linear(16, 1))
+
+data_gen = torch.Generator().manual_seed(1)
+dataset = TensorDataset(torch.randn(64, 8, generator=data_gen), torch.randn(64, 1, generator=data_gen))
+sampler = None if args.bug == "no_sampler" else DistributedSampler(dataset, shuffle=True, seed=3)
+loader = DataLoader(dataset, batch_size=8, sampler=sampler)
+
+if args.strategy == "fsdp2":
+    from torch.distributed.fsdp import fully_shard
+
+    if args.bug == "opt_first":
+        optimizer = torch.optim.SGD(model.parameters(), lr=0.1)
+    fully_shard(model)
+    if args.bug != "opt_first":
+        optimizer = torch.optim.SGD(model.parameters(), lr=0.1)
+    trained = model
+elif args.strategy == "ddp":
+    trained = nn.parallel.DistributedDataParallel(model)
+    optimizer = torch.optim.SGD(trained.parameters(), lr=0.1)
+else:
+    trained = model
+    optimizer = torch.optim.SGD(model.parameters(), lr=0.1)
+
+
+def backward(x, y):
+    """Two micro-batches under DDP (no_sync on the first, but for the accum_no_sync bug)."""
+    forward = trained.module if args.bug == "bypass" else trained
+    if args.strategy != "ddp" or args.bug == "bypass":
+        nn.functional.mse_loss(forward(x), y).backward()
+        return
+    half = len(x) // 2
+    with trained.no_sync() if args.bug != "accum_no_sync" else contextlib.nullcontext():
+        (nn.functional.mse_loss(forward(x[:half]), y[:half]) / 2).backward()
+    (nn.functional.mse_loss(forward(x[half:]), y[half:]) / 2).backward()
+
+
+for epoch in range(2):
+    if sampler is not None and args.bug != "no_set_epoch":
+        sampler.set_epoch(epoch)
+    for x, y in loader:
+        optimizer.zero_grad()
+        backward(x, y)
+        if args.strategy == "manual":
+            for p in model.parameters():
+                dist.all_reduce(p.grad)
+                p.grad /= world
+        optimizer.step()
+
+if args.strategy != "fsdp2" and rank == 0:
+    torch.save({k: v.detach().clone() for k, v in model.state_dict().items()}, os.path.join(args.out, "params.pt"))
+dist.destroy_process_group()
