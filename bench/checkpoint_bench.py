@@ -57,11 +57,11 @@ def evict(path: Path) -> None:
 
 
 def main_world(args) -> None:
+    import importlib
+
     import torch
     import torch.distributed as dist
     import torch.distributed.checkpoint as dcp
-
-    import importlib
 
     import disttrain as dt
     from disttrain.checkpoint import Checkpointer, TrainState
@@ -239,7 +239,7 @@ def write_section(
 
     def paired(base: str, key: str) -> float:
         """Median over repeats of base/key, each pair measured in the same repeat."""
-        return statistics.median(b / k for b, k in zip(rows[base], rows[key]))
+        return statistics.median(b / k for b, k in zip(rows[base], rows[key], strict=False))
 
     def row(label: str, key: str, base: str | None) -> str:
         ratio = f"{paired(base, key):.2f}x" if base else "1.00x"

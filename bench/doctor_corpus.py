@@ -84,7 +84,6 @@ from bench.doctor_projects import (  # noqa: E402,F401  (re-exported for the tes
     rule_table,
 )
 
-
 # ----- (a) the real scripts ----------------------------------------------------------
 
 

@@ -182,7 +182,7 @@ def after_kill(run: Run, t_kill: int, before: int, timeout: float = 60) -> tuple
 def step_time(run: Run, skip: int = 10) -> float:
     """The median gap between consecutive commits after step `skip`."""
     times = sorted(t for s, t in run.commits().items() if s > skip)
-    gaps = [(b - a) / 1e9 for a, b in zip(times, times[1:])]
+    gaps = [(b - a) / 1e9 for a, b in zip(times, times[1:], strict=False)]
     return statistics.median(gaps) if gaps else float("nan")
 
 
@@ -232,7 +232,7 @@ def bench_cost(tmp: Path, pairs: int, steps: int) -> dict:
             if run.proc.wait(timeout=600) != 0:
                 raise RuntimeError(run.log.read_text()[-3000:])
             into.append(step_time(run, skip=steps // 3))  # after the spares' imports
-    return {"off": off, "on": on, "ratio": [b / a - 1 for a, b in zip(off, on)]}
+    return {"off": off, "on": on, "ratio": [b / a - 1 for a, b in zip(off, on, strict=False)]}
 
 
 def bench_goodput(
@@ -264,7 +264,7 @@ def bench_goodput(
     times = sorted(commits.values())
     wall = (times[-1] - times[0]) / 1e9
     # The undisturbed step time: the median gap between consecutive commits.
-    base = statistics.median((b - a) / 1e9 for a, b in zip(times, times[1:]))
+    base = statistics.median((b - a) / 1e9 for a, b in zip(times, times[1:], strict=False))
     useful = (len(times) - 1) * base
     epochs, problems = exactly_once(run)
     return {

@@ -33,9 +33,9 @@ import math
 import os
 import sys
 import time
-import tomllib
 from pathlib import Path
 
+import tomllib
 import torch
 import torch.distributed as dist
 import torch.nn as nn
@@ -249,8 +249,8 @@ def main(argv: list[str] | None = None) -> int:
             "compile": args.compile,
             "block": args.block,
             "world": world,
-            "step_time_s": [list(t) for t in zip(*(e["laps"] for e in every))],
-            "step_time_max_s": [max(t) for t in zip(*(e["laps"] for e in every))],
+            "step_time_s": [list(t) for t in zip(*(e["laps"] for e in every), strict=False)],
+            "step_time_max_s": [max(t) for t in zip(*(e["laps"] for e in every), strict=False)],
             "phases_rank0": every[0]["phases"],
             "memory": [e["memory"] for e in every],
             "threads": [e["threads"] for e in every],

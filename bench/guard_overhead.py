@@ -228,7 +228,10 @@ def plot(data: dict, plt):
         return None
     fig, ax = plt.subplots(figsize=(7, 3.5))
     med = [r["step_s"]["median"] for r in rows]  # wall
-    err = [[m - r["step_s"]["min"] for m, r in zip(med, rows)], [r["step_s"]["max"] - m for m, r in zip(med, rows)]]
+    err = [
+        [m - r["step_s"]["min"] for m, r in zip(med, rows, strict=False)],
+        [r["step_s"]["max"] - m for m, r in zip(med, rows, strict=False)],
+    ]
     ax.barh([r["label"] for r in rows], med, xerr=err, color="#4878a8")
     ax.set_title("seconds per step, evals and checkpoints included (median, min-max)")
     ax.invert_yaxis()

@@ -205,7 +205,7 @@ def measure_first_step(opts: Options, log=print) -> dict:
         "disttrain": summary(ours),
         "hand": summary(hand),
         "failures": failures,
-        "ratio": summary([x / y for x, y in zip(ours, hand)]),
+        "ratio": summary([x / y for x, y in zip(ours, hand, strict=False)]),
         "load": os.getloadavg()[0],
     }
 
@@ -328,7 +328,10 @@ def plot(data: dict, plt):
         return None
     fig, ax = plt.subplots(figsize=(6, 2.8))
     med = [res[m]["median"] for m in names]
-    err = [[m - res[n]["min"] for m, n in zip(med, names)], [res[n]["max"] - m for m, n in zip(med, names)]]
+    err = [
+        [m - res[n]["min"] for m, n in zip(med, names, strict=False)],
+        [res[n]["max"] - m for m, n in zip(med, names, strict=False)],
+    ]
     ax.barh(names, med, xerr=err, color="#4878a8")
     ax.axvline(data["target_s"], color="#c44", ls="--", label=f"target {data['target_s']} s")
     ax.set_xlabel("seconds above import torch (median, min-max)")

@@ -110,7 +110,7 @@ class JobResult:
         }
 
     @classmethod
-    def from_json(cls, d: dict) -> "JobResult":
+    def from_json(cls, d: dict) -> JobResult:
         return cls(d["name"], d["world"], d["runs"], d.get("skipped", ""), d.get("error", ""))
 
 

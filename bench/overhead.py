@@ -13,7 +13,7 @@ from __future__ import annotations
 from typing import Any
 
 from bench.common import Options, fmt, variant_table
-from bench.matrix import Matrix, JobResult, label, paired
+from bench.matrix import JobResult, Matrix, label, paired
 from bench.profiles import excess_table
 
 NAME = "overhead"
@@ -118,7 +118,10 @@ def plot(data: dict, plt):
         (axes[1], "first_step_s", "seconds to first step"),
     ):
         med = [r[metric]["median"] for r in rows]
-        err = [[m - r[metric]["min"] for m, r in zip(med, rows)], [r[metric]["max"] - m for m, r in zip(med, rows)]]
+        err = [
+            [m - r[metric]["min"] for m, r in zip(med, rows, strict=False)],
+            [r[metric]["max"] - m for m, r in zip(med, rows, strict=False)],
+        ]
         ax.barh([r["label"] for r in rows], med, xerr=err, color="#4878a8")
         ax.set_title(title + " (median, min-max)")
         ax.invert_yaxis()

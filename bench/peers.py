@@ -177,7 +177,7 @@ def plot(data: dict, plt):
         ("changed", "code lines changed"),
     ]
     fig, axes = plt.subplots(1, 4, figsize=(14, 3.2))
-    for ax, (metric, title) in zip(axes, metrics):
+    for ax, (metric, title) in zip(axes, metrics, strict=False):
         vals = [r[metric]["median"] if isinstance(r[metric], dict) else r[metric] for r in rows]
         ax.bar([r["name"] for r in rows], vals, color="#4878a8")
         ax.set_title(title)

@@ -35,9 +35,8 @@ ROOT = Path(__file__).resolve().parent.parent
 sys.path[:0] = [str(ROOT), str(ROOT / "src")]  # run as a script: make bench and disttrain importable
 
 from bench.common import base_env, fmt, free_port, machine, summary  # noqa: E402
-from disttrain.launch.etcd_server import EtcdServer  # noqa: E402
-
 from bench.recovery_job import TARGETS, Hung, Job, children, kill_tree, phases  # noqa: E402
+from disttrain.launch.etcd_server import EtcdServer  # noqa: E402
 
 TARGETS = {**TARGETS, "down": 3.0, "up": 3.0}  # issue 13: scale-down / scale-up <= 3 s
 FLAVORS = {  # scale-cycle launchers: (label, extra environment, extra rendezvous settings)

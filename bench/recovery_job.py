@@ -47,7 +47,7 @@ class Hung(Exception):
     """A wait ran past its timeout (the job hung or died)."""
 
 
-def phases(t0: int, job: "Job", first: dict, failure: bool) -> dict:
+def phases(t0: int, job: Job, first: dict, failure: bool) -> dict:
     """Seconds from `t0` (ns) to: the agent logging the failed worker ("detect"), the new
     attempt's ranks up with the checkpoint loaded (its generation stamp), `first` step."""
     out = {

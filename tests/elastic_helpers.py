@@ -13,8 +13,8 @@ from collections.abc import Sequence
 from pathlib import Path
 
 import torch
-
 from conftest import ROOT, worker_env
+
 from disttrain.elastic import final_timeline
 
 # The main job shrunk to seconds: 768 chunks of 32 bytes, 96 steps of 8 per epoch.

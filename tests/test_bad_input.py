@@ -12,8 +12,8 @@ import time
 from types import SimpleNamespace
 
 import pytest
-
 from conftest import ROOT, WORKERS, run_disttrain, worker_env
+
 from disttrain.cli import main as cli
 from disttrain.launch.run_command import _others
 

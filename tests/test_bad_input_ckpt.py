@@ -14,14 +14,12 @@ import textwrap
 
 import pytest
 import torch
-
 from conftest import ROOT, WORKERS, run_cmd, worker_env
 
 sys.path.insert(0, str(WORKERS))
 from ckpt_common import build, train  # noqa: E402
 
-from disttrain.checkpoint import (Checkpointer, CheckpointCorrupt, NonFiniteError,  # noqa: E402
-                                  check_finite, verify)
+from disttrain.checkpoint import CheckpointCorrupt, Checkpointer, NonFiniteError, check_finite, verify  # noqa: E402
 from disttrain.checkpoint.layout import committed  # noqa: E402
 from disttrain.cli import main as cli  # noqa: E402
 

@@ -17,10 +17,10 @@ import math
 import typing
 
 import pytest
+from conftest import run_disttrain
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from conftest import run_disttrain
 from disttrain.config import Config, load_config
 from disttrain.errors import UserError
 from disttrain.launch.preflight import preflight

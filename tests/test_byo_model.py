@@ -11,11 +11,11 @@ from pathlib import Path
 
 import pytest
 import torch
-
 from conftest import ROOT, run_disttrain, worker_env
+from elastic_helpers import audit_timeline, last_loss_per_step, load_params
+
 from disttrain.config import load_config
 from disttrain.errors import ConfigError, UserError
-from elastic_helpers import audit_timeline, last_loss_per_step, load_params
 
 BYO = ROOT / "tests" / "byo"
 TOML = "tests/byo/byo.toml"

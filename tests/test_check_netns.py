@@ -14,7 +14,6 @@ import sys
 from pathlib import Path
 
 import pytest
-
 from conftest import ROOT, worker_env
 from test_netns import _ip, _netns_or_skip
 

@@ -12,7 +12,6 @@ from pathlib import Path
 
 import pytest
 import torch
-
 from conftest import WORKERS, built_once, launch_worker, run_cmd, worker_env
 
 sys.path.insert(0, str(WORKERS))
@@ -45,7 +44,7 @@ def _runs(out: Path):
 @pytest.mark.parametrize("strategy", ["ddp", "fsdp"])
 def test_exact_resume_in_a_new_process_group_P_CKPT_1(runs, strategy):
     _, save, _, resume = runs
-    for s, r in zip(save, resume):
+    for s, r in zip(save, resume, strict=False):
         assert s[f"{strategy}_first_losses"] == s[f"{strategy}_ref_losses"][:3]
         assert r[f"{strategy}_loaded"] == "step-00000003" and r[f"{strategy}_step"] == 3
         # dropout on, shuffled data: per-step losses after the resume are bit-identical

@@ -10,9 +10,8 @@ import sys
 
 import pytest
 import torch
-from safetensors.torch import load_file
-
 from conftest import WORKERS
+from safetensors.torch import load_file
 
 sys.path.insert(0, str(WORKERS))
 from ckpt_common import build, full_state, mismatches, train  # noqa: E402

@@ -9,16 +9,21 @@ import sys
 
 import pytest
 import torch
-
 from conftest import WORKERS
 
 sys.path.insert(0, str(WORKERS))
-from ckpt_common import CFG, build, full_state, mismatches, train  # noqa: E402
-
 import dataclasses  # noqa: E402
 
-from disttrain.checkpoint import (Checkpointer, CheckpointCorrupt, CheckpointMismatch,  # noqa: E402
-                                  StaleWriterError, latest_valid, verify)
+from ckpt_common import CFG, build, full_state, mismatches, train  # noqa: E402
+
+from disttrain.checkpoint import (  # noqa: E402
+    CheckpointCorrupt,
+    Checkpointer,
+    CheckpointMismatch,
+    StaleWriterError,
+    latest_valid,
+    verify,
+)
 from disttrain.cli import main as cli  # noqa: E402
 from disttrain.demo import GPT  # noqa: E402
 

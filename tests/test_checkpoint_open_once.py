@@ -13,7 +13,6 @@ import sys
 
 import pytest
 import torch
-
 from conftest import WORKERS
 
 sys.path.insert(0, str(WORKERS))
@@ -151,5 +150,5 @@ def test_a_load_of_an_untouched_checkpoint_still_matches(saved, tmp_path):
     assert state.step == 2
     again = build("ddp")
     train(again, 2)
-    for a, b in zip(state.model.parameters(), again.model.parameters()):
+    for a, b in zip(state.model.parameters(), again.model.parameters(), strict=False):
         assert torch.equal(a, b)

@@ -6,8 +6,8 @@ import json
 import shutil
 
 import torch
-
 from conftest import run_disttrain, worker_env
+
 from disttrain.checkpoint import latest_valid
 
 SMALL = ["--model.n_layer=1", "--model.n_embd=32", "--model.n_head=2", "--model.block_size=32",

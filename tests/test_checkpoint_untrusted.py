@@ -21,9 +21,8 @@ import textwrap
 
 import pytest
 import torch
-from torch.distributed.checkpoint.metadata import BytesStorageMetadata
-
 from conftest import ROOT, WORKERS, built_once, run_disttrain, worker_env
+from torch.distributed.checkpoint.metadata import BytesStorageMetadata
 
 from disttrain.checkpoint.digests import digest_bytes
 

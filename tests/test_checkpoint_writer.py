@@ -6,14 +6,19 @@ failed async save never costs the next save (P-CKPT-2, P-ELASTIC-5)."""
 import sys
 
 import pytest
-
 from conftest import WORKERS
 
 sys.path.insert(0, str(WORKERS))
 from ckpt_common import build, full_state, mismatches, train  # noqa: E402
 
-from disttrain.checkpoint import (Checkpointer, CheckpointError, CheckpointSaveError,  # noqa: E402
-                                  StaleWriterError, latest_valid, verify)
+from disttrain.checkpoint import (  # noqa: E402
+    Checkpointer,
+    CheckpointError,
+    CheckpointSaveError,
+    StaleWriterError,
+    latest_valid,
+    verify,
+)
 from disttrain.runtime.fault_injection import set_faults  # noqa: E402
 from disttrain.train.saving import Saving  # noqa: E402
 

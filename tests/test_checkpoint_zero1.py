@@ -7,8 +7,8 @@ import json
 import shutil
 
 import torch
-
 from conftest import run_disttrain
+
 from disttrain.checkpoint import Checkpointer, TrainState, latest_valid
 from disttrain.checkpoint.storage_formats import read_metadata
 from disttrain.config.schema import load_config

@@ -12,7 +12,6 @@ from __future__ import annotations
 import subprocess
 
 import pytest
-
 from conftest import WORKERS, run_disttrain, worker_env
 
 SCRIPT = str(WORKERS / "clean_exit.py")

@@ -19,9 +19,9 @@ import sys
 
 import pytest
 import torch
+from conftest import launch_worker, worker_env
 
 import disttrain as dt
-from conftest import launch_worker, worker_env
 from disttrain.demo import GPT, GPTConfig
 from disttrain.errors import ConfigError
 from disttrain.parallel.compile import is_compiled

@@ -16,7 +16,6 @@ import json
 
 import pytest
 import torch
-
 from conftest import run_disttrain, worker_env
 
 STEPS, KILL = 6, "kill@backward:rank=1,step=5"

@@ -1,8 +1,8 @@
 """Config errors: one clear message naming the key and the fix, before any process starts."""
 
 import pytest
-
 from conftest import run_disttrain
+
 from disttrain.config import load_config
 from disttrain.errors import ConfigError
 

@@ -13,7 +13,6 @@ import subprocess
 import sys
 
 import pytest
-
 from conftest import ROOT
 
 sys.path.insert(0, str(ROOT))

@@ -2,7 +2,6 @@
 gloo ranks under torchrun (P-DDP-2,3,4,5, P-LOOP-1)."""
 
 import pytest
-
 from conftest import built_once, launch_worker
 
 

@@ -12,11 +12,11 @@ import textwrap
 from pathlib import Path
 
 import pytest
+from doctor_cases import new_cases
 
 from disttrain.doctor import main
 from disttrain.doctor.analyzer import analyze_paths, analyze_source
 from disttrain.doctor.findings import RULES
-from doctor_cases import new_cases
 
 HERE = Path(__file__).parent
 SAMPLES = HERE / "doctor_samples"

@@ -14,17 +14,31 @@ import json
 import sys
 from pathlib import Path
 
-from disttrain.doctor.analyzer import analyze_paths
-
 from conftest import ROOT
+
+from disttrain.doctor.analyzer import analyze_paths
 
 sys.path.insert(0, str(ROOT))
 
 from bench import common, report  # noqa: E402
 from bench.corpus_fetch import load_manifest  # noqa: E402
 from bench.doctor_corpus import (  # noqa: E402
-    CORPUS, FRESH_ROUND, RECORDED, bugs_table, family_recall, frozen_figures, half, held_back_round, load_case,
-    main, measure_bugs, project_dirs, recorded_misses, reviewed_projects, style_paths)
+    CORPUS,
+    FRESH_ROUND,
+    RECORDED,
+    bugs_table,
+    family_recall,
+    frozen_figures,
+    half,
+    held_back_round,
+    load_case,
+    main,
+    measure_bugs,
+    project_dirs,
+    recorded_misses,
+    reviewed_projects,
+    style_paths,
+)
 
 
 def test_real_bug_recall_per_family():

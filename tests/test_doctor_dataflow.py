@@ -12,10 +12,10 @@ from __future__ import annotations
 
 import textwrap
 
-from disttrain.doctor.analyzer import analyze_source
 from doctor_rules.rule_check import PRE, found, found_in  # noqa: F401  (shared helpers; found_in re-exported)
 from doctor_rules.rule_check import RANK_ZERO_HELPERS as MISC  # misc.py: a set-up helper, a print override
 
+from disttrain.doctor.analyzer import analyze_source
 
 # ----- the causes of false findings ----------------------------------------------------
 

@@ -3,9 +3,7 @@ built before job.wrap, a leftover backward or optimizer step inside job.steps().
 
 from __future__ import annotations
 
-
 from test_doctor_dataflow import PRE, found  # noqa: F401  (shared helpers)
-
 
 JOB = """
 import torch

@@ -11,12 +11,12 @@ import sys
 from pathlib import Path
 
 import pytest
+from test_doctor import PRE, rules_of
 
 from disttrain.doctor import main
 from disttrain.doctor.analyzer import analyze_source
 from disttrain.doctor.findings import RULES
 from disttrain.errors import UserError
-from test_doctor import PRE, rules_of
 
 HERE = Path(__file__).parent
 SAMPLES = HERE / "doctor_samples"

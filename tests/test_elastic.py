@@ -14,10 +14,20 @@ from collections import Counter
 
 import pytest
 import torch
-
 from conftest import built_once
-from elastic_helpers import (TINY, audit_timeline, descendants, kill_node, last_loss_per_step, load_params,
-                             metrics, start, trainer_cmd, wait_for)
+from elastic_helpers import (
+    TINY,
+    audit_timeline,
+    descendants,
+    kill_node,
+    last_loss_per_step,
+    load_params,
+    metrics,
+    start,
+    trainer_cmd,
+    wait_for,
+)
+
 from disttrain.launch.etcd_server import EtcdServer, free_port
 
 PHASES = ["forward", "backward", "step", "checkpoint.shards", "checkpoint.after_shards"]

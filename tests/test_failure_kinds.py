@@ -11,7 +11,6 @@ import threading
 from pathlib import Path
 
 import pytest
-
 from conftest import WORKERS, run_disttrain, worker_env
 
 SCRIPT = str(WORKERS / "failing_job.py")

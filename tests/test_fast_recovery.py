@@ -14,9 +14,9 @@ from pathlib import Path
 
 import pytest
 import torch
-
 from conftest import built_once, worker_env
 from elastic_helpers import assert_same_fast_run, descendants, metrics, start, trainer_cmd, wait_for
+
 from disttrain.config import load_config
 from disttrain.errors import ConfigError
 

@@ -6,8 +6,8 @@ from __future__ import annotations
 
 import pytest
 import torch
-
 from conftest import run_disttrain, worker_env
+
 from disttrain.elastic.buddy_copy import pack, unpack
 from disttrain.elastic.host_copy import HostCopy, host_buffer, on_cuda
 

@@ -13,9 +13,9 @@ from pathlib import Path
 
 import pytest
 import torch
-
 from conftest import built_once
 from elastic_helpers import assert_same_fast_run, start, trainer_cmd
+
 from disttrain.elastic.buddy_copy import choose_step, pack, unpack
 
 STEPS = 18

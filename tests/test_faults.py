@@ -6,10 +6,10 @@ import sys
 import textwrap
 
 import pytest
-
 from conftest import worker_env
-from disttrain.runtime import fault_injection as faults
+
 from disttrain.errors import UserError
+from disttrain.runtime import fault_injection as faults
 
 
 def run_py(code: str, env_extra: dict | None = None, timeout: float = 60) -> subprocess.CompletedProcess:

@@ -16,9 +16,9 @@ import sys
 
 import pytest
 import torch
+from conftest import ROOT, built_once, run_disttrain, worker_env
 
 import disttrain as dt
-from conftest import ROOT, built_once, run_disttrain, worker_env
 
 PLAIN, JOB = "examples/gpt_torchrun.py", "examples/gpt_job.py"
 STEPS = 6

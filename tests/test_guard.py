@@ -11,13 +11,13 @@ import sys
 
 import pytest
 import torch
-
 from conftest import WORKERS, built_once, launch_worker, worker_env
-from disttrain.launch import run_command as launch
+
 from disttrain.config import load_config
 from disttrain.errors import ConfigError
 from disttrain.guard.hang_report import diagnose
 from disttrain.guard.watchdog import HANG_EXIT_CODE
+from disttrain.launch import run_command as launch
 
 HANG_TIMEOUT = 100  # seconds for a whole hang job: start-up on a loaded 2-core host dominates
 
@@ -223,8 +223,8 @@ def test_diagnose_names_a_skip_older_than_the_kept_history():
 
 def test_guard_in_a_world_of_one_is_cheap_and_silent(monkeypatch):
     from disttrain.config import GuardConfig
-    from disttrain.guard import start_guard
     from disttrain.demo import MLP, MLPConfig
+    from disttrain.guard import start_guard
 
     for key in ("WORLD_SIZE", "DISTTRAIN_EXPECTED_WORLD_SIZE"):
         monkeypatch.delenv(key, raising=False)

@@ -17,7 +17,6 @@ import textwrap
 import time
 
 import pytest
-
 from conftest import run_disttrain, worker_env
 
 from disttrain.guard import private_dir

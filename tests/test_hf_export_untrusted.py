@@ -12,7 +12,6 @@ import json
 import shutil
 
 import pytest
-
 from conftest import WORKERS, run_disttrain, worker_env
 
 from disttrain.checkpoint.digests import digest_bytes

@@ -8,8 +8,7 @@ import sys
 
 import pytest
 import torch
-
-from conftest import built_once, ROOT, launch_worker, run_disttrain
+from conftest import ROOT, built_once, launch_worker, run_disttrain
 
 transformers = pytest.importorskip("transformers")
 

@@ -12,7 +12,6 @@ import subprocess
 import sys
 
 import pytest
-
 from conftest import ROOT, WORKERS, worker_env
 
 sys.path.insert(0, str(WORKERS))

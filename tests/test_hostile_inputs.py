@@ -15,9 +15,8 @@ import time
 
 import pytest
 import torch
-from torch.distributed.checkpoint.metadata import MetadataIndex
-
 from conftest import ROOT, WORKERS, worker_env
+from torch.distributed.checkpoint.metadata import MetadataIndex
 
 from disttrain.checkpoint.digests import digest_bytes
 

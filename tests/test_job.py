@@ -9,13 +9,13 @@ import re
 
 import pytest
 import torch
+from conftest import ROOT, WORKERS, built_once, run_disttrain, worker_env
 from torch.utils.data import TensorDataset
 
 import disttrain as dt
-from conftest import built_once, ROOT, WORKERS, run_disttrain, worker_env
 from disttrain.demo import MLP, MLPConfig
-from disttrain.errors import UserError
 from disttrain.elastic import final_timeline
+from disttrain.errors import UserError
 
 EXAMPLE = "examples/plain_to_disttrain.py"
 STEPS = 16  # one epoch: 2048 samples / (32 x 2 ranks x accum 2)

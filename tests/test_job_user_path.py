@@ -14,10 +14,10 @@ import time
 
 import pytest
 import torch
+from conftest import ROOT, WORKERS, built_once, run_disttrain, worker_env
 
 import disttrain as dt
 from disttrain.config import CheckpointConfig, Config
-from conftest import built_once, ROOT, WORKERS, run_disttrain, worker_env
 
 SCRIPT = str(WORKERS / "job_script.py")
 

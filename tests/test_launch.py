@@ -5,10 +5,10 @@ import subprocess
 import sys
 
 import pytest
-
 from conftest import ROOT, WORKERS, run_disttrain, worker_env
-from disttrain.launch import run_command as launch
+
 from disttrain.errors import UserError
+from disttrain.launch import run_command as launch
 
 SCRIPT = str(WORKERS / "hello.py")
 

@@ -17,8 +17,8 @@ from pathlib import Path
 import jsonschema
 import pytest
 import yaml
-
 from conftest import ROOT, worker_env
+
 from disttrain import cli
 from disttrain.launch.etcd_server import free_port
 
@@ -132,7 +132,7 @@ def test_sbatch_runs_on_a_one_node_slurm(tmp_path, capsys):
     logs = [root / "slurmctld.log", root / "slurmd.log"]
     daemons = [subprocess.Popen([daemon, "-D", "-f", str(conf)], env=env, stdout=log.open("w"),
                                 stderr=subprocess.STDOUT, start_new_session=True)
-               for daemon, log in zip(("slurmctld", "slurmd"), logs)]
+               for daemon, log in zip(("slurmctld", "slurmd"), logs, strict=False)]
 
     def sh(*cmd: str) -> str:
         return subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=30, cwd=tmp_path).stdout
@@ -168,8 +168,8 @@ def _k8s(tmp: Path, capsys, *flags: str) -> list[dict]:
 
 
 def _pytorchjob_validator():
-    from referencing import Registry, Resource
     from kubernetes_validate.utils import schema_contents
+    from referencing import Registry, Resource
 
     defs = schema_contents(f"kubernetes-json-schema/v{K8S_VERSION}.0-local-strict/_definitions.json",
                            K8S_VERSION)

@@ -22,11 +22,12 @@ from pathlib import Path
 
 import pytest
 import torch
-
 from conftest import worker_env
+
 from disttrain.errors import UserError
 from disttrain.launch import run_command
 from disttrain.runtime import job_secret
+
 
 def _free_port() -> int:
     with socket.socket() as s:

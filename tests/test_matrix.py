@@ -8,12 +8,12 @@ from __future__ import annotations
 
 import pytest
 import torch
-from safetensors.torch import load_file
-
 from conftest import ROOT, WORKERS, run_disttrain
+from safetensors.torch import load_file
+from workers.trainer_cells import CELLS, markdown_table
+
 from disttrain.checkpoint import latest_valid
 from disttrain.checkpoint.export import export_safetensors
-from workers.trainer_cells import CELLS, markdown_table
 
 WORKER = str(WORKERS / "matrix_cells.py")
 

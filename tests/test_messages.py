@@ -8,10 +8,10 @@ from __future__ import annotations
 import numpy as np
 import pytest
 import torch
+from conftest import run_disttrain
 from torch.utils.data import TensorDataset
 
 import disttrain as dt
-from conftest import run_disttrain
 from disttrain.config import load_config
 from disttrain.demo import MLP, MLPConfig
 from disttrain.runtime import log

@@ -18,8 +18,8 @@ import time
 from collections import Counter
 
 import pytest
-
 from elastic_helpers import audit_timeline, kill_node, metrics, start, trainer_cmd, wait_for
+
 from disttrain.launch.etcd_server import EtcdServer
 
 STEPS = 64

@@ -21,11 +21,10 @@ import time
 from pathlib import Path
 
 import pytest
-
 from conftest import built_once, run_cmd
+
 from disttrain.errors import UserError
-from disttrain.plan import advise, estimate, main, parse_bytes, scaled_lr, warmup_steps
-from disttrain.plan import model_size
+from disttrain.plan import advise, estimate, main, model_size, parse_bytes, scaled_lr, warmup_steps
 
 WORKER = Path(__file__).resolve().parent / "plan_workers" / "measure.py"
 # vocab 250 and context 66 do not divide by 4: FSDP padding and uneven shards are exercised.
@@ -82,7 +81,7 @@ def _measure(hf_config: Path, tmp: Path) -> dict[int, dict]:
     return results
 
 
-@functools.lru_cache(maxsize=None)
+@functools.cache
 def _plan(kind: str, world: int, hf_path: str):
     return estimate(GPT_SPEC if kind == "gpt" else hf_path, devices=world, device_mem="1GiB")
 
@@ -96,7 +95,7 @@ def test_predicted_state_bytes_match_real_ranks(measured, hf_config, kind, strat
     predicted = _plan(kind, world, str(hf_config)).get(strategy).state_per_rank
     actual = measured[world][f"{kind}/{strategy}"]
     assert len(actual) == len(predicted) == world
-    for rank, (p, a) in enumerate(zip(predicted, actual)):
+    for rank, (p, a) in enumerate(zip(predicted, actual, strict=False)):
         for part in ("params", "grads", "optim"):
             assert abs(p[part] - a[part]) <= TOLERANCE * a[part], (rank, part, p, a)
         total_p, total_a = sum(p.values()), sum(a.values())

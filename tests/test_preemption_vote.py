@@ -8,8 +8,8 @@ import subprocess
 import textwrap
 
 import pytest
-
 from conftest import run_cmd, worker_env
+
 from disttrain.elastic.preemption import VOTE_EVERY_MAX
 
 pytestmark = pytest.mark.timeout(180)

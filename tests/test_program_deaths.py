@@ -13,7 +13,6 @@ import re
 from pathlib import Path
 
 import pytest
-
 from conftest import WORKERS, run_disttrain, worker_env
 
 SCRIPT = str(WORKERS / "failing_job.py")

@@ -9,8 +9,8 @@ import subprocess
 import sys
 
 import pytest
-
 from conftest import ROOT, run_disttrain, worker_env
+
 from disttrain.report import load_run, report
 
 

@@ -11,8 +11,8 @@ import subprocess
 
 import pytest
 import torch
-
 from conftest import WORKERS, run_cmd, worker_env
+
 from disttrain.check.settings import ALL, CHECK_ENV, parse_steps, take_check_flags, window_from_env
 from disttrain.errors import UserError
 from disttrain.launch import run_command as launch

@@ -4,8 +4,8 @@ from collections import Counter
 
 import pytest
 
-from disttrain.errors import UserError
 from disttrain.data import ElasticSampler
+from disttrain.errors import UserError
 
 
 def run_steps(samplers, steps):

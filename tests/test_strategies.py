@@ -4,7 +4,6 @@ cases (tests/workers/strategy_checks.py); the world of 1 runs in this process.
 """
 
 import pytest
-
 from conftest import built_once, launch_worker
 
 PARITY = 1e-5

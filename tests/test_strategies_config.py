@@ -9,8 +9,8 @@ import torch.nn as nn
 
 import disttrain as dt
 from disttrain.config import load_config
+from disttrain.demo import GPT, MLP, GPTConfig, MLPConfig
 from disttrain.errors import ConfigError, UserError
-from disttrain.demo import GPT, GPTConfig, MLP, MLPConfig
 from disttrain.parallel.blocks import find_blocks
 from disttrain.parallel.mesh import Layout
 from disttrain.parallel.precision import AgreedGradScaler

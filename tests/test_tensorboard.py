@@ -10,10 +10,9 @@ import textwrap
 
 import pytest
 import torch
-from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
-
 from conftest import built_once, run_disttrain, worker_env
 from elastic_helpers import TINY, metrics
+from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
 
 STEPS, CKPT_EVERY, KILL_AT = 10, 3, 5
 TRAIN = ["train", "examples/tiny_gpt.toml", *TINY, f"--train.steps={STEPS}",

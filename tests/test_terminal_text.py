@@ -8,7 +8,6 @@ import shutil
 import sys
 
 import pytest
-
 from conftest import WORKERS
 
 sys.path.insert(0, str(WORKERS))

@@ -11,13 +11,13 @@ from pathlib import Path
 
 import numpy as np
 import pytest
-
-import disttrain as dt
 from conftest import WORKERS, run_disttrain, worker_env
-from disttrain.config import load_config
-from disttrain.errors import ConfigError, UserError
 from elastic_helpers import audit_timeline, metrics
 from test_token_data import write_llmc, write_raw
+
+import disttrain as dt
+from disttrain.config import load_config
+from disttrain.errors import ConfigError, UserError
 
 WINDOWS, PER_STEP = 192, 8  # 2 files of 96 windows of 8 tokens; 8 windows per step at any world size
 STEPS = WINDOWS // PER_STEP

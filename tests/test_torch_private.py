@@ -154,14 +154,14 @@ def test_fallback_unscale_matches_the_fused_kernel():
     grads = [torch.tensor([2.0, 4.0]), torch.tensor([float("inf"), 1.0])]
     found = torch.zeros(1)
     torch_compat.unscale_and_check_([g.clone() for g in grads], found, torch.tensor([0.5]))
-    fused = getattr(torch, "_amp_foreach_non_finite_check_and_unscale_")
+    fused = torch._amp_foreach_non_finite_check_and_unscale_
     saved = fused
     try:
         delattr(torch, "_amp_foreach_non_finite_check_and_unscale_")
         mine, found_mine = [g.clone() for g in grads], torch.zeros(1)
         torch_compat.unscale_and_check_(mine, found_mine, torch.tensor([0.5]))
     finally:
-        setattr(torch, "_amp_foreach_non_finite_check_and_unscale_", saved)
+        torch._amp_foreach_non_finite_check_and_unscale_ = saved
     assert found_mine.item() == found.item() == 1.0
     assert torch.equal(mine[0], torch.tensor([1.0, 2.0]))
 

@@ -11,10 +11,10 @@ import types
 
 import pytest
 import torch
+from conftest import run_disttrain, worker_env
 from torch.utils.data import TensorDataset
 
 import disttrain as dt
-from conftest import run_disttrain, worker_env
 from disttrain.config import load_config
 from disttrain.errors import ConfigError, UserError
 

@@ -13,8 +13,8 @@ import struct
 from pathlib import Path
 
 import pytest
-
 from conftest import WORKERS, run_disttrain, worker_env
+
 from disttrain.config import load_config
 from disttrain.errors import ConfigError, UserError
 

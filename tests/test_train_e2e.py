@@ -3,8 +3,8 @@
 import json
 
 import torch
-
 from conftest import run_disttrain
+
 from disttrain.demo import GPT, GPTConfig
 
 SMALL = ["--model.n_layer=1", "--model.n_embd=32", "--model.n_head=2", "--model.block_size=32",

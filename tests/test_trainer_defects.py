@@ -15,7 +15,6 @@ import subprocess
 import textwrap
 
 import pytest
-
 from conftest import built_once, run_cmd, run_disttrain, worker_env
 
 TINY = ["--model.n_layer=2", "--model.n_embd=32", "--model.n_head=2", "--model.block_size=32",

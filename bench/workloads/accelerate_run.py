@@ -2,9 +2,8 @@
 
 import torch
 from accelerate import Accelerator
-from torch.utils.data import DataLoader
-
 from harness import ACCUM_STEPS, BATCH_SIZE, Bench, make_dataset, make_model
+from torch.utils.data import DataLoader
 
 
 def main() -> None:

@@ -1,10 +1,10 @@
 """plain.py converted to disttrain, strategy "ddp" (`dt.wrap`, `dt.Accumulator`)."""
 
 import torch
+from harness import ACCUM_STEPS, BATCH_SIZE, Bench, make_dataset, make_model
 from torch.utils.data import DataLoader
 
 import disttrain as dt
-from harness import ACCUM_STEPS, BATCH_SIZE, Bench, make_dataset, make_model
 
 
 def main() -> None:

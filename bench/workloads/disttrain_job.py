@@ -3,9 +3,9 @@ SIGTERM handling), strategy "ddp". The window test `(i + 1) % ACCUM_STEPS` stays
 a job (re)starts at an optimizer-step boundary, so `i` counts from a window's start."""
 
 import torch
+from harness import ACCUM_STEPS, BATCH_SIZE, Bench, make_dataset, make_model
 
 import disttrain as dt
-from harness import ACCUM_STEPS, BATCH_SIZE, Bench, make_dataset, make_model
 
 
 def main() -> None:

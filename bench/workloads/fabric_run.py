@@ -1,10 +1,9 @@
 """plain.py converted to Lightning Fabric (`Fabric.setup`, `no_backward_sync`)."""
 
 import torch
+from harness import ACCUM_STEPS, BATCH_SIZE, Bench, make_dataset, make_model
 from lightning.fabric import Fabric
 from torch.utils.data import DataLoader
-
-from harness import ACCUM_STEPS, BATCH_SIZE, Bench, make_dataset, make_model
 
 
 def main() -> None:

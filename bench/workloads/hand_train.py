@@ -25,11 +25,11 @@ import torch.distributed.checkpoint as dcp
 from torch.distributed.checkpoint.state_dict import get_state_dict
 from torch.nn.parallel import DistributedDataParallel as DDP
 from torch.utils.data import DataLoader, DistributedSampler
+from train_spec import LOG_EVERY, clocks, config, result
 
 from disttrain.demo.corpus import ChunkDataset, load_stdlib_corpus
 from disttrain.demo.gpt import GPT, GPTConfig
 from disttrain.elastic.preemption import PreemptionHandler
-from train_spec import LOG_EVERY, clocks, config, result
 
 
 def lr_factor(step: int, total: int) -> float:
@@ -47,7 +47,7 @@ def evaluate(model, heldout, batch_size: int, batches: int, rank: int, world: in
     mine = list(range(rank, n, world))
     total = torch.zeros(2, dtype=torch.float64)
     for start in range(0, len(mine), batch_size):
-        x, y = (torch.stack(t) for t in zip(*(heldout[i] for i in mine[start : start + batch_size])))
+        x, y = (torch.stack(t) for t in zip(*(heldout[i] for i in mine[start : start + batch_size]), strict=False))
         _, loss = model(x, y)
         total += torch.tensor([float(loss.detach()) * y.numel(), y.numel()], dtype=torch.float64)
     dist.all_reduce(total)

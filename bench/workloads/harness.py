@@ -122,7 +122,7 @@ class Bench:
             self.profiler.disable()
             self.profiler.dump_stats(f"{self.profile_path}.rank{self.rank}")
         timed = self.times[self.warmup :]
-        step_s = [b - a for a, b in zip(timed, timed[1:])]
+        step_s = [b - a for a, b in zip(timed, timed[1:], strict=False)]
         result = {
             "rank": self.rank,
             "world": self.world,

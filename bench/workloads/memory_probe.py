@@ -27,10 +27,10 @@ from pathlib import Path
 from typing import Any
 
 import torch
+from harness import BATCH_SIZE, make_dataset, make_model
 from torch.distributed._tools.mem_tracker import MemTracker
 
 import disttrain as dt
-from harness import BATCH_SIZE, make_dataset, make_model
 
 
 def _storages(tensors) -> dict[int, int]:

@@ -1,9 +1,8 @@
 """Single-device training: the script that every other one here is converted from."""
 
 import torch
-from torch.utils.data import DataLoader
-
 from harness import ACCUM_STEPS, BATCH_SIZE, Bench, make_dataset, make_model
+from torch.utils.data import DataLoader
 
 
 def main() -> None:

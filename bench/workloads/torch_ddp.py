@@ -4,11 +4,10 @@ import contextlib
 
 import torch
 import torch.distributed as dist
+from harness import ACCUM_STEPS, BATCH_SIZE, Bench, make_dataset, make_model
 from torch.nn.parallel import DistributedDataParallel
 from torch.utils.data import DataLoader
 from torch.utils.data.distributed import DistributedSampler
-
-from harness import ACCUM_STEPS, BATCH_SIZE, Bench, make_dataset, make_model
 
 
 def main() -> None:

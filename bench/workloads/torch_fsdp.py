@@ -2,12 +2,11 @@
 
 import torch
 import torch.distributed as dist
+from harness import ACCUM_STEPS, BATCH_SIZE, Bench, make_dataset, make_model
 from torch.distributed.device_mesh import init_device_mesh
 from torch.distributed.fsdp import fully_shard
 from torch.utils.data import DataLoader
 from torch.utils.data.distributed import DistributedSampler
-
-from harness import ACCUM_STEPS, BATCH_SIZE, Bench, make_dataset, make_model
 
 
 def main() -> None:

@@ -19,8 +19,9 @@ from __future__ import annotations
 import os
 import resource
 import time
-import tomllib
 from pathlib import Path
+
+import tomllib
 
 CONFIG = Path(__file__).resolve().parents[2] / "examples" / "tiny_gpt.toml"
 LOG_EVERY = 10

@@ -12,10 +12,11 @@ import os
 from pathlib import Path
 from unittest import mock
 
+from train_spec import CONFIG, clocks, overrides, result
+
 from disttrain import JsonlWriter
 from disttrain.config import load_config
 from disttrain.train import trainer
-from train_spec import CONFIG, clocks, overrides, result
 
 LOG_TIMES: dict[int, tuple[float, float]] = {}
 _WRITE = JsonlWriter.write

@@ -102,16 +102,16 @@ if TYPE_CHECKING:  # static tools see the real names
     from disttrain.data import DistributedSampler, ElasticSampler, TokenWindows
     from disttrain.errors import ConfigError, DistributedMismatchError, UserError
     from disttrain.guard import check_consistency, check_replicas, start_guard
-    from disttrain.train.job import Job
-    from disttrain.train.job_config import RunOptions
-    from disttrain.train.evaluation import Evaluator
-    from disttrain.train.trackers import MlflowTracker, WandbTracker
-    from disttrain.train.accumulation import Accumulator, clip_grad_norm, no_sync, warmup_cosine
-    from disttrain.train.global_metrics import MeanTracker, global_mean, global_sum
-    from disttrain.train.rank0_output import JsonlWriter, print_main
+    from disttrain.guard.sanity import NotDistributedError, NotDistributedWarning
+    from disttrain.guard.watchdog import Watchdog
     from disttrain.parallel import Layout, make_optimizer, unwrap, wrap
     from disttrain.parallel.join import join
     from disttrain.parallel.precision import AgreedGradScaler, autocast, make_grad_scaler
     from disttrain.runtime import RankInfo, barrier, distributed, init, rank_info, shutdown
-    from disttrain.guard.sanity import NotDistributedError, NotDistributedWarning
-    from disttrain.guard.watchdog import Watchdog
+    from disttrain.train.accumulation import Accumulator, clip_grad_norm, no_sync, warmup_cosine
+    from disttrain.train.evaluation import Evaluator
+    from disttrain.train.global_metrics import MeanTracker, global_mean, global_sum
+    from disttrain.train.job import Job
+    from disttrain.train.job_config import RunOptions
+    from disttrain.train.rank0_output import JsonlWriter, print_main
+    from disttrain.train.trackers import MlflowTracker, WandbTracker

@@ -10,11 +10,12 @@ from __future__ import annotations
 import ast
 import textwrap
 
+from rule_check import found
+
 from disttrain.doctor import control_flow
 from disttrain.doctor.analyzer import parse
 from disttrain.doctor.dataflow import Project
 from disttrain.doctor.facts import Facts
-from rule_check import found
 
 
 def test_is_local_main_process_is_one_process_per_node():

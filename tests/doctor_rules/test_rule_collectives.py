@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import textwrap
 
-from rule_check import PRE, PRE_FSDP2, FSDP_AS_A_MODE, found, found_in, rule_severities
+from rule_check import FSDP_AS_A_MODE, PRE, PRE_FSDP2, found, found_in, rule_severities
 
 # diffusers (round 4): accelerator.save_state on the main process only, a collective
 # under DeepSpeed or FSDP; the Trainer's save_state (a JSON of its state) is none

@@ -9,9 +9,9 @@ from __future__ import annotations
 
 import textwrap
 
-from disttrain.doctor.analyzer import analyze_paths
-from disttrain.doctor.analyzer import analyze_source
-from rule_check import PRE, ACCELERATE_TRAINER, found, findings, rules
+from rule_check import ACCELERATE_TRAINER, PRE, findings, found, rules
+
+from disttrain.doctor.analyzer import analyze_paths, analyze_source
 
 # DPR: the data is sharded by the node-local rank
 LOCAL_RANK_SHARDS = PRE + """

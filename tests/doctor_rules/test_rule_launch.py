@@ -10,8 +10,9 @@ from __future__ import annotations
 
 import textwrap
 
-from disttrain.doctor.analyzer import analyze_paths
 from rule_check import found, found_in, rules
+
+from disttrain.doctor.analyzer import analyze_paths
 
 # ml-4m: `timedelta(4800)` meant as seconds is 4800 days; gpt-neox: DeepSpeed's init with
 # no timeout starts the same process group

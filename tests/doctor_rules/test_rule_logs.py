@@ -10,9 +10,10 @@ from __future__ import annotations
 
 import textwrap
 
+from rule_check import PRE, RANK_ZERO_HELPERS, found, found_in, rule_severities, rules
+
 from disttrain.doctor.analyzer import parse
 from disttrain.doctor.dataflow import Project
-from rule_check import RANK_ZERO_HELPERS, PRE, found, found_in, rules, rule_severities
 
 PKG_ENTRY = """
 import fourm.utils as utils

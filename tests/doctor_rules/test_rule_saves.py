@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import textwrap
 
-from rule_check import RANK_ZERO_HELPERS, PRE, ACCELERATE_TRAINER, found, found_in, findings, rules, rule_severities
+from rule_check import ACCELERATE_TRAINER, PRE, RANK_ZERO_HELPERS, findings, found, found_in, rule_severities, rules
 
 # moco-v3 / simsiam: "single process, or rank 0 of each node" is still a guard
 EITHER_GUARD = PRE + """

@@ -11,7 +11,7 @@ from __future__ import annotations
 
 import textwrap
 
-from rule_check import PRE, PRE_FSDP2, FSDP_AS_A_MODE, found, found_in, rule_severities
+from rule_check import FSDP_AS_A_MODE, PRE, PRE_FSDP2, found, found_in, rule_severities
 
 # HAND_REDUCED_SCALED_GRADS: the scaled gradients are all-reduced by hand (a helper in utils) before
 # scaler.step unscales them: every rank sees the same inf/nan

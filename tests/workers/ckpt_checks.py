@@ -16,12 +16,11 @@ import sys
 from pathlib import Path
 
 import torch
+from ckpt_common import build, full_state, mismatches, train
 
 import disttrain as dt
-from disttrain.checkpoint import Checkpointer, CheckpointCorrupt, CheckpointSaveError, latest_valid
+from disttrain.checkpoint import CheckpointCorrupt, Checkpointer, CheckpointSaveError, latest_valid
 from disttrain.runtime.fault_injection import set_faults
-
-from ckpt_common import build, full_state, mismatches, train
 
 N, M = 3, 4
 out, phase = Path(sys.argv[1]), sys.argv[2]

@@ -8,8 +8,8 @@ from torch.distributed.checkpoint.state_dict import StateDictOptions, get_state_
 
 import disttrain as dt
 from disttrain.checkpoint import TrainState
-from disttrain.demo import GPT, GPTConfig
 from disttrain.data import ElasticSampler
+from disttrain.demo import GPT, GPTConfig
 
 CFG = GPTConfig(block_size=8, n_layer=2, n_head=2, n_embd=16, dropout=0.1)
 N_SAMPLES, BATCH = 20, 2

@@ -56,7 +56,7 @@ def check(strategy: str, compile, ac: bool = False, resume: bool = True) -> dict
     resumed = compiled
     if resume:  # stop after SPLIT steps, keep only the state dicts, build everything again
         resumed = _resume(strategy, compile, ac, data)
-    return {"max_diff": max(abs(a - b) for a, b in zip(eager, compiled)),
+    return {"max_diff": max(abs(a - b) for a, b in zip(eager, compiled, strict=False)),
             "resume_identical": resumed == compiled,
             "keys_equal": sorted(model.state_dict()) == sorted(eager_model.state_dict()),
             "orig_mod_keys": [k for k in model.state_dict() if "_orig_mod" in k],

@@ -15,14 +15,14 @@ import torch.nn as nn
 from torch.distributed.algorithms.ddp_comm_hooks.default_hooks import allreduce_hook
 
 import disttrain as dt
-from disttrain.demo import GPT, GPTConfig, MLP, MLPConfig
+from disttrain.demo import GPT, MLP, GPTConfig, MLPConfig
 
 out = Path(sys.argv[1])
 results: dict = {}
 
 
 def max_diff(a: nn.Module, b: nn.Module) -> float:
-    return max((pa - pb).abs().max().item() for pa, pb in zip(a.parameters(), b.parameters()))
+    return max((pa - pb).abs().max().item() for pa, pb in zip(a.parameters(), b.parameters(), strict=False))
 
 
 def global_batches(steps, n, shape_fn, seed=123):

@@ -33,7 +33,6 @@ import traceback
 from pathlib import Path
 
 import torch
-
 from ckpt_common import saved_once
 
 from disttrain import cli

@@ -10,9 +10,9 @@ import torch
 
 import disttrain as dt
 from disttrain import guard
-from disttrain.guard import sanity
 from disttrain.config import Config
 from disttrain.demo import MLP, MLPConfig
+from disttrain.guard import sanity
 
 out = Path(sys.argv[1])
 results: dict = {}

@@ -18,9 +18,10 @@ import os
 import sys
 from pathlib import Path
 
+from trainer_cells import CELLS
+
 from disttrain import runtime
 from disttrain.config import load_config
-from trainer_cells import CELLS
 from disttrain.runtime import fault_injection, process_group
 from disttrain.train.trainer import train
 

@@ -18,7 +18,7 @@ import torch.nn as nn
 from torch.distributed.fsdp import FSDPModule, FullyShardedDataParallel
 
 import disttrain as dt
-from disttrain.demo import GPT, GPTConfig, MLP, MLPConfig
+from disttrain.demo import GPT, MLP, GPTConfig, MLPConfig
 from disttrain.parallel.fsdp import full_parameters, local_bytes
 from disttrain.parallel.optimizers import decaying
 
@@ -160,8 +160,8 @@ def precision_group(results: dict) -> None:
     for strategy in ("ddp", "fsdp", "fsdp1"):
         _, _, fp32 = train("gpt", strategy, "full")
         _, _, bf16 = train("gpt", strategy, "full", precision="bf16")
-        results[f"bf16/{strategy}"] = max(abs(a - b) for a, b in zip(bf16["losses"], fp32["ref_losses"]))
-        results[f"fp32/{strategy}"] = max(abs(a - b) for a, b in zip(fp32["losses"], fp32["ref_losses"]))
+        results[f"bf16/{strategy}"] = max(abs(a - b) for a, b in zip(bf16["losses"], fp32["ref_losses"], strict=False))
+        results[f"fp32/{strategy}"] = max(abs(a - b) for a, b in zip(fp32["losses"], fp32["ref_losses"], strict=False))
     for strategy in ("ddp", "zero1", "fsdp"):
         scaler = dt.make_grad_scaler("fp16")
         model, _, log = train("mlp_plain", strategy, "full", precision="fp16", scaler=scaler,
@@ -212,7 +212,7 @@ def hf_group(results: dict) -> None:
         losses.append(dt.global_mean(loss.item(), 1))
     m = dt.unwrap(model)
     results["hf"] = {
-        "loss_diff": max(abs(a - b) for a, b in zip(losses, ref_losses)),
+        "loss_diff": max(abs(a - b) for a, b in zip(losses, ref_losses, strict=False)),
         # fully_shard swaps the class for a subclass named FSDP<Class>.
         "losses": losses, "units": sum(isinstance(b, FSDPModule) and type(b).__name__.endswith("GPT2Block")
                                        for b in m.modules()),

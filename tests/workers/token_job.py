@@ -8,9 +8,9 @@ import sys
 from pathlib import Path
 
 import torch
+from token_model import build
 
 import disttrain as dt
-from token_model import build
 
 
 def main(out: Path, tokens: str, steps: int) -> None:

@@ -63,4 +63,4 @@ class Channel:
                 extra=EVERY_RANK,
             )
             return None
-        return [t[: int(n.item())] for t, n in zip(every, sizes)]
+        return [t[: int(n.item())] for t, n in zip(every, sizes, strict=False)]

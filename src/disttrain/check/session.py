@@ -27,9 +27,9 @@ from torch.optim.optimizer import register_optimizer_step_post_hook, register_op
 
 from disttrain.check import data, micro_steps, replicas, wrapping
 from disttrain.check.channel import Channel
-from disttrain.check.verdicts import Finding, Report, user_line
 from disttrain.check.model_watch import ModelWatch
 from disttrain.check.settings import ALL, window_from_env
+from disttrain.check.verdicts import Finding, Report, user_line
 from disttrain.runtime.log import EVERY_RANK, LOGGER
 
 

@@ -32,7 +32,6 @@ that asks for either is refused (`CheckpointUnsafe`). Share models as the safete
 export.
 """
 
-from disttrain.checkpoint.checkpointer import Checkpointer
 from disttrain.checkpoint.checkpoint_errors import (
     CheckpointCorrupt,
     CheckpointError,
@@ -41,6 +40,7 @@ from disttrain.checkpoint.checkpoint_errors import (
     CheckpointUnsafe,
     StaleWriterError,
 )
+from disttrain.checkpoint.checkpointer import Checkpointer
 from disttrain.checkpoint.files import atomic_torch_save, load_model, save_model, strip_prefix
 from disttrain.checkpoint.finite import NonFiniteError, check_finite
 from disttrain.checkpoint.functional import load, save

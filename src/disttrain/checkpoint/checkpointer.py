@@ -40,13 +40,13 @@ import torch.distributed as dist
 
 from disttrain import json_text
 from disttrain.checkpoint import layout, load_phases
-from disttrain.checkpoint.compat import describe, describe_failure
 from disttrain.checkpoint.checkpoint_errors import (
     CheckpointCorrupt,
     CheckpointError,
     CheckpointSaveError,
     StaleWriterError,
 )
+from disttrain.checkpoint.compat import describe, describe_failure
 from disttrain.checkpoint.digests import digest_bytes
 from disttrain.checkpoint.files import atomic_write_bytes
 from disttrain.checkpoint.own_files import read_own

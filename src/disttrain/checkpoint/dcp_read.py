@@ -24,10 +24,10 @@ import io
 import pickle
 from contextlib import contextmanager
 from pathlib import Path
-from typing import overload
+from typing import cast, overload
 
 import torch
-from torch.distributed.checkpoint import FileSystemReader
+from torch.distributed.checkpoint import FileSystemReader, LoadPlanner
 from torch.distributed.checkpoint.filesystem import FileSystem
 from torch.distributed.checkpoint.metadata import BytesStorageMetadata, Metadata, StorageMeta
 
@@ -88,7 +88,8 @@ class SafeReader(FileSystemReader):
         return metadata
 
     def read_data(self, plan, planner):
-        return super().read_data(plan, _WeightsOnlyValues(planner, self))
+        # a proxy of DCP's planner: every call passes through but `load_bytes`
+        return super().read_data(plan, cast(LoadPlanner, _WeightsOnlyValues(planner, self)))
 
 
 class _WeightsOnlyValues:

@@ -17,8 +17,8 @@ import torch.nn as nn
 
 from disttrain.errors import UserError
 from disttrain.runtime import barrier, rank_info
-from disttrain.runtime.torch_compat import canonical_name, unwrap
 from disttrain.runtime.log import LOGGER
+from disttrain.runtime.torch_compat import canonical_name, unwrap
 
 
 def _atomic_write(path: str | os.PathLike, write) -> Path:

@@ -14,7 +14,8 @@ sync per device, about one read of the weights.
 from __future__ import annotations
 
 import math
-from typing import Any, Iterable
+from collections.abc import Iterable
+from typing import Any
 
 import torch
 

@@ -73,10 +73,10 @@ def optimizer_state(optim: Any, loaded: dict, fqns: list[list[str]] | None) -> d
     if not isinstance(groups, list) or not (len(groups) == len(optim.param_groups) == len(fqns)):
         return None
     out_state, out_groups = {}, []
-    for group, saved, names in zip(optim.param_groups, groups, fqns):
+    for group, saved, names in zip(optim.param_groups, groups, fqns, strict=False):
         if not names or len(group["params"]) != len(names) or list(saved.get("params", ())) != names:
             return None
-        for param, fqn in zip(group["params"], names):
+        for param, fqn in zip(group["params"], names, strict=False):
             if param.requires_grad:
                 if fqn not in state:
                     return None  # torch raises for it (strict): let it

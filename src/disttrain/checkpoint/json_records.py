@@ -114,7 +114,7 @@ def set_path(root: dict, path: tuple, value: Any) -> None:
     """Set `value` at `path` (keys and list indices) inside the nested `root`,
     creating missing dicts and lists on the way (DCP's flattening in reverse)."""
     node = root
-    for key, nxt in zip(path[:-1], path[1:]):
+    for key, nxt in zip(path[:-1], path[1:], strict=False):
         if isinstance(node, list):
             node.extend([None] * (key + 1 - len(node)))
             if node[key] is None:

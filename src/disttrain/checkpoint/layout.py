@@ -28,14 +28,14 @@ import os
 import re
 import shutil
 import uuid
+from collections.abc import Callable
 from pathlib import Path
-from typing import Callable
 
+from disttrain import json_text
 from disttrain.checkpoint.checkpoint_errors import CheckpointCorrupt, CheckpointUnsafe, StaleWriterError
 from disttrain.checkpoint.digests import KNOWN, expected, file_mismatch
 from disttrain.checkpoint.files import atomic_write_bytes, fsync_dir
 from disttrain.checkpoint.own_files import SMALL_LIMIT, escape_message, escapes, name_problem, open_own, read_own
-from disttrain import json_text
 from disttrain.plain_files import MiB, NotPlainFile, read_plain
 from disttrain.runtime.log import LOGGER
 

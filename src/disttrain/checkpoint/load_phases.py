@@ -29,8 +29,8 @@ modules (about 50 ms).
 from __future__ import annotations
 
 import time
+from collections.abc import Iterator
 from contextlib import contextmanager
-from typing import Iterator
 
 from disttrain.runtime import processes
 

@@ -102,7 +102,7 @@ def _tensor_problem(fqn: str, meta, records: dict, exact: bool) -> str | None:
             _counts(chunk.offsets, len(size)) and _counts(chunk.sizes, len(size))
         ):
             return f"{fqn!r} has a chunk of another rank than its size {tuple(size)}"
-        if any(o + n > d for o, n, d in zip(chunk.offsets, chunk.sizes, size)):
+        if any(o + n > d for o, n, d in zip(chunk.offsets, chunk.sizes, size, strict=False)):
             return f"{fqn!r} has a chunk outside its size {tuple(size)}"
         record = records.get((fqn, tuple(chunk.offsets)))
         nbytes = math.prod(chunk.sizes) * props.dtype.itemsize

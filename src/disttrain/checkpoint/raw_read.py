@@ -93,7 +93,7 @@ def read_cached(f, view: memoryview, path: Path, done: threading.Event) -> None:
 
 
 def narrow(t: torch.Tensor, offsets, lengths) -> torch.Tensor:
-    for dim, (start, length) in enumerate(zip(offsets, lengths)):
+    for dim, (start, length) in enumerate(zip(offsets, lengths, strict=False)):
         t = t.narrow(dim, start, length)
     return t
 

@@ -20,28 +20,28 @@ import ctypes
 import dataclasses
 import io
 import threading
+from collections.abc import Callable
 from concurrent.futures import Executor
 from concurrent.futures import Future as ThreadFuture
 from pathlib import Path
-from typing import Callable
 
 import torch
-from torch.futures import Future
 from torch.distributed.checkpoint import StorageReader, StorageWriter
 from torch.distributed.checkpoint.default_planner import DefaultLoadPlanner, DefaultSavePlanner
 from torch.distributed.checkpoint.filesystem import FileSystem
 from torch.distributed.checkpoint.metadata import TensorStorageMetadata
 from torch.distributed.checkpoint.planner import LoadItemType, WriteItemType
 from torch.distributed.checkpoint.storage import WriteResult
+from torch.futures import Future
 
 from disttrain.checkpoint import layout, metadata_bounds
 from disttrain.checkpoint.checkpoint_errors import CheckpointCorrupt
 from disttrain.checkpoint.digests import HashingStream, corrupt_message, digest_bytes, expected, new_hash, record
 from disttrain.checkpoint.files import fsync_file
 from disttrain.checkpoint.finite import FiniteTally
+from disttrain.checkpoint.json_records import Extent, metadata_bytes, metadata_of, set_path, value_bytes, value_of
 from disttrain.checkpoint.own_files import check_listed, open_own, read_own
 from disttrain.checkpoint.raw_read import FileRead, narrow, pool, read_all, read_exact, shared_storages, stop_for
-from disttrain.checkpoint.json_records import Extent, metadata_bytes, metadata_of, set_path, value_bytes, value_of
 
 FORMAT = "raw-1"
 METADATA = ".metadata"

@@ -86,8 +86,8 @@ class ZeroView:
                 "optimizer's groups (another model or parameter grouping)."
             )
         params = self._global_params()
-        by_key = dict(zip((k for g in saved_groups for k in g["params"]), params))
-        for saved, group in zip(saved_groups, self.zero.param_groups):
+        by_key = dict(zip((k for g in saved_groups for k in g["params"]), params, strict=False))
+        for saved, group in zip(saved_groups, self.zero.param_groups, strict=False):
             group.update({k: v for k, v in saved.items() if k != "params"})
         local_groups = self.zero.optim.param_groups
         local_index = {p: i for i, p in enumerate(p for g in local_groups for p in g["params"])}
@@ -101,7 +101,7 @@ class ZeroView:
             "state": local_state,
             "param_groups": [
                 {**{k: v for k, v in g.items() if k != "params"}, "params": [local_index[p] for p in lg["params"]]}
-                for g, lg in zip(self.zero.param_groups, local_groups)
+                for g, lg in zip(self.zero.param_groups, local_groups, strict=False)
             ],
         }
         self.zero.optim.load_state_dict(local_sd)
@@ -110,7 +110,7 @@ class ZeroView:
         """A local step only (torch's state initialisation calls it with zero gradients
         and lr 0): the local groups take the global hyperparameters first, and nothing
         is broadcast, since the parameters do not change."""
-        for group, local in zip(self.zero.param_groups, self.zero.optim.param_groups):
+        for group, local in zip(self.zero.param_groups, self.zero.optim.param_groups, strict=False):
             local.update({k: v for k, v in group.items() if k != "params"})
         return self.zero.optim.step(closure)
 

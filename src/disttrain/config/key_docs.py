@@ -36,7 +36,7 @@ def _field_literals(cls: type) -> dict[str, str]:
         tree = ast.parse(textwrap.dedent(inspect.getsource(klass)))
         node = tree.body[0]  # the class statement (getsource gives its decorators with it)
         body = node.body if isinstance(node, ast.ClassDef) else []
-        for field_node, after in zip(body, body[1:]):
+        for field_node, after in zip(body, body[1:], strict=False):
             if (
                 isinstance(field_node, ast.AnnAssign)
                 and isinstance(field_node.target, ast.Name)
@@ -93,7 +93,7 @@ def keys_help() -> str:
     left = [f"{k.key}  {k.type} = {_shown(k.default)}" for k in keys]
     width = max(len(s) for s in left) + 2
     lines, section = [], ""
-    for k, head in zip(keys, left):
+    for k, head in zip(keys, left, strict=False):
         name = k.key.split(".", 1)[0]
         if name != section:
             section = name

@@ -22,8 +22,8 @@ import errno
 import os
 import stat
 import tempfile
+from collections.abc import Callable
 from pathlib import Path
-from typing import Callable
 
 from disttrain.errors import UserError
 

@@ -19,9 +19,9 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from disttrain.config.gpt_shape import GPTConfig
 from disttrain.config.data_config import DataConfig, check_data_source
 from disttrain.config.elastic_config import ElasticConfig, check_elastic
+from disttrain.config.gpt_shape import GPTConfig
 from disttrain.config.log_config import LogConfig, check_log
 from disttrain.config.path_keys import anchor_override, anchor_paths
 from disttrain.config.rules import check_values

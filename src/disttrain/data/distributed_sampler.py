@@ -9,7 +9,7 @@ happen (P-DATA-2); `set_epoch` still works for explicit control.
 from __future__ import annotations
 
 import math
-from typing import Iterator, Sized
+from collections.abc import Iterator, Sized
 
 import torch
 from torch.utils.data import Sampler

@@ -21,7 +21,7 @@ can be resumed; a stream that can only be read forward cannot be resumed exactly
 from __future__ import annotations
 
 import math
-from typing import Iterator, Sized
+from collections.abc import Iterator, Sized
 
 from torch.utils.data import Sampler
 

@@ -18,14 +18,18 @@ from __future__ import annotations
 import hashlib
 import json
 import os
+from collections.abc import Iterator
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Iterator
+from typing import TYPE_CHECKING
 
 import numpy as np
 
 from disttrain.data.token_files import LLMC_HEADER_INTS, LLMC_MAGIC, META, read_meta, read_token_file
 from disttrain.errors import UserError
+
+if TYPE_CHECKING:
+    from rich.progress import Progress
 
 CHUNK_BYTES = 4 << 20
 """Text read per tokenizer call. Tokenizer input is cut at a line end, so a token
@@ -231,17 +235,18 @@ class _progress_bar:
     """A rich bar over input bytes (`advance(nbytes, name)`); a no-op when disabled."""
 
     def __init__(self, enabled: bool, total: int):
-        self.enabled, self.total, self._bar = enabled and total > 0, total, None
+        self.enabled, self.total = enabled and total > 0, total
+        self._bar: Progress | None = None
 
     def __enter__(self):
         if self.enabled:
             from rich.progress import BarColumn, DownloadColumn, Progress, TextColumn, TimeRemainingColumn
 
-            self._bar = Progress(
+            bar = self._bar = Progress(
                 TextColumn("[bold]prepare[/] {task.fields[name]}"), BarColumn(), DownloadColumn(), TimeRemainingColumn()
             )
-            self._bar.start()
-            self._task = self._bar.add_task("prepare", total=self.total, name="")
+            bar.start()
+            self._task = bar.add_task("prepare", total=self.total, name="")
         return self.advance
 
     def advance(self, nbytes: int, name: str) -> None:

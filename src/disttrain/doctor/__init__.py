@@ -103,7 +103,8 @@ def main(argv: list[str]) -> int:
     from disttrain.errors import UserError
 
     args = _parser().parse_args(argv)
-    from disttrain.doctor import analyzer, doctor_report as report
+    from disttrain.doctor import analyzer
+    from disttrain.doctor import doctor_report as report
 
     if args.list_rules:
         report.print_rules(sys.stdout)

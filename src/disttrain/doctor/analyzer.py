@@ -27,8 +27,8 @@ from disttrain.doctor import (  # noqa: F401
     rules_sync,
 )
 from disttrain.doctor.facts import Facts
-from disttrain.doctor.source_text import read_source
 from disttrain.doctor.findings import ERROR, RULES, Finding, ignore_comments, suppressed
+from disttrain.doctor.source_text import read_source
 from disttrain.errors import UserError
 
 # Directories that hold other people's code or build output, never the user's scripts.

@@ -63,7 +63,7 @@ def value(node: ast.AST, env: dict):
 
 def _compare(node: ast.Compare, env: dict):
     left = value(node.left, env)
-    for op, right_node in zip(node.ops, node.comparators):
+    for op, right_node in zip(node.ops, node.comparators, strict=False):
         right = value(right_node, env)
         fn = _COMPARE.get(type(op))
         if left is _UNKNOWN or right is _UNKNOWN or fn is None:
@@ -101,7 +101,7 @@ def bind(call: ast.Call, d: ast.AST, env: dict) -> dict:
     out: dict = {}
     given: set[str] = set()
     starred = any(isinstance(x, ast.Starred) for x in call.args) or any(k.arg is None for k in call.keywords)
-    for p, x in zip(params, call.args):
+    for p, x in zip(params, call.args, strict=False):
         if isinstance(x, ast.Starred):
             break
         given.add(p)
@@ -112,10 +112,10 @@ def bind(call: ast.Call, d: ast.AST, env: dict) -> dict:
             out[k.arg] = value(k.value, env)
     if not starred:
         positional = [p.arg for p in (*a.posonlyargs, *a.args)]
-        for p, dv in zip(positional[len(positional) - len(a.defaults) :], a.defaults):
+        for p, dv in zip(positional[len(positional) - len(a.defaults) :], a.defaults, strict=False):
             if p not in given:
                 out[p] = value(dv, {})
-        for p, dv in zip(a.kwonlyargs, a.kw_defaults):
+        for p, dv in zip(a.kwonlyargs, a.kw_defaults, strict=False):
             if p.arg not in given and dv is not None:
                 out[p.arg] = value(dv, {})
     assigned = _assigned_names(d)

@@ -13,7 +13,8 @@ from __future__ import annotations
 
 import ast
 
-from disttrain.doctor.names import ref as _ref, word as _word
+from disttrain.doctor.names import ref as _ref
+from disttrain.doctor.names import word as _word
 from disttrain.doctor.rank_names import is_guard_word, is_local_word, named_rank_counts
 
 GLOBAL = "global"

@@ -34,10 +34,10 @@ from typing import TYPE_CHECKING
 from disttrain.doctor import control_flow, rank_values
 from disttrain.doctor.names import (  # noqa: F401  (re-exported for the rules)
     EXTERNAL,
+    FUNCTION_NODES,
     GLOBAL,
     LOCAL,
     SOLO,
-    FUNCTION_NODES,
     callee_name,
     collective_name,
     is_launcher,

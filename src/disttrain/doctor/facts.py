@@ -61,10 +61,10 @@ class Facts:
     parents: dict[ast.AST, ast.AST] = field(default_factory=dict)
     nodes: list[ast.AST] = field(default_factory=list)  # every node, walked once
     # the other files of the same run (rules may follow a call into them)
-    others: list["Facts"] = field(default_factory=list, repr=False, compare=False)
+    others: list[Facts] = field(default_factory=list, repr=False, compare=False)
 
     @classmethod
-    def parse(cls, path: str, source: str) -> "Facts":
+    def parse(cls, path: str, source: str) -> Facts:
         tree = ast.parse(source, filename=path)
         facts = cls(path=path, source=source, tree=tree)
         facts.nodes = list(ast.walk(tree))
@@ -271,7 +271,7 @@ class Facts:
 
     # ----- the other files checked in the same run -----------------------------------
 
-    def project_functions(self, name: str) -> list[tuple["Facts", FuncDef]]:
+    def project_functions(self, name: str) -> list[tuple[Facts, FuncDef]]:
         """Definitions of `name` in this file and the other files given on the command line."""
         return [(f, d) for f in [self, *self.others] for d in f.functions.get(name, [])]
 

@@ -12,8 +12,8 @@ import ast
 import io
 import re
 import tokenize
+from collections.abc import Callable, Iterable
 from dataclasses import asdict, dataclass
-from typing import Callable, Iterable
 
 ERROR = "error"
 WARNING = "warning"

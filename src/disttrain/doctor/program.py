@@ -13,9 +13,9 @@ from typing import TYPE_CHECKING
 from disttrain.doctor.names import (
     DISTTRAIN_INITS,
     EXTERNAL,
+    FUNCTION_NODES,
     LIBRARY_DEVICE_BINDS,
     SET_DEVICE,
-    FUNCTION_NODES,
     collective_name,
     is_const,
     kwarg_value,

@@ -17,7 +17,8 @@ from __future__ import annotations
 
 import ast
 
-from disttrain.doctor.names import ref as _ref, word as _word
+from disttrain.doctor.names import ref as _ref
+from disttrain.doctor.names import word as _word
 
 # Words that make an `if` test a rank guard: `if rank == 0`, `if dist.get_rank() == 0`,
 # `if is_main_process():`, `if accelerator.is_main_process`, `if trainer.is_global_zero`.

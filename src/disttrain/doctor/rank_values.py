@@ -8,7 +8,9 @@ from __future__ import annotations
 import ast
 
 from disttrain.doctor.control_flow import GLOBAL, LOCAL, is_env_presence
-from disttrain.doctor.names import FUNCTION_NODES, ref as _ref, word as _word
+from disttrain.doctor.names import FUNCTION_NODES
+from disttrain.doctor.names import ref as _ref
+from disttrain.doctor.names import word as _word
 from disttrain.doctor.rank_names import is_guard_word, is_local_word, named_rank_counts
 
 

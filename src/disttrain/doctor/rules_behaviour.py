@@ -13,8 +13,8 @@ import re
 
 from disttrain.doctor import guard_shapes
 from disttrain.doctor.facts import Facts, is_const, kwarg, mentions, ref
-from disttrain.doctor.names import refs_in
 from disttrain.doctor.findings import WARNING, finding, rule
+from disttrain.doctor.names import refs_in
 
 _NONFINITE = ("isfinite", "isnan", "isinf", "nan", "inf", "finite")
 _EXIT_CALLS = ("sys.exit", "exit", "quit", "os._exit")
@@ -184,8 +184,10 @@ def _off_flag(facts: Facts, test: ast.AST) -> bool:
     if not isinstance(fn, (ast.FunctionDef, ast.AsyncFunctionDef)):
         return False
     params = fn.args.args + fn.args.kwonlyargs
-    defaults = dict(zip([a.arg for a in fn.args.args][len(fn.args.args) - len(fn.args.defaults) :], fn.args.defaults))
-    defaults.update({a.arg: d for a, d in zip(fn.args.kwonlyargs, fn.args.kw_defaults) if d is not None})
+    defaults = dict(
+        zip([a.arg for a in fn.args.args][len(fn.args.args) - len(fn.args.defaults) :], fn.args.defaults, strict=False)
+    )
+    defaults.update({a.arg: d for a, d in zip(fn.args.kwonlyargs, fn.args.kw_defaults, strict=False) if d is not None})
     sites = facts.project.call_sites.get(fn, [])
     if not sites:
         return False  # its callers are out of view: one of them may turn it on

@@ -9,9 +9,9 @@ from __future__ import annotations
 
 import ast
 
-from disttrain.doctor.rank_names import is_local_word
 from disttrain.doctor.facts import Facts, is_const, kwarg, mentions, ref
 from disttrain.doctor.findings import WARNING, finding, rule
+from disttrain.doctor.rank_names import is_local_word
 
 
 def reads_local_rank(facts: Facts, value: ast.AST) -> bool:

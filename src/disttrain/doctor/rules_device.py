@@ -8,11 +8,12 @@ from __future__ import annotations
 
 import ast
 import re
-from typing import Iterable
+from collections.abc import Iterable
 
 from disttrain.doctor.facts import DISTTRAIN_INITS, Facts, arg, kwarg
 from disttrain.doctor.findings import ERROR, WARNING, finding, rule
-from disttrain.doctor.names import LIBRARY_DEVICE_BINDS, SET_DEVICE as _SET_DEVICE
+from disttrain.doctor.names import LIBRARY_DEVICE_BINDS
+from disttrain.doctor.names import SET_DEVICE as _SET_DEVICE
 from disttrain.doctor.rules_launch import environ_key
 
 
@@ -192,7 +193,7 @@ def _unseen_device_binder(facts: Facts) -> str | None:
     return None
 
 
-def _launch_path_without_bind(facts: Facts, binds: list) -> "Iterable":
+def _launch_path_without_bind(facts: Facts, binds: list) -> Iterable:
     """An if/elif chain of launch paths (torchrun's env://, SLURM, a single process) where
     one path binds the device and another one that starts the group or reads the rank from
     the environment does not, with no bind after the chain: that path runs on cuda:0."""
@@ -219,10 +220,12 @@ def _launch_path_without_bind(facts: Facts, binds: list) -> "Iterable":
         end = max(getattr(node, "end_lineno", node.lineno), node.lineno)
         if any(facts.scope_of(c) is scope and c.lineno > end and not facts.exclusive(c, node) for c in calls):
             continue  # bound after the chain, on every path
-        for (test_node, body), ok in zip(branches, bound):
+        for (test_node, body), ok in zip(branches, bound, strict=False):
             if ok or not _starts_ranks(facts, body):
                 continue
-            where = next(c for c in calls if any(_within(facts, c, b) for (_, b), k in zip(branches, bound) if k))
+            where = next(
+                c for c in calls if any(_within(facts, c, b) for (_, b), k in zip(branches, bound, strict=False) if k)
+            )
             first = body[0]
             yield finding(
                 facts,

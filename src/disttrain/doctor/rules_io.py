@@ -8,22 +8,22 @@ from __future__ import annotations
 
 import ast
 
-from disttrain.doctor.facts import Facts, arg, has_star_kwargs, is_const, kwarg, mentions, ref
 from disttrain.doctor.control_flow import LOCAL
+from disttrain.doctor.facts import Facts, arg, has_star_kwargs, is_const, kwarg, mentions, ref
+from disttrain.doctor.findings import ERROR, WARNING, finding, rule
 from disttrain.doctor.log_lines import error_report, per_rank_message
+from disttrain.doctor.names import rank_aware_logging
 from disttrain.doctor.save_paths import (
     accelerator_saves,
-    is_rank_word,
     atomic_moves,
-    moves_path,
-    per_process_word,
-    per_rank_variable,
     checkpoint_copies,
     ends_the_process,
     in_temporary_dir,
+    is_rank_word,
+    moves_path,
+    per_process_word,
+    per_rank_variable,
 )
-from disttrain.doctor.findings import ERROR, WARNING, finding, rule
-from disttrain.doctor.names import rank_aware_logging
 
 # Per-rank messages are legitimate: every rank reports its own warnings and errors.
 _LOG_METHODS = ("info", "debug", "log")

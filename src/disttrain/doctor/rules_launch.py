@@ -12,8 +12,7 @@ import re
 from disttrain.doctor.facts import Facts, arg, has_star_kwargs, kwarg, ref
 from disttrain.doctor.findings import ERROR, WARNING, finding, rule
 from disttrain.doctor.names import SET_DEVICE, takes_node_rank
-from disttrain.doctor.rules_data import reads_local_rank, rank_kwarg_calls
-
+from disttrain.doctor.rules_data import rank_kwarg_calls, reads_local_rank
 
 # Backends that simulate a process group in one process: nothing to wait for.
 _NO_COLLECTIVE_BACKENDS = ("fake", "local_tensor")
@@ -122,7 +121,7 @@ def _seconds(node: ast.AST) -> float | None:
     if not (isinstance(node, ast.Call) and ast.unparse(node.func).rsplit(".", 1)[-1] == "timedelta"):
         return None
     total = 0.0
-    for unit, a in zip(("days", "seconds"), node.args):
+    for unit, a in zip(("days", "seconds"), node.args, strict=False):
         if not (isinstance(a, ast.Constant) and isinstance(a.value, (int, float))):
             return None
         total += _UNITS[unit] * a.value

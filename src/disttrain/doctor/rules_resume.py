@@ -27,7 +27,7 @@ def _checkpoint_items(facts: Facts, call: ast.Call) -> list[tuple[str, ast.AST]]
         if isinstance(node, ast.Dict):
             return [
                 (k.value.lower() if isinstance(k, ast.Constant) and isinstance(k.value, str) else "", v)
-                for k, v in zip(node.keys, node.values)
+                for k, v in zip(node.keys, node.values, strict=False)
             ]
         if isinstance(node, ast.Call) and node.keywords and not node.args:
             return [((k.arg or "").lower(), k.value) for k in node.keywords]

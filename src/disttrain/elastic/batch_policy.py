@@ -9,11 +9,10 @@ below. Dropout streams after a resume come from (seed, step, rank)
 
 from __future__ import annotations
 
-
 import torch
 
-from disttrain.errors import UserError
 from disttrain.config.lr_rule import batch_scale
+from disttrain.errors import UserError
 
 
 def divisors_note(global_batch: int, batch_size: int) -> str:

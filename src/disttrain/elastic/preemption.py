@@ -76,7 +76,7 @@ class PreemptionHandler:
         self._previous: dict[int, _Handler] = {}
         self._vote = _Vote(group=None)
 
-    def install(self) -> "PreemptionHandler":
+    def install(self) -> PreemptionHandler:
         for sig in (signal.SIGTERM, signal.SIGINT):
             self._previous[sig] = signal.signal(sig, self._on_signal)
         return self

@@ -31,7 +31,6 @@ from disttrain.errors import DistributedMismatchError
 from disttrain.runtime import torch_compat
 from disttrain.runtime.collectives import all_gather_json, comm_device
 
-
 # ---------------------------------------------------------------- start-of-run fingerprint
 
 

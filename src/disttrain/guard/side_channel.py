@@ -25,8 +25,9 @@ import errno
 import fcntl
 import os
 import shutil
+from collections.abc import Callable
 from pathlib import Path
-from typing import Callable, TypeVar
+from typing import TypeVar
 
 from disttrain.guard import private_dir
 

@@ -142,7 +142,7 @@ class Watchdog:
         self.step_no = self.step_no + 1 if n is None else n
         self.phase_name = "step"
 
-    def phase(self, name: str, slow: bool = False) -> "_Phase":
+    def phase(self, name: str, slow: bool = False) -> _Phase:
         """`with wd.phase("backward"):` — where this rank is, for the summary.
 
         Every rank must enter the same phases at the same steps (a phase that only some
@@ -151,7 +151,7 @@ class Watchdog:
         """
         return _Phase(self, name, self.slow_bound(0) if slow else None)
 
-    def slow_phase(self, name: str, nbytes: int = 0) -> "_Phase":
+    def slow_phase(self, name: str, nbytes: int = 0) -> _Phase:
         """`with wd.slow_phase("checkpoint.save", nbytes=n):` — work that is not a step
         and may take much longer (a save or load of `nbytes`, an evaluation). It is a
         hang only past `slow_bound(nbytes)`, and its time is not counted in the step
@@ -175,7 +175,7 @@ class Watchdog:
 
     # ------------------------------------------------------------ lifetime
 
-    def start(self) -> "Watchdog":
+    def start(self) -> Watchdog:
         """Join the side channel (made 0700 if needed, safe against a peer's removal: see
         `side_channel`), arm faulthandler, start the thread. A folder given as `dir`
         that another user owns or can write raises `UnsafeGuardDir`; when the default
@@ -245,7 +245,7 @@ class Watchdog:
     def local_world(self) -> int:
         return int(os.environ.get("LOCAL_WORLD_SIZE", 1))
 
-    def __enter__(self) -> "Watchdog":
+    def __enter__(self) -> Watchdog:
         return self.start()
 
     def __exit__(self, *exc) -> None:

@@ -348,7 +348,7 @@ def _collectives(info, nodes: list[NodeFacts], args: CheckArgs) -> dict[str, flo
 
             torch.cuda.set_device(0)
             gbps["nccl"] = _bus_gbps("nccl", "cuda", world)
-        for n, offset in zip(nodes, _clock_offsets(world)):
+        for n, offset in zip(nodes, _clock_offsets(world), strict=False):
             n.clock_offset_s = offset
         dist.barrier()  # nobody leaves (closing the store's host) before all are done
     finally:

@@ -47,7 +47,7 @@ class NodeFacts:
         return asdict(self)
 
     @classmethod
-    def from_json(cls, data: dict) -> "NodeFacts":
+    def from_json(cls, data: dict) -> NodeFacts:
         """Fields another disttrain version added are dropped, so its version can be named."""
         return cls(**{f.name: data[f.name] for f in fields(cls) if f.name in data})
 

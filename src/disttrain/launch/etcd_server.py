@@ -83,7 +83,7 @@ class EtcdServer:
     def endpoint(self) -> str:
         return f"{self.host}:{self.port}"
 
-    def start(self, timeout_s: float = 20.0, log_path: str | os.PathLike | None = None) -> "EtcdServer":
+    def start(self, timeout_s: float = 20.0, log_path: str | os.PathLike | None = None) -> EtcdServer:
         """Start etcd and wait until it answers /health. Raises `UserError` on failure."""
         if self.prefix and not self.port:
             raise UserError("EtcdServer with a prefix needs an explicit port.")
@@ -166,12 +166,12 @@ class EtcdServer:
         if remove_data and self._own_dir and self.data_dir is not None:
             shutil.rmtree(self.data_dir, ignore_errors=True)
 
-    def restart(self) -> "EtcdServer":
+    def restart(self) -> EtcdServer:
         """Stop and start again on the same port and data dir (state is kept)."""
         self.stop(remove_data=False)
         return self.start()
 
-    def __enter__(self) -> "EtcdServer":
+    def __enter__(self) -> EtcdServer:
         return self.start() if self.process is None else self
 
     def __exit__(self, *exc) -> None:

@@ -64,8 +64,8 @@ import sys
 from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
-from disttrain.errors import UserError
 from disttrain.check.settings import STEPS_FLAG, take_check_flags
+from disttrain.errors import UserError
 from disttrain.guard import private_dir
 from disttrain.guard.script_watchdog import HANG_FLAG, take_hang_timeout
 from disttrain.launch import notes_watch, run_help, warm_workers

@@ -32,11 +32,11 @@ import subprocess
 import sys
 import time
 
-from disttrain.launch.warm_workers import SOCKET_ENV as WARM_SOCKET_ENV
 from disttrain.errors import UserError
+from disttrain.launch.warm_workers import SOCKET_ENV as WARM_SOCKET_ENV
 from disttrain.runtime import job_secret, processes
-from disttrain.worker_notes import earlier_stop, first_to_say, read_step, report_not_retried, wait_to_be_stopped
 from disttrain.runtime.failures import MACHINE, classify_death, report_crash
+from disttrain.worker_notes import earlier_stop, first_to_say, read_step, report_not_retried, wait_to_be_stopped
 
 ROLE_ENV = "DISTTRAIN_FAST_ROLE"  # elastic.fast_recovery.ROLE_ENV; not imported: that imports torch
 DONE_KEY = "disttrain/fast/done"

@@ -23,7 +23,7 @@ from __future__ import annotations
 import os
 import signal
 import sys
-from typing import Callable
+from collections.abc import Callable
 
 from disttrain.runtime import processes
 

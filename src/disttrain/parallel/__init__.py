@@ -17,14 +17,13 @@ module (`make_optimizer`; P-DDP-3, P-FSDP-7).
 
 from __future__ import annotations
 
-from typing import Any
-
 import dataclasses
 import sys
+from typing import Any
 
 import torch.nn as nn
 
-from disttrain.config import ParallelConfig, STRATEGIES, validate_parallel
+from disttrain.config import STRATEGIES, ParallelConfig, validate_parallel
 from disttrain.errors import ConfigError, UserError
 from disttrain.parallel.blocks import apply_activation_checkpointing, find_blocks
 from disttrain.parallel.compile import check_compile, compile_blocks, plain_module
@@ -32,9 +31,9 @@ from disttrain.parallel.ddp import apply_ddp
 from disttrain.parallel.dp import apply_dp
 from disttrain.parallel.join import join
 from disttrain.parallel.mesh import Layout
-from disttrain.parallel.syncbn import convert_sync_batchnorm
 from disttrain.parallel.optimizers import WRAP_INFO, apply_zero1, check_optimizer, make_optimizer, wrap_info
 from disttrain.parallel.precision import apply_autocast
+from disttrain.parallel.syncbn import convert_sync_batchnorm
 from disttrain.runtime import rank_info, seed_rank_stream
 from disttrain.runtime.torch_compat import unwrap, wrapper_kind
 

@@ -32,7 +32,7 @@ REPLICATE, SHARD = "replicate", "shard"
 # Keyed weakly by the default group object: a new process group never matches, and a
 # destroyed one is not kept alive here (a gloo group closes its connections only when
 # it is destructed, which an in-memory recovery relies on).
-_meshes: "weakref.WeakKeyDictionary[dist.ProcessGroup, dict[tuple, DeviceMesh]]" = weakref.WeakKeyDictionary()
+_meshes: weakref.WeakKeyDictionary[dist.ProcessGroup, dict[tuple, DeviceMesh]] = weakref.WeakKeyDictionary()
 
 
 @dataclass(frozen=True)
@@ -69,7 +69,7 @@ class Layout:
         shard_group_size: int = 0,
         local_world_size: int | None = None,
         device_type: str = "cpu",
-    ) -> "Layout":
+    ) -> Layout:
         """The grid for a strategy and sharding mode.
 
         `shard_group_size=0` means one node's processes (`local_world_size`), the

@@ -12,7 +12,8 @@ the optimizer state shrinks to about 1/N. `make_optimizer` builds it under `zero
 
 from __future__ import annotations
 
-from typing import Any, Iterable
+from collections.abc import Iterable
+from typing import Any
 
 import torch
 import torch.nn as nn

@@ -189,7 +189,7 @@ def zero1_partition(sizes: list[int], world: int) -> list[tuple[int, int]]:
         r = load.index(min(load))
         load[r] += n
         count[r] += 1
-    return list(zip(load, count))
+    return list(zip(load, count, strict=False))
 
 
 def optim_bytes(work: Workload, elements: int, tensors: int) -> int:

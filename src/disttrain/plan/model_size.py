@@ -151,9 +151,9 @@ def _gpt_value(key: str, value: str, tp: Any) -> Any:
 
 
 def _gpt_config(kwargs: dict, where: str):
-    from disttrain.config.gpt_shape import GPTConfig
-
     import dataclasses
+
+    from disttrain.config.gpt_shape import GPTConfig
 
     types = {f.name: str(f.type) for f in dataclasses.fields(GPTConfig)}
     for key, value in kwargs.items():

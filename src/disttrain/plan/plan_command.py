@@ -91,7 +91,8 @@ def _toml_defaults(raw: dict) -> dict:
 
 def run(argv: list[str]) -> int:
     """Parse `argv`, plan, print. Returns the exit status."""
-    from disttrain.plan import model_size, plan_report as report
+    from disttrain.plan import model_size
+    from disttrain.plan import plan_report as report
     from disttrain.plan.planner import estimate
 
     args = build_parser().parse_args(argv)

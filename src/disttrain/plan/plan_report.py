@@ -107,10 +107,10 @@ def write_png(plan: Plan, path: str | Path) -> Path:
     fig, ax = plt.subplots(figsize=(max(8, 0.8 * len(rows) + 2), 5.5))
     x = list(range(len(rows)))
     bottom = [0.0] * len(rows)
-    for part, color in zip(PARTS, COLORS):
+    for part, color in zip(PARTS, COLORS, strict=False):
         vals = [getattr(r, part) / scale for r in rows]
         ax.bar(x, vals, bottom=bottom, color=color, label=part)
-        bottom = [b + v for b, v in zip(bottom, vals)]
+        bottom = [b + v for b, v in zip(bottom, vals, strict=False)]
     mem = plan.device_mem / scale
     show_mem = plan.device_mem <= 3 * peak
     top = max(max(bottom), mem if show_mem else 0) * 1.12
@@ -121,7 +121,7 @@ def write_png(plan: Plan, path: str | Path) -> Path:
         )
     else:
         ax.plot([], [], " ", label=f"device memory {fmt_bytes(plan.device_mem)} (off scale)")
-    for xi, r, b in zip(x, rows, bottom):
+    for xi, r, b in zip(x, rows, bottom, strict=False):
         ax.text(
             xi,
             b + top * 0.01,
@@ -135,7 +135,7 @@ def write_png(plan: Plan, path: str | Path) -> Path:
     ax.set_xticklabels(
         [r.label + (" *" if r.key == plan.recommended else "") for r in rows], rotation=35, ha="right", fontsize=8
     )
-    for tick, r in zip(ax.get_xticklabels(), rows):
+    for tick, r in zip(ax.get_xticklabels(), rows, strict=False):
         if r.key == plan.recommended:
             tick.set_fontweight("bold")
     ax.set_ylabel(f"{unit} per device")

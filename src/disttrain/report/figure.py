@@ -140,7 +140,7 @@ def render(data: RunData, png: str | Path) -> Path:
     from matplotlib.lines import Line2D
 
     fig, axes = plt.subplots(3, 1, figsize=(11, 10), sharex=True, constrained_layout=True)
-    for ax, draw in zip(axes, (_loss, _throughput, _step_time)):
+    for ax, draw in zip(axes, (_loss, _throughput, _step_time), strict=False):
         draw(ax, data)
         _panel_marks(ax, data)
         ax.grid(True, alpha=0.3)

@@ -159,7 +159,7 @@ def whole(value, default: int = 0) -> int:
 def _marks(starts: list[tuple[int, int, int]]) -> list[Mark]:
     """Marks from (attempt, step, world size) of each attempt's start, in time order."""
     marks = []
-    for (_, _, before), (attempt, step, world) in zip(starts, starts[1:]):
+    for (_, _, before), (attempt, step, world) in zip(starts, starts[1:], strict=False):
         marks.append(Mark(step, "restart", f"restart {attempt}: resumed at step {step}"))
         if world != before:
             marks.append(Mark(step, "world_size", f"world size {before} -> {world}"))

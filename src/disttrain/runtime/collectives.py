@@ -89,7 +89,7 @@ def _conform_one(value: Any, shape: Any, who: str, at: str) -> Any:
             return {k: conform(value[k], s, who, f"{at}.{k}" if at else k) for k, s in shape.items()}
     elif origin is tuple:
         if isinstance(value, list) and len(value) == len(args):
-            return tuple(conform(v, s, who, at) for v, s in zip(value, args))
+            return tuple(conform(v, s, who, at) for v, s in zip(value, args, strict=False))
     elif origin is list:
         if isinstance(value, list):
             return [conform(v, args[0], who, at) for v in value]
@@ -169,7 +169,7 @@ def all_gather_json(obj: Any, group: Any = None, shape: Any = Any) -> list[Any]:
     padded[: mine.numel()] = mine
     out = [torch.empty(longest, dtype=torch.uint8, device=device) for _ in range(world)]
     dist.all_gather(out, padded, group=group)
-    return [_parsed(t[:n], f"rank {r}", shape) for r, (t, n) in enumerate(zip(out, lengths))]
+    return [_parsed(t[:n], f"rank {r}", shape) for r, (t, n) in enumerate(zip(out, lengths, strict=False))]
 
 
 def broadcast_json(obj: Any, src: int, group: Any = None, shape: Any = Any) -> Any:

@@ -15,10 +15,11 @@ import contextlib
 import datetime
 import gc
 import os
-import sys
 import random
+import sys
+from collections.abc import Iterator
 from dataclasses import dataclass
-from typing import Any, Iterator
+from typing import Any
 
 import torch
 import torch.distributed as dist
@@ -158,7 +159,7 @@ def init(
     device: str = "auto",
     timeout_s: float = 300.0,
     seed: int = 0,
-    store: "dist.Store | None" = None,
+    store: dist.Store | None = None,
 ) -> RankInfo:
     """Start the process group from the torchrun environment and return `RankInfo`.
 

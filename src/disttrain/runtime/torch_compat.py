@@ -16,7 +16,8 @@ from __future__ import annotations
 import ctypes
 import re
 import sys
-from typing import Any, Callable
+from collections.abc import Callable
+from typing import Any
 
 import torch
 import torch.nn as nn
@@ -71,8 +72,8 @@ def on_destroy_process_group(hold: Callable[[list], None]) -> None:
         return original(group)
 
     destroy_process_group.__doc__ = original.__doc__
-    setattr(destroy_process_group, "__wrapped__", original)
-    setattr(destroy_process_group, "__disttrain_wrapped__", True)
+    destroy_process_group.__wrapped__ = original
+    destroy_process_group.__disttrain_wrapped__ = True
     c10d.destroy_process_group = destroy_process_group
     dist.destroy_process_group = destroy_process_group
 
@@ -237,6 +238,7 @@ def dcp_metadata_private_globals() -> dict[tuple[str, str], Any]:
     _get_layout`, `pathlib._local.PosixPath` (Python 3.13+). Each only builds a value.
     Checked on 2.13.0 and 2.11.0. Fallback: a name a release lacks is left out (refused)."""
     import pathlib
+
     from torch.distributed.checkpoint import filesystem, metadata
 
     places = ((filesystem, "_StorageInfo"), (metadata, "_MEM_FORMAT_ENCODING"), (torch.serialization, "_get_layout"))
@@ -257,7 +259,7 @@ def fsdp1_unsharded_shapes(model: nn.Module) -> dict[int, tuple[int, ...]]:
         flat = getattr(getattr(module, "_handle", None), "flat_param", None)
         if flat is None or not hasattr(flat, "_param_infos"):
             continue
-        for info, shape in zip(flat._param_infos, flat._shapes):
+        for info, shape in zip(flat._param_infos, flat._shapes, strict=False):
             param = getattr(info.module, info.param_name, None)
             if param is not None:
                 shapes[id(param)] = tuple(shape)
@@ -520,5 +522,5 @@ def on_optimizer_built(hook: Callable[[Any], None]) -> None:
         for each in _BUILT_HOOKS:
             each(self)
 
-    setattr(init_then_hooks, "__wrapped__", original)  # what functools.wraps would set
-    setattr(torch.optim.Optimizer, "__init__", init_then_hooks)
+    init_then_hooks.__wrapped__ = original  # what functools.wraps would set
+    torch.optim.Optimizer.__init__ = init_then_hooks

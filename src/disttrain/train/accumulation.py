@@ -6,13 +6,13 @@ from __future__ import annotations
 
 import contextlib
 import math
-from typing import Iterator
+from collections.abc import Iterator
 
 import torch
 import torch.nn as nn
 
-from disttrain.runtime.collectives import assert_same_across_ranks
 from disttrain.parallel.optimizers import check_optimizer
+from disttrain.runtime.collectives import assert_same_across_ranks
 
 
 def no_sync(model: nn.Module):
@@ -26,7 +26,7 @@ def no_sync(model: nn.Module):
     collective; never raises.
     """
     if hasattr(model, "no_sync"):
-        return getattr(model, "no_sync")()  # DDP's; nn.Module types its attributes as tensors
+        return model.no_sync()  # DDP's; nn.Module types its attributes as tensors
     if hasattr(model, "set_requires_gradient_sync"):
         return _fsdp2_no_sync(model)
     return contextlib.nullcontext()
@@ -53,7 +53,7 @@ def clip_grad_norm(model: nn.Module, max_norm: float) -> float:
     overflow (under fp16 the `AgreedGradScaler` skips such a step on every rank).
     """
     if hasattr(model, "clip_grad_norm_"):
-        norm = getattr(model, "clip_grad_norm_")(max_norm)  # FSDP1's own
+        norm = model.clip_grad_norm_(max_norm)  # FSDP1's own
     else:
         norm = torch.nn.utils.clip_grad_norm_(model.parameters(), max_norm)
     if hasattr(norm, "full_tensor"):

@@ -9,7 +9,7 @@ step) makes every rank stop together with one line naming the step.
 from __future__ import annotations
 
 import math
-from typing import Callable
+from collections.abc import Callable
 
 import torch
 import torch.distributed as dist

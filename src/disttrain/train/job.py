@@ -35,16 +35,18 @@ from __future__ import annotations
 import os
 import signal
 import sys
+from collections.abc import Iterator
+from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, Iterator
+from typing import Any
 
 import torch
 from torch.utils.data import DataLoader
 
 from disttrain import runtime, worker_notes
 from disttrain.checkpoint import Checkpointer, TrainState, save_model
-from disttrain.config.hf_model_config import hf_section
 from disttrain.config import Config
+from disttrain.config.hf_model_config import hf_section
 from disttrain.data import ElasticSampler
 from disttrain.elastic import PreemptionHandler, SampleAudit, fast_recovery, generation_id
 from disttrain.errors import UserError
@@ -54,16 +56,16 @@ from disttrain.runtime import failures
 from disttrain.runtime.fault_injection import inject
 from disttrain.runtime.log import LOGGER, set_speaker
 from disttrain.train import job_failure, job_resume, run_summary
+from disttrain.train.accumulation import Accumulator
 from disttrain.train.evaluation import Evaluator, check_name, evaluate
 from disttrain.train.finite_check import FiniteCheck
-from disttrain.train.metrics_window import MetricsWindow
-from disttrain.train.saving import Saving
-from disttrain.train.sources import to_device
-from disttrain.train.accumulation import Accumulator
-from disttrain.train.misuse import BACKWARD_MESSAGE, Ownership, require_backward
-from disttrain.train.recorded import Recorded, built_after, optimizer_mark, watch_optimizers
 from disttrain.train.job_config import JOB_KEYS, RunOptions, checkpoint_root, tracker_config
 from disttrain.train.job_config import resolve as resolve_config
+from disttrain.train.metrics_window import MetricsWindow
+from disttrain.train.misuse import BACKWARD_MESSAGE, Ownership, require_backward
+from disttrain.train.recorded import Recorded, built_after, optimizer_mark, watch_optimizers
+from disttrain.train.saving import Saving
+from disttrain.train.sources import to_device
 from disttrain.train.tracker_checks import check_trackers
 from disttrain.train.trackers import from_config as tracker_list
 from disttrain.train.trackers import open_trackers
@@ -78,6 +80,22 @@ def _ignore_stop_signals(worker_id: int, chain=None) -> None:
     signal.signal(signal.SIGINT, signal.SIG_IGN)
     if chain is not None:
         chain(worker_id)
+
+
+@dataclass(frozen=True)
+class _Training:
+    """What the loop works with: the parts `Job.resume` leaves complete, none missing."""
+
+    info: runtime.RankInfo
+    model: torch.nn.Module
+    sampler: ElasticSampler
+    loader: DataLoader
+    recorded: Recorded
+    accumulator: Accumulator
+    state: TrainState
+    guard: RunGuard
+    preemption: PreemptionHandler
+    saving: Saving
 
 
 class Job:
@@ -133,20 +151,20 @@ class Job:
     keyword is Python's own `TypeError`.
     """
 
-    # The parts a run holds: public to the train package (job_resume, job_finish and
-    # job_failure read them, and no module reads another's private name), no API.
-    info: runtime.RankInfo
-    model: torch.nn.Module
-    sampler: ElasticSampler
-    train_loader: DataLoader
-    accumulator: Accumulator
-    state: TrainState
-    guard: RunGuard
-    preemption: PreemptionHandler
+    # The parts a run holds, built in the order of the contract (`__enter__`, wrap,
+    # loader, resume): None until then. Only this class reads them; the loop reads the
+    # complete set `resume` leaves (`_Training`).
+    _info: runtime.RankInfo | None
+    model: torch.nn.Module | None
+    sampler: ElasticSampler | None
+    train_loader: DataLoader | None
+    accumulator: Accumulator | None
+    state: TrainState | None
+    guard: RunGuard | None
+    preemption: PreemptionHandler | None
     handoff: fast_recovery.Handoff | None
-    saving: Saving
-    metrics: MetricsWindow
-    finite_check: FiniteCheck
+    metrics: MetricsWindow | None
+    finite_check: FiniteCheck | None
 
     def __init__(
         self,
@@ -190,9 +208,10 @@ class Job:
         self.checkpoint_dir = checkpoint_root(self.cfg, self.out_dir)
         self.show_progress = progress
         self._user_config: dict = {}
-        self.info = self.model = self.sampler = self.train_loader = self.accumulator = None  # type: ignore[assignment]
-        self.state = self.guard = self.preemption = self.handoff = self.saving = None  # type: ignore[assignment]
-        self.metrics = self.finite_check = None  # type: ignore[assignment]
+        self._info = self.model = self.sampler = self.train_loader = self.accumulator = None
+        self.state = self.guard = self.preemption = self.handoff = None
+        self.metrics = self.finite_check = None
+        self._training: _Training | None = None
         self.evaluators: list[Evaluator] = []
         self._owns_group = False
         self._wrap_mark: int | None = None
@@ -230,13 +249,13 @@ class Job:
                 raise UserError(f"dt.Job: {name} {value!r} is not one of {', '.join(map(repr, allowed))}.")
         return cfg
 
-    def __enter__(self) -> "Job":
+    def __enter__(self) -> Job:
         import torch.distributed as dist
 
         self.handoff = fast_recovery.current()
         self._owns_group = not dist.is_initialized()
         p = self.cfg.parallel
-        self.info = runtime.init(backend=p.backend, device=p.device, timeout_s=p.timeout_s, seed=self.cfg.train.seed)
+        self._info = runtime.init(backend=p.backend, device=p.device, timeout_s=p.timeout_s, seed=self.cfg.train.seed)
         try:
             # The grace `disttrain run` gives its workers (the kill follows it), else the config's.
             grace = os.environ.get("DISTTRAIN_PREEMPT_GRACE_S") or self.cfg.elastic.preempt_grace_s
@@ -291,7 +310,7 @@ class Job:
 
     def _failure_point(self) -> job_failure.FailurePoint:
         """What `job_failure.judge` needs of this job, and nothing else."""
-        info = self.info
+        info = self._info
         return job_failure.FailurePoint(
             name=self.name,
             rank=info.rank if info is not None else int(os.environ.get("RANK", "0")),
@@ -371,7 +390,7 @@ class Job:
         return tracker_config(self.cfg, stored, self._user_config, whole=whole)
 
     def _need(self, done: bool, message: str) -> None:
-        if self.info is None:
+        if self._info is None:
             raise UserError(
                 "dt.Job is used outside its `with dt.Job(...) as job:` block; enter it "
                 "first (it starts the process group)."
@@ -395,6 +414,14 @@ class Job:
         return self.cfg.train.precision
 
     @property
+    def info(self) -> runtime.RankInfo:
+        """This rank's place in the job (`dt.rank_info()`: rank, world size, device);
+        a `UserError` outside the job's `with` block."""
+        self._need(True, "")
+        assert self._info is not None  # _need: inside the with block
+        return self._info
+
+    @property
     def device(self) -> torch.device:
         """This rank's device (`dt.rank_info().device`); move tensors that are not
         part of a batch from `steps()` (which arrive moved) here."""
@@ -404,7 +431,8 @@ class Job:
     def step_in_flight(self) -> int:
         """The step a failure now belongs to: the one the current batch trains (from a
         window's closing backward, the step just taken); 0 before the loop starts."""
-        return self.accumulator.step_in_flight if self.metrics is not None else 0
+        t = self._training
+        return t.accumulator.step_in_flight if t is not None and self.metrics is not None else 0
 
     def wrap(self, model: torch.nn.Module) -> torch.nn.Module:
         """`dt.wrap(model, strategy=..., precision=...)` once per job; build the optimizer
@@ -546,6 +574,15 @@ class Job:
             "first; its sampler position is part of the checkpoint.",
         )
         self._need(self.accumulator is None, "dt.Job.resume() is called once per job, before job.steps().")
+        sampler, loader, recorded, guard, preemption = (
+            self.sampler,
+            self.train_loader,
+            self._recorded,
+            self.guard,
+            self.preemption,
+        )
+        # loader() built the first three, __enter__ the others (the checks above passed)
+        assert sampler and loader and recorded and guard and preemption
         # Construction checks the optimizer holds the wrapped model's parameters (P-DDP-3).
         acc = Accumulator(
             model,
@@ -555,15 +592,10 @@ class Job:
             grad_clip=self.cfg.optim.grad_clip,
             scaler=scaler,
         )
-        self.guard.check_model(model, optimizer)
+        guard.check_model(model, optimizer)
         self._owner.watch(optimizer, scheduler)
-        self.state = TrainState(
-            model=model,
-            optimizer=optimizer,
-            scheduler=scheduler,
-            scaler=scaler,
-            sampler=self.sampler,
-            extras=extras or {},
+        state = TrainState(
+            model=model, optimizer=optimizer, scheduler=scheduler, scaler=scaler, sampler=sampler, extras=extras or {}
         )
         c = self.cfg.checkpoint
         ckpt = (
@@ -573,32 +605,27 @@ class Job:
         )
         if self.handoff is not None:  # the checkpointer's gloo group: cut in a recovery
             self.handoff.publish_listeners()
-        self.accumulator = acc
-        self._start = job_resume.load(self._resume_inputs(), ckpt, acc)
+        self.accumulator, self.state = acc, state
+        self._start = job_resume.load(self._resume_inputs(state, sampler, guard), ckpt, acc)
         self.resumed, self.step, self.in_memory = self._start.resumed, self._start.step, self._start.in_memory
-        self.saving = Saving(
-            ckpt,
-            self.state,
-            self.guard,
-            every=c.every,
-            every_s=c.every_s,
-            on_error=c.on_error,
-            who=f"disttrain {self.name}",
+        saving = Saving(
+            ckpt, state, guard, every=c.every, every_s=c.every_s, on_error=c.on_error, who=f"disttrain {self.name}"
         )
+        self._training = _Training(self.info, model, sampler, loader, recorded, acc, state, guard, preemption, saving)
         return self.resumed
 
-    def _resume_inputs(self) -> job_resume.ResumeInputs:
+    def _resume_inputs(self, state: TrainState, sampler: ElasticSampler, guard: RunGuard) -> job_resume.ResumeInputs:
         """What `job_resume.load` reads of this job, and nothing else."""
         return job_resume.ResumeInputs(
             name=self.name,
-            state=self.state,
+            state=state,
             config=self.config(),
             whole_config=self.run.stored_config is not None,
             checkpoint_dir=self.checkpoint_dir,
             batch_policy=self.cfg.elastic.batch_policy,
-            sampler=self.sampler,
+            sampler=sampler,
             info=self.info,
-            guard=self.guard,
+            guard=guard,
             handoff=self.handoff,
         )
 
@@ -625,9 +652,10 @@ class Job:
             "dt.Job.steps() takes the loader job.loader() returned; another loader's position is not checkpointed.",
         )
         self._need(not self._in_step and self.metrics is None, "dt.Job.steps() runs once per job.")
-        return self._step_loop(max_steps)
+        assert self._training is not None  # resume() ran: it builds the accumulator and the rest
+        return self._step_loop(self._training, max_steps)
 
-    def _step_loop(self, max_steps: int) -> Iterator[Any]:
+    def _step_loop(self, t: _Training, max_steps: int) -> Iterator[Any]:
         """The one training loop, top to bottom. Per batch: the dropout seed, the user's
         forward and `job.backward` (the `yield`), on a window's last batch the optimizer
         step and its commit, then each part at its own cadence: evaluation, the metrics
@@ -635,18 +663,18 @@ class Job:
         # complete already: says so, trains nothing
         if not job_resume.say_resumed(self.name, self.step, max_steps, self._start, self.cfg.elastic.batch_policy):
             return
-        acc, guard, info, stopping = self.accumulator, self.guard, self.info, False
+        acc, guard, info, saving, stopping = t.accumulator, t.guard, t.info, t.saving, False
         audit = SampleAudit(
             self.out_dir / "samples", info.rank, info.world_size, self.cfg.elastic.record_samples, generation_id()
         )
-        self.finite_check = FiniteCheck(self.model, lambda: self.saving.saved_at)
-        self.saving.check = self.finite_check.check  # before each save, on every rank
-        self.metrics = self._metrics_window(max_steps)
-        self.saving.start(self.step)
+        finite = self.finite_check = FiniteCheck(t.model, lambda: saving.saved_at)
+        saving.check = finite.check  # before each save, on every rank
+        metrics = self.metrics = self._metrics_window(t, max_steps)
+        saving.start(self.step)
         # The evaluation at the start (not after an in-memory recovery: it does not wait).
-        self.metrics.start(evaluate(self.evaluators, self.model, guard, lambda ev: ev.at_start and not self.in_memory))
+        metrics.start(evaluate(self.evaluators, t.model, guard, lambda ev: ev.at_start and not self.in_memory))
         while self.step < max_steps and not stopping:
-            for batch in self.train_loader:  # each pass is a new epoch: the sampler advances
+            for batch in t.loader:  # each pass is a new epoch: the sampler advances
                 guard.first_batch(batch)
                 if acc.window_start:
                     self._begin_step()
@@ -660,62 +688,62 @@ class Job:
                         self._owner.left_loop()
                         if self._backward_done and acc.boundary:
                             acc.end_micro_step()
-                            self._take_batch(audit)
-                            self._commit(audit)
+                            self._take_batch(t, audit)
+                            self._commit(t, audit)
                         raise
                     finally:
                         self._in_step = False
                     self._owner.after_user()
                     require_backward(self._backward_done)
                     acc.end_micro_step()  # the window's last batch: clip, optimizer and scheduler step
-                self._take_batch(audit)
+                self._take_batch(t, audit)
                 if not acc.stepped:
                     continue
-                self._commit(audit)
+                self._commit(t, audit)
                 if self.handoff is not None:  # fast recovery's buddy copy of this step
-                    self.handoff.committed(self.step, self.state)
+                    self.handoff.committed(self.step, t.state)
                 inject("step", self.step, info.rank)
-                guard.step(self.step, self.model)
-                self.metrics.after_step(
+                guard.step(self.step, t.model)
+                metrics.after_step(
                     self.step,
                     evaluate(
                         self.evaluators,
-                        self.model,
+                        t.model,
                         guard,  # skipped when a SIGTERM's grace no longer fits it
-                        lambda ev: ev.due(self.step, max_steps) and self.preemption.time_for(ev.seconds),
+                        lambda ev: ev.due(self.step, max_steps) and t.preemption.time_for(ev.seconds),
                     ),
                 )
-                stopping = self.preemption.should_stop()  # agreed by all ranks (one all-reduce)
-                self.saving.after_step(self.step, stopping)
+                stopping = t.preemption.should_stop()  # agreed by all ranks (one all-reduce)
+                saving.after_step(self.step, stopping)
                 if stopping or self.step >= max_steps:
                     break
-        self._finish(stopping)
+        self._finish(t, metrics, finite, stopping)
 
-    def _finish(self, stopping: bool) -> None:
+    def _finish(self, t: _Training, metrics: MetricsWindow, finite: FiniteCheck, stopping: bool) -> None:
         """After the loop: the final save, then either the preemption's stop (`stopping`:
         the ranks agreed to stop on a signal; `job.preempted`, the launcher's "saved"
         note, `SystemExit(0)` when `exit_on_preempt`) or the finite check (when the final
         save did not run it), the prefix-free `model.pt` and `job.summary` (rank 0 writes
         `summary.json`)."""
-        metrics, saving, info = self.metrics, self.saving, self.info
+        saving, info = t.saving, t.info
         saving.finish(self.step)
         metrics.close()
-        self.guard.close()
+        t.guard.close()
         if stopping:
             self.preempted = True
             if saving.ckpt is not None and saving.saved_at == self.step:
                 worker_notes.note_saved(info.rank, self.step)  # the launcher says "saved"
             LOGGER.info(
-                f"disttrain {self.name}: preempted ({self.preemption.signal_name}); saved step "
+                f"disttrain {self.name}: preempted ({t.preemption.signal_name}); saved step "
                 f"{self.step} and stopped. Start the same command again to resume."
             )
             if self.run.exit_on_preempt:
                 raise SystemExit(0)
             return
         if saving.checked_at != self.step:
-            self.finite_check.check(self.step)
+            finite.check(self.step)
         # An adapter (HFCausalLM) saves its inner model's own keys: model.pt loads strict there.
-        path = save_model(self.model, self.out_dir / "model.pt", strip=getattr(unwrap(self.model), "export_prefix", ""))
+        path = save_model(t.model, self.out_dir / "model.pt", strip=getattr(unwrap(t.model), "export_prefix", ""))
         self.summary = run_summary.build(
             self.out_dir,
             steps=self.step,
@@ -733,22 +761,22 @@ class Job:
         if info.is_main:
             run_summary.write(self.out_dir, self.summary, self.run.summary_config or self.config())
 
-    def _metrics_window(self, max_steps: int) -> MetricsWindow:
+    def _metrics_window(self, t: _Training, max_steps: int) -> MetricsWindow:
         """This attempt's metrics: rank 0 opens the trackers (a restart continues their runs)."""
-        info, acc = self.info, self.accumulator
+        info, acc = t.info, t.accumulator
         trackers = (
             open_trackers(self.trackers, self.checkpoint_dir, self.out_dir, self.tracker_config())
             if info.is_main
             else None
         )
-        assert self.train_loader.batch_size is not None  # loader() always sets one
+        assert t.loader.batch_size is not None  # loader() always sets one
         return MetricsWindow(
             info,
             self.out_dir,
             max_steps=max_steps,
             start_step=self.step,
             resumed=self.resumed,
-            samples_per_step=self.train_loader.batch_size * acc.accum_steps * info.world_size,
+            samples_per_step=t.loader.batch_size * acc.accum_steps * info.world_size,
             tokens_per_sample=self.run.tokens_per_sample,
             log_every=self.cfg.train.log_every,
             accumulator=acc,
@@ -757,19 +785,19 @@ class Job:
             progress=self.show_progress,
         )
 
-    def _take_batch(self, audit: SampleAudit) -> None:
+    def _take_batch(self, t: _Training, audit: SampleAudit) -> None:
         """The batch just trained on: its sample indices into the audit, which records
         them with the step they belong to (`_commit`)."""
-        assert self._recorded is not None and self.train_loader.batch_size is not None  # loader() built both
-        audit.add(torch.tensor(self._recorded.take(self.train_loader.batch_size)))
+        assert t.loader.batch_size is not None  # loader() always sets one
+        audit.add(torch.tensor(t.recorded.take(t.loader.batch_size)))
 
-    def _commit(self, audit: SampleAudit) -> None:
+    def _commit(self, t: _Training, audit: SampleAudit) -> None:
         """The optimizer step just taken, in the job's counters: its number, the sampler's
         cursor and the audit. No collective: it also runs when the script leaves the loop
         right after the step (evaluation, records and saves then wait for the next loop or
         the script's own save)."""
-        self.step = self.accumulator.optimizer_steps
-        self.sampler.commit_step()
+        self.step = t.accumulator.optimizer_steps
+        t.sampler.commit_step()
         audit.commit(self.step)
 
     def backward(self, loss: torch.Tensor) -> None:
@@ -783,10 +811,12 @@ class Job:
             not self._backward_done,
             "dt.Job.backward() was already called for this batch; add the losses and call it once.",
         )
-        inject("backward", self.step + 1, self.info.rank)
-        self.finite_check.watch_loss(loss, self.step + 1)
+        t, finite = self._training, self.finite_check
+        assert t is not None and finite is not None  # inside steps(): both are there
+        inject("backward", self.step + 1, t.info.rank)
+        finite.watch_loss(loss, self.step + 1)
         try:
-            self.accumulator.backward(loss)
+            t.accumulator.backward(loss)
         except RuntimeError as e:
             if self._owner.second_backward(e):
                 raise UserError(BACKWARD_MESSAGE) from None
@@ -804,4 +834,5 @@ class Job:
         (`out_dir/tb`). Raises `UserError` outside the loop or for a value that is
         not a number or a one-element tensor."""
         self._need(self._in_step, "dt.Job.log() is called inside `for batch in job.steps(...)`, on every rank.")
+        assert self.metrics is not None  # inside steps(): built before the first batch
         self.metrics.add(values)

@@ -26,8 +26,9 @@ from __future__ import annotations
 import math
 import os
 import sys
+from collections.abc import Callable
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Callable
+from typing import TYPE_CHECKING
 
 from disttrain import worker_notes
 from disttrain.errors import UserError
@@ -44,12 +45,12 @@ class Ending:
 
     status: int
     wait: bool = False
-    then: Callable[[], "Ending"] | None = None
+    then: Callable[[], Ending] | None = None
     """What decides the ending once the job is closed: a retried failure's line waits a
     moment for a peer's note (`settled`), and the job's trackers must be closed first,
     before torchrun's agent stops this rank."""
 
-    def settled(self) -> "Ending":
+    def settled(self) -> Ending:
         return self.then() if self.then is not None else self
 
 

@@ -53,7 +53,7 @@ class Launched:
         }
 
     @staticmethod
-    def from_json(data: dict) -> "Launched":
+    def from_json(data: dict) -> Launched:
         inspected = data["inspected"]
         return Launched(
             tuple(data["argv"]),

@@ -17,8 +17,8 @@ import torch
 from disttrain.errors import UserError
 from disttrain.train import run_summary
 from disttrain.train.global_metrics import global_sum
-from disttrain.train.rank0_output import JsonlWriter
 from disttrain.train.progress import TrainProgress
+from disttrain.train.rank0_output import JsonlWriter
 from disttrain.train.run_log import RunLog
 
 if TYPE_CHECKING:

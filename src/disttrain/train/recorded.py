@@ -7,7 +7,7 @@ from __future__ import annotations
 import collections
 import itertools
 import weakref
-from typing import Iterator
+from collections.abc import Iterator
 
 import torch
 
@@ -63,7 +63,7 @@ def built_after(optimizer: object, mark: int) -> bool:
 
 
 _SERIALS = itertools.count(1)
-_BUILT: "weakref.WeakKeyDictionary[torch.optim.Optimizer, int]" = weakref.WeakKeyDictionary()
+_BUILT: weakref.WeakKeyDictionary[torch.optim.Optimizer, int] = weakref.WeakKeyDictionary()
 
 
 def _number(optimizer: torch.optim.Optimizer) -> None:

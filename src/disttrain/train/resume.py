@@ -133,7 +133,7 @@ class ResumePlan:
     changes: list[tuple[str, Any, Any]] = field(default_factory=list)
     refused: list[tuple[str, Any, Any]] = field(default_factory=list)
 
-    def check(self) -> "ResumePlan":
+    def check(self) -> ResumePlan:
         """Raise `CheckpointMismatch` (one line) when a refused key differs; else self."""
         if self.refused:
             listing = "; ".join(f"{k}: {_fmt(a)} -> {_fmt(b)} changes {identity_of(k)}" for k, a, b in self.refused)
@@ -151,7 +151,7 @@ class ResumePlan:
         return asdict(self)
 
     @staticmethod
-    def from_json(data: Any, who: str) -> "ResumePlan":
+    def from_json(data: Any, who: str) -> ResumePlan:
         """The plan of `to_json`'s `data`, which `who` sent, every field checked
         (`conform`). Raises `MalformedPeerValue` for anything else: a peer's or a
         handed file's value is data, never code."""
@@ -227,7 +227,7 @@ class Inspected:
         return None if self.plan is None else self.plan.to_json()
 
     @staticmethod
-    def from_json(data: dict | None) -> "Inspected":
+    def from_json(data: dict | None) -> Inspected:
         """The inverse of `to_json` (JSON's lists turned back into the plan's tuples).
         Raises `MalformedPeerValue` for data that is not a plan (`ResumePlan.from_json`)."""
         return Inspected(None if data is None else ResumePlan.from_json(data, "the launcher"))
@@ -287,19 +287,19 @@ def apply(plan: ResumePlan | None, optimizer: torch.optim.Optimizer, scheduler, 
     groups = optimizer.param_groups
     for key, group_key in GROUP_KEYS.items():
         if key in changed:
-            for group, new in zip(groups, fresh["groups"]):
+            for group, new in zip(groups, fresh["groups"], strict=False):
                 if group_key in new:
                     group[group_key] = new[group_key]
     if scheduler is None or not changed & SCHEDULE:
         if "optim.lr" in changed:  # no scheduler: the lr is the group's own
-            for group, new in zip(groups, fresh["groups"]):
+            for group, new in zip(groups, fresh["groups"], strict=False):
                 group["lr"] = new["lr"]
         return
     if "optim.lr" in changed:
         factor = _carried_factor(plan.saved_config, scheduler.base_lrs)
-        scheduler.base_lrs = [new * f for new, f in zip(fresh["base_lrs"], factor)]
+        scheduler.base_lrs = [new * f for new, f in zip(fresh["base_lrs"], factor, strict=False)]
     step = scheduler.last_epoch
-    for i, (group, base) in enumerate(zip(groups, scheduler.base_lrs)):
+    for i, (group, base) in enumerate(zip(groups, scheduler.base_lrs, strict=False)):
         group["initial_lr"] = base
         group["lr"] = base * scheduler.lr_lambdas[i](step)  # as LambdaLR.get_lr computes it
     from disttrain.runtime.torch_compat import set_last_lr  # the one place torch's private names live

@@ -17,7 +17,7 @@ from __future__ import annotations
 import contextlib
 import math
 import time
-from typing import Callable
+from collections.abc import Callable
 
 import torch
 import torch.distributed as dist
@@ -26,7 +26,6 @@ from disttrain.checkpoint import Checkpointer, CheckpointSaveError, TrainState
 from disttrain.guard import tensor_nbytes
 from disttrain.runtime.collectives import comm_device
 from disttrain.runtime.log import LOGGER
-
 
 CLOCK_CHECK_FRACTION = 0.05
 """The time-based cadence asks the ranks (one all-reduce) at most once per this

@@ -17,10 +17,10 @@ from disttrain.parallel.optimizers import build_optimizer
 from disttrain.parallel.precision import make_grad_scaler
 from disttrain.runtime.log import LOGGER
 from disttrain.train import resume, run_summary, sources
+from disttrain.train.accumulation import warmup_cosine
 from disttrain.train.evaluation import loss_metric
 from disttrain.train.job import Job
 from disttrain.train.job_config import RunOptions
-from disttrain.train.accumulation import warmup_cosine
 
 
 def train(cfg: Config, config_dir: str | Path | None = None, inspected: resume.Inspected | None = None) -> dict:

@@ -1,2 +1,3 @@
 import torch
+
 torch.load("x")

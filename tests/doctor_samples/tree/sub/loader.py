@@ -1,2 +1,3 @@
 import torch
+
 sd = torch.load("a.pt")  # disttrain: ignore[load-without-weights-only]
