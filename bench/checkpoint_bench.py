@@ -173,21 +173,23 @@ def main_world(args) -> None:
                 assert sync_ck.last_saved is not None, "the synchronous save above ran"
                 nbytes = sum(p.stat().st_size for p in sync_ck.last_saved.iterdir())
             raw = root / f"raw-{rank}.bin"
-            rows.setdefault("raw_write", []).append(timed(lambda: raw_write(raw, nbytes // world), True))
+            rows.setdefault("raw_write", []).append(
+                timed(lambda raw=raw, nbytes=nbytes: raw_write(raw, nbytes // world), True)
+            )
             evict(raw)
-            rows.setdefault("raw_read", []).append(timed(lambda: raw_read(raw)))
+            rows.setdefault("raw_read", []).append(timed(lambda raw=raw: raw_read(raw)))
             barrier()
             if rank == 0:
                 evict(root)
             every = [root / f"raw-{r}.bin" for r in range(world)]
-            rows.setdefault("raw_read_all", []).append(timed(lambda: raw_read(*every)))
+            rows.setdefault("raw_read_all", []).append(timed(lambda every=every: raw_read(*every)))
             barrier()
             raw.unlink()
             plain = root / f"dcp-{i}"
             tensors = state.state_dict()["tensors"]
             rows.setdefault("dcp_save", []).append(
                 timed(
-                    lambda: dcp.save(
+                    lambda tensors=tensors, plain=plain: dcp.save(
                         tensors, storage_writer=dcp.FileSystemWriter(str(plain), sync_files=True), process_group=pg
                     ),
                     True,
@@ -196,7 +198,11 @@ def main_world(args) -> None:
             if rank == 0:
                 evict(plain)
             rows.setdefault("dcp_load", []).append(
-                timed(lambda: dcp.load(tensors, storage_reader=dcp.FileSystemReader(str(plain)), process_group=pg))
+                timed(
+                    lambda tensors=tensors, plain=plain: dcp.load(
+                        tensors, storage_reader=dcp.FileSystemReader(str(plain)), process_group=pg
+                    )
+                )
             )
             # the kinds take turns in each position, one repeat each (see the module docstring)
             kinds = [lambda: save_and_load(sync_ck), async_round]

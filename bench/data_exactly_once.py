@@ -46,7 +46,9 @@ def make_source(kind: str, root: Path) -> str:
         return f"--data.tokens={root / 'tokens'}"
     import datasets
 
-    rows = lambda b: [list(b[i * BLOCK : i * BLOCK + BLOCK + 1]) for i in range((len(b) - 1) // BLOCK)]
+    def rows(b):
+        return [list(b[i * BLOCK : i * BLOCK + BLOCK + 1]) for i in range((len(b) - 1) // BLOCK)]
+
     datasets.DatasetDict(
         {
             "train": datasets.Dataset.from_dict({"input_ids": rows(train)}),
@@ -76,7 +78,10 @@ def scenario(source: str, strategy: str, out: Path) -> dict:
     )
     out.mkdir(parents=True)
     logs = [out / f"agent{i}.txt" for i in range(3)]
-    progressed = lambda w, b: any(m["world_size"] == w and m["step"] > b for m in metrics(out))
+
+    def progressed(w, b):
+        return any(m["world_size"] == w and m["step"] > b for m in metrics(out))
+
     agents = [start(cmd, logs[0], DISTTRAIN_FAULT=SLOW)]
     try:
         time.sleep(1.0)  # the first agent hosts the c10d store

@@ -115,7 +115,7 @@ def cli_markdown() -> str:
     calls = [[]] + [[name] for name, _ in listed]
     calls += [[name, sub] for name, summary in listed for sub in _subcommands(name, summary)]
     with ThreadPoolExecutor(max_workers=4) as pool:
-        helps = dict(zip(map(tuple, calls), pool.map(_help, calls)))
+        helps = dict(zip(map(tuple, calls), pool.map(_help, calls), strict=True))
     parts = [f"```text\n{helps[()][1]}\n```\n"]
     for name, summary in listed:
         rc, text = helps[(name,)]

@@ -232,7 +232,8 @@ def test_6_a_python_level_hang_is_named_by_the_stacks():
 def test_6_a_plain_script_hang_names_the_rank_that_stopped(stuck):
     """A plain DDP script (no dt.Job) under `disttrain run`: one rank sleeps in its own
     code while the other waits in the backward's all-reduce. The script watchdog reports
-    (run_disttrain's 200 s, far under gloo's 30 min timeout), names the stuck rank and its line, and the job stops with 124."""
+    (run_disttrain's 200 s, far under gloo's 30 min timeout), names the stuck rank and its
+    line, and the job stops with 124."""
     proc = run_disttrain(["run", "--nproc", "2", "--hang-timeout", "6", str(WORKERS / "plain_hang.py"),
                           str(stuck)], timeout=200)
     out = proc.stdout + proc.stderr

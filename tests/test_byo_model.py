@@ -64,10 +64,12 @@ def _cfg(tmp_path, text: str) -> Path:
 
 
 @pytest.mark.parametrize("text, needle", [
-    ('[model]\nfactory = "byo_models.build"\n', "'model.factory' is 'byo_models.build'; write it as \"module:callable\""),
+    ('[model]\nfactory = "byo_models.build"\n',
+     "'model.factory' is 'byo_models.build'; write it as \"module:callable\""),
     ('[data]\nfactory = "no colon"\n', "'data.factory'"),
     ('[train]\nloss = ":fn"\n', "'train.loss'"),
-    ('[model]\nfactory = "m:f"\nn_layer = 2\n', "'model.factory' ('m:f') is set together with the built-in GPT's key(s) model.n_layer"),
+    ('[model]\nfactory = "m:f"\nn_layer = 2\n',
+     "'model.factory' ('m:f') is set together with the built-in GPT's key(s) model.n_layer"),
     ('[model]\nfactory = "m:f"\nhf = "gpt2"\n', "'model.factory' and 'model.hf' are both set"),
     ('[model.kwargs]\nwidth = 3\n', "'model.kwargs' is set but 'model.factory' is not"),
     ('[model]\nfactory = "m:f"\n[model.kwargs]\nwhen = 1979-05-27\n', "'model.kwargs.when'"),

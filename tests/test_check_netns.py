@@ -75,7 +75,10 @@ def test_check_names_the_node_whose_link_is_cut(nodes, tmp_path):
     out = _both(nodes, tmp_path, "", "--timeout", "5", timeout=45)
     rc_b, text_b = out["b"]
     assert rc_b == 2, text_b
-    assert f"node {nodes.addr['b']} ({socket.gethostname()}): cannot reach the rendezvous endpoint {nodes.addr['a']}:{PORT} within 5 s" in text_b
+    assert (
+        f"node {nodes.addr['b']} ({socket.gethostname()}): cannot reach the rendezvous endpoint "
+        f"{nodes.addr['a']}:{PORT} within 5 s"
+    ) in text_b
     rc_a, text_a = out["a"]
     assert rc_a == 2 and "not all 2 nodes joined the rendezvous" in text_a, text_a
     assert "Traceback" not in text_a + text_b

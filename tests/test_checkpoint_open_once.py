@@ -83,7 +83,9 @@ def test_a_load_refuses_a_file_swapped_for_a_symlink_after_its_check(saved, tmp_
 def test_an_export_refuses_a_shard_swapped_for_a_symlink_after_verify(saved, tmp_path, monkeypatch, capsys):
     root, step_dir = _copy(saved, tmp_path)
     private = tmp_path / "private"
-    _after_first(monkeypatch, export_module.layout, "verify", lambda: _swap_for_symlink(step_dir, "__0_0.distcp", private))
+    _after_first(
+        monkeypatch, export_module.layout, "verify", lambda: _swap_for_symlink(step_dir, "__0_0.distcp", private)
+    )
     out = tmp_path / "model.safetensors"
     assert cli(["ckpt", "export", str(step_dir), "--to", str(out)]) == 2
     err = capsys.readouterr().err

@@ -66,7 +66,11 @@ def test_an_override_is_taken_from_the_current_folder(tmp_path, monkeypatch):
     conf = _setup(tmp_path, monkeypatch)
     cwd = tmp_path / "cwd"
     cfg = load_config(conf / "job.toml", ["--train.out_dir=rel", "--data.tokens=t/a.bin", '--guard={dir = "g"}'])
-    assert (cfg.train.out_dir, cfg.data.tokens, cfg.guard.dir) == (str(cwd / "rel"), str(cwd / "t/a.bin"), str(cwd / "g"))
+    assert (cfg.train.out_dir, cfg.data.tokens, cfg.guard.dir) == (
+        str(cwd / "rel"),
+        str(cwd / "t/a.bin"),
+        str(cwd / "g"),
+    )
     assert cfg.checkpoint.dir == str(conf / "ckpt")  # not overridden: still the file's
     assert load_config(None, ["--checkpoint.dir=c"]).checkpoint.dir == str(cwd / "c")
 

@@ -249,7 +249,9 @@ def test_a_conditional_or_listed_sampler_returned_by_a_helper_is_followed(tmp_pa
 def test_the_same_helpers_with_no_caller_in_view_are_warnings(tmp_path):
     got = analyze_source("data.py", textwrap.dedent(DATA_SHAPES))
     assert sorted((f.line, f.severity) for f in got if f.rule == "sampler-without-set-epoch") == [
-        (line_of(DATA_SHAPES, "sampler = None if"), "warning"), (line_of(DATA_SHAPES, "s = DistributedSampler"), "warning")]
+        (line_of(DATA_SHAPES, "sampler = None if"), "warning"),
+        (line_of(DATA_SHAPES, "s = DistributedSampler"), "warning"),
+    ]
 
 
 # The helper itself is called only under the guard, with a constant that turns its own
@@ -294,7 +296,9 @@ def test_constants_are_followed_once_per_function_and_value():
     for i in range(4, -1, -1):
         calls = "".join(f"    layer{i + 1}(wait=wait)\n" for _ in range(40))
         layers.append(f"def layer{i}(wait=False):\n{calls}")
-    src = SETUP + "".join(layers) + "layer0()\nif dist.get_rank() == 0:\n    layer0(wait=True)\n    layer0(wait=False)\n"
+    src = SETUP + "".join(layers) + (
+        "layer0()\nif dist.get_rank() == 0:\n    layer0(wait=True)\n    layer0(wait=False)\n"
+    )
     assert found(src, "collective-under-rank-guard") == [(line_of(src, "layer0(wait=True)"), "error")]
 
 

@@ -201,7 +201,7 @@ def test_loader_knobs_change_across_whole_job_kills_and_every_sample_is_used_onc
                 assert proc.wait(timeout=240) == 0, logs[i].read_text()[-3000:]
                 break
             mark = max((m["step"] for m in metrics(tmp_path)), default=0)
-            wait_for(lambda: proc.poll() is not None or any(
+            wait_for(lambda proc=proc, nproc=nproc, mark=mark: proc.poll() is not None or any(
                 m["world_size"] == int(nproc) and m["step"] > mark + 6 for m in metrics(tmp_path)),
                 240, f"attempt {i} training", [logs[i]])
             assert proc.poll() is None, logs[i].read_text()[-3000:]  # refused or failed: it ended

@@ -1,8 +1,9 @@
 """The GPT conversion kept in examples/: gpt_torchrun.py (plain torchrun and DDP, launched
 as its user launches it: `torchrun --standalone`) and gpt_job.py (the same training on
-`dt.Job`, under `disttrain run`) both train on a token file they write themselves; the Job version killed -9 resumes to the uninterrupted
-run's weights; the diff size stated in its docstring and the README is the one
-bench/code_diff.py counts; and every name it uses is in the API reference."""
+`dt.Job`, under `disttrain run`) both train on a token file they write themselves; the Job
+version killed -9 resumes to the uninterrupted run's weights; the diff size stated in its
+docstring and the README is the one bench/code_diff.py counts; and every name it uses is
+in the API reference."""
 
 from __future__ import annotations
 

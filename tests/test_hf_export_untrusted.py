@@ -91,7 +91,9 @@ def test_an_auto_map_in_the_named_config_json_is_refused(tmp_path):
     """Without trust_remote_code the folder's own auto_map is refused, naming its file."""
     marker = tmp_path / "ran"
     run, step_dir = _fixture(tmp_path)
-    folder = _code_folder(step_dir, marker, {"model_type": "gpt2", "auto_map": {"AutoConfig": "evil_config.EvilConfig"}})
+    folder = _code_folder(
+        step_dir, marker, {"model_type": "gpt2", "auto_map": {"AutoConfig": "evil_config.EvilConfig"}}
+    )
     _set_model(step_dir, {"hf_path": f"run/{STEP}/evil"})
     line = _one_error_line(_export(run, tmp_path))
     assert not marker.exists()

@@ -119,7 +119,9 @@ def test_store_listens_on_master_addr_only_and_ignores_a_foreign_clients_values(
     with caplog.at_level("WARNING", logger="disttrain"):
         found = group_sockets.published(ours, prefix, world=4)
     assert mine in found and ("0.0.0.0", port) not in found
-    ignored = sorted(r.getMessage().split("value of ")[1].split(" on")[0] for r in caplog.records if "ignored" in r.getMessage())
+    ignored = sorted(
+        r.getMessage().split("value of ")[1].split(" on")[0] for r in caplog.records if "ignored" in r.getMessage()
+    )
     assert ignored == [f"{prefix}/listen/{r}" for r in (1, 2, 3)]
     assert ours.add("probe", 1) == 1 and isinstance(server, dist.TCPStore)  # the store still serves
 

@@ -20,7 +20,9 @@ WORKER = str(WORKERS / "matrix_cells.py")
 
 def test_readme_table_is_the_tested_list():
     readme = (ROOT / "README.md").read_text()
-    assert markdown_table() in readme, "README's trainer-cell table is stale: paste `python tests/workers/trainer_cells.py`"
+    assert markdown_table() in readme, (
+        "README's trainer-cell table is stale: paste `python tests/workers/trainer_cells.py`"
+    )
 
 
 def _launch(mode: str, out, cells, restarts: int = 0):

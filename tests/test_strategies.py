@@ -137,6 +137,9 @@ def test_memory_per_rank_P_FSDP_1_P_FSDP_9(ranks):
         pytest.skip("measured at world 4")
     for res in results:
         ddp, fsdp, zero = res["memory/ddp"], res["memory/fsdp"], res["memory/zero1"]
-        total = lambda m: m["params"] + m["grads"] + m["optim"]
+
+        def total(m):
+            return m["params"] + m["grads"] + m["optim"]
+
         assert total(fsdp) <= 0.30 * total(ddp), (fsdp, ddp)
         assert zero["optim"] <= 0.30 * ddp["optim"], (zero, ddp)

@@ -21,7 +21,8 @@ TINY = GPTConfig(block_size=8, n_layer=2, n_head=2, n_embd=16)
 @pytest.mark.parametrize("overrides, expected", [
     (["--parallel.strategy=ddp", "--parallel.cpu_offload=true"], "cpu_offload needs a sharding strategy"),
     (["--parallel.strategy=zero1", "--parallel.cpu_offload=true"], "cpu_offload needs a sharding strategy"),
-    (["--parallel.strategy=fsdp1", "--train.precision=\"fp16\""], "'fp16' is not available with parallel.strategy 'fsdp1'"),
+    (["--parallel.strategy=fsdp1", "--train.precision=\"fp16\""],
+     "'fp16' is not available with parallel.strategy 'fsdp1'"),
     (["--parallel.strategy=fsdp1", "--parallel.cpu_offload=true", "--parallel.device=cpu"],
      "Use --parallel.strategy=fsdp, whose CPUOffloadPolicy runs on CPU"),
     (["--parallel.strategy=fsdp", "--parallel.sharding=hybrid", "--parallel.nproc=4",

@@ -127,7 +127,9 @@ def test_tokens_beside_a_model_of_ones_own_needs_data_block_size(tmp_path):
     assert "'data.tokens' and 'model.factory' are set but 'data.block_size' is not" in message
     assert "data.factory" not in message and "\n" not in message
     (tmp_path / "cfg.toml").write_text('[model]\nblock_size = 64\n[data]\ntokens = "tokens"\n')
-    with pytest.raises(ConfigError, match="'data.block_size' is 100, more than the built-in GPT's model.block_size \\(64\\)"):
+    with pytest.raises(
+        ConfigError, match="'data.block_size' is 100, more than the built-in GPT's model.block_size \\(64\\)"
+    ):
         load_config(tmp_path / "cfg.toml", ["--data.block_size=100"])
 
 

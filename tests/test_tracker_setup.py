@@ -103,7 +103,9 @@ def test_a_job_scripts_tracker_failure_under_disttrain_run_is_one_line_exit_2(no
     assert proc.returncode == 2, out
     assert "Traceback" not in out and "not reached" not in out and "closing signal" not in out
     errors = [line for line in out.splitlines() if "error:" in line]
-    assert errors == [line for line in errors if line.startswith("disttrain job: error: W&B in online mode has no API key")]
+    assert errors == [
+        line for line in errors if line.startswith("disttrain job: error: W&B in online mode has no API key")
+    ]
     assert len(errors) == 1
 
 

@@ -180,7 +180,7 @@ def repeated_failure(attempt: tuple[int, int], signature: str) -> str | None:
     folder = _folder()
     if folder is None:
         return None
-    name = "failure-%06d-%06d" % attempt
+    name = f"failure-{attempt[0]:06d}-{attempt[1]:06d}"
     _write_once(folder / name, signature)
     names = sorted(p.name for p in folder.glob("failure-*"))
     mine = names.index(name)

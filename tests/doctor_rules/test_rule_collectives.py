@@ -78,7 +78,10 @@ def test_a_helper_called_from_both_branches_of_a_rank_test_runs_on_every_rank():
 
 
 def test_the_model_called_before_its_ddp_wrap_is_no_ddp_forward():
-    src = PRE + "model = nn.Linear(2, 2).cuda()\nif rank == 0:\n    model(x)\nmodel = DDP(model, device_ids=[local_rank])\n"
+    src = PRE + (
+        "model = nn.Linear(2, 2).cuda()\nif rank == 0:\n    model(x)\n"
+        "model = DDP(model, device_ids=[local_rank])\n"
+    )
     assert found(src, "collective-under-rank-guard") == []
 
 
@@ -232,8 +235,13 @@ def test_a_training_all_reduce_does_not_make_an_eval_sampler_a_finding():
 
 
 def test_a_mode_flag_or_a_launcher_check_is_no_rank_guard():  # torch's FSDP optim utils; bench code
-    flag = PRE_FSDP2 + "def load(rank0_only, objects):\n    if rank0_only:\n        dist.broadcast_object_list(objects)\n"
-    env = PRE_FSDP2 + "import os\nif 'RANK' in os.environ:\n    dist.barrier()\nif os.environ.get('RANK') is not None:\n    dist.barrier()\n"
+    flag = PRE_FSDP2 + (
+        "def load(rank0_only, objects):\n    if rank0_only:\n        dist.broadcast_object_list(objects)\n"
+    )
+    env = PRE_FSDP2 + (
+        "import os\nif 'RANK' in os.environ:\n    dist.barrier()\n"
+        "if os.environ.get('RANK') is not None:\n    dist.barrier()\n"
+    )
     for src in (flag, env):
         assert not [r for r in rule_severities(src) if r[0] == "collective-under-rank-guard"], src
     # A bare `rank` that nothing in view sets is a rank by its name alone: a warning that

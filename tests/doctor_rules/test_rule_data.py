@@ -66,8 +66,10 @@ def test_a_sampler_appended_to_a_list_hides_no_set_epoch():
 
 def test_even_batches_off_gives_ranks_uneven_batch_counts():
     assert [f[1] for f in found(ACCELERATE_TRAINER, "uneven-batches")] == [11]
-    joined = ACCELERATE_TRAINER.replace("        for batch in loader:", "        with self.accelerator.join_uneven_inputs([self.model]):\n"
-                        "          for batch in loader:")
+    joined = ACCELERATE_TRAINER.replace(
+        "        for batch in loader:",
+        "        with self.accelerator.join_uneven_inputs([self.model]):\n          for batch in loader:",
+    )
     assert found(joined, "uneven-batches") == []
 
 

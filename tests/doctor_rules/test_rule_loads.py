@@ -74,7 +74,9 @@ def test_an_object_broadcast_through_a_buffer_needs_no_map_location():
 def test_safetensors_load_is_not_torch_load():
     assert found(SAFETENSORS_LOAD, "load-without-weights-only") == []
     assert found(SAFETENSORS_LOAD, "load-without-map-location") == []
-    plain = SAFETENSORS_LOAD.replace("from safetensors.torch import load as load_st", "from torch import load as load_st")
+    plain = SAFETENSORS_LOAD.replace(
+        "from safetensors.torch import load as load_st", "from torch import load as load_st"
+    )
     assert [f[0] for f in found(plain, "load-without-weights-only")] == ["load-without-weights-only"]
 
 

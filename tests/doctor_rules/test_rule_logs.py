@@ -117,7 +117,10 @@ boards = {name: SummaryWriter(log_dir=name) for name in ("fit", "eval")}
 
 
 def test_logging_configured_by_a_set_up_out_of_view_is_not_judged():
-    src = PRE + "import logging\nfrom lavis.common.logger import setup_logger\nsetup_logger()\nlogging.info('training begins')\n"
+    src = PRE + (
+        "import logging\nfrom lavis.common.logger import setup_logger\n"
+        "setup_logger()\nlogging.info('training begins')\n"
+    )
     assert found(src, "unguarded-log") == []
 
 

@@ -147,8 +147,9 @@ def test_a_folder_reset_with_no_guard_before_the_barrier_runs_on_every_rank():
 def test_a_rank_only_object_passed_to_another_file_guards_there(tmp_path):
     files = {"main.py": RANK_ZERO_WRITER, "engine.py": WRITER_USER}
     assert found_in(tmp_path, files, "guard-true-on-every-rank") == []
-    made_everywhere = RANK_ZERO_WRITER.replace('if rank == 0:\n    board = SummaryWriter("boards")\nelse:\n    board = None',
-                                       'board = SummaryWriter("boards")')
+    made_everywhere = RANK_ZERO_WRITER.replace(
+        'if rank == 0:\n    board = SummaryWriter("boards")\nelse:\n    board = None', 'board = SummaryWriter("boards")'
+    )
     assert made_everywhere != RANK_ZERO_WRITER
     everyone = {"main.py": made_everywhere, "engine.py": WRITER_USER}
     assert [f[1] for f in found_in(tmp_path, everyone, "guard-true-on-every-rank")] == ["guard-true-on-every-rank"]
@@ -233,5 +234,7 @@ def test_a_full_fsdp_state_dict_gathered_onto_every_gpu():
         torch.save(sd, "m.pt.tmp")
     """)
     assert found(src, "full-state-dict-on-every-gpu") == [("full-state-dict-on-every-gpu", 14, "warning")]
-    ok = src.replace("FullStateDictConfig(rank0_only=True)", "FullStateDictConfig(offload_to_cpu=True, rank0_only=True)")
+    ok = src.replace(
+        "FullStateDictConfig(rank0_only=True)", "FullStateDictConfig(offload_to_cpu=True, rank0_only=True)"
+    )
     assert found(ok, "full-state-dict-on-every-gpu") == []

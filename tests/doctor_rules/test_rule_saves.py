@@ -131,7 +131,9 @@ dist.init_process_group("nccl", timeout=datetime.timedelta(minutes=5))
 
 
 def test_a_main_process_decorator_guards_the_save():
-    src = PRE + "from utils import main_process\n@main_process\ndef save(m, p):\n    torch.save(m, p)\nsave(1, 'c.pt')\n"
+    src = PRE + (
+        "from utils import main_process\n@main_process\ndef save(m, p):\n    torch.save(m, p)\nsave(1, 'c.pt')\n"
+    )
     assert found(src, "unguarded-save") == []
 
 

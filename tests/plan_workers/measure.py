@@ -1,10 +1,12 @@
 """Worker for tests/test_plan.py: measure the bytes each rank owns after one step.
 
 Launched by `python -m torch.distributed.run --standalone --nproc-per-node N measure.py OUT.json
-HF_CONFIG.json GPT_SPEC KINDS` (KINDS: 'gpt,hf', or 'gpt' where transformers is missing). For each (model, strategy) case it builds the model, wraps it the way
-disttrain does (DDP / DDP + ZeroRedundancyOptimizer / fully_shard per block then root), runs
-one forward + backward + AdamW step on random bytes, and counts the storage this rank holds for
-parameters, gradients and optimizer state. Rank 0 gathers every rank's numbers and writes JSON.
+HF_CONFIG.json GPT_SPEC KINDS` (KINDS: 'gpt,hf', or 'gpt' where transformers is missing).
+For each (model, strategy) case it builds the model, wraps it the way disttrain does
+(DDP / DDP + ZeroRedundancyOptimizer / fully_shard per block then root), runs one forward +
+backward + AdamW step on random bytes, and counts the storage this rank holds for
+parameters, gradients and optimizer state. Rank 0 gathers every rank's numbers and writes
+JSON.
 
 Bytes are counted per unique storage: DDP gradients that are views into its buckets
 (gradient_as_bucket_view=True) and FSDP2 gradients that are views into one reduce-scatter

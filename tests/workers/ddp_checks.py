@@ -54,9 +54,14 @@ with dt.distributed(seed=0) as info:
                     acc.backward(model(mine_x[sl], mine_y[sl])[1])
         return max_diff(dt.unwrap(model), reference)
 
-    mlp_batch = lambda n, g: (torch.randn(n, 16, generator=g), torch.randn(n, 4, generator=g))
+    def mlp_batch(n, g):
+        return (torch.randn(n, 16, generator=g), torch.randn(n, 4, generator=g))
+
     gpt_cfg = GPTConfig(block_size=16, n_layer=2, n_head=2, n_embd=32)
-    gpt_batch = lambda n, g: (torch.randint(0, 256, (n, 16), generator=g),) * 2
+
+    def gpt_batch(n, g):
+        return (torch.randint(0, 256, (n, 16), generator=g),) * 2
+
     results["parity_mlp"] = parity(lambda: MLP(MLPConfig()), mlp_batch, per_rank=4)
     results["parity_gpt"] = parity(lambda: GPT(gpt_cfg), gpt_batch, per_rank=2)
 

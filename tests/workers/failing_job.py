@@ -8,12 +8,12 @@
 the first step): "runtime" RuntimeError("shapes do not match"), "oom"
 torch.OutOfMemoryError, "hostoom" MemoryError (the program's errors), "timeout" a
 TimeoutError (which cannot be classified); the program's deaths: "segv" a native crash,
-"abort" `os.abort()`, "exit" `sys.exit(3)`, "return" rank R's main() returns, "interrupt" a KeyboardInterrupt, "mismatch"
-an all_reduce on rank R alone; "sleep" a rank that stops making progress. `--tcp PORT`: the process of RANK 0 sends
-"step N" after every step and "done" at the end on its one connection to
-127.0.0.1:PORT (tests/workers/tracker.py), opened before the first step. Rank 0
-appends a line to OUT/starts.log at each start of the job (each attempt, each
-generation).
+"abort" `os.abort()`, "exit" `sys.exit(3)`, "return" rank R's main() returns, "interrupt"
+a KeyboardInterrupt, "mismatch" an all_reduce on rank R alone; "sleep" a rank that stops
+making progress. `--tcp PORT`: the process of RANK 0 sends "step N" after every step and
+"done" at the end on its one connection to 127.0.0.1:PORT (tests/workers/tracker.py),
+opened before the first step. Rank 0 appends a line to OUT/starts.log at each start of
+the job (each attempt, each generation).
 """
 
 import argparse
@@ -68,7 +68,9 @@ def main(a):
         tracker.send(a.tcp, "start")
     config = Config(parallel=ParallelConfig(timeout_s=a.timeout_s))
     if a.hang_s:  # test-sized hang bounds, tick and all
-        config = Config(parallel=config.parallel, guard=GuardConfig(hang_min_s=a.hang_s, hang_cap_s=a.hang_s, tick_s=0.25))
+        config = Config(
+            parallel=config.parallel, guard=GuardConfig(hang_min_s=a.hang_s, hang_cap_s=a.hang_s, tick_s=0.25)
+        )
     with dt.Job(a.out, config, checkpoint_every=4, progress=False) as job:
         if job.info.rank == 0:
             os.makedirs(a.out, exist_ok=True)

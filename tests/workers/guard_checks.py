@@ -55,7 +55,7 @@ with dt.distributed(seed=0, timeout_s=60) as info:
     torch.manual_seed(0)
     ddp = dt.wrap(MLP(MLPConfig()))
     opt = torch.optim.SGD(ddp.parameters(), lr=0.1)
-    for step in range(1, 3):
+    for _step in range(1, 3):
         x, y = torch.randn(4, 16), torch.randn(4, 4)
         opt.zero_grad()
         ddp(x, y)[1].backward()

@@ -26,7 +26,7 @@ def main(out: Path) -> None:
         opt = torch.optim.AdamW(model.parameters(), lr=1e-2)
         data = torch.randint(0, 256, (8, 13), generator=torch.Generator().manual_seed(1))
         losses = []
-        for step in range(3):
+        for _step in range(3):
             batch = data[info.rank::info.world_size]
             _, loss = model(batch[:, :-1], batch[:, 1:])
             loss.backward()

@@ -63,7 +63,8 @@ def main(a):
         opt = torch.optim.AdamW(model.parameters(), lr=3e-3)
         warm = max(1, a.steps // 10)
         sched = torch.optim.lr_scheduler.LambdaLR(
-            opt, lambda s: (s + 1) / warm if s < warm else 0.5 * (1 + math.cos(math.pi * (s - warm) / (a.steps - warm))))
+            opt, lambda s: (s + 1) / warm if s < warm else 0.5 * (1 + math.cos(math.pi * (s - warm) / (a.steps - warm)))
+        )
         loader = job.loader(TokenSet(512, 0, a.slow_batches), batch_size=a.batch, num_workers=a.workers)
 
         def metric(model, batch):

@@ -178,7 +178,8 @@ def _drift_text(ctx: Context, name: str, ranks: list[int], ddp: bool, was_equal:
             "on every rank."
         )
     return (
-        f"{head} before optimizer.step(){_at(ctx.step_line)} while its gradients are averaged, so the replicas train apart"
+        f"{head} before optimizer.step(){_at(ctx.step_line)} while its gradients are averaged, "
+        "so the replicas train apart"
         f"{' from the first step' if ctx.first else ''}: the parameters were initialised "
         "differently on each rank (a seed that depends on the rank). Fix: seed every rank the "
         "same before building the model (torch.manual_seed(seed)), or broadcast rank 0's "

@@ -253,7 +253,7 @@ class RawReader(StorageReader):
         stop_for(self.path)  # the page-cache prefetch of a load (`raw_read.prefetch_share`) is done
         shared = shared_storages(per_file, planner.resolve_tensor) if len(names) > 1 else set()
         done = read_all(names, self.select, lambda n, cached: self._read_file(n, per_file[n], planner, shared, cached))
-        for objects, later in done:  # in the order one thread would have read them
+        for _objects, later in done:  # in the order one thread would have read them
             for buf, items in later:
                 self._copy_out(buf, items, planner)
         for objects, _ in done:  # each file's values, parsed only once it verified

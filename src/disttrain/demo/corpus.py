@@ -61,7 +61,10 @@ def load_stdlib_corpus(max_bytes: int, heldout_fraction: float, heldout_max_byte
             continue
         buf += path.read_bytes()
         n_heldout, n_train = n_heldout + held, n_train + (not held)
-    to_tensor = lambda b: torch.frombuffer(bytearray(b), dtype=torch.uint8).long()
+
+    def to_tensor(b: bytearray) -> torch.Tensor:
+        return torch.frombuffer(bytearray(b), dtype=torch.uint8).long()
+
     return ByteCorpus(to_tensor(train[:max_bytes]), to_tensor(heldout[:heldout_max_bytes]), n_train, n_heldout)
 
 

@@ -299,8 +299,8 @@ class Project(ProgramFacts):
         """Function definitions that run on one rank (or one per node, or in the launcher's
         parent only) as far as every call site in the run shows."""
         guarded: dict[ast.AST, str] = {}
-        for name, ds in self.defs.items():
-            for f, d in ds:
+        for _name, ds in self.defs.items():
+            for _f, d in ds:
                 if control_flow.zero_only_function(d):
                     guarded[d] = GLOBAL
         for f in self.files:

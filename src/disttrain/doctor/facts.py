@@ -32,8 +32,9 @@ class Wrap:
     """One parallel wrapper call: `target = KIND(arg, ...)` (target is None when inline).
 
     kind: "ddp", "fsdp1" (FullyShardedDataParallel), "fsdp2" (fully_shard, in place),
-    "dp" (DataParallel) or "disttrain" (`disttrain.wrap`, any strategy). `arg`/`target` are dotted references such as `model` or
-    `self.model`; None when the expression is not a plain reference.
+    "dp" (DataParallel) or "disttrain" (`disttrain.wrap`, any strategy). `arg`/`target` are
+    dotted references such as `model` or `self.model`; None when the expression is not a
+    plain reference.
     """
 
     kind: str

@@ -126,7 +126,7 @@ def _unseen_init_helper(facts: Facts) -> str | None:
     program (efficientvit's entry script calls `setup.setup_dist_env(args.gpu)`, out of
     view, before the trainer in view uses CUDA)."""
     for f in [facts, *(g for g in facts.project.component(facts) if g is not facts)]:
-        for c, q in f.calls:
+        for _c, q in f.calls:
             last = q.rsplit(".", 1)[-1].lower()
             if (
                 ("dist" in last or "ddp" in last or "setup" in last or "init" in last)
@@ -220,7 +220,7 @@ def _launch_path_without_bind(facts: Facts, binds: list) -> Iterable:
         end = max(getattr(node, "end_lineno", node.lineno), node.lineno)
         if any(facts.scope_of(c) is scope and c.lineno > end and not facts.exclusive(c, node) for c in calls):
             continue  # bound after the chain, on every path
-        for (test_node, body), ok in zip(branches, bound, strict=False):
+        for (_test_node, body), ok in zip(branches, bound, strict=False):
             if ok or not _starts_ranks(facts, body):
                 continue
             where = next(

@@ -180,7 +180,7 @@ def _guarded_calls_into_collectives(facts: Facts, direct: list):
     project = facts.project
     direct_calls = {id(c) for c, _ in direct}
     ddp = project.ddp_targets
-    for call, q in facts.calls:
+    for call, _q in facts.calls:
         if id(call) in direct_calls:
             continue
         # cheap first: only a call that reaches a collective or touches the DDP model counts
@@ -339,7 +339,8 @@ def _padded_samplers(facts: Facts):
         loops = {
             facts.scope_of(n)
             for n in facts.nodes
-            if isinstance(n, (ast.For, ast.AsyncFor)) and mentions(n.iter, lambda w: is_eval_name(w) or w in names)
+            if isinstance(n, (ast.For, ast.AsyncFor))
+            and mentions(n.iter, lambda w, names=names: is_eval_name(w) or w in names)
         }
         if any(facts.scope_of(c) in loops for c in gathers):
             yield finding(

@@ -301,9 +301,9 @@ def run(
         while True:
             try:
                 gen = join(store, gen, world, timeout_s)
-            except TimeoutError:
+            except TimeoutError as timed_out:
                 if failure is not None:
-                    raise failure
+                    raise failure from timed_out
                 raise
             handoff.gen = gen
             worker_notes.mark_step(0)  # a generation's start and recovery: no step in flight yet

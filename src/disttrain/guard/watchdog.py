@@ -15,11 +15,12 @@ stops (a stopped or dead process). The bound is `hang_factor` x the median step 
 at least `hang_min_s`, at most `hang_cap_s` (the cap alone until `warmup_steps` steps
 were timed). Work that is not a step (a checkpoint save or load, an evaluation) runs
 in a slow phase, `slow_phase(name, nbytes)`: it has its own bound, a floor plus
-`nbytes` at a conservative disk speed, and its time does not count toward the step. The first rank to fire (an exclusive file create) collects every
-heartbeat, dumps each local rank's Python stack (py-spy when installed, else
-faulthandler via SIGUSR1), prints ONE summary that says where each rank is and which
-rank lags, writes the full report next to the heartbeats, and exits with
-`HANG_EXIT_CODE` so torchrun tears the job down, long before the collective timeout.
+`nbytes` at a conservative disk speed, and its time does not count toward the step.
+The first rank to fire (an exclusive file create) collects every heartbeat, dumps each
+local rank's Python stack (py-spy when installed, else faulthandler via SIGUSR1), prints
+ONE summary that says where each rank is and which rank lags, writes the full report
+next to the heartbeats, and exits with `HANG_EXIT_CODE` so torchrun tears the job down,
+long before the collective timeout.
 """
 
 from __future__ import annotations

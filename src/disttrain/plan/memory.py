@@ -28,8 +28,9 @@ Modelled as native torch does it (the parts disttrain composes), all in bytes pe
 Mixed precision (bf16/fp16) is native torch's: fp32 parameters are the master weights,
 autocast (DDP) or `MixedPrecisionPolicy(param_dtype=bf16, reduce_dtype=fp32)` (FSDP2)
 computes in 16 bits, and gradients and optimizer state stay fp32: 16 bytes/param of
-state with AdamW, as in P-FSDP-1 (fp16 adds only GradScaler's few scalars). CPU offload (FSDP2 `CPUOffloadPolicy`) moves sharded
-params, grads and optimizer state to host memory, reported as `host` per device.
+state with AdamW, as in P-FSDP-1 (fp16 adds only GradScaler's few scalars). CPU offload
+(FSDP2 `CPUOffloadPolicy`) moves sharded params, grads and optimizer state to host
+memory, reported as `host` per device.
 
 Not counted: the CUDA context and kernels (~0.5-1 GiB per process), allocator caching
 and fragmentation (often 5-15%), NCCL's own buffers, attention score matrices (we

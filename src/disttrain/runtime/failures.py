@@ -30,7 +30,7 @@ attempts: the type, the message with addresses, ports, pointers and durations ma
 and the step (0: before the first step). `say_once` is the one line per failure of an
 attempt, `trace_to_log` the rank's full traceback. Plain Python: no torch import
 (types are matched by name), so the launcher and the slot supervisor can use it.
-"""
+"""  # noqa: E501  (the table's rows: a Markdown row cannot wrap)
 
 from __future__ import annotations
 
@@ -386,7 +386,8 @@ def report_hang(reporter: int, lagging: list[int], step: int) -> bool:
 
 def say_once(line: str) -> None:
     """One line per failure of an attempt, said by the first rank to see it."""
-    if worker_notes.first_to_say("failure-%06d-%06d" % attempt()):
+    restarts, generation = attempt()
+    if worker_notes.first_to_say(f"failure-{restarts:06d}-{generation:06d}"):
         LOGGER.warning(line, extra=EVERY_RANK)
 
 

@@ -15,10 +15,11 @@ forward, backward, step (optimizer), and the checkpoint phases checkpoint.shards
 checkpoint.after_shards and checkpoint.during_commit (see
 disttrain.checkpoint.fault_points), and recovery (an in-memory recovery's state hand-off,
 `elastic.fast_recovery`; its step is the one handed over; -1 when none is) and buddy
-(the buddy copy of a step's shards, posted and in flight). An unknown action or phase is a `UserError`. Keys: rank (default
-any), step (default any), restart (the attempt it fires in: TORCHELASTIC_RESTART_COUNT
-plus the in-memory recoveries of `elastic.fast_recovery` so far; default 0, so a
-restarted or recovered job does not fail again at the same point).
+(the buddy copy of a step's shards, posted and in flight). An unknown action or phase
+is a `UserError`. Keys: rank (default any), step (default any), restart (the attempt it
+fires in: TORCHELASTIC_RESTART_COUNT plus the in-memory recoveries of
+`elastic.fast_recovery` so far; default 0, so a restarted or recovered job does not
+fail again at the same point).
 """
 
 from __future__ import annotations

@@ -122,8 +122,9 @@ class Job:
             preempt_grace_s, buddy_every), [guard], [log] (tensorboard, wandb,
             mlflow); sections about the model and data are `disttrain train`'s. None:
             `Config()`, whose fields hold the one default of each setting (a short
-            keyword left out is its field's default, as in `disttrain train`). Under `disttrain run` the preemption grace is the
-            launcher's (`DISTTRAIN_PREEMPT_GRACE_S`), else `elastic.preempt_grace_s`.
+            keyword left out is its field's default, as in `disttrain train`). Under
+            `disttrain run` the preemption grace is the launcher's
+            (`DISTTRAIN_PREEMPT_GRACE_S`), else `elastic.preempt_grace_s`.
         run (RunOptions | None): What only an adapter passes (`dt.RunOptions`).
         strategy: For `dt.wrap`: 'ddp', 'zero1', 'fsdp', 'fsdp1' or 'dp'.
         precision: 'fp32', 'bf16' or 'fp16' for `dt.wrap` (forward under autocast,
@@ -514,15 +515,15 @@ class Job:
         loss (default: {"loss": the model's loss}). Each result goes into metrics.jsonl
         as `<name>_<metric>` (`heldout_loss` by default; the trackers too) and into
         `evaluator.last` ({metric: value}, without the name). Each evaluation runs under
-        `torch.no_grad()` with the model in `eval()` mode, restored after; the watchdog treats the evaluation as a slow phase. `every=0`
-        evaluates at the last step only; `max_batches` caps the batches per rank (None:
-        the whole set); `at_start=True` also evaluates before the first step of a fresh
-        run (not of a resumed one); `collate_fn` goes to the DataLoader. Call it before
-        `resume`, once per eval set: several evaluators, each with its own `name` (a
-        lowercase identifier, e.g. "val", "train_sample"), run in the order built. A
-        `batch_size` or `max_batches` below 1, a negative `every`, a repeated or
-        malformed name, the name "train" (the loop's own `loss` is the run's train loss)
-        or a call after `resume` is a `UserError`."""
+        `torch.no_grad()` with the model in `eval()` mode, restored after; the watchdog
+        treats the evaluation as a slow phase. `every=0` evaluates at the last step only;
+        `max_batches` caps the batches per rank (None: the whole set); `at_start=True` also
+        evaluates before the first step of a fresh run (not of a resumed one); `collate_fn`
+        goes to the DataLoader. Call it before `resume`, once per eval set: several
+        evaluators, each with its own `name` (a lowercase identifier, e.g. "val",
+        "train_sample"), run in the order built. A `batch_size` or `max_batches` below 1, a
+        negative `every`, a repeated or malformed name, the name "train" (the loop's own
+        `loss` is the run's train loss) or a call after `resume` is a `UserError`."""
         self._need(self.accumulator is None, "dt.Job.evaluator() is called before job.resume().")
         check_name(name, [e.name for e in self.evaluators])
         ev = Evaluator(

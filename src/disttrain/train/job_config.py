@@ -3,8 +3,9 @@ a few short keywords for a script, and `RunOptions`, what only an adapter such a
 `disttrain train` passes.
 
 Precedence: a short keyword (not None) > the `config` given > `Config()`'s defaults,
-the TOML's: one default per setting whichever way a Job is made. A keyword of the old constructor (`keep_last=`, `checkpoint_dir=`, `compile=`, ...) is
-one `UserError` naming the field it moved to.
+the TOML's: one default per setting whichever way a Job is made. A keyword of the old
+constructor (`keep_last=`, `checkpoint_dir=`, `compile=`, ...) is one `UserError`
+naming the field it moved to.
 """
 
 from __future__ import annotations

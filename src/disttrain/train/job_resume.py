@@ -75,8 +75,9 @@ class Resumed:
 
 def load(job: ResumeInputs, ckpt: Checkpointer | None, acc: Accumulator) -> Resumed:
     """Fill `job.state` from a survivor's memory or the newest valid checkpoint in
-    `ckpt`'s root (None: checkpoints are off), and say where the job starts. A collective. Raises `CheckpointMismatch` for a changed model
-    or data (a `disttrain train` config) before anything is loaded."""
+    `ckpt`'s root (None: checkpoints are off), and say where the job starts. A collective.
+    Raises `CheckpointMismatch` for a changed model or data (a `disttrain train` config)
+    before anything is loaded."""
     state, handoff = job.state, job.handoff
     optimizer, scheduler = state.optimizer, state.scheduler
     assert optimizer is not None  # Job.resume() builds the state with the script's optimizer

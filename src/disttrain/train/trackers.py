@@ -16,9 +16,10 @@ world-size change (W&B summary `run/events`, MLflow tags `disttrain.attempt.N`).
 
 The packages are optional extras (`pip install disttrain[wandb]`, `disttrain[mlflow]`),
 imported only on rank 0 of a run that uses them; a missing one is one `UserError`
-when the job is built, as is a tracker that cannot start (`tracker_checks`). Neither needs a network in its offline form: W&B with
-`WANDB_MODE=offline` (or `WandbTracker(mode="offline")`) writes `out_dir/wandb/`,
-and MLflow with a `file://` tracking URI writes a file store.
+when the job is built, as is a tracker that cannot start (`tracker_checks`). Neither
+needs a network in its offline form: W&B with `WANDB_MODE=offline` (or
+`WandbTracker(mode="offline")`) writes `out_dir/wandb/`, and MLflow with a `file://`
+tracking URI writes a file store.
 """
 
 from __future__ import annotations
