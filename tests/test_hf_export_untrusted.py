@@ -130,3 +130,34 @@ def test_the_trainer_refuses_the_same_in_its_own_config(tmp_path):
     with pytest.raises(UserError, match="config.json .*'auto_map' chooses code"):
         build_hf_model({"hf_path": "evil"}, config_dir=tmp_path)
     assert not marker.exists()
+
+
+def test_a_stored_hf_path_outside_the_checkpoint_folder_is_refused_unread(tmp_path):
+    """A checkpoint's state.json may name any absolute `hf_path`; its config.json is
+    never opened outside the checkpoint's folder, nor through a link, nor as a FIFO."""
+    import os
+
+    from disttrain.config.hf_model_config import hf_config_from_section, read_config_json
+    from disttrain.errors import UserError
+
+    root, outside = tmp_path / "ckpt", tmp_path / "outside"
+    root.mkdir()
+    outside.mkdir()
+    (outside / "config.json").write_text(json.dumps({"model_type": "gpt2", "secret_key": 1}))
+    with pytest.raises(UserError, match="outside the checkpoint's folder") as refused:
+        hf_config_from_section({"hf_path": str(outside)}, stored_in="state.json", inside=root)
+    assert "secret_key" not in str(refused.value)
+    (root / "linked").symlink_to(outside)  # a folder inside that leads outside
+    with pytest.raises(UserError, match="outside the checkpoint's folder"):
+        hf_config_from_section({"hf_path": str(root / "linked")}, stored_in="state.json", inside=root)
+    (root / "model").mkdir()
+    (root / "model" / "config.json").symlink_to(outside / "config.json")
+    with pytest.raises(UserError, match="symlink"):
+        read_config_json(root / "model", "state.json", follow=False)
+    os.mkfifo(root / "fifo.json")
+    (root / "pipe").mkdir()
+    os.rename(root / "fifo.json", root / "pipe" / "config.json")
+    for follow in (False, True):  # the trainer's own folder too: refused, not waited on
+        with pytest.raises(UserError, match="FIFO"):
+            read_config_json(root / "pipe", "model.hf_path", follow=follow)
+    assert read_config_json(root / "model", "model.hf_path") == ("gpt2", {"secret_key": 1})  # the user's own

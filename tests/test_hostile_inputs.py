@@ -119,6 +119,101 @@ def test_the_unpickler_sets_only_declared_fields_of_allowed_instances(tmp_path):
     assert not hasattr(MetadataIndex("model.w", [0], 0), "xndex")
 
 
+def _unpickler(data: bytes):
+    import io
+
+    from disttrain.checkpoint.metadata_pickle import MetadataUnpickler
+
+    return MetadataUnpickler(io.BytesIO(data), pathlib.Path("step/.metadata"))
+
+
+def _shared(levels: int):
+    """`levels` lists, each holding the one below twice: 2**levels paths, levels objects."""
+    value: object = 0
+    for _ in range(levels):
+        value = [value, value]
+    return value
+
+
+def test_the_unpickler_checks_a_shared_object_once_not_once_per_path():
+    """A few hundred bytes whose memo shares one list down 18 levels (2**18 paths) are
+    checked by visiting each object about once; 40 levels are refused for depth."""
+    import pickle
+
+    from torch.distributed.checkpoint.metadata import Metadata
+
+    from disttrain.checkpoint.checkpoint_errors import CheckpointUnsafe
+
+    data = pickle.dumps(Metadata(state_dict_metadata={}, planner_data=_shared(18)), protocol=2)
+    unpickler = _unpickler(data)
+    before = unpickler.visits_left
+    assert unpickler.load().planner_data == _shared(18)
+    assert before - unpickler.visits_left < 200
+    deep = pickle.dumps(Metadata(state_dict_metadata={}, planner_data=_shared(40)), protocol=2)
+    with pytest.raises(CheckpointUnsafe, match="more than 32 levels deep"):
+        _unpickler(deep).load()
+
+
+def test_the_unpickler_refuses_checks_that_outgrow_the_pickle_and_keys_of_many_paths():
+    """Forty objects each handed one shared list of 60,000 items: each BUILD checks the
+    list again, more work than the pickle's size allows. A dict key that shares one
+    tuple down 24 levels (hashed along every path) is refused before it is hashed."""
+    import pickle
+
+    from disttrain.checkpoint.checkpoint_errors import CheckpointUnsafe
+
+    shared = list(range(60_000))
+    indexes = [MetadataIndex("w") for _ in range(40)]
+    for index in indexes:
+        object.__setattr__(index, "fqn", shared)
+    with pytest.raises(CheckpointUnsafe, match="more work to check than its size allows"):
+        _unpickler(pickle.dumps(indexes, protocol=2)).load()
+    key = b"\x80\x02K\x00q\x00" + b"".join(b"h%ch%c\x86q%c" % (i, i, i + 1) for i in range(24))
+    with pytest.raises(CheckpointUnsafe, match="a key of more than"):
+        _unpickler(key + b"}h\x18K\x00s.").load()
+
+
+def test_a_list_nested_after_its_check_is_refused_in_one_line(tmp_path, capsys):
+    """A dict handed to BUILD stays in the memo; a later SETITEM puts a list 1,500 deep
+    into it. The whole result is checked after loading: one line, no RecursionError."""
+    import struct
+
+    from disttrain.checkpoint import dcp_read, metadata_bounds
+    from disttrain.checkpoint.checkpoint_errors import CheckpointUnsafe
+
+    def text(s: str) -> bytes:
+        return b"X" + struct.pack("<I", len(s)) + s.encode()
+
+    data = b"\x80\x02}q\x010ctorch.distributed.checkpoint.metadata\nMetadata\n)\x81}("
+    data += text("state_dict_metadata") + b"}" + text("planner_data") + b"h\x01" + text("storage_data") + b"}ub"
+    data += b"q\x030h\x01" + text("x") + b"(" + b"(" * 1500 + b"l" * 1500 + b"ls0h\x03."
+    step = _copy(tmp_path)
+    _replace(step, ".metadata", data)
+    with pytest.raises(CheckpointUnsafe, match="more than 32 levels deep"):
+        dcp_read.read_metadata(step)
+    _one_line(_cli(capsys, "ckpt", "verify", step), str(step / ".metadata"), "refused")
+    deep: list = []
+    for _ in range(3000):
+        deep = [deep]
+    assert metadata_bounds._shown(deep).startswith("[[[") and metadata_bounds._shown(_shared(60)).startswith("[[")
+
+
+def test_json_depth_of_an_open_string_of_escaped_quotes_is_linear():
+    """An unclosed string of 150,000 escaped quotes before 70 brackets: each quote used
+    to start a scan to the end (quadratic, minutes); now one scan, well inside 20 s."""
+    code = (
+        "from disttrain import json_text\n"
+        "text = '\"' + '\\\\\"' * 150_000 + '[' * 70\n"
+        "assert json_text.depth(text) == 0\n"
+        "assert json_text.depth('{\"a\\\\\"[\": [[1, \"]\"]], \"b\": {}}') == 3\n"
+        "try:\n    json_text.loads(text)\nexcept ValueError as e:\n    print('refused', type(e).__name__)\n"
+    )
+    proc = subprocess.run(
+        [sys.executable, "-c", code], capture_output=True, text=True, timeout=20, env=worker_env(), cwd=ROOT
+    )
+    assert proc.returncode == 0 and "refused JSONDecodeError" in proc.stdout, proc.stderr[-2000:]
+
+
 # ---------------------------------------------------------------- one line per input
 
 

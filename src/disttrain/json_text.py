@@ -19,7 +19,12 @@ MAX_DEPTH = 64
 """How deeply a document may nest: disttrain's own nest five or six levels (a
 config's sections inside `state.json`, a value inside an optimizer's state)."""
 
-_STRING = re.compile(r'"(?:[^"\\]|\\.)*"')
+_STRING = re.compile(r'"(?:[^"\\]|\\.)*"?')
+"""A string: to its closing quote, or to the end of what a string may hold (a string
+left open hides the brackets after it: a parse fails at it before reaching them).
+Every match succeeds where it starts, so `sub` scans each character once; had the
+closing quote been required, each quote of an open string full of escaped quotes
+would start a scan to the end of the text (quadratic)."""
 _NOT_BRACKET = re.compile(r"[^\[\]{}]+")
 _STEP = {"[": 1, "{": 1, "]": -1, "}": -1}
 

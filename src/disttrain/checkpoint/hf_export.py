@@ -54,8 +54,9 @@ def export_hf(
 ) -> dict:
     """Write `out_dir` as a Hugging Face folder (safetensors + config.json) from the
     committed checkpoint `step_dir`. Verifies the manifest first. `config_dir` is the
-    folder that a relative `model.hf_path` is taken from (default: the current one).
-    Refuses a non-empty `out_dir`; writes into a temporary sibling, then renames.
+    folder that a relative `model.hf_path` is taken from (default: the current one);
+    the `model.hf_path` folder must lie inside the checkpoint's folder (`step_dir`'s
+    parent), and its config.json is opened without following a link. Refuses a non-empty `out_dir`; writes into a temporary sibling, then renames.
     Raises `UserError` for a checkpoint of another model (names the first mismatches).
     Returns {'tensors', 'to', 'model_type'}."""
     import torch
@@ -69,7 +70,7 @@ def export_hf(
     # The stored section is data: hf_config_from_section builds a shipped config class
     # from its plain values and refuses anything that would choose code.
     hf_config = hf_model_config.hf_config_from_section(
-        _stored_model_section(step_dir), config_dir, stored_in=str(step_dir / "state.json")
+        _stored_model_section(step_dir), config_dir, stored_in=str(step_dir / "state.json"), inside=step_dir.parent
     )
     with torch.device("meta"):
         model = hf_model_config.causal_lm_from_config(hf_config, f"{step_dir} model")

@@ -16,7 +16,7 @@ from __future__ import annotations
 
 import functools
 import math
-from pathlib import Path
+from pathlib import Path, PurePath
 from typing import Any
 
 import torch
@@ -29,6 +29,7 @@ from torch.distributed.checkpoint.metadata import (
 )
 
 from disttrain.checkpoint.checkpoint_errors import CheckpointCorrupt
+from disttrain.checkpoint.metadata_pickle import brief
 
 MAX_PATH = 32
 """The most keys one entry's nesting may have (a state dict nests four or five)."""
@@ -52,18 +53,19 @@ def _counts(values, length: int | None = None) -> bool:
 
 
 def _shown(value, limit: int = 60) -> str:
-    """`str(value)` cut to `limit` characters; a value that cannot be shown (a
-    `torch.Size` of a number past 64 bits raises) is named by its type."""
-    try:
-        return str(value)[:limit]
-    except (ValueError, OverflowError, TypeError):
-        return f"a {type(value).__name__}"
+    """`metadata_pickle.brief`: a short text of `value`, at most `limit` characters,
+    made in bounded work however deeply it nests or shares its parts; a value that
+    cannot be shown (a `torch.Size` of a number past 64 bits raises) is named by its
+    type. Never raises."""
+    return brief(value, limit)
 
 
 def _extent(info) -> tuple:
-    """(file, offset, length) of a record, from either format's storage data."""
+    """(file, offset, length) of a record, from either format's storage data; a file
+    named by anything but a string or path is named by `_shown`."""
     name = getattr(info, "file", None) or getattr(info, "relative_path", None)
-    return str(name), getattr(info, "offset", None), getattr(info, "length", None)
+    name = str(name) if isinstance(name, (str, PurePath)) else _shown(name)
+    return name, getattr(info, "offset", None), getattr(info, "length", None)
 
 
 def _records(md, files: dict) -> tuple[dict, str | None]:
@@ -77,7 +79,10 @@ def _records(md, files: dict) -> tuple[dict, str | None]:
             return found, f"a record of a key it does not declare ({_shown(index, 80)})"
         name, offset, length = _extent(info)
         if not _counts((offset, length)) or offset + length > int(files.get(name, {}).get("size", 0)):
-            return found, f"the record of {index.fqn!r} lies outside {name} (offset {offset}, length {length})"
+            return (
+                found,
+                f"the record of {index.fqn!r} lies outside {name} (offset {_shown(offset)}, length {_shown(length)})",
+            )
         declared += length
         found[(index.fqn, None if index.offset is None else tuple(index.offset))] = (name, offset, length)
     if declared > total:

@@ -17,6 +17,7 @@ from typing import Any
 
 from disttrain import json_text
 from disttrain.errors import UserError
+from disttrain.plain_files import NotPlainFile, read_plain
 
 HF_PREFIX = "hf."
 """State-dict prefix of the Hugging Face model inside the `HFCausalLM` adapter."""
@@ -114,19 +115,18 @@ def plain_config_values(values: Any, where: str) -> dict:
     return dict(values)
 
 
-def read_config_json(folder: Path, where: str) -> tuple[str, dict]:
+def read_config_json(folder: Path, where: str, *, follow: bool = True) -> tuple[str, dict]:
     """The model type and the plain values of `folder/config.json`, read as JSON (never
-    by transformers' loader, which may import code the folder names). `where` says who
-    named the folder. Raises `UserError` for an unreadable, oversized or malformed file,
-    one without a `model_type`, or one with a key `plain_config_values` refuses."""
+    by transformers' loader, which may import code the folder names), opened once by
+    `plain_files.read_plain`: a regular file of at most `_CONFIG_JSON_LIMIT` bytes, a
+    FIFO refused without waiting, a symlink followed only with `follow` (a user's own
+    folder; a Hugging Face cache links its files). `where` says who named the folder.
+    Raises `UserError` for an unreadable, oversized, irregular or malformed file, one
+    without a `model_type`, or one with a key `plain_config_values` refuses."""
     path = folder.absolute() / "config.json"
     try:
-        with open(path, "rb") as f:
-            data = f.read(_CONFIG_JSON_LIMIT + 1)
-        if len(data) > _CONFIG_JSON_LIMIT:
-            raise ValueError(f"larger than {_CONFIG_JSON_LIMIT} bytes")
-        values = json_text.loads(data)
-    except (OSError, ValueError) as e:
+        values = json_text.loads(read_plain(path, _CONFIG_JSON_LIMIT, follow=follow))
+    except (OSError, ValueError, NotPlainFile) as e:
         raise UserError(f"{path} ({where}) cannot be read as a config.json: {str(e).splitlines()[0]}") from e
     values = plain_config_values(
         {k: v for k, v in values.items() if k != "transformers_version"} if isinstance(values, dict) else values,
@@ -161,12 +161,25 @@ def config_for_type(model_type: str, values: dict, where: str):
         raise UserError(f"{where}: the config values for {model_type!r} are invalid: {str(e).splitlines()[0]}") from e
 
 
-def hf_config_from_section(section: Any, config_dir: str | os.PathLike | None = None, stored_in: str = ""):
+def _inside(folder: Path, root: Path, hf_path: str, at: str) -> None:
+    """Raise `UserError` unless `folder`, its links resolved, lies inside `root`."""
+    if not folder.resolve().is_relative_to(root.resolve()):
+        raise UserError(
+            f"{at}model.hf_path {hf_path!r} lies outside the checkpoint's folder {root}; disttrain reads "
+            f"nothing outside it: copy that save_pretrained folder into {root} and point model.hf_path there."
+        )
+
+
+def hf_config_from_section(
+    section: Any, config_dir: str | os.PathLike | None = None, stored_in: str = "", inside: Path | None = None
+):
     """The `transformers` config that a model section describes: `hf` (a model type such
     as "gpt2") with `hf_config` overrides, or `hf_path` (a local save_pretrained folder,
     whose config.json is read as data, overrides applied on top). `section` is the
     config dataclass or its dict form; `stored_in` names the file it was read from (a
-    checkpoint's state.json) for messages. Whatever the section says, the config is a
+    checkpoint's state.json) for messages; `inside` (its checkpoint folder) is where
+    an `hf_path` it names must lie, links resolved, and no link is followed to its
+    config.json. Whatever the section says, the config is a
     class transformers ships built from plain values: no code is imported, nothing is
     downloaded, and `trust_remote_code` or an `auto_map` (`LOADER_KEYS`) is refused.
     Raises `UserError` for a missing `transformers`, an unknown model type, a refused
@@ -182,7 +195,9 @@ def hf_config_from_section(section: Any, config_dir: str | os.PathLike | None = 
         )
     if hf_path:
         folder = resolve_hf_path(hf_path, config_dir)
-        model_type, values = read_config_json(folder, f"{at}model.hf_path {hf_path!r}")
+        if inside is not None:
+            _inside(folder, inside, hf_path, at)
+        model_type, values = read_config_json(folder, f"{at}model.hf_path {hf_path!r}", follow=inside is None)
         return config_for_type(model_type, {**values, **overrides}, f"{folder}/config.json's model_type")
     if not hf:
         raise UserError(f"{at}the model section names no Hugging Face model (model.hf or model.hf_path).")
