@@ -34,6 +34,19 @@ def test_every_small_file_is_listed_and_verifies(tmp_path):
     ck.close()
 
 
+def test_every_file_of_a_checkpoint_is_readable_by_its_owner_only(tmp_path):
+    """The weights and DCP's metadata were written 0644 (other users on the machine
+    could read them) while the manifest and state.json were 0600."""
+    ck = Checkpointer(tmp_path, keep_last=0)
+    state = _state()
+    state.step = 1
+    step_dir = ck.save(state)
+    ck.close()
+    modes = {p.name: p.stat().st_mode & 0o777 for p in step_dir.iterdir()}
+    assert any(name.endswith(".distcp") for name in modes) and ".metadata" in modes, modes
+    assert set(modes.values()) == {0o600}, modes
+
+
 @pytest.mark.parametrize("broken", ["rank-00000.json", "state.json", ".metadata"])
 def test_a_small_file_that_cannot_be_written_fails_the_save(tmp_path, monkeypatch, broken):
     ck = Checkpointer(tmp_path, keep_last=0)

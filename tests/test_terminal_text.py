@@ -57,10 +57,10 @@ def test_verify_escapes_a_file_name_of_the_manifest(saved, tmp_path, capsys):
 
 def test_verify_escapes_a_value_of_the_manifest(saved, tmp_path, capsys):
     step_dir = _with_manifest(saved, tmp_path, lambda m: m.__setitem__("step", f"{RED}1\r\x07"))
-    assert cli(["ckpt", "verify", str(step_dir)]) == 0
+    assert cli(["ckpt", "verify", str(step_dir)]) == 1  # a step that is no number: damaged
     text = _printed(capsys)
     assert "\x1b" not in text and "\r" not in text and "\x07" not in text, text
-    assert "step \\x1b[31m1\\r\\x07" in text, text
+    assert "\\x1b[31m1\\r\\x07" in text, text
 
 
 def test_inspect_escapes_the_manifest_and_reads_no_markup(saved, tmp_path, capsys):
@@ -81,7 +81,7 @@ def test_a_refusal_in_one_line_escapes_the_name_it_quotes(saved, tmp_path, capsy
     name = f"{RED}rank.json"
 
     def change(m):
-        m["files"][name] = {"size": 2}
+        m["files"][name] = {**next(iter(m["files"].values())), "size": 2}  # a well-formed record
 
     step_dir = _with_manifest(saved, tmp_path, change)
     (step_dir / name).symlink_to(outside)  # a symlink out: `CheckpointUnsafe`, exit 2

@@ -66,6 +66,12 @@ class Session:
         self.data.remove()
         LOGGER.info(self.report.summary(self.checked, self.boundary_seen, self.world))
 
+    def uninstall(self) -> None:
+        """The optimizer hooks removed (`finish`: no step of this process runs them now)."""
+        for handle in self._handles:
+            handle.remove()
+        self._handles = []
+
     def _wanted(self) -> bool:
         if self.window == ALL or self.steps <= self.window:
             return True
@@ -197,6 +203,4 @@ def finish() -> None:
     """The script ended: the summary, if not printed yet, and every hook removed."""
     if SESSION:
         SESSION[0].close()
-        for handle in SESSION[0]._handles:
-            handle.remove()
-        SESSION[0]._handles = []
+        SESSION[0].uninstall()

@@ -10,6 +10,7 @@ the job and exits 3, with no restart (the bug would repeat). Elsewhere rank 0 pr
 
 from __future__ import annotations
 
+import functools
 import inspect
 import os
 import sys
@@ -37,6 +38,7 @@ class Finding:
     text: str
 
 
+@functools.cache
 def _own_dirs() -> tuple[str, ...]:
     """Folders whose frames are never the user's line: torch, disttrain, the stdlib."""
     import torch
@@ -45,21 +47,17 @@ def _own_dirs() -> tuple[str, ...]:
     return tuple(str(d.resolve()) + os.sep for d in dirs)
 
 
-_OWN: tuple[str, ...] = ()
-
-
 def user_line() -> str | None:
     """'file:line' of the innermost frame of the caller's stack that is the user's code
     (not torch, disttrain or the standard library), the path relative to the working
     folder when it lies inside it; None when there is none."""
-    global _OWN
-    _OWN = _OWN or _own_dirs()
+    own = _own_dirs()
     frame = inspect.currentframe()
     while frame is not None:
         name = frame.f_code.co_filename
         if not name.startswith("<"):
             path = os.path.realpath(name)
-            if not path.startswith(_OWN):
+            if not path.startswith(own):
                 try:
                     shown = os.path.relpath(path)
                 except ValueError:  # another drive (Windows)

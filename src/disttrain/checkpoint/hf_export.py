@@ -56,7 +56,8 @@ def export_hf(
     committed checkpoint `step_dir`. Verifies the manifest first. `config_dir` is the
     folder that a relative `model.hf_path` is taken from (default: the current one);
     the `model.hf_path` folder must lie inside the checkpoint's folder (`step_dir`'s
-    parent), and its config.json is opened without following a link. Refuses a non-empty `out_dir`; writes into a temporary sibling, then renames.
+    parent), and its config.json is opened without following a link.
+    Refuses a non-empty `out_dir`; writes into a temporary sibling, then renames.
     Raises `UserError` for a checkpoint of another model (names the first mismatches).
     Returns {'tensors', 'to', 'model_type'}."""
     import torch

@@ -369,6 +369,7 @@ def commit(tmp_dir: Path, final: Path, run_id: str, generation: int) -> None:
     """
     root = final.parent
     check_fence(root, run_id, generation)
+    _private(tmp_dir)
     if final.exists():
         owner = manifest_owner(final)
         if owner is not None and owner[1] >= generation and owner != (run_id, generation):
@@ -388,6 +389,15 @@ def commit(tmp_dir: Path, final: Path, run_id: str, generation: int) -> None:
         os.rename(final, aside)
     os.rename(tmp_dir, final)  # the commit: atomic on one filesystem
     fsync_dir(root)
+
+
+def _private(tmp_dir: Path) -> None:
+    """Every file of the checkpoint readable by its owner only, as its manifest and
+    `state.json` are written: DCP writes its shards and `.metadata` with the process's
+    umask (0644 by default), which let other users on the machine read the weights."""
+    for entry in os.scandir(tmp_dir):
+        if entry.is_file(follow_symlinks=False):
+            os.chmod(entry.path, 0o600)
 
 
 # ---------------------------------------------------------------- retention

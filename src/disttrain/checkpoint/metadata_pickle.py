@@ -42,7 +42,7 @@ import torch
 from disttrain.checkpoint.checkpoint_errors import CheckpointUnsafe
 from disttrain.runtime import torch_compat
 
-_BASE: dict[int, Any] = dict(pickle._Unpickler.dispatch)  # pickle's own opcodes, called after a check
+_BASE: dict[int, Any] = dict(torch_compat.PythonUnpickler.dispatch)  # pickle's own opcodes, called after a check
 
 MAX_DEPTH = 32
 """How deeply a value in DCP's metadata may nest (it nests three or four levels)."""
@@ -123,12 +123,12 @@ def _own_setstate(cls: type):
     return None
 
 
-class MetadataUnpickler(pickle._Unpickler):
+class MetadataUnpickler(torch_compat.PythonUnpickler):
     """Unpickles DCP's metadata from `file` (the module docstring says what it
     allows); any other global, call or state raises `CheckpointUnsafe` naming
     `path`, before anything of it ran."""
 
-    dispatch: ClassVar[dict[int, Any]] = dict(pickle._Unpickler.dispatch)
+    dispatch: ClassVar[dict[int, Any]] = dict(torch_compat.PythonUnpickler.dispatch)
     stack: list[Any]  # pickle's own, declared for the type checker
     metastack: list[list[Any]]
 

@@ -14,10 +14,11 @@ function that needs them: importing this module costs no more than `import torch
 from __future__ import annotations
 
 import ctypes
+import pickle
 import re
 import sys
 from collections.abc import Callable
-from typing import Any
+from typing import Any, TypeAlias
 
 import torch
 import torch.nn as nn
@@ -524,3 +525,10 @@ def on_optimizer_built(hook: Callable[[Any], None]) -> None:
 
     setattr(init_then_hooks, "__wrapped__", original)  # noqa: B010  (what functools.wraps would set)
     setattr(torch.optim.Optimizer, "__init__", init_then_hooks)  # noqa: B010  (mypy refuses a method assigned)
+
+
+PythonUnpickler: TypeAlias = pickle._Unpickler
+"""pickle's pure-Python unpickler class: its `dispatch` table of opcodes is what a
+restricted unpickler checks before each opcode runs (`checkpoint.metadata_pickle`);
+the C unpickler has no such table. A private name of the standard library, kept here
+with torch's."""
