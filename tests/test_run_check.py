@@ -141,8 +141,9 @@ def test_job_check_true_finds_a_parameter_changed_outside_the_optimizer(edit, tm
     if edit:
         assert proc.returncode == 3, proc.stderr[-3000:]
         lines = JOB_SCRIPT.read_text().splitlines()
-        step_line = next(i for i, line in enumerate(lines, 1) if "job.backward(" in line)
-        for text in ("step 4: the parameter `0.bias` differs across ranks", "changed outside the optimizer",
+        # the Job steps the optimizer when the loop asks for the next batch: step 3's, after the edit
+        step_line = next(i for i, line in enumerate(lines, 1) if "in job.steps(" in line)
+        for text in ("step 3: the parameter `0.bias` differs across ranks", "changed outside the optimizer",
                      f"job_edit.py:{step_line}"):
             assert text in proc.stderr, (text, proc.stderr[-3000:])
     else:
