@@ -1,5 +1,5 @@
 """Every sample once, end to end, on data from disk: the c10d scale-down/up scenario
-of tests/test_elastic.py (two agents, --nnodes 1:2; kill -9 of one node mid-epoch, the
+of tests/faults/test_elastic.py (two agents, --nnodes 1:2; kill -9 of one node mid-epoch, the
 survivor goes on at world 1, a new agent joins: world 2 again) with `[data] tokens`
 (token files from `disttrain data prepare`) or `[data] hf_dataset` (a save_to_disk
 folder) instead of the stdlib corpus.
@@ -9,7 +9,7 @@ folder) instead of the stdlib corpus.
 One epoch of 384 windows of 33 bytes, 8 per step, 48 steps; the sample audit
 (elastic.record_samples) must show each index on the final timeline exactly once.
 Writes bench/results/data_exactly_once.md. About 75 s per cell on 2 cores; not in the
-test suite (tests/test_token_data.py checks the same arithmetic in-process).
+test suite (tests/unit/test_token_data.py checks the same arithmetic in-process).
 """
 
 from __future__ import annotations

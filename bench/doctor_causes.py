@@ -32,7 +32,7 @@ it; the rest remain):
   a line-by-line reading, so behavioural recall is an upper bound.
 
 What fooled the frozen doctor on round 2's held-back projects (all fixed before round 3,
-tests/doctor_rules/): prints after a distributed set-up in a helper out of view
+tests/unit/doctor_rules/): prints after a distributed set-up in a helper out of view
 that replaces `builtins.print` (SparK's `arg_util.init_dist_and_get_args()`; print is no
 longer judged after an unseen `init_dist*` call); a CUDA allocation on an init helper's
 path that returns before the group starts (`elif 'RANK' not in os.environ:
@@ -76,7 +76,7 @@ figures were recorded):
 - As in rounds 1 and 2, misses were found by reading the distributed paths of each file
   (set-up, loops, evaluation, checkpointing), not every line, so recall is an upper bound.
 
-Fixed after these figures were recorded (tests/doctor_rules/; the figures above
+Fixed after these figures were recorded (tests/unit/doctor_rules/; the figures above
 stay the frozen doctor's): `trainer.save_checkpoint()` is no collective in a script that
 uses Lightning APIs removed in 2.0; prints in module-level functions nothing in the run
 refers to are not judged; the rank a script joins the group with is its global rank, and
@@ -92,7 +92,7 @@ apex's reduction through `reduce_tensor`, and writes that are not torch.save.
 
 ROUND4_CAUSES = """\
 What fooled the frozen doctor on round 4's held-back projects (the false findings fixed
-after the figures were recorded, tests/doctor_rules/; the misses remain):
+after the figures were recorded, tests/unit/doctor_rules/; the misses remain):
 
 - The false error: `ema_unet.update()` resolved to the trainer's own `update()` method,
   which reaches `accelerator.wait_for_everyone()`, though `ema_unet` is ema_pytorch's EMA
@@ -123,7 +123,7 @@ after the figures were recorded, tests/doctor_rules/; the misses remain):
 
 ROUND5_CAUSES = """\
 What fooled the frozen doctor on round 5's held-back projects (the false errors fixed
-after the figures were recorded, tests/doctor_rules/; the rest remain):
+after the figures were recorded, tests/unit/doctor_rules/; the rest remain):
 
 - False errors: a CUDA use in a trainer file whose program binds the device in a set-up
   helper the doctor does not see (`setup.setup_dist_env`, called from a script that
@@ -146,7 +146,7 @@ after the figures were recorded, tests/doctor_rules/; the rest remain):
   since the entry script out of view may bind the device (efficientvit's two findings are
   now false warnings, marked `after_freeze`).
 - Fixed after round 6's doctor was frozen, before round 6 was added
-  (tests/doctor_rules/): `if is_main and a or b:` and an unguarded rmtree before
+  (tests/unit/doctor_rules/): `if is_main and a or b:` and an unguarded rmtree before
   the barrier are `guard-true-on-every-rank` (audiolm-pytorch's four misses, now found,
   `after_freeze`); `save_pretrained` into the final folder is a `non-atomic-save`
   (lerobot's and EasyContext's misses, and those of earlier rounds; diffusers' three
@@ -186,7 +186,7 @@ figures were recorded):
   paths of each file (set-up, loops, evaluation, checkpointing), not every line, so
   recall is an upper bound.
 
-Fixed after these figures were recorded (tests/doctor_rules/; the figures above
+Fixed after these figures were recorded (tests/unit/doctor_rules/; the figures above
 stay the frozen doctor's): an imported package whose `__init__` is not among the files
 reaches the files directly in its folder (`import fourm.utils as utils` ->
 fourm/utils/dist.py), matched on the whole dotted path; `safetensors.torch.load` is not
@@ -230,7 +230,7 @@ round 7's held-back projects (not fixed when these figures were recorded):
 - As in earlier rounds, misses were found by reading the distributed paths of each file
   (set-up, loops, evaluation, checkpointing), not every line, so recall is an upper bound.
 
-Fixed after these figures were recorded (tests/doctor_rules/; the figures above
+Fixed after these figures were recorded (tests/unit/doctor_rules/; the figures above
 stay the frozen doctor's): a name whose "rank" part is followed by a quantity (`_epoch`,
 `_start`, `_max`...) or preceded by `lora`/`av` is no rank; a test that every one of the
 launcher's variables is present is none either; a GPU count set to 1 beside the
@@ -277,7 +277,7 @@ two for their licences' terms (DINOv3, HunyuanDiT).
 - As in earlier rounds, misses were found by reading the distributed paths of each file,
   not every line, so recall is an upper bound.
 
-Fixed after these figures were recorded (tests/doctor_rules/; the figures above
+Fixed after these figures were recorded (tests/unit/doctor_rules/; the figures above
 stay the frozen doctor's): a file named by the rank through a for loop is per-rank, and a
 single-process DataParallel program needs no map_location; a save into a parameter that
 every caller binds with a temporary-directory context manager is atomic, and one right
@@ -313,7 +313,7 @@ held-back projects (not fixed when these figures were recorded):
 - As in earlier rounds, misses were found by reading the distributed paths of each file,
   not every line, so recall is an upper bound.
 
-Fixed after these figures were recorded (tests/doctor_rules/; the figures above
+Fixed after these figures were recorded (tests/unit/doctor_rules/; the figures above
 stay the frozen doctor's): the two false errors. A use of CUDA in the other branch of an
 if/else from the set_device is not before it, and a file named by `uuid4()` or
 `getpid()` has one writer. Remain: the data caches and training-args files taken for
@@ -349,7 +349,7 @@ were recorded):
   not every line, so recall is an upper bound; with three behavioural problems in view,
   the behavioural recall of this round is a thin figure.
 
-Fixed after these figures were recorded (tests/doctor_rules/; the figures above
+Fixed after these figures were recorded (tests/unit/doctor_rules/; the figures above
 stay the frozen doctor's): a list sliced by the local process index over the job's
 process count is `shard-by-local-rank` (Amphion's miss, and its validation split, unlisted
 then); gradients all-reduced by hand before `scaler.step` need no synced scaler; a program

@@ -266,7 +266,7 @@ _ROUNDS_TEXT = (
     "Ten rounds, each measured once by a doctor frozen before its projects were reviewed. "
     "Round 1: the held-back half of the 50 projects in the corpus when the split was made "
     "(plus 16 added while it was reviewed). The causes of rounds 1 to 8 and 10, and round 9's false "
-    "errors, were then fixed (each with a case in tests/doctor_rules/), which makes their "
+    "errors, were then fixed (each with a case in tests/unit/doctor_rules/), which makes their "
     "projects seen, and each next round added projects none of the rules had been changed for, all held back by the "
     "same hash: 13 in round 2, 11 in round 3, 11 in round 4, 8 in round 5, 9 in round 6, 9 in "
     "round 7, 12 in round 8, 8 in round 9, 9 in round 10."

@@ -8,7 +8,7 @@ pins them and bench/corpus_fetch.py brings them into the cache, where the doctor
 them. The recorded figures of each round come from the reviews and the manifest alone
 (`reviewed_projects`, `frozen_figures`); the current doctor's need the cache
 (`measure_projects`). Used by bench/doctor_corpus.py (the section) and
-tests/test_doctor_corpus.py.
+tests/unit/test_doctor_corpus.py.
 """
 
 from __future__ import annotations

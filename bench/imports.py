@@ -273,7 +273,7 @@ def render(data: dict) -> str:
             f"Target: `import disttrain.train.trainer` (each rank of `disttrain train`) adds at "
             f"most {TRAINER_TARGET_S} s: **{verdict}** (median {trainer['median']:.3f} s). DCP, "
             f"DTensor (sympy), FSDP, rich, safetensors and transformers load on first use; "
-            f"tests/test_imports_startup.py keeps them out.",
+            f"tests/launch/test_imports_startup.py keeps them out.",
         ]
     fs = data.get("first_step")
     if fs and "error" in fs:

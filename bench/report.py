@@ -174,7 +174,7 @@ def write(opts: Options, modules: list) -> Path:
             "been run since its baseline was made like for like (it was a sharded "
             "`fully_shard` baseline): no GPU was lent for that change. Copy OUTDIR/gpu.md to "
             "bench/results/gpu.md and rerun `python -m bench --report-only` to include it. "
-            "A CPU dry run of the same script is a test (tests/test_bench_smoke.py).",
+            "A CPU dry run of the same script is a test (tests/launch/test_bench_smoke.py).",
             "",
         ]
     for path in doctor:

@@ -87,35 +87,31 @@ CORE_TIERS = (
     # few minutes on 2 cores. `pytest -m core` runs them; scripts/compat.sh runs them on
     # another torch release. Each entry is a regular expression matched at the start of
     # a test's node id.
-    r"tests/test_config\.py::",
-    r"tests/test_strategies_config\.py::",
-    r"tests/test_strategies\.py::.*\[2\b",  # every strategy at a world of 2 (one launch)
-    r"tests/test_job\.py::test_(kill_9_resumes|complete_job|misuse|elastic_sampler)",
-    r"tests/test_checkpoint\.py::",
-    r"tests/test_checkpoint_writer\.py::",
-    r"tests/test_resume_config\.py::test_(complete_run|changed_|apply_matches|classes_of_keys)",
+    r"tests/unit/test_config\.py::",
+    r"tests/unit/test_strategies_config\.py::",
+    r"tests/launch/test_strategies\.py::.*\[2\b",  # every strategy at a world of 2 (one launch)
+    r"tests/faults/test_job\.py::test_(kill_9_resumes|complete_job|misuse|elastic_sampler)",
+    r"tests/faults/test_checkpoint\.py::",
+    r"tests/faults/test_checkpoint_writer\.py::",
+    r"tests/launch/test_resume_config\.py::test_(complete_run|changed_|apply_matches|classes_of_keys)",
 )
 
 
-TIERS = (
-    # A test's tier is what its module does, read from its source: the first tier whose
-    # words it holds. `pytest -m unit` runs in-process tests (a minute or two), `-m launch`
-    # the ones that start processes, `-m faults` the ones that kill, stop or break them.
-    ("faults", ("DISTTRAIN_FAULT", "SIGKILL", "SIGSTOP", "os.kill(", "enospc@", "kill@")),
-    ("launch", ("subprocess", "run_disttrain", "launch_worker", "multiprocessing", "torchrun",
-                "mp.spawn", "os.fork(")),
-)
+TIERS = ("unit", "launch", "faults", "policy")
+"""A test's tier is the folder it lives in, chosen for what it does: `tests/unit` runs
+in-process (a minute or two), `tests/launch` starts processes (torchrun, `disttrain
+run`, gloo groups, forks), `tests/faults` kills, stops or breaks them on purpose, and
+`tests/policy` holds the repository's own rules (lint, types, layers, the docs build,
+our own code). `pytest tests/unit` or `pytest -m unit` runs one tier."""
+TESTS = Path(__file__).resolve().parent
 
 
 def tier_of(path: Path) -> str:
-    """'faults', 'launch' or 'unit' for the test module at `path` (see TIERS)."""
-    if path not in _TIER_OF:
-        text = path.read_text()
-        _TIER_OF[path] = next((name for name, words in TIERS if any(w in text for w in words)), "unit")
-    return _TIER_OF[path]
-
-
-_TIER_OF: dict[Path, str] = {}
+    """The tier of the test module at `path`: the folder under tests/ it lives in."""
+    parts = Path(path).resolve().relative_to(TESTS).parts
+    if len(parts) < 2 or parts[0] not in TIERS:
+        raise ValueError(f"{path}: a test module lives in one of the tier folders {', '.join(TIERS)}")
+    return parts[0]
 
 
 def pytest_collection_modifyitems(config, items):

@@ -1,5 +1,5 @@
 """Pitfall/fix pairs for the rules added by issue 26 (behavioural, launch and dt.Job rules), for
-tests/test_doctor.py's CASES: (rule id, the script with the pitfall, the same script done
+tests/launch/test_doctor.py's CASES: (rule id, the script with the pitfall, the same script done
 right)."""
 
 from __future__ import annotations

@@ -1,4 +1,4 @@
-"""Datasets of the user's own for tests/test_byo_model.py: generated map-style sets of
+"""Datasets of the user's own for tests/faults/test_byo_model.py: generated map-style sets of
 dict samples {"features": float[n_in], "target": float}, returned as (train, eval).
 A private generator: the data never draws from the global RNG (the model's init)."""
 

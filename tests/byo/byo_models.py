@@ -1,4 +1,4 @@
-"""A model of the user's own for tests/test_byo_model.py: not the GPT, a small MLP
+"""A model of the user's own for tests/faults/test_byo_model.py: not the GPT, a small MLP
 regressor with dropout (so a resume must restore the dropout streams to be bit-exact),
 taking a dict batch {"features", "target"} and returning the scalar MSE loss.
 The other factories are deliberate mistakes for the error tests."""

@@ -1,5 +1,5 @@
 """Counts the calls of the functions that a launch should run once
-(tests/test_launch_once.py puts this folder on PYTHONPATH for its launches).
+(tests/faults/test_launch_once.py puts this folder on PYTHONPATH for its launches).
 
 Does nothing unless DISTTRAIN_TEST_COUNT_CALLS names a file. Then each module of
 `COUNTED`, when it is first imported in this process (the launcher, a warm-worker

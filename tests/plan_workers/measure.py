@@ -1,4 +1,4 @@
-"""Worker for tests/test_plan.py: measure the bytes each rank owns after one step.
+"""Worker for tests/launch/test_plan.py: measure the bytes each rank owns after one step.
 
 Launched by `python -m torch.distributed.run --standalone --nproc-per-node N measure.py OUT.json
 HF_CONFIG.json GPT_SPEC KINDS` (KINDS: 'gpt,hf', or 'gpt' where transformers is missing).

@@ -1,5 +1,5 @@
 """A correct script that frees its distributed objects at exit in the ways that hung a
-warm worker (tests/test_clean_exit.py): `clean_exit.py VARIANT`.
+warm worker (tests/launch/test_clean_exit.py): `clean_exit.py VARIANT`.
 
 - ddp: a DDP forward and backward, the script's own destroy_process_group(), then
   main() returns (the DDP model, which holds the destroyed group, is freed there);

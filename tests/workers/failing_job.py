@@ -1,5 +1,5 @@
 """A small `dt.Job` script whose program fails, or that holds a TCP connection of its own
-(tests/test_failure_kinds.py).
+(tests/faults/test_failure_kinds.py).
 
     failing_job.py OUT [--steps N] [--raise-at STEP] [--raise-rank R]
                        [--kind KIND] [--tcp PORT] [--timeout-s S]

@@ -1,5 +1,5 @@
 """Worker: the consistency, divergence and "looks distributed but is not" checks in one
-process-group launch. Each rank writes OUT/rank{r}.json; tests/test_guard.py asserts."""
+process-group launch. Each rank writes OUT/rank{r}.json; tests/faults/test_guard.py asserts."""
 
 import json
 import sys

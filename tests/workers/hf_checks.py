@@ -1,4 +1,4 @@
-"""Rank script for tests/test_hf_models.py: a Hugging Face GPT-2 (from a config) in the
+"""Rank script for tests/launch/test_hf_models.py: a Hugging Face GPT-2 (from a config) in the
 `HFCausalLM` adapter trains 3 steps under FSDP2 on the ranks and saves a checkpoint
 whose stored config names the model (`model.hf`), as `disttrain train` does.
 Writes out/rank{r}.json: per-step losses, FSDP units, and (rank 0) out/logits.pt, the

@@ -1,7 +1,7 @@
 """A user's plain training script converted with `dt.Job` as the README shows it: a small
 transformer classifier on synthetic tokens, AdamW with a LambdaLR warmup-cosine schedule
 given to job.resume (Job steps it), an evaluation with an accuracy metric every
---eval-every steps and at the last (tests/test_job_user_path.py).
+--eval-every steps and at the last (tests/faults/test_job_user_path.py).
 
     job_script.py OUT [--steps N] [--strategy ddp|fsdp] [--workers N] [--eval-every N]
                       [--own-sched] [--batch N] [--record-samples] [--slow-batches S]

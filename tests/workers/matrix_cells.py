@@ -1,4 +1,4 @@
-"""Worker: many trainer cells in one launch (tests/test_matrix.py).
+"""Worker: many trainer cells in one launch (tests/launch/test_matrix.py).
 
     matrix_cells.py reference OUT CELL...   each cell trained uninterrupted, one after another
     matrix_cells.py killed OUT CELL...      under `disttrain run --max-restarts N`: cell i is

@@ -1,5 +1,5 @@
 """A dt.Job script on dt.TokenWindows, the way a nanoGPT user writes one
-(tests/test_token_windows.py).
+(tests/faults/test_token_windows.py).
 
     token_job.py OUT TOKENS STEPS
 """

@@ -1,4 +1,4 @@
-"""A model of a user's own over token windows (tests/test_token_windows.py): forward(x, y)
+"""A model of a user's own over token windows (tests/faults/test_token_windows.py): forward(x, y)
 returns the next-token loss; `context` is its window length, which the data sets."""
 
 import torch

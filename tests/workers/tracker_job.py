@@ -1,5 +1,5 @@
 """A dt.Job script that sends its run to W&B (offline) and MLflow (a file store under
-OUT/mlruns) (tests/test_trackers.py).
+OUT/mlruns) (tests/faults/test_trackers.py).
 
     tracker_job.py OUT STEPS
 """

@@ -1,6 +1,6 @@
 """The trainer's option cells that run on CPU (gloo): strategy x sharding x precision x
 option. One list serves both sides of the promise: README.md prints it as a table
-(`python tests/workers/trainer_cells.py` writes the table), and tests/test_matrix.py runs
+(`python tests/workers/trainer_cells.py` writes the table), and tests/launch/test_matrix.py runs
 every cell through the real trainer: steps, checkpoints, a kill -9 mid-run, the
 automatic resume and the final export, bit-identical to an uninterrupted run.
 

@@ -3,7 +3,7 @@
 A field's meaning is the string literal that follows it in its dataclass (the schema's
 convention, schema.py); this module reads those literals with `ast`, so `disttrain
 train --help` lists exactly the keys `load_config` takes, and a key added without a
-line of meaning shows as such in the help (and fails tests/test_cli_help.py).
+line of meaning shows as such in the help (and fails tests/policy/test_cli_help.py).
 """
 
 from __future__ import annotations

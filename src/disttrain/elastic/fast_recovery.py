@@ -245,7 +245,7 @@ def broadcast_state(memory: dict | None, src: int) -> dict:
 
 
 UNPROVEN_NCCL = (
-    "disttrain: fast recovery on NCCL is unproven: its test (tests/test_fast_recovery_cuda.py) "
+    "disttrain: fast recovery on NCCL is unproven: its test (tests/faults/test_fast_recovery_cuda.py) "
     "needs a machine with 2 GPUs and has not run on one yet; a failed recovery falls back "
     "to torchrun's restart and the disk checkpoint."
 )

@@ -18,7 +18,7 @@ Library use::
 What is modelled and what is ignored is written in `disttrain.plan.memory` (memory)
 and `disttrain.plan.comm` (communication). In short: persistent state is exact for
 native torch (verified against real DDP, ZeroRedundancyOptimizer and `fully_shard`
-runs in tests/test_plan.py); activations and transient buffers are formula estimates;
+runs in tests/launch/test_plan.py); activations and transient buffers are formula estimates;
 the CUDA context, allocator fragmentation and NCCL buffers are left to the headroom.
 
 Modules: `model_size` (counting), `memory` (bytes per strategy), `comm` (bytes on the

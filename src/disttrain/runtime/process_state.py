@@ -1,7 +1,7 @@
 """The one registry of the values that describe this process (`STATE`): its process
 group, its handles, its once-only flags. Every process-wide value the package keeps is
 a field here, read and written through the functions of the module that owns it (named
-per field); no module keeps a `global` of its own (tests/test_processes.py). Pure
+per field); no module keeps a `global` of its own (tests/faults/test_processes.py). Pure
 caches (a mesh per group, a thread pool per size) and constants stay in their modules.
 Imports nothing of the package: log.py and processes.py both read it.
 """

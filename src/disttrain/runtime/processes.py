@@ -5,7 +5,7 @@ describes this process (its group, its handles, its once-only flags; defined in
 process_state.py, which log.py reads as well).
 
 No other module of the package calls `prctl`, `gc.freeze` or `gc.unfreeze`, or keeps a
-`global` of its own (tests/test_processes.py checks the source); a module that needs a
+`global` of its own (tests/faults/test_processes.py checks the source); a module that needs a
 process-wide value reads and writes its field of `STATE`.
 
 Each process of a `disttrain run` job names itself: the kernel's process name (`comm`,

@@ -4,7 +4,7 @@ A private name (one leading underscore, or a module path with such a part) carri
 promise across releases. Each function below is the only place its name is used, says
 the releases it was checked on, and what it does when a release no longer has the name:
 a public equivalent, a slower exact substitute, or an error that says what is missing.
-`tests/test_torch_private.py` fails on a private torch name anywhere else in
+`tests/policy/test_torch_private.py` fails on a private torch name anywhere else in
 `src/disttrain`, so a new release breaks at most this file.
 
 Heavy modules (DCP, FSDP, the checkpoint wrapper, dynamo) are imported inside the

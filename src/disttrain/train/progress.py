@@ -20,7 +20,7 @@ class TrainProgress:
         self.enabled = enabled
         if not enabled:
             return
-        # rich loads here, on rank 0 only: 0.1 s off every start (tests/test_imports_startup.py)
+        # rich loads here, on rank 0 only: 0.1 s off every start (tests/launch/test_imports_startup.py)
         from rich.console import Console
         from rich.progress import (
             BarColumn,

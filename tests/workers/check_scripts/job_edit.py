@@ -1,4 +1,4 @@
-"""A `dt.Job(check=True)` script (tests/test_run_check.py): a small MLP for 6 steps;
+"""A `dt.Job(check=True)` script (tests/launch/test_run_check.py): a small MLP for 6 steps;
 with `--edit`, rank 1 changes a parameter in place after step 2, outside the optimizer.
 
     python job_edit.py OUT [--edit]

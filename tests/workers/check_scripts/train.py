@@ -1,4 +1,4 @@
-"""A small training script for `disttrain run --check` (tests/test_run_check.py): the
+"""A small training script for `disttrain run --check` (tests/launch/test_run_check.py): the
 correct form by default, one bug with `--bug NAME`. The model and data are tiny; two
 epochs of 4 steps on each of 2 ranks.
 

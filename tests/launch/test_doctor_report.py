@@ -18,7 +18,7 @@ from disttrain.doctor.analyzer import analyze_source
 from disttrain.doctor.findings import RULES
 from disttrain.errors import UserError
 
-HERE = Path(__file__).parent
+HERE = Path(__file__).parents[1]
 SAMPLES = HERE / "doctor_samples"
 REPO = HERE.parent
 

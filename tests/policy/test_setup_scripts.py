@@ -17,7 +17,7 @@ import stat
 import subprocess
 from pathlib import Path
 
-ROOT = Path(__file__).resolve().parent.parent
+ROOT = Path(__file__).resolve().parents[2]
 TOOLS = ("bash", "dirname", "id", "mkdir", "cp", "touch", "cat")
 
 RECORDER = """#!{bash}

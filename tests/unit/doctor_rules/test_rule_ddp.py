@@ -48,8 +48,8 @@ def wrap_for_devices(net, device, n_gpu=1, local_rank=-1):
 """
 
 # DDP when distributed, DataParallel otherwise: the corpus's script in the shape of an
-# ImageNet training script (its findings are held by tests/test_doctor_corpus.py)
-WRAP_BY_MODE = (Path(__file__).parent.parent / "doctor_corpus" / "imagenet_style.py").read_text()
+# ImageNet training script (its findings are held by tests/unit/test_doctor_corpus.py)
+WRAP_BY_MODE = (Path(__file__).parents[2] / "doctor_corpus" / "imagenet_style.py").read_text()
 
 
 def test_a_checkpoint_resumed_into_the_same_wrapper_keeps_its_keys():

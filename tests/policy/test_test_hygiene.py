@@ -8,7 +8,7 @@ from __future__ import annotations
 import ast
 from pathlib import Path
 
-TESTS = Path(__file__).resolve().parent
+TESTS = Path(__file__).resolve().parents[1]
 CHECKS = {"raises", "fail", "warns", "deprecated_call", "skip"}
 CLOCKS = {"monotonic", "perf_counter", "time", "monotonic_ns", "perf_counter_ns", "time_ns"}
 
@@ -67,11 +67,13 @@ def test_no_assertion_reads_a_clock():
     assert timed == [], f"assertions on a wall-clock time: {timed}"
 
 
-def test_each_test_module_has_the_tier_of_what_it_does():
-    from conftest import tier_of
+def test_every_test_module_lives_in_a_tier_folder():
+    """A test's tier is the folder chosen for what it does (tests/conftest.py TIERS): a
+    module left at the top of tests/ has none and is refused at collection."""
+    import pytest
+    from conftest import TIERS, tier_of
 
-    assert tier_of(TESTS / "test_test_hygiene.py") == "unit"
-    assert tier_of(TESTS / "test_benchmarks_page.py") == "launch"
-    assert tier_of(TESTS / "test_elastic.py") == "faults"
-    tiers = {tier_of(p) for p in TESTS.glob("test_*.py")}
-    assert tiers == {"unit", "launch", "faults"}
+    modules = sorted(TESTS.rglob("test_*.py"))
+    assert {tier_of(p) for p in modules} == set(TIERS)
+    with pytest.raises(ValueError, match="tier folders"):
+        tier_of(TESTS / "test_stray.py")

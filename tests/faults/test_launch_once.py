@@ -11,7 +11,7 @@ from pathlib import Path
 
 from conftest import run_disttrain, worker_env
 
-COUNTER = Path(__file__).resolve().parent / "call_counter"
+COUNTER = Path(__file__).resolve().parents[1] / "call_counter"
 SMALL = ["--model.n_layer=1", "--model.n_embd=32", "--model.n_head=2", "--model.block_size=32",
          "--data.max_bytes=200000", "--train.batch_size=8", "--train.eval_every=0",
          "--train.eval_batches=2", "--train.log_every=1", "--checkpoint.every=2"]

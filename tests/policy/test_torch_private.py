@@ -25,7 +25,7 @@ import torch
 
 from disttrain.runtime import torch_compat
 
-SRC = Path(__file__).resolve().parent.parent / "src" / "disttrain"
+SRC = Path(__file__).resolve().parents[2] / "src" / "disttrain"
 ALLOWED = SRC / "runtime" / "torch_compat.py"
 TORCH_PRIVATE_ATTRS = frozenset({
     "_last_lr", "_step_count",  # LRScheduler

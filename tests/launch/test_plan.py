@@ -26,7 +26,7 @@ from conftest import built_once, run_cmd
 from disttrain.errors import UserError
 from disttrain.plan import advise, estimate, main, model_size, parse_bytes, scaled_lr, warmup_steps
 
-WORKER = Path(__file__).resolve().parent / "plan_workers" / "measure.py"
+WORKER = Path(__file__).resolve().parents[1] / "plan_workers" / "measure.py"
 # vocab 250 and context 66 do not divide by 4: FSDP padding and uneven shards are exercised.
 GPT_SPEC = "vocab_size=250,block_size=66,n_layer=2,n_embd=64,n_head=2"
 TINY_GPT2 = {"model_type": "gpt2", "vocab_size": 256, "n_layer": 2, "n_embd": 64, "n_head": 2,
@@ -267,6 +267,6 @@ def test_a_toml_with_a_users_model_says_how_to_plan_it():
     """`disttrain plan --gpt tests/byo/byo.toml` (model.factory): one clear line that points
     to --params / --hf, not "unknown GPTConfig key 'factory'"."""
     with pytest.raises(UserError) as caught:
-        main(["--gpt", str(Path(__file__).parent / "byo" / "byo.toml"), "--devices", "2"])
+        main(["--gpt", str(Path(__file__).parents[1] / "byo" / "byo.toml"), "--devices", "2"])
     err = str(caught.value)
     assert "factory" in err and "--params" in err and "GPTConfig" not in err

@@ -6,7 +6,7 @@ from __future__ import annotations
 import re
 from pathlib import Path
 
-ROOT = Path(__file__).resolve().parent.parent
+ROOT = Path(__file__).resolve().parents[2]
 CATALOGUE = ROOT / "docs" / "practices.md"
 # A citation: `P-DDP-5`, or a list / range of one family, `P-CKPT-1,2,5` or `P-FSDP-2..7,9`.
 CITATION = re.compile(r"\bP-([A-Z]+)-(\d+(?:(?:\.\.|,)\d+)*)")

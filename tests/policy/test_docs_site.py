@@ -19,7 +19,7 @@ import pytest
 import disttrain as dt
 from disttrain import cli
 
-ROOT = Path(__file__).resolve().parents[1]
+ROOT = Path(__file__).resolve().parents[2]
 
 
 @pytest.fixture(scope="module")

@@ -1,7 +1,7 @@
 """Several evaluators per job (train/job.py, train/evaluation.py): each with its own name
 prefix in metrics.jsonl and TensorBoard, each at its own period and at the last step;
 a repeated or malformed name is one `UserError`. One process: the metrics are global
-means whatever the world size (tests/test_job_user_path.py covers the sharding)."""
+means whatever the world size (tests/faults/test_job_user_path.py covers the sharding)."""
 
 from __future__ import annotations
 

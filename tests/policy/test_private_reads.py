@@ -13,7 +13,7 @@ from __future__ import annotations
 import ast
 from pathlib import Path
 
-SRC = Path(__file__).resolve().parents[1] / "src" / "disttrain"
+SRC = Path(__file__).resolve().parents[2] / "src" / "disttrain"
 EXEMPT_FILES = {"runtime/torch_compat.py"}
 EXEMPT_CALLS = {("os", "_exit"), ("sys", "_getframe"), ("sys", "_current_frames")}
 NAMEDTUPLE = {"_replace", "_asdict", "_fields", "_make"}

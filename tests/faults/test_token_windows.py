@@ -13,7 +13,7 @@ import numpy as np
 import pytest
 from conftest import WORKERS, run_disttrain, worker_env
 from elastic_helpers import audit_timeline, metrics
-from test_token_data import write_llmc, write_raw
+from token_writers import write_llmc, write_raw
 
 import disttrain as dt
 from disttrain.config import load_config

@@ -10,6 +10,7 @@ from pathlib import Path
 
 import numpy as np
 import pytest
+from token_writers import write_llmc, write_raw
 from torch.utils.data import DataLoader
 
 from disttrain.cli import main as cli_main
@@ -21,19 +22,6 @@ from disttrain.errors import ConfigError, UserError
 from disttrain.train.sources import build_datasets
 
 pytestmark = pytest.mark.timeout(120)
-
-
-def write_llmc(path: Path, tokens, version: int = 1, count: int | None = None) -> Path:
-    header = np.zeros(256, dtype="<i4")
-    header[:3] = [LLMC_MAGIC, version, len(tokens) if count is None else count]
-    dtype = np.uint16 if version == 1 else np.uint32
-    path.write_bytes(header.tobytes() + np.asarray(tokens, dtype=dtype).tobytes())
-    return path
-
-
-def write_raw(path: Path, tokens, dtype=np.uint16) -> Path:
-    path.write_bytes(np.asarray(tokens, dtype=dtype).tobytes())
-    return path
 
 
 def test_both_formats_are_cut_into_windows_that_never_cross_files(tmp_path):

@@ -238,7 +238,7 @@ def torch_equal(x, y) -> bool:
 
 def _table_rows() -> list[tuple[str, str]]:
     """(what ended the attempt, whose) of each row of docs/elastic.md's table."""
-    text = (Path(__file__).parents[1] / "docs" / "elastic.md").read_text()
+    text = (Path(__file__).parents[2] / "docs" / "elastic.md").read_text()
     section = text.split("## What is retried and what is not", 1)[1].split("\n## ", 1)[0]
     rows = [line.split("|")[1:4] for line in section.splitlines() if line.startswith("| ") and "---" not in line]
     return [(what.strip(), whose.strip()) for what, whose, _ in rows[1:]]

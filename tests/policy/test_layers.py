@@ -13,7 +13,7 @@ from pathlib import Path
 import grimp
 import pytest
 
-ROOT = Path(__file__).resolve().parent.parent
+ROOT = Path(__file__).resolve().parents[2]
 SRC = ROOT / "src"
 LINT = Path(sys.executable).with_name("lint-imports")
 

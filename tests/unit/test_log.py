@@ -79,7 +79,7 @@ def test_the_library_layers_log_instead_of_printing():
     import ast
     from pathlib import Path
 
-    src = Path(__file__).resolve().parent.parent / "src" / "disttrain"
+    src = Path(__file__).resolve().parents[2] / "src" / "disttrain"
     found = []
     for layer in LOGGED_LAYERS:
         for path in sorted((src / layer).rglob("*.py")):

@@ -1,6 +1,6 @@
 """`disttrain report` on written run directories: its marks from run_events.jsonl, the
 sample audit or the metrics alone; one-line errors; no torch import. The report of a
-real killed-and-resized run is in tests/test_tensorboard.py."""
+real killed-and-resized run is in tests/faults/test_tensorboard.py."""
 
 from __future__ import annotations
 

@@ -16,7 +16,7 @@ from disttrain.config import load_config
 from disttrain.train import launched, resume
 from disttrain.train.launched import Launched
 
-ROOT = Path(__file__).resolve().parent.parent
+ROOT = Path(__file__).resolve().parents[2]
 SRC = ROOT / "src" / "disttrain"
 ARGV = ["examples/tiny_gpt.toml", "--train.steps=7", "--optim.lr=0.002"]
 
