@@ -1,5 +1,6 @@
-"""The ground layer: typed configuration (kw_only dataclasses), a TOML file and
-dotted CLI overrides, and the pure rules every later layer validates against.
+"""Configuration: typed sections (kw_only dataclasses), a TOML file and dotted CLI
+overrides, and the pure rules the layers above validate against. It sits above the
+plain-file and error modules (docs/architecture.md, "The layers").
 Nothing here imports torch at module level.
 
     schema.py    Config and its sections; load_config; validate / validate_parallel
@@ -8,6 +9,10 @@ Nothing here imports torch at module level.
     user_code.py rules for the keys that name user code (model.factory, data.factory, train.loss)
     lr_rule.py   g(B): the LR multiplier of an effective batch (P-LOOP-4)
     key_docs.py  every key with its type, default and meaning (`disttrain train --help`)
+    path_keys.py the keys that hold paths, and the base each is read from
+    paths.py     paths a command writes, checked before anything is written
+    rules.py, data_config.py, elastic_config.py, log_config.py, hf_model_config.py:
+                 the rules and sections of their names
 """
 
 from disttrain.config.gpt_shape import GPTConfig

@@ -1,5 +1,7 @@
-"""Helpers for a training loop: gradient accumulation with `no_sync`, global-norm
-clipping, and an LR schedule that counts optimizer steps (P-DDP-5, P-LOOP-4,5).
+"""One optimizer step's window: gradient accumulation with `no_sync`, the loss scaled
+once, global-norm clipping and the step of the optimizer, its scheduler and grad scaler
+(`Accumulator`); and the LR schedule that counts those steps (`warmup_cosine`)
+(P-DDP-5, P-LOOP-4,5).
 """
 
 from __future__ import annotations
