@@ -21,7 +21,7 @@ import sys
 COUNTED = {
     "disttrain.config.schema": ("load_config",),
     "disttrain.launch.preflight": ("preflight",),
-    "disttrain.train.resume": ("inspect",),
+    "disttrain.train.resume_plan": ("inspect",),
     "disttrain.train.trainer": ("train",),  # shows that a rank was counted at all
 }
 """module -> the functions of it that are counted."""

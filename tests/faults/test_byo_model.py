@@ -150,11 +150,11 @@ def test_rejected_batch_through_disttrain_train(tmp_path):
 
 def test_resume_refuses_changed_factory_or_kwargs():
     from disttrain.config import to_dict
-    from disttrain.train import resume
+    from disttrain.train import resume_plan
 
-    assert resume.classify("model.factory") == "refuse" and resume.classify("train.loss") == "refuse"
+    assert resume_plan.classify("model.factory") == "refuse" and resume_plan.classify("train.loss") == "refuse"
     cfg = load_config(BYO / "byo.toml")
     saved = to_dict(cfg)
-    flat = resume._flatten(saved)
+    flat = resume_plan._flatten(saved)
     assert flat["model.kwargs"] == {"n_in": 8, "width": 32, "dropout": 0.1}  # compared whole
     assert "model.hf_config" in flat and "data.kwargs" in flat

@@ -20,7 +20,7 @@ from disttrain.checkpoint import (  # noqa: E402
     verify,
 )
 from disttrain.runtime.fault_injection import set_faults  # noqa: E402
-from disttrain.train.saving import Saving  # noqa: E402
+from disttrain.train.save_cadence import Saving  # noqa: E402
 
 
 @pytest.fixture(autouse=True)

@@ -16,7 +16,7 @@ SMALL = ["--model.n_layer=1", "--model.n_embd=32", "--model.n_head=2", "--model.
          "--data.max_bytes=200000", "--train.batch_size=8", "--train.eval_every=0",
          "--train.eval_batches=2", "--train.log_every=1", "--checkpoint.every=2"]
 PARSE, PREFLIGHT, INSPECT, TRAIN = ("disttrain.config.schema.load_config", "disttrain.launch.preflight.preflight",
-                                    "disttrain.train.resume.inspect", "disttrain.train.trainer.train")
+                                    "disttrain.train.resume_plan.inspect", "disttrain.train.trainer.train")
 
 
 def _counted_train(tmp_path: Path, log: Path, *args: str, **env: str):

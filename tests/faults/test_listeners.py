@@ -249,7 +249,7 @@ def _honest(ran: Path, tmp: Path) -> list[str]:
     from disttrain.checkpoint.checkpointer import Checkpointer
     from disttrain.checkpoint.state import TrainState
     from disttrain.guard.run_guard import check_consistency
-    from disttrain.train.resume import inspect_root
+    from disttrain.train.resume_plan import inspect_root
 
     steps = {
         "resume plan": lambda: inspect_root(tmp, {}),
@@ -314,7 +314,7 @@ def test_a_pickle_in_a_resume_checkpoint_or_guard_exchange_is_refused_and_never_
 
 def test_a_value_of_another_shape_is_refused_not_used():
     from disttrain.runtime.collectives import MalformedPeerValue, conform
-    from disttrain.train.resume import ResumePlan
+    from disttrain.train.resume_plan import ResumePlan
 
     plan = ResumePlan("ckpt/step-00000003", 3, {"optim": {"lr": 0.1}}, changes=[("optim.lr", 0.1, 0.2)])
     assert ResumePlan.from_json(json.loads(json.dumps(plan.to_json())), "rank 0") == plan  # tuples back

@@ -351,14 +351,14 @@ def test_report_takes_bad_values_and_invalid_utf8_and_20k_restarts_in_seconds(tm
 
 
 def test_a_saved_lr_of_zero_resumes_with_the_new_lr():
-    from disttrain.train import resume
+    from disttrain.train import resume_plan
 
     model = torch.nn.Linear(2, 2)
     opt = torch.optim.SGD(model.parameters(), lr=0.0)
     sched = torch.optim.lr_scheduler.LambdaLR(opt, lambda step: 1.0)
-    fresh = resume.fresh_hyperparams(torch.optim.SGD(model.parameters(), lr=0.1), sched) | {"base_lrs": [0.1]}
-    plan = resume.ResumePlan("ckpt/step-00000001", 1, {"optim": {"lr": 0.0}}, changes=[("optim.lr", 0.0, 0.1)])
-    resume.apply(plan, opt, sched, fresh)
+    fresh = resume_plan.fresh_hyperparams(torch.optim.SGD(model.parameters(), lr=0.1), sched) | {"base_lrs": [0.1]}
+    plan = resume_plan.ResumePlan("ckpt/step-00000001", 1, {"optim": {"lr": 0.0}}, changes=[("optim.lr", 0.0, 0.1)])
+    resume_plan.apply(plan, opt, sched, fresh)
     assert sched.base_lrs == [0.1] and opt.param_groups[0]["lr"] == pytest.approx(0.1)
 
 

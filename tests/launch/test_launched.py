@@ -1,4 +1,4 @@
-"""The launcher's result handed to the ranks (`disttrain.train.launched`): written where
+"""The launcher's result handed to the ranks (`disttrain.train.launcher_findings`): written where
 only the user can read it, removed after the job, read by a rank only on its first
 attempt and only for the arguments it was written for; and the launcher's chain from
 `cli.py` to the call that starts the workers, three files."""
@@ -13,8 +13,8 @@ import pytest
 
 from disttrain import cli
 from disttrain.config import load_config
-from disttrain.train import launched, resume
-from disttrain.train.launched import Launched
+from disttrain.train import launcher_findings, resume_plan
+from disttrain.train.launcher_findings import Launched
 
 ROOT = Path(__file__).resolve().parents[2]
 SRC = ROOT / "src" / "disttrain"
@@ -23,75 +23,75 @@ ARGV = ["examples/tiny_gpt.toml", "--train.steps=7", "--optim.lr=0.002"]
 
 @pytest.fixture
 def first_attempt_env(monkeypatch):
-    for key in (launched.ENV, launched.RESTART_ENV, launched.ROLE_ENV):
+    for key in (launcher_findings.ENV, launcher_findings.RESTART_ENV, launcher_findings.ROLE_ENV):
         monkeypatch.delenv(key, raising=False)
     return monkeypatch
 
 
 def _plan():
-    return resume.ResumePlan("/ckpt/step-4", 4, {"optim": {"lr": 0.001}},
+    return resume_plan.ResumePlan("/ckpt/step-4", 4, {"optim": {"lr": 0.001}},
                              changes=[("optim.lr", 0.001, 0.002), ("optim.betas", [0.9, 0.95], [0.9, 0.99])])
 
 
 def test_handed_file_is_private_named_for_the_block_and_removed_after(first_attempt_env):
     cfg = load_config(ARGV[0], ARGV[1:])
-    with launched.handed(Launched(tuple(ARGV), cfg, resume.Inspected(_plan()))) as path:
-        assert os.environ[launched.ENV] == str(path)
+    with launcher_findings.handed(Launched(tuple(ARGV), cfg, resume_plan.Inspected(_plan()))) as path:
+        assert os.environ[launcher_findings.ENV] == str(path)
         assert stat.S_IMODE(path.stat().st_mode) == 0o600
         assert stat.S_IMODE(path.parent.stat().st_mode) == 0o700
         assert json.loads(path.read_text())["argv"] == ARGV
-        got = launched.read(ARGV)
+        got = launcher_findings.read(ARGV)
     assert got is not None and got.cfg == cfg and got.argv == tuple(ARGV)
-    assert got.inspected == resume.Inspected(_plan())  # the rows come back as tuples
-    assert not path.exists() and not path.parent.exists() and launched.ENV not in os.environ
+    assert got.inspected == resume_plan.Inspected(_plan())  # the rows come back as tuples
+    assert not path.exists() and not path.parent.exists() and launcher_findings.ENV not in os.environ
 
 
 def test_handed_file_is_removed_when_the_launch_raises(first_attempt_env):
     with pytest.raises(RuntimeError, match="boom"):
-        with launched.handed(Launched(tuple(ARGV), load_config(ARGV[0], ARGV[1:]))) as path:
+        with launcher_findings.handed(Launched(tuple(ARGV), load_config(ARGV[0], ARGV[1:]))) as path:
             raise RuntimeError("boom")
-    assert not path.parent.exists() and launched.ENV not in os.environ
+    assert not path.parent.exists() and launcher_findings.ENV not in os.environ
 
 
 def test_a_fresh_start_and_not_inspected_are_told_apart(first_attempt_env):
     cfg = load_config(ARGV[0], ARGV[1:])
-    for inspected in (None, resume.Inspected(None)):
-        with launched.handed(Launched(tuple(ARGV), cfg, inspected)):
-            assert launched.read(ARGV).inspected == inspected
+    for inspected in (None, resume_plan.Inspected(None)):
+        with launcher_findings.handed(Launched(tuple(ARGV), cfg, inspected)):
+            assert launcher_findings.read(ARGV).inspected == inspected
 
 
-@pytest.mark.parametrize("env", [{launched.RESTART_ENV: "1"}, {launched.ROLE_ENV: "spare"},
-                                 {launched.ROLE_ENV: "newcomer"}])
+@pytest.mark.parametrize("env", [{launcher_findings.RESTART_ENV: "1"}, {launcher_findings.ROLE_ENV: "spare"},
+                                 {launcher_findings.ROLE_ENV: "newcomer"}])
 def test_a_rank_after_a_restart_or_a_promoted_spare_parses_again(first_attempt_env, env):
-    with launched.handed(Launched(tuple(ARGV), load_config(ARGV[0], ARGV[1:]))):
-        assert launched.read(ARGV) is not None
+    with launcher_findings.handed(Launched(tuple(ARGV), load_config(ARGV[0], ARGV[1:]))):
+        assert launcher_findings.read(ARGV) is not None
         for key, value in env.items():
             first_attempt_env.setenv(key, value)
-        assert launched.read(ARGV) is None
+        assert launcher_findings.read(ARGV) is None
 
 
 def test_other_arguments_an_inherited_name_or_a_broken_file_are_not_used(first_attempt_env, tmp_path):
     cfg = load_config(ARGV[0], ARGV[1:])
-    with launched.handed(Launched(tuple(ARGV), cfg)) as path:
-        assert launched.read([ARGV[0], "--train.steps=8"]) is None
-        with launched.handed(None) as none:  # a launch that hands nothing hides an outer file
-            assert none is None and launched.ENV not in os.environ
-        assert os.environ[launched.ENV] == str(path)
+    with launcher_findings.handed(Launched(tuple(ARGV), cfg)) as path:
+        assert launcher_findings.read([ARGV[0], "--train.steps=8"]) is None
+        with launcher_findings.handed(None) as none:  # a launch that hands nothing hides an outer file
+            assert none is None and launcher_findings.ENV not in os.environ
+        assert os.environ[launcher_findings.ENV] == str(path)
         path.write_text("{not json")
-        assert launched.read(ARGV) is None
-    broken = tmp_path / "launched.json"
+        assert launcher_findings.read(ARGV) is None
+    broken = tmp_path / "launcher_findings.json"
     broken.write_text(json.dumps({"argv": ARGV, "config": {"train": {"stepz": 1}}, "inspected": None}))
-    first_attempt_env.setenv(launched.ENV, str(broken))
-    assert launched.read(ARGV) is None
+    first_attempt_env.setenv(launcher_findings.ENV, str(broken))
+    assert launcher_findings.read(ARGV) is None
 
 
 def test_a_handed_inspection_is_used_without_reading_the_checkpoint_inspect_mocked(monkeypatch):
-    monkeypatch.setattr(resume, "inspect", lambda cfg: pytest.fail("inspected again"))
+    monkeypatch.setattr(resume_plan, "inspect", lambda cfg: pytest.fail("inspected again"))
     cfg = load_config(ARGV[0], ARGV[1:])
-    assert resume.inspect_once(cfg, resume.Inspected(_plan())) == _plan()
-    assert resume.inspect_once(cfg, resume.Inspected(None)) is None
-    monkeypatch.setattr(resume, "inspect", lambda cfg: "read")
-    assert resume.inspect_once(cfg, None) == "read"
+    assert resume_plan.inspect_once(cfg, resume_plan.Inspected(_plan())) == _plan()
+    assert resume_plan.inspect_once(cfg, resume_plan.Inspected(None)) is None
+    monkeypatch.setattr(resume_plan, "inspect", lambda cfg: "read")
+    assert resume_plan.inspect_once(cfg, None) == "read"
 
 
 def test_launcher_chain_is_cli_train_command_run_command_torchrun_mocked(monkeypatch, tmp_path):
@@ -101,12 +101,12 @@ def test_launcher_chain_is_cli_train_command_run_command_torchrun_mocked(monkeyp
     import torch.distributed.run
 
     monkeypatch.setattr(os, "environ", {**os.environ, "DISTTRAIN_WARM_WORKERS": "0"})
-    monkeypatch.delitem(os.environ, launched.ENV, raising=False)
+    monkeypatch.delitem(os.environ, launcher_findings.ENV, raising=False)
     seen = {}
 
     def started(args):
         seen["chain"] = [f.filename for f in reversed(inspect.stack()[1:]) if f.filename.startswith(str(SRC))]
-        path = Path(os.environ[launched.ENV])
+        path = Path(os.environ[launcher_findings.ENV])
         seen["path"], seen["mode"] = path, stat.S_IMODE(path.stat().st_mode)
         seen["handed"] = json.loads(path.read_text())
 

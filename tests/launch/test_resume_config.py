@@ -1,5 +1,5 @@
 """`disttrain train` on an out_dir with a checkpoint compares the checkpoint's config with
-this run's (docs/resume.md): a changed model or dataset is refused with one line and
+this run's (docs/resume_plan.md): a changed model or dataset is refused with one line and
 nothing written, changed hyper-parameters are applied, and a finished run is left alone."""
 
 import json
@@ -11,7 +11,7 @@ from conftest import built_once, run_disttrain
 
 from disttrain.checkpoint import CheckpointMismatch
 from disttrain.config import load_config, to_dict
-from disttrain.train import resume
+from disttrain.train import resume_plan
 from disttrain.train.accumulation import warmup_cosine
 
 SMALL = ["--model.n_layer=1", "--model.n_embd=32", "--model.n_head=2", "--model.block_size=32",
@@ -141,14 +141,14 @@ def test_apply_matches_a_run_started_with_the_new_config(tmp_path):
         opt.step()
         sched.step()
     (tmp_path / "state.json").write_text(json.dumps({"step": 4, "config": to_dict(old)}))
-    plan = resume.plan_for(tmp_path, new).check()
+    plan = resume_plan.plan_for(tmp_path, new).check()
     assert [k for k, _, _ in plan.changes] == ["optim.betas", "optim.lr", "optim.warmup_steps",
                                                "optim.weight_decay", "train.steps"]
     opt2, sched2 = _adamw(list(model.parameters()), new)
-    fresh = resume.fresh_hyperparams(opt2, sched2)
+    fresh = resume_plan.fresh_hyperparams(opt2, sched2)
     opt2.load_state_dict(opt.state_dict())
     sched2.load_state_dict(sched.state_dict())
-    resume.apply(plan, opt2, sched2, fresh)
+    resume_plan.apply(plan, opt2, sched2, fresh)
     ref, ref_sched = _adamw(list(model.parameters()), new)
     for _ in range(4):
         ref.step()
@@ -160,14 +160,14 @@ def test_apply_matches_a_run_started_with_the_new_config(tmp_path):
 
 
 def test_classes_of_keys():
-    assert resume.classify("model.n_embd") == resume.classify("data.max_bytes") == "refuse"
-    assert resume.classify("optim.name") == resume.classify("train.seed") == "refuse"
-    assert resume.classify("optim.lr") == resume.classify("model.dropout") == "apply"
-    assert resume.classify("train.batch_size") == resume.classify("train.steps") == "apply"
-    assert resume.classify("parallel.nproc") == resume.classify("train.log_every") == "ignore"
+    assert resume_plan.classify("model.n_embd") == resume_plan.classify("data.max_bytes") == "refuse"
+    assert resume_plan.classify("optim.name") == resume_plan.classify("train.seed") == "refuse"
+    assert resume_plan.classify("optim.lr") == resume_plan.classify("model.dropout") == "apply"
+    assert resume_plan.classify("train.batch_size") == resume_plan.classify("train.steps") == "apply"
+    assert resume_plan.classify("parallel.nproc") == resume_plan.classify("train.log_every") == "ignore"
     for knob in ("data.num_workers", "data.pin_memory", "data.persistent_workers", "train.compile",
                  "train.eval_every", "checkpoint.every", "checkpoint.every_s"):
-        assert resume.classify(knob) == "ignore", knob
+        assert resume_plan.classify(knob) == "ignore", knob
 
 
 def test_every_data_key_has_its_class():
@@ -178,7 +178,7 @@ def test_every_data_key_has_its_class():
     from disttrain.config.data_config import DataConfig
 
     keys = {f"data.{f.name}" for f in dataclasses.fields(DataConfig)}
-    assert keys == {k for k in resume.IDENTITY if k.startswith("data.")} | resume.NOT_IDENTITY
+    assert keys == {k for k in resume_plan.IDENTITY if k.startswith("data.")} | resume_plan.NOT_IDENTITY
 
 
 def test_refusal_names_only_identity_keys_and_what_each_changes(tmp_path):
@@ -187,7 +187,7 @@ def test_refusal_names_only_identity_keys_and_what_each_changes(tmp_path):
                              "--data.num_workers=3", "--data.pin_memory=true", "--train.compile=true",
                              "--train.log_every=7", "--optim.lr=0.5"])
     (tmp_path / "state.json").write_text(json.dumps({"step": 4, "config": to_dict(old)}))
-    plan = resume.plan_for(tmp_path, new)
+    plan = resume_plan.plan_for(tmp_path, new)
     assert [k for k, _, _ in plan.changes] == ["optim.lr"]
     with pytest.raises(CheckpointMismatch) as err:
         plan.check()

@@ -13,7 +13,7 @@ import numpy as np
 from disttrain.config import load_config, to_dict
 from disttrain.config.path_keys import PATH_KEYS
 from disttrain.launch.train_command import help_text
-from disttrain.train import resume
+from disttrain.train import resume_plan
 from disttrain.train.sources import build_datasets
 
 TOML = """
@@ -82,7 +82,7 @@ def test_defaults_stay_relative_to_the_current_folder(tmp_path, monkeypatch):
     cfg = load_config(conf / "job.toml")
     assert cfg.data.tokens == str(conf / "tok" / "*.bin")
     assert (cfg.train.out_dir, cfg.checkpoint.dir, cfg.guard.dir) == ("runs/tiny_gpt", "", "")
-    assert resume.checkpoint_root(cfg).resolve() == tmp_path / "cwd" / "runs" / "tiny_gpt" / "checkpoints"
+    assert resume_plan.checkpoint_root(cfg).resolve() == tmp_path / "cwd" / "runs" / "tiny_gpt" / "checkpoints"
 
 
 def test_absolute_and_home_paths_are_kept(tmp_path, monkeypatch):
@@ -98,22 +98,22 @@ def test_the_same_toml_resumes_its_run_from_another_folder(tmp_path, monkeypatch
     (paths stored relative, as the TOML wrote them) resumes too; other data is refused."""
     conf = _setup(tmp_path, monkeypatch)
     first = load_config(conf / "job.toml")
-    root = resume.checkpoint_root(first)
+    root = resume_plan.checkpoint_root(first)
     root.mkdir(parents=True)
     (root / "state.json").write_text(json.dumps({"step": 4, "config": to_dict(first)}))
     (tmp_path / "other").mkdir()
     monkeypatch.chdir(tmp_path / "other")
     again = load_config(conf / "job.toml")
-    assert resume.checkpoint_root(again) == root == conf / "ckpt"
-    plan = resume.plan_for(root, again)
+    assert resume_plan.checkpoint_root(again) == root == conf / "ckpt"
+    plan = resume_plan.plan_for(root, again)
     assert (plan.step, plan.refused, plan.changes) == (4, [], [])
     old = to_dict(first)
     old["data"].update(tokens="tok/*.bin", tokens_heldout="../conf/tok/val.bin")
     (root / "state.json").write_text(json.dumps({"step": 4, "config": old}))
-    assert resume.plan_for(root, again).refused == []
+    assert resume_plan.plan_for(root, again).refused == []
     old["data"]["tokens"] = "other/*.bin"
     (root / "state.json").write_text(json.dumps({"step": 4, "config": old}))
-    assert [k for k, _, _ in resume.plan_for(root, again).refused] == ["data.tokens"]
+    assert [k for k, _, _ in resume_plan.plan_for(root, again).refused] == ["data.tokens"]
 
 
 def test_train_help_states_the_rule_and_names_every_path_key():

@@ -185,7 +185,7 @@ def _ckpt_dir(explicit: str | None, config: str | None, overrides: list[str]) ->
     if not config:
         return ""
     from disttrain.config import load_config
-    from disttrain.train.resume import checkpoint_root
+    from disttrain.train.resume_plan import checkpoint_root
 
     return str(checkpoint_root(load_config(config, overrides)))
 

@@ -41,7 +41,7 @@ What it changes, and why:
   and checkpoint root, a first step that fits in memory) run before any worker starts,
   on the config parsed once here (or by `disttrain train`, which calls `main` with it),
   and the ranks' first attempt takes that config instead of parsing it again
-  (`disttrain.train.launched`: a private file, removed when torchrun returns).
+  (`disttrain.train.launcher_findings`: a private file, removed when torchrun returns).
 - `-m disttrain.train CONFIG` with `[elastic] fast_recovery = true`, and
   `--fast-recovery script.py` (a `dt.Job` script): each worker slot runs
   `disttrain.launch.slot_supervisor`, which keeps the training process and a warm spare
@@ -74,7 +74,7 @@ from disttrain.runtime import job_secret
 
 if TYPE_CHECKING:  # the config and the trainer's modules import torch: only when used
     from disttrain.config import Config
-    from disttrain.train.launched import Launched
+    from disttrain.train.launcher_findings import Launched
 
 DEFAULT_ENV = {"TORCH_DISABLE_SHARE_RDZV_TCP_STORE": "1"}
 
@@ -423,7 +423,7 @@ def main(argv: list[str], launched: Launched | None = None) -> int:
 
     parse_faults(os.environ.get("DISTTRAIN_FAULT", ""))  # a typo fails here, not in every rank
     run = torchrun_for(argv, launched.cfg if launched else None)  # a user's mistake is refused first
-    from disttrain.train.launched import Launched, handed
+    from disttrain.train.launcher_findings import Launched, handed
 
     if launched is None and run.cfg is not None:
         launched = Launched(tuple(split_script(argv)[1][1:]), run.cfg)

@@ -98,16 +98,16 @@ def main(argv: list[str]) -> int:
         # one line, a finished run starts no worker, and the ranks take this result
         # (train.launched) instead of reading the checkpoint again.
         from disttrain.launch import run_command
-        from disttrain.train import resume
-        from disttrain.train.launched import Launched
+        from disttrain.train import resume_plan
+        from disttrain.train.launcher_findings import Launched
 
-        plan = resume.inspect(cfg)
+        plan = resume_plan.inspect(cfg)
         if plan is not None and plan.step >= cfg.train.steps:
-            print(resume.train_complete_message(plan))
+            print(resume_plan.train_complete_message(plan))
             return 0
         return run_command.main(
             ["--nproc", str(cfg.parallel.nproc), "--max-restarts", str(restarts), "-m", WORKER_MODULE, *argv],
-            launched=Launched(tuple(argv), cfg, resume.Inspected(plan)),
+            launched=Launched(tuple(argv), cfg, resume_plan.Inspected(plan)),
         )
     from disttrain.train.trainer import train
 

@@ -15,10 +15,10 @@ from disttrain.errors import UserError, one_line
 def _main(argv: list[str]) -> int:
     if not argv or argv[0].startswith("-"):
         raise UserError("usage: python -m disttrain.train CONFIG.toml [--section.key=value ...]")
-    from disttrain.train import launched
+    from disttrain.train import launcher_findings
     from disttrain.train.trainer import train
 
-    handed = launched.read(argv)
+    handed = launcher_findings.read(argv)
     if handed is None:
         from disttrain.config import load_config
 

@@ -55,17 +55,17 @@ from disttrain.parallel import unwrap, wrap
 from disttrain.runtime import failures
 from disttrain.runtime.fault_injection import inject
 from disttrain.runtime.log import LOGGER, set_speaker
-from disttrain.train import job_failure, job_resume, run_summary
+from disttrain.train import job_failure, run_summary, start_point
 from disttrain.train.accumulation import Accumulator
 from disttrain.train.evaluation import Evaluator, check_name, evaluate
 from disttrain.train.finite_check import FiniteCheck
 from disttrain.train.job_config import JOB_KEYS, RunOptions, checkpoint_root, tracker_config
 from disttrain.train.job_config import resolve as resolve_config
 from disttrain.train.metrics_window import MetricsWindow
-from disttrain.train.misuse import BACKWARD_MESSAGE, Ownership, require_backward
 from disttrain.train.recorded import Recorded, built_after, optimizer_mark, watch_optimizers
-from disttrain.train.saving import Saving
+from disttrain.train.save_cadence import Saving
 from disttrain.train.sources import to_device
+from disttrain.train.step_ownership import BACKWARD_MESSAGE, Ownership, require_backward
 from disttrain.train.tracker_checks import check_trackers
 from disttrain.train.trackers import from_config as tracker_list
 from disttrain.train.trackers import open_trackers
@@ -218,7 +218,7 @@ class Job:
         self._wrap_mark: int | None = None
         self._hf_section: dict | None = None
         self._recorded: Recorded | None = None  # the loader's sampler: which samples each batch held
-        self._start = job_resume.Resumed()  # where resume() found the run: said by steps()
+        self._start = start_point.Resumed()  # where resume() found the run: said by steps()
         set_speaker(f"disttrain {self.name}")  # fast recovery's messages too
         watch_optimizers()  # an optimizer built before this is one built before wrap
         self._owner = Ownership()
@@ -344,7 +344,7 @@ class Job:
         """What each checkpoint stores as the run's config (and a resume compares): the
         adapter's `config`, or this job's settings, after `wrap` of a Hugging Face model
         its model section (`model.hf`, `model.hf_config`: what `ckpt export --hf` reads),
-        and, after `resume`, the optimizer's hyper-parameters (`job_resume.optim_config`)."""
+        and, after `resume`, the optimizer's hyper-parameters (`start_point.optim_config`)."""
         if self.run.stored_config is not None:
             return self.run.stored_config
         t = self.cfg.train
@@ -607,7 +607,7 @@ class Job:
         if self.handoff is not None:  # the checkpointer's gloo group: cut in a recovery
             self.handoff.publish_listeners()
         self.accumulator, self.state = acc, state
-        self._start = job_resume.load(self._resume_inputs(state, sampler, guard), ckpt, acc)
+        self._start = start_point.load(self._resume_inputs(state, sampler, guard), ckpt, acc)
         self.resumed, self.step, self.in_memory = self._start.resumed, self._start.step, self._start.in_memory
         saving = Saving(
             ckpt, state, guard, every=c.every, every_s=c.every_s, on_error=c.on_error, who=f"disttrain {self.name}"
@@ -615,9 +615,9 @@ class Job:
         self._training = _Training(self.info, model, sampler, loader, recorded, acc, state, guard, preemption, saving)
         return self.resumed
 
-    def _resume_inputs(self, state: TrainState, sampler: ElasticSampler, guard: RunGuard) -> job_resume.ResumeInputs:
-        """What `job_resume.load` reads of this job, and nothing else."""
-        return job_resume.ResumeInputs(
+    def _resume_inputs(self, state: TrainState, sampler: ElasticSampler, guard: RunGuard) -> start_point.ResumeInputs:
+        """What `start_point.load` reads of this job, and nothing else."""
+        return start_point.ResumeInputs(
             name=self.name,
             state=state,
             config=self.config(),
@@ -662,7 +662,7 @@ class Job:
         step and its commit, then each part at its own cadence: evaluation, the metrics
         record, the preemption vote (stop), the save; after the loop, `_finish`."""
         # complete already: says so, trains nothing
-        if not job_resume.say_resumed(self.name, self.step, max_steps, self._start, self.cfg.elastic.batch_policy):
+        if not start_point.say_resumed(self.name, self.step, max_steps, self._start, self.cfg.elastic.batch_policy):
             return
         acc, guard, info, saving, stopping = t.accumulator, t.guard, t.info, t.saving, False
         audit = SampleAudit(

@@ -16,14 +16,14 @@ from disttrain.elastic import fast_recovery
 from disttrain.parallel.optimizers import build_optimizer
 from disttrain.parallel.precision import make_grad_scaler
 from disttrain.runtime.log import LOGGER
-from disttrain.train import resume, run_summary, sources
+from disttrain.train import resume_plan, run_summary, sources
 from disttrain.train.accumulation import warmup_cosine
 from disttrain.train.evaluation import loss_metric
 from disttrain.train.job import Job
 from disttrain.train.job_config import RunOptions
 
 
-def train(cfg: Config, config_dir: str | Path | None = None, inspected: resume.Inspected | None = None) -> dict:
+def train(cfg: Config, config_dir: str | Path | None = None, inspected: resume_plan.Inspected | None = None) -> dict:
     """Run one training job in this process (one rank). Returns the summary dict.
 
     The model, data and loss come from `disttrain.train.sources`: the built-in GPT on
@@ -33,7 +33,7 @@ def train(cfg: Config, config_dir: str | Path | None = None, inspected: resume.I
     every rank stops after the same step, saves, and returns with
     `summary["preempted"]` True. Under `[elastic] fast_recovery` (a child of the slot
     supervisor) each generation of the in-memory recovery runs it again.
-    `inspected`: the launcher's `resume.inspect` of this config (`train.launched`),
+    `inspected`: the launcher's `resume_plan.inspect` of this config (`train.launched`),
     used instead of reading the checkpoint again, in the first generation only.
     """
     p, t = cfg.parallel, cfg.train
@@ -86,7 +86,7 @@ def loss_unit(cfg: Config) -> str:
     return "nats/token" if (d.tokens or d.hf_dataset) else "nats/byte"
 
 
-def _train(cfg: Config, config_dir, handoff, inspected: resume.Inspected | None = None) -> dict:
+def _train(cfg: Config, config_dir, handoff, inspected: resume_plan.Inspected | None = None) -> dict:
     t, d = cfg.train, cfg.data
     # The built-in GPT on the stdlib corpus, or the config's sources (train/sources.py).
     train_set, heldout_set, data_info = _datasets(cfg, config_dir, handoff)
@@ -94,9 +94,9 @@ def _train(cfg: Config, config_dir, handoff, inspected: resume.Inspected | None 
     with job_for(cfg, len(train_set), data_info) as job:
         # The newest checkpoint's config against this one: a changed model or dataset is
         # refused before anything is built; a finished run is left as it is.
-        plan = resume.inspect_once(cfg, inspected)
+        plan = resume_plan.inspect_once(cfg, inspected)
         if plan is not None and plan.step >= t.steps:
-            LOGGER.info(resume.train_complete_message(plan))
+            LOGGER.info(resume_plan.train_complete_message(plan))
             return {"steps": plan.step, "world_size": job.info.world_size, "complete": True, "preempted": False}
         raw = sources.build_model(cfg, config_dir)
         model = job.wrap(raw)  # bf16/fp16 (P-DDP-7, P-FSDP-5)

@@ -27,7 +27,7 @@ from disttrain.config import Config, to_dict
 from disttrain.config.tomlfile import build
 from disttrain.elastic.fast_recovery import ROLE_ENV
 from disttrain.errors import ConfigError
-from disttrain.train.resume import Inspected
+from disttrain.train.resume_plan import Inspected
 
 ENV = "DISTTRAIN_LAUNCHED"
 """The handed file's path, in the workers' environment."""

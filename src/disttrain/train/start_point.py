@@ -1,5 +1,5 @@
 """Where a `dt.Job` starts from: a survivor's memory (fast recovery), the newest valid
-checkpoint (with the "checkpoint -> now" comparison of `train/resume.py`), or step 0.
+checkpoint (with the "checkpoint -> now" comparison of `train/resume_plan.py`), or step 0.
 
 A Job script's config, as stored and compared, is the job's settings and its
 optimizer's hyper-parameters (`optim_config`): a script whose lr, weight decay, betas
@@ -16,7 +16,7 @@ from typing import TYPE_CHECKING
 from disttrain.errors import UserError
 from disttrain.guard import path_nbytes
 from disttrain.runtime.log import LOGGER
-from disttrain.train import resume
+from disttrain.train import resume_plan
 
 if TYPE_CHECKING:
     from disttrain.checkpoint import Checkpointer, TrainState
@@ -70,7 +70,7 @@ class Resumed:
     step: int = 0
     in_memory: bool = False
     note: str = ""
-    plan: resume.ResumePlan | None = None
+    plan: resume_plan.ResumePlan | None = None
 
 
 def load(job: ResumeInputs, ckpt: Checkpointer | None, acc: Accumulator) -> Resumed:
@@ -82,8 +82,8 @@ def load(job: ResumeInputs, ckpt: Checkpointer | None, acc: Accumulator) -> Resu
     optimizer, scheduler = state.optimizer, state.scheduler
     assert optimizer is not None  # Job.resume() builds the state with the script's optimizer
     state.config = job.config if job.whole_config else {**job.config, "optim": optim_config(optimizer, scheduler)}
-    plan = resume.inspect_root(job.checkpoint_dir, state.config) if ckpt is not None else None
-    fresh = resume.fresh_hyperparams(optimizer, scheduler)
+    plan = resume_plan.inspect_root(job.checkpoint_dir, state.config) if ckpt is not None else None
+    fresh = resume_plan.fresh_hyperparams(optimizer, scheduler)
     in_memory = handoff is not None and handoff.gen > 0 and handoff.restore(state)
     loaded = None
     if ckpt is not None and not in_memory:
@@ -91,9 +91,9 @@ def load(job: ResumeInputs, ckpt: Checkpointer | None, acc: Accumulator) -> Resu
             loaded = ckpt.load(state)
     if loaded is not None:
         if plan is None or plan.directory != str(loaded):  # the load fell back to another one
-            plan = resume.plan_for(loaded, state.config)
+            plan = resume_plan.plan_for(loaded, state.config)
             plan = plan.check() if plan is not None else None
-        resume.apply(plan, optimizer, scheduler, fresh)  # before the batch policy scales the LR
+        resume_plan.apply(plan, optimizer, scheduler, fresh)  # before the batch policy scales the LR
     if handoff is not None:  # from here this attempt's objects hold the state a recovery keeps
         handoff.keep(state=state, acc=acc)
         handoff.committed(acc.optimizer_steps, state, first=True)  # the buddy copy of the start
@@ -110,24 +110,24 @@ def say_resumed(name: str, step: int, max_steps: int, start: Resumed, batch_poli
     who, plan = f"disttrain {name}", start.plan
     if step >= max_steps:
         how = (
-            resume.TRAIN_CONTINUES
+            resume_plan.TRAIN_CONTINUES
             if name == "train"
             else f"nothing to train: raise max_steps ({max_steps}) to continue, or use another out_dir"
         )
-        LOGGER.info(resume.complete_message(who, step, how, plan.changes if plan else ()))
+        LOGGER.info(resume_plan.complete_message(who, step, how, plan.changes if plan else ()))
         return False
     if start.note:
         LOGGER.info(start.note)
-    resume.print_changes(who, plan, batch_policy)
+    resume_plan.print_changes(who, plan, batch_policy)
     return True
 
 
 def _rejoin(job: ResumeInputs, step: int, acc: Accumulator) -> str:
-    """`resume.rejoin`, its batch-size refusal in the words of the way the run was
+    """`resume_plan.rejoin`, its batch-size refusal in the words of the way the run was
     started (a Job's keywords, or the TOML keys)."""
     state = job.state
     try:
-        return resume.rejoin(
+        return resume_plan.rejoin(
             job.name, step, acc, job.sampler, job.batch_policy, job.info, state.optimizer, state.scheduler
         )
     except UserError as e:
