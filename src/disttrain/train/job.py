@@ -21,7 +21,7 @@ evaluation, the run log, the progress bar, the summary and the final save, and, 
         job.resume(model=model, optimizer=opt, scheduler=sched)  # newest valid checkpoint
         for batch in job.steps(loader, max_steps=1000):
             loss = model(**batch).loss
-            job.backward(loss)  # on a window's last batch: steps optimizer and scheduler
+            job.backward(loss)  # a window's last batch: the loop then steps optimizer and scheduler
             job.log(loss=loss)                           # metrics.jsonl and TensorBoard
 
 The order is the contract: wrap, optimizer, loader (and evaluator), resume, steps;
