@@ -66,13 +66,13 @@ def _stuck_exit(pid: int, code: int) -> int:
     if stuck is None:
         return code
     status, log = stuck
-    print(
+    line = (
         f"disttrain run: rank {os.environ.get('RANK', '?')} finished its code but had not exited "
         f"{exit_bound.bound_s():g} s later (a thread that never ends, or a destructor waiting on one); "
-        f"it was ended, and its stack at that moment is in {log}. {exit_bound.BOUND_ENV} sets the bound.",
-        file=sys.stderr,
-        flush=True,
+        f"it was ended, and its stack at that moment is in {log}. {exit_bound.BOUND_ENV} sets the bound.\n"
     )
+    # One write: several ranks' stubs say this at once, and an unbuffered print is two writes.
+    os.write(sys.stderr.fileno(), line.encode())
     return status
 
 
