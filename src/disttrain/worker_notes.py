@@ -36,6 +36,7 @@ and a user error is printed as usual. Plain Python, no torch: the lowest layer.
 from __future__ import annotations
 
 import contextlib
+import functools
 import hashlib
 import json
 import os
@@ -334,8 +335,13 @@ def mark_step(step: int, run: str = "") -> None:
     if fd is None:
         flags = os.O_CREAT | os.O_WRONLY | getattr(os, "O_NOFOLLOW", 0)
         fd = _BOARD[str(path)] = os.open(path, flags, 0o600)
-    key = hashlib.sha256(run.encode()).hexdigest()[:16] if run else "-" * 16
-    os.pwrite(fd, b"%012d" % step + key.encode(), 0)
+    os.pwrite(fd, b"%012d" % step + _run_key(run), 0)
+
+
+@functools.cache
+def _run_key(run: str) -> bytes:
+    """16 bytes naming the run `run` on the step file: hashed once per run, not per step."""
+    return (hashlib.sha256(run.encode()).hexdigest()[:16] if run else "-" * 16).encode()
 
 
 def read_mark(rank: int) -> tuple[int, str] | None:
