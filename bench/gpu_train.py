@@ -1,8 +1,10 @@
-"""The H200 run behind bench/gpu.sh: bf16 GPT training, tokens/s, MFU, peak memory,
-and the async-checkpoint stall, like for like at world 1.
+"""The H200 run behind bench/gpu.sh: bf16 and fp8 GPT training, tokens/s, MFU, peak
+memory, and the async-checkpoint stall, like for like at world 1.
 
     python -m bench.gpu_train --variant disttrain_fsdp --out DIR   # dt.wrap(strategy="fsdp")
     python -m bench.gpu_train --variant torch_autocast --out DIR   # the same, by hand
+    python -m bench.gpu_train --variant disttrain_fp8_compiled --out DIR   # dt.wrap(precision="fp8")
+    python -m bench.gpu_train --variant torchao_fp8_compiled --out DIR     # the same, by hand
     python -m bench.gpu_train --summarize DIR                      # DIR/gpu.md from the JSON
 
 The model is `disttrain.demo.GPT` with about 1.0B parameters (20 layers, width
@@ -14,6 +16,13 @@ same: the plain module, its forward under `torch.autocast(dtype=torch.bfloat16)`
 AdamW on the fp32 parameters. (The earlier baseline was `fully_shard` on a 1-rank
 mesh: sharded against unsharded, not like for like.)
 
+FP8 (`bench/gpu.sh --fp8`): `dt.wrap(precision="fp8", compile=True)` against the same
+step by hand: torchao's `convert_to_float8_training` (tensorwise scaling) on the linear
+layers whose dimensions are multiples of 16 except the tied LM head, the forward under
+bf16 autocast, each block compiled; both record how many layers they converted. The
+bf16 compiled variant is the speed and loss baseline, and times the raw disk beside
+disttrain's checkpoint in the same call (`--raw-disk`).
+
 MFU = achieved FLOP/s / 989e12 (H200 dense bf16), with FLOP per token =
 6 * N (non-embedding parameters) + 12 * layers * width * sequence (attention
 scores and values, forward and backward, as in the PaLM paper; causal masking not
@@ -22,7 +31,8 @@ async save (the call returning) against a synchronous save of the same state;
 checkpoints go to a temporary folder that is deleted, never to the output folder.
 
 `--dry-run` (or BENCH_GPU_DRY_RUN=1) runs the same code on the CPU with a tiny
-model, gloo and 2 steps: it proves the script, not the numbers.
+model, gloo and 2 steps (fp8 through torchao's emulation, DISTTRAIN_FP8_EMULATE=1): it
+proves the script, not the numbers.
 """
 
 from __future__ import annotations
@@ -47,9 +57,20 @@ PEAK_FLOPS = 989e12
 # GPTConfig's keywords (disttrain is imported late: see _setup_env)
 FULL: dict[str, Any] = {"block_size": 2048, "n_layer": 20, "n_head": 16, "n_embd": 2048, "dropout": 0.0, "bias": False}
 TINY: dict[str, Any] = {"block_size": 64, "n_layer": 2, "n_head": 4, "n_embd": 64, "dropout": 0.0, "bias": False}
-VARIANTS = ("torch_autocast", "disttrain_fsdp", "torch_autocast_compiled", "disttrain_fsdp_compiled")
+VARIANTS = (
+    "torch_autocast",
+    "disttrain_fsdp",
+    "torch_autocast_compiled",
+    "disttrain_fsdp_compiled",
+    "disttrain_fp8_compiled",
+    "torchao_fp8_compiled",
+)
 """Eager, then compiled per block (`dt.wrap(compile=True)`, and by hand `block.compile()`
-on each block, torchtitan's order): like for like in each pair."""
+on each block, torchtitan's order): like for like in each pair; then fp8, compiled."""
+HAND = ("torch_autocast", "torchao_fp8")
+"""Prefixes of the hand-written variants."""
+NO_CHECKPOINT = ("torch_autocast_compiled", "torchao_fp8_compiled")
+"""Variants whose checkpoints would tell nothing new (the bound on the run's time)."""
 
 
 def flops_per_token(cfg: dict, n_params: int) -> float:
@@ -80,7 +101,7 @@ def build(variant: str, cfg: dict, device: torch.device):
     compiled = variant.endswith("_compiled")
     # On the CPU dry run the compiler's cheapest backend: it proves the path, not the speed.
     options: bool | dict = ({"backend": "aot_eager"} if device.type == "cpu" else True) if compiled else False
-    if variant.startswith("torch_autocast"):
+    if variant.startswith(HAND):
         import torch.distributed as dist
 
         # A process group as disttrain has one; nothing in the step uses it (world 1). DCP's
@@ -88,6 +109,8 @@ def build(variant: str, cfg: dict, device: torch.device):
         dist.init_process_group("cpu:gloo,cuda:nccl" if device.type == "cuda" else "gloo")
         with device:
             model = GPT(GPTConfig(**cfg))
+        if variant.startswith("torchao_fp8"):
+            _float8_by_hand(model, emulate=device.type == "cpu")
         forward = model.forward
 
         def autocast_forward(*args, **kwargs):
@@ -106,9 +129,29 @@ def build(variant: str, cfg: dict, device: torch.device):
     dt.init(device=device.type, seed=0)
     with device:
         model = GPT(GPTConfig(**cfg))
-    wrapped = dt.wrap(model, strategy="fsdp", sharding="full", precision="bf16", compile=options)
+    precision = "fp8" if "_fp8" in variant else "bf16"
+    wrapped = dt.wrap(model, strategy="fsdp", sharding="full", precision=precision, compile=options)
     dt_optimizer = dt.make_optimizer(wrapped, torch.optim.AdamW, lr=3e-4)
     return wrapped, dt_optimizer, _dt_checkpoint(wrapped, dt_optimizer)
+
+
+def _float8_by_hand(model, emulate: bool) -> None:
+    """torchao's Float8 training as its README shows it: tensorwise scaling on every
+    nn.Linear whose dimensions are multiples of 16, here except the LM head (tied to the
+    embedding), as disttrain chooses. `emulate` on the CPU dry run."""
+    from torchao.float8 import Float8LinearConfig, convert_to_float8_training
+
+    config = Float8LinearConfig(emulate=emulate)
+
+    def eligible(module, fqn: str) -> bool:
+        return fqn != "lm_head" and module.in_features % 16 == 0 and module.out_features % 16 == 0
+
+    convert_to_float8_training(model, config=config, module_filter_fn=eligible)
+
+
+def float8_layers(model) -> int:
+    """How many of the model's layers compute in float8 (torchao's `Float8Linear`)."""
+    return sum(type(m).__name__ == "Float8Linear" for m in model.modules())
 
 
 def _dcp_checkpoint(model, optimizer):
@@ -211,7 +254,7 @@ def checkpoint_rates(model, checkpoint, nbytes: int, tmp: Path, raw_disk: bool) 
     return out
 
 
-def plan_estimate(cfg: dict, batch: int) -> dict:
+def plan_estimate(cfg: dict, batch: int, precision: str = "bf16") -> dict:
     """`disttrain plan`'s per-device bytes for this model and step at world 1, in GiB: the
     unsharded row (what world 1 runs) and FSDP full (what a sharded run would hold)."""
     from disttrain.demo import GPTConfig
@@ -219,13 +262,16 @@ def plan_estimate(cfg: dict, batch: int) -> dict:
     from disttrain.plan.model_size import from_gpt_config
 
     spec = from_gpt_config(GPTConfig(**cfg))
-    work = Workload(precision="bf16", optimizer="adamw", batch_per_device=batch, seq_len=cfg["block_size"])
+    work = Workload(precision=precision, optimizer="adamw", batch_per_device=batch, seq_len=cfg["block_size"])
     return {f"plan_{v}_gib": memory(spec, work, 1, Variant(v)).total / 2**30 for v in ("ddp", "fsdp_full")}
 
 
-def run(variant: str, out: Path, dry: bool, steps: int, warmup: int, batch: int) -> dict:
+def run(variant: str, out: Path, dry: bool, steps: int, warmup: int, batch: int, raw_disk: bool = False) -> dict:
     _setup_env()
     device = torch.device("cpu" if dry else "cuda")
+    if dry:  # no FP8 kernels on the CPU: torchao emulates them (proves the path, not the speed)
+        os.environ["DISTTRAIN_FP8_EMULATE"] = "1"
+    precision = "fp8" if "_fp8" in variant else "bf16"
     cfg = TINY if dry else FULL
     t_start = time.perf_counter()
     model, optimizer, checkpoint = build(variant, cfg, device)
@@ -253,6 +299,8 @@ def run(variant: str, out: Path, dry: bool, steps: int, warmup: int, batch: int)
     tokens = batch * cfg["block_size"]
     result = {
         "variant": variant,
+        "precision": precision,
+        "fp8_layers": float8_layers(model),
         "dry_run": dry,
         "config": cfg,
         "params": n_params,
@@ -272,7 +320,7 @@ def run(variant: str, out: Path, dry: bool, steps: int, warmup: int, batch: int)
     else:
         result["peak_mem_gib"] = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 2**20
         result["device"] = "cpu (dry run)"
-    result.update(plan_estimate(cfg, batch))
+    result.update(plan_estimate(cfg, batch, precision))
     result.update(
         torch=torch.__version__,
         cuda=torch.version.cuda,
@@ -282,17 +330,15 @@ def run(variant: str, out: Path, dry: bool, steps: int, warmup: int, batch: int)
     path = out / f"{variant}.json"
     path.write_text(json.dumps(result, indent=1))  # the speed counts if a checkpoint hits the cap
     # Checkpoints where they tell something new, to bound the run: the raw disk and DCP by
-    # hand once (eager), disttrain's checkpointer on both of its variants (a compiled
-    # model's state names are part of what is tested).
-    if variant != "torch_autocast_compiled":
+    # hand once (eager), disttrain's checkpointer on each of its variants (a compiled or
+    # fp8 model's state names are part of what is tested).
+    if variant not in NO_CHECKPOINT:
         from disttrain.guard import tensor_nbytes
 
         result["state_bytes"] = tensor_nbytes(model, optimizer)
         tmp = Path(tempfile.mkdtemp(prefix="gpu-ckpt-"))
         try:
-            result.update(
-                checkpoint_rates(model, checkpoint, result["state_bytes"], tmp, raw_disk=variant == "torch_autocast")
-            )
+            result.update(checkpoint_rates(model, checkpoint, result["state_bytes"], tmp, raw_disk=raw_disk))
         except Exception as e:  # the training numbers still count
             result["ckpt_error"] = f"{type(e).__name__}: {e}"[:400]
         finally:
@@ -304,13 +350,17 @@ def run(variant: str, out: Path, dry: bool, steps: int, warmup: int, batch: int)
 MFU_GOAL = 0.40
 PARITY = 0.03
 """The goals read against: compiled MFU at least 40%, disttrain within 3% of the hand-written step."""
+FP8_SPEEDUP = 1.25
+FP8_LOSS = 0.01
+"""fp8 against bf16, both compiled: at least 1.25x the tokens/s, the loss within 1%."""
 
 
 def summarize(out: Path, command: str) -> Path:
     """Write OUT/gpu.md from the variants' JSON files: speed and memory, checkpoints, and
     the verdicts against the goals."""
     results = [json.loads((out / f"{v}.json").read_text()) for v in VARIANTS if (out / f"{v}.json").exists()]
-    lines = ["## GPU: bf16 GPT at world 1, disttrain against the same step by hand (both unsharded, bf16 autocast)", ""]
+    kinds = "bf16 and fp8" if any(r.get("precision") == "fp8" for r in results) else "bf16"
+    lines = [f"## GPU: {kinds} GPT at world 1, disttrain against the same step by hand (both unsharded)", ""]
     if not results:
         return _write(out, lines + ["No variant finished; see the logs in the output folder."])
     r0 = results[0]
@@ -323,19 +373,25 @@ def summarize(out: Path, command: str) -> Path:
     lines += [
         "",
         f"Model: {r0['params'] / 1e6:,.1f}M parameters, {r0['config']}, micro-batch "
-        f"{r0['batch']}; median of {r0['steps']} steps after warm-up. MFU against 989 TFLOP/s.",
+        f"{r0['batch']}; median of {r0['steps']} steps after warm-up. MFU against 989 TFLOP/s (dense bf16).",
         "",
-        "| variant | tokens/s | s / step | MFU | peak memory GiB | plan GiB (unsharded) | s to first step |",
-        "|---|---|---|---|---|---|---|",
+        "| variant | precision | tokens/s | s / step | MFU | loss after the steps | peak memory GiB | "
+        "plan GiB (unsharded) | s to first step |",
+        "|---|---|---|---|---|---|---|---|---|",
     ]
     for r in results:
+        precision = r.get("precision", "bf16")
+        if precision == "fp8":
+            precision += f" ({r['fp8_layers']} layers)"
         lines.append(
-            f"| {r['variant']} | {r['tokens_per_s']:,.0f} | {r['step_s']:.3f} | "
-            f"{r['mfu']:.1%} | {r['peak_mem_gib']:.1f} | {r['plan_ddp_gib']:.1f} | "
+            f"| {r['variant']} | {precision} | {r['tokens_per_s']:,.0f} | {r['step_s']:.3f} | "
+            f"{r['mfu']:.1%} | {r['loss']:.4f} | {r['peak_mem_gib']:.1f} | {r['plan_ddp_gib']:.1f} | "
             f"{r['first_step_s']:.1f} |"
         )
     if len({r.get("sharded") for r in results}) > 1:
         lines += ["", "**Not like for like: one side is sharded, the other not.**"]
+    if len({r["fp8_layers"] for r in results if r.get("precision") == "fp8"}) > 1:
+        lines += ["", "**Not like for like: the fp8 variants converted different layers.**"]
     lines += ["", *_checkpoint_table(results), "", *_verdicts(results)]
     return _write(out, lines)
 
@@ -359,20 +415,33 @@ def _checkpoint_table(results: list[dict]) -> list[str]:
             f"{r['ckpt_load_exact']} | {r['ckpt_async_stall_s']:.2f} | "
             f"{r['ckpt_async_total_s']:.2f} |"
         )
-    if raw:
-        lines.append(
-            f"| raw disk (write + fsync, cold read) | | | {raw['raw_write_gbps']:.2f} | | "
-            f"{raw['raw_read_gbps']:.2f} | | | |"
-        )
+    if not raw:
+        return lines
+    lines.append(
+        f"| raw disk (write + fsync, cold read) | | | {raw['raw_write_gbps']:.2f} | | "
+        f"{raw['raw_read_gbps']:.2f} | | | |"
+    )
+    if "ckpt_gbps" in raw:  # the same process timed both: a like-for-like ratio
+        lines += [
+            "",
+            f"- {raw['variant']} against the raw disk, same machine and call: save "
+            f"{raw['ckpt_gbps'] / raw['raw_write_gbps']:.2f}x the raw write, load "
+            f"{raw['ckpt_load_gbps'] / raw['raw_read_gbps']:.2f}x the raw cold read.",
+        ]
     return lines
 
 
 def _verdicts(results: list[dict]) -> list[str]:
-    """One line per goal: compiled MFU against 40%, each pair's tokens/s against parity."""
+    """One line per goal: compiled MFU against 40%, each pair's tokens/s against parity,
+    fp8 against bf16 (speed-up and loss)."""
     by = {r["variant"]: r for r in results}
     lines = []
-    for suffix, label in (("", "eager"), ("_compiled", "compiled")):
-        hand, ours = by.get("torch_autocast" + suffix), by.get("disttrain_fsdp" + suffix)
+    for hand_name, ours_name, label in (
+        ("torch_autocast", "disttrain_fsdp", "eager"),
+        ("torch_autocast_compiled", "disttrain_fsdp_compiled", "compiled"),
+        ("torchao_fp8_compiled", "disttrain_fp8_compiled", "fp8 compiled"),
+    ):
+        hand, ours = by.get(hand_name), by.get(ours_name)
         if hand and ours and hand["tokens_per_s"]:
             ratio = ours["tokens_per_s"] / hand["tokens_per_s"]
             met = "met" if ratio >= 1 - PARITY else "missed"
@@ -383,6 +452,17 @@ def _verdicts(results: list[dict]) -> list[str]:
     if ours:
         met = "met" if ours["mfu"] >= MFU_GOAL else "missed"
         lines.append(f"- disttrain compiled MFU: {ours['mfu']:.1%} (goal: {MFU_GOAL:.0%}; {met}).")
+    fp8 = by.get("disttrain_fp8_compiled")
+    if ours and fp8 and ours["tokens_per_s"]:
+        speedup = fp8["tokens_per_s"] / ours["tokens_per_s"]
+        met = "met" if speedup >= FP8_SPEEDUP else "missed"
+        lines.append(f"- fp8 / bf16 tokens/s (disttrain, compiled): {speedup:.3f} (goal: {FP8_SPEEDUP}x; {met}).")
+        gap = abs(fp8["loss"] - ours["loss"]) / abs(ours["loss"])
+        met = "met" if gap <= FP8_LOSS else "missed"
+        lines.append(
+            f"- fp8 loss after the steps {fp8['loss']:.4f} against bf16's {ours['loss']:.4f}: "
+            f"{gap:.2%} apart (goal: within {FP8_LOSS:.0%}; {met})."
+        )
     return lines
 
 
@@ -400,6 +480,7 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--command", default="bench/gpu.sh")
     ap.add_argument("--dry-run", action="store_true", default=os.environ.get("BENCH_GPU_DRY_RUN") == "1")
     ap.add_argument("--steps", type=int)
+    ap.add_argument("--raw-disk", action="store_true", help="also time the raw disk beside the checkpoint")
     args = ap.parse_args(argv)
     if args.summarize:
         print(summarize(args.summarize, args.command).read_text())
@@ -410,9 +491,8 @@ def main(argv: list[str] | None = None) -> int:
         print("no CUDA device: run with --dry-run for the CPU check", file=sys.stderr)
         return 2
     steps = args.steps or (2 if args.dry_run else 15)
-    r = run(
-        args.variant, args.out, args.dry_run, steps, warmup=1 if args.dry_run else 3, batch=2 if args.dry_run else 8
-    )
+    warmup, batch = (1, 2) if args.dry_run else (3, 8)
+    r = run(args.variant, args.out, args.dry_run, steps, warmup=warmup, batch=batch, raw_disk=args.raw_disk)
     print(json.dumps(r))
     return 0
 

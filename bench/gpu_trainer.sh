@@ -3,7 +3,8 @@
 # process group (NCCL for CUDA tensors, gloo for host values) exists at world 1 and
 # every collective of the trainer (metrics, preemption vote, generation id, guard,
 # checkpoint) really runs on it. One row per strategy x precision, plus a kill -9
-# mid-run that the automatic restart resumes.
+# mid-run that the automatic restart resumes, and an fp8 run resumed in bf16 (the fp8 rows
+# need a GPU of compute capability >= 8.9 and torchao).
 #
 #   bench/gpu_trainer.sh [OUTDIR]     OUTDIR defaults to $OUT, else bench/results/gpu_trainer
 #   GPU_TRAINER_ROWS="ddp_fp32 hf_gpt2_fsdp_bf16" bench/gpu_trainer.sh   only those rows (the probe always runs)
@@ -25,11 +26,12 @@ TINY=(--data.max_bytes=400000 --train.batch_size=16 --train.steps=40 --train.eva
 echo "| run | exit | steps | final held-out loss | seconds |" > "$OUTDIR/gpu_trainer.md"
 echo "|---|---|---|---|---|" >> "$OUTDIR/gpu_trainer.md"
 status=0
-row() {  # NAME [trainer overrides...]; RUN_FLAGS, DISTTRAIN_FAULT and CONFIG from the environment
+row() {  # NAME [trainer overrides...]; RUN_FLAGS, DISTTRAIN_FAULT, CONFIG and OUT_OF from the environment
     local name="$1"; shift
     # GPU_TRAINER_ROWS="a b": only those rows (a rerun of what failed, in less device time)
     [[ -n "${GPU_TRAINER_ROWS:-}" && " $GPU_TRAINER_ROWS " != *" $name "* ]] && return 0
-    local t0=$SECONDS out="$WORK/$name" config="${CONFIG:-examples/tiny_gpt.toml}"
+    # OUT_OF=ROW: the run folder of an earlier row, whose checkpoint this row resumes
+    local t0=$SECONDS out="$WORK/${OUT_OF:-$name}" config="${CONFIG:-examples/tiny_gpt.toml}"
     local shape=("${GPT_SHAPE[@]}")
     [[ "$config" != examples/tiny_gpt.toml ]] && shape=()
     # shellcheck disable=SC2086
@@ -66,6 +68,10 @@ row fsdp_bf16 --parallel.strategy=fsdp --train.precision=bf16
 row fsdp1_bf16 --parallel.strategy=fsdp1 --train.precision=bf16
 RUN_FLAGS="--max-restarts 1" DISTTRAIN_FAULT="kill@backward:rank=0,step=25" row ddp_kill9_resumed --parallel.strategy=ddp
 CONFIG=examples/hf_gpt2.toml row hf_gpt2_fsdp_bf16 --parallel.strategy=fsdp --train.precision=bf16
+row ddp_fp8 --parallel.strategy=ddp --train.precision=fp8
+row fsdp_fp8 --parallel.strategy=fsdp --train.precision=fp8
+# fsdp_fp8's step-40 checkpoint, resumed in bf16 for 20 more steps (the state dict is the same)
+OUT_OF=fsdp_fp8 row fsdp_fp8_then_bf16 --parallel.strategy=fsdp --train.precision=bf16 --train.steps=60
 grep -h "resumed\|complete at" "$LOG" | head -5 >> "$OUTDIR/gpu_trainer.md"
 rm -rf "$WORK"
 cat "$OUTDIR/gpu_trainer.md"

@@ -12,7 +12,7 @@ cd "$(dirname "$0")/.."
 
 spec="." probe="disttrain, rich, tensorboard, xxhash"
 if [ "${1:-}" = "--test" ]; then
-  spec=".[test]" probe="disttrain, pytest, xdist, kubernetes_validate, xxhash, tensorboard, mkdocstrings_handlers.python"
+  spec=".[test]" probe="disttrain, pytest, xdist, kubernetes_validate, xxhash, tensorboard, mkdocstrings_handlers.python, torchao"
 fi
 if [ ! -x .venv/bin/python ] || ! .venv/bin/python -c "import $probe" 2>/dev/null; then
   python3 -m venv .venv

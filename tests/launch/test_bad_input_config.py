@@ -48,7 +48,7 @@ FLOATS = st.one_of(SPECIAL_FLOATS, st.floats(allow_nan=True, allow_infinity=True
 INTS = st.one_of(st.sampled_from([0, -1, 1, 2, 255, 256, 2**31, 2**32, 2**62, -(2**62)]),
                  st.integers(-10**6, 10**6))
 WORDS = st.sampled_from(["", " ", "auto", "ddp", "fsdp", "zero1", "dp", "fsdp1", "cpu", "cuda", "gloo",
-                         "nccl", "full", "hybrid", "none", "grad_op", "fp16", "bf16", "adamw", "sgd",
+                         "nccl", "full", "hybrid", "none", "grad_op", "fp16", "bf16", "fp8", "rowwise", "adamw", "sgd",
                          "stdlib", "thread", "continue", "a:b", "os:getcwd", "no such", "../x",
                          "keep_global", "rescale_lr", "é", "model", "uint32"])
 TEXT = st.one_of(WORDS, st.text(max_size=6))

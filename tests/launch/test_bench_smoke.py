@@ -102,6 +102,33 @@ def test_gpu_script_dry_run_on_cpu(tmp_path):
     assert f"\ntorch {torch.__version__}\n" in md  # the release it ran on, for the README
 
 
+def test_gpu_script_fp8_dry_run_on_cpu(tmp_path):
+    """`bench/gpu.sh --fp8`: bf16 and fp8 through disttrain and fp8 by hand with torchao,
+    all compiled, disttrain's checkpoints and the raw disk in one call (fp8 emulated)."""
+    import importlib.util
+
+    if importlib.util.find_spec("torchao") is None:
+        pytest.skip("torchao is not installed (pip install 'disttrain[fp8]')")
+    env = worker_env(PYTHON=sys.executable)
+    proc = subprocess.run(["bash", str(ROOT / "bench" / "gpu.sh"), "--fp8", "--dry-run", str(tmp_path)],
+                          cwd=ROOT, env=env, capture_output=True, text=True, timeout=230)
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    r = {v: json.loads((tmp_path / f"{v}.json").read_text())
+         for v in ("disttrain_fsdp_compiled", "disttrain_fp8_compiled", "torchao_fp8_compiled")}
+    assert r["disttrain_fsdp_compiled"]["precision"] == "bf16"
+    assert r["disttrain_fsdp_compiled"]["raw_write_gbps"] > 0  # the raw disk beside the checkpoint
+    # like for like: the same layers in float8 both ways, the same loss within the goal
+    ours, hand = r["disttrain_fp8_compiled"], r["torchao_fp8_compiled"]
+    assert ours["precision"] == hand["precision"] == "fp8"
+    assert ours["fp8_layers"] == hand["fp8_layers"] == 8  # 4 matrices x 2 blocks, not the tied head
+    assert abs(ours["loss"] - r["disttrain_fsdp_compiled"]["loss"]) < 0.01 * r["disttrain_fsdp_compiled"]["loss"]
+    assert ours["ckpt_load_exact"] is True and "state_bytes" not in hand
+    md = (tmp_path / "gpu.md").read_text()
+    assert "disttrain_fsdp_compiled against the raw disk, same machine and call: save" in md
+    for verdict in ("disttrain / hand-written tokens/s (fp8 compiled)", "fp8 / bf16 tokens/s", "fp8 loss after"):
+        assert verdict in md, verdict
+
+
 def test_product_ab_switches_are_trainer_keys_and_both_sides_do_the_same_work():
     """Every A/B variant's switches load as a config; the hand-written loop reads the
     same model, batch, steps and cadence as the trainer."""

@@ -186,7 +186,7 @@ def test_warmup():
 
 @pytest.mark.parametrize("argv, words", [
     (["--params", "1e9", "--devices", "-2"], "--devices"),
-    (["--params", "1e9", "--precision", "fp8"], "--precision"),
+    (["--params", "1e9", "--precision", "fp4"], "--precision"),
     (["--hf", "/nonexistent/config.json"], "no such file"),
     (["--params", "lots"], "--params"),
     (["--params", "1e9", "--device-mem", "80"], "unit"),

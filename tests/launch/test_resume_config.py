@@ -164,6 +164,7 @@ def test_classes_of_keys():
     assert resume_plan.classify("optim.name") == resume_plan.classify("train.seed") == "refuse"
     assert resume_plan.classify("optim.lr") == resume_plan.classify("model.dropout") == "apply"
     assert resume_plan.classify("train.batch_size") == resume_plan.classify("train.steps") == "apply"
+    assert resume_plan.classify("train.precision") == resume_plan.classify("train.fp8_recipe") == "apply"
     assert resume_plan.classify("parallel.nproc") == resume_plan.classify("train.log_every") == "ignore"
     for knob in ("data.num_workers", "data.pin_memory", "data.persistent_workers", "train.compile",
                  "train.eval_every", "checkpoint.every", "checkpoint.every_s"):

@@ -33,7 +33,7 @@ TINY = GPTConfig(block_size=8, n_layer=2, n_head=2, n_embd=16)
     (["--parallel.strategy=dp", "--parallel.nproc=2", "--parallel.device=cpu"], "nest DataParallel inside DDP"),
     (["--parallel.strategy=dp", "--parallel.nproc=1", "--parallel.sync_batchnorm=true"], "DataParallel's threads"),
     (["--parallel.strategy=fsdp", "--parallel.static_graph=true"], "are DDP options"),
-    (["--train.precision=\"fp8\""], "'train.precision' is 'fp8'; choose one of fp32"),
+    (["--train.precision=\"fp4\""], "'train.precision' is 'fp4'; choose one of fp32, bf16, fp16, fp8"),
 ])
 def test_illegal_combination_is_a_config_error(overrides, expected):
     with pytest.raises(ConfigError) as err:
@@ -130,8 +130,8 @@ def test_bf16_wrap_autocasts_forward_and_returns_fp32_P_DDP_7():
 
 
 def test_autocast_refuses_an_unknown_precision_in_one_line():
-    with pytest.raises(UserError, match="'fp8' is not one of 'fp32', 'bf16', 'fp16'"):
-        dt.autocast("fp8")
+    with pytest.raises(UserError, match="'fp4' is not one of 'fp32', 'bf16', 'fp16', 'fp8'"):
+        dt.autocast("fp4")
 
 
 def test_agreed_scaler_skips_backs_off_and_grows():

@@ -11,6 +11,7 @@ Nothing here imports torch at module level.
     key_docs.py  every key with its type, default and meaning (`disttrain train --help`)
     path_keys.py the keys that hold paths, and the base each is read from
     paths.py     paths a command writes, checked before anything is written
+    fp8_rules.py what precision fp8 accepts (devices, layers, recipes), for validate, wrap and plan
     rules.py, data_config.py, elastic_config.py, log_config.py, hf_model_config.py:
                  the rules and sections of their names
 """

@@ -21,6 +21,7 @@ from typing import Any
 
 from disttrain.config.data_config import DataConfig, check_data_source
 from disttrain.config.elastic_config import ElasticConfig, check_elastic
+from disttrain.config.fp8_rules import FP8_RECIPES, check_fp8
 from disttrain.config.gpt_shape import GPTConfig
 from disttrain.config.log_config import LogConfig, check_log
 from disttrain.config.path_keys import anchor_override, anchor_paths
@@ -32,7 +33,8 @@ from disttrain.errors import ConfigError
 STRATEGIES = ("ddp", "fsdp", "zero1", "dp", "fsdp1")
 FAST_RECOVERY_STRATEGIES = ("ddp", "fsdp")  # fsdp: each shard also in a buddy's memory
 SHARDINGS = ("full", "grad_op", "hybrid", "none")
-PRECISIONS = ("fp32", "bf16", "fp16")
+PRECISIONS = ("fp32", "bf16", "fp16", "fp8")
+FP8_STRATEGIES = ("ddp", "zero1", "fsdp")  # torchao's Float8 training composes with these
 
 
 @dataclass(kw_only=True)
@@ -129,7 +131,10 @@ class TrainConfig:
     accum_steps: int = 1
     """Micro-steps per optimizer step; all-reduce runs only on the last (P-DDP-5)."""
     precision: str = "fp32"
-    """fp32, bf16 (autocast, no scaler) or fp16 (autocast with a gradient scaler)."""
+    """fp32, bf16 (autocast, no scaler), fp16 (autocast with a gradient scaler) or fp8 (torchao's
+    Float8 matmuls for the linear layers, the rest bf16; a GPU of compute capability >= 8.9)."""
+    fp8_recipe: str = "tensorwise"
+    """FP8 scaling under precision fp8: 'tensorwise' (one scale per tensor, fastest) or 'rowwise'."""
     seed: int = 1337
     """Seeds the model's initialisation, the data order and the per-step dropout."""
     log_every: int = 1
@@ -290,6 +295,7 @@ def validate(cfg: Config) -> None:
     _one_of("parallel.strategy", p.strategy, STRATEGIES)
     _one_of("parallel.sharding", p.sharding, SHARDINGS)
     _one_of("train.precision", t.precision, PRECISIONS)
+    _one_of("train.fp8_recipe", t.fp8_recipe, FP8_RECIPES)
     _one_of("parallel.device", p.device, ("auto", "cpu", "cuda"))
     _one_of("parallel.backend", p.backend, ("auto", "gloo", "nccl"))
     _one_of("data.corpus", cfg.data.corpus, ("stdlib",))
@@ -339,6 +345,7 @@ def validate(cfg: Config) -> None:
         f"{p.strategy!r} on {device}; set elastic.fast_recovery = false, or one of those strategies.",
     )
     validate_parallel(p, t.precision, world_size=p.nproc, local_world_size=p.nproc, device_type=device)
+    check_fp8(t.precision, t.fp8_recipe, device)
 
 
 def _cuda_count() -> int:
@@ -396,6 +403,11 @@ def validate_parallel(
         not (p.sync_batchnorm and s == "dp"),
         "parallel.sync_batchnorm needs one process per device; DataParallel's threads cannot "
         "synchronise statistics. Use --parallel.strategy=ddp (P-DDP-8).",
+    )
+    _require(
+        precision != "fp8" or s in FP8_STRATEGIES,
+        f"train.precision 'fp8' runs with parallel.strategy {', '.join(FP8_STRATEGIES)} (torchao's Float8 "
+        f"training composes with those), not {s!r}; use one of them, or precision bf16.",
     )
     if s == "fsdp1":
         check_fsdp1(precision=precision, cpu_offload=p.cpu_offload, device_type=device_type)

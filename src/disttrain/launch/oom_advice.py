@@ -15,7 +15,7 @@ STATE_OF = {"ddp": "ddp", "zero1": "zero1", "fsdp": "fsdp_full", "fsdp1": "fsdp_
 def state_bytes(facts: dict, strategy: str) -> int:
     """Weights, gradients and optimizer state per rank (the largest rank) of the model
     in `facts` under the planner's `strategy` row."""
-    from disttrain.plan.memory import OPTIMIZERS, Variant, Workload, memory
+    from disttrain.plan.memory import OPTIMIZERS, PRECISIONS, Variant, Workload, memory
     from disttrain.plan.model_size import ModelSpec
 
     shapes = [tuple(s) for s in facts.get("shapes") or []] or None
@@ -31,7 +31,7 @@ def state_bytes(facts: dict, strategy: str) -> int:
         param_shapes=shapes,
     )
     optimizer = str(facts["optimizer"]) if facts.get("optimizer") in OPTIMIZERS else "adamw"
-    precision = str(facts["precision"]) if facts.get("precision") in ("fp32", "bf16", "fp16") else "fp32"
+    precision = str(facts["precision"]) if facts.get("precision") in PRECISIONS else "fp32"
     est = memory(
         spec, Workload(precision=precision, optimizer=optimizer), int(facts.get("world") or 1), Variant(strategy)
     )

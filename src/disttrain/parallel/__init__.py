@@ -8,11 +8,12 @@ Each strategy is a plain function `apply_x(model, ...)` in its own module:
     fsdp1  fsdp1.apply_fsdp1     legacy FullyShardedDataParallel
     dp     dp.apply_dp           nn.DataParallel (one process)
 
-`wrap` validates the request (`config.validate_parallel`), moves the model to this
-rank's device, converts BatchNorm (sync_batchnorm), applies activation
-checkpointing and the strategy in that order, installs the precision, and switches
-the RNGs to the per-rank stream. Build the optimizer afterwards, from the returned
-module (`make_optimizer`; P-DDP-3, P-FSDP-7).
+`wrap` validates the request (`config.validate_parallel`, and for fp8
+`config.fp8_rules`), moves the model to this rank's device, converts its linear
+layers to FP8 (precision fp8, `fp8.apply_fp8`), converts BatchNorm (sync_batchnorm),
+applies activation checkpointing and the strategy in that order, installs the
+precision, and switches the RNGs to the per-rank stream. Build the optimizer
+afterwards, from the returned module (`make_optimizer`; P-DDP-3, P-FSDP-7).
 """
 
 from __future__ import annotations
@@ -24,15 +25,17 @@ from typing import Any
 import torch.nn as nn
 
 from disttrain.config import STRATEGIES, ParallelConfig, validate_parallel
+from disttrain.config.fp8_rules import check_fp8
 from disttrain.errors import ConfigError, UserError
 from disttrain.parallel.blocks import apply_activation_checkpointing, find_blocks
 from disttrain.parallel.compile import check_compile, compile_blocks, plain_module
 from disttrain.parallel.ddp import apply_ddp
 from disttrain.parallel.dp import apply_dp
+from disttrain.parallel.fp8 import apply_fp8
 from disttrain.parallel.join import join
 from disttrain.parallel.mesh import Layout
 from disttrain.parallel.optimizers import WRAP_INFO, apply_zero1, check_optimizer, make_optimizer, wrap_info
-from disttrain.parallel.precision import apply_autocast
+from disttrain.parallel.precision import apply_autocast, compute_precision
 from disttrain.parallel.syncbn import convert_sync_batchnorm
 from disttrain.runtime import rank_info, seed_rank_stream
 from disttrain.runtime.torch_compat import unwrap, wrapper_kind
@@ -50,9 +53,8 @@ def _parallel_config(cfg: ParallelConfig | None, overrides: dict) -> ParallelCon
     names = {f.name for f in dataclasses.fields(ParallelConfig)}
     for key, value in overrides.items():
         if key not in names:
-            raise ConfigError(
-                f"wrap() got an unknown option {key!r}; valid options: precision, {', '.join(sorted(names))}."
-            )
+            options = ", ".join(["precision", "compile", "fp8_recipe", *sorted(names)])
+            raise ConfigError(f"wrap() got an unknown option {key!r}; valid options: {options}.")
         setattr(cfg, key, value)
     if cfg.strategy not in STRATEGIES:
         raise ConfigError(f"strategy {cfg.strategy!r} is unknown; choose one of {', '.join(STRATEGIES)}.")
@@ -82,13 +84,17 @@ def wrap(
     *,
     precision: str = "fp32",
     compile: bool | dict = False,
+    fp8_recipe: str = "tensorwise",
     **options,
 ) -> nn.Module:
     """Apply the configured strategy and return the module to train.
 
     `options` override fields of `cfg` (for example `strategy="fsdp"`,
-    `sharding="hybrid"`, `shard_group_size=2`). `precision` is 'fp32', 'bf16' or
-    'fp16' (pair fp16 with `precision.make_grad_scaler`). `compile=True` compiles
+    `sharding="hybrid"`, `shard_group_size=2`). `precision` is 'fp32', 'bf16',
+    'fp16' (pair fp16 with `precision.make_grad_scaler`) or 'fp8' (torchao's Float8
+    linear layers with `fp8_recipe` 'tensorwise' or 'rowwise' scaling, the rest bf16;
+    strategies ddp, zero1 and fsdp on a GPU of compute capability 8.9 or higher,
+    docs/strategies.md "FP8"; the state dict stays the plain model's). `compile=True` compiles
     each block in place after activation checkpointing and before sharding
     (`parallel.compile`; state-dict keys unchanged); a dict compiles with those
     `torch.compile` options (`{"backend": "aot_eager"}`); a `torch.compile(model)` wrapper
@@ -107,6 +113,7 @@ def wrap(
     validate_parallel(
         cfg, precision, world_size=info.world_size, local_world_size=info.local_world_size, device_type=device_type
     )
+    check_fp8(precision, fp8_recipe, device_type, info.device.index)
     model, was_compiled = plain_module(model)
     compile_options = compile if isinstance(compile, dict) else {}
     compile = bool(compile) or isinstance(compile, dict) or was_compiled
@@ -114,6 +121,9 @@ def wrap(
         check_compile(cfg.strategy, cpu_offload=cfg.cpu_offload)
     _refuse_nested(model)
     model = model.to(info.device)
+    if precision == "fp8":
+        model = apply_fp8(model, fp8_recipe)
+    compute = compute_precision(precision)  # fp8: the layers it does not convert run in bf16
     if cfg.sync_batchnorm:
         model = convert_sync_batchnorm(model, device_type)
     layout = Layout.for_strategy(
@@ -156,7 +166,7 @@ def wrap(
             mesh,
             sharding=cfg.sharding,
             wrap=cfg.wrap,
-            precision=precision,
+            precision=compute,
             cpu_offload=cfg.cpu_offload,
             activation_checkpointing=cfg.activation_checkpointing,
             compile=compile_options if compile_options else compile,
@@ -176,7 +186,7 @@ def wrap(
         )
     if not sharded:
         # Replicated strategies compute under autocast; FSDP casts via its own policy.
-        apply_autocast(model, precision, device_type)
+        apply_autocast(model, compute, device_type)
     setattr(
         model,
         WRAP_INFO,

@@ -5,6 +5,8 @@ skip decision every rank shares (P-DDP-7, P-FSDP-5).
   under `torch.autocast` (installed by `wrap` as forward hooks); parameters and
   the gradient all-reduce stay fp32. Under FSDP the `MixedPrecisionPolicy` casts
   parameters to bf16 and reduces gradients in fp32 instead.
+- fp8 (`parallel/fp8.py`) runs torchao's Float8 matmuls in the linear layers it
+  converts and everything else as bf16 above (no scaler).
 - fp16 needs a loss scaler. torch's `GradScaler` decides per rank whether a step
   had inf/nan gradients. When only one rank sees an overflow (a sharded gradient,
   or a gradient touched after the all-reduce), that rank skips the step and halves
@@ -25,18 +27,27 @@ from disttrain.errors import UserError
 from disttrain.runtime import torch_compat
 
 DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
+FP8_REST = "bf16"
+"""What fp8 computes in outside the layers it converts."""
+
+
+def compute_precision(precision: str) -> str:
+    """The autocast / FSDP precision of `precision`: itself, or 'bf16' for 'fp8'."""
+    return FP8_REST if precision == "fp8" else precision
 
 
 def autocast(precision: str, device_type: str = "cpu"):
     """A context that runs the ops inside it in `precision` on `device_type` devices.
 
-    'bf16' and 'fp16' are `torch.autocast` with that dtype; 'fp32' is a null context.
+    'bf16' and 'fp16' are `torch.autocast` with that dtype, 'fp8' the bf16 one (what
+    fp8 runs outside its converted linear layers); 'fp32' is a null context.
     `dt.wrap(precision=...)` already runs the model's forward this way; use this for
     code outside the model (a loss, an evaluation). Another precision name is a
-    `UserError` naming the three.
+    `UserError` naming the four.
     """
+    precision = compute_precision(precision)
     if precision not in DTYPES:
-        raise UserError(f"precision {precision!r} is not one of {', '.join(map(repr, DTYPES))}.")
+        raise UserError(f"precision {precision!r} is not one of {', '.join(map(repr, DTYPES))}, 'fp8'.")
     if precision == "fp32":
         return contextlib.nullcontext()
     return torch.autocast(device_type, dtype=DTYPES[precision])
@@ -187,6 +198,6 @@ def make_grad_scaler(precision: str) -> AgreedGradScaler | None:
 
     Pass the result to `dt.Accumulator(scaler=...)` or `job.resume(scaler=...)`;
     neither makes one by itself, and fp16 without loss scaling loses small
-    gradients. bf16 and fp32 need none. Not a collective.
+    gradients. bf16, fp8 and fp32 need none. Not a collective.
     """
     return AgreedGradScaler() if precision == "fp16" else None

@@ -28,7 +28,14 @@ Modelled as native torch does it (the parts disttrain composes), all in bytes pe
 Mixed precision (bf16/fp16) is native torch's: fp32 parameters are the master weights,
 autocast (DDP) or `MixedPrecisionPolicy(param_dtype=bf16, reduce_dtype=fp32)` (FSDP2)
 computes in 16 bits, and gradients and optimizer state stay fp32: 16 bytes/param of
-state with AdamW, as in P-FSDP-1 (fp16 adds only GradScaler's few scalars). CPU offload
+state with AdamW, as in P-FSDP-1 (fp16 adds only GradScaler's few scalars). fp8 is torchao's
+Float8 training (parallel/fp8.py): bf16 as above, except that the linear layers it converts
+(`ModelSpec.fp8_linears`) cast their fp32 weight to float8 themselves, so autocast makes no
+16-bit copy of those weights (DDP, ZeRO-1: 2 bytes per converted weight element less), and
+that float8 copies exist while a converted layer computes: its weight, input and output
+gradient at 1 byte per element, one layer at a time (added to the buffers under every
+strategy). Activations are saved as under bf16 (torchao keeps the bf16 input for
+backward), and FSDP2 all-gathers bf16 parameters (no float8 all-gather). CPU offload
 (FSDP2 `CPUOffloadPolicy`) moves sharded params, grads and optimizer state to host
 memory, reported as `host` per device.
 
@@ -46,13 +53,14 @@ from dataclasses import dataclass, field
 from disttrain.errors import UserError
 from disttrain.plan.model_size import ModelSpec
 
-PRECISIONS = ("fp32", "bf16", "fp16")
+PRECISIONS = ("fp32", "bf16", "fp16", "fp8")
 STRATEGIES = ("ddp", "zero1", "fsdp_grad_op", "fsdp_full")
 
 # bytes of optimizer state per parameter element, and whether each tensor has a step counter
 OPTIMIZERS: dict[str, tuple[int, bool]] = {"adamw": (8, True), "sgd": (0, False), "sgd-momentum": (4, False)}
 STEP_BYTES = 4  # AdamW's `step`: a float32 scalar per parameter tensor
 FP32 = 4
+FP8 = 1
 
 
 @dataclass(frozen=True)
@@ -112,7 +120,7 @@ class Workload:
 
     @property
     def compute_bytes(self) -> int:
-        """Bytes per activation and per all-gathered parameter element."""
+        """Bytes per activation and per all-gathered parameter element (fp8: bf16's)."""
         return FP32 if self.precision == "fp32" else 2
 
 
@@ -216,6 +224,24 @@ def activation_bytes(spec: ModelSpec, work: Workload, act_ckpt: bool) -> int:
     return body + head
 
 
+# ---------------------------------------------------------------- fp8
+
+
+def fp8_weight_elements(spec: ModelSpec, work: Workload) -> int:
+    """Elements of the weights fp8 converts: autocast makes no 16-bit copy of them (0
+    unless the precision is fp8)."""
+    return sum(o * i for o, i in spec.fp8_linears) if work.precision == "fp8" else 0
+
+
+def fp8_scratch_bytes(spec: ModelSpec, work: Workload) -> int:
+    """The float8 copies of the converted layer that computes now: weight, input and
+    output gradient, 1 byte each, for the largest such layer (0 unless fp8)."""
+    if work.precision != "fp8" or not spec.fp8_linears:
+        return 0
+    tokens = work.batch_per_device * work.seq_len
+    return FP8 * max(o * i + tokens * (o + i) for o, i in spec.fp8_linears)
+
+
 # ---------------------------------------------------------------- per strategy
 
 
@@ -223,7 +249,7 @@ def memory(spec: ModelSpec, work: Workload, world: int, variant: Variant) -> Mem
     """Per-device bytes of `variant` training `spec` on `world` ranks."""
     sizes = numels(spec)
     P, cb = spec.n_params, work.compute_bytes
-    buffers = spec.buffer_bytes
+    buffers = spec.buffer_bytes + fp8_scratch_bytes(spec, work)
     if variant.strategy in ("ddp", "zero1"):
         if variant.strategy == "ddp":
             opt = [optim_bytes(work, P, len(sizes))] * world
@@ -232,8 +258,8 @@ def memory(spec: ModelSpec, work: Workload, world: int, variant: Variant) -> Mem
         state = [{"params": FP32 * P, "grads": FP32 * P, "optim": o} for o in opt]
         if not work.gradient_as_bucket_view:
             buffers += FP32 * P  # the buckets are a second gradient copy
-        if cb < FP32:
-            buffers += cb * P  # autocast's 16-bit weight copies, saved for backward
+        if cb < FP32:  # autocast's 16-bit weight copies, saved for backward (fp8 casts its own)
+            buffers += cb * (P - fp8_weight_elements(spec, work))
     else:
         padded, local = fsdp_layout(spec, world)
         state = [

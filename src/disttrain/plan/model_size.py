@@ -26,6 +26,7 @@ from pathlib import Path
 from typing import Any
 
 from disttrain.config import tomlfile as configfile
+from disttrain.config.fp8_rules import fp8_linear_shapes
 from disttrain.errors import UserError
 
 
@@ -48,6 +49,9 @@ class ModelSpec:
     """Parameters in one transformer block: the FSDP unit that `fully_shard` wraps."""
     buffer_bytes: int = 0
     """Registered module buffers (never sharded by FSDP), at their own dtypes."""
+    fp8_linears: list[tuple[int, int]] = field(default_factory=list)
+    """(out, in) features of each linear layer that precision fp8 converts
+    (`config.fp8_rules.converts`); for a bare count, those of the assumed shape."""
     notes: list[str] = field(default_factory=list)
 
     @property
@@ -101,6 +105,8 @@ def from_param_count(n_params: int, vocab_size: int = 32000, max_seq: int = 2048
         max_seq=max_seq,
         block_params=min(n_params // layers, 12 * hidden * hidden),
     )
+    # the assumed block's four matrices (qkv, attention out, MLP in and out): multiples of 128
+    spec.fp8_linears = [(3 * hidden, hidden), (hidden, hidden), (4 * hidden, hidden), (hidden, 4 * hidden)] * layers
     spec.notes.append(
         f"shape assumed from the count alone: {layers} layers, hidden {hidden}, "
         f"vocab {vocab_size}; pass --gpt or --hf for exact activations and sharding."
@@ -238,6 +244,7 @@ def _fill_from_module(spec: ModelSpec, model, block_classes: set[str]) -> ModelS
         spec.n_layer = len(blocks)
         spec.block_params = max(sum(p.numel() for p in b.parameters()) for b in blocks)
     spec.buffer_bytes = sum(b.numel() * b.element_size() for b in model.buffers())
+    spec.fp8_linears = fp8_linear_shapes(model)
     return spec
 
 
@@ -318,6 +325,7 @@ def _hf_formula(spec: ModelSpec, cfg: dict, p: Path) -> ModelSpec:
     if kind == "gpt2":
         block = [(h,), (h,), (h, 3 * h), (3 * h,), (h, h), (h,), (h,), (h,), (h, f), (f,), (f, h), (h,)]
         shapes = [(V, h), (spec.max_seq, h)] + block * L + [(h,), (h,)]
+        linears: list[tuple[int, int]] = []  # GPT-2's matrices are transformers' Conv1D, which fp8 does not convert
     elif kind in ("llama", "mistral", "qwen2"):
         hd = int(cfg.get("head_dim") or h // spec.n_head)
         q, kv = spec.n_head * hd, int(cfg.get("num_key_value_heads") or spec.n_head) * hd
@@ -339,6 +347,7 @@ def _hf_formula(spec: ModelSpec, cfg: dict, p: Path) -> ModelSpec:
             + [(h,), (h,)]
         )
         shapes = [(V, h)] + block * L + [(h,)]
+        linears = [(q, h), (kv, h), (kv, h), (h, q), (f, h), (f, h), (h, f)] * L
         spec.gated_mlp = True
     else:
         raise UserError(
@@ -346,9 +355,11 @@ def _hf_formula(spec: ModelSpec, cfg: dict, p: Path) -> ModelSpec:
         )
     if not tied:
         shapes.append((V, h))
+        linears.append((V, h))  # an untied LM head is an nn.Linear
     spec.param_shapes = shapes
     spec.n_params = sum(math.prod(s) for s in shapes)
     spec.block_params = sum(math.prod(s) for s in block)
+    spec.fp8_linears = [(o, i) for o, i in linears if o % 16 == 0 and i % 16 == 0]
     spec.notes.append(f"counted by the {kind} formula (transformers is not installed).")
     return spec
 

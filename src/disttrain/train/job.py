@@ -46,6 +46,7 @@ from torch.utils.data import DataLoader
 from disttrain import runtime, worker_notes
 from disttrain.checkpoint import Checkpointer, TrainState, save_model
 from disttrain.config import Config
+from disttrain.config.fp8_rules import check_fp8
 from disttrain.config.hf_model_config import hf_section
 from disttrain.data import ElasticSampler
 from disttrain.elastic import PreemptionHandler, SampleAudit, fast_recovery, generation_id
@@ -116,7 +117,7 @@ class Job:
             `summary.json` (and `samples/`); the same script run again resumes from it.
         config (Config | None): The TOML's own sections (`disttrain.config.Config`):
             [parallel] (strategy, backend, device, timeout_s and `dt.wrap`'s options),
-            [train] (accum_steps, seed, precision, log_every, compile), [optim]
+            [train] (accum_steps, seed, precision, fp8_recipe, log_every, compile), [optim]
             (grad_clip), [checkpoint] (every, every_s, keep_last, async_mode, fallback,
             on_error, enabled, dir), [elastic] (batch_policy, record_samples,
             preempt_grace_s, buddy_every), [guard], [log] (tensorboard, wandb,
@@ -127,9 +128,11 @@ class Job:
             (`DISTTRAIN_PREEMPT_GRACE_S`), else `elastic.preempt_grace_s`.
         run (RunOptions | None): What only an adapter passes (`dt.RunOptions`).
         strategy: For `dt.wrap`: 'ddp', 'zero1', 'fsdp', 'fsdp1' or 'dp'.
-        precision: 'fp32', 'bf16' or 'fp16' for `dt.wrap` (forward under autocast,
-            outputs in fp32). fp16 makes no grad scaler by itself: pass
-            `scaler=dt.make_grad_scaler("fp16")` to `resume`, or small gradients vanish.
+        precision: 'fp32', 'bf16', 'fp16' or 'fp8' for `dt.wrap` (forward under autocast,
+            outputs in fp32; fp8: torchao's Float8 linear layers, the rest bf16, on a GPU of
+            compute capability 8.9 or higher, `train.fp8_recipe` its scaling). fp16 makes
+            no grad scaler by itself: pass `scaler=dt.make_grad_scaler("fp16")` to
+            `resume`, or small gradients vanish.
         accum_steps: Micro-batches per optimizer step.
         checkpoint_every: A checkpoint every this many optimizer steps (0: off; also
             every `checkpoint.every_s` seconds, on preemption and at the end).
@@ -248,6 +251,10 @@ class Job:
         ):
             if value not in allowed:
                 raise UserError(f"dt.Job: {name} {value!r} is not one of {', '.join(map(repr, allowed))}.")
+        device = cfg.parallel.device
+        if device == "auto":
+            device = "cuda" if torch.cuda.is_available() else "cpu"
+        check_fp8(t.precision, t.fp8_recipe, device)  # before the process group starts, not at wrap
         return cfg
 
     def __enter__(self) -> Job:
@@ -411,7 +418,7 @@ class Job:
 
     @property
     def precision(self) -> str:
-        """`train.precision`: 'fp32', 'bf16' or 'fp16'."""
+        """`train.precision`: 'fp32', 'bf16', 'fp16' or 'fp8'."""
         return self.cfg.train.precision
 
     @property
@@ -446,7 +453,7 @@ class Job:
             model,
             self.cfg.parallel,
             precision=self.precision,
-            **{"compile": self.cfg.train.compile, **self.run.wrap_options},
+            **{"compile": self.cfg.train.compile, "fp8_recipe": self.cfg.train.fp8_recipe, **self.run.wrap_options},
         )
         if self.handoff is not None:
             self.handoff.attach_buddy(self.strategy != "ddp", self.cfg.elastic.buddy_every)

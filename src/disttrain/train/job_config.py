@@ -84,7 +84,7 @@ def checkpoint_root(cfg: Config, out_dir: Path) -> Path:
 
 JOB_KEYS = {
     "parallel": None,
-    "train": ("accum_steps", "precision", "seed", "log_every", "compile"),
+    "train": ("accum_steps", "precision", "fp8_recipe", "seed", "log_every", "compile"),
     "optim": ("grad_clip",),
     "checkpoint": None,
     "elastic": None,

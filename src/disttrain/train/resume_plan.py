@@ -76,7 +76,9 @@ NOT_IDENTITY = frozenset({"data.num_workers", "data.pin_memory", "data.persisten
 samples train in which order: ignored like the performance knobs and cadences."""
 WHOLE = frozenset({"model.kwargs", "data.kwargs", "model.hf_config"})
 """Tables compared as one value: a key added to or dropped from them is a change too."""
-APPLIED = frozenset({"model.dropout", "train.steps", "train.batch_size", "train.accum_steps", "train.precision"})
+APPLIED = frozenset(
+    {"model.dropout", "train.steps", "train.batch_size", "train.accum_steps", "train.precision", "train.fp8_recipe"}
+)
 """Applied besides optim.*: read from this run's config when the run is built."""
 SCHEDULE = frozenset({"optim.lr", "optim.warmup_steps", "optim.min_lr_ratio", "train.steps"})
 """Keys that move the learning rate at the resumed step."""
