@@ -108,8 +108,9 @@ class DataWatch:
         self.prints: list[torch.Tensor] = []
         """The training batches' sample prints since the last checked step."""
         self.seen = samples.SeenSamples()
-        self.closed = False
-        """The window is over: iterators still open pass batches through untouched."""
+        self.closed = self.paused = False
+        """closed: the window is over, iterators still open pass batches through untouched;
+        paused: only the first batch of each epoch is still fingerprinted."""
         self._original: Any = None
 
     def install(self) -> None:
@@ -148,10 +149,10 @@ class DataWatch:
             return
         if state.first is None:
             state.first = fingerprint(batch)
-        if state is not self.current:
+        if state is not self.current or self.paused:
             self.prints = []  # another loader (evaluation, say): the newest one trains
         self.current = state
-        if sum(len(p) for p in self.prints) < samples.MAX_PER_STEP:
+        if not self.paused and sum(len(p) for p in self.prints) < samples.MAX_PER_STEP:
             self.prints.append(samples.sample_prints(batch)[: samples.MAX_PER_STEP])
 
     def vector(self) -> list[float]:

@@ -68,10 +68,18 @@ class Session:
         if self.closed:
             return
         self.closed = True
-        self.models.remove()
+        self._pause()
         self.data.remove()
-        self.resets.remove()
         LOGGER.info(self.report.summary(self.checked, self.boundary_seen, self.world))
+
+    def _pause(self) -> None:
+        """The window is over but the epoch boundary is still to come: only the
+        DataLoader wrapper (to see the boundary) and the optimizer hooks stay; the
+        per-module and per-parameter hooks go, so the steps in between run at full speed."""
+        if not self.data.paused:
+            self.data.paused = True
+            self.models.remove()
+            self.resets.remove()
 
     def uninstall(self) -> None:
         """The optimizer hooks removed (`finish`: no step of this process runs them now)."""
@@ -95,6 +103,8 @@ class Session:
         if not self._wanted():
             if self.boundary_seen or not self.aligned:
                 self.close()
+            else:
+                self._pause()
             return
         self._guarded(self._check_before, opt, *taken)
 
