@@ -106,6 +106,12 @@ BUGS = {
         ["step 1: the parameter `spare.weight` (and 1 more) got no gradient", "find_unused_parameters=True"],
         ["optimizer.step()"],
     ),
+    "one_class": (
+        ("--bug", "one_class"),
+        3,
+        ["steps 1-3: every gradient of the optimizer's 4 parameters was exactly zero", "cross_entropy over a single"],
+        ["optimizer.step()"],
+    ),
     "no_set_epoch": (
         ("--bug", "no_set_epoch"),
         0,

@@ -48,6 +48,10 @@ class LoaderState:
     """The user's line that started the newest epoch (`for batch in loader`)."""
     head: list[float] | None = None
     """`samples.loader_head`: how the loader's sampler splits which dataset."""
+    batches: int = 0
+    """Batches the newest iterator yielded."""
+    before: tuple[Any, bool] = (None, False)
+    """`sampler_epoch` and `repeated` as they were before the newest iterator started."""
 
 
 def fingerprint(batch: Any) -> tuple[float, float]:
@@ -132,10 +136,17 @@ class DataWatch:
     def started(self, loader: DataLoader) -> LoaderState:
         """A new epoch of `loader`: read before its iterator (and sampler) starts."""
         state = self.loaders.setdefault(loader, LoaderState())
+        if state.epochs > 0 and state.batches <= 1:
+            # the iterator before yielded one batch at most: a peek (`next(iter(loader))`,
+            # for the batch size, say), not an epoch
+            state.epochs, (state.sampler_epoch, state.repeated) = state.epochs - 1, state.before
         sampler = shuffling_sampler(loader)
         epoch = getattr(sampler, "epoch", None) if sampler is not None else None
+        state.before = (state.sampler_epoch, state.repeated)
         state.repeated = state.repeated or (state.epochs > 0 and epoch is not None and epoch == state.sampler_epoch)
-        state.sampler_epoch, state.epochs, state.first = epoch, state.epochs + 1, None
+        state.sampler_epoch = epoch
+        state.epochs, state.first, state.batches = state.epochs + 1, None, 0
+        self.prints = []  # samples of another epoch (or of a peek) are not this epoch's
         try:
             state.length = len(loader)
         except TypeError:  # an IterableDataset without a length
@@ -147,6 +158,7 @@ class DataWatch:
     def yielded(self, state: LoaderState, batch: Any) -> None:
         if self.closed:
             return
+        state.batches += 1
         if state.first is None:
             state.first = fingerprint(batch)
         if state is not self.current or self.paused:

@@ -25,7 +25,7 @@ from typing import Any
 import torch
 from torch.optim.optimizer import register_optimizer_step_post_hook, register_optimizer_step_pre_hook
 
-from disttrain.check import data, micro_steps, replicas, wrapping, zeroing
+from disttrain.check import data, dead_gradients, micro_steps, replicas, wrapping, zeroing
 from disttrain.check.channel import Channel
 from disttrain.check.model_watch import ModelWatch
 from disttrain.check.settings import ALL, window_from_env
@@ -47,6 +47,7 @@ class Session:
         self.channel, self.report = Channel(), Report()
         self.models, self.data, self.replicas = ModelWatch(), data.DataWatch(), replicas.Replicas()
         self.resets = zeroing.GradResets()
+        self.zero_grads = dead_gradients.ZeroStreak()
         self.stepping: Any = None
         """The optimizer whose step is running (a nested step is not checked)."""
         self.pending: tuple[list[torch.Tensor], replicas.Context] | None = None
@@ -156,6 +157,9 @@ class Session:
             return
         body = [r[HEAD : HEAD + 4 * int(r[0])] for r in rows]
         self._check_unused(whole, body, ctx)
+        if self.zero_grads.add(dead_gradients.all_zero(body)):
+            self.report.add(dead_gradients.finding(self.steps, len(whole), line))
+        self.report.note("gradients", "not all zero")
         ddp = self.models.ddp_params()
         own = torch.tensor([id(p) in ddp for p in whole], dtype=torch.bool)
         self.report.add(self.replicas.before(body, own, ctx))

@@ -10,7 +10,9 @@ by hand), no_sampler (every rank iterates the whole dataset), no_set_epoch, opt_
 (the optimizer built before fully_shard), accum_no_sync (no no_sync()), sampler_seed (a
 DistributedSampler seeded per rank), split_twice (a per-rank Subset split again by a
 DistributedSampler), no_zero_grad (zero_grad on every other step only), unused (a layer
-DDP waits for that the forward never uses). OUT/params.pt: the final parameters.
+DDP waits for that the forward never uses), one_class (cross_entropy over one output column:
+every gradient zero). Each epoch starts with a peek at the loader before set_epoch, as
+scripts do to read the batch size. OUT/params.pt: the final parameters.
 """
 
 import argparse
@@ -73,19 +75,23 @@ else:
     optimizer = torch.optim.SGD(model.parameters(), lr=0.1)
 
 
+loss_fn = nn.functional.cross_entropy if args.bug == "one_class" else nn.functional.mse_loss
+
+
 def backward(x, y):
     """Two micro-batches under DDP (no_sync on the first, but for the accum_no_sync bug)."""
     forward = trained.module if args.bug == "bypass" else trained
     if args.strategy != "ddp" or args.bug == "bypass":
-        nn.functional.mse_loss(forward(x), y).backward()
+        loss_fn(forward(x), y).backward()
         return
     half = len(x) // 2
     with trained.no_sync() if args.bug != "accum_no_sync" else contextlib.nullcontext():
-        (nn.functional.mse_loss(forward(x[:half]), y[:half]) / 2).backward()
-    (nn.functional.mse_loss(forward(x[half:]), y[half:]) / 2).backward()
+        (loss_fn(forward(x[:half]), y[:half]) / 2).backward()
+    (loss_fn(forward(x[half:]), y[half:]) / 2).backward()
 
 
 for epoch in range(2):
+    batch_size = len(next(iter(loader))[0])
     if sampler is not None and args.bug != "no_set_epoch":
         sampler.set_epoch(epoch)
     for i, (x, y) in enumerate(loader):
