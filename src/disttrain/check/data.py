@@ -30,6 +30,7 @@ from typing import Any
 import torch
 from torch.utils.data import DataLoader
 
+from disttrain.check import samples
 from disttrain.check.verdicts import Finding, user_line
 
 WIDTH = 6
@@ -45,6 +46,12 @@ class LoaderState:
     repeated: bool = False
     line: str | None = None
     """The user's line that started the newest epoch (`for batch in loader`)."""
+    head: list[float] | None = None
+    """`samples.loader_head`: how the loader's sampler splits which dataset."""
+    batches: int = 0
+    """Batches the newest iterator yielded."""
+    before: tuple[Any, bool] = (None, False)
+    """`sampler_epoch` and `repeated` as they were before the newest iterator started."""
 
 
 def fingerprint(batch: Any) -> tuple[float, float]:
@@ -102,6 +109,12 @@ class DataWatch:
     def __init__(self) -> None:
         self.loaders: weakref.WeakKeyDictionary[DataLoader, LoaderState] = weakref.WeakKeyDictionary()
         self.current: LoaderState | None = None
+        self.prints: list[torch.Tensor] = []
+        """The training batches' sample prints since the last checked step."""
+        self.seen = samples.SeenSamples()
+        self.closed = self.paused = False
+        """closed: the window is over, iterators still open pass batches through untouched;
+        paused: only the first batch of each epoch is still fingerprinted."""
         self._original: Any = None
 
     def install(self) -> None:
@@ -115,6 +128,7 @@ class DataWatch:
         DataLoader.__iter__ = __iter__  # type: ignore[method-assign]
 
     def remove(self) -> None:
+        self.closed = True
         if self._original is not None:
             DataLoader.__iter__ = self._original  # type: ignore[method-assign]
             self._original = None
@@ -122,28 +136,74 @@ class DataWatch:
     def started(self, loader: DataLoader) -> LoaderState:
         """A new epoch of `loader`: read before its iterator (and sampler) starts."""
         state = self.loaders.setdefault(loader, LoaderState())
+        if state.epochs > 0 and state.batches <= 1:
+            # the iterator before yielded one batch at most: a peek (`next(iter(loader))`,
+            # for the batch size, say), not an epoch
+            state.epochs, (state.sampler_epoch, state.repeated) = state.epochs - 1, state.before
         sampler = shuffling_sampler(loader)
         epoch = getattr(sampler, "epoch", None) if sampler is not None else None
+        state.before = (state.sampler_epoch, state.repeated)
         state.repeated = state.repeated or (state.epochs > 0 and epoch is not None and epoch == state.sampler_epoch)
-        state.sampler_epoch, state.epochs, state.first = epoch, state.epochs + 1, None
+        state.sampler_epoch = epoch
+        state.epochs, state.first, state.batches = state.epochs + 1, None, 0
+        self.prints = []  # samples of another epoch (or of a peek) are not this epoch's
         try:
             state.length = len(loader)
         except TypeError:  # an IterableDataset without a length
             state.length = -1
         state.line = user_line()
+        state.head = samples.loader_head(loader)
         return state
 
     def yielded(self, state: LoaderState, batch: Any) -> None:
+        if self.closed:
+            return
+        state.batches += 1
         if state.first is None:
             state.first = fingerprint(batch)
+        if state is not self.current or self.paused:
+            self.prints = []  # another loader (evaluation, say): the newest one trains
         self.current = state
+        if not self.paused and sum(len(p) for p in self.prints) < samples.MAX_PER_STEP:
+            self.prints.append(samples.sample_prints(batch)[: samples.MAX_PER_STEP])
 
     def vector(self) -> list[float]:
-        """This rank's numbers for `compare` (`WIDTH` of them)."""
+        """This rank's numbers for `compare` and `compare_samples`: `WIDTH` of them, then
+        the loader's `samples.HEAD`, the count k of new sample prints and 2k numbers.
+        The prints start over."""
         s = self.current
         if s is None or s.first is None:
             return [0.0] * WIDTH
-        return [1.0, float(s.epochs), float(s.length), *s.first, float(s.repeated)]
+        new = torch.cat(self.prints) if self.prints else torch.zeros(0, 2, dtype=torch.float64)
+        self.prints = []
+        head = s.head or [0.0] * samples.HEAD
+        return [
+            1.0,
+            float(s.epochs),
+            float(s.length),
+            *s.first,
+            float(s.repeated),
+            *head,
+            float(len(new)),
+            *new.reshape(-1).tolist(),
+        ]
+
+    def compare_samples(self, rows: list[torch.Tensor], step: int, line: str | None) -> list[tuple[str, Finding]]:
+        """The data-split-twice and shared-samples findings in every rank's `vector`
+        (each with the key it is said once under); the table of seen samples grows."""
+        if len(rows) < 2 or not all(bool(r[0] == 1) and len(r) > WIDTH for r in rows):
+            return []
+        heads = [r[WIDTH : WIDTH + samples.HEAD] for r in rows]
+        found = []
+        twice = samples.split_twice(heads, line)
+        if twice is not None:
+            found.append(("data-split", twice))
+        start = WIDTH + samples.HEAD + 1
+        prints = [r[start : start + 2 * int(r[start - 1])].reshape(-1, 2) for r in rows]
+        self.seen.add(int(rows[0][1]), prints)
+        if self.seen.overlapping():
+            found.append(("data-shared", Finding("data", True, samples.shared_text(self.seen, step, heads, line))))
+        return found
 
     def boundary(self) -> bool:
         """Whether the training loader has started its second epoch."""

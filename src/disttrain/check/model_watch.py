@@ -96,6 +96,17 @@ class ModelWatch:
         """ids of the parameters some live DDP averages."""
         return {id(p) for ddp in list(self.wrapped.values()) for p in ddp.parameters()}
 
+    def strict_params(self) -> set[int]:
+        """ids of the parameters that need a gradient at every step: trainable parameters
+        of a live DDP built with find_unused_parameters=False (and no static graph)."""
+        return {
+            id(p)
+            for ddp in list(self.wrapped.values())
+            if not getattr(ddp, "find_unused_parameters", True) and not getattr(ddp, "static_graph", False)
+            for p in ddp.parameters()
+            if p.requires_grad
+        }
+
     def outside_sync(self) -> bool:
         """Whether a live DDP is inside `no_sync()` now (it does not average gradients)."""
         return any(not getattr(ddp, "require_backward_grad_sync", True) for ddp in list(self.wrapped.values()))

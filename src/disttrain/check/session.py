@@ -25,12 +25,17 @@ from typing import Any
 import torch
 from torch.optim.optimizer import register_optimizer_step_post_hook, register_optimizer_step_pre_hook
 
-from disttrain.check import data, micro_steps, replicas, wrapping
+from disttrain.check import data, dead_gradients, micro_steps, replicas, wrapping, zeroing
 from disttrain.check.channel import Channel
 from disttrain.check.model_watch import ModelWatch
 from disttrain.check.settings import ALL, window_from_env
 from disttrain.check.verdicts import Finding, Report, user_line
 from disttrain.runtime.log import EVERY_RANK, LOGGER
+
+HEAD = 3
+"""Numbers before the parameters' in a rank's row at a checked step: the parameter count,
+whether the optimizer holds parameters no model has, the parameters that carried
+gradients over from the step before."""
 
 
 class Session:
@@ -41,6 +46,8 @@ class Session:
         self.steps = self.checked = 0
         self.channel, self.report = Channel(), Report()
         self.models, self.data, self.replicas = ModelWatch(), data.DataWatch(), replicas.Replicas()
+        self.resets = zeroing.GradResets()
+        self.zero_grads = dead_gradients.ZeroStreak()
         self.stepping: Any = None
         """The optimizer whose step is running (a nested step is not checked)."""
         self.pending: tuple[list[torch.Tensor], replicas.Context] | None = None
@@ -62,9 +69,18 @@ class Session:
         if self.closed:
             return
         self.closed = True
-        self.models.remove()
+        self._pause()
         self.data.remove()
         LOGGER.info(self.report.summary(self.checked, self.boundary_seen, self.world))
+
+    def _pause(self) -> None:
+        """The window is over but the epoch boundary is still to come: only the
+        DataLoader wrapper (to see the boundary) and the optimizer hooks stay; the
+        per-module and per-parameter hooks go, so the steps in between run at full speed."""
+        if not self.data.paused:
+            self.data.paused = True
+            self.models.remove()
+            self.resets.remove()
 
     def uninstall(self) -> None:
         """The optimizer hooks removed (`finish`: no step of this process runs them now)."""
@@ -88,6 +104,8 @@ class Session:
         if not self._wanted():
             if self.boundary_seen or not self.aligned:
                 self.close()
+            else:
+                self._pause()
             return
         self._guarded(self._check_before, opt, *taken)
 
@@ -95,6 +113,7 @@ class Session:
         if opt is not self.stepping:
             return
         self.stepping = None
+        self.resets.stepped([p for group in opt.param_groups for p in group["params"]])
         if self.pending is not None and not self.closed:
             self._guarded(self._check_after)
 
@@ -116,28 +135,47 @@ class Session:
         elif micro[0] > 1:
             self.report.note("accumulation", f"{micro[0]} micro-batches per step, no_sync() on all but the last")
         whole = replicas.plain(params)
-        lost = wrapping.orphaned(params, roots)
-        mine = [float(len(whole)), *replicas.before_values(whole), float(lost), *self.data.vector()]
-        rows = self.channel.gather(mine)
+        head = [float(len(whole)), float(wrapping.orphaned(params, roots)), float(self.resets.carried(whole))]
+        rows = self.channel.gather([*head, *replicas.before_values(whole), *self.data.vector()])
         if rows is None:
             return self.close()
+        self.resets.watch(whole)
         self.checked, self.world = self.checked + 1, len(rows)
         first = id(opt) not in self.seen_opts
         self.seen_opts.add(id(opt))
-        if any(bool(r[1 + 4 * int(r[0])]) for r in rows):
+        if any(bool(r[1]) for r in rows):
             self.report.add(Finding("wrapping", True, wrapping.orphaned_text(self.steps, len(params), roots, line)))
         self.report.note("optimizer", "holds the model's parameters")
-        self._compare_data([r[2 + 4 * int(r[0]) :] for r in rows], line)
+        self._compare_data([r[HEAD + 4 * int(r[0]) :] for r in rows], line)
+        carried = max(int(r[2]) for r in rows)
+        if carried:
+            self.report.add(zeroing.carried_finding(self.steps, carried, len(whole), line))
+        self.report.note("zero_grad", "gradients reset between steps")
         ctx = replicas.Context(self.steps, first, self._names(whole), line, bypass, self.models.outside_sync())
         if len({int(r[0]) for r in rows}) != 1:
             self.report.note("replicas", "not compared: the ranks' optimizers hold different parameters")
             return
+        body = [r[HEAD : HEAD + 4 * int(r[0])] for r in rows]
+        self._check_unused(whole, body, ctx)
+        if self.zero_grads.add(dead_gradients.all_zero(body)):
+            self.report.add(dead_gradients.finding(self.steps, len(whole), line))
+        self.report.note("gradients", "not all zero")
         ddp = self.models.ddp_params()
         own = torch.tensor([id(p) in ddp for p in whole], dtype=torch.bool)
-        body = [r[1 : 1 + 4 * int(r[0])] for r in rows]
         self.report.add(self.replicas.before(body, own, ctx))
         self.pending = (whole, ctx)
         self._note_replicas(bool(own.any()), sharded=len(whole) < len(params))
+
+    def _check_unused(self, whole: list[torch.Tensor], body: list[torch.Tensor], ctx: replicas.Context) -> None:
+        """Parameters a strict DDP waits for, without a gradient on any rank."""
+        strict = self.models.strict_params()
+        if not strict or ctx.no_sync:
+            return
+        no_grad = torch.stack([b.reshape(-1, 4)[:, 1] < 0 for b in body]).all(dim=0)
+        unused = [ctx.names[i] for i, p in enumerate(whole) if id(p) in strict and bool(no_grad[i])]
+        if unused:
+            self.report.add(Finding("wrapping", True, wrapping.unused_text(ctx.step, unused, ctx.step_line)))
+        self.report.note("unused parameters", "every parameter DDP waits for got a gradient")
 
     def _check_after(self) -> None:
         assert self.pending is not None
@@ -152,7 +190,9 @@ class Session:
         self.report.add(self.replicas.after(rows, len(whole), [n for n, _ in named], ctx))
 
     def _compare_data(self, rows: list[torch.Tensor], line: str | None) -> None:
-        for key, finding in data.compare(rows, self.steps, self.data.current.line if self.data.current else line):
+        where = self.data.current.line if self.data.current else line
+        found = [*data.compare(rows, self.steps, where), *self.data.compare_samples(rows, self.steps, where)]
+        for key, finding in found:
             self.report.add(finding, key)
         present = all(bool(r[0] == 1) for r in rows)
         lengths = {int(r[2]) for r in rows}

@@ -1,4 +1,7 @@
-"""An optimizer that holds parameters the model no longer has.
+"""How the model is wrapped, seen at a step: an optimizer that holds parameters the
+model no longer has, and parameters DDP waits for that got no gradient.
+
+An optimizer that holds parameters the model no longer has:
 
 `fully_shard` replaces every parameter of the module it shards with a new DTensor
 parameter; `load_state_dict(..., assign=True)` and rebuilding a layer replace them too.
@@ -10,6 +13,12 @@ parameters, so an optimizer built before DDP still trains.)
 The witness is exact: at a step where none of the optimizer's parameters has a
 gradient, none of them is a parameter of any model the script called since the step
 before (the roots of `model_watch`).
+
+Unused parameters: DistributedDataParallel built with find_unused_parameters=False
+waits, in every backward, for a gradient of each trainable parameter. One the forward
+did not use never gets one: its bucket is not averaged, and DDP's next forward raises
+an error that names parameter indices. The check names the parameters at the step
+before, from the gradients every rank gathered: None on every rank.
 """
 
 from __future__ import annotations
@@ -37,4 +46,19 @@ def orphaned_text(step: int, n_params: int, roots: list[nn.Module], line: str | 
         "layer) replaced the model's parameters, so the model never trains. Fix: build the "
         "optimizer after wrapping, from the wrapped model: fully_shard(model); optimizer = "
         "torch.optim.AdamW(model.parameters())."
+    )
+
+
+def unused_text(step: int, names: list[str], line: str | None) -> str:
+    more = f" (and {len(names) - 1} more)" if len(names) > 1 else ""
+    where = f" at {line}" if line else ""
+    return (
+        f"step {step}: the parameter `{names[0]}`{more} got no gradient on any rank before "
+        f"optimizer.step(){where}: the forward did not use it, and DistributedDataParallel, "
+        "built with find_unused_parameters=False, waits for its gradient, so the gradients "
+        "of its bucket are not averaged and DDP's next forward fails (\"Expected to have "
+        'finished reduction in the prior iteration"). Fix: remove the unused layer or freeze '
+        "it (`requires_grad_(False)`) before wrapping, or build "
+        "DistributedDataParallel(model, find_unused_parameters=True) if the forward skips "
+        "layers on purpose."
     )

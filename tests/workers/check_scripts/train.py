@@ -7,7 +7,12 @@ epochs of 4 steps on each of 2 ranks.
 Under DDP each step accumulates two micro-batches, the first under no_sync(). Bugs:
 bypass (forward through DDP's .module), rank_init (a seed per rank, gradients averaged
 by hand), no_sampler (every rank iterates the whole dataset), no_set_epoch, opt_first
-(the optimizer built before fully_shard), accum_no_sync (no no_sync()). OUT/params.pt: the final parameters.
+(the optimizer built before fully_shard), accum_no_sync (no no_sync()), sampler_seed (a
+DistributedSampler seeded per rank), split_twice (a per-rank Subset split again by a
+DistributedSampler), no_zero_grad (zero_grad on every other step only), unused (a layer
+DDP waits for that the forward never uses), one_class (cross_entropy over one output column:
+every gradient zero). Each epoch starts with a peek at the loader before set_epoch, as
+scripts do to read the batch size. OUT/params.pt: the final parameters.
 """
 
 import argparse
@@ -17,7 +22,7 @@ import os
 import torch
 import torch.distributed as dist
 import torch.nn as nn
-from torch.utils.data import DataLoader, DistributedSampler, TensorDataset
+from torch.utils.data import DataLoader, DistributedSampler, Subset, TensorDataset
 
 parser = argparse.ArgumentParser()
 parser.add_argument("out")
@@ -30,9 +35,27 @@ rank, world = dist.get_rank(), dist.get_world_size()
 torch.manual_seed(rank if args.bug == "rank_init" else 0)
 model = nn.Sequential(nn.Linear(8, 16), nn.Tanh(), nn.Linear(16, 1))
 
+
+class WithSpare(nn.Module):
+    """The model and a layer its forward never calls."""
+
+    def __init__(self, body):
+        super().__init__()
+        self.body, self.spare = body, nn.Linear(4, 4)
+
+    def forward(self, x):
+        return self.body(x)
+
+
+if args.bug == "unused":
+    model = WithSpare(model)
+
 data_gen = torch.Generator().manual_seed(1)
 dataset = TensorDataset(torch.randn(64, 8, generator=data_gen), torch.randn(64, 1, generator=data_gen))
-sampler = None if args.bug == "no_sampler" else DistributedSampler(dataset, shuffle=True, seed=3)
+if args.bug == "split_twice":
+    dataset = Subset(dataset, range(rank, len(dataset), world))
+seed = 3 + rank if args.bug == "sampler_seed" else 3
+sampler = None if args.bug == "no_sampler" else DistributedSampler(dataset, shuffle=True, seed=seed)
 loader = DataLoader(dataset, batch_size=8, sampler=sampler)
 
 if args.strategy == "fsdp2":
@@ -52,23 +75,28 @@ else:
     optimizer = torch.optim.SGD(model.parameters(), lr=0.1)
 
 
+loss_fn = nn.functional.cross_entropy if args.bug == "one_class" else nn.functional.mse_loss
+
+
 def backward(x, y):
     """Two micro-batches under DDP (no_sync on the first, but for the accum_no_sync bug)."""
     forward = trained.module if args.bug == "bypass" else trained
     if args.strategy != "ddp" or args.bug == "bypass":
-        nn.functional.mse_loss(forward(x), y).backward()
+        loss_fn(forward(x), y).backward()
         return
     half = len(x) // 2
     with trained.no_sync() if args.bug != "accum_no_sync" else contextlib.nullcontext():
-        (nn.functional.mse_loss(forward(x[:half]), y[:half]) / 2).backward()
-    (nn.functional.mse_loss(forward(x[half:]), y[half:]) / 2).backward()
+        (loss_fn(forward(x[:half]), y[:half]) / 2).backward()
+    (loss_fn(forward(x[half:]), y[half:]) / 2).backward()
 
 
 for epoch in range(2):
+    batch_size = len(next(iter(loader))[0])
     if sampler is not None and args.bug != "no_set_epoch":
         sampler.set_epoch(epoch)
-    for x, y in loader:
-        optimizer.zero_grad()
+    for i, (x, y) in enumerate(loader):
+        if args.bug != "no_zero_grad" or i % 2 == 0:
+            optimizer.zero_grad()
         backward(x, y)
         if args.strategy == "manual":
             for p in model.parameters():
