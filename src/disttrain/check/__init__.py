@@ -9,5 +9,10 @@ user's unchanged script by checks installed from outside it (docs/check.md).
     data.py         the DataLoader wrapper: same samples, batches per epoch, set_epoch
     wrapping.py     an optimizer holding parameters the model no longer has
     micro_steps.py  accumulation under DDP without no_sync()
+    collective_watch.py
+                    torch.distributed's collectives wrapped: each call, optimizer step
+                    and end compared across ranks before it can hang
+    sequence.py     those events compared through the job's store, with a bounded wait
+    fingerprints.py a call in words, and what must match across ranks
     verdicts.py     the messages, the stop (exit 3) and the summary
 """

@@ -5,7 +5,9 @@
 - torch's global optimizer step hooks (`register_optimizer_step_pre_hook`, `_post_`):
   every checked step compares gradients and replicas before it, replicas after it;
 - the global module hooks of `model_watch` (models, DDP wrappers, `.module` bypass);
-- the DataLoader wrapper of `data`.
+- the DataLoader wrapper of `data`;
+- the `torch.distributed` collectives' wrappers of `collective_watch`: each call, optimizer
+  step and the script's end compared across ranks, through a store, before it can hang.
 
 The window: the first N optimizer steps (`--check-steps`, default 50, or all), and the
 first step of the training loader's second epoch. When it closes every hook is removed
@@ -27,6 +29,7 @@ from torch.optim.optimizer import register_optimizer_step_post_hook, register_op
 
 from disttrain.check import data, dead_gradients, micro_steps, replicas, wrapping, zeroing
 from disttrain.check.channel import Channel
+from disttrain.check.collective_watch import CollectiveWatch
 from disttrain.check.model_watch import ModelWatch
 from disttrain.check.settings import ALL, window_from_env
 from disttrain.check.verdicts import Finding, Report, user_line
@@ -48,6 +51,7 @@ class Session:
         self.models, self.data, self.replicas = ModelWatch(), data.DataWatch(), replicas.Replicas()
         self.resets = zeroing.GradResets()
         self.zero_grads = dead_gradients.ZeroStreak()
+        self.collectives = CollectiveWatch(self.report, window)
         self.stepping: Any = None
         """The optimizer whose step is running (a nested step is not checked)."""
         self.pending: tuple[list[torch.Tensor], replicas.Context] | None = None
@@ -61,6 +65,7 @@ class Session:
         self._handles = [register_optimizer_step_pre_hook(self._before), register_optimizer_step_post_hook(self._after)]
         self.models.install()
         self.data.install()
+        self.collectives.install()
 
     def close(self) -> None:
         """End the window: the module hooks and the DataLoader wrapper removed, the
@@ -71,6 +76,7 @@ class Session:
         self.closed = True
         self._pause()
         self.data.remove()
+        self.collectives.remove()
         LOGGER.info(self.report.summary(self.checked, self.boundary_seen, self.world))
 
     def _pause(self) -> None:
@@ -100,6 +106,7 @@ class Session:
             return  # changes nothing: torch's own step that makes the optimizer's state (DCP)
         self.stepping, self.pending = opt, None
         self.steps += 1
+        self.collectives.step()  # first: a rank elsewhere is named here, not deadlocked below
         taken = self.models.take_step(), self.models.take_micro_steps()  # this step's only
         if not self._wanted():
             if self.boundary_seen or not self.aligned:
@@ -240,7 +247,9 @@ def install_from_env() -> Session | None:
 
 
 def finish() -> None:
-    """The script ended: the summary, if not printed yet, and every hook removed."""
+    """The script ended: its end compared with the other ranks' (`CollectiveWatch.end`),
+    the summary, if not printed yet, and every hook removed."""
     if SESSION:
+        SESSION[0].collectives.end()
         SESSION[0].close()
         SESSION[0].uninstall()

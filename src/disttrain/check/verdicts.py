@@ -17,6 +17,7 @@ import sys
 import sysconfig
 from dataclasses import dataclass, field
 from pathlib import Path
+from types import FrameType
 
 from disttrain import worker_notes
 from disttrain.runtime.log import LOGGER
@@ -47,22 +48,27 @@ def _own_dirs() -> tuple[str, ...]:
     return tuple(str(d.resolve()) + os.sep for d in dirs)
 
 
-def user_line() -> str | None:
-    """'file:line' of the innermost frame of the caller's stack that is the user's code
-    (not torch, disttrain or the standard library), the path relative to the working
-    folder when it lies inside it; None when there is none."""
-    own = _own_dirs()
-    frame = inspect.currentframe()
+@functools.lru_cache(maxsize=1024)
+def own_code(filename: str) -> bool:
+    """Whether code of `filename` (a code object's) is torch's, disttrain's or the
+    standard library's, never the user's line."""
+    return os.path.realpath(filename).startswith(_own_dirs())
+
+
+def user_line(frame: FrameType | None = None) -> str | None:
+    """'file:line' of the innermost frame of the caller's stack (or of `frame`'s) that
+    is the user's code (not torch, disttrain or the standard library), the path relative
+    to the working folder when it lies inside it; None when there is none."""
+    frame = frame or inspect.currentframe()
     while frame is not None:
         name = frame.f_code.co_filename
-        if not name.startswith("<"):
+        if not name.startswith("<") and not own_code(name):
             path = os.path.realpath(name)
-            if not path.startswith(own):
-                try:
-                    shown = os.path.relpath(path)
-                except ValueError:  # another drive (Windows)
-                    shown = path
-                return f"{path if shown.startswith('..') else shown}:{frame.f_lineno}"
+            try:
+                shown = os.path.relpath(path)
+            except ValueError:  # another drive (Windows)
+                shown = path
+            return f"{path if shown.startswith('..') else shown}:{frame.f_lineno}"
         frame = frame.f_back
     return None
 
@@ -109,16 +115,17 @@ class Report:
         return f"disttrain {PREFIX}: checked {what} on {world} rank{'s' if world != 1 else ''} ({covered}): {verdict}."
 
 
-def stop(text: str) -> None:
-    """End the run for a bug that makes its results wrong: the message once (rank 0),
-    exit `STOP_STATUS` on every rank. Never returns."""
+def stop(text: str, speaker: int = 0) -> None:
+    """End the run for a bug that makes its results wrong: the message once (by rank
+    `speaker`, one of the ranks that found it), exit `STOP_STATUS` on every rank. Never
+    returns."""
     rank = int(os.environ.get("RANK", "0") or 0)
     for stream in (sys.stdout, sys.stderr):
         stream.flush()
     if worker_notes.under_launcher():
-        if rank == 0:
+        if rank == speaker:
             worker_notes.report_not_retried(f"{PREFIX} stopped the run: {text}", STOP_STATUS)
         worker_notes.wait_to_be_stopped()  # the launcher stops every rank now
-    elif rank == 0:
+    elif rank == speaker:
         print(f"disttrain {PREFIX} stopped the run (exit status {STOP_STATUS}): {text}", file=sys.stderr, flush=True)
     os._exit(STOP_STATUS)

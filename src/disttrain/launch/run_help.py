@@ -16,7 +16,8 @@ OWN_FLAGS = (
     ),
     (
         "--check",
-        "check replicas, gradients, data and optimizer as it runs; a wrong-results bug exits 3 (docs/check.md)",
+        "check replicas, gradients, data, optimizer and collectives as it runs; a wrong-results or "
+        "hanging bug exits 3 (docs/check.md)",
     ),
     (
         f"{STEPS_FLAG} N",

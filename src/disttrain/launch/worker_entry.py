@@ -109,6 +109,8 @@ def main(argv: list[str]) -> None:
         script_failed(e)
     except (SystemExit, KeyboardInterrupt) as e:
         if not failures.is_program_exit(e):
+            if isinstance(e, SystemExit):
+                finish_checks()  # sys.exit(0): an end the other ranks' checks compare with theirs
             raise
         script_failed(e)
     else:
