@@ -5,7 +5,8 @@
 - torch's global optimizer step hooks (`register_optimizer_step_pre_hook`, `_post_`):
   every checked step compares gradients and replicas before it, replicas after it;
 - the global module hooks of `model_watch` (models, DDP wrappers, `.module` bypass);
-- the DataLoader wrapper of `data`.
+- the DataLoader wrapper of `data`;
+- the wrappers of `results` (printed numbers, torch.save, RNG restores, GradScaler).
 
 The window: the first N optimizer steps (`--check-steps`, default 50, or all), and the
 first step of the training loader's second epoch. When it closes every hook is removed
@@ -25,7 +26,7 @@ from typing import Any
 import torch
 from torch.optim.optimizer import register_optimizer_step_post_hook, register_optimizer_step_pre_hook
 
-from disttrain.check import data, micro_steps, replicas, wrapping
+from disttrain.check import data, micro_steps, replicas, results, wrapping
 from disttrain.check.channel import Channel
 from disttrain.check.model_watch import ModelWatch
 from disttrain.check.settings import ALL, window_from_env
@@ -49,11 +50,15 @@ class Session:
         self.world = 1
         self.seen_opts: set[int] = set()
         self._handles: list[Any] = []
+        self.results = results.Results(
+            self.models, self.channel, self.report, lambda: self.steps, self._upcoming, self.settle
+        )
 
     def install(self) -> None:
         self._handles = [register_optimizer_step_pre_hook(self._before), register_optimizer_step_post_hook(self._after)]
         self.models.install()
         self.data.install()
+        self.results.install()
 
     def close(self) -> None:
         """End the window: the module hooks and the DataLoader wrapper removed, the
@@ -64,6 +69,7 @@ class Session:
         self.closed = True
         self.models.remove()
         self.data.remove()
+        self.results.remove()
         LOGGER.info(self.report.summary(self.checked, self.boundary_seen, self.world))
 
     def uninstall(self) -> None:
@@ -72,10 +78,25 @@ class Session:
             handle.remove()
         self._handles = []
 
-    def _wanted(self) -> bool:
-        if self.window == ALL or self.steps <= self.window:
+    def settle(self) -> None:
+        """End the window at a point every rank reaches alike (the step after it, the
+        script's end): the results' last exchange, then `close`."""
+        if not self.closed:
+            self._guarded(self._exchange_results, None, None)
+            self.close()
+
+    def _wanted(self, steps: int) -> bool:
+        if self.window == ALL or steps <= self.window:
             return True
         return self.aligned and not self.boundary_seen and self.data.boundary()
+
+    def _upcoming(self) -> int | None:
+        """The next optimizer step's number when it will be checked, else None."""
+        return None if self.closed or not self._wanted(self.steps + 1) else self.steps + 1
+
+    def _exchange_results(self, params: list[torch.Tensor] | None, line: str | None) -> None:
+        if not self.results.exchange(self.steps, params, line):
+            self.close()
 
     def _before(self, opt: torch.optim.Optimizer, args: Any, kwargs: Any) -> None:
         if self.closed or (self.stepping is not None and self.stepping is not opt):
@@ -85,9 +106,9 @@ class Session:
         self.stepping, self.pending = opt, None
         self.steps += 1
         taken = self.models.take_step(), self.models.take_micro_steps()  # this step's only
-        if not self._wanted():
+        if not self._wanted(self.steps):
             if self.boundary_seen or not self.aligned:
-                self.close()
+                self.settle()
             return
         self._guarded(self._check_before, opt, *taken)
 
@@ -117,17 +138,20 @@ class Session:
             self.report.note("accumulation", f"{micro[0]} micro-batches per step, no_sync() on all but the last")
         whole = replicas.plain(params)
         lost = wrapping.orphaned(params, roots)
-        mine = [float(len(whole)), *replicas.before_values(whole), float(lost), *self.data.vector()]
+        results_due = float(self.results.pending(params))
+        mine = [float(len(whole)), *replicas.before_values(whole), float(lost), *self.data.vector(), results_due]
         rows = self.channel.gather(mine)
         if rows is None:
             return self.close()
+        if any(bool(r[-1]) for r in rows):
+            self._exchange_results(params, line)
         self.checked, self.world = self.checked + 1, len(rows)
         first = id(opt) not in self.seen_opts
         self.seen_opts.add(id(opt))
         if any(bool(r[1 + 4 * int(r[0])]) for r in rows):
             self.report.add(Finding("wrapping", True, wrapping.orphaned_text(self.steps, len(params), roots, line)))
         self.report.note("optimizer", "holds the model's parameters")
-        self._compare_data([r[2 + 4 * int(r[0]) :] for r in rows], line)
+        self._compare_data([r[2 + 4 * int(r[0]) : -1] for r in rows], line)
         ctx = replicas.Context(self.steps, first, self._names(whole), line, bypass, self.models.outside_sync())
         if len({int(r[0]) for r in rows}) != 1:
             self.report.note("replicas", "not compared: the ranks' optimizers hold different parameters")
@@ -197,6 +221,15 @@ def install_from_env() -> Session | None:
     None otherwise."""
     window = window_from_env()
     return None if window is None else install(window)
+
+
+def settle() -> None:
+    """The script returned on this rank with the process group up (every rank's returns
+    here): the results' last exchange, then the summary (`Session.settle`)."""
+    import torch.distributed as dist
+
+    if SESSION and dist.is_available() and dist.is_initialized():
+        SESSION[0].settle()
 
 
 def finish() -> None:

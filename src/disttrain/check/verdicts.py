@@ -29,9 +29,10 @@ PREFIX = "--check"
 @dataclass(frozen=True)
 class Finding:
     """One bug or warning: `check` names the check ("replicas", "gradients", "data",
-    "wrapping"), `stops` whether the results are wrong (exit 3) rather than slow or
-    fragile (a warning), `text` the whole message: the bug in the user's words, the
-    ranks, the step, the user's line where one applies, and the fix."""
+    "wrapping", "numbers", "saves", "rng", "precision"), `stops` whether the results are
+    wrong (exit 3) rather than slow or fragile (a warning), `text` the whole message: the
+    bug in the user's words, the ranks, the step, the user's line where one applies, and
+    the fix."""
 
     check: str
     stops: bool
@@ -47,24 +48,38 @@ def _own_dirs() -> tuple[str, ...]:
     return tuple(str(d.resolve()) + os.sep for d in dirs)
 
 
+def users_file(name: str) -> bool:
+    """Whether a frame's file `name` is the user's code: a real file outside torch,
+    disttrain and the standard library."""
+    return not name.startswith("<") and not os.path.realpath(name).startswith(_own_dirs())
+
+
 def user_line() -> str | None:
     """'file:line' of the innermost frame of the caller's stack that is the user's code
-    (not torch, disttrain or the standard library), the path relative to the working
-    folder when it lies inside it; None when there is none."""
-    own = _own_dirs()
+    (`users_file`), the path relative to the working folder when it lies inside it;
+    None when there is none."""
     frame = inspect.currentframe()
     while frame is not None:
         name = frame.f_code.co_filename
-        if not name.startswith("<"):
+        if users_file(name):
             path = os.path.realpath(name)
-            if not path.startswith(own):
-                try:
-                    shown = os.path.relpath(path)
-                except ValueError:  # another drive (Windows)
-                    shown = path
-                return f"{path if shown.startswith('..') else shown}:{frame.f_lineno}"
+            try:
+                shown = os.path.relpath(path)
+            except ValueError:  # another drive (Windows)
+                shown = path
+            return f"{path if shown.startswith('..') else shown}:{frame.f_lineno}"
         frame = frame.f_back
     return None
+
+
+def called_by_user(depth: int = 2) -> bool:
+    """Whether the function `depth` frames up the stack from this one was called by the
+    user's code directly (a wrapper asks with depth 2: its caller's caller is not torch,
+    disttrain or the standard library calling on its own behalf)."""
+    frame = inspect.currentframe()
+    for _ in range(depth):
+        frame = frame.f_back if frame is not None else None
+    return frame is not None and users_file(frame.f_code.co_filename)
 
 
 def ranks_text(ranks: list[int]) -> str:
