@@ -44,7 +44,7 @@ from disttrain.check import fingerprints
 from disttrain.check.fingerprints import COLLECTIVE, END, STEP, Event
 from disttrain.check.sequence import OFF, Missing, Sequence, wait_bound_s
 from disttrain.check.settings import ALL
-from disttrain.check.verdicts import PREFIX, Finding, Report, own_code, stop, user_line
+from disttrain.check.verdicts import PREFIX, Finding, Report, own_code, past_checks, stop, user_line
 from disttrain.runtime.log import EVERY_RANK, LOGGER
 
 WORLD = "world"
@@ -249,8 +249,14 @@ class CollectiveWatch:
 
 
 def from_user(caller: FrameType) -> bool:
-    """Whether a call whose caller's frame is `caller` is the user's, on the main thread."""
-    return threading.current_thread() is threading.main_thread() and not own_code(caller.f_code.co_filename)
+    """Whether a call whose caller's frame is `caller` is the user's, on the main thread
+    (the checks' own wrappers in between skipped)."""
+    frame = past_checks(caller)
+    return (
+        threading.current_thread() is threading.main_thread()
+        and frame is not None
+        and not own_code(frame.f_code.co_filename)
+    )
 
 
 def _raised_at(tb: TracebackType | None) -> str | None:

@@ -7,7 +7,8 @@ seen through torch's global module hooks (public: `torch.nn.modules.module`).
   per thread. A module called at depth 0 is a root: the model the script called. A root
   that is a DDP's wrapped module was called through `.module`, outside DDP's forward;
   with gradients on, that forward's gradients are not averaged. Its line is kept as
-  the witness the gradient check names.
+  the witness the gradient check names. As a root call returns, `root_calls` hear of it
+  (an evaluation, a float16 forward: `numbers`, `float16`).
 
 The hooks only record; they change no input, output or gradient. They are removed when
 the check window closes.
@@ -17,6 +18,7 @@ from __future__ import annotations
 
 import threading
 import weakref
+from collections.abc import Callable
 from typing import Any
 
 import torch
@@ -25,6 +27,7 @@ from torch.nn.modules import module as module_hooks
 from torch.nn.parallel import DistributedDataParallel
 
 from disttrain.check.verdicts import user_line
+from disttrain.runtime.log import LOGGER
 from disttrain.runtime.torch_compat import canonical_name
 
 
@@ -44,6 +47,8 @@ class ModelWatch:
         self.forwards = self.synced = 0
         """Training forwards through a DDP since the last step, and those outside no_sync()."""
         self.forward_line: str | None = None
+        self.root_calls: list[Callable[[nn.Module, Any, Any], None]] = []
+        """Called with (module, args, output) as each top-level call returns (other checks')."""
         self._handles: list[Any] = []
 
     def install(self) -> None:
@@ -75,7 +80,14 @@ class ModelWatch:
         self._depth.n = depth + 1
 
     def _left(self, module: nn.Module, args: Any, output: Any) -> None:
-        self._depth.n = max(0, getattr(self._depth, "n", 1) - 1)
+        depth = self._depth.n = max(0, getattr(self._depth, "n", 1) - 1)
+        if depth == 0:
+            for call in list(self.root_calls):
+                try:
+                    call(module, args, output)
+                except Exception as e:  # noqa: BLE001  (a check's own fault must never reach the forward)
+                    self.root_calls.remove(call)
+                    LOGGER.warning(f"disttrain --check: a check failed ({type(e).__name__}: {e}) and stops.")
 
     def take_step(self) -> tuple[list[nn.Module], str | None]:
         """The roots called and the bypass line since the last call; both start over."""

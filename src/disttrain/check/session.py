@@ -8,6 +8,7 @@
 - the DataLoader wrapper of `data`;
 - the `torch.distributed` collectives' wrappers of `collective_watch`: each call, optimizer
   step and the script's end compared across ranks, through a store, before it can hang.
+- the wrappers of `results` (printed numbers, torch.save, RNG restores, GradScaler).
 
 The window: the first N optimizer steps (`--check-steps`, default 50, or all), and the
 first step of the training loader's second epoch. When it closes every hook is removed
@@ -22,12 +23,13 @@ off with one warning; it never reaches the user's program.
 
 from __future__ import annotations
 
+import sys
 from typing import Any
 
 import torch
 from torch.optim.optimizer import register_optimizer_step_post_hook, register_optimizer_step_pre_hook
 
-from disttrain.check import data, dead_gradients, micro_steps, replicas, wrapping, zeroing
+from disttrain.check import data, dead_gradients, micro_steps, replicas, results, wrapping, zeroing
 from disttrain.check.channel import Channel
 from disttrain.check.collective_watch import CollectiveWatch
 from disttrain.check.model_watch import ModelWatch
@@ -35,10 +37,11 @@ from disttrain.check.settings import ALL, window_from_env
 from disttrain.check.verdicts import Finding, Report, user_line
 from disttrain.runtime.log import EVERY_RANK, LOGGER
 
-HEAD = 3
+HEAD = 4
 """Numbers before the parameters' in a rank's row at a checked step: the parameter count,
 whether the optimizer holds parameters no model has, the parameters that carried
-gradients over from the step before."""
+gradients over from the step before, whether the results checks have a record to
+exchange."""
 
 
 class Session:
@@ -60,12 +63,17 @@ class Session:
         self.world = 1
         self.seen_opts: set[int] = set()
         self._handles: list[Any] = []
+        self.results = results.Results(
+            self.models, self.channel, self.report, lambda: self.steps, self._upcoming, self.settle
+        )
 
     def install(self) -> None:
         self._handles = [register_optimizer_step_pre_hook(self._before), register_optimizer_step_post_hook(self._after)]
         self.models.install()
         self.data.install()
-        self.collectives.install()
+        self.results.install()
+        self.collectives.install()  # last: its wrapper of destroy_process_group is outermost, so
+        # a rank's end reaches its peers before the results' last exchange waits for them
 
     def close(self) -> None:
         """End the window: the module hooks and the DataLoader wrapper removed, the
@@ -77,6 +85,7 @@ class Session:
         self._pause()
         self.data.remove()
         self.collectives.remove()
+        self.results.remove()
         LOGGER.info(self.report.summary(self.checked, self.boundary_seen, self.world))
 
     def _pause(self) -> None:
@@ -94,10 +103,25 @@ class Session:
             handle.remove()
         self._handles = []
 
-    def _wanted(self) -> bool:
-        if self.window == ALL or self.steps <= self.window:
+    def settle(self) -> None:
+        """End the window at a point every rank reaches alike (the step after it, the
+        script's end): the results' last exchange, then `close`."""
+        if not self.closed:
+            self._guarded(self._exchange_results, None, None)
+            self.close()
+
+    def _wanted(self, steps: int) -> bool:
+        if self.window == ALL or steps <= self.window:
             return True
         return self.aligned and not self.boundary_seen and self.data.boundary()
+
+    def _upcoming(self) -> int | None:
+        """The next optimizer step's number when it will be checked, else None."""
+        return None if self.closed or not self._wanted(self.steps + 1) else self.steps + 1
+
+    def _exchange_results(self, params: list[torch.Tensor] | None, line: str | None) -> None:
+        if not self.results.exchange(self.steps, params, line):
+            self.close()
 
     def _before(self, opt: torch.optim.Optimizer, args: Any, kwargs: Any) -> None:
         if self.closed or (self.stepping is not None and self.stepping is not opt):
@@ -108,9 +132,9 @@ class Session:
         self.steps += 1
         self.collectives.step()  # first: a rank elsewhere is named here, not deadlocked below
         taken = self.models.take_step(), self.models.take_micro_steps()  # this step's only
-        if not self._wanted():
+        if not self._wanted(self.steps):
             if self.boundary_seen or not self.aligned:
-                self.close()
+                self.settle()
             else:
                 self._pause()
             return
@@ -143,9 +167,12 @@ class Session:
             self.report.note("accumulation", f"{micro[0]} micro-batches per step, no_sync() on all but the last")
         whole = replicas.plain(params)
         head = [float(len(whole)), float(wrapping.orphaned(params, roots)), float(self.resets.carried(whole))]
+        head.append(float(self.results.pending(params)))
         rows = self.channel.gather([*head, *replicas.before_values(whole), *self.data.vector()])
         if rows is None:
             return self.close()
+        if any(bool(r[3]) for r in rows):
+            self._exchange_results(params, line)
         self.resets.watch(whole)
         self.checked, self.world = self.checked + 1, len(rows)
         first = id(opt) not in self.seen_opts
@@ -247,9 +274,17 @@ def install_from_env() -> Session | None:
 
 
 def finish() -> None:
-    """The script ended: its end compared with the other ranks' (`CollectiveWatch.end`),
-    the summary, if not printed yet, and every hook removed."""
+    """The script ended: its end compared with the other ranks' (`CollectiveWatch.end`:
+    first, so a rank that ends early is named, not waited for), the results' last
+    exchange while the process group is up (`Session.settle`), the summary if not said
+    yet, and every hook removed."""
+    import torch.distributed as dist
+
     if SESSION:
         SESSION[0].collectives.end()
+        failure = sys.exc_info()[1]  # during a failure a peer may be gone: no exchange
+        clean = failure is None or (isinstance(failure, SystemExit) and failure.code in (None, 0))
+        if clean and dist.is_available() and dist.is_initialized():
+            SESSION[0].settle()
         SESSION[0].close()
         SESSION[0].uninstall()

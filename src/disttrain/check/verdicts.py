@@ -30,9 +30,10 @@ PREFIX = "--check"
 @dataclass(frozen=True)
 class Finding:
     """One bug or warning: `check` names the check ("replicas", "gradients", "data",
-    "wrapping"), `stops` whether the results are wrong (exit 3) rather than slow or
-    fragile (a warning), `text` the whole message: the bug in the user's words, the
-    ranks, the step, the user's line where one applies, and the fix."""
+    "wrapping", "numbers", "saves", "rng", "precision"), `stops` whether the results are
+    wrong (exit 3) rather than slow or fragile (a warning), `text` the whole message: the
+    bug in the user's words, the ranks, the step, the user's line where one applies, and
+    the fix."""
 
     check: str
     stops: bool
@@ -55,6 +56,12 @@ def own_code(filename: str) -> bool:
     return os.path.realpath(filename).startswith(_own_dirs())
 
 
+def users_file(name: str) -> bool:
+    """Whether a frame's file `name` is the user's code: a real file outside torch,
+    disttrain and the standard library."""
+    return not name.startswith("<") and not own_code(name)
+
+
 def user_line(frame: FrameType | None = None) -> str | None:
     """'file:line' of the innermost frame of the caller's stack (or of `frame`'s) that
     is the user's code (not torch, disttrain or the standard library), the path relative
@@ -62,7 +69,7 @@ def user_line(frame: FrameType | None = None) -> str | None:
     frame = frame or inspect.currentframe()
     while frame is not None:
         name = frame.f_code.co_filename
-        if not name.startswith("<") and not own_code(name):
+        if users_file(name):
             path = os.path.realpath(name)
             try:
                 shown = os.path.relpath(path)
@@ -71,6 +78,28 @@ def user_line(frame: FrameType | None = None) -> str | None:
             return f"{path if shown.startswith('..') else shown}:{frame.f_lineno}"
         frame = frame.f_back
     return None
+
+
+def past_checks(frame: FrameType | None) -> FrameType | None:
+    """`frame`, or the first frame up the stack from it that is not one of the checks'
+    own wrappers (two checks may wrap the same function: the inner one's caller is the
+    outer wrapper, and the caller that counts is the one above it)."""
+    checks = str(Path(__file__).parent.resolve()) + os.sep
+    while frame is not None and os.path.realpath(frame.f_code.co_filename).startswith(checks):
+        frame = frame.f_back
+    return frame
+
+
+def called_by_user(depth: int = 2) -> bool:
+    """Whether the function `depth` frames up the stack from this one was called by the
+    user's code directly (a wrapper asks with depth 2: its caller's caller is not torch,
+    disttrain or the standard library calling on its own behalf; the checks' own
+    wrappers in between are skipped)."""
+    frame = inspect.currentframe()
+    for _ in range(depth):
+        frame = frame.f_back if frame is not None else None
+    frame = past_checks(frame)
+    return frame is not None and users_file(frame.f_code.co_filename)
 
 
 def ranks_text(ranks: list[int]) -> str:

@@ -161,7 +161,8 @@ def start_checks() -> None:
 
 
 def finish_checks() -> None:
-    """The script returned: the checks' summary, if they ran and it was not said yet."""
+    """The script returned: the checks' last exchange and summary, if they ran and it was
+    not said yet."""
     if "disttrain.check.session" in sys.modules:
         from disttrain.check.session import finish
 
