@@ -119,7 +119,7 @@ def freeze_long_lived(*, for_life: bool = False) -> None:
     What it hides: a frozen object is never collected (cyclic garbage among them is
     freed only after a thaw), and it is absent from `gc.get_objects()` and from any
     check that finds objects through the collector. So no check of the package may find
-    objects that way: the optimizer-built-before-wrap check (train/recorded.py) numbers
+    objects that way: the optimizer-built-before-wrap check (train/optimizer_order.py) numbers
     each optimizer when it is built instead, and sees one built before a freeze."""
     if for_life:
         STATE.thaw_at_shutdown = False  # an earlier freeze is now for life as well

@@ -8,7 +8,8 @@ start_point.py       where a Job starts: memory (fast recovery), a checkpoint, o
 save_cadence.py      checkpoint cadence (steps, seconds agreed by the ranks) and on_error
 evaluation.py        the eval set sharded across ranks, (sum, count) metrics, its period
 step_ownership.py    Job steps what it was given: a script's own step/backward is an error
-recorded.py          which samples a batch holds; which optimizers existed before wrap
+sample_queue.py      which samples each batch holds (the sample audit)
+optimizer_order.py   which optimizers were built before wrap (refused by resume)
 run_summary.py       summary.json and the table, over every attempt of a run
 run_log.py           per-rank step time (StepClock) and memory, run_events.jsonl, TensorBoard
 trackers.py          W&B and MLflow: rank 0's records, one tracker run across attempts

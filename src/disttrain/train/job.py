@@ -62,7 +62,8 @@ from disttrain.train.finite_check import FiniteCheck
 from disttrain.train.job_config import JOB_KEYS, RunOptions, checkpoint_root, tracker_config
 from disttrain.train.job_config import resolve as resolve_config
 from disttrain.train.metrics_window import MetricsWindow
-from disttrain.train.recorded import Recorded, built_after, optimizer_mark, watch_optimizers
+from disttrain.train.optimizer_order import built_after, optimizer_mark, watch_optimizers
+from disttrain.train.sample_queue import SampleQueue
 from disttrain.train.save_cadence import Saving
 from disttrain.train.sources import to_device
 from disttrain.train.step_ownership import BACKWARD_MESSAGE, Ownership, require_backward
@@ -90,7 +91,7 @@ class _Training:
     model: torch.nn.Module
     sampler: ElasticSampler
     loader: DataLoader
-    recorded: Recorded
+    sample_queue: SampleQueue
     accumulator: Accumulator
     state: TrainState
     guard: RunGuard
@@ -217,7 +218,7 @@ class Job:
         self._owns_group = False
         self._wrap_mark: int | None = None
         self._hf_section: dict | None = None
-        self._recorded: Recorded | None = None  # the loader's sampler: which samples each batch held
+        self._sample_queue: SampleQueue | None = None  # the loader's sampler: which samples each batch held
         self._start = start_point.Resumed()  # where resume() found the run: said by steps()
         set_speaker(f"disttrain {self.name}")  # fast recovery's messages too
         watch_optimizers()  # an optimizer built before this is one built before wrap
@@ -486,11 +487,11 @@ class Job:
             drop_last=drop_last,
         )
         # A private generator: iter(loader) must not draw from the global (dropout) RNG.
-        self._recorded = Recorded(self.sampler)
+        self._sample_queue = SampleQueue(self.sampler)
         self.train_loader = DataLoader(
             dataset,
             batch_size=batch_size,
-            sampler=self._recorded,
+            sampler=self._sample_queue,
             drop_last=True,
             generator=torch.Generator().manual_seed(self.cfg.train.seed),
             **loader_kwargs,
@@ -575,15 +576,15 @@ class Job:
             "first; its sampler position is part of the checkpoint.",
         )
         self._need(self.accumulator is None, "dt.Job.resume() is called once per job, before job.steps().")
-        sampler, loader, recorded, guard, preemption = (
+        sampler, loader, sample_queue, guard, preemption = (
             self.sampler,
             self.train_loader,
-            self._recorded,
+            self._sample_queue,
             self.guard,
             self.preemption,
         )
         # loader() built the first three, __enter__ the others (the checks above passed)
-        assert sampler and loader and recorded and guard and preemption
+        assert sampler and loader and sample_queue and guard and preemption
         # Construction checks the optimizer holds the wrapped model's parameters (P-DDP-3).
         acc = Accumulator(
             model,
@@ -612,7 +613,9 @@ class Job:
         saving = Saving(
             ckpt, state, guard, every=c.every, every_s=c.every_s, on_error=c.on_error, who=f"disttrain {self.name}"
         )
-        self._training = _Training(self.info, model, sampler, loader, recorded, acc, state, guard, preemption, saving)
+        self._training = _Training(
+            self.info, model, sampler, loader, sample_queue, acc, state, guard, preemption, saving
+        )
         return self.resumed
 
     def _resume_inputs(self, state: TrainState, sampler: ElasticSampler, guard: RunGuard) -> start_point.ResumeInputs:
@@ -790,7 +793,7 @@ class Job:
         """The batch just trained on: its sample indices into the audit, which records
         them with the step they belong to (`_commit`)."""
         assert t.loader.batch_size is not None  # loader() always sets one
-        audit.add(torch.tensor(t.recorded.take(t.loader.batch_size)))
+        audit.add(torch.tensor(t.sample_queue.take(t.loader.batch_size)))
 
     def _commit(self, t: _Training, audit: SampleAudit) -> None:
         """The optimizer step just taken, in the job's counters: its number, the sampler's
