@@ -20,7 +20,8 @@ rank0_output.py      rank 0's JSONL writer and print_main
 progress.py          rich progress bar and summary table
 resume_plan.py       the "checkpoint -> now" config comparison on resume
 launcher_findings.py what the launcher of `disttrain train` found, handed to the ranks
-sources.py           the model, data and loss a config names (built-in or the user's)
+model_data_loss.py   the model, data and loss a config names (built-in or the user's)
+batches.py           a batch moved to the device, through the model, to its loss
 hf_models.py         Hugging Face models for [model] hf / hf_path
 trainer.py           `disttrain train`'s per-rank job: the TOML driving a Job
 script_runner.py     a Job script under `disttrain run --fast-recovery`

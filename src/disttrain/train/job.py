@@ -57,6 +57,7 @@ from disttrain.runtime.fault_injection import inject
 from disttrain.runtime.log import LOGGER, set_speaker
 from disttrain.train import job_failure, run_summary, start_point
 from disttrain.train.accumulation import Accumulator
+from disttrain.train.batches import to_device
 from disttrain.train.evaluation import Evaluator, check_name, evaluate
 from disttrain.train.finite_check import FiniteCheck
 from disttrain.train.job_config import JOB_KEYS, RunOptions, checkpoint_root, tracker_config
@@ -65,7 +66,6 @@ from disttrain.train.metrics_window import MetricsWindow
 from disttrain.train.optimizer_order import built_after, optimizer_mark, watch_optimizers
 from disttrain.train.sample_queue import SampleQueue
 from disttrain.train.save_cadence import Saving
-from disttrain.train.sources import to_device
 from disttrain.train.step_ownership import BACKWARD_MESSAGE, Ownership, require_backward
 from disttrain.train.tracker_checks import check_trackers
 from disttrain.train.trackers import from_config as tracker_list
