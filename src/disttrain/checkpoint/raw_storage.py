@@ -38,7 +38,7 @@ from disttrain.checkpoint import layout, metadata_bounds
 from disttrain.checkpoint.checkpoint_errors import CheckpointCorrupt
 from disttrain.checkpoint.digests import HashingStream, corrupt_message, digest_bytes, expected, new_hash, record
 from disttrain.checkpoint.files import fsync_file
-from disttrain.checkpoint.finite import FiniteTally
+from disttrain.checkpoint.finite_tensors import FiniteTally
 from disttrain.checkpoint.json_records import Extent, metadata_bytes, metadata_of, set_path, value_bytes, value_of
 from disttrain.checkpoint.own_files import check_listed, open_own, read_own
 from disttrain.checkpoint.raw_read import FileRead, narrow, pool, read_all, read_exact, shared_storages, stop_for

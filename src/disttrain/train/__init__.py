@@ -2,7 +2,7 @@
 
 job.py               dt.Job and its step loop (wrap, loader, evaluator, resume, steps)
 metrics_window.py    job.log's window and its records (metrics.jsonl, run log, bar)
-finite_check.py      no non-finite loss or weights are saved: one agreed stop
+non_finite_stop.py   no non-finite loss or weights are saved: one agreed stop
 job_config.py        what configures a Job: Config, RunOptions, short keywords
 start_point.py       where a Job starts: memory (fast recovery), a checkpoint, or step 0
 save_cadence.py      checkpoint cadence (steps, seconds agreed by the ranks) and on_error

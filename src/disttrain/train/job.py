@@ -59,10 +59,10 @@ from disttrain.train import job_failure, run_summary, start_point
 from disttrain.train.accumulation import Accumulator
 from disttrain.train.batches import to_device
 from disttrain.train.evaluation import Evaluator, check_name, evaluate
-from disttrain.train.finite_check import FiniteCheck
 from disttrain.train.job_config import JOB_KEYS, RunOptions, checkpoint_root, tracker_config
 from disttrain.train.job_config import resolve as resolve_config
 from disttrain.train.metrics_window import MetricsWindow
+from disttrain.train.non_finite_stop import NonFiniteStop
 from disttrain.train.optimizer_order import built_after, optimizer_mark, watch_optimizers
 from disttrain.train.sample_queue import SampleQueue
 from disttrain.train.save_cadence import Saving
@@ -166,7 +166,7 @@ class Job:
     preemption: PreemptionHandler | None
     handoff: fast_recovery.Handoff | None
     metrics: MetricsWindow | None
-    finite_check: FiniteCheck | None
+    finite_check: NonFiniteStop | None
 
     def __init__(
         self,
@@ -671,7 +671,7 @@ class Job:
         audit = SampleAudit(
             self.out_dir / "samples", info.rank, info.world_size, self.cfg.elastic.record_samples, generation_id()
         )
-        finite = self.finite_check = FiniteCheck(t.model, lambda: saving.saved_at)
+        finite = self.finite_check = NonFiniteStop(t.model, lambda: saving.saved_at)
         saving.check = finite.check  # before each save, on every rank
         metrics = self.metrics = self._metrics_window(t, max_steps)
         saving.start(self.step)
@@ -723,7 +723,7 @@ class Job:
                     break
         self._finish(t, metrics, finite, stopping)
 
-    def _finish(self, t: _Training, metrics: MetricsWindow, finite: FiniteCheck, stopping: bool) -> None:
+    def _finish(self, t: _Training, metrics: MetricsWindow, finite: NonFiniteStop, stopping: bool) -> None:
         """After the loop: the final save, then either the preemption's stop (`stopping`:
         the ranks agreed to stop on a signal; `job.preempted`, the launcher's "saved"
         note, `SystemExit(0)` when `exit_on_preempt`) or the finite check (when the final
