@@ -18,7 +18,7 @@ from conftest import WORKERS
 sys.path.insert(0, str(WORKERS))
 from ckpt_common import build, train  # noqa: E402
 
-from disttrain.checkpoint import Checkpointer, CheckpointUnsafe, hashing_fs, layout  # noqa: E402
+from disttrain.checkpoint import Checkpointer, CheckpointUnsafe, hashing_fs, step_folders  # noqa: E402
 from disttrain.checkpoint import export as export_module  # noqa: E402
 from disttrain.cli import main as cli  # noqa: E402
 from disttrain.plain_files import NotPlainFile, open_plain, read_plain  # noqa: E402
@@ -84,7 +84,7 @@ def test_an_export_refuses_a_shard_swapped_for_a_symlink_after_verify(saved, tmp
     root, step_dir = _copy(saved, tmp_path)
     private = tmp_path / "private"
     _after_first(
-        monkeypatch, export_module.layout, "verify", lambda: _swap_for_symlink(step_dir, "__0_0.distcp", private)
+        monkeypatch, export_module.step_folders, "verify", lambda: _swap_for_symlink(step_dir, "__0_0.distcp", private)
     )
     out = tmp_path / "model.safetensors"
     assert cli(["ckpt", "export", str(step_dir), "--to", str(out)]) == 2
@@ -106,8 +106,8 @@ def test_verify_hashes_and_sizes_each_file_on_the_descriptor_it_opened(saved, tm
         return real_open(path, flags, *args, **kwargs)
 
     monkeypatch.setattr(os, "open", counting)
-    manifest = layout.verify(step_dir)
-    names = [n for n, _ in opened if n != layout.MANIFEST]
+    manifest = step_folders.verify(step_dir)
+    names = [n for n, _ in opened if n != step_folders.MANIFEST]
     assert sorted(names) == sorted(manifest["files"])  # each listed file once
     assert all(nofollow for _, nofollow in opened)
 

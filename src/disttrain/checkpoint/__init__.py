@@ -3,7 +3,7 @@ exportable (P-CKPT-1..5, P-FSDP-8).
 
 - `state`: `TrainState`, everything a resume needs behind one `state_dict`;
   `zero_state`: ZeRO-1 optimizer state without consolidation.
-- `layout`: step directories, the manifest, verification, "latest", fencing, retention.
+- `step_folders`: step directories, the manifest, verification, "latest", fencing, retention.
 - `checkpointer`: save/load across ranks with DCP, sync or async; `functional`:
   `save`/`load` without a `Checkpointer`; `load_phases`: where a load's time went.
 - `raw_storage` (the storage format `raw-1`: raw tensor bytes, JSON values and JSON
@@ -45,8 +45,8 @@ from disttrain.checkpoint.checkpointer import Checkpointer
 from disttrain.checkpoint.files import atomic_torch_save, load_model, save_model, strip_prefix
 from disttrain.checkpoint.finite_tensors import NonFiniteError, check_finite
 from disttrain.checkpoint.functional import load, save
-from disttrain.checkpoint.layout import latest_valid, verify
 from disttrain.checkpoint.state import TrainState
+from disttrain.checkpoint.step_folders import latest_valid, verify
 
 __all__ = [
     "CheckpointCorrupt",
