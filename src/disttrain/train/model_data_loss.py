@@ -92,7 +92,7 @@ def build_model(cfg: Config, config_dir: str | Path | None) -> torch.nn.Module:
     if m.hf or m.hf_path:
         return importlib.import_module(HF_MODULE).build_hf_model(m)  # hf_path: as load_config made it
     if not m.factory:
-        from disttrain.demo import GPT
+        from disttrain.builtin import GPT
 
         return GPT(m)
     factory = resolve("model.factory", m.factory, config_dir)
@@ -117,7 +117,7 @@ def build_datasets(cfg: Config, config_dir: str | Path | None) -> tuple[Any, Any
     if d.tokens or d.hf_dataset:
         return _disk_datasets(cfg)
     if not d.factory:
-        from disttrain.demo.corpus import ChunkDataset, load_stdlib_corpus
+        from disttrain.builtin.corpus import ChunkDataset, load_stdlib_corpus
 
         corpus = load_stdlib_corpus(d.max_bytes, d.heldout_fraction)
         return (
