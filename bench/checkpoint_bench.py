@@ -5,7 +5,7 @@ save against a synchronous one, at world sizes 2 and 4.
     python bench/checkpoint_bench.py --dir CKPT_DIR [--worlds 2,4 --sizes 6x384,12x768]
 
 Run with plain python (as `python -m bench --others` does) it launches one torchrun
-job per world size and model size (`LAYERSxWIDTH` of the demo GPT: 6x384 is 10.8M
+job per world size and model size (`LAYERSxWIDTH` of the built-in GPT: 6x384 is 10.8M
 parameters, where fixed costs show; 12x768 is 85M, where I/O dominates) and writes
 them to bench/results/checkpoint.md (or --results). Each job replaces only its own
 section of the file; the notes below stay. `--before-pkg NAME` adds rows for the
@@ -64,8 +64,8 @@ def main_world(args) -> None:
     import torch.distributed.checkpoint as dcp
 
     import disttrain as dt
+    from disttrain.builtin import GPT, GPTConfig
     from disttrain.checkpoint import Checkpointer, TrainState
-    from disttrain.demo import GPT, GPTConfig
 
     layers, width = map(int, args.size.split("x"))
 
@@ -325,7 +325,7 @@ def main() -> int:
     ap = argparse.ArgumentParser()
     ap.add_argument("--dir", required=True)
     ap.add_argument("--worlds", default="2,4", help="world sizes, one torchrun job each")
-    ap.add_argument("--sizes", default="6x384,12x768", help="demo GPT sizes, LAYERSxWIDTH, one job each")
+    ap.add_argument("--sizes", default="6x384,12x768", help="built-in GPT sizes, LAYERSxWIDTH, one job each")
     ap.add_argument("--size", default="6x384", help=argparse.SUPPRESS)  # the one size of a torchrun job
     ap.add_argument("--before-pkg", default="", help="package name of an earlier tree, for before rows")
     ap.add_argument("--repeat", type=int, default=6)

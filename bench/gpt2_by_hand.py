@@ -5,7 +5,7 @@ DDP or FSDP2 loop, the reference that `disttrain train`'s step time is compared 
         --tokens DIR --steps 6 --block 256 --out RESULT.json [--compile] [--memory]
 
 The same work as `disttrain train examples/gpt2_124m.toml` with the bench's overrides:
-the model from disttrain's GPT builder (`disttrain.demo.GPT`, the [model] shape of the
+the model from disttrain's GPT builder (`disttrain.builtin.GPT`, the [model] shape of the
 example, `--block` tokens), the same token windows (`disttrain.data.token_files`, 5%
 held out), one sequence per rank and step, AdamW with the example's lr, betas, weight
 decay on matrices only and grad clipping, a warmup-cosine LambdaLR, non-reentrant
@@ -50,9 +50,9 @@ CONFIG = ROOT / "examples" / "gpt2_124m.toml"
 if str(ROOT / "src") not in sys.path:
     sys.path.insert(0, str(ROOT / "src"))
 
+from disttrain.builtin import GPT  # noqa: E402
 from disttrain.config.gpt_shape import GPTConfig  # noqa: E402
 from disttrain.data.token_files import token_datasets  # noqa: E402
-from disttrain.demo import GPT  # noqa: E402
 
 
 class Checkpointed(nn.Module):

@@ -7,7 +7,7 @@ memory, and the async-checkpoint stall, like for like at world 1.
     python -m bench.gpu_train --variant torchao_fp8_compiled --out DIR     # the same, by hand
     python -m bench.gpu_train --summarize DIR                      # DIR/gpu.md from the JSON
 
-The model is `disttrain.demo.GPT` with about 1.0B parameters (20 layers, width
+The model is `disttrain.builtin.GPT` with about 1.0B parameters (20 layers, width
 2048, 16 heads, sequence 2048, byte vocabulary), micro-batch 8, AdamW, bf16
 compute with fp32 master weights, world 1. Both sides are unsharded: at world 1
 `dt.wrap(strategy="fsdp", precision="bf16")` runs the module as it is under bf16
@@ -95,7 +95,7 @@ def _setup_env() -> None:
 
 def build(variant: str, cfg: dict, device: torch.device):
     """(model, optimizer, checkpoint function) for one variant."""
-    from disttrain.demo import GPT, GPTConfig
+    from disttrain.builtin import GPT, GPTConfig
 
     torch.manual_seed(0)
     compiled = variant.endswith("_compiled")
@@ -257,7 +257,7 @@ def checkpoint_rates(model, checkpoint, nbytes: int, tmp: Path, raw_disk: bool) 
 def plan_estimate(cfg: dict, batch: int, precision: str = "bf16") -> dict:
     """`disttrain plan`'s per-device bytes for this model and step at world 1, in GiB: the
     unsharded row (what world 1 runs) and FSDP full (what a sharded run would hold)."""
-    from disttrain.demo import GPTConfig
+    from disttrain.builtin import GPTConfig
     from disttrain.plan.memory import Variant, Workload, memory
     from disttrain.plan.model_size import from_gpt_config
 

@@ -95,8 +95,8 @@ from torch.nn.parallel import DistributedDataParallel as DDP
 from torch.utils.data import DataLoader, DistributedSampler
 sys.path.insert(0, os.environ["BENCH_WORKLOADS"])
 from train_spec import config
-from disttrain.demo.corpus import ChunkDataset, load_stdlib_corpus
-from disttrain.demo.gpt import GPT, GPTConfig
+from disttrain.builtin.corpus import ChunkDataset, load_stdlib_corpus
+from disttrain.builtin.gpt import GPT, GPTConfig
 cfg = config()
 m, d, o, t = cfg["model"], cfg["data"], cfg["optim"], cfg["train"]
 dist.init_process_group("gloo")

@@ -108,7 +108,7 @@ def kill_workers(tmp: Path, backend: str, kills: int, rng: random.Random) -> dic
 
 
 def _server(pid: int) -> bool:
-    """Whether `pid` is an agent's warm-worker server (not a worker: its loss is a node's)."""
+    """Whether `pid` is an agent's warm server (not a worker: its loss is a node's)."""
     try:
         return b"--serve" in Path(f"/proc/{pid}/cmdline").read_bytes()
     except OSError:

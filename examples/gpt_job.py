@@ -25,8 +25,8 @@ import numpy as np
 import torch
 
 import disttrain as dt
+from disttrain.builtin import GPT, GPTConfig
 from disttrain.config import CheckpointConfig, Config, OptimConfig, TrainConfig
-from disttrain.demo import GPT, GPTConfig
 
 
 def make_data(folder: str, max_bytes: int) -> None:

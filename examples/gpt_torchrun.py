@@ -25,7 +25,7 @@ import torch.distributed as dist
 from torch.nn.parallel import DistributedDataParallel as DDP
 from torch.utils.data import DataLoader, Dataset, DistributedSampler
 
-from disttrain.demo import GPT, GPTConfig
+from disttrain.builtin import GPT, GPTConfig
 
 
 def make_data(folder: str, max_bytes: int) -> None:

@@ -17,7 +17,7 @@ import torch
 from torch.utils.data import TensorDataset
 
 import disttrain as dt  # dt
-from disttrain.demo import MLP, MLPConfig
+from disttrain.builtin import MLP, MLPConfig
 
 
 def make_data(n: int = 2048) -> TensorDataset:

@@ -3,10 +3,12 @@
 from __future__ import annotations
 
 import fcntl
+import importlib
 import json
 import os
 import pickle
 import re
+import shutil
 import subprocess
 import sys
 from pathlib import Path
@@ -80,6 +82,29 @@ def built_once(tmp_path_factory, key: str, build):
     if kind == "fail":
         pytest.fail(f"the shared fixture {key!r} failed when built for an earlier test: {value}", pytrace=False)
     return value
+
+
+@pytest.fixture(scope="session")
+def tiny_checkpoint(tmp_path_factory) -> Path:
+    """The root of one committed checkpoint (step 1) of the tiny GPT of
+    tests/workers/ckpt_common.py, made once per session (`built_once`). Tests that
+    change it work on a copy (`checkpoint_copy`)."""
+
+    def make(directory: Path) -> Path:
+        if str(WORKERS) not in sys.path:
+            sys.path.insert(0, str(WORKERS))
+        # by name: tests/workers is on the path of a test run, not of the type checker's
+        importlib.import_module("ckpt_common").saved_once(directory / "ckpt")
+        return directory / "ckpt"
+
+    return built_once(tmp_path_factory, "saved-checkpoint", make)
+
+
+def checkpoint_copy(saved: Path, tmp_path: Path) -> tuple[Path, Path]:
+    """A copy of `tiny_checkpoint` under `tmp_path`: (its root, its step folder)."""
+    root = tmp_path / "ckpt"
+    shutil.copytree(saved, root)
+    return root, root / "step-00000001"
 
 
 CORE_TIERS = (

@@ -27,8 +27,8 @@ from torch.nn.parallel import DistributedDataParallel as DDP
 from torch.utils.data import DataLoader, DistributedSampler
 from train_spec import LOG_EVERY, clocks, config, result
 
-from disttrain.demo.corpus import ChunkDataset, load_stdlib_corpus
-from disttrain.demo.gpt import GPT, GPTConfig
+from disttrain.builtin.corpus import ChunkDataset, load_stdlib_corpus
+from disttrain.builtin.gpt import GPT, GPTConfig
 from disttrain.elastic.preemption import PreemptionHandler
 
 

@@ -5,7 +5,7 @@ step clock and the JSON result. Keeping it in one module makes the scripts diffe
 only where a framework makes them differ, which is what the line count measures.
 
 It never imports the `disttrain` package: the GPT is loaded from its source files
-(`disttrain/demo/gpt.py` imports only torch and the plain dataclass in
+(`disttrain/builtin/gpt.py` imports only torch and the plain dataclass in
 `disttrain/config/gpt_shape.py`), so the bare-PyTorch, Accelerate and Fabric scripts
 do not pay for `import disttrain` and the disttrain one pays for it in full.
 
@@ -51,7 +51,7 @@ def _load_source(name: str, path: Path):
 
 def _gpt_module():
     if "disttrain" in sys.modules:  # the disttrain workload: the real modules
-        return importlib.import_module("disttrain.demo.gpt")
+        return importlib.import_module("disttrain.builtin.gpt")
     spec = importlib.util.find_spec("disttrain")  # locates the package without running it
     if spec is None or not spec.submodule_search_locations:
         raise SystemExit("disttrain is not importable: pip install -e . (or set PYTHONPATH=src)")
@@ -59,7 +59,7 @@ def _gpt_module():
     # Registered under its real name, so gpt.py's one disttrain import finds it
     # without running the package.
     _load_source("disttrain.config.gpt_shape", root / "config" / "gpt_shape.py")
-    return _load_source("bench_gpt", root / "demo" / "gpt.py")
+    return _load_source("bench_gpt", root / "builtin" / "gpt.py")
 
 
 def model_config() -> dict:
@@ -67,7 +67,7 @@ def model_config() -> dict:
 
 
 def make_model() -> torch.nn.Module:
-    """The benchmark GPT (`disttrain.demo.GPT`), built from the current RNG state."""
+    """The benchmark GPT (`disttrain.builtin.GPT`), built from the current RNG state."""
     gpt = _gpt_module()
     return gpt.GPT(gpt.GPTConfig(**model_config()))
 

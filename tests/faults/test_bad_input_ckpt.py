@@ -20,7 +20,7 @@ sys.path.insert(0, str(WORKERS))
 from ckpt_common import build, train  # noqa: E402
 
 from disttrain.checkpoint import CheckpointCorrupt, Checkpointer, NonFiniteError, check_finite, verify  # noqa: E402
-from disttrain.checkpoint.layout import committed  # noqa: E402
+from disttrain.checkpoint.step_folders import committed  # noqa: E402
 from disttrain.cli import main as cli  # noqa: E402
 
 pytestmark = pytest.mark.timeout(180)

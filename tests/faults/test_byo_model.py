@@ -1,4 +1,4 @@
-"""Bring your own model and data (train/sources.py): `disttrain train tests/byo/byo.toml`
+"""Bring your own model and data (train/model_data_loss.py): `disttrain train tests/byo/byo.toml`
 trains a model and a dataset of the user's own (tests/byo/: an MLP regressor with
 dropout on dict batches, a generated (train, eval) pair), with ddp and fsdp at 2 ranks,
 survives a kill -9 mid-run with the automatic restart, and ends bit-identical to an
@@ -16,6 +16,8 @@ from elastic_helpers import audit_timeline, last_loss_per_step, load_params
 
 from disttrain.config import load_config
 from disttrain.errors import ConfigError, UserError
+from disttrain.train.batches import batch_loss
+from disttrain.train.model_data_loss import build_datasets, build_loss, build_model
 
 BYO = ROOT / "tests" / "byo"
 TOML = "tests/byo/byo.toml"
@@ -100,42 +102,40 @@ def test_import_errors_before_any_process_starts(tmp_path, override, needle):
     assert "torchrun" not in proc.stderr and not (tmp_path / "metrics.jsonl").exists()
 
 
-def _sources_cfg(*overrides: str):
-    from disttrain.train import sources
-
-    return sources, load_config(BYO / "byo.toml", list(overrides))
+def _config(*overrides: str):
+    return load_config(BYO / "byo.toml", list(overrides))
 
 
 def test_wrong_return_types_name_the_key_and_module():
-    sources, cfg = _sources_cfg("--model.factory=byo_models:returns_dict")
+    cfg = _config("--model.factory=byo_models:returns_dict")
     with pytest.raises(ConfigError, match="'model.factory' = 'byo_models:returns_dict' returned a dict; "
                                           "it must return a torch.nn.Module"):
-        sources.build_model(cfg, BYO)
-    sources, cfg = _sources_cfg("--data.factory=byo_data:build_iterable", "--data.kwargs={}")
+        build_model(cfg, BYO)
+    cfg = _config("--data.factory=byo_data:build_iterable", "--data.kwargs={}")
     with pytest.raises(ConfigError, match="'data.factory' = 'byo_data:build_iterable' returned a generator; "
                                           "it must return a map-style dataset"):
-        sources.build_datasets(cfg, BYO)
-    sources, cfg = _sources_cfg("--data.factory=byo_data:build_train_only", "--data.kwargs={n_train=8}")
-    train, heldout, _ = sources.build_datasets(cfg, BYO)
+        build_datasets(cfg, BYO)
+    cfg = _config("--data.factory=byo_data:build_train_only", "--data.kwargs={n_train=8}")
+    train, heldout, _ = build_datasets(cfg, BYO)
     assert len(train) == 8 and heldout is None  # a train set alone is fine (no evaluation)
 
 
 def test_batch_the_model_rejects_and_non_scalar_loss():
-    sources, cfg = _sources_cfg("--model.factory=byo_models:build_positional", "--model.kwargs={}")
-    model = sources.build_model(cfg, BYO)
+    cfg = _config("--model.factory=byo_models:build_positional", "--model.kwargs={}")
+    model = build_model(cfg, BYO)
     batch = {"features": torch.zeros(4, 8), "target": torch.zeros(4)}
     with pytest.raises(UserError) as e:
-        sources.batch_loss(model, batch, None, first=True)
+        batch_loss(model, batch, None, first=True)
     msg = str(e.value)
     assert "model(**batch): model Linear raised TypeError" in msg
     assert "{'features': Tensor(4, 8) float32, 'target': Tensor(4,) float32}" in msg
-    sources, cfg = _sources_cfg("--model.factory=byo_models:build_predictor")
-    model = sources.build_model(cfg, BYO)
+    cfg = _config("--model.factory=byo_models:build_predictor")
+    model = build_model(cfg, BYO)
     with pytest.raises(UserError, match=r"the loss from model Predictor's output is Tensor\(4,\) float32, "
                                         r"not a scalar tensor"):
-        sources.batch_loss(model, batch, None)
-    sources, cfg = _sources_cfg("--model.factory=byo_models:build_predictor", "--train.loss=byo_models:mse")
-    loss = sources.batch_loss(model, batch, sources.build_loss(cfg, BYO))
+        batch_loss(model, batch, None)
+    cfg = _config("--model.factory=byo_models:build_predictor", "--train.loss=byo_models:mse")
+    loss = batch_loss(model, batch, build_loss(cfg, BYO))
     assert loss.dim() == 0  # train.loss covers a model that returns predictions
 
 

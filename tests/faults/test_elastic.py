@@ -81,7 +81,7 @@ def test_kill_9_at_five_points_recovers_bit_exactly(strategy, reference, tmp_pat
 def test_sigterm_saves_exits_zero_and_resumes_bit_exactly(reference, tmp_path):
     """Preemption: SIGTERM mid-step to every process of the job but the launcher (as a
     scheduler signals a job step: the workers torchrun watches, the processes that
-    train, the warm-worker server); all exit 0 within the grace period; the same
+    train, the warm server); all exit 0 within the grace period; the same
     command resumes and ends as the uninterrupted run."""
     log = tmp_path / "log.txt"
     cmd = trainer_cmd(tmp_path, f"--train.steps={STEPS}", "--checkpoint.every=1000",

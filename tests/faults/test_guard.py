@@ -222,8 +222,8 @@ def test_diagnose_names_a_skip_older_than_the_kept_history():
 
 
 def test_guard_in_a_world_of_one_is_cheap_and_silent(monkeypatch):
+    from disttrain.builtin import MLP, MLPConfig
     from disttrain.config import GuardConfig
-    from disttrain.demo import MLP, MLPConfig
     from disttrain.guard import start_guard
 
     for key in ("WORLD_SIZE", "DISTTRAIN_EXPECTED_WORLD_SIZE"):

@@ -13,7 +13,7 @@ from conftest import ROOT, WORKERS, built_once, run_disttrain, worker_env
 from torch.utils.data import TensorDataset
 
 import disttrain as dt
-from disttrain.demo import MLP, MLPConfig
+from disttrain.builtin import MLP, MLPConfig
 from disttrain.elastic import final_timeline
 from disttrain.errors import UserError
 

@@ -28,10 +28,10 @@ DEATHS = {
 
 def newest_checkpoint_is_intact(out: Path) -> int:
     """The newest committed checkpoint's step, after verifying every file it lists."""
-    from disttrain.checkpoint import layout
+    from disttrain.checkpoint import step_folders
 
     newest = sorted((out / "checkpoints").glob("step-*"))[-1]
-    return int(layout.verify(newest)["step"])
+    return int(step_folders.verify(newest)["step"])
 
 
 def launch(out: Path, path: str, *args: str, timeout: float = 150):

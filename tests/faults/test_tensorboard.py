@@ -101,7 +101,7 @@ JOB = textwrap.dedent('''
     import sys
     import torch
     import disttrain as dt
-    from disttrain.demo import MLP, MLPConfig
+    from disttrain.builtin import MLP, MLPConfig
     x = torch.randn(256, 16, generator=torch.Generator().manual_seed(0))
     data = torch.utils.data.TensorDataset(x, x[:, :4])
     with dt.Job(sys.argv[1], accum_steps=2, checkpoint_every=0, grad_clip=1.0) as job:
@@ -145,7 +145,7 @@ def test_missing_tensorboard_is_one_clear_error(tmp_path, monkeypatch):
 
 def test_job_log_misuse_is_one_user_error(tmp_path):
     import disttrain as dt
-    from disttrain.demo import MLP, MLPConfig
+    from disttrain.builtin import MLP, MLPConfig
     from disttrain.errors import UserError
 
     x = torch.randn(64, 16, generator=torch.Generator().manual_seed(0))

@@ -138,14 +138,15 @@ def test_a_first_batch_the_model_refuses_names_the_data_key_in_use(tmp_path):
     message said data.factory, which was not set)."""
     import torch
 
-    from disttrain.train import sources
+    from disttrain.train.batches import batch_loss
+    from disttrain.train.model_data_loss import build_datasets, data_key
 
     _token_folder(tmp_path)
     (tmp_path / "cfg.toml").write_text(CONFIG.format(steps=4))
     cfg = load_config(tmp_path / "cfg.toml")
-    assert sources.data_key(cfg) == "data.tokens"
-    train, _, _ = sources.build_datasets(cfg, tmp_path)
+    assert data_key(cfg) == "data.tokens"
+    train, _, _ = build_datasets(cfg, tmp_path)
     x, y = train[0]
     with pytest.raises(UserError) as err:
-        sources.batch_loss(torch.nn.Linear(8, 8), (x[None], y[None]), None, first=True, data=sources.data_key(cfg))
+        batch_loss(torch.nn.Linear(8, 8), (x[None], y[None]), None, first=True, data=data_key(cfg))
     assert "Make data.tokens's samples match" in str(err.value) and "data.factory" not in str(err.value)

@@ -103,7 +103,7 @@ def launcher_checks(overrides: list[str]):
     the preflight. Returns the Config, or raises `UserError`."""
     cfg = load_config(None, overrides)
     if cfg.model.factory or cfg.data.factory or cfg.train.loss:
-        from disttrain.train.sources import check_references
+        from disttrain.train.model_data_loss import check_references
 
         check_references(cfg, ".")
     preflight(cfg)

@@ -143,7 +143,7 @@ LOAD = textwrap.dedent("""
     sys.addaudithook(watch)
     import disttrain as dt
     from ckpt_common import build
-    from disttrain.demo import GPTConfig
+    from disttrain.builtin import GPTConfig
     from disttrain.checkpoint import CheckpointError
     state = build("ddp", GPTConfig(block_size=8, n_layer=1, n_head=2, n_embd=8, dropout=0.1))
     try:
@@ -276,7 +276,7 @@ JOB = textwrap.dedent("""
     import torch
     from torch.utils.data import TensorDataset
     import disttrain as dt
-    from disttrain.demo import MLP, MLPConfig
+    from disttrain.builtin import MLP, MLPConfig
     out, steps = sys.argv[1], int(sys.argv[2])
     g = torch.Generator().manual_seed(0)
     data = TensorDataset(torch.randn(64, 16, generator=g), torch.randn(64, 4, generator=g))

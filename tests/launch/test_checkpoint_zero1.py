@@ -9,10 +9,10 @@ import shutil
 import torch
 from conftest import run_disttrain
 
+from disttrain.builtin import GPT
 from disttrain.checkpoint import Checkpointer, TrainState, latest_valid
 from disttrain.checkpoint.storage_formats import read_metadata
 from disttrain.config.schema import load_config
-from disttrain.demo import GPT
 
 ZERO = ["--parallel.strategy=zero1", "--parallel.nproc=2", "--model.n_layer=1", "--model.n_embd=32",
         "--model.n_head=2", "--model.block_size=32", "--model.dropout=0.1",

@@ -22,7 +22,7 @@ import torch
 from conftest import launch_worker, worker_env
 
 import disttrain as dt
-from disttrain.demo import GPT, GPTConfig
+from disttrain.builtin import GPT, GPTConfig
 from disttrain.errors import ConfigError
 from disttrain.parallel.compile import is_compiled
 

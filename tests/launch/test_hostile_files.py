@@ -7,17 +7,11 @@ or of a sparse file fills memory), and must end in one line naming the file.
 
 import os
 import resource
-import shutil
 import subprocess
 import sys
 
 import pytest
-from conftest import ROOT, WORKERS, worker_env
-
-sys.path.insert(0, str(WORKERS))
-from ckpt_common import build, train  # noqa: E402
-
-from disttrain.checkpoint import Checkpointer  # noqa: E402
+from conftest import ROOT, checkpoint_copy, worker_env
 
 pytestmark = pytest.mark.timeout(240)
 
@@ -41,20 +35,10 @@ def _one_line(proc, *said):
     return lines[0]
 
 
-@pytest.fixture(scope="module")
-def saved(tmp_path_factory):
-    root = tmp_path_factory.mktemp("hostile") / "ckpt"
-    state = build("ddp")
-    train(state, 1)
-    Checkpointer(root).save(state)
-    return root
-
-
 def _manifest_made(saved, tmp_path, make):
     """A copy of the checkpoint whose manifest.json is what `make(path)` leaves there."""
-    root = tmp_path / "ckpt"
-    shutil.copytree(saved, root)
-    manifest = root / "step-00000001" / "manifest.json"
+    root, step_dir = checkpoint_copy(saved, tmp_path)
+    manifest = step_dir / "manifest.json"
     manifest.unlink()
     make(manifest)
     return root
@@ -75,15 +59,15 @@ MANIFESTS = {
 
 @pytest.mark.parametrize("kind", sorted(MANIFESTS))
 @pytest.mark.parametrize("given", ["step", "root"])
-def test_ckpt_verify_refuses_a_special_or_huge_manifest_in_one_line(saved, tmp_path, kind, given):
+def test_ckpt_verify_refuses_a_special_or_huge_manifest_in_one_line(tiny_checkpoint, tmp_path, kind, given):
     make, said = MANIFESTS[kind]
-    root = _manifest_made(saved, tmp_path, make)
+    root = _manifest_made(tiny_checkpoint, tmp_path, make)
     target = root / "step-00000001" if given == "step" else root  # a root lists its steps first
     _one_line(_disttrain("ckpt", "verify", target), "manifest.json", said, "refused")
 
 
-def test_ckpt_inspect_refuses_a_fifo_manifest(saved, tmp_path):
-    root = _manifest_made(saved, tmp_path, os.mkfifo)
+def test_ckpt_inspect_refuses_a_fifo_manifest(tiny_checkpoint, tmp_path):
+    root = _manifest_made(tiny_checkpoint, tmp_path, os.mkfifo)
     _one_line(_disttrain("ckpt", "inspect", root), "manifest.json", "is a FIFO")
 
 

@@ -14,7 +14,7 @@ import sys
 
 import pytest
 import torch
-from conftest import ROOT, WORKERS, worker_env
+from conftest import ROOT, WORKERS, checkpoint_copy, worker_env
 from torch.distributed.checkpoint.metadata import MetadataIndex
 
 from disttrain.checkpoint.digests import digest_bytes
@@ -220,22 +220,6 @@ def _metadata_json(step):
     return json.loads((step / ".metadata").read_bytes())
 
 
-@pytest.fixture(scope="module")
-def raw_root(tmp_path_factory):
-    sys.path.insert(0, str(WORKERS))
-    from ckpt_common import saved_once
-
-    root = tmp_path_factory.mktemp("raw") / "ckpt"
-    saved_once(root)
-    return root
-
-
-def _raw_copy(raw_root, tmp_path):
-    root = tmp_path / "ckpt"
-    shutil.copytree(raw_root, root)
-    return root / "step-00000001"
-
-
 def _first_extent(doc, key):
     fqn = sorted(doc["tensors"])[0] if key == "tensor" else sorted(doc["objects"])[0]
     return doc["tensors"][fqn]["chunks"][0] if key == "tensor" else doc["objects"][fqn]
@@ -268,8 +252,8 @@ METADATA_CASES = {
 
 
 @pytest.mark.parametrize("case", sorted(METADATA_CASES))
-def test_a_malformed_raw_metadata_is_one_line_for_verify_inspect_and_a_load(raw_root, tmp_path, capsys, case):
-    step = _raw_copy(raw_root, tmp_path)
+def test_a_malformed_raw_metadata_is_one_line_for_verify_inspect_and_a_load(tiny_checkpoint, tmp_path, capsys, case):
+    step = checkpoint_copy(tiny_checkpoint, tmp_path)[1]
     _replace(step, ".metadata", METADATA_CASES[case](_metadata_json(step)))
     _verify_failed(_cli(capsys, "ckpt", "verify", str(step)), str(step / ".metadata"))
     _one_line(_cli(capsys, "ckpt", "inspect", str(step)), str(step / ".metadata"))
@@ -297,25 +281,25 @@ def _load(capsys, root) -> subprocess.CompletedProcess:
     return subprocess.CompletedProcess(["load"], result.code, out, err)
 
 
-def test_a_string_step_in_state_json_is_one_line_on_resume(raw_root, tmp_path, capsys):
-    step = _raw_copy(raw_root, tmp_path)
+def test_a_string_step_in_state_json_is_one_line_on_resume(tiny_checkpoint, tmp_path, capsys):
+    step = checkpoint_copy(tiny_checkpoint, tmp_path)[1]
     _state_json(step, lambda d: d.update(step="seven"))
     _one_line(_load(capsys, step.parent), "state.json", "step")
 
 
-def test_a_nesting_bomb_in_state_json_and_a_bad_rng_file_are_one_line_on_resume(raw_root, tmp_path, capsys):
-    step = _raw_copy(raw_root, tmp_path)
+def test_a_nesting_bomb_in_state_json_and_a_bad_rng_file_are_one_line_on_resume(tiny_checkpoint, tmp_path, capsys):
+    step = checkpoint_copy(tiny_checkpoint, tmp_path)[1]
     _replace(step, "state.json", b"[" * 100_000 + b"]" * 100_000)
     _one_line(_load(capsys, step.parent), "state.json")
-    step = _raw_copy(raw_root, tmp_path / "again")
+    step = checkpoint_copy(tiny_checkpoint, tmp_path / "again")[1]
     rng = json.loads((step / "rank-00000.json").read_text())
     rng["torch"]["__tensor__"] = "AAAA"
     _replace(step, "rank-00000.json", json.dumps(rng).encode())
     _one_line(_load(capsys, step.parent), "rank-00000.json")
 
 
-def test_a_malformed_writer_lease_and_manifest_records_are_one_line(raw_root, tmp_path, capsys):
-    step = _raw_copy(raw_root, tmp_path)
+def test_a_malformed_writer_lease_and_manifest_records_are_one_line(tiny_checkpoint, tmp_path, capsys):
+    step = checkpoint_copy(tiny_checkpoint, tmp_path)[1]
     (step.parent / "WRITER.json").write_text('{"run_id": 5, "generation": "x"}')
     manifest = json.loads((step / "manifest.json").read_text())
     manifest["files"]["state.json"] = [1, 2]

@@ -12,8 +12,8 @@ from conftest import run_disttrain
 from torch.utils.data import TensorDataset
 
 import disttrain as dt
+from disttrain.builtin import MLP, MLPConfig
 from disttrain.config import load_config
-from disttrain.demo import MLP, MLPConfig
 from disttrain.runtime import log
 from disttrain.train.progress import print_summary
 from disttrain.train.trainer import loss_unit

@@ -5,7 +5,7 @@ import json
 import torch
 from conftest import run_disttrain
 
-from disttrain.demo import GPT, GPTConfig
+from disttrain.builtin import GPT, GPTConfig
 
 SMALL = ["--model.n_layer=1", "--model.n_embd=32", "--model.n_head=2", "--model.block_size=32",
          "--data.max_bytes=200000", "--train.steps=30", "--train.batch_size=8",

@@ -28,8 +28,8 @@ RANK_SCRIPT = textwrap.dedent('''
     from disttrain import runtime
     from disttrain.config import ParallelConfig
     from disttrain.config.gpt_shape import GPTConfig
-    from disttrain.demo import GPT
-    from disttrain.demo.corpus import ChunkDataset
+    from disttrain.builtin import GPT
+    from disttrain.builtin.corpus import ChunkDataset
     from disttrain.errors import DistributedMismatchError
     from disttrain.guard.run_guard import check_consistency, model_structure
     from disttrain.parallel import wrap

@@ -48,7 +48,7 @@ def build(kind: str, hf_config: str, gpt_spec: str) -> tuple[nn.Module, list[nn.
     """(model, blocks, vocab, block_size). Same seed on every rank, like a real run."""
     torch.manual_seed(0)
     if kind == "gpt":
-        from disttrain.demo import GPT, GPTConfig
+        from disttrain.builtin import GPT, GPTConfig
 
         kw = dict(kv.split("=") for kv in gpt_spec.split(","))
         cfg = GPTConfig(**{k: int(v) for k, v in kw.items()})

@@ -17,7 +17,7 @@ sys.path.insert(0, str(WORKERS))
 from ckpt_common import build, full_state, mismatches, train  # noqa: E402
 
 import disttrain as dt  # noqa: E402
-from disttrain.demo import GPTConfig  # noqa: E402
+from disttrain.builtin import GPTConfig  # noqa: E402
 
 FIXTURE = WORKERS.parent / "data" / "checkpoint_v1"
 FIXTURE_CFG = GPTConfig(block_size=8, n_layer=1, n_head=2, n_embd=8, dropout=0.1)  # make_fixture.py's

@@ -16,6 +16,7 @@ import dataclasses  # noqa: E402
 
 from ckpt_common import CFG, build, full_state, mismatches, train  # noqa: E402
 
+from disttrain.builtin import GPT  # noqa: E402
 from disttrain.checkpoint import (  # noqa: E402
     CheckpointCorrupt,
     Checkpointer,
@@ -25,7 +26,6 @@ from disttrain.checkpoint import (  # noqa: E402
     verify,
 )
 from disttrain.cli import main as cli  # noqa: E402
-from disttrain.demo import GPT  # noqa: E402
 
 
 @pytest.fixture(scope="module")

@@ -8,38 +8,21 @@ naming the file, and no byte of the private file may reach the state or an expor
 """
 
 import os
-import shutil
 import sys
 
 import pytest
 import torch
-from conftest import WORKERS
+from conftest import WORKERS, checkpoint_copy
 
 sys.path.insert(0, str(WORKERS))
 from ckpt_common import build, train  # noqa: E402
 
-from disttrain.checkpoint import Checkpointer, CheckpointUnsafe, hashing_fs, layout  # noqa: E402
+from disttrain.checkpoint import Checkpointer, CheckpointUnsafe, hashing_fs, step_folders  # noqa: E402
 from disttrain.checkpoint import export as export_module  # noqa: E402
 from disttrain.cli import main as cli  # noqa: E402
 from disttrain.plain_files import NotPlainFile, open_plain, read_plain  # noqa: E402
 
 pytestmark = pytest.mark.timeout(120)
-
-
-@pytest.fixture(scope="module")
-def saved(tmp_path_factory):
-    """One committed checkpoint (step 2) of the tiny GPT."""
-    root = tmp_path_factory.mktemp("open_once") / "ckpt"
-    state = build("ddp")
-    train(state, 2)
-    Checkpointer(root).save(state)
-    return root
-
-
-def _copy(saved, tmp_path):
-    root = tmp_path / "ckpt"
-    shutil.copytree(saved, root)
-    return root, root / "step-00000002"
 
 
 def _swap_for_symlink(step_dir, name, private):
@@ -68,8 +51,10 @@ def _after_first(monkeypatch, module, attr, then):
     ("state.json", "load_one"),  # every check of the load is done: the hand-over reads it
     ("__0_0.distcp", "check_files"),  # the small files are checked: the reads come next
 ])
-def test_a_load_refuses_a_file_swapped_for_a_symlink_after_its_check(saved, tmp_path, monkeypatch, name, checked_by):
-    root, step_dir = _copy(saved, tmp_path)
+def test_a_load_refuses_a_file_swapped_for_a_symlink_after_its_check(
+    tiny_checkpoint, tmp_path, monkeypatch, name, checked_by
+):
+    root, step_dir = checkpoint_copy(tiny_checkpoint, tmp_path)
     private = tmp_path / "private"
     _after_first(monkeypatch, hashing_fs, checked_by, lambda: _swap_for_symlink(step_dir, name, private))
     state = build("ddp")
@@ -80,11 +65,11 @@ def test_a_load_refuses_a_file_swapped_for_a_symlink_after_its_check(saved, tmp_
     assert state.step == 0  # nothing of the swapped file was handed over
 
 
-def test_an_export_refuses_a_shard_swapped_for_a_symlink_after_verify(saved, tmp_path, monkeypatch, capsys):
-    root, step_dir = _copy(saved, tmp_path)
+def test_an_export_refuses_a_shard_swapped_for_a_symlink_after_verify(tiny_checkpoint, tmp_path, monkeypatch, capsys):
+    root, step_dir = checkpoint_copy(tiny_checkpoint, tmp_path)
     private = tmp_path / "private"
     _after_first(
-        monkeypatch, export_module.layout, "verify", lambda: _swap_for_symlink(step_dir, "__0_0.distcp", private)
+        monkeypatch, export_module.step_folders, "verify", lambda: _swap_for_symlink(step_dir, "__0_0.distcp", private)
     )
     out = tmp_path / "model.safetensors"
     assert cli(["ckpt", "export", str(step_dir), "--to", str(out)]) == 2
@@ -94,9 +79,9 @@ def test_an_export_refuses_a_shard_swapped_for_a_symlink_after_verify(saved, tmp
     assert not out.exists()
 
 
-def test_verify_hashes_and_sizes_each_file_on_the_descriptor_it_opened(saved, tmp_path, monkeypatch):
+def test_verify_hashes_and_sizes_each_file_on_the_descriptor_it_opened(tiny_checkpoint, tmp_path, monkeypatch):
     """Every file verify checks is opened once, by `open_own`, never by its name again."""
-    root, step_dir = _copy(saved, tmp_path)
+    root, step_dir = checkpoint_copy(tiny_checkpoint, tmp_path)
     opened = []
     real_open = os.open
 
@@ -106,16 +91,16 @@ def test_verify_hashes_and_sizes_each_file_on_the_descriptor_it_opened(saved, tm
         return real_open(path, flags, *args, **kwargs)
 
     monkeypatch.setattr(os, "open", counting)
-    manifest = layout.verify(step_dir)
-    names = [n for n, _ in opened if n != layout.MANIFEST]
+    manifest = step_folders.verify(step_dir)
+    names = [n for n, _ in opened if n != step_folders.MANIFEST]
     assert sorted(names) == sorted(manifest["files"])  # each listed file once
     assert all(nofollow for _, nofollow in opened)
 
 
-def test_a_symlink_inside_the_folder_is_refused_too(saved, tmp_path, capsys):
+def test_a_symlink_inside_the_folder_is_refused_too(tiny_checkpoint, tmp_path, capsys):
     """disttrain never writes a symlink into a checkpoint: one that stays inside the
     folder is no more trusted than one out of it."""
-    root, step_dir = _copy(saved, tmp_path)
+    root, step_dir = checkpoint_copy(tiny_checkpoint, tmp_path)
     (step_dir / "state.json").rename(step_dir / "state.copy")
     (step_dir / "state.json").symlink_to("state.copy")
     assert cli(["ckpt", "verify", str(step_dir)]) == 2
@@ -145,12 +130,12 @@ def test_open_plain_checks_the_open_descriptor(tmp_path):
         open_plain(tmp_path / "missing", 10)
 
 
-def test_a_load_of_an_untouched_checkpoint_still_matches(saved, tmp_path):
-    root, _ = _copy(saved, tmp_path)
+def test_a_load_of_an_untouched_checkpoint_still_matches(tiny_checkpoint, tmp_path):
+    root, _ = checkpoint_copy(tiny_checkpoint, tmp_path)
     state = build("ddp")
     assert Checkpointer(root).load(state) is not None
-    assert state.step == 2
+    assert state.step == 1
     again = build("ddp")
-    train(again, 2)
+    train(again, 1)
     for a, b in zip(state.model.parameters(), again.model.parameters(), strict=False):
         assert torch.equal(a, b)

@@ -14,7 +14,7 @@ import torch.nn as nn
 
 import disttrain.checkpoint.checkpointer as checkpointer
 import disttrain.checkpoint.files as files
-from disttrain.checkpoint import Checkpointer, CheckpointSaveError, TrainState, layout
+from disttrain.checkpoint import Checkpointer, CheckpointSaveError, TrainState, step_folders
 
 
 def _state() -> TrainState:
@@ -28,7 +28,7 @@ def test_every_small_file_is_listed_and_verifies(tmp_path):
     state = _state()
     state.step = 1
     step_dir = ck.save(state)
-    manifest = layout.verify(step_dir)
+    manifest = step_folders.verify(step_dir)
     assert {".metadata", "state.json", "rank-00000.json"} <= set(manifest["files"])
     assert json.loads((step_dir / "state.json").read_text())["step"] == 1
     ck.close()
@@ -68,6 +68,6 @@ def test_a_small_file_that_cannot_be_written_fails_the_save(tmp_path, monkeypatc
     with pytest.raises(CheckpointSaveError, match="disk full") as info:
         ck.save(state)
     assert "step-00000001 stays the latest" in str(info.value)
-    assert [p for _, _, p in layout.committed(tmp_path)] == [first]
+    assert [p for _, _, p in step_folders.committed(tmp_path)] == [first]
     assert not [p for p in tmp_path.iterdir() if p.name.startswith(".tmp-")]
     ck.close()

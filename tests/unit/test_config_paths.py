@@ -14,7 +14,7 @@ from disttrain.config import load_config, to_dict
 from disttrain.config.path_keys import PATH_KEYS
 from disttrain.launch.train_command import help_text
 from disttrain.train import resume_plan
-from disttrain.train.sources import build_datasets
+from disttrain.train.model_data_loss import build_datasets
 
 TOML = """
 [model]

@@ -3,8 +3,8 @@
 
 import pytest
 
+from disttrain.builtin.corpus import ChunkDataset, _is_heldout, stdlib_files
 from disttrain.data import DistributedSampler
-from disttrain.demo.corpus import ChunkDataset, _is_heldout, stdlib_files
 from disttrain.errors import UserError
 
 

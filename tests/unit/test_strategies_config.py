@@ -8,8 +8,8 @@ import torch
 import torch.nn as nn
 
 import disttrain as dt
+from disttrain.builtin import GPT, MLP, GPTConfig, MLPConfig
 from disttrain.config import load_config
-from disttrain.demo import GPT, MLP, GPTConfig, MLPConfig
 from disttrain.errors import ConfigError, UserError
 from disttrain.parallel.blocks import find_blocks
 from disttrain.parallel.mesh import Layout

@@ -4,18 +4,12 @@ escaped (`terminal_text.shown`), so the user sees `\\x1b[31m` and the terminal a
 nothing."""
 
 import json
-import shutil
-import sys
 
 import pytest
-from conftest import WORKERS
+from conftest import checkpoint_copy
 
-sys.path.insert(0, str(WORKERS))
-from ckpt_common import build, train  # noqa: E402
-
-from disttrain.checkpoint import Checkpointer  # noqa: E402
-from disttrain.cli import main as cli  # noqa: E402
-from disttrain.terminal_text import shown  # noqa: E402
+from disttrain.cli import main as cli
+from disttrain.terminal_text import shown
 
 pytestmark = pytest.mark.timeout(120)
 
@@ -23,19 +17,8 @@ RED = "\x1b[31m"
 CONTROLS = [chr(c) for c in range(32) if c != 10] + ["\x7f", "\x9b", "\u202e", "\u2028"]
 
 
-@pytest.fixture(scope="module")
-def saved(tmp_path_factory):
-    root = tmp_path_factory.mktemp("terminal") / "ckpt"
-    state = build("ddp")
-    train(state, 1)
-    Checkpointer(root).save(state)
-    return root
-
-
 def _with_manifest(saved, tmp_path, change):
-    root = tmp_path / "ckpt"
-    shutil.copytree(saved, root)
-    step_dir = root / "step-00000001"
+    _, step_dir = checkpoint_copy(saved, tmp_path)
     path = step_dir / "manifest.json"
     manifest = json.loads(path.read_text())
     change(manifest)
@@ -48,34 +31,34 @@ def _printed(capsys) -> str:
     return out.out + out.err
 
 
-def test_verify_escapes_a_file_name_of_the_manifest(saved, tmp_path, capsys):
-    step_dir = _with_manifest(saved, tmp_path, lambda m: m["files"].__setitem__(f"{RED}x.json", {"size": 1}))
+def test_verify_escapes_a_file_name_of_the_manifest(tiny_checkpoint, tmp_path, capsys):
+    step_dir = _with_manifest(tiny_checkpoint, tmp_path, lambda m: m["files"].__setitem__(f"{RED}x.json", {"size": 1}))
     assert cli(["ckpt", "verify", str(step_dir)]) == 1  # the listed file is missing
     text = _printed(capsys)
     assert "\x1b" not in text and "\\x1b[31mx.json" in text, text
 
 
-def test_verify_escapes_a_value_of_the_manifest(saved, tmp_path, capsys):
-    step_dir = _with_manifest(saved, tmp_path, lambda m: m.__setitem__("step", f"{RED}1\r\x07"))
+def test_verify_escapes_a_value_of_the_manifest(tiny_checkpoint, tmp_path, capsys):
+    step_dir = _with_manifest(tiny_checkpoint, tmp_path, lambda m: m.__setitem__("step", f"{RED}1\r\x07"))
     assert cli(["ckpt", "verify", str(step_dir)]) == 1  # a step that is no number: damaged
     text = _printed(capsys)
     assert "\x1b" not in text and "\r" not in text and "\x07" not in text, text
     assert "\\x1b[31m1\\r\\x07" in text, text
 
 
-def test_inspect_escapes_the_manifest_and_reads_no_markup(saved, tmp_path, capsys):
+def test_inspect_escapes_the_manifest_and_reads_no_markup(tiny_checkpoint, tmp_path, capsys):
     def change(m):
         m["strategy"] = f"{RED}ddp[link=https://example.invalid]here[/link]"
         m["torch_version"] = "\x1b]0;title\x07"
 
-    step_dir = _with_manifest(saved, tmp_path, change)
+    step_dir = _with_manifest(tiny_checkpoint, tmp_path, change)
     assert cli(["ckpt", "inspect", str(step_dir)]) == 0
     text = _printed(capsys)
     assert "\x1b" not in text and "\x07" not in text, text
     assert "\\x1b[31mddp" in text and "[link=https://example.invalid]" in text, text
 
 
-def test_a_refusal_in_one_line_escapes_the_name_it_quotes(saved, tmp_path, capsys):
+def test_a_refusal_in_one_line_escapes_the_name_it_quotes(tiny_checkpoint, tmp_path, capsys):
     outside = tmp_path / "outside.json"
     outside.write_text("{}")
     name = f"{RED}rank.json"
@@ -83,7 +66,7 @@ def test_a_refusal_in_one_line_escapes_the_name_it_quotes(saved, tmp_path, capsy
     def change(m):
         m["files"][name] = {**next(iter(m["files"].values())), "size": 2}  # a well-formed record
 
-    step_dir = _with_manifest(saved, tmp_path, change)
+    step_dir = _with_manifest(tiny_checkpoint, tmp_path, change)
     (step_dir / name).symlink_to(outside)  # a symlink out: `CheckpointUnsafe`, exit 2
     assert cli(["ckpt", "verify", str(step_dir)]) == 2
     text = _printed(capsys)

@@ -19,7 +19,7 @@ from disttrain.data import ElasticSampler
 from disttrain.data.prepare import prepare
 from disttrain.data.token_files import LLMC_MAGIC, read_token_file, token_datasets
 from disttrain.errors import ConfigError, UserError
-from disttrain.train.sources import build_datasets
+from disttrain.train.model_data_loss import build_datasets
 
 pytestmark = pytest.mark.timeout(120)
 

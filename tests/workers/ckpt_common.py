@@ -7,9 +7,9 @@ import torch
 from torch.distributed.checkpoint.state_dict import StateDictOptions, get_state_dict
 
 import disttrain as dt
+from disttrain.builtin import GPT, GPTConfig
 from disttrain.checkpoint import TrainState
 from disttrain.data import ElasticSampler
-from disttrain.demo import GPT, GPTConfig
 
 CFG = GPTConfig(block_size=8, n_layer=2, n_head=2, n_embd=16, dropout=0.1)
 N_SAMPLES, BATCH = 20, 2

@@ -17,7 +17,7 @@ from pathlib import Path
 import torch
 
 import disttrain as dt
-from disttrain.demo import GPT, GPTConfig
+from disttrain.builtin import GPT, GPTConfig
 
 STEPS, SPLIT = 8, 4
 GPT_CFG = GPTConfig(block_size=16, n_layer=1, n_head=2, n_embd=32, vocab_size=64, dropout=0.0)

@@ -15,7 +15,7 @@ import torch.nn as nn
 from torch.distributed.algorithms.ddp_comm_hooks.default_hooks import allreduce_hook
 
 import disttrain as dt
-from disttrain.demo import GPT, MLP, GPTConfig, MLPConfig
+from disttrain.builtin import GPT, MLP, GPTConfig, MLPConfig
 
 out = Path(sys.argv[1])
 results: dict = {}

@@ -10,8 +10,8 @@ import torch
 
 import disttrain as dt
 from disttrain import guard
+from disttrain.builtin import MLP, MLPConfig
 from disttrain.config import Config
-from disttrain.demo import MLP, MLPConfig
 from disttrain.guard import sanity
 
 out = Path(sys.argv[1])

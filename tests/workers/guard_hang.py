@@ -11,7 +11,7 @@ import torch
 import torch.distributed as dist
 
 import disttrain as dt
-from disttrain.demo import MLP, MLPConfig
+from disttrain.builtin import MLP, MLPConfig
 from disttrain.guard.watchdog import Watchdog
 
 out, mode = Path(sys.argv[1]), sys.argv[2]

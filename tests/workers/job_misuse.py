@@ -14,7 +14,7 @@ from pathlib import Path
 import torch
 
 import disttrain as dt
-from disttrain.demo import MLP, MLPConfig
+from disttrain.builtin import MLP, MLPConfig
 
 out, strategy = Path(sys.argv[1]), sys.argv[2]
 before = sys.argv[3:] == ["before"]

@@ -18,7 +18,7 @@ import torch.nn as nn
 from torch.distributed.fsdp import FSDPModule, FullyShardedDataParallel
 
 import disttrain as dt
-from disttrain.demo import GPT, MLP, GPTConfig, MLPConfig
+from disttrain.builtin import GPT, MLP, GPTConfig, MLPConfig
 from disttrain.parallel.fsdp import full_parameters, local_bytes
 from disttrain.parallel.optimizers import decaying
 

@@ -3,7 +3,7 @@ exportable (P-CKPT-1..5, P-FSDP-8).
 
 - `state`: `TrainState`, everything a resume needs behind one `state_dict`;
   `zero_state`: ZeRO-1 optimizer state without consolidation.
-- `layout`: step directories, the manifest, verification, "latest", fencing, retention.
+- `step_folders`: step directories, the manifest, verification, "latest", fencing, retention.
 - `checkpointer`: save/load across ranks with DCP, sync or async; `functional`:
   `save`/`load` without a `Checkpointer`; `load_phases`: where a load's time went.
 - `raw_storage` (the storage format `raw-1`: raw tensor bytes, JSON values and JSON
@@ -19,7 +19,8 @@ exportable (P-CKPT-1..5, P-FSDP-8).
 - `ckpt_command`: `disttrain ckpt inspect|verify|export`.
 - `fault_points`: the `DISTTRAIN_FAULT` points inside a save, for crash tests.
 - `files`: atomic single files (`save_model`/`load_model` for plain weights).
-- `finite`: `check_finite(loss_or_tensors, step)`, the guard a loop calls before a save.
+- `finite_tensors`: which tensors hold a NaN or an infinity; `check_finite(loss_or_tensors,
+  step)`, the check a loop calls before a save.
 
 Trust: a checkpoint is read only after its JSON manifest verifies (sizes and
 xxh3_128 digests of every file; manifests of older versions carry sha256). A
@@ -42,10 +43,10 @@ from disttrain.checkpoint.checkpoint_errors import (
 )
 from disttrain.checkpoint.checkpointer import Checkpointer
 from disttrain.checkpoint.files import atomic_torch_save, load_model, save_model, strip_prefix
-from disttrain.checkpoint.finite import NonFiniteError, check_finite
+from disttrain.checkpoint.finite_tensors import NonFiniteError, check_finite
 from disttrain.checkpoint.functional import load, save
-from disttrain.checkpoint.layout import latest_valid, verify
 from disttrain.checkpoint.state import TrainState
+from disttrain.checkpoint.step_folders import latest_valid, verify
 
 __all__ = [
     "CheckpointCorrupt",

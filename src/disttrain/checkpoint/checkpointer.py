@@ -39,7 +39,7 @@ import torch
 import torch.distributed as dist
 
 from disttrain import json_text
-from disttrain.checkpoint import layout, load_phases
+from disttrain.checkpoint import load_phases, step_folders
 from disttrain.checkpoint.checkpoint_errors import (
     CheckpointCorrupt,
     CheckpointError,
@@ -186,15 +186,15 @@ class Checkpointer:
         step = state.step
         if self.generation is None:
             self.generation = self._bcast(
-                layout.claim_generation(self.root, self.run_id) if self.rank == 0 else None, int
+                step_folders.claim_generation(self.root, self.run_id) if self.rank == 0 else None, int
             )
-        tmp = self.root / layout.tmp_name(step, self.generation, self.run_id)
-        final = self.root / layout.step_name(step)
+        tmp = self.root / step_folders.tmp_name(step, self.generation, self.run_id)
+        final = self.root / step_folders.step_name(step)
         err, done = None, False
         if self.rank == 0:
             try:
-                if layout.committed_by(final, self.run_id, self.generation):
-                    layout.check_fence(self.root, self.run_id, self.generation)
+                if step_folders.committed_by(final, self.run_id, self.generation):
+                    step_folders.check_fence(self.root, self.run_id, self.generation)
                     done = True  # the same live writer saved this step already
                 else:
                     shutil.rmtree(tmp, ignore_errors=True)
@@ -284,13 +284,13 @@ class Checkpointer:
             try:
                 info = {**info, "finite": all(f for _, _, f in gathered)}
                 files = {name: d for _, part, _ in gathered for name, d in part.items()}
-                layout.write_manifest(tmp, info, files)
+                step_folders.write_manifest(tmp, info, files)
                 for synced in writer.pending:  # `.metadata`, fsynced while the manifest was written
                     synced.result()
                 fault_point("during_commit", self.rank, step)
-                layout.commit(tmp, final, self.run_id, self.generation)
+                step_folders.commit(tmp, final, self.run_id, self.generation)
                 self._join_removals()
-                layout.prune(self.root, self.keep_last, self.generation, remove=self._remove_later)
+                step_folders.prune(self.root, self.keep_last, self.generation, remove=self._remove_later)
             except StaleWriterError as e:
                 err = f"stale writer: {e}"
             except (OSError, CheckpointError) as e:
@@ -307,10 +307,10 @@ class Checkpointer:
             shutil.rmtree(tmp, ignore_errors=True)
         if self.pg is not None:  # every rank sees the cleaned directory once it raises
             dist.barrier(group=self.pg)
-        prev = layout.latest_valid(self.root, checksums=False)
+        prev = step_folders.latest_valid(self.root, checksums=False)
         keep = f"{prev.name} stays the latest checkpoint" if prev else "no earlier checkpoint exists"
         kind = StaleWriterError if err.startswith("stale writer: ") else CheckpointSaveError
-        head = f"checkpoint {layout.step_name(step)} in {self.root} was not saved: {err.rstrip('.')}."
+        head = f"checkpoint {step_folders.step_name(step)} in {self.root} was not saved: {err.rstrip('.')}."
         error = kind(f"{head} {keep}.")
         error.head = head  # what `save` reports once a later save changed the latest
         raise error
@@ -386,12 +386,14 @@ class Checkpointer:
             if path is not None and path.name.startswith("step-"):
                 candidates = [path]
             else:
-                layout.note_empty_step_dirs(path or self.root, self.rank)
+                step_folders.note_empty_step_dirs(path or self.root, self.rank)
                 candidates = list(
                     map(
                         Path,
                         self._bcast(
-                            [str(p) for _, _, p in layout.committed(path or self.root)] if self.rank == 0 else None,
+                            [str(p) for _, _, p in step_folders.committed(path or self.root)]
+                            if self.rank == 0
+                            else None,
                             list[str],
                         ),
                     )
@@ -421,7 +423,7 @@ class Checkpointer:
     def _hand_over(self, state: TrainState, sd: dict, fqns, step_dir: Path) -> None:
         """Give `state` the loaded tensors `sd` and the JSON parts of `step_dir`, each
         parsed from the very bytes checked against its manifest record (`read_own`)."""
-        manifest = layout.read_manifest(step_dir)
+        manifest = step_folders.read_manifest(step_dir)
         files, rng_file = manifest["files"], f"rank-{self.rank:05d}.json"
         same_world = manifest.get("world_size") == self.world
         if "state.json" not in files:  # only verified files are read
@@ -429,7 +431,7 @@ class Checkpointer:
         sd["meta"] = _json_file(step_dir, "state.json", files["state.json"])
         rng = _json_file(step_dir, rng_file, files[rng_file]) if same_world and rng_file in files else None
         for key in ("step", "epoch"):
-            if not layout.count(sd["meta"].get(key)):
+            if not step_folders.count(sd["meta"].get(key)):
                 raise CheckpointCorrupt(
                     f"{step_dir / 'state.json'}: its {key} is not a whole number >= 0.", "state.json"
                 )

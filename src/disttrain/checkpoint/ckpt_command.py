@@ -9,7 +9,7 @@ from __future__ import annotations
 import argparse
 from pathlib import Path
 
-from disttrain.checkpoint import layout
+from disttrain.checkpoint import step_folders
 from disttrain.checkpoint.checkpoint_errors import CheckpointCorrupt, CheckpointUnsafe
 from disttrain.checkpoint.storage_formats import check_readable
 from disttrain.errors import UserError
@@ -27,9 +27,9 @@ def _step_dir(path: str) -> Path:
             f"{p} does not exist; pass a checkpoint root (a run's checkpoints/ folder, or "
             f"checkpoint.dir) or one of its step-* folders."
         )
-    if p.name.startswith("step-") or (p / layout.MANIFEST).exists():
+    if p.name.startswith("step-") or (p / step_folders.MANIFEST).exists():
         return p
-    found = layout.committed(p)
+    found = step_folders.committed(p)
     if not found:
         raise UserError(f"{p} holds no committed checkpoint (no step-* directory).")
     return found[0][2]
@@ -60,7 +60,7 @@ def inspect(step_dir: Path) -> None:
     from disttrain.checkpoint.export import tensor_table
 
     rows = tensor_table(step_dir)
-    m = layout.read_manifest(step_dir)
+    m = step_folders.read_manifest(step_dir)
     table = Table(
         title=_text(
             f"{step_dir}  step {m.get('step')}  world {m.get('world_size')}  "
@@ -99,7 +99,7 @@ def main(argv: list[str]) -> int:
     step_dir = _step_dir(args.dir)
     if args.action == "verify":
         try:
-            m = layout.verify(step_dir)
+            m = step_folders.verify(step_dir)
             check_readable(step_dir)  # what a load unpickles or parses first
         except CheckpointUnsafe:
             raise  # a UserError: one line, exit 2 (a folder made to mislead, not damage)

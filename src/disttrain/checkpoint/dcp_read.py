@@ -15,7 +15,7 @@ by whoever wrote the folder: the digests catch damage, not an author. So:
   `weights_only=False`, so `SafeReader` reads each with `weights_only=True` first and
   hands the planner that value saved again by torch (`_WeightsOnlyValues`).
 
-Call these only after the manifest verified (`layout.verify`).
+Call these only after the manifest verified (`step_folders.verify`).
 """
 
 from __future__ import annotations
@@ -31,7 +31,7 @@ from torch.distributed.checkpoint import FileSystemReader, LoadPlanner
 from torch.distributed.checkpoint.filesystem import FileSystem
 from torch.distributed.checkpoint.metadata import BytesStorageMetadata, Metadata, StorageMeta
 
-from disttrain.checkpoint import layout, metadata_bounds
+from disttrain.checkpoint import metadata_bounds, step_folders
 from disttrain.checkpoint.checkpoint_errors import CheckpointCorrupt, CheckpointUnsafe
 from disttrain.checkpoint.digests import file_mismatch
 from disttrain.checkpoint.metadata_pickle import MetadataUnpickler
@@ -48,7 +48,7 @@ def read_metadata(step_dir: str | Path) -> Metadata:
     (not DCP's metadata, or bytes that fail the manifest's record: they are unpickled
     from the very bytes checked, `own_files.read_own`), each naming the file."""
     path = Path(step_dir) / METADATA
-    files = layout.read_manifest(Path(step_dir))["files"]
+    files = step_folders.read_manifest(Path(step_dir))["files"]
     if METADATA not in files:
         raise CheckpointCorrupt(f"{step_dir}: the manifest lists no {METADATA}.", METADATA)
     try:
@@ -145,7 +145,7 @@ def check_values(step_dir: str | Path, metadata: Metadata) -> None:
     whose pickle asks for a global beyond the weights-only unpickler's: what a load
     would refuse, found without unpickling anything (`ckpt verify`). Each file is
     opened by `own_files.open_own` (a regular file of its recorded size)."""
-    files = layout.read_manifest(Path(step_dir))["files"]
+    files = step_folders.read_manifest(Path(step_dir))["files"]
     for index, info in sorted(metadata.storage_data.items(), key=lambda kv: kv[0].fqn):
         if not isinstance(metadata.state_dict_metadata.get(index.fqn), BytesStorageMetadata):
             continue
@@ -162,7 +162,7 @@ def load_keys(step_dir: str | Path, keys: set[str]) -> dict:
     read by `SafeReader`, each file opened by `own_files.open_own` (through
     `VerifyingFileSystem`, hashing none: the caller verified them)."""
     reader = SafeReader(str(step_dir))
-    files = layout.read_manifest(Path(step_dir))["files"]
+    files = step_folders.read_manifest(Path(step_dir))["files"]
     reader.fs = VerifyingFileSystem(Path(step_dir), files, select=lambda name: False)
     return torch_compat.load_keys(keys, storage_reader=reader)
 

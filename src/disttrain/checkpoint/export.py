@@ -19,7 +19,7 @@ from pathlib import Path
 import torch
 from torch.distributed.checkpoint.metadata import TensorStorageMetadata
 
-from disttrain.checkpoint import layout
+from disttrain.checkpoint import step_folders
 from disttrain.checkpoint.files import atomic_torch_save
 from disttrain.checkpoint.storage_formats import load_keys, read_metadata
 from disttrain.config.paths import output_file
@@ -42,7 +42,7 @@ _ST_DTYPES = {
 def tensor_table(step_dir: Path) -> list[tuple[str, tuple, torch.dtype, int]]:
     """(key, global shape, dtype, bytes) of every tensor in the checkpoint.
     Verifies the manifest first; raises `CheckpointCorrupt` naming a bad file."""
-    layout.verify(step_dir)
+    step_folders.verify(step_dir)
     md = read_metadata(step_dir).state_dict_metadata
     rows = []
     for key, meta in sorted(md.items()):
@@ -114,7 +114,7 @@ def export_safetensors(
             "data_offsets": [offset, offset + nbytes],
         }
         offset += nbytes
-    manifest = layout.read_manifest(step_dir)
+    manifest = step_folders.read_manifest(step_dir)
     header["__metadata__"] = {"format": "pt", "step": str(manifest.get("step")), "source": "disttrain"}
     blob = json.dumps(header, separators=(",", ":")).encode()
     blob += b" " * (-len(blob) % 8)  # the data section starts 8-byte aligned

@@ -106,10 +106,10 @@ def raise_agreed(verdict: tuple, other: type) -> None:
 def check_files(step_dir: Path, select) -> tuple | None:
     """This rank's check of all sizes and the hashes of the files `select` accepts:
     None, or the problem of the first bad file (`as_problem`)."""
-    from disttrain.checkpoint import layout
+    from disttrain.checkpoint import step_folders
 
     try:
-        layout.verify(step_dir, select=select)
+        step_folders.verify(step_dir, select=select)
     except CheckpointCorrupt as e:
         return as_problem(e)
     return None
@@ -170,7 +170,7 @@ def _load_checked(
 ) -> str | None:
     """`load_one` once this rank checked its small files `first` (`mine`: None or
     its problem)."""
-    from disttrain.checkpoint import layout
+    from disttrain.checkpoint import step_folders
     from disttrain.checkpoint.checkpoint_errors import CheckpointMismatch
     from disttrain.checkpoint.compat import check_compatible
     from disttrain.checkpoint.digests import share
@@ -195,7 +195,7 @@ def _load_checked(
         return verdict[1]
     ours = lambda n: share(n, world) == rank  # noqa: E731
     with phase("small files"):
-        manifest = layout.read_manifest(step_dir)
+        manifest = step_folders.read_manifest(step_dir)
     problem, read = load_verified(
         tensors, step_dir, manifest["files"], pg, ours, manifest.get("storage", "dcp"), metadata, flat
     )

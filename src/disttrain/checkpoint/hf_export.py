@@ -21,7 +21,7 @@ import shutil
 from pathlib import Path
 
 from disttrain import json_text
-from disttrain.checkpoint import layout
+from disttrain.checkpoint import step_folders
 from disttrain.checkpoint.own_files import read_own
 from disttrain.config import hf_model_config
 from disttrain.errors import UserError
@@ -33,7 +33,7 @@ def _stored_model_section(step_dir: Path) -> dict:
     `hf_config_from_section`. Raises `UserError` naming the file."""
     state = step_dir / "state.json"
     try:  # parsed from the bytes checked against the manifest (`own_files.read_own`)
-        record = layout.read_manifest(step_dir)["files"].get("state.json")
+        record = step_folders.read_manifest(step_dir)["files"].get("state.json")
         stored = json_text.loads(read_own(step_dir, "state.json", record))
     except (OSError, ValueError) as e:
         raise UserError(f"{state} cannot be read ({e}); is {step_dir} a disttrain checkpoint?") from e

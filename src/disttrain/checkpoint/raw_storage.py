@@ -34,11 +34,11 @@ from torch.distributed.checkpoint.planner import LoadItemType, WriteItemType
 from torch.distributed.checkpoint.storage import WriteResult
 from torch.futures import Future
 
-from disttrain.checkpoint import layout, metadata_bounds
+from disttrain.checkpoint import metadata_bounds, step_folders
 from disttrain.checkpoint.checkpoint_errors import CheckpointCorrupt
 from disttrain.checkpoint.digests import HashingStream, corrupt_message, digest_bytes, expected, new_hash, record
 from disttrain.checkpoint.files import fsync_file
-from disttrain.checkpoint.finite import FiniteTally
+from disttrain.checkpoint.finite_tensors import FiniteTally
 from disttrain.checkpoint.json_records import Extent, metadata_bytes, metadata_of, set_path, value_bytes, value_of
 from disttrain.checkpoint.own_files import check_listed, open_own, read_own
 from disttrain.checkpoint.raw_read import FileRead, narrow, pool, read_all, read_exact, shared_storages, stop_for
@@ -191,7 +191,7 @@ def read_metadata(step_dir: str | Path):
     check or is not this format's JSON, or `CheckpointUnsafe` when it is no regular
     file or names a data file its manifest does not list."""
     path = Path(step_dir) / METADATA
-    files = layout.read_manifest(Path(step_dir))["files"]
+    files = step_folders.read_manifest(Path(step_dir))["files"]
     if METADATA not in files:
         raise CheckpointCorrupt(f"{step_dir}: the manifest lists no {METADATA}.", METADATA)
     try:
@@ -341,7 +341,7 @@ def load_keys(step_dir: str | Path, keys: set[str]) -> dict:
     verified."""
     step_dir = Path(step_dir)
     md = read_metadata(step_dir)
-    files = layout.read_manifest(step_dir)["files"]
+    files = step_folders.read_manifest(step_dir)["files"]
     out: dict = {}
     wanted = [k for k in md.state_dict_metadata if k in keys or any(k.startswith(p + ".") for p in keys)]
     for key in sorted(wanted):

@@ -8,21 +8,21 @@ each, so every reader (a load, `ckpt inspect`, the exports) serves both:
   storage). Still read, by DCP's reader made safe (`dcp_read`): only DCP's metadata
   classes are unpickled, values are read weights-only.
 
-Call these only after the manifest verified (`layout.verify`).
+Call these only after the manifest verified (`step_folders.verify`).
 """
 
 from __future__ import annotations
 
 from pathlib import Path
 
-from disttrain.checkpoint import layout
+from disttrain.checkpoint import step_folders
 
 DCP_DEFAULT = "dcp"
 
 
 def storage_of(step_dir: str | Path) -> str:
     """The storage format of the checkpoint `step_dir`, from its manifest."""
-    return str(layout.read_manifest(Path(step_dir)).get("storage", DCP_DEFAULT))
+    return str(step_folders.read_manifest(Path(step_dir)).get("storage", DCP_DEFAULT))
 
 
 def read_metadata(step_dir: str | Path):

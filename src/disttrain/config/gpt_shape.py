@@ -1,4 +1,4 @@
-"""The shape of the built-in GPT (`disttrain.demo.gpt`), as plain data: the config
+"""The shape of the built-in GPT (`disttrain.builtin.gpt`), as plain data: the config
 layer describes it without importing torch.
 """
 

@@ -4,7 +4,7 @@ train.loss ("module:callable") and their kwargs tables.
 Validation only (no import of the named module, no torch): the form of each
 reference, factory versus the built-in GPT's shape keys, and kwargs that are plain
 data (the config is stored as JSON in every checkpoint). Importing and calling the
-code is `disttrain.train.sources`. Every mistake raises one `ConfigError` naming the key.
+code is `disttrain.train.model_data_loss`. Every mistake raises one `ConfigError` naming the key.
 """
 
 from __future__ import annotations

@@ -101,7 +101,7 @@ def published(store: JobStore, prefix: str, world: int) -> set[tuple[str, int]]:
         text = store.get(key)
         listed = _parsed(text) if text is not None else set()
         if listed is None:
-            LOGGER.warning(f"{speaker()}: ignored {key}: not a list of listeners", extra=EVERY_RANK)
+            LOGGER.warning(f"{speaker()}: ignored {key}: not a list of host:port addresses", extra=EVERY_RANK)
             continue
         found |= listed
     return found

@@ -161,7 +161,7 @@ def supervise(cmd: list[str], rank: int, world: int) -> int:
             first_to_say(f"promotion-rank{rank}-{promotions:06d}")  # counted if the job is then stopped
             print(
                 f"disttrain run: rank {rank}'s training process died ({_how(rc)}); its warm spare "
-                f"took over and the job goes on from memory (promotion {promotions})",
+                f"took over and the job goes on from memory (take-over {promotions})",
                 file=sys.stderr,
                 flush=True,
             )

@@ -83,11 +83,11 @@ def main(argv: list[str]) -> int:
     cfg = load_config(argv[0], argv[1:])
     config_dir = Path(argv[0]).parent
     if cfg.model.factory or cfg.data.factory or cfg.train.loss:  # user code: import it here first
-        from disttrain.train.sources import check_references
+        from disttrain.train.model_data_loss import check_references
 
         check_references(cfg, config_dir)
     if cfg.data.tokens or cfg.data.hf_dataset:  # files, folders, splits, columns: here, once
-        from disttrain.train.sources import build_datasets
+        from disttrain.train.model_data_loss import build_datasets
 
         build_datasets(cfg, config_dir)  # headers and memory maps only; the workers build their own
     from disttrain.launch.preflight import preflight

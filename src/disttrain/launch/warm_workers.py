@@ -311,7 +311,7 @@ def run_stub(module: str, args: list[str]) -> int:
         try:
             return _HEADER.unpack(_recv_exact(conn, _HEADER.size))[0]
         except ConnectionError:
-            print(f"disttrain run: the warm-worker server died while running pid {pid}.", file=sys.stderr)
+            print(f"disttrain run: the warm server died while running pid {pid}.", file=sys.stderr)
             return None
 
     return watch(pid, status_from_server)

@@ -214,10 +214,10 @@ def read_toml(path: str | Path) -> tuple[Any, dict]:
 
 
 def from_gpt_config(cfg) -> ModelSpec:
-    """Exact sizes of `disttrain.demo.GPT(cfg)`, built on the meta device (no memory)."""
+    """Exact sizes of `disttrain.builtin.GPT(cfg)`, built on the meta device (no memory)."""
     import torch
 
-    from disttrain.demo.gpt import GPT
+    from disttrain.builtin.gpt import GPT
 
     with torch.device("meta"):
         model = GPT(cfg)

@@ -16,8 +16,8 @@ at most 15 bytes), which `ps -e`, `ps -o pid,comm`, `top`, `pgrep` and
     stub.rank1       a warm-worker stub, the process torchrun watches for rank 1
                      (launch/warm_workers.py; killing it kills rank 1's training process)
     slot.rank1       a fast-recovery slot supervisor (launch/slot_supervisor.py)
-    spare.rank1      its warm spare, until promoted (then rankR.localL)
-    dt.warm-server   the warm-worker server that forks the workers
+    spare.rank1      its warm spare, until it takes over (then rankR.localL)
+    dt.warm-server   the warm server that forks the workers
 
 A training process also says its pid once, at start, through the disttrain logger
 ("rank 1 (local rank 0) is pid 4242"), so a rank can be signalled by hand. Imports
@@ -119,7 +119,7 @@ def freeze_long_lived(*, for_life: bool = False) -> None:
     What it hides: a frozen object is never collected (cyclic garbage among them is
     freed only after a thaw), and it is absent from `gc.get_objects()` and from any
     check that finds objects through the collector. So no check of the package may find
-    objects that way: the optimizer-built-before-wrap check (train/recorded.py) numbers
+    objects that way: the optimizer-built-before-wrap check (train/optimizer_order.py) numbers
     each optimizer when it is built instead, and sees one built before a freeze."""
     if for_life:
         STATE.thaw_at_shutdown = False  # an earlier freeze is now for life as well

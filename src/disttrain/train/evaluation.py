@@ -28,8 +28,8 @@ import torch
 from disttrain import runtime
 from disttrain.errors import UserError
 from disttrain.guard import tensor_nbytes
+from disttrain.train.batches import batch_loss, to_device
 from disttrain.train.global_metrics import global_sum
-from disttrain.train.sources import batch_loss, to_device
 
 Metric = Callable[[torch.nn.Module, Any], dict]
 
@@ -42,7 +42,7 @@ def eval_shard(dataset_len: int, batch_size: int, max_batches: int | None) -> tu
 
 
 def loss_metric(loss_fn: Callable | None = None) -> Metric:
-    """The default metric: {"loss": the batch's loss} (`sources.batch_loss`). A batch the
+    """The default metric: {"loss": the batch's loss} (`batches.batch_loss`). A batch the
     model rejects is one `UserError` naming the batch's structure (the evaluation at the
     start is often a run's first forward)."""
     return lambda model, batch: {"loss": batch_loss(model, batch, loss_fn, first=True)}

@@ -85,7 +85,7 @@ class HFCausalLM(nn.Module):
 
     `forward(x, y=None)` returns `(logits, loss)`: `x` are input ids (batch, time), `y`
     the targets already shifted by one (the byte corpus yields them so), and `loss`
-    is `cross_entropy(logits.flatten(0, 1), y.flatten())`, exactly as `demo.GPT`
+    is `cross_entropy(logits.flatten(0, 1), y.flatten())`, exactly as `builtin.GPT`
     computes it (the Hugging Face `labels` path would shift a second time).
     `forward(**kwargs)` without `x` passes through to the Hugging Face model and
     returns its output (`output.loss` with `labels=`), for dict batches.

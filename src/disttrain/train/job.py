@@ -58,14 +58,15 @@ from disttrain.runtime.fault_injection import inject
 from disttrain.runtime.log import LOGGER, set_speaker
 from disttrain.train import job_failure, run_summary, start_point
 from disttrain.train.accumulation import Accumulator
+from disttrain.train.batches import to_device
 from disttrain.train.evaluation import Evaluator, check_name, evaluate
-from disttrain.train.finite_check import FiniteCheck
 from disttrain.train.job_config import JOB_KEYS, RunOptions, checkpoint_root, tracker_config
 from disttrain.train.job_config import resolve as resolve_config
 from disttrain.train.metrics_window import MetricsWindow
-from disttrain.train.recorded import Recorded, built_after, optimizer_mark, watch_optimizers
+from disttrain.train.non_finite_stop import NonFiniteStop
+from disttrain.train.optimizer_order import built_after, optimizer_mark, watch_optimizers
+from disttrain.train.sample_queue import SampleQueue
 from disttrain.train.save_cadence import Saving
-from disttrain.train.sources import to_device
 from disttrain.train.step_ownership import BACKWARD_MESSAGE, Ownership, require_backward
 from disttrain.train.tracker_checks import check_trackers
 from disttrain.train.trackers import from_config as tracker_list
@@ -83,20 +84,47 @@ def _ignore_stop_signals(worker_id: int, chain=None) -> None:
         chain(worker_id)
 
 
-@dataclass(frozen=True)
-class _Training:
-    """What the loop works with: the parts `Job.resume` leaves complete, none missing."""
+# The parts of a run, each built once by the call that the contract's order puts first
+# (`__enter__`, `loader`, `resume`, `steps`) and held in one place: the Job's attribute
+# for that call's record, None until the call ran. The loop receives them complete.
 
-    info: runtime.RankInfo
-    model: torch.nn.Module
+
+@dataclass(frozen=True)
+class _Started:
+    """What entering the job starts beside the process group: the handler of the stop
+    signals (an agreed stop and a save) and the guard."""
+
+    preemption: PreemptionHandler
+    guard: RunGuard
+
+
+@dataclass(frozen=True)
+class _TrainData:
+    """What `Job.loader` builds: the sampler (its position is checkpointed), the
+    DataLoader drawing from it, and the queue of the indices the loader drew."""
+
     sampler: ElasticSampler
     loader: DataLoader
-    recorded: Recorded
+    samples: SampleQueue
+
+
+@dataclass(frozen=True)
+class _Training:
+    """What `Job.resume` adds: the accumulator (where the optimizer steps), the state a
+    checkpoint holds (model, optimizer, scheduler, scaler, sampler, extras) and the
+    save cadence."""
+
     accumulator: Accumulator
     state: TrainState
-    guard: RunGuard
-    preemption: PreemptionHandler
     saving: Saving
+
+
+@dataclass(frozen=True)
+class _Looping:
+    """What `Job.steps` opens for the loop: the metrics window and the non-finite stop."""
+
+    metrics: MetricsWindow
+    non_finite: NonFiniteStop
 
 
 class Job:
@@ -155,20 +183,14 @@ class Job:
     keyword is Python's own `TypeError`.
     """
 
-    # The parts a run holds, built in the order of the contract (`__enter__`, wrap,
-    # loader, resume): None until then. Only this class reads them; the loop reads the
-    # complete set `resume` leaves (`_Training`).
-    _info: runtime.RankInfo | None
-    model: torch.nn.Module | None
-    sampler: ElasticSampler | None
-    train_loader: DataLoader | None
-    accumulator: Accumulator | None
-    state: TrainState | None
-    guard: RunGuard | None
-    preemption: PreemptionHandler | None
-    handoff: fast_recovery.Handoff | None
-    metrics: MetricsWindow | None
-    finite_check: FiniteCheck | None
+    # The parts a run holds, each in one place, None until the call that builds it:
+    _handoff: fast_recovery.Handoff | None  # __enter__: fast recovery's hand-off, or None
+    _info: runtime.RankInfo | None  # __enter__: this rank's place (the process group)
+    _started: _Started | None  # __enter__
+    _model: torch.nn.Module | None  # wrap: the wrapped model
+    _data: _TrainData | None  # loader
+    _training: _Training | None  # resume
+    _looping: _Looping | None  # steps
 
     def __init__(
         self,
@@ -212,15 +234,12 @@ class Job:
         self.checkpoint_dir = checkpoint_root(self.cfg, self.out_dir)
         self.show_progress = progress
         self._user_config: dict = {}
-        self._info = self.model = self.sampler = self.train_loader = self.accumulator = None
-        self.state = self.guard = self.preemption = self.handoff = None
-        self.metrics = self.finite_check = None
-        self._training: _Training | None = None
+        self._handoff = self._info = self._started = self._model = None
+        self._data = self._training = self._looping = None
         self.evaluators: list[Evaluator] = []
         self._owns_group = False
         self._wrap_mark: int | None = None
         self._hf_section: dict | None = None
-        self._recorded: Recorded | None = None  # the loader's sampler: which samples each batch held
         self._start = start_point.Resumed()  # where resume() found the run: said by steps()
         set_speaker(f"disttrain {self.name}")  # fast recovery's messages too
         watch_optimizers()  # an optimizer built before this is one built before wrap
@@ -229,7 +248,7 @@ class Job:
         """Optimizer steps done: after `resume`, the checkpoint's step; inside
         `steps()`, the steps completed before the current batch (the batch belongs to
         step `job.step + 1`); after the loop, `max_steps`."""
-        self.resumed = self.preempted = self.in_memory = False
+        self.preempted = False
         self.summary: dict | None = None
         self._in_step = self._backward_done = False
 
@@ -260,19 +279,14 @@ class Job:
     def __enter__(self) -> Job:
         import torch.distributed as dist
 
-        self.handoff = fast_recovery.current()
+        self._handoff = fast_recovery.current()
         self._owns_group = not dist.is_initialized()
         p = self.cfg.parallel
         self._info = runtime.init(backend=p.backend, device=p.device, timeout_s=p.timeout_s, seed=self.cfg.train.seed)
         try:
-            # The grace `disttrain run` gives its workers (the kill follows it), else the config's.
-            grace = os.environ.get("DISTTRAIN_PREEMPT_GRACE_S") or self.cfg.elastic.preempt_grace_s
-            self.preemption = PreemptionHandler(float(grace)).install()
-            self.guard = start_guard(
-                self.cfg.guard, config=self.config(), timeout_s=p.timeout_s, **self.run.guard_fields
-            )
-            if self.handoff is not None:
-                self.handoff.keep(guard=self.guard)
+            self._started = started = self._start_parts()
+            if self._handoff is not None:
+                self._handoff.keep(guard=started.guard)
             if self.cfg.guard.check:  # before wrap: the checks see the DDP being built
                 from disttrain.check.session import install
 
@@ -282,6 +296,21 @@ class Job:
             raise
         return self
 
+    def _start_parts(self) -> _Started:
+        """The stop-signal handler, then the guard's start checks (a collective); the
+        handler is removed again when those fail."""
+        # The grace `disttrain run` gives its workers (the kill follows it), else the config's.
+        grace = os.environ.get("DISTTRAIN_PREEMPT_GRACE_S") or self.cfg.elastic.preempt_grace_s
+        preemption = PreemptionHandler(float(grace)).install()
+        try:
+            guard = start_guard(
+                self.cfg.guard, config=self.config(), timeout_s=self.cfg.parallel.timeout_s, **self.run.guard_fields
+            )
+        except BaseException:
+            preemption.uninstall()
+            raise
+        return _Started(preemption, guard)
+
     def __exit__(self, exc_type, exc, tb) -> None:
         self._end(exc)
 
@@ -290,7 +319,7 @@ class Job:
         (a user error or the program's error: not retried; a lost peer: one line). The
         judgement comes first: its note must be there when a peer's collective fails."""
         ending = job_failure.judge(exc, self._failure_point()) if exc is not None else None
-        if exc is not None and self.handoff is None:
+        if exc is not None and self._handoff is None:
             self._close_trackers()
         self._close()
         if ending is not None:
@@ -309,29 +338,29 @@ class Job:
         """After a failure on the restart path: the trackers record the last step they
         hold, so the next attempt sends each step once (an in-memory recovery keeps them
         open instead). A tracker's own failure here must not replace the job's error."""
-        if self.metrics is None:
+        if self._looping is None:
             return
         try:
-            self.metrics.close()
+            self._looping.metrics.close()
         except Exception as e:  # noqa: BLE001  (the job's own failure is what is reported)
             LOGGER.warning(f"disttrain job: a tracker failed to close after the failure: {type(e).__name__}: {e}")
 
     def _failure_point(self) -> job_failure.FailurePoint:
         """What `job_failure.judge` needs of this job, and nothing else."""
-        info = self._info
+        info, t, handoff = self._info, self._training, self._handoff
         return job_failure.FailurePoint(
             name=self.name,
             rank=info.rank if info is not None else int(os.environ.get("RANK", "0")),
             step=self.step_in_flight,
-            in_memory_recovery=self.handoff is not None,
+            in_memory_recovery=handoff is not None,
             oom_facts=lambda: job_failure.oom_facts(
-                self.model,
-                self.state.optimizer if self.state is not None else None,
+                self._model,
+                t.state.optimizer if t is not None else None,
                 self.strategy,
                 info.world_size if info is not None else 1,
                 self.precision,
             ),
-            peer_gone=lambda: self.handoff is not None and self.handoff.peer_gone(),
+            peer_gone=lambda: handoff is not None and handoff.peer_gone(),
         )
 
     def _close(self) -> None:
@@ -340,10 +369,9 @@ class Job:
 
             finish()
         self._owner.close()
-        if self.guard is not None:
-            self.guard.close()
-        if self.preemption is not None:
-            self.preemption.uninstall()
+        if self._started is not None:
+            self._started.guard.close()
+            self._started.preemption.uninstall()
         if self._owns_group:
             runtime.shutdown()
 
@@ -383,16 +411,17 @@ class Job:
                 f"the trackers get already; name your settings otherwise (e.g. 'my_{taken[0]}')."
             )
         self._user_config.update(values)
-        if self.metrics is not None and self.metrics.trackers is not None:
-            self.metrics.trackers.add_config(values)
+        trackers = self._looping.metrics.trackers if self._looping is not None else None
+        if trackers is not None:
+            trackers.add_config(values)
 
     def tracker_config(self) -> dict:
         """The run's config as the trackers get it: `job_config.tracker_config` of this
         job's settings, what its checkpoints store, and the script's `log_config` values."""
-        whole = self.run.stored_config is not None
-        stored = self.state.config if self.state is not None else self.config()
-        if self.state is not None and not whole:  # which optimizer and scheduler the script built
-            opt, sched = self.state.optimizer, self.state.scheduler
+        whole, state = self.run.stored_config is not None, self._training.state if self._training else None
+        stored = state.config if state is not None else self.config()
+        if state is not None and not whole:  # which optimizer and scheduler the script built
+            opt, sched = state.optimizer, state.scheduler
             named = {"optimizer": type(opt).__name__, **({"scheduler": type(sched).__name__} if sched else {})}
             stored = {**stored, "optim": {**stored.get("optim", {}), **named}}
         return tracker_config(self.cfg, stored, self._user_config, whole=whole)
@@ -436,28 +465,38 @@ class Job:
         return self.info.device
 
     @property
+    def resumed(self) -> bool:
+        """`resume` loaded a checkpoint or a survivor's memory (False: a fresh start)."""
+        return self._start.resumed
+
+    @property
+    def in_memory(self) -> bool:
+        """`resume` took the state from a survivor's memory (fast recovery)."""
+        return self._start.in_memory
+
+    @property
     def step_in_flight(self) -> int:
         """The step a failure now belongs to: the one the current batch trains (from a
         window's closing backward, the step just taken); 0 before the loop starts."""
         t = self._training
-        return t.accumulator.step_in_flight if t is not None and self.metrics is not None else 0
+        return t.accumulator.step_in_flight if t is not None and self._looping is not None else 0
 
     def wrap(self, model: torch.nn.Module) -> torch.nn.Module:
         """`dt.wrap(model, strategy=..., precision=...)` once per job; build the optimizer
         from the returned module afterwards (one built before is refused by `resume`).
         A second call is a `UserError`."""
-        self._need(self.model is None, "dt.Job.wrap() is called once per job; this job already wrapped a model.")
+        self._need(self._model is None, "dt.Job.wrap() is called once per job; this job already wrapped a model.")
         self._wrap_mark = optimizer_mark()
         self._hf_section = hf_section(model)  # a Hugging Face model: `ckpt export --hf` rebuilds it
-        self.model = wrap(
+        self._model = wrapped = wrap(
             model,
             self.cfg.parallel,
             precision=self.precision,
             **{"compile": self.cfg.train.compile, "fp8_recipe": self.cfg.train.fp8_recipe, **self.run.wrap_options},
         )
-        if self.handoff is not None:
-            self.handoff.attach_buddy(self.strategy != "ddp", self.cfg.elastic.buddy_every)
-        return self.model
+        if self._handoff is not None:
+            self._handoff.attach_buddy(self.strategy != "ddp", self.cfg.elastic.buddy_every)
+        return wrapped
 
     def loader(
         self, dataset, batch_size: int, *, drop_last: bool = False, shuffle: bool = True, **loader_kwargs: Any
@@ -471,7 +510,7 @@ class Job:
         `batch_sampler` are the job's. One training loader per job (`evaluator` for
         an eval set)."""
         self._need(
-            self.train_loader is None,
+            self._data is None,
             "dt.Job.loader() is called once per job, for the training "
             "set; pass an eval set to job.evaluator(...) instead.",
         )
@@ -484,7 +523,7 @@ class Job:
         if loader_kwargs.get("num_workers", 0) > 0:
             chain = loader_kwargs.pop("worker_init_fn", None)
             loader_kwargs["worker_init_fn"] = lambda i: _ignore_stop_signals(i, chain)
-        self.sampler = ElasticSampler(
+        sampler = ElasticSampler(
             dataset,
             batch_size=batch_size,
             accum_steps=self.cfg.train.accum_steps,
@@ -492,17 +531,18 @@ class Job:
             shuffle=shuffle,
             drop_last=drop_last,
         )
+        samples = SampleQueue(sampler)
         # A private generator: iter(loader) must not draw from the global (dropout) RNG.
-        self._recorded = Recorded(self.sampler)
-        self.train_loader = DataLoader(
+        loader = DataLoader(
             dataset,
             batch_size=batch_size,
-            sampler=self._recorded,
+            sampler=samples,
             drop_last=True,
             generator=torch.Generator().manual_seed(self.cfg.train.seed),
             **loader_kwargs,
         )
-        return self.train_loader
+        self._data = _TrainData(sampler, loader, samples)
+        return loader
 
     def evaluator(
         self,
@@ -531,7 +571,7 @@ class Job:
         "train_sample"), run in the order built. A `batch_size` or `max_batches` below 1, a
         negative `every`, a repeated or malformed name, the name "train" (the loop's own
         `loss` is the run's train loss) or a call after `resume` is a `UserError`."""
-        self._need(self.accumulator is None, "dt.Job.evaluator() is called before job.resume().")
+        self._need(self._training is None, "dt.Job.evaluator() is called before job.resume().")
         check_name(name, [e.name for e in self.evaluators])
         ev = Evaluator(
             dataset,
@@ -567,9 +607,9 @@ class Job:
         Raises `UserError` for a model that is not this job's `wrap()` result, an
         optimizer built before wrap, or a call before `loader()`; a damaged or
         mismatched checkpoint raises the checkpoint layer's error."""
-        self._need(self.model is not None, "dt.Job.resume(): wrap the model with job.wrap() first.")
+        self._need(self._model is not None, "dt.Job.resume(): wrap the model with job.wrap() first.")
         self._need(
-            model is self.model, "dt.Job.resume(model=...) must be the module job.wrap() returned (the wrapped one)."
+            model is self._model, "dt.Job.resume(model=...) must be the module job.wrap() returned (the wrapped one)."
         )
         self._need(
             built_after(optimizer, self._wrap_mark or 0),
@@ -577,20 +617,13 @@ class Job:
             "the module job.wrap() returned (under FSDP the old parameters no longer train).",
         )
         self._need(
-            self.train_loader is not None,
+            self._data is not None,
             "dt.Job.resume(): build the loader with job.loader() "
             "first; its sampler position is part of the checkpoint.",
         )
-        self._need(self.accumulator is None, "dt.Job.resume() is called once per job, before job.steps().")
-        sampler, loader, recorded, guard, preemption = (
-            self.sampler,
-            self.train_loader,
-            self._recorded,
-            self.guard,
-            self.preemption,
-        )
-        # loader() built the first three, __enter__ the others (the checks above passed)
-        assert sampler and loader and recorded and guard and preemption
+        self._need(self._training is None, "dt.Job.resume() is called once per job, before job.steps().")
+        started, data = self._started, self._data
+        assert started is not None and data is not None  # inside the with block, after loader()
         # Construction checks the optimizer holds the wrapped model's parameters (P-DDP-3).
         acc = Accumulator(
             model,
@@ -600,10 +633,15 @@ class Job:
             grad_clip=self.cfg.optim.grad_clip,
             scaler=scaler,
         )
-        guard.check_model(model, optimizer)
+        started.guard.check_model(model, optimizer)
         self._owner.watch(optimizer, scheduler)
         state = TrainState(
-            model=model, optimizer=optimizer, scheduler=scheduler, scaler=scaler, sampler=sampler, extras=extras or {}
+            model=model,
+            optimizer=optimizer,
+            scheduler=scheduler,
+            scaler=scaler,
+            sampler=data.sampler,
+            extras=extras or {},
         )
         c = self.cfg.checkpoint
         ckpt = (
@@ -611,15 +649,20 @@ class Job:
             if c.enabled
             else None
         )
-        if self.handoff is not None:  # the checkpointer's gloo group: cut in a recovery
-            self.handoff.publish_listeners()
-        self.accumulator, self.state = acc, state
-        self._start = start_point.load(self._resume_inputs(state, sampler, guard), ckpt, acc)
-        self.resumed, self.step, self.in_memory = self._start.resumed, self._start.step, self._start.in_memory
+        if self._handoff is not None:  # the checkpointer's gloo group: cut in a recovery
+            self._handoff.publish_listeners()
         saving = Saving(
-            ckpt, state, guard, every=c.every, every_s=c.every_s, on_error=c.on_error, who=f"disttrain {self.name}"
+            ckpt,
+            state,
+            started.guard,
+            every=c.every,
+            every_s=c.every_s,
+            on_error=c.on_error,
+            who=f"disttrain {self.name}",
         )
-        self._training = _Training(self.info, model, sampler, loader, recorded, acc, state, guard, preemption, saving)
+        self._training = _Training(acc, state, saving)  # before the load: a failed one is not retried
+        self._start = start_point.load(self._resume_inputs(state, data.sampler, started.guard), ckpt, acc)
+        self.step = self._start.step
         return self.resumed
 
     def _resume_inputs(self, state: TrainState, sampler: ElasticSampler, guard: RunGuard) -> start_point.ResumeInputs:
@@ -634,7 +677,7 @@ class Job:
             sampler=sampler,
             info=self.info,
             guard=guard,
-            handoff=self.handoff,
+            handoff=self._handoff,
         )
 
     # ------------------------------------------------------------------ the loop
@@ -652,18 +695,19 @@ class Job:
         ran before the break is kept (`job.step` counts it). `job.step` is the number of
         optimizer steps done: inside the loop, the batch belongs to step `job.step + 1`."""
         self._need(
-            self.accumulator is not None,
+            self._training is not None,
             "dt.Job.steps(): call job.resume(model=..., optimizer=...) first (it loads the newest checkpoint).",
         )
+        started, data, t = self._started, self._data, self._training
         self._need(
-            loader is self.train_loader,
+            data is not None and loader is data.loader,
             "dt.Job.steps() takes the loader job.loader() returned; another loader's position is not checkpointed.",
         )
-        self._need(not self._in_step and self.metrics is None, "dt.Job.steps() runs once per job.")
-        assert self._training is not None  # resume() ran: it builds the accumulator and the rest
-        return self._step_loop(self._training, max_steps)
+        self._need(not self._in_step and self._looping is None, "dt.Job.steps() runs once per job.")
+        assert started is not None and data is not None and t is not None  # resume() ran: it needed them all
+        return self._step_loop(started, data, t, max_steps)
 
-    def _step_loop(self, t: _Training, max_steps: int) -> Iterator[Any]:
+    def _step_loop(self, started: _Started, data: _TrainData, t: _Training, max_steps: int) -> Iterator[Any]:
         """The one training loop, top to bottom. Per batch: the dropout seed, the user's
         forward and `job.backward` (the `yield`), on a window's last batch the optimizer
         step and its commit, then each part at its own cadence: evaluation, the metrics
@@ -671,18 +715,19 @@ class Job:
         # complete already: says so, trains nothing
         if not start_point.say_resumed(self.name, self.step, max_steps, self._start, self.cfg.elastic.batch_policy):
             return
-        acc, guard, info, saving, stopping = t.accumulator, t.guard, t.info, t.saving, False
+        acc, model, saving, guard, info = t.accumulator, t.state.model, t.saving, started.guard, self.info
         audit = SampleAudit(
             self.out_dir / "samples", info.rank, info.world_size, self.cfg.elastic.record_samples, generation_id()
         )
-        finite = self.finite_check = FiniteCheck(t.model, lambda: saving.saved_at)
-        saving.check = finite.check  # before each save, on every rank
-        metrics = self.metrics = self._metrics_window(t, max_steps)
+        non_finite = NonFiniteStop(model, lambda: saving.saved_at)
+        saving.check = non_finite.check  # before each save, on every rank
+        self._looping = looping = _Looping(self._metrics_window(data, acc, max_steps), non_finite)
+        metrics, stopping = looping.metrics, False
         saving.start(self.step)
         # The evaluation at the start (not after an in-memory recovery: it does not wait).
-        metrics.start(evaluate(self.evaluators, t.model, guard, lambda ev: ev.at_start and not self.in_memory))
+        metrics.start(evaluate(self.evaluators, model, guard, lambda ev: ev.at_start and not self.in_memory))
         while self.step < max_steps and not stopping:
-            for batch in t.loader:  # each pass is a new epoch: the sampler advances
+            for batch in data.loader:  # each pass is a new epoch: the sampler advances
                 guard.first_batch(batch)
                 if acc.window_start:
                     self._begin_step()
@@ -696,62 +741,62 @@ class Job:
                         self._owner.left_loop()
                         if self._backward_done and acc.boundary:
                             acc.end_micro_step()
-                            self._take_batch(t, audit)
-                            self._commit(t, audit)
+                            self._take_batch(data, audit)
+                            self._commit(acc, data.sampler, audit)
                         raise
                     finally:
                         self._in_step = False
                     self._owner.after_user()
                     require_backward(self._backward_done)
                     acc.end_micro_step()  # the window's last batch: clip, optimizer and scheduler step
-                self._take_batch(t, audit)
+                self._take_batch(data, audit)
                 if not acc.stepped:
                     continue
-                self._commit(t, audit)
-                if self.handoff is not None:  # fast recovery's buddy copy of this step
-                    self.handoff.committed(self.step, t.state)
+                self._commit(acc, data.sampler, audit)
+                if self._handoff is not None:  # fast recovery's buddy copy of this step
+                    self._handoff.committed(self.step, t.state)
                 inject("step", self.step, info.rank)
-                guard.step(self.step, t.model)
+                guard.step(self.step, model)
                 metrics.after_step(
                     self.step,
                     evaluate(
                         self.evaluators,
-                        t.model,
+                        model,
                         guard,  # skipped when a SIGTERM's grace no longer fits it
-                        lambda ev: ev.due(self.step, max_steps) and t.preemption.time_for(ev.seconds),
+                        lambda ev: ev.due(self.step, max_steps) and started.preemption.time_for(ev.seconds),
                     ),
                 )
-                stopping = t.preemption.should_stop()  # agreed by all ranks (one all-reduce)
+                stopping = started.preemption.should_stop()  # agreed by all ranks (one all-reduce)
                 saving.after_step(self.step, stopping)
                 if stopping or self.step >= max_steps:
                     break
-        self._finish(t, metrics, finite, stopping)
+        self._finish(started, t, looping, stopping)
 
-    def _finish(self, t: _Training, metrics: MetricsWindow, finite: FiniteCheck, stopping: bool) -> None:
+    def _finish(self, started: _Started, t: _Training, looping: _Looping, stopping: bool) -> None:
         """After the loop: the final save, then either the preemption's stop (`stopping`:
         the ranks agreed to stop on a signal; `job.preempted`, the launcher's "saved"
-        note, `SystemExit(0)` when `exit_on_preempt`) or the finite check (when the final
+        note, `SystemExit(0)` when `exit_on_preempt`) or the non-finite check (when the final
         save did not run it), the prefix-free `model.pt` and `job.summary` (rank 0 writes
         `summary.json`)."""
-        saving, info = t.saving, t.info
+        saving, metrics, info, model = t.saving, looping.metrics, self.info, t.state.model
         saving.finish(self.step)
         metrics.close()
-        t.guard.close()
+        started.guard.close()
         if stopping:
             self.preempted = True
             if saving.ckpt is not None and saving.saved_at == self.step:
                 worker_notes.note_saved(info.rank, self.step)  # the launcher says "saved"
             LOGGER.info(
-                f"disttrain {self.name}: preempted ({t.preemption.signal_name}); saved step "
+                f"disttrain {self.name}: preempted ({started.preemption.signal_name}); saved step "
                 f"{self.step} and stopped. Start the same command again to resume."
             )
             if self.run.exit_on_preempt:
                 raise SystemExit(0)
             return
         if saving.checked_at != self.step:
-            finite.check(self.step)
+            looping.non_finite.check(self.step)
         # An adapter (HFCausalLM) saves its inner model's own keys: model.pt loads strict there.
-        path = save_model(t.model, self.out_dir / "model.pt", strip=getattr(unwrap(t.model), "export_prefix", ""))
+        path = save_model(model, self.out_dir / "model.pt", strip=getattr(unwrap(model), "export_prefix", ""))
         self.summary = run_summary.build(
             self.out_dir,
             steps=self.step,
@@ -769,22 +814,22 @@ class Job:
         if info.is_main:
             run_summary.write(self.out_dir, self.summary, self.run.summary_config or self.config())
 
-    def _metrics_window(self, t: _Training, max_steps: int) -> MetricsWindow:
+    def _metrics_window(self, data: _TrainData, acc: Accumulator, max_steps: int) -> MetricsWindow:
         """This attempt's metrics: rank 0 opens the trackers (a restart continues their runs)."""
-        info, acc = t.info, t.accumulator
+        info = self.info
         trackers = (
             open_trackers(self.trackers, self.checkpoint_dir, self.out_dir, self.tracker_config())
             if info.is_main
             else None
         )
-        assert t.loader.batch_size is not None  # loader() always sets one
+        assert data.loader.batch_size is not None  # loader() always sets one
         return MetricsWindow(
             info,
             self.out_dir,
             max_steps=max_steps,
             start_step=self.step,
             resumed=self.resumed,
-            samples_per_step=t.loader.batch_size * acc.accum_steps * info.world_size,
+            samples_per_step=data.loader.batch_size * acc.accum_steps * info.world_size,
             tokens_per_sample=self.run.tokens_per_sample,
             log_every=self.cfg.train.log_every,
             accumulator=acc,
@@ -793,19 +838,19 @@ class Job:
             progress=self.show_progress,
         )
 
-    def _take_batch(self, t: _Training, audit: SampleAudit) -> None:
+    def _take_batch(self, data: _TrainData, audit: SampleAudit) -> None:
         """The batch just trained on: its sample indices into the audit, which records
         them with the step they belong to (`_commit`)."""
-        assert t.loader.batch_size is not None  # loader() always sets one
-        audit.add(torch.tensor(t.recorded.take(t.loader.batch_size)))
+        assert data.loader.batch_size is not None  # loader() always sets one
+        audit.add(torch.tensor(data.samples.take(data.loader.batch_size)))
 
-    def _commit(self, t: _Training, audit: SampleAudit) -> None:
+    def _commit(self, acc: Accumulator, sampler: ElasticSampler, audit: SampleAudit) -> None:
         """The optimizer step just taken, in the job's counters: its number, the sampler's
         cursor and the audit. No collective: it also runs when the script leaves the loop
         right after the step (evaluation, records and saves then wait for the next loop or
         the script's own save)."""
-        self.step = t.accumulator.optimizer_steps
-        t.sampler.commit_step()
+        self.step = acc.optimizer_steps
+        sampler.commit_step()
         audit.commit(self.step)
 
     def backward(self, loss: torch.Tensor) -> None:
@@ -819,10 +864,10 @@ class Job:
             not self._backward_done,
             "dt.Job.backward() was already called for this batch; add the losses and call it once.",
         )
-        t, finite = self._training, self.finite_check
-        assert t is not None and finite is not None  # inside steps(): both are there
-        inject("backward", self.step + 1, t.info.rank)
-        finite.watch_loss(loss, self.step + 1)
+        t, looping = self._training, self._looping
+        assert t is not None and looping is not None  # inside steps(): both are there
+        inject("backward", self.step + 1, self.info.rank)
+        looping.non_finite.watch_loss(loss, self.step + 1)
         try:
             t.accumulator.backward(loss)
         except RuntimeError as e:
@@ -842,5 +887,5 @@ class Job:
         (`out_dir/tb`). Raises `UserError` outside the loop or for a value that is
         not a number or a one-element tensor."""
         self._need(self._in_step, "dt.Job.log() is called inside `for batch in job.steps(...)`, on every rank.")
-        assert self.metrics is not None  # inside steps(): built before the first batch
-        self.metrics.add(values)
+        assert self._looping is not None  # inside steps(): built before the first batch
+        self._looping.metrics.add(values)

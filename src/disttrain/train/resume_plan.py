@@ -36,8 +36,8 @@ import torch.distributed as dist
 
 from disttrain import json_text
 from disttrain.checkpoint import CheckpointCorrupt, CheckpointMismatch
-from disttrain.checkpoint.layout import committed
 from disttrain.checkpoint.own_files import escapes, read_own
+from disttrain.checkpoint.step_folders import committed
 from disttrain.config import Config, to_dict
 from disttrain.config.path_keys import same_place
 from disttrain.elastic import apply_batch_policy

@@ -87,7 +87,7 @@ class Saving:
         self.every, self.clock, self.on_error, self.who = every, SaveClock(every_s), on_error, who
         self.saved_at = state.step
         self.check: Callable[[int], None] | None = None
-        """Called with the step before each save (a collective): the loop's finite check."""
+        """Called with the step before each save (a collective): the loop's non-finite stop."""
         self.checked_at = -1
 
     def start(self, step: int) -> None:

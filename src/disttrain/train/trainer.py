@@ -16,8 +16,9 @@ from disttrain.elastic import fast_recovery
 from disttrain.parallel.optimizers import build_optimizer
 from disttrain.parallel.precision import make_grad_scaler
 from disttrain.runtime.log import LOGGER
-from disttrain.train import resume_plan, run_summary, sources
+from disttrain.train import model_data_loss, resume_plan, run_summary
 from disttrain.train.accumulation import warmup_cosine
+from disttrain.train.batches import batch_loss
 from disttrain.train.evaluation import loss_metric
 from disttrain.train.job import Job
 from disttrain.train.job_config import RunOptions
@@ -26,14 +27,14 @@ from disttrain.train.job_config import RunOptions
 def train(cfg: Config, config_dir: str | Path | None = None, inspected: resume_plan.Inspected | None = None) -> dict:
     """Run one training job in this process (one rank). Returns the summary dict.
 
-    The model, data and loss come from `disttrain.train.sources`: the built-in GPT on
+    The model, data and loss come from `disttrain.train.model_data_loss`: the built-in GPT on
     the stdlib corpus, or the config's model.factory / data.factory / train.loss,
     imported from `config_dir` (the config file's folder; None: sys.path only).
     Resumes from the newest valid checkpoint when there is one (no flag). On SIGTERM
     every rank stops after the same step, saves, and returns with
     `summary["preempted"]` True. Under `[elastic] fast_recovery` (a child of the slot
     supervisor) each generation of the in-memory recovery runs it again.
-    `inspected`: the launcher's `resume_plan.inspect` of this config (`train.launched`),
+    `inspected`: the launcher's `resume_plan.inspect` of this config (`train.launcher_findings`),
     used instead of reading the checkpoint again, in the first generation only.
     """
     p, t = cfg.parallel, cfg.train
@@ -50,18 +51,18 @@ def train(cfg: Config, config_dir: str | Path | None = None, inspected: resume_p
 
 
 def _datasets(cfg: Config, config_dir, handoff):
-    """`sources.build_datasets`, kept across the attempts of a fast recovery (a spare
+    """`model_data_loss.build_datasets`, kept across the attempts of a fast recovery (a spare
     builds them while it waits)."""
     if handoff is None:
-        return sources.build_datasets(cfg, config_dir)
-    return handoff.cached("datasets", lambda: sources.build_datasets(cfg, config_dir))
+        return model_data_loss.build_datasets(cfg, config_dir)
+    return handoff.cached("datasets", lambda: model_data_loss.build_datasets(cfg, config_dir))
 
 
 def job_for(cfg: Config, dataset_len: int, data_info: dict) -> Job:
     """The `Job` a config describes: the Config itself (its [parallel], [train],
     [optim], [checkpoint], [elastic], [guard] and [log] sections), and what only this
     adapter adds (`RunOptions`: the stored config, the summary, tokens, no exit)."""
-    tokens = 0 if (cfg.data.factory or cfg.data.hf_dataset) else sources.window(cfg)
+    tokens = 0 if (cfg.data.factory or cfg.data.hf_dataset) else model_data_loss.window(cfg)
     unit = "token" if tokens else "sample"
     return Job(
         cfg.train.out_dir,
@@ -88,9 +89,9 @@ def loss_unit(cfg: Config) -> str:
 
 def _train(cfg: Config, config_dir, handoff, inspected: resume_plan.Inspected | None = None) -> dict:
     t, d = cfg.train, cfg.data
-    # The built-in GPT on the stdlib corpus, or the config's sources (train/sources.py).
+    # The built-in GPT on the stdlib corpus, or the config's own (train/model_data_loss.py).
     train_set, heldout_set, data_info = _datasets(cfg, config_dir, handoff)
-    loss_fn = sources.build_loss(cfg, config_dir)
+    loss_fn = model_data_loss.build_loss(cfg, config_dir)
     with job_for(cfg, len(train_set), data_info) as job:
         # The newest checkpoint's config against this one: a changed model or dataset is
         # refused before anything is built; a finished run is left as it is.
@@ -98,7 +99,7 @@ def _train(cfg: Config, config_dir, handoff, inspected: resume_plan.Inspected | 
         if plan is not None and plan.step >= t.steps:
             LOGGER.info(resume_plan.train_complete_message(plan))
             return {"steps": plan.step, "world_size": job.info.world_size, "complete": True, "preempted": False}
-        raw = sources.build_model(cfg, config_dir)
+        raw = model_data_loss.build_model(cfg, config_dir)
         model = job.wrap(raw)  # bf16/fp16 (P-DDP-7, P-FSDP-5)
         optimizer = build_optimizer(model, cfg)  # after wrap (P-DDP-3)
         scheduler = warmup_cosine(
@@ -122,10 +123,10 @@ def _train(cfg: Config, config_dir, handoff, inspected: resume_plan.Inspected | 
                 at_start=True,
             )
         job.resume(model=model, optimizer=optimizer, scheduler=scheduler, scaler=make_grad_scaler(t.precision))
-        first, data_key = True, sources.data_key(cfg)
+        first, data_key = True, model_data_loss.data_key(cfg)
         for batch in job.steps(loader, t.steps):
             # model(**dict), model(*tuple) or model(batch); its loss, or train.loss
-            loss = sources.batch_loss(model, batch, loss_fn, first=first, data=data_key)
+            loss = batch_loss(model, batch, loss_fn, first=first, data=data_key)
             first = False
             job.backward(loss)
             job.log(loss=loss)

@@ -21,8 +21,8 @@ from ckpt_common import build, full_state, train  # noqa: E402
 from safetensors.torch import save_file  # noqa: E402
 
 import disttrain as dt  # noqa: E402
+from disttrain.builtin import GPTConfig  # noqa: E402
 from disttrain.checkpoint import Checkpointer  # noqa: E402
-from disttrain.demo import GPTConfig  # noqa: E402
 
 CFG = GPTConfig(block_size=8, n_layer=1, n_head=2, n_embd=8, dropout=0.1)
 

@@ -1,10 +1,10 @@
-"""Finiteness of what a checkpoint would keep: a NaN or an infinity must stop a run
-before it saves, and retention must know which checkpoints hold finite weights.
+"""Which tensors hold a NaN or an infinity: a non-finite state must stop a run before
+it saves, and retention must know which checkpoints hold finite weights.
 
-`check_finite(loss_or_tensors, step)` is the loop's guard before each save: it raises
+`check_finite(loss_or_tensors, step)` is a loop's check before each save: it raises
 `NonFiniteError`, one line naming the step, when the loss or any tensor is not
 finite. `all_finite(tree)` is the Checkpointer's per-rank answer for the model part
-of a state dict, recorded in the manifest as `"finite"` so that `layout.prune` never
+of a state dict, recorded in the manifest as `"finite"` so that `step_folders.prune` never
 deletes the newest finite checkpoint for newer NaN ones.
 
 Cost: one `isfinite(...).all()` per tensor, reduced on each device, and one host

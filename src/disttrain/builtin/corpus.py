@@ -1,4 +1,4 @@
-"""The main job's data: the bytes of the Python standard library's own .py files,
+"""The built-in data: the bytes of the Python standard library's own .py files,
 split by a hash of each path into training and held-out files, served as
 next-byte windows.
 """

@@ -1,9 +1,10 @@
-"""The non-finite check before each save of a `dt.Job`: a diverged state is never
-checkpointed over good ones.
+"""A `dt.Job` whose loss or weights became non-finite (NaN or infinity) stops before
+it saves: a diverged state is never checkpointed over good ones.
 
 The loss of each backward is watched locally (no collective); before a save every rank
-also checks its own shards of the weights, and one all-reduce (MIN of the first bad
-step) makes every rank stop together with one line naming the step.
+also checks its own shards of the weights (`checkpoint/finite_tensors.py`), and one
+all-reduce (MIN of the first bad step) makes every rank stop together with one line
+naming the step.
 """
 
 from __future__ import annotations
@@ -14,12 +15,12 @@ from collections.abc import Callable
 import torch
 import torch.distributed as dist
 
-from disttrain.checkpoint.finite import first_non_finite
+from disttrain.checkpoint.finite_tensors import first_non_finite
 from disttrain.errors import UserError
 from disttrain.runtime.collectives import comm_device
 
 
-class FiniteCheck:
+class NonFiniteStop:
     """The first step whose loss was not finite, and the check a save runs first.
 
     `saved_at` returns the newest checkpoint's step (named in the error)."""

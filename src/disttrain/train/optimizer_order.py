@@ -1,40 +1,14 @@
-"""Two small facts `dt.Job` keeps about the objects a script hands it: which samples
-each batch holds (the sample audit) and when each optimizer was built (one built
-before `wrap` is refused)."""
+"""When each optimizer was built, relative to `dt.Job.wrap`: one built before `wrap`
+is refused by `resume` (FSDP replaces the parameters it holds)."""
 
 from __future__ import annotations
 
-import collections
 import itertools
 import weakref
-from collections.abc import Iterator
 
 import torch
 
-from disttrain.data import ElasticSampler
 from disttrain.runtime import torch_compat
-
-
-class Recorded(torch.utils.data.Sampler[int]):
-    """The job's `ElasticSampler` as the DataLoader reads it: every index it hands out
-    is queued, so each batch the loop receives knows its samples (the audit), whatever
-    the dataset's items look like and however far the loader (or its workers)
-    prefetch: the DataLoader draws indices in the order it returns batches."""
-
-    def __init__(self, sampler: ElasticSampler):
-        self.sampler, self.queue = sampler, collections.deque[int]()
-
-    def __len__(self) -> int:
-        return len(self.sampler)
-
-    def __iter__(self) -> Iterator[int]:
-        self.queue.clear()
-        for i in self.sampler:
-            self.queue.append(i)
-            yield i
-
-    def take(self, n: int) -> list[int]:
-        return [self.queue.popleft() for _ in range(min(n, len(self.queue)))]
 
 
 def watch_optimizers() -> None:

@@ -7,11 +7,11 @@ corpus (the defaults), or the user's own code named in the config.
     [train]  loss = "mylosses:fn"                              -> fn(model, batch) -> loss
 
 A "module:callable" reference is imported from the config file's folder, then
-sys.path. Every user mistake is one `ConfigError` / `UserError` naming the key and
-the module: `check_references` (the launching process, before any worker starts)
-covers import failures and non-callables; `build_model` / `build_datasets` the
-returned types; `batch_loss` a batch the model rejects and a loss that is not a
-scalar tensor.
+sys.path. Every user mistake is one `ConfigError` naming the key and the module:
+`check_references` (the launching process, before any worker starts) covers import
+failures and non-callables; `build_model` / `build_datasets` the returned types. What
+the loop does with a batch of them (the device, the forward, the loss) is
+`train/batches.py`.
 """
 
 from __future__ import annotations
@@ -26,8 +26,7 @@ import torch
 
 from disttrain.config import Config
 from disttrain.config.user_code import parse_reference
-from disttrain.errors import ConfigError, UserError
-from disttrain.runtime import torch_compat
+from disttrain.errors import ConfigError
 
 HF_MODULE = "disttrain.train.hf_models"
 """The Hugging Face model builder, imported only when model.hf or model.hf_path is set."""
@@ -93,7 +92,7 @@ def build_model(cfg: Config, config_dir: str | Path | None) -> torch.nn.Module:
     if m.hf or m.hf_path:
         return importlib.import_module(HF_MODULE).build_hf_model(m)  # hf_path: as load_config made it
     if not m.factory:
-        from disttrain.demo import GPT
+        from disttrain.builtin import GPT
 
         return GPT(m)
     factory = resolve("model.factory", m.factory, config_dir)
@@ -118,7 +117,7 @@ def build_datasets(cfg: Config, config_dir: str | Path | None) -> tuple[Any, Any
     if d.tokens or d.hf_dataset:
         return _disk_datasets(cfg)
     if not d.factory:
-        from disttrain.demo.corpus import ChunkDataset, load_stdlib_corpus
+        from disttrain.builtin.corpus import ChunkDataset, load_stdlib_corpus
 
         corpus = load_stdlib_corpus(d.max_bytes, d.heldout_fraction)
         return (
@@ -202,92 +201,3 @@ def _call(key: str, reference: str, factory: Callable, kwargs: dict) -> Any:
         raise ConfigError(
             f"config key {key!r} = {reference!r} raised {type(e).__name__}: {e} (called with kwargs {kwargs})."
         ) from e
-
-
-def to_device(batch: Any, device: torch.device) -> Any:
-    """Every tensor of a nested dict / tuple / list batch moved to `device`."""
-    if isinstance(batch, torch.Tensor):
-        return batch.to(device)
-    if isinstance(batch, dict):
-        return {k: to_device(v, device) for k, v in batch.items()}
-    if isinstance(batch, (tuple, list)):
-        moved = [to_device(v, device) for v in batch]
-        return type(batch)(*moved) if hasattr(batch, "_fields") else type(batch)(moved)  # namedtuple
-    return batch
-
-
-def describe(batch: Any) -> str:
-    """A short structure of a batch: dict keys, tuple arity, tensor shapes and dtypes."""
-    if isinstance(batch, torch.Tensor):
-        return f"Tensor{tuple(batch.shape)} {str(batch.dtype).replace('torch.', '')}"
-    if isinstance(batch, dict):
-        return "{" + ", ".join(f"{k!r}: {describe(v)}" for k, v in batch.items()) + "}"
-    if isinstance(batch, (tuple, list)):
-        inner = ", ".join(describe(v) for v in batch)
-        return f"({inner})" if isinstance(batch, tuple) else f"[{inner}]"
-    return type(batch).__name__
-
-
-def forward(model: torch.nn.Module, batch: Any) -> Any:
-    """`model(**batch)` for a dict, `model(*batch)` for a tuple or list, else `model(batch)`."""
-    if isinstance(batch, dict):
-        return model(**batch)
-    if isinstance(batch, (tuple, list)):
-        return model(*batch)
-    return model(batch)
-
-
-def output_loss(output: Any) -> Any:
-    """The loss in a model's output: the output itself (a tensor), `output.loss`
-    (a Hugging Face ModelOutput), or the last element of a tuple or list."""
-    if isinstance(output, torch.Tensor):
-        return output
-    if getattr(output, "loss", None) is not None:
-        return output.loss
-    if isinstance(output, (tuple, list)) and output:
-        return output[-1]
-    return output
-
-
-def batch_loss(
-    model: torch.nn.Module, batch: Any, loss_fn: Callable | None, *, first: bool = False, data: str = "data.factory"
-) -> torch.Tensor:
-    """The scalar loss of one batch: `loss_fn(model, batch)` when train.loss is set, else
-    the loss in `forward(model, batch)`'s output (`output_loss`).
-
-    `first=True` (the first forward of the run) turns an exception into a `UserError`
-    naming the batch's structure, the model and `data` (the config key of the samples).
-    Raises `UserError` when the loss is not
-    a scalar tensor."""
-    name = type(torch_compat.unwrap(model)).__name__
-    try:
-        loss = loss_fn(model, batch) if loss_fn is not None else output_loss(forward(model, batch))
-    except Exception as e:
-        if not first:
-            raise
-        how = (
-            "train.loss(model, batch)"
-            if loss_fn is not None
-            else (
-                "model(**batch)"
-                if isinstance(batch, dict)
-                else "model(*batch)"
-                if isinstance(batch, (tuple, list))
-                else "model(batch)"
-            )
-        )
-        raise UserError(
-            f"the first batch failed in {how}: model {name} raised {type(e).__name__}: "
-            f"{e}. The batch is {describe(batch)}. Make {data}'s samples match "
-            f"the model's forward arguments (a dict's keys are passed as keyword "
-            f'arguments), or set train.loss = "module:fn".'
-        ) from e
-    if not isinstance(loss, torch.Tensor) or loss.dim() != 0:
-        what = describe(loss) if isinstance(loss, (torch.Tensor, tuple, list, dict)) else type(loss).__name__
-        src = "train.loss" if loss_fn is not None else f"model {name}'s output"
-        raise UserError(
-            f"the loss from {src} is {what}, not a scalar tensor. Return the loss as "
-            f"the output, as `output.loss`, or as the last element of a tuple; or set "
-            f'train.loss = "module:fn" with fn(model, batch) -> scalar tensor.'
-        )
-    return loss

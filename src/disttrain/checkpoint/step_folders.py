@@ -1,5 +1,5 @@
-"""On-disk layout, manifest, verification, "latest", writer fencing and retention
-(P-CKPT-2, P-CKPT-3, P-ELASTIC-5).
+"""The checkpoint root's folders on disk: names, manifest, verification, "latest", writer
+fencing and retention (P-CKPT-2, P-CKPT-3, P-ELASTIC-5).
 
     ROOT/
       WRITER.json                    the writer lease: {run_id, generation}
