@@ -167,19 +167,26 @@ def test_checks_change_no_number_of_the_run(tmp_path):
 JOB_SCRIPT = WORKERS / "check_scripts" / "job_edit.py"
 
 
-@pytest.mark.parametrize("edit", [True, False])
-def test_job_check_true_finds_a_parameter_changed_outside_the_optimizer(edit, tmp_path):
-    """`dt.Job(check=True)` under a plain `disttrain run`: the twin is silent."""
-    cmd = run_cmd(2, str(JOB_SCRIPT), str(tmp_path), *(["--edit"] if edit else []))
+@pytest.mark.parametrize("bug", ["edit", "one_rank", ""])
+def test_job_check_true_finds_the_scripts_own_bugs(bug, tmp_path):
+    """`dt.Job(check=True)` under a plain `disttrain run`: a parameter changed outside the
+    optimizer, a collective on rank 0 only; the twin is silent."""
+    cmd = run_cmd(2, str(JOB_SCRIPT), str(tmp_path), "--bug", bug)
     proc = subprocess.run(cmd, capture_output=True, text=True, timeout=JOB_TIMEOUT, env=worker_env())
-    if edit:
+    lines = JOB_SCRIPT.read_text().splitlines()
+    if bug == "edit":
         assert proc.returncode == 3, proc.stderr[-3000:]
-        lines = JOB_SCRIPT.read_text().splitlines()
         # the Job steps the optimizer when the loop asks for the next batch: step 3's, after the edit
         step_line = next(i for i, line in enumerate(lines, 1) if "in job.steps(" in line)
         for text in ("step 3: the parameter `0.bias` differs across ranks", "changed outside the optimizer",
                      f"job_edit.py:{step_line}"):
             assert text in proc.stderr, (text, proc.stderr[-3000:])
+    elif bug == "one_rank":
+        assert proc.returncode == 3, proc.stderr[-3000:]
+        reduce_line = next(i for i, line in enumerate(lines, 1) if "all_reduce(loss" in line)
+        for text in ("rank 0 calls all_reduce", f"job_edit.py:{reduce_line}", "runs on rank 0 only"):
+            assert text in proc.stderr, (text, proc.stderr[-3000:])
+        assert proc.stderr.count("--check stopped the run") == 1 and "Traceback" not in proc.stderr
     else:
         assert proc.returncode == 0, proc.stderr[-3000:]
         assert "checked 6 optimizer steps on 2 ranks" in proc.stderr and "no problem found" in proc.stderr

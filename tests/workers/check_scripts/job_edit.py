@@ -1,7 +1,9 @@
 """A `dt.Job(check=True)` script (tests/launch/test_run_check.py): a small MLP for 6 steps;
-with `--edit`, rank 1 changes a parameter in place after step 2, outside the optimizer.
+with `--bug edit`, rank 1 changes a parameter in place after step 2, outside the
+optimizer; with `--bug one_rank`, rank 0 alone all-reduces the loss at step 3 (to print
+it), a collective rank 1 never joins.
 
-    python job_edit.py OUT [--edit]
+    python job_edit.py OUT [--bug edit|one_rank]
 """
 
 import argparse
@@ -14,7 +16,7 @@ import disttrain as dt
 
 parser = argparse.ArgumentParser()
 parser.add_argument("out")
-parser.add_argument("--edit", action="store_true")
+parser.add_argument("--bug", default="")
 args = parser.parse_args()
 
 g = torch.Generator().manual_seed(1)
@@ -25,7 +27,10 @@ with dt.Job(args.out, strategy="ddp", checkpoint_every=0, check=True, progress=F
     loader = job.loader(dataset, batch_size=8)
     job.resume(model=model, optimizer=optimizer)
     for x, y in job.steps(loader, max_steps=6):
-        job.backward(nn.functional.mse_loss(model(x), y))
-        if args.edit and job.step == 2 and job.info.rank == 1:
+        loss = nn.functional.mse_loss(model(x), y)
+        job.backward(loss)
+        if args.bug == "one_rank" and job.step == 3 and job.info.rank == 0:
+            torch.distributed.all_reduce(loss.detach())
+        if args.bug == "edit" and job.step == 2 and job.info.rank == 1:
             with torch.no_grad():
                 dt.unwrap(model)[0].bias.add_(0.5)
