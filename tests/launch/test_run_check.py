@@ -58,12 +58,6 @@ BUGS = {
         ["gradients of `0.weight` differ across ranks", "rank 1 differs from rank 0", "`.module` directly"],
         ["forward(x), y)", "optimizer.step()"],
     ),
-    "accum_no_sync": (
-        ("--bug", "accum_no_sync"),
-        0,
-        ["warning: step 1: 2 forwards through DistributedDataParallel", "model.no_sync()", "1 warning above"],
-        ["forward(x[:half])"],
-    ),
     "rank_init": (
         ("--strategy", "manual", "--bug", "rank_init"),
         3,
@@ -112,16 +106,17 @@ BUGS = {
         ["steps 1-3: every gradient of the optimizer's 4 parameters was exactly zero", "cross_entropy over a single"],
         ["optimizer.step()"],
     ),
-    "no_set_epoch": (
-        ("--bug", "no_set_epoch"),
+    "warnings": (  # two warnings in one run, each said once, and the run goes on
+        ("--bug", "accum_no_sync,no_set_epoch"),
         0,
-        ["warning: epoch 2", "replays the same order", "sampler.set_epoch(epoch)", "1 warning above"],
-        ["for i, (x, y) in enumerate(loader)"],
+        ["warning: step 1: 2 forwards through DistributedDataParallel", "model.no_sync()", "warning: epoch 2",
+         "replays the same order", "sampler.set_epoch(epoch)", "2 warnings above"],
+        ["forward(x[:half])", "for i, (x, y) in enumerate(loader)"],
     ),
 }
 
 
-WINDOWS = {"no_set_epoch": ("--check-steps", "2")}
+WINDOWS = {"warnings": ("--check-steps", "2")}
 """A window that ends before the epoch boundary: the boundary is still checked."""
 
 

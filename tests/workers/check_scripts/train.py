@@ -29,10 +29,11 @@ parser.add_argument("out")
 parser.add_argument("--strategy", default="ddp")
 parser.add_argument("--bug", default="")
 args = parser.parse_args()
+bugs = set(args.bug.split(","))  # several at once: NAME,NAME
 
 dist.init_process_group("gloo")
 rank, world = dist.get_rank(), dist.get_world_size()
-torch.manual_seed(rank if args.bug == "rank_init" else 0)
+torch.manual_seed(rank if "rank_init" in bugs else 0)
 model = nn.Sequential(nn.Linear(8, 16), nn.Tanh(), nn.Linear(16, 1))
 
 
@@ -47,24 +48,24 @@ class WithSpare(nn.Module):
         return self.body(x)
 
 
-if args.bug == "unused":
+if "unused" in bugs:
     model = WithSpare(model)
 
 data_gen = torch.Generator().manual_seed(1)
 dataset = TensorDataset(torch.randn(64, 8, generator=data_gen), torch.randn(64, 1, generator=data_gen))
-if args.bug == "split_twice":
+if "split_twice" in bugs:
     dataset = Subset(dataset, range(rank, len(dataset), world))
-seed = 3 + rank if args.bug == "sampler_seed" else 3
-sampler = None if args.bug == "no_sampler" else DistributedSampler(dataset, shuffle=True, seed=seed)
+seed = 3 + rank if "sampler_seed" in bugs else 3
+sampler = None if "no_sampler" in bugs else DistributedSampler(dataset, shuffle=True, seed=seed)
 loader = DataLoader(dataset, batch_size=8, sampler=sampler)
 
 if args.strategy == "fsdp2":
     from torch.distributed.fsdp import fully_shard
 
-    if args.bug == "opt_first":
+    if "opt_first" in bugs:
         optimizer = torch.optim.SGD(model.parameters(), lr=0.1)
     fully_shard(model)
-    if args.bug != "opt_first":
+    if "opt_first" not in bugs:
         optimizer = torch.optim.SGD(model.parameters(), lr=0.1)
     trained = model
 elif args.strategy == "ddp":
@@ -75,27 +76,27 @@ else:
     optimizer = torch.optim.SGD(model.parameters(), lr=0.1)
 
 
-loss_fn = nn.functional.cross_entropy if args.bug == "one_class" else nn.functional.mse_loss
+loss_fn = nn.functional.cross_entropy if "one_class" in bugs else nn.functional.mse_loss
 
 
 def backward(x, y):
     """Two micro-batches under DDP (no_sync on the first, but for the accum_no_sync bug)."""
-    forward = trained.module if args.bug == "bypass" else trained
-    if args.strategy != "ddp" or args.bug == "bypass":
+    forward = trained.module if "bypass" in bugs else trained
+    if args.strategy != "ddp" or "bypass" in bugs:
         loss_fn(forward(x), y).backward()
         return
     half = len(x) // 2
-    with trained.no_sync() if args.bug != "accum_no_sync" else contextlib.nullcontext():
+    with trained.no_sync() if "accum_no_sync" not in bugs else contextlib.nullcontext():
         (loss_fn(forward(x[:half]), y[:half]) / 2).backward()
     (loss_fn(forward(x[half:]), y[half:]) / 2).backward()
 
 
 for epoch in range(2):
     batch_size = len(next(iter(loader))[0])
-    if sampler is not None and args.bug != "no_set_epoch":
+    if sampler is not None and "no_set_epoch" not in bugs:
         sampler.set_epoch(epoch)
     for i, (x, y) in enumerate(loader):
-        if args.bug != "no_zero_grad" or i % 2 == 0:
+        if "no_zero_grad" not in bugs or i % 2 == 0:
             optimizer.zero_grad()
         backward(x, y)
         if args.strategy == "manual":
