@@ -1,8 +1,8 @@
 """A small training script for `disttrain run --check` (tests/launch/test_run_check.py): the
-correct form by default, one bug with `--bug NAME`. The model and data are tiny; two
+correct form by default, bugs with `--bug NAME[,NAME]`. The model and data are tiny; two
 epochs of 4 steps on each of 2 ranks.
 
-    python train.py OUT [--strategy ddp|manual|fsdp2] [--bug NAME]
+    python train.py OUT [--strategy ddp|manual|fsdp2] [--bug NAME[,NAME]]
 
 Under DDP each step accumulates two micro-batches, the first under no_sync(). Bugs:
 bypass (forward through DDP's .module), rank_init (a seed per rank, gradients averaged
