@@ -73,21 +73,23 @@ class Resumed:
     plan: resume_plan.ResumePlan | None = None
 
 
-def load(job: ResumeInputs, ckpt: Checkpointer | None, acc: Accumulator) -> Resumed:
-    """Fill `job.state` from a survivor's memory or the newest valid checkpoint in
+def load(inputs: ResumeInputs, ckpt: Checkpointer | None, acc: Accumulator) -> Resumed:
+    """Fill `inputs.state` from a survivor's memory or the newest valid checkpoint in
     `ckpt`'s root (None: checkpoints are off), and say where the job starts. A collective.
     Raises `CheckpointMismatch` for a changed model or data (a `disttrain train` config)
     before anything is loaded."""
-    state, handoff = job.state, job.handoff
+    state, handoff = inputs.state, inputs.handoff
     optimizer, scheduler = state.optimizer, state.scheduler
     assert optimizer is not None  # Job.resume() builds the state with the script's optimizer
-    state.config = job.config if job.whole_config else {**job.config, "optim": optim_config(optimizer, scheduler)}
-    plan = resume_plan.inspect_root(job.checkpoint_dir, state.config) if ckpt is not None else None
+    state.config = (
+        inputs.config if inputs.whole_config else {**inputs.config, "optim": optim_config(optimizer, scheduler)}
+    )
+    plan = resume_plan.inspect_root(inputs.checkpoint_dir, state.config) if ckpt is not None else None
     fresh = resume_plan.fresh_hyperparams(optimizer, scheduler)
     in_memory = handoff is not None and handoff.gen > 0 and handoff.restore(state)
     loaded = None
     if ckpt is not None and not in_memory:
-        with job.guard.slow_phase("checkpoint.load", nbytes=path_nbytes(job.checkpoint_dir)):
+        with inputs.guard.slow_phase("checkpoint.load", nbytes=path_nbytes(inputs.checkpoint_dir)):
             loaded = ckpt.load(state)
     if loaded is not None:
         if plan is None or plan.directory != str(loaded):  # the load fell back to another one
@@ -99,7 +101,7 @@ def load(job: ResumeInputs, ckpt: Checkpointer | None, acc: Accumulator) -> Resu
         handoff.committed(acc.optimizer_steps, state, first=True)  # the buddy copy of the start
     if not (in_memory or loaded is not None):
         return Resumed()
-    note = _rejoin(job, state.step, acc)
+    note = _rejoin(inputs, state.step, acc)
     return Resumed(True, state.step, in_memory, note, plan if loaded is not None else None)
 
 
@@ -122,16 +124,16 @@ def say_resumed(name: str, step: int, max_steps: int, start: Resumed, batch_poli
     return True
 
 
-def _rejoin(job: ResumeInputs, step: int, acc: Accumulator) -> str:
+def _rejoin(inputs: ResumeInputs, step: int, acc: Accumulator) -> str:
     """`resume_plan.rejoin`, its batch-size refusal in the words of the way the run was
     started (a Job's keywords, or the TOML keys)."""
-    state = job.state
+    state = inputs.state
     try:
         return resume_plan.rejoin(
-            job.name, step, acc, job.sampler, job.batch_policy, job.info, state.optimizer, state.scheduler
+            inputs.name, step, acc, inputs.sampler, inputs.batch_policy, inputs.info, state.optimizer, state.scheduler
         )
     except UserError as e:
-        if job.name != "job":
+        if inputs.name != "job":
             raise
         text = (
             str(e)
@@ -142,6 +144,6 @@ def _rejoin(job: ResumeInputs, step: int, acc: Accumulator) -> str:
             )
         )
         raise UserError(
-            text + f" (the checkpoint in {job.checkpoint_dir} was written at another "
+            text + f" (the checkpoint in {inputs.checkpoint_dir} was written at another "
             f"world size; a new out_dir starts afresh)"
         ) from None
