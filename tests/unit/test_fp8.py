@@ -14,9 +14,9 @@ import torch
 import torch.nn as nn
 
 import disttrain as dt
+from disttrain.builtin import GPT, GPTConfig
 from disttrain.checkpoint import TrainState
 from disttrain.config import fp8_rules, load_config
-from disttrain.builtin import GPT, GPTConfig
 from disttrain.errors import ConfigError, UserError
 from disttrain.parallel.fp8 import apply_fp8
 from disttrain.plan.memory import Variant, Workload, memory
