@@ -33,7 +33,7 @@ _ZERO_ONLY_WORDS = (
     "on_main_process",
 )
 # Decorators that run the function on the main process only (LAVIS' `@main_process`).
-_ZERO_ONLY_DECORATORS = (
+ZERO_ONLY_DECORATORS = (
     "main_process",
     "master_process",
     "is_main_process",
@@ -281,9 +281,7 @@ def zero_only_function(d: ast.AST) -> bool:
     """Named or decorated rank-zero-only (`@rank_zero_only`, `def log_rank0`)."""
     words = [d.name] + [ast.unparse(x) for x in d.decorator_list]  # type: ignore[attr-defined]
     decos = [ast.unparse(x).split(".")[-1].split("(")[0] for x in d.decorator_list]  # type: ignore[attr-defined]
-    return any(w in x.lower() for w in _ZERO_ONLY_WORDS for x in words) or any(
-        x in _ZERO_ONLY_DECORATORS for x in decos
-    )
+    return any(w in x.lower() for w in _ZERO_ONLY_WORDS for x in words) or any(x in ZERO_ONLY_DECORATORS for x in decos)
 
 
 def _is_main_block(node: ast.If) -> bool:

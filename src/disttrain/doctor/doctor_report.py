@@ -4,7 +4,8 @@ Contracts:
 - `print_text` writes a readable report grouped by file (rich styling only when the
   stream is a terminal), ending with a one-line summary.
 - `render_json` returns a stable document, `{"version": 1, "files": [...],
-  "findings": [...], "summary": {...}}`, with 1-based line/column.
+  "findings": [...], "summary": {...}}`, with 1-based line/column; each finding has a
+  `witness` (the failing run, a string) or null.
 - `render_sarif` returns a document valid against the official SARIF 2.1.0 schema
   (tests validate it), for CI code scanning (GitHub's upload-sarif). The run lists every
   rule with its help text and practice IDs, even those without results; each result
@@ -64,6 +65,8 @@ def print_text(files: list[Path], findings: list[Finding], stream: TextIO) -> No
                 f"  {escape(path)}:{f.line}:{f.column}  {sev} [cyan]{f.rule}[/] [dim]\\[{', '.join(f.practices)}][/]"
             )
             console.print(f"      {escape(f.message)}")
+            if f.witness:
+                console.print(f"      [magenta]witness:[/] {escape(f.witness)}")
             console.print(f"      [green]fix:[/] {escape(f.fix)}")
         console.print()
     s = summary(files, findings)
@@ -145,9 +148,13 @@ def render_sarif(files: list[Path], findings: list[Finding]) -> str:
                 "ruleId": f.rule,
                 "ruleIndex": index[f.rule],
                 "level": _LEVEL[f.severity],
-                "message": {"text": f"{f.message} Fix: {f.fix}"},
+                "message": {"text": f"{f.message}{f' Witness: {f.witness}.' if f.witness else ''} Fix: {f.fix}"},
                 "locations": [{"physicalLocation": location}],
-                "properties": {"practices": list(f.practices), "fix": f.fix},
+                "properties": {
+                    "practices": list(f.practices),
+                    "fix": f.fix,
+                    **({"witness": f.witness} if f.witness else {}),
+                },
             }
         )
     artifacts = []

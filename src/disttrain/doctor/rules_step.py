@@ -9,7 +9,7 @@ from __future__ import annotations
 import ast
 
 from disttrain.doctor.facts import Facts, is_const, kwarg, mentions, ref
-from disttrain.doctor.findings import ERROR, WARNING, finding, rule
+from disttrain.doctor.findings import ERROR, WARNING, finding, path_witness, rule
 from disttrain.doctor.program import off_mode
 from disttrain.doctor.rules_loss_division import is_accum_word
 
@@ -102,6 +102,11 @@ def gradscaler_unsynced(facts: Facts):
                 "use torch.distributed.fsdp.sharded_grad_scaler.ShardedGradScaler (FSDP), or "
                 "all_reduce the found-inf flag with ReduceOp.MAX before scaler.step(); or use "
                 "bf16 autocast, which needs no scaler.",
+                witness=path_witness(
+                    facts,
+                    [("a plain GradScaler over FSDP1-sharded gradients", call)],
+                    "an inf in one rank's shard skips the step there only: the ranks' weights part",
+                ),
             )
             continue
         # No wrap in the files checked: the model is usually wrapped out of view (then the
@@ -193,6 +198,11 @@ def fsdp1_clip_grad(facts: Facts):
             "torch.nn.utils.clip_grad_norm_ on FSDP-sharded gradients clips each rank's "
             "shard by its own local norm, not the global one.",
             f"call {name}.clip_grad_norm_(max_norm) on the FSDP module instead.",
+            witness=path_witness(
+                facts,
+                [("FSDP wrap", fsdp[0].call), ("torch.nn.utils.clip_grad_norm_", call)],
+                "each rank clips its shard by its own norm: the ranks' updates differ",
+            ),
         )
 
 

@@ -1,0 +1,128 @@
+"""An error is a witnessed failure: collective-under-rank-guard follows what each rank
+class (rank 0, another node's local rank 0, the other ranks) issues through the function,
+its callees, `with` bodies and a context manager's `yield`, and reports only where two
+classes part, with that run as its witness. Where they pair up there is no finding.
+
+Each script is ours, written for this suite; a comment may name the kind of public code
+that showed the case.
+"""
+
+from __future__ import annotations
+
+import json
+import textwrap
+from pathlib import Path
+
+from rule_check import PRE, findings
+
+from disttrain.doctor.doctor_report import render_json, render_sarif
+
+RULE = "collective-under-rank-guard"
+
+
+def _hangs(src: str):
+    return [f for f in findings(src, "train.py") if f.rule == RULE]
+
+
+def test_rank_zero_first_in_one_function_pairs_up_and_a_lone_barrier_is_witnessed():
+    # the others wait before the body, rank 0 after it: one barrier each
+    paired = PRE + textwrap.dedent("""
+    def prepare(folder):
+        if rank != 0:
+            dist.barrier()
+        build_cache(folder)
+        if rank == 0:
+            dist.barrier()
+        return folder
+    """)
+    assert _hangs(paired) == []
+    lone = paired.replace("    if rank != 0:\n        dist.barrier()\n", "")
+    [f] = _hangs(lone)
+    assert f.severity == "error"
+    assert f.witness.startswith("rank 0: barrier at train.py:")
+    assert "ranks 1..: return at train.py:" in f.witness
+    assert "-> rank 0 waits at train.py:" in f.witness
+
+
+def test_rank_zero_first_through_a_context_manager_pairs_up_and_a_half_one_does_not():
+    cm = PRE + textwrap.dedent("""
+    from contextlib import contextmanager
+    @contextmanager
+    def first_on_node(local_rank):
+        if local_rank not in (-1, 0):
+            dist.barrier()
+        yield
+        if local_rank == 0:
+            dist.barrier()
+    def load(args):
+        with first_on_node(args.local_rank):
+            data = download(args.url)
+        return data
+    """)
+    assert _hangs(cm) == []
+    half = cm.replace("    if local_rank == 0:\n        dist.barrier()\n", "")
+    [f] = _hangs(half)
+    assert f.severity == "error"
+    assert "barrier" in f.witness and "forever" in f.witness
+
+
+def test_a_partner_in_the_caller_pairs_the_callee_s_barrier():
+    src = PRE + textwrap.dedent("""
+    def finish(path):
+        if rank == 0:
+            write(path)
+            dist.barrier()
+    def run(path):
+        if rank != 0:
+            dist.barrier()
+        finish(path)
+    """)
+    assert _hangs(src) == []
+
+
+def test_an_exit_on_rank_zero_before_a_collective_is_witnessed_and_the_mirror_image_is_not():
+    src = PRE + textwrap.dedent("""
+    def report(loss):
+        if rank == 0:
+            return loss
+        dist.all_reduce(loss)
+        return loss
+    """)
+    [f] = _hangs(src)
+    assert f.severity == "error" and "rank 0: return at train.py:" in f.witness
+    assert "ranks 1..: all_reduce at train.py:" in f.witness
+    # every rank reduces, then only rank 0 leaves: nothing differs before the exit
+    fine = PRE + textwrap.dedent("""
+    def report(loss):
+        dist.all_reduce(loss)
+        if rank != 0:
+            return None
+        return loss.item()
+    """)
+    assert _hangs(fine) == []
+
+
+def test_a_rank_compared_with_a_value_out_of_view_is_a_warning_that_says_what_it_cannot_see():
+    src = PRE + textwrap.dedent("""
+    def send(t, owner):
+        if rank == owner.src:
+            dist.barrier()
+    """)
+    [f] = _hangs(src)
+    assert f.severity == "warning" and f.witness == ""
+    assert "shows no failing run" in f.message
+
+
+def test_the_witness_travels_in_json_and_sarif_and_every_error_has_one():
+    sample = Path(__file__).resolve().parents[2] / "doctor_samples" / "bad_ddp.py"
+    from disttrain.doctor.analyzer import analyze_paths
+
+    files, found = analyze_paths([str(sample)])
+    errors = [f for f in found if f.severity == "error"]
+    assert errors and all(f.witness for f in errors)
+    doc = json.loads(render_json(files, found))
+    assert all(d["witness"] for d in doc["findings"] if d["severity"] == "error")
+    assert all(d["witness"] is None for d in doc["findings"] if d["severity"] == "warning")
+    sarif = json.loads(render_sarif(files, found))
+    props = [r["properties"] for r in sarif["runs"][0]["results"] if r["level"] == "error"]
+    assert props and all(p["witness"] for p in props)
