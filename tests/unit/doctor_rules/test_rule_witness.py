@@ -126,3 +126,36 @@ def test_the_witness_travels_in_json_and_sarif_and_every_error_has_one():
     sarif = json.loads(render_sarif(files, found))
     props = [r["properties"] for r in sarif["runs"][0]["results"] if r["level"] == "error"]
     assert props and all(p["witness"] for p in props)
+
+
+# ----- calls resolved by what they are called on --------------------------------------
+
+TRAINER = PRE + textwrap.dedent("""
+from transformers import AutoTokenizer
+class Trainer:
+    def save_pretrained(self, folder):
+        dist.barrier()
+        write(folder)
+class Cache:
+    def flush(self):
+        dist.barrier()
+class Writer:
+    def flush(self):
+        self.buffer.clear()
+    def close(self):
+        if rank == 0:
+            self.flush()
+def main():
+    trainer = Trainer()
+    tokenizer = AutoTokenizer.from_pretrained("tok")
+    if rank == 0:
+        tokenizer.save_pretrained("out")
+""")
+
+
+def test_a_method_call_is_resolved_through_its_receiver_not_the_method_name():
+    # the tokenizer's save_pretrained is the library's; Writer.close flushes its own buffer
+    assert _hangs(TRAINER) == []
+    mine = TRAINER.replace("        tokenizer.save_pretrained(\"out\")", "        trainer.save_pretrained(\"out\")")
+    [f] = _hangs(mine)
+    assert f.severity == "error" and "barrier at train.py:" in f.witness
