@@ -23,7 +23,7 @@ from itertools import groupby
 from pathlib import Path
 from typing import TextIO
 
-from disttrain.doctor.findings import ERROR, RULES, WARNING, Finding
+from disttrain.doctor.findings import ADVICE, ERROR, RULES, WARNING, Finding
 
 JSON_VERSION = 1
 
@@ -34,6 +34,7 @@ def summary(files: list[Path], findings: list[Finding]) -> dict:
         "findings": len(findings),
         "errors": sum(f.severity == ERROR for f in findings),
         "warnings": sum(f.severity == WARNING for f in findings),
+        "advice": sum(f.severity == ADVICE for f in findings),
     }
 
 
@@ -56,7 +57,7 @@ def print_text(files: list[Path], findings: list[Finding], stream: TextIO) -> No
     from rich.markup import escape
 
     console = Console(file=stream, highlight=False, soft_wrap=True)
-    colors = {ERROR: "bold red", WARNING: "yellow"}
+    colors = {ERROR: "bold red", WARNING: "yellow", ADVICE: "blue"}
     for path, group in groupby(findings, key=lambda f: f.file):
         console.print(f"[bold underline]{escape(path)}[/]")
         for f in group:
@@ -73,9 +74,10 @@ def print_text(files: list[Path], findings: list[Finding], stream: TextIO) -> No
     if not findings:
         console.print(f"[green]No findings[/] in {s['files']} file{'s' * (s['files'] != 1)}.")
     else:
+        advice = f", {s['advice']} advice" if s["advice"] else ""
         console.print(
             f"{s['errors']} error{'s' * (s['errors'] != 1)}, "
-            f"{s['warnings']} warning{'s' * (s['warnings'] != 1)} "
+            f"{s['warnings']} warning{'s' * (s['warnings'] != 1)}{advice} "
             f"in {s['files']} file{'s' * (s['files'] != 1)}. "
             + escape("Silence one with `# disttrain: ignore[rule-id]` on its line.")
         )
@@ -90,7 +92,7 @@ def print_rules(stream: TextIO) -> None:
 # ----- SARIF 2.1.0 ------------------------------------------------------------------
 
 SCHEMA_URI = "https://json.schemastore.org/sarif-2.1.0.json"
-_LEVEL = {ERROR: "error", WARNING: "warning"}
+_LEVEL = {ERROR: "error", WARNING: "warning", ADVICE: "note"}
 
 
 def _version() -> str:
@@ -185,7 +187,7 @@ def render_sarif(files: list[Path], findings: list[Finding]) -> str:
     return json.dumps(doc, indent=2) + "\n"
 
 
-_TEXT_SUMMARY = re.compile(r"(No findings in \d+ files?\.|\d+ errors?, \d+ warnings? in \d+ files?\.)")
+_TEXT_SUMMARY = re.compile(r"(No findings in \d+ files?\.|\d+ errors?, \d+ warnings?(, \d+ advice)? in \d+ files?\.)")
 
 
 def is_earlier_report(path: Path) -> bool:

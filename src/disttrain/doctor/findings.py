@@ -17,6 +17,7 @@ from dataclasses import asdict, dataclass
 
 ERROR = "error"
 WARNING = "warning"
+ADVICE = "advice"  # a preference, not a defect: shown only with `disttrain doctor --advice`
 
 
 @dataclass(frozen=True)

@@ -10,7 +10,7 @@ import ast
 import re
 
 from disttrain.doctor.facts import Facts, arg, has_star_kwargs, kwarg, mentions, ref
-from disttrain.doctor.findings import ERROR, WARNING, finding, rule
+from disttrain.doctor.findings import ADVICE, ERROR, WARNING, finding, rule
 from disttrain.doctor.names import SET_DEVICE, takes_node_rank
 from disttrain.doctor.rules_data import rank_kwarg_calls, reads_local_rank
 
@@ -231,7 +231,7 @@ def _is_const_str(node: ast.AST, value: str) -> bool:
 @rule(
     "mp-spawn",
     ("P-INIT-4",),
-    WARNING,
+    ADVICE,
     "mp.spawn used where torchrun fits",
     """`torch.multiprocessing.spawn` hand-rolls what torchrun does better: torchrun sets
       RANK/LOCAL_RANK/WORLD_SIZE, picks the rendezvous, restarts failed workers (elastic)

@@ -159,3 +159,19 @@ def test_a_method_call_is_resolved_through_its_receiver_not_the_method_name():
     mine = TRAINER.replace("        tokenizer.save_pretrained(\"out\")", "        trainer.save_pretrained(\"out\")")
     [f] = _hangs(mine)
     assert f.severity == "error" and "barrier at train.py:" in f.witness
+
+
+# ----- advice apart from defects ---------------------------------------------------------
+
+
+def test_a_launcher_preference_is_shown_only_with_advice(tmp_path, capsys):
+    from disttrain.doctor import main
+
+    script = tmp_path / "spawned.py"
+    script.write_text("import torch.multiprocessing as mp\ndef worker(i):\n    pass\nmp.spawn(worker, nprocs=2)\n")
+    assert main(["--format", "json", str(script)]) == 0
+    assert json.loads(capsys.readouterr().out)["findings"] == []
+    assert main(["--format", "json", "--advice", str(script)]) == 0
+    doc = json.loads(capsys.readouterr().out)
+    assert [(f["rule"], f["severity"]) for f in doc["findings"]] == [("mp-spawn", "advice")]
+    assert doc["summary"]["advice"] == 1
