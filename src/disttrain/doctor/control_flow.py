@@ -15,7 +15,7 @@ import ast
 
 from disttrain.doctor.names import ref as _ref
 from disttrain.doctor.names import word as _word
-from disttrain.doctor.rank_names import is_guard_word, is_local_word, named_rank_counts
+from disttrain.doctor.rank_names import env_rank_kind, is_guard_word, is_local_word, named_rank_counts
 
 GLOBAL = "global"
 LOCAL = "local"
@@ -102,8 +102,8 @@ def _guard_kind(facts, test: ast.AST) -> str | None:
             kinds.add(LOCAL)
         elif word and is_guard_word(word):
             kinds.add(GLOBAL)
-        elif isinstance(n, ast.Constant) and n.value in ("RANK", "LOCAL_RANK"):
-            kinds.add(LOCAL if n.value == "LOCAL_RANK" else GLOBAL)
+        elif isinstance(n, ast.Constant) and env_rank_kind(n.value):
+            kinds.add(LOCAL if env_rank_kind(n.value) == LOCAL else GLOBAL)
     return GLOBAL if GLOBAL in kinds else LOCAL if kinds else None
 
 

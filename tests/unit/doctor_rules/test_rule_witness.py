@@ -175,3 +175,39 @@ def test_a_launcher_preference_is_shown_only_with_advice(tmp_path, capsys):
     doc = json.loads(capsys.readouterr().out)
     assert [(f["rule"], f["severity"]) for f in doc["findings"]] == [("mp-spawn", "advice")]
     assert doc["summary"]["advice"] == 1
+
+
+# ----- ranks from other launchers' environments ------------------------------------------
+
+
+def test_a_rank_read_from_slurm_or_mpi_is_proven_and_a_local_one_is_local():
+    src = textwrap.dedent("""
+    import datetime, os, torch, torch.distributed as dist
+    rank = int(os.environ["SLURM_PROCID"])
+    torch.cuda.set_device(int(os.environ["OMPI_COMM_WORLD_LOCAL_RANK"]))
+    dist.init_process_group("nccl", timeout=datetime.timedelta(minutes=5))
+    if rank == 0:
+        dist.barrier()
+    """)
+    [f] = _hangs(src)  # SLURM's task id is a rank by data flow, not by its name alone
+    assert f.severity == "error" and f.witness.startswith("rank 0: barrier")
+    node_local = src.replace('rank = int(os.environ["SLURM_PROCID"])', 'rank = int(os.environ["SLURM_LOCALID"])')
+    node_local = node_local.replace("    dist.barrier()", "    torch.save({}, 'c.pt')")
+    saves = [f for f in findings(node_local) if f.rule == "unguarded-save"]
+    assert [f.severity for f in saves] == ["warning"] and "local rank" in saves[0].message
+
+
+def test_a_local_rank_argument_filled_from_horovod_is_no_cli_default():
+    src = textwrap.dedent("""
+    import argparse, torch
+    import horovod.torch as hvd
+    hvd.init()
+    p = argparse.ArgumentParser()
+    p.add_argument("--local_rank", type=int, default=0)
+    args = p.parse_args()
+    args.local_rank = hvd.local_rank()
+    torch.cuda.set_device(args.local_rank)
+    """)
+    assert [f for f in findings(src) if f.rule == "guard-true-on-every-rank"] == []
+    left = src.replace("args.local_rank = hvd.local_rank()\n", "")
+    assert [f.rule for f in findings(left) if f.rule == "guard-true-on-every-rank"] == ["guard-true-on-every-rank"]
