@@ -12,6 +12,7 @@ from disttrain.doctor.facts import Facts, is_const, kwarg, mentions, ref
 from disttrain.doctor.findings import ERROR, WARNING, finding, path_witness, rule
 from disttrain.doctor.program import off_mode
 from disttrain.doctor.rules_loss_division import is_accum_word
+from disttrain.doctor.strategy_paths import off_strategy
 
 
 def _is_optim_word(word: str) -> bool:
@@ -90,7 +91,8 @@ def gradscaler_unsynced(facts: Facts):
     for call in facts.calls_to("GradScaler"):
         if is_const(kwarg(call, "enabled"), False):
             continue
-        if "fsdp1" in kinds and off_mode(facts, call, modes):
+        sharded = [(f, w) for f in program for w in f.wraps if w.kind == "fsdp1"]
+        if "fsdp1" in kinds and (off_mode(facts, call, modes) or off_strategy(facts, call, sharded)):
             continue  # `assert not args.fsdp` before it: the DDP path, where the plain scaler is right
         if "fsdp1" in kinds:
             yield finding(
@@ -191,6 +193,8 @@ def fsdp1_clip_grad(facts: Facts):
         return
     name = fsdp[0].target or "model"
     for call in facts.calls_to("torch.nn.utils.clip_grad_norm_", "torch.nn.utils.clip_grad.clip_grad_norm_"):
+        if off_strategy(facts, call, [(facts, w) for w in fsdp]):
+            continue  # the DDP branch of `if engine == "fsdp": ... else: ...`
         yield finding(
             facts,
             call,
