@@ -102,6 +102,8 @@ class _Run:
     events: list[Step] = field(default_factory=list)
     done: dict = field(default_factory=dict)  # (callee, its arguments) -> (steps, how it ended)
     work: int = 0
+    reach: tuple | None = None  # (file, line) of the call whose collective is judged
+    hit: bool = False  # that call ran on this path
 
 
 _SITES = 6  # call sites of a guarded function followed
@@ -118,7 +120,8 @@ def witness_for(facts, node: ast.AST) -> Witness | Unseen | str:
         own = witness(facts, scope)
         if not isinstance(own, Witness) or not sites:
             return own
-        callers = [witness(f2, f2.scope_of(c2)) for f2, c2 in sites]
+        at = (facts.path, getattr(node, "lineno", 0))
+        callers = [witness(f2, f2.scope_of(c2), at) for f2, c2 in sites]
         return PAIRED if all(v == PAIRED for v in callers) else own
     if isinstance(scope, FUNCTION_NODES) and control_flow.zero_only_function(scope) and not sites:
         deco = _zero_only_decorator(scope)
@@ -131,7 +134,8 @@ def witness_for(facts, node: ast.AST) -> Witness | Unseen | str:
             f"rank 0: {what} at {facts.path}:{line} in {scope.name}() (`@{deco}`); ranks 1..: never "
             f"call {scope.name}() -> rank 0 waits at {facts.path}:{line} forever"
         )
-    verdicts = [witness(f2, f2.scope_of(c2)) for f2, c2 in sites]
+    at = (facts.path, getattr(node, "lineno", 0))
+    verdicts = [witness(f2, f2.scope_of(c2), at) for f2, c2 in sites]
     found = [v for v in verdicts if isinstance(v, Witness)]
     if found:
         return found[0]
@@ -141,12 +145,14 @@ def witness_for(facts, node: ast.AST) -> Witness | Unseen | str:
     return unseen[0] if unseen else Unseen("no caller of the function is in view")
 
 
-def witness(facts, scope: ast.AST) -> Witness | Unseen | str:
-    """PAIRED, a Witness, or Unseen (see the module's contract)."""
+def witness(facts, scope: ast.AST, reach: tuple | None = None) -> Witness | Unseen | str:
+    """PAIRED, a Witness, or Unseen (see the module's contract). With `reach` (a file and
+    line), PAIRED only when some class issues the collective there on some path: a caller
+    that never gets to it pairs nothing up."""
     classes = [RankClass("rank 0", 0, 0), RankClass("local rank 0 of another node", None, 0)]
     classes.append(RankClass("ranks 1..", None, None))
     todo: list[dict] = [{}]
-    tried = 0
+    tried, reached = 0, False
     while todo:
         tried += 1
         if tried > _PATHS:
@@ -154,7 +160,7 @@ def witness(facts, scope: ast.AST) -> Witness | Unseen | str:
         answers = todo.pop()
         try:
             known = frozenset(c.rank for c in classes if c.rank)
-            runs = [_run(facts, scope, c, answers, known) for c in classes]
+            runs = [_run(facts, scope, c, answers, known, reach) for c in classes]
         except _Need as e:
             todo += [{**answers, e.key: False}, {**answers, e.key: True}]
             continue
@@ -167,12 +173,15 @@ def witness(facts, scope: ast.AST) -> Witness | Unseen | str:
         found = _compare([r for r in runs if r is not None], answers)
         if found is not None:
             return found
+        reached = reached or any(r is not None and r.hit for r in runs)
+    if reach is not None and not reached:
+        return Unseen("the callers in view do not reach it on the paths it follows")
     return PAIRED
 
 
-def _run(facts, scope: ast.AST, cls: RankClass, answers: dict, known: frozenset) -> _Run | None:
+def _run(facts, scope: ast.AST, cls: RankClass, answers: dict, known: frozenset, reach=None) -> _Run | None:
     """One class's collectives on one path, ended by its last step; None when it raises."""
-    run = _Run(cls, answers, known)
+    run = _Run(cls, answers, known, reach=reach)
     frame = _Frame(facts, scope)
     body = scope.body if isinstance(scope, (ast.Module, *FUNCTION_NODES)) else []
     try:
@@ -373,6 +382,8 @@ def _expr(run: _Run, frame: _Frame, node: ast.AST) -> None:
 def _call(run: _Run, frame: _Frame, call: ast.Call) -> None:
     facts = frame.facts
     project = facts.project  # type: ignore[attr-defined]
+    if run.reach == (facts.path, call.lineno):  # type: ignore[attr-defined]
+        run.hit = True
     name = project.call_collective_name(facts, call)
     if name:
         run.events.append(Step(name, facts.path, call.lineno))  # type: ignore[attr-defined]
@@ -574,6 +585,8 @@ def _compare_rank(run: _Run, frame: _Frame, test: ast.Compare, kind: str) -> boo
     if consts is None:
         consts, left = _constants(left), right
         op = {ast.Lt: ast.Gt(), ast.Gt: ast.Lt(), ast.LtE: ast.GtE(), ast.GtE: ast.LtE()}.get(type(op), op)
+    if isinstance(left, ast.BinOp) and isinstance(left.op, ast.Mod):
+        left, kind = left.left, control_flow.LOCAL  # `rank % gpus_per_node`: the local rank
     if consts is None or not isinstance(left, (ast.Name, ast.Attribute, ast.Call, ast.Subscript)):
         raise _Undecided(f"it cannot tell which ranks pass `{ast.unparse(test)[:60]}`")
     low = (word(left.func) if isinstance(left, ast.Call) else word(left)) or ""

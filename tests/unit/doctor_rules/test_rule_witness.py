@@ -80,6 +80,23 @@ def test_a_partner_in_the_caller_pairs_the_callee_s_barrier():
     assert _hangs(src) == []
 
 
+def test_a_caller_that_never_reaches_the_callee_pairs_nothing_up():
+    # the workers start through the launcher; the direct call is the single-process path
+    src = PRE + textwrap.dedent("""
+    import torch.multiprocessing as mp
+    def worker(args):
+        if rank == 0:
+            dist.barrier()
+    def main(args):
+        if args.distributed:
+            mp.spawn(worker, nprocs=2, args=(args,))
+        else:
+            worker(args)
+    """)
+    [f] = _hangs(src)
+    assert f.severity == "error" and f.witness.startswith("rank 0: barrier")
+
+
 def test_an_exit_on_rank_zero_before_a_collective_is_witnessed_and_the_mirror_image_is_not():
     src = PRE + textwrap.dedent("""
     def report(loss):
