@@ -340,9 +340,8 @@ def sampler_without_set_epoch(facts: Facts):
         reader = facts
         if epochs is None and returned is not None:
             for f2, c2 in facts.project.call_sites.get(returned, []):
-                parent = f2.parents.get(c2)
-                targets = {ref(t) for t in getattr(parent, "targets", [])} - {None}
-                epochs, reader = _epoch_loop(f2, targets), f2  # type: ignore[arg-type]
+                # what the caller keeps it in: `loader = DataLoader(ds, sampler=make(...))`
+                epochs, reader = _epoch_loop(f2, sampler_names(f2, c2)), f2
                 if epochs is not None:
                     break
         yield finding(
