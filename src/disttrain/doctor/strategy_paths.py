@@ -16,7 +16,7 @@ from __future__ import annotations
 import ast
 
 from disttrain.doctor import control_flow
-from disttrain.doctor.names import word
+from disttrain.doctor.names import FUNCTION_NODES, word
 
 
 def off_strategy(facts, node: ast.AST, wraps: list) -> bool:
@@ -30,8 +30,49 @@ def off_strategy(facts, node: ast.AST, wraps: list) -> bool:
 def _apart(facts, node: ast.AST, here: dict, f, w) -> bool:
     if f is facts and control_flow.exclusive(facts, node, w.call):
         return True
+    if _overridden_where_wrapped(facts, node, f, w):
+        return True
     there = _conditions(f, w.call)
     return any(key in there and there[key] != side for key, side in here.items())
+
+
+def _overridden_where_wrapped(facts, node: ast.AST, f, w) -> bool:
+    """`node` is in a method of a base class, and the wrap is made in a subclass that
+    overrides that method (on its way down from the base): objects of the subclass,
+    the only ones wrapped so, never run the base's method."""
+    method = _enclosing(facts, node, FUNCTION_NODES)
+    base = _enclosing(facts, node, (ast.ClassDef,))
+    sub = _enclosing(f, w.call, (ast.ClassDef,))
+    if method is None or base is None or sub is None or sub is base:
+        return False
+    classes = facts.project.classes
+    line = _line_to(classes, sub.name, base.name)
+    return bool(line) and any(_defines(classes, c, method.name) for c in line)
+
+
+def _enclosing(facts, node: ast.AST, kinds: tuple):
+    return next((a for a in facts.ancestors(node) if isinstance(a, kinds)), None)
+
+
+def _line_to(classes: dict, sub: str, base: str) -> list[str]:
+    """The classes from `sub` up to `base` (base excluded), or [] when `base` is not
+    among its ancestors in view."""
+    todo, seen = [[sub]], set()
+    while todo:
+        path = todo.pop()
+        if path[-1] == base:
+            return path[:-1]
+        for _, c in classes.get(path[-1], []):
+            for b in c.bases:
+                name = ast.unparse(b).split(".")[-1]
+                if name not in seen:
+                    seen.add(name)
+                    todo.append([*path, name])
+    return []
+
+
+def _defines(classes: dict, name: str, method: str) -> bool:
+    return any(isinstance(d, FUNCTION_NODES) and d.name == method for _, c in classes.get(name, []) for d in c.body)
 
 
 def _conditions(facts, node: ast.AST) -> dict[str, bool]:

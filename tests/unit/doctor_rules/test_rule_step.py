@@ -134,3 +134,20 @@ def test_an_fsdp_rule_stays_off_the_ddp_branch_of_an_engine_choice():
     anyway = ENGINE_BY_NAME.replace('        if self.engine == "torch_ddp":\n            torch.nn', "        torch.nn")
     anyway = anyway.replace("        else:\n            model.clip_grad_norm_(1.0)\n", "")
     assert [(r, s) for r, _, s in found(anyway, "fsdp1-clip-grad")] == [("fsdp1-clip-grad", "error")]
+
+
+def test_a_base_method_the_fsdp_subclass_overrides_is_judged_in_the_class_that_runs_it():
+    src = PRE + textwrap.dedent("""
+    from torch.distributed.fsdp import FullyShardedDataParallel as FSDP
+    class Engine:
+        def clip(self):
+            torch.nn.utils.clip_grad_norm_(self.model.parameters(), 1.0)
+    class ShardedEngine(Engine):
+        def __init__(self, net):
+            self.model = FSDP(net)
+        def clip(self):
+            self.model.clip_grad_norm_(1.0)
+    """)
+    assert found(src, "fsdp1-clip-grad") == []
+    inherited = src.replace("    def clip(self):\n        self.model.clip_grad_norm_(1.0)\n", "")
+    assert [r for r, _, _ in found(inherited, "fsdp1-clip-grad")] == ["fsdp1-clip-grad"]
