@@ -19,8 +19,8 @@ from __future__ import annotations
 import ast
 from dataclasses import dataclass, field
 
-from disttrain.doctor import control_flow
-from disttrain.doctor.names import FUNCTION_NODES, word
+from disttrain.doctor import control_flow, rank_values
+from disttrain.doctor.names import FUNCTION_NODES, ref, word
 from disttrain.doctor.rank_names import is_local_word
 
 _DEPTH = 8  # project functions followed into, call within call
@@ -526,6 +526,9 @@ def _truth(run: _Run, frame: _Frame, test: ast.AST) -> bool:
     sign = control_flow.distributed_test(test)
     if sign:
         return sign == 1
+    made = _made_truth(run, frame, test)
+    if made is not None:
+        return made
     kind = control_flow.guard_kind(facts, test)
     if kind is not None:
         return _rank_truth(run, frame, test, kind)
@@ -533,6 +536,45 @@ def _truth(run: _Run, frame: _Frame, test: ast.AST) -> bool:
     if key not in run.answers:
         raise _Need(key)
     return run.answers[key]
+
+
+def _made_truth(run: _Run, frame: _Frame, test: ast.AST) -> bool | None:
+    """`writer is not None` (or `writer`, `writer is None`) for an object made only under
+    a rank test in this file (`writer = SummaryWriter() if rank == 0 else None`): true
+    exactly where that test is. None for any other test."""
+    flip, node = False, test
+    if (
+        isinstance(test, ast.Compare)
+        and len(test.ops) == 1
+        and isinstance(test.ops[0], (ast.Is, ast.IsNot))
+        and isinstance(test.comparators[0], ast.Constant)
+        and test.comparators[0].value is None
+    ):
+        node, flip = test.left, isinstance(test.ops[0], ast.Is)
+    name = ref(node)
+    if not name or name not in rank_values.made_objects(frame.facts):
+        return None
+    made = _making_test(frame.facts, name)
+    return None if made is None else _truth(run, frame, made) != flip
+
+
+def _making_test(facts, name: str) -> ast.AST | None:
+    """The rank test an object is made under: `x = Make() if test else None`, or `x =
+    Make()` in a branch of `if test:` (its negation in the else branch)."""
+    for n in facts.nodes:
+        if not (isinstance(n, ast.Assign) and any(ref(t) == name for t in n.targets)):
+            continue
+        v = n.value
+        if isinstance(v, ast.IfExp):
+            none_body = isinstance(v.body, ast.Constant) and v.body.value is None
+            return ast.UnaryOp(op=ast.Not(), operand=v.test) if none_body else v.test
+        if isinstance(v, ast.Call):
+            parent = facts.parents.get(n)
+            if isinstance(parent, ast.If) and n in parent.body:
+                return parent.test
+            if isinstance(parent, ast.If) and n in parent.orelse:
+                return ast.UnaryOp(op=ast.Not(), operand=parent.test)
+    return None
 
 
 def _value(cls: RankClass, kind: str) -> int | None:

@@ -29,7 +29,7 @@ def rank_variables(facts) -> dict[str, str]:
     return out
 
 
-def _made_objects(facts) -> dict[str, str]:
+def made_objects(facts) -> dict[str, str]:
     """`_guard_made_objects` of a file from its own and the shared rank values, once per
     file (asked for by the files it calls into)."""
     cache = facts.__dict__
@@ -66,7 +66,7 @@ def _argument_kind(f, call: ast.Call, name: str, index: int, params: list[str]) 
         j = index - offset
         value = call.args[j] if 0 <= j < len(call.args) else None
     ref = _ref(value) if value is not None else None
-    return _made_objects(f).get(ref) if ref else None
+    return made_objects(f).get(ref) if ref else None
 
 
 def own_rank_values(facts) -> dict[str, str]:

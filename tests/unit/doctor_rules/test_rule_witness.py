@@ -228,3 +228,20 @@ def test_a_local_rank_argument_filled_from_horovod_is_no_cli_default():
     assert [f for f in findings(src) if f.rule == "guard-true-on-every-rank"] == []
     left = src.replace("args.local_rank = hvd.local_rank()\n", "")
     assert [f.rule for f in findings(left) if f.rule == "guard-true-on-every-rank"] == ["guard-true-on-every-rank"]
+
+
+def test_an_object_made_on_rank_zero_only_guards_as_its_rank_test_does():
+    src = PRE + textwrap.dedent("""
+    from torch.utils.tensorboard import SummaryWriter
+    writer = SummaryWriter("runs") if rank == 0 else None
+    def log(step, loss):
+        if writer is None:
+            dist.barrier()
+        if writer is not None:
+            writer.add_scalar("loss", loss, step)
+            dist.barrier()
+    """)
+    assert _hangs(src) == []  # the others wait first, the writer's rank after writing
+    lone = src.replace("    if writer is None:\n        dist.barrier()\n", "")
+    [f] = _hangs(lone)
+    assert f.severity == "error" and f.witness.startswith("rank 0: barrier")
