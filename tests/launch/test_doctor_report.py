@@ -41,16 +41,17 @@ def test_bad_sample_findings_and_json(capsys):
     assert doc["version"] == 1 and doc["files"] == [BAD]
     assert {(f["rule"], f["line"]) for f in doc["findings"]} == BAD_EXPECTED
     for f in doc["findings"]:
-        assert set(f) == {"rule", "practices", "severity", "file", "line", "column", "message", "fix"}
+        assert set(f) == {"rule", "practices", "severity", "file", "line", "column", "message", "fix", "witness"}
         assert f["file"] == BAD and f["column"] >= 1 and f["message"] and f["fix"]
         assert f["severity"] in ("error", "warning")
+        assert bool(f["witness"]) == (f["severity"] == "error")  # an error is a witnessed failure
         assert all(p.startswith("P-") for p in f["practices"]) and f["practices"]
     by_rule = {f["rule"]: f for f in doc["findings"]}
     assert by_rule["find-unused-parameters"]["practices"] == ["P-DDP-4"]
     assert by_rule["find-unused-parameters"]["column"] == 47
     assert "optimizer-before-wrap" not in by_rule  # DDP keeps the parameters (line 21 is fine)
     s = doc["summary"]
-    assert (s["files"], s["findings"], s["errors"] + s["warnings"]) == (1, 13, 13)
+    assert (s["files"], s["findings"], s["errors"] + s["warnings"], s["advice"]) == (1, 13, 13, 0)
 
 
 def test_disttrain_api_misuse_is_caught():

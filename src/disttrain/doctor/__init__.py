@@ -1,9 +1,10 @@
 """`disttrain doctor`: a static analyzer for distributed-training scripts.
 
-    disttrain doctor [--format text|json|sarif] [-o FILE] [--select IDS] [--ignore IDS] PATH...
+    disttrain doctor [--format text|json|sarif] [-o FILE] [--select IDS] [--ignore IDS] [--advice] PATH...
 
 Parses each script with `ast` (never imports or runs it, never imports torch) and
 reports every pitfall with its practice ID (docs/practices.md), place, cause and fix.
+Defects only by default; `--advice` adds the preferences (severity "advice").
 Exit status: 1 when an error-severity finding exists, 0 otherwise (warnings alone: 0);
 user mistakes (missing file, syntax error, unknown rule id) raise `UserError`, which
 the CLI prints as one line with status 2.
@@ -49,6 +50,11 @@ def _parser() -> argparse.ArgumentParser:
     )
     p.add_argument("--select", type=_ids, metavar="IDS", help="only these rule ids (comma-separated)")
     p.add_argument("--ignore", type=_ids, metavar="IDS", help="skip these rule ids (comma-separated)")
+    p.add_argument(
+        "--advice",
+        action="store_true",
+        help="also report advice (preferences such as the launcher), not only defects",
+    )
     p.add_argument("--list-rules", action="store_true", help="print every rule with its help and exit")
     return p
 
@@ -121,7 +127,7 @@ def main(argv: list[str]) -> int:
         from disttrain.config.paths import output_file
 
         output_file(args.output, "--output", replaceable=report.is_earlier_report)
-    files, findings = _deep(analyzer.analyze_paths, args.paths, args.select, args.ignore)
+    files, findings = _deep(analyzer.analyze_paths, args.paths, args.select, args.ignore, args.advice)
     if args.format == "json":
         text = report.render_json(files, findings)
     elif args.format == "sarif":

@@ -27,7 +27,7 @@ from disttrain.doctor import (  # noqa: F401
     rules_sync,
 )
 from disttrain.doctor.facts import Facts
-from disttrain.doctor.findings import ERROR, RULES, Finding, ignore_comments, suppressed
+from disttrain.doctor.findings import ADVICE, ERROR, RULES, Finding, ignore_comments, suppressed
 from disttrain.doctor.source_text import read_source
 from disttrain.errors import UserError
 
@@ -75,10 +75,16 @@ def parse(path: str, source: str) -> Facts:
 
 
 def analyze_source(
-    path: str, source: str, select: set[str] | None = None, ignore: set[str] | None = None, facts: Facts | None = None
+    path: str,
+    source: str,
+    select: set[str] | None = None,
+    ignore: set[str] | None = None,
+    facts: Facts | None = None,
+    advice: bool = False,
 ) -> list[Finding]:
     """Findings for one script's source text. `select`/`ignore` restrict the rule ids;
-    `facts` (already parsed, with the other files of the run) saves parsing again."""
+    `facts` (already parsed, with the other files of the run) saves parsing again.
+    Defects only, unless `advice` (then the preferences too, at severity "advice")."""
     facts = facts or parse(path, source)
     ignores = ignore_comments(source)
     out: list[Finding] = []
@@ -86,7 +92,7 @@ def analyze_source(
         if (select and rule_id not in select) or (ignore and rule_id in ignore):
             continue
         for f in rule.check(facts):
-            if not suppressed(f, ignores):
+            if (advice or f.severity != ADVICE) and not suppressed(f, ignores):
                 out.append(f)
     # One finding per (rule, place): two routes to the same pitfall say it once.
     unique = {(f.rule, f.line, f.column): f for f in out}
@@ -94,7 +100,7 @@ def analyze_source(
 
 
 def analyze_paths(
-    paths: list[str], select: set[str] | None = None, ignore: set[str] | None = None
+    paths: list[str], select: set[str] | None = None, ignore: set[str] | None = None, advice: bool = False
 ) -> tuple[list[Path], list[Finding]]:
     unknown = sorted(r for r in (select or set()) | (ignore or set()) if r not in RULES)
     if unknown:
@@ -118,7 +124,7 @@ def analyze_paths(
         facts.others = [o for o in parsed if o is not facts]
         facts.__dict__["project"] = project
     for facts in parsed:
-        findings += analyze_source(facts.path, facts.source, select, ignore, facts)
+        findings += analyze_source(facts.path, facts.source, select, ignore, facts, advice)
     return files, findings
 
 

@@ -15,7 +15,7 @@ import ast
 
 from disttrain.doctor.names import ref as _ref
 from disttrain.doctor.names import word as _word
-from disttrain.doctor.rank_names import is_guard_word, is_local_word, named_rank_counts
+from disttrain.doctor.rank_names import env_rank_kind, is_guard_word, is_local_word, named_rank_counts
 
 GLOBAL = "global"
 LOCAL = "local"
@@ -33,7 +33,7 @@ _ZERO_ONLY_WORDS = (
     "on_main_process",
 )
 # Decorators that run the function on the main process only (LAVIS' `@main_process`).
-_ZERO_ONLY_DECORATORS = (
+ZERO_ONLY_DECORATORS = (
     "main_process",
     "master_process",
     "is_main_process",
@@ -102,8 +102,8 @@ def _guard_kind(facts, test: ast.AST) -> str | None:
             kinds.add(LOCAL)
         elif word and is_guard_word(word):
             kinds.add(GLOBAL)
-        elif isinstance(n, ast.Constant) and n.value in ("RANK", "LOCAL_RANK"):
-            kinds.add(LOCAL if n.value == "LOCAL_RANK" else GLOBAL)
+        elif isinstance(n, ast.Constant) and env_rank_kind(n.value):
+            kinds.add(LOCAL if env_rank_kind(n.value) == LOCAL else GLOBAL)
     return GLOBAL if GLOBAL in kinds else LOCAL if kinds else None
 
 
@@ -281,9 +281,7 @@ def zero_only_function(d: ast.AST) -> bool:
     """Named or decorated rank-zero-only (`@rank_zero_only`, `def log_rank0`)."""
     words = [d.name] + [ast.unparse(x) for x in d.decorator_list]  # type: ignore[attr-defined]
     decos = [ast.unparse(x).split(".")[-1].split("(")[0] for x in d.decorator_list]  # type: ignore[attr-defined]
-    return any(w in x.lower() for w in _ZERO_ONLY_WORDS for x in words) or any(
-        x in _ZERO_ONLY_DECORATORS for x in decos
-    )
+    return any(w in x.lower() for w in _ZERO_ONLY_WORDS for x in words) or any(x in ZERO_ONLY_DECORATORS for x in decos)
 
 
 def _is_main_block(node: ast.If) -> bool:

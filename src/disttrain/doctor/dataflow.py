@@ -47,6 +47,7 @@ from disttrain.doctor.names import (  # noqa: F401  (re-exported for the rules)
     word,
 )
 from disttrain.doctor.program import ProgramFacts
+from disttrain.doctor.receivers import receiver_classes
 
 if TYPE_CHECKING:
     from disttrain.doctor.facts import Facts, FuncDef
@@ -206,12 +207,10 @@ class Project(ProgramFacts):
             if is_module:
                 imported = self.imports.get(id(facts), set())
                 return [(f, d) for f, d in cands if id(f) in imported and _module_level(f, d)]
-            cands = [(f, d) for f, d in cands if _is_method(f, d)]
-            if ref(head) not in ("self", "cls"):
-                # `ema_unet.update()` inside `def update(self)`: another object's method of
-                # the same name (delegation), not this one calling itself
-                here = facts.scope_of(call)
-                cands = [(f, d) for f, d in cands if d is not here]
+            # a method of the class the receiver is, never one that only shares its name
+            # (`tokenizer.save_pretrained()` is not the trainer's own save_pretrained)
+            owners = receiver_classes(self.classes, facts, call)
+            cands = [(f, d) for f, d in cands if _is_method(f, d) and getattr(f.parents[d], "name", "") in owners]
         own = [(f, d) for f, d in cands if f is facts]
         if own:
             return own

@@ -4,7 +4,8 @@ Contracts:
 - `print_text` writes a readable report grouped by file (rich styling only when the
   stream is a terminal), ending with a one-line summary.
 - `render_json` returns a stable document, `{"version": 1, "files": [...],
-  "findings": [...], "summary": {...}}`, with 1-based line/column.
+  "findings": [...], "summary": {...}}`, with 1-based line/column; each finding has a
+  `witness` (the failing run, a string) or null.
 - `render_sarif` returns a document valid against the official SARIF 2.1.0 schema
   (tests validate it), for CI code scanning (GitHub's upload-sarif). The run lists every
   rule with its help text and practice IDs, even those without results; each result
@@ -22,7 +23,7 @@ from itertools import groupby
 from pathlib import Path
 from typing import TextIO
 
-from disttrain.doctor.findings import ERROR, RULES, WARNING, Finding
+from disttrain.doctor.findings import ADVICE, ERROR, RULES, WARNING, Finding
 
 JSON_VERSION = 1
 
@@ -33,6 +34,7 @@ def summary(files: list[Path], findings: list[Finding]) -> dict:
         "findings": len(findings),
         "errors": sum(f.severity == ERROR for f in findings),
         "warnings": sum(f.severity == WARNING for f in findings),
+        "advice": sum(f.severity == ADVICE for f in findings),
     }
 
 
@@ -55,7 +57,7 @@ def print_text(files: list[Path], findings: list[Finding], stream: TextIO) -> No
     from rich.markup import escape
 
     console = Console(file=stream, highlight=False, soft_wrap=True)
-    colors = {ERROR: "bold red", WARNING: "yellow"}
+    colors = {ERROR: "bold red", WARNING: "yellow", ADVICE: "blue"}
     for path, group in groupby(findings, key=lambda f: f.file):
         console.print(f"[bold underline]{escape(path)}[/]")
         for f in group:
@@ -64,15 +66,18 @@ def print_text(files: list[Path], findings: list[Finding], stream: TextIO) -> No
                 f"  {escape(path)}:{f.line}:{f.column}  {sev} [cyan]{f.rule}[/] [dim]\\[{', '.join(f.practices)}][/]"
             )
             console.print(f"      {escape(f.message)}")
+            if f.witness:
+                console.print(f"      [magenta]witness:[/] {escape(f.witness)}")
             console.print(f"      [green]fix:[/] {escape(f.fix)}")
         console.print()
     s = summary(files, findings)
     if not findings:
         console.print(f"[green]No findings[/] in {s['files']} file{'s' * (s['files'] != 1)}.")
     else:
+        advice = f", {s['advice']} advice" if s["advice"] else ""
         console.print(
             f"{s['errors']} error{'s' * (s['errors'] != 1)}, "
-            f"{s['warnings']} warning{'s' * (s['warnings'] != 1)} "
+            f"{s['warnings']} warning{'s' * (s['warnings'] != 1)}{advice} "
             f"in {s['files']} file{'s' * (s['files'] != 1)}. "
             + escape("Silence one with `# disttrain: ignore[rule-id]` on its line.")
         )
@@ -87,7 +92,7 @@ def print_rules(stream: TextIO) -> None:
 # ----- SARIF 2.1.0 ------------------------------------------------------------------
 
 SCHEMA_URI = "https://json.schemastore.org/sarif-2.1.0.json"
-_LEVEL = {ERROR: "error", WARNING: "warning"}
+_LEVEL = {ERROR: "error", WARNING: "warning", ADVICE: "note"}
 
 
 def _version() -> str:
@@ -145,9 +150,13 @@ def render_sarif(files: list[Path], findings: list[Finding]) -> str:
                 "ruleId": f.rule,
                 "ruleIndex": index[f.rule],
                 "level": _LEVEL[f.severity],
-                "message": {"text": f"{f.message} Fix: {f.fix}"},
+                "message": {"text": f"{f.message}{f' Witness: {f.witness}.' if f.witness else ''} Fix: {f.fix}"},
                 "locations": [{"physicalLocation": location}],
-                "properties": {"practices": list(f.practices), "fix": f.fix},
+                "properties": {
+                    "practices": list(f.practices),
+                    "fix": f.fix,
+                    **({"witness": f.witness} if f.witness else {}),
+                },
             }
         )
     artifacts = []
@@ -178,7 +187,7 @@ def render_sarif(files: list[Path], findings: list[Finding]) -> str:
     return json.dumps(doc, indent=2) + "\n"
 
 
-_TEXT_SUMMARY = re.compile(r"(No findings in \d+ files?\.|\d+ errors?, \d+ warnings? in \d+ files?\.)")
+_TEXT_SUMMARY = re.compile(r"(No findings in \d+ files?\.|\d+ errors?, \d+ warnings?(, \d+ advice)? in \d+ files?\.)")
 
 
 def is_earlier_report(path: Path) -> bool:

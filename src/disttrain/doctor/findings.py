@@ -12,18 +12,21 @@ import ast
 import io
 import re
 import tokenize
-from collections.abc import Callable, Iterable
+from collections.abc import Callable, Iterable, Sequence
 from dataclasses import asdict, dataclass
 
 ERROR = "error"
 WARNING = "warning"
+ADVICE = "advice"  # a preference, not a defect: shown only with `disttrain doctor --advice`
 
 
 @dataclass(frozen=True)
 class Finding:
     """One pitfall at one place. `line`/`column` are 1-based (editor convention);
     `end_line` is the last line of the flagged expression, so an ignore comment on any
-    of its lines suppresses it."""
+    of its lines suppresses it. `witness` is the concrete run that fails (for a hang:
+    what each rank class issues up to the first point where they part), empty when the
+    finding has none: an error always has one."""
 
     rule: str
     practices: tuple[str, ...]
@@ -34,10 +37,12 @@ class Finding:
     message: str
     fix: str
     end_line: int = 0
+    witness: str = ""
 
     def to_dict(self) -> dict:
         d = asdict(self)
         d["practices"] = list(self.practices)
+        d["witness"] = self.witness or None
         del d["end_line"]
         return d
 
@@ -50,19 +55,22 @@ class Rule:
     title: str
     help: str
     check: Callable[..., Iterable[Finding]]
+    unwitnessed: str = ""  # what the doctor cannot see when it shows no failing run
 
 
 RULES: dict[str, Rule] = {}
 
 
-def rule(id: str, practices: tuple[str, ...], severity: str, title: str, help: str):
+def rule(id: str, practices: tuple[str, ...], severity: str, title: str, help: str, unwitnessed: str = ""):
     """Register `check(facts)` under `id`. `help` is the long explanation and fix
-    shown in SARIF rule metadata and by `disttrain doctor --list-rules`."""
+    shown in SARIF rule metadata and by `disttrain doctor --list-rules`. `severity` is
+    the most a finding of the rule can be: an error needs a witness (`finding`), and
+    `unwitnessed` says what the doctor could not see when a finding has none."""
 
     def deco(fn):
         if id in RULES:
             raise ValueError(f"duplicate doctor rule id {id!r}")
-        RULES[id] = Rule(id, practices, severity, title, " ".join(help.split()), fn)
+        RULES[id] = Rule(id, practices, severity, title, " ".join(help.split()), fn, " ".join(unwitnessed.split()))
         return fn
 
     return deco
@@ -76,21 +84,36 @@ def finding(
     fix: str,
     severity: str | None = None,
     practices: tuple[str, ...] | None = None,
+    witness: str = "",
 ) -> Finding:
-    """A Finding at `node`, with the rule's defaults unless overridden for this case."""
+    """A Finding at `node`, with the rule's defaults unless overridden for this case. An
+    error without a `witness` (the run that fails) is a warning that says what the
+    doctor could not see (the rule's `unwitnessed`)."""
     meta = RULES[rule_id]
     line = getattr(node, "lineno", 1)
+    severity = severity or meta.severity
+    if severity == ERROR and not witness:
+        severity = WARNING
+        message += " " + (meta.unwitnessed or "The doctor shows no run where this fails.")
     return Finding(
         rule=rule_id,
         practices=practices or meta.practices,
-        severity=severity or meta.severity,
+        severity=severity,
         file=facts.path,
         line=line,
         column=_column(facts.source, line, getattr(node, "col_offset", 0)) + 1,
         message=message,
         fix=fix,
         end_line=getattr(node, "end_lineno", None) or line,
+        witness=witness,
     )
+
+
+def path_witness(facts, steps: Sequence[tuple[str, ast.AST]], outcome: str) -> str:
+    """A witness that is a path: each step at its place, in order, then what goes wrong
+    (`fully_shard at train.py:12, then model.no_sync() at train.py:30 -> AttributeError`)."""
+    at = [f"{what} at {facts.path}:{getattr(node, 'lineno', 1)}" for what, node in steps]
+    return ", then ".join(at) + f" -> {outcome}"
 
 
 def _column(source: str, line: int, byte_offset: int) -> int:

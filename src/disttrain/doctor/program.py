@@ -23,6 +23,7 @@ from disttrain.doctor.names import (
     ref,
     word,
 )
+from disttrain.doctor.rank_names import LOCAL_RANK_ENV
 
 if TYPE_CHECKING:
     from disttrain.doctor.facts import Facts, FuncDef, Wrap
@@ -295,7 +296,11 @@ class ProgramFacts:
 
     @cached_property
     def reads_local_rank_env(self) -> bool:
-        return any("LOCAL_RANK" in f.strings for f in self.files)
+        """Some file reads a local rank a launcher sets: torchrun's LOCAL_RANK, SLURM's,
+        MPI's or Horovod's (`hvd.local_rank()`)."""
+        return any(
+            f.strings & set(LOCAL_RANK_ENV) or any(q.endswith(".local_rank") for _, q in f.calls) for f in self.files
+        )
 
     @cached_property
     def rank_seeded(self) -> ast.Call | None:

@@ -20,6 +20,33 @@ import ast
 from disttrain.doctor.names import ref as _ref
 from disttrain.doctor.names import word as _word
 
+# The environment variables launchers set to a process's rank: torchrun's, SLURM's (srun
+# sets one task per process), Open MPI's, MPICH/PMI's, MVAPICH's, Horovod's, PALS'.
+GLOBAL_RANK_ENV = (
+    "RANK",
+    "SLURM_PROCID",
+    "OMPI_COMM_WORLD_RANK",
+    "PMI_RANK",
+    "PMIX_RANK",
+    "MV2_COMM_WORLD_RANK",
+    "HOROVOD_RANK",
+)
+LOCAL_RANK_ENV = (
+    "LOCAL_RANK",
+    "SLURM_LOCALID",
+    "OMPI_COMM_WORLD_LOCAL_RANK",
+    "MPI_LOCALRANKID",
+    "MV2_COMM_WORLD_LOCAL_RANK",
+    "HOROVOD_LOCAL_RANK",
+    "PALS_LOCAL_RANKID",
+)
+
+
+def env_rank_kind(key: object) -> str | None:
+    """ "global" or "local" for the name of a launcher's rank variable, else None."""
+    return "local" if key in LOCAL_RANK_ENV else "global" if key in GLOBAL_RANK_ENV else None
+
+
 # Words that make an `if` test a rank guard: `if rank == 0`, `if dist.get_rank() == 0`,
 # `if is_main_process():`, `if accelerator.is_main_process`, `if trainer.is_global_zero`.
 _GUARD_WORDS = (
@@ -141,7 +168,7 @@ def named_only(facts, test: ast.AST) -> str | None:
     first = None
     for n in ast.walk(test):
         word, name = _word(n), _ref(n)
-        if name in facts.rank_variables or (isinstance(n, ast.Constant) and n.value in ("RANK", "LOCAL_RANK")):
+        if name in facts.rank_variables or (isinstance(n, ast.Constant) and env_rank_kind(n.value)):
             return None
         if isinstance(n, ast.Call) and _word(n.func) in facts.project.rank_flag_functions:
             return None

@@ -11,7 +11,7 @@ from disttrain.doctor.control_flow import GLOBAL, LOCAL, is_env_presence
 from disttrain.doctor.names import FUNCTION_NODES
 from disttrain.doctor.names import ref as _ref
 from disttrain.doctor.names import word as _word
-from disttrain.doctor.rank_names import is_guard_word, is_local_word, named_rank_counts
+from disttrain.doctor.rank_names import env_rank_kind, is_guard_word, is_local_word, named_rank_counts
 
 
 def rank_variables(facts) -> dict[str, str]:
@@ -29,7 +29,7 @@ def rank_variables(facts) -> dict[str, str]:
     return out
 
 
-def _made_objects(facts) -> dict[str, str]:
+def made_objects(facts) -> dict[str, str]:
     """`_guard_made_objects` of a file from its own and the shared rank values, once per
     file (asked for by the files it calls into)."""
     cache = facts.__dict__
@@ -66,7 +66,7 @@ def _argument_kind(f, call: ast.Call, name: str, index: int, params: list[str]) 
         j = index - offset
         value = call.args[j] if 0 <= j < len(call.args) else None
     ref = _ref(value) if value is not None else None
-    return _made_objects(f).get(ref) if ref else None
+    return made_objects(f).get(ref) if ref else None
 
 
 def own_rank_values(facts) -> dict[str, str]:
@@ -227,9 +227,11 @@ def _rank_source(value: ast.AST) -> str | None:
         key = value.slice
     elif isinstance(value, ast.Call) and _word(value.func) in ("get", "getenv") and value.args:
         key = value.args[0]
-    if isinstance(key, ast.Constant) and key.value in ("LOCAL_RANK", "RANK"):
-        return LOCAL if key.value == "LOCAL_RANK" else GLOBAL
+    if isinstance(key, ast.Constant) and env_rank_kind(key.value):
+        return LOCAL if env_rank_kind(key.value) == LOCAL else GLOBAL
     word = _word(value.func) if isinstance(value, ast.Call) else _word(value)
     if word in ("get_local_rank", "get_node_local_rank") or (word or "").lower() == "local_rank":
-        return LOCAL
-    return GLOBAL if word == "get_rank" else None
+        return LOCAL  # torch's, Horovod's `hvd.local_rank()`, an `args.local_rank` copied
+    # torch's `get_rank()`, Horovod's `hvd.rank()`, mpi4py's `comm.Get_rank()`
+    called = isinstance(value, ast.Call) and word in ("rank", "Get_rank")
+    return GLOBAL if word == "get_rank" or called else None

@@ -11,14 +11,14 @@ import ast
 
 from disttrain.doctor.facts import Facts, is_const, kwarg, mentions, ref
 from disttrain.doctor.findings import WARNING, finding, rule
-from disttrain.doctor.rank_names import is_local_word
+from disttrain.doctor.rank_names import LOCAL_RANK_ENV, is_local_word
 
 
 def reads_local_rank(facts: Facts, value: ast.AST) -> bool:
     """`value` is a LOCAL_RANK read, or a name assigned only from one in its file."""
 
     def local_read(v: ast.AST) -> bool:
-        return any(isinstance(n, ast.Constant) and n.value == "LOCAL_RANK" for n in ast.walk(v))
+        return any(isinstance(n, ast.Constant) and n.value in LOCAL_RANK_ENV for n in ast.walk(v))
 
     if local_read(value):
         return True

@@ -10,7 +10,7 @@ import ast
 
 from disttrain.doctor.control_flow import distributed_test
 from disttrain.doctor.facts import Facts, arg, base_ref, is_const, kwarg, mentions, ref
-from disttrain.doctor.findings import ERROR, WARNING, finding, rule
+from disttrain.doctor.findings import ERROR, WARNING, finding, path_witness, rule
 from disttrain.doctor.rules_io import torch_saves
 
 
@@ -72,6 +72,11 @@ def data_parallel_in_ddp(facts: Facts):
                 "data-parallel-in-ddp",
                 "DataParallel in a multi-process script: each rank replicates the model over every visible GPU.",
                 "remove the DataParallel wrap; wrap once with DistributedDataParallel(model, device_ids=[local_rank]).",
+                witness=path_witness(
+                    facts,
+                    [("every rank of the multi-process run: DataParallel", w.call)],
+                    "each rank runs a replica on every visible GPU, N ranks times over",
+                ),
             )
         elif (
             w.kind in ("ddp", "fsdp1")
@@ -92,6 +97,11 @@ def data_parallel_in_ddp(facts: Facts):
                     "data-parallel-in-ddp",
                     f"`{w.arg}` is already a DataParallel (line {inner.call.lineno}) and is wrapped again by DDP.",
                     "wrap the bare module once with DistributedDataParallel.",
+                    witness=path_witness(
+                        facts,
+                        [("DataParallel", inner.call), ("DDP around it", w.call)],
+                        "each rank's forward scatters over every visible GPU inside DDP",
+                    ),
                 )
 
 
@@ -218,6 +228,11 @@ def optimizer_before_wrap(facts: Facts):
                 f"{name} wrap at line {w.call.lineno}: sharding replaces them, so the optimizer "
                 "updates stale tensors.",
                 f"build the optimizer after the {name} wrap, from the wrapped model's parameters().",
+                witness=path_witness(
+                    facts,
+                    [(f"the optimizer takes `{w.arg}`'s parameters", call), (f"{name} replaces them", w.call)],
+                    "optimizer.step() updates tensors the wrapped model no longer trains",
+                ),
             )
 
 

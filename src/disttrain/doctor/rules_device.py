@@ -11,7 +11,7 @@ import re
 from collections.abc import Iterable
 
 from disttrain.doctor.facts import DISTTRAIN_INITS, Facts, arg, kwarg
-from disttrain.doctor.findings import ERROR, WARNING, finding, rule
+from disttrain.doctor.findings import ERROR, WARNING, finding, path_witness, rule
 from disttrain.doctor.names import LIBRARY_DEVICE_BINDS
 from disttrain.doctor.names import SET_DEVICE as _SET_DEVICE
 from disttrain.doctor.rules_launch import environ_key
@@ -98,6 +98,11 @@ def missing_set_device(facts: Facts):
             "CUDA is used under torchrun but the script never binds a device: every rank defaults to cuda:0.",
             "call torch.cuda.set_device(int(os.environ['LOCAL_RANK'])) right at start-up, "
             "before init_process_group and any CUDA tensor.",
+            witness=path_witness(
+                facts,
+                [("every rank, with no set_device on the way: a CUDA use", node)],
+                "all ranks allocate on cuda:0 (out of memory, or NCCL's ranks on one GPU)",
+            ),
         )
         return
     for node, unindexed in uses:
@@ -116,6 +121,11 @@ def missing_set_device(facts: Facts):
                 f"CUDA is used here before torch.cuda.set_device (line {same[0].lineno}): "
                 "this allocation lands on cuda:0 on every rank.",
                 "move torch.cuda.set_device(local_rank) before the first CUDA use.",
+                witness=path_witness(
+                    facts,
+                    [("a CUDA use", node), ("set_device", same[0])],
+                    "the allocation before it lands on cuda:0 on every rank",
+                ),
             )
             return
 

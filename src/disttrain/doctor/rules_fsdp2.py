@@ -14,7 +14,7 @@ from __future__ import annotations
 import ast
 
 from disttrain.doctor.facts import Facts, kwarg, ref
-from disttrain.doctor.findings import ERROR, WARNING, finding, rule
+from disttrain.doctor.findings import ERROR, WARNING, finding, path_witness, rule
 
 
 def _fsdp2_only(facts: Facts) -> list[str]:
@@ -67,6 +67,9 @@ def fsdp2_no_sync(facts: Facts):
             "FSDP2 (fully_shard) modules have no no_sync(): this raises AttributeError "
             "at the first accumulation micro-step.",
             f"call {name}.set_requires_gradient_sync(is_last_microbatch) before each micro-step's backward instead.",
+            witness=path_witness(
+                facts, [(f"`{name}` is a fully_shard module; no_sync()", call)], "AttributeError on every rank"
+            ),
         )
     for n in facts.nodes:
         if isinstance(n, ast.Assign) and any(
@@ -79,6 +82,11 @@ def fsdp2_no_sync(facts: Facts):
                 "require_backward_grad_sync is DDP's flag; FSDP2 never reads it, so "
                 "gradients are still reduce-scattered on every micro-step.",
                 f"call {name}.set_requires_gradient_sync(False) on the non-final micro-steps (and True on the last).",
+                witness=path_witness(
+                    facts,
+                    [(f"`{name}` is a fully_shard module; require_backward_grad_sync set", n)],
+                    "FSDP2 never reads it: every micro-step still reduce-scatters",
+                ),
             )
 
 

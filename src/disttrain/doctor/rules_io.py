@@ -10,7 +10,7 @@ import ast
 
 from disttrain.doctor.control_flow import LOCAL
 from disttrain.doctor.facts import Facts, arg, has_star_kwargs, is_const, kwarg, mentions, ref
-from disttrain.doctor.findings import ERROR, WARNING, finding, rule
+from disttrain.doctor.findings import ERROR, WARNING, finding, path_witness, rule
 from disttrain.doctor.log_lines import error_report, per_rank_message
 from disttrain.doctor.names import rank_aware_logging
 from disttrain.doctor.save_paths import (
@@ -253,6 +253,10 @@ def reached_from_view(facts: Facts, node: ast.AST) -> bool:
     return False
 
 
+def _path_text(path: ast.AST | None) -> str:
+    return ast.unparse(path)[:60] if path is not None else "?"
+
+
 @rule(
     "unguarded-save",
     ("P-LOOP-1", "P-CKPT-2"),
@@ -295,6 +299,11 @@ def unguarded_save(facts: Facts):
                 "unguarded-save",
                 "torch.save runs on every rank: world-size processes write the same file at once.",
                 "save on rank 0 only (`if rank == 0:`), then dist.barrier() before anyone reads it.",
+                witness=path_witness(
+                    facts,
+                    [(f"every rank, with no rank test on the way: torch.save to `{_path_text(path)}`", call)],
+                    "world-size processes write one file at once (a torn checkpoint)",
+                ),
             )
         elif kind is None and not (_unused_helper(facts, call) and _imported_in_view(facts)):
             # (a helper of a module the run imports, and nothing in it refers to: never called)

@@ -14,7 +14,7 @@ from collections.abc import Iterator
 from typing import TypeGuard
 
 from disttrain.doctor.facts import Facts, kwarg, ref
-from disttrain.doctor.findings import ERROR, WARNING, finding, rule
+from disttrain.doctor.findings import ERROR, WARNING, finding, path_witness, rule
 from disttrain.doctor.rules_ddp import is_optimizer, param_refs
 
 _JOB = ("disttrain.Job", "disttrain.train.Job", "disttrain.train.job.Job")
@@ -114,6 +114,11 @@ def job_scheduler_stepped_twice(facts: Facts):
                     "steps it at every optimizer step; this second step() inside job.steps() "
                     "runs the schedule too fast.",
                     f"remove {owner}.step(); the job steps it.",
+                    witness=path_witness(
+                        facts,
+                        [("job.steps()", loop), (f"{owner}.step()", n)],
+                        "the job steps it too: the schedule runs ahead",
+                    ),
                 )
             elif "sched" in owner.lower() or owner.lower().endswith("lr"):
                 yield finding(
@@ -165,6 +170,11 @@ def job_optimizer_before_wrap(facts: Facts):
                 "it must hold the wrapped model's parameters (dt.Job raises a UserError at "
                 "resume; under FSDP they are other tensors).",
                 f"build the optimizer after `{target or arg} = job.wrap(...)`, from its parameters().",
+                witness=path_witness(
+                    facts,
+                    [(f"the optimizer takes `{arg}`'s parameters", call), ("job.wrap()", w)],
+                    "job.resume() raises a UserError",
+                ),
             )
 
 
@@ -201,6 +211,9 @@ def job_manual_step(facts: Facts):
                     "(job.backward(loss), scaled for accumulation, with no_sync); this one adds "
                     "an unscaled second gradient, or without job.backward the job stops.",
                     "replace it with job.backward(loss).",
+                    witness=path_witness(
+                        facts, [("job.steps()", loop), (f"{ast.unparse(n.func)}()", n)], "an unscaled second gradient"
+                    ),
                 )
             elif attr == "step" and ("optim" in owner.lower() or owner.lower() in ("opt", "scaler")):
                 yield finding(
@@ -210,6 +223,11 @@ def job_manual_step(facts: Facts):
                     f"`{ast.unparse(n.func)}()` inside job.steps(): the job steps the optimizer "
                     "at the accumulation boundary; this steps it again on every micro-batch.",
                     "remove it; the job steps the optimizer.",
+                    witness=path_witness(
+                        facts,
+                        [("job.steps()", loop), (f"{ast.unparse(n.func)}()", n)],
+                        "an optimizer step on every micro-batch",
+                    ),
                 )
             elif attr == "zero_grad" and "optim" in owner.lower():
                 yield finding(

@@ -9,8 +9,8 @@ from __future__ import annotations
 import ast
 import re
 
-from disttrain.doctor.facts import Facts, arg, has_star_kwargs, kwarg, ref
-from disttrain.doctor.findings import ERROR, WARNING, finding, rule
+from disttrain.doctor.facts import Facts, arg, has_star_kwargs, kwarg, mentions, ref
+from disttrain.doctor.findings import ADVICE, ERROR, WARNING, finding, rule
 from disttrain.doctor.names import SET_DEVICE, takes_node_rank
 from disttrain.doctor.rules_data import rank_kwarg_calls, reads_local_rank
 
@@ -231,7 +231,7 @@ def _is_const_str(node: ast.AST, value: str) -> bool:
 @rule(
     "mp-spawn",
     ("P-INIT-4",),
-    WARNING,
+    ADVICE,
     "mp.spawn used where torchrun fits",
     """`torch.multiprocessing.spawn` hand-rolls what torchrun does better: torchrun sets
       RANK/LOCAL_RANK/WORLD_SIZE, picks the rendezvous, restarts failed workers (elastic)
@@ -275,6 +275,8 @@ _SET_DEVICE = SET_DEVICE
       the helper that builds it (alone, or in the loader it returns) is followed to the
       helper's callers: `loader.sampler.set_epoch(epoch)` there counts; with no caller in
       view, it is a warning that says so.""",
+    unwitnessed="""The doctor sees no loop that reads this sampler's loader pass after pass (the
+      epoch loop may reach it through an object), so it shows no run that repeats the order.""",
 )
 def sampler_without_set_epoch(facts: Facts):
     if facts.method_calls("set_epoch"):
@@ -334,6 +336,14 @@ def sampler_without_set_epoch(facts: Facts):
                 severity=WARNING,
             )
             continue
+        epochs = _epoch_loop(facts, names)
+        reader = facts
+        if epochs is None and returned is not None:
+            for f2, c2 in facts.project.call_sites.get(returned, []):
+                # what the caller keeps it in: `loader = DataLoader(ds, sampler=make(...))`
+                epochs, reader = _epoch_loop(f2, sampler_names(f2, c2)), f2
+                if epochs is not None:
+                    break
         yield finding(
             facts,
             call,
@@ -341,7 +351,25 @@ def sampler_without_set_epoch(facts: Facts):
             "DistributedSampler shuffles by epoch, but set_epoch() is never called: "
             "every epoch replays the same order.",
             "call sampler.set_epoch(epoch) at the start of each epoch, before iterating the DataLoader.",
+            witness=f"DistributedSampler at {facts.path}:{call.lineno}, then a loop that reads it pass after "
+            f"pass at {reader.path}:{epochs.lineno} -> every pass yields the same order"
+            if epochs is not None
+            else "",
         )
+
+
+def _epoch_loop(facts: Facts, names: set[str]) -> ast.stmt | None:
+    """A loop around a use of the sampler or its loader (a loop over it, or a call given
+    it): each of its passes reads the loader anew."""
+    for loop in facts.nodes:
+        if not isinstance(loop, (ast.For, ast.AsyncFor, ast.While)):
+            continue
+        for n in (m for s in loop.body for m in ast.walk(s)):
+            if (isinstance(n, (ast.For, ast.AsyncFor)) and mentions(n.iter, lambda w: w in names)) or (
+                isinstance(n, ast.Call) and any(mentions(a, lambda w: w in names) for a in n.args)
+            ):
+                return loop
+    return None
 
 
 def _returned_by(facts: Facts, call: ast.Call, names: set[str]):

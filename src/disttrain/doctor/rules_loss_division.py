@@ -13,7 +13,7 @@ from __future__ import annotations
 import ast
 
 from disttrain.doctor.facts import Facts, kwarg, mentions, ref
-from disttrain.doctor.findings import ERROR, WARNING, finding, rule
+from disttrain.doctor.findings import ERROR, WARNING, finding, path_witness, rule
 from disttrain.doctor.rules_job import job_windows
 
 _ACCUM_WORDS = ("accum", "grad_acc", "gradient_acc", "ga_steps")
@@ -88,6 +88,12 @@ def loss_divided_twice(facts: Facts):
                 f"the loss is divided by the accumulation steps {len(sites)} times before "
                 "backward(): gradients end up accum_steps times too small.",
                 "divide exactly once, right before backward().",
+                witness=path_witness(
+                    facts,
+                    [("a division by the accumulation steps", s) for s in sorted(sites, key=lambda n: n.lineno)]
+                    + [("backward()", bw)],
+                    "gradients accum_steps times too small",
+                ),
             )
     for div in _lightning_divisions(facts):
         yield finding(
@@ -98,6 +104,11 @@ def loss_divided_twice(facts: Facts):
             "Lightning divides it by accumulate_grad_batches again before backward(): "
             "gradients end up accumulate_grad_batches times too small.",
             "return the plain loss; Lightning scales it for accumulation itself.",
+            witness=path_witness(
+                facts,
+                [("training_step divides the loss", div)],
+                "Lightning divides it by accumulate_grad_batches again before backward()",
+            ),
         )
 
 
@@ -124,6 +135,13 @@ def _divided_before_job(facts: Facts, sites: list[Site], bw: ast.Call, steps: as
         f"come out accum_steps times too small.{seen}",
         "remove the script's own division and pass the plain loss to job.backward() and job.log().",
         severity=ERROR if proven else WARNING,
+        witness=path_witness(
+            facts,
+            [("the script divides the loss", first), ("job.backward() divides it again", bw)],
+            "gradients too small",
+        )
+        if proven
+        else "",
     )
 
 

@@ -11,7 +11,7 @@ from __future__ import annotations
 import ast
 
 from disttrain.doctor.facts import Facts, arg, mentions, ref
-from disttrain.doctor.findings import WARNING, finding, rule
+from disttrain.doctor.findings import ADVICE, WARNING, finding, rule
 
 _RNG_CALLS = ("get_rng_state", "get_rng_state_all", "getstate", "get_state", "get_rng_state_tracker")
 _RNG_WORDS = ("rng", "random", "generator")
@@ -106,9 +106,11 @@ def checkpoint_missing_state(facts: Facts):
             continue
         keys = [k for k, _ in items]
         missing = []
-        if not rng_elsewhere and not any(w in k for k in keys for w in _RNG_WORDS):
+        mid_epoch = _batch_loop(facts, call)
+        no_rng = not rng_elsewhere and not any(w in k for k in keys for w in _RNG_WORDS)
+        if no_rng:
             missing.append("no RNG state (dropout and any global-generator shuffle restart from the seed)")
-        if _batch_loop(facts, call) and not any(w in k for k in keys for w in _DATA_WORDS):
+        if mid_epoch and not any(w in k for k in keys for w in _DATA_WORDS):
             missing.append(
                 "no data position although it is saved mid-epoch (a resume restarts "
                 "the epoch from its first batch and repeats the samples already seen)"
@@ -122,5 +124,13 @@ def checkpoint_missing_state(facts: Facts):
                 "add torch.get_rng_state() / torch.cuda.get_rng_state_all() (and random/"
                 "NumPy state) and the sampler or loader position (or the step to skip "
                 "to), and restore them on resume.",
-                severity=WARNING,
+                severity=ADVICE if len(missing) == 1 and no_rng and _restarts_at_epoch(facts, mid_epoch) else WARNING,
             )
+
+
+def _restarts_at_epoch(facts: Facts, mid_epoch: bool) -> bool:
+    """Saved between epochs, with an epoch-seeded data order (`sampler.set_epoch(epoch)`
+    somewhere in the program): a resume starts the next epoch with the order the
+    uninterrupted run would have had; only dropout draws differ, which makes the resume
+    inexact, not wrong. The RNG state is then a preference (advice)."""
+    return not mid_epoch and any(f.method_calls("set_epoch") for f in facts.project.component(facts))

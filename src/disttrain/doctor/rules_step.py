@@ -9,9 +9,10 @@ from __future__ import annotations
 import ast
 
 from disttrain.doctor.facts import Facts, is_const, kwarg, mentions, ref
-from disttrain.doctor.findings import ERROR, WARNING, finding, rule
+from disttrain.doctor.findings import ERROR, WARNING, finding, path_witness, rule
 from disttrain.doctor.program import off_mode
 from disttrain.doctor.rules_loss_division import is_accum_word
+from disttrain.doctor.strategy_paths import off_strategy
 
 
 def _is_optim_word(word: str) -> bool:
@@ -90,7 +91,8 @@ def gradscaler_unsynced(facts: Facts):
     for call in facts.calls_to("GradScaler"):
         if is_const(kwarg(call, "enabled"), False):
             continue
-        if "fsdp1" in kinds and off_mode(facts, call, modes):
+        sharded = [(f, w) for f in program for w in f.wraps if w.kind == "fsdp1"]
+        if "fsdp1" in kinds and (off_mode(facts, call, modes) or off_strategy(facts, call, sharded)):
             continue  # `assert not args.fsdp` before it: the DDP path, where the plain scaler is right
         if "fsdp1" in kinds:
             yield finding(
@@ -102,6 +104,11 @@ def gradscaler_unsynced(facts: Facts):
                 "use torch.distributed.fsdp.sharded_grad_scaler.ShardedGradScaler (FSDP), or "
                 "all_reduce the found-inf flag with ReduceOp.MAX before scaler.step(); or use "
                 "bf16 autocast, which needs no scaler.",
+                witness=path_witness(
+                    facts,
+                    [("a plain GradScaler over FSDP1-sharded gradients", call)],
+                    "an inf in one rank's shard skips the step there only: the ranks' weights part",
+                ),
             )
             continue
         # No wrap in the files checked: the model is usually wrapped out of view (then the
@@ -186,6 +193,8 @@ def fsdp1_clip_grad(facts: Facts):
         return
     name = fsdp[0].target or "model"
     for call in facts.calls_to("torch.nn.utils.clip_grad_norm_", "torch.nn.utils.clip_grad.clip_grad_norm_"):
+        if off_strategy(facts, call, [(facts, w) for w in fsdp]):
+            continue  # the DDP branch of `if engine == "fsdp": ... else: ...`
         yield finding(
             facts,
             call,
@@ -193,6 +202,11 @@ def fsdp1_clip_grad(facts: Facts):
             "torch.nn.utils.clip_grad_norm_ on FSDP-sharded gradients clips each rank's "
             "shard by its own local norm, not the global one.",
             f"call {name}.clip_grad_norm_(max_norm) on the FSDP module instead.",
+            witness=path_witness(
+                facts,
+                [("FSDP wrap", fsdp[0].call), ("torch.nn.utils.clip_grad_norm_", call)],
+                "each rank clips its shard by its own norm: the ranks' updates differ",
+            ),
         )
 
 

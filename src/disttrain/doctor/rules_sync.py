@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import ast
 
-from disttrain.doctor import constants, control_flow, dataflow, guard_names
+from disttrain.doctor import constants, control_flow, dataflow, guard_names, rank_runs
 from disttrain.doctor.facts import Facts, arg, is_const, kwarg, mentions, ref
 from disttrain.doctor.findings import ERROR, WARNING, finding, rule
 from disttrain.doctor.names import FUNCTION_NODES
@@ -92,21 +92,24 @@ def collective_under_rank_guard(facts: Facts):
         if kind in (None, control_flow.SOLO):
             continue
         ifs = guard_names.guarding_ifs(facts, call)
-        if ifs and _has_partner(facts, call, name, ifs, found):
-            continue
         if not ifs and _only_distributed_checks(facts, call):
             continue
+        verdict = rank_runs.witness_for(facts, call)
+        if verdict == rank_runs.PAIRED or (
+            isinstance(verdict, rank_runs.Unseen) and ifs and _has_partner(facts, call, name, ifs, found)
+        ):
+            continue  # every rank class issues the same collectives: the pattern pairs up
         if facts.rank_guard(call) is None:  # reached only past an exit on rank 0
             unseen = guard_names.named_exit(facts, call)
-            yield finding(
+            yield _witnessed(
                 facts,
                 call,
-                "collective-under-rank-guard",
+                verdict,
                 f"{name}() is a collective, but an earlier `return`/exit on the guarded rank "
                 "(rank 0) leaves only the other ranks to reach it: they wait for rank 0 "
                 "until the collective timeout." + guard_names.unseen_note(unseen),
                 "let every rank reach the collective (move the early exit after it, or exit on every rank).",
-                severity=WARNING if unseen else None,
+                unseen,
             )
             continue
         via = ""
@@ -119,19 +122,43 @@ def collective_under_rank_guard(facts: Facts):
                 f2, c2 = sites[0]
                 via = f" (`{fn.name}()` is called only under one, e.g. {f2.path}:{c2.lineno})"
         unseen = guard_names.named_guard(facts, call)
-        yield finding(
+        yield _witnessed(
             facts,
             call,
-            "collective-under-rank-guard",
+            verdict,
             f"{name}() is a collective but runs under a rank guard{via}: the ranks the guard "
             "leaves out never call it, and the job hangs until the collective timeout."
             + guard_names.unseen_note(unseen),
             "call it on every rank (outside the `if`), and guard only the work that must "
             "happen once (the write, the log).",
-            severity=WARNING if unseen else None,
+            unseen,
         )
     yield from _guarded_calls_into_collectives(facts, found)
     yield from _guarded_accelerate_states(facts)
+
+
+def _witnessed(facts: Facts, node: ast.AST, verdict, message: str, fix: str, unseen, error: bool = True):
+    """The finding with its witness: an error only when the doctor shows the failing run
+    (and the guard is proven); a warning that says what it could not see otherwise."""
+    if isinstance(verdict, rank_runs.Witness):
+        return finding(
+            facts,
+            node,
+            "collective-under-rank-guard",
+            message,
+            fix,
+            severity=ERROR if error and not unseen else WARNING,
+            witness=verdict.text,
+        )
+    reason = verdict.reason if isinstance(verdict, rank_runs.Unseen) else "no failing run was found"
+    return finding(
+        facts,
+        node,
+        "collective-under-rank-guard",
+        f"{message} The doctor shows no failing run: {reason}.",
+        fix,
+        severity=WARNING,
+    )
 
 
 def _guarded_accelerate_states(facts: Facts):
@@ -241,10 +268,13 @@ def _guarded_calls_into_collectives(facts: Facts, direct: list):
         f2, c2, name, unconditional = hit
         where = f"{f2.path}:{c2.lineno}"
         unseen = guard_names.named_guard(facts, call)
-        yield finding(
+        verdict = rank_runs.witness_for(facts, call)
+        if verdict == rank_runs.PAIRED:
+            continue
+        yield _witnessed(
             facts,
             call,
-            "collective-under-rank-guard",
+            verdict,
             f"{ast.unparse(call.func)}() reaches the collective {name} ({where}) but is "
             "called under a rank guard: the other ranks never join it"
             + (
@@ -258,7 +288,8 @@ def _guarded_calls_into_collectives(facts: Facts, direct: list):
                 else ""
             ),
             "call it on every rank, or make the callee skip its collective on one-rank calls.",
-            severity=ERROR if unconditional and not unseen else WARNING,
+            unseen,
+            error=unconditional,
         )
 
 

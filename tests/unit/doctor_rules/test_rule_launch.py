@@ -90,9 +90,10 @@ def test_a_node_rank_read_in_another_file_of_the_program_makes_mp_spawn_multi_no
         "distributed.py": "import os\ndef node_start(cfg):\n"
                           "    node_id = int(os.environ.get('SLURM_NODEID'))\n"
                           "    cfg.rank = node_id * 8\n"}
-    [f] = [f for f in found_in(tmp_path, files) if f[1] == "mp-spawn"]
-    _, fs = analyze_paths([str(tmp_path)])
-    assert "no multi-node" not in next(x.message for x in fs if x.rule == "mp-spawn")
+    assert [f for f in found_in(tmp_path, files) if f[1] == "mp-spawn"] == []  # advice: not a defect
+    _, fs = analyze_paths([str(tmp_path)], advice=True)
+    [f] = [x for x in fs if x.rule == "mp-spawn"]
+    assert f.severity == "advice" and "no multi-node" not in f.message
 
 
 def test_a_timeout_of_days_or_none_given_to_deepspeed_is_reported():

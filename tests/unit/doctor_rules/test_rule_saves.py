@@ -12,6 +12,8 @@ import textwrap
 
 from rule_check import ACCELERATE_TRAINER, PRE, RANK_ZERO_HELPERS, findings, found, found_in, rule_severities, rules
 
+from disttrain.doctor.analyzer import analyze_source
+
 # moco-v3 / simsiam: "single process, or rank 0 of each node" is still a guard
 EITHER_GUARD = PRE + """
 def write_state(state, where):
@@ -297,3 +299,14 @@ def test_a_checkpoint_a_run_resumes_from_needs_its_rng_state():
     export = RESUMING.replace('start = torch.load("run/last.pt", map_location="cpu", weights_only=True)\n',
                               'start = {"epoch": 0}\n')
     assert export != RESUMING and found(export, "checkpoint-missing-state") == []
+
+
+def test_rng_state_is_advice_when_the_resume_restarts_at_an_epoch_with_an_epoch_seeded_order():
+    seeded = RESUMING.replace("    for x in loader:\n", "    sampler.set_epoch(epoch)\n    for x in loader:\n")
+    assert found(seeded, "checkpoint-missing-state") == []  # the default output is defects only
+    advice = [(f.rule, f.severity) for f in analyze_source("s.py", seeded, advice=True)]
+    assert ("checkpoint-missing-state", "advice") in advice
+    # saved mid-epoch, a resume repeats batches: still a defect, whatever the order
+    mid = seeded.replace("    if rank == 0:\n        torch.save", "        if rank == 0:\n            torch.save")
+    mid = mid.replace('        os.replace("run/tmp.pt"', '            os.replace("run/tmp.pt"')
+    assert [s for _, _, s in found(mid, "checkpoint-missing-state")] == ["warning"]

@@ -108,3 +108,46 @@ def test_the_torch_clip_on_an_fsdp1_module_clips_each_shard_by_its_own_norm():
     fsdp2 = PRE + "from torch.distributed.fsdp import fully_shard\nnet = nn.Linear(4, 4).cuda()\n" \
                   "fully_shard(net)\n" + clip
     assert found(ddp, "fsdp1-clip-grad") == [] and found(fsdp2, "fsdp1-clip-grad") == []
+
+
+# the shape of a trainer that picks its engine by a string: the set-up wraps with DDP or
+# FSDP, the step clips with whichever call the engine needs
+ENGINE_BY_NAME = PRE + textwrap.dedent("""
+from torch.distributed.fsdp import FullyShardedDataParallel as FSDP
+def build(args, net):
+    if args.engine == "torch_ddp":
+        return DDP(net, device_ids=[local_rank])
+    else:
+        return FSDP(net)
+class Runner:
+    def step(self, model):
+        if self.engine == "torch_ddp":
+            torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
+        else:
+            model.clip_grad_norm_(1.0)
+""")
+
+
+def test_an_fsdp_rule_stays_off_the_ddp_branch_of_an_engine_choice():
+    assert found(ENGINE_BY_NAME, "fsdp1-clip-grad") == []
+    # the same clip on every engine's path is FSDP's on the FSDP path: reported
+    anyway = ENGINE_BY_NAME.replace('        if self.engine == "torch_ddp":\n            torch.nn', "        torch.nn")
+    anyway = anyway.replace("        else:\n            model.clip_grad_norm_(1.0)\n", "")
+    assert [(r, s) for r, _, s in found(anyway, "fsdp1-clip-grad")] == [("fsdp1-clip-grad", "error")]
+
+
+def test_a_base_method_the_fsdp_subclass_overrides_is_judged_in_the_class_that_runs_it():
+    src = PRE + textwrap.dedent("""
+    from torch.distributed.fsdp import FullyShardedDataParallel as FSDP
+    class Engine:
+        def clip(self):
+            torch.nn.utils.clip_grad_norm_(self.model.parameters(), 1.0)
+    class ShardedEngine(Engine):
+        def __init__(self, net):
+            self.model = FSDP(net)
+        def clip(self):
+            self.model.clip_grad_norm_(1.0)
+    """)
+    assert found(src, "fsdp1-clip-grad") == []
+    inherited = src.replace("    def clip(self):\n        self.model.clip_grad_norm_(1.0)\n", "")
+    assert [r for r, _, _ in found(inherited, "fsdp1-clip-grad")] == ["fsdp1-clip-grad"]
