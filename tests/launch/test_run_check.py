@@ -110,6 +110,7 @@ BUGS = {
         ("--bug", "accum_no_sync,no_set_epoch"),
         0,
         ["warning: step 1: 2 forwards through DistributedDataParallel", "model.no_sync()", "warning: epoch 2",
+         "1 extra all-reduce of 644 bytes each, 644 bytes more traffic per step",
          "replays the same order", "sampler.set_epoch(epoch)", "2 warnings above"],
         ["forward(x[:half])", "for i, (x, y) in enumerate(loader)"],
     ),

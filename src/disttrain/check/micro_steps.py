@@ -18,13 +18,23 @@ def all_synced(forwards: int, synced: int) -> bool:
     return forwards > 1 and synced == forwards
 
 
-def all_synced_finding(step: int, forwards: int, line: str | None) -> Finding:
+def all_synced_finding(step: int, forwards: int, line: str | None, grad_bytes: int) -> Finding:
+    """`grad_bytes`: the bytes of gradients one all-reduce of the DDP moves."""
     where = f" (the first at {line})" if line else ""
+    extra = (forwards - 1) * grad_bytes
     return Finding(
         "accumulation",
         False,
         f"step {step}: {forwards} forwards through DistributedDataParallel{where} before one "
         f"optimizer.step(), none inside model.no_sync(): DDP all-reduced the gradients after "
-        f"each of the {forwards} backwards, where one all-reduce per step is enough. Fix: run "
-        "every micro-batch but the last under `with model.no_sync():`.",
+        f"each of the {forwards} backwards, where one all-reduce per step is enough: "
+        f"{forwards - 1} extra all-reduce{'s' if forwards > 2 else ''} of {_size(grad_bytes)} each, "
+        f"{_size(extra)} more traffic per step. Fix: run every micro-batch but the last under `with model.no_sync():`.",
     )
+
+
+def _size(n: int) -> str:
+    for unit, scale in (("GiB", 1 << 30), ("MiB", 1 << 20), ("KiB", 1 << 10)):
+        if n >= scale:
+            return f"{n / scale:.1f} {unit}"
+    return f"{n} bytes"

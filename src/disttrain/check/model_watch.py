@@ -108,6 +108,11 @@ class ModelWatch:
         """ids of the parameters some live DDP averages."""
         return {id(p) for ddp in list(self.wrapped.values()) for p in ddp.parameters()}
 
+    def ddp_grad_bytes(self) -> int:
+        """The bytes of gradients one all-reduce of the live DDPs moves."""
+        params = {id(p): p for ddp in list(self.wrapped.values()) for p in ddp.parameters() if p.requires_grad}
+        return sum(p.numel() * p.element_size() for p in params.values())
+
     def strict_params(self) -> set[int]:
         """ids of the parameters that need a gradient at every step: trainable parameters
         of a live DDP built with find_unused_parameters=False (and no static graph)."""

@@ -162,7 +162,8 @@ class Session:
         roots, bypass = model
         line = user_line()
         if micro_steps.all_synced(micro[0], micro[1]):
-            self.report.add(micro_steps.all_synced_finding(self.steps, micro[0], micro[2]))
+            nbytes = self.models.ddp_grad_bytes()
+            self.report.add(micro_steps.all_synced_finding(self.steps, micro[0], micro[2], nbytes))
         elif micro[0] > 1:
             self.report.note("accumulation", f"{micro[0]} micro-batches per step, no_sync() on all but the last")
         whole = replicas.plain(params)
