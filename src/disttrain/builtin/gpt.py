@@ -1,8 +1,8 @@
 """A small byte-level GPT (decoder-only transformer) with tied embedding and LM head.
 
 Each transformer layer is a `Block`, the unit that FSDP shards and that activation
-checkpointing wraps. Built from a config alone: no download, random init seeded by
-the caller.
+checkpointing wraps; `GPT.tp_plan` says how tensor parallelism splits it. Built from
+a config alone: no download, random init seeded by the caller.
 """
 
 from __future__ import annotations
@@ -73,6 +73,17 @@ class GPT(nn.Module):
 
     # Read by FSDP auto-wrapping, as for Hugging Face models.
     _no_split_modules = ["Block"]
+    # Read by `parallel.tensor_parallel` under parallel.tp > 1: each rank computes its own
+    # heads (q, k, v by columns) and its slice of the MLP's hidden width; the output
+    # projections (by rows) sum the slices. The tied embedding and LM head stay whole.
+    tp_plan = {
+        "blocks.*.attn.q": "colwise",
+        "blocks.*.attn.k": "colwise",
+        "blocks.*.attn.v": "colwise",
+        "blocks.*.attn.proj": "rowwise",
+        "blocks.*.mlp.0": "colwise",
+        "blocks.*.mlp.2": "rowwise",
+    }
 
     def __init__(self, cfg: GPTConfig):
         super().__init__()

@@ -1,0 +1,139 @@
+"""Tensor parallelism: each planned layer split over the ranks of a TP group, with
+torch's `parallelize_module` (docs/strategies.md "2D: tensor parallel x FSDP").
+
+A plan maps module names to how each is split. A name may hold `*` for one part of
+a dotted name (`blocks.*.attn.q` is every block's `attn.q`); a style is a string or
+torch's own `ParallelStyle` object:
+
+    colwise   ColwiseParallel    output features split: each rank computes its columns
+    rowwise   RowwiseParallel    input features split: the partial outputs are summed
+    sequence  SequenceParallel   a norm or dropout run on a slice of the sequence
+
+The plan is `dt.wrap(..., tp_plan=...)`'s, else the model's own `tp_plan` attribute
+(the built-in GPT has one: q, k, v and the MLP's first layer colwise, the attention's
+output projection and the MLP's second layer rowwise). TP is applied before the
+data-parallel strategy (FSDP shards the resulting DTensors over the data-parallel
+mesh, the order of torch's 2D examples).
+"""
+
+from __future__ import annotations
+
+import re
+from collections.abc import Mapping
+
+import torch.nn as nn
+from torch.distributed.device_mesh import DeviceMesh
+from torch.distributed.tensor.parallel import (
+    ColwiseParallel,
+    ParallelStyle,
+    RowwiseParallel,
+    SequenceParallel,
+    parallelize_module,
+)
+
+from disttrain.config.tp_rules import divisors
+from disttrain.errors import UserError
+
+STYLES = {"colwise": ColwiseParallel, "rowwise": RowwiseParallel, "sequence": SequenceParallel}
+"""The plan's words and the torch styles they stand for."""
+
+
+def _style(pattern: str, style: object) -> ParallelStyle:
+    if isinstance(style, ParallelStyle):
+        return style
+    if isinstance(style, str) and style in STYLES:
+        return STYLES[style]()
+    raise UserError(
+        f"tp_plan[{pattern!r}] is {style!r}; use one of {', '.join(map(repr, STYLES))} or a "
+        f"torch.distributed.tensor.parallel ParallelStyle object."
+    )
+
+
+def _matches(pattern: str, names: list[str]) -> list[str]:
+    regex = re.compile("\\.".join("[^.]+" if part == "*" else re.escape(part) for part in pattern.split(".")))
+    return [n for n in names if regex.fullmatch(n)]
+
+
+def resolve_plan(model: nn.Module, tp_plan: Mapping[str, object] | None) -> dict[str, ParallelStyle]:
+    """The plan by exact module name: `tp_plan`, else the model's `tp_plan` attribute.
+
+    Raises `UserError` for a model with neither, an unknown style, or an entry that
+    names no module of the model (with a few of its module names).
+    """
+    plan = tp_plan if tp_plan is not None else getattr(model, "tp_plan", None)
+    if not plan:
+        raise UserError(
+            f"parallel.tp > 1 needs a plan, and {type(model).__name__} has no tp_plan attribute; pass "
+            f'dt.wrap(..., tp_plan={{"layers.*.q": "colwise", ...}}) (or dt.Job(tp_plan=...)).'
+        )
+    names = [n for n, _ in model.named_modules() if n]
+    out: dict[str, ParallelStyle] = {}
+    for pattern, style in plan.items():
+        found = _matches(pattern, names)
+        if not found:
+            raise UserError(
+                f"tp_plan entry {pattern!r} names no module of {type(model).__name__}; its modules "
+                f"are named like {', '.join(names[:6])}, ... ('*' stands for one part of a name)."
+            )
+        parsed = _style(pattern, style)
+        out.update(dict.fromkeys(found, parsed))
+    return out
+
+
+def _split_width(module: nn.Module, style: ParallelStyle) -> int | None:
+    """The size the style splits: a Linear's output (colwise) or input (rowwise)
+    features, an Embedding's width (colwise) or rows (rowwise); None for others."""
+    weight = getattr(module, "weight", None)
+    if weight is None or weight.dim() != 2:
+        return None
+    colwise = isinstance(style, ColwiseParallel)
+    if not (colwise or isinstance(style, RowwiseParallel)):
+        return None
+    if isinstance(module, nn.Embedding):
+        colwise = not colwise
+    return int(weight.shape[0] if colwise else weight.shape[1])
+
+
+def _fits(model: nn.Module, plan: dict[str, ParallelStyle], tp: int) -> str | None:
+    """The first planned layer that `tp` does not split evenly, in words; None if all do."""
+    for name, style in plan.items():
+        module = model.get_submodule(name)
+        width = _split_width(module, style)
+        if width is not None and width % tp:
+            return f"{name} ({width} wide)"
+        parent = model.get_submodule(name.rpartition(".")[0])
+        head_dim = getattr(parent, "head_dim", None)
+        if isinstance(style, ColwiseParallel) and isinstance(head_dim, int) and width and (width // tp) % head_dim:
+            return f"{name} ({width // head_dim} heads)"
+    return None
+
+
+def check_plan(model: nn.Module, plan: dict[str, ParallelStyle], tp: int, world_size: int) -> None:
+    """Refuse a degree that splits a planned layer unevenly or one attention head, or a
+    plan that splits a weight tied to another layer. Raises `UserError` naming the
+    degrees that work."""
+    owners: dict[int, str] = {}
+    for name, module in model.named_modules():
+        for p in module.parameters(recurse=False):
+            owners.setdefault(id(p), name)
+    for name in plan:
+        for p in model.get_submodule(name).parameters(recurse=False):
+            if owners[id(p)] != name:
+                raise UserError(
+                    f"tp_plan splits {name}, whose weight is tied to {owners[id(p)]}; leave "
+                    f"{name} out of the plan (or untie the weights)."
+                )
+    bad = _fits(model, plan, tp)
+    if bad is not None:
+        good = [d for d in divisors(world_size) if _fits(model, plan, d) is None]
+        raise UserError(f"parallel.tp = {tp} does not split {bad} evenly; use one of {good}.")
+
+
+def apply_tp(model: nn.Module, mesh: DeviceMesh, tp_plan: Mapping[str, object] | None, *, world_size: int) -> nn.Module:
+    """Split the planned layers of `model` (already on its device) over the 1D TP
+    `mesh`, in place; return it. The plan's checks (`resolve_plan`, `check_plan`)
+    raise `UserError` before anything changes. A collective: every rank of the job
+    calls it with the same plan."""
+    plan = resolve_plan(model, tp_plan)
+    check_plan(model, plan, mesh.size(), world_size)
+    return parallelize_module(model, mesh, plan)

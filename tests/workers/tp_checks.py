@@ -1,0 +1,115 @@
+"""Worker: tensor parallel x data parallel on 2 gloo ranks, in one launch
+(tests/launch/test_tensor_parallel.py).
+
+`python tp_checks.py OUT` under `disttrain run --nproc 2`; each rank writes
+OUT/rank{r}.json with:
+- job: a `dt.Job(strategy="fsdp", tp=2)` run of the built-in GPT (tp 2 x dp 1) with
+  clipping active, against a single-process copy trained on the same global batches:
+  the batches each rank read, the max parameter difference;
+- plain: `dt.wrap(strategy="ddp", tp=2, tp_plan=torch ParallelStyles)`, a user's plan
+  that splits only the MLPs, against one process the same way;
+- reshard: the job's final checkpoint (tp 2 x dp 1) loaded at tp 1 x dp 2 (FSDP over
+  both ranks): whether every parameter and momentum buffer is bit-identical.
+"""
+
+import copy
+import json
+import sys
+from pathlib import Path
+
+import torch
+from strategy_checks import max_diff, trained_values
+from torch.distributed.tensor.parallel import ColwiseParallel, RowwiseParallel
+
+import disttrain as dt
+from disttrain.builtin import GPT, GPTConfig
+
+CFG = GPTConfig(block_size=16, n_layer=2, n_head=2, n_embd=32)
+STEPS, BATCH, LR, CLIP = 6, 4, 0.1, 0.5
+
+
+class Windows(torch.utils.data.Dataset):
+    def __init__(self, n: int = 64):
+        self.x = torch.randint(0, 256, (n, CFG.block_size), generator=torch.Generator().manual_seed(7))
+
+    def __len__(self):
+        return len(self.x)
+
+    def __getitem__(self, i):
+        return {"x": self.x[i], "index": i}
+
+
+def sgd(model):
+    return torch.optim.SGD(model.parameters(), lr=LR, momentum=0.9)
+
+
+def reference_step(ref, opt, x, clip=CLIP):
+    opt.zero_grad()
+    ref(x, x)[1].backward()
+    torch.nn.utils.clip_grad_norm_(ref.parameters(), clip)
+    opt.step()
+
+
+def job_case(out: Path, results: dict):
+    with dt.Job(out, strategy="fsdp", tp=2, grad_clip=CLIP, seed=0, progress=False) as job:
+        plain = GPT(CFG)
+        ref = copy.deepcopy(plain)
+        model = job.wrap(plain)
+        opt = sgd(model)
+        data = Windows()
+        loader = job.loader(data, batch_size=BATCH)
+        job.resume(model=model, optimizer=opt)
+        seen = []
+        for batch in job.steps(loader, max_steps=STEPS):
+            seen.append(batch["index"].tolist())
+            job.backward(model(batch["x"], batch["x"])[1])
+        ref_opt = sgd(ref)
+        for indices in seen:  # dp 1: this rank's batch is the global batch
+            reference_step(ref, ref_opt, data.x[indices])
+        results["job/seen"] = seen
+        results["job/parity"] = max_diff(model, ref)
+        # The other cases share the job's process group (one launch).
+        plain_case(results)
+        reshard_case(job.checkpoint_dir, trained_values(model), momenta(model, opt), results)
+        (out.parent / f"rank{job.info.rank}.json").write_text(json.dumps(results))
+
+
+def momenta(model, opt) -> list[torch.Tensor]:
+    out = []
+    for p in model.parameters():
+        buf = opt.state[p]["momentum_buffer"]
+        out.append((buf.full_tensor() if hasattr(buf, "full_tensor") else buf).detach().clone())
+    return out
+
+
+def plain_case(results: dict):
+    torch.manual_seed(0)
+    ref = GPT(CFG)
+    plan = {"blocks.*.mlp.0": ColwiseParallel(), "blocks.*.mlp.2": RowwiseParallel()}
+    model = dt.wrap(copy.deepcopy(ref), strategy="ddp", tp=2, tp_plan=plan)
+    opt, ref_opt = sgd(model), sgd(ref)
+    acc = dt.Accumulator(model, opt, 1, grad_clip=CLIP)
+    g = torch.Generator().manual_seed(3)
+    for _ in range(STEPS):
+        x = torch.randint(0, 256, (BATCH, CFG.block_size), generator=g)
+        reference_step(ref, ref_opt, x)
+        with acc.micro_step():
+            acc.backward(model(x, x)[1])
+    results["plain/parity"] = max_diff(model, ref)
+    results["plain/split"] = sorted({n for n, p in model.named_parameters() if hasattr(p, "device_mesh")})
+
+
+def reshard_case(ckpt_dir: Path, want: dict, want_momenta: list, results: dict):
+    torch.manual_seed(1)  # other initial values: only the load can make them equal
+    model = dt.wrap(GPT(CFG), strategy="fsdp", tp=1)
+    opt = sgd(model)
+    loaded = dt.load(dt.TrainState(model=model, optimizer=opt), ckpt_dir)
+    got = trained_values(model)
+    results["reshard/loaded"] = loaded is not None
+    results["reshard/params_equal"] = all(torch.equal(got[n], want[n]) for n in want)
+    pairs = zip(momenta(model, opt), want_momenta, strict=True)
+    results["reshard/momenta_equal"] = all(torch.equal(a, b) for a, b in pairs)
+
+
+if __name__ == "__main__":
+    job_case(Path(sys.argv[1]) / "job", {})
