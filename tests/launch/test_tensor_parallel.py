@@ -22,10 +22,17 @@ def test_fsdp_with_tp_matches_one_process_through_the_job(ranks):
     assert all(r["job/parity"] <= PARITY for r in ranks)
 
 
-def test_ranks_of_one_tp_group_read_the_same_batches(ranks):
+def test_ranks_of_one_tp_group_read_the_same_batches_and_evaluate_together(ranks):
     seen = [r["job/seen"] for r in ranks]
     assert seen[0] == seen[1]
     assert len({i for step in seen[0] for i in step}) == 6 * 4  # no sample twice in the epoch
+    assert all(r["job/eval_diff"] <= PARITY for r in ranks)
+
+
+def test_one_rank_of_the_tp_group_records_its_samples(ranks):
+    # The audit counts data-parallel ranks: one file, the batches the group trained.
+    (name, steps), = ranks[0]["job/audit"].items()
+    assert name.endswith("-rank0.jsonl") and steps == ranks[0]["job/seen"]
 
 
 def test_a_user_plan_of_torch_styles_splits_only_its_layers_and_matches(ranks):

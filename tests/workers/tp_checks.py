@@ -5,7 +5,8 @@
 OUT/rank{r}.json with:
 - job: a `dt.Job(strategy="fsdp", tp=2)` run of the built-in GPT (tp 2 x dp 1) with
   clipping active, against a single-process copy trained on the same global batches:
-  the batches each rank read, the max parameter difference;
+  the batches each rank read, the max parameter difference, the held-out loss against
+  the copy's, and the sample audit's files;
 - plain: `dt.wrap(strategy="ddp", tp=2, tp_plan=torch ParallelStyles)`, a user's plan
   that splits only the MLPs, against one process the same way;
 - reshard: the job's final checkpoint (tp 2 x dp 1) loaded at tp 1 x dp 2 (FSDP over
@@ -51,13 +52,15 @@ def reference_step(ref, opt, x, clip=CLIP):
 
 
 def job_case(out: Path, results: dict):
-    with dt.Job(out, strategy="fsdp", tp=2, grad_clip=CLIP, seed=0, progress=False) as job:
+    with dt.Job(out, strategy="fsdp", tp=2, grad_clip=CLIP, seed=0, record_samples=True, progress=False) as job:
         plain = GPT(CFG)
         ref = copy.deepcopy(plain)
         model = job.wrap(plain)
         opt = sgd(model)
         data = Windows()
         loader = job.loader(data, batch_size=BATCH)
+        heldout = Windows(16)
+        evaluator = job.evaluator(heldout, BATCH, metric=lambda m, b: {"loss": m(b["x"], b["x"])[1]})
         job.resume(model=model, optimizer=opt)
         seen = []
         for batch in job.steps(loader, max_steps=STEPS):
@@ -68,6 +71,11 @@ def job_case(out: Path, results: dict):
             reference_step(ref, ref_opt, data.x[indices])
         results["job/seen"] = seen
         results["job/parity"] = max_diff(model, ref)
+        with torch.no_grad():
+            ref_eval = sum(ref(x, x)[1].item() for x in heldout.x.split(BATCH)) / (len(heldout) // BATCH)
+        results["job/eval_diff"] = abs(evaluator.last["loss"] - ref_eval)
+        results["job/audit"] = {f.name: [json.loads(line)["indices"] for line in f.read_text().splitlines()]
+                                for f in sorted((out / "samples").glob("*.jsonl"))}
         # The other cases share the job's process group (one launch).
         plain_case(results)
         reshard_case(job.checkpoint_dir, trained_values(model), momenta(model, opt), results)
