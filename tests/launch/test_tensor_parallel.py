@@ -1,7 +1,8 @@
 """Tensor parallel x data parallel on 2 real gloo ranks, one launch
 (tests/workers/tp_checks.py): `dt.Job(tp=2)` with FSDP and `dt.wrap(strategy="ddp",
-tp=2, tp_plan=...)` against one process, the batches of a TP group, and a checkpoint
-saved at tp 2 x dp 1 loaded at tp 1 x dp 2."""
+tp=2, tp_plan=...)` against one process, the batches and evaluation of a TP group, a
+checkpoint saved at tp 2 x dp 1 loaded at tp 1 x dp 2 and exported whole; a second
+launch resumes the run at tp 1 x dp 2."""
 
 import pytest
 from conftest import built_once, launch_worker
@@ -12,10 +13,20 @@ clipping at 0.5 active (the planned layers' gradients and the others' lie on dif
 device meshes); measured about 1e-8."""
 
 
+def _both(out):
+    first = launch_worker("tp_checks.py", 2, out, timeout=150)
+    (out / "resume").mkdir()
+    return first, launch_worker("tp_checks.py", 2, out / "resume", str(out / "job"), timeout=150)
+
+
 @pytest.fixture(scope="module")
-def ranks(tmp_path_factory):
-    return built_once(tmp_path_factory, "tensor_parallel2",
-                      lambda out: launch_worker("tp_checks.py", 2, out, timeout=150))
+def launches(tmp_path_factory):
+    return built_once(tmp_path_factory, "tensor_parallel2", _both)
+
+
+@pytest.fixture(scope="module")
+def ranks(launches):
+    return launches[0]
 
 
 def test_fsdp_with_tp_matches_one_process_through_the_job(ranks):
@@ -45,3 +56,16 @@ def test_a_user_plan_of_torch_styles_splits_only_its_layers_and_matches(ranks):
 def test_checkpoint_at_tp2_loads_bit_exact_at_tp1_dp2(ranks):
     for r in ranks:
         assert r["reshard/loaded"] and r["reshard/params_equal"] and r["reshard/momenta_equal"]
+
+
+def test_the_tp_checkpoint_exports_whole_tensors(ranks):
+    assert ranks[0]["export/whole"]
+
+
+def test_a_tp2_run_resumes_at_tp1_dp2_where_it_stopped_with_every_sample_once(launches):
+    first, resumed = launches
+    assert all(r["resume/step"] == 6 for r in resumed)
+    before = [i for step in first[0]["job/seen"] for i in step]
+    after = [i for r in resumed for step in r["resume/seen"] for i in step]
+    assert [len(r["resume/seen"]) for r in resumed] == [2, 2]
+    assert len(after) == 8 and not set(after) & set(before) and len(set(after)) == 8

@@ -1,8 +1,8 @@
 """Worker: tensor parallel x data parallel on 2 gloo ranks, in one launch
 (tests/launch/test_tensor_parallel.py).
 
-`python tp_checks.py OUT` under `disttrain run --nproc 2`; each rank writes
-OUT/rank{r}.json with:
+`python tp_checks.py OUT [JOB_DIR]` under `disttrain run --nproc 2`; each rank writes
+OUT/rank{r}.json. Without JOB_DIR:
 - job: a `dt.Job(strategy="fsdp", tp=2)` run of the built-in GPT (tp 2 x dp 1) with
   clipping active, against a single-process copy trained on the same global batches:
   the batches each rank read, the max parameter difference, the held-out loss against
@@ -10,7 +10,11 @@ OUT/rank{r}.json with:
 - plain: `dt.wrap(strategy="ddp", tp=2, tp_plan=torch ParallelStyles)`, a user's plan
   that splits only the MLPs, against one process the same way;
 - reshard: the job's final checkpoint (tp 2 x dp 1) loaded at tp 1 x dp 2 (FSDP over
-  both ranks): whether every parameter and momentum buffer is bit-identical.
+  both ranks): whether every parameter and momentum buffer is bit-identical;
+- export: that checkpoint exported as one safetensors file (rank 0): whole tensors,
+  equal to the trained ones.
+With JOB_DIR (the first launch's OUT/job): that run resumed at tp 1 x dp 2 for two
+more steps: the step it resumed at and the batches each rank read.
 """
 
 import copy
@@ -19,11 +23,13 @@ import sys
 from pathlib import Path
 
 import torch
+from safetensors.torch import load_file
 from strategy_checks import max_diff, trained_values
 from torch.distributed.tensor.parallel import ColwiseParallel, RowwiseParallel
 
 import disttrain as dt
 from disttrain.builtin import GPT, GPTConfig
+from disttrain.checkpoint.export import export_safetensors
 
 CFG = GPTConfig(block_size=16, n_layer=2, n_head=2, n_embd=32)
 STEPS, BATCH, LR, CLIP = 6, 4, 0.1, 0.5
@@ -78,8 +84,31 @@ def job_case(out: Path, results: dict):
                                 for f in sorted((out / "samples").glob("*.jsonl"))}
         # The other cases share the job's process group (one launch).
         plain_case(results)
-        reshard_case(job.checkpoint_dir, trained_values(model), momenta(model, opt), results)
+        values = trained_values(model)
+        reshard_case(job.checkpoint_dir, values, momenta(model, opt), results)
+        if job.info.rank == 0:  # `disttrain ckpt export`'s function: whole tensors
+            export_safetensors(job.checkpoint_dir / f"step-{STEPS:08d}", out / "export.safetensors")
+            exported = load_file(out / "export.safetensors")
+            results["export/whole"] = all(torch.equal(exported[n], v) for n, v in values.items())
         (out.parent / f"rank{job.info.rank}.json").write_text(json.dumps(results))
+
+
+def resume_case(out: Path, job_dir: Path):
+    """The job of `job_case` resumed at tp 1 x dp 2 (FSDP over both ranks) for two more
+    steps: where it starts, the batches each rank reads."""
+    results: dict = {}
+    with dt.Job(job_dir, strategy="fsdp", tp=1, grad_clip=CLIP, seed=0, progress=False) as job:
+        model = job.wrap(GPT(CFG))
+        opt = sgd(model)
+        loader = job.loader(Windows(), batch_size=BATCH // 2)
+        job.resume(model=model, optimizer=opt)
+        results["resume/step"] = job.step
+        more = []
+        for batch in job.steps(loader, max_steps=STEPS + 2):
+            more.append(batch["index"].tolist())
+            job.backward(model(batch["x"], batch["x"])[1])
+        results["resume/seen"] = more
+        (out / f"rank{job.info.rank}.json").write_text(json.dumps(results))
 
 
 def momenta(model, opt) -> list[torch.Tensor]:
@@ -120,4 +149,7 @@ def reshard_case(ckpt_dir: Path, want: dict, want_momenta: list, results: dict):
 
 
 if __name__ == "__main__":
-    job_case(Path(sys.argv[1]) / "job", {})
+    if len(sys.argv) > 2:  # OUT JOB_DIR: resume that job's run
+        resume_case(Path(sys.argv[1]), Path(sys.argv[2]))
+    else:
+        job_case(Path(sys.argv[1]) / "job", {})
