@@ -53,6 +53,10 @@ def test_a_user_plan_of_torch_styles_splits_only_its_layers_and_matches(ranks):
                                           for w in ("weight", "bias"))
 
 
+def test_ranks_with_different_plans_are_refused_on_every_rank(ranks):
+    assert all("ranks disagree on tensor-parallel plan" in r["plan/mismatch"] for r in ranks)
+
+
 def test_checkpoint_at_tp2_loads_bit_exact_at_tp1_dp2(ranks):
     for r in ranks:
         assert r["reshard/loaded"] and r["reshard/params_equal"] and r["reshard/momenta_equal"]

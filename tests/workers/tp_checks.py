@@ -8,7 +8,8 @@ OUT/rank{r}.json. Without JOB_DIR:
   the batches each rank read, the max parameter difference, the held-out loss against
   the copy's, and the sample audit's files;
 - plain: `dt.wrap(strategy="ddp", tp=2, tp_plan=torch ParallelStyles)`, a user's plan
-  that splits only the MLPs, against one process the same way;
+  that splits only the MLPs, against one process the same way; and ranks that pass
+  different plans;
 - reshard: the job's final checkpoint (tp 2 x dp 1) loaded at tp 1 x dp 2 (FSDP over
   both ranks): whether every parameter and momentum buffer is bit-identical;
 - export: that checkpoint exported as one safetensors file (rank 0): whole tensors,
@@ -133,6 +134,12 @@ def plain_case(results: dict):
         with acc.micro_step():
             acc.backward(model(x, x)[1])
     results["plain/parity"] = max_diff(model, ref)
+    mine = plan if dt.rank_info().rank == 0 else {"blocks.*.mlp.0": "colwise", "blocks.*.mlp.2": "rowwise",
+                                                  "blocks.*.attn.q": "colwise"}
+    try:
+        dt.wrap(GPT(CFG), strategy="ddp", tp=2, tp_plan=mine)
+    except dt.DistributedMismatchError as e:
+        results["plan/mismatch"] = str(e)
     results["plain/split"] = sorted({n for n, p in model.named_parameters() if hasattr(p, "device_mesh")})
 
 

@@ -19,6 +19,7 @@ mesh, the order of torch's 2D examples).
 from __future__ import annotations
 
 import re
+import zlib
 from collections.abc import Mapping
 
 import torch.nn as nn
@@ -33,6 +34,7 @@ from torch.distributed.tensor.parallel import (
 
 from disttrain.config.tp_rules import divisors
 from disttrain.errors import UserError
+from disttrain.runtime.collectives import assert_same_across_ranks
 
 STYLES = {"colwise": ColwiseParallel, "rowwise": RowwiseParallel, "sequence": SequenceParallel}
 """The plan's words and the torch styles they stand for."""
@@ -132,8 +134,12 @@ def check_plan(model: nn.Module, plan: dict[str, ParallelStyle], tp: int, world_
 def apply_tp(model: nn.Module, mesh: DeviceMesh, tp_plan: Mapping[str, object] | None, *, world_size: int) -> nn.Module:
     """Split the planned layers of `model` (already on its device) over the 1D TP
     `mesh`, in place; return it. The plan's checks (`resolve_plan`, `check_plan`)
-    raise `UserError` before anything changes. A collective: every rank of the job
-    calls it with the same plan."""
+    raise `UserError` before anything changes, and ranks whose plans differ raise
+    `DistributedMismatchError` on every rank. A collective: every rank of the job
+    calls it."""
     plan = resolve_plan(model, tp_plan)
     check_plan(model, plan, mesh.size(), world_size)
+    # A rank with another plan would exchange activations of other shapes: refuse it.
+    described = ";".join(f"{name}={type(style).__name__}" for name, style in sorted(plan.items()))
+    assert_same_across_ranks("tensor-parallel plan (a checksum of names and styles)", zlib.crc32(described.encode()))
     return parallelize_module(model, mesh, plan)
