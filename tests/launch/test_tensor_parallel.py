@@ -53,6 +53,12 @@ def test_a_user_plan_of_torch_styles_splits_only_its_layers_and_matches(ranks):
                                           for w in ("weight", "bias"))
 
 
+def test_a_hugging_face_llama_trains_with_its_own_plan_and_matches(ranks):
+    for r in ranks:
+        assert r["hf/parity"] <= PARITY
+        assert r["hf/split"] == 2 * 7  # q, k, v, o, gate, up, down of each layer: on the 2D mesh
+
+
 def test_ranks_with_different_plans_are_refused_on_every_rank(ranks):
     assert all("ranks disagree on tensor-parallel plan" in r["plan/mismatch"] for r in ranks)
 

@@ -1,7 +1,10 @@
 """Tensor-parallel degrees and plans that cannot work are one error before any rank
 starts (config validation) or before the model changes (the plan's checks)."""
 
+from types import SimpleNamespace
+
 import pytest
+import torch.nn as nn
 from torch.distributed.tensor.parallel import ColwiseParallel
 
 from disttrain.builtin import GPT, GPTConfig
@@ -67,3 +70,25 @@ def test_the_gpt_plan_names_its_layers_and_a_user_plan_is_checked():
         resolve_plan(model, {"blocks.*.attn.q": "columns"})
     with pytest.raises(UserError, match="tied to tok_emb"):
         check_plan(model, resolve_plan(model, {"lm_head": ColwiseParallel()}), 2, 2)
+
+
+class _Base(nn.Module):
+    """A Hugging Face base model's shape: `config.base_model_tp_plan`, `base_model` is itself."""
+
+    def __init__(self, plan):
+        super().__init__()
+        self.config = SimpleNamespace(base_model_tp_plan=plan)
+        self.layers = nn.ModuleList([nn.ModuleDict({"q": nn.Linear(8, 8), "o": nn.Linear(8, 8)})])
+
+    @property
+    def base_model(self):
+        return self
+
+
+def test_a_published_plan_is_named_from_the_root_and_its_own_styles_are_refused():
+    wrapper = nn.Module()
+    wrapper.hf = _Base({"layers.*.q": "colwise", "layers.*.o": "rowwise"})
+    assert sorted(resolve_plan(wrapper, None)) == ["hf.layers.0.o", "hf.layers.0.q"]
+    wrapper.hf = _Base({"layers.*.q": "colwise_rep"})
+    with pytest.raises(UserError, match=r"uses the styles \['colwise_rep'\]"):
+        resolve_plan(wrapper, None)

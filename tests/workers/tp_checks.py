@@ -10,6 +10,8 @@ OUT/rank{r}.json. Without JOB_DIR:
 - plain: `dt.wrap(strategy="ddp", tp=2, tp_plan=torch ParallelStyles)`, a user's plan
   that splits only the MLPs, against one process the same way; and ranks that pass
   different plans;
+- hf: a small Hugging Face Llama under FSDP at tp 2 through its own published plan,
+  against one process;
 - reshard: the job's final checkpoint (tp 2 x dp 1) loaded at tp 1 x dp 2 (FSDP over
   both ranks): whether every parameter and momentum buffer is bit-identical;
 - export: that checkpoint exported as one safetensors file (rank 0): whole tensors,
@@ -85,6 +87,7 @@ def job_case(out: Path, results: dict):
                                 for f in sorted((out / "samples").glob("*.jsonl"))}
         # The other cases share the job's process group (one launch).
         plain_case(results)
+        hf_case(results)
         values = trained_values(model)
         reshard_case(job.checkpoint_dir, values, momenta(model, opt), results)
         if job.info.rank == 0:  # `disttrain ckpt export`'s function: whole tensors
@@ -141,6 +144,30 @@ def plain_case(results: dict):
     except dt.DistributedMismatchError as e:
         results["plan/mismatch"] = str(e)
     results["plain/split"] = sorted({n for n, p in model.named_parameters() if hasattr(p, "device_mesh")})
+
+
+def hf_case(results: dict):
+    """A small Llama through its own published plan, under FSDP at tp 2."""
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    cfg = LlamaConfig(vocab_size=256, hidden_size=32, intermediate_size=64, num_hidden_layers=2,
+                      num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=CFG.block_size)
+    torch.manual_seed(0)
+    ref = LlamaForCausalLM(cfg)
+    model = dt.wrap(copy.deepcopy(ref), strategy="fsdp", tp=2)
+    opt, ref_opt = sgd(model), sgd(ref)
+    acc = dt.Accumulator(model, opt, 1, grad_clip=CLIP)
+    g = torch.Generator().manual_seed(4)
+    for _ in range(4):
+        x = torch.randint(0, 256, (BATCH, CFG.block_size), generator=g)
+        ref_opt.zero_grad()
+        ref(input_ids=x, labels=x).loss.backward()
+        torch.nn.utils.clip_grad_norm_(ref.parameters(), CLIP)
+        ref_opt.step()
+        with acc.micro_step():
+            acc.backward(model(input_ids=x, labels=x).loss)
+    results["hf/parity"] = max_diff(model, ref)
+    results["hf/split"] = sum(hasattr(p, "device_mesh") and p.device_mesh.ndim == 2 for p in model.parameters())
 
 
 def reshard_case(ckpt_dir: Path, want: dict, want_momenta: list, results: dict):

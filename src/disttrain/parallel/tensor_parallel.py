@@ -9,9 +9,10 @@ torch's own `ParallelStyle` object:
     rowwise   RowwiseParallel    input features split: the partial outputs are summed
     sequence  SequenceParallel   a norm or dropout run on a slice of the sequence
 
-The plan is `dt.wrap(..., tp_plan=...)`'s, else the model's own `tp_plan` attribute
-(the built-in GPT has one: q, k, v and the MLP's first layer colwise, the attention's
-output projection and the MLP's second layer rowwise). TP is applied before the
+The plan is `dt.wrap(..., tp_plan=...)`'s, else the one a Hugging Face model publishes
+(`config.base_model_tp_plan`, Llama's for example), else the model's own `tp_plan`
+attribute (the built-in GPT has one: q, k, v and the MLP's first layer colwise, the
+attention's output projection and the MLP's second layer rowwise). TP is applied before the
 data-parallel strategy (FSDP shards the resulting DTensors over the data-parallel
 mesh, the order of torch's 2D examples).
 """
@@ -56,17 +57,39 @@ def _matches(pattern: str, names: list[str]) -> list[str]:
     return [n for n in names if regex.fullmatch(n)]
 
 
+def hugging_face_plan(model: nn.Module) -> dict[str, object]:
+    """A Hugging Face model's own plan (its config's `base_model_tp_plan`), named from
+    `model`'s root; {} when no submodule is a Hugging Face base model with one. Only its
+    'colwise' and 'rowwise' entries have torch styles: another is a `UserError` that
+    asks for a plan of one's own."""
+    for prefix, module in model.named_modules():
+        published = getattr(getattr(module, "config", None), "base_model_tp_plan", None)
+        if published and getattr(module, "base_model", None) is module:
+            other = sorted({str(v) for v in published.values()} - {"colwise", "rowwise"})
+            if other:
+                raise UserError(
+                    f"the Hugging Face plan of {type(module).__name__} uses the styles {other}, which "
+                    f"have no torch equivalent here; pass dt.wrap(..., tp_plan={{...}}) with 'colwise', "
+                    f"'rowwise' or torch ParallelStyles."
+                )
+            return {f"{prefix}.{key}" if prefix else key: style for key, style in published.items()}
+    return {}
+
+
 def resolve_plan(model: nn.Module, tp_plan: Mapping[str, object] | None) -> dict[str, ParallelStyle]:
-    """The plan by exact module name: `tp_plan`, else the model's `tp_plan` attribute.
+    """The plan by exact module name: `tp_plan`, else the Hugging Face plan
+    (`hugging_face_plan`), else the model's `tp_plan` attribute.
 
     Raises `UserError` for a model with neither, an unknown style, or an entry that
     names no module of the model (with a few of its module names).
     """
-    plan = tp_plan if tp_plan is not None else getattr(model, "tp_plan", None)
+    # A Hugging Face model's own `tp_plan` holds styles of its own: its base model's plan first.
+    plan = tp_plan if tp_plan is not None else hugging_face_plan(model) or getattr(model, "tp_plan", None)
     if not plan:
         raise UserError(
-            f"parallel.tp > 1 needs a plan, and {type(model).__name__} has no tp_plan attribute; pass "
-            f'dt.wrap(..., tp_plan={{"layers.*.q": "colwise", ...}}) (or dt.Job(tp_plan=...)).'
+            f"parallel.tp > 1 needs a plan, and {type(model).__name__} has no tp_plan attribute (nor a "
+            f'Hugging Face base_model_tp_plan); pass dt.wrap(..., tp_plan={{"layers.*.q": "colwise", ...}}) '
+            f"(or dt.Job(tp_plan=...))."
         )
     names = [n for n, _ in model.named_modules() if n]
     out: dict[str, ParallelStyle] = {}
