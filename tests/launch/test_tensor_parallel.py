@@ -2,7 +2,7 @@
 (tests/workers/tp_checks.py): `dt.Job(tp=2)` with FSDP and `dt.wrap(strategy="ddp",
 tp=2, tp_plan=...)` against one process, the batches and evaluation of a TP group, a
 checkpoint saved at tp 2 x dp 1 loaded at tp 1 x dp 2 and exported whole; a second
-launch resumes the run at tp 1 x dp 2."""
+launch resumes the run at tp 1 x dp 2; a launch of 4 ranks runs tp 2 x dp 2."""
 
 import pytest
 from conftest import built_once, launch_worker
@@ -27,6 +27,17 @@ def launches(tmp_path_factory):
 @pytest.fixture(scope="module")
 def ranks(launches):
     return launches[0]
+
+
+@pytest.fixture(scope="module")
+def grid(tmp_path_factory):
+    return built_once(tmp_path_factory, "tensor_parallel4",
+                      lambda out: launch_worker("tp_checks.py", 4, out, "grid", timeout=200))
+
+
+@pytest.mark.parametrize("sharding", ["full", "hybrid", "none"])
+def test_tp2_dp2_fsdp_matches_one_process_over_20_steps(grid, sharding):
+    assert all(r[f"grid/{sharding}"] <= PARITY for r in grid)
 
 
 def test_fsdp_with_tp_matches_one_process_through_the_job(ranks):

@@ -1,8 +1,9 @@
 """Worker: tensor parallel x data parallel on 2 gloo ranks, in one launch
 (tests/launch/test_tensor_parallel.py).
 
-`python tp_checks.py OUT [JOB_DIR]` under `disttrain run --nproc 2`; each rank writes
-OUT/rank{r}.json. Without JOB_DIR:
+`python tp_checks.py OUT [JOB_DIR | grid]` under `disttrain run --nproc 2` (grid: 4);
+each rank writes OUT/rank{r}.json. `grid`: tp 2 x dp 2 under FSDP full, hybrid and none,
+20 steps, against one process. Without JOB_DIR:
 - job: a `dt.Job(strategy="fsdp", tp=2)` run of the built-in GPT (tp 2 x dp 1) with
   clipping active, against a single-process copy trained on the same global batches:
   the batches each rank read, the max parameter difference, the held-out loss against
@@ -182,8 +183,31 @@ def reshard_case(ckpt_dir: Path, want: dict, want_momenta: list, results: dict):
     results["reshard/momenta_equal"] = all(torch.equal(a, b) for a, b in pairs)
 
 
+def grid_case(out: Path):
+    """tp 2 x dp 2 on 4 ranks: FSDP full, hybrid (2 replicas of 1 shard) and none, 20
+    steps with clipping, against one process on the global batches."""
+    info, results = dt.rank_info(), {}
+    for sharding, extra in (("full", {}), ("hybrid", {"shard_group_size": 1}), ("none", {})):
+        torch.manual_seed(0)
+        ref = GPT(CFG)
+        model = dt.wrap(copy.deepcopy(ref), strategy="fsdp", sharding=sharding, tp=2, **extra)
+        opt, ref_opt = sgd(model), sgd(ref)
+        acc = dt.Accumulator(model, opt, 1, grad_clip=CLIP)
+        g, d = torch.Generator().manual_seed(3), info.rank // 2  # the data-parallel rank
+        for _ in range(20):
+            x = torch.randint(0, 256, (BATCH, CFG.block_size), generator=g)
+            reference_step(ref, ref_opt, x)
+            with acc.micro_step():
+                acc.backward(model(x[d::2], x[d::2])[1])
+        results[f"grid/{sharding}"] = max_diff(model, ref)
+    (out / f"rank{info.rank}.json").write_text(json.dumps(results))
+
+
 if __name__ == "__main__":
-    if len(sys.argv) > 2:  # OUT JOB_DIR: resume that job's run
+    if sys.argv[2:] == ["grid"]:
+        with dt.distributed(seed=0):
+            grid_case(Path(sys.argv[1]))
+    elif len(sys.argv) > 2:  # OUT JOB_DIR: resume that job's run
         resume_case(Path(sys.argv[1]), Path(sys.argv[2]))
     else:
         job_case(Path(sys.argv[1]) / "job", {})
