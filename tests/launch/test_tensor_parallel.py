@@ -70,6 +70,11 @@ def test_a_hugging_face_llama_trains_with_its_own_plan_and_matches(ranks):
         assert r["hf/split"] == 2 * 7  # q, k, v, o, gate, up, down of each layer: on the 2D mesh
 
 
+@pytest.mark.parametrize("option", ["ac", "compile"])
+def test_activation_checkpointing_and_compile_compose_with_tp(ranks, option):
+    assert all(r[f"option/{option}"] <= PARITY for r in ranks)
+
+
 def test_ranks_with_different_plans_are_refused_on_every_rank(ranks):
     assert all("ranks disagree on tensor-parallel plan" in r["plan/mismatch"] for r in ranks)
 

@@ -11,6 +11,8 @@ each rank writes OUT/rank{r}.json. `grid`: tp 2 x dp 2 under FSDP full, hybrid a
 - plain: `dt.wrap(strategy="ddp", tp=2, tp_plan=torch ParallelStyles)`, a user's plan
   that splits only the MLPs, against one process the same way; and ranks that pass
   different plans;
+- option: activation checkpointing and torch.compile (aot_eager) with fsdp at tp 2,
+  against one process;
 - hf: a small Hugging Face Llama under FSDP at tp 2 through its own published plan,
   against one process;
 - reshard: the job's final checkpoint (tp 2 x dp 1) loaded at tp 1 x dp 2 (FSDP over
@@ -89,6 +91,7 @@ def job_case(out: Path, results: dict):
         # The other cases share the job's process group (one launch).
         plain_case(results)
         hf_case(results)
+        options_case(results)
         values = trained_values(model)
         reshard_case(job.checkpoint_dir, values, momenta(model, opt), results)
         if job.info.rank == 0:  # `disttrain ckpt export`'s function: whole tensors
@@ -145,6 +148,24 @@ def plain_case(results: dict):
     except dt.DistributedMismatchError as e:
         results["plan/mismatch"] = str(e)
     results["plain/split"] = sorted({n for n, p in model.named_parameters() if hasattr(p, "device_mesh")})
+
+
+def options_case(results: dict):
+    """Activation checkpointing and torch.compile per block, each with fsdp at tp 2."""
+    cases = (("ac", {"activation_checkpointing": True}), ("compile", {"compile": {"backend": "aot_eager"}}))
+    for name, options in cases:
+        torch.manual_seed(0)
+        ref = GPT(CFG)
+        model = dt.wrap(copy.deepcopy(ref), strategy="fsdp", tp=2, **options)
+        opt, ref_opt = sgd(model), sgd(ref)
+        acc = dt.Accumulator(model, opt, 1, grad_clip=CLIP)
+        g = torch.Generator().manual_seed(5)
+        for _ in range(3):
+            x = torch.randint(0, 256, (BATCH, CFG.block_size), generator=g)
+            reference_step(ref, ref_opt, x)
+            with acc.micro_step():
+                acc.backward(model(x, x)[1])
+        results[f"option/{name}"] = max_diff(model, ref)
 
 
 def hf_case(results: dict):
