@@ -70,6 +70,8 @@ def test_the_gpt_plan_names_its_layers_and_a_user_plan_is_checked():
         resolve_plan(model, {"blocks.*.attn.q": "columns"})
     with pytest.raises(UserError, match="tied to tok_emb"):
         check_plan(model, resolve_plan(model, {"lm_head": ColwiseParallel()}), 2, 2)
+    with pytest.raises(UserError, match="tied to lm_head"):
+        check_plan(model, resolve_plan(model, {"tok_emb": "rowwise"}), 2, 2)
 
 
 class _Base(nn.Module):

@@ -137,15 +137,16 @@ def check_plan(model: nn.Module, plan: dict[str, ParallelStyle], tp: int, world_
     """Refuse a degree that splits a planned layer unevenly or one attention head, or a
     plan that splits a weight tied to another layer. Raises `UserError` naming the
     degrees that work."""
-    owners: dict[int, str] = {}
-    for name, module in model.named_modules():
+    owners: dict[int, list[str]] = {}
+    for name, module in model.named_modules(remove_duplicate=False):
         for p in module.parameters(recurse=False):
-            owners.setdefault(id(p), name)
+            owners.setdefault(id(p), []).append(name)
     for name in plan:
         for p in model.get_submodule(name).parameters(recurse=False):
-            if owners[id(p)] != name:
+            others = [o for o in owners[id(p)] if o != name]
+            if others:
                 raise UserError(
-                    f"tp_plan splits {name}, whose weight is tied to {owners[id(p)]}; leave "
+                    f"tp_plan splits {name}, whose weight is tied to {others[0]}; leave "
                     f"{name} out of the plan (or untie the weights)."
                 )
     bad = _fits(model, plan, tp)
