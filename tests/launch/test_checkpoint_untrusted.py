@@ -145,7 +145,7 @@ LOAD = textwrap.dedent("""
     from ckpt_common import build
     from disttrain.builtin import GPTConfig
     from disttrain.checkpoint import CheckpointError
-    state = build("ddp", GPTConfig(block_size=8, n_layer=1, n_head=2, n_embd=8, dropout=0.1))
+    state = build("ddp", GPTConfig(block_size=8, n_layer=1, n_head=2, n_embd=8, dropout=0.1), fused=True)
     try:
         dt.load(state, run)
         print("LOADED")

@@ -68,7 +68,7 @@ def test_a_checkpoint_loads_with_every_unpickler_forbidden(tmp_path, no_pickle):
 
 def test_a_checkpoint_of_the_first_format_still_loads_bit_for_bit(tmp_path):
     shutil.copytree(FIXTURE / "run", tmp_path / "run")
-    state = build("ddp", FIXTURE_CFG)
+    state = build("ddp", FIXTURE_CFG, fused=True)
     assert dt.load(state, tmp_path / "run") == tmp_path / "run" / "step-00000002"
     assert state.step == 2
     assert mismatches(full_state(state), load_file(FIXTURE / "expected.safetensors")) == []

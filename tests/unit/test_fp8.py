@@ -120,7 +120,8 @@ def test_emulated_fp8_converts_the_eligible_linears_and_checkpoints_resume_in_bf
     monkeypatch.setenv(fp8_rules.EMULATE_ENV, "1")
     fp8, fp8_opt = _wrapped("fp8")
     converted = {n for n, m in fp8.named_modules() if type(m).__name__ == "Float8Linear"}
-    assert converted == {f"blocks.{i}.{n}" for i in range(2) for n in ("attn.qkv", "attn.proj", "mlp.0", "mlp.2")}
+    layers = ("attn.q", "attn.k", "attn.v", "attn.proj", "mlp.0", "mlp.2")
+    assert converted == {f"blocks.{i}.{n}" for i in range(2) for n in layers}
     assert type(fp8.lm_head) is nn.Linear and fp8.lm_head.weight is fp8.tok_emb.weight  # tied head stays bf16
     assert not fp8_rules.converts(nn.Linear(10, 16)) and not fp8_rules.converts(nn.Linear(16, 24))
     bf16, bf16_opt = _wrapped("bf16")

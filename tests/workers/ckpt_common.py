@@ -4,6 +4,8 @@ warmup-cosine schedule, a shuffling `ElasticSampler`, and exact comparisons."""
 from __future__ import annotations
 
 import torch
+import torch.nn as nn
+import torch.nn.functional as F
 from torch.distributed.checkpoint.state_dict import StateDictOptions, get_state_dict
 
 import disttrain as dt
@@ -20,10 +22,37 @@ def dataset() -> torch.Tensor:
     return torch.randint(0, 256, (N_SAMPLES, CFG.block_size + 1), generator=g)
 
 
-def build(strategy: str = "ddp", cfg: GPTConfig = CFG) -> TrainState:
-    """The same model on every rank (seed 0), wrapped, then its optimizer (P-FSDP-7)."""
+class FusedAttention(nn.Module):
+    """The built-in GPT's attention as the committed first-format fixture
+    (tests/data/checkpoint_v1) holds it: q, k and v in one `qkv` layer, the same values."""
+
+    def __init__(self, attn: nn.Module):
+        super().__init__()
+        c, bias = attn.q.in_features, attn.q.bias is not None
+        self.head_dim = attn.head_dim
+        self.qkv = nn.Linear(c, 3 * c, bias=bias)
+        with torch.no_grad():
+            self.qkv.weight.copy_(torch.cat([attn.q.weight, attn.k.weight, attn.v.weight]))
+            if bias:
+                self.qkv.bias.copy_(torch.cat([attn.q.bias, attn.k.bias, attn.v.bias]))
+        self.proj, self.dropout, self.resid_drop = attn.proj, attn.dropout, attn.resid_drop
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        b, t, c = x.shape
+        q, k, v = (z.view(b, t, c // self.head_dim, self.head_dim).transpose(1, 2)
+                   for z in self.qkv(x).split(c, dim=2))
+        y = F.scaled_dot_product_attention(q, k, v, is_causal=True, dropout_p=self.dropout if self.training else 0.0)
+        return self.resid_drop(self.proj(y.transpose(1, 2).reshape(b, t, c)))
+
+
+def build(strategy: str = "ddp", cfg: GPTConfig = CFG, *, fused: bool = False) -> TrainState:
+    """The same model on every rank (seed 0), wrapped, then its optimizer (P-FSDP-7).
+    `fused`: the attention of the first-format fixture (`FusedAttention`)."""
     torch.manual_seed(0)
-    model = dt.wrap(GPT(cfg), strategy=strategy)
+    plain = GPT(cfg)
+    for block in plain.blocks if fused else ():
+        block.attn = FusedAttention(block.attn)
+    model = dt.wrap(plain, strategy=strategy)
     opt = torch.optim.AdamW(model.parameters(), lr=1e-2)
     sched = dt.warmup_cosine(opt, total_steps=12, warmup_steps=2)
     sampler = ElasticSampler(N_SAMPLES, batch_size=BATCH, seed=3)

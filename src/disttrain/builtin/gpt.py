@@ -1,8 +1,8 @@
 """A small byte-level GPT (decoder-only transformer) with tied embedding and LM head.
 
 Each transformer layer is a `Block`, the unit that FSDP shards and that activation
-checkpointing wraps. Built from a config alone: no download, random init seeded by
-the caller.
+checkpointing wraps; `GPT.tp_plan` says how tensor parallelism splits it. Built from
+a config alone: no download, random init seeded by the caller.
 """
 
 from __future__ import annotations
@@ -17,20 +17,30 @@ from disttrain.config.gpt_shape import GPTConfig
 
 
 class CausalSelfAttention(nn.Module):
+    """Causal multi-head attention with separate q, k and v projections.
+
+    The head count is read from the projections' output width, so under tensor
+    parallelism (q, k, v split by columns, `proj` by rows) each rank runs its own
+    `n_head / tp` heads without knowing the degree.
+    """
+
     def __init__(self, cfg: GPTConfig):
         super().__init__()
-        self.n_head = cfg.n_head
-        self.qkv = nn.Linear(cfg.n_embd, 3 * cfg.n_embd, bias=cfg.bias)
+        self.head_dim = cfg.n_embd // cfg.n_head
+        self.q = nn.Linear(cfg.n_embd, cfg.n_embd, bias=cfg.bias)
+        self.k = nn.Linear(cfg.n_embd, cfg.n_embd, bias=cfg.bias)
+        self.v = nn.Linear(cfg.n_embd, cfg.n_embd, bias=cfg.bias)
         self.proj = nn.Linear(cfg.n_embd, cfg.n_embd, bias=cfg.bias)
         self.dropout = cfg.dropout
         self.resid_drop = nn.Dropout(cfg.dropout)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        b, t, c = x.shape
-        q, k, v = self.qkv(x).split(c, dim=2)
-        q, k, v = (z.view(b, t, self.n_head, c // self.n_head).transpose(1, 2) for z in (q, k, v))
+        b, t, _ = x.shape
+        q, k, v = self.q(x), self.k(x), self.v(x)
+        width = q.shape[-1]  # this rank's heads x head_dim: all of them without TP
+        q, k, v = (z.view(b, t, width // self.head_dim, self.head_dim).transpose(1, 2) for z in (q, k, v))
         y = F.scaled_dot_product_attention(q, k, v, is_causal=True, dropout_p=self.dropout if self.training else 0.0)
-        y = y.transpose(1, 2).contiguous().view(b, t, c)
+        y = y.transpose(1, 2).contiguous().view(b, t, width)
         return self.resid_drop(self.proj(y))
 
 
@@ -63,6 +73,17 @@ class GPT(nn.Module):
 
     # Read by FSDP auto-wrapping, as for Hugging Face models.
     _no_split_modules = ["Block"]
+    # Read by `parallel.tensor_parallel` under parallel.tp > 1: each rank computes its own
+    # heads (q, k, v by columns) and its slice of the MLP's hidden width; the output
+    # projections (by rows) sum the slices. The tied embedding and LM head stay whole.
+    tp_plan = {
+        "blocks.*.attn.q": "colwise",
+        "blocks.*.attn.k": "colwise",
+        "blocks.*.attn.v": "colwise",
+        "blocks.*.attn.proj": "rowwise",
+        "blocks.*.mlp.0": "colwise",
+        "blocks.*.mlp.2": "rowwise",
+    }
 
     def __init__(self, cfg: GPTConfig):
         super().__init__()

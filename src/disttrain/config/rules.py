@@ -73,6 +73,7 @@ RANGES: dict[str, tuple[Callable[[Any], bool], str]] = {
     "parallel.timeout_s": _positive(MAX_TIMEOUT_S),
     "parallel.bucket_cap_mb": _positive(65536),
     "parallel.shard_group_size": _at_least(0),
+    "parallel.tp": _at_least(1),
     "optim.lr": _positive(),
     "optim.weight_decay": _between(0, math.inf),
     "optim.momentum": _between(0, 1, high_open=True),

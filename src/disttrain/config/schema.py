@@ -27,6 +27,7 @@ from disttrain.config.log_config import LogConfig, check_log
 from disttrain.config.path_keys import anchor_override, anchor_paths
 from disttrain.config.rules import check_values
 from disttrain.config.tomlfile import apply_overrides, build, read_toml
+from disttrain.config.tp_rules import check_gpt_tp, check_tp
 from disttrain.config.user_code import check_model_keys, check_sources
 from disttrain.errors import ConfigError
 
@@ -92,6 +93,10 @@ class ParallelConfig:
     """Recompute each block's activations in backward instead of storing them (P-FSDP-6)."""
     sync_batchnorm: bool = False
     """Convert BatchNorm layers to synchronised ones: global-batch statistics (P-DDP-8)."""
+    tp: int = 1
+    """Tensor-parallel degree: each layer split over this many consecutive ranks (1: none);
+    it divides the world, which the data-parallel strategy (fsdp, or ddp at tp = world)
+    spans in world / tp groups. docs/strategies.md "2D"."""
 
 
 @dataclass(kw_only=True)
@@ -344,7 +349,14 @@ def validate(cfg: Config) -> None:
         f"elastic.fast_recovery = true works with parallel.strategy 'ddp' or 'fsdp', not "
         f"{p.strategy!r} on {device}; set elastic.fast_recovery = false, or one of those strategies.",
     )
+    _require(
+        not cfg.elastic.fast_recovery or p.tp == 1,
+        f"elastic.fast_recovery = true does not yet recover tensor-parallel shards (parallel.tp = {p.tp}); "
+        f"set elastic.fast_recovery = false (a restart resumes from the checkpoint), or parallel.tp = 1.",
+    )
     validate_parallel(p, t.precision, world_size=p.nproc, local_world_size=p.nproc, device_type=device)
+    if builtin:
+        check_gpt_tp(m.n_head, m.n_embd, p.tp, p.nproc)
     check_fp8(t.precision, t.fp8_recipe, device)
 
 
@@ -411,7 +423,10 @@ def validate_parallel(
     )
     if s == "fsdp1":
         check_fsdp1(precision=precision, cpu_offload=p.cpu_offload, device_type=device_type)
-    shard_grid(s, p.sharding, world_size, shard_group_size=p.shard_group_size, local_world_size=local_world_size)
+    check_tp(s, p.tp, precision, world_size)
+    tp = max(1, p.tp)
+    dp_local = max(1, local_world_size // tp)
+    shard_grid(s, p.sharding, world_size // tp, shard_group_size=p.shard_group_size, local_world_size=dp_local)
 
 
 def check_fsdp1(*, precision: str, cpu_offload: bool, device_type: str) -> None:

@@ -155,13 +155,16 @@ def _is_replicated(model: nn.Module) -> bool:
     return isinstance(model, DistributedDataParallel)
 
 
+def _replicated(model: nn.Module) -> list[tuple[str, torch.Tensor]]:
+    # A DTensor (a tensor-parallel or FSDP shard) differs across ranks by design.
+    return [(n, p) for n, p in torch_compat.unwrap(model).named_parameters() if not hasattr(p, "device_mesh")]
+
+
 @torch.no_grad()
 def parameter_checksums(model: nn.Module) -> torch.Tensor:
-    """Per parameter: (sum, sum of squares) in float64, shape (n_params, 2), on CPU."""
-    sums = [
-        torch.stack([p.sum(dtype=torch.float64), p.double().square().sum()])
-        for p in torch_compat.unwrap(model).parameters()
-    ]
+    """Per replicated parameter (DTensor shards left out): (sum, sum of squares) in
+    float64, shape (n_params, 2), on CPU."""
+    sums = [torch.stack([p.sum(dtype=torch.float64), p.double().square().sum()]) for _, p in _replicated(model)]
     return torch.stack(sums).cpu() if sums else torch.zeros(0, 2, dtype=torch.float64)
 
 
@@ -173,7 +176,8 @@ def check_replicas(model: nn.Module, step: int) -> None:
     steps. Replicas that differ (a rank-specific skipped step, an unsynchronised
     GradScaler, a non-deterministic op) raise `DistributedMismatchError` on every rank,
     naming the step, the first differing parameter, and the ranks that differ from
-    rank 0. Models that are not DDP-replicated (FSDP shards, a world of 1) are skipped.
+    rank 0. Models that are not DDP-replicated (FSDP shards, a world of 1) are skipped,
+    and so are DTensor parameters (tensor-parallel shards differ across ranks by design).
     """
     if not dist.is_initialized() or dist.get_world_size() == 1 or not _is_replicated(model):
         return
@@ -192,7 +196,7 @@ def check_replicas(model: nn.Module, step: int) -> None:
     everyone = [torch.zeros_like(mine) for _ in range(dist.get_world_size())]
     dist.all_gather(everyone, mine)
     everyone = [v.cpu() for v in everyone]
-    names = [torch_compat.canonical_name(n) for n, _ in torch_compat.unwrap(model).named_parameters()]
+    names = [torch_compat.canonical_name(n) for n, _ in _replicated(model)]
     ranks = [r for r, v in enumerate(everyone) if not torch.equal(v, everyone[0])]
     raise DistributedMismatchError(
         f"replicas diverged by step {step}: parameter {names[first]!r} (and "
@@ -264,14 +268,15 @@ class RunGuard:
         check_consistency(model=model)
         check_wrapped(model, optimizer, strict=self.cfg.strict)
 
-    def first_batch(self, batch: Any) -> None:
-        """On the first call only: warn when every rank drew the same batch (collective)."""
+    def first_batch(self, batch: Any, tp: int = 1) -> None:
+        """On the first call only: warn when every data-parallel rank drew the same batch
+        (the `tp` ranks of a tensor-parallel group must; a collective)."""
         if self._batch_checked:
             return
         self._batch_checked = True
         from disttrain.guard.sanity import check_first_batch
 
-        check_first_batch(batch, strict=self.cfg.strict)
+        check_first_batch(batch, strict=self.cfg.strict, tp=tp)
 
     def step(self, n: int, model: nn.Module) -> None:
         """After optimizer step `n`: heartbeat, and every K steps the replica checksum."""

@@ -204,17 +204,32 @@ def batch_digest(batch: Any) -> int:
     return int.from_bytes(h.digest()[:8], "big") >> 1
 
 
-def check_first_batch(batch: Any, *, strict: bool = False) -> None:
-    """Warn when every rank drew the same first batch: the data is not sharded (P-DATA-1).
+def check_first_batch(batch: Any, *, strict: bool = False, tp: int = 1) -> None:
+    """Warn when every data-parallel rank drew the same first batch: the data is not
+    sharded (P-DATA-1).
 
     A collective (one all-gather of an integer): call it on every rank with the first
-    batch. Replicated data can be deliberate (tensor parallel groups), hence a warning.
+    batch. Under tensor parallelism (`tp` > 1) the `tp` consecutive ranks of a group
+    must draw the same batch: one that differs raises `NotDistributedError`; the groups
+    are compared as one rank each. Replicated data can be deliberate, hence a warning.
     """
     if _world() <= 1 or not dist.is_initialized():
         return
     from disttrain.runtime.collectives import gather_ints
 
     digests = gather_ints(batch_digest(batch))
+    apart = [r for r, d in enumerate(digests) if d != digests[r - r % tp]]
+    if apart:
+        _report(
+            f"ranks {apart} drew another first batch than the first rank of their tensor-parallel "
+            f"group (parallel.tp = {tp}); the ranks of one group must read the same batch, as "
+            f"dt.Job's loader gives them.",
+            certain=True,
+            strict=strict,
+        )
+    digests = digests[::tp]
+    if len(digests) <= 1:
+        return
     if len(set(digests)) == 1:
         _report(
             f"looks distributed but is not: all {len(digests)} ranks drew the same first "
@@ -225,7 +240,7 @@ def check_first_batch(batch: Any, *, strict: bool = False) -> None:
             strict=strict,
         )
     else:
-        same = [r for r, d in enumerate(digests) if digests.count(d) > 1]
+        same = [r * tp for r, d in enumerate(digests) if digests.count(d) > 1]  # global ranks
         if same:
             _report(
                 f"ranks {same} drew identical first batches; their data shards overlap (P-DATA-1).",

@@ -5,13 +5,15 @@ Each strategy is a plain function `apply_x(model, ...)` in its own module:
     ddp    ddp.apply_ddp         DistributedDataParallel
     zero1  zero.apply_zero1      DDP + ZeroRedundancyOptimizer (via make_optimizer)
     fsdp   fsdp.apply_fsdp       FSDP2 fully_shard per block, on a mesh from mesh.Layout
+    tp     tensor_parallel.apply_tp   with fsdp or ddp: layers split over a TP group first
     fsdp1  fsdp1.apply_fsdp1     legacy FullyShardedDataParallel
     dp     dp.apply_dp           nn.DataParallel (one process)
 
 `wrap` validates the request (`config.validate_parallel`, and for fp8
 `config.fp8_rules`), moves the model to this rank's device, converts its linear
 layers to FP8 (precision fp8, `fp8.apply_fp8`), converts BatchNorm (sync_batchnorm),
-applies activation checkpointing and the strategy in that order, installs the
+splits the planned layers over the TP group (`tp` > 1), applies activation
+checkpointing and the strategy in that order, installs the
 precision, and switches the RNGs to the per-rank stream. Build the optimizer
 afterwards, from the returned module (`make_optimizer`; P-DDP-3, P-FSDP-7).
 """
@@ -20,6 +22,7 @@ from __future__ import annotations
 
 import dataclasses
 import sys
+from collections.abc import Mapping
 from typing import Any
 
 import torch.nn as nn
@@ -37,6 +40,7 @@ from disttrain.parallel.mesh import Layout
 from disttrain.parallel.optimizers import WRAP_INFO, apply_zero1, check_optimizer, make_optimizer, wrap_info
 from disttrain.parallel.precision import apply_autocast, compute_precision
 from disttrain.parallel.syncbn import convert_sync_batchnorm
+from disttrain.parallel.tensor_parallel import apply_tp
 from disttrain.runtime import rank_info, seed_rank_stream
 from disttrain.runtime.torch_compat import unwrap, wrapper_kind
 
@@ -53,7 +57,7 @@ def _parallel_config(cfg: ParallelConfig | None, overrides: dict) -> ParallelCon
     names = {f.name for f in dataclasses.fields(ParallelConfig)}
     for key, value in overrides.items():
         if key not in names:
-            options = ", ".join(["precision", "compile", "fp8_recipe", *sorted(names)])
+            options = ", ".join(["precision", "compile", "fp8_recipe", "tp_plan", *sorted(names)])
             raise ConfigError(f"wrap() got an unknown option {key!r}; valid options: {options}.")
         setattr(cfg, key, value)
     if cfg.strategy not in STRATEGIES:
@@ -85,6 +89,7 @@ def wrap(
     precision: str = "fp32",
     compile: bool | dict = False,
     fp8_recipe: str = "tensorwise",
+    tp_plan: Mapping[str, object] | None = None,
     **options,
 ) -> nn.Module:
     """Apply the configured strategy and return the module to train.
@@ -98,7 +103,12 @@ def wrap(
     each block in place after activation checkpointing and before sharding
     (`parallel.compile`; state-dict keys unchanged); a dict compiles with those
     `torch.compile` options (`{"backend": "aot_eager"}`); a `torch.compile(model)` wrapper
-    is unwrapped and compiled the same way. In a world of 1 every
+    is unwrapped and compiled the same way. `tp=N` splits the layers of `tp_plan`
+    (`{"blocks.*.attn.q": "colwise", ...}`: 'colwise', 'rowwise', 'sequence' or torch
+    `ParallelStyle`s; None: the model's own `tp_plan`) over N consecutive ranks with
+    torch's `parallelize_module`, then the strategy (fsdp, or ddp when N is the world)
+    spans the world / N data-parallel ranks; a degree that does not divide the world or
+    a planned layer is a `UserError` naming the degrees that work. In a world of 1 every
     strategy except `dp` leaves the module unwrapped (no process group exists);
     precision, SyncBN conversion and activation checkpointing still apply.
     A collective when the world is larger: every rank calls it with the same
@@ -133,7 +143,10 @@ def wrap(
         shard_group_size=cfg.shard_group_size,
         local_world_size=info.local_world_size,
         device_type=device_type,
+        tp=cfg.tp,
     )
+    if cfg.tp > 1:  # before checkpointing and sharding: the plan names the plain modules
+        model = apply_tp(model, layout.tp_mesh(), tp_plan, world_size=info.world_size)
     sharded = cfg.strategy in ("fsdp", "fsdp1") and info.world_size > 1
     if not sharded and (cfg.activation_checkpointing or compile):
         # torchtitan's order: checkpointing, then compile per block, then DDP
@@ -151,7 +164,7 @@ def wrap(
     mesh = None
     if cfg.strategy == "dp":
         model = apply_dp(model, info.world_size)
-    elif info.world_size == 1:
+    elif info.world_size == 1 or (cfg.strategy == "ddp" and cfg.tp > 1):  # ddp only at tp = world
         pass
     elif cfg.strategy == "ddp":
         model = apply_ddp(model, info.device, **ddp_options)
@@ -197,7 +210,9 @@ def wrap(
             "world_size": info.world_size,
             "layout": layout,
             "mesh": mesh,
+            "tp": cfg.tp,
         },
     )
-    seed_rank_stream(info)
+    # The ranks of one TP group compute on the same activations: one dropout stream.
+    seed_rank_stream(dataclasses.replace(info, rank=info.rank // layout.tp))
     return model

@@ -49,18 +49,47 @@ def clip_grad_norm(model: nn.Module, max_norm: float) -> float:
     The norm is over all of the model's gradients on every rank, so every rank
     scales by the same factor. FSDP1 modules use their own sharding-aware
     `clip_grad_norm_`; DTensor gradients (FSDP2) are handled by torch's
-    `clip_grad_norm_`, which reduces across shards: a collective under a sharded
-    strategy, every rank calls it. A non-finite norm (an overflow) is returned as is
+    `clip_grad_norm_`, which reduces across shards (under tensor parallelism, per
+    device mesh, then combined): a collective under a sharded strategy, every rank
+    calls it. A non-finite norm (an overflow) is returned as is
     and leaves the gradients unusable; check it before stepping when the loss can
     overflow (under fp16 the `AgreedGradScaler` skips such a step on every rank).
     """
     if hasattr(model, "clip_grad_norm_"):
         norm = getattr(model, "clip_grad_norm_")(max_norm)  # noqa: B009  (FSDP1's own)
+    elif len(groups := _by_mesh(model)) > 1:
+        return _clip_by_mesh(groups, max_norm)
     else:
         norm = torch.nn.utils.clip_grad_norm_(model.parameters(), max_norm)
     if hasattr(norm, "full_tensor"):
         norm = norm.full_tensor()
     return float(norm)
+
+
+def _by_mesh(model: nn.Module) -> list[list[torch.Tensor]]:
+    """The gradients, grouped by the device mesh they are spread over (None: plain)."""
+    groups: dict[object, list[torch.Tensor]] = {}
+    for p in model.parameters():
+        if p.grad is not None:
+            groups.setdefault(getattr(p.grad, "device_mesh", None), []).append(p.grad)
+    return list(groups.values())
+
+
+@torch.no_grad()
+def _clip_by_mesh(groups: list[list[torch.Tensor]], max_norm: float) -> float:
+    # Tensor parallel x FSDP spreads the planned layers' gradients over the 2D mesh and
+    # the others over the data-parallel one (or none); torch's clip needs one mesh.
+    squares = 0.0
+    for grads in groups:
+        norm = torch.nn.utils.get_total_norm(grads)
+        squares += float(norm.full_tensor() if hasattr(norm, "full_tensor") else norm) ** 2
+    total = math.sqrt(squares)
+    coef = max_norm / (total + 1e-6)
+    if coef < 1.0:
+        for grads in groups:
+            for g in grads:
+                g.mul_(coef)
+    return total
 
 
 class Accumulator:

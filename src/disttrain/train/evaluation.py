@@ -26,6 +26,7 @@ from typing import Any
 import torch
 
 from disttrain import runtime
+from disttrain.config.tp_rules import dp_coordinates
 from disttrain.errors import UserError
 from disttrain.guard import tensor_nbytes
 from disttrain.train.batches import batch_loss, to_device
@@ -34,11 +35,13 @@ from disttrain.train.global_metrics import global_sum
 Metric = Callable[[torch.nn.Module, Any], dict]
 
 
-def eval_shard(dataset_len: int, batch_size: int, max_batches: int | None) -> tuple[list[int], int]:
-    """This rank's evaluation samples and the most any rank holds (see the module)."""
+def eval_shard(dataset_len: int, batch_size: int, max_batches: int | None, tp: int = 1) -> tuple[list[int], int]:
+    """This rank's evaluation samples and the most any rank holds (see the module); the
+    `tp` ranks of one tensor-parallel group share a data-parallel rank, and its samples."""
     info = runtime.rank_info()
-    n = dataset_len if not max_batches else min(dataset_len, max_batches * batch_size * info.world_size)
-    return list(range(info.rank, n, info.world_size)), math.ceil(n / info.world_size)
+    rank, world = dp_coordinates(info.rank, info.world_size, tp)
+    n = dataset_len if not max_batches else min(dataset_len, max_batches * batch_size * world)
+    return list(range(rank, n, world)), math.ceil(n / world)
 
 
 def loss_metric(loss_fn: Callable | None = None) -> Metric:
@@ -109,6 +112,7 @@ class Evaluator:
         collate: Callable | None = None,
         at_start: bool = False,
         name: str = "heldout",
+        tp: int = 1,
     ):
         if batch_size < 1 or every < 0 or (max_batches is not None and max_batches < 1):
             raise UserError(
@@ -122,6 +126,7 @@ class Evaluator:
             )
         self.dataset, self.batch_size, self.every = dataset, batch_size, every
         self.max_batches, self.at_start, self.name = max_batches, at_start, name
+        self.tp = tp
         self.metric = metric or loss_metric()
         self.collate = collate or torch.utils.data.default_collate
         self.last: dict[str, float] = {}
@@ -133,7 +138,7 @@ class Evaluator:
 
     def forwards(self) -> int:
         """Forwards per rank of one evaluation."""
-        _, per_rank = eval_shard(len(self.dataset), self.batch_size, self.max_batches)
+        _, per_rank = eval_shard(len(self.dataset), self.batch_size, self.max_batches, self.tp)
         return max(1, math.ceil(per_rank / self.batch_size))
 
     def slow_nbytes(self, model: torch.nn.Module) -> int:
@@ -148,7 +153,7 @@ class Evaluator:
         t0, info = time.perf_counter(), runtime.rank_info()
         was_training = model.training
         model.eval()
-        mine, per_rank = eval_shard(len(self.dataset), self.batch_size, self.max_batches)
+        mine, per_rank = eval_shard(len(self.dataset), self.batch_size, self.max_batches, self.tp)
         sums: dict[str, list[float]] = {}
         try:
             for b in range(math.ceil(per_rank / self.batch_size)):

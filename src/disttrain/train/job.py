@@ -32,6 +32,7 @@ each call out of order, and each object that did not come from this job, is one
 
 from __future__ import annotations
 
+import dataclasses
 import os
 import signal
 import sys
@@ -48,6 +49,7 @@ from disttrain.checkpoint import Checkpointer, TrainState, save_model
 from disttrain.config import Config
 from disttrain.config.fp8_rules import check_fp8
 from disttrain.config.hf_model_config import hf_section
+from disttrain.config.tp_rules import dp_coordinates
 from disttrain.data import ElasticSampler
 from disttrain.elastic import PreemptionHandler, SampleAudit, fast_recovery, generation_id
 from disttrain.errors import UserError
@@ -136,7 +138,7 @@ class Job:
     SIGTERM/SIGINT handler and runs the guard's start checks (a collective; ranks that
     disagree raise `DistributedMismatchError` on every rank). Leaving restores the
     handlers and shuts down the group it started, on every path. Construction refuses
-    a negative period, `accum_steps` or `log_every` below 1, and an unknown
+    a negative period, `accum_steps`, `log_every` or `tp` below 1, and an unknown
     `batch_policy` or `on_error` (`UserError`); a bad strategy or wrap option is a
     `ConfigError` from `job.wrap`, before the model is changed.
 
@@ -172,6 +174,12 @@ class Job:
         check: The runtime checks of `disttrain run --check` for the first
             `guard.check_steps` optimizer steps and one epoch boundary (docs/check.md):
             a bug that makes the results wrong stops the run with exit status 3.
+        tp: Tensor-parallel degree (`parallel.tp`): the layers of the plan split over
+            this many consecutive ranks, which read the same batches; the data-parallel
+            strategy spans world / tp ranks (docs/strategies.md "2D").
+        tp_plan (dict | None): For `dt.wrap`: {module name with `*`: 'colwise',
+            'rowwise', 'sequence' or a torch `ParallelStyle`}; None: the model's own
+            `tp_plan` (the built-in GPT has one).
         progress: Rank 0's progress bar.
         trackers (str | list | None): "wandb", "mlflow", `dt.WandbTracker(...)`,
             `dt.MlflowTracker(...)` or a list of them: rank 0 sends each metrics record,
@@ -207,6 +215,8 @@ class Job:
         record_samples: bool | None = None,
         tensorboard: bool | None = None,
         check: bool | None = None,
+        tp: int | None = None,
+        tp_plan: dict | None = None,
         progress: bool = True,
         trackers=None,
     ):
@@ -220,8 +230,10 @@ class Job:
             record_samples=record_samples,
             tensorboard=tensorboard,
             check=check,
+            tp=tp,
         )
         self.run = run or RunOptions()
+        self._tp_plan = tp_plan
         try:
             self.cfg: Config = self._settings(config, short)
             """The configuration this job runs with (the config given, the keywords applied)."""
@@ -258,11 +270,11 @@ class Job:
         """The job's `Config` (`job_config.resolve`), its values checked. Raises `UserError`."""
         cfg = resolve_config(config, short)
         c, t = cfg.checkpoint, cfg.train
-        if c.every < 0 or c.every_s < 0 or t.accum_steps < 1 or t.log_every < 1:
+        if c.every < 0 or c.every_s < 0 or t.accum_steps < 1 or t.log_every < 1 or cfg.parallel.tp < 1:
             raise UserError(
                 f"dt.Job: checkpoint.every ({c.every}) and checkpoint.every_s ({c.every_s}) "
-                f"must be >= 0, train.accum_steps ({t.accum_steps}) and train.log_every "
-                f"({t.log_every}) >= 1."
+                f"must be >= 0, train.accum_steps ({t.accum_steps}), train.log_every "
+                f"({t.log_every}) and parallel.tp ({cfg.parallel.tp}) >= 1."
             )
         for name, value, allowed in (
             ("batch_policy", cfg.elastic.batch_policy, ("keep_global", "rescale_lr")),
@@ -328,10 +340,20 @@ class Job:
                 worker_notes.wait_to_be_stopped()
             raise failures.JudgedExit(ending.status) from None
 
+    def _data_parallel(self) -> tuple[int, int]:
+        """(data-parallel rank, size): the ranks of one TP group read the same batches."""
+        info = self.info
+        return dp_coordinates(info.rank, info.world_size, self.cfg.parallel.tp)
+
+    def _records_samples(self) -> bool:
+        """One rank of each TP group records its group's samples (`elastic.record_samples`)."""
+        return self.cfg.elastic.record_samples and self.info.rank % self.cfg.parallel.tp == 0
+
     def _begin_step(self) -> None:
         """A step's first micro-batch: dropout from (seed, step, rank), for an exact resume;
         the step marked for the crash-loop breaker of the process watching this rank."""
-        runtime.seed_step(self.step)
+        info = self.info  # the ranks of one TP group draw one stream: they hold the same activations
+        runtime.seed_step(self.step, dataclasses.replace(info, rank=self._data_parallel()[0]))
         worker_notes.mark_step(self.step + 1, run=str(self.checkpoint_dir))
 
     def _close_trackers(self) -> None:
@@ -492,7 +514,12 @@ class Job:
             model,
             self.cfg.parallel,
             precision=self.precision,
-            **{"compile": self.cfg.train.compile, "fp8_recipe": self.cfg.train.fp8_recipe, **self.run.wrap_options},
+            **{
+                "compile": self.cfg.train.compile,
+                "fp8_recipe": self.cfg.train.fp8_recipe,
+                "tp_plan": self._tp_plan,
+                **self.run.wrap_options,
+            },
         )
         if self._handoff is not None:
             self._handoff.attach_buddy(self.strategy != "ddp", self.cfg.elastic.buddy_every)
@@ -523,8 +550,11 @@ class Job:
         if loader_kwargs.get("num_workers", 0) > 0:
             chain = loader_kwargs.pop("worker_init_fn", None)
             loader_kwargs["worker_init_fn"] = lambda i: _ignore_stop_signals(i, chain)
+        dp_rank, dp_size = self._data_parallel()
         sampler = ElasticSampler(
             dataset,
+            rank=dp_rank,
+            world_size=dp_size,
             batch_size=batch_size,
             accum_steps=self.cfg.train.accum_steps,
             seed=self.cfg.train.seed,
@@ -582,6 +612,7 @@ class Job:
             collate=collate_fn,
             at_start=at_start,
             name=name,
+            tp=self.cfg.parallel.tp,
         )
         self.evaluators.append(ev)
         return ev
@@ -716,9 +747,7 @@ class Job:
         if not start_point.say_resumed(self.name, self.step, max_steps, self._start, self.cfg.elastic.batch_policy):
             return
         acc, model, saving, guard, info = t.accumulator, t.state.model, t.saving, started.guard, self.info
-        audit = SampleAudit(
-            self.out_dir / "samples", info.rank, info.world_size, self.cfg.elastic.record_samples, generation_id()
-        )
+        audit = SampleAudit(self.out_dir / "samples", *self._data_parallel(), self._records_samples(), generation_id())
         non_finite = NonFiniteStop(model, lambda: saving.saved_at)
         saving.check = non_finite.check  # before each save, on every rank
         self._looping = looping = _Looping(self._metrics_window(data, acc, max_steps), non_finite)
@@ -728,7 +757,7 @@ class Job:
         metrics.start(evaluate(self.evaluators, model, guard, lambda ev: ev.at_start and not self.in_memory))
         while self.step < max_steps and not stopping:
             for batch in data.loader:  # each pass is a new epoch: the sampler advances
-                guard.first_batch(batch)
+                guard.first_batch(batch, self.cfg.parallel.tp)
                 if acc.window_start:
                     self._begin_step()
                 inject("forward", self.step + 1, info.rank)
@@ -829,7 +858,7 @@ class Job:
             max_steps=max_steps,
             start_step=self.step,
             resumed=self.resumed,
-            samples_per_step=data.loader.batch_size * acc.accum_steps * info.world_size,
+            samples_per_step=data.loader.batch_size * acc.accum_steps * self._data_parallel()[1],
             tokens_per_sample=self.run.tokens_per_sample,
             log_every=self.cfg.train.log_every,
             accumulator=acc,

@@ -55,6 +55,7 @@ SHORT = {
     "record_samples": ("elastic", "record_samples"),
     "tensorboard": ("log", "tensorboard"),
     "check": ("guard", "check"),
+    "tp": ("parallel", "tp"),
 }
 """The short keywords of `dt.Job` -> the (section, field) each overrides."""
 

@@ -5,7 +5,9 @@ full state it holds), at world size 2 under DDP:
     python -m torch.distributed.run --standalone --nproc-per-node=2 \
         tests/data/checkpoint_v1/make_fixture.py
 
-It was run once, with the code of that format; the tests load the committed files.
+It was run once, with the code of that format, when the built-in GPT's attention had
+one fused `qkv` layer; the tests load the committed files into that model
+(`ckpt_common.build(..., fused=True)`).
 Rerunning it with a later disttrain writes that version's format instead.
 """
 
@@ -31,7 +33,7 @@ if __name__ == "__main__":
         if info.rank == 0:
             shutil.rmtree(HERE / "run", ignore_errors=True)
         dt.barrier()
-        state = build("ddp", CFG)
+        state = build("ddp", CFG, fused=True)
         train(state, 2)
         os.chdir(HERE)  # DCP records the folder it wrote: a relative one names no machine
         ck = Checkpointer(Path("run"), keep_last=0)

@@ -1,0 +1,77 @@
+"""What tensor parallelism (`[parallel] tp = N`) accepts, as plain arithmetic.
+
+One place for the rules that the launcher's validation and `dt.wrap` share:
+
+- the degree divides the world: the ranks form a (data-parallel x tp) grid whose tp
+  dimension is innermost, so the ranks of one TP group are consecutive (one node's
+  devices on a real cluster);
+- the strategy is `fsdp` (any sharding mode: the data-parallel dimension is sharded,
+  replicated or both) or `ddp` with no data-parallel replicas (tp = world); the other
+  strategies' wrappers cannot hold tensor-parallel (DTensor) parameters;
+- the built-in GPT's heads and MLP width divide by the degree, so each rank runs whole
+  heads.
+
+Each refusal is one `ConfigError` naming the sizes that would work. No torch here.
+"""
+
+from __future__ import annotations
+
+from disttrain.errors import ConfigError
+
+TP_STRATEGIES = ("fsdp", "ddp")
+"""The strategies a tensor-parallel model composes with."""
+
+
+def divisors(n: int) -> list[int]:
+    """Every positive divisor of `n`, ascending."""
+    return [d for d in range(1, n + 1) if n % d == 0]
+
+
+def check_tp(strategy: str, tp: int, precision: str, world_size: int) -> None:
+    """Refuse a tensor-parallel degree the world or the strategy cannot serve.
+
+    Raises `ConfigError` naming the degrees that divide the world, or the strategy
+    to use instead. `tp = 1` (no tensor parallelism) is always accepted.
+    """
+    if tp < 1:
+        raise ConfigError(f"parallel.tp is {tp}; use 1 (no tensor parallelism) or a degree that divides the world.")
+    if tp == 1:
+        return
+    if world_size % tp:
+        raise ConfigError(
+            f"parallel.tp is {tp}, which does not divide the world of {world_size} ranks; "
+            f"use one of {divisors(world_size)}."
+        )
+    if strategy not in TP_STRATEGIES:
+        raise ConfigError(
+            f"parallel.tp = {tp} composes with parallel.strategy 'fsdp' (any sharding) or 'ddp', "
+            f"not {strategy!r}; use --parallel.strategy=fsdp."
+        )
+    if strategy == "ddp" and world_size > tp:
+        raise ConfigError(
+            f"parallel.tp = {tp} with strategy 'ddp' leaves {world_size // tp} data-parallel replicas, "
+            f"which DDP cannot hold (its parameters are split tensors); use --parallel.strategy=fsdp "
+            f"(--parallel.sharding=none replicates like DDP), or --parallel.tp={world_size}."
+        )
+    if precision == "fp8":
+        raise ConfigError(f"train.precision 'fp8' does not compose with parallel.tp = {tp}; use bf16.")
+
+
+def check_gpt_tp(n_head: int, n_embd: int, tp: int, world_size: int) -> None:
+    """Refuse a degree that splits one of the built-in GPT's heads or its MLP width.
+
+    Raises `ConfigError` naming the degrees (dividing the world) that work.
+    """
+    if tp <= 1 or (n_head % tp == 0 and (4 * n_embd) % tp == 0):
+        return
+    good = [d for d in divisors(world_size) if n_head % d == 0 and (4 * n_embd) % d == 0]
+    raise ConfigError(
+        f"parallel.tp = {tp} does not divide the built-in GPT's {n_head} heads (model.n_head) "
+        f"into whole heads per rank; use one of {good}, or a model.n_head that divides by {tp}."
+    )
+
+
+def dp_coordinates(rank: int, world_size: int, tp: int) -> tuple[int, int]:
+    """(data-parallel rank, data-parallel size) of `rank`: the ranks of one TP group
+    (consecutive ranks) share one data-parallel rank, so they read the same batch."""
+    return rank // tp, world_size // tp

@@ -1,0 +1,169 @@
+"""Tensor parallelism: each planned layer split over the ranks of a TP group, with
+torch's `parallelize_module` (docs/strategies.md "2D: tensor parallel x FSDP").
+
+A plan maps module names to how each is split. A name may hold `*` for one part of
+a dotted name (`blocks.*.attn.q` is every block's `attn.q`); a style is a string or
+torch's own `ParallelStyle` object:
+
+    colwise   ColwiseParallel    output features split: each rank computes its columns
+    rowwise   RowwiseParallel    input features split: the partial outputs are summed
+    sequence  SequenceParallel   a norm or dropout run on a slice of the sequence
+
+The plan is `dt.wrap(..., tp_plan=...)`'s, else the one a Hugging Face model publishes
+(`config.base_model_tp_plan`, Llama's for example), else the model's own `tp_plan`
+attribute (the built-in GPT has one: q, k, v and the MLP's first layer colwise, the
+attention's output projection and the MLP's second layer rowwise). TP is applied before the
+data-parallel strategy (FSDP shards the resulting DTensors over the data-parallel
+mesh, the order of torch's 2D examples).
+"""
+
+from __future__ import annotations
+
+import re
+import zlib
+from collections.abc import Mapping
+
+import torch.nn as nn
+from torch.distributed.device_mesh import DeviceMesh
+from torch.distributed.tensor.parallel import (
+    ColwiseParallel,
+    ParallelStyle,
+    RowwiseParallel,
+    SequenceParallel,
+    parallelize_module,
+)
+
+from disttrain.config.tp_rules import divisors
+from disttrain.errors import UserError
+from disttrain.runtime.collectives import assert_same_across_ranks
+
+STYLES = {"colwise": ColwiseParallel, "rowwise": RowwiseParallel, "sequence": SequenceParallel}
+"""The plan's words and the torch styles they stand for."""
+
+
+def _style(pattern: str, style: object) -> ParallelStyle:
+    if isinstance(style, ParallelStyle):
+        return style
+    if isinstance(style, str) and style in STYLES:
+        return STYLES[style]()
+    raise UserError(
+        f"tp_plan[{pattern!r}] is {style!r}; use one of {', '.join(map(repr, STYLES))} or a "
+        f"torch.distributed.tensor.parallel ParallelStyle object."
+    )
+
+
+def _matches(pattern: str, names: list[str]) -> list[str]:
+    regex = re.compile("\\.".join("[^.]+" if part == "*" else re.escape(part) for part in pattern.split(".")))
+    return [n for n in names if regex.fullmatch(n)]
+
+
+def hugging_face_plan(model: nn.Module) -> dict[str, object]:
+    """A Hugging Face model's own plan (its config's `base_model_tp_plan`), named from
+    `model`'s root; {} when no submodule is a Hugging Face base model with one. Only its
+    'colwise' and 'rowwise' entries have torch styles: another is a `UserError` that
+    asks for a plan of one's own."""
+    for prefix, module in model.named_modules():
+        published = getattr(getattr(module, "config", None), "base_model_tp_plan", None)
+        if published and getattr(module, "base_model", None) is module:
+            other = sorted({str(v) for v in published.values()} - {"colwise", "rowwise"})
+            if other:
+                raise UserError(
+                    f"the Hugging Face plan of {type(module).__name__} uses the styles {other}, which "
+                    f"have no torch equivalent here; pass dt.wrap(..., tp_plan={{...}}) with 'colwise', "
+                    f"'rowwise' or torch ParallelStyles."
+                )
+            return {f"{prefix}.{key}" if prefix else key: style for key, style in published.items()}
+    return {}
+
+
+def resolve_plan(model: nn.Module, tp_plan: Mapping[str, object] | None) -> dict[str, ParallelStyle]:
+    """The plan by exact module name: `tp_plan`, else the Hugging Face plan
+    (`hugging_face_plan`), else the model's `tp_plan` attribute.
+
+    Raises `UserError` for a model with neither, an unknown style, or an entry that
+    names no module of the model (with a few of its module names).
+    """
+    # A Hugging Face model's own `tp_plan` holds styles of its own: its base model's plan first.
+    plan = tp_plan if tp_plan is not None else hugging_face_plan(model) or getattr(model, "tp_plan", None)
+    if not plan:
+        raise UserError(
+            f"parallel.tp > 1 needs a plan, and {type(model).__name__} has no tp_plan attribute (nor a "
+            f'Hugging Face base_model_tp_plan); pass dt.wrap(..., tp_plan={{"layers.*.q": "colwise", ...}}) '
+            f"(or dt.Job(tp_plan=...))."
+        )
+    names = [n for n, _ in model.named_modules() if n]
+    out: dict[str, ParallelStyle] = {}
+    for pattern, style in plan.items():
+        found = _matches(pattern, names)
+        if not found:
+            raise UserError(
+                f"tp_plan entry {pattern!r} names no module of {type(model).__name__}; its modules "
+                f"are named like {', '.join(names[:6])}, ... ('*' stands for one part of a name)."
+            )
+        parsed = _style(pattern, style)
+        out.update(dict.fromkeys(found, parsed))
+    return out
+
+
+def _split_width(module: nn.Module, style: ParallelStyle) -> int | None:
+    """The size the style splits: a Linear's output (colwise) or input (rowwise)
+    features, an Embedding's width (colwise) or rows (rowwise); None for others."""
+    weight = getattr(module, "weight", None)
+    if weight is None or weight.dim() != 2:
+        return None
+    colwise = isinstance(style, ColwiseParallel)
+    if not (colwise or isinstance(style, RowwiseParallel)):
+        return None
+    if isinstance(module, nn.Embedding):
+        colwise = not colwise
+    return int(weight.shape[0] if colwise else weight.shape[1])
+
+
+def _fits(model: nn.Module, plan: dict[str, ParallelStyle], tp: int) -> str | None:
+    """The first planned layer that `tp` does not split evenly, in words; None if all do."""
+    for name, style in plan.items():
+        module = model.get_submodule(name)
+        width = _split_width(module, style)
+        if width is not None and width % tp:
+            return f"{name} ({width} wide)"
+        parent = model.get_submodule(name.rpartition(".")[0])
+        head_dim = getattr(parent, "head_dim", None)
+        if isinstance(style, ColwiseParallel) and isinstance(head_dim, int) and width and (width // tp) % head_dim:
+            return f"{name} ({width // head_dim} heads)"
+    return None
+
+
+def check_plan(model: nn.Module, plan: dict[str, ParallelStyle], tp: int, world_size: int) -> None:
+    """Refuse a degree that splits a planned layer unevenly or one attention head, or a
+    plan that splits a weight tied to another layer. Raises `UserError` naming the
+    degrees that work."""
+    owners: dict[int, list[str]] = {}
+    for name, module in model.named_modules(remove_duplicate=False):
+        for p in module.parameters(recurse=False):
+            owners.setdefault(id(p), []).append(name)
+    for name in plan:
+        for p in model.get_submodule(name).parameters(recurse=False):
+            others = [o for o in owners[id(p)] if o != name]
+            if others:
+                raise UserError(
+                    f"tp_plan splits {name}, whose weight is tied to {others[0]}; leave "
+                    f"{name} out of the plan (or untie the weights)."
+                )
+    bad = _fits(model, plan, tp)
+    if bad is not None:
+        good = [d for d in divisors(world_size) if _fits(model, plan, d) is None]
+        raise UserError(f"parallel.tp = {tp} does not split {bad} evenly; use one of {good}.")
+
+
+def apply_tp(model: nn.Module, mesh: DeviceMesh, tp_plan: Mapping[str, object] | None, *, world_size: int) -> nn.Module:
+    """Split the planned layers of `model` (already on its device) over the 1D TP
+    `mesh`, in place; return it. The plan's checks (`resolve_plan`, `check_plan`)
+    raise `UserError` before anything changes, and ranks whose plans differ raise
+    `DistributedMismatchError` on every rank. A collective: every rank of the job
+    calls it."""
+    plan = resolve_plan(model, tp_plan)
+    check_plan(model, plan, mesh.size(), world_size)
+    # A rank with another plan would exchange activations of other shapes: refuse it.
+    described = ";".join(f"{name}={type(style).__name__}" for name, style in sorted(plan.items()))
+    assert_same_across_ranks("tensor-parallel plan (a checksum of names and styles)", zlib.crc32(described.encode()))
+    return parallelize_module(model, mesh, plan)

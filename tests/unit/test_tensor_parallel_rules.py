@@ -1,0 +1,96 @@
+"""Tensor-parallel degrees and plans that cannot work are one error before any rank
+starts (config validation) or before the model changes (the plan's checks)."""
+
+from types import SimpleNamespace
+
+import pytest
+import torch.nn as nn
+from torch.distributed.tensor.parallel import ColwiseParallel
+
+from disttrain.builtin import GPT, GPTConfig
+from disttrain.config import load_config
+from disttrain.config.tp_rules import dp_coordinates
+from disttrain.errors import ConfigError, UserError
+from disttrain.parallel.mesh import Layout
+from disttrain.parallel.tensor_parallel import check_plan, resolve_plan
+
+TINY = GPTConfig(block_size=8, n_layer=2, n_head=2, n_embd=16)
+
+
+FSDP = "--parallel.strategy=\"fsdp\""
+
+
+@pytest.mark.parametrize("overrides, expected", [
+    ([FSDP, "--parallel.tp=3", "--parallel.nproc=4"], "does not divide the world of 4 ranks; use one of [1, 2, 4]"),
+    ([FSDP, "--parallel.tp=4", "--parallel.nproc=4", "--model.n_head=2"],
+     "2 heads (model.n_head) into whole heads per rank; use one of [1, 2]"),
+    (["--parallel.tp=2", "--parallel.nproc=4"], "use --parallel.strategy=fsdp"),  # ddp with replicas
+    (["--parallel.tp=2", "--parallel.strategy=\"zero1\""], "not 'zero1'"),
+    ([FSDP, "--parallel.tp=2", "--parallel.nproc=6", "--parallel.sharding=\"hybrid\"",
+      "--parallel.shard_group_size=2"], "does not divide the world of 3 ranks"),  # the data-parallel world
+    ([FSDP, "--parallel.tp=2", "--elastic.fast_recovery=true"], "does not yet recover tensor-parallel shards"),
+    (["--parallel.tp=0"], "'parallel.tp' is 0"),
+])
+def test_a_degree_that_cannot_work_is_one_config_error(overrides, expected):
+    with pytest.raises(ConfigError) as err:
+        load_config(None, [*overrides, "--parallel.device=\"cpu\""])
+    assert expected in str(err.value)
+
+
+@pytest.mark.parametrize("overrides", [
+    ["--parallel.tp=2", "--parallel.nproc=4", "--parallel.strategy=\"fsdp\""],
+    ["--parallel.tp=2", "--parallel.nproc=4", "--parallel.strategy=\"fsdp\"", "--parallel.sharding=\"hybrid\"",
+     "--parallel.shard_group_size=1"],
+    ["--parallel.tp=2", "--parallel.nproc=2", "--parallel.strategy=\"ddp\""],
+])
+def test_tp_with_fsdp_any_sharding_or_ddp_at_tp_equal_world_loads(overrides):
+    assert load_config(None, [*overrides, "--parallel.device=\"cpu\""]).parallel.tp == 2
+
+
+def test_the_mesh_puts_a_tp_group_on_consecutive_ranks():
+    layout = Layout.for_strategy("fsdp", "hybrid", 8, shard_group_size=2, tp=2)
+    assert (layout.replicate, layout.shard, layout.tp, layout.dp_size) == (2, 2, 2, 4)
+    assert [layout.replica_of(r) for r in range(8)] == [0, 0, 0, 0, 1, 1, 1, 1]
+    assert [dp_coordinates(r, 8, 2) for r in (0, 1, 2, 7)] == [(0, 4), (0, 4), (1, 4), (3, 4)]
+    with pytest.raises(ConfigError, match="does not cover a world of 8"):
+        Layout(8, 2, 2, tp=3)
+
+
+def test_the_gpt_plan_names_its_layers_and_a_user_plan_is_checked():
+    model = GPT(TINY)
+    plan = resolve_plan(model, None)
+    assert sorted(plan) == sorted(f"blocks.{b}.{n}" for b in (0, 1)
+                                  for n in ("attn.q", "attn.k", "attn.v", "attn.proj", "mlp.0", "mlp.2"))
+    check_plan(model, plan, 2, 4)  # 2 heads, 64 MLP columns: two whole halves
+    with pytest.raises(UserError, match=r"blocks.0.attn.q \(2 heads\) evenly; use one of \[1, 2\]"):
+        check_plan(model, plan, 4, 4)
+    with pytest.raises(UserError, match="names no module of GPT"):
+        resolve_plan(model, {"layers.*.q": "colwise"})
+    with pytest.raises(UserError, match="use one of 'colwise', 'rowwise', 'sequence'"):
+        resolve_plan(model, {"blocks.*.attn.q": "columns"})
+    with pytest.raises(UserError, match="tied to tok_emb"):
+        check_plan(model, resolve_plan(model, {"lm_head": ColwiseParallel()}), 2, 2)
+    with pytest.raises(UserError, match="tied to lm_head"):
+        check_plan(model, resolve_plan(model, {"tok_emb": "rowwise"}), 2, 2)
+
+
+class _Base(nn.Module):
+    """A Hugging Face base model's shape: `config.base_model_tp_plan`, `base_model` is itself."""
+
+    def __init__(self, plan):
+        super().__init__()
+        self.config = SimpleNamespace(base_model_tp_plan=plan)
+        self.layers = nn.ModuleList([nn.ModuleDict({"q": nn.Linear(8, 8), "o": nn.Linear(8, 8)})])
+
+    @property
+    def base_model(self):
+        return self
+
+
+def test_a_published_plan_is_named_from_the_root_and_its_own_styles_are_refused():
+    wrapper = nn.Module()
+    wrapper.hf = _Base({"layers.*.q": "colwise", "layers.*.o": "rowwise"})
+    assert sorted(resolve_plan(wrapper, None)) == ["hf.layers.0.o", "hf.layers.0.q"]
+    wrapper.hf = _Base({"layers.*.q": "colwise_rep"})
+    with pytest.raises(UserError, match=r"uses the styles \['colwise_rep'\]"):
+        resolve_plan(wrapper, None)

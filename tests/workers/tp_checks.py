@@ -1,0 +1,234 @@
+"""Worker: tensor parallel x data parallel on 2 gloo ranks, in one launch
+(tests/launch/test_tensor_parallel.py).
+
+`python tp_checks.py OUT [JOB_DIR | grid]` under `disttrain run --nproc 2` (grid: 4);
+each rank writes OUT/rank{r}.json. `grid`: tp 2 x dp 2 under FSDP full, hybrid and none,
+20 steps, against one process. Without JOB_DIR:
+- job: a `dt.Job(strategy="fsdp", tp=2)` run of the built-in GPT (tp 2 x dp 1) with
+  clipping active, against a single-process copy trained on the same global batches:
+  the batches each rank read, the max parameter difference, the held-out loss against
+  the copy's, and the sample audit's files;
+- plain: `dt.wrap(strategy="ddp", tp=2, tp_plan=torch ParallelStyles)`, a user's plan
+  that splits only the MLPs, against one process the same way; and ranks that pass
+  different plans;
+- option: activation checkpointing and torch.compile (aot_eager) with fsdp at tp 2,
+  against one process;
+- hf: a small Hugging Face Llama under FSDP at tp 2 through its own published plan,
+  against one process;
+- reshard: the job's final checkpoint (tp 2 x dp 1) loaded at tp 1 x dp 2 (FSDP over
+  both ranks): whether every parameter and momentum buffer is bit-identical;
+- export: that checkpoint exported as one safetensors file (rank 0): whole tensors,
+  equal to the trained ones.
+With JOB_DIR (the first launch's OUT/job): that run resumed at tp 1 x dp 2 for two
+more steps: the step it resumed at and the batches each rank read.
+"""
+
+import copy
+import json
+import sys
+from pathlib import Path
+
+import torch
+from safetensors.torch import load_file
+from strategy_checks import max_diff, trained_values
+from torch.distributed.tensor.parallel import ColwiseParallel, RowwiseParallel
+
+import disttrain as dt
+from disttrain.builtin import GPT, GPTConfig
+from disttrain.checkpoint.export import export_safetensors
+
+CFG = GPTConfig(block_size=16, n_layer=2, n_head=2, n_embd=32)
+STEPS, BATCH, LR, CLIP = 6, 4, 0.1, 0.5
+
+
+class Windows(torch.utils.data.Dataset):
+    def __init__(self, n: int = 64):
+        self.x = torch.randint(0, 256, (n, CFG.block_size), generator=torch.Generator().manual_seed(7))
+
+    def __len__(self):
+        return len(self.x)
+
+    def __getitem__(self, i):
+        return {"x": self.x[i], "index": i}
+
+
+def sgd(model):
+    return torch.optim.SGD(model.parameters(), lr=LR, momentum=0.9)
+
+
+def reference_step(ref, opt, x, clip=CLIP):
+    opt.zero_grad()
+    ref(x, x)[1].backward()
+    torch.nn.utils.clip_grad_norm_(ref.parameters(), clip)
+    opt.step()
+
+
+def job_case(out: Path, results: dict):
+    with dt.Job(out, strategy="fsdp", tp=2, grad_clip=CLIP, seed=0, record_samples=True, progress=False) as job:
+        plain = GPT(CFG)
+        ref = copy.deepcopy(plain)
+        model = job.wrap(plain)
+        opt = sgd(model)
+        data = Windows()
+        loader = job.loader(data, batch_size=BATCH)
+        heldout = Windows(16)
+        evaluator = job.evaluator(heldout, BATCH, metric=lambda m, b: {"loss": m(b["x"], b["x"])[1]})
+        job.resume(model=model, optimizer=opt)
+        seen = []
+        for batch in job.steps(loader, max_steps=STEPS):
+            seen.append(batch["index"].tolist())
+            job.backward(model(batch["x"], batch["x"])[1])
+        ref_opt = sgd(ref)
+        for indices in seen:  # dp 1: this rank's batch is the global batch
+            reference_step(ref, ref_opt, data.x[indices])
+        results["job/seen"] = seen
+        results["job/parity"] = max_diff(model, ref)
+        with torch.no_grad():
+            ref_eval = sum(ref(x, x)[1].item() for x in heldout.x.split(BATCH)) / (len(heldout) // BATCH)
+        results["job/eval_diff"] = abs(evaluator.last["loss"] - ref_eval)
+        results["job/audit"] = {f.name: [json.loads(line)["indices"] for line in f.read_text().splitlines()]
+                                for f in sorted((out / "samples").glob("*.jsonl"))}
+        # The other cases share the job's process group (one launch).
+        plain_case(results)
+        hf_case(results)
+        options_case(results)
+        values = trained_values(model)
+        reshard_case(job.checkpoint_dir, values, momenta(model, opt), results)
+        if job.info.rank == 0:  # `disttrain ckpt export`'s function: whole tensors
+            export_safetensors(job.checkpoint_dir / f"step-{STEPS:08d}", out / "export.safetensors")
+            exported = load_file(out / "export.safetensors")
+            results["export/whole"] = all(torch.equal(exported[n], v) for n, v in values.items())
+        (out.parent / f"rank{job.info.rank}.json").write_text(json.dumps(results))
+
+
+def resume_case(out: Path, job_dir: Path):
+    """The job of `job_case` resumed at tp 1 x dp 2 (FSDP over both ranks) for two more
+    steps: where it starts, the batches each rank reads."""
+    results: dict = {}
+    with dt.Job(job_dir, strategy="fsdp", tp=1, grad_clip=CLIP, seed=0, progress=False) as job:
+        model = job.wrap(GPT(CFG))
+        opt = sgd(model)
+        loader = job.loader(Windows(), batch_size=BATCH // 2)
+        job.resume(model=model, optimizer=opt)
+        results["resume/step"] = job.step
+        more = []
+        for batch in job.steps(loader, max_steps=STEPS + 2):
+            more.append(batch["index"].tolist())
+            job.backward(model(batch["x"], batch["x"])[1])
+        results["resume/seen"] = more
+        (out / f"rank{job.info.rank}.json").write_text(json.dumps(results))
+
+
+def momenta(model, opt) -> list[torch.Tensor]:
+    out = []
+    for p in model.parameters():
+        buf = opt.state[p]["momentum_buffer"]
+        out.append((buf.full_tensor() if hasattr(buf, "full_tensor") else buf).detach().clone())
+    return out
+
+
+def plain_case(results: dict):
+    torch.manual_seed(0)
+    ref = GPT(CFG)
+    plan = {"blocks.*.mlp.0": ColwiseParallel(), "blocks.*.mlp.2": RowwiseParallel()}
+    model = dt.wrap(copy.deepcopy(ref), strategy="ddp", tp=2, tp_plan=plan)
+    opt, ref_opt = sgd(model), sgd(ref)
+    acc = dt.Accumulator(model, opt, 1, grad_clip=CLIP)
+    g = torch.Generator().manual_seed(3)
+    for _ in range(STEPS):
+        x = torch.randint(0, 256, (BATCH, CFG.block_size), generator=g)
+        reference_step(ref, ref_opt, x)
+        with acc.micro_step():
+            acc.backward(model(x, x)[1])
+    results["plain/parity"] = max_diff(model, ref)
+    mine = plan if dt.rank_info().rank == 0 else {"blocks.*.mlp.0": "colwise", "blocks.*.mlp.2": "rowwise",
+                                                  "blocks.*.attn.q": "colwise"}
+    try:
+        dt.wrap(GPT(CFG), strategy="ddp", tp=2, tp_plan=mine)
+    except dt.DistributedMismatchError as e:
+        results["plan/mismatch"] = str(e)
+    results["plain/split"] = sorted({n for n, p in model.named_parameters() if hasattr(p, "device_mesh")})
+
+
+def options_case(results: dict):
+    """Activation checkpointing and torch.compile per block, each with fsdp at tp 2."""
+    cases = (("ac", {"activation_checkpointing": True}), ("compile", {"compile": {"backend": "aot_eager"}}))
+    for name, options in cases:
+        torch.manual_seed(0)
+        ref = GPT(CFG)
+        model = dt.wrap(copy.deepcopy(ref), strategy="fsdp", tp=2, **options)
+        opt, ref_opt = sgd(model), sgd(ref)
+        acc = dt.Accumulator(model, opt, 1, grad_clip=CLIP)
+        g = torch.Generator().manual_seed(5)
+        for _ in range(3):
+            x = torch.randint(0, 256, (BATCH, CFG.block_size), generator=g)
+            reference_step(ref, ref_opt, x)
+            with acc.micro_step():
+                acc.backward(model(x, x)[1])
+        results[f"option/{name}"] = max_diff(model, ref)
+
+
+def hf_case(results: dict):
+    """A small Llama through its own published plan, under FSDP at tp 2."""
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    cfg = LlamaConfig(vocab_size=256, hidden_size=32, intermediate_size=64, num_hidden_layers=2,
+                      num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=CFG.block_size)
+    torch.manual_seed(0)
+    ref = LlamaForCausalLM(cfg)
+    model = dt.wrap(copy.deepcopy(ref), strategy="fsdp", tp=2)
+    opt, ref_opt = sgd(model), sgd(ref)
+    acc = dt.Accumulator(model, opt, 1, grad_clip=CLIP)
+    g = torch.Generator().manual_seed(4)
+    for _ in range(4):
+        x = torch.randint(0, 256, (BATCH, CFG.block_size), generator=g)
+        ref_opt.zero_grad()
+        ref(input_ids=x, labels=x).loss.backward()
+        torch.nn.utils.clip_grad_norm_(ref.parameters(), CLIP)
+        ref_opt.step()
+        with acc.micro_step():
+            acc.backward(model(input_ids=x, labels=x).loss)
+    results["hf/parity"] = max_diff(model, ref)
+    results["hf/split"] = sum(hasattr(p, "device_mesh") and p.device_mesh.ndim == 2 for p in model.parameters())
+
+
+def reshard_case(ckpt_dir: Path, want: dict, want_momenta: list, results: dict):
+    torch.manual_seed(1)  # other initial values: only the load can make them equal
+    model = dt.wrap(GPT(CFG), strategy="fsdp", tp=1)
+    opt = sgd(model)
+    loaded = dt.load(dt.TrainState(model=model, optimizer=opt), ckpt_dir)
+    got = trained_values(model)
+    results["reshard/loaded"] = loaded is not None
+    results["reshard/params_equal"] = all(torch.equal(got[n], want[n]) for n in want)
+    pairs = zip(momenta(model, opt), want_momenta, strict=True)
+    results["reshard/momenta_equal"] = all(torch.equal(a, b) for a, b in pairs)
+
+
+def grid_case(out: Path):
+    """tp 2 x dp 2 on 4 ranks: FSDP full, hybrid (2 replicas of 1 shard) and none, 20
+    steps with clipping, against one process on the global batches."""
+    info, results = dt.rank_info(), {}
+    for sharding, extra in (("full", {}), ("hybrid", {"shard_group_size": 1}), ("none", {})):
+        torch.manual_seed(0)
+        ref = GPT(CFG)
+        model = dt.wrap(copy.deepcopy(ref), strategy="fsdp", sharding=sharding, tp=2, **extra)
+        opt, ref_opt = sgd(model), sgd(ref)
+        acc = dt.Accumulator(model, opt, 1, grad_clip=CLIP)
+        g, d = torch.Generator().manual_seed(3), info.rank // 2  # the data-parallel rank
+        for _ in range(20):
+            x = torch.randint(0, 256, (BATCH, CFG.block_size), generator=g)
+            reference_step(ref, ref_opt, x)
+            with acc.micro_step():
+                acc.backward(model(x[d::2], x[d::2])[1])
+        results[f"grid/{sharding}"] = max_diff(model, ref)
+    (out / f"rank{info.rank}.json").write_text(json.dumps(results))
+
+
+if __name__ == "__main__":
+    if sys.argv[2:] == ["grid"]:
+        with dt.distributed(seed=0):
+            grid_case(Path(sys.argv[1]))
+    elif len(sys.argv) > 2:  # OUT JOB_DIR: resume that job's run
+        resume_case(Path(sys.argv[1]), Path(sys.argv[2]))
+    else:
+        job_case(Path(sys.argv[1]) / "job", {})
