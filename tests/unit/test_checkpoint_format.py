@@ -75,3 +75,15 @@ def test_a_checkpoint_of_the_first_format_still_loads_bit_for_bit(tmp_path):
     state.step = 3  # and a save after it is in the current format
     dt.save(state, tmp_path / "run")
     json.loads((tmp_path / "run" / "step-00000003" / ".metadata").read_text())
+
+
+def test_a_fused_attention_checkpoint_into_the_split_gpt_names_the_split(tmp_path):
+    """The fixture holds the built-in GPT's fused `attn.qkv`; the GPT of today has q, k
+    and v apart: the refusal says so and how to carry the run over."""
+    shutil.copytree(FIXTURE / "run", tmp_path / "run")
+    from disttrain.checkpoint.checkpoint_errors import CheckpointMismatch
+
+    with pytest.raises(CheckpointMismatch) as refused:
+        dt.load(build("ddp", FIXTURE_CFG), tmp_path / "run")
+    text = str(refused.value)
+    assert "fused `attn.qkv`" in text and "three equal row blocks" in text, text

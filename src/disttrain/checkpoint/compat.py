@@ -55,9 +55,17 @@ def check_compatible(
     if problems:
         listing = "\n  ".join(problems[:SHOW])
         more = f"\n  ... and {len(problems) - SHOW} more" if len(problems) > SHOW else ""
+        fused = any(k.endswith("attn.qkv.weight") for k in saved) and any(k.endswith("attn.q.weight") for k in flat)
+        hint = (
+            "It holds the fused `attn.qkv` of the built-in GPT before its attention was split into "
+            "`attn.q`, `attn.k` and `attn.v`: finish that run with the version that wrote it, or split "
+            "each `attn.qkv` weight and bias into three equal row blocks (q, k, v) (CHANGELOG, Breaking).\n"
+            if fused
+            else ""
+        )
         raise CheckpointMismatch(
             f"{step_dir} does not match the model/optimizer being loaded "
-            f"({len(problems)} mismatches):\n  {listing}{more}\n"
+            f"({len(problems)} mismatches):\n  {listing}{more}\n{hint}"
             f"Load it into the model it was saved from (see `disttrain ckpt inspect "
             f"{step_dir}`), or start a fresh run in another checkpoint directory."
         )
