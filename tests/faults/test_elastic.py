@@ -6,7 +6,6 @@ from __future__ import annotations
 import functools
 import os
 import random
-import shutil
 import signal
 import sys
 import time
@@ -105,17 +104,13 @@ def test_sigterm_saves_exits_zero_and_resumes_bit_exactly(reference, tmp_path):
     assert_same_run(reference("ddp"), tmp_path)
 
 
-needs_etcd = pytest.mark.skipif(shutil.which("etcd") is None and not os.path.exists("/usr/bin/etcd"),
-                                reason="etcd is not installed (scripts/test.sh installs etcd-server)")
-
-
-@pytest.mark.parametrize("backend", ["c10d", pytest.param("etcd", marks=needs_etcd)])
+@pytest.mark.parametrize("backend", ["c10d"])
 def test_scale_down_and_up_exactly_once(backend, tmp_path):
     """Two agents (--nnodes 1:2). One is killed: the survivor continues at world 1.
     A new agent joins: back to world 2. Every index of the epoch is consumed exactly
     once on the final timeline, and the loss continues from the breakpoint.
-    c10d: the agent that does not host the store dies. etcd: the first agent dies
-    (etcd has no single point of failure), and etcd itself restarts mid-run."""
+    c10d: the agent that does not host the store dies. (etcd, with etcd itself restarted
+    mid-run, is tests/faults/test_netns.py's: two nodes in their own network namespaces.)"""
     server = EtcdServer().start() if backend == "etcd" else None
     try:
         endpoint = server.endpoint if server else f"127.0.0.1:{free_port()}"

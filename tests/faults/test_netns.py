@@ -2,12 +2,13 @@
 veth pair, each with its own address, an etcd server inside the first, and one
 torchrun agent (`disttrain run --nnodes 1:2 --rdzv-backend etcd`) in each.
 
-Scenario: train at world 2 across the namespaces, kill node B (its agent and every
+Scenario: train at world 2 across the namespaces, restart etcd under the running job
+(training goes on), kill node B (its agent and every
 process under it), the survivor continues at world 1, node B starts again, the job
 is back at world 2 and finishes with exit 0, and every sample of the final timeline
 was consumed exactly once. Where `ip netns add` is refused (no CAP_SYS_ADMIN, a
 sandbox), the test skips and prints why; test_elastic.py runs the same scenario on
-loopback. Traffic stays inside the two namespaces this test creates and deletes.
+loopback with the c10d rendezvous. Traffic stays inside the two namespaces this test creates and deletes.
 """
 
 from __future__ import annotations
@@ -109,6 +110,9 @@ def test_two_namespace_nodes_scale_down_up_exactly_once(tmp_path):
         agents["a"] = agent("a", logs[0])
         agents["b"] = agent("b", logs[1])
         wait_for(lambda: progressed(2, 4), 150, "world 2 across the namespaces", logs)
+        server.restart()  # etcd restarts under the running job (its state kept): training goes on
+        mark = max(m["step"] for m in metrics(tmp_path))
+        wait_for(lambda: progressed(2, mark + 2), 60, "progress after the etcd restart", logs)
         mark = max(m["step"] for m in metrics(tmp_path))
         t_kill = time.monotonic()
         kill_node(agents.pop("b"))

@@ -120,7 +120,7 @@ def test_gpu_script_fp8_dry_run_on_cpu(tmp_path):
     # like for like: the same layers in float8 both ways, the same loss within the goal
     ours, hand = r["disttrain_fp8_compiled"], r["torchao_fp8_compiled"]
     assert ours["precision"] == hand["precision"] == "fp8"
-    assert ours["fp8_layers"] == hand["fp8_layers"] == 8  # 4 matrices x 2 blocks, not the tied head
+    assert ours["fp8_layers"] == hand["fp8_layers"] == 12  # q, k, v, proj, 2 MLP x 2 blocks, not the tied head
     assert abs(ours["loss"] - r["disttrain_fsdp_compiled"]["loss"]) < 0.01 * r["disttrain_fsdp_compiled"]["loss"]
     assert ours["ckpt_load_exact"] is True and "state_bytes" not in hand
     md = (tmp_path / "gpu.md").read_text()

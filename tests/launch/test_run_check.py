@@ -163,10 +163,11 @@ def test_checks_change_no_number_of_the_run(tmp_path):
 JOB_SCRIPT = WORKERS / "check_scripts" / "job_edit.py"
 
 
-@pytest.mark.parametrize("bug", ["edit", "one_rank", ""])
+@pytest.mark.parametrize("bug", ["edit", "one_rank"])
 def test_job_check_true_finds_the_scripts_own_bugs(bug, tmp_path):
     """`dt.Job(check=True)` under a plain `disttrain run`: a parameter changed outside the
-    optimizer, a collective on rank 0 only; the twin is silent."""
+    optimizer, a collective on rank 0 only. (A Job's correct twin runs silent in
+    `test_disttrain_train_guard_check_runs_the_checks`: the trainer drives a Job.)"""
     cmd = run_cmd(2, str(JOB_SCRIPT), str(tmp_path), "--bug", bug)
     proc = subprocess.run(cmd, capture_output=True, text=True, timeout=JOB_TIMEOUT, env=worker_env())
     lines = JOB_SCRIPT.read_text().splitlines()
@@ -183,9 +184,6 @@ def test_job_check_true_finds_the_scripts_own_bugs(bug, tmp_path):
         for text in ("rank 0 calls all_reduce", f"job_edit.py:{reduce_line}", "runs on rank 0 only"):
             assert text in proc.stderr, (text, proc.stderr[-3000:])
         assert proc.stderr.count("--check stopped the run") == 1 and "Traceback" not in proc.stderr
-    else:
-        assert proc.returncode == 0, proc.stderr[-3000:]
-        assert "checked 6 optimizer steps on 2 ranks" in proc.stderr and "no problem found" in proc.stderr
 
 
 def test_guard_check_steps_is_validated():

@@ -40,7 +40,6 @@ from disttrain.parallel.mesh import Layout
 from disttrain.parallel.optimizers import WRAP_INFO, apply_zero1, check_optimizer, make_optimizer, wrap_info
 from disttrain.parallel.precision import apply_autocast, compute_precision
 from disttrain.parallel.syncbn import convert_sync_batchnorm
-from disttrain.parallel.tensor_parallel import apply_tp
 from disttrain.runtime import rank_info, seed_rank_stream
 from disttrain.runtime.torch_compat import unwrap, wrapper_kind
 
@@ -146,6 +145,10 @@ def wrap(
         tp=cfg.tp,
     )
     if cfg.tp > 1:  # before checkpointing and sharding: the plan names the plain modules
+        # imported here: torch's tensor-parallel package pulls in DTensor and sympy, which
+        # a run without tp never needs at start-up (tests/launch/test_imports_startup.py)
+        from disttrain.parallel.tensor_parallel import apply_tp
+
         model = apply_tp(model, layout.tp_mesh(), tp_plan, world_size=info.world_size)
     sharded = cfg.strategy in ("fsdp", "fsdp1") and info.world_size > 1
     if not sharded and (cfg.activation_checkpointing or compile):
