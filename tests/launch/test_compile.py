@@ -3,8 +3,9 @@
 
 tests/workers/compile_checks.py: DDP and FSDP2 + activation checkpointing on 2 gloo
 ranks with the aot_eager backend (the same Dynamo and AOTAutograd graphs, no C++
-build), and inductor (C++ kernels built by the machine's gcc) in one process: compile
-time on a small CPU is the cost of this file. For each: losses within LOSS_BOUND of the
+build): compile time on a small CPU is the cost of this file. Inductor's C++ kernels
+are the compiler's and the machine's: `python tests/workers/compile_checks.py OUT
+ddp:inductor` runs them by hand (about a minute of C++ builds on 2 cores). For each: losses within LOSS_BOUND of the
 eager run's over the same steps and state-dict keys equal to eager's (no `_orig_mod.`);
 for the 2-rank cases also a run stopped and rebuilt from its state dicts (compiled
 again) that continues bit-identically.
@@ -13,13 +14,9 @@ Refusals are one line each and need no compile.
 
 from __future__ import annotations
 
-import json
-import subprocess
-import sys
-
 import pytest
 import torch
-from conftest import launch_worker, worker_env
+from conftest import launch_worker
 
 import disttrain as dt
 from disttrain.builtin import GPT, GPTConfig
@@ -44,17 +41,6 @@ def _check(results: list[dict]) -> None:
 @pytest.mark.timeout(300)
 def test_compiled_ddp_and_fsdp_on_2_ranks_match_eager_and_resume_bit_identically(tmp_path):
     _check(launch_worker("compile_checks.py", 2, tmp_path, "ddp:aot_eager,fsdp:aot_eager", timeout=280))
-
-
-@pytest.mark.slow
-@pytest.mark.timeout(300)
-def test_inductor_with_gcc_matches_eager_within_the_bound(tmp_path):
-    env = worker_env(TORCHINDUCTOR_COMPILE_THREADS="1",  # no worker pool on a small machine
-                     TORCHINDUCTOR_CACHE_DIR=str(tmp_path / "inductor"))
-    code = "import json, compile_checks; print(json.dumps(compile_checks.run(['ddp:inductor'])))"
-    proc = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=280, env=env)
-    assert proc.returncode == 0, proc.stderr[-4000:]
-    _check([json.loads(proc.stdout.strip().splitlines()[-1])])
 
 
 @pytest.mark.parametrize("options, words", [

@@ -23,7 +23,7 @@ pytestmark = pytest.mark.timeout(240)
 
 FIXTURE = WORKERS.parent / "data" / "checkpoint_v1" / "run"
 STEP = "step-00000002"
-FUZZ_CASES, FUZZ_SEED = 4_000, 20_260_601
+FUZZ_CASES, FUZZ_SEED = 2_500, 20_260_601
 MEMORY = 1 << 30
 
 

@@ -13,6 +13,7 @@ from __future__ import annotations
 import functools
 import inspect
 import os
+import signal
 import sys
 import sysconfig
 from dataclasses import dataclass, field
@@ -152,6 +153,10 @@ def stop(text: str, speaker: int = 0) -> None:
     for stream in (sys.stdout, sys.stderr):
         stream.flush()
     if worker_notes.under_launcher():
+        try:  # the launcher's SIGTERM ends this process at once (no preemption save of wrong results)
+            signal.signal(signal.SIGTERM, signal.SIG_DFL)
+        except ValueError:  # not the main thread: the wait below ends it
+            pass
         if rank == speaker:
             worker_notes.report_not_retried(f"{PREFIX} stopped the run: {text}", STOP_STATUS)
         worker_notes.wait_to_be_stopped()  # the launcher stops every rank now
