@@ -28,7 +28,6 @@ from dataclasses import dataclass
 from typing import Any
 
 import torch
-from torch.distributed.tensor import DTensor
 from torch.utils.data import DataLoader
 
 from disttrain.check import samples
@@ -56,23 +55,14 @@ class LoaderState:
 
 
 def fingerprint(batch: Any) -> tuple[float, float]:
-    """(sum, sum of |x|) in float64 over every tensor in a batch (nested lists, tuples,
-    dicts); other values, DTensors and meta tensors count as 0."""
+    """(sum, sum of |x|) in float64 over every tensor in a batch (`samples.batch_tensors`:
+    nested lists, tuples, dicts); other values, DTensors and meta tensors count as 0."""
     total, size = 0.0, 0.0
-    stack = [batch]
     with torch.no_grad():
-        while stack:
-            item = stack.pop()
-            if isinstance(item, DTensor) or (isinstance(item, torch.Tensor) and item.is_meta):
-                continue  # a shard's sum would be a collective; a meta tensor has no values
-            if isinstance(item, torch.Tensor):
-                t = item.detach()
-                total += float(t.sum(dtype=torch.float64))
-                size += float(t.abs().sum(dtype=torch.float64))
-            elif isinstance(item, dict):
-                stack.extend(item[k] for k in sorted(item, key=str))
-            elif isinstance(item, (list, tuple)):
-                stack.extend(item)
+        for item in samples.batch_tensors(batch):
+            t = item.detach()
+            total += float(t.sum(dtype=torch.float64))
+            size += float(t.abs().sum(dtype=torch.float64))
     return total, size
 
 

@@ -24,6 +24,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 import torch
+from torch.distributed.tensor import DTensor
 from torch.utils.data import DataLoader, Subset
 
 from disttrain.check.verdicts import Finding
@@ -37,10 +38,15 @@ HEAD = 8
 (3: replicas, rank, seed)."""
 
 
-def _tensors(batch: Any) -> list[torch.Tensor]:
+def batch_tensors(batch: Any) -> list[torch.Tensor]:
+    """The tensors of a batch (nested lists, tuples, dicts; dict items by key) whose
+    values this rank holds, in one fixed order: DTensors (a shard's sum would be a
+    collective) and meta tensors (no values) are left out."""
     out, stack = [], [batch]
     while stack:
         item = stack.pop()
+        if isinstance(item, DTensor) or (isinstance(item, torch.Tensor) and item.is_meta):
+            continue
         if isinstance(item, torch.Tensor):
             out.append(item)
         elif isinstance(item, dict):
@@ -54,7 +60,7 @@ def sample_prints(batch: Any) -> torch.Tensor:
     """[n, 2] float64: per sample of `batch` (the leading dimension of its first tensor),
     the sum of its values and their position-weighted sum, over every tensor of the batch
     with that leading dimension. Empty when the batch holds no tensor with a dimension."""
-    tensors = [t for t in _tensors(batch) if t.dim() >= 1]
+    tensors = [t for t in batch_tensors(batch) if t.dim() >= 1]
     if not tensors:
         return torch.zeros(0, 2, dtype=torch.float64)
     n = tensors[0].shape[0]

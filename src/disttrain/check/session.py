@@ -144,7 +144,8 @@ class Session:
         if opt is not self.stepping:
             return
         self.stepping = None
-        self.resets.stepped([p for group in opt.param_groups for p in group["params"]])
+        if not self.data.paused:  # paused or closed: the gradient hooks are gone already
+            self.resets.stepped([p for group in opt.param_groups for p in group["params"]])
         if self.pending is not None and not self.closed:
             self._guarded(self._check_after)
 
