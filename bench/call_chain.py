@@ -1,4 +1,4 @@
-"""How many of disttrain's files stand between a command and the optimizer step (issue 43).
+"""How many of disttrain's files stand between a command and the optimizer step.
 
 Starts a real, tiny `disttrain train` run (examples/tiny_gpt.toml, 2 CPU ranks, 2 steps)
 with a `sitecustomize` on the path of every process it starts, which records:

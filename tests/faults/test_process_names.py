@@ -1,4 +1,4 @@
-"""Processes named for what they are (issue 41, item 6): during a real 2-rank `disttrain
+"""Processes named for what they are: during a real 2-rank `disttrain
 run`, `ps` names both ranks (/proc/PID/comm, what `ps -e`, top and pgrep show), the
 launcher's output gives each rank's pid, and the warm-worker stubs and server are named
 as such. Killing the announced pid of rank 1 kills rank 1, not local rank 0."""

@@ -1,4 +1,4 @@
-"""Process plumbing written once (runtime/processes.py, issue 43 item 5): the package
+"""Process plumbing written once (runtime/processes.py): the package
 calls `prctl`, `gc.freeze` and `gc.unfreeze` only there and keeps no `global` of its
 own (process-wide values live in `processes.STATE`); the parent-death signal really
 ends a child whose parent is killed; a freeze for life is never thawed."""

@@ -1,4 +1,4 @@
-"""Messages in the user's words (issue 41, item 5): the prefix is the way in ('disttrain
+"""Messages in the user's words: the prefix is the way in ('disttrain
 job' in a script, 'disttrain train' in the trainer); `dt.print_main` prints once before a
 Job exists; losses are labelled in the data's unit; a finished run says only that it is
 finished and what a continued run would change."""

@@ -1,4 +1,4 @@
-"""The CLI answers as people expect (issue 41, item 8): `--help` on every command exits
+"""The CLI answers as people expect: `--help` on every command exits
 0 and lists its options, `disttrain train --help` names every config key of the schema
 with its type and default, `disttrain run --help` shows disttrain's own flags and says
 that torchrun's pass through, `disttrain --version` prints the version."""

@@ -1,4 +1,4 @@
-"""The set-up split (issue 41, item 7): `bash scripts/train.sh` on a fresh clone installs
+"""The set-up split: `bash scripts/train.sh` on a fresh clone installs
 the Python package only, never an apt package; `bash scripts/test.sh` installs the test
 suite's system packages.
 

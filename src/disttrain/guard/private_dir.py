@@ -1,4 +1,4 @@
-"""Where the watchdog's side channel lives, and how its files are opened (issue 49).
+"""Where the watchdog's side channel lives, and how its files are opened.
 
 The side channel holds heartbeats that name process ids, a `stall` file that stops
 every rank, and stacks. On a machine shared with other users it must be a folder only

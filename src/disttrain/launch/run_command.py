@@ -429,7 +429,7 @@ def main(argv: list[str], launched: Launched | None = None) -> int:
         launched = Launched(tuple(split_script(argv)[1][1:]), run.cfg)
     args = run.args
     slots = "disttrain.launch.slot_supervisor" in args and os.environ.get(warm_workers.SWITCH_ENV, "1") == "1"
-    # The ranks' hang-watchdog folder: private to this user and this job (issue 49), made
+    # The ranks' hang-watchdog folder: private to this user and this job, made
     # before the warm server so that its forks inherit it too.
     with private_dir.for_launch():
         server = warm_workers.start_server() if "disttrain.launch.warm_workers" in args or slots else None
