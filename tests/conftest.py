@@ -40,6 +40,20 @@ def run_cmd(nproc: int, *script_and_args: str) -> list[str]:
     return [sys.executable, "-m", "disttrain.cli", "run", "--nproc", str(nproc), *script_and_args]
 
 
+def run_checked(script: Path, *args: str, check: tuple[str, ...] = ("--check",),
+                timeout: float = 120) -> subprocess.CompletedProcess:
+    """`disttrain run --nproc 2 CHECK... SCRIPT ARGS` (the `--check` flags by default) in a
+    subprocess; a hang fails the test after `timeout` seconds."""
+    return subprocess.run(run_cmd(2, *check, str(script), *args), capture_output=True, text=True,
+                          timeout=timeout, env=worker_env())
+
+
+def script_line(script: Path, text: str) -> str:
+    """'NAME:N' of `script`'s first line holding `text`: how a message names a user's line."""
+    lines = script.read_text().splitlines()
+    return f"{script.name}:{next(i for i, line in enumerate(lines, 1) if text in line)}"
+
+
 def launch_worker(script: str, nproc: int, out_dir: Path, *args: str, timeout: float = 240) -> list[dict]:
     """Run tests/workers/SCRIPT on `nproc` gloo ranks under `disttrain run` (torchrun,
     warm workers) and return each rank's JSON result (`out_dir/rank{r}.json`). Fails

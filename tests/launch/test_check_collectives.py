@@ -8,13 +8,12 @@ the checks stop on every rank: shown in one process, on a store of the test's ow
 """
 
 import logging
-import subprocess
 from datetime import timedelta
 
 import pytest
 import torch
 import torch.distributed as dist
-from conftest import WORKERS, run_cmd, worker_env
+from conftest import WORKERS, run_checked, script_line
 
 from disttrain.check import fingerprints
 from disttrain.check.collective_watch import WORLD, CollectiveWatch
@@ -28,8 +27,7 @@ JOB_TIMEOUT = 120
 
 
 def line_of(text: str) -> str:
-    lines = SCRIPT.read_text().splitlines()
-    return f"collectives.py:{next(i for i, line in enumerate(lines, 1) if text in line)}"
+    return script_line(SCRIPT, text)
 
 
 BUGS = {
@@ -55,8 +53,7 @@ BUGS = {
 @pytest.mark.parametrize("bug", sorted(BUGS))
 def test_a_collective_bug_stops_the_run_naming_each_ranks_line(bug):
     words, lines = BUGS[bug]
-    cmd = run_cmd(2, "--check", str(SCRIPT), "--bug", bug)
-    proc = subprocess.run(cmd, capture_output=True, text=True, timeout=JOB_TIMEOUT, env=worker_env())
+    proc = run_checked(SCRIPT, "--bug", bug, timeout=JOB_TIMEOUT)
     assert proc.returncode == 3, proc.stderr[-3000:]
     for text in [*words, *(line_of(line) for line in lines)]:
         assert text in proc.stderr, (text, proc.stderr[-3000:])
@@ -67,8 +64,7 @@ def test_every_collective_kind_called_correctly_runs_silent():
     """Also what differs by design: all_to_all_single's splits, gather and scatter lists on
     the root only, the same broadcast from two lines, a group of its own, the end by
     destroy_process_group()."""
-    proc = subprocess.run(run_cmd(2, "--check", str(SCRIPT)), capture_output=True, text=True,
-                          timeout=JOB_TIMEOUT, env=worker_env())
+    proc = run_checked(SCRIPT, timeout=JOB_TIMEOUT)
     assert proc.returncode == 0, proc.stderr[-3000:]
     assert "warning" not in proc.stderr and "stopped" not in proc.stderr, proc.stderr[-3000:]
     assert "no problem found" in proc.stderr, proc.stderr[-3000:]

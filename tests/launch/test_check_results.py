@@ -14,7 +14,7 @@ process, on the numbers every rank would gather.
 import subprocess
 
 import torch
-from conftest import WORKERS, run_cmd, worker_env
+from conftest import WORKERS, run_checked, script_line
 
 from disttrain.check import float16, numbers, rng_restore
 from disttrain.check.patches import Patches
@@ -25,14 +25,11 @@ JOB_TIMEOUT = 120
 
 
 def line_of(text: str) -> str:
-    """'results.py:N' of the script's first line holding `text`."""
-    lines = SCRIPT.read_text().splitlines()
-    return f"results.py:{next(i for i, line in enumerate(lines, 1) if text in line)}"
+    return script_line(SCRIPT, text)
 
 
 def run_script(out, *args: str, check: tuple[str, ...] = ("--check",)) -> subprocess.CompletedProcess:
-    cmd = run_cmd(2, *check, str(SCRIPT), str(out), *args)
-    return subprocess.run(cmd, capture_output=True, text=True, timeout=JOB_TIMEOUT, env=worker_env())
+    return run_checked(SCRIPT, str(out), *args, check=check, timeout=JOB_TIMEOUT)
 
 
 def assert_said(stderr: str, words: list[str], lines: list[str]) -> None:

@@ -11,7 +11,7 @@ import subprocess
 
 import pytest
 import torch
-from conftest import WORKERS, run_cmd, worker_env
+from conftest import WORKERS, run_checked, run_cmd, script_line, worker_env
 
 from disttrain.check.settings import ALL, CHECK_ENV, parse_steps, take_check_flags, window_from_env
 from disttrain.errors import UserError
@@ -23,14 +23,11 @@ JOB_TIMEOUT = 120
 
 
 def line_of(text: str) -> str:
-    """'train.py:N' of the script's line holding `text`."""
-    lines = SCRIPT.read_text().splitlines()
-    return f"train.py:{next(i for i, line in enumerate(lines, 1) if text in line)}"
+    return script_line(SCRIPT, text)
 
 
 def run_script(out, *args: str, check: tuple[str, ...] = ("--check",)) -> subprocess.CompletedProcess:
-    cmd = run_cmd(2, *check, str(SCRIPT), str(out), *args)
-    return subprocess.run(cmd, capture_output=True, text=True, timeout=JOB_TIMEOUT, env=worker_env())
+    return run_checked(SCRIPT, str(out), *args, check=check, timeout=JOB_TIMEOUT)
 
 
 def test_flags_become_the_ranks_window_and_leave_torchruns_arguments():

@@ -1,6 +1,7 @@
 """No module reads another object's underscore attribute: a part that another module
-needs is public, or reached through a function. An AST check over src/disttrain: `x._name` where `x` is not `self`, `cls` or
-`super()` and the name is not a dunder, and `from m import _name`, each named file:line.
+needs is public, or reached through a function. An AST check over src/disttrain:
+`x._name` where `x` is not `self`, `cls` or `super()` and the name is not a dunder, and
+`from m import _name`, each named file:line.
 
 Exempt: runtime/torch_compat.py (the one place for torch's private names), `os._exit`,
 `sys._getframe`, `sys._current_frames`, and a namedtuple's `_replace`, `_asdict`,
