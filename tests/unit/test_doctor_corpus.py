@@ -120,8 +120,10 @@ def test_each_round_is_new_held_back_code_and_its_reviews_give_its_recorded_figu
     a later fix added are marked `after_freeze` and were misses then), targets missed
     included: the test pins them, it does not fail on them."""
     results = reviewed_projects()
-    assert FRESH_ROUND == 10 and all(r.round in range(1, 11) for r in results)
-    for n in range(3, 11):
+    # a round reviewed but not yet recorded (the next one) is held to the same rules
+    latest = max(RECORDED) + 1
+    assert FRESH_ROUND == 10 and all(r.round in range(1, latest + 1) for r in results)
+    for n in range(3, latest + 1 if any(r.round == latest for r in results) else latest):
         fresh = [r for r in results if r.round == n]
         assert fresh == held_back_round(results, n), f"a round-{n} project outside the held-back half"
         assert len(fresh) >= 8 and sum(r.lines for r in fresh) >= 7900
