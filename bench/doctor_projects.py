@@ -377,9 +377,23 @@ RECORDED: dict[int, dict[str, Any]] = {
         "hygiene": (39, 39),
         "behavioural": (2, 3),
     },
+    # 20 projects, each reviewed by hand and the review committed before the doctor ran
+    11: {
+        "projects": 20,
+        "files": 67,
+        "lines": 18676,
+        "findings": 181,
+        "tp": 156,
+        "fp": 25,
+        "false_errors": 3,
+        "false_per_500": 0.67,
+        "precision": 0.86,
+        "hygiene": (93, 96),
+        "behavioural": (21, 40),
+    },
 }
 ROUND1_HELD_BACK = RECORDED[1]
-FRESH_ROUND = 10  # the latest round: held-back projects no rule was changed for
+FRESH_ROUND = 11  # the latest round: held-back projects no rule was changed for
 
 
 def round_figures(results: list[ProjectResult]) -> dict[str, Any]:
