@@ -83,6 +83,8 @@ def test_sequence_parallel_runs_the_layers_on_a_slice_of_the_sequence(ranks):
     assert all(r["option/sp/block_input"] == [4, 16 // 2, width] for r in ranks)
     assert all(r["option/ac/block_input"] == [4, 16, width] for r in ranks)
     assert all(r["option/sp/logits"] == ["Tensor", [4, 16, 256]] for r in ranks)  # whole for the loss
+    assert all("this batch's is 15 long; use a sequence length (block size) that divides by 2" in r["option/sp/odd"]
+               for r in ranks)
 
 
 def test_loss_parallel_keeps_the_logits_split_over_the_vocabulary(ranks):

@@ -182,6 +182,11 @@ def options_case(results: dict):
         results[f"option/{name}/left"] = not loss_parallel_active()
         plain = dt.unwrap(model)
         results[f"option/{name}/tied"] = plain.lm_head.weight is plain.tok_emb.weight
+        if name == "sp":
+            try:  # refused before any collective, on every rank alike
+                model(x[:, :-1], x[:, :-1])
+            except dt.UserError as e:
+                results["option/sp/odd"] = str(e)
     with loss_parallel():  # a script's own context around forward and backward, as torch's docs show
         model(x, x)[1].backward()
     results["option/lp/own_context_left"] = not loss_parallel_active()
