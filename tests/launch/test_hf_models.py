@@ -1,6 +1,7 @@
 """Hugging Face models without a download (model.hf / model.hf_path), and
 `disttrain ckpt export --hf`: GPT-2 from a config trains under FSDP2 at 2 ranks through
-examples/hf_gpt2.toml, and the exported folder gives the trained model's logits exactly.
+examples/hf_gpt2.toml, and the exported folder gives the trained model's logits exactly;
+a local Llama folder trains the same way at tp 2 x dp 2 and exports from its TP checkpoint.
 """
 
 import json
@@ -163,4 +164,56 @@ def test_export_hf_of_a_job_checkpoint_of_a_hugging_face_model(tmp_path):
     exported = transformers.AutoModelForCausalLM.from_pretrained(tmp_path / "hf")
     assert type(exported).__name__ == "LlamaForCausalLM"
     trained = dt.unwrap(model)
+    assert torch.equal(_logits(exported, x), _logits(trained, x))
+
+
+LLAMA_TOML = """
+[model]
+hf_path = "ckpt/llama"
+block_size = 16
+[data]
+max_bytes = 20000
+[parallel]
+strategy = "fsdp"
+nproc = 4
+tp = 2
+[optim]
+lr = 1e-2
+[train]
+steps = 3
+batch_size = 2
+eval_batches = 1
+out_dir = "run"
+[checkpoint]
+dir = "ckpt"
+[log]
+tensorboard = false
+"""
+
+
+def test_a_llama_trained_at_tp2_dp2_through_the_cli_exports_with_the_same_logits(tmp_path):
+    """A local Llama folder (model.hf_path) trained by `disttrain train` at tp 2 x dp 2
+    under FSDP with its own published plan; `ckpt export --hf` of the TP checkpoint
+    loads with from_pretrained and gives the logits of the run's own final weights.
+    The folder lies inside the checkpoint folder, where the export may read it."""
+    from disttrain.checkpoint.storage_formats import read_metadata
+
+    config = transformers.LlamaConfig(vocab_size=256, hidden_size=32, intermediate_size=64, num_hidden_layers=2,
+                                      num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=16)
+    torch.manual_seed(0)
+    transformers.LlamaForCausalLM(config).save_pretrained(tmp_path / "ckpt" / "llama")
+    (tmp_path / "llama.toml").write_text(LLAMA_TOML)
+    proc = run_disttrain(["train", str(tmp_path / "llama.toml")], timeout=150)
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    summary = json.loads((tmp_path / "run" / "summary.json").read_text())
+    assert (summary["world_size"], summary["config"]["parallel"]["tp"], summary["steps"]) == (4, 2, 3)
+    step = _step_dir(tmp_path / "ckpt")
+    chunks = read_metadata(step).state_dict_metadata["model.hf.model.layers.0.self_attn.o_proj.weight"].chunks
+    assert {c.offsets[1] for c in chunks} == {0, 16}  # o_proj (rowwise) was saved split by its inputs
+    proc = run_disttrain(["ckpt", "export", str(tmp_path / "ckpt"), "--hf", str(tmp_path / "hf")])
+    assert proc.returncode == 0, proc.stdout[-2000:] + proc.stderr[-2000:]
+    exported = transformers.AutoModelForCausalLM.from_pretrained(tmp_path / "hf")
+    trained = transformers.LlamaForCausalLM(config)
+    trained.load_state_dict(torch.load(tmp_path / "run" / "model.pt", weights_only=True), strict=True)
+    x = torch.arange(2 * 16).view(2, 16) * 7 % 256
     assert torch.equal(_logits(exported, x), _logits(trained, x))

@@ -1,8 +1,9 @@
 """Tensor parallel x data parallel on 2 real gloo ranks, one launch
 (tests/workers/tp_checks.py): `dt.Job(tp=2)` with FSDP and `dt.wrap(strategy="ddp",
-tp=2, tp_plan=...)` against one process, the batches and evaluation of a TP group, a
-checkpoint saved at tp 2 x dp 1 loaded at tp 1 x dp 2 and exported whole; a second
-launch resumes the run at tp 1 x dp 2; a launch of 4 ranks runs tp 2 x dp 2."""
+tp=2, tp_plan=...)` against one process, sequence and loss parallel likewise, the
+batches and evaluation of a TP group, a checkpoint saved at tp 2 x dp 1 loaded at
+tp 1 x dp 2 and exported whole; a second launch resumes the run at tp 1 x dp 2; a
+launch of 4 ranks runs tp 2 x dp 2 (with sequence and loss parallel too)."""
 
 import pytest
 from conftest import built_once, launch_worker
@@ -35,7 +36,7 @@ def grid(tmp_path_factory):
                       lambda out: launch_worker("tp_checks.py", 4, out, "grid", timeout=200))
 
 
-@pytest.mark.parametrize("sharding", ["full", "hybrid", "none"])
+@pytest.mark.parametrize("sharding", ["full", "hybrid", "none", "full+sp+lp"])
 def test_tp2_dp2_fsdp_matches_one_process_over_20_steps(grid, sharding):
     assert all(r[f"grid/{sharding}"] <= PARITY for r in grid)
 
@@ -70,9 +71,25 @@ def test_a_hugging_face_llama_trains_with_its_own_plan_and_matches(ranks):
         assert r["hf/split"] == 2 * 7  # q, k, v, o, gate, up, down of each layer: on the 2D mesh
 
 
-@pytest.mark.parametrize("option", ["ac", "compile"])
-def test_activation_checkpointing_and_compile_compose_with_tp(ranks, option):
+@pytest.mark.parametrize("option", ["ac", "compile", "sp", "lp"])
+def test_checkpointing_compile_sequence_and_loss_parallel_compose_with_tp(ranks, option):
     assert all(r[f"option/{option}"] <= PARITY for r in ranks)
+    assert all(r[f"option/{option}/left"] for r in ranks)  # no loss_parallel() left entered
+    assert all(r[f"option/{option}/tied"] for r in ranks)  # the LM head's weight is still the embedding's
+
+
+def test_sequence_parallel_runs_the_layers_on_a_slice_of_the_sequence(ranks):
+    width = 32
+    assert all(r["option/sp/block_input"] == [4, 16 // 2, width] for r in ranks)
+    assert all(r["option/ac/block_input"] == [4, 16, width] for r in ranks)
+    assert all(r["option/sp/logits"] == ["Tensor", [4, 16, 256]] for r in ranks)  # whole for the loss
+    assert all("this batch's is 15 long; use a sequence length (block size) that divides by 2" in r["option/sp/odd"]
+               for r in ranks)
+
+
+def test_loss_parallel_keeps_the_logits_split_over_the_vocabulary(ranks):
+    assert all(r["option/lp/logits"] == ["DTensor", [4, 16, 256 // 2]] for r in ranks)
+    assert all(r["option/lp/own_context_left"] for r in ranks)  # the script's own loss_parallel() nests
 
 
 def test_ranks_with_different_plans_are_refused_on_every_rank(ranks):

@@ -30,6 +30,17 @@ FSDP = "--parallel.strategy=\"fsdp\""
       "--parallel.shard_group_size=2"], "does not divide the world of 3 ranks"),  # the data-parallel world
     ([FSDP, "--parallel.tp=2", "--elastic.fast_recovery=true"], "does not yet recover tensor-parallel shards"),
     (["--parallel.tp=0"], "'parallel.tp' is 0"),
+    (["--parallel.sequence_parallel=true"], "parallel.sequence_parallel = true splits over the tensor-parallel "
+                                            "group, but parallel.tp is 1"),
+    (["--parallel.loss_parallel=true"], "set parallel.tp to 2 or more, or parallel.loss_parallel = false"),
+    ([FSDP, "--parallel.tp=2", "--parallel.loss_parallel=true", "--train.loss=\"mine:loss\""],
+     "needs the built-in loss (cross entropy on the split logits), but train.loss is 'mine:loss'"),
+    ([FSDP, "--parallel.tp=2", "--parallel.sequence_parallel=true", "--model.factory=\"mine:model\""],
+     "extends the built-in GPT's plan, and this run's model is its own"),
+    ([FSDP, "--parallel.tp=2", "--parallel.sequence_parallel=true", "--data.block_size=15"],
+     "sequence of 15 tokens (data.block_size, else model.block_size) over parallel.tp = 2"),
+    ([FSDP, "--parallel.tp=2", "--parallel.loss_parallel=true", "--model.vocab_size=257"],
+     "splits the built-in GPT's 257 tokens (model.vocab_size) over parallel.tp = 2"),
 ])
 def test_a_degree_that_cannot_work_is_one_config_error(overrides, expected):
     with pytest.raises(ConfigError) as err:
@@ -42,6 +53,8 @@ def test_a_degree_that_cannot_work_is_one_config_error(overrides, expected):
     ["--parallel.tp=2", "--parallel.nproc=4", "--parallel.strategy=\"fsdp\"", "--parallel.sharding=\"hybrid\"",
      "--parallel.shard_group_size=1"],
     ["--parallel.tp=2", "--parallel.nproc=2", "--parallel.strategy=\"ddp\""],
+    ["--parallel.tp=2", "--parallel.nproc=4", "--parallel.strategy=\"fsdp\"", "--parallel.sequence_parallel=true",
+     "--parallel.loss_parallel=true"],
 ])
 def test_tp_with_fsdp_any_sharding_or_ddp_at_tp_equal_world_loads(overrides):
     assert load_config(None, [*overrides, "--parallel.device=\"cpu\""]).parallel.tp == 2
@@ -72,6 +85,20 @@ def test_the_gpt_plan_names_its_layers_and_a_user_plan_is_checked():
         check_plan(model, resolve_plan(model, {"lm_head": ColwiseParallel()}), 2, 2)
     with pytest.raises(UserError, match="tied to lm_head"):
         check_plan(model, resolve_plan(model, {"tok_emb": "rowwise"}), 2, 2)
+    check_plan(model, resolve_plan(model, {"tok_emb": "rowwise", "lm_head": "colwise"}), 2, 2)  # split alike
+    with pytest.raises(UserError, match="tied to lm_head"):
+        check_plan(model, resolve_plan(model, {"tok_emb": "colwise", "lm_head": "colwise"}), 2, 2)
+
+
+def test_sequence_and_loss_parallel_extend_the_gpt_plan_only():
+    model = GPT(TINY)
+    plan = resolve_plan(model, None, sequence_parallel=True, loss_parallel=True)
+    assert {"blocks.1.ln1", "blocks.1.ln2", "ln_f", "tok_emb", "lm_head"} <= set(plan)
+    check_plan(model, plan, 2, 2)  # the tied embedding and LM head split by the same rows
+    with pytest.raises(UserError, match="loss_parallel=True extends the built-in GPT's own plan, not a tp_plan"):
+        resolve_plan(model, {"blocks.*.mlp.0": "colwise"}, loss_parallel=True)
+    with pytest.raises(UserError, match="sequence_parallel=True .* not Linear, which has no tp_plan_for"):
+        resolve_plan(nn.Linear(4, 4), None, sequence_parallel=True)
 
 
 class _Base(nn.Module):

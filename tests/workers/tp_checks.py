@@ -3,7 +3,7 @@
 
 `python tp_checks.py OUT [JOB_DIR | grid]` under `disttrain run --nproc 2` (grid: 4);
 each rank writes OUT/rank{r}.json. `grid`: tp 2 x dp 2 under FSDP full, hybrid and none,
-20 steps, against one process. Without JOB_DIR:
+and full with sequence and loss parallel, against one process. Without JOB_DIR:
 - job: a `dt.Job(strategy="fsdp", tp=2)` run of the built-in GPT (tp 2 x dp 1) with
   clipping active, against a single-process copy trained on the same global batches:
   the batches each rank read, the max parameter difference, the held-out loss against
@@ -11,8 +11,8 @@ each rank writes OUT/rank{r}.json. `grid`: tp 2 x dp 2 under FSDP full, hybrid a
 - plain: `dt.wrap(strategy="ddp", tp=2, tp_plan=torch ParallelStyles)`, a user's plan
   that splits only the MLPs, against one process the same way; and ranks that pass
   different plans;
-- option: activation checkpointing and torch.compile (aot_eager) with fsdp at tp 2,
-  against one process;
+- option: activation checkpointing, torch.compile (aot_eager), sequence parallel and
+  loss parallel, each with fsdp at tp 2, against one process;
 - hf: a small Hugging Face Llama under FSDP at tp 2 through its own published plan,
   against one process;
 - reshard: the job's final checkpoint (tp 2 x dp 1) loaded at tp 1 x dp 2 (FSDP over
@@ -31,11 +31,12 @@ from pathlib import Path
 import torch
 from safetensors.torch import load_file
 from strategy_checks import max_diff, trained_values
-from torch.distributed.tensor.parallel import ColwiseParallel, RowwiseParallel
+from torch.distributed.tensor.parallel import ColwiseParallel, RowwiseParallel, loss_parallel
 
 import disttrain as dt
 from disttrain.builtin import GPT, GPTConfig
 from disttrain.checkpoint.export import export_safetensors
+from disttrain.runtime.torch_compat import loss_parallel_active
 
 CFG = GPTConfig(block_size=16, n_layer=2, n_head=2, n_embd=32)
 STEPS, BATCH, LR, CLIP = 6, 4, 0.1, 0.5
@@ -151,8 +152,13 @@ def plain_case(results: dict):
 
 
 def options_case(results: dict):
-    """Activation checkpointing and torch.compile per block, each with fsdp at tp 2."""
-    cases = (("ac", {"activation_checkpointing": True}), ("compile", {"compile": {"backend": "aot_eager"}}))
+    """Activation checkpointing, torch.compile per block, sequence parallel and loss
+    parallel, each with fsdp at tp 2, against one process; what sequence and loss
+    parallel change: the layers' input is a slice of the sequence, the logits a
+    DTensor split over the vocabulary, and torch's loss_parallel() is left after each
+    backward, also when the script enters it itself around its own backward."""
+    cases = (("ac", {"activation_checkpointing": True}), ("compile", {"compile": {"backend": "aot_eager"}}),
+             ("sp", {"sequence_parallel": True}), ("lp", {"loss_parallel": True}))
     for name, options in cases:
         torch.manual_seed(0)
         ref = GPT(CFG)
@@ -160,12 +166,30 @@ def options_case(results: dict):
         opt, ref_opt = sgd(model), sgd(ref)
         acc = dt.Accumulator(model, opt, 1, grad_clip=CLIP)
         g = torch.Generator().manual_seed(5)
+        seen: list = []
+        first_block = dt.unwrap(model).blocks[0]  # the layers' input: the whole sequence or a slice
+        first_block.register_forward_pre_hook(lambda m, args, seen=seen: seen.append(list(args[0].shape)))
         for _ in range(3):
             x = torch.randint(0, 256, (BATCH, CFG.block_size), generator=g)
             reference_step(ref, ref_opt, x)
             with acc.micro_step():
-                acc.backward(model(x, x)[1])
+                logits, loss = model(x, x)
+                acc.backward(loss)
         results[f"option/{name}"] = max_diff(model, ref)
+        results[f"option/{name}/block_input"] = seen[0]
+        results[f"option/{name}/logits"] = [type(logits).__name__, list(logits.to_local().shape)
+                                            if hasattr(logits, "to_local") else list(logits.shape)]
+        results[f"option/{name}/left"] = not loss_parallel_active()
+        plain = dt.unwrap(model)
+        results[f"option/{name}/tied"] = plain.lm_head.weight is plain.tok_emb.weight
+        if name == "sp":
+            try:  # refused before any collective, on every rank alike
+                model(x[:, :-1], x[:, :-1])
+            except dt.UserError as e:
+                results["option/sp/odd"] = str(e)
+    with loss_parallel():  # a script's own context around forward and backward, as torch's docs show
+        model(x, x)[1].backward()
+    results["option/lp/own_context_left"] = not loss_parallel_active()
 
 
 def hf_case(results: dict):
@@ -205,10 +229,13 @@ def reshard_case(ckpt_dir: Path, want: dict, want_momenta: list, results: dict):
 
 
 def grid_case(out: Path):
-    """tp 2 x dp 2 on 4 ranks: FSDP full for 20 steps, hybrid (2 replicas of 1 shard) and
-    none for 5, with clipping, against one process on the global batches."""
+    """tp 2 x dp 2 on 4 ranks: FSDP full for 20 steps, hybrid (2 replicas of 1 shard),
+    none, and full with sequence and loss parallel for 5, with clipping, against one
+    process on the global batches."""
     info, results = dt.rank_info(), {}
-    for sharding, extra, steps in (("full", {}, 20), ("hybrid", {"shard_group_size": 1}, 5), ("none", {}, 5)):
+    both = {"sequence_parallel": True, "loss_parallel": True}
+    for sharding, extra, steps in (("full", {}, 20), ("hybrid", {"shard_group_size": 1}, 5), ("none", {}, 5),
+                                   ("full", both, 5)):
         torch.manual_seed(0)
         ref = GPT(CFG)
         model = dt.wrap(copy.deepcopy(ref), strategy="fsdp", sharding=sharding, tp=2, **extra)
@@ -220,7 +247,7 @@ def grid_case(out: Path):
             reference_step(ref, ref_opt, x)
             with acc.micro_step():
                 acc.backward(model(x[d::2], x[d::2])[1])
-        results[f"grid/{sharding}"] = max_diff(model, ref)
+        results[f"grid/{sharding}{'+sp+lp' if extra is both else ''}"] = max_diff(model, ref)
     (out / f"rank{info.rank}.json").write_text(json.dumps(results))
 
 

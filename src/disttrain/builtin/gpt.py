@@ -85,6 +85,53 @@ class GPT(nn.Module):
         "blocks.*.mlp.2": "rowwise",
     }
 
+    def tp_plan_for(self, *, sequence_parallel: bool = False, loss_parallel: bool = False) -> dict[str, object]:
+        """`tp_plan` with its options, as torch styles where the strings do not suffice.
+
+        `sequence_parallel`: the residual stream between the layers holds this rank's
+        1/tp of the sequence; the norms run on it (`SequenceParallel`), each attention
+        and MLP gathers the whole sequence on entry and its output projection
+        reduce-scatters back to the slice (instead of an all-reduce). The embedding's
+        output is sliced, and the final norm's gathered again for the LM head.
+        `loss_parallel`: the LM head splits by columns (vocabulary) and keeps its
+        output split (a DTensor, `Shard(-1)`); the tied embedding splits by the same
+        rows, so the tie holds. The sequence length must divide by the degree.
+        """
+        from torch.distributed.tensor import Replicate, Shard
+        from torch.distributed.tensor.parallel import (
+            ColwiseParallel,
+            PrepareModuleInput,
+            PrepareModuleOutput,
+            RowwiseParallel,
+            SequenceParallel,
+        )
+
+        plan: dict[str, object] = dict(self.tp_plan)
+        seq, whole = Shard(1), Replicate()
+        if sequence_parallel:
+            gather = PrepareModuleInput(input_layouts=(seq,), desired_input_layouts=(whole,))
+            plan |= {
+                "drop": PrepareModuleOutput(output_layouts=(whole,), desired_output_layouts=(seq,)),
+                "blocks.*.ln1": SequenceParallel(),
+                "blocks.*.ln2": SequenceParallel(),
+                "blocks.*.attn": gather,
+                "blocks.*.mlp": gather,
+                "blocks.*.attn.proj": RowwiseParallel(output_layouts=seq),
+                "blocks.*.mlp.2": RowwiseParallel(output_layouts=seq),
+                "ln_f": SequenceParallel(),
+            }
+        head_input = seq if sequence_parallel else whole
+        if loss_parallel:
+            plan["tok_emb"] = RowwiseParallel(input_layouts=whole)
+            plan["lm_head"] = ColwiseParallel(
+                input_layouts=head_input, output_layouts=Shard(-1), use_local_output=False
+            )
+        elif sequence_parallel:
+            plan["lm_head"] = PrepareModuleInput(
+                input_layouts=(seq,), desired_input_layouts=(whole,), use_local_output=True
+            )
+        return plan
+
     def __init__(self, cfg: GPTConfig):
         super().__init__()
         if cfg.n_embd % cfg.n_head:

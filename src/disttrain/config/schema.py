@@ -27,7 +27,7 @@ from disttrain.config.log_config import LogConfig, check_log
 from disttrain.config.path_keys import anchor_override, anchor_paths
 from disttrain.config.rules import check_values
 from disttrain.config.tomlfile import apply_overrides, build, read_toml
-from disttrain.config.tp_rules import check_gpt_tp, check_tp
+from disttrain.config.tp_rules import check_gpt_tp, check_gpt_tp_options, check_tp, check_tp_options
 from disttrain.config.user_code import check_model_keys, check_sources
 from disttrain.errors import ConfigError
 
@@ -97,6 +97,12 @@ class ParallelConfig:
     """Tensor-parallel degree: each layer split over this many consecutive ranks (1: none);
     it divides the world, which the data-parallel strategy (fsdp, or ddp at tp = world)
     spans in world / tp groups. docs/strategies.md "2D"."""
+    sequence_parallel: bool = False
+    """With tp > 1, the built-in GPT's norms (and the residual stream between its layers)
+    run on 1/tp of the sequence: less activation memory, the same traffic."""
+    loss_parallel: bool = False
+    """With tp > 1, the built-in GPT's output layer and embedding split over the
+    vocabulary, its cross entropy computed on the split logits (never gathered)."""
 
 
 @dataclass(kw_only=True)
@@ -355,9 +361,35 @@ def validate(cfg: Config) -> None:
         f"set elastic.fast_recovery = false (a restart resumes from the checkpoint), or parallel.tp = 1.",
     )
     validate_parallel(p, t.precision, world_size=p.nproc, local_world_size=p.nproc, device_type=device)
+    _check_tp_options(cfg, builtin)
+    check_fp8(t.precision, t.fp8_recipe, device)
+
+
+def _check_tp_options(cfg: Config, builtin: bool) -> None:
+    """The tensor-parallel checks that need the model and the loss: the built-in GPT's
+    sizes, and sequence and loss parallel only where the built-in plan and loss run."""
+    p, m = cfg.parallel, cfg.model
+    options = [n for n, on in (("sequence_parallel", p.sequence_parallel), ("loss_parallel", p.loss_parallel)) if on]
+    _require(
+        builtin or not options,
+        f"parallel.{options[0] if options else ''} = true extends the built-in GPT's plan, and this run's "
+        f"model is its own (model.factory / hf / hf_path); set it false and put torch's styles in the "
+        f"model's tp_plan instead.",
+    )
+    _require(
+        not (p.loss_parallel and cfg.train.loss),
+        f"parallel.loss_parallel = true needs the built-in loss (cross entropy on the split logits), but "
+        f"train.loss is {cfg.train.loss!r}; drop train.loss, or set parallel.loss_parallel = false.",
+    )
     if builtin:
         check_gpt_tp(m.n_head, m.n_embd, p.tp, p.nproc)
-    check_fp8(t.precision, t.fp8_recipe, device)
+        check_gpt_tp_options(
+            p.tp,
+            block_size=cfg.data.block_size or m.block_size,
+            vocab_size=m.vocab_size,
+            sequence_parallel=p.sequence_parallel,
+            loss_parallel=p.loss_parallel,
+        )
 
 
 def _cuda_count() -> int:
@@ -424,6 +456,7 @@ def validate_parallel(
     if s == "fsdp1":
         check_fsdp1(precision=precision, cpu_offload=p.cpu_offload, device_type=device_type)
     check_tp(s, p.tp, precision, world_size)
+    check_tp_options(p.tp, sequence_parallel=p.sequence_parallel, loss_parallel=p.loss_parallel)
     tp = max(1, p.tp)
     dp_local = max(1, local_world_size // tp)
     shard_grid(s, p.sharding, world_size // tp, shard_group_size=p.shard_group_size, local_world_size=dp_local)

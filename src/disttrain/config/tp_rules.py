@@ -9,7 +9,9 @@ One place for the rules that the launcher's validation and `dt.wrap` share:
   replicated or both) or `ddp` with no data-parallel replicas (tp = world); the other
   strategies' wrappers cannot hold tensor-parallel (DTensor) parameters;
 - the built-in GPT's heads and MLP width divide by the degree, so each rank runs whole
-  heads.
+  heads;
+- sequence and loss parallelism need a degree above 1, and split the built-in GPT's
+  sequence and vocabulary into equal slices.
 
 Each refusal is one `ConfigError` naming the sizes that would work. No torch here.
 """
@@ -55,6 +57,37 @@ def check_tp(strategy: str, tp: int, precision: str, world_size: int) -> None:
         )
     if precision == "fp8":
         raise ConfigError(f"train.precision 'fp8' does not compose with parallel.tp = {tp}; use bf16.")
+
+
+def check_tp_options(tp: int, *, sequence_parallel: bool, loss_parallel: bool) -> None:
+    """Refuse sequence or loss parallelism without a TP group to split over.
+
+    Raises `ConfigError` naming the option and the degree it needs.
+    """
+    for name, on in (("sequence_parallel", sequence_parallel), ("loss_parallel", loss_parallel)):
+        if on and tp <= 1:
+            raise ConfigError(
+                f"parallel.{name} = true splits over the tensor-parallel group, but parallel.tp is {tp}; "
+                f"set parallel.tp to 2 or more, or parallel.{name} = false."
+            )
+
+
+def check_gpt_tp_options(
+    tp: int, *, block_size: int, vocab_size: int, sequence_parallel: bool, loss_parallel: bool
+) -> None:
+    """Refuse a built-in GPT whose sequence (sequence parallel) or vocabulary (loss
+    parallel) does not split into `tp` equal slices. Raises `ConfigError` naming the
+    key to change."""
+    if sequence_parallel and block_size % tp:
+        raise ConfigError(
+            f"parallel.sequence_parallel splits the sequence of {block_size} tokens (data.block_size, else "
+            f"model.block_size) over parallel.tp = {tp}; use a block size that divides by {tp}."
+        )
+    if loss_parallel and vocab_size % tp:
+        raise ConfigError(
+            f"parallel.loss_parallel splits the built-in GPT's {vocab_size} tokens (model.vocab_size) over "
+            f"parallel.tp = {tp}; use a vocabulary size that divides by {tp}."
+        )
 
 
 def check_gpt_tp(n_head: int, n_embd: int, tp: int, world_size: int) -> None:

@@ -6,6 +6,7 @@ Each strategy is a plain function `apply_x(model, ...)` in its own module:
     zero1  zero.apply_zero1      DDP + ZeroRedundancyOptimizer (via make_optimizer)
     fsdp   fsdp.apply_fsdp       FSDP2 fully_shard per block, on a mesh from mesh.Layout
     tp     tensor_parallel.apply_tp   with fsdp or ddp: layers split over a TP group first
+           (loss_parallel.install: the loss on logits split over the vocabulary)
     fsdp1  fsdp1.apply_fsdp1     legacy FullyShardedDataParallel
     dp     dp.apply_dp           nn.DataParallel (one process)
 
@@ -107,7 +108,12 @@ def wrap(
     `ParallelStyle`s; None: the model's own `tp_plan`) over N consecutive ranks with
     torch's `parallelize_module`, then the strategy (fsdp, or ddp when N is the world)
     spans the world / N data-parallel ranks; a degree that does not divide the world or
-    a planned layer is a `UserError` naming the degrees that work. In a world of 1 every
+    a planned layer is a `UserError` naming the degrees that work. With N > 1,
+    `sequence_parallel=True` and `loss_parallel=True` extend the model's own plan
+    (`tp_plan_for`, the built-in GPT's): the norms on a slice of the sequence, and the
+    loss on logits split over the vocabulary (the forward runs under torch's
+    `loss_parallel()` and returns the logits as that DTensor and the loss as a plain
+    tensor whose backward enters the context again by itself). In a world of 1 every
     strategy except `dp` leaves the module unwrapped (no process group exists);
     precision, SyncBN conversion and activation checkpointing still apply.
     A collective when the world is larger: every rank calls it with the same
@@ -149,7 +155,18 @@ def wrap(
         # a run without tp never needs at start-up (tests/launch/test_imports_startup.py)
         from disttrain.parallel.tensor_parallel import apply_tp
 
-        model = apply_tp(model, layout.tp_mesh(), tp_plan, world_size=info.world_size)
+        model = apply_tp(
+            model,
+            layout.tp_mesh(),
+            tp_plan,
+            world_size=info.world_size,
+            sequence_parallel=cfg.sequence_parallel,
+            loss_parallel=cfg.loss_parallel,
+        )
+        if cfg.loss_parallel:
+            from disttrain.parallel.loss_parallel import install
+
+            install(model)
     sharded = cfg.strategy in ("fsdp", "fsdp1") and info.world_size > 1
     if not sharded and (cfg.activation_checkpointing or compile):
         # torchtitan's order: checkpointing, then compile per block, then DDP

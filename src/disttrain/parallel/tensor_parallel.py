@@ -76,15 +76,41 @@ def hugging_face_plan(model: nn.Module) -> dict[str, object]:
     return {}
 
 
-def resolve_plan(model: nn.Module, tp_plan: Mapping[str, object] | None) -> dict[str, ParallelStyle]:
-    """The plan by exact module name: `tp_plan`, else the Hugging Face plan
-    (`hugging_face_plan`), else the model's `tp_plan` attribute.
+def _options_plan(model: nn.Module, tp_plan: Mapping[str, object] | None, options: dict[str, bool]):
+    """The model's own plan with sequence or loss parallel (`tp_plan_for`); raises
+    `UserError` when a plan is given or the model offers no such plan."""
+    wanted = [name for name, on in options.items() if on]
+    offer = getattr(model, "tp_plan_for", None)
+    if tp_plan is not None or not callable(offer):
+        whose = "a tp_plan of your own" if tp_plan is not None else f"{type(model).__name__}, which has no tp_plan_for"
+        raise UserError(
+            f"{wanted[0]}=True extends the built-in GPT's own plan, not {whose}; write torch's "
+            f"SequenceParallel / ColwiseParallel(output_layouts=Shard(-1), use_local_output=False) into "
+            f'tp_plan instead (docs/strategies.md "2D").'
+        )
+    return offer(**options)
 
-    Raises `UserError` for a model with neither, an unknown style, or an entry that
-    names no module of the model (with a few of its module names).
+
+def resolve_plan(
+    model: nn.Module,
+    tp_plan: Mapping[str, object] | None,
+    *,
+    sequence_parallel: bool = False,
+    loss_parallel: bool = False,
+) -> dict[str, ParallelStyle]:
+    """The plan by exact module name: `tp_plan`, else the Hugging Face plan
+    (`hugging_face_plan`), else the model's `tp_plan` attribute; with
+    `sequence_parallel` or `loss_parallel`, the model's `tp_plan_for(...)`.
+
+    Raises `UserError` for a model with neither, an unknown style, an entry that
+    names no module of the model (with a few of its module names), or an option the
+    plan cannot take (a plan of one's own, a model without `tp_plan_for`).
     """
-    # A Hugging Face model's own `tp_plan` holds styles of its own: its base model's plan first.
-    plan = tp_plan if tp_plan is not None else hugging_face_plan(model) or getattr(model, "tp_plan", None)
+    options = {"sequence_parallel": sequence_parallel, "loss_parallel": loss_parallel}
+    if any(options.values()):
+        plan = _options_plan(model, tp_plan, options)
+    else:  # a Hugging Face model's own `tp_plan` holds styles of its own: its base model's plan first
+        plan = tp_plan if tp_plan is not None else hugging_face_plan(model) or getattr(model, "tp_plan", None)
     if not plan:
         raise UserError(
             f"parallel.tp > 1 needs a plan, and {type(model).__name__} has no tp_plan attribute (nor a "
@@ -103,6 +129,18 @@ def resolve_plan(model: nn.Module, tp_plan: Mapping[str, object] | None) -> dict
         parsed = _style(pattern, style)
         out.update(dict.fromkeys(found, parsed))
     return out
+
+
+def _weight_layout(module: nn.Module, style: ParallelStyle | None) -> str | None:
+    """How the style lays out `module`'s weight over the TP group: the dimension split
+    (a Linear's rows when colwise, an Embedding's rows when rowwise), 'whole' for a copy
+    on each rank (sequence parallel), None when it leaves the weight alone."""
+    if isinstance(style, SequenceParallel):
+        return "whole"
+    colwise = isinstance(style, ColwiseParallel)
+    if not (colwise or isinstance(style, RowwiseParallel)):
+        return None
+    return "rows" if colwise != isinstance(module, nn.Embedding) else "columns"
 
 
 def _split_width(module: nn.Module, style: ParallelStyle) -> int | None:
@@ -137,33 +175,69 @@ def check_plan(model: nn.Module, plan: dict[str, ParallelStyle], tp: int, world_
     """Refuse a degree that splits a planned layer unevenly or one attention head, or a
     plan that splits a weight tied to another layer. Raises `UserError` naming the
     degrees that work."""
-    owners: dict[int, list[str]] = {}
-    for name, module in model.named_modules(remove_duplicate=False):
-        for p in module.parameters(recurse=False):
-            owners.setdefault(id(p), []).append(name)
-    for name in plan:
-        for p in model.get_submodule(name).parameters(recurse=False):
-            others = [o for o in owners[id(p)] if o != name]
-            if others:
-                raise UserError(
-                    f"tp_plan splits {name}, whose weight is tied to {others[0]}; leave "
-                    f"{name} out of the plan (or untie the weights)."
-                )
+    for holders in _tied(model):
+        layouts = {o: _weight_layout(model.get_submodule(o), plan.get(o)) for o in holders}
+        split = next((o for o, layout in layouts.items() if layout is not None), None)
+        other = next((o for o, layout in layouts.items() if split and layout != layouts[split]), None)
+        if split is not None and other is not None:  # the holders would get two different weights
+            raise UserError(
+                f"tp_plan splits {split}, whose weight is tied to {other}; leave it out of the plan, "
+                f"split {other} the same way (a tied LM head colwise, its embedding rowwise), or untie "
+                f"the weights."
+            )
     bad = _fits(model, plan, tp)
     if bad is not None:
         good = [d for d in divisors(world_size) if _fits(model, plan, d) is None]
         raise UserError(f"parallel.tp = {tp} does not split {bad} evenly; use one of {good}.")
 
 
-def apply_tp(model: nn.Module, mesh: DeviceMesh, tp_plan: Mapping[str, object] | None, *, world_size: int) -> nn.Module:
+def _tied(model: nn.Module) -> list[dict[str, str]]:
+    """Each parameter held by more than one module (a tied embedding and LM head), as
+    {holder's module name: the attribute it holds it under}."""
+    owners: dict[int, dict[str, str]] = {}
+    for name, module in model.named_modules(remove_duplicate=False):
+        for attr, p in module.named_parameters(recurse=False, remove_duplicate=False):
+            owners.setdefault(id(p), {})[name] = attr
+    return [holders for holders in owners.values() if len(holders) > 1]
+
+
+def _check_sequence(module: nn.Module, args: tuple, tp: int) -> None:
+    t = args[0].shape[1] if args and hasattr(args[0], "shape") and args[0].dim() > 1 else 0
+    if t % tp:
+        raise UserError(
+            f"sequence_parallel splits the sequence over tp = {tp}, and this batch's is {t} long; "
+            f"use a sequence length (block size) that divides by {tp}."
+        )
+
+
+def apply_tp(
+    model: nn.Module,
+    mesh: DeviceMesh,
+    tp_plan: Mapping[str, object] | None,
+    *,
+    world_size: int,
+    sequence_parallel: bool = False,
+    loss_parallel: bool = False,
+) -> nn.Module:
     """Split the planned layers of `model` (already on its device) over the 1D TP
-    `mesh`, in place; return it. The plan's checks (`resolve_plan`, `check_plan`)
-    raise `UserError` before anything changes, and ranks whose plans differ raise
+    `mesh`, in place; return it. `sequence_parallel` / `loss_parallel` take the model's
+    `tp_plan_for` plan with those options (its forward then refuses a sequence that does
+    not divide by the degree). Weights tied across layers that the plan splits the same
+    way stay tied. The plan's checks (`resolve_plan`, `check_plan`) raise `UserError`
+    before anything changes, and ranks whose plans differ raise
     `DistributedMismatchError` on every rank. A collective: every rank of the job
     calls it."""
-    plan = resolve_plan(model, tp_plan)
+    plan = resolve_plan(model, tp_plan, sequence_parallel=sequence_parallel, loss_parallel=loss_parallel)
     check_plan(model, plan, mesh.size(), world_size)
     # A rank with another plan would exchange activations of other shapes: refuse it.
     described = ";".join(f"{name}={type(style).__name__}" for name, style in sorted(plan.items()))
     assert_same_across_ranks("tensor-parallel plan (a checksum of names and styles)", zlib.crc32(described.encode()))
-    return parallelize_module(model, mesh, plan)
+    ties = [list(holders.items()) for holders in _tied(model) if set(holders) <= set(plan)]
+    model = parallelize_module(model, mesh, plan)
+    for (first, attr), *others in ties:  # each holder got its own split copy: one Parameter again
+        shared = getattr(model.get_submodule(first), attr)
+        for other, other_attr in others:
+            setattr(model.get_submodule(other), other_attr, shared)
+    if sequence_parallel:
+        model.register_forward_pre_hook(lambda module, args: _check_sequence(module, args, mesh.size()))
+    return model

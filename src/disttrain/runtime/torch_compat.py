@@ -465,6 +465,19 @@ def collectives_issued() -> int | None:
         return None
 
 
+def loss_parallel_active() -> bool:
+    """Whether torch's `loss_parallel()` context is entered in this process: its cross
+    entropy handlers are in DTensor's dispatcher (`DTensor._op_dispatcher.
+    _custom_op_handlers` holds `aten._log_softmax`). Checked on 2.13.0. Entering the
+    context twice and leaving it twice fails (the second exit finds nothing to remove),
+    so disttrain enters it only when this is False. Fallback on a release without the
+    attribute: False (disttrain then always enters it itself)."""
+    from torch.distributed.tensor import DTensor
+
+    handlers = getattr(getattr(DTensor, "_op_dispatcher", None), "_custom_op_handlers", None)
+    return isinstance(handlers, dict) and torch.ops.aten._log_softmax.default in handlers
+
+
 def set_plan_cache_key(planner: Any, key: str) -> None:
     """Keep a DCP save planner's cached plans under `key` instead of its class name.
     Checked on 2.13.0: `DefaultSavePlanner(enable_plan_caching=True)` caches in

@@ -180,6 +180,11 @@ class Job:
         tp_plan (dict | None): For `dt.wrap`: {module name with `*`: 'colwise',
             'rowwise', 'sequence' or a torch `ParallelStyle`}; None: the model's own
             `tp_plan` (the built-in GPT has one).
+        sequence_parallel: With tp > 1, the built-in GPT's norms run on 1/tp of the
+            sequence (`parallel.sequence_parallel`).
+        loss_parallel: With tp > 1, the built-in GPT's logits stay split over the
+            vocabulary and its loss (the model's own) is computed on them
+            (`parallel.loss_parallel`); `job.backward` runs under torch's `loss_parallel`.
         progress: Rank 0's progress bar.
         trackers (str | list | None): "wandb", "mlflow", `dt.WandbTracker(...)`,
             `dt.MlflowTracker(...)` or a list of them: rank 0 sends each metrics record,
@@ -217,6 +222,8 @@ class Job:
         check: bool | None = None,
         tp: int | None = None,
         tp_plan: dict | None = None,
+        sequence_parallel: bool | None = None,
+        loss_parallel: bool | None = None,
         progress: bool = True,
         trackers=None,
     ):
@@ -231,6 +238,8 @@ class Job:
             tensorboard=tensorboard,
             check=check,
             tp=tp,
+            sequence_parallel=sequence_parallel,
+            loss_parallel=loss_parallel,
         )
         self.run = run or RunOptions()
         self._tp_plan = tp_plan

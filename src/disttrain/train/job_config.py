@@ -56,6 +56,8 @@ SHORT = {
     "tensorboard": ("log", "tensorboard"),
     "check": ("guard", "check"),
     "tp": ("parallel", "tp"),
+    "sequence_parallel": ("parallel", "sequence_parallel"),
+    "loss_parallel": ("parallel", "loss_parallel"),
 }
 """The short keywords of `dt.Job` -> the (section, field) each overrides."""
 
