@@ -14,7 +14,7 @@ from pathlib import Path
 import pytest
 import torch
 from conftest import built_once
-from elastic_helpers import assert_same_fast_run, start, trainer_cmd
+from elastic_helpers import assert_same_fast_run, run_trainer
 
 from disttrain.elastic.buddy_copy import choose_step, pack, unpack
 
@@ -24,15 +24,8 @@ PHASES = ["forward", "backward", "step", "buddy"]
 
 
 def _run(out: Path, nproc: int, *extra: str, fault: str = "", timeout: float = 300) -> str:
-    log = out / "log.txt"
-    cmd = trainer_cmd(out, f"--train.steps={STEPS}", *extra, run_flags=("--nproc", str(nproc)))
-    proc = start(cmd, log, **({"DISTTRAIN_FAULT": fault} if fault else {}))
-    try:
-        assert proc.wait(timeout=timeout) == 0, log.read_text()[-4000:]
-    finally:
-        if proc.poll() is None:
-            proc.kill()
-    return log.read_text()
+    return run_trainer(out, f"--train.steps={STEPS}", *extra, run_flags=("--nproc", str(nproc)), fault=fault,
+                       timeout=timeout)
 
 
 @pytest.fixture(scope="module")

@@ -27,7 +27,7 @@ from disttrain.config.log_config import LogConfig, check_log
 from disttrain.config.path_keys import anchor_override, anchor_paths
 from disttrain.config.rules import check_values
 from disttrain.config.tomlfile import apply_overrides, build, read_toml
-from disttrain.config.tp_rules import check_gpt_tp, check_tp
+from disttrain.config.tp_rules import check_gpt_tp, check_tp, check_tp_plan
 from disttrain.config.user_code import check_model_keys, check_sources
 from disttrain.errors import ConfigError
 
@@ -97,6 +97,10 @@ class ParallelConfig:
     """Tensor-parallel degree: each layer split over this many consecutive ranks (1: none);
     it divides the world, which the data-parallel strategy (fsdp, or ddp at tp = world)
     spans in world / tp groups. docs/strategies.md "2D"."""
+    tp_plan: dict[str, str] = field(default_factory=dict)
+    """How parallel.tp splits the model, by module name (`*` for one part of a dotted name):
+    {"blocks.*.attn.q" = "colwise", ...}, each 'colwise', 'rowwise' or 'sequence'; empty:
+    the model's own plan (the built-in GPT's, or a Hugging Face model's published one)."""
 
 
 @dataclass(kw_only=True)
@@ -349,12 +353,8 @@ def validate(cfg: Config) -> None:
         f"elastic.fast_recovery = true works with parallel.strategy 'ddp' or 'fsdp', not "
         f"{p.strategy!r} on {device}; set elastic.fast_recovery = false, or one of those strategies.",
     )
-    _require(
-        not cfg.elastic.fast_recovery or p.tp == 1,
-        f"elastic.fast_recovery = true does not yet recover tensor-parallel shards (parallel.tp = {p.tp}); "
-        f"set elastic.fast_recovery = false (a restart resumes from the checkpoint), or parallel.tp = 1.",
-    )
     validate_parallel(p, t.precision, world_size=p.nproc, local_world_size=p.nproc, device_type=device)
+    check_tp_plan(p.tp_plan)
     if builtin:
         check_gpt_tp(m.n_head, m.n_embd, p.tp, p.nproc)
     check_fp8(t.precision, t.fp8_recipe, device)
