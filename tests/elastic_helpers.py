@@ -36,6 +36,19 @@ def start(cmd: list[str], log: Path, **env: str) -> subprocess.Popen:
                             stderr=subprocess.STDOUT, start_new_session=True)
 
 
+def run_trainer(out: Path, *extra: str, run_flags: tuple[str, ...], fault: str = "", timeout: float = 300) -> str:
+    """`trainer_cmd` run to its end with `DISTTRAIN_FAULT=fault` (when given); its
+    output (`out/log.txt`). Fails on a non-zero exit, and after `timeout` seconds."""
+    log = out / "log.txt"
+    proc = start(trainer_cmd(out, *extra, run_flags=run_flags), log, **({"DISTTRAIN_FAULT": fault} if fault else {}))
+    try:
+        assert proc.wait(timeout=timeout) == 0, log.read_text()[-4000:]
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+    return log.read_text()
+
+
 def descendants(pid: int) -> list[int]:
     out = subprocess.run(["pgrep", "-P", str(pid)], capture_output=True, text=True).stdout.split()
     children = [int(p) for p in out]

@@ -1,8 +1,10 @@
 """`[elastic] fast_recovery` under FSDP: a shard lives on one rank only, so each rank's
 shard (and its optimizer state) is also kept in its buddy's CPU memory
-(`elastic.buddy_copy`); a newcomer gets the dead rank's shard from the buddy. Real
-torchrun, real SIGKILLs; each run must end bit-identical to an uninterrupted one,
-every sample exactly once. Every wait has a timeout: a hang fails the test."""
+(`elastic.buddy_copy`); a newcomer gets the dead rank's shard from the buddy. At w=4
+the runs are tensor parallel 2 x data parallel 2, whose shards are 2D, and a kill there
+also resumes on torchrun's restart path from the disk checkpoint. Real torchrun, real
+SIGKILLs; each run must end bit-identical to an uninterrupted one, every sample exactly
+once. Every wait has a timeout: a hang fails the test."""
 
 from __future__ import annotations
 
@@ -14,7 +16,7 @@ from pathlib import Path
 import pytest
 import torch
 from conftest import built_once
-from elastic_helpers import assert_same_fast_run, start, trainer_cmd
+from elastic_helpers import assert_same_fast_run, run_trainer
 
 from disttrain.elastic.buddy_copy import choose_step, pack, unpack
 
@@ -23,21 +25,18 @@ FSDP = ("--parallel.strategy=fsdp", "--elastic.fast_recovery=true", "--checkpoin
 PHASES = ["forward", "backward", "step", "buddy"]
 
 
-def _run(out: Path, nproc: int, *extra: str, fault: str = "", timeout: float = 300) -> str:
-    log = out / "log.txt"
-    cmd = trainer_cmd(out, f"--train.steps={STEPS}", *extra, run_flags=("--nproc", str(nproc)))
-    proc = start(cmd, log, **({"DISTTRAIN_FAULT": fault} if fault else {}))
-    try:
-        assert proc.wait(timeout=timeout) == 0, log.read_text()[-4000:]
-    finally:
-        if proc.poll() is None:
-            proc.kill()
-    return log.read_text()
+TP = {2: 1, 4: 2}
+"""The tensor-parallel degree of the runs at each world size."""
+
+
+def _run(out: Path, nproc: int, *extra: str, fault: str = "", timeout: float = 300, launcher: tuple = ()) -> str:
+    return run_trainer(out, f"--train.steps={STEPS}", f"--parallel.tp={TP[nproc]}", *extra, fault=fault,
+                       run_flags=("--nproc", str(nproc), *launcher), timeout=timeout)
 
 
 @pytest.fixture(scope="module")
 def references(tmp_path_factory) -> dict[int, Path]:
-    """Uninterrupted FSDP runs at w=2 and w=4 (plain torchrun path, no supervisor)."""
+    """Uninterrupted FSDP runs at w=2 and w=4 (tp 2 x dp 2; plain torchrun path, no supervisor)."""
     def run(tmp: Path) -> dict[int, Path]:
         refs = {nproc: tmp / f"ref{nproc}" for nproc in (2, 4)}
         for nproc, out in refs.items():
@@ -49,7 +48,8 @@ def references(tmp_path_factory) -> dict[int, Path]:
 
 
 def assert_same_run(ref: Path, out: Path, nproc: int) -> None:
-    assert_same_fast_run(ref, out, steps=STEPS, samples_per_step=4 * nproc, unlogged=4)
+    # 4 samples per data-parallel rank: the ranks of a TP group read one batch
+    assert_same_fast_run(ref, out, steps=STEPS, samples_per_step=4 * nproc // TP[nproc], unlogged=4)
 
 
 def _kill(step: int, phase: str, rank: int, attempt: int) -> str:
@@ -73,9 +73,10 @@ def test_w2_kills_at_random_points_and_during_the_buddy_copy(references, tmp_pat
 
 
 def test_w4_two_ranks_at_once_then_a_buddy_during_the_hand_over(references, tmp_path):
-    """w=4. Ranks 0 and 2 die in the same step: their buddies (1 and 3) hand both shards
-    over. Then rank 2 dies again, and its buddy (rank 3) dies while handing the shard
-    over: that shard is nowhere in memory, so the disk checkpoint of step 12 is loaded.
+    """w=4 (tp 2 x dp 2: ranks 0 and 1 split each layer, so do 2 and 3). Ranks 0 and 2 die
+    in the same step: their buddies (1 and 3) hand both 2D shards over. Then rank 2 dies
+    again, and its buddy (rank 3) dies while handing the shard over: that shard is
+    nowhere in memory, so the disk checkpoint of step 12 is loaded.
     (Each promoted spare starts a generation: the two first deaths lead to generation 2.)"""
     fault = ";".join([_kill(7, "backward", 0, 0), _kill(7, "backward", 2, 0),
                       _kill(14, "forward", 2, 2), _kill(13, "recovery", 3, 3)])
@@ -85,6 +86,17 @@ def test_w4_two_ranks_at_once_then_a_buddy_during_the_hand_over(references, tmp_
     assert "no step has every shard in memory; loading the newest checkpoint" in text
     assert "resumed at step 12" in text
     assert "will restart worker group" not in text
+    assert_same_run(references[4], tmp_path, 4)
+
+
+def test_w4_kill_9_restarts_from_the_checkpoint(references, tmp_path):
+    """w=4 (tp 2 x dp 2) without fast recovery: torchrun restarts every rank and the run
+    resumes from the disk checkpoint of step 4 (the batch policy counts the 2
+    data-parallel ranks), bit-identical, with the same samples at every step."""
+    text = _run(tmp_path, 4, "--parallel.strategy=fsdp", "--checkpoint.every=4", launcher=("--max-restarts", "1"),
+                fault="kill@backward:rank=3,step=7")
+    assert "torchrun restarts the job from its newest checkpoint" in text
+    assert "resumed at step 4 (epoch 0, sample 32) on 2 data-parallel rank(s)" in text
     assert_same_run(references[4], tmp_path, 4)
 
 

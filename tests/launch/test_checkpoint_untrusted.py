@@ -217,7 +217,7 @@ def test_the_untouched_first_format_fixture_still_verifies_and_loads(tmp_path):
     out = _watched_load(run, tmp_path / "nothing")
     assert "LOADED" in out.stdout, out.stdout + out.stderr[-3000:]
     proc = _watched(VERIFY, run, step_dir / "state.json")  # the watch does see what is read
-    assert proc.returncode == 0 and "OK (6 files, step 2)" in proc.stdout, proc.stderr[-3000:]
+    assert proc.returncode == 0 and "OK (6 files, step 2; world " in proc.stdout, proc.stderr[-3000:]
     assert "OPENED OUTSIDE" in proc.stdout
 
 

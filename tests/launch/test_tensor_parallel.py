@@ -1,9 +1,10 @@
 """Tensor parallel x data parallel on 2 real gloo ranks, one launch
 (tests/workers/tp_checks.py): `dt.Job(tp=2)` with FSDP and `dt.wrap(strategy="ddp",
 tp=2, tp_plan=...)` against one process, sequence and loss parallel likewise, the
-batches and evaluation of a TP group, a checkpoint saved at tp 2 x dp 1 loaded at
-tp 1 x dp 2 and exported whole; a second launch resumes the run at tp 1 x dp 2; a
-launch of 4 ranks runs tp 2 x dp 2 (with sequence and loss parallel too)."""
+batches and evaluation of a TP group, a checkpoint saved at tp 2 x dp 1 loaded at tp 1 x
+dp 2 and exported whole. A launch of 4 ranks runs tp 2 x dp 2 against one process (with
+sequence and loss parallel too), then an epoch through changing layouts (tp 2 x dp 2,
+tp 4 x dp 1), which a second launch of 2 ranks finishes (tp 1 x dp 2, tp 2 x dp 1)."""
 
 import pytest
 from conftest import built_once, launch_worker
@@ -14,26 +15,30 @@ clipping at 0.5 active (the planned layers' gradients and the others' lie on dif
 device meshes); measured about 1e-8."""
 
 
-def _both(out):
-    first = launch_worker("tp_checks.py", 2, out, timeout=150)
-    (out / "resume").mkdir()
-    return first, launch_worker("tp_checks.py", 2, out / "resume", str(out / "job"), timeout=150)
+@pytest.fixture(scope="module")
+def ranks(tmp_path_factory):
+    return built_once(tmp_path_factory, "tensor_parallel2", lambda out: launch_worker("tp_checks.py", 2, out,
+                                                                                      timeout=150))
 
 
 @pytest.fixture(scope="module")
-def launches(tmp_path_factory):
-    return built_once(tmp_path_factory, "tensor_parallel2", _both)
-
-
-@pytest.fixture(scope="module")
-def ranks(launches):
-    return launches[0]
-
-
-@pytest.fixture(scope="module")
-def grid(tmp_path_factory):
+def grid_launch(tmp_path_factory):
     return built_once(tmp_path_factory, "tensor_parallel4",
-                      lambda out: launch_worker("tp_checks.py", 4, out, "grid", timeout=200))
+                      lambda out: (launch_worker("tp_checks.py", 4, out, "grid", timeout=240), out))
+
+
+@pytest.fixture(scope="module")
+def grid(grid_launch):
+    return grid_launch[0]
+
+
+@pytest.fixture(scope="module")
+def chain(tmp_path_factory, grid_launch):
+    """Each stage's results: {stage: [rank results]} (see tests/workers/tp_checks.py)."""
+    first = grid_launch[0]
+    second = built_once(tmp_path_factory, "tensor_parallel_chain",
+                        lambda out: launch_worker("tp_checks.py", 2, out, "chain", str(grid_launch[1]), timeout=200))
+    return first, second
 
 
 @pytest.mark.parametrize("sharding", ["full", "hybrid", "none", "full+sp+lp"])
@@ -60,7 +65,7 @@ def test_one_rank_of_the_tp_group_records_its_samples(ranks):
 
 def test_a_user_plan_of_torch_styles_splits_only_its_layers_and_matches(ranks):
     for r in ranks:
-        assert r["plain/parity"] <= PARITY
+        assert r["plain/parity"] <= PARITY and r["plain/whole"]
         assert r["plain/split"] == sorted(f"blocks.{b}.mlp.{i}.{w}" for b in (0, 1) for i in (0, 2)
                                           for w in ("weight", "bias"))
 
@@ -105,10 +110,34 @@ def test_the_tp_checkpoint_exports_whole_tensors(ranks):
     assert ranks[0]["export/whole"]
 
 
-def test_a_tp2_run_resumes_at_tp1_dp2_where_it_stopped_with_every_sample_once(launches):
-    first, resumed = launches
-    assert all(r["resume/step"] == 6 for r in resumed)
-    before = [i for step in first[0]["job/seen"] for i in step]
-    after = [i for r in resumed for step in r["resume/seen"] for i in step]
-    assert [len(r["resume/seen"]) for r in resumed] == [2, 2]
-    assert len(after) == 8 and not set(after) & set(before) and len(set(after)) == 8
+STAGES = {1: (2, "tp 2 x dp 2"), 2: (4, "tp 4 x dp 1"), 3: (1, "tp 1 x dp 2"), 4: (2, "tp 2 x dp 1")}
+"""The chain's stages: (tp, layout); 1 and 2 run on 4 ranks, 3 and 4 on 2."""
+
+
+def test_an_epoch_through_four_layouts_loads_bit_exact_and_sees_every_sample_once(chain):
+    first, second = chain
+    samples = []
+    for stage in STAGES:
+        ranks = first if stage <= 2 else second
+        assert all(r[f"chain/{stage}/step"] == 4 * (stage - 1) for r in ranks), stage
+        assert stage == 1 or all(r[f"chain/{stage}/loaded_equal"] for r in ranks), stage  # params and momenta
+        seen = [i for r in ranks for step in r[f"chain/{stage}/seen"] for i in step]
+        assert len(seen) == 4 * 4, stage  # 4 steps of the global batch of 4, from one rank of each TP group
+        samples += seen
+    assert sorted(samples) == list(range(64))  # the epoch, each window once
+
+
+def test_the_tp2_dp2_checkpoint_loads_bit_exact_at_tp1_dp2_and_tp2_dp1(chain):
+    assert all(r["chain/tp1_loads_stage1"] and r["chain/tp2_loads_stage1"] for r in chain[1])
+
+
+def test_ckpt_verify_names_the_tensor_parallel_layout(chain):
+    said = chain[0][0]["chain/verify"]
+    assert ": OK (" in said and "step 4; world 4: tp 2 x dp 2, fsdp)" in said
+
+
+def test_a_plan_from_the_config_splits_only_its_layers(chain):
+    # stage 4's `Config(parallel=ParallelConfig(tp_plan=MLP_PLAN))`: the TOML's strings
+    assert all(r["chain/4/split"] == [f"blocks.0.mlp.{i}.{w}" for i in (0, 2) for w in ("bias", "weight")]
+               for r in chain[1])
+    assert all("blocks.0.attn.q.weight" in r["chain/2/split"] for r in chain[0])  # the GPT's own plan at tp 4

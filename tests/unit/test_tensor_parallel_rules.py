@@ -1,13 +1,16 @@
 """Tensor-parallel degrees and plans that cannot work are one error before any rank
 starts (config validation) or before the model changes (the plan's checks)."""
 
+import json
 from types import SimpleNamespace
 
 import pytest
 import torch.nn as nn
+from conftest import checkpoint_copy
 from torch.distributed.tensor.parallel import ColwiseParallel
 
 from disttrain.builtin import GPT, GPTConfig
+from disttrain.checkpoint import ckpt_command
 from disttrain.config import load_config
 from disttrain.config.tp_rules import dp_coordinates
 from disttrain.errors import ConfigError, UserError
@@ -28,7 +31,6 @@ FSDP = "--parallel.strategy=\"fsdp\""
     (["--parallel.tp=2", "--parallel.strategy=\"zero1\""], "not 'zero1'"),
     ([FSDP, "--parallel.tp=2", "--parallel.nproc=6", "--parallel.sharding=\"hybrid\"",
       "--parallel.shard_group_size=2"], "does not divide the world of 3 ranks"),  # the data-parallel world
-    ([FSDP, "--parallel.tp=2", "--elastic.fast_recovery=true"], "does not yet recover tensor-parallel shards"),
     (["--parallel.tp=0"], "'parallel.tp' is 0"),
     (["--parallel.sequence_parallel=true"], "parallel.sequence_parallel = true splits over the tensor-parallel "
                                             "group, but parallel.tp is 1"),
@@ -55,6 +57,7 @@ def test_a_degree_that_cannot_work_is_one_config_error(overrides, expected):
     ["--parallel.tp=2", "--parallel.nproc=2", "--parallel.strategy=\"ddp\""],
     ["--parallel.tp=2", "--parallel.nproc=4", "--parallel.strategy=\"fsdp\"", "--parallel.sequence_parallel=true",
      "--parallel.loss_parallel=true"],
+    ["--parallel.tp=2", "--parallel.nproc=4", "--parallel.strategy=\"fsdp\"", "--elastic.fast_recovery=true"],
 ])
 def test_tp_with_fsdp_any_sharding_or_ddp_at_tp_equal_world_loads(overrides):
     assert load_config(None, [*overrides, "--parallel.device=\"cpu\""]).parallel.tp == 2
@@ -121,3 +124,42 @@ def test_a_published_plan_is_named_from_the_root_and_its_own_styles_are_refused(
     wrapper.hf = _Base({"layers.*.q": "colwise_rep"})
     with pytest.raises(UserError, match=r"uses the styles \['colwise_rep'\]"):
         resolve_plan(wrapper, None)
+
+
+def test_a_toml_plan_is_read_and_each_bad_entry_is_one_error(tmp_path):
+    toml = tmp_path / "tp.toml"
+    toml.write_text('[parallel]\nstrategy = "fsdp"\nnproc = 4\ntp = 2\ndevice = "cpu"\n'
+                    'tp_plan = {"blocks.*.attn.q" = "colwise", "blocks.*.attn.proj" = "rowwise"}\n')
+    plan = load_config(toml).parallel.tp_plan
+    assert plan == {"blocks.*.attn.q": "colwise", "blocks.*.attn.proj": "rowwise"}
+    assert sorted(resolve_plan(GPT(TINY), plan)) == ["blocks.0.attn.proj", "blocks.0.attn.q",
+                                                     "blocks.1.attn.proj", "blocks.1.attn.q"]
+    for value, expected in (
+        ('{"blocks.*.attn.q" = "columns"}', "tp_plan['blocks.*.attn.q'] is 'columns'; use one of 'colwise', "
+                                            "'rowwise', 'sequence'"),
+        ('{"blocks..q" = "colwise"}', "names 'blocks..q', which is not a module name"),
+        ('{"blocks.*.attn.q" = 1}', "maps 'blocks.*.attn.q' to 1 (int); each value must be str"),
+        ('"colwise"', "'parallel.tp_plan' must be a table"),
+    ):
+        with pytest.raises(ConfigError) as err:
+            load_config(toml, [f"--parallel.tp_plan={value}"])
+        assert expected in str(err.value) and "\n" not in str(err.value)
+
+
+def test_a_plan_entry_that_names_no_module_names_the_nearest():
+    with pytest.raises(UserError) as err:
+        resolve_plan(GPT(TINY), {"blocks.*.attn.qq": "colwise"})
+    assert "names no module of GPT; the nearest are blocks.0.attn.q, " in str(err.value)
+
+
+@pytest.mark.parametrize("tp, said", [(2, "OK (4 files, step 1; world 4: tp 2 x dp 2, single)"),
+                                      (3, "FAILED: manifest.json: ")])
+def test_ckpt_verify_names_the_layout_and_refuses_a_degree_that_does_not_divide(tiny_checkpoint, tmp_path,
+                                                                                 capsys, tp, said):
+    _, step_dir = checkpoint_copy(tiny_checkpoint, tmp_path)
+    path = step_dir / "manifest.json"
+    path.write_text(json.dumps({**json.loads(path.read_text()), "world_size": 4, "tp": tp}))
+    assert ckpt_command.main(["verify", str(step_dir)]) == (0 if tp == 2 else 1)
+    out = capsys.readouterr().out
+    assert said in out and "\n" not in out.strip()
+    assert tp == 2 or "tp 3 does not divide its world size 4" in out

@@ -1,16 +1,25 @@
 """Worker: tensor parallel x data parallel on 2 gloo ranks, in one launch
 (tests/launch/test_tensor_parallel.py).
 
-`python tp_checks.py OUT [JOB_DIR | grid]` under `disttrain run --nproc 2` (grid: 4);
-each rank writes OUT/rank{r}.json. `grid`: tp 2 x dp 2 under FSDP full, hybrid and none,
-and full with sequence and loss parallel, against one process. Without JOB_DIR:
+`python tp_checks.py OUT [grid | chain GRID_OUT]` under `disttrain run --nproc 2` (grid:
+4); each rank writes OUT/rank{r}.json. `grid`: tp 2 x dp 2 under FSDP full, hybrid and
+none, and full with sequence and loss parallel, against one process; then the first two
+stages of the reshard chain.
+`chain GRID_OUT`: its last two stages. The chain is one epoch of a `dt.Job` (fsdp) in
+GRID_OUT/chain, a quarter at each layout, each stage resuming the one before: tp 2 x dp
+2, tp 4 x dp 1, tp 1 x dp 2, tp 2 x dp 1 (with a plan given as the TOML's strings in
+its `Config`, `MLP_PLAN`); each checks that the values it loaded (parameters and
+momentum buffers) are bit-identical to those the stage before ended with, and records
+its step, batches and split parameters; the tp 2 x dp 2 checkpoint is also loaded at
+tp 1 x dp 2 and tp 2 x dp 1 outside a Job, and `ckpt verify`'s line about it is kept.
+Without an argument:
 - job: a `dt.Job(strategy="fsdp", tp=2)` run of the built-in GPT (tp 2 x dp 1) with
   clipping active, against a single-process copy trained on the same global batches:
   the batches each rank read, the max parameter difference, the held-out loss against
   the copy's, and the sample audit's files;
 - plain: `dt.wrap(strategy="ddp", tp=2, tp_plan=torch ParallelStyles)`, a user's plan
-  that splits only the MLPs, against one process the same way; and ranks that pass
-  different plans;
+  that splits only the MLPs, against one process the same way; whether its whole state
+  (`model.pt`'s) holds plain tensors; and ranks that pass different plans;
 - option: activation checkpointing, torch.compile (aot_eager), sequence parallel and
   loss parallel, each with fsdp at tp 2, against one process;
 - hf: a small Hugging Face Llama under FSDP at tp 2 through its own published plan,
@@ -19,27 +28,34 @@ and full with sequence and loss parallel, against one process. Without JOB_DIR:
   both ranks): whether every parameter and momentum buffer is bit-identical;
 - export: that checkpoint exported as one safetensors file (rank 0): whole tensors,
   equal to the trained ones.
-With JOB_DIR (the first launch's OUT/job): that run resumed at tp 1 x dp 2 for two
-more steps: the step it resumed at and the batches each rank read.
 """
 
+import contextlib
 import copy
+import io
 import json
 import sys
 from pathlib import Path
 
 import torch
+import torch.distributed as dist
 from safetensors.torch import load_file
 from strategy_checks import max_diff, trained_values
 from torch.distributed.tensor.parallel import ColwiseParallel, RowwiseParallel, loss_parallel
 
 import disttrain as dt
 from disttrain.builtin import GPT, GPTConfig
+from disttrain.checkpoint import ckpt_command
 from disttrain.checkpoint.export import export_safetensors
+from disttrain.checkpoint.files import full_model_state
+from disttrain.config import Config, ParallelConfig
 from disttrain.runtime.torch_compat import loss_parallel_active
 
 CFG = GPTConfig(block_size=16, n_layer=2, n_head=2, n_embd=32)
 STEPS, BATCH, LR, CLIP = 6, 4, 0.1, 0.5
+CHAIN = GPTConfig(block_size=16, n_layer=1, n_head=4, n_embd=32)  # 4 heads: whole heads at tp 4
+STAGE_STEPS = 4  # 4 stages of 4 steps at a global batch of BATCH: one epoch of 64 windows
+MLP_PLAN = {"blocks.*.mlp.0": "colwise", "blocks.*.mlp.2": "rowwise"}
 
 
 class Windows(torch.utils.data.Dataset):
@@ -102,22 +118,71 @@ def job_case(out: Path, results: dict):
         (out.parent / f"rank{job.info.rank}.json").write_text(json.dumps(results))
 
 
-def resume_case(out: Path, job_dir: Path):
-    """The job of `job_case` resumed at tp 1 x dp 2 (FSDP over both ranks) for two more
-    steps: where it starts, the batches each rank reads."""
-    results: dict = {}
-    with dt.Job(job_dir, strategy="fsdp", tp=1, grad_clip=CLIP, seed=0, progress=False) as job:
-        model = job.wrap(GPT(CFG))
+def chain_stage(chain: Path, stage: int, tp: int, results: dict, plan: dict | None = None):
+    """Stage `stage` (1 to 4) of the reshard chain in `chain` at tp x (world / tp): resume
+    the stage before (its values in chain/stage{n-1}.pt), train STAGE_STEPS steps, save
+    this stage's values (see the module)."""
+    key, world = f"chain/{stage}", dt.rank_info().world_size
+    config = Config(parallel=ParallelConfig(tp_plan=plan)) if plan else None
+    with dt.Job(chain, config, strategy="fsdp", tp=tp, seed=0, progress=False) as job:
+        torch.manual_seed(stage)  # other initial values at each stage: only the load makes them equal
+        model = job.wrap(GPT(CHAIN))
         opt = sgd(model)
-        loader = job.loader(Windows(), batch_size=BATCH // 2)
+        loader = job.loader(Windows(), batch_size=BATCH * tp // world)
         job.resume(model=model, optimizer=opt)
-        results["resume/step"] = job.step
-        more = []
-        for batch in job.steps(loader, max_steps=STEPS + 2):
-            more.append(batch["index"].tolist())
+        results[f"{key}/step"] = job.step
+        if stage > 1:
+            results[f"{key}/loaded_equal"] = same_values(model, opt, torch.load(chain / f"stage{stage - 1}.pt"))
+        seen = []
+        for batch in job.steps(loader, max_steps=stage * STAGE_STEPS):
+            seen.append(batch["index"].tolist())
             job.backward(model(batch["x"], batch["x"])[1])
-        results["resume/seen"] = more
-        (out / f"rank{job.info.rank}.json").write_text(json.dumps(results))
+        results[f"{key}/seen"] = seen if job.info.rank % tp == 0 else []  # a TP group's batches once
+        results[f"{key}/split"] = sorted(n for n, p in model.named_parameters() if tp_split(p))
+        values = {"params": trained_values(model), "momenta": momenta(model, opt)}
+        if job.info.rank == 0:
+            torch.save(values, chain / f"stage{stage}.pt")
+        dist.barrier()
+
+
+def tp_split(p) -> bool:
+    return "tp" in (getattr(getattr(p, "device_mesh", None), "mesh_dim_names", None) or ())
+
+
+def same_values(model, opt, want: dict) -> bool:
+    """Whether `model`'s full parameters and `opt`'s momentum buffers equal `want` bit for bit."""
+    got = trained_values(model)
+    pairs = zip(momenta(model, opt), want["momenta"], strict=True)
+    return all(torch.equal(got[n], v) for n, v in want["params"].items()) and all(torch.equal(a, b) for a, b in pairs)
+
+
+def grid_chain(out: Path, results: dict):
+    """The chain's first two stages (4 ranks): tp 2 x dp 2, then tp 4 x dp 1; `ckpt
+    verify`'s line about the first stage's checkpoint."""
+    chain_stage(out / "chain", 1, 2, results)
+    if dt.rank_info().rank == 0:
+        with contextlib.redirect_stdout(io.StringIO()) as said:
+            ckpt_command.main(["verify", str(out / "chain" / "checkpoints")])
+        results["chain/verify"] = said.getvalue()
+    chain_stage(out / "chain", 2, 4, results)
+
+
+def chain_case(out: Path, grid_out: Path):
+    """The chain's last two stages (2 ranks): tp 1 x dp 2, then tp 2 x dp 1 with
+    `MLP_PLAN` from the config; first the tp 2 x dp 2 checkpoint loaded at both."""
+    results: dict = {}
+    chain = grid_out / "chain"
+    want = torch.load(chain / "stage1.pt")
+    with dt.distributed(seed=0) as info:
+        for tp in (1, 2):
+            torch.manual_seed(9)
+            model = dt.wrap(GPT(CHAIN), strategy="fsdp", tp=tp)
+            opt = sgd(model)
+            dt.load(dt.TrainState(model=model, optimizer=opt), chain / "checkpoints" / f"step-{STAGE_STEPS:08d}")
+            results[f"chain/tp{tp}_loads_stage1"] = same_values(model, opt, want)
+        chain_stage(chain, 3, 1, results)
+        chain_stage(chain, 4, 2, results, plan=MLP_PLAN)
+        (out / f"rank{info.rank}.json").write_text(json.dumps(results))
 
 
 def momenta(model, opt) -> list[torch.Tensor]:
@@ -142,6 +207,9 @@ def plain_case(results: dict):
         with acc.micro_step():
             acc.backward(model(x, x)[1])
     results["plain/parity"] = max_diff(model, ref)
+    whole, want = full_model_state(model), trained_values(model)  # model.pt's: whole tensors, not DTensor shards
+    results["plain/whole"] = set(want) <= set(whole) and all(
+        type(whole[n]) is torch.Tensor and torch.equal(whole[n], v) for n, v in want.items())
     mine = plan if dt.rank_info().rank == 0 else {"blocks.*.mlp.0": "colwise", "blocks.*.mlp.2": "rowwise",
                                                   "blocks.*.attn.q": "colwise"}
     try:
@@ -248,6 +316,7 @@ def grid_case(out: Path):
             with acc.micro_step():
                 acc.backward(model(x[d::2], x[d::2])[1])
         results[f"grid/{sharding}{'+sp+lp' if extra is both else ''}"] = max_diff(model, ref)
+    grid_chain(out, results)
     (out / f"rank{info.rank}.json").write_text(json.dumps(results))
 
 
@@ -255,7 +324,7 @@ if __name__ == "__main__":
     if sys.argv[2:] == ["grid"]:
         with dt.distributed(seed=0):
             grid_case(Path(sys.argv[1]))
-    elif len(sys.argv) > 2:  # OUT JOB_DIR: resume that job's run
-        resume_case(Path(sys.argv[1]), Path(sys.argv[2]))
+    elif sys.argv[2:3] == ["chain"]:
+        chain_case(Path(sys.argv[1]), Path(sys.argv[3]))
     else:
         job_case(Path(sys.argv[1]) / "job", {})

@@ -50,7 +50,7 @@ from disttrain.checkpoint.compat import describe, describe_failure
 from disttrain.checkpoint.digests import digest_bytes
 from disttrain.checkpoint.files import atomic_write_bytes
 from disttrain.checkpoint.own_files import read_own
-from disttrain.checkpoint.state import TrainState, config_hash, param_fqns, set_rng_state, strategy_of
+from disttrain.checkpoint.state import TrainState, config_hash, param_fqns, set_rng_state, strategy_of, tp_degree
 from disttrain.runtime import processes, rank_info
 from disttrain.runtime.collectives import all_gather_json, broadcast_json
 from disttrain.runtime.log import LOGGER
@@ -325,6 +325,7 @@ class Checkpointer:
             "run_id": self.run_id,
             "world_size": self.world,
             "strategy": strategy_of(state.model),
+            "tp": tp_degree(state.model),
             "storage": RAW_FORMAT,
             "config_hash": config_hash(state.config) if state.config is not None else None,
             "torch_version": torch.__version__,

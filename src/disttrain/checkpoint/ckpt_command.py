@@ -35,6 +35,15 @@ def _step_dir(path: str) -> Path:
     return found[0][2]
 
 
+def layout(manifest: dict) -> str:
+    """How the ranks that wrote a checkpoint were laid out, in words: 'world 4: tp 2 x dp 2,
+    fsdp' (tensor parallel x data parallel), 'world 2, ddp' without tensor parallelism."""
+    world, tp, strategy = manifest.get("world_size"), manifest.get("tp", 1), manifest.get("strategy")
+    if isinstance(world, int) and isinstance(tp, int) and tp > 1:
+        return f"world {world}: tp {tp} x dp {world // tp}, {strategy}"
+    return f"world {world}, {strategy}"
+
+
 def _human(n: float) -> str:
     for unit in ("B", "KiB", "MiB", "GiB"):
         if n < 1024 or unit == "GiB":
@@ -61,12 +70,7 @@ def inspect(step_dir: Path) -> None:
 
     rows = tensor_table(step_dir)
     m = step_folders.read_manifest(step_dir)
-    table = Table(
-        title=_text(
-            f"{step_dir}  step {m.get('step')}  world {m.get('world_size')}  "
-            f"strategy {m.get('strategy')}  generation {m.get('generation')}"
-        )
-    )
+    table = Table(title=_text(f"{step_dir}  step {m.get('step')}  {layout(m)}  generation {m.get('generation')}"))
     for col in ("tensor", "shape", "dtype", "size"):
         table.add_column(col, justify="right" if col == "size" else "left")
     for key, shape, dtype, nbytes in rows:
@@ -106,7 +110,7 @@ def main(argv: list[str]) -> int:
         except CheckpointCorrupt as e:
             print(shown(f"disttrain ckpt verify: FAILED: {e.bad_file or step_dir}: {e}", lines=True))
             return 1
-        print(shown(f"{step_dir}: OK ({len(m['files'])} files, step {m.get('step')})"))
+        print(shown(f"{step_dir}: OK ({len(m['files'])} files, step {m.get('step')}; {layout(m)})"))
         return 0
     if args.action == "inspect":
         inspect(step_dir)

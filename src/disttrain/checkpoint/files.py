@@ -87,12 +87,15 @@ def full_model_state(model: nn.Module) -> dict:
 
     Sharded models (FSDP2 DTensors, FSDP1) are gathered with torch's
     `get_model_state_dict(full_state_dict=True)`: a collective, every rank must call it,
-    and only rank 0 receives the tensors. DDP and plain modules need no communication.
+    and only rank 0 receives the tensors. A tensor-parallel shard (a DTensor) outside
+    FSDP, under DDP, is gathered whole on every rank (a collective too). Plain DDP and
+    plain modules need no communication.
     """
     fsdp = sys.modules.get("torch.distributed.fsdp")
     sharded = fsdp is not None and isinstance(model, (fsdp.FSDPModule, fsdp.FullyShardedDataParallel))
     if not sharded:
-        return unwrap(model).state_dict()
+        state = unwrap(model).state_dict()
+        return {k: v.full_tensor() if hasattr(v, "full_tensor") else v for k, v in state.items()}
     from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_state_dict
 
     # FSDP1 crashes on CPU when asked to offload a full state dict; FSDP2 does not.

@@ -30,6 +30,7 @@ import torch
 import torch.nn as nn
 
 from disttrain.checkpoint.zero_state import ZeroView, is_zero
+from disttrain.parallel.mesh import TP
 from disttrain.runtime import torch_compat
 
 
@@ -43,6 +44,17 @@ def strategy_of(model: torch.nn.Module) -> str:
     if isinstance(model, DistributedDataParallel):
         return "ddp"
     return "dp" if isinstance(model, DataParallel) else "single"
+
+
+def tp_degree(model: torch.nn.Module) -> int:
+    """The tensor-parallel degree `model` was split with: the size of the `tp` dimension
+    of a parameter's device mesh (`parallel.mesh`); 1 when none has one."""
+    for p in model.parameters():
+        mesh = getattr(p, "device_mesh", None)
+        names = getattr(mesh, "mesh_dim_names", None) or ()
+        if mesh is not None and TP in names:
+            return int(mesh.size(names.index(TP)))
+    return 1
 
 
 # ---------------------------------------------------------------- plain data <-> JSON

@@ -127,10 +127,14 @@ def count(value) -> bool:
 
 def _wrong_entry(manifest: dict) -> str | None:
     """What is not of its type in `manifest` (a file record that is not {size, digest},
-    a step, generation or world size that is not a count), or None."""
-    for key in ("step", "generation", "world_size", "epoch"):
+    a step, generation, world size or tensor-parallel degree that is not a count, a
+    degree that does not divide the world), or None."""
+    for key in ("step", "generation", "world_size", "epoch", "tp"):
         if key in manifest and not count(manifest[key]):
             return f"its {key} is {str(manifest[key])[:40]!r}, not a whole number >= 0"
+    tp, world = manifest.get("tp", 1), manifest.get("world_size", 1)
+    if not tp or world % tp:
+        return f"its tensor-parallel degree tp {tp} does not divide its world size {world}"
     for name, want in manifest["files"].items():
         digest = want.get("digest", want.get("sha256")) if isinstance(want, dict) else None
         if not isinstance(want, dict) or not count(want.get("size")) or not isinstance(digest, str):

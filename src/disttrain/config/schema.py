@@ -27,7 +27,7 @@ from disttrain.config.log_config import LogConfig, check_log
 from disttrain.config.path_keys import anchor_override, anchor_paths
 from disttrain.config.rules import check_values
 from disttrain.config.tomlfile import apply_overrides, build, read_toml
-from disttrain.config.tp_rules import check_gpt_tp, check_gpt_tp_options, check_tp, check_tp_options
+from disttrain.config.tp_rules import check_gpt_tp, check_gpt_tp_options, check_tp, check_tp_options, check_tp_plan
 from disttrain.config.user_code import check_model_keys, check_sources
 from disttrain.errors import ConfigError
 
@@ -103,6 +103,10 @@ class ParallelConfig:
     loss_parallel: bool = False
     """With tp > 1, the built-in GPT's output layer and embedding split over the
     vocabulary, its cross entropy computed on the split logits (never gathered)."""
+    tp_plan: dict[str, str] = field(default_factory=dict)
+    """How parallel.tp splits the model, by module name (`*` for one part of a dotted name):
+    {"blocks.*.attn.q" = "colwise", ...}, each 'colwise', 'rowwise' or 'sequence'; empty:
+    the model's own plan (the built-in GPT's, or a Hugging Face model's published one)."""
 
 
 @dataclass(kw_only=True)
@@ -355,11 +359,6 @@ def validate(cfg: Config) -> None:
         f"elastic.fast_recovery = true works with parallel.strategy 'ddp' or 'fsdp', not "
         f"{p.strategy!r} on {device}; set elastic.fast_recovery = false, or one of those strategies.",
     )
-    _require(
-        not cfg.elastic.fast_recovery or p.tp == 1,
-        f"elastic.fast_recovery = true does not yet recover tensor-parallel shards (parallel.tp = {p.tp}); "
-        f"set elastic.fast_recovery = false (a restart resumes from the checkpoint), or parallel.tp = 1.",
-    )
     validate_parallel(p, t.precision, world_size=p.nproc, local_world_size=p.nproc, device_type=device)
     _check_tp_options(cfg, builtin)
     check_fp8(t.precision, t.fp8_recipe, device)
@@ -367,7 +366,8 @@ def validate(cfg: Config) -> None:
 
 def _check_tp_options(cfg: Config, builtin: bool) -> None:
     """The tensor-parallel checks that need the model and the loss: the built-in GPT's
-    sizes, and sequence and loss parallel only where the built-in plan and loss run."""
+    sizes, a TOML plan's entries, and sequence and loss parallel only where the built-in plan
+    and loss run."""
     p, m = cfg.parallel, cfg.model
     options = [n for n, on in (("sequence_parallel", p.sequence_parallel), ("loss_parallel", p.loss_parallel)) if on]
     _require(
@@ -380,6 +380,12 @@ def _check_tp_options(cfg: Config, builtin: bool) -> None:
         not (p.loss_parallel and cfg.train.loss),
         f"parallel.loss_parallel = true needs the built-in loss (cross entropy on the split logits), but "
         f"train.loss is {cfg.train.loss!r}; drop train.loss, or set parallel.loss_parallel = false.",
+    )
+    check_tp_plan(p.tp_plan)
+    _require(
+        not (options and p.tp_plan),
+        f"parallel.{options[0] if options else ''} = true extends the built-in GPT's plan, and parallel.tp_plan "
+        f"replaces it; drop parallel.tp_plan, or set parallel.{options[0] if options else ''} = false.",
     )
     if builtin:
         check_gpt_tp(m.n_head, m.n_embd, p.tp, p.nproc)

@@ -142,6 +142,8 @@ def _coerce(tp: Any, value: Any, key: str) -> Any:
             except ConfigError:
                 continue
         raise ConfigError(f"config key {key!r} has a value of the wrong type: {value!r}.")
+    if origin is dict:
+        return _mapping(tp, value, key)
     if origin is list:
         (item_tp,) = typing.get_args(tp)
         if not isinstance(value, list):
@@ -161,6 +163,21 @@ def _coerce(tp: Any, value: Any, key: str) -> Any:
             f"({type(value).__name__}). Example: --{key}={_example(tp)}."
         )
     return value
+
+
+def _mapping(tp: Any, value: Any, key: str) -> dict:
+    """A `dict[str, V]` key: a TOML table (an inline one, `{"a.*" = "x"}`, in an override)
+    whose every value is a V."""
+    _, value_tp = typing.get_args(tp)
+    if not isinstance(value, dict):
+        raise ConfigError(f'config key {key!r} must be a table, got {value!r}. Example: --{key}={{"name" = "value"}}.')
+    for name, item in value.items():
+        if not isinstance(item, value_tp) or isinstance(item, bool) and value_tp is not bool:
+            raise ConfigError(
+                f"config key {key!r} maps {name!r} to {item!r} ({type(item).__name__}); "
+                f"each value must be {value_tp.__name__}."
+            )
+    return dict(value)
 
 
 def _example(tp: type) -> str:

@@ -22,6 +22,8 @@ from disttrain.errors import ConfigError
 
 TP_STRATEGIES = ("fsdp", "ddp")
 """The strategies a tensor-parallel model composes with."""
+TP_STYLES = ("colwise", "rowwise", "sequence")
+"""The words of a plan (`parallel.tp_plan`): how a module is split (parallel/tensor_parallel.py)."""
 
 
 def divisors(n: int) -> list[int]:
@@ -88,6 +90,25 @@ def check_gpt_tp_options(
             f"parallel.loss_parallel splits the built-in GPT's {vocab_size} tokens (model.vocab_size) over "
             f"parallel.tp = {tp}; use a vocabulary size that divides by {tp}."
         )
+
+
+def check_tp_plan(plan: dict[str, str]) -> None:
+    """Refuse a `parallel.tp_plan` entry whose name is not a dotted module name (parts
+    that are names, numbers or `*`) or whose style is not one of `TP_STYLES`. Raises
+    `ConfigError` naming the entry. Whether a name matches a module is checked when the
+    model is split (`parallel.tensor_parallel.resolve_plan`)."""
+    styles = ", ".join(map(repr, TP_STYLES))
+    for pattern, style in plan.items():
+        if not all(part == "*" or part.isidentifier() or part.isdigit() for part in pattern.split(".")):
+            raise ConfigError(
+                f"parallel.tp_plan names {pattern!r}, which is not a module name; write dotted names with "
+                f"'*' for one part, like 'blocks.*.attn.q'."
+            )
+        if style not in TP_STYLES:
+            raise ConfigError(
+                f"parallel.tp_plan[{pattern!r}] is {style!r}; use one of {styles} (torch ParallelStyle "
+                f"objects only through dt.wrap(..., tp_plan=...) or dt.Job(tp_plan=...) in Python)."
+            )
 
 
 def check_gpt_tp(n_head: int, n_embd: int, tp: int, world_size: int) -> None:

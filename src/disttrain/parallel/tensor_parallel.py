@@ -19,6 +19,7 @@ mesh, the order of torch's 2D examples).
 
 from __future__ import annotations
 
+import difflib
 import re
 import zlib
 from collections.abc import Mapping
@@ -33,12 +34,12 @@ from torch.distributed.tensor.parallel import (
     parallelize_module,
 )
 
-from disttrain.config.tp_rules import divisors
+from disttrain.config.tp_rules import TP_STYLES, divisors
 from disttrain.errors import UserError
 from disttrain.runtime.collectives import assert_same_across_ranks
 
-STYLES = {"colwise": ColwiseParallel, "rowwise": RowwiseParallel, "sequence": SequenceParallel}
-"""The plan's words and the torch styles they stand for."""
+STYLES = dict(zip(TP_STYLES, (ColwiseParallel, RowwiseParallel, SequenceParallel), strict=True))
+"""The plan's words (`config.tp_rules.TP_STYLES`) and the torch styles they stand for."""
 
 
 def _style(pattern: str, style: object) -> ParallelStyle:
@@ -55,6 +56,13 @@ def _style(pattern: str, style: object) -> ParallelStyle:
 def _matches(pattern: str, names: list[str]) -> list[str]:
     regex = re.compile("\\.".join("[^.]+" if part == "*" else re.escape(part) for part in pattern.split(".")))
     return [n for n in names if regex.fullmatch(n)]
+
+
+def _nearest(pattern: str, names: list[str]) -> list[str]:
+    """The module names closest to `pattern` (its `*` read as any one part), at most 4."""
+    shapes = {re.sub(r"(?<=\.)\d+(?=\.|$)|^\d+(?=\.)", "*", n): n for n in reversed(names)}
+    close = difflib.get_close_matches(pattern, list(shapes), n=4, cutoff=0)
+    return [shapes[c] for c in close]
 
 
 def hugging_face_plan(model: nn.Module) -> dict[str, object]:
@@ -123,8 +131,8 @@ def resolve_plan(
         found = _matches(pattern, names)
         if not found:
             raise UserError(
-                f"tp_plan entry {pattern!r} names no module of {type(model).__name__}; its modules "
-                f"are named like {', '.join(names[:6])}, ... ('*' stands for one part of a name)."
+                f"tp_plan entry {pattern!r} names no module of {type(model).__name__}; the nearest "
+                f"are {', '.join(_nearest(pattern, names))} ('*' stands for one part of a name)."
             )
         parsed = _style(pattern, style)
         out.update(dict.fromkeys(found, parsed))

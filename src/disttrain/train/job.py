@@ -178,8 +178,8 @@ class Job:
             this many consecutive ranks, which read the same batches; the data-parallel
             strategy spans world / tp ranks (docs/strategies.md "2D").
         tp_plan (dict | None): For `dt.wrap`: {module name with `*`: 'colwise',
-            'rowwise', 'sequence' or a torch `ParallelStyle`}; None: the model's own
-            `tp_plan` (the built-in GPT has one).
+            'rowwise', 'sequence' or a torch `ParallelStyle`}; None: the config's
+            `parallel.tp_plan`, else the model's own `tp_plan` (the built-in GPT has one).
         sequence_parallel: With tp > 1, the built-in GPT's norms run on 1/tp of the
             sequence (`parallel.sequence_parallel`).
         loss_parallel: With tp > 1, the built-in GPT's logits stay split over the
@@ -526,12 +526,14 @@ class Job:
             **{
                 "compile": self.cfg.train.compile,
                 "fp8_recipe": self.cfg.train.fp8_recipe,
-                "tp_plan": self._tp_plan,
+                "tp_plan": self._tp_plan if self._tp_plan is not None else (self.cfg.parallel.tp_plan or None),
                 **self.run.wrap_options,
             },
         )
         if self._handoff is not None:
-            self._handoff.attach_buddy(self.strategy != "ddp", self.cfg.elastic.buddy_every)
+            # Each rank's TP shards are its own, under ddp too: a buddy keeps a copy of them.
+            sharded = self.strategy != "ddp" or self.cfg.parallel.tp > 1
+            self._handoff.attach_buddy(sharded, self.cfg.elastic.buddy_every)
         return wrapped
 
     def loader(
@@ -715,7 +717,7 @@ class Job:
             checkpoint_dir=self.checkpoint_dir,
             batch_policy=self.cfg.elastic.batch_policy,
             sampler=sampler,
-            info=self.info,
+            data_parallel=self._data_parallel(),
             guard=guard,
             handoff=self._handoff,
         )

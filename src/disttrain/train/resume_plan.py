@@ -338,24 +338,29 @@ def print_changes(who: str, plan: ResumePlan | None, batch_policy: str) -> None:
     Console().print(table)
 
 
-def rejoin(who: str, step: int, acc, sampler, batch_policy: str, info, optimizer, scheduler) -> str:
+def rejoin(
+    who: str, step: int, acc, sampler, batch_policy: str, data_parallel: tuple[int, int], optimizer, scheduler
+) -> str:
     """After a checkpoint at `step` was loaded: the accumulator's step count, the batch
-    policy for this run's world size (accum_steps or the LR, P-ELASTIC-3) and the sampler
-    re-cut for this world. Returns the "resumed at" line (`who` names who speaks: 'job'
+    policy for this run's data-parallel size (accum_steps or the LR, P-ELASTIC-3) and the
+    sampler re-cut for it. `data_parallel` is (rank, size) over the data-parallel ranks:
+    the ranks of one tensor-parallel group read one batch, so a TP group counts once in
+    the global batch. Returns the "resumed at" line (`who` names who speaks: 'job'
     or 'train'), for the loop to say when it trains. Raises the policy's `UserError`
     when the saved global batch cannot be kept at this world size."""
     acc.optimizer_steps = step
+    rank, world_size = data_parallel
     acc.accum_steps, note = apply_batch_policy(
         batch_policy,
         saved_global_batch=sampler.saved_global_batch,
         batch_size=sampler.batch_size,
-        world_size=info.world_size,
+        world_size=world_size,
         accum_steps=acc.accum_steps,
         optimizer=optimizer,
         scheduler=scheduler,
     )
-    sampler.reconfigure(world_size=info.world_size, rank=info.rank, accum_steps=acc.accum_steps)
+    sampler.reconfigure(world_size=world_size, rank=rank, accum_steps=acc.accum_steps)
     return (
         f"disttrain {who}: resumed at step {step} (epoch {sampler.epoch}, sample "
-        f"{sampler.cursor}) on {info.world_size} rank(s)" + (f"; {note}" if note else "")
+        f"{sampler.cursor}) on {world_size} data-parallel rank(s)" + (f"; {note}" if note else "")
     )

@@ -23,7 +23,6 @@ if TYPE_CHECKING:
     from disttrain.data import ElasticSampler
     from disttrain.elastic.fast_recovery import Handoff
     from disttrain.guard import RunGuard
-    from disttrain.runtime import RankInfo
     from disttrain.train.accumulation import Accumulator
 
 _OPTIM_KEYS = ("weight_decay", "betas", "momentum")
@@ -56,7 +55,8 @@ class ResumeInputs:
     checkpoint_dir: Path
     batch_policy: str
     sampler: ElasticSampler
-    info: RankInfo
+    data_parallel: tuple[int, int]
+    """(rank, size) over the data-parallel ranks (a tensor-parallel group is one)."""
     guard: RunGuard
     handoff: Handoff | None
 
@@ -130,7 +130,14 @@ def _rejoin(inputs: ResumeInputs, step: int, acc: Accumulator) -> str:
     state = inputs.state
     try:
         return resume_plan.rejoin(
-            inputs.name, step, acc, inputs.sampler, inputs.batch_policy, inputs.info, state.optimizer, state.scheduler
+            inputs.name,
+            step,
+            acc,
+            inputs.sampler,
+            inputs.batch_policy,
+            inputs.data_parallel,
+            state.optimizer,
+            state.scheduler,
         )
     except UserError as e:
         if inputs.name != "job":
