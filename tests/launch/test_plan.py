@@ -102,6 +102,16 @@ def test_predicted_state_bytes_match_real_ranks(measured, hf_config, kind, strat
         assert abs(total_p - total_a) <= TOLERANCE * total_a, (rank, total_p, total_a)
 
 
+@pytest.mark.parametrize("world", [w for w in WORLD_SIZES if w % 2 == 0])
+def test_predicted_tp_state_bytes_match_real_ranks(measured, hf_config, world):
+    """tp 2 x dp world/2 (parallelize_module with the GPT's plan, then fully_shard over dp):
+    the TP row's per-rank params, grads and optimizer state are the real ones."""
+    predicted = _plan("gpt", world, str(hf_config)).get_tp(2).state_per_rank
+    actual = measured[world]["gpt/tp2"]
+    # the planner lists the dp ranks; each TP group's ranks hold equal shares
+    assert [predicted[r // 2] for r in range(world)] == actual
+
+
 def test_estimate_uses_the_worst_rank():
     plan = estimate(GPT_SPEC, devices=4)
     z = plan.get("zero1")
