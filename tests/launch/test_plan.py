@@ -234,6 +234,11 @@ def test_hf_formula_matches_meta_build(tmp_path):
         assert formula.n_params == meta.n_params
         assert sorted(formula.param_shapes) == sorted(meta.param_shapes)
     assert transformers  # built on meta: nothing was downloaded or allocated
+    # Llama's published TP plan: 2 key/value heads allow tp 2, not 4; in backward the input
+    # gradients of q, k, v, gate and up are all-reduced, in forward the outputs of o and down
+    rows = estimate(str(tmp_path / "llama.json"), devices=4, seq_len=32).tp_rows
+    assert [r.tp for r in rows] == [1, 2]
+    assert {"tp all-reduce fwd x2/block", "tp all-reduce bwd x5/block"} <= set(rows[1].comm_parts)
 
 
 def test_toml_config_gives_model_and_defaults(tmp_path, capsys):

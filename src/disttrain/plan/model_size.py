@@ -375,7 +375,10 @@ def _hf_formula(spec: ModelSpec, cfg: dict, p: Path) -> ModelSpec:
     spec.n_params = sum(math.prod(s) for s in shapes)
     spec.block_params = sum(math.prod(s) for s in block)
     spec.fp8_linears = [(o, i) for o, i in linears if o % 16 == 0 and i % 16 == 0]
-    spec.notes.append(f"counted by the {kind} formula (transformers is not installed).")
+    spec.notes.append(
+        f"counted by the {kind} formula (transformers is not installed), which knows no "
+        f"tensor-parallel plan: no TP rows."
+    )
     return spec
 
 

@@ -21,10 +21,13 @@ SPLIT_DIM = {("colwise", "weight"): 0, ("colwise", "bias"): 0, ("rowwise", "weig
 
 
 def published_plan(model: Any) -> dict[str, str]:
-    """The plan `dt.wrap(tp=N)` would use by default, by module pattern; {} when none."""
+    """The plan `dt.wrap(tp=N)` would use by default, by module pattern; {} when none, or
+    when a Hugging Face plan has styles of its own (which `dt.wrap` refuses too)."""
     base = getattr(model, "base_model", None)
     hf = getattr(getattr(base, "config", None), "base_model_tp_plan", None)
     if isinstance(hf, Mapping) and hf:
+        if {str(v) for v in hf.values()} - {"colwise", "rowwise"}:
+            return {}
         prefix = next((name for name, m in model.named_modules() if m is base), "")
         return {f"{prefix}.{k}" if prefix else k: str(v) for k, v in hf.items()}
     own = getattr(model, "tp_plan", None)
