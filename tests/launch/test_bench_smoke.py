@@ -187,3 +187,20 @@ def test_memory_checks_compare_grad_op_and_full_peaks_and_the_plan():
     assert "fsdp:full at w=2 (it keeps every gathered parameter from forward to backward): **MISSED**" \
         in " ".join(memory.checks(rows))
     assert memory.plan_bytes("fsdp:grad_op", 2) > memory.plan_bytes("fsdp:full", 2) > 0
+
+
+def test_tp_report_gives_the_ratio_its_noise_and_the_planner_against_the_ranks():
+    from bench import tp_bench, tp_report
+
+    times = {name: [[0.2, 0.3], [0.4, 0.5]] for name in tp_bench.LAYOUTS}
+    times["disttrain tp2 x dp2"] = [[0.202, 0.303], [0.404, 0.505]]  # 1.01x in every turn
+    rank = {name: {"params": 10, "grads": 10, "optim": 20, "activations": 100} for name in tp_bench.LAYOUTS}
+    data = {"times": times, "memory": [rank] * 4, "command": "python bench/tp_bench.py",
+            "comms": {name: {"fwd": 8, "bwd": 16} for name in tp_bench.LAYOUTS},
+            "machine": {"cores": 2, "cpu": "cpu", "torch": "2", "date": "today", "load_1min": 1.0}}
+    text = tp_report.render(data, model=tp_bench.MODEL, world=4, global_batch=16, layouts=tp_bench.LAYOUTS)
+    assert "| **1.010** | 1.010 (1.01-1.01) | 1.01, 1.01 | <= 1.02 |" in text
+    assert "| **1.000** | 1.000 (1.00-1.00) | 1.00, 1.00 | (1.00) |" in text  # the control
+    assert "| tp4 x dp1 | params | 944 KiB | 10 B |" in text  # the planner's row, the worst rank's
+    assert "| disttrain tp2 x dp2 | 8 (8) | 16 (16) |" in text  # the GPT's 4 blocks: 2 and 4 each
+    assert "| disttrain tp1 x dp4 | 8 (0) | 16 (0) |" in text  # tp 1 plans none

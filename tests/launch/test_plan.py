@@ -102,6 +102,16 @@ def test_predicted_state_bytes_match_real_ranks(measured, hf_config, kind, strat
         assert abs(total_p - total_a) <= TOLERANCE * total_a, (rank, total_p, total_a)
 
 
+@pytest.mark.parametrize("world", [w for w in WORLD_SIZES if w % 2 == 0])
+def test_predicted_tp_state_bytes_match_real_ranks(measured, hf_config, world):
+    """tp 2 x dp world/2 (parallelize_module with the GPT's plan, then fully_shard over dp):
+    the TP row's per-rank params, grads and optimizer state are the real ones."""
+    predicted = _plan("gpt", world, str(hf_config)).get_tp(2).state_per_rank
+    actual = measured[world]["gpt/tp2"]
+    # the planner lists the dp ranks; each TP group's ranks hold equal shares
+    assert [predicted[r // 2] for r in range(world)] == actual
+
+
 def test_estimate_uses_the_worst_rank():
     plan = estimate(GPT_SPEC, devices=4)
     z = plan.get("zero1")
@@ -224,6 +234,11 @@ def test_hf_formula_matches_meta_build(tmp_path):
         assert formula.n_params == meta.n_params
         assert sorted(formula.param_shapes) == sorted(meta.param_shapes)
     assert transformers  # built on meta: nothing was downloaded or allocated
+    # Llama's published TP plan: 2 key/value heads allow tp 2, not 4; in backward the input
+    # gradients of q, k, v, gate and up are all-reduced, in forward the outputs of o and down
+    rows = estimate(str(tmp_path / "llama.json"), devices=4, seq_len=32).tp_rows
+    assert [r.tp for r in rows] == [1, 2]
+    assert {"tp all-reduce fwd x2/block", "tp all-reduce bwd x5/block"} <= set(rows[1].comm_parts)
 
 
 def test_toml_config_gives_model_and_defaults(tmp_path, capsys):

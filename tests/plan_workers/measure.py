@@ -3,7 +3,8 @@
 Launched by `python -m torch.distributed.run --standalone --nproc-per-node N measure.py OUT.json
 HF_CONFIG.json GPT_SPEC KINDS` (KINDS: 'gpt,hf', or 'gpt' where transformers is missing).
 For each (model, strategy) case it builds the model, wraps it the way disttrain does
-(DDP / DDP + ZeroRedundancyOptimizer / fully_shard per block then root), runs one forward +
+(DDP / DDP + ZeroRedundancyOptimizer / fully_shard per block then root; for our GPT on an
+even world also tp 2 x dp world/2, `split_by_hand`), runs one forward +
 backward + AdamW step on random bytes, and counts the storage this rank holds for
 parameters, gradients and optimizer state. Rank 0 gathers every rank's numbers and writes
 JSON.
@@ -67,17 +68,35 @@ def loss_of(kind: str, model: nn.Module, x: torch.Tensor) -> torch.Tensor:
     return model(input_ids=x, labels=x).loss
 
 
+def split_by_hand(model: nn.Module, blocks: list[nn.Module]):
+    """tp 2 x dp world/2 the way torch's 2D examples write it: the model's own plan
+    (the built-in GPT's `tp_plan`) with `parallelize_module` over a ('dp', 'tp') mesh,
+    then `fully_shard` per block and the root over 'dp'. Returns the dp mesh."""
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.tensor.parallel import ColwiseParallel, RowwiseParallel, parallelize_module
+
+    mesh = init_device_mesh("cpu", (dist.get_world_size() // 2, 2), mesh_dim_names=("dp", "tp"))
+    styles = {"colwise": ColwiseParallel, "rowwise": RowwiseParallel}
+    plan = {}
+    for i in range(len(blocks)):
+        for pattern, style in model.tp_plan.items():
+            plan[pattern.replace("*", str(i))] = styles[style]()
+    parallelize_module(model, mesh["tp"], plan)
+    return mesh["dp"]
+
+
 def run_case(kind: str, strategy: str, hf_config: str, gpt_spec: str) -> dict:
     from torch.distributed.optim import ZeroRedundancyOptimizer
     from torch.nn.parallel import DistributedDataParallel as DDP
 
     model, blocks, vocab, block_size = build(kind, hf_config, gpt_spec)
-    if strategy == "fsdp_full":
+    if strategy in ("fsdp_full", "tp2"):
         from torch.distributed.fsdp import fully_shard
 
+        mesh = split_by_hand(model, blocks) if strategy == "tp2" else None
         for block in blocks:
-            fully_shard(block)
-        fully_shard(model)
+            fully_shard(block, mesh=mesh)
+        fully_shard(model, mesh=mesh)
         wrapped = model
         opt = torch.optim.AdamW(model.parameters(), lr=1e-3)
         local_opt = opt
@@ -90,7 +109,7 @@ def run_case(kind: str, strategy: str, hf_config: str, gpt_spec: str) -> dict:
         else:
             opt = torch.optim.AdamW(model.parameters(), lr=1e-3)
             local_opt = opt
-    g = torch.Generator().manual_seed(dist.get_rank())
+    g = torch.Generator().manual_seed(dist.get_rank() // (2 if strategy == "tp2" else 1))  # a TP group: one batch
     x = torch.randint(0, vocab, (2, min(32, block_size)), generator=g)
     loss_of(kind, wrapped, x).backward()
     opt.step()
@@ -108,7 +127,8 @@ def main() -> None:
     dist.init_process_group("gloo")
     results = {}
     for kind in kinds.split(","):
-        for strategy in ("ddp", "zero1", "fsdp_full"):
+        tp = ["tp2"] if kind == "gpt" and dist.get_world_size() % 2 == 0 else []
+        for strategy in ("ddp", "zero1", "fsdp_full", *tp):
             mine = run_case(kind, strategy, hf_config, gpt_spec)
             every = [None] * dist.get_world_size()
             dist.all_gather_object(every, mine)

@@ -6,8 +6,10 @@ sequence length, accumulation), it estimates for DDP, ZeRO-1, FSDP grad_op and F
 full - each with and without activation checkpointing, FSDP also with CPU offload -
 the per-device memory split into params, grads, optimizer state, activations and
 buffers, the bytes each device communicates per step, whether it fits, and recommends
-the least-communication strategy that fits with headroom. It also answers P-LOOP-4:
-effective batch, scaled learning rate and warmup.
+the least-communication strategy that fits with headroom. A second table plans each
+tensor-parallel degree with FSDP full over the other ranks (`Plan.tp_rows`) and
+recommends the smallest that fits. It also answers P-LOOP-4: effective batch, scaled
+learning rate and warmup.
 
 Library use::
 
@@ -22,8 +24,9 @@ runs in tests/launch/test_plan.py); activations and transient buffers are formul
 the CUDA context, allocator fragmentation and NCCL buffers are left to the headroom.
 
 Modules: `model_size` (counting), `memory` (bytes per strategy), `comm` (bytes on the
-wire), `lr` (learning-rate rules), `planner` (`estimate`, the recommendation), `report`
-(table, JSON, PNG), `cli` (argument parsing).
+wire), `tp_count` (what a TP plan splits), `tp` (bytes per TP degree), `lr`
+(learning-rate rules), `planner` (`estimate`, the recommendations), `report` (table,
+JSON, PNG), `cli` (argument parsing).
 """
 
 from __future__ import annotations

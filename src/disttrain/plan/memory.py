@@ -209,11 +209,14 @@ def optim_bytes(work: Workload, elements: int, tensors: int) -> int:
 # ---------------------------------------------------------------- activations
 
 
-def activation_bytes(spec: ModelSpec, work: Workload, act_ckpt: bool) -> int:
-    """Bytes saved for backward by one micro-batch (see the module docstring)."""
+def activation_bytes(spec: ModelSpec, work: Workload, act_ckpt: bool, tp: int = 1) -> int:
+    """Bytes saved for backward by one micro-batch (see the module docstring) on one rank
+    of a tensor-parallel group of `tp`, which divides the values inside the split layers
+    (`plan.tp`): 4 h + (5 h + 2 f) / tp per token and block."""
     tokens = work.batch_per_device * work.seq_len
     h, cb = spec.hidden, work.compute_bytes
-    per_layer = tokens * (9 * h + (4 if spec.gated_mlp else 2) * spec.ffn_hidden) * cb
+    split = 5 * h + (4 if spec.gated_mlp else 2) * spec.ffn_hidden
+    per_layer = tokens * (4 * h + -(-split // tp)) * cb
     if act_ckpt:
         body = spec.n_layer * tokens * h * cb + per_layer  # block inputs + one recompute
     else:
@@ -245,8 +248,9 @@ def fp8_scratch_bytes(spec: ModelSpec, work: Workload) -> int:
 # ---------------------------------------------------------------- per strategy
 
 
-def memory(spec: ModelSpec, work: Workload, world: int, variant: Variant) -> Memory:
-    """Per-device bytes of `variant` training `spec` on `world` ranks."""
+def memory(spec: ModelSpec, work: Workload, world: int, variant: Variant, tp: int = 1) -> Memory:
+    """Per-device bytes of `variant` training `spec` on `world` ranks; with `tp` > 1,
+    `spec` is one TP rank's share (`plan.tp.local_spec`) and `world` the dp ranks."""
     sizes = numels(spec)
     P, cb = spec.n_params, work.compute_bytes
     buffers = spec.buffer_bytes + fp8_scratch_bytes(spec, work)
@@ -272,7 +276,7 @@ def memory(spec: ModelSpec, work: Workload, world: int, variant: Variant) -> Mem
             gathered = cb * P  # grad_op keeps every block unsharded from forward to backward
         buffers += gathered + cb * unit + FP32 * unit  # a block's grads + fp32 reduce-scatter input
     worst = max(state, key=lambda s: s["params"] + s["grads"] + s["optim"])
-    acts = activation_bytes(spec, work, variant.act_ckpt)
+    acts = activation_bytes(spec, work, variant.act_ckpt, tp)
     if variant.cpu_offload:
         host = worst["params"] + worst["grads"] + worst["optim"]
         return Memory(0, 0, 0, acts, buffers, host=host, state_per_rank=state)

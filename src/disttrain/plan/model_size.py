@@ -28,6 +28,7 @@ from typing import Any
 from disttrain.config import tomlfile as configfile
 from disttrain.config.fp8_rules import fp8_linear_shapes
 from disttrain.errors import UserError
+from disttrain.plan.tp_count import tp_facts
 
 
 @dataclass
@@ -52,6 +53,12 @@ class ModelSpec:
     fp8_linears: list[tuple[int, int]] = field(default_factory=list)
     """(out, in) features of each linear layer that precision fp8 converts
     (`config.fp8_rules.converts`); for a bare count, those of the assumed shape."""
+    tp_dims: list[int | None] = field(default_factory=list)
+    """Per entry of `param_shapes`, the dimension tensor parallelism splits (None: kept
+    whole); empty when the shapes or the plan are unknown (`tp_count.tp_facts`)."""
+    tp_linears: list[tuple[str, int, int]] = field(default_factory=list)
+    """(style, in, out) of every linear layer the model's TP plan splits, all layers;
+    empty: the model has no plan, so the planner shows no TP degrees."""
     notes: list[str] = field(default_factory=list)
 
     @property
@@ -107,6 +114,13 @@ def from_param_count(n_params: int, vocab_size: int = 32000, max_seq: int = 2048
     )
     # the assumed block's four matrices (qkv, attention out, MLP in and out): multiples of 128
     spec.fp8_linears = [(3 * hidden, hidden), (hidden, hidden), (4 * hidden, hidden), (hidden, 4 * hidden)] * layers
+    # and its TP plan, Megatron's: fused qkv and MLP in by columns, their outputs by rows
+    spec.tp_linears = [
+        ("colwise", hidden, 3 * hidden),
+        ("rowwise", hidden, hidden),
+        ("colwise", hidden, 4 * hidden),
+        ("rowwise", 4 * hidden, hidden),
+    ] * layers
     spec.notes.append(
         f"shape assumed from the count alone: {layers} layers, hidden {hidden}, "
         f"vocab {vocab_size}; pass --gpt or --hf for exact activations and sharding."
@@ -245,6 +259,7 @@ def _fill_from_module(spec: ModelSpec, model, block_classes: set[str]) -> ModelS
         spec.block_params = max(sum(p.numel() for p in b.parameters()) for b in blocks)
     spec.buffer_bytes = sum(b.numel() * b.element_size() for b in model.buffers())
     spec.fp8_linears = fp8_linear_shapes(model)
+    spec.tp_dims, spec.tp_linears = tp_facts(model)
     return spec
 
 
@@ -360,7 +375,10 @@ def _hf_formula(spec: ModelSpec, cfg: dict, p: Path) -> ModelSpec:
     spec.n_params = sum(math.prod(s) for s in shapes)
     spec.block_params = sum(math.prod(s) for s in block)
     spec.fp8_linears = [(o, i) for o, i in linears if o % 16 == 0 and i % 16 == 0]
-    spec.notes.append(f"counted by the {kind} formula (transformers is not installed).")
+    spec.notes.append(
+        f"counted by the {kind} formula (transformers is not installed), which knows no "
+        f"tensor-parallel plan: no TP rows."
+    )
     return spec
 
 

@@ -17,10 +17,16 @@ EXAMPLES = """examples:
   disttrain plan --params 1.3e9 --devices 8 --device-mem 80GiB --precision bf16 --batch 8 --seq-len 2048
   disttrain plan --gpt n_layer=12,n_embd=768,n_head=12,block_size=1024 --devices 4 --device-mem 24GiB
   disttrain plan --gpt examples/tiny_gpt.toml --devices 2 --device-mem 16GiB --format json
+  disttrain plan --gpt n_layer=32,n_embd=4096,n_head=32,block_size=4096 --devices 8 \
+      --device-mem 80GiB --precision bf16 --batch 8 --tp 2
   disttrain plan --hf path/to/config.json --devices 8 --nodes 2 --png plan.png \\
       --base-lr 3e-4 --base-batch 256 --steps 20000
 
-learning rate: effective batch = --batch x devices x nodes x --accum-steps; the LR scales
+tensor parallel: a second table plans each degree tp that divides the heads and the devices
+of a node, FSDP full over the world / tp others; --batch is then each TP group's batch, and
+the recommendation is the smallest degree that fits.
+
+learning rate: effective batch = --batch x devices x nodes x --accum-steps (/ --tp); the LR scales
 linearly up to 512, by the square root from 512 to 4096 (so also between 512 and 1024,
 continuing from the linear value), and not at all beyond; warmup = min(5% of --steps, 2000).
 """
@@ -37,8 +43,9 @@ def build_parser() -> argparse.ArgumentParser:
         epilog=EXAMPLES,
         formatter_class=argparse.RawDescriptionHelpFormatter,
         description="Per-device memory (params, grads, optimizer state, activations, "
-        "buffers) and communication per step of DDP, ZeRO-1 and FSDP, "
-        "whether each fits, a recommendation, and the scaled learning rate.",
+        "buffers) and communication per step of DDP, ZeRO-1 and FSDP, and of each "
+        "tensor-parallel degree with FSDP, whether each fits, recommendations, and the "
+        "scaled learning rate.",
     )
     src = p.add_argument_group("model (one of)")
     src.add_argument("--params", help="parameter count: 1.3e9, 350M, 7B (shape is assumed)")
@@ -55,6 +62,13 @@ def build_parser() -> argparse.ArgumentParser:
     hw.add_argument("--device-mem", default="80GiB", help="memory per device (default 80GiB)")
     hw.add_argument(
         "--headroom", type=float, default=0.10, help="fraction kept free for what the model ignores (default 0.1)"
+    )
+    hw.add_argument(
+        "--tp",
+        type=int,
+        default=None,
+        help="the tensor-parallel degree you mean to run, checked and marked; every degree "
+        "that divides the heads and a node's devices is planned either way (TOML: [parallel] tp)",
     )
     wl = p.add_argument_group("workload")
     wl.add_argument("--precision", choices=PRECISIONS, default=None, help="default fp32")
@@ -81,6 +95,7 @@ def _toml_defaults(raw: dict) -> dict:
         "precision": train.get("precision"),
         "steps": train.get("steps"),
         "devices": par.get("nproc"),
+        "tp": par.get("tp"),
     }
     if optim.get("name") == "sgd":
         d["optimizer"] = "sgd-momentum" if optim.get("momentum", 0) else "sgd"
@@ -135,6 +150,7 @@ def run(argv: list[str]) -> int:
         base_lr=args.base_lr,
         base_batch=args.base_batch,
         steps=pick("steps", None),
+        tp=pick("tp", None),
     )
     if args.format == "json":
         print(report.to_json(plan))

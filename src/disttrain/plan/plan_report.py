@@ -11,7 +11,8 @@ from pathlib import Path
 
 from disttrain.errors import UserError
 from disttrain.plan.memory import fmt_bytes
-from disttrain.plan.planner import FITS, NO_FIT, Plan
+from disttrain.plan.planner import FITS, NO_FIT, Plan, StrategyEstimate
+from disttrain.plan.tp import tp_traffic
 
 PARTS = ("params", "grads", "optim", "activations", "buffers")
 COLORS = ("#4C72B0", "#DD8452", "#55A868", "#C44E52", "#8172B3")
@@ -34,43 +35,69 @@ def title(plan: Plan) -> str:
     )
 
 
-def print_table(plan: Plan, console=None) -> None:
-    """The table, the recommendation with its reason, the LR advice and the notes."""
-    from rich.console import Console
+def _table(heading: str, rows: list[StrategyEstimate], mark: str | None, comm: str = "comm/step"):
+    """A rich table of `rows`, the one whose key is `mark` starred and bold."""
     from rich.table import Table
+
+    offload = any(s.host for s in rows)
+    table = Table(title=heading, title_justify="left", header_style="bold")
+    table.add_column("strategy")
+    for col in ("params", "grads", "optim", "activations", "buffers", "total"):
+        table.add_column(col, justify="right")
+    table.add_column("fit")
+    table.add_column(comm, justify="right")
+    if offload:
+        table.add_column("host", justify="right")
+    colour = {FITS: "green", NO_FIT: "red"}
+    for s in rows:
+        star = " *" if s.key == mark else ""
+        cells = [
+            f"{s.label}{star}",
+            *(fmt_bytes(getattr(s, p)) for p in PARTS),
+            fmt_bytes(s.total),
+            f"[{colour.get(s.fit, 'yellow')}]{s.fit}[/]",
+            _comm_cell(s) if s.tp > 1 else fmt_bytes(s.comm_bytes),
+        ]
+        if offload:
+            cells.append(fmt_bytes(s.host) if s.host else "-")
+        table.add_row(*cells, style="bold" if star else None)
+    return table
+
+
+def _comm_cell(row: StrategyEstimate) -> str:
+    inside, across = tp_traffic(row.comm_parts)
+    return f"{fmt_bytes(inside)} + {fmt_bytes(across)}"
+
+
+def print_table(plan: Plan, console=None) -> None:
+    """The table, the recommendation with its reason, the LR advice, the tensor-parallel
+    degrees with theirs, and the notes."""
+    from rich.console import Console
 
     if console is None:
         console = Console()
         if not console.is_terminal:  # pipes get 80 columns by default: too narrow to read
             console = Console(width=160)
-    offload = any(s.host for s in plan.strategies)
-    table = Table(title=title(plan), title_justify="left", header_style="bold")
-    table.add_column("strategy")
-    for col in ("params", "grads", "optim", "activations", "buffers", "total"):
-        table.add_column(col, justify="right")
-    table.add_column("fit")
-    table.add_column("comm/step", justify="right")
-    if offload:
-        table.add_column("host", justify="right")
-    colour = {FITS: "green", NO_FIT: "red"}
-    for s in plan.strategies:
-        mark = " *" if s.key == plan.recommended else ""
-        cells = [
-            f"{s.label}{mark}",
-            *(fmt_bytes(getattr(s, p)) for p in PARTS),
-            fmt_bytes(s.total),
-            f"[{colour.get(s.fit, 'yellow')}]{s.fit}[/]",
-            fmt_bytes(s.comm_bytes),
-        ]
-        if offload:
-            cells.append(fmt_bytes(s.host) if s.host else "-")
-        table.add_row(*cells, style="bold" if mark else None)
-    console.print(table)
+    console.print(_table(title(plan), plan.strategies, plan.recommended))
     rec = plan.get(plan.recommended).label if plan.recommended else "none"
     console.print(f"[bold]Recommendation:[/] {rec} - {plan.reason}", highlight=False)
     for line in plan.lr.lines():
         console.print(f"  {line}", highlight=False)
-    for note in plan.notes + [
+    notes = list(plan.notes)
+    if plan.tp_rows:
+        mark = f"tp{plan.tp_recommended}" if plan.tp_recommended else None
+        heading = "Tensor parallel x FSDP full: tp ranks split each layer, dp ranks shard the rest"
+        console.print(_table(heading, plan.tp_rows, mark, comm="comm/step (tp + dp)"))
+        notes.append(
+            "TP rows: --batch is each TP group's batch; comm = the activation all-reduces inside a "
+            "TP group (one node's links) + FSDP's over the dp ranks."
+        )
+    rec_tp = f"tp {plan.tp_recommended}" if plan.tp_recommended else "none"
+    console.print(f"[bold]Tensor parallel:[/] {rec_tp} - {plan.tp_reason}", highlight=False)
+    if plan.tp is not None:
+        asked = plan.get_tp(plan.tp)
+        console.print(f"  asked for tp {plan.tp}: {asked.fit}, {fmt_bytes(asked.total)} per device", highlight=False)
+    for note in notes + [
         "memory per device (worst rank); comm = bytes each device sends per optimizer step "
         "(ring); not counted: CUDA context, allocator fragmentation, NCCL buffers."
     ]:

@@ -22,10 +22,11 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from disttrain.errors import UserError
-from disttrain.plan.comm import communication
+from disttrain.plan.comm import Comm, communication
 from disttrain.plan.lr import LRAdvice, advise
-from disttrain.plan.memory import Variant, Workload, all_variants, fmt_bytes, memory
+from disttrain.plan.memory import Memory, Variant, Workload, all_variants, fmt_bytes, memory
 from disttrain.plan.model_size import ModelSpec, resolve_model
+from disttrain.plan.tp import TP_VARIANT, tp_communication, tp_degrees, tp_memory, tp_traffic
 
 FITS, TIGHT, NO_FIT = "fits", "tight", "does not fit"
 MAX_WORLD = 65536
@@ -90,6 +91,8 @@ class StrategyEstimate:
     fit: str
     """'fits' (with headroom), 'tight' (fits, but inside the headroom) or 'does not fit'."""
     state_per_rank: list[dict[str, int]] = field(repr=False, default_factory=list)
+    tp: int = 1
+    """Tensor-parallel degree (the TP rows: FSDP full over world / tp ranks)."""
 
     @property
     def fits(self) -> bool:
@@ -116,10 +119,24 @@ class Plan:
     reason: str
     lr: LRAdvice
     notes: list[str] = field(default_factory=list)
+    tp_rows: list[StrategyEstimate] = field(default_factory=list)
+    """One row per TP degree that divides the heads and a node's devices (`plan.tp`)."""
+    tp_recommended: int | None = None
+    """The smallest degree in `tp_rows` that fits; None when none does (or no rows)."""
+    tp_reason: str = ""
+    tp: int | None = None
+    """The degree asked for (`--tp`, a TOML's [parallel] tp), checked against `tp_rows`."""
 
     @property
     def world(self) -> int:
         return self.devices_per_node * self.nodes
+
+    def get_tp(self, tp: int) -> StrategyEstimate:
+        """The TP row of degree `tp` (KeyError when that degree is not planned)."""
+        for s in self.tp_rows:
+            if s.tp == tp:
+                return s
+        raise KeyError(f"tp {tp}; degrees are {[s.tp for s in self.tp_rows]}")
 
     def get(self, key: str) -> StrategyEstimate:
         for s in self.strategies:
@@ -133,7 +150,8 @@ class Plan:
         d["world"] = self.world
         d["model"].pop("param_shapes")
         d["model"]["exact_shapes"] = self.model.exact
-        for row in d["strategies"]:
+        d["model"].pop("tp_dims")
+        for row in d["strategies"] + d["tp_rows"]:
             if self.world > 64:
                 row.pop("state_per_rank")
         return d
@@ -161,6 +179,7 @@ def estimate(
     base_batch: int = 256,
     steps: int | None = None,
     gradient_as_bucket_view: bool = True,
+    tp: int | None = None,
 ) -> Plan:
     """Plan training of `model` on `nodes` x `devices` devices of `device_mem` each.
 
@@ -168,6 +187,9 @@ def estimate(
     path to a disttrain TOML or a Hugging Face config.json. `seq_len` defaults to the
     model's context length. Every bad input raises `UserError` naming the argument.
     All byte counts in the result are per device; see `memory` and `comm` for the model.
+    `tp_rows` hold each tensor-parallel degree (FSDP full over world / tp ranks, `plan.tp`)
+    with `batch_per_device` as each TP group's batch; `tp` (the degree you mean to run)
+    must be one of them, and the LR advice then counts world / tp data-parallel ranks.
     """
     _check_int("--devices", devices)
     _check_int("--nodes", nodes)
@@ -194,7 +216,11 @@ def estimate(
     if spec.exact and work.seq_len > spec.max_seq:  # a bare count has no real context
         notes.append(f"--seq-len {work.seq_len} exceeds the model's context {spec.max_seq}.")
     rec, reason = _recommend(rows, spec, work, world, devices, mem, headroom)
-    lr = advise(batch_per_device, world, accum_steps, base_lr, base_batch, steps)
+    tp_rows = [_tp_row(spec, work, world, t, mem, headroom) for t in _tp_choices(spec, work, world, devices)]
+    if tp is not None:
+        _check_tp(tp, tp_rows, spec, precision)
+    tp_rec, tp_reason = _recommend_tp(tp_rows, mem, headroom, world, precision)
+    lr = advise(batch_per_device, world // (tp or 1), accum_steps, base_lr, base_batch, steps)
     return Plan(
         model=spec,
         workload=work,
@@ -207,16 +233,31 @@ def estimate(
         reason=reason,
         lr=lr,
         notes=notes,
+        tp_rows=tp_rows,
+        tp_recommended=tp_rec,
+        tp_reason=tp_reason,
+        tp=tp,
     )
 
 
 def _row(spec: ModelSpec, work: Workload, world: int, v: Variant, mem: int, headroom: float) -> StrategyEstimate:
-    m = memory(spec, work, world, v)
-    c = communication(spec, work, world, v)
+    m, c = memory(spec, work, world, v), communication(spec, work, world, v)
+    return _estimate_row(v.key, v.label, v, m, c, mem, headroom)
+
+
+def _tp_row(spec: ModelSpec, work: Workload, world: int, tp: int, mem: int, headroom: float) -> StrategyEstimate:
+    dp = world // tp
+    m, c = tp_memory(spec, work, tp, dp), tp_communication(spec, work, tp, dp)
+    return _estimate_row(f"tp{tp}", f"tp {tp} x dp {dp}", TP_VARIANT, m, c, mem, headroom, tp)
+
+
+def _estimate_row(
+    key: str, label: str, v: Variant, m: Memory, c: Comm, mem: int, headroom: float, tp: int = 1
+) -> StrategyEstimate:
     fit = FITS if m.total <= mem * (1 - headroom) else TIGHT if m.total <= mem else NO_FIT
     return StrategyEstimate(
-        key=v.key,
-        label=v.label,
+        key=key,
+        label=label,
         strategy=v.strategy,
         cpu_offload=v.cpu_offload,
         act_ckpt=v.act_ckpt,
@@ -232,6 +273,54 @@ def _row(spec: ModelSpec, work: Workload, world: int, v: Variant, mem: int, head
         host_transfer=c.host_transfer,
         fit=fit,
         state_per_rank=m.state_per_rank,
+        tp=tp,
+    )
+
+
+def _tp_choices(spec: ModelSpec, work: Workload, world: int, per_node: int) -> list[int]:
+    """The degrees to plan: none under fp8 (which tp refuses), else `plan.tp.tp_degrees`."""
+    return [] if work.precision == "fp8" else tp_degrees(spec, world, per_node)
+
+
+def _check_tp(tp: int, rows: list[StrategyEstimate], spec: ModelSpec, precision: str) -> None:
+    """Refuse a degree the rows do not hold; 1 (no tensor parallelism) always passes."""
+    if _check_int("--tp", tp) == 1:
+        return
+    if precision == "fp8":
+        raise UserError(f"--tp {tp} with --precision fp8: fp8 does not compose with tensor parallelism; use bf16.")
+    if not rows:
+        raise UserError(
+            f"--tp {tp}: {spec.name} has no tensor-parallel plan the planner knows (the built-in "
+            f"GPT's, or a Hugging Face base_model_tp_plan); leave --tp out."
+        )
+    if tp not in [r.tp for r in rows]:
+        raise UserError(
+            f"--tp {tp} does not divide {spec.n_head} heads and the devices of a node into whole "
+            f"heads per rank; use one of {[r.tp for r in rows]}."
+        )
+
+
+def _recommend_tp(
+    rows: list[StrategyEstimate], mem: int, headroom: float, world: int, precision: str
+) -> tuple[int | None, str]:
+    """The smallest degree that fits with headroom, else the smallest that fits at all,
+    else None and the closest row: TP's collectives sit on every layer's critical path."""
+    if not rows:
+        if precision == "fp8":
+            return None, "fp8 does not compose with tensor parallelism"
+        return None, "the model has no tensor-parallel plan (the built-in GPT's or a Hugging Face one)"
+    for limit, how in ((mem * (1 - headroom), f"with {headroom:.0%} headroom"), (mem, "only inside the headroom")):
+        ok = [r for r in rows if r.total <= limit]
+        if ok:
+            best = min(ok, key=lambda r: r.tp)
+            why = f"the smallest degree that fits {how}: {fmt_bytes(best.total)} of {fmt_bytes(mem)}"
+            if best.tp > 1:
+                why += f"; {fmt_bytes(tp_traffic(best.comm_parts)[0])}/step of activation all-reduces inside each group"
+            return best.tp, why
+    best = min(rows, key=lambda r: r.total)
+    return None, (
+        f"no TP degree fits on {world} x {fmt_bytes(mem)}: tp {best.tp} comes closest at "
+        f"{fmt_bytes(best.total)} per device; add activation checkpointing, cut the batch or add devices"
     )
 
 
