@@ -85,6 +85,11 @@ class Facts:
                     facts.aliases[a.asname or a.name] = f"{node.module}.{a.name}"
         return facts
 
+    def fresh(self) -> Facts:
+        """The same parsed file with none of the answers that depend on the other files
+        of its run: to judge it again in another program."""
+        return Facts(self.path, self.source, self.tree, self.aliases, self.parents, self.nodes)
+
     # ----- names -------------------------------------------------------------------
 
     def qualname(self, node: ast.AST) -> str | None:
