@@ -82,6 +82,7 @@ from bench.doctor_projects import (  # noqa: E402,F401  (re-exported for the tes
     reviewed_projects,
     round_figures,
     rule_table,
+    verdict_for,
 )
 
 # ----- (a) the real scripts ----------------------------------------------------------
@@ -141,24 +142,26 @@ def measure_real(cache: Path) -> RealResult:
     files, found = corpus_findings(cache)
     real = [p for p in files if corpus_rel(p, cache).startswith(REAL)]
     lines = sum(len(p.read_text().splitlines()) for p in real)
-    verdicts = {(path, e["rule"], e["line"], e["severity"]): e for path, entries in review.items() for e in entries}
+    entries = [{**e, "file": path} for path, es in review.items() for e in es]
     got = {(corpus_rel(Path(f.file), cache), f.rule, f.line, f.severity) for f in found}
     got = {g for g in got if g[0].startswith(REAL)}
-    unreviewed: list[tuple[object, ...]] = sorted(g for g in got if g not in verdicts)
+    # matched on place and rule, not severity (a finding that moved to a warning keeps its verdict)
+    given = {id(e): g for g in got if (e := verdict_for(entries, g)) is not None}
+    unreviewed: list[tuple[object, ...]] = sorted(g for g in got if verdict_for(entries, g) is None)
     stats: dict = defaultdict(lambda: {"tp": 0, "fp": 0, "fn": 0, "fp_error": 0, "out": 0})
-    for key, e in verdicts.items():
-        s = stats[e["rule"]]
+    for e in entries:
+        s, g = stats[e["rule"]], given.get(id(e))
         if e["verdict"] == "missed":
             s["out" if e.get("scope") == "out" else "fn"] += 1
-            if key in got:
-                unreviewed.append(key + ("reported now: mark it true",))
-        elif key not in got:  # no longer reported: a true finding missed, a false one gone
+            if g is not None:
+                unreviewed.append(g + ("reported now: mark it true",))
+        elif g is None:  # no longer reported: a true finding missed, a false one gone
             s["fn"] += e["verdict"] == "true"
         elif e["verdict"] == "true":
             s["tp"] += 1
         else:
             s["fp"] += 1
-            s["fp_error"] += e["severity"] == "error"
+            s["fp_error"] += g[3] == "error"
     return RealResult(len(real), lines, dict(stats), unreviewed)
 
 

@@ -74,11 +74,24 @@ class ProjectResult:
     files: int
     lines: int
     found: list  # (file, rule, line, severity)
-    verdicts: dict  # (file, rule, line, severity) -> verdict entry
+    verdicts: dict  # (file, rule, line, severity) -> verdict entry, as the review recorded it
     missed: list  # reviewer's entries for real problems no finding reports
     unreviewed: list
     round: int = 1  # 1: in the corpus when the split was made; n > 1: added after round n-1's fixes
     listed_missed: list = field(default_factory=list)  # review.json's own `missed` entries
+
+    def verdict(self, key: tuple) -> dict | None:
+        """The review's entry for a finding `(file, rule, line, severity)`."""
+        return verdict_for(self.verdicts.values(), key)
+
+
+def verdict_for(entries, key: tuple) -> dict | None:
+    """The entry among review `entries` for a finding `(file, rule, line, severity)`:
+    matched on its place and rule, not its severity, so a finding that moved between error
+    and warning keeps its verdict; of two entries at one place, the one whose severity
+    is the finding's."""
+    at = [e for e in entries if (e["file"], e["rule"], e["line"]) == key[:3]]
+    return next((e for e in at if e["severity"] == key[3]), at[0] if at else None)
 
 
 def project_dirs() -> list[Path]:
@@ -107,11 +120,13 @@ def measure_project(d: Path, cache: Path | None = None, manifest: list[Entry] | 
     review_path = d / "review.json"
     review = json.loads(review_path.read_text()) if review_path.exists() else {"findings": [], "missed": []}
     verdicts = {(e["file"], e["rule"], e["line"], e["severity"]): e for e in review.get("findings", [])}
-    unreviewed = [g for g in got if g not in verdicts]
+    matched = {g: verdict_for(verdicts.values(), g) for g in got}
+    unreviewed = [g for g in got if matched[g] is None]
+    given = {id(e) for e in matched.values()}
     missed = list(review.get("missed", []))
     # a true finding no longer given is a miss; a false one no longer given is gone
     for key, e in verdicts.items():
-        if key not in set(got) and e["verdict"] == "true":
+        if id(e) not in given and e["verdict"] == "true":
             missed.append(
                 {
                     "file": key[0],
@@ -167,7 +182,7 @@ def project_totals(results: list[ProjectResult]) -> dict:
         t["lines"] += r.lines
         t["files"] += r.files
         for key in r.found:
-            e = r.verdicts.get(key)
+            e = r.verdict(key)
             if e is None:
                 continue
             cat = category(key[1])
@@ -227,7 +242,7 @@ def rule_table(results: list[ProjectResult]) -> str:
     per: dict = defaultdict(lambda: defaultdict(int))
     for r in results:
         for key in r.found:
-            e = r.verdicts.get(key)
+            e = r.verdict(key)
             if e is None:
                 continue
             s = per[key[1]]

@@ -41,7 +41,8 @@ def test_bad_sample_findings_and_json(capsys):
     assert doc["version"] == 1 and doc["files"] == [BAD]
     assert {(f["rule"], f["line"]) for f in doc["findings"]} == BAD_EXPECTED
     for f in doc["findings"]:
-        assert set(f) == {"rule", "practices", "severity", "file", "line", "column", "message", "fix", "witness"}
+        assert set(f) == {"rule", "practices", "severity", "file", "line", "column", "message", "fix", "witness",
+                          "program"}
         assert f["file"] == BAD and f["column"] >= 1 and f["message"] and f["fix"]
         assert f["severity"] in ("error", "warning")
         assert bool(f["witness"]) == (f["severity"] == "error")  # an error is a witnessed failure

@@ -26,6 +26,7 @@ from bench.doctor_corpus import (  # noqa: E402
     CORPUS,
     FRESH_ROUND,
     RECORDED,
+    ProjectResult,
     bugs_table,
     family_recall,
     frozen_figures,
@@ -35,6 +36,7 @@ from bench.doctor_corpus import (  # noqa: E402
     main,
     measure_bugs,
     project_dirs,
+    project_totals,
     recorded_misses,
     reviewed_projects,
     style_paths,
@@ -145,3 +147,20 @@ def test_each_round_is_new_held_back_code_and_its_reviews_give_its_recorded_figu
     assert recorded_misses(9) == ["2 false error(s) (target 0)"]
     assert recorded_misses(10) == []
     assert recorded_misses(11) == ["3 false error(s) (target 0)"]
+
+
+def test_a_finding_keeps_its_verdict_when_its_severity_changes():
+    """Reviews are matched on file, rule and line: a false error that became a warning is
+    still the same false finding (not unreviewed, not a false error any more); of two
+    entries at one place, the one with the finding's severity is the verdict."""
+    false = {"file": "a.py", "rule": "r", "line": 3, "severity": "error", "verdict": "false", "reason": "x"}
+    true = {**false, "severity": "warning", "verdict": "true"}
+    r = ProjectResult("o/p", "tuning", 1, 10, [("a.py", "r", 3, "warning")],
+                      {("a.py", "r", 3, "error"): false}, [], [])
+    assert r.verdict(("a.py", "r", 3, "warning")) is false
+    totals = project_totals([r])
+    assert (totals["fp"], totals.get("fp_error", 0)) == (1, 0)
+    r.verdicts[("a.py", "r", 3, "warning")] = true
+    assert r.verdict(("a.py", "r", 3, "warning")) is true
+    assert r.verdict(("a.py", "r", 3, "error")) is false
+    assert r.verdict(("a.py", "r", 4, "error")) is None

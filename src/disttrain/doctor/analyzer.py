@@ -1,7 +1,10 @@
 """Find the scripts, parse them, run every rule, drop suppressed findings.
 
 Contract: `analyze_paths(paths)` returns `(files, findings)`: the Python files it read
-(in a stable order) and their findings sorted by file, line and column. A path that does
+(in a stable order) and their findings sorted by file, line and column. The files are
+judged per program (programs.py: one per entry point, with what it imports); a finding
+in a module that several programs share is reported once and names each program it
+holds in (`Finding.program`). A path that does
 not exist, an unreadable file or one that is not valid Python raises `UserError` naming
 the file (and line). Scripts are parsed with `ast`, never imported or run.
 """
@@ -9,6 +12,7 @@ the file (and line). Scripts are parsed with `ast`, never imported or run.
 from __future__ import annotations
 
 import os
+from dataclasses import replace
 from pathlib import Path
 
 # Importing the rule modules fills the registry (each rule registers itself).
@@ -27,7 +31,8 @@ from disttrain.doctor import (  # noqa: F401
     rules_sync,
 )
 from disttrain.doctor.facts import Facts
-from disttrain.doctor.findings import ADVICE, ERROR, RULES, Finding, ignore_comments, suppressed
+from disttrain.doctor.findings import ADVICE, ERROR, RULES, WARNING, Finding, ignore_comments, suppressed
+from disttrain.doctor.programs import split
 from disttrain.doctor.source_text import read_source
 from disttrain.errors import UserError
 
@@ -116,16 +121,54 @@ def analyze_paths(
             raise UserError(f"{f}: cannot be read ({e.strerror})") from None
         parsed.append(parse(str(f), source))
     findings: list[Finding] = []
+    used: set[int] = set()
+    for program in split(parsed, [str(p) for p in paths]):
+        # a file in a second program is judged afresh: its answers depend on its program
+        members = [parsed[i].fresh() if i in used else parsed[i] for i in program.files]
+        used.update(program.files)
+        label = (program.entry,) if program.entry else ()
+        shown = {parsed[i].path for i in program.reported}
+        found = _analyze_program(members, {m.path for m in members} & shown, select, ignore, advice)
+        findings += [replace(f, program=label) for f in found]
+    order = {str(f): n for n, f in enumerate(files)}
+    return files, sorted(_merge(findings), key=lambda f: (order.get(f.file, 0), f.line, f.column, f.rule))
+
+
+def _analyze_program(
+    members: list[Facts], shown: set[str], select: set[str] | None, ignore: set[str] | None, advice: bool
+) -> list[Finding]:
+    """The findings of the program's files in `shown`, each judged with the program's
+    other files in view (and no file outside it)."""
     from disttrain.doctor.dataflow import Project
 
-    project = Project(parsed)  # one data-flow view of the whole run, shared by its files
-    for facts in parsed:
-        # Rules may follow a call into the other files of the run (a train() in utils/).
-        facts.others = [o for o in parsed if o is not facts]
+    project = Project(members)  # one data-flow view of the program, shared by its files
+    for facts in members:
+        # Rules may follow a call into the other files of the program (a train() in utils/).
+        facts.others = [o for o in members if o is not facts]
         facts.__dict__["project"] = project
-    for facts in parsed:
-        findings += analyze_source(facts.path, facts.source, select, ignore, facts, advice)
-    return files, findings
+    out: list[Finding] = []
+    for facts in members:
+        if facts.path in shown:
+            out += analyze_source(facts.path, facts.source, select, ignore, facts, advice)
+    return out
+
+
+_WEIGHT = {ERROR: 2, WARNING: 1, ADVICE: 0}
+
+
+def _merge(findings: list[Finding]) -> list[Finding]:
+    """One finding per place and rule: a module judged in several programs is reported
+    once, naming every program it holds in (as an error where one program shows it)."""
+    held: dict[tuple, Finding] = {}
+    for f in findings:
+        key = (f.file, f.line, f.column, f.rule)
+        old = held.get(key)
+        if old is None:
+            held[key] = f
+            continue
+        best = f if _WEIGHT[f.severity] > _WEIGHT[old.severity] else old
+        held[key] = replace(best, program=tuple(dict.fromkeys(old.program + f.program)))
+    return list(held.values())
 
 
 def has_errors(findings: list[Finding]) -> bool:

@@ -5,7 +5,8 @@ Contracts:
   stream is a terminal), ending with a one-line summary.
 - `render_json` returns a stable document, `{"version": 1, "files": [...],
   "findings": [...], "summary": {...}}`, with 1-based line/column; each finding has a
-  `witness` (the failing run, a string) or null.
+  `witness` (the failing run, a string) or null, and a `program`: the entry files of the
+  programs it holds in (empty for files no entry point reaches).
 - `render_sarif` returns a document valid against the official SARIF 2.1.0 schema
   (tests validate it), for CI code scanning (GitHub's upload-sarif). The run lists every
   rule with its help text and practice IDs, even those without results; each result
@@ -51,7 +52,8 @@ def render_json(files: list[Path], findings: list[Finding]) -> str:
 
 def print_text(files: list[Path], findings: list[Finding], stream: TextIO) -> None:
     """One block per file; per finding `LINE:COL severity rule-id [practices]`, then the
-    cause and the fix on their own lines, and a one-line summary at the end."""
+    cause, the witness, the program (when it is not the file itself) and the fix on their
+    own lines, and a one-line summary at the end."""
     # rich is imported here, not at module level: JSON/SARIF runs never pay for it.
     from rich.console import Console
     from rich.markup import escape
@@ -68,6 +70,8 @@ def print_text(files: list[Path], findings: list[Finding], stream: TextIO) -> No
             console.print(f"      {escape(f.message)}")
             if f.witness:
                 console.print(f"      [magenta]witness:[/] {escape(f.witness)}")
+            if f.program and f.program != (f.file,):  # a module of one or more entry scripts
+                console.print(f"      [dim]program:[/] {escape(', '.join(f.program))}")
             console.print(f"      [green]fix:[/] {escape(f.fix)}")
         console.print()
     s = summary(files, findings)
@@ -156,6 +160,7 @@ def render_sarif(files: list[Path], findings: list[Finding]) -> str:
                     "practices": list(f.practices),
                     "fix": f.fix,
                     **({"witness": f.witness} if f.witness else {}),
+                    **({"program": list(f.program)} if f.program else {}),
                 },
             }
         )

@@ -44,6 +44,11 @@ class Wrap:
     scope: Scope
 
 
+# What Facts learns from its file alone (cached properties and caches), kept by `fresh`.
+_OWN_ANSWERS = frozenset(
+    {"calls", "_method_calls", "strings", "scoped", "functions", "wraps", "distributed", "_calls_to", "_node_rank"}
+)
+
 # Packages with a `torch` submodule of their own: `safetensors.torch.load` reads
 # tensors, unpickles nothing, and is no `torch.load`.
 _FOREIGN_TORCH = ("safetensors.",)
@@ -84,6 +89,13 @@ class Facts:
                 for a in node.names:
                     facts.aliases[a.asname or a.name] = f"{node.module}.{a.name}"
         return facts
+
+    def fresh(self) -> Facts:
+        """The same parsed file with none of the answers that depend on the other files
+        of its run (it keeps those of the file alone): to judge it again in another program."""
+        copy = Facts(self.path, self.source, self.tree, self.aliases, self.parents, self.nodes)
+        copy.__dict__.update({k: v for k, v in self.__dict__.items() if k in _OWN_ANSWERS})
+        return copy
 
     # ----- names -------------------------------------------------------------------
 

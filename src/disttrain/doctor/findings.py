@@ -26,7 +26,8 @@ class Finding:
     `end_line` is the last line of the flagged expression, so an ignore comment on any
     of its lines suppresses it. `witness` is the concrete run that fails (for a hang:
     what each rank class issues up to the first point where they part), empty when the
-    finding has none: an error always has one."""
+    finding has none: an error always has one. `program` names the entry files of the
+    programs it holds in (programs.py); empty for files no entry point reaches."""
 
     rule: str
     practices: tuple[str, ...]
@@ -38,10 +39,12 @@ class Finding:
     fix: str
     end_line: int = 0
     witness: str = ""
+    program: tuple[str, ...] = ()
 
     def to_dict(self) -> dict:
         d = asdict(self)
         d["practices"] = list(self.practices)
+        d["program"] = list(self.program)
         d["witness"] = self.witness or None
         del d["end_line"]
         return d

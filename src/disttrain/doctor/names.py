@@ -283,7 +283,14 @@ LIBRARY_DEVICE_BINDS = (
 
 def takes_node_rank(facts) -> bool:
     """The launcher is told its node: a node rank, a machine rank, or a global rank
-    computed from one (`args.rank * ngpus_per_node + gpu`)."""
+    computed from one (`args.rank * ngpus_per_node + gpu`). Once per file."""
+    cache = facts.__dict__
+    if "_node_rank" not in cache:
+        cache["_node_rank"] = _takes_node_rank(facts)
+    return cache["_node_rank"]
+
+
+def _takes_node_rank(facts) -> bool:
     words = ("node_rank", "node-rank", "machine_rank", "nr", "node_id", "nodeid")
     if any(w in x.lower() for x in facts.strings for w in ("node_rank", "node-rank", "machine_rank")):
         return True

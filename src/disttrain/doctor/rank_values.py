@@ -8,7 +8,7 @@ from __future__ import annotations
 import ast
 
 from disttrain.doctor.control_flow import GLOBAL, LOCAL, is_env_presence
-from disttrain.doctor.names import FUNCTION_NODES
+from disttrain.doctor.names import FUNCTION_NODES, kwarg_value
 from disttrain.doctor.names import ref as _ref
 from disttrain.doctor.names import word as _word
 from disttrain.doctor.rank_names import env_rank_kind, is_guard_word, is_local_word, named_rank_counts
@@ -75,22 +75,21 @@ def own_rank_values(facts) -> dict[str, str]:
     `args.save_logs = args.logs and is_master(args)`), to a fixpoint."""
     out: dict[str, str] = {}
     funcs = facts.project.rank_flag_functions
+    # what the script joins the group with is the rank of the group, whatever it was read
+    # from (cleanrl: `init_process_group(rank=local_rank)`, so local rank 0 is rank 0)
+    joined = {_ref(r) for c in facts.calls_to("init_process_group") if (r := _joined_rank(c)) is not None} - {None}
     spawned = facts.project.spawn_index_params
     if spawned:
         from disttrain.doctor.names import takes_node_rank as _takes_node_rank
 
         # mp.spawn passes the process index first: the rank itself on one node, a local
-        # rank when the script computes the global one from a node rank
+        # rank when the script computes the global one from a node rank (unless the
+        # script joins the group with the index itself: then it is the global rank)
         index_kind = LOCAL if _takes_node_rank(facts) else GLOBAL
         for n in facts.nodes:
             if isinstance(n, ast.arg) and id(n) in spawned:
-                out[n.arg] = index_kind
+                out[n.arg] = GLOBAL if n.arg in joined else index_kind
     assigns = [n for n in facts.nodes if isinstance(n, (ast.Assign, ast.AnnAssign)) and n.value is not None]
-    # what the script joins the group with is the rank of the group, whatever it was read
-    # from (cleanrl: `init_process_group(rank=local_rank)`, so local rank 0 is rank 0)
-    joined = {_ref(k.value) for c in facts.calls_to("init_process_group") for k in c.keywords if k.arg == "rank"} - {
-        None
-    }
     for _ in range(4):
         before = len(out)
         for n in assigns:
@@ -106,6 +105,13 @@ def own_rank_values(facts) -> dict[str, str]:
         if len(out) == before:
             break
     return out
+
+
+def _joined_rank(call: ast.Call) -> ast.AST | None:
+    """The `rank` an init_process_group call passes: by keyword, or fifth by position
+    (backend, init_method, timeout, world_size, rank)."""
+    plain = [a for a in call.args if not isinstance(a, ast.Starred)]
+    return kwarg_value(call, "rank") or (call.args[4] if len(plain) == len(call.args) > 4 else None)
 
 
 _NOT_FLAGS = ("world_size", "world", "device", "seed", "size", "num", "count", "len", "n_gpu", "ngpus")

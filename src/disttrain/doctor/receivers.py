@@ -43,8 +43,24 @@ def _enclosing_class(facts, node: ast.AST) -> ast.ClassDef | None:
     return None
 
 
+# The bases of each class and each class's family, per class table (one per program):
+# asked for every method call, so worked out once. Holds the table itself so that its
+# id is not reused while cached; the few latest tables only.
+_TABLES: dict[int, tuple[dict, dict[str, set[str]], dict[str, set[str]]]] = {}
+
+
+def _table(classes: dict) -> tuple[dict[str, set[str]], dict[str, set[str]]]:
+    held = _TABLES.get(id(classes))
+    if held is None or held[0] is not classes:
+        if len(_TABLES) > 8:
+            _TABLES.clear()
+        bases = {n: {ast.unparse(b).split(".")[-1] for _, c in cs for b in c.bases} for n, cs in classes.items()}
+        held = _TABLES[id(classes)] = (classes, bases, {})
+    return held[1], held[2]
+
+
 def _bases(classes: dict, name: str) -> set[str]:
-    return {ast.unparse(b).split(".")[-1] for _, c in classes.get(name, []) for b in c.bases}
+    return _table(classes)[0].get(name, set())
 
 
 def _ancestors(classes: dict, name: str) -> set[str]:
@@ -60,13 +76,16 @@ def _ancestors(classes: dict, name: str) -> set[str]:
 
 def _family(classes: dict, name: str) -> set[str]:
     """The class, its bases and every subclass in view of any of them."""
-    family = _ancestors(classes, name)
-    changed = True
-    while changed:
-        more = {n for n in classes if n not in family and _bases(classes, n) & family}
-        family |= more
-        changed = bool(more)
-    return family
+    memo = _table(classes)[1]
+    if name not in memo:
+        family = _ancestors(classes, name)
+        changed = True
+        while changed:
+            more = {n for n in classes if n not in family and _bases(classes, n) & family}
+            family |= more
+            changed = bool(more)
+        memo[name] = family
+    return set(memo[name])
 
 
 def _built_from(classes: dict, facts, where: ast.AST, name: str) -> set[str]:

@@ -10,9 +10,9 @@ import ast
 
 from disttrain.doctor.control_flow import LOCAL
 from disttrain.doctor.facts import Facts, arg, has_star_kwargs, is_const, kwarg, mentions, ref
-from disttrain.doctor.findings import ERROR, WARNING, finding, path_witness, rule
+from disttrain.doctor.findings import ERROR, WARNING, finding, rule
 from disttrain.doctor.log_lines import error_report, per_rank_message
-from disttrain.doctor.names import rank_aware_logging
+from disttrain.doctor.names import rank_aware_logging, word
 from disttrain.doctor.save_paths import (
     accelerator_saves,
     atomic_moves,
@@ -253,6 +253,32 @@ def reached_from_view(facts: Facts, node: ast.AST) -> bool:
     return False
 
 
+def unguarded_call_site(facts: Facts, node: ast.AST) -> tuple[Facts, ast.Call] | None:
+    """A call, in a distributed file of the program, of the function around `node` that
+    no rank test guards (`save_state(model, path)` in train.py's loop, where the other
+    call sites sit under `if rank == 0:`); None when every call site is guarded, when
+    the function has none in view, or `node` is at module level. For a function in a
+    file that shows nothing distributed itself, only a call site no test at all leads to
+    counts (`if not cfg.enable_fsdp: save(...)` may be the single-process path)."""
+    scope = facts.scope_of(node)
+    if not isinstance(scope, (ast.FunctionDef, ast.AsyncFunctionDef)):
+        return None
+    for f, c in facts.project.call_sites.get(scope, []):
+        if f.distributed and f.rank_guard(c) is None and (facts.distributed or _unconditional(f, c)):
+            return f, c
+    return None
+
+
+def _unconditional(facts: Facts, node: ast.AST) -> bool:
+    """No `if`, conditional expression, `try` or `while` between `node` and its function."""
+    for a in facts.ancestors(node):
+        if isinstance(a, (ast.FunctionDef, ast.AsyncFunctionDef, ast.Lambda)):
+            return True
+        if isinstance(a, (ast.If, ast.IfExp, ast.Try, ast.While, ast.BoolOp)):
+            return False
+    return True
+
+
 def _path_text(path: ast.AST | None) -> str:
     return ast.unparse(path)[:60] if path is not None else "?"
 
@@ -279,7 +305,8 @@ def unguarded_save(facts: Facts):
         ):
             continue  # one file per rank, or memory: no two writers share a file
         kind = facts.rank_guard(call)
-        if not facts.distributed and kind != LOCAL:
+        site = unguarded_call_site(facts, call) if kind is None else None
+        if not facts.distributed and kind != LOCAL and site is None:
             continue  # a local-rank guard alone says several processes (LLaVA under the HF Trainer)
         if kind == LOCAL:
             yield finding(
@@ -292,18 +319,17 @@ def unguarded_save(facts: Facts):
                 "rank 0 only for node-local disks.",
                 severity=WARNING,
             )
-        elif kind is None and reached_from_view(facts, call):
+        elif kind is None and (site is not None or reached_from_view(facts, call)):
+            save = f"torch.save to `{_path_text(path)}` at {facts.path}:{call.lineno}"
+            by = f"`{word(site[1].func)}()` called at {site[0].path}:{site[1].lineno}, then " if site else ""
             yield finding(
                 facts,
                 call,
                 "unguarded-save",
                 "torch.save runs on every rank: world-size processes write the same file at once.",
                 "save on rank 0 only (`if rank == 0:`), then dist.barrier() before anyone reads it.",
-                witness=path_witness(
-                    facts,
-                    [(f"every rank, with no rank test on the way: torch.save to `{_path_text(path)}`", call)],
-                    "world-size processes write one file at once (a torn checkpoint)",
-                ),
+                witness=f"every rank, with no rank test on the way: {by}{save} -> world-size processes "
+                "write one file at once (a torn checkpoint)",
             )
         elif kind is None and not (_unused_helper(facts, call) and _imported_in_view(facts)):
             # (a helper of a module the run imports, and nothing in it refers to: never called)

@@ -240,8 +240,9 @@ def _is_const_str(node: ast.AST, value: str) -> bool:
 )
 def mp_spawn(facts: Facts):
     # the node's rank may be derived in another file of the program (mmf's infer_init_method)
-    multi_node = any(_takes_node_rank(f) for f in facts.project.component(facts))
-    for call in facts.calls_to("torch.multiprocessing.spawn", "torch.multiprocessing.start_processes"):
+    calls = facts.calls_to("torch.multiprocessing.spawn", "torch.multiprocessing.start_processes")
+    multi_node = bool(calls) and any(_takes_node_rank(f) for f in facts.project.component(facts))
+    for call in calls:
         yield finding(
             facts,
             call,

@@ -263,3 +263,17 @@ def test_fabric_gathers_over_its_padded_eval_loader():  # Lightning Fabric examp
     assert ("eval-gather-padded", "warning") in rule_severities(src)
     off = src.replace("Fabric()", "Fabric(use_distributed_sampler=False)")
     assert not [r for r in rule_severities(off) if r[0] == "eval-gather-padded"]
+
+
+def test_an_or_that_is_true_on_every_rank_in_one_mode_is_no_rank_guard():
+    # with `--sync_every_rank` every rank passes: the barrier pairs up in that mode, and
+    # the doctor cannot show a run where only rank 0 waits
+    src = PRE + textwrap.dedent("""
+    def sync(args):
+        if rank == 0 and args.verbose or args.sync_every_rank:
+            dist.barrier()
+    """)
+    assert found(src, "collective-under-rank-guard") == []
+    # the look-alike: the other alternative is "one process", so under torchrun only rank 0 waits
+    one_process = src.replace("rank == 0 and args.verbose or args.sync_every_rank", "rank == 0 or not args.distributed")
+    assert found(one_process, "collective-under-rank-guard") == [("collective-under-rank-guard", 14, "error")]

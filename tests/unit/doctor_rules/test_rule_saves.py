@@ -12,7 +12,7 @@ import textwrap
 
 from rule_check import ACCELERATE_TRAINER, PRE, RANK_ZERO_HELPERS, findings, found, found_in, rule_severities, rules
 
-from disttrain.doctor.analyzer import analyze_source
+from disttrain.doctor.analyzer import analyze_paths, analyze_source
 
 # moco-v3 / simsiam: "single process, or rank 0 of each node" is still a guard
 EITHER_GUARD = PRE + """
@@ -310,3 +310,67 @@ def test_rng_state_is_advice_when_the_resume_restarts_at_an_epoch_with_an_epoch_
     mid = seeded.replace("    if rank == 0:\n        torch.save", "        if rank == 0:\n            torch.save")
     mid = mid.replace('        os.replace("run/tmp.pt"', '            os.replace("run/tmp.pt"')
     assert [s for _, _, s in found(mid, "checkpoint-missing-state")] == ["warning"]
+
+
+# a single-node launcher that joins the group with the process index itself: that index
+# is the global rank, though the script also reads a node rank (for its address)
+JOINED_WITH_THE_INDEX = """
+import datetime, torch
+import torch.distributed as dist
+import torch.multiprocessing as mp
+def run(index, opts):
+    opts.rank = index
+    print("node", opts.node_rank)
+    dist.init_process_group("nccl", "env://", datetime.timedelta(minutes=5), opts.world_size, opts.rank)
+    torch.cuda.set_device(index % torch.cuda.device_count())
+    if opts.rank == 0:
+        torch.save({}, "last.pt.tmp")
+mp.spawn(run, nprocs=8, args=(None,))
+"""
+
+
+def test_the_rank_a_script_joins_with_is_global_whatever_it_was_copied_from():
+    assert found(JOINED_WITH_THE_INDEX, "unguarded-save") == []
+    # the look-alike: the group is joined with another rank, the guard tests the index
+    node_local = JOINED_WITH_THE_INDEX.replace("opts.world_size, opts.rank)",
+                                               "opts.world_size, opts.node_rank * 8 + index)")
+    assert found(node_local, "unguarded-save") == [("unguarded-save", 11, "warning")]
+    # a rank attribute set out of view reads as the global rank, a local one as local
+    out_of_view = JOINED_WITH_THE_INDEX.replace("    opts.rank = index\n", "")
+    assert found(out_of_view, "unguarded-save") == []
+    named_local = out_of_view.replace("if opts.rank == 0", "if opts.local_rank == 0")
+    assert found(named_local, "unguarded-save") == [("unguarded-save", 10, "warning")]
+
+
+# a save helper in another file of the program, every call guarded in the caller
+SAVE_HELPER = """
+import os, torch
+def save_state(model, path):
+    torch.save(model.state_dict(), path + ".tmp")
+    os.replace(path + ".tmp", path)
+"""
+
+GUARDING_CALLER = PRE + """
+from ckpt import save_state
+def main(model):
+    for epoch in range(3):
+        if rank == 0:
+            save_state(model, f"epoch{epoch}.pt")
+    if dist.get_rank() == 0:
+        save_state(model, "final.pt")
+if __name__ == "__main__":
+    main(None)
+"""
+
+
+def test_a_save_guarded_in_every_caller_in_another_file_is_guarded(tmp_path):
+    files = {"ckpt.py": SAVE_HELPER, "train.py": GUARDING_CALLER}
+    assert found_in(tmp_path, files, "unguarded-save") == []
+    # the look-alike: one call site left unguarded; the witness names it
+    one_open = GUARDING_CALLER.replace('    if dist.get_rank() == 0:\n        save_state(model, "final.pt")',
+                                       '    save_state(model, "final.pt")')
+    assert found_in(tmp_path / "open", {**files, "train.py": one_open}, "unguarded-save") == [
+        ("ckpt.py", "unguarded-save", 4, "error")]
+    _, [f] = analyze_paths([str(tmp_path / "open")], select={"unguarded-save"})
+    line = one_open.splitlines().index('    save_state(model, "final.pt")') + 1
+    assert f"`save_state()` called at {tmp_path / 'open' / 'train.py'}:{line}" in f.witness
