@@ -53,8 +53,11 @@ NOTES_ENV = "DISTTRAIN_LAUNCH_NOTES"
 TRACES_ENV = "DISTTRAIN_TRACES"
 USER_ERROR = "user-error"
 NOT_RETRIED = "not-retried"
-WAIT_S = 10.0
-"""How long a worker with a user error waits for the launcher to stop the job."""
+WAIT_S = 60.0
+"""How long a worker with a user error waits for the launcher to stop the job. The
+launcher acts within a poll (`launch.notes_watch.POLL_S`); the bound is long because a
+worker that exits first is seen by torchrun's agent as a failure it restarts, and a
+loaded machine can delay the launcher's thread by seconds."""
 
 
 def _folder() -> Path | None:
