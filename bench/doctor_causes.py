@@ -393,9 +393,10 @@ to one mode test never meet, also through a flag bound from the test; findings i
 code are dropped (a constant-false test, a definition redefined later in its block, a
 branch taken only when a never-None value is None); a rank unpacked from what project
 functions return takes the kind of the value, not of its name;
-`find-unused-parameters` is advice; a print with the rank among its arguments is per-rank.
-Remain: UNITER's CPU-saved checkpoints, so-vits-svc's one-process tools, yolov7's
-per-device uses, and three whose identical code another review judged the other way:
+`find-unused-parameters` is advice; a print with the rank among its arguments is per-rank;
+a bare "cuda" on the single-process branch needs no bound device. Remain: UNITER's
+CPU-saved checkpoints, so-vits-svc's one-process tools, and three whose identical code
+another review judged the other way:
 MOTR's evaluation arrays (ConditionalDETR's, detr's and DINO's were judged true), BasicSR's
 fallback port (KAIR's and unimatch's were judged true) and DAMO-YOLO's flag no caller
 sets (jukebox's `verbose` and UNITER's `optimizer`, never passed either, were judged

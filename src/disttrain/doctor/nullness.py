@@ -57,8 +57,12 @@ def never_none(facts, expr: ast.AST, index: int | None = None, depth: int = _DEP
 
 
 def _constructed(facts, call: ast.Call) -> bool:
+    """A class is called: one of the project's, or a capitalised name that is no project
+    function (`DataLoader(...)`, `datasets.CIFAR100(...)`)."""
     name = call.func.id if isinstance(call.func, ast.Name) else getattr(call.func, "attr", "")
-    return bool(name) and (name[:1].isupper() or name in facts.project.classes)
+    if not name or name in facts.project.classes:
+        return bool(name)
+    return name[:1].isupper() and name not in facts.project.defs
 
 
 def _returns_never_none(facts, call: ast.Call, index: int | None, depth: int) -> bool:

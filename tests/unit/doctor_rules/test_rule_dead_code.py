@@ -82,3 +82,7 @@ def test_a_branch_taken_only_when_a_never_none_value_is_none_never_runs(tmp_path
         ("non-atomic-save", 12, "warning"),
         ("unguarded-save", 12, "error"),
     ]
+    # a capitalised name is a constructor only when it is no project function (this may be None)
+    factory = NEVER_NONE_HELPER + "def EvalSet():\n    return None\n"
+    got = found_in(tmp_path / "c", {"data/build.py": factory, "main.py": NEVER_NONE_MAIN}, "unguarded-save")
+    assert [(f[2], f[3]) for f in got] == [(12, "error")]
