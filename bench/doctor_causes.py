@@ -360,3 +360,45 @@ main-process guard is judged only where the program names DeepSpeed or FSDP; a s
 helper nothing in the run refers to is not judged (also ml-4m's `save_on_all`, round 1).
 Remain: LSGM's `save()` helper, whose name other calls share.
 """
+
+ROUND11_CAUSES = """\
+What fooled the doctor frozen at commit bba8051 on round 11's held-back projects (each
+reviewed by hand before the doctor first ran on it; not fixed when these figures were
+recorded):
+
+- False errors, 3: `data-parallel-in-ddp` on DataParallel under `rank == -1` and DDP under
+  `rank != -1`, each in an `if` of its own and through a flag bound from the test (YOLOv6,
+  2: only one chain's branches were taken as exclusive); `unguarded-save` in the `else` of
+  `if val_loader is not None:` where the loader comes from a helper that always builds one
+  (RepVGG: no run takes that branch).
+- False warnings, 22: code no run reaches (RepVGG's first of two `load_checkpoint`
+  definitions, 2, and the save of that dead branch; OpenPCDet's `if False and ...`, 2);
+  `unguarded-log` under a field named `LOCAL_RANK` that holds `dist.get_rank()`, unpacked
+  from `getattr(common_utils, "init_dist_%s" % launcher)(...)` (OpenPCDet, 3);
+  `find-unused-parameters` where the reason the flag is needed is out of view (a freeze
+  after the wrap, a label dropped in the loop, a forward in another file: 3); a print that
+  passes the rank as an argument (ZoeDepth); `load-without-map-location` on checkpoints
+  the project's saver moves to the CPU first (UNITER) and in one-process tools that
+  training never calls (so-vits-svc, 3, with their `non-atomic-save`); `non-atomic-save`
+  on evaluation arrays (MOTR, 2) and on a copy behind a flag no caller sets (DAMO-YOLO);
+  `missing-set-device` where every CUDA use names `cuda:local_rank` (yolov7-pytorch); a
+  fallback `MASTER_PORT` of 29500 when neither the config nor the environment gives one
+  (BasicSR).
+- As in earlier rounds, misses were found by reading the distributed paths of each file,
+  not every line, so recall is an upper bound.
+
+Fixed after these figures were recorded (tests/unit/doctor_rules/; the figures above
+stay the frozen doctor's): the three false errors. Two statements under opposite answers
+to one mode test never meet, also through a flag bound from the test; findings in dead
+code are dropped (a constant-false test, a definition redefined later in its block, a
+branch taken only when a never-None value is None); a rank unpacked from what project
+functions return takes the kind of the value, not of its name;
+`find-unused-parameters` is advice; a print with the rank among its arguments is per-rank;
+a bare "cuda" on the single-process branch needs no bound device. Remain: UNITER's
+CPU-saved checkpoints, so-vits-svc's one-process tools, and three whose identical code
+another review judged the other way:
+MOTR's evaluation arrays (ConditionalDETR's, detr's and DINO's were judged true), BasicSR's
+fallback port (KAIR's and unimatch's were judged true) and DAMO-YOLO's flag no caller
+sets (jukebox's `verbose` and UNITER's `optimizer`, never passed either, were judged
+true); changing the rule for one side would drop true findings of the other.
+"""

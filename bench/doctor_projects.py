@@ -30,6 +30,7 @@ from bench.doctor_causes import (  # noqa: F401  (re-exported with the figures)
     ROUND8_CAUSES,
     ROUND9_CAUSES,
     ROUND10_CAUSES,
+    ROUND11_CAUSES,
 )
 from disttrain.doctor.analyzer import analyze_paths
 

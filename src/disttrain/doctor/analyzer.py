@@ -30,6 +30,7 @@ from disttrain.doctor import (  # noqa: F401
     rules_step,
     rules_sync,
 )
+from disttrain.doctor.dead_code import is_dead
 from disttrain.doctor.facts import Facts
 from disttrain.doctor.findings import ADVICE, ERROR, RULES, WARNING, Finding, ignore_comments, suppressed
 from disttrain.doctor.programs import split
@@ -97,7 +98,7 @@ def analyze_source(
         if (select and rule_id not in select) or (ignore and rule_id in ignore):
             continue
         for f in rule.check(facts):
-            if (advice or f.severity != ADVICE) and not suppressed(f, ignores):
+            if (advice or f.severity != ADVICE) and not suppressed(f, ignores) and not is_dead(facts, f.line):
                 out.append(f)
     # One finding per (rule, place): two routes to the same pitfall say it once.
     unique = {(f.rule, f.line, f.column): f for f in out}

@@ -22,11 +22,13 @@ def _names_own_id(w: str) -> bool:
 def per_rank_message(facts: Facts, call: ast.Call) -> bool:
     """The line names this process (its rank, pid, SLURM ids): in an f-string or a
     format, as a %-argument of a logger call (`logger.info("rank=%s", cfg.local_rank)`),
-    or in a message variable built so (`log_str += ' rank {}'.format(rank)`)."""
+    as one of print's own arguments (`print("Rank", cfg.rank, "batch", n)`: print writes
+    them all), or in a message variable built so (`log_str += ' rank {}'.format(rank)`)."""
     args = list(call.args)
     printf = bool(args) and isinstance(args[0], ast.Constant) and "%" in str(args[0].value)
+    printed = isinstance(call.func, ast.Name) and call.func.id == "print"
     for i, a in enumerate(args):
-        if isinstance(a, (ast.JoinedStr, ast.BinOp, ast.Call)) or (printf and i > 0):
+        if isinstance(a, (ast.JoinedStr, ast.BinOp, ast.Call)) or (printf and i > 0) or printed:
             if mentions(a, _names_own_id):
                 return True
         if any(isinstance(n, ast.Name) and _built_with_own_id(facts, call, n.id) for n in ast.walk(a)):

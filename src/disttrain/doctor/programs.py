@@ -135,11 +135,13 @@ class _ModuleIndex:
     def package_files(self, name: Parts, near: Parts) -> list[int]:
         """The files directly inside a dotted package whose `__init__` is not checked
         (`import fourm.utils as utils` with fourm/utils/dist.py checked): what the missing
-        `__init__` re-exports, as far as the doctor can tell."""
-        if len(name) < 2:
-            return []
+        `__init__` re-exports, as far as the doctor can tell. A one-part name is only a
+        folder beside the importer (`from data import build_loader` with data/build.py):
+        elsewhere it may be an installed package of that name."""
         out = []
         for folder, fs in self.by_folder.items():
+            if len(name) < 2 and folder != (*near, *name):
+                continue
             if folder[-len(name) :] == name and folder[: -len(name)] == near[: len(folder) - len(name)]:
                 if not any(self.where[i][-1] == "__init__.py" for i in fs):
                     out += fs

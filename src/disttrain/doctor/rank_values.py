@@ -71,8 +71,10 @@ def _argument_kind(f, call: ast.Call, name: str, index: int, params: list[str]) 
 
 def own_rank_values(facts) -> dict[str, str]:
     """This file's rank reads (`self.gpu_id = int(os.environ["LOCAL_RANK"])` -> local,
-    `r = dist.get_rank()` -> global) and flags computed from them (`is_main = rank == 0`,
-    `args.save_logs = args.logs and is_master(args)`), to a fixpoint."""
+    `r = dist.get_rank()` -> global), ranks unpacked from what a project function returns
+    (`unpacked_rank_values`), and flags computed from them (`is_main = rank == 0`,
+    `args.save_logs = args.logs and is_master(args)`), to a fixpoint. The value decides,
+    not the name: `cfg.LOCAL_RANK` assigned `dist.get_rank()` holds the global rank."""
     out: dict[str, str] = {}
     funcs = facts.project.rank_flag_functions
     # what the script joins the group with is the rank of the group, whatever it was read
@@ -90,6 +92,9 @@ def own_rank_values(facts) -> dict[str, str]:
             if isinstance(n, ast.arg) and id(n) in spawned:
                 out[n.arg] = GLOBAL if n.arg in joined else index_kind
     assigns = [n for n in facts.nodes if isinstance(n, (ast.Assign, ast.AnnAssign)) and n.value is not None]
+    for n in assigns:
+        for held, held_kind in unpacked_rank_values(facts, n):
+            out.setdefault(held, GLOBAL if held in joined else held_kind)
     for _ in range(4):
         before = len(out)
         for n in assigns:
@@ -241,3 +246,71 @@ def _rank_source(value: ast.AST) -> str | None:
     # torch's `get_rank()`, Horovod's `hvd.rank()`, mpi4py's `comm.Get_rank()`
     called = isinstance(value, ast.Call) and word in ("rank", "Get_rank")
     return GLOBAL if word == "get_rank" or called else None
+
+
+def unpacked_rank_values(facts, node: ast.AST) -> list[tuple[str, str]]:
+    """`n, cfg.rank = init_dist(...)` where every project function the call may reach
+    returns a tuple whose element there is a rank read in that function (`rank =
+    dist.get_rank(); return n, rank`): (`cfg.rank`, its kind). A call through
+    `getattr(module, "init_dist_%s" % launcher)` may reach any module-level function of
+    the run named with that prefix."""
+    if not (isinstance(node, ast.Assign) and isinstance(node.value, ast.Call)):
+        return []
+    defs = facts.project.resolve(facts, node.value) or _dispatched(facts, node.value)
+    out = []
+    for t in node.targets:
+        if not isinstance(t, ast.Tuple) or not defs:
+            continue
+        for i, e in enumerate(t.elts):
+            kinds = {_returned_kind(f, d, i, len(t.elts)) for f, d in defs}
+            name = _ref(e)
+            if name and None not in kinds:
+                out.append((name, LOCAL if LOCAL in kinds else GLOBAL))
+    return out
+
+
+def _dispatched(facts, call: ast.Call) -> list:
+    """The functions `getattr(module, "prefix_%s" % x)(...)` may call."""
+    f = call.func
+    if not (isinstance(f, ast.Call) and _word(f.func) == "getattr" and len(f.args) == 2):
+        return []
+    name = f.args[1]
+    if isinstance(name, ast.BinOp) and isinstance(name.op, ast.Mod):
+        name = name.left
+    elif isinstance(name, ast.JoinedStr) and name.values:
+        name = name.values[0]
+    text = name.value if isinstance(name, ast.Constant) else None
+    prefix = text.split("%")[0].split("{")[0] if isinstance(text, str) else ""
+    if not prefix:
+        return []
+    return [
+        (g, d)
+        for n, ds in facts.project.defs.items()
+        if n.startswith(prefix)
+        for g, d in ds
+        if g.parents.get(d) is g.tree
+    ]
+
+
+def _returned_kind(f, d: ast.AST, index: int, size: int) -> str | None:
+    """The rank kind of element `index` of every tuple `d` returns, None unless all agree
+    that it is a rank (a name the function assigns only rank reads or constants)."""
+    returns = [r for r in f.scoped.get(d, ()) if isinstance(r, ast.Return)]
+    kinds = set()
+    for r in returns:
+        if not (isinstance(r.value, ast.Tuple) and len(r.value.elts) == size):
+            return None
+        kinds.add(_local_rank_kind(f, d, r.value.elts[index]))
+    return None if not kinds or None in kinds else LOCAL if LOCAL in kinds else GLOBAL
+
+
+def _local_rank_kind(f, d: ast.AST, value: ast.AST) -> str | None:
+    if not isinstance(value, ast.Name):
+        return _rank_source(value)
+    kinds = set()
+    for n in ast.walk(d):
+        if isinstance(n, ast.Assign) and any(isinstance(t, ast.Name) and t.id == value.id for t in n.targets):
+            if isinstance(n.value, ast.Constant) and isinstance(n.value.value, int):
+                continue  # `rank = 0` on the single-process path
+            kinds.add(_rank_source(n.value))
+    return None if not kinds or None in kinds else LOCAL if LOCAL in kinds else GLOBAL

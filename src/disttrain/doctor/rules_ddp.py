@@ -10,8 +10,9 @@ import ast
 
 from disttrain.doctor.control_flow import distributed_test
 from disttrain.doctor.facts import Facts, arg, base_ref, is_const, kwarg, mentions, ref
-from disttrain.doctor.findings import ERROR, WARNING, finding, path_witness, rule
+from disttrain.doctor.findings import ADVICE, ERROR, WARNING, finding, path_witness, rule
 from disttrain.doctor.rules_io import torch_saves
+from disttrain.doctor.strategy_paths import apart
 
 
 @rule(
@@ -48,8 +49,9 @@ def data_parallel(facts: Facts):
       replicate the model over all visible GPUs: ranks fight over the same devices and,
       nested in DDP, gradients are reduced twice over overlapping replicas. DDP alone does
       the whole job. A DataParallel in a branch that excludes every DDP/FSDP wrap
-      (`if args.distributed: DDP(...) else: DataParallel(...)`) is the single-process
-      fallback and is not reported.""",
+      (`if args.distributed: DDP(...) else: DataParallel(...)`), or that sits under the
+      opposite answer to the same mode test (`if rank == -1:` ... `if rank != -1:`), is
+      the single-process fallback and is not reported.""",
 )
 def data_parallel_in_ddp(facts: Facts):
     if not facts.distributed:
@@ -59,7 +61,7 @@ def data_parallel_in_ddp(facts: Facts):
     from disttrain.doctor.control_flow import SOLO
 
     for w in facts.wraps:
-        if w.kind == "dp" and multi and all(facts.exclusive(w.call, m) for m in multi):
+        if w.kind == "dp" and multi and all(apart(facts, w.call, m) for m in multi):
             continue  # the DataParallel branch is the one that runs without DDP/FSDP
         if w.kind == "dp" and facts.rank_guard(w.call) == SOLO:
             continue  # `if RANK == -1 and device_count() > 1:` a single-process path
@@ -88,7 +90,7 @@ def data_parallel_in_ddp(facts: Facts):
             inner = dp_names[w.arg]
             if (
                 inner.call.lineno < w.call.lineno
-                and not facts.exclusive(inner.call, w.call)
+                and not apart(facts, inner.call, w.call)
                 and not _under_count_one_when_distributed(facts, inner.call)
             ):
                 yield finding(
@@ -239,13 +241,15 @@ def optimizer_before_wrap(facts: Facts):
 @rule(
     "find-unused-parameters",
     ("P-DDP-4",),
-    WARNING,
+    ADVICE,
     "find_unused_parameters=True without a dynamic graph",
     """find_unused_parameters=True makes DDP traverse the autograd graph after every
       forward to find parameters that got no gradient, costing 10-20% throughput. It is
       only needed when forward skips parameters (branches, early exits). The error
       "Expected to have finished reduction in the prior iteration" is better fixed by
-      making every parameter take part in the loss.""",
+      making every parameter take part in the loss. Advice: the flag costs time, never a
+      wrong result, and the reasons it is needed often lie out of view (parameters
+      frozen after the wrap, a loop that drops an input, a forward in another file).""",
 )
 def find_unused_parameters(facts: Facts):
     in_view = any(f.functions.get("forward") for f in facts.project.component(facts))

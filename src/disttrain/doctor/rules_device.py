@@ -12,7 +12,7 @@ from collections.abc import Iterable
 
 from disttrain.doctor.facts import DISTTRAIN_INITS, Facts, arg, kwarg
 from disttrain.doctor.findings import ERROR, WARNING, finding, path_witness, rule
-from disttrain.doctor.names import LIBRARY_DEVICE_BINDS
+from disttrain.doctor.names import LIBRARY_DEVICE_BINDS, SOLO
 from disttrain.doctor.names import SET_DEVICE as _SET_DEVICE
 from disttrain.doctor.rules_launch import environ_key
 
@@ -38,7 +38,8 @@ def missing_set_device(facts: Facts):
     if not binds and elsewhere:
         return  # bound by another file's init helper (init_distributed_mode in utils.py)
     if not binds:
-        unindexed_uses = [u for u in uses if u[1]]
+        # the single-process branch (`else` of `if distributed:`) has one process: cuda:0 is its device
+        unindexed_uses = [u for u in uses if u[1] and facts.rank_guard(u[0]) != SOLO]
         pg_bound = any(kwarg(c, "device_id") is not None for c in facts.calls_to("init_process_group"))
         if pg_bound and not unindexed_uses:
             return  # every use names its device, and the group is bound by device_id=

@@ -9,6 +9,10 @@ that one of the wrap's tests contradicts: the same mode test (`engine == "torch_
 `args.fsdp`, compared by its last name, so `self.engine` in a method meets `args.engine`
 in the set-up) taken the other way. Tests are taken to mean the same thing wherever the
 same name is compared with the same value: a guess the doctor makes only to stay silent.
+Inside a branch each part of an `and` test holds, and a flag bound once in the function
+stands for its value (`ddp_mode = args.rank != -1` ... `if ddp_mode:`); a test of the
+rank that tells one process from many (`args.rank == -1`) is a mode like the others.
+`apart(facts, a, b)` asks the same of two statements of one file (DataParallel and DDP).
 """
 
 from __future__ import annotations
@@ -25,6 +29,15 @@ def off_strategy(facts, node: ast.AST, wraps: list) -> bool:
         return False
     here = _conditions(facts, node)
     return all(_apart(facts, node, here, f, w) for f, w in wraps)
+
+
+def apart(facts, a: ast.AST, b: ast.AST) -> bool:
+    """No pass runs both `a` and `b`: different branches of one chain, or opposite
+    answers to one mode test on their ways."""
+    if control_flow.exclusive(facts, a, b):
+        return True
+    there = _conditions(facts, b)
+    return any(key in there and there[key] != side for key, side in _conditions(facts, a).items())
 
 
 def _apart(facts, node: ast.AST, here: dict, f, w) -> bool:
@@ -82,11 +95,38 @@ def _conditions(facts, node: ast.AST) -> dict[str, bool]:
     for a in facts.ancestors(node):
         if isinstance(a, (ast.If, ast.IfExp)) and child is not a.test:
             in_body = child is a.body or (isinstance(a.body, list) and child in a.body)
-            key, flip = _normal(a.test)
-            if key is not None and control_flow.guard_kind(facts, a.test) is None:
-                out.setdefault(key, in_body != flip)
+            for key, truth in _held(facts, a.test, in_body, 3):
+                out.setdefault(key, truth)
         child = a
     return out
+
+
+def _held(facts, test: ast.AST, true: bool, depth: int) -> list[tuple[str, bool]]:
+    """(mode test, its answer) pairs known where `test` answered `true`: every part of an
+    `and` that held, a flag bound once in the function followed to its value."""
+    if depth and isinstance(test, ast.BoolOp) and isinstance(test.op, ast.And):
+        return [p for v in test.values for p in _held(facts, v, True, depth)] if true else []
+    out = []
+    value = _bound_once(facts, test) if depth and isinstance(test, ast.Name) else None
+    if value is not None:
+        out = _held(facts, value, true, depth - 1)
+    key, flip = _normal(test)
+    if key is None or (control_flow.guard_kind(facts, test) and not control_flow.distributed_test(test)):
+        return out  # a rank guard splits the ranks of one run, not the modes
+    return [(key, true != flip), *out]
+
+
+def _bound_once(facts, name: ast.Name) -> ast.AST | None:
+    """The value of the one plain assignment to `name` in its function, or None."""
+    scope = facts.scope_of(name)
+    values = [
+        n.value
+        for n in ast.walk(scope)
+        if isinstance(n, ast.Assign)
+        and any(isinstance(t, ast.Name) and t.id == name.id for t in n.targets)
+        and facts.scope_of(n) is scope
+    ]
+    return values[0] if len(values) == 1 else None
 
 
 def _normal(test: ast.AST) -> tuple[str | None, bool]:
@@ -102,8 +142,19 @@ def _normal(test: ast.AST) -> tuple[str | None, bool]:
         and len(test.ops) == 1
         and isinstance(test.ops[0], (ast.Eq, ast.NotEq))
         and isinstance(test.left, (ast.Name, ast.Attribute))
-        and isinstance(test.comparators[0], ast.Constant)
+        and _constant(test.comparators[0]) is not _NO_VALUE
     ):
         flip ^= isinstance(test.ops[0], ast.NotEq)
-        return f"{word(test.left)} == {test.comparators[0].value!r}", flip
+        return f"{word(test.left)} == {_constant(test.comparators[0])!r}", flip
     return None, False
+
+
+_NO_VALUE = object()
+
+
+def _constant(node: ast.AST) -> object:
+    """A constant's value, `-1` included (a unary minus on a number)."""
+    if isinstance(node, ast.UnaryOp) and isinstance(node.op, ast.USub) and isinstance(node.operand, ast.Constant):
+        v = node.operand.value
+        return -v if isinstance(v, (int, float)) and not isinstance(v, bool) else _NO_VALUE
+    return node.value if isinstance(node, ast.Constant) else _NO_VALUE

@@ -144,3 +144,35 @@ def test_data_parallel_behind_a_gpu_count_test_is_still_data_parallel():
     ddp = "import torch\nfrom torch.nn.parallel import DistributedDataParallel as DP\n" \
           "net = DP(torch.nn.Linear(4, 4).cuda())\n"
     assert found(ddp, "data-parallel") == []
+
+
+def test_data_parallel_and_ddp_under_opposite_answers_to_one_test_never_meet():
+    # YOLOv6: DataParallel when the rank is -1 (one process), DDP when it is not, each
+    # under a flag bound from that test and tested in an `if` of its own
+    src = PRE + textwrap.dedent("""
+    def parallel(args, model, device):
+        single = device.type != "cpu" and args.rank == -1
+        if single and torch.cuda.device_count() > 1:
+            model = nn.DataParallel(model)
+        several = device.type != "cpu" and args.rank != -1
+        if several:
+            model = DDP(model, device_ids=[args.local_rank])
+        return model
+    """)
+    assert found(src, "data-parallel-in-ddp") == []
+    # the look-alike: a flag that says nothing about the rank, so both wraps can meet
+    meet = src.replace('args.rank == -1', 'args.fast')
+    assert found(meet, "data-parallel-in-ddp") == [("data-parallel-in-ddp", 15, "error"),
+                                                   ("data-parallel-in-ddp", 18, "error")]
+
+
+def test_an_unneeded_find_unused_parameters_flag_is_advice():
+    # flow_matching, vjepa2, yolov7-pytorch: the reason the flag is needed was out of
+    # view (a label dropped in the loop, a forward in another file, a freeze after the
+    # wrap); the flag costs time, never a wrong result
+    from disttrain.doctor.analyzer import analyze_source
+
+    src = PRE + "model = DDP(nn.Linear(2, 2).cuda(), device_ids=[local_rank], find_unused_parameters=True)\n"
+    assert found(src, "find-unused-parameters") == []
+    advised = [(f.rule, f.severity) for f in analyze_source("s.py", src, advice=True)]
+    assert advised == [("find-unused-parameters", "advice")]

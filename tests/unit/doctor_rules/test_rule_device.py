@@ -249,3 +249,24 @@ def test_named_devices_without_a_bind_are_a_warning_and_gloo_needs_none():  # dd
     assert not [r for r in rule_severities(base.format(b="gloo")) if r[0] == "missing-set-device"]
     unnamed = base.format(b="nccl").replace(".cuda(r)", ".cuda()")
     assert ("missing-set-device", "error") in rule_severities(unnamed)
+
+
+def test_cuda_on_the_single_process_branch_needs_no_bound_device():
+    # yolov7-pytorch: every use on the distributed path names cuda:local_rank; the bare
+    # "cuda" is the `else` of `if distributed:`, one process, where cuda:0 is right
+    src = textwrap.dedent("""
+    import os, datetime, torch
+    import torch.distributed as dist
+    distributed = int(os.environ.get("WORLD_SIZE", "1")) > 1
+    if distributed:
+        dist.init_process_group("nccl", timeout=datetime.timedelta(minutes=5))
+        local_rank = int(os.environ["LOCAL_RANK"])
+        device = torch.device("cuda", local_rank)
+    else:
+        device = torch.device("cuda")
+    net = torch.nn.Linear(2, 2).to(device)
+    """)
+    assert found(src, "missing-set-device") == []
+    # the look-alike: the bare "cuda" on the distributed path defaults every rank to cuda:0
+    shared = src.replace('    device = torch.device("cuda", local_rank)\n', '    device = torch.device("cuda")\n')
+    assert found(shared, "missing-set-device") == [("missing-set-device", 8, "error")]

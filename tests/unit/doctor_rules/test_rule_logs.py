@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import textwrap
 
-from rule_check import PRE, RANK_ZERO_HELPERS, found, found_in, rule_severities, rules
+from rule_check import PRE, RANK_ZERO_HELPERS, findings, found, found_in, rule_severities, rules
 
 from disttrain.doctor.analyzer import parse
 from disttrain.doctor.dataflow import Project
@@ -251,6 +251,9 @@ def test_a_print_that_names_its_rank_is_meant_per_rank():  # ddp/main.py
            "dist.init_process_group('nccl', timeout=t)\nprint(f'rank {rank} starts')\n"
            "print('reading the snapshot')\n")
     assert [r for r in rule_severities(src) if r[0] == "unguarded-log"] == [("unguarded-log", "warning")]
+    # ZoeDepth: the rank as one of print's own arguments, beside a look-alike without it
+    src = src.replace("print('reading the snapshot')\n", "print('Rank', rank, 'batch', 8)\nprint('batch', 8)\n")
+    assert [f.line for f in findings(src) if f.rule == "unguarded-log"] == [6]
 
 
 def test_print_in_a_fabric_script_runs_on_every_rank():  # Lightning Fabric examples
