@@ -127,7 +127,8 @@ def test_an_epoch_through_four_layouts_loads_bit_exact_and_sees_every_sample_onc
     assert sorted(samples) == list(range(64))  # the epoch, each window once
 
 
-def test_the_tp2_dp2_checkpoint_loads_bit_exact_at_tp1_dp2_and_tp2_dp1(chain):
+def test_the_tp2_dp2_checkpoint_loads_bit_exact_at_tp1_dp4_tp1_dp2_and_tp2_dp1(chain):
+    assert all(r["chain/tp1_dp4_loads_stage1"] for r in chain[0])
     assert all(r["chain/tp1_loads_stage1"] and r["chain/tp2_loads_stage1"] for r in chain[1])
 
 

@@ -11,7 +11,8 @@ GRID_OUT/chain, a quarter at each layout, each stage resuming the one before: tp
 its `Config`, `MLP_PLAN`); each checks that the values it loaded (parameters and
 momentum buffers) are bit-identical to those the stage before ended with, and records
 its step, batches and split parameters; the tp 2 x dp 2 checkpoint is also loaded at
-tp 1 x dp 2 and tp 2 x dp 1 outside a Job, and `ckpt verify`'s line about it is kept.
+tp 1 x dp 4, tp 1 x dp 2 and tp 2 x dp 1 outside a Job, and `ckpt verify`'s line about
+it is kept.
 Without an argument:
 - job: a `dt.Job(strategy="fsdp", tp=2)` run of the built-in GPT (tp 2 x dp 1) with
   clipping active, against a single-process copy trained on the same global batches:
@@ -164,7 +165,18 @@ def grid_chain(out: Path, results: dict):
         with contextlib.redirect_stdout(io.StringIO()) as said:
             ckpt_command.main(["verify", str(out / "chain" / "checkpoints")])
         results["chain/verify"] = said.getvalue()
+    results["chain/tp1_dp4_loads_stage1"] = loads_stage1(out / "chain", 1)
     chain_stage(out / "chain", 2, 4, results)
+
+
+def loads_stage1(chain: Path, tp: int) -> bool:
+    """Whether the tp 2 x dp 2 checkpoint of stage 1 loads at tp x (world / tp) outside a
+    Job with the values stage 1 ended with (parameters and momentum buffers)."""
+    torch.manual_seed(9)
+    model = dt.wrap(GPT(CHAIN), strategy="fsdp", tp=tp)
+    opt = sgd(model)
+    dt.load(dt.TrainState(model=model, optimizer=opt), chain / "checkpoints" / f"step-{STAGE_STEPS:08d}")
+    return same_values(model, opt, torch.load(chain / "stage1.pt"))
 
 
 def chain_case(out: Path, grid_out: Path):
@@ -172,14 +184,9 @@ def chain_case(out: Path, grid_out: Path):
     `MLP_PLAN` from the config; first the tp 2 x dp 2 checkpoint loaded at both."""
     results: dict = {}
     chain = grid_out / "chain"
-    want = torch.load(chain / "stage1.pt")
     with dt.distributed(seed=0) as info:
         for tp in (1, 2):
-            torch.manual_seed(9)
-            model = dt.wrap(GPT(CHAIN), strategy="fsdp", tp=tp)
-            opt = sgd(model)
-            dt.load(dt.TrainState(model=model, optimizer=opt), chain / "checkpoints" / f"step-{STAGE_STEPS:08d}")
-            results[f"chain/tp{tp}_loads_stage1"] = same_values(model, opt, want)
+            results[f"chain/tp{tp}_loads_stage1"] = loads_stage1(chain, tp)
         chain_stage(chain, 3, 1, results)
         chain_stage(chain, 4, 2, results, plan=MLP_PLAN)
         (out / f"rank{info.rank}.json").write_text(json.dumps(results))
