@@ -11,7 +11,8 @@ the training process is killed by a signal, the supervisor promotes the spare (o
 line on its stdin) and starts a new spare in the background; torchrun sees nothing.
 A spare that dies is replaced the same way. Global rank 0's supervisor also hosts the
 `TCPStore` (at MASTER_ADDR:MASTER_PORT) on which the training processes agree on
-generations, so the store outlives any training process. It listens on MASTER_ADDR's
+generations, so the store outlives any training process (under the etcd rendezvous
+the store is the etcd, which outlives any node: `elastic.etcd_store`). It listens on MASTER_ADDR's
 address only, and the ranks seal what they write to it with the job's secret
 (DISTTRAIN_JOB_SECRET, from `disttrain run`; `elastic.job_store`): without one the
 supervisor refuses to start.
@@ -54,7 +55,8 @@ def _spawn(cmd: list[str], role: str) -> subprocess.Popen:
 
 def _host_store():
     """Global rank 0's slot: the store every generation rendezvouses on, listening only
-    on MASTER_ADDR's address (`elastic.job_store.host_store`)."""
+    on MASTER_ADDR's address; under the etcd rendezvous a client of the etcd, which
+    hosts it instead (`elastic.job_store.host_store`)."""
     from disttrain.elastic.job_store import host_store
 
     return host_store(timeout_s=300)
@@ -175,6 +177,8 @@ def supervise(cmd: list[str], rank: int, world: int) -> int:
         deadline = time.monotonic() + STORE_LINGER_S
         while store.add(DONE_KEY, 0) < world and time.monotonic() < deadline:
             time.sleep(0.05)
+        if hasattr(store, "remove_all"):  # etcd keeps keys after the job: the round's are removed
+            store.remove_all()
     return rc if rc >= 0 else 128 - rc
 
 
