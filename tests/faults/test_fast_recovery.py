@@ -10,15 +10,27 @@ import random
 import signal
 import subprocess
 import sys
+import time
+from collections import Counter
 from pathlib import Path
 
 import pytest
 import torch
 from conftest import built_once, worker_env
-from elastic_helpers import assert_same_fast_run, descendants, metrics, start, trainer_cmd, wait_for
+from elastic_helpers import (
+    assert_same_fast_run,
+    audit_timeline,
+    descendants,
+    kill_node,
+    metrics,
+    start,
+    trainer_cmd,
+    wait_for,
+)
 
 from disttrain.config import load_config
 from disttrain.errors import ConfigError
+from disttrain.launch.etcd_server import EtcdServer
 
 STEPS = 24
 FAST = ("--elastic.fast_recovery=true", "--checkpoint.every=3")
@@ -108,6 +120,46 @@ def test_killed_spare_is_replaced_and_then_used(reference, tmp_path):
     assert "spare exited (-9); starting another" in text
     assert text.count("its warm spare took over") == 1
     assert_same_run(reference, tmp_path)
+
+
+def test_a_lost_node_0_shrinks_the_job_in_memory(tmp_path):
+    """Two agents of one rank each (two "nodes" on loopback) under the etcd rendezvous.
+    kill -9 of the whole process tree (agent, supervisor, training process, spare) of
+    the node that holds rank 0: the rendezvous and fast recovery's store live in etcd,
+    the lost slot's supervisor stops beating, and the survivor goes on at world 1 from
+    its own memory (no torchrun restart, no disk), the global batch kept by
+    accumulation, every sample of the run consumed exactly once."""
+    steps = 24
+    with EtcdServer().start() as server:
+        flags = ("--nnodes", "2", "--nproc", "1", "--rdzv-backend", "etcd", "--rdzv-endpoint", server.endpoint,
+                 "--rdzv-id", "shrink")
+        cmd = trainer_cmd(tmp_path, f"--train.steps={steps}", *FAST, run_flags=flags)
+        logs = [tmp_path / f"node{i}.txt" for i in range(2)]
+        env = {"DISTTRAIN_FAULT": "delay@step:ms=150", "DISTTRAIN_JOB_SECRET": "ab" * 32}
+        nodes = [start(cmd, log, **env) for log in logs]
+        try:
+            wait_for(lambda: any(m["step"] >= 6 for m in metrics(tmp_path)), 150, "step 6 at world 2", logs)
+            t_kill, mark = time.monotonic(), max(m["step"] for m in metrics(tmp_path))
+            node0 = next(i for i, log in enumerate(logs) if "rank 0 (local rank 0) is pid" in log.read_text())
+            kill_node(nodes[node0])
+            wait_for(lambda: any(m["world_size"] == 1 for m in metrics(tmp_path)), 60, "world 1 in memory", logs)
+            print(f"kill -> first step at world 1: {time.monotonic() - t_kill:.2f} s")
+            wait_for(lambda: (tmp_path / "model.pt").exists() and metrics(tmp_path)[-1]["step"] == steps, 120,
+                     "the survivor to finish", logs)
+        finally:
+            for node in nodes:  # the survivor's agent would wait torchrun's exit barrier for node 0 (300 s)
+                kill_node(node)
+    text = logs[1 - node0].read_text()
+    assert "rank(s) [0] lost with their supervisors" in text and "the job goes on in memory at world 1" in text
+    assert "taken from rank 0's memory" in text  # the survivor, rank 0 of the new world
+    assert "world size is now 1: accum_steps 1 -> 2 keeps the global batch at 8" in text
+    assert "will restart worker group" not in text and "loading the newest checkpoint" not in text
+    records = metrics(tmp_path)
+    assert [m["world_size"] for m in records if m["step"] > mark + 1] == [1] * (steps - mark - 1)
+    timeline = audit_timeline(tmp_path)
+    assert sorted(timeline) == list(range(1, steps + 1))
+    counts = Counter(i for step in timeline.values() for i in step)
+    assert len(counts) == steps * 8 and set(counts.values()) == {1}  # the global batch stayed 8
 
 
 @pytest.mark.parametrize("strategy", ["zero1", "fsdp1"])
