@@ -197,3 +197,46 @@ def test_disttrain_run_starts_a_supervisor_per_slot_only_when_asked():
     assert args[-4:-2] == ["disttrain.launch.slot_supervisor", "disttrain.train"] and "-m" in args
     args = torchrun_for(base).args
     assert "disttrain.launch.slot_supervisor" not in args
+
+
+def test_a_generation_drops_only_the_slots_whose_supervisors_stopped_beating(monkeypatch):
+    """In one process, on an in-memory store: of a 4-rank job, slots 0 and 2 join
+    generation 1; slot 3's supervisor still beats (its spare is coming) and slot 1's
+    stopped. Slot 1 is dropped, slot 3 waited for: the roster is [0, 2, 3], ranks follow
+    it, and slot 1 coming back later is told it was left out."""
+    import threading
+    from datetime import timedelta
+
+    import torch.distributed as dist
+
+    from disttrain.elastic import fast_recovery, job_store, membership
+    from disttrain.runtime import job_secret
+
+    monkeypatch.setattr(membership, "LEASE_S", 0.3)
+    monkeypatch.setattr(membership, "STALL_S", 0.05)
+    raw = dist.HashStore()
+    raw.set_timeout(timedelta(seconds=20))
+    store = job_store.JobStore(raw, job_secret.from_env({job_secret.SECRET_ENV: job_secret.new_secret()}))
+    for slot in range(4):
+        store.add(f"disttrain/fast/alive/{slot}", 1)  # every supervisor has beaten before
+    stop = threading.Event()
+    beating = threading.Thread(target=membership.beat, args=(store, 3, stop), daemon=True)
+    beating.start()
+    got: dict[int, tuple[int, list[int]]] = {}
+
+    def member(slot: int) -> None:
+        got[slot] = fast_recovery.join(store, 1, slot, 4, wait_s=20)
+
+    threads = [threading.Thread(target=member, args=(s,)) for s in (0, 2)]
+    for t in threads:
+        t.start()
+    time.sleep(1.0)  # several leases: slot 1 is dropped, slot 3 (beating) is not
+    assert not got and membership.roster(store, 4) == [0, 2, 3]
+    member(3)  # the spare of slot 3 arrives
+    for t in threads:
+        t.join(timeout=20)
+    stop.set()
+    assert got == {0: (1, [0, 2, 3]), 2: (1, [0, 2, 3]), 3: (1, [0, 2, 3])}
+    assert store.add(membership.LOST_KEY, 0) == 1
+    with pytest.raises(membership.LeftOut, match="rank 1 was taken for gone"):
+        fast_recovery.join(store, 1, 1, 4, wait_s=5)

@@ -103,7 +103,7 @@ def join(store: JobStore, gen: int, slot: int, world: int, wait_s: float) -> tup
     newer one. One that stays short past `membership.STALL_S` watches its missing
     members' supervisors: those that stopped beating are gone with their node, and the
     generation goes on without them (`membership.settle`). Raises `TimeoutError` after
-    `wait_s` without a full generation, `RuntimeError` when this slot was taken for gone."""
+    `wait_s` without a full generation, `membership.LeftOut` when this slot was taken for gone."""
     deadline = time.monotonic() + wait_s
     while True:
         members = membership.roster(store, world)
@@ -113,7 +113,10 @@ def join(store: JobStore, gen: int, slot: int, world: int, wait_s: float) -> tup
         since, watch = time.monotonic(), None
         while True:
             if slot not in members:
-                raise RuntimeError(f"slot {slot} was taken for gone in generation {gen} (its supervisor stalled)")
+                raise membership.LeftOut(
+                    f"rank {slot} was taken for gone in generation {gen} (its supervisor missed its beats for "
+                    f"{membership.LEASE_S:g} s) and the job went on without it; this process leaves"
+                )
             if store.add(key, 0) >= len(members):
                 return gen, members
             current = store.add(GEN_KEY, 0)

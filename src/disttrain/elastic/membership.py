@@ -14,8 +14,8 @@ memory instead of waiting for a spare that will never come (docs/elastic.md).
   job's secret (`settle`). Every member takes its rank from its place in the roster
   and the world from its length; later generations (and a spare promoted later) use
   the newest roster (`roster`).
-A slot taken for gone that was only stalled finds itself outside the roster and ends
-its attempt with an error: torchrun's restart path, from the disk checkpoint.
+A slot taken for gone that was only stalled finds itself outside the roster, and its
+training process ends with `LeftOut`.
 """
 
 from __future__ import annotations
@@ -35,6 +35,11 @@ STALL_S = 0.3
 ROSTER_KEY = "disttrain/fast/roster"
 LOST_KEY = "disttrain/fast/lost"
 """How many slots the job has lost (the store's host waits for the others to finish)."""
+
+
+class LeftOut(RuntimeError):
+    """This slot was taken for gone (its supervisor stalled past the lease) and the
+    others went on without it."""
 
 
 def beat(store: JobStore, slot: int, stop: threading.Event) -> None:
