@@ -128,14 +128,17 @@ def test_a_lost_node_0_shrinks_the_job_in_memory(tmp_path):
     the node that holds rank 0: the rendezvous and fast recovery's store live in etcd,
     the lost slot's supervisor stops beating, and the survivor goes on at world 1 from
     its own memory (no torchrun restart, no disk), the global batch kept by
-    accumulation, every sample of the run consumed exactly once."""
+    accumulation. Then its training process is killed in step 18: its spare takes over
+    in the next generation (alone at world 1 nobody holds the state: the disk
+    checkpoint). Every sample of the run is consumed exactly once."""
     steps = 24
     with EtcdServer().start() as server:
         flags = ("--nnodes", "2", "--nproc", "1", "--rdzv-backend", "etcd", "--rdzv-endpoint", server.endpoint,
                  "--rdzv-id", "shrink")
         cmd = trainer_cmd(tmp_path, f"--train.steps={steps}", *FAST, run_flags=flags)
         logs = [tmp_path / f"node{i}.txt" for i in range(2)]
-        env = {"DISTTRAIN_FAULT": "delay@step:ms=150", "DISTTRAIN_JOB_SECRET": "ab" * 32}
+        fault = "delay@step:ms=150;kill@backward:rank=0,step=18,restart=1"  # in generation 1, the shrunk one
+        env = {"DISTTRAIN_FAULT": fault, "DISTTRAIN_JOB_SECRET": "ab" * 32}
         nodes = [start(cmd, log, **env) for log in logs]
         try:
             wait_for(lambda: any(m["step"] >= 6 for m in metrics(tmp_path)), 150, "step 6 at world 2", logs)
@@ -149,13 +152,15 @@ def test_a_lost_node_0_shrinks_the_job_in_memory(tmp_path):
         finally:
             for node in nodes:  # the survivor's agent would wait torchrun's exit barrier for node 0 (300 s)
                 kill_node(node)
-    text = logs[1 - node0].read_text()
+    text, _, later = logs[1 - node0].read_text().partition("its warm spare took over")
     assert "rank(s) [0] lost with their supervisors" in text and "the job goes on in memory at world 1" in text
-    assert "taken from rank 0's memory" in text  # the survivor, rank 0 of the new world
+    assert "generation 1: state of step" in text and "taken from rank 0's memory" in text  # the survivor's
     assert "world size is now 1: accum_steps 1 -> 2 keeps the global batch at 8" in text
-    assert "will restart worker group" not in text and "loading the newest checkpoint" not in text
+    assert "loading the newest checkpoint" not in text
+    assert "generation 2: no rank holds the state in memory; loading the newest checkpoint" in later
+    assert "will restart worker group" not in text + later
     records = metrics(tmp_path)
-    assert [m["world_size"] for m in records if m["step"] > mark + 1] == [1] * (steps - mark - 1)
+    assert {m["world_size"] for m in records if m["step"] > mark + 1} == {1}
     timeline = audit_timeline(tmp_path)
     assert sorted(timeline) == list(range(1, steps + 1))
     counts = Counter(i for step in timeline.values() for i in step)

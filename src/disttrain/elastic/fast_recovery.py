@@ -128,7 +128,7 @@ def join(store: JobStore, gen: int, slot: int, world: int, wait_s: float) -> tup
                 watch = watch or membership.Watch(store, gen, members)
                 lost = watch.lost()
                 if lost:
-                    members = membership.settle(store, gen, members, lost)
+                    members = membership.settle(store, gen, members, lost, GEN_KEY)
                 elif lost is not None:  # nobody is gone: watch again
                     watch = None
             if time.monotonic() > deadline:
