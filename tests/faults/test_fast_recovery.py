@@ -10,15 +10,27 @@ import random
 import signal
 import subprocess
 import sys
+import time
+from collections import Counter
 from pathlib import Path
 
 import pytest
 import torch
 from conftest import built_once, worker_env
-from elastic_helpers import assert_same_fast_run, descendants, metrics, start, trainer_cmd, wait_for
+from elastic_helpers import (
+    assert_same_fast_run,
+    audit_timeline,
+    descendants,
+    kill_node,
+    metrics,
+    start,
+    trainer_cmd,
+    wait_for,
+)
 
 from disttrain.config import load_config
 from disttrain.errors import ConfigError
+from disttrain.launch.etcd_server import EtcdServer
 
 STEPS = 24
 FAST = ("--elastic.fast_recovery=true", "--checkpoint.every=3")
@@ -110,6 +122,51 @@ def test_killed_spare_is_replaced_and_then_used(reference, tmp_path):
     assert_same_run(reference, tmp_path)
 
 
+def test_a_lost_node_0_shrinks_the_job_in_memory(tmp_path):
+    """Two agents of one rank each (two "nodes" on loopback) under the etcd rendezvous.
+    kill -9 of the whole process tree (agent, supervisor, training process, spare) of
+    the node that holds rank 0: the rendezvous and fast recovery's store live in etcd,
+    the lost slot's supervisor stops beating, and the survivor goes on at world 1 from
+    its own memory (no torchrun restart, no disk), the global batch kept by
+    accumulation. Then its training process is killed in step 18: its spare takes over
+    in the next generation (alone at world 1 nobody holds the state: the disk
+    checkpoint). Every sample of the run is consumed exactly once."""
+    steps = 24
+    with EtcdServer().start() as server:
+        flags = ("--nnodes", "2", "--nproc", "1", "--rdzv-backend", "etcd", "--rdzv-endpoint", server.endpoint,
+                 "--rdzv-id", "shrink")
+        cmd = trainer_cmd(tmp_path, f"--train.steps={steps}", *FAST, run_flags=flags)
+        logs = [tmp_path / f"node{i}.txt" for i in range(2)]
+        fault = "delay@step:ms=150;kill@backward:rank=0,step=18,restart=1"  # in generation 1, the shrunk one
+        env = {"DISTTRAIN_FAULT": fault, "DISTTRAIN_JOB_SECRET": "ab" * 32}
+        nodes = [start(cmd, log, **env) for log in logs]
+        try:
+            wait_for(lambda: any(m["step"] >= 6 for m in metrics(tmp_path)), 150, "step 6 at world 2", logs)
+            t_kill, mark = time.monotonic(), max(m["step"] for m in metrics(tmp_path))
+            node0 = next(i for i, log in enumerate(logs) if "rank 0 (local rank 0) is pid" in log.read_text())
+            kill_node(nodes[node0])
+            wait_for(lambda: any(m["world_size"] == 1 for m in metrics(tmp_path)), 60, "world 1 in memory", logs)
+            print(f"kill -> first step at world 1: {time.monotonic() - t_kill:.2f} s")
+            wait_for(lambda: (tmp_path / "model.pt").exists() and metrics(tmp_path)[-1]["step"] == steps, 120,
+                     "the survivor to finish", logs)
+        finally:
+            for node in nodes:  # the survivor's agent would wait torchrun's exit barrier for node 0 (300 s)
+                kill_node(node)
+    text, _, later = logs[1 - node0].read_text().partition("its warm spare took over")
+    assert "rank(s) [0] lost with their supervisors" in text and "the job goes on in memory at world 1" in text
+    assert "generation 1: state of step" in text and "taken from rank 0's memory" in text  # the survivor's
+    assert "world size is now 1: accum_steps 1 -> 2 keeps the global batch at 8" in text
+    assert "loading the newest checkpoint" not in text
+    assert "generation 2: no rank holds the state in memory; loading the newest checkpoint" in later
+    assert "will restart worker group" not in text + later
+    records = metrics(tmp_path)
+    assert {m["world_size"] for m in records if m["step"] > mark + 1} == {1}
+    timeline = audit_timeline(tmp_path)
+    assert sorted(timeline) == list(range(1, steps + 1))
+    counts = Counter(i for step in timeline.values() for i in step)
+    assert len(counts) == steps * 8 and set(counts.values()) == {1}  # the global batch stayed 8
+
+
 @pytest.mark.parametrize("strategy", ["zero1", "fsdp1"])
 def test_fast_recovery_refuses_other_strategies(strategy):
     with pytest.raises(ConfigError, match=rf"'ddp' or 'fsdp', not '{strategy}' on cpu"):
@@ -145,3 +202,46 @@ def test_disttrain_run_starts_a_supervisor_per_slot_only_when_asked():
     assert args[-4:-2] == ["disttrain.launch.slot_supervisor", "disttrain.train"] and "-m" in args
     args = torchrun_for(base).args
     assert "disttrain.launch.slot_supervisor" not in args
+
+
+def test_a_generation_drops_only_the_slots_whose_supervisors_stopped_beating(monkeypatch):
+    """In one process, on an in-memory store: of a 4-rank job, slots 0 and 2 join
+    generation 1; slot 3's supervisor still beats (its spare is coming) and slot 1's
+    stopped. Slot 1 is dropped, slot 3 waited for: the roster is [0, 2, 3], ranks follow
+    it, and slot 1 coming back later is told it was left out."""
+    import threading
+    from datetime import timedelta
+
+    import torch.distributed as dist
+
+    from disttrain.elastic import fast_recovery, job_store, membership
+    from disttrain.runtime import job_secret
+
+    monkeypatch.setattr(membership, "LEASE_S", 0.3)
+    monkeypatch.setattr(membership, "STALL_S", 0.05)
+    raw = dist.HashStore()
+    raw.set_timeout(timedelta(seconds=20))
+    store = job_store.JobStore(raw, job_secret.from_env({job_secret.SECRET_ENV: job_secret.new_secret()}))
+    for slot in range(4):
+        store.add(f"disttrain/fast/alive/{slot}", 1)  # every supervisor has beaten before
+    stop = threading.Event()
+    beating = threading.Thread(target=membership.beat, args=(store, 3, stop), daemon=True)
+    beating.start()
+    got: dict[int, tuple[int, list[int]]] = {}
+
+    def member(slot: int) -> None:
+        got[slot] = fast_recovery.join(store, 1, slot, 4, wait_s=20)
+
+    threads = [threading.Thread(target=member, args=(s,)) for s in (0, 2)]
+    for t in threads:
+        t.start()
+    time.sleep(1.0)  # several leases: slot 1 is dropped, slot 3 (beating) is not
+    assert not got and membership.roster(store, 4) == [0, 2, 3]
+    member(3)  # the spare of slot 3 arrives
+    for t in threads:
+        t.join(timeout=20)
+    stop.set()
+    assert got == {0: (1, [0, 2, 3]), 2: (1, [0, 2, 3]), 3: (1, [0, 2, 3])}
+    assert store.add(membership.LOST_KEY, 0) == 1
+    with pytest.raises(membership.LeftOut, match="rank 1 was taken for gone"):
+        fast_recovery.join(store, 1, 1, 4, wait_s=5)

@@ -18,7 +18,7 @@ import torch
 from conftest import built_once
 from elastic_helpers import assert_same_fast_run, run_trainer
 
-from disttrain.elastic.buddy_copy import choose_step, pack, unpack
+from disttrain.elastic.buddy_copy import buddy_shift, choose_step, pack, unpack
 
 STEPS = 18
 FSDP = ("--parallel.strategy=fsdp", "--elastic.fast_recovery=true", "--checkpoint.every=4")
@@ -134,6 +134,19 @@ def test_choose_step_takes_the_newest_step_held_for_every_shard():
     assert choose_step(offers) is None
     # nobody died (a failure that killed no rank): each keeps its own newest step
     assert choose_step([_offer(False, (3, 4), (4,)), _offer(False, (4,), (4,))]) == 4
+
+
+def test_buddies_sit_on_another_node_so_a_lost_node_leaves_every_shard():
+    # one node: the next rank; several nodes: the same local rank on the next node
+    assert [(r + buddy_shift(4, 4)) % 4 for r in range(4)] == [1, 2, 3, 0]
+    assert [(r + buddy_shift(4, 2)) % 4 for r in range(4)] == [2, 3, 0, 1]
+    assert [(r + buddy_shift(6, 2)) % 6 for r in range(6)] == [2, 3, 4, 5, 0, 1]
+    assert [(r + buddy_shift(2, 1)) % 2 for r in range(2)] == [1, 0]
+    assert buddy_shift(5, 2) == 1  # ranks that do not fill equal nodes: the next rank
+    # 2 nodes x 2 ranks, node 1 (ranks 2 and 3) lost: ranks 0 and 1 hold both its shards
+    offers = [_offer(False, (5, 6), (6,)), _offer(False, (5, 6), (6,)), _offer(True), _offer(True)]
+    assert choose_step(offers, buddy_shift(4, 2)) == 6
+    assert choose_step(offers, 1) is None  # within one node, rank 2's shard was on rank 3 only
 
 
 def test_pack_and_unpack_keep_every_tensor_bit_for_bit():

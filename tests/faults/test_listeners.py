@@ -126,6 +126,53 @@ def test_store_listens_on_master_addr_only_and_ignores_a_foreign_clients_values(
     assert ours.add("probe", 1) == 1 and isinstance(server, dist.TCPStore)  # the store still serves
 
 
+def test_store_on_etcd_when_the_rendezvous_is_etcd_seals_values_and_carries_groups(monkeypatch, caplog):
+    """Under `--rdzv-backend etcd` fast recovery's store is the etcd (no node hosts it):
+    `disttrain run` names it to the ranks; their values are sealed as on the TCP store;
+    a generation's gloo group forms on it; rank 0's supervisor removes the round's keys."""
+    import threading
+
+    import torch.distributed as dist
+
+    from disttrain.elastic import etcd_store, job_store
+    from disttrain.launch.etcd_server import EtcdServer
+
+    monkeypatch.setenv(job_secret.SECRET_ENV, job_secret.new_secret())  # several nodes: the user's
+    run = run_command.torchrun_for(["--nnodes", "2", "--nproc", "1", "--rdzv-backend", "etcd", "--rdzv-endpoint",
+                                    "127.0.0.1:2379", "-m", "disttrain.train", "examples/tiny_gpt.toml",
+                                    "--elastic.fast_recovery=true"])
+    assert run.env[run_command.FAST_STORE_ENV] == "etcd://127.0.0.1:2379"
+    with EtcdServer().start() as server:
+        for k, v in {"MASTER_ADDR": "10.0.0.9", "MASTER_PORT": "29500", "TORCHELASTIC_RUN_ID": "job",
+                     etcd_store.STORE_ENV: f"etcd://{server.endpoint}"}.items():
+            monkeypatch.setenv(k, v)
+        supervisor = job_store.host_store(timeout_s=20)
+        ranks = [job_store.connect(timeout_s=20) for _ in range(2)]
+        assert [r.add("joined", 1) for r in ranks] == [1, 2] and supervisor.add("joined", 0) == 2
+        ranks[0].set("a", "sealed")
+        supervisor.set("b", "written without the job's secret")
+        with caplog.at_level("WARNING", logger="disttrain"):
+            assert ranks[1].get("a") == "sealed" and ranks[1].get("b") is None
+        sums = [0.0, 0.0]
+
+        def member(rank: int) -> None:
+            pg = dist.ProcessGroupGloo(dist.PrefixStore("g0/pg", ranks[rank].store), rank, 2,
+                                       datetime.timedelta(seconds=30))
+            x = torch.tensor([rank + 1.0])
+            pg.allreduce([x]).wait()
+            sums[rank] = x.item()
+
+        threads = [threading.Thread(target=member, args=(r,)) for r in range(2)]
+        for t in threads:
+            t.start()
+        for t in threads:
+            t.join(timeout=60)
+        assert sums == [3.0, 3.0]
+        assert isinstance(supervisor, etcd_store.EtcdStore)
+        supervisor.remove_all()
+        assert not ranks[0].store.check(["a"])
+
+
 def test_slot_supervisor_refuses_to_start_without_the_jobs_secret():
     env = {k: v for k, v in worker_env(RANK="0", WORLD_SIZE="1", MASTER_PORT="1").items()
            if k != job_secret.SECRET_ENV}

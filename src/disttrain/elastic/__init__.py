@@ -7,6 +7,8 @@ fast_recovery.py a dead rank replaced by a warm spare in the same generation, th
                  from the survivors' memory (`[elastic] fast_recovery = true`)
 buddy_copy.py    each rank's shard kept also in its buddy's CPU memory, for fast
                  recovery under FSDP
+etcd_store.py    fast recovery's store on etcd under the etcd rendezvous (no node hosts it)
+membership.py    which slots are still in a fast-recovery job: a lost node shrinks it in memory
 """
 
 from disttrain.elastic.batch_policy import apply_batch_policy

@@ -5,16 +5,19 @@ under a sharded strategy (FSDP) gives a newcomer the dead rank's shard
 After every committed step the trainer calls `BuddyCopy.start(step, state)`: the rank
 packs its own part of the `TrainState` (the local shards of the model and optimizer,
 and the meta: step, scheduler, sampler, scaler) into a CPU buffer and posts an `isend` of it
-to its buddy, rank (r + 1) % world, and an `irecv` of its left neighbour's pack, on a
-gloo group of their own (CPU buffers, whatever the training backend). The copy runs
-while the next step computes and is waited at the next `start`: a rank always holds
-its own packs of the last two steps and its left neighbour's newest complete pack.
+to its buddy and an `irecv` of the pack of the rank whose buddy it is, on a gloo group
+of their own (CPU buffers, whatever the training backend). The buddy is on another
+node when there are several (`buddy_shift`: the rank with the same local rank on the
+next node), so a lost machine leaves every one of its shards on a survivor; on one
+node it is rank (r + 1) % world. The copy runs while the next step computes and is
+waited at the next `start`: a rank always holds its own packs of the last two steps
+and its source's newest complete pack.
 
 After a peer's death every rank offers the steps it holds (`offer`); the newest step
 T whose every shard is held somewhere (by its owner, or by the dead owner's buddy) is
 chosen (`choose_step`); the buddies send the newcomers their packs of T, and every
-rank loads T (`restore`). Two neighbours dead at once leave a shard nowhere: T is
-None and the caller loads the disk checkpoint. The state is copied raw: one flat uint8
+rank loads T (`restore`). A rank and its buddy dead at once leave a shard nowhere: T
+is None and the caller loads the disk checkpoint. The state is copied raw: one flat uint8
 buffer with the state's skeleton in front, as JSON (`_encode`): dicts, lists, tuples,
 plain numbers, strings and the tensors' places. Nothing a peer sends is unpickled; a
 skeleton that is not one `_encode` writes, or whose tensors fall outside the buffer, is
@@ -26,6 +29,7 @@ from __future__ import annotations
 import datetime
 import json
 import math
+import os
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any, TypeGuard
 
@@ -270,10 +274,29 @@ def _template(state) -> dict:
     return {"model": state.model.state_dict(), "optim": {"state": {i: _AnyKey(p) for i, p in enumerate(params)}}}
 
 
-def choose_step(offers: list[dict]) -> int | None:
+def buddy_shift(world: int, local_world: int) -> int:
+    """How far a rank's buddy is: rank r's pack goes to (r + shift) % world and it holds
+    the pack of (r - shift) % world. On several nodes of `local_world` ranks each (torchrun
+    numbers a node's ranks consecutively) the shift is `local_world`: the buddy is the
+    rank with the same local rank on the next node, so a node's loss leaves each of its
+    shards on another node. On one node (or ranks that do not fill equal nodes) it is 1."""
+    if 0 < local_world < world and world % local_world == 0:
+        return local_world
+    return 1
+
+
+def local_world_size(world: int) -> int:
+    """The ranks per node torchrun gave this process (`LOCAL_WORLD_SIZE`; `world` when unset)."""
+    try:
+        return int(os.environ.get("LOCAL_WORLD_SIZE", world))
+    except ValueError:
+        return world
+
+
+def choose_step(offers: list[dict], shift: int = 1) -> int | None:
     """The newest step whose every shard is held: by its owner (`mine`), or, for a
     newcomer (an offer with `new` True), by the owner's buddy (`theirs` of rank
-    (i + 1) % world). None when no step is complete."""
+    (i + shift) % world, `buddy_shift`). None when no step is complete."""
     world = len(offers)
     candidates = {s for o in offers for s in (*o["mine"], *o["theirs"])}
     for step in sorted(candidates, reverse=True):
@@ -282,7 +305,7 @@ def choose_step(offers: list[dict]) -> int | None:
             in (
                 o["mine"]
                 if not o["new"]
-                else (() if offers[(i + 1) % world]["new"] else offers[(i + 1) % world]["theirs"])
+                else (() if offers[(i + shift) % world]["new"] else offers[(i + shift) % world]["theirs"])
             )
             for i, o in enumerate(offers)
         ):
@@ -293,15 +316,16 @@ def choose_step(offers: list[dict]) -> int | None:
 class BuddyCopy:
     """The packs of one rank; kept across the attempts of a fast recovery.
 
-    `mine`: step -> this rank's own pack (the last two); `theirs`: step -> the left
-    neighbour's pack (the newest complete one). `attach(group)` binds the gloo group
-    of the current generation."""
+    `mine`: step -> this rank's own pack (the last two); `theirs`: step -> the pack of
+    the rank whose buddy this one is (the newest complete one). `attach(group)` binds
+    the gloo group of the current generation."""
 
     def __init__(self, every: int = 1) -> None:
         self.every = every
         self.mine: dict[int, torch.Tensor] = {}
         self.theirs: dict[int, torch.Tensor] = {}
         self.group = None
+        self.shift = 1
         self._capacity: list[int] | None = None
         self._pending: tuple[int, list, torch.Tensor] | None = None
         self._spare: torch.Tensor | None = None
@@ -309,8 +333,11 @@ class BuddyCopy:
         self.copier = HostCopy()
 
     def attach(self, group) -> None:
-        """A new generation's group: exchanges start over (capacities are gathered again)."""
+        """A new generation's group: exchanges start over (capacities are gathered again)
+        and the buddies are placed for its world (`buddy_shift`)."""
         self.group, self._capacity, self._pending = group, None, None
+        world = dist.get_world_size(group)
+        self.shift = buddy_shift(world, local_world_size(world))
 
     # ------------------------------------------------------------ every step
     def start(self, step: int, state, force: bool = False) -> None:
@@ -340,14 +367,14 @@ class BuddyCopy:
             self._off(rank, e)
             return
         self.mine[step] = buf
-        size = self._capacity[(rank - 1) % world]
+        size = self._capacity[(rank - self.shift) % world]
         spare, self._spare = self._spare, None
         incoming = spare if spare is not None and spare.numel() == size else torch.empty(size, dtype=torch.uint8)
         self.copier.wait()  # on CUDA: the side stream's copy is in the buffer before gloo reads it
         # The group spans the whole world in rank order: its ranks are the global ones.
         works = [
-            dist.isend(buf, dst=(rank + 1) % world, group=self.group),
-            dist.irecv(incoming, src=(rank - 1) % world, group=self.group),
+            dist.isend(buf, dst=(rank + self.shift) % world, group=self.group),
+            dist.irecv(incoming, src=(rank - self.shift) % world, group=self.group),
         ]
         self._pending = (step, works, incoming)
         fault_injection.inject("buddy", step, dist.get_rank())
@@ -396,16 +423,16 @@ class BuddyCopy:
         (the caller loads the disk checkpoint)."""
         rank, world = dist.get_rank(), dist.get_world_size()
         offers: list[dict] = all_gather_json(self.offer(newcomer))
-        step = choose_step(offers)
+        step = choose_step(offers, self.shift)
         fault_injection.inject("recovery", -1 if step is None else step, rank)
         if step is None:
             LOGGER.info(
                 f"{speaker()}: generation {gen}: no step has every shard in memory; loading the newest checkpoint"
             )
             return False
-        left, right = (rank - 1) % world, (rank + 1) % world
+        left, right = (rank - self.shift) % world, (rank + self.shift) % world
         works = []
-        if offers[left]["new"]:  # this rank holds the dead left neighbour's shard
+        if offers[left]["new"]:  # this rank holds the dead source's shard
             works.append(dist.isend(self.theirs[step], dst=left, group=self.group))
         if newcomer:
             buf = torch.empty(int(dict(offers[right]["sizes"])[step]), dtype=torch.uint8)
@@ -418,8 +445,9 @@ class BuddyCopy:
         self.mine = {step: own}
         self.theirs = {}
         newcomers = [i for i, o in enumerate(offers) if o["new"]]
+        holders = [(i + self.shift) % world for i in newcomers]
         LOGGER.info(
             f"{speaker()}: generation {gen}: step {step} restored from memory "
-            f"(shards of ranks {newcomers} from their buddies)"
+            f"(shards of ranks {newcomers} from their buddies); the buddies: ranks {holders}"
         )
         return True

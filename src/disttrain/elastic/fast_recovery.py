@@ -46,7 +46,7 @@ import torch
 import torch.distributed as dist
 
 from disttrain import runtime, worker_notes
-from disttrain.elastic import group_sockets, job_store
+from disttrain.elastic import group_sockets, job_store, membership
 from disttrain.elastic.buddy_copy import BuddyCopy, pack, unpack
 from disttrain.elastic.job_store import JobStore
 from disttrain.runtime import failures, fault_injection, processes, torch_compat
@@ -57,6 +57,7 @@ ROLE_ENV = "DISTTRAIN_FAST_ROLE"
 """Set by the slot supervisor on its children: "first" or "spare"."""
 GEN_KEY = "disttrain/fast/gen"
 DONE_KEY = "disttrain/fast/done"
+EXPECTED_WORLD_ENV = "DISTTRAIN_EXPECTED_WORLD_SIZE"  # guard.sanity's: the world the launcher started
 """Each training process adds 1 when its job is over, so the supervisor that hosts
 the store keeps it until every rank has finished with it."""
 
@@ -93,25 +94,46 @@ def connect_store(timeout_s: float) -> JobStore:
     return job_store.connect(timeout_s)
 
 
-def join(store: JobStore, gen: int, world: int, wait_s: float) -> int:
-    """Join generation `gen` or a later one; return it once all `world` ranks are in.
+def join(store: JobStore, gen: int, slot: int, world: int, wait_s: float) -> tuple[int, list[int]]:
+    """Join generation `gen` or a later one as `slot` (the rank this slot had in the
+    first generation of a job of `world` ranks); return it and its members (the slots in
+    it, in rank order) once all have joined.
 
     A generation someone bumps past (another death during the wait) is left for the
-    newer one. Raises `TimeoutError` after `wait_s` without a full generation."""
+    newer one. One that stays short past `membership.STALL_S` watches its missing
+    members' supervisors: those that stopped beating are gone with their node, and the
+    generation goes on without them (`membership.settle`). Raises `TimeoutError` after
+    `wait_s` without a full generation, `membership.LeftOut` when this slot was taken for gone."""
     deadline = time.monotonic() + wait_s
     while True:
+        members = membership.roster(store, world)
         key = f"disttrain/fast/g{gen}/joined"
+        membership.arrive(store, gen, slot)
         store.add(key, 1)
+        since, watch = time.monotonic(), None
         while True:
-            if store.add(key, 0) >= world:
-                return gen
+            if slot not in members:
+                raise membership.LeftOut(
+                    f"rank {slot} was taken for gone in generation {gen} (its supervisor missed its beats for "
+                    f"{membership.LEASE_S:g} s) and the job went on without it; this process leaves"
+                )
+            if store.add(key, 0) >= len(members):
+                return gen, members
             current = store.add(GEN_KEY, 0)
             if current > gen:
                 gen = current
                 break
+            if gen > 0 and time.monotonic() - since > membership.STALL_S:
+                members = membership.decided(store, gen) or members
+                watch = watch or membership.Watch(store, gen, members)
+                lost = watch.lost()
+                if lost:
+                    members = membership.settle(store, gen, members, lost, GEN_KEY)
+                elif lost is not None:  # nobody is gone: watch again
+                    watch = None
             if time.monotonic() > deadline:
                 raise TimeoutError(
-                    f"generation {gen}: only {store.add(key, 0)} of {world} ranks joined within {wait_s:.0f} s"
+                    f"generation {gen}: only {store.add(key, 0)} of {len(members)} ranks joined within {wait_s:.0f} s"
                 )
             time.sleep(0.002)
 
@@ -279,7 +301,7 @@ def run(
     copy under a sharded strategy (`Handoff.attach_buddy`). The program's error (see the
     module) ends the process under `disttrain run` (SystemExit) and propagates
     elsewhere; so does a generation that does not fill within `timeout_s`."""
-    world = int(os.environ["WORLD_SIZE"])
+    world, slot = int(os.environ["WORLD_SIZE"]), int(os.environ["RANK"])  # the first generation's
     handoff = Handoff(gen=0)
     if nccl_expected(backend, device):
         # The survivors abort NCCL themselves (torch_compat.abort_process_groups); the NCCL
@@ -300,11 +322,12 @@ def run(
     try:
         while True:
             try:
-                gen = join(store, gen, world, timeout_s)
+                gen, members = join(store, gen, slot, world, timeout_s)
             except TimeoutError as timed_out:
                 if failure is not None:
                     raise failure from timed_out
                 raise
+            _take_place(handoff, members.index(slot), len(members))
             handoff.gen = gen
             worker_notes.mark_step(0)  # a generation's start and recovery: no step in flight yet
             fault_injection.set_attempt(gen)  # a fault for attempt k fires once, in generation k
@@ -321,13 +344,24 @@ def run(
             try:
                 return body(info, handoff)
             except Exception as e:
-                failure = _recover(handoff, e, info, world)
+                failure = _recover(handoff, e, info)
             finally:
                 processes.STATE.handoff = None
                 runtime.shutdown(collect=False)
             gen = max(gen + 1, store.add(GEN_KEY, 0))
     finally:
         _count_done(store)
+
+
+def _take_place(handoff: Handoff, rank: int, world: int) -> None:
+    """This process's rank and world in the generation it joined (`RANK`, `WORLD_SIZE`:
+    what `runtime.init` reads). After a shrink the buddy copies of the larger world do
+    not fit the new shards: under FSDP that generation loads the disk checkpoint (DCP
+    reshards it); under DDP every survivor holds the whole state in memory."""
+    if int(os.environ["WORLD_SIZE"]) != world:
+        handoff.buddy = None
+        os.environ.pop(EXPECTED_WORLD_ENV, None)  # the launcher's count no longer holds
+    os.environ["RANK"], os.environ["WORLD_SIZE"] = str(rank), str(world)
 
 
 def _count_done(store) -> None:
@@ -341,7 +375,7 @@ def _count_done(store) -> None:
             raise
 
 
-def _recover(handoff: Handoff, e: Exception, info: runtime.RankInfo, world: int) -> RuntimeError:
+def _recover(handoff: Handoff, e: Exception, info: runtime.RankInfo) -> RuntimeError:
     """After the body of generation `handoff.gen` raised `e`: stop (the program's error,
     a crash loop: SystemExit) or make ready for the next generation (keep the state,
     cut this rank's group connections). Returns `e` without its traceback, whose frames
@@ -360,7 +394,7 @@ def _recover(handoff: Handoff, e: Exception, info: runtime.RankInfo, world: int)
     if "nccl" in str(info.backend):  # NCCL's communicators do not fail by themselves
         torch_compat.abort_process_groups()
     assert handoff.store is not None  # joined before any generation ran
-    group_sockets.cut(group_sockets.published(handoff.store, f"disttrain/fast/g{handoff.gen}", world))
+    group_sockets.cut(group_sockets.published(handoff.store, f"disttrain/fast/g{handoff.gen}", info.world_size))
     return RuntimeError(f"{type(e).__name__}: {e}")
 
 

@@ -10,6 +10,8 @@ secret, and a server that listens only where the job does.
   are not sealed.
 - `host_store` serves it listening only on the address MASTER_ADDR resolves to
   (`runtime.store_server`; torch's own `TCPStore` server listens on every interface).
+- Under the etcd rendezvous the store is etcd itself (`elastic.etcd_store`), which no
+  node of the job hosts, and the sealing is the same.
 """
 
 from __future__ import annotations
@@ -19,6 +21,7 @@ import os
 
 import torch.distributed as dist
 
+from disttrain.elastic import etcd_store
 from disttrain.runtime import job_secret
 from disttrain.runtime.log import EVERY_RANK, LOGGER, speaker
 from disttrain.runtime.store_server import hosted_store
@@ -61,9 +64,14 @@ class JobStore:
 
 
 def connect(timeout_s: float) -> JobStore:
-    """A client of the slot supervisor's store (it may still be starting: the client
-    retries), with the job's secret (`UserError` when the rank has none)."""
+    """A client of the job's store, with the job's secret (`UserError` when the rank has
+    none): under the etcd rendezvous the etcd `disttrain run` named (`elastic.etcd_store`:
+    no node hosts it), else the slot supervisor's TCP store (it may still be starting:
+    the client retries)."""
     secret = job_secret.from_env()
+    endpoint = etcd_store.configured()
+    if endpoint is not None:
+        return JobStore(etcd_store.connect(endpoint, timeout_s), secret)
     store = dist.TCPStore(
         os.environ.get("MASTER_ADDR", "127.0.0.1"),
         int(os.environ["MASTER_PORT"]),
@@ -73,9 +81,15 @@ def connect(timeout_s: float) -> JobStore:
     return JobStore(store, secret)
 
 
-def host_store(timeout_s: float) -> dist.TCPStore:
-    """The store server of global rank 0's slot supervisor, at MASTER_ADDR:MASTER_PORT,
-    listening only on MASTER_ADDR's address (`runtime.store_server.hosted_store`)."""
+def host_store(timeout_s: float) -> dist.Store:
+    """The store of global rank 0's slot supervisor: under the etcd rendezvous a client of
+    the etcd (`elastic.etcd_store`; the supervisor only waits for the ranks to be done
+    and then removes the round's keys), else the server it hosts at
+    MASTER_ADDR:MASTER_PORT, listening only on MASTER_ADDR's address
+    (`runtime.store_server.hosted_store`)."""
+    endpoint = etcd_store.configured()
+    if endpoint is not None:
+        return etcd_store.connect(endpoint, timeout_s)
     host, port = os.environ.get("MASTER_ADDR", "127.0.0.1"), int(os.environ["MASTER_PORT"])
     one_node = os.environ.get("WORLD_SIZE") == os.environ.get("LOCAL_WORLD_SIZE", os.environ.get("WORLD_SIZE"))
     return hosted_store(

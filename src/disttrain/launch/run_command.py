@@ -52,6 +52,8 @@ What it changes, and why:
 - A fast-recovery job gets a random secret in DISTTRAIN_JOB_SECRET (the environment,
   never the command line), with which its ranks seal what they write to their store
   (`runtime.job_secret`); a multi-node one needs the user's, the same on every node.
+  Under `--rdzv-backend etcd` its store is that etcd (FAST_STORE_ENV, `elastic.etcd_store`)
+  instead of global rank 0's supervisor, so the loss of node 0 does not take it.
 Every other torchrun flag passes through unchanged.
 """
 
@@ -79,6 +81,7 @@ if TYPE_CHECKING:  # the config and the trainer's modules import torch: only whe
 DEFAULT_ENV = {"TORCH_DISABLE_SHARE_RDZV_TCP_STORE": "1"}
 
 SHUTDOWN_MARGIN_S = 10
+FAST_STORE_ENV = "DISTTRAIN_FAST_STORE"  # elastic.etcd_store.STORE_ENV; not imported: that imports torch
 """Seconds torchrun waits past the preemption grace before SIGKILL: a rank's exit
 after its save (process group teardown, interpreter shutdown)."""
 DEFAULT_PREEMPT_GRACE_S = 60.0
@@ -380,6 +383,9 @@ def torchrun_for(argv: list[str], cfg: Config | None = None) -> Torchrun:
         secret = job_secret.for_job(nnodes)  # the store's values carry it (runtime/job_secret.py)
         if secret is not None:
             env[job_secret.SECRET_ENV] = secret
+        if _flag_value(flags, "--rdzv-backend", "--rdzv_backend") == "etcd-v2" and endpoint:
+            # the generations agree on the etcd, which no node of the job hosts
+            env[FAST_STORE_ENV] = "etcd://" + endpoint.split(",")[0].removeprefix("http://")
     warm = warm_workers_wanted(flags, script)
     if warm and not (is_module and script[0].startswith("disttrain.")):
         # a user's script or module: the forked child starts it through worker_entry

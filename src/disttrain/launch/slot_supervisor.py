@@ -11,7 +11,8 @@ the training process is killed by a signal, the supervisor promotes the spare (o
 line on its stdin) and starts a new spare in the background; torchrun sees nothing.
 A spare that dies is replaced the same way. Global rank 0's supervisor also hosts the
 `TCPStore` (at MASTER_ADDR:MASTER_PORT) on which the training processes agree on
-generations, so the store outlives any training process. It listens on MASTER_ADDR's
+generations, so the store outlives any training process (under the etcd rendezvous
+the store is the etcd, which outlives any node: `elastic.etcd_store`). It listens on MASTER_ADDR's
 address only, and the ranks seal what they write to it with the job's secret
 (DISTTRAIN_JOB_SECRET, from `disttrain run`; `elastic.job_store`): without one the
 supervisor refuses to start.
@@ -30,6 +31,7 @@ import os
 import signal
 import subprocess
 import sys
+import threading
 import time
 
 from disttrain.errors import UserError
@@ -40,6 +42,7 @@ from disttrain.worker_notes import earlier_stop, first_to_say, read_step, report
 
 ROLE_ENV = "DISTTRAIN_FAST_ROLE"  # elastic.fast_recovery.ROLE_ENV; not imported: that imports torch
 DONE_KEY = "disttrain/fast/done"
+LOST_KEY = "disttrain/fast/lost"  # elastic.membership.LOST_KEY: the slots a shrink left out
 MAX_PROMOTIONS = 1000
 STORE_LINGER_S = 60.0
 """How long the store's host waits for every rank to finish with it after its own
@@ -54,7 +57,8 @@ def _spawn(cmd: list[str], role: str) -> subprocess.Popen:
 
 def _host_store():
     """Global rank 0's slot: the store every generation rendezvouses on, listening only
-    on MASTER_ADDR's address (`elastic.job_store.host_store`)."""
+    on MASTER_ADDR's address; under the etcd rendezvous a client of the etcd, which
+    hosts it instead (`elastic.job_store.host_store`)."""
     from disttrain.elastic.job_store import host_store
 
     return host_store(timeout_s=300)
@@ -111,9 +115,28 @@ def _not_to_retry(rank: int, rc: int, last_death: str | None) -> tuple[bool, str
     return True, death
 
 
+def _beat(rank: int) -> threading.Event:
+    """Beat for this slot on the job's store from a thread (`elastic.membership`), so the
+    survivors tell a lost node from a killed training process; set the event to stop."""
+    from disttrain.elastic import job_store, membership
+
+    stop = threading.Event()
+
+    def run() -> None:
+        try:
+            store = job_store.connect(timeout_s=300)
+        except (RuntimeError, ConnectionError, TimeoutError, OSError):
+            return  # no store: no shrink in memory; the restart path remains
+        membership.beat(store, rank, stop)
+
+    threading.Thread(target=run, name="disttrain-beat", daemon=True).start()
+    return stop
+
+
 def supervise(cmd: list[str], rank: int, world: int) -> int:
     """Run the slot until its training process is done; return the exit status."""
     store = _host_store() if rank == 0 else None
+    beating = _beat(rank)
     child = _spawn(cmd, "first")
     spare = _spawn(cmd, "spare")
     stopping = []
@@ -168,13 +191,16 @@ def supervise(cmd: list[str], rank: int, world: int) -> int:
             child, spare = spare, _spawn(cmd, "spare")
             continue
         break
+    beating.set()
     _end(spare)
     # Keep the store up until every rank is done with it; not when a rank stopped the job
     # (its error is the launcher's to report): the others may never say they are done.
     if store is not None and rc == 0 and not earlier_stop():
         deadline = time.monotonic() + STORE_LINGER_S
-        while store.add(DONE_KEY, 0) < world and time.monotonic() < deadline:
+        while store.add(DONE_KEY, 0) < world - store.add(LOST_KEY, 0) and time.monotonic() < deadline:
             time.sleep(0.05)
+        if hasattr(store, "remove_all"):  # etcd keeps keys after the job: the round's are removed
+            store.remove_all()
     return rc if rc >= 0 else 128 - rc
 
 

@@ -1,0 +1,132 @@
+"""Fast recovery's store on etcd (v2 API), so that the store the generations agree on
+is not a process of one node (`disttrain run --rdzv-backend etcd`, docs/elastic.md).
+
+Under the c10d rendezvous global rank 0's slot supervisor hosts a `TCPStore`, and the
+loss of that node takes the store with it. Under the etcd rendezvous `disttrain run`
+hands the ranks the etcd endpoint instead (`STORE_ENV`), and each rank's store is a
+client of that etcd, which outlives any node of the job. Each rendezvous round of
+torchrun has a directory of its own (`round_prefix`: the run id and the round's
+MASTER_ADDR:MASTER_PORT), so a restarted job starts with an empty one.
+
+`EtcdStore` is a `torch.distributed.Store`: the generations' process groups
+rendezvous on it (gloo's keys through a `PrefixStore`), and `elastic.job_store` seals
+the values the ranks write for each other, as on the TCP store. Keys are stored
+base64url-encoded (one flat directory), values base64-encoded (etcd v2 values are
+text). `add` is a compare-and-swap on etcd's modification index, retried at once on a
+conflict; a wait polls the key every few milliseconds.
+"""
+
+from __future__ import annotations
+
+import base64
+import datetime
+import os
+import time
+
+import etcd
+import torch.distributed as dist
+
+STORE_ENV = "DISTTRAIN_FAST_STORE"
+"""Set by `disttrain run` for fast recovery under the etcd rendezvous: `etcd://HOST:PORT`."""
+POLL_S = (0.002, 0.02)
+"""A wait's first and longest poll interval."""
+
+
+def _key(key: str) -> str:
+    return base64.urlsafe_b64encode(key.encode()).decode()
+
+
+def _value(value: str | bytes) -> str:
+    return base64.b64encode(value.encode() if isinstance(value, str) else bytes(value)).decode()
+
+
+class EtcdStore(dist.Store):
+    """A torch store whose keys live in etcd under `prefix` (see the module)."""
+
+    def __init__(self, client: etcd.Client, prefix: str, timeout: datetime.timedelta) -> None:
+        super().__init__()  # the pybind trampoline needs it
+        self.client = client
+        self.prefix = "/" + prefix.strip("/") + "/"
+        self._timeout = timeout
+        self.set_timeout(timeout)
+
+    def _read(self, key: str) -> etcd.EtcdResult | None:
+        try:
+            return self.client.read(self.prefix + _key(key))
+        except etcd.EtcdKeyNotFound:
+            return None
+
+    def set(self, key: str, value: str | bytes) -> None:
+        self.client.write(self.prefix + _key(key), _value(value))
+
+    def get(self, key: str) -> bytes:
+        """The value of `key`, waiting for it up to the store's timeout (`LookupError` then)."""
+        self.wait([key])
+        node = self._read(key)
+        if node is None:  # deleted between the wait and the read
+            raise LookupError(f"key {key!r} not found in fast recovery's etcd store")
+        return base64.b64decode(node.value)
+
+    def add(self, key: str, amount: int) -> int:
+        """Add `amount` to the integer at `key` (0 when absent) atomically; the new value."""
+        path = self.prefix + _key(key)
+        while True:
+            node = self._read(key)
+            try:
+                if node is None:
+                    self.client.write(path, str(amount), prevExist=False)
+                    return amount
+                new = int(node.value) + amount
+                if amount == 0:
+                    return new
+                self.client.write(path, str(new), prevIndex=node.modifiedIndex)
+                return new
+            except (etcd.EtcdAlreadyExist, etcd.EtcdCompareFailed):
+                continue  # another rank wrote first: read again
+
+    def check(self, keys: list[str]) -> bool:
+        return all(self._read(k) is not None for k in keys)
+
+    def wait(self, keys: list[str], timeout: datetime.timedelta | None = None) -> None:
+        """Until every key is set; `LookupError` after `timeout` (the store's by default)."""
+        limit = (timeout or self._timeout).total_seconds()
+        deadline, pause = time.monotonic() + limit, POLL_S[0]
+        while not self.check(keys):
+            if time.monotonic() > deadline:
+                raise LookupError(f"timed out after {limit:.0f} s waiting for {keys} in fast recovery's etcd store")
+            time.sleep(pause)
+            pause = min(pause * 2, POLL_S[1])
+
+    def delete_key(self, key: str) -> bool:
+        try:
+            self.client.delete(self.prefix + _key(key))
+            return True
+        except etcd.EtcdKeyNotFound:
+            return False
+
+    def remove_all(self) -> None:
+        """Delete this store's directory (the job is done with it)."""
+        try:
+            self.client.delete(self.prefix.rstrip("/"), recursive=True, dir=True)
+        except etcd.EtcdKeyNotFound:
+            pass
+
+
+def configured() -> str | None:
+    """The etcd endpoint `disttrain run` handed the ranks (`STORE_ENV`), or None (the
+    store is the TCP store of global rank 0's slot supervisor)."""
+    url = os.environ.get(STORE_ENV, "")
+    return url.removeprefix("etcd://") or None
+
+
+def round_prefix() -> str:
+    """This rendezvous round's directory: torchrun's run id and the round's master address."""
+    run_id = os.environ.get("TORCHELASTIC_RUN_ID", "none")
+    return f"disttrain/fast/{run_id}/{os.environ.get('MASTER_ADDR', '')}_{os.environ.get('MASTER_PORT', '')}"
+
+
+def connect(endpoint: str, timeout_s: float) -> EtcdStore:
+    """A store on the etcd at `endpoint` (HOST:PORT), in this round's directory."""
+    host, _, port = endpoint.rpartition(":")
+    client = etcd.Client(host=host or "127.0.0.1", port=int(port), read_timeout=max(5, int(timeout_s)))
+    return EtcdStore(client, round_prefix(), datetime.timedelta(seconds=timeout_s))
