@@ -70,13 +70,15 @@ def inspect(step_dir: Path) -> None:
 
     rows = tensor_table(step_dir)
     m = step_folders.read_manifest(step_dir)
-    table = Table(title=_text(f"{step_dir}  step {m.get('step')}  {layout(m)}  generation {m.get('generation')}"))
+    # The folder on a line of its own: a long path as the table's title wraps the facts
+    table = Table(title=_text(f"step {m.get('step')}  {layout(m)}  generation {m.get('generation')}"))
     for col in ("tensor", "shape", "dtype", "size"):
         table.add_column(col, justify="right" if col == "size" else "left")
     for key, shape, dtype, nbytes in rows:
         cells = (key, "x".join(map(str, shape)) or "scalar", str(dtype).removeprefix("torch."), _human(nbytes))
         table.add_row(*map(_text, cells))
     console = Console(width=120)
+    console.print(_text(str(step_dir)))
     console.print(table)
     files = sum(f["size"] for f in m["files"].values())
     console.print(
