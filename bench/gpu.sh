@@ -24,7 +24,8 @@
 # Writes OUTDIR/<variant>.json, OUTDIR/*.log and OUTDIR/gpu.md (which ends with a line
 # `torch X.Y.Z`: the release it ran on).
 # --dry-run: the same code on the CPU with a tiny model (the test that keeps it working;
-# fp8 through torchao's emulation). PYTHON picks the interpreter (default python3).
+# fp8 through torchao's emulation; with --fp8 it also runs the default set's eager pair, so
+# one call covers every dry-run variant). PYTHON picks the interpreter (default python3).
 set -uo pipefail
 cd "$(dirname "$0")/.."
 
@@ -62,6 +63,9 @@ TRAINER_ROWS="${GPU_TRAINER_ROWS:-}"
 if [[ ${#DRY[@]} -gt 0 ]]; then VARIANTS=(torch_autocast disttrain_fsdp disttrain_fsdp_compiled); fi
 if [[ ${#FP8[@]} -gt 0 ]]; then
     VARIANTS=(disttrain_fsdp_compiled disttrain_fp8_compiled torchao_fp8_compiled)
+    # The dry run adds the default run's eager pair: one CPU call proves both variant sets
+    # (the compiled bf16 variant, the most costly to start, is in both).
+    if [[ ${#DRY[@]} -gt 0 ]]; then VARIANTS=(torch_autocast disttrain_fsdp "${VARIANTS[@]}"); fi
     RAW_DISK=disttrain_fsdp_compiled TRAINER_ROWS="${GPU_TRAINER_ROWS:-ddp_fp8 fsdp_fp8 fsdp_fp8_then_bf16}"
 fi
 for variant in "${VARIANTS[@]}"; do

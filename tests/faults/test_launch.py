@@ -5,7 +5,7 @@ import subprocess
 import sys
 
 import pytest
-from conftest import ROOT, WORKERS, run_disttrain, worker_env
+from conftest import ROOT, WORKERS, built_once, run_disttrain, worker_env
 
 from disttrain.errors import UserError
 from disttrain.launch import run_command as launch
@@ -13,16 +13,29 @@ from disttrain.launch import run_command as launch
 SCRIPT = str(WORKERS / "hello.py")
 
 
-def test_two_concurrent_jobs_on_one_host_both_succeed_P_INIT_4(tmp_path):
-    cmd = [sys.executable, "-m", "disttrain.cli", "run", "--nproc", "2", SCRIPT]
-    jobs = [subprocess.Popen(cmd + [str(tmp_path / f"job{i}")], stdout=subprocess.PIPE,
-                             stderr=subprocess.STDOUT, text=True, env=worker_env(), cwd=ROOT)
-            for i in range(2)]
-    outputs = [job.communicate(timeout=120)[0] for job in jobs]
-    assert [job.returncode for job in jobs] == [0, 0], outputs
+@pytest.fixture(scope="module")
+def two_jobs(tmp_path_factory):
+    """Two `disttrain run` jobs started at once on this host; job 1 without
+    OMP_NUM_THREADS in its environment (the launcher's thread default)."""
+
+    def run(out):
+        cmd = [sys.executable, "-m", "disttrain.cli", "run", "--nproc", "2", SCRIPT]
+        envs = [worker_env(), {k: v for k, v in worker_env().items() if k != "OMP_NUM_THREADS"}]
+        jobs = [subprocess.Popen(cmd + [str(out / f"job{i}")], stdout=subprocess.PIPE,
+                                 stderr=subprocess.STDOUT, text=True, env=env, cwd=ROOT)
+                for i, env in enumerate(envs)]
+        outputs = [job.communicate(timeout=120)[0] for job in jobs]
+        return [job.returncode for job in jobs], outputs, out
+
+    return built_once(tmp_path_factory, "two-concurrent-jobs", run)
+
+
+def test_two_concurrent_jobs_on_one_host_both_succeed_P_INIT_4(two_jobs):
+    codes, outputs, out = two_jobs
+    assert codes == [0, 0], outputs
     ports = set()
     for i in range(2):
-        lines = (tmp_path / f"job{i}").read_text().split()
+        lines = (out / f"job{i}").read_text().split()
         assert len(lines) == 2  # both ranks of each job reported
         ports |= {line.split(",")[1] for line in lines}
     assert len(ports) == 2  # each job rendezvoused on its own free port
@@ -39,11 +52,10 @@ def test_a_scripts_own_exit_status_and_rank_are_reported_and_not_retried(tmp_pat
     assert len((tmp_path / "x").read_text().split()) == 2  # one attempt: each rank wrote once
 
 
-def test_omp_threads_and_store_defaults(tmp_path):
-    proc = run_disttrain(["run", "--nproc", "2", SCRIPT, str(tmp_path / "t")],
-                         env={k: v for k, v in worker_env().items() if k != "OMP_NUM_THREADS"})
-    assert proc.returncode == 0, proc.stderr
-    for line in (tmp_path / "t").read_text().split():
+def test_omp_threads_and_store_defaults(two_jobs):
+    codes, outputs, out = two_jobs
+    assert codes[1] == 0, outputs[1]
+    for line in (out / "job1").read_text().split():
         _, _, threads, share = line.split(",")
         assert threads == str(max(1, __import__("os").cpu_count() // 2)) and share == "1"
 

@@ -13,7 +13,7 @@ import subprocess
 import sys
 
 import pytest
-from conftest import ROOT, worker_env
+from conftest import ROOT, built_once, worker_env
 
 sys.path.insert(0, str(ROOT))
 
@@ -77,14 +77,32 @@ def test_quick_subset_writes_benchmarks(tmp_path):
     assert (tmp_path / "bench" / "results" / "overhead.png").exists()
 
 
-@pytest.mark.timeout(240)
-def test_gpu_script_dry_run_on_cpu(tmp_path):
-    env = worker_env(PYTHON=sys.executable)
-    proc = subprocess.run(["bash", str(ROOT / "bench" / "gpu.sh"), "--dry-run", str(tmp_path)],
-                          cwd=ROOT, env=env, capture_output=True, text=True, timeout=230)
-    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+def _has_torchao() -> bool:
+    import importlib.util
+
+    return importlib.util.find_spec("torchao") is not None
+
+
+@pytest.fixture(scope="module")
+def gpu_dry_run(tmp_path_factory):
+    """One CPU dry run of bench/gpu.sh for both tests below: with --fp8 (where torchao is
+    installed) it runs the default set's eager pair too, so one call covers every variant."""
+
+    def run(out):
+        flags = ["--fp8"] if _has_torchao() else []
+        proc = subprocess.run(["bash", str(ROOT / "bench" / "gpu.sh"), *flags, "--dry-run", str(out)],
+                              cwd=ROOT, env=worker_env(PYTHON=sys.executable), capture_output=True,
+                              text=True, timeout=450)
+        assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+        return out
+
+    return built_once(tmp_path_factory, "gpu-dry-run", run)
+
+
+@pytest.mark.timeout(480)
+def test_gpu_script_dry_run_on_cpu(gpu_dry_run):
     for variant in ("torch_autocast", "disttrain_fsdp", "disttrain_fsdp_compiled"):
-        r = json.loads((tmp_path / f"{variant}.json").read_text())
+        r = json.loads((gpu_dry_run / f"{variant}.json").read_text())
         assert r["dry_run"] and r["tokens_per_s"] > 0 and 0 <= r["mfu"] < 1
         assert "ckpt_async_stall_s" in r, r.get("ckpt_error")
         assert r["ckpt_gbps"] > 0 and r["ckpt_load_gbps"] > 0 and r["state_bytes"] > 0
@@ -93,7 +111,7 @@ def test_gpu_script_dry_run_on_cpu(tmp_path):
         assert r["ckpt_load_exact"] is True, variant
         assert r["sharded"] is False, variant  # like for like: both unsharded at world 1
         assert 0 < r["plan_ddp_gib"] and 0 < r["plan_fsdp_full_gib"], variant
-    md = (tmp_path / "gpu.md").read_text()
+    md = (gpu_dry_run / "gpu.md").read_text()
     assert "| disttrain_fsdp |" in md and "| disttrain_fsdp_compiled |" in md and "save GB/s" in md
     assert "| raw disk (write + fsync, cold read) |" in md and "load GB/s" in md
     assert "disttrain compiled MFU:" in md and "goal: 40%" in md
@@ -102,18 +120,13 @@ def test_gpu_script_dry_run_on_cpu(tmp_path):
     assert f"\ntorch {torch.__version__}\n" in md  # the release it ran on, for the README
 
 
-def test_gpu_script_fp8_dry_run_on_cpu(tmp_path):
+@pytest.mark.timeout(480)
+def test_gpu_script_fp8_dry_run_on_cpu(gpu_dry_run):
     """`bench/gpu.sh --fp8`: bf16 and fp8 through disttrain and fp8 by hand with torchao,
     all compiled, disttrain's checkpoints and the raw disk in one call (fp8 emulated)."""
-    import importlib.util
-
-    if importlib.util.find_spec("torchao") is None:
+    if not _has_torchao():
         pytest.skip("torchao is not installed (pip install 'disttrain[fp8]')")
-    env = worker_env(PYTHON=sys.executable)
-    proc = subprocess.run(["bash", str(ROOT / "bench" / "gpu.sh"), "--fp8", "--dry-run", str(tmp_path)],
-                          cwd=ROOT, env=env, capture_output=True, text=True, timeout=230)
-    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
-    r = {v: json.loads((tmp_path / f"{v}.json").read_text())
+    r = {v: json.loads((gpu_dry_run / f"{v}.json").read_text())
          for v in ("disttrain_fsdp_compiled", "disttrain_fp8_compiled", "torchao_fp8_compiled")}
     assert r["disttrain_fsdp_compiled"]["precision"] == "bf16"
     assert r["disttrain_fsdp_compiled"]["raw_write_gbps"] > 0  # the raw disk beside the checkpoint
@@ -123,7 +136,7 @@ def test_gpu_script_fp8_dry_run_on_cpu(tmp_path):
     assert ours["fp8_layers"] == hand["fp8_layers"] == 12  # q, k, v, proj, 2 MLP x 2 blocks, not the tied head
     assert abs(ours["loss"] - r["disttrain_fsdp_compiled"]["loss"]) < 0.01 * r["disttrain_fsdp_compiled"]["loss"]
     assert ours["ckpt_load_exact"] is True and "state_bytes" not in hand
-    md = (tmp_path / "gpu.md").read_text()
+    md = (gpu_dry_run / "gpu.md").read_text()
     assert "disttrain_fsdp_compiled against the raw disk, same machine and call: save" in md
     for verdict in ("disttrain / hand-written tokens/s (fp8 compiled)", "fp8 / bf16 tokens/s", "fp8 loss after"):
         assert verdict in md, verdict
