@@ -166,7 +166,11 @@ def report_not_retried(line: str, status: int, traceback: str | None = None, oom
 
 def wait_to_be_stopped() -> None:
     """After a note the launcher acts on: it stops the job now (SIGTERM), before the
-    agent sees this worker exit (which it would restart)."""
+    agent sees this worker exit (which it would restart). The SIGTERM ends this process
+    at once: a handler installed earlier (a Job's preemption save) has nothing left to
+    do, and keeping it would hold the agent until `WAIT_S` runs out."""
+    with contextlib.suppress(ValueError):  # ValueError: not the main thread
+        signal.signal(signal.SIGTERM, signal.SIG_DFL)
     time.sleep(WAIT_S)
 
 

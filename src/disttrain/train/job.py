@@ -345,7 +345,9 @@ class Job:
         self._close()
         if ending is not None:
             ending = ending.settled()
-            if ending.wait:
+            # A SIGTERM while closing was the launcher acting on the note already
+            stopped = self._started is not None and self._started.preemption.requested
+            if ending.wait and not stopped:
                 worker_notes.wait_to_be_stopped()
             raise failures.JudgedExit(ending.status) from None
 
