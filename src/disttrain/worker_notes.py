@@ -24,6 +24,9 @@ launch (`NOTES_ENV`): what the launcher says at the end must be what happened.
   breaker leaves its end alone.
 - `step-rank<N>-r<restart>`: the step rank N is in (`mark_step`), for the crash-loop
   breaker of the process that watches it.
+- `shrunk`: the world a fast-recovery job shrank to in memory and the slots it lost
+  with their node (`note_shrunk`): the launcher's exit barrier waits for the agents
+  left, not for the lost one, and its last line says the job went on without them.
 
 Beside the notes, a folder for the per-rank logs (`TRACES_ENV`): the full traceback
 of a failure a rank reported in one line (`trace_file`); `disttrain run` keeps it
@@ -283,12 +286,15 @@ def note_pace(rank: int, seconds: float) -> None:
     that a resumed attempt's hang watchdog starts with the bound the attempt before had
     (`read_pace`). A no-op outside `disttrain run`; a failed write is skipped."""
     folder = _folder()
-    if folder is None:
-        return
-    path = folder / f"pace-rank{rank}"
+    if folder is not None:
+        _replace(folder / f"pace-rank{rank}", repr(float(seconds)))
+
+
+def _replace(path: Path, text: str) -> None:
+    """Write `text` to `path` atomically, the newest writer winning; a failed write is skipped."""
     tmp = path.with_name(f".{path.name}.{os.getpid()}")
     try:
-        tmp.write_text(repr(float(seconds)))
+        tmp.write_text(text)
         os.replace(tmp, path)
     except OSError:
         pass
@@ -302,6 +308,28 @@ def read_pace(rank: int) -> float | None:
     except (OSError, ValueError):
         return None
     return value if value is not None and 0 < value < float("inf") else None
+
+
+SHRUNK = "shrunk"
+
+
+def note_shrunk(world: int, lost: list[int]) -> None:
+    """The job goes on in memory at `world` ranks without the slots `lost` (their
+    supervisors stopped beating: a node is gone), for the launcher: its exit barrier
+    waits for the agents left, and its last line says so (`read_shrunk`). The newest
+    shrink wins. A no-op outside `disttrain run`."""
+    folder = _folder()
+    if folder is not None:
+        _replace(folder / SHRUNK, json.dumps({"world": world, "lost": sorted(lost)}))
+
+
+def read_shrunk(folder: str | Path) -> dict | None:
+    """The newest shrink this launch's ranks noted (`note_shrunk`): {"world", "lost"}, or None."""
+    try:
+        record = json.loads((Path(folder) / SHRUNK).read_text())
+    except (OSError, ValueError):
+        return None
+    return record if isinstance(record, dict) else None
 
 
 def failed_attempts(folder: str | Path) -> int:

@@ -328,6 +328,8 @@ def run(
                     raise failure from timed_out
                 raise
             _take_place(handoff, members.index(slot), len(members))
+            if len(members) < world:  # the launcher's exit barrier and last line (worker_notes)
+                worker_notes.note_shrunk(len(members), [s for s in range(world) if s not in members])
             handoff.gen = gen
             worker_notes.mark_step(0)  # a generation's start and recovery: no step in flight yet
             fault_injection.set_attempt(gen)  # a fault for attempt k fires once, in generation k

@@ -536,8 +536,12 @@ def _launch(args: list[str], env: dict[str, str]) -> int:
     made_secret = env.get(job_secret.SECRET_ENV)
     if made_secret:  # this job's own, never one an earlier job left in this process
         os.environ[job_secret.SECRET_ENV] = made_secret
+    from disttrain.runtime.torch_compat import exit_barrier_of
+
     try:
-        run(parse_args(args))
+        # after a shrink in memory the exit barrier waits for the nodes left, not the lost one
+        with exit_barrier_of(notes.agents_gone):
+            run(parse_args(args))
     except ChildFailedError as e:
         if notes.stopped():
             return notes.report()
@@ -566,7 +570,18 @@ def _launch(args: list[str], env: dict[str, str]) -> int:
         print(line, file=sys.stderr)
         return status
     finally:
+        shrunk = notes.shrunk()
         notes.close()
         if made_secret:
             os.environ.pop(job_secret.SECRET_ENV, None)
+    if shrunk:
+        print(f"disttrain run: {shrunk_line(shrunk)}", file=sys.stderr)
     return 0
+
+
+def shrunk_line(shrunk: dict) -> str:
+    """The last line of a job that finished after shrinking in memory (`worker_notes.note_shrunk`)."""
+    return (
+        f"finished at world {shrunk.get('world')}: rank(s) {shrunk.get('lost')} were lost with their node "
+        f"and the others went on without them in memory, with no torchrun restart."
+    )
