@@ -209,17 +209,20 @@ def test_disttrain_run_starts_a_supervisor_per_slot_only_when_asked():
     assert "disttrain.launch.slot_supervisor" not in args
 
 
-def test_a_generation_drops_only_the_slots_whose_supervisors_stopped_beating(monkeypatch):
+def test_a_generation_drops_only_the_slots_whose_supervisors_stopped_beating(monkeypatch, tmp_path):
     """In one process, on an in-memory store: of a 4-rank job, slots 0 and 2 join
     generation 1; slot 3's supervisor still beats (its spare is coming) and slot 1's
     stopped. Slot 1 is dropped, slot 3 waited for: the roster is [0, 2, 3], ranks follow
-    it, and slot 1 coming back later is told it was left out."""
+    it, and slot 1 coming back later is told it was left out, and takes torchrun's
+    restart path."""
     import threading
     from datetime import timedelta
 
     import torch.distributed as dist
 
+    from disttrain import worker_notes
     from disttrain.elastic import fast_recovery, job_store, membership
+    from disttrain.launch.run_command import restart_path_line
     from disttrain.runtime import job_secret
 
     monkeypatch.setattr(membership, "LEASE_S", 0.3)
@@ -250,3 +253,19 @@ def test_a_generation_drops_only_the_slots_whose_supervisors_stopped_beating(mon
     assert store.add(membership.LOST_KEY, 0) == 1
     with pytest.raises(membership.LeftOut, match="rank 1 was taken for gone"):
         fast_recovery.join(store, 1, 1, 4, wait_s=5)
+    # Under `disttrain run` (its notes folder) slot 1's training process leaves for
+    # torchrun's restart path: exit 1, not the program's error, and the launcher says so.
+    notes = tmp_path / "notes"
+    notes.mkdir()
+    for key, value in {"WORLD_SIZE": "4", "RANK": "1", "LOCAL_RANK": "0", fast_recovery.ROLE_ENV: "first",
+                       worker_notes.NOTES_ENV: str(notes), worker_notes.TRACES_ENV: str(tmp_path)}.items():
+        monkeypatch.setenv(key, value)
+    monkeypatch.setattr(fast_recovery, "connect_store", lambda timeout_s: store)
+    with pytest.raises(SystemExit) as leaving:
+        fast_recovery.run(lambda info, handoff: None, backend="gloo", device="cpu", timeout_s=5, seed=0)
+    assert leaving.value.code == 1 and worker_notes.read_not_retried(notes) is None
+    left = worker_notes.read_restart_path(notes)
+    assert restart_path_line(left).startswith(
+        "finished; rank 1 left fast recovery (rank 1 was taken for gone in generation 1 (its supervisor missed "
+        "its beats for 0.3 s) and the job went on without it) and took torchrun's restart path")
+    assert "no restart left; give --max-restarts N" in restart_path_line(left, restarted=False)

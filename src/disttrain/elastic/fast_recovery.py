@@ -40,7 +40,7 @@ import sys
 import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, NoReturn
 
 import torch
 import torch.distributed as dist
@@ -49,9 +49,10 @@ from disttrain import runtime, worker_notes
 from disttrain.elastic import group_sockets, job_store, membership
 from disttrain.elastic.buddy_copy import BuddyCopy, pack, unpack
 from disttrain.elastic.job_store import JobStore
+from disttrain.errors import UserError
 from disttrain.runtime import failures, fault_injection, processes, torch_compat
 from disttrain.runtime.collectives import comm_device, gather_ints
-from disttrain.runtime.log import LOGGER, speaker
+from disttrain.runtime.log import EVERY_RANK, LOGGER, speaker
 
 ROLE_ENV = "DISTTRAIN_FAST_ROLE"
 """Set by the slot supervisor on its children: "first" or "spare"."""
@@ -113,10 +114,7 @@ def join(store: JobStore, gen: int, slot: int, world: int, wait_s: float) -> tup
         since, watch = time.monotonic(), None
         while True:
             if slot not in members:
-                raise membership.LeftOut(
-                    f"rank {slot} was taken for gone in generation {gen} (its supervisor missed its beats for "
-                    f"{membership.LEASE_S:g} s) and the job went on without it; this process leaves"
-                )
+                raise membership.LeftOut(membership.left_out_words(slot, gen))
             if store.add(key, 0) >= len(members):
                 return gen, members
             current = store.add(GEN_KEY, 0)
@@ -300,7 +298,9 @@ def run(
     so its datasets are built while it is idle). The body's `dt.Job` asks for a buddy
     copy under a sharded strategy (`Handoff.attach_buddy`). The program's error (see the
     module) ends the process under `disttrain run` (SystemExit) and propagates
-    elsewhere; so does a generation that does not fill within `timeout_s`."""
+    elsewhere. What else ends fast recovery (this slot left out of a shrink, a generation
+    that does not fill within `timeout_s`, a store that fails) takes torchrun's restart
+    path under `disttrain run` (exit 1: `_to_restart`) and propagates elsewhere."""
     world, slot = int(os.environ["WORLD_SIZE"]), int(os.environ["RANK"])  # the first generation's
     handoff = Handoff(gen=0)
     if nccl_expected(backend, device):
@@ -316,43 +316,81 @@ def run(
     if is_spare():
         wait_for_promotion()
     store = connect_store(timeout_s)
-    gen = store.add(GEN_KEY, 1) if os.environ.get(ROLE_ENV) == "newcomer" else store.add(GEN_KEY, 0)
-    failure: RuntimeError | None = None
     handoff.store = store
     try:
-        while True:
-            try:
-                gen, members = join(store, gen, slot, world, timeout_s)
-            except TimeoutError as timed_out:
-                if failure is not None:
-                    raise failure from timed_out
-                raise
-            _take_place(handoff, members.index(slot), len(members))
-            if len(members) < world:  # the launcher's exit barrier and last line (worker_notes)
-                worker_notes.note_shrunk(len(members), [s for s in range(world) if s not in members])
-            handoff.gen = gen
-            worker_notes.mark_step(0)  # a generation's start and recovery: no step in flight yet
-            fault_injection.set_attempt(gen)  # a fault for attempt k fires once, in generation k
-            handoff.listening = group_sockets.listeners()
-            info = runtime.init(
-                backend=backend,
-                device=device,
-                timeout_s=timeout_s,
-                seed=seed,
-                store=dist.PrefixStore(f"disttrain/fast/g{gen}/pg", store.store),
-            )
-            handoff.publish_listeners()
-            processes.STATE.handoff = handoff
-            try:
-                return body(info, handoff)
-            except Exception as e:
-                failure = _recover(handoff, e, info)
-            finally:
-                processes.STATE.handoff = None
-                runtime.shutdown(collect=False)
-            gen = max(gen + 1, store.add(GEN_KEY, 0))
-    finally:
+        init = {"backend": backend, "device": device, "timeout_s": timeout_s, "seed": seed}
+        result = _generations(body, handoff, slot, world, **init)
+    except (UserError, SystemExit, KeyboardInterrupt):  # the user's or the program's: the launcher reports it
         _count_done(store)
+        raise
+    except Exception as e:  # noqa: BLE001  (whatever ends fast recovery goes to torchrun's restart)
+        _to_restart(e, slot, store)
+    _count_done(store)
+    return result
+
+
+def _generations(
+    body: Callable[[runtime.RankInfo, Handoff], Any],
+    handoff: Handoff,
+    slot: int,
+    world: int,
+    **init: Any,
+) -> Any:
+    """`run`'s loop: join a generation, run the body in its group, recover after a
+    failure and join the next. `init`: `runtime.init`'s backend, device, timeout_s and
+    seed. Raises `membership.LeftOut` when this slot is no longer in the job."""
+    store, timeout_s = handoff.store, init["timeout_s"]
+    assert store is not None  # `run` connected it
+    gen = store.add(GEN_KEY, 1) if os.environ.get(ROLE_ENV) == "newcomer" else store.add(GEN_KEY, 0)
+    failure: RuntimeError | None = None
+    while True:
+        try:
+            gen, members = join(store, gen, slot, world, timeout_s)
+        except TimeoutError as timed_out:
+            if failure is not None:
+                raise failure from timed_out
+            raise
+        _take_place(handoff, members.index(slot), len(members))
+        # the launcher's exit barrier and last line; a new torchrun attempt starts whole
+        worker_notes.note_shrunk(len(members), [s for s in range(world) if s not in members], gen)
+        handoff.gen = gen
+        worker_notes.mark_step(0)  # a generation's start and recovery: no step in flight yet
+        fault_injection.set_attempt(gen)  # a fault for attempt k fires once, in generation k
+        handoff.listening = group_sockets.listeners()
+        info = runtime.init(**init, store=dist.PrefixStore(f"disttrain/fast/g{gen}/pg", store.store))
+        handoff.publish_listeners()
+        processes.STATE.handoff = handoff
+        try:
+            return body(info, handoff)
+        except Exception as e:
+            if slot not in membership.roster(store, world):  # whatever it raised: the job went on without it
+                raise membership.LeftOut(membership.left_out_words(slot, gen)) from None
+            failure = _recover(handoff, e, info)
+        finally:
+            processes.STATE.handoff = None
+            runtime.shutdown(collect=False)
+        gen = max(gen + 1, store.add(GEN_KEY, 0))
+
+
+def _to_restart(e: Exception, slot: int, store: JobStore) -> NoReturn:
+    """Fast recovery cannot go on for this slot: it was left out of a shrink
+    (`membership.LeftOut`), a generation never filled, the store failed. Under `disttrain
+    run` this rank says that it takes torchrun's restart path, notes it for the launcher
+    and exits 1, a status torchrun restarts (`--max-restarts`: every worker, from the
+    newest checkpoint) and the launcher does not take for the program's error; the
+    traceback goes to the rank's log. Elsewhere `e` propagates."""
+    if not worker_notes.under_launcher():
+        _count_done(store)
+        raise e
+    where = failures.trace_to_log(slot, e, f"rank {slot}: fast recovery ended; torchrun's restart path")
+    why = str(e) if isinstance(e, membership.LeftOut) else f"{type(e).__name__}: {failures.first_line(e)}"
+    worker_notes.note_restart_path(slot, why)
+    LOGGER.warning(
+        f"disttrain run: rank {slot} leaves fast recovery ({why}); its node takes torchrun's restart path: "
+        f"torchrun restarts every worker from the newest checkpoint if --max-restarts allows ({where})",
+        extra=EVERY_RANK,
+    )
+    raise SystemExit(1) from None
 
 
 def _take_place(handoff: Handoff, rank: int, world: int) -> None:

@@ -86,6 +86,11 @@ class Notes:
         """The newest in-memory shrink of this node's ranks (`worker_notes.note_shrunk`)."""
         return worker_notes.read_shrunk(self.folder)
 
+    def restart_path(self) -> dict | None:
+        """The slot of this node whose fast recovery ended for torchrun's restart path,
+        and why (`worker_notes.note_restart_path`)."""
+        return worker_notes.read_restart_path(self.folder)
+
     def agents_gone(self, local_world: int) -> int:
         """How many nodes the job lost in its shrinks: those of the lost slots (torchrun
         numbers the slots node by node, `local_world` a node)."""

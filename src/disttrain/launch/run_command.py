@@ -552,6 +552,10 @@ def _launch(args: list[str], env: dict[str, str]) -> int:
         if hang is not None:
             print(f"disttrain run: {_hang_line(hang)}", file=sys.stderr)
             return failure.exitcode
+        left = notes.restart_path()
+        if left is not None and left.get("rank") == rank:
+            print(f"disttrain run: {restart_path_line(left, restarted=False)}", file=sys.stderr)
+            return code or 1
         more = _others(e.failures, rank, notes.lost_peer_ranks())
         print(
             f"disttrain run: rank {rank} failed first with {how}{more}. "
@@ -570,13 +574,26 @@ def _launch(args: list[str], env: dict[str, str]) -> int:
         print(line, file=sys.stderr)
         return status
     finally:
-        shrunk = notes.shrunk()
+        shrunk, left = notes.shrunk(), notes.restart_path()
         notes.close()
         if made_secret:
             os.environ.pop(job_secret.SECRET_ENV, None)
-    if shrunk:
-        print(f"disttrain run: {shrunk_line(shrunk)}", file=sys.stderr)
+    if shrunk or left:
+        print(f"disttrain run: {restart_path_line(left) if left else shrunk_line(shrunk or {})}", file=sys.stderr)
     return 0
+
+
+def restart_path_line(left: dict, restarted: bool = True) -> str:
+    """The last line of a job in which a slot left fast recovery for torchrun's restart
+    path (`worker_notes.note_restart_path`): `restarted`, the job finished after it; else
+    torchrun had no restart left and the job failed."""
+    why = f"rank {left.get('rank')} left fast recovery ({left.get('why')}) and took torchrun's restart path"
+    if restarted:
+        return f"finished; {why}: every worker restarted from the newest checkpoint."
+    return (
+        f"{why}, but torchrun had no restart left; give --max-restarts N to let torchrun restart every "
+        f"worker from the newest checkpoint, or run the same command again to resume from it."
+    )
 
 
 def shrunk_line(shrunk: dict) -> str:
