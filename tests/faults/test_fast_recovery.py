@@ -269,3 +269,30 @@ def test_a_generation_drops_only_the_slots_whose_supervisors_stopped_beating(mon
         "finished; rank 1 left fast recovery (rank 1 was taken for gone in generation 1 (its supervisor missed "
         "its beats for 0.3 s) and the job went on without it) and took torchrun's restart path")
     assert "no restart left; give --max-restarts N" in restart_path_line(left, restarted=False)
+
+
+def test_a_spare_after_a_failure_without_a_death_starts_a_new_generation():
+    """In one process, on an in-memory store: both ranks of generation 0 move on to
+    generation 1 after a collective failed with nobody dead (no newcomer bumped the
+    counter). A spare promoted afterwards bumps the counter to generation 2, not onto
+    generation 1, whose join counter is full."""
+    import threading
+    from datetime import timedelta
+
+    import torch.distributed as dist
+
+    from disttrain.elastic import fast_recovery, job_store
+    from disttrain.runtime import job_secret
+
+    raw = dist.HashStore()
+    raw.set_timeout(timedelta(seconds=20))
+    store = job_store.JobStore(raw, job_secret.from_env({job_secret.SECRET_ENV: job_secret.new_secret()}))
+    got: dict[int, tuple[int, list[int]]] = {}
+    threads = [threading.Thread(target=lambda s=s: got.__setitem__(s, fast_recovery.join(store, 1, s, 2, 20)))
+               for s in (0, 1)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(timeout=20)
+    assert got == {0: (1, [0, 1]), 1: (1, [0, 1])}
+    assert store.add(fast_recovery.GEN_KEY, 1) == 2  # the promoted spare's generation

@@ -107,6 +107,7 @@ def join(store: JobStore, gen: int, slot: int, world: int, wait_s: float) -> tup
     `wait_s` without a full generation, `membership.LeftOut` when this slot was taken for gone."""
     deadline = time.monotonic() + wait_s
     while True:
+        _count_up_to(store, gen)
         members = membership.roster(store, world)
         key = f"disttrain/fast/g{gen}/joined"
         membership.arrive(store, gen, slot)
@@ -126,7 +127,7 @@ def join(store: JobStore, gen: int, slot: int, world: int, wait_s: float) -> tup
                 watch = watch or membership.Watch(store, gen, members)
                 lost = watch.lost()
                 if lost:
-                    members = membership.settle(store, gen, members, lost, GEN_KEY)
+                    members = membership.settle(store, gen, members, lost)
                 elif lost is not None:  # nobody is gone: watch again
                     watch = None
             if time.monotonic() > deadline:
@@ -134,6 +135,16 @@ def join(store: JobStore, gen: int, slot: int, world: int, wait_s: float) -> tup
                     f"generation {gen}: only {store.add(key, 0)} of {len(members)} ranks joined within {wait_s:.0f} s"
                 )
             time.sleep(0.002)
+
+
+def _count_up_to(store: JobStore, gen: int) -> None:
+    """Move the generation counter up to `gen`, once (the first rank to join it). The
+    survivors of a failure without a death, and those of a shrink, move on to the next
+    generation without a newcomer's bump; a spare promoted later must start the one
+    after it, not bump the counter onto the generation in use (where it would find the
+    join counter full and share its group's keys)."""
+    if gen > 0 and store.add(f"disttrain/fast/g{gen}/counted", 1) == 1:
+        store.add(GEN_KEY, max(0, gen - store.add(GEN_KEY, 0)))
 
 
 @dataclass
