@@ -122,7 +122,8 @@ def test_killed_spare_is_replaced_and_then_used(reference, tmp_path):
     assert_same_run(reference, tmp_path)
 
 
-def test_a_lost_node_0_shrinks_the_job_in_memory(tmp_path):
+@pytest.mark.parametrize("strategy", ["ddp", "fsdp"])
+def test_a_lost_node_0_shrinks_the_job_in_memory(tmp_path, strategy):
     """Two agents of one rank each (two "nodes" on loopback) under the etcd rendezvous.
     kill -9 of the whole process tree (agent, supervisor, training process, spare) of
     the node that holds rank 0: the rendezvous and fast recovery's store live in etcd,
@@ -130,12 +131,16 @@ def test_a_lost_node_0_shrinks_the_job_in_memory(tmp_path):
     its own memory (no torchrun restart, no disk), the global batch kept by
     accumulation. Then its training process is killed in step 18: its spare takes over
     in the next generation (alone at world 1 nobody holds the state: the disk
-    checkpoint). Every sample of the run is consumed exactly once."""
+    checkpoint). Under FSDP the shrunk generation reshards the disk checkpoint (the
+    buddy copies of world 2 do not fit world 1, where none is kept). The job ends by
+    itself, exit 0, the launcher's last line saying so. Every sample of the run is
+    consumed exactly once."""
     steps = 24
     with EtcdServer().start() as server:
         flags = ("--nnodes", "2", "--nproc", "1", "--rdzv-backend", "etcd", "--rdzv-endpoint", server.endpoint,
                  "--rdzv-id", "shrink")
-        cmd = trainer_cmd(tmp_path, f"--train.steps={steps}", *FAST, run_flags=flags)
+        cmd = trainer_cmd(tmp_path, f"--train.steps={steps}", *FAST, f"--parallel.strategy={strategy}",
+                          run_flags=flags)
         logs = [tmp_path / f"node{i}.txt" for i in range(2)]
         fault = "delay@step:ms=150;kill@backward:rank=0,step=18,restart=1"  # in generation 1, the shrunk one
         env = {"DISTTRAIN_FAULT": fault, "DISTTRAIN_JOB_SECRET": "ab" * 32}
@@ -159,9 +164,13 @@ def test_a_lost_node_0_shrinks_the_job_in_memory(tmp_path):
         "without them in memory, with no torchrun restart.")
     text, _, later = full.partition("its warm spare took over")
     assert "rank(s) [0] lost with their supervisors" in text and "the job goes on in memory at world 1" in text
-    assert "generation 1: state of step" in text and "taken from rank 0's memory" in text  # the survivor's
+    if strategy == "ddp":
+        assert "generation 1: state of step" in text and "taken from rank 0's memory" in text  # the survivor's
+        assert "loading the newest checkpoint" not in text
+    else:
+        assert "generation 1: the world changed (2 -> 1 ranks), so the shards are resharded from the newest disk " \
+            "checkpoint" in text
     assert "world size is now 1: accum_steps 1 -> 2 keeps the global batch at 8" in text
-    assert "loading the newest checkpoint" not in text
     assert "generation 2: no rank holds the state in memory; loading the newest checkpoint" in later
     assert "will restart worker group" not in text + later
     records = metrics(tmp_path)

@@ -47,7 +47,7 @@ import torch.distributed as dist
 
 from disttrain import runtime, worker_notes
 from disttrain.elastic import group_sockets, job_store, membership
-from disttrain.elastic.buddy_copy import BuddyCopy, pack, unpack
+from disttrain.elastic.buddy_copy import BuddyCopy, pack, resharded_words, unpack
 from disttrain.elastic.job_store import JobStore
 from disttrain.errors import UserError
 from disttrain.runtime import failures, fault_injection, processes, torch_compat
@@ -167,6 +167,9 @@ class Handoff:
     listening: set = field(default_factory=set)
     """The listeners this process had when the generation began (`group_sockets`)."""
     _buddy_gen: int = -1
+    from_world: int = 0
+    """The world this process's buddy copies were dropped from in this generation,
+    because the job shrank (0: none were): `restore` says why it reads the disk."""
 
     def peer_gone(self) -> bool:
         """Whether a peer of this generation has died: a promoted spare bumped the
@@ -195,8 +198,10 @@ class Handoff:
         buddy copy (`elastic.buddy_copy`) on a gloo group of its own (CPU buffers
         whatever the training backend), made anew in each generation. Called by every
         rank at the same point of each attempt (`dt.Job.wrap`): a collective. A
-        newcomer's first call creates its (empty) copy."""
-        if not sharded:
+        newcomer's first call creates its (empty) copy. Alone (world 1) there is no peer
+        to hold a copy: none is kept (a copy sent to itself fails every step)."""
+        if not sharded or dist.get_world_size() == 1:
+            self.buddy = None
             return
         if self.buddy is None:
             self.buddy = BuddyCopy(every)
@@ -226,15 +231,18 @@ class Handoff:
         (`BuddyCopy.restore`). Returns False when no rank holds one (the caller loads
         the disk checkpoint)."""
         if self.buddy is not None:
-            return self.buddy.restore(state, newcomer=not self.buddy.mine, gen=self.gen)
+            return self.buddy.restore(state, newcomer=not self.buddy.mine, gen=self.gen, from_world=self.from_world)
         mine = -1 if self.memory is None else int(self.memory["meta"]["step"])
         steps = gather_ints(mine)
         best = max(steps)
         fault_injection.inject("recovery", best, dist.get_rank())
         if best < 0:
-            LOGGER.info(
-                f"{speaker()}: generation {self.gen}: no rank holds the state in memory; loading the newest checkpoint"
+            why = (
+                resharded_words(self.from_world, len(steps))
+                if self.from_world
+                else "no rank holds the state in memory; loading the newest checkpoint"
             )
+            LOGGER.info(f"{speaker()}: generation {self.gen}: {why}")
             return False
         src = steps.index(best)
         state.load_state_dict(broadcast_state(self.memory if dist.get_rank() == src else None, src))
@@ -409,7 +417,9 @@ def _take_place(handoff: Handoff, rank: int, world: int) -> None:
     what `runtime.init` reads). After a shrink the buddy copies of the larger world do
     not fit the new shards: under FSDP that generation loads the disk checkpoint (DCP
     reshards it); under DDP every survivor holds the whole state in memory."""
-    if int(os.environ["WORLD_SIZE"]) != world:
+    before = int(os.environ["WORLD_SIZE"])
+    handoff.from_world = before if before != world and handoff.buddy is not None else 0
+    if before != world:
         handoff.buddy = None
         os.environ.pop(EXPECTED_WORLD_ENV, None)  # the launcher's count no longer holds
     os.environ["RANK"], os.environ["WORLD_SIZE"] = str(rank), str(world)
