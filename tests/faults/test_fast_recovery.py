@@ -283,8 +283,8 @@ def test_a_generation_drops_only_the_slots_whose_supervisors_stopped_beating(mon
 def test_a_spare_after_a_failure_without_a_death_starts_a_new_generation():
     """In one process, on an in-memory store: both ranks of generation 0 move on to
     generation 1 after a collective failed with nobody dead (no newcomer bumped the
-    counter). A spare promoted afterwards bumps the counter to generation 2, not onto
-    generation 1, whose join counter is full."""
+    counter). A spare promoted afterwards bumps the counter onto generation 1, finds it
+    full without it, and starts generation 2, where the survivor meets it."""
     import threading
     from datetime import timedelta
 
@@ -297,11 +297,20 @@ def test_a_spare_after_a_failure_without_a_death_starts_a_new_generation():
     raw.set_timeout(timedelta(seconds=20))
     store = job_store.JobStore(raw, job_secret.from_env({job_secret.SECRET_ENV: job_secret.new_secret()}))
     got: dict[int, tuple[int, list[int]]] = {}
-    threads = [threading.Thread(target=lambda s=s: got.__setitem__(s, fast_recovery.join(store, 1, s, 2, 20)))
-               for s in (0, 1)]
-    for t in threads:
+
+    def member(slot: int, gen: int) -> threading.Thread:
+        t = threading.Thread(target=lambda: got.__setitem__(slot, fast_recovery.join(store, gen, slot, 2, 20)))
         t.start()
-    for t in threads:
+        return t
+
+    for t in [member(0, 1), member(1, 1)]:
         t.join(timeout=20)
     assert got == {0: (1, [0, 1]), 1: (1, [0, 1])}
-    assert store.add(fast_recovery.GEN_KEY, 1) == 2  # the promoted spare's generation
+    newcomer = member(1, store.add(fast_recovery.GEN_KEY, 1))  # slot 1's spare: the counter said 0
+    deadline = time.monotonic() + 20
+    while store.add(fast_recovery.GEN_KEY, 0) < 2 and time.monotonic() < deadline:
+        time.sleep(0.01)
+    survivor = member(0, max(2, store.add(fast_recovery.GEN_KEY, 0)))  # as `fast_recovery.run` goes on
+    for t in (newcomer, survivor):
+        t.join(timeout=20)
+    assert got == {0: (2, [0, 1]), 1: (2, [0, 1])}

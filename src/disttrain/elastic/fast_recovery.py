@@ -107,15 +107,17 @@ def join(store: JobStore, gen: int, slot: int, world: int, wait_s: float) -> tup
     `wait_s` without a full generation, `membership.LeftOut` when this slot was taken for gone."""
     deadline = time.monotonic() + wait_s
     while True:
-        _count_up_to(store, gen)
         members = membership.roster(store, world)
         key = f"disttrain/fast/g{gen}/joined"
         membership.arrive(store, gen, slot)
-        store.add(key, 1)
+        arrived = store.add(key, 1)
         since, watch = time.monotonic(), None
         while True:
             if slot not in members:
                 raise membership.LeftOut(membership.left_out_words(slot, gen))
+            if arrived > len(members):  # full without this process: in use (`_past`)
+                gen = _past(store, gen)
+                break
             if store.add(key, 0) >= len(members):
                 return gen, members
             current = store.add(GEN_KEY, 0)
@@ -127,7 +129,7 @@ def join(store: JobStore, gen: int, slot: int, world: int, wait_s: float) -> tup
                 watch = watch or membership.Watch(store, gen, members)
                 lost = watch.lost()
                 if lost:
-                    members = membership.settle(store, gen, members, lost)
+                    members = membership.settle(store, gen, members, lost, GEN_KEY)
                 elif lost is not None:  # nobody is gone: watch again
                     watch = None
             if time.monotonic() > deadline:
@@ -137,14 +139,13 @@ def join(store: JobStore, gen: int, slot: int, world: int, wait_s: float) -> tup
             time.sleep(0.002)
 
 
-def _count_up_to(store: JobStore, gen: int) -> None:
-    """Move the generation counter up to `gen`, once (the first rank to join it). The
-    survivors of a failure without a death, and those of a shrink, move on to the next
-    generation without a newcomer's bump; a spare promoted later must start the one
-    after it, not bump the counter onto the generation in use (where it would find the
-    join counter full and share its group's keys)."""
-    if gen > 0 and store.add(f"disttrain/fast/g{gen}/counted", 1) == 1:
-        store.add(GEN_KEY, max(0, gen - store.add(GEN_KEY, 0)))
+def _past(store: JobStore, gen: int) -> int:
+    """The generation to join after `gen`, found full before this process arrived, and the
+    counter moved past it. The survivors of a failure with nobody dead move on to the
+    next generation without a newcomer's bump of the counter, so a spare promoted later
+    bumps it onto the generation they are in; it then starts the one after, where they
+    meet it once their collective fails (and see, by the counter, that a peer died)."""
+    return store.add(GEN_KEY, max(1, gen + 1 - store.add(GEN_KEY, 0)))
 
 
 @dataclass

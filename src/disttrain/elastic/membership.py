@@ -100,12 +100,13 @@ def decided(store: JobStore, gen: int) -> list[int] | None:
     return None if text is None else [int(s) for s in json.loads(text)]
 
 
-def settle(store: JobStore, gen: int, members: list[int], lost: list[int]) -> list[int]:
+def settle(store: JobStore, gen: int, members: list[int], lost: list[int], gen_key: str) -> list[int]:
     """Generation `gen` of `members` goes on without `lost`: the roster, decided by the
-    first survivor to get here (a compare-and-add) and read by the others. (The
-    generation counter was moved up to `gen` when its first member joined, so a spare
-    promoted later starts the next one: `fast_recovery.join`.)"""
+    first survivor to get here (a compare-and-add) and read by the others. The decider
+    also moves the generation counter `gen_key` up to `gen` (the survivors joined it
+    without a newcomer's bump), so a spare promoted later starts the next one."""
     if store.add(f"disttrain/fast/g{gen}/decide", 1) == 1:
+        store.add(gen_key, max(0, gen - store.add(gen_key, 0)))
         stay = [s for s in members if s not in lost]
         store.set(ROSTER_KEY, json.dumps(stay))
         store.add(LOST_KEY, len(lost))
