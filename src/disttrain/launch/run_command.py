@@ -54,6 +54,12 @@ What it changes, and why:
   (`runtime.job_secret`); a multi-node one needs the user's, the same on every node.
   Under `--rdzv-backend etcd` its store is that etcd (FAST_STORE_ENV, `elastic.etcd_store`)
   instead of global rank 0's supervisor, so the loss of node 0 does not take it.
+- After a fast-recovery job shrank in memory (a node lost, no spare: the ranks' notes),
+  this launcher's torchrun agent waits at torchrun's exit barrier for the nodes left
+  only, not its 300 s for the lost one (`torch_compat.exit_barrier_of`), and the last
+  line says at which world the job finished; a rank that left fast recovery for
+  torchrun's restart path (left out of a shrink) is named in the last line, with
+  whether a restart was left.
 Every other torchrun flag passes through unchanged.
 """
 
