@@ -24,6 +24,12 @@ launch (`NOTES_ENV`): what the launcher says at the end must be what happened.
   breaker leaves its end alone.
 - `step-rank<N>-r<restart>`: the step rank N is in (`mark_step`), for the crash-loop
   breaker of the process that watches it.
+- `shrunk`: the world a fast-recovery job shrank to in memory and the slots it lost
+  with their node (`note_shrunk`): the launcher's exit barrier waits for the agents
+  left, not for the lost one, and its last line says the job went on without them.
+- `restart-path`: the slot whose fast recovery ended (left out of a shrink, a generation
+  that never filled) and why: its node took torchrun's restart path, and the launcher's
+  last line says so.
 
 Beside the notes, a folder for the per-rank logs (`TRACES_ENV`): the full traceback
 of a failure a rank reported in one line (`trace_file`); `disttrain run` keeps it
@@ -275,11 +281,7 @@ def note_hang(reporter: int, lagging: list[int]) -> None:
 def read_hang(folder: str | Path) -> dict | None:
     """The newest attempt's hang verdict (`note_hang`), or None."""
     notes = sorted(Path(folder).glob("hang-*"))
-    try:
-        record = json.loads(notes[-1].read_text()) if notes else None
-    except (OSError, ValueError):
-        return None
-    return record if isinstance(record, dict) else None
+    return _read_record(notes[-1]) if notes else None
 
 
 def note_pace(rank: int, seconds: float) -> None:
@@ -287,12 +289,15 @@ def note_pace(rank: int, seconds: float) -> None:
     that a resumed attempt's hang watchdog starts with the bound the attempt before had
     (`read_pace`). A no-op outside `disttrain run`; a failed write is skipped."""
     folder = _folder()
-    if folder is None:
-        return
-    path = folder / f"pace-rank{rank}"
+    if folder is not None:
+        _replace(folder / f"pace-rank{rank}", repr(float(seconds)))
+
+
+def _replace(path: Path, text: str) -> None:
+    """Write `text` to `path` atomically, the newest writer winning; a failed write is skipped."""
     tmp = path.with_name(f".{path.name}.{os.getpid()}")
     try:
-        tmp.write_text(repr(float(seconds)))
+        tmp.write_text(text)
         os.replace(tmp, path)
     except OSError:
         pass
@@ -306,6 +311,53 @@ def read_pace(rank: int) -> float | None:
     except (OSError, ValueError):
         return None
     return value if value is not None and 0 < value < float("inf") else None
+
+
+SHRUNK = "shrunk"
+
+
+RESTART_PATH = "restart-path"
+
+
+def note_shrunk(world: int, lost: list[int], gen: int) -> None:
+    """Generation `gen` of the job runs in memory at `world` ranks without the slots
+    `lost` (their supervisors stopped beating: a node is gone), for the launcher: its
+    exit barrier waits for the agents left, and its last line says so (`read_shrunk`).
+    The newest shrink wins; none in generation 0 (a new torchrun attempt, whole again)
+    removes the note. A no-op outside `disttrain run`."""
+    folder = _folder()
+    if folder is not None and lost:
+        _replace(folder / SHRUNK, json.dumps({"world": world, "lost": sorted(lost)}))
+    elif folder is not None and gen == 0:
+        (folder / SHRUNK).unlink(missing_ok=True)
+
+
+def note_restart_path(rank: int, why: str) -> None:
+    """Fast recovery ended for slot `rank` (`why`: left out of a shrink, a generation
+    that never filled) and its node takes torchrun's restart path, for the launcher's
+    last line (`read_restart_path`). The first note wins. A no-op outside `disttrain run`."""
+    folder = _folder()
+    if folder is not None:
+        _write_once(folder / RESTART_PATH, json.dumps({"rank": rank, "why": why}))
+
+
+def read_restart_path(folder: str | Path) -> dict | None:
+    """The first `note_restart_path` of this launch: {"rank", "why"}, or None."""
+    return _read_record(Path(folder) / RESTART_PATH)
+
+
+def read_shrunk(folder: str | Path) -> dict | None:
+    """The newest shrink this launch's ranks noted (`note_shrunk`): {"world", "lost"}, or None."""
+    return _read_record(Path(folder) / SHRUNK)
+
+
+def _read_record(path: Path) -> dict | None:
+    """The JSON object a note holds, or None (no note, or not an object)."""
+    try:
+        record = json.loads(path.read_text())
+    except (OSError, ValueError):
+        return None
+    return record if isinstance(record, dict) else None
 
 
 def failed_attempts(folder: str | Path) -> int:

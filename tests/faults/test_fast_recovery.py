@@ -122,7 +122,8 @@ def test_killed_spare_is_replaced_and_then_used(reference, tmp_path):
     assert_same_run(reference, tmp_path)
 
 
-def test_a_lost_node_0_shrinks_the_job_in_memory(tmp_path):
+@pytest.mark.parametrize("strategy", ["ddp", "fsdp"])
+def test_a_lost_node_0_shrinks_the_job_in_memory(tmp_path, strategy):
     """Two agents of one rank each (two "nodes" on loopback) under the etcd rendezvous.
     kill -9 of the whole process tree (agent, supervisor, training process, spare) of
     the node that holds rank 0: the rendezvous and fast recovery's store live in etcd,
@@ -130,12 +131,16 @@ def test_a_lost_node_0_shrinks_the_job_in_memory(tmp_path):
     its own memory (no torchrun restart, no disk), the global batch kept by
     accumulation. Then its training process is killed in step 18: its spare takes over
     in the next generation (alone at world 1 nobody holds the state: the disk
-    checkpoint). Every sample of the run is consumed exactly once."""
+    checkpoint). Under FSDP the shrunk generation reshards the disk checkpoint (the
+    buddy copies of world 2 do not fit world 1, where none is kept). The job ends by
+    itself, exit 0, the launcher's last line saying so. Every sample of the run is
+    consumed exactly once."""
     steps = 24
     with EtcdServer().start() as server:
         flags = ("--nnodes", "2", "--nproc", "1", "--rdzv-backend", "etcd", "--rdzv-endpoint", server.endpoint,
                  "--rdzv-id", "shrink")
-        cmd = trainer_cmd(tmp_path, f"--train.steps={steps}", *FAST, run_flags=flags)
+        cmd = trainer_cmd(tmp_path, f"--train.steps={steps}", *FAST, f"--parallel.strategy={strategy}",
+                          run_flags=flags)
         logs = [tmp_path / f"node{i}.txt" for i in range(2)]
         fault = "delay@step:ms=150;kill@backward:rank=0,step=18,restart=1"  # in generation 1, the shrunk one
         env = {"DISTTRAIN_FAULT": fault, "DISTTRAIN_JOB_SECRET": "ab" * 32}
@@ -147,16 +152,25 @@ def test_a_lost_node_0_shrinks_the_job_in_memory(tmp_path):
             kill_node(nodes[node0])
             wait_for(lambda: any(m["world_size"] == 1 for m in metrics(tmp_path)), 60, "world 1 in memory", logs)
             print(f"kill -> first step at world 1: {time.monotonic() - t_kill:.2f} s")
-            wait_for(lambda: (tmp_path / "model.pt").exists() and metrics(tmp_path)[-1]["step"] == steps, 120,
-                     "the survivor to finish", logs)
+            # the survivor's agent waits at torchrun's exit barrier for the agents left only
+            assert nodes[1 - node0].wait(timeout=120) == 0, logs[1 - node0].read_text()[-4000:]
         finally:
-            for node in nodes:  # the survivor's agent would wait torchrun's exit barrier for node 0 (300 s)
+            for node in nodes:
                 kill_node(node)
-    text, _, later = logs[1 - node0].read_text().partition("its warm spare took over")
+    assert (tmp_path / "model.pt").exists() and metrics(tmp_path)[-1]["step"] == steps
+    full = logs[1 - node0].read_text()
+    assert full.rstrip().splitlines()[-1] == (
+        "disttrain run: finished at world 1: rank(s) [0] were lost with their node and the others went on "
+        "without them in memory, with no torchrun restart.")
+    text, _, later = full.partition("its warm spare took over")
     assert "rank(s) [0] lost with their supervisors" in text and "the job goes on in memory at world 1" in text
-    assert "generation 1: state of step" in text and "taken from rank 0's memory" in text  # the survivor's
+    if strategy == "ddp":
+        assert "generation 1: state of step" in text and "taken from rank 0's memory" in text  # the survivor's
+        assert "loading the newest checkpoint" not in text
+    else:
+        assert "generation 1: the world changed (2 -> 1 ranks), so the shards are resharded from the newest disk " \
+            "checkpoint" in text
     assert "world size is now 1: accum_steps 1 -> 2 keeps the global batch at 8" in text
-    assert "loading the newest checkpoint" not in text
     assert "generation 2: no rank holds the state in memory; loading the newest checkpoint" in later
     assert "will restart worker group" not in text + later
     records = metrics(tmp_path)
@@ -204,17 +218,20 @@ def test_disttrain_run_starts_a_supervisor_per_slot_only_when_asked():
     assert "disttrain.launch.slot_supervisor" not in args
 
 
-def test_a_generation_drops_only_the_slots_whose_supervisors_stopped_beating(monkeypatch):
+def test_a_generation_drops_only_the_slots_whose_supervisors_stopped_beating(monkeypatch, tmp_path):
     """In one process, on an in-memory store: of a 4-rank job, slots 0 and 2 join
     generation 1; slot 3's supervisor still beats (its spare is coming) and slot 1's
     stopped. Slot 1 is dropped, slot 3 waited for: the roster is [0, 2, 3], ranks follow
-    it, and slot 1 coming back later is told it was left out."""
+    it, and slot 1 coming back later is told it was left out, and takes torchrun's
+    restart path."""
     import threading
     from datetime import timedelta
 
     import torch.distributed as dist
 
+    from disttrain import worker_notes
     from disttrain.elastic import fast_recovery, job_store, membership
+    from disttrain.launch.run_command import restart_path_line
     from disttrain.runtime import job_secret
 
     monkeypatch.setattr(membership, "LEASE_S", 0.3)
@@ -245,3 +262,55 @@ def test_a_generation_drops_only_the_slots_whose_supervisors_stopped_beating(mon
     assert store.add(membership.LOST_KEY, 0) == 1
     with pytest.raises(membership.LeftOut, match="rank 1 was taken for gone"):
         fast_recovery.join(store, 1, 1, 4, wait_s=5)
+    # Under `disttrain run` (its notes folder) slot 1's training process leaves for
+    # torchrun's restart path: exit 1, not the program's error, and the launcher says so.
+    notes = tmp_path / "notes"
+    notes.mkdir()
+    for key, value in {"WORLD_SIZE": "4", "RANK": "1", "LOCAL_RANK": "0", fast_recovery.ROLE_ENV: "first",
+                       worker_notes.NOTES_ENV: str(notes), worker_notes.TRACES_ENV: str(tmp_path)}.items():
+        monkeypatch.setenv(key, value)
+    monkeypatch.setattr(fast_recovery, "connect_store", lambda timeout_s: store)
+    with pytest.raises(SystemExit) as leaving:
+        fast_recovery.run(lambda info, handoff: None, backend="gloo", device="cpu", timeout_s=5, seed=0)
+    assert leaving.value.code == 1 and worker_notes.read_not_retried(notes) is None
+    left = worker_notes.read_restart_path(notes)
+    assert restart_path_line(left).startswith(
+        "finished; rank 1 left fast recovery (rank 1 was taken for gone in generation 1 (its supervisor missed "
+        "its beats for 0.3 s) and the job went on without it) and took torchrun's restart path")
+    assert "no restart left; give --max-restarts N" in restart_path_line(left, restarted=False)
+
+
+def test_a_spare_after_a_failure_without_a_death_starts_a_new_generation():
+    """In one process, on an in-memory store: both ranks of generation 0 move on to
+    generation 1 after a collective failed with nobody dead (no newcomer bumped the
+    counter). A spare promoted afterwards bumps the counter onto generation 1, finds it
+    full without it, and starts generation 2, where the survivor meets it."""
+    import threading
+    from datetime import timedelta
+
+    import torch.distributed as dist
+
+    from disttrain.elastic import fast_recovery, job_store
+    from disttrain.runtime import job_secret
+
+    raw = dist.HashStore()
+    raw.set_timeout(timedelta(seconds=20))
+    store = job_store.JobStore(raw, job_secret.from_env({job_secret.SECRET_ENV: job_secret.new_secret()}))
+    got: dict[int, tuple[int, list[int]]] = {}
+
+    def member(slot: int, gen: int) -> threading.Thread:
+        t = threading.Thread(target=lambda: got.__setitem__(slot, fast_recovery.join(store, gen, slot, 2, 20)))
+        t.start()
+        return t
+
+    for t in [member(0, 1), member(1, 1)]:
+        t.join(timeout=20)
+    assert got == {0: (1, [0, 1]), 1: (1, [0, 1])}
+    newcomer = member(1, store.add(fast_recovery.GEN_KEY, 1))  # slot 1's spare: the counter said 0
+    deadline = time.monotonic() + 20
+    while store.add(fast_recovery.GEN_KEY, 0) < 2 and time.monotonic() < deadline:
+        time.sleep(0.01)
+    survivor = member(0, max(2, store.add(fast_recovery.GEN_KEY, 0)))  # as `fast_recovery.run` goes on
+    for t in (newcomer, survivor):
+        t.join(timeout=20)
+    assert got == {0: (2, [0, 1]), 1: (2, [0, 1])}

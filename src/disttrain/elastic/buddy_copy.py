@@ -313,6 +313,11 @@ def choose_step(offers: list[dict], shift: int = 1) -> int | None:
     return None
 
 
+def resharded_words(before: int, world: int) -> str:
+    """Why a generation after a shrink reads the disk under a sharded strategy."""
+    return f"the world changed ({before} -> {world} ranks), so the shards are resharded from the newest disk checkpoint"
+
+
 class BuddyCopy:
     """The packs of one rank; kept across the attempts of a fast recovery.
 
@@ -409,26 +414,33 @@ class BuddyCopy:
             pass
 
     # ------------------------------------------------------------ recovery
-    def offer(self, newcomer: bool) -> dict:
+    def offer(self, newcomer: bool, from_world: int = 0) -> dict:
         return {
             "new": newcomer,
+            "from": from_world,
             "mine": sorted(self.mine),
             "theirs": sorted(self.theirs),
             "sizes": [[s, b.numel()] for s, b in self.theirs.items()],  # JSON: no int keys
         }
 
-    def restore(self, state, newcomer: bool, gen: int) -> bool:
+    def restore(self, state, newcomer: bool, gen: int, from_world: int = 0) -> bool:
         """A collective of the new generation (default group and buddy group): load the
         newest step every shard is held for into `state`. False when there is none
-        (the caller loads the disk checkpoint)."""
+        (the caller loads the disk checkpoint). `from_world`: the world this rank's
+        copies were dropped from because the job shrank (0: none), for the line that
+        says why the disk checkpoint is read."""
         rank, world = dist.get_rank(), dist.get_world_size()
-        offers: list[dict] = all_gather_json(self.offer(newcomer))
+        offers: list[dict] = all_gather_json(self.offer(newcomer, from_world))
         step = choose_step(offers, self.shift)
         fault_injection.inject("recovery", -1 if step is None else step, rank)
         if step is None:
-            LOGGER.info(
-                f"{speaker()}: generation {gen}: no step has every shard in memory; loading the newest checkpoint"
+            shrunk_from = max(int(o.get("from", 0)) for o in offers)
+            why = (
+                resharded_words(shrunk_from, world)
+                if shrunk_from
+                else "no step has every shard in memory; loading the newest checkpoint"
             )
+            LOGGER.info(f"{speaker()}: generation {gen}: {why}")
             return False
         left, right = (rank - self.shift) % world, (rank + self.shift) % world
         works = []

@@ -40,18 +40,19 @@ import sys
 import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, NoReturn
 
 import torch
 import torch.distributed as dist
 
 from disttrain import runtime, worker_notes
 from disttrain.elastic import group_sockets, job_store, membership
-from disttrain.elastic.buddy_copy import BuddyCopy, pack, unpack
+from disttrain.elastic.buddy_copy import BuddyCopy, pack, resharded_words, unpack
 from disttrain.elastic.job_store import JobStore
+from disttrain.errors import UserError
 from disttrain.runtime import failures, fault_injection, processes, torch_compat
 from disttrain.runtime.collectives import comm_device, gather_ints
-from disttrain.runtime.log import LOGGER, speaker
+from disttrain.runtime.log import EVERY_RANK, LOGGER, speaker
 
 ROLE_ENV = "DISTTRAIN_FAST_ROLE"
 """Set by the slot supervisor on its children: "first" or "spare"."""
@@ -109,14 +110,14 @@ def join(store: JobStore, gen: int, slot: int, world: int, wait_s: float) -> tup
         members = membership.roster(store, world)
         key = f"disttrain/fast/g{gen}/joined"
         membership.arrive(store, gen, slot)
-        store.add(key, 1)
+        arrived = store.add(key, 1)
         since, watch = time.monotonic(), None
         while True:
             if slot not in members:
-                raise membership.LeftOut(
-                    f"rank {slot} was taken for gone in generation {gen} (its supervisor missed its beats for "
-                    f"{membership.LEASE_S:g} s) and the job went on without it; this process leaves"
-                )
+                raise membership.LeftOut(membership.left_out_words(slot, gen))
+            if arrived > len(members):  # full without this process: in use (`_past`)
+                gen = _past(store, gen)
+                break
             if store.add(key, 0) >= len(members):
                 return gen, members
             current = store.add(GEN_KEY, 0)
@@ -136,6 +137,15 @@ def join(store: JobStore, gen: int, slot: int, world: int, wait_s: float) -> tup
                     f"generation {gen}: only {store.add(key, 0)} of {len(members)} ranks joined within {wait_s:.0f} s"
                 )
             time.sleep(0.002)
+
+
+def _past(store: JobStore, gen: int) -> int:
+    """The generation to join after `gen`, found full before this process arrived, and the
+    counter moved past it. The survivors of a failure with nobody dead move on to the
+    next generation without a newcomer's bump of the counter, so a spare promoted later
+    bumps it onto the generation they are in; it then starts the one after, where they
+    meet it once their collective fails (and see, by the counter, that a peer died)."""
+    return store.add(GEN_KEY, max(1, gen + 1 - store.add(GEN_KEY, 0)))
 
 
 @dataclass
@@ -158,6 +168,9 @@ class Handoff:
     listening: set = field(default_factory=set)
     """The listeners this process had when the generation began (`group_sockets`)."""
     _buddy_gen: int = -1
+    from_world: int = 0
+    """The world this process's buddy copies were dropped from in this generation,
+    because the job shrank (0: none were): `restore` says why it reads the disk."""
 
     def peer_gone(self) -> bool:
         """Whether a peer of this generation has died: a promoted spare bumped the
@@ -186,8 +199,10 @@ class Handoff:
         buddy copy (`elastic.buddy_copy`) on a gloo group of its own (CPU buffers
         whatever the training backend), made anew in each generation. Called by every
         rank at the same point of each attempt (`dt.Job.wrap`): a collective. A
-        newcomer's first call creates its (empty) copy."""
-        if not sharded:
+        newcomer's first call creates its (empty) copy. Alone (world 1) there is no peer
+        to hold a copy: none is kept (a copy sent to itself fails every step)."""
+        if not sharded or dist.get_world_size() == 1:
+            self.buddy = None
             return
         if self.buddy is None:
             self.buddy = BuddyCopy(every)
@@ -217,15 +232,18 @@ class Handoff:
         (`BuddyCopy.restore`). Returns False when no rank holds one (the caller loads
         the disk checkpoint)."""
         if self.buddy is not None:
-            return self.buddy.restore(state, newcomer=not self.buddy.mine, gen=self.gen)
+            return self.buddy.restore(state, newcomer=not self.buddy.mine, gen=self.gen, from_world=self.from_world)
         mine = -1 if self.memory is None else int(self.memory["meta"]["step"])
         steps = gather_ints(mine)
         best = max(steps)
         fault_injection.inject("recovery", best, dist.get_rank())
         if best < 0:
-            LOGGER.info(
-                f"{speaker()}: generation {self.gen}: no rank holds the state in memory; loading the newest checkpoint"
+            why = (
+                resharded_words(self.from_world, len(steps))
+                if self.from_world
+                else "no rank holds the state in memory; loading the newest checkpoint"
             )
+            LOGGER.info(f"{speaker()}: generation {self.gen}: {why}")
             return False
         src = steps.index(best)
         state.load_state_dict(broadcast_state(self.memory if dist.get_rank() == src else None, src))
@@ -300,7 +318,9 @@ def run(
     so its datasets are built while it is idle). The body's `dt.Job` asks for a buddy
     copy under a sharded strategy (`Handoff.attach_buddy`). The program's error (see the
     module) ends the process under `disttrain run` (SystemExit) and propagates
-    elsewhere; so does a generation that does not fill within `timeout_s`."""
+    elsewhere. What else ends fast recovery (this slot left out of a shrink, a generation
+    that does not fill within `timeout_s`, a store that fails) takes torchrun's restart
+    path under `disttrain run` (exit 1: `_to_restart`) and propagates elsewhere."""
     world, slot = int(os.environ["WORLD_SIZE"]), int(os.environ["RANK"])  # the first generation's
     handoff = Handoff(gen=0)
     if nccl_expected(backend, device):
@@ -316,41 +336,81 @@ def run(
     if is_spare():
         wait_for_promotion()
     store = connect_store(timeout_s)
-    gen = store.add(GEN_KEY, 1) if os.environ.get(ROLE_ENV) == "newcomer" else store.add(GEN_KEY, 0)
-    failure: RuntimeError | None = None
     handoff.store = store
     try:
-        while True:
-            try:
-                gen, members = join(store, gen, slot, world, timeout_s)
-            except TimeoutError as timed_out:
-                if failure is not None:
-                    raise failure from timed_out
-                raise
-            _take_place(handoff, members.index(slot), len(members))
-            handoff.gen = gen
-            worker_notes.mark_step(0)  # a generation's start and recovery: no step in flight yet
-            fault_injection.set_attempt(gen)  # a fault for attempt k fires once, in generation k
-            handoff.listening = group_sockets.listeners()
-            info = runtime.init(
-                backend=backend,
-                device=device,
-                timeout_s=timeout_s,
-                seed=seed,
-                store=dist.PrefixStore(f"disttrain/fast/g{gen}/pg", store.store),
-            )
-            handoff.publish_listeners()
-            processes.STATE.handoff = handoff
-            try:
-                return body(info, handoff)
-            except Exception as e:
-                failure = _recover(handoff, e, info)
-            finally:
-                processes.STATE.handoff = None
-                runtime.shutdown(collect=False)
-            gen = max(gen + 1, store.add(GEN_KEY, 0))
-    finally:
+        init = {"backend": backend, "device": device, "timeout_s": timeout_s, "seed": seed}
+        result = _generations(body, handoff, slot, world, **init)
+    except (UserError, SystemExit, KeyboardInterrupt):  # the user's or the program's: the launcher reports it
         _count_done(store)
+        raise
+    except Exception as e:  # noqa: BLE001  (whatever ends fast recovery goes to torchrun's restart)
+        _to_restart(e, slot, store)
+    _count_done(store)
+    return result
+
+
+def _generations(
+    body: Callable[[runtime.RankInfo, Handoff], Any],
+    handoff: Handoff,
+    slot: int,
+    world: int,
+    **init: Any,
+) -> Any:
+    """`run`'s loop: join a generation, run the body in its group, recover after a
+    failure and join the next. `init`: `runtime.init`'s backend, device, timeout_s and
+    seed. Raises `membership.LeftOut` when this slot is no longer in the job."""
+    store, timeout_s = handoff.store, init["timeout_s"]
+    assert store is not None  # `run` connected it
+    gen = store.add(GEN_KEY, 1) if os.environ.get(ROLE_ENV) == "newcomer" else store.add(GEN_KEY, 0)
+    failure: RuntimeError | None = None
+    while True:
+        try:
+            gen, members = join(store, gen, slot, world, timeout_s)
+        except TimeoutError as timed_out:
+            if failure is not None:
+                raise failure from timed_out
+            raise
+        _take_place(handoff, members.index(slot), len(members))
+        # the launcher's exit barrier and last line; a new torchrun attempt starts whole
+        worker_notes.note_shrunk(len(members), [s for s in range(world) if s not in members], gen)
+        handoff.gen = gen
+        worker_notes.mark_step(0)  # a generation's start and recovery: no step in flight yet
+        fault_injection.set_attempt(gen)  # a fault for attempt k fires once, in generation k
+        handoff.listening = group_sockets.listeners()
+        info = runtime.init(**init, store=dist.PrefixStore(f"disttrain/fast/g{gen}/pg", store.store))
+        handoff.publish_listeners()
+        processes.STATE.handoff = handoff
+        try:
+            return body(info, handoff)
+        except Exception as e:
+            if slot not in membership.roster(store, world):  # whatever it raised: the job went on without it
+                raise membership.LeftOut(membership.left_out_words(slot, gen)) from None
+            failure = _recover(handoff, e, info)
+        finally:
+            processes.STATE.handoff = None
+            runtime.shutdown(collect=False)
+        gen = max(gen + 1, store.add(GEN_KEY, 0))
+
+
+def _to_restart(e: Exception, slot: int, store: JobStore) -> NoReturn:
+    """Fast recovery cannot go on for this slot: it was left out of a shrink
+    (`membership.LeftOut`), a generation never filled, the store failed. Under `disttrain
+    run` this rank says that it takes torchrun's restart path, notes it for the launcher
+    and exits 1, a status torchrun restarts (`--max-restarts`: every worker, from the
+    newest checkpoint) and the launcher does not take for the program's error; the
+    traceback goes to the rank's log. Elsewhere `e` propagates."""
+    if not worker_notes.under_launcher():
+        _count_done(store)
+        raise e
+    where = failures.trace_to_log(slot, e, f"rank {slot}: fast recovery ended; torchrun's restart path")
+    why = str(e) if isinstance(e, membership.LeftOut) else f"{type(e).__name__}: {failures.first_line(e)}"
+    worker_notes.note_restart_path(slot, why)
+    LOGGER.warning(
+        f"disttrain run: rank {slot} leaves fast recovery ({why}); its node takes torchrun's restart path: "
+        f"torchrun restarts every worker from the newest checkpoint if --max-restarts allows ({where})",
+        extra=EVERY_RANK,
+    )
+    raise SystemExit(1) from None
 
 
 def _take_place(handoff: Handoff, rank: int, world: int) -> None:
@@ -358,7 +418,9 @@ def _take_place(handoff: Handoff, rank: int, world: int) -> None:
     what `runtime.init` reads). After a shrink the buddy copies of the larger world do
     not fit the new shards: under FSDP that generation loads the disk checkpoint (DCP
     reshards it); under DDP every survivor holds the whole state in memory."""
-    if int(os.environ["WORLD_SIZE"]) != world:
+    before = int(os.environ["WORLD_SIZE"])
+    handoff.from_world = before if before != world and handoff.buddy is not None else 0
+    if before != world:
         handoff.buddy = None
         os.environ.pop(EXPECTED_WORLD_ENV, None)  # the launcher's count no longer holds
     os.environ["RANK"], os.environ["WORLD_SIZE"] = str(rank), str(world)

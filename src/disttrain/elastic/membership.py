@@ -15,7 +15,8 @@ memory instead of waiting for a spare that will never come (docs/elastic.md).
   and the world from its length; later generations (and a spare promoted later) use
   the newest roster (`roster`).
 A slot taken for gone that was only stalled finds itself outside the roster, and its
-training process ends with `LeftOut`.
+training process ends with `LeftOut`, which takes torchrun's restart path
+(`fast_recovery.run`).
 """
 
 from __future__ import annotations
@@ -40,6 +41,14 @@ LOST_KEY = "disttrain/fast/lost"
 class LeftOut(RuntimeError):
     """This slot was taken for gone (its supervisor stalled past the lease) and the
     others went on without it."""
+
+
+def left_out_words(slot: int, gen: int) -> str:
+    """What `LeftOut` says for `slot`, found outside generation `gen`'s roster."""
+    return (
+        f"rank {slot} was taken for gone in generation {gen} (its supervisor missed its beats for "
+        f"{LEASE_S:g} s) and the job went on without it"
+    )
 
 
 def beat(store: JobStore, slot: int, stop: threading.Event) -> None:

@@ -82,6 +82,21 @@ class Notes:
         """The ranks that ended the last attempt because they lost a peer."""
         return worker_notes.lost_peer_ranks(self.folder)
 
+    def shrunk(self) -> dict | None:
+        """The newest in-memory shrink of this node's ranks (`worker_notes.note_shrunk`)."""
+        return worker_notes.read_shrunk(self.folder)
+
+    def restart_path(self) -> dict | None:
+        """The slot of this node whose fast recovery ended for torchrun's restart path,
+        and why (`worker_notes.note_restart_path`)."""
+        return worker_notes.read_restart_path(self.folder)
+
+    def agents_gone(self, local_world: int) -> int:
+        """How many nodes the job lost in its shrinks: those of the lost slots (torchrun
+        numbers the slots node by node, `local_world` a node)."""
+        record = self.shrunk() or {}
+        return len({int(slot) // max(1, local_world) for slot in record.get("lost", [])})
+
     def saved_step(self) -> int | None:
         return worker_notes.read_saved(self.folder)
 

@@ -54,6 +54,12 @@ What it changes, and why:
   (`runtime.job_secret`); a multi-node one needs the user's, the same on every node.
   Under `--rdzv-backend etcd` its store is that etcd (FAST_STORE_ENV, `elastic.etcd_store`)
   instead of global rank 0's supervisor, so the loss of node 0 does not take it.
+- After a fast-recovery job shrank in memory (a node lost, no spare: the ranks' notes),
+  this launcher's torchrun agent waits at torchrun's exit barrier for the nodes left
+  only, not its 300 s for the lost one (`torch_compat.exit_barrier_of`), and the last
+  line says at which world the job finished; a rank that left fast recovery for
+  torchrun's restart path (left out of a shrink) is named in the last line, with
+  whether a restart was left.
 Every other torchrun flag passes through unchanged.
 """
 
@@ -536,8 +542,12 @@ def _launch(args: list[str], env: dict[str, str]) -> int:
     made_secret = env.get(job_secret.SECRET_ENV)
     if made_secret:  # this job's own, never one an earlier job left in this process
         os.environ[job_secret.SECRET_ENV] = made_secret
+    from disttrain.runtime.torch_compat import exit_barrier_of
+
     try:
-        run(parse_args(args))
+        # after a shrink in memory the exit barrier waits for the nodes left, not the lost one
+        with exit_barrier_of(notes.agents_gone):
+            run(parse_args(args))
     except ChildFailedError as e:
         if notes.stopped():
             return notes.report()
@@ -548,6 +558,10 @@ def _launch(args: list[str], env: dict[str, str]) -> int:
         if hang is not None:
             print(f"disttrain run: {_hang_line(hang)}", file=sys.stderr)
             return failure.exitcode
+        left = notes.restart_path()
+        if left is not None and left.get("rank") == rank:
+            print(f"disttrain run: {restart_path_line(left, restarted=False)}", file=sys.stderr)
+            return code or 1
         more = _others(e.failures, rank, notes.lost_peer_ranks())
         print(
             f"disttrain run: rank {rank} failed first with {how}{more}. "
@@ -566,7 +580,31 @@ def _launch(args: list[str], env: dict[str, str]) -> int:
         print(line, file=sys.stderr)
         return status
     finally:
+        shrunk, left = notes.shrunk(), notes.restart_path()
         notes.close()
         if made_secret:
             os.environ.pop(job_secret.SECRET_ENV, None)
+    if shrunk or left:
+        print(f"disttrain run: {restart_path_line(left) if left else shrunk_line(shrunk or {})}", file=sys.stderr)
     return 0
+
+
+def restart_path_line(left: dict, restarted: bool = True) -> str:
+    """The last line of a job in which a slot left fast recovery for torchrun's restart
+    path (`worker_notes.note_restart_path`): `restarted`, the job finished after it; else
+    torchrun had no restart left and the job failed."""
+    why = f"rank {left.get('rank')} left fast recovery ({left.get('why')}) and took torchrun's restart path"
+    if restarted:
+        return f"finished; {why}: every worker restarted from the newest checkpoint."
+    return (
+        f"{why}, but torchrun had no restart left; give --max-restarts N to let torchrun restart every "
+        f"worker from the newest checkpoint, or run the same command again to resume from it."
+    )
+
+
+def shrunk_line(shrunk: dict) -> str:
+    """The last line of a job that finished after shrinking in memory (`worker_notes.note_shrunk`)."""
+    return (
+        f"finished at world {shrunk.get('world')}: rank(s) {shrunk.get('lost')} were lost with their node "
+        f"and the others went on without them in memory, with no torchrun restart."
+    )

@@ -13,11 +13,12 @@ function that needs them: importing this module costs no more than `import torch
 
 from __future__ import annotations
 
+import contextlib
 import ctypes
 import pickle
 import re
 import sys
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from typing import Any, TypeAlias
 
 import torch
@@ -545,3 +546,35 @@ PythonUnpickler: TypeAlias = pickle._Unpickler
 restricted unpickler checks before each opcode runs (`checkpoint.metadata_pickle`);
 the C unpickler has no such table. A private name of the standard library, kept here
 with torch's."""
+
+
+@contextlib.contextmanager
+def exit_barrier_of(agents_gone: Callable[[int], int]) -> Iterator[None]:
+    """Within the block, a torchrun agent of this process whose workers are done waits at
+    its exit barrier for the agents still in the job only: `group_world_size` less
+    `agents_gone(local_world_size)` (asked when the barrier starts). The barrier counts
+    arrivals up to the rendezvous' agent count, so an agent lost with its node would
+    keep every survivor there for `exit_barrier_timeout` (300 s), which `torch.distributed.run`
+    does not let a launcher set. Counting fewer than are left only ends the wait early.
+
+    Wraps `SimpleElasticAgent._exit_barrier` (and reads its `_worker_group`). Checked on
+    2.13.0. Fallback (no such method): nothing is wrapped and the wait stays torch's."""
+    from torch.distributed.elastic.agent.server.api import SimpleElasticAgent
+
+    original = getattr(SimpleElasticAgent, "_exit_barrier", None)
+    if original is None:
+        yield
+        return
+
+    def survivors_only(agent: Any) -> None:
+        group = agent._worker_group
+        gone = agents_gone(group.spec.local_world_size)
+        if gone > 0:
+            group.group_world_size = max(1, group.group_world_size - gone)
+        original(agent)
+
+    setattr(SimpleElasticAgent, "_exit_barrier", survivors_only)  # noqa: B010  (mypy refuses a method assigned)
+    try:
+        yield
+    finally:
+        setattr(SimpleElasticAgent, "_exit_barrier", original)  # noqa: B010
