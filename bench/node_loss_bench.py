@@ -119,7 +119,7 @@ def cell(values: list[float]) -> str:
 def render(res: dict, argv: list[str], took: float, load_end: float) -> str:
     m = res["machine"]
     lines = [
-        "## Fast recovery: a lost node with no spare -> the survivors shrink in memory (issue 56)",
+        "## Fast recovery: a lost node with no spare -> the survivors shrink in memory",
         "",
         f"Command: `{shlex.join(['python', 'bench/node_loss_bench.py', *argv])}`  ",
         f"Machine: {m['cores']} cores ({m['cpu']}), torch {m['torch']}, Python {m['python']}; {m['date']}; "
