@@ -77,8 +77,7 @@ def test_sigterm_saves_exits_zero_then_resumes(reference, tmp_path):
     assert all(torch.equal(got[k], reference[k]) for k in reference)
 
 
-@pytest.mark.parametrize("where", ["inside", "before"])
-@pytest.mark.parametrize("strategy", ["ddp", "fsdp"])
+@pytest.mark.parametrize(("strategy", "where"), [("ddp", "before"), ("fsdp", "inside")])  # each once
 def test_optimizer_before_wrap_is_one_line_exit_2_and_never_retried(tmp_path, strategy, where):
     """Under every strategy (DDP keeps the parameters, so the mistake used to pass), and
     with restarts on: one line from the launcher, no traceback, no second start. Built
