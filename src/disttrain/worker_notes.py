@@ -5,7 +5,7 @@ launch (`NOTES_ENV`): what the launcher says at the end must be what happened.
   the job and exits 2, without a torchrun restart (a restart would repeat the mistake:
   a typo, an optimizer built before wrap, a checkpoint of another world size). The
   worker does not print it and waits to be stopped, so the launcher acts before the
-  agent sees an exit. A worker of a restart that slipped through exits 2 at its start.
+  agent sees an exit. A worker that starts after the note waits to be stopped too.
 - `not-retried`: the first rank's failure that a retry would repeat (JSON, see
   `report_not_retried`): the program's own error (`runtime.failures`), or the same
   unclassified failure in two attempts in a row. The launcher stops the job as for a

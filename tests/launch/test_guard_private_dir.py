@@ -230,7 +230,9 @@ def test_disttrain_run_hands_its_ranks_a_private_folder_and_removes_it(tmp_path)
         import json, os, stat, sys
         folder = os.environ["DISTTRAIN_GUARD_DIR"]
         mode = stat.S_IMODE(os.lstat(folder).st_mode)
-        print("GUARD", json.dumps({"rank": os.environ["RANK"], "dir": folder, "mode": mode}), flush=True)
+        # one write per rank: two ranks' prints share the launcher's stdout
+        sys.stdout.write("GUARD " + json.dumps({"rank": os.environ["RANK"], "dir": folder, "mode": mode}) + chr(10))
+        sys.stdout.flush()
     """))
     env = {k: v for k, v in worker_env(TMPDIR=str(tmp_path)).items() if k != GUARD_DIR_ENV}
     proc = run_disttrain(["run", "--nproc", "2", str(script)], env=env, timeout=120)

@@ -62,9 +62,12 @@ def watched_by_parent() -> None:
 def main(argv: list[str]) -> None:
     """Run `argv` (`-m MODULE ARGS` or `SCRIPT ARGS`) as `__main__` after `die_with_launcher`."""
     direct = die_with_launcher()
-    from disttrain.worker_notes import earlier_stop
+    from disttrain.worker_notes import earlier_stop, wait_to_be_stopped
 
-    if earlier_stop():  # a restart after a rank's user error: the mistake would repeat
+    if earlier_stop():  # a peer's user error came first (or a restart slipped through)
+        # The launcher stops the job within a poll: an exit now would reach torchrun's
+        # agent first, as a failure with its own lines (and a restart).
+        wait_to_be_stopped()
         os._exit(2)
     os.environ.pop(LAUNCHER_ENV, None)  # the worker's own children have another parent
     if not (
