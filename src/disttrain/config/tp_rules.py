@@ -129,3 +129,11 @@ def dp_coordinates(rank: int, world_size: int, tp: int) -> tuple[int, int]:
     """(data-parallel rank, data-parallel size) of `rank`: the ranks of one TP group
     (consecutive ranks) share one data-parallel rank, so they read the same batch."""
     return rank // tp, world_size // tp
+
+
+def plan_matches(pattern: str, name: str) -> bool:
+    """Whether a plan's `pattern` (dotted parts, `*` for any one part) names the module
+    `name`: the one reading of a plan, for the split (`parallel.tensor_parallel`) and the
+    planner (`plan.tp_count`)."""
+    want, parts = pattern.split("."), name.split(".")
+    return len(want) == len(parts) and all(w in ("*", p) for w, p in zip(want, parts, strict=True))

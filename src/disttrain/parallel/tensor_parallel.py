@@ -34,7 +34,7 @@ from torch.distributed.tensor.parallel import (
     parallelize_module,
 )
 
-from disttrain.config.tp_rules import TP_STYLES, divisors
+from disttrain.config.tp_rules import TP_STYLES, divisors, plan_matches
 from disttrain.errors import UserError
 from disttrain.runtime.collectives import assert_same_across_ranks
 
@@ -54,8 +54,7 @@ def _style(pattern: str, style: object) -> ParallelStyle:
 
 
 def _matches(pattern: str, names: list[str]) -> list[str]:
-    regex = re.compile("\\.".join("[^.]+" if part == "*" else re.escape(part) for part in pattern.split(".")))
-    return [n for n in names if regex.fullmatch(n)]
+    return [n for n in names if plan_matches(pattern, n)]
 
 
 def _nearest(pattern: str, names: list[str]) -> list[str]:

@@ -16,6 +16,8 @@ from __future__ import annotations
 from collections.abc import Mapping
 from typing import Any
 
+from disttrain.config.tp_rules import plan_matches
+
 SPLIT_DIM = {("colwise", "weight"): 0, ("colwise", "bias"): 0, ("rowwise", "weight"): 1}
 """(style, parameter name) -> the dimension TP splits; absent: the parameter stays whole."""
 
@@ -35,12 +37,7 @@ def published_plan(model: Any) -> dict[str, str]:
 
 
 def _style_of(name: str, plan: Mapping[str, str]) -> str | None:
-    parts = name.split(".")
-    for pattern, style in plan.items():
-        want = pattern.split(".")
-        if len(want) == len(parts) and all(w in ("*", p) for w, p in zip(want, parts, strict=True)):
-            return style
-    return None
+    return next((style for pattern, style in plan.items() if plan_matches(pattern, name)), None)
 
 
 def tp_facts(model: Any) -> tuple[list[int | None], list[tuple[str, int, int]]]:
