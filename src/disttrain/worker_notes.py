@@ -319,15 +319,17 @@ SHRUNK = "shrunk"
 RESTART_PATH = "restart-path"
 
 
-def note_shrunk(world: int, lost: list[int], gen: int) -> None:
+def note_shrunk(world: int, lost: list[int], gen: int, spares: list[int] | tuple = ()) -> None:
     """Generation `gen` of the job runs in memory at `world` ranks without the slots
-    `lost` (their supervisors stopped beating: a node is gone), for the launcher: its
-    exit barrier waits for the agents left, and its last line says so (`read_shrunk`).
-    The newest shrink wins; none in generation 0 (a new torchrun attempt, whole again)
-    removes the note. A no-op outside `disttrain run`."""
+    `lost` (their supervisors stopped beating: a node is gone), hot-spare slots `spares`
+    in their places if any, for the launcher: its exit barrier waits for the agents
+    left, and its last line says so (`read_shrunk`). The newest note wins; none in
+    generation 0 (a new torchrun attempt, whole again) removes the note. A no-op
+    outside `disttrain run`."""
     folder = _folder()
     if folder is not None and lost:
-        _replace(folder / SHRUNK, json.dumps({"world": world, "lost": sorted(lost)}))
+        record = {"world": world, "lost": sorted(lost), "spares": sorted(spares)}
+        _replace(folder / SHRUNK, json.dumps(record))
     elif folder is not None and gen == 0:
         (folder / SHRUNK).unlink(missing_ok=True)
 
@@ -347,7 +349,8 @@ def read_restart_path(folder: str | Path) -> dict | None:
 
 
 def read_shrunk(folder: str | Path) -> dict | None:
-    """The newest shrink this launch's ranks noted (`note_shrunk`): {"world", "lost"}, or None."""
+    """The newest shrink this launch's ranks noted (`note_shrunk`): {"world", "lost",
+    "spares"}, or None."""
     return _read_record(Path(folder) / SHRUNK)
 
 

@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import os
 import random
+import re
 import signal
 import subprocess
 import sys
@@ -23,6 +24,7 @@ from elastic_helpers import (
     descendants,
     kill_node,
     metrics,
+    run_trainer,
     start,
     trainer_cmd,
     wait_for,
@@ -181,6 +183,46 @@ def test_a_lost_node_0_shrinks_the_job_in_memory(tmp_path, strategy):
     assert len(counts) == steps * 8 and set(counts.values()) == {1}  # the global batch stayed 8
 
 
+def test_a_lost_node_is_taken_over_by_a_hot_spare_node_bit_exactly(tmp_path):
+    """Two training nodes of one rank each and one hot-spare node (`--spare-nodes 1`), FSDP,
+    under the etcd rendezvous. kill -9 of the whole process tree of the node that holds
+    rank 1 at step 8: the spare node's slot, warm and standing by, takes rank 1's place
+    in memory (its shard from the buddy copy on the other node), with no torchrun
+    restart and no disk. The run ends bit-identical to an uninterrupted one at world 2,
+    every sample once, and every agent left ends by itself with exit 0."""
+    ref = tmp_path / "ref"
+    run_trainer(ref, f"--train.steps={STEPS}", "--checkpoint.every=3", "--parallel.strategy=fsdp",
+                run_flags=("--nproc", "2"))
+    out = tmp_path / "spare"
+    with EtcdServer().start() as server:
+        flags = ("--nnodes", "2", "--spare-nodes", "1", "--nproc", "1", "--rdzv-backend", "etcd",
+                 "--rdzv-endpoint", server.endpoint, "--rdzv-id", "spare")
+        cmd = trainer_cmd(out, f"--train.steps={STEPS}", *FAST, "--parallel.strategy=fsdp",
+                          "--elastic.node_lease_s=0.5", run_flags=flags)
+        logs = [tmp_path / f"node{i}.txt" for i in range(3)]
+        env = {"DISTTRAIN_FAULT": "delay@step:ms=100", "DISTTRAIN_JOB_SECRET": "ef" * 32}
+        nodes = [start(cmd, log, **env) for log in logs]
+        try:
+            wait_for(lambda: any(m["step"] >= 8 for m in metrics(out)), 150, "step 8", logs)
+            lost = next(i for i, log in enumerate(logs) if "rank 1 (local rank 0) is pid" in log.read_text())
+            kill_node(nodes[lost])
+            left = [i for i in range(3) if i != lost]
+            for i in left:
+                assert nodes[i].wait(timeout=120) == 0, logs[i].read_text()[-4000:]
+        finally:
+            for node in nodes:
+                kill_node(node)
+    text = "".join(logs[i].read_text() for i in left)
+    assert "rank(s) [1] lost with their supervisors (no beat for 0.5 s: a node is gone); hot-spare slot(s) [2] " \
+        "take their places and the job goes on in memory at world 2" in text
+    assert "will restart worker group" not in text and "loading the newest checkpoint" not in text
+    for i in left:
+        assert logs[i].read_text().rstrip().splitlines()[-1] == (
+            "disttrain run: finished at world 2: rank(s) [1] were lost with their node and hot-spare slot(s) [2] "
+            "took their places in memory, with no torchrun restart.")
+    assert_same_run(ref, out)
+
+
 @pytest.mark.parametrize("strategy", ["zero1", "fsdp1"])
 def test_fast_recovery_refuses_other_strategies(strategy):
     with pytest.raises(ConfigError, match=rf"'ddp' or 'fsdp', not '{strategy}' on cpu"):
@@ -278,6 +320,82 @@ def test_a_generation_drops_only_the_slots_whose_supervisors_stopped_beating(mon
         "finished; rank 1 left fast recovery (rank 1 was taken for gone in generation 1 (its supervisor missed "
         "its beats for 0.3 s) and the job went on without it) and took torchrun's restart path")
     assert "no restart left; give --max-restarts N" in restart_path_line(left, restarted=False)
+
+
+def test_a_standby_slot_that_beats_takes_a_lost_slots_place(monkeypatch):
+    """In one process, on an in-memory store: a job of 2 training slots and 2 hot-spare
+    slots (2 and 3). Slot 1's supervisor stopped beating; of the spares only slot 3 beats
+    (slot 2's node is gone too). Slot 0 waits in generation 1: slot 3 takes rank 1's
+    place, the world stays 2, and the slots gone are kept for the launcher."""
+    import threading
+    from datetime import timedelta
+
+    import torch.distributed as dist
+
+    from disttrain.elastic import fast_recovery, job_store, membership
+    from disttrain.runtime import job_secret
+
+    monkeypatch.setattr(membership, "LEASE_S", 0.3)
+    monkeypatch.setenv(fast_recovery.TOTAL_SLOTS_ENV, "4")
+    raw = dist.HashStore()
+    raw.set_timeout(timedelta(seconds=20))
+    store = job_store.JobStore(raw, job_secret.from_env({job_secret.SECRET_ENV: job_secret.new_secret()}))
+    for slot in range(4):
+        store.add(f"disttrain/fast/alive/{slot}", 1)
+    stop = threading.Event()
+    threading.Thread(target=membership.beat, args=(store, 3, stop), daemon=True).start()
+    got: dict[int, tuple[int, list[int]]] = {}
+    first = threading.Thread(target=lambda: got.setdefault(0, fast_recovery.join(store, 1, 0, 2, wait_s=20)))
+    first.start()
+    deadline = time.monotonic() + 10
+    while membership.roster(store, 2) == [0, 1] and time.monotonic() < deadline:
+        time.sleep(0.02)
+    assert membership.roster(store, 2) == [0, 3] and not got
+    got[3] = fast_recovery.join(store, 1, 3, 2, wait_s=20)  # slot 3's spare, promoted, arrives
+    first.join(timeout=20)
+    stop.set()
+    assert got == {0: (1, [0, 3]), 3: (1, [0, 3])}
+    assert membership.gone(store) == [1] and store.add(membership.LOST_KEY, 0) == 0
+    assert membership.standby_slots(store, 2, 4) == [2]  # not beating, but not taken for gone either
+
+
+@pytest.mark.parametrize(("members", "lost", "standby", "after"), [
+    ([0, 1, 2, 3], [2, 3], [4, 5], [0, 1, 4, 5]),  # a node of two, replaced in place
+    ([0, 1, 2, 3], [0, 1], [4], [4, 2, 3]),  # one spare for two places: the other is dropped
+    ([0, 1], [1], [], [0]),  # no spare: the world shrinks
+])
+def test_a_roster_fills_lost_places_with_spares_in_order(members, lost, standby, after):
+    from disttrain.elastic.membership import replaced
+
+    assert replaced(members, lost, standby) == after
+
+
+@pytest.mark.parametrize(("flags", "words"), [
+    (["--nnodes", "2", "--spare-nodes", "x"], "--spare-nodes is 'x'; give the number of standby nodes"),
+    (["--nnodes", "1:2", "--spare-nodes", "1"], "--nnodes is '1:2'; give --nnodes N"),
+    (["--nnodes", "1", "--spare-nodes", "1"], "give --rdzv-backend etcd --rdzv-endpoint HOST:PORT"),
+])
+def test_spare_nodes_refuses_what_it_cannot_use(flags, words):
+    from disttrain.errors import UserError
+    from disttrain.launch.run_command import torchrun_for
+
+    with pytest.raises(UserError, match=re.escape(words)):
+        torchrun_for([*flags, "--nproc", "1", "-m", "disttrain.train", "examples/tiny_gpt.toml",
+                      "--elastic.fast_recovery=true"])
+
+
+def test_spare_nodes_needs_fast_recovery_and_starts_the_spares_too(monkeypatch):
+    from disttrain.errors import UserError
+    from disttrain.launch.run_command import torchrun_for
+
+    flags = ["--nnodes", "2", "--spare-nodes", "1", "--nproc", "2", "--rdzv-backend", "etcd",
+             "--rdzv-endpoint", "127.0.0.1:2379"]
+    with pytest.raises(UserError, match="--spare-nodes needs fast recovery"):
+        torchrun_for([*flags, "-m", "disttrain.train", "examples/tiny_gpt.toml"])
+    monkeypatch.setenv("DISTTRAIN_JOB_SECRET", "ab" * 32)
+    run = torchrun_for([*flags, "-m", "disttrain.train", "examples/tiny_gpt.toml", "--elastic.fast_recovery=true"])
+    assert run.args[run.args.index("--nnodes") + 1] == "3" and "--spare-nodes" not in run.args
+    assert run.env["DISTTRAIN_TRAINING_WORLD"] == run.env["DISTTRAIN_EXPECTED_WORLD_SIZE"] == "4"
 
 
 def test_a_spare_after_a_failure_without_a_death_starts_a_new_generation():

@@ -32,6 +32,11 @@ class ElasticConfig:
     memory every N optimizer steps. 1 loses only the step in flight on a kill; a larger
     N costs less per step (a large model's shard crosses the network each time) and
     redoes up to N steps."""
+    node_lease_s: float = 1.0
+    """Under fast_recovery: a slot whose supervisor has not beaten on the job's store for
+    this long is taken for gone with its node (it beats five times a lease). Shorter
+    finds a lost node sooner; too short for a loaded host takes a slow node for a lost
+    one, whose ranks then take torchrun's restart path."""
 
 
 def check_elastic(e: ElasticConfig) -> None:
@@ -42,6 +47,15 @@ def check_elastic(e: ElasticConfig) -> None:
         )
     if not e.preempt_grace_s > 0:
         raise ConfigError(f"elastic.preempt_grace_s is {e.preempt_grace_s}; it must be positive.")
+    if (
+        isinstance(e.node_lease_s, bool)
+        or not isinstance(e.node_lease_s, int | float)
+        or not (0.2 <= e.node_lease_s <= 60)
+    ):
+        raise ConfigError(
+            f"elastic.node_lease_s is {e.node_lease_s!r}; give seconds between 0.2 and 60 (default 1.0: "
+            f"a supervisor silent that long is taken for lost with its node)."
+        )
     if isinstance(e.buddy_every, bool) or not isinstance(e.buddy_every, int) or e.buddy_every < 1:
         raise ConfigError(
             f"elastic.buddy_every is {e.buddy_every!r}; it must be a whole number >= 1 "

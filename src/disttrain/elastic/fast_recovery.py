@@ -58,9 +58,12 @@ ROLE_ENV = "DISTTRAIN_FAST_ROLE"
 """Set by the slot supervisor on its children: "first" or "spare"."""
 GEN_KEY = "disttrain/fast/gen"
 DONE_KEY = "disttrain/fast/done"
-EXPECTED_WORLD_ENV = "DISTTRAIN_EXPECTED_WORLD_SIZE"  # guard.sanity's: the world the launcher started
 """Each training process adds 1 when its job is over, so the supervisor that hosts
 the store keeps it until every rank has finished with it."""
+EXPECTED_WORLD_ENV = "DISTTRAIN_EXPECTED_WORLD_SIZE"  # guard.sanity's: the world the launcher started
+TOTAL_SLOTS_ENV = "DISTTRAIN_TOTAL_SLOTS"
+"""torchrun's WORLD_SIZE, the hot spares' slots included (`run` keeps it here before it
+sets WORLD_SIZE to the training world, `membership.training_world`)."""
 
 
 def enabled() -> bool:
@@ -126,17 +129,23 @@ def join(store: JobStore, gen: int, slot: int, world: int, wait_s: float) -> tup
                 break
             if gen > 0 and time.monotonic() - since > membership.STALL_S:
                 members = membership.decided(store, gen) or members
-                watch = watch or membership.Watch(store, gen, members)
+                watch = watch or membership.Watch(store, gen, members, _standby(store, world))
                 lost = watch.lost()
                 if lost:
-                    members = membership.settle(store, gen, members, lost, GEN_KEY)
-                elif lost is not None:  # nobody is gone: watch again
+                    members = membership.settle(store, gen, members, lost, GEN_KEY, watch.fresh)
+                if lost is not None:  # watch again: for the spares that take the places, or anew
                     watch = None
             if time.monotonic() > deadline:
                 raise TimeoutError(
                     f"generation {gen}: only {store.add(key, 0)} of {len(members)} ranks joined within {wait_s:.0f} s"
                 )
             time.sleep(0.002)
+
+
+def _standby(store: JobStore, world: int) -> list[int]:
+    """The hot-spare slots that could take a lost slot's place (`membership.standby_slots`)."""
+    total = int(os.environ.get(TOTAL_SLOTS_ENV, world))
+    return membership.standby_slots(store, world, total) if total > world else []
 
 
 def _past(store: JobStore, gen: int) -> int:
@@ -321,7 +330,10 @@ def run(
     elsewhere. What else ends fast recovery (this slot left out of a shrink, a generation
     that does not fill within `timeout_s`, a store that fails) takes torchrun's restart
     path under `disttrain run` (exit 1: `_to_restart`) and propagates elsewhere."""
-    world, slot = int(os.environ["WORLD_SIZE"]), int(os.environ["RANK"])  # the first generation's
+    slot = int(os.environ["RANK"])  # torchrun's; a rank of the first generation unless a hot spare
+    world = membership.training_world()
+    os.environ.setdefault(TOTAL_SLOTS_ENV, os.environ["WORLD_SIZE"])
+    os.environ["WORLD_SIZE"] = str(world)
     handoff = Handoff(gen=0)
     if nccl_expected(backend, device):
         # The survivors abort NCCL themselves (torch_compat.abort_process_groups); the NCCL
@@ -372,7 +384,8 @@ def _generations(
             raise
         _take_place(handoff, members.index(slot), len(members))
         # the launcher's exit barrier and last line; a new torchrun attempt starts whole
-        worker_notes.note_shrunk(len(members), [s for s in range(world) if s not in members], gen)
+        lost = membership.gone(store) if gen > 0 else []
+        worker_notes.note_shrunk(len(members), lost, gen, spares=[s for s in members if s >= world])
         handoff.gen = gen
         worker_notes.mark_step(0)  # a generation's start and recovery: no step in flight yet
         fault_injection.set_attempt(gen)  # a fault for attempt k fires once, in generation k

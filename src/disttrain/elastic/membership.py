@@ -9,11 +9,16 @@ memory instead of waiting for a spare that will never come (docs/elastic.md).
   the slots that have not joined, `LEASE_S` apart, while it goes on waiting (`Watch`):
   a slot whose count did not move has lost its supervisor, so no spare will take it over (a killed
   training process is taken over by its supervisor's spare, whose slot still beats).
+- Hot-spare nodes (`disttrain run --spare-nodes K`): torchrun starts K more nodes,
+  whose slots (global ranks from `training_world()` on) stand by: their supervisors beat
+  and keep a warm spare, and train only once a roster names them (`standby`).
 - The first survivor to decide (a compare-and-add on the generation's `decide` key)
-  writes the generation's roster: the slots that stay, in rank order, sealed with the
-  job's secret (`settle`). Every member takes its rank from its place in the roster
-  and the world from its length; later generations (and a spare promoted later) use
-  the newest roster (`roster`).
+  writes the generation's roster, sealed with the job's secret (`settle`): each lost
+  slot's place taken by a standby slot that still beats, in order, and the places no
+  standby is left for dropped (the world shrinks). Every member takes its rank from its
+  place in the roster and the world from its length; later generations (and a spare
+  promoted later) use the newest roster (`roster`). The slots lost so far are kept too
+  (`gone`), for the launcher's exit barrier and last line.
 A slot taken for gone that was only stalled finds itself outside the roster, and its
 training process ends with `LeftOut`, which takes torchrun's restart path
 (`fast_recovery.run`).
@@ -22,20 +27,53 @@ training process ends with `LeftOut`, which takes torchrun's restart path
 from __future__ import annotations
 
 import json
+import os
 import threading
 import time
 
 from disttrain.elastic.job_store import JobStore
 from disttrain.runtime.log import EVERY_RANK, LOGGER
 
-BEAT_S = 0.2
+LEASE_ENV = "DISTTRAIN_NODE_LEASE_S"
+"""`[elastic] node_lease_s`, handed to the supervisors and ranks by `disttrain run`."""
 LEASE_S = 1.0
-"""A supervisor silent this long is gone (5 beats: a loaded host delays a beat, not five)."""
-STALL_S = 0.3
-"""How long a generation waits for its last members before it asks who is gone."""
+"""A supervisor silent this long is gone (5 beats: a loaded host delays a beat, not five);
+`lease_s()` reads the job's own."""
+STALL_S = 0.05
+"""How long a generation waits for its last members before it starts watching their beats
+(a killed training process's spare comes within it; watching costs a few store reads)."""
+TRAINING_WORLD_ENV = "DISTTRAIN_TRAINING_WORLD"
+"""The slots that train from the start (`--nnodes` x `--nproc`); torchrun's slots past it
+are hot spares (`--spare-nodes`). Set by `disttrain run` only when there are spares."""
 ROSTER_KEY = "disttrain/fast/roster"
+GONE_KEY = "disttrain/fast/gone"
 LOST_KEY = "disttrain/fast/lost"
-"""How many slots the job has lost (the store's host waits for the others to finish)."""
+"""How many places the job has dropped (no spare took them): the store's host waits for
+the others to finish."""
+
+
+def lease_s() -> float:
+    """The job's lease (`LEASE_ENV`), else `LEASE_S`; out-of-range values are not used."""
+    try:
+        value = float(os.environ.get(LEASE_ENV, ""))
+    except ValueError:
+        return LEASE_S
+    return value if 0.2 <= value <= 60 else LEASE_S
+
+
+def beat_s() -> float:
+    """How often a supervisor beats: five beats a lease."""
+    return lease_s() / 5
+
+
+def training_world() -> int:
+    """The slots that train from the start (`TRAINING_WORLD_ENV`, else torchrun's WORLD_SIZE)."""
+    total = int(os.environ["WORLD_SIZE"])
+    try:
+        value = int(os.environ.get(TRAINING_WORLD_ENV, total))
+    except ValueError:
+        return total
+    return value if 0 < value <= total else total
 
 
 class LeftOut(RuntimeError):
@@ -47,13 +85,14 @@ def left_out_words(slot: int, gen: int) -> str:
     """What `LeftOut` says for `slot`, found outside generation `gen`'s roster."""
     return (
         f"rank {slot} was taken for gone in generation {gen} (its supervisor missed its beats for "
-        f"{LEASE_S:g} s) and the job went on without it"
+        f"{lease_s():g} s) and the job went on without it"
     )
 
 
 def beat(store: JobStore, slot: int, stop: threading.Event) -> None:
     """Beat for `slot` until `stop` is set or the store is gone."""
-    while not stop.wait(BEAT_S):
+    period = beat_s()
+    while not stop.wait(period):
         try:
             store.add(f"disttrain/fast/alive/{slot}", 1)
         except (RuntimeError, ConnectionError, TimeoutError, OSError):
@@ -66,27 +105,46 @@ def roster(store: JobStore, world: int) -> list[int]:
     return list(range(world)) if text is None else [int(s) for s in json.loads(text)]
 
 
+def gone(store: JobStore) -> list[int]:
+    """The slots the job has lost with their supervisors so far (replaced or dropped)."""
+    text = store.get(GONE_KEY)
+    return [] if text is None else [int(s) for s in json.loads(text)]
+
+
+def standby_slots(store: JobStore, world: int, total: int) -> list[int]:
+    """The hot-spare slots (`world` .. `total`) that are in no roster and not gone."""
+    taken = set(roster(store, world)) | set(gone(store))
+    return [s for s in range(world, total) if s not in taken]
+
+
 def _beats(store: JobStore, slots: list[int]) -> list[int]:
     return [store.add(f"disttrain/fast/alive/{s}", 0) for s in slots]
 
 
 class Watch:
-    """The beats of a stalled generation's missing members, sampled now and compared
-    `LEASE_S` later (`lost`), while the caller goes on waiting for them."""
+    """The beats of a stalled generation's missing members and of the standby slots,
+    sampled now and compared a lease later (`lost`, `fresh`), while the caller goes on
+    waiting for the members."""
 
-    def __init__(self, store: JobStore, gen: int, members: list[int]) -> None:
+    def __init__(self, store: JobStore, gen: int, members: list[int], standby: list[int] | None = None) -> None:
         self.store = store
         self.missing = [s for s in members if store.add(f"disttrain/fast/g{gen}/in/{s}", 0) == 0]
-        self.before = _beats(store, self.missing)
+        self.standby = list(standby or [])
+        self.before = _beats(store, self.missing + self.standby)
         self.since = time.monotonic()
+        self.fresh: list[int] = []
+        """After `lost` returned a list: the standby slots that beat during the lease."""
 
     def lost(self) -> list[int] | None:
-        """None until `LEASE_S` has passed; then the missing members that have beaten
+        """None until a lease has passed; then the missing members that have beaten
         before but not since (`[]`: none is gone, a spare or a slow rank is coming)."""
-        if time.monotonic() - self.since < LEASE_S:
+        if time.monotonic() - self.since < lease_s():
             return None
-        after = _beats(self.store, self.missing)
-        return [s for s, a, b in zip(self.missing, self.before, after, strict=True) if a > 0 and a == b]
+        after = _beats(self.store, self.missing + self.standby)
+        moved = [b != a for a, b in zip(self.before, after, strict=True)]
+        n = len(self.missing)
+        self.fresh = [s for s, m in zip(self.standby, moved[n:], strict=True) if m]
+        return [s for s, a, m in zip(self.missing, self.before, moved, strict=False) if a > 0 and not m]
 
 
 def arrive(store: JobStore, gen: int, slot: int) -> None:
@@ -100,23 +158,30 @@ def decided(store: JobStore, gen: int) -> list[int] | None:
     return None if text is None else [int(s) for s in json.loads(text)]
 
 
-def settle(store: JobStore, gen: int, members: list[int], lost: list[int], gen_key: str) -> list[int]:
-    """Generation `gen` of `members` goes on without `lost`: the roster, decided by the
-    first survivor to get here (a compare-and-add) and read by the others. The decider
-    also moves the generation counter `gen_key` up to `gen` (the survivors joined it
-    without a newcomer's bump), so a spare promoted later starts the next one."""
+def replaced(members: list[int], lost: list[int], standby: list[int]) -> list[int]:
+    """The roster after `lost`: each lost slot's place taken by the next of `standby`, in
+    order, and the places none is left for dropped."""
+    spares = iter(standby)
+    after = [s if s not in lost else next(spares, None) for s in members]
+    return [s for s in after if s is not None]
+
+
+def settle(
+    store: JobStore, gen: int, members: list[int], lost: list[int], gen_key: str, standby: list[int] | None = None
+) -> list[int]:
+    """Generation `gen` of `members` goes on without `lost`, the standby slots that beat
+    (`standby`) taking their places (`replaced`): the roster, decided by the first survivor
+    to get here (a compare-and-add) and read by the others. The decider also moves the
+    generation counter `gen_key` up to `gen` (the survivors joined it without a
+    newcomer's bump), so a spare promoted later starts the next one."""
     if store.add(f"disttrain/fast/g{gen}/decide", 1) == 1:
         store.add(gen_key, max(0, gen - store.add(gen_key, 0)))
-        stay = [s for s in members if s not in lost]
+        stay = replaced(members, lost, standby or [])
+        store.set(GONE_KEY, json.dumps(sorted(set(gone(store)) | set(lost))))
         store.set(ROSTER_KEY, json.dumps(stay))
-        store.add(LOST_KEY, len(lost))
+        store.add(LOST_KEY, len(members) - len(stay))
         store.set(f"disttrain/fast/g{gen}/roster", json.dumps(stay))
-        LOGGER.warning(
-            f"disttrain run: rank(s) {lost} lost with their supervisors (no beat for {LEASE_S:g} s: "
-            f"a node is gone) and no spare takes them; the job goes on in memory at world "
-            f"{len(stay)} (generation {gen})",
-            extra=EVERY_RANK,
-        )
+        LOGGER.warning(f"disttrain run: {settled_words(members, lost, stay, gen)}", extra=EVERY_RANK)
         return stay
     deadline = time.monotonic() + 30
     while (written := decided(store, gen)) is None:
@@ -124,3 +189,15 @@ def settle(store: JobStore, gen: int, members: list[int], lost: list[int], gen_k
             raise TimeoutError(f"generation {gen}: the survivor that decides its roster did not write it")
         time.sleep(0.01)
     return written
+
+
+def settled_words(members: list[int], lost: list[int], stay: list[int], gen: int) -> str:
+    """The console's one line on a roster `settle` decided."""
+    head = f"rank(s) {lost} lost with their supervisors (no beat for {lease_s():g} s: a node is gone)"
+    spares = [s for s in stay if s not in members]
+    if not spares:
+        return f"{head} and no spare takes them; the job goes on in memory at world {len(stay)} (generation {gen})"
+    took = f"{head}; hot-spare slot(s) {spares} take their places"
+    if len(stay) == len(members):
+        return f"{took} and the job goes on in memory at world {len(stay)} (generation {gen})"
+    return f"{took}, too few for all: the job goes on in memory at world {len(stay)} (generation {gen})"

@@ -88,6 +88,8 @@ DEFAULT_ENV = {"TORCH_DISABLE_SHARE_RDZV_TCP_STORE": "1"}
 
 SHUTDOWN_MARGIN_S = 10
 FAST_STORE_ENV = "DISTTRAIN_FAST_STORE"  # elastic.etcd_store.STORE_ENV; not imported: that imports torch
+TRAINING_WORLD_ENV = "DISTTRAIN_TRAINING_WORLD"  # elastic.membership's (the slots that train)
+NODE_LEASE_ENV = "DISTTRAIN_NODE_LEASE_S"  # elastic.membership.LEASE_ENV
 """Seconds torchrun waits past the preemption grace before SIGKILL: a rank's exit
 after its save (process group teardown, interpreter shutdown)."""
 DEFAULT_PREEMPT_GRACE_S = 60.0
@@ -192,6 +194,7 @@ def split_script(argv: list[str]) -> tuple[list[str], list[str]]:
         "--signals_to_handle",
         HANG_FLAG,
         STEPS_FLAG,
+        run_help.SPARE_NODES_FLAG,
         *SHUTDOWN_FLAGS,
     }
     i = 0
@@ -327,6 +330,8 @@ def torchrun_for(argv: list[str], cfg: Config | None = None) -> Torchrun:
     flags = [f for f in flags if f not in ("--debug", "--fast-recovery")]
     flags, hang_env = take_hang_timeout(flags, _flag_value(flags, HANG_FLAG))
     flags, check_env = take_check_flags(flags)  # --check: the ranks install disttrain.check
+    spare_nodes = _flag_value(flags, run_help.SPARE_NODES_FLAG)
+    flags = _without(flags, run_help.SPARE_NODES_FLAG)
     if not script:
         raise UserError(f"no script given. {run_help.USAGE}; disttrain run --help lists the flags.")
     flags = [
@@ -354,6 +359,9 @@ def torchrun_for(argv: list[str], cfg: Config | None = None) -> Torchrun:
             )
     nnodes = _flag_value(flags, "--nnodes") or "1"
     endpoint = _flag_value(flags, "--rdzv-endpoint", "--rdzv_endpoint")
+    spares = check_spare_nodes(spare_nodes, nnodes, endpoint)
+    if spares:  # torchrun starts the spare nodes too; the ranks are told which slots train
+        flags = _without(flags, "--nnodes") + ["--nnodes", str(int(nnodes) + spares)]
     if nnodes in ("1", "1:1") and endpoint is None and "--standalone" not in flags:
         flags = ["--standalone"] + flags
     elif "--standalone" not in flags:
@@ -363,6 +371,8 @@ def torchrun_for(argv: list[str], cfg: Config | None = None) -> Torchrun:
         env.update(debug_env("nccl" if gpus else "gloo"))
     if nproc.isdigit() and nnodes.isdigit():
         env["DISTTRAIN_EXPECTED_WORLD_SIZE"] = str(int(nproc) * int(nnodes))
+        if spares:
+            env[TRAINING_WORLD_ENV] = env["DISTTRAIN_EXPECTED_WORLD_SIZE"]
     if nproc.isdigit():
         env["OMP_NUM_THREADS"] = str(max(1, (os.cpu_count() or 1) // int(nproc)))
     is_module = any(f in flags for f in ("-m", "--module", "--no-python", "--no_python"))
@@ -385,8 +395,16 @@ def torchrun_for(argv: list[str], cfg: Config | None = None) -> Torchrun:
         # each worker slot: a supervisor with the training process and a warm spare
         script = ["disttrain.launch.slot_supervisor", "disttrain.train.script_runner", *script]
         flags, is_module = flags + ["-m"], True
+    if spares and script[:1] != ["disttrain.launch.slot_supervisor"]:
+        raise UserError(
+            f"{run_help.SPARE_NODES_FLAG} needs fast recovery (a lost node's ranks are taken over in "
+            f"memory): set [elastic] fast_recovery = true in the config (-m disttrain.train, disttrain "
+            f"train), or pass --fast-recovery for a dt.Job script."
+        )
+    if cfg is not None and script[:1] == ["disttrain.launch.slot_supervisor"]:
+        env[NODE_LEASE_ENV] = f"{cfg.elastic.node_lease_s:g}"
     if script[:1] == ["disttrain.launch.slot_supervisor"]:
-        secret = job_secret.for_job(nnodes)  # the store's values carry it (runtime/job_secret.py)
+        secret = job_secret.for_job(str(int(nnodes) + spares) if spares else nnodes)  # the store's values carry it
         if secret is not None:
             env[job_secret.SECRET_ENV] = secret
         if _flag_value(flags, "--rdzv-backend", "--rdzv_backend") == "etcd-v2" and endpoint:
@@ -412,6 +430,41 @@ def torchrun_for(argv: list[str], cfg: Config | None = None) -> Torchrun:
     ):
         flags = flags + ["--shutdown-timeout", str(math.ceil(grace) + SHUTDOWN_MARGIN_S)]
     return Torchrun(flags + script, env, cfg)
+
+
+def _without(flags: list[str], name: str) -> list[str]:
+    """`flags` less every `name V` and `name=V`."""
+    out, skip = [], False
+    for i, f in enumerate(flags):
+        if skip:
+            skip = False
+        elif f == name and i + 1 < len(flags):
+            skip = True
+        elif not f.startswith(name + "="):
+            out.append(f)
+    return out
+
+
+def check_spare_nodes(value: str | None, nnodes: str, endpoint: str | None) -> int:
+    """The hot-spare node count of `--spare-nodes` (0 when not given). Raises `UserError`
+    for a count that is not a whole number, an elastic `--nnodes MIN:MAX` (spares replace
+    lost nodes of a fixed world), or no rendezvous endpoint (the spares are other nodes)."""
+    if value is None:
+        return 0
+    flag = run_help.SPARE_NODES_FLAG
+    if not value.isdigit():
+        raise UserError(f"{flag} is {value!r}; give the number of standby nodes, for example {flag} 1.")
+    if not nnodes.isdigit():
+        raise UserError(
+            f"{flag} takes the place of a lost node in a fixed world, and --nnodes is {nnodes!r}; give "
+            f"--nnodes N (the nodes that train) and {flag} K (the nodes that stand by)."
+        )
+    if int(value) and endpoint is None:
+        raise UserError(
+            f"{flag} {value} starts more than one node: give --rdzv-backend etcd --rdzv-endpoint HOST:PORT "
+            f"(under etcd any node can be lost, node 0 included), the same on every node."
+        )
+    return int(value)
 
 
 def torchrun_has_shutdown_timeout() -> bool:
@@ -603,8 +656,15 @@ def restart_path_line(left: dict, restarted: bool = True) -> str:
 
 
 def shrunk_line(shrunk: dict) -> str:
-    """The last line of a job that finished after shrinking in memory (`worker_notes.note_shrunk`)."""
+    """The last line of a job that finished after losing a node in memory (`worker_notes.note_shrunk`):
+    shrunk, or with hot-spare slots in the lost ones' places."""
+    lost, spares = shrunk.get("lost"), shrunk.get("spares")
+    if spares:
+        return (
+            f"finished at world {shrunk.get('world')}: rank(s) {lost} were lost with their node and hot-spare "
+            f"slot(s) {spares} took their places in memory, with no torchrun restart."
+        )
     return (
-        f"finished at world {shrunk.get('world')}: rank(s) {shrunk.get('lost')} were lost with their node "
+        f"finished at world {shrunk.get('world')}: rank(s) {lost} were lost with their node "
         f"and the others went on without them in memory, with no torchrun restart."
     )

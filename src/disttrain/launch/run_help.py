@@ -6,10 +6,15 @@ from __future__ import annotations
 from disttrain.check.settings import DEFAULT_STEPS, STEPS_FLAG
 from disttrain.guard.script_watchdog import HANG_FLAG
 
+SPARE_NODES_FLAG = "--spare-nodes"
 USAGE = "usage: disttrain run [disttrain flags] [torchrun flags] (script.py | -m module) [args]"
 OWN_FLAGS = (
     ("--nproc N", "processes per node (alias of --nproc-per-node); default: the GPU count, or 2 on CPU"),
     ("--fast-recovery", "a dt.Job script: a warm spare per slot and in-memory recovery (docs/elastic.md)"),
+    (
+        f"{SPARE_NODES_FLAG} K",
+        "under fast recovery: K more nodes stand by, warm; one takes a lost node's ranks in memory",
+    ),
     (
         f"{HANG_FLAG} S",
         "a rank stuck S seconds in one collective reports the hang and the job stops (default 600, 0: off)",

@@ -43,7 +43,12 @@ from disttrain.worker_notes import earlier_stop, first_to_say, read_step, report
 ROLE_ENV = "DISTTRAIN_FAST_ROLE"  # elastic.fast_recovery.ROLE_ENV; not imported: that imports torch
 DONE_KEY = "disttrain/fast/done"
 LOST_KEY = "disttrain/fast/lost"  # elastic.membership.LOST_KEY: the slots a shrink left out
+STANDBY_DONE_KEY = "disttrain/fast/standby_done"
+"""Each hot-spare slot still standing by when the job ends adds 1 (`_linger` waits for it)."""
 MAX_PROMOTIONS = 1000
+STANDBY_POLL_S = 0.05
+"""How often a hot-spare slot asks the store whether a roster names it."""
+TRAINING_WORLD_ENV = "DISTTRAIN_TRAINING_WORLD"  # elastic.membership's; not imported: that imports torch
 STORE_LINGER_S = 60.0
 """How long the store's host waits for every rank to finish with it after its own
 training process is done."""
@@ -133,13 +138,55 @@ def _beat(rank: int) -> threading.Event:
     return stop
 
 
+def _stand_by(cmd: list[str], rank: int, world: int, stopping: list[int]) -> subprocess.Popen | None:
+    """A hot-spare slot (`--spare-nodes`: its rank is past the training world `world`):
+    keep a warm spare until a roster names this slot, then promote it and return it (the
+    slot's training process from then on); None when the job ends first (every rank in
+    it done, a stop, a signal). Polls the job's store every `STANDBY_POLL_S`."""
+    from disttrain.elastic import job_store, membership
+
+    spare = _spawn(cmd, "spare")
+    try:
+        store = job_store.connect(timeout_s=300)
+        while not stopping and not earlier_stop():
+            if spare.poll() is not None:  # a dead spare: replaced (its status, reaped here)
+                print(
+                    f"disttrain run: hot-spare slot {rank}'s spare exited ({spare.returncode}); starting another",
+                    file=sys.stderr,
+                    flush=True,
+                )
+                spare = _spawn(cmd, "spare")
+            members = membership.roster(store, world)
+            if rank in members:
+                _go(spare)
+                return spare
+            if store.add(DONE_KEY, 0) >= len(members):  # the job is over: say so to the store's host
+                store.add(STANDBY_DONE_KEY, 1)
+                break
+            time.sleep(STANDBY_POLL_S)
+    except (RuntimeError, ConnectionError, TimeoutError, OSError):
+        pass  # the store is gone: the job is over (its host left) or lost; torchrun sees this slot end
+    _end(spare)
+    return None
+
+
 def supervise(cmd: list[str], rank: int, world: int) -> int:
-    """Run the slot until its training process is done; return the exit status."""
+    """Run the slot until its training process is done; return the exit status. `world`:
+    the slots that train (a slot past it is a hot spare's: `_stand_by`)."""
     store = _host_store() if rank == 0 else None
     beating = _beat(rank)
-    child = _spawn(cmd, "first")
+    stopping: list[int] = []
+    if rank >= world:
+        for sig in (signal.SIGTERM, signal.SIGINT):
+            signal.signal(sig, lambda signum, _frame: stopping.append(signum))
+        promoted = _stand_by(cmd, rank, world, stopping)
+        if promoted is None:
+            beating.set()
+            return 0
+        child = promoted
+    else:
+        child = _spawn(cmd, "first")
     spare = _spawn(cmd, "spare")
-    stopping = []
 
     def forward(signum, _frame):
         stopping.append(signum)
@@ -196,12 +243,26 @@ def supervise(cmd: list[str], rank: int, world: int) -> int:
     # Keep the store up until every rank is done with it; not when a rank stopped the job
     # (its error is the launcher's to report): the others may never say they are done.
     if store is not None and rc == 0 and not earlier_stop():
-        deadline = time.monotonic() + STORE_LINGER_S
-        while store.add(DONE_KEY, 0) < world - store.add(LOST_KEY, 0) and time.monotonic() < deadline:
-            time.sleep(0.05)
-        if hasattr(store, "remove_all"):  # etcd keeps keys after the job: the round's are removed
-            store.remove_all()
+        _linger(store, world)
     return rc if rc >= 0 else 128 - rc
+
+
+def _linger(store, world: int) -> None:
+    """Keep the store (global rank 0's slot) until every training rank is done with it and
+    every hot-spare slot still standing by has seen that (at most `STORE_LINGER_S`); then,
+    under etcd, which keeps keys after the job, remove the round's."""
+    from disttrain.elastic import job_store, membership
+
+    sealed = job_store.JobStore(store, job_secret.from_env())
+    total = int(os.environ["WORLD_SIZE"])
+    deadline = time.monotonic() + STORE_LINGER_S
+    while time.monotonic() < deadline:
+        standing = membership.standby_slots(sealed, world, total)
+        if store.add(DONE_KEY, 0) >= world - store.add(LOST_KEY, 0) and store.add(STANDBY_DONE_KEY, 0) >= len(standing):
+            break
+        time.sleep(0.05)
+    if hasattr(store, "remove_all"):  # etcd keeps keys after the job: the round's are removed
+        store.remove_all()
 
 
 def main(argv: list[str]) -> int:
@@ -229,7 +290,8 @@ def main(argv: list[str]) -> int:
     # interpreter's imports. Without a server the stub runs the module itself.
     warm = ["disttrain.launch.warm_workers"] if os.environ.get(WARM_SOCKET_ENV) else []
     processes.name_worker("slot")
-    return supervise([sys.executable, "-m", *warm, *argv], int(os.environ["RANK"]), int(os.environ["WORLD_SIZE"]))
+    world = int(os.environ.get(TRAINING_WORLD_ENV) or os.environ["WORLD_SIZE"])
+    return supervise([sys.executable, "-m", *warm, *argv], int(os.environ["RANK"]), world)
 
 
 if __name__ == "__main__":
