@@ -190,10 +190,10 @@ def test_a_lost_node_is_taken_over_by_a_hot_spare_node_bit_exactly(tmp_path):
     in memory (its shard from the buddy copy on the other node), with no torchrun
     restart and no disk. The run ends bit-identical to an uninterrupted one at world 2,
     every sample once, and every agent left ends by itself with exit 0."""
-    ref = tmp_path / "ref"
+    ref, out = tmp_path / "ref", tmp_path / "spare"
+    ref.mkdir()
     run_trainer(ref, f"--train.steps={STEPS}", "--checkpoint.every=3", "--parallel.strategy=fsdp",
                 run_flags=("--nproc", "2"))
-    out = tmp_path / "spare"
     with EtcdServer().start() as server:
         flags = ("--nnodes", "2", "--spare-nodes", "1", "--nproc", "1", "--rdzv-backend", "etcd",
                  "--rdzv-endpoint", server.endpoint, "--rdzv-id", "spare")

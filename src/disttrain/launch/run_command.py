@@ -362,6 +362,12 @@ def torchrun_for(argv: list[str], cfg: Config | None = None) -> Torchrun:
     spares = check_spare_nodes(spare_nodes, nnodes, endpoint)
     if spares:  # torchrun starts the spare nodes too; the ranks are told which slots train
         flags = _without(flags, "--nnodes") + ["--nnodes", str(int(nnodes) + spares)]
+        if _flag_value(flags, "--rdzv-backend", "--rdzv_backend") not in ("etcd", "etcd-v2"):
+            print(
+                "disttrain run: under this rendezvous the node that hosts it cannot be lost (its loss ends "
+                "the job); --rdzv-backend etcd lets a spare take the place of any node.",
+                file=sys.stderr,
+            )
     if nnodes in ("1", "1:1") and endpoint is None and "--standalone" not in flags:
         flags = ["--standalone"] + flags
     elif "--standalone" not in flags:
