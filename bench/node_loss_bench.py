@@ -3,15 +3,15 @@
     python bench/node_loss_bench.py            # 3 kills per strategy; bench/results/recovery_node.md
     python bench/node_loss_bench.py --kills 1 --strategies fsdp
 
-Each kill is a job of its own: 2 agents x 1 worker (two "nodes" on loopback) under
-`disttrain run --rdzv-backend etcd`, `[elastic] fast_recovery = true`, 150 ms injected
-per step, no spare node. Once step 6 is committed, kill -9 takes the whole process tree
-of the node that holds rank 0 (agent, slot supervisor, training process, spare). Timed:
-the kill to the first step the survivor commits at world 1 (the sample audit's
-`time_ns`); then the job must end by itself (exit 0) with the launcher's line that it
-finished at world 1. Compared with the torchrun restart path's scale-down and scale-up
-on this machine (bench/results/recovery_scale.md: 6.9 s and 4.3 s when issue 56 was
-filed).
+Each kill is a job of its own: 2 agents x NPROC workers (two "nodes" on loopback, NPROC
+2 by default) under `disttrain run --rdzv-backend etcd`, `[elastic] fast_recovery = true`,
+`node_lease_s = 0.5`, 150 ms injected per step, no spare node. Once step 6 is committed,
+kill -9 takes the whole process tree of the node that holds rank 0 (agent, slot
+supervisors, training processes, spares). Timed: the kill to the first step the
+survivors commit at world NPROC (the sample audit's `time_ns`); then the job must end by
+itself (exit 0) with the launcher's line that it finished at world NPROC. Compared with
+the torchrun restart path's scale-down and scale-up on this machine
+(bench/results/recovery_scale.md: 6.9 s and 4.3 s before fast recovery covered a node).
 """
 
 from __future__ import annotations
@@ -37,8 +37,8 @@ STEPS = 20
 KILL_AFTER = 6
 GOAL_S = 1.5
 RESTART_PATH = {"scale-down": 6.9, "scale-up": 4.3}
-"""The torchrun restart path on this machine when issue 56 was filed (recovery_scale)."""
-LAST_LINE = "disttrain run: finished at world 1:"
+"""The torchrun restart path on this machine before fast recovery covered a node (recovery_scale)."""
+LEASE_S = 0.5
 
 
 def audit(out: Path) -> list[dict]:
@@ -69,13 +69,14 @@ def start(cmd: list[str], log: Path, env: dict[str, str]) -> subprocess.Popen:
     )
 
 
-def one_kill(tmp: Path, strategy: str, endpoint: str, run_id: str) -> dict:
+def one_kill(tmp: Path, strategy: str, endpoint: str, run_id: str, nproc: int) -> dict:
     """One job, one node killed: seconds to the next step, and how the job ended."""
     out = Path(tempfile.mkdtemp(prefix=f"node-{strategy}-", dir=tmp))
     env = {**base_env(threads=1), "DISTTRAIN_FAULT": "delay@step:ms=150", "DISTTRAIN_JOB_SECRET": "cd" * 32}
-    flags = ["--nnodes", "2", "--nproc", "1", "--rdzv-backend", "etcd", "--rdzv-endpoint", endpoint]
+    flags = ["--nnodes", "2", "--nproc", str(nproc), "--rdzv-backend", "etcd", "--rdzv-endpoint", endpoint]
     cmd = [sys.executable, "-m", "disttrain.cli", "run", *flags, "--rdzv-id", run_id, "-m", "disttrain.train"]
     cmd += ["examples/tiny_gpt.toml", *TINY, f"--train.steps={STEPS}", "--elastic.fast_recovery=true"]
+    cmd += [f"--elastic.node_lease_s={LEASE_S}"]
     cmd += [f"--parallel.strategy={strategy}", f"--train.out_dir={out}"]
     logs = [out / f"node{i}.txt" for i in range(2)]
     agents = [start(cmd, log, env) for log in logs]
@@ -85,9 +86,9 @@ def one_kill(tmp: Path, strategy: str, endpoint: str, run_id: str) -> dict:
         t_kill = time.time_ns()
         kill_tree(agents[node0].pid)
         first = wait(
-            lambda: min((r["time_ns"] for r in audit(out) if r["world"] == 1 and r["time_ns"] > t_kill), default=0),
+            lambda: min((r["time_ns"] for r in audit(out) if r["world"] == nproc and r["time_ns"] > t_kill), default=0),
             120,
-            "step at world 1",
+            f"step at world {nproc}",
             agents[1 - node0 : 2 - node0],
         )
         survivor = agents[1 - node0]
@@ -101,8 +102,8 @@ def one_kill(tmp: Path, strategy: str, endpoint: str, run_id: str) -> dict:
             "seconds": (first - t_kill) / 1e9,
             "rc": rc,
             "ended_s": ended,
-            "last_line": last.startswith(LAST_LINE),
-            "resharded": "the world changed (2 -> 1 ranks), so the shards are resharded" in text,
+            "last_line": last.startswith(f"disttrain run: finished at world {nproc}:"),
+            "resharded": f"the world changed ({2 * nproc} -> {nproc} ranks), so the shards are resharded" in text,
         }
     finally:
         for a in agents:
@@ -116,7 +117,7 @@ def cell(values: list[float]) -> str:
     return f"{statistics.median(values):.2f} ({min(values):.2f}-{max(values):.2f})"
 
 
-def render(res: dict, argv: list[str], took: float, load_end: float) -> str:
+def render(res: dict, argv: list[str], took: float, load_end: float, nproc: int) -> str:
     m = res["machine"]
     lines = [
         "## Fast recovery: a lost node with no spare -> the survivors shrink in memory",
@@ -136,7 +137,7 @@ def render(res: dict, argv: list[str], took: float, load_end: float) -> str:
         restart = f"scale-down {RESTART_PATH['scale-down']} s, scale-up {RESTART_PATH['scale-up']} s"
         ends = f"exit 0 with the launcher's line, by itself: {len(ok)} of {len(runs)}"
         lines.append(
-            f"| {strategy}, 2 nodes x 1 rank -> 1 x 1 | {len(secs)} | {cell(secs)} | "
+            f"| {strategy}, 2 nodes x {nproc} -> 1 x {nproc} | {len(secs)} | {cell(secs)} | "
             f"<= {GOAL_S} s: {'met' if met else '**missed**'} | {restart} | {ends} |"
         )
     lines += ["", "Per kill:", "", "| strategy | kill -> next step (s) | kill -> survivor's exit (s) | exit | notes |"]
@@ -150,7 +151,7 @@ def render(res: dict, argv: list[str], took: float, load_end: float) -> str:
             lines.append(f"| {strategy} | {r['seconds']:.2f} | {r['ended_s']:.1f} | {r['rc']} | {note} |")
     lines += [
         "",
-        "The time to the next step is mostly the membership's lease (1 s without a beat before a "
+        f"The time to the next step is mostly the membership's lease ({LEASE_S} s without a beat before a "
         "slot is taken for gone) and, under FSDP, the disk checkpoint's load resharded for the "
         "smaller world (the buddy copies of the larger world do not fit its shards). The survivor's "
         "exit includes the rest of the run's steps.",
@@ -162,6 +163,7 @@ def main(argv: list[str]) -> int:
     ap = argparse.ArgumentParser(prog="python bench/node_loss_bench.py", description=__doc__.splitlines()[0])
     ap.add_argument("--kills", type=int, default=3, help="kills (jobs) per strategy")
     ap.add_argument("--strategies", default="ddp,fsdp")
+    ap.add_argument("--nproc", type=int, default=2, help="ranks per node")
     ap.add_argument("--out", type=Path, default=ROOT / "bench/results/recovery_node.md")
     a = ap.parse_args(argv)
     from disttrain.launch.etcd_server import EtcdServer
@@ -172,12 +174,12 @@ def main(argv: list[str]) -> int:
             runs = res["runs"].setdefault(strategy, [])
             for k in range(a.kills):
                 try:
-                    runs.append(one_kill(Path(tmp), strategy, server.endpoint, f"node-{strategy}-{k}"))
+                    runs.append(one_kill(Path(tmp), strategy, server.endpoint, f"node-{strategy}-{k}", a.nproc))
                 except (RuntimeError, subprocess.TimeoutExpired, StopIteration) as e:
                     runs.append({"error": str(e).splitlines()[0][:120]})
                 print(strategy, runs[-1], flush=True)
     load_end = os.getloadavg()[0]
-    a.out.write_text(render(res, argv, time.monotonic() - t0, load_end))
+    a.out.write_text(render(res, argv, time.monotonic() - t0, load_end, a.nproc))
     print(f"wrote {a.out}")
     return 0
 
