@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import json
 import os
+import re
 import shutil
 import socket
 import subprocess
@@ -21,6 +22,7 @@ from conftest import ROOT, worker_env
 
 from disttrain import cli
 from disttrain.launch.etcd_server import free_port
+from disttrain.runtime import job_secret
 
 K8S_VERSION = "1.30"
 SCHEMA = ROOT / "tests" / "data" / "kubeflow" / "pytorchjob_v1.schema.json"
@@ -40,6 +42,8 @@ eval_every = 0
 log_every = 1
 out_dir = "{out}"
 """
+FAST = "[elastic]\nfast_recovery = true\n"
+SECRET_VALUE = re.compile(r"[0-9a-f]{32}")  # 16 random bytes or more, hex: a secret's value
 
 
 def _cli(capsys, *args: str) -> tuple[int, str]:
@@ -48,11 +52,14 @@ def _cli(capsys, *args: str) -> tuple[int, str]:
     return rc, capsys.readouterr().err
 
 
-def _write(tmp: Path, capsys, kind: str, *flags: str) -> str:
-    cfg = tmp / "tiny_job.toml"
+def _write(tmp: Path, capsys, kind: str, *flags: str, fast: bool = False) -> str:
+    """The launch file for tiny_job.toml (job.KIND), or with `fast` for fast_job.toml, which
+    turns fast recovery on (fast.KIND)."""
+    stem = "fast" if fast else "job"
+    cfg = tmp / f"{'fast' if fast else 'tiny'}_job.toml"
     if not cfg.exists():
-        cfg.write_text(TINY.format(out=tmp / "out"))
-    out = tmp / f"job.{kind}"
+        cfg.write_text(TINY.format(out=tmp / "out") + (FAST if fast else ""))
+    out = tmp / f"{stem}.{kind}"
     rc, err = _cli(capsys, "launch-file", kind, str(cfg), "-o", str(out), *flags)
     assert rc == 0, err
     return out.read_text()
@@ -67,15 +74,53 @@ def test_sbatch_passes_bash_n_and_shellcheck(tmp_path, capsys):
                  "#SBATCH --time=1-00:00:00", "#SBATCH --requeue", "#SBATCH --signal=B:TERM@100",
                  'scontrol requeue "$SLURM_JOB_ID"', 'scancel --signal=TERM "$SLURM_JOB_ID"',
                  "--max-restarts 5 -m disttrain.train",
-                 'srun --ntasks-per-node=1 --kill-on-bad-exit=1 disttrain check'):
+                 'srun --ntasks-per-node=1 --kill-on-bad-exit=1 disttrain check --nnodes 4 "',
+                 'disttrain run --nnodes 4 "'):
         assert line in text, line
-    script = tmp_path / "job.slurm"
-    subprocess.run(["bash", "-n", str(script)], check=True, timeout=30)
+    assert "DISTTRAIN_JOB_SECRET" not in text and "--no-kill" not in text  # no fast recovery: not needed
+    _write(tmp_path, capsys, "slurm", "--nodes", "3", "--spare-nodes", "1", fast=True)  # linted too
+    scripts = [str(tmp_path / "job.slurm"), str(tmp_path / "fast.slurm")]
+    for script in scripts:
+        subprocess.run(["bash", "-n", script], check=True, timeout=30)
     if shutil.which("shellcheck") is None:
         pytest.skip("shellcheck is not installed (scripts/test.sh installs it)")
-    lint = subprocess.run(["shellcheck", "--severity=info", str(script)], capture_output=True,
+    lint = subprocess.run(["shellcheck", "--severity=info", *scripts], capture_output=True,
                           text=True, timeout=60)
     assert lint.returncode == 0, lint.stdout
+
+
+def _stubs(folder: Path, **scripts: str) -> dict[str, str]:
+    """Executables NAME=BODY (bash) in `folder`; the environment that finds them first,
+    without a job secret of the test's own."""
+    folder.mkdir()
+    for name, body in scripts.items():
+        (folder / name).write_text(f"#!/bin/bash\n{body}\n")
+        (folder / name).chmod(0o755)
+    env = {k: v for k, v in os.environ.items() if k != job_secret.SECRET_ENV}
+    return dict(env, PATH=f"{folder}{os.pathsep}{env['PATH']}")
+
+
+def test_sbatch_with_spares_starts_n_plus_k_nodes_with_one_fresh_secret_each_start(tmp_path, capsys):
+    """The script as written, with srun and scontrol stubbed (no Slurm here): the check covers
+    all N+K nodes, each run gets --nnodes N --spare-nodes K, and both steps get the same job
+    secret in their environment, never on their command line; the next start makes another."""
+    text = _write(tmp_path, capsys, "slurm", "--nodes", "3", "--spare-nodes", "1", fast=True)
+    assert "#SBATCH --nodes=4" in text and "#SBATCH --no-kill" in text and not SECRET_VALUE.search(text)
+    log = tmp_path / "srun.log"
+    env = _stubs(tmp_path / "bin", srun=f'printf "%s|%s\\n" "$*" "${{{job_secret.SECRET_ENV}:-}}" >> {log}',
+                 scontrol='echo node1', scancel="true")
+    env.update(SLURM_JOB_NODELIST="node[1-4]", SLURM_JOB_ID="7")
+    starts = []
+    for _ in range(2):  # a requeued job runs the script again
+        log.unlink(missing_ok=True)
+        subprocess.run(["bash", str(tmp_path / "fast.slurm")], env=env, check=True, timeout=30)
+        (check, check_secret), (run, run_secret) = (line.split("|") for line in log.read_text().splitlines())
+        assert "disttrain check --nnodes 4 --nproc-per-node 1" in check and "--spare-nodes" not in check
+        assert "--no-kill disttrain run --nnodes 3 --spare-nodes 1 --nproc-per-node 1" in run
+        assert check_secret == run_secret and check_secret not in check + run
+        job_secret.from_env({job_secret.SECRET_ENV: run_secret})  # 16 bytes or more, hex
+        starts.append(run_secret)
+    assert starts[0] != starts[1]
 
 
 def _slurm_conf(root: Path) -> Path:
@@ -202,6 +247,7 @@ def test_k8s_manifest_validates_against_the_schemas(tmp_path, capsys):
     assert command[i + 1] == f"{service['metadata']['name']}:{service['spec']['ports'][0]['port']}"
     assert command[command.index("--nnodes") + 1] == "2:4" and worker["replicas"] == 4
     assert pod["terminationGracePeriodSeconds"] > 60  # the default grace of 60 s fits in it
+    assert "env" not in pod["containers"][0]  # no fast recovery: no job secret to share
     assert docs[2]["data"]["config.toml"] == (tmp_path / "tiny_job.toml").read_text()
 
 
@@ -215,6 +261,38 @@ def test_k8s_etcd_listens_on_its_pods_address_and_says_how_to_require_certificat
     head, _, rest = text.partition('"kind": "Deployment"')  # the note sits right above the etcd Deployment
     note = head.rsplit("---", 1)[1]
     assert "no authentication and no TLS" in note and "docs/security.md" in note and "--client-cert-auth" in note
+
+
+def test_k8s_spares_run_a_fixed_world_with_the_job_secret_from_a_secret(tmp_path, capsys):
+    """--spare-nodes K: N+K replicas of `disttrain run --nnodes N --spare-nodes K`, each
+    taking DISTTRAIN_JOB_SECRET from a Secret the file names but does not hold; the command
+    the file and the message give creates that Secret with a random value (kubectl stubbed)."""
+    text = _write(tmp_path, capsys, "k8s", "--nodes", "3", "--spare-nodes", "1", "--image", "registry.example/t:1",
+                  "--namespace", "team-a", fast=True)
+    job = [d for d in yaml.safe_load_all(text) if d][3]
+    _pytorchjob_validator().validate(job)
+    policy, worker = job["spec"]["elasticPolicy"], job["spec"]["pytorchReplicaSpecs"]["Worker"]
+    assert (policy["minReplicas"], policy["maxReplicas"], worker["replicas"]) == (4, 4, 4)
+    container = worker["template"]["spec"]["containers"][0]
+    i = container["command"].index("--nnodes")
+    assert container["command"][i:i + 4] == ["--nnodes", "3", "--spare-nodes", "1"]
+    ref = {"secretKeyRef": {"name": "fast-job-job-secret", "key": "secret"}}
+    assert container["env"] == [{"name": job_secret.SECRET_ENV, "valueFrom": ref}]
+    assert not SECRET_VALUE.search(text)
+    command = text.split("\n#   ", 1)[1].split("\n", 1)[0]  # the note above the PyTorchJob
+    rc, err = _cli(capsys, "launch-file", "k8s", str(tmp_path / "fast_job.toml"), "--nodes", "2", "--min-nodes",
+                   "1", "--image", "x", "--namespace", "team-a", "-o", str(tmp_path / "elastic.yaml"))
+    assert rc == 0 and f"create its job secret once: {command}; then submit with: kubectl apply" in err, err
+    elastic = [d for d in yaml.safe_load_all((tmp_path / "elastic.yaml").read_text()) if d][3]
+    pod = elastic["spec"]["pytorchReplicaSpecs"]["Worker"]["template"]["spec"]
+    assert pod["containers"][0]["env"] == container["env"]  # fast recovery on 1..2 nodes: the secret too
+    kubectl = (f'printf "%s\\n" "$@" > {tmp_path}/args\n'  # reads the file --from-file=KEY=PATH names, as kubectl
+               f'for a; do case $a in --from-file=*) f=${{a#*=}}; cat "${{f#*=}}" > {tmp_path}/value;; esac; done')
+    subprocess.run(["bash", "-c", command], env=_stubs(tmp_path / "bin", kubectl=kubectl), check=True, timeout=30)
+    args, value = (tmp_path / "args").read_text().split(), (tmp_path / "value").read_text()
+    assert args == ["create", "secret", "generic", "fast-job-job-secret", "--namespace", "team-a",
+                    "--from-file=secret=/dev/stdin"]
+    job_secret.from_env({job_secret.SECRET_ENV: value})  # what the pods get: 16 bytes or more, hex
 
 
 @pytest.mark.parametrize("breakage", ["unknown elastic field", "replicas as text", "bad pod field"])
@@ -238,6 +316,9 @@ def test_a_broken_pytorchjob_fails_the_schema(tmp_path, capsys, breakage):
     (["slurm", "--nodes", "0"], "--nodes is 0"),
     (["slurm", "--nodes", "4", "--min-nodes", "2"], "--min-nodes is for k8s"),
     (["k8s", "--nodes", "2", "--image", "x", "--name", "Big_Name"], "is not a Kubernetes name"),
+    (["slurm", "--nodes", "2", "--spare-nodes", "1"], "set [elastic] fast_recovery = true in"),
+    (["slurm", "--nodes", "2", "--spare-nodes", "-1"], "--spare-nodes is -1"),
+    (["k8s", "--nodes", "4", "--min-nodes", "2", "--spare-nodes", "1", "--image", "x"], "drop --min-nodes"),
 ])
 def test_launch_file_mistakes_are_one_line(tmp_path, capsys, flags, message):
     cfg = tmp_path / "c.toml"

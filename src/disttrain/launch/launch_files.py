@@ -8,6 +8,12 @@ k8s:   a Kubeflow PyTorchJob (kubeflow.org/v1) with elastic min..max replicas, a
        Deployment and Service for torch's etcd-v2 rendezvous, and a ConfigMap holding the
        TOML; `--pvc CLAIM` mounts a shared volume for the run's output and checkpoints.
 
+`--spare-nodes K` (under `[elastic] fast_recovery`) adds K hot-spare nodes to a fixed
+world of --nodes N: both files start N + K nodes that each run `disttrain run --nnodes N
+--spare-nodes K`. Fast recovery on more than one node needs one DISTTRAIN_JOB_SECRET on
+every node: the sbatch script exports a fresh one, the PyTorchJob takes it from a Secret
+the user creates (the command is in the file and printed); its value is never written.
+
 The config is loaded and validated first, so a typo fails here, not on the cluster.
 Every mistake is a `UserError` naming the flag. The file is written to --output
 (default NAME.sbatch / NAME.yaml); `-o -` prints it. The k8s file is one JSON document
@@ -32,8 +38,11 @@ from disttrain.launch.launch_templates import (
     LaunchSpec,
     config_map,
     etcd_objects,
+    fast_on_nodes,
     pytorchjob,
     sbatch,
+    secret_command,
+    secret_note,
 )
 from disttrain.launch.run_command import SHUTDOWN_MARGIN_S
 
@@ -58,6 +67,9 @@ def _parser() -> argparse.ArgumentParser:
     p.add_argument("config", help="the trainer's TOML (validated now)")
     p.add_argument("--nodes", type=int, required=True, help="nodes (k8s: the most replicas)")
     p.add_argument("--min-nodes", type=int, default=None, help="k8s: the fewest replicas (default --nodes)")
+    p.add_argument(
+        "--spare-nodes", type=int, default=0, help="hot-spare nodes beyond --nodes (needs [elastic] fast_recovery)"
+    )
     p.add_argument("--gpus-per-node", type=int, default=0, help="0 on CPU nodes (then parallel.nproc processes)")
     p.add_argument("--partition", default="")
     p.add_argument("--time", default="", help="Slurm time limit, e.g. 04:00:00 or 1-00:00:00")
@@ -117,6 +129,7 @@ def spec_from(ns: argparse.Namespace) -> tuple[LaunchSpec, str]:
         raise UserError(f"--min-nodes {min_nodes} must be between 1 and --nodes {ns.nodes}.")
     if ns.kind == "slurm" and min_nodes != ns.nodes:
         raise UserError("--min-nodes is for k8s; a Slurm allocation has a fixed node count.")
+    spares = spare_nodes(ns, cfg.elastic.fast_recovery)
     if ns.gpus_per_node < 0 or ns.max_restarts < 0:
         raise UserError("--gpus-per-node and --max-restarts must be >= 0.")
     for flag in ("partition", "time", "name", "image", "etcd_image", "namespace", "pvc", "config"):
@@ -132,14 +145,7 @@ def spec_from(ns: argparse.Namespace) -> tuple[LaunchSpec, str]:
             f"--time {ns.time!r} is not longer than the {grace} s the job needs to save "
             f"on its SIGTERM (elastic.preempt_grace_s + {SHUTDOWN_MARGIN_S} s); give more time."
         )
-    name = ns.name or Path(ns.config).stem.replace("_", "-").lower()
-    if ns.kind == "k8s" and not K8S_NAME.match(name):
-        raise UserError(
-            f"job name {name!r} is not a Kubernetes name; pass --name with lower-case "
-            f"letters, digits and '-' (at most 42 characters)."
-        )
-    if ns.kind == "slurm" and not re.match(r"^[\w.-]+$", name):
-        raise UserError(f"job name {name!r} has characters Slurm file names cannot take; pass --name.")
+    name = _job_name(ns)
     if ns.kind == "k8s" and not ns.image:
         raise UserError("k8s needs --image IMAGE: a container image with disttrain and your code installed.")
     if ns.kind == "k8s":
@@ -161,8 +167,43 @@ def spec_from(ns: argparse.Namespace) -> tuple[LaunchSpec, str]:
         etcd_image=ns.etcd_image,
         namespace=ns.namespace,
         pvc=ns.pvc,
+        spares=spares,
+        fast_recovery=cfg.elastic.fast_recovery,
     )
     return spec, Path(ns.config).read_text()
+
+
+def _job_name(ns: argparse.Namespace) -> str:
+    """--name, else the config's file name; `UserError` for one the cluster cannot take."""
+    name = ns.name or Path(ns.config).stem.replace("_", "-").lower()
+    if ns.kind == "k8s" and not K8S_NAME.match(name):
+        raise UserError(
+            f"job name {name!r} is not a Kubernetes name; pass --name with lower-case "
+            f"letters, digits and '-' (at most 42 characters)."
+        )
+    if ns.kind == "slurm" and not re.match(r"^[\w.-]+$", name):
+        raise UserError(f"job name {name!r} has characters Slurm file names cannot take; pass --name.")
+    return name
+
+
+def spare_nodes(ns: argparse.Namespace, fast_recovery: bool) -> int:
+    """The hot-spare node count of --spare-nodes. Raises `UserError` for a negative count,
+    spares without fast recovery (a spare takes a lost node's ranks in memory), or spares
+    with --min-nodes (they replace lost nodes of a fixed world, not an elastic range)."""
+    k = ns.spare_nodes
+    if k < 0:
+        raise UserError(f"--spare-nodes is {k}; give the number of standby nodes (0: none).")
+    if k and ns.min_nodes is not None:
+        raise UserError(
+            "--spare-nodes takes a lost node's place in a fixed world of --nodes; drop --min-nodes "
+            "(an elastic range and spares do not mix)."
+        )
+    if k and not fast_recovery:
+        raise UserError(
+            f"--spare-nodes needs fast recovery (a spare takes a lost node's ranks in memory): "
+            f"set [elastic] fast_recovery = true in {ns.config}."
+        )
+    return k
 
 
 def _pod_paths(config: str, pvc: str) -> None:
@@ -187,16 +228,20 @@ def _pod_paths(config: str, pvc: str) -> None:
             )
 
 
-def render(ns: argparse.Namespace) -> tuple[str, str]:
-    """(file text, default file name) for the parsed arguments."""
+def render(ns: argparse.Namespace) -> tuple[str, str, str]:
+    """(file text, default file name, the command that must run before the file is
+    applied: the k8s job secret's, or "") for the parsed arguments."""
     spec, toml_text = spec_from(ns)
     if ns.kind == "slurm":
-        return sbatch(spec), f"{spec.name}.sbatch"
+        return sbatch(spec), f"{spec.name}.sbatch", ""
     service, deployment = etcd_objects(spec)
+    job = pytorchjob(spec)
     notes = {id(deployment): ETCD_NOTE}  # YAML comments: the JSON documents cannot hold one
-    docs = [service, deployment, config_map(spec, toml_text), pytorchjob(spec)]
+    if fast_on_nodes(spec):
+        notes[id(job)] = secret_note(spec)
+    docs = [service, deployment, config_map(spec, toml_text), job]
     text = "".join(f"---\n{notes.get(id(d), '')}{json.dumps(d, indent=2)}\n" for d in docs)
-    return text, f"{spec.name}.yaml"
+    return text, f"{spec.name}.yaml", secret_command(spec) if fast_on_nodes(spec) else ""
 
 
 def _earlier(path: Path, first: list[str]) -> bool:
@@ -211,10 +256,13 @@ def _earlier(path: Path, first: list[str]) -> bool:
 
 def main(argv: list[str]) -> int:
     ns = _parser().parse_args(argv)
-    text, default = render(ns)
+    text, default, first_run = render(ns)
     out = ns.output or default
+    secret_step = f"create its job secret once: {first_run}" if first_run else ""
     if out == "-":
         sys.stdout.write(text)
+        if secret_step:
+            print(f"disttrain launch-file: before you apply it, {secret_step}", file=sys.stderr)
         return 0
     first = text.split("\n", 2)[:2]
     path = output_file(out, "-o", replaceable=lambda p: _earlier(p, first))
@@ -223,5 +271,6 @@ def main(argv: list[str]) -> int:
     except OSError as e:
         raise UserError(f"cannot write -o {out}: {e.strerror or e}.") from None
     how = f"sbatch {out}" if ns.kind == "slurm" else f"kubectl apply -f {out}"
-    print(f"disttrain launch-file: wrote {out}; submit with: {how}", file=sys.stderr)
+    how = f"{secret_step}; then submit with: {how}" if secret_step else f"submit with: {how}"
+    print(f"disttrain launch-file: wrote {out}; {how}", file=sys.stderr)
     return 0

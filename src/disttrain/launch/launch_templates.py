@@ -9,6 +9,8 @@ from __future__ import annotations
 import shlex
 from dataclasses import dataclass
 
+from disttrain.runtime.job_secret import SECRET_ENV
+
 ETCD_PORT = 2379
 C10D_PORT = 29400
 POD_CONFIG = "/etc/disttrain/config.toml"
@@ -20,7 +22,8 @@ REQUEUE_SLACK_S = 30
 
 @dataclass(frozen=True)
 class LaunchSpec:
-    """One job: `min_nodes`..`nodes` nodes of `nproc` processes each, training `config`."""
+    """One job: `min_nodes`..`nodes` nodes of `nproc` processes each, training `config`,
+    plus `spares` hot-spare nodes (then `min_nodes == nodes`: a fixed world)."""
 
     config: str  # path on the cluster's shared filesystem (Slurm) or the TOML text (k8s)
     name: str
@@ -37,6 +40,93 @@ class LaunchSpec:
     etcd_image: str = ""
     namespace: str = ""
     pvc: str = ""
+    spares: int = 0
+    fast_recovery: bool = False  # the config's [elastic] fast_recovery
+
+
+def fast_on_nodes(s: LaunchSpec) -> bool:
+    """Fast recovery on more than one node: every node's `disttrain run` needs the same
+    `SECRET_ENV`, and a lost node is survived in memory (so Slurm must not end the job)."""
+    return s.fast_recovery and s.nodes + s.spares > 1
+
+
+def secret_name(s: LaunchSpec) -> str:
+    """The Kubernetes Secret whose key `secret` the workers take `SECRET_ENV` from."""
+    return f"{s.name}-job-secret"
+
+
+def secret_command(s: LaunchSpec) -> str:
+    """The one command that creates `secret_name` with a random value. The value goes
+    through a pipe, not kubectl's command line (other users see command lines in ps)."""
+    namespace = f" --namespace {shlex.quote(s.namespace)}" if s.namespace else ""
+    return (
+        "python3 -c 'import secrets; print(secrets.token_hex(32), end=\"\")' | kubectl create secret "
+        f"generic {secret_name(s)}{namespace} --from-file=secret=/dev/stdin"
+    )
+
+
+def secret_note(s: LaunchSpec) -> str:
+    """The comment the manifest carries above the PyTorchJob when its workers need the Secret."""
+    return (
+        f"# The workers take {SECRET_ENV} (fast recovery's store accepts only values sealed with it)\n"
+        f"# from the Secret {secret_name(s)}, key 'secret', which this file does not hold.\n"
+        f"# Create it once, with a random value, before you apply this file:\n"
+        f"#   {secret_command(s)}\n"
+    )
+
+
+def _node_flags(s: LaunchSpec) -> str:
+    """`disttrain run`'s node flags: the training nodes, and the spares when there are any."""
+    return f"--nnodes {s.nodes}" + (f" --spare-nodes {s.spares}" if s.spares else "")
+
+
+def _no_kill(s: LaunchSpec) -> str:
+    """srun's flag that keeps the training step on the other nodes when one node fails
+    (#SBATCH --no-kill keeps only the allocation): fast recovery goes on without it."""
+    return " --no-kill" if fast_on_nodes(s) else ""
+
+
+def _sbatch_secret(s: LaunchSpec) -> list[str]:
+    """Lines that export one fresh job secret to every node's `disttrain run` (srun's tasks
+    inherit the script's environment); a requeued start, a new attempt, makes a new one."""
+    if not fast_on_nodes(s):
+        return []
+    return [
+        f"# Fast recovery on several nodes: every node's disttrain run needs the same {SECRET_ENV}.",
+        "# A fresh one for each start, handed to srun's tasks in the environment (not on a",
+        "# command line, which other users see in ps, and not in this file).",
+        f"{SECRET_ENV}=$(python3 -c 'import secrets; print(secrets.token_hex(32))')",
+        f"export {SECRET_ENV}",
+        "",
+    ]
+
+
+def _directives(s: LaunchSpec) -> list[str]:
+    """The script's first lines: what it is, and its #SBATCH directives (N + spares nodes)."""
+    spares = f", plus {s.spares} hot-spare node(s)" if s.spares else ""
+    lines = [
+        "#!/bin/bash",
+        f"# Written by `disttrain launch-file slurm`: {s.nodes} node(s) x {s.nproc} process(es){spares}.",
+        "# Submit from the environment disttrain is installed in (sbatch exports it to srun).",
+        f"#SBATCH --job-name={s.name}",
+        f"#SBATCH --nodes={s.nodes + s.spares}",
+        "#SBATCH --ntasks-per-node=1",
+    ]
+    if fast_on_nodes(s):  # Slurm's default ends the whole job when one node fails
+        lines += ["# A failed node does not end the job: fast recovery goes on without it.", "#SBATCH --no-kill"]
+    if s.gpus:
+        lines.append(f"#SBATCH --gpus-per-node={s.gpus}")
+    if s.partition:
+        lines.append(f"#SBATCH --partition={s.partition}")
+    if s.time:
+        lines.append(f"#SBATCH --time={s.time}")
+    return lines + [
+        "#SBATCH --requeue",
+        "#SBATCH --open-mode=append",
+        f"#SBATCH --output={s.name}-%j.out",
+        "# SIGTERM to this script before the time limit: enough for the save and the requeue.",
+        f"#SBATCH --signal=B:TERM@{s.grace_s + REQUEUE_SLACK_S}",
+    ]
 
 
 def sbatch(s: LaunchSpec) -> str:
@@ -44,40 +134,29 @@ def sbatch(s: LaunchSpec) -> str:
     allocation's first node, a `disttrain check` first, and SIGTERM -> save -> exit 0 ->
     `scontrol requeue` (the next start resumes from the checkpoint just written)."""
     lines = [
-        "#!/bin/bash",
-        f"# Written by `disttrain launch-file slurm`: {s.nodes} node(s) x {s.nproc} process(es).",
-        "# Submit from the environment disttrain is installed in (sbatch exports it to srun).",
-        f"#SBATCH --job-name={s.name}",
-        f"#SBATCH --nodes={s.nodes}",
-        "#SBATCH --ntasks-per-node=1",
-    ]
-    if s.gpus:
-        lines.append(f"#SBATCH --gpus-per-node={s.gpus}")
-    if s.partition:
-        lines.append(f"#SBATCH --partition={s.partition}")
-    if s.time:
-        lines.append(f"#SBATCH --time={s.time}")
-    lines += [
-        "#SBATCH --requeue",
-        "#SBATCH --open-mode=append",
-        f"#SBATCH --output={s.name}-%j.out",
-        "# SIGTERM to this script before the time limit: enough for the save and the requeue.",
-        f"#SBATCH --signal=B:TERM@{s.grace_s + REQUEUE_SLACK_S}",
+        *_directives(s),
         "set -euo pipefail",
         "",
         f"config={shlex.quote(s.config)}",
         "# The rendezvous (torch's c10d store) runs on the first node of the allocation.",
         'head_node=$(scontrol show hostnames "$SLURM_JOB_NODELIST" | head -n 1)',
-        f"run_flags=(--nnodes {s.nodes} --nproc-per-node {s.nproc} --rdzv-backend c10d",
-        f'           --rdzv-endpoint "$head_node:{C10D_PORT}" --rdzv-id "$SLURM_JOB_ID")',
+        f'run_flags=(--nproc-per-node {s.nproc} --rdzv-backend c10d --rdzv-endpoint "$head_node:{C10D_PORT}"',
+        '           --rdzv-id "$SLURM_JOB_ID")',
         "",
+        *_sbatch_secret(s),
     ]
     if s.check:
         lines += [
             "# Preflight: every node reaches the rendezvous, versions and GPU counts agree, the",
             "# checkpoint directory is writable. A broken node is named here within seconds.",
-            'srun --ntasks-per-node=1 --kill-on-bad-exit=1 disttrain check "${run_flags[@]}" --config "$config"',
+            f"srun --ntasks-per-node=1 --kill-on-bad-exit=1 disttrain check --nnodes {s.nodes + s.spares} "
+            '"${run_flags[@]}" --config "$config"',
             "",
+        ]
+    if s.spares:
+        lines += [
+            f"# {s.spares} node(s) stand by with warm processes; one takes a lost node's ranks in memory.",
+            "# Any node but the first can be lost: it hosts the c10d rendezvous, so losing it ends the job.",
         ]
     lines += [
         "# Preemption (or the time limit's SIGTERM above): every rank finishes its step, saves",
@@ -87,7 +166,8 @@ def sbatch(s: LaunchSpec) -> str:
         "# cancelling it: srun itself would cancel the step on a SIGTERM of its own.",
         'trap \'preempted=1; echo "disttrain: SIGTERM: saving, then requeueing job $SLURM_JOB_ID" >&2; '
         'scancel --signal=TERM "$SLURM_JOB_ID" || true\' TERM',
-        'srun --ntasks-per-node=1 --kill-on-bad-exit=0 disttrain run "${run_flags[@]}" '
+        f"srun --ntasks-per-node=1 --kill-on-bad-exit=0{_no_kill(s)} disttrain run {_node_flags(s)} "
+        '"${run_flags[@]}" '
         f'--max-restarts {s.max_restarts} -m disttrain.train "$config" &',
         "train_pid=$!",
         "rc=0",
@@ -177,14 +257,18 @@ def config_map(s: LaunchSpec, toml_text: str) -> dict:
 
 def pytorchjob(s: LaunchSpec) -> dict:
     """Elastic workers (min..max replicas) that each run `disttrain run` against the etcd
-    Service; the config comes from the ConfigMap, checkpoints go to the claim `pvc`."""
+    Service; the config comes from the ConfigMap, checkpoints go to the claim `pvc`. With
+    spares: a fixed N + spares replicas, `--nnodes N --spare-nodes K`. Under `fast_on_nodes`:
+    `SECRET_ENV` from the Secret `secret_name` (made by `secret_command`, not by this file)."""
     endpoint = f"{s.name}-etcd:{ETCD_PORT}"
     overrides = [f"--train.out_dir={POD_SHARED}/out"] if s.pvc else []
+    nodes = [str(s.nodes), "--spare-nodes", str(s.spares)] if s.spares else [f"{s.min_nodes}:{s.nodes}"]
+    replicas = s.nodes + s.spares
     command = [
         "disttrain",
         "run",
         "--nnodes",
-        f"{s.min_nodes}:{s.nodes}",
+        *nodes,
         "--nproc-per-node",
         str(s.nproc),
         "--rdzv-backend",
@@ -208,6 +292,9 @@ def pytorchjob(s: LaunchSpec) -> dict:
     container: dict = {"name": "pytorch", "image": s.image, "command": command, "volumeMounts": mounts}
     if s.gpus:
         container["resources"] = {"limits": {"nvidia.com/gpu": s.gpus}}
+    if fast_on_nodes(s):  # the same on every worker, from a Secret the user made: never in this file
+        key = {"secretKeyRef": {"name": secret_name(s), "key": "secret"}}
+        container["env"] = [{"name": SECRET_ENV, "valueFrom": key}]
     pod = {
         "metadata": {"labels": {"app.kubernetes.io/part-of": s.name}},
         "spec": {
@@ -223,8 +310,8 @@ def pytorchjob(s: LaunchSpec) -> dict:
         "metadata": _meta(s, s.name),
         "spec": {
             "elasticPolicy": {
-                "minReplicas": s.min_nodes,
-                "maxReplicas": s.nodes,
+                "minReplicas": s.min_nodes + s.spares,
+                "maxReplicas": replicas,
                 "maxRestarts": s.max_restarts,
                 "rdzvBackend": "etcd-v2",
                 "rdzvHost": f"{s.name}-etcd",
@@ -233,6 +320,6 @@ def pytorchjob(s: LaunchSpec) -> dict:
                 "nProcPerNode": s.nproc,
             },
             "runPolicy": {"cleanPodPolicy": "None"},
-            "pytorchReplicaSpecs": {"Worker": {"replicas": s.nodes, "restartPolicy": "OnFailure", "template": pod}},
+            "pytorchReplicaSpecs": {"Worker": {"replicas": replicas, "restartPolicy": "OnFailure", "template": pod}},
         },
     }
