@@ -233,6 +233,22 @@ def note_finished(rank: int) -> None:
         _write_once(folder / f"finished-rank{rank}-{_restart():06d}", "")
 
 
+STOOD_BY = "stood-by"
+
+
+def note_stood_by(slot: int) -> None:
+    """Hot-spare slot `slot` ended while standing by (no roster named it): it trained
+    nothing, so a stop by signal has nothing of it to save (`read_stood_by`)."""
+    folder = _folder()
+    if folder is not None:
+        _write_once(folder / STOOD_BY, json.dumps({"slot": slot}))
+
+
+def read_stood_by(folder: str | Path) -> bool:
+    """Whether a slot of this launch ended standing by (`note_stood_by`)."""
+    return (Path(folder) / STOOD_BY).exists()
+
+
 def note_lost_peer(rank: int) -> None:
     """This rank ends the attempt because a peer was lost, and said so in its own line
     (a no-op outside `disttrain run`): it did not fail of its own (`lost_peer_ranks`,

@@ -432,3 +432,35 @@ def test_a_spare_after_a_failure_without_a_death_starts_a_new_generation():
     for t in (newcomer, survivor):
         t.join(timeout=20)
     assert got == {0: (2, [0, 1]), 1: (2, [0, 1])}
+
+
+def test_a_standby_slot_promotes_its_spare_when_named_and_ends_when_the_job_does(monkeypatch, tmp_path):
+    """`slot_supervisor._stand_by` on an in-memory store, its spare a real child process
+    that waits on its stdin: named in the roster, the spare gets its line and becomes the
+    slot's training process; when every rank of the roster is done instead, the spare is
+    ended, the store's host is told, and the slot notes for its launcher that it stood by."""
+    from datetime import timedelta
+
+    import torch.distributed as dist
+
+    from disttrain import worker_notes
+    from disttrain.elastic import job_store, membership
+    from disttrain.launch import slot_supervisor
+    from disttrain.runtime import job_secret
+
+    raw = dist.HashStore()
+    raw.set_timeout(timedelta(seconds=20))
+    store = job_store.JobStore(raw, job_secret.from_env({job_secret.SECRET_ENV: job_secret.new_secret()}))
+    monkeypatch.setattr(job_store, "connect", lambda timeout_s: store)
+    spare = [sys.executable, "-c", "import sys; sys.exit(0 if sys.stdin.readline() == 'go\\n' else 3)"]
+    store.set(membership.ROSTER_KEY, "[0, 2]")  # slot 2 takes slot 1's place
+    promoted = slot_supervisor._stand_by(spare, 2, 2, [])
+    assert promoted is not None and promoted.wait(timeout=60) == 0
+    notes = tmp_path / "notes"
+    notes.mkdir()
+    monkeypatch.setenv(worker_notes.NOTES_ENV, str(notes))
+    monkeypatch.setenv("LOCAL_RANK", "0")
+    store.set(membership.ROSTER_KEY, "[0, 1]")
+    store.add(slot_supervisor.DONE_KEY, 2)
+    assert slot_supervisor.supervise(spare, 3, 2) == 0  # slot 3 stands by until the job is over
+    assert store.add(slot_supervisor.STANDBY_DONE_KEY, 0) == 1 and worker_notes.read_stood_by(notes)

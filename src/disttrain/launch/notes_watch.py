@@ -86,6 +86,10 @@ class Notes:
         """The newest in-memory shrink of this node's ranks (`worker_notes.note_shrunk`)."""
         return worker_notes.read_shrunk(self.folder)
 
+    def stood_by(self) -> bool:
+        """Whether this node's slots were hot spares that ended standing by."""
+        return worker_notes.read_stood_by(self.folder)
+
     def restart_path(self) -> dict | None:
         """The slot of this node whose fast recovery ended for torchrun's restart path,
         and why (`worker_notes.note_restart_path`)."""

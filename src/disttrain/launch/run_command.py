@@ -635,6 +635,14 @@ def _launch(args: list[str], env: dict[str, str]) -> int:
         # (the requeue path of docs/elastic.md), instead of a traceback and exit 1.
         if notes.stopped():
             return notes.report()
+        if notes.stood_by() and notes.saved_step() is None:
+            name = signal.Signals(int(e.sigval)).name
+            print(
+                f"disttrain run: stopped by {name}; this node's slots were hot spares standing by, with "
+                f"nothing to save.",
+                file=sys.stderr,
+            )
+            return 0
         line, status = stopped_by_signal(int(e.sigval), notes.saved_step(), notes.failed_attempts())
         print(line, file=sys.stderr)
         return status

@@ -38,7 +38,14 @@ from disttrain.errors import UserError
 from disttrain.launch.warm_workers import SOCKET_ENV as WARM_SOCKET_ENV
 from disttrain.runtime import job_secret, processes
 from disttrain.runtime.failures import MACHINE, classify_death, report_crash
-from disttrain.worker_notes import earlier_stop, first_to_say, read_step, report_not_retried, wait_to_be_stopped
+from disttrain.worker_notes import (
+    earlier_stop,
+    first_to_say,
+    note_stood_by,
+    read_step,
+    report_not_retried,
+    wait_to_be_stopped,
+)
 
 ROLE_ENV = "DISTTRAIN_FAST_ROLE"  # elastic.fast_recovery.ROLE_ENV; not imported: that imports torch
 DONE_KEY = "disttrain/fast/done"
@@ -160,10 +167,10 @@ def _stand_by(cmd: list[str], rank: int, world: int, stopping: list[int]) -> sub
             if rank in members:
                 _go(spare)
                 return spare
-            if store.add(DONE_KEY, 0) >= len(members):  # the job is over: say so to the store's host
-                store.add(STANDBY_DONE_KEY, 1)
+            if store.add(DONE_KEY, 0) >= len(members):  # the job is over
                 break
             time.sleep(STANDBY_POLL_S)
+        store.add(STANDBY_DONE_KEY, 1)  # the store's host waits for it (a stop and a signal too)
     except (RuntimeError, ConnectionError, TimeoutError, OSError):
         pass  # the store is gone: the job is over (its host left) or lost; torchrun sees this slot end
     _end(spare)
@@ -182,6 +189,7 @@ def supervise(cmd: list[str], rank: int, world: int) -> int:
         promoted = _stand_by(cmd, rank, world, stopping)
         if promoted is None:
             beating.set()
+            note_stood_by(rank)
             return 0
         child = promoted
     else:
