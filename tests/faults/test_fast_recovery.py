@@ -197,8 +197,7 @@ def test_a_lost_node_is_taken_over_by_a_hot_spare_node_bit_exactly(tmp_path):
     with EtcdServer().start() as server:
         flags = ("--nnodes", "2", "--spare-nodes", "1", "--nproc", "1", "--rdzv-backend", "etcd",
                  "--rdzv-endpoint", server.endpoint, "--rdzv-id", "spare")
-        cmd = trainer_cmd(out, f"--train.steps={STEPS}", *FAST, "--parallel.strategy=fsdp",
-                          "--elastic.node_lease_s=0.5", run_flags=flags)
+        cmd = trainer_cmd(out, f"--train.steps={STEPS}", *FAST, "--parallel.strategy=fsdp", run_flags=flags)
         logs = [tmp_path / f"node{i}.txt" for i in range(3)]
         env = {"DISTTRAIN_FAULT": "delay@step:ms=100", "DISTTRAIN_JOB_SECRET": "ef" * 32}
         nodes = [start(cmd, log, **env) for log in logs]
@@ -213,7 +212,7 @@ def test_a_lost_node_is_taken_over_by_a_hot_spare_node_bit_exactly(tmp_path):
             for node in nodes:
                 kill_node(node)
     text = "".join(logs[i].read_text() for i in left)
-    assert "rank(s) [1] lost with their supervisors (no beat for 0.5 s: a node is gone); hot-spare slot(s) [2] " \
+    assert "rank(s) [1] lost with their supervisors (no beat for 1 s: a node is gone); hot-spare slot(s) [2] " \
         "take their places and the job goes on in memory at world 2" in text
     assert "will restart worker group" not in text and "loading the newest checkpoint" not in text
     for i in left:
