@@ -451,6 +451,7 @@ def test_a_standby_slot_promotes_its_spare_when_named_and_ends_when_the_job_does
     raw.set_timeout(timedelta(seconds=20))
     store = job_store.JobStore(raw, job_secret.from_env({job_secret.SECRET_ENV: job_secret.new_secret()}))
     monkeypatch.setattr(job_store, "connect", lambda timeout_s: store)
+    monkeypatch.setenv("WORLD_SIZE", "4")  # torchrun's: 2 slots that train, 2 that stand by
     spare = [sys.executable, "-c", "import sys; sys.exit(0 if sys.stdin.readline() == 'go\\n' else 3)"]
     store.set(membership.ROSTER_KEY, "[0, 2]")  # slot 2 takes slot 1's place
     promoted = slot_supervisor._stand_by(spare, 2, 2, [])
@@ -460,6 +461,41 @@ def test_a_standby_slot_promotes_its_spare_when_named_and_ends_when_the_job_does
     monkeypatch.setenv(worker_notes.NOTES_ENV, str(notes))
     monkeypatch.setenv("LOCAL_RANK", "0")
     store.set(membership.ROSTER_KEY, "[0, 1]")
-    store.add(slot_supervisor.DONE_KEY, 2)
+    store.add(membership.DONE_KEY, 2)
     assert slot_supervisor.supervise(spare, 3, 2) == 0  # slot 3 stands by until the job is over
-    assert store.add(slot_supervisor.STANDBY_DONE_KEY, 0) == 1 and worker_notes.read_stood_by(notes)
+    assert store.add(membership.STANDBY_DONE_KEY, 0) == 1 and worker_notes.read_stood_by(notes)
+
+
+@pytest.mark.parametrize(("world", "total"), [(2, 2), (2, 3)])
+def test_the_last_slot_out_removes_the_rounds_keys_from_a_store_that_keeps_them(world, total):
+    """`membership.finish` on an in-memory store standing in for etcd (which keeps keys after
+    the job): the keys go when the last slot counts itself out, whichever node it is on
+    (node 0 may be lost), and not before: training ranks first, then each hot-spare slot
+    still standing by."""
+    from datetime import timedelta
+
+    import torch.distributed as dist
+
+    from disttrain.elastic import job_store, membership
+    from disttrain.runtime import job_secret
+
+    class KeepsKeys:  # etcd's part that matters here: keys stay until removed
+        def __init__(self):
+            self.raw, self.removed = dist.HashStore(), 0
+            self.raw.set_timeout(timedelta(seconds=5))
+
+        def __getattr__(self, name):
+            return getattr(self.raw, name)
+
+        def remove_all(self):
+            self.removed += 1
+
+    kept = KeepsKeys()
+    store = job_store.JobStore(kept, job_secret.from_env({job_secret.SECRET_ENV: job_secret.new_secret()}))
+    membership.finish(store, world, total)
+    assert kept.removed == 0
+    membership.finish(store, world, total)
+    assert kept.removed == (1 if total == world else 0)
+    if total > world:
+        membership.finish(store, world, total, standby=True)
+        assert kept.removed == 1

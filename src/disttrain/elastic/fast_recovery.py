@@ -57,9 +57,6 @@ from disttrain.runtime.log import EVERY_RANK, LOGGER, speaker
 ROLE_ENV = "DISTTRAIN_FAST_ROLE"
 """Set by the slot supervisor on its children: "first" or "spare"."""
 GEN_KEY = "disttrain/fast/gen"
-DONE_KEY = "disttrain/fast/done"
-"""Each training process adds 1 when its job is over, so the supervisor that hosts
-the store keeps it until every rank has finished with it."""
 EXPECTED_WORLD_ENV = "DISTTRAIN_EXPECTED_WORLD_SIZE"  # guard.sanity's: the world the launcher started
 TOTAL_SLOTS_ENV = "DISTTRAIN_TOTAL_SLOTS"
 """torchrun's WORLD_SIZE, the hot spares' slots included (`run` keeps it here before it
@@ -440,11 +437,13 @@ def _take_place(handoff: Handoff, rank: int, world: int) -> None:
 
 
 def _count_done(store) -> None:
-    """Count this rank out on the store. When another rank stopped the job on purpose
-    (a program's error on the rank whose slot hosts the store), the store may be gone
-    already: this rank then leaves quietly, as the launcher prints that rank's error."""
+    """Count this rank out on the store (`membership.finish`: the last one out under etcd
+    removes the round's keys). When another rank stopped the job on purpose (a program's
+    error on the rank whose slot hosts the store), the store may be gone already: this
+    rank then leaves quietly, as the launcher prints that rank's error."""
     try:
-        store.add(DONE_KEY, 1)
+        world = int(os.environ.get(membership.TRAINING_WORLD_ENV) or os.environ.get(TOTAL_SLOTS_ENV, "1"))
+        membership.finish(store, world, int(os.environ.get(TOTAL_SLOTS_ENV, world)))
     except (RuntimeError, ConnectionError, TimeoutError):  # torch's DistNetworkError among them
         if not worker_notes.earlier_stop():
             raise

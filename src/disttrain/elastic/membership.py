@@ -90,11 +90,15 @@ def left_out_words(slot: int, gen: int) -> str:
 
 
 def beat(store: JobStore, slot: int, stop: threading.Event) -> None:
-    """Beat for `slot` until `stop` is set or the store is gone."""
-    period = beat_s()
+    """Beat for `slot` until `stop` is set, the store is gone, or the round's keys were
+    removed (the job is over: `finish`; a beat must not bring a key back)."""
+    period, key, first = beat_s(), f"disttrain/fast/alive/{slot}", True
     while not stop.wait(period):
         try:
-            store.add(f"disttrain/fast/alive/{slot}", 1)
+            if not first and not store.store.check([key]):
+                return
+            store.add(key, 1)
+            first = False
         except (RuntimeError, ConnectionError, TimeoutError, OSError):
             return  # the store is gone (the job is over, or its host died)
 
@@ -115,6 +119,31 @@ def standby_slots(store: JobStore, world: int, total: int) -> list[int]:
     """The hot-spare slots (`world` .. `total`) that are in no roster and not gone."""
     taken = set(roster(store, world)) | set(gone(store))
     return [s for s in range(world, total) if s not in taken]
+
+
+DONE_KEY = "disttrain/fast/done"
+"""Each training process adds 1 when the job is over (`finish`)."""
+STANDBY_DONE_KEY = "disttrain/fast/standby_done"
+"""Each hot-spare slot still standing by when the job is over adds 1 (`finish`)."""
+
+
+def everyone_done(store: JobStore, world: int, total: int) -> bool:
+    """Whether every slot in the roster and every standby slot has counted itself out."""
+    return store.add(DONE_KEY, 0) >= len(roster(store, world)) and store.add(STANDBY_DONE_KEY, 0) >= len(
+        standby_slots(store, world, total)
+    )
+
+
+def finish(store: JobStore, world: int, total: int, standby: bool = False) -> None:
+    """Count this slot out at the job's end (a training process, or a `standby` slot),
+    and, when it is the last to do so, remove the round's keys from a store that keeps
+    them after the job (etcd: the TCP store goes with its host, `slot_supervisor`). A
+    standby slot counts itself out only after every training process has, so the last
+    one out is always one of these."""
+    store.add(STANDBY_DONE_KEY if standby else DONE_KEY, 1)
+    remove = getattr(store.store, "remove_all", None)
+    if remove is not None and everyone_done(store, world, total):
+        remove()
 
 
 def _beats(store: JobStore, slots: list[int]) -> list[int]:

@@ -48,10 +48,6 @@ from disttrain.worker_notes import (
 )
 
 ROLE_ENV = "DISTTRAIN_FAST_ROLE"  # elastic.fast_recovery.ROLE_ENV; not imported: that imports torch
-DONE_KEY = "disttrain/fast/done"
-LOST_KEY = "disttrain/fast/lost"  # elastic.membership.LOST_KEY: the slots a shrink left out
-STANDBY_DONE_KEY = "disttrain/fast/standby_done"
-"""Each hot-spare slot still standing by when the job ends adds 1 (`_linger` waits for it)."""
 MAX_PROMOTIONS = 1000
 STANDBY_POLL_S = 0.05
 """How often a hot-spare slot asks the store whether a roster names it."""
@@ -167,10 +163,11 @@ def _stand_by(cmd: list[str], rank: int, world: int, stopping: list[int]) -> sub
             if rank in members:
                 _go(spare)
                 return spare
-            if store.add(DONE_KEY, 0) >= len(members):  # the job is over
+            if store.add(membership.DONE_KEY, 0) >= len(members):  # the job is over
                 break
             time.sleep(STANDBY_POLL_S)
-        store.add(STANDBY_DONE_KEY, 1)  # the store's host waits for it (a stop and a signal too)
+        # counted out (on a stop and a signal too): the store's host waits for it
+        membership.finish(store, world, int(os.environ["WORLD_SIZE"]), standby=True)
     except (RuntimeError, ConnectionError, TimeoutError, OSError):
         pass  # the store is gone: the job is over (its host left) or lost; torchrun sees this slot end
     _end(spare)
@@ -256,21 +253,19 @@ def supervise(cmd: list[str], rank: int, world: int) -> int:
 
 
 def _linger(store, world: int) -> None:
-    """Keep the store (global rank 0's slot) until every training rank is done with it and
-    every hot-spare slot still standing by has seen that (at most `STORE_LINGER_S`); then,
-    under etcd, which keeps keys after the job, remove the round's."""
+    """Keep the TCP store this slot hosts (global rank 0's, under c10d) until every slot
+    has counted itself out (`membership.everyone_done`: the training ranks, then the
+    hot-spare slots still standing by), at most `STORE_LINGER_S`. An etcd store needs no
+    host: the last slot out removes the round's keys (`membership.finish`)."""
     from disttrain.elastic import job_store, membership
 
+    if hasattr(store, "remove_all"):
+        return
     sealed = job_store.JobStore(store, job_secret.from_env())
     total = int(os.environ["WORLD_SIZE"])
     deadline = time.monotonic() + STORE_LINGER_S
-    while time.monotonic() < deadline:
-        standing = membership.standby_slots(sealed, world, total)
-        if store.add(DONE_KEY, 0) >= world - store.add(LOST_KEY, 0) and store.add(STANDBY_DONE_KEY, 0) >= len(standing):
-            break
+    while time.monotonic() < deadline and not membership.everyone_done(sealed, world, total):
         time.sleep(0.05)
-    if hasattr(store, "remove_all"):  # etcd keeps keys after the job: the round's are removed
-        store.remove_all()
 
 
 def main(argv: list[str]) -> int:
