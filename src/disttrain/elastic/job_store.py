@@ -82,14 +82,9 @@ def connect(timeout_s: float) -> JobStore:
 
 
 def host_store(timeout_s: float) -> dist.Store:
-    """The store of global rank 0's slot supervisor: under the etcd rendezvous a client of
-    the etcd (`elastic.etcd_store`; the supervisor only waits for the ranks to be done
-    and then removes the round's keys), else the server it hosts at
-    MASTER_ADDR:MASTER_PORT, listening only on MASTER_ADDR's address
-    (`runtime.store_server.hosted_store`)."""
-    endpoint = etcd_store.configured()
-    if endpoint is not None:
-        return etcd_store.connect(endpoint, timeout_s)
+    """The TCP store global rank 0's slot supervisor hosts at MASTER_ADDR:MASTER_PORT,
+    listening only on MASTER_ADDR's address (`runtime.store_server.hosted_store`). Not
+    used under the etcd rendezvous, where the store is the etcd (`connect`)."""
     host, port = os.environ.get("MASTER_ADDR", "127.0.0.1"), int(os.environ["MASTER_PORT"])
     one_node = os.environ.get("WORLD_SIZE") == os.environ.get("LOCAL_WORLD_SIZE", os.environ.get("WORLD_SIZE"))
     return hosted_store(

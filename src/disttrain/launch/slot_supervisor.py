@@ -12,8 +12,9 @@ line on its stdin) and starts a new spare in the background; torchrun sees nothi
 A spare that dies is replaced the same way. Global rank 0's supervisor also hosts the
 `TCPStore` (at MASTER_ADDR:MASTER_PORT) on which the training processes agree on
 generations, so the store outlives any training process (under the etcd rendezvous
-the store is the etcd, which outlives any node: `elastic.etcd_store`). It listens on MASTER_ADDR's
-address only, and the ranks seal what they write to it with the job's secret
+the store is the etcd, which outlives any node, and the last slot out removes the
+round's keys: `elastic.etcd_store`, `elastic.membership.finish`). It listens on
+MASTER_ADDR's address only, and the ranks seal what they write to it with the job's secret
 (DISTTRAIN_JOB_SECRET, from `disttrain run`; `elastic.job_store`): without one the
 supervisor refuses to start.
 
@@ -48,6 +49,7 @@ from disttrain.worker_notes import (
 )
 
 ROLE_ENV = "DISTTRAIN_FAST_ROLE"  # elastic.fast_recovery.ROLE_ENV; not imported: that imports torch
+FAST_STORE_ENV = "DISTTRAIN_FAST_STORE"  # elastic.etcd_store.STORE_ENV: the store is that etcd
 MAX_PROMOTIONS = 1000
 STANDBY_POLL_S = 0.05
 """How often a hot-spare slot asks the store whether a roster names it."""
@@ -65,8 +67,10 @@ def _spawn(cmd: list[str], role: str) -> subprocess.Popen:
 
 def _host_store():
     """Global rank 0's slot: the store every generation rendezvouses on, listening only
-    on MASTER_ADDR's address; under the etcd rendezvous a client of the etcd, which
-    hosts it instead (`elastic.job_store.host_store`)."""
+    on MASTER_ADDR's address (`elastic.job_store.host_store`); None under the etcd
+    rendezvous, whose etcd is the store and needs no host."""
+    if os.environ.get(FAST_STORE_ENV):
+        return None
     from disttrain.elastic.job_store import host_store
 
     return host_store(timeout_s=300)
@@ -255,12 +259,10 @@ def supervise(cmd: list[str], rank: int, world: int) -> int:
 def _linger(store, world: int) -> None:
     """Keep the TCP store this slot hosts (global rank 0's, under c10d) until every slot
     has counted itself out (`membership.everyone_done`: the training ranks, then the
-    hot-spare slots still standing by), at most `STORE_LINGER_S`. An etcd store needs no
-    host: the last slot out removes the round's keys (`membership.finish`)."""
+    hot-spare slots still standing by), at most `STORE_LINGER_S`. (An etcd store has no
+    host: the last slot out removes the round's keys, `membership.finish`.)"""
     from disttrain.elastic import job_store, membership
 
-    if hasattr(store, "remove_all"):
-        return
     sealed = job_store.JobStore(store, job_secret.from_env())
     total = int(os.environ["WORLD_SIZE"])
     deadline = time.monotonic() + STORE_LINGER_S
