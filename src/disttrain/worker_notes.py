@@ -244,6 +244,26 @@ def note_stood_by(slot: int) -> None:
         _write_once(folder / STOOD_BY, json.dumps({"slot": slot}))
 
 
+STANDBY_LOST = "standby-lost"
+
+
+def note_standby_lost(slots: list[int]) -> None:
+    """Hot-spare slots `slots` were lost with their node while standing by: this launch's
+    exit barrier must not wait for their agents (`read_standby_lost`)."""
+    folder = _folder()
+    if folder is not None and slots:
+        _replace(folder / STANDBY_LOST, json.dumps(sorted(slots)))
+
+
+def read_standby_lost(folder: str | Path) -> list[int]:
+    """The slots `note_standby_lost` names ([] without a note, or a malformed one)."""
+    try:
+        slots = json.loads((Path(folder) / STANDBY_LOST).read_text()[:65536])
+    except (OSError, ValueError):
+        return []
+    return [s for s in slots if isinstance(s, int)] if isinstance(slots, list) else []
+
+
 def read_stood_by(folder: str | Path) -> bool:
     """Whether a slot of this launch ended standing by (`note_stood_by`)."""
     return (Path(folder) / STOOD_BY).exists()

@@ -499,3 +499,39 @@ def test_the_last_slot_out_removes_the_rounds_keys_from_a_store_that_keeps_them(
     if total > world:
         membership.finish(store, world, total, standby=True)
         assert kept.removed == 1
+
+
+def test_a_spare_node_lost_while_standing_by_is_not_waited_for_at_the_exit_barrier(monkeypatch):
+    """In one process, on an in-memory store: a job of one training slot (0) and two
+    hot-spare nodes of one slot each (1 beats, 2 does not). At the job's end the training
+    rank finds slot 2 dead within one lease; the launcher's count of agents gone at the
+    exit barrier includes slot 2's node and not slot 1's (a hang of torch's 300 s
+    otherwise); a standby slot that reads it later notes the same for its own launcher."""
+    import threading
+    from datetime import timedelta
+
+    import torch.distributed as dist
+
+    from disttrain import worker_notes
+    from disttrain.elastic import job_store, membership
+    from disttrain.launch import notes_watch
+    from disttrain.runtime import job_secret
+
+    monkeypatch.setattr(membership, "LEASE_S", 0.3)
+    raw = dist.HashStore()
+    raw.set_timeout(timedelta(seconds=5))
+    store = job_store.JobStore(raw, job_secret.from_env({job_secret.SECRET_ENV: job_secret.new_secret()}))
+    stop = threading.Event()
+    threading.Thread(target=membership.beat, args=(store, 1, stop), daemon=True).start()
+    store.add("disttrain/fast/alive/2", 1)  # beat once, then its node was lost
+    assert membership.dead_standby(store, 1, 3) == [2]
+    stop.set()
+    assert membership.found_dead_standby(store) == [2]
+    monkeypatch.setenv("LOCAL_RANK", "0")  # a worker's side of the notes
+    watch = notes_watch.watch()  # the launcher's
+    try:
+        assert watch.agents_gone(1) == 0
+        worker_notes.note_standby_lost(membership.found_dead_standby(store))
+        assert watch.agents_gone(1) == 1
+    finally:
+        watch.close()

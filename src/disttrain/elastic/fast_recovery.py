@@ -354,6 +354,7 @@ def run(
         raise
     except Exception as e:  # noqa: BLE001  (whatever ends fast recovery goes to torchrun's restart)
         _to_restart(e, slot, store)
+    worker_notes.note_standby_lost(membership.dead_standby(store, world, int(os.environ[TOTAL_SLOTS_ENV])))
     _count_done(store)
     return result
 

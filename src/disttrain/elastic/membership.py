@@ -146,6 +146,32 @@ def finish(store: JobStore, world: int, total: int, standby: bool = False) -> No
         remove()
 
 
+DEAD_STANDBY_KEY = "disttrain/fast/dead_standby"
+
+
+def dead_standby(store: JobStore, world: int, total: int) -> list[int]:
+    """At the job's end, before this training rank counts itself out (so every hot-spare
+    slot still stands by and beats): the standby slots whose supervisors did not beat
+    during one lease, their nodes lost while standing by, added to those the other ranks
+    found (sealed, `DEAD_STANDBY_KEY`). Every launcher's exit barrier must not wait for
+    those nodes' agents (`worker_notes.note_standby_lost`). [] without standby slots, at once."""
+    standby = standby_slots(store, world, total)
+    if not standby:
+        return []
+    before = _beats(store, standby)
+    time.sleep(lease_s())
+    dead = {s for s, a, b in zip(standby, before, _beats(store, standby), strict=True) if a == b}
+    if dead:
+        store.set(DEAD_STANDBY_KEY, json.dumps(sorted(dead | set(found_dead_standby(store)))))
+    return found_dead_standby(store)
+
+
+def found_dead_standby(store: JobStore) -> list[int]:
+    """The standby slots the training ranks found dead at the job's end (`dead_standby`)."""
+    text = store.get(DEAD_STANDBY_KEY)
+    return [] if text is None else [int(s) for s in json.loads(text)]
+
+
 def _beats(store: JobStore, slots: list[int]) -> list[int]:
     return [store.add(f"disttrain/fast/alive/{s}", 0) for s in slots]
 

@@ -96,10 +96,12 @@ class Notes:
         return worker_notes.read_restart_path(self.folder)
 
     def agents_gone(self, local_world: int) -> int:
-        """How many nodes the job lost in its shrinks: those of the lost slots (torchrun
+        """How many nodes the job lost: those of the slots lost in its shrinks or taken
+        over by spares, and of the hot-spare slots lost while standing by (torchrun
         numbers the slots node by node, `local_world` a node)."""
         record = self.shrunk() or {}
-        return len({int(slot) // max(1, local_world) for slot in record.get("lost", [])})
+        slots = [*record.get("lost", []), *worker_notes.read_standby_lost(self.folder)]
+        return len({int(slot) // max(1, local_world) for slot in slots})
 
     def saved_step(self) -> int | None:
         return worker_notes.read_saved(self.folder)

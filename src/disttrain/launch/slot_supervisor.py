@@ -42,6 +42,7 @@ from disttrain.runtime.failures import MACHINE, classify_death, report_crash
 from disttrain.worker_notes import (
     earlier_stop,
     first_to_say,
+    note_standby_lost,
     note_stood_by,
     read_step,
     report_not_retried,
@@ -170,6 +171,7 @@ def _stand_by(cmd: list[str], rank: int, world: int, stopping: list[int]) -> sub
             if store.add(membership.DONE_KEY, 0) >= len(members):  # the job is over
                 break
             time.sleep(STANDBY_POLL_S)
+        note_standby_lost(membership.found_dead_standby(store))  # this node's exit barrier
         # counted out (on a stop and a signal too): the store's host waits for it
         membership.finish(store, world, int(os.environ["WORLD_SIZE"]), standby=True)
     except (RuntimeError, ConnectionError, TimeoutError, OSError):
