@@ -104,6 +104,7 @@ def one_kill(tmp: Path, strategy: str, endpoint: str, run_id: str, nproc: int) -
             "ended_s": ended,
             "last_line": last.startswith(f"disttrain run: finished at world {nproc}:"),
             "resharded": f"the world changed ({2 * nproc} -> {nproc} ranks), so the shards are resharded" in text,
+            "from_buddies": "resharded from the buddy copies in memory" in text,
         }
     finally:
         for a in agents:
@@ -148,13 +149,14 @@ def render(res: dict, argv: list[str], took: float, load_end: float, nproc: int)
                 lines.append(f"| {strategy} | n/a | n/a | n/a | {r['error']} |")
                 continue
             note = "the disk checkpoint, resharded (the world changed)" if r["resharded"] else "state from memory"
+            note += "; the shards rebuilt from the buddy copies" if r.get("from_buddies") else ""
             lines.append(f"| {strategy} | {r['seconds']:.2f} | {r['ended_s']:.1f} | {r['rc']} | {note} |")
     lines += [
         "",
         f"The time to the next step is mostly the membership's lease ({LEASE_S} s without a beat before a "
-        "slot is taken for gone) and, under FSDP, the disk checkpoint's load resharded for the "
-        "smaller world (the buddy copies of the larger world do not fit its shards). The survivor's "
-        "exit includes the rest of the run's steps.",
+        "slot is taken for gone) and, under FSDP, the reshard: every old rank's buddy pack broadcast to "
+        "the survivors and cut into the smaller world's pieces (the disk checkpoint when a piece is "
+        "missing). The survivor's exit includes the rest of the run's steps.",
     ]
     return "\n".join(lines) + "\n"
 

@@ -17,7 +17,7 @@ from pathlib import Path
 
 import pytest
 import torch
-from conftest import built_once, worker_env
+from conftest import built_once, launch_worker, worker_env
 from elastic_helpers import (
     assert_same_fast_run,
     audit_timeline,
@@ -170,8 +170,8 @@ def test_a_lost_node_0_shrinks_the_job_in_memory(tmp_path, strategy):
         assert "generation 1: state of step" in text and "taken from rank 0's memory" in text  # the survivor's
         assert "loading the newest checkpoint" not in text
     else:
-        assert "generation 1: the world changed (2 -> 1 ranks), so the shards are resharded from the newest disk " \
-            "checkpoint" in text
+        assert "generation 1: the world changed (2 -> 1 ranks); step" in text
+        assert "resharded from the buddy copies in memory" in text and "disk checkpoint" not in text
     assert "world size is now 1: accum_steps 1 -> 2 keeps the global batch at 8" in text
     assert "generation 2: no rank holds the state in memory; loading the newest checkpoint" in later
     assert "will restart worker group" not in text + later
@@ -535,3 +535,13 @@ def test_a_spare_node_lost_while_standing_by_is_not_waited_for_at_the_exit_barri
         assert watch.agents_gone(1) == 1
     finally:
         watch.close()
+
+
+def test_fsdp_shards_of_four_ranks_are_rebuilt_exactly_for_two_from_the_buddy_packs(tmp_path):
+    """The reshard a shrink under FSDP does in memory (`elastic.buddy_reshard`), on real
+    FSDP2 shards of uneven sizes: the packs of 4 ranks, rebuilt for a mesh of 2, give
+    every parameter and Adam moment back bit for bit (tests/workers/reshard_checks.py)."""
+    results = launch_worker("reshard_checks.py", 4, tmp_path)
+    for r in results[:2]:
+        assert r["same"] is True and r["step"] == 2, r
+    assert results[0]["uneven"][0] != results[1]["uneven"][0], results  # the pieces of a 3-row weight differ

@@ -177,12 +177,20 @@ def pack(
     return buf
 
 
-def unpack(buf: torch.Tensor, template: dict | None) -> dict:
+@dataclass(frozen=True)
+class LocalPiece:
+    """A DTensor leaf of a pack unpacked as its rank's local piece (`unpack(local=True)`)."""
+
+    tensor: torch.Tensor
+
+
+def unpack(buf: torch.Tensor, template: dict | None, local: bool = False) -> dict:
     """The state dict packed in `buf`, its tensors copied out of the buffer (on the
     CPU). A DTensor leaf takes its mesh and placements from the same place in
-    `template`. Raises `KeyError` when the template has no DTensor there, and
-    `MalformedPack` when `buf` is not a pack (`_decode`): a peer's bytes are parsed as
-    JSON and checked, never unpickled."""
+    `template` (`local`: it stays the packing rank's piece, a `LocalPiece`). Raises
+    `KeyError` when the template has no DTensor there, and `MalformedPack` when `buf` is
+    not a pack (`_decode`): a peer's bytes are parsed as JSON and checked, never
+    unpickled."""
     n = int(buf[:8].view(torch.int64)[0]) if buf.numel() >= _HEADER else -1
     start = _HEADER + -(-n // 16) * 16
     if n < 0 or start > buf.numel():
@@ -192,18 +200,18 @@ def unpack(buf: torch.Tensor, template: dict | None) -> dict:
     except (UnicodeDecodeError, ValueError, RecursionError) as e:
         raise MalformedPack(f"the pack's skeleton is not JSON ({type(e).__name__})") from None
     data = buf[start:]
-    return _fill(_decode(tree, data.numel()), data, template)
+    return _fill(_decode(tree, data.numel()), data, template, local)
 
 
-def _fill(tree: Any, data: torch.Tensor, template: Any) -> Any:
+def _fill(tree: Any, data: torch.Tensor, template: Any, pieces: bool = False) -> Any:
     if isinstance(tree, dict):
         return {
-            k: _fill(v, data, template[k] if isinstance(template, dict) and k in template else None)
+            k: _fill(v, data, template[k] if isinstance(template, dict) and k in template else None, pieces)
             for k, v in tree.items()
         }
     if isinstance(tree, (list, tuple)):
         return type(tree)(
-            _fill(v, data, template[i] if isinstance(template, (list, tuple)) and i < len(template) else None)
+            _fill(v, data, template[i] if isinstance(template, (list, tuple)) and i < len(template) else None, pieces)
             for i, v in enumerate(tree)
         )
     if not isinstance(tree, _Slot):
@@ -213,6 +221,8 @@ def _fill(tree: Any, data: torch.Tensor, template: Any) -> Any:
     local = (raw.view(tree.dtype) if tree.nbytes else torch.empty(0, dtype=tree.dtype)).reshape(tree.shape)
     if not tree.dtensor:  # stays on the CPU: load_state_dict moves it where it belongs
         return local
+    if pieces:
+        return LocalPiece(local)
     if not _is_dtensor(template):
         raise KeyError("a sharded tensor of the buddy copy has no DTensor in this rank's state")
     from torch.distributed.tensor import DTensor
@@ -267,7 +277,7 @@ class _AnyKey(dict):
         return self.value
 
 
-def _template(state) -> dict:
+def template_of(state) -> dict:
     """Where `unpack` finds each DTensor's mesh and placements on this rank (a newcomer's
     optimizer has no state yet: its parameters stand in)."""
     params = [p for g in state.optimizer.param_groups for p in g["params"]] if state.optimizer else []
@@ -414,6 +424,14 @@ class BuddyCopy:
             pass
 
     # ------------------------------------------------------------ recovery
+    def held_by_rank(self, rank: int, world: int) -> dict[int, dict[int, torch.Tensor]]:
+        """The packs this rank holds, by the rank they belong to in a world of `world`
+        where this one was `rank`: its own, and its source's (`buddy_reshard`)."""
+        held = {rank: dict(self.mine)}
+        if self.theirs:
+            held[(rank - self.shift) % world] = dict(self.theirs)
+        return held
+
     def offer(self, newcomer: bool, from_world: int = 0) -> dict:
         return {
             "new": newcomer,
@@ -453,7 +471,7 @@ class BuddyCopy:
             if w is not None:  # (None only for a rank outside the group)
                 w.wait()
         own = buf if newcomer else self.mine[step]
-        load_live_state(state, unpack(own, _template(state)))
+        load_live_state(state, unpack(own, template_of(state)))
         self.mine = {step: own}
         self.theirs = {}
         newcomers = [i for i, o in enumerate(offers) if o["new"]]

@@ -46,12 +46,12 @@ import torch
 import torch.distributed as dist
 
 from disttrain import runtime, worker_notes
-from disttrain.elastic import group_sockets, job_store, membership
+from disttrain.elastic import buddy_reshard, group_sockets, job_store, membership
 from disttrain.elastic.buddy_copy import BuddyCopy, pack, resharded_words, unpack
 from disttrain.elastic.job_store import JobStore
 from disttrain.errors import UserError
 from disttrain.runtime import failures, fault_injection, processes, torch_compat
-from disttrain.runtime.collectives import comm_device, gather_ints
+from disttrain.runtime.collectives import all_gather_json, comm_device, gather_ints
 from disttrain.runtime.log import EVERY_RANK, LOGGER, speaker
 
 ROLE_ENV = "DISTTRAIN_FAST_ROLE"
@@ -176,7 +176,11 @@ class Handoff:
     _buddy_gen: int = -1
     from_world: int = 0
     """The world this process's buddy copies were dropped from in this generation,
-    because the job shrank (0: none were): `restore` says why it reads the disk."""
+    because the job shrank (0: none were): `restore` reshards them or says why it reads
+    the disk."""
+    held: dict = field(default_factory=dict)
+    """After a shrink: old rank -> {step: pack} of the buddy copies this process held in
+    the larger world (`elastic.buddy_reshard`); emptied once `restore` used them."""
 
     def peer_gone(self) -> bool:
         """Whether a peer of this generation has died: a promoted spare bumped the
@@ -237,6 +241,9 @@ class Handoff:
         strategy the buddies hand the newcomers their shards instead
         (`BuddyCopy.restore`). Returns False when no rank holds one (the caller loads
         the disk checkpoint)."""
+        # under FSDP every rank keeps a buddy copy (alone at world 1, the one survivor holds all)
+        if (self.buddy is not None or self.held) and self._resharded(state):
+            return True
         if self.buddy is not None:
             return self.buddy.restore(state, newcomer=not self.buddy.mine, gen=self.gen, from_world=self.from_world)
         mine = -1 if self.memory is None else int(self.memory["meta"]["step"])
@@ -258,6 +265,14 @@ class Handoff:
             f"{src}'s memory (ranks' steps {steps})"
         )
         return True
+
+    def _resharded(self, state) -> bool:
+        """After a shrink under FSDP: the smaller world's shards from the larger world's
+        buddy copies in memory (`buddy_reshard.reshard`), when every rank agrees that the
+        world changed (a rank promoted into this generation held none). A collective."""
+        old_world = max(int(w) for w in all_gather_json(self.from_world))
+        held, self.held = self.held, {}
+        return old_world > 0 and buddy_reshard.reshard(state, held, old_world, self.gen)
 
     def snapshot(self) -> None:
         """After a failed collective: keep this rank's committed state in memory and
@@ -427,11 +442,13 @@ def _to_restart(e: Exception, slot: int, store: JobStore) -> NoReturn:
 def _take_place(handoff: Handoff, rank: int, world: int) -> None:
     """This process's rank and world in the generation it joined (`RANK`, `WORLD_SIZE`:
     what `runtime.init` reads). After a shrink the buddy copies of the larger world do
-    not fit the new shards: under FSDP that generation loads the disk checkpoint (DCP
-    reshards it); under DDP every survivor holds the whole state in memory."""
+    not fit the new shards: they are kept by the rank they belong to (`Handoff.held`)
+    for `restore` to reshard (`buddy_reshard`; else the disk checkpoint, which DCP
+    reshards); under DDP every survivor holds the whole state in memory."""
     before = int(os.environ["WORLD_SIZE"])
     handoff.from_world = before if before != world and handoff.buddy is not None else 0
     if before != world:
+        handoff.held = handoff.buddy.held_by_rank(int(os.environ["RANK"]), before) if handoff.buddy else {}
         handoff.buddy = None
         os.environ.pop(EXPECTED_WORLD_ENV, None)  # the launcher's count no longer holds
     os.environ["RANK"], os.environ["WORLD_SIZE"] = str(rank), str(world)
