@@ -7,6 +7,7 @@ from __future__ import annotations
 import json
 import os
 import random
+import runpy
 import signal
 import subprocess
 import sys
@@ -163,11 +164,11 @@ def test_fast_recovery_of_a_job_script_is_bit_identical(references, tmp_path, st
     assert summary["wall_time_s"] >= summary["attempt_wall_time_s"]
 
 
-def test_one_process_then_two_names_the_world_sizes_in_job_words(tmp_path):
+def test_one_process_then_two_names_the_world_sizes_in_job_words(tmp_path, monkeypatch):
     """Row 7: a run started once without the launcher, then with 2 processes, failed with
     a message about `train.batch_size` and `elastic.batch_policy` and a traceback."""
-    ok(subprocess.run([sys.executable, SCRIPT, str(tmp_path), "--steps", "4"], cwd=ROOT,
-                      env=worker_env(), capture_output=True, text=True, timeout=150))
+    monkeypatch.setattr(sys, "argv", [SCRIPT, str(tmp_path), "--steps", "4"])
+    runpy.run_path(SCRIPT, run_name="__main__")  # without the launcher: in this process
     proc = run_script(tmp_path, "--steps", "8", launcher=("--nproc", "2", "--max-restarts", "2"))
     out = proc.stdout + proc.stderr
     assert proc.returncode == 2, out[-3000:]

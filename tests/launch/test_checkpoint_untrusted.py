@@ -13,6 +13,7 @@ import io
 import json
 import os
 import pickle
+import runpy
 import shlex
 import shutil
 import subprocess
@@ -103,9 +104,34 @@ def _one_error_line(proc, command):
     return errors[0]
 
 
-def _ckpt(action, run, tmp_path):
-    extra = ["--to", str(tmp_path / "out.safetensors")] if action == "export" else []
-    return run_disttrain(["ckpt", action, str(run), *extra])
+# `disttrain ckpt inspect|verify|export` one after another in one process (one start of
+# torch for three commands), each command's stderr ended by a line with its exit status
+EVERY_CKPT = textwrap.dedent("""
+    import sys
+    from disttrain.cli import main
+    run, to = sys.argv[1], sys.argv[2]
+    for action in ("inspect", "verify", "export"):
+        code = main(["ckpt", action, run, *(["--to", to] if action == "export" else [])])
+        sys.stderr.write(f"=== {action} exited {code}\\n")
+        sys.stderr.flush()
+""")
+
+
+def _every_ckpt_command(run, tmp_path) -> dict[str, subprocess.CompletedProcess]:
+    """{action: what `disttrain ckpt ACTION RUN` returned and wrote to stderr}."""
+    proc = subprocess.run([sys.executable, "-c", EVERY_CKPT, str(run), str(tmp_path / "out.safetensors")],
+                          capture_output=True, text=True, timeout=120, env=worker_env(), cwd=ROOT)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    results, lines = {}, []
+    for line in proc.stderr.splitlines():
+        if line.startswith("=== "):
+            _, action, _, code = line.split()
+            results[action] = subprocess.CompletedProcess(action, int(code), "", "\n".join(lines))
+            lines = []
+        else:
+            lines.append(line)
+    assert sorted(results) == ["export", "inspect", "verify"], proc.stderr[-3000:]
+    return results
 
 
 @pytest.mark.parametrize("where", ["whole", "inside"])
@@ -113,10 +139,10 @@ def test_a_metadata_pickle_naming_a_foreign_global_is_refused_by_every_ckpt_comm
     run, step_dir = _fixture_copy(tmp_path)
     marker = tmp_path / "ran"
     _evil_metadata(step_dir, marker, where)
-    for action in ("inspect", "verify", "export"):
-        line = _one_error_line(_ckpt(action, run, tmp_path), "ckpt")
-        assert f"{step_dir / '.metadata'} asks its unpickler for posix.system" in line, line
-        assert not marker.exists(), action
+    for action, proc in _every_ckpt_command(run, tmp_path).items():
+        line = _one_error_line(proc, "ckpt")
+        assert f"{step_dir / '.metadata'} asks its unpickler for posix.system" in line, (action, line)
+    assert not marker.exists()  # after any of the three: nothing removes it
     assert not (tmp_path / "out.safetensors").exists()
 
 
@@ -124,16 +150,17 @@ def test_a_value_record_naming_a_foreign_global_is_refused_by_verify_and_by_a_lo
     run, step_dir = _fixture_copy(tmp_path)
     marker = tmp_path / "ran"
     _evil_value(step_dir, marker)
-    line = _one_error_line(_ckpt("verify", run, tmp_path), "ckpt")
+    proc, _, loaded = _verify_then_load(run, tmp_path / "nothing")
+    line = _one_error_line(proc, "ckpt")
     assert "the value 'optim.param_groups.0.lr' asks for posix.system" in line, line
-    out = _watched_load(run, tmp_path / "nothing")
-    assert out.returncode == 0, out.stderr[-3000:]
-    assert "REFUSED CheckpointUnsafe" in out.stdout and "asks for posix.system" in out.stdout, out.stdout
+    assert "REFUSED CheckpointUnsafe" in loaded and "asks for posix.system" in loaded, loaded
     assert not marker.exists()
 
 
-# `dt.load` of the fixture's model, each file it opens outside RUN reported by an audit hook
-LOAD = textwrap.dedent("""
+# `disttrain ckpt verify RUN`, then `dt.load` of the fixture's model, in one process (one
+# start of torch for both), each file opened at OUTSIDE reported by an audit hook; stdout's
+# "=== LOAD" line parts the two, and the exit status is verify's
+VERIFY_THEN_LOAD = textwrap.dedent("""
     import os, sys
     run, outside = sys.argv[1], os.path.realpath(sys.argv[2])
     def watch(event, args):
@@ -141,6 +168,9 @@ LOAD = textwrap.dedent("""
             if os.path.realpath(args[0]) == outside:
                 sys.stdout.write("OPENED OUTSIDE\\n")
     sys.addaudithook(watch)
+    from disttrain.cli import main
+    code = main(["ckpt", "verify", run])
+    sys.stdout.write("=== LOAD\\n")
     import disttrain as dt
     from ckpt_common import build
     from disttrain.builtin import GPTConfig
@@ -151,20 +181,17 @@ LOAD = textwrap.dedent("""
         print("LOADED")
     except CheckpointError as e:
         print(f"REFUSED {type(e).__name__}: {e}")
-""")
-VERIFY = LOAD.split("import disttrain")[0] + textwrap.dedent("""
-    from disttrain.cli import main
-    sys.exit(main(["ckpt", "verify", run]))
+    sys.exit(code)
 """)
 
 
-def _watched(script, run, outside):
-    return subprocess.run([sys.executable, "-c", script, str(run), str(outside)], capture_output=True,
+def _verify_then_load(run, outside) -> tuple[subprocess.CompletedProcess, str, str]:
+    """(the process, verify's stdout, the load's stdout). A load that raised anything but
+    a CheckpointError ends the process with status 1 and a traceback."""
+    proc = subprocess.run([sys.executable, "-c", VERIFY_THEN_LOAD, str(run), str(outside)], capture_output=True,
                           text=True, timeout=120, env=worker_env(), cwd=ROOT)
-
-
-def _watched_load(run, outside):
-    return _watched(LOAD, run, outside)
+    verified, _, loaded = proc.stdout.partition("=== LOAD\n")
+    return proc, verified, loaded
 
 
 def _outside_name(step_dir, outside, how):
@@ -187,14 +214,12 @@ def test_a_file_outside_the_folder_is_refused_and_never_read(tmp_path, how):
     outside = tmp_path / "x.json"
     outside.write_text("{}")
     said = _outside_name(step_dir, outside, how)
-    proc = _watched(VERIFY, run, outside)
+    proc, verified, loaded = _verify_then_load(run, outside)
     line = _one_error_line(proc, "ckpt")
     assert said in line and "refused" in line, line
-    assert "OPENED OUTSIDE" not in proc.stdout
-    out = _watched_load(run, outside)
-    assert out.returncode == 0, out.stderr[-3000:]
-    assert "REFUSED CheckpointUnsafe" in out.stdout and said in out.stdout, out.stdout
-    assert "OPENED OUTSIDE" not in out.stdout
+    assert "OPENED OUTSIDE" not in verified
+    assert "REFUSED CheckpointUnsafe" in loaded and said in loaded, loaded
+    assert "OPENED OUTSIDE" not in loaded
 
 
 def test_metadata_pointing_to_a_data_file_outside_the_manifest_is_refused(tmp_path):
@@ -206,19 +231,18 @@ def test_metadata_pointing_to_a_data_file_outside_the_manifest_is_refused(tmp_pa
     index = next(iter(md.storage_data))
     md.storage_data[index] = dataclasses.replace(md.storage_data[index], relative_path="../../x.distcp")
     _replace(step_dir, ".metadata", pickle.dumps(md))
-    line = _one_error_line(_watched(VERIFY, run, outside), "ckpt")
+    proc, _, loaded = _verify_then_load(run, outside)
+    line = _one_error_line(proc, "ckpt")
     assert "points to the data file '../../x.distcp', which its manifest does not list" in line, line
-    out = _watched_load(run, outside)
-    assert "REFUSED CheckpointUnsafe" in out.stdout and "OPENED OUTSIDE" not in out.stdout, out.stdout
+    assert "REFUSED CheckpointUnsafe" in loaded and "OPENED OUTSIDE" not in loaded, loaded
 
 
 def test_the_untouched_first_format_fixture_still_verifies_and_loads(tmp_path):
     run, step_dir = _fixture_copy(tmp_path)
-    out = _watched_load(run, tmp_path / "nothing")
-    assert "LOADED" in out.stdout, out.stdout + out.stderr[-3000:]
-    proc = _watched(VERIFY, run, step_dir / "state.json")  # the watch does see what is read
-    assert proc.returncode == 0 and "OK (6 files, step 2; world " in proc.stdout, proc.stderr[-3000:]
-    assert "OPENED OUTSIDE" in proc.stdout
+    proc, verified, loaded = _verify_then_load(run, step_dir / "state.json")  # the watch does see what is read
+    assert "LOADED" in loaded, proc.stdout + proc.stderr[-3000:]
+    assert proc.returncode == 0 and "OK (6 files, step 2; world " in verified, proc.stderr[-3000:]
+    assert "OPENED OUTSIDE" in verified
 
 
 def test_the_payload_does_run_when_unpickled(tmp_path):
@@ -290,11 +314,13 @@ JOB = textwrap.dedent("""
 """)
 
 
-def test_a_dt_job_resume_refuses_the_folder_in_one_line(tmp_path):
+def test_a_dt_job_resume_refuses_the_folder_in_one_line(tmp_path, monkeypatch):
     script, out, marker = tmp_path / "job.py", tmp_path / "out", tmp_path / "ran"
     script.write_text(JOB)
-    first = run_disttrain(["run", "--nproc", "1", str(script), str(out), "2"], timeout=150)
-    assert first.returncode == 0, first.stderr[-3000:]
+    # the folder to tamper with, from the script run in this process (a world of one,
+    # as `--nproc 1` starts it; no launch to pay for); the resume below is launched
+    monkeypatch.setattr(sys, "argv", [str(script), str(out), "2"])
+    runpy.run_path(str(script), run_name="__main__")
     (step_dir,) = out.rglob("step-00000002")
     _replace(step_dir, ".metadata", pickle.dumps(Touch(marker)))
     proc = run_disttrain(["run", "--nproc", "1", str(script), str(out), "4"], timeout=150)

@@ -25,13 +25,13 @@ def test_readme_table_is_the_tested_list():
     )
 
 
-def _launch(mode: str, out, cells, restarts: int = 0):
-    world = cells[0].world
-    args = ["run", "--nproc", str(world)]
-    if restarts:
-        args += ["--max-restarts", str(restarts)]
-    proc = run_disttrain([*args, WORKER, mode, str(out), *[c.name for c in cells]], timeout=900)
-    assert proc.returncode == 0, f"{mode} {[c.name for c in cells]}:\n{proc.stdout[-2000:]}\n{proc.stderr[-4000:]}"
+def _launch(out, references, cells):
+    """One launch: every cell of `references` uninterrupted (under OUT/reference), then
+    every cell of `cells` killed once and resumed by torchrun (under OUT/killed)."""
+    names = [c.name if c in cells else f"={c.name}" for c in references]  # `=`: a reference only
+    args = ["run", "--nproc", str(cells[0].world), "--max-restarts", str(len(cells))]  # one restart per kill
+    proc = run_disttrain([*args, WORKER, "both", str(out), *names], timeout=900)
+    assert proc.returncode == 0, f"{names}:\n{proc.stdout[-2000:]}\n{proc.stderr[-4000:]}"
 
 
 def _chunks() -> list[tuple[int, str]]:
@@ -48,11 +48,10 @@ def _in_chunk(cell, world: int, group: str) -> bool:
 def test_every_cell_resumes_bit_exactly_after_kill_9(tmp_path, world, group):
     cells = [c for c in CELLS if _in_chunk(c, world, group)]
     # Parity across strategies is against DDP fp32 at the same world size (P-FSDP-4): its
-    # uninterrupted run is part of every group's reference launch.
+    # uninterrupted run is part of every group's launch.
     base_cell = next((c for c in CELLS if c.world == world and c.strategy == "ddp" and c.precision == "fp32"
                       and not c.option), cells[0])
-    _launch("reference", tmp_path, cells if base_cell in cells else [base_cell, *cells])
-    _launch("killed", tmp_path, cells, restarts=len(cells))  # one kill per cell, restarted by torchrun
+    _launch(tmp_path, cells if base_cell in cells else [base_cell, *cells], cells)
     for cell in cells:
         ref, got = tmp_path / "reference" / cell.name, tmp_path / "killed" / cell.name
         attempts = (got / "attempts").read_text().split()

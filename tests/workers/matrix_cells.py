@@ -6,6 +6,9 @@
                                             rank 0 in a world of 1) in attempt i; attempt i+1
                                             resumes it from its step-2 checkpoint, finishes it,
                                             then starts cell i+1
+    matrix_cells.py both OUT CELL...        the first attempt trains every cell uninterrupted
+                                            (as `reference`), then the cells as `killed` do;
+                                            a CELL written `=CELL` is trained as a reference only
 
 Each cell is `disttrain.train.trainer.train(load_config(tiny_gpt.toml, overrides))`, the
 function `disttrain train` runs on every rank. The process group is started once per
@@ -33,27 +36,35 @@ TINY = ["--model.n_layer=1", "--model.n_embd=32", "--model.n_head=2", "--model.b
 KILL_STEP = 3
 
 
-def main(mode: str, out: Path, names: list[str]) -> None:
+def run_cells(mode: str, out: Path, names: list[str], attempt: int) -> None:
+    """Train each named cell under OUT/MODE (killed: cell i is killed in attempt i)."""
     by_name = {c.name: c for c in CELLS}
+    for index, name in enumerate(names):
+        cell_dir = out / mode / name
+        if (cell_dir / "summary.json").exists():
+            continue  # finished in an earlier attempt
+        if runtime.rank_info().is_main:
+            cell_dir.mkdir(parents=True, exist_ok=True)
+            with (cell_dir / "attempts").open("a") as f:
+                f.write(f"{attempt}\n")
+        victim = 1 if runtime.rank_info().world_size > 1 else 0
+        fault = f"kill@backward:rank={victim},step={KILL_STEP},restart={index}" if mode == "killed" else None
+        fault_injection.set_faults(fault)
+        cfg = load_config(ROOT / "examples" / "tiny_gpt.toml",
+                          [*TINY, *by_name[name].overrides(), f"--train.out_dir={cell_dir}"])
+        train(cfg)
+
+
+def main(mode: str, out: Path, names: list[str]) -> None:
     attempt = int(os.environ.get("TORCHELASTIC_RESTART_COUNT", 0))
     real_shutdown = process_group.shutdown
     process_group.shutdown = lambda: None  # one group for every cell of this launch
     runtime.init()
     try:
-        for index, name in enumerate(names):
-            cell_dir = out / mode / name
-            if (cell_dir / "summary.json").exists():
-                continue  # finished in an earlier attempt
-            if runtime.rank_info().is_main:
-                cell_dir.mkdir(parents=True, exist_ok=True)
-                with (cell_dir / "attempts").open("a") as f:
-                    f.write(f"{attempt}\n")
-            victim = 1 if runtime.rank_info().world_size > 1 else 0
-            fault = f"kill@backward:rank={victim},step={KILL_STEP},restart={index}" if mode == "killed" else None
-            fault_injection.set_faults(fault)
-            cfg = load_config(ROOT / "examples" / "tiny_gpt.toml",
-                              [*TINY, *by_name[name].overrides(), f"--train.out_dir={cell_dir}"])
-            train(cfg)
+        if mode in ("reference", "both"):
+            run_cells("reference", out, [n.removeprefix("=") for n in names], attempt)
+        if mode in ("killed", "both"):
+            run_cells("killed", out, [n for n in names if not n.startswith("=")], attempt)
     finally:
         process_group.shutdown = real_shutdown
         runtime.shutdown()
