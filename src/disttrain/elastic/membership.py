@@ -92,13 +92,14 @@ def left_out_words(slot: int, gen: int) -> str:
 def beat(store: JobStore, slot: int, stop: threading.Event) -> None:
     """Beat for `slot` until `stop` is set, the store is gone, or the round's keys were
     removed (the job is over: `finish`; a beat must not bring a key back)."""
-    period, key, first = beat_s(), f"disttrain/fast/alive/{slot}", True
+    period, key, beats = beat_s(), f"disttrain/fast/alive/{slot}", 0
     while not stop.wait(period):
         try:
-            if not first and not store.store.check([key]):
+            count = store.add(key, 1)
+            beats += 1
+            if count < beats:  # the counter started over: the round's keys were removed, the job is over
+                getattr(store.store, "remove_all", lambda: store.store.delete_key(key))()
                 return
-            store.add(key, 1)
-            first = False
         except (RuntimeError, ConnectionError, TimeoutError, OSError):
             return  # the store is gone (the job is over, or its host died)
 
