@@ -54,6 +54,10 @@ What it changes, and why:
   (`runtime.job_secret`); a multi-node one needs the user's, the same on every node.
   Under `--rdzv-backend etcd` its store is that etcd (FAST_STORE_ENV, `elastic.etcd_store`)
   instead of global rank 0's supervisor, so the loss of node 0 does not take it.
+- `--spare-nodes K` (fast recovery, `--nnodes N`, a rendezvous endpoint): torchrun gets
+  `--nnodes N+K` and the ranks DISTTRAIN_TRAINING_WORLD = N x nproc; the slots past it
+  stand by and take a lost node's places in memory (`elastic.membership`). Under a
+  rendezvous other than etcd one line says that its host cannot be lost.
 - After a fast-recovery job shrank in memory (a node lost, no spare: the ranks' notes),
   this launcher's torchrun agent waits at torchrun's exit barrier for the nodes left
   only, not its 300 s for the lost one (`torch_compat.exit_barrier_of`), and the last
@@ -87,11 +91,11 @@ if TYPE_CHECKING:  # the config and the trainer's modules import torch: only whe
 DEFAULT_ENV = {"TORCH_DISABLE_SHARE_RDZV_TCP_STORE": "1"}
 
 SHUTDOWN_MARGIN_S = 10
+"""Seconds torchrun waits past the preemption grace before SIGKILL: a rank's exit
+after its save (process group teardown, interpreter shutdown)."""
 FAST_STORE_ENV = "DISTTRAIN_FAST_STORE"  # elastic.etcd_store.STORE_ENV; not imported: that imports torch
 TRAINING_WORLD_ENV = "DISTTRAIN_TRAINING_WORLD"  # elastic.membership's (the slots that train)
 NODE_LEASE_ENV = "DISTTRAIN_NODE_LEASE_S"  # elastic.membership.LEASE_ENV
-"""Seconds torchrun waits past the preemption grace before SIGKILL: a rank's exit
-after its save (process group teardown, interpreter shutdown)."""
 DEFAULT_PREEMPT_GRACE_S = 60.0
 """The grace when neither a trainer config nor DISTTRAIN_PREEMPT_GRACE_S names one
 (the default of `elastic.preempt_grace_s`)."""
