@@ -129,12 +129,13 @@ def test_store_listens_on_master_addr_only_and_ignores_a_foreign_clients_values(
 def test_store_on_etcd_when_the_rendezvous_is_etcd_seals_values_and_carries_groups(monkeypatch, caplog):
     """Under `--rdzv-backend etcd` fast recovery's store is the etcd (no node hosts it):
     `disttrain run` names it to the ranks; their values are sealed as on the TCP store;
-    a generation's gloo group forms on it; rank 0's supervisor removes the round's keys."""
+    a generation's gloo group forms on it; the last rank to count itself out removes the
+    round's keys (no supervisor hosts the store)."""
     import threading
 
     import torch.distributed as dist
 
-    from disttrain.elastic import etcd_store, job_store
+    from disttrain.elastic import etcd_store, job_store, membership
     from disttrain.launch.etcd_server import EtcdServer
 
     monkeypatch.setenv(job_secret.SECRET_ENV, job_secret.new_secret())  # several nodes: the user's
@@ -146,11 +147,11 @@ def test_store_on_etcd_when_the_rendezvous_is_etcd_seals_values_and_carries_grou
         for k, v in {"MASTER_ADDR": "10.0.0.9", "MASTER_PORT": "29500", "TORCHELASTIC_RUN_ID": "job",
                      etcd_store.STORE_ENV: f"etcd://{server.endpoint}"}.items():
             monkeypatch.setenv(k, v)
-        supervisor = job_store.host_store(timeout_s=20)
+        outsider = etcd_store.connect(server.endpoint, timeout_s=20)  # without the job's secret
         ranks = [job_store.connect(timeout_s=20) for _ in range(2)]
-        assert [r.add("joined", 1) for r in ranks] == [1, 2] and supervisor.add("joined", 0) == 2
+        assert [r.add("joined", 1) for r in ranks] == [1, 2] and outsider.add("joined", 0) == 2
         ranks[0].set("a", "sealed")
-        supervisor.set("b", "written without the job's secret")
+        outsider.set("b", "written without the job's secret")
         with caplog.at_level("WARNING", logger="disttrain"):
             assert ranks[1].get("a") == "sealed" and ranks[1].get("b") is None
         sums = [0.0, 0.0]
@@ -168,8 +169,9 @@ def test_store_on_etcd_when_the_rendezvous_is_etcd_seals_values_and_carries_grou
         for t in threads:
             t.join(timeout=60)
         assert sums == [3.0, 3.0]
-        assert isinstance(supervisor, etcd_store.EtcdStore)
-        supervisor.remove_all()
+        membership.finish(ranks[1], 2, 2)
+        assert ranks[0].store.check(["a"])  # one rank is still in
+        membership.finish(ranks[0], 2, 2)
         assert not ranks[0].store.check(["a"])
 
 

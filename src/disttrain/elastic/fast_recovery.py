@@ -369,7 +369,7 @@ def run(
         raise
     except Exception as e:  # noqa: BLE001  (whatever ends fast recovery goes to torchrun's restart)
         _to_restart(e, slot, store)
-    worker_notes.note_standby_lost(membership.dead_standby(store, world, int(os.environ[TOTAL_SLOTS_ENV])))
+    _note_dead_standby(store, world)
     _count_done(store)
     return result
 
@@ -452,6 +452,20 @@ def _take_place(handoff: Handoff, rank: int, world: int) -> None:
         handoff.buddy = None
         os.environ.pop(EXPECTED_WORLD_ENV, None)  # the launcher's count no longer holds
     os.environ["RANK"], os.environ["WORLD_SIZE"] = str(rank), str(world)
+
+
+def _note_dead_standby(store: JobStore, world: int) -> None:
+    """With hot-spare slots (and only then: no store traffic otherwise), note for this
+    node's launcher the spare nodes lost while standing by (`membership.dead_standby`).
+    A store gone because a peer stopped the job is left quietly, as in `_count_done`."""
+    total = int(os.environ.get(TOTAL_SLOTS_ENV, world))
+    if total <= world:
+        return
+    try:
+        worker_notes.note_standby_lost(membership.dead_standby(store, world, total))
+    except (RuntimeError, ConnectionError, TimeoutError):  # torch's DistNetworkError among them
+        if not worker_notes.earlier_stop():
+            raise
 
 
 def _count_done(store) -> None:
