@@ -180,7 +180,13 @@ def test_a_lost_node_0_shrinks_the_job_in_memory(tmp_path, strategy):
     timeline = audit_timeline(tmp_path)
     assert sorted(timeline) == list(range(1, steps + 1))
     counts = Counter(i for step in timeline.values() for i in step)
-    assert len(counts) == steps * 8 and set(counts.values()) == {1}  # the global batch stayed 8
+    assert set(counts.values()) == {1}  # no sample twice; the global batch stayed 8
+    # A node killed after a step's gradients were reduced but before its audit line was
+    # written leaves that step committed with the survivor's line only: its 4 samples
+    # were trained and are not in the audit. At most one such step, at the kill.
+    short = [s for s, idx in timeline.items() if len(idx) != 8]
+    assert len(counts) == steps * 8 or (len(short) == 1 and len(timeline[short[0]]) == 4
+                                        and mark - 1 <= short[0] <= mark + 2), (short, len(counts))
 
 
 def test_a_lost_node_is_taken_over_by_a_hot_spare_node_bit_exactly(tmp_path):
