@@ -27,7 +27,7 @@ import torch
 import torch.distributed as dist
 
 from disttrain.elastic.buddy_copy import LocalPiece, MalformedPack, load_live_state, template_of, unpack
-from disttrain.runtime.collectives import all_gather_json, comm_device
+from disttrain.runtime.collectives import all_gather_json, broadcast_bytes
 from disttrain.runtime.log import LOGGER, speaker
 
 
@@ -48,15 +48,8 @@ def choose(offers: list[dict], old_world: int) -> tuple[int, list[int]] | None:
 
 def _gather_packs(mine: dict[int, torch.Tensor], holders: list[int]) -> list[torch.Tensor]:
     """Every old rank's pack on every rank: each from its holder, by broadcast."""
-    rank, device, out = dist.get_rank(), comm_device(), []
-    for old, src in enumerate(holders):
-        buf = mine[old] if rank == src else None
-        size = torch.tensor([buf.numel() if buf is not None else 0], dtype=torch.int64, device=device)
-        dist.broadcast(size, src=src)
-        wire = (buf if buf is not None else torch.empty(int(size.item()), dtype=torch.uint8)).to(device)
-        dist.broadcast(wire, src=src)
-        out.append(wire.cpu())
-    return out
+    rank = dist.get_rank()
+    return [broadcast_bytes(mine[old] if rank == src else None, src) for old, src in enumerate(holders)]
 
 
 def _piece(template: Any, pieces: list[torch.Tensor]) -> Any:

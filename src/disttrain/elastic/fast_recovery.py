@@ -51,7 +51,7 @@ from disttrain.elastic.buddy_copy import BuddyCopy, pack, resharded_words, unpac
 from disttrain.elastic.job_store import JobStore
 from disttrain.errors import UserError
 from disttrain.runtime import failures, fault_injection, processes, torch_compat
-from disttrain.runtime.collectives import all_gather_json, comm_device, gather_ints
+from disttrain.runtime.collectives import all_gather_json, broadcast_bytes, gather_ints
 from disttrain.runtime.log import EVERY_RANK, LOGGER, speaker
 
 ROLE_ENV = "DISTTRAIN_FAST_ROLE"
@@ -297,12 +297,7 @@ def broadcast_state(memory: dict | None, src: int) -> dict:
     one raw buffer (`buddy_copy.pack`: the tensors' bytes back to back after a JSON
     skeleton) broadcast on the backend's device (CUDA under NCCL); nothing is pickled.
     A collective. Raises `buddy_copy.MalformedPack` on a buffer that is not a pack."""
-    buf = pack(memory) if memory is not None else None
-    size = torch.tensor([buf.numel() if buf is not None else 0], dtype=torch.int64, device=comm_device())
-    dist.broadcast(size, src=src)
-    wire = (buf if buf is not None else torch.empty(int(size.item()), dtype=torch.uint8)).to(comm_device())
-    dist.broadcast(wire, src=src)
-    return unpack(wire.cpu(), template=None)
+    return unpack(broadcast_bytes(pack(memory) if memory is not None else None, src), template=None)
 
 
 UNPROVEN_NCCL = (

@@ -172,6 +172,17 @@ def all_gather_json(obj: Any, group: Any = None, shape: Any = Any) -> list[Any]:
     return [_parsed(t[:n], f"rank {r}", shape) for r, (t, n) in enumerate(zip(out, lengths, strict=False))]
 
 
+def broadcast_bytes(buf: torch.Tensor | None, src: int) -> torch.Tensor:
+    """Rank `src`'s flat uint8 `buf` (None elsewhere) on every rank, on the CPU: its size,
+    then its bytes, broadcast on the backend's device (CUDA under NCCL). A collective."""
+    device = comm_device()
+    size = torch.tensor([buf.numel() if buf is not None else 0], dtype=torch.int64, device=device)
+    dist.broadcast(size, src=src)
+    wire = (buf if buf is not None else torch.empty(int(size.item()), dtype=torch.uint8)).to(device)
+    dist.broadcast(wire, src=src)
+    return wire.cpu()
+
+
 def broadcast_json(obj: Any, src: int, group: Any = None, shape: Any = Any) -> Any:
     """`obj` of rank `src` (plain JSON values, as in `all_gather_json`; `shape` as
     there) on every rank; two broadcasts. A collective of `group`; `src` is a global
