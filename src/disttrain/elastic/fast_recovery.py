@@ -360,12 +360,12 @@ def run(
         init = {"backend": backend, "device": device, "timeout_s": timeout_s, "seed": seed}
         result = _generations(body, handoff, slot, world, **init)
     except (UserError, SystemExit, KeyboardInterrupt):  # the user's or the program's: the launcher reports it
-        _count_done(store)
+        _count_done(store, world)
         raise
     except Exception as e:  # noqa: BLE001  (whatever ends fast recovery goes to torchrun's restart)
-        _to_restart(e, slot, store)
+        _to_restart(e, slot, store, world)
     _note_dead_standby(store, world)
-    _count_done(store)
+    _count_done(store, world)
     return result
 
 
@@ -413,7 +413,7 @@ def _generations(
         gen = max(gen + 1, store.add(GEN_KEY, 0))
 
 
-def _to_restart(e: Exception, slot: int, store: JobStore) -> NoReturn:
+def _to_restart(e: Exception, slot: int, store: JobStore, world: int) -> NoReturn:
     """Fast recovery cannot go on for this slot: it was left out of a shrink
     (`membership.LeftOut`), a generation never filled, the store failed. Under `disttrain
     run` this rank says that it takes torchrun's restart path, notes it for the launcher
@@ -421,7 +421,7 @@ def _to_restart(e: Exception, slot: int, store: JobStore) -> NoReturn:
     newest checkpoint) and the launcher does not take for the program's error; the
     traceback goes to the rank's log. Elsewhere `e` propagates."""
     if not worker_notes.under_launcher():
-        _count_done(store)
+        _count_done(store, world)
         raise e
     where = failures.trace_to_log(slot, e, f"rank {slot}: fast recovery ended; torchrun's restart path")
     why = str(e) if isinstance(e, membership.LeftOut) else f"{type(e).__name__}: {failures.first_line(e)}"
@@ -463,13 +463,13 @@ def _note_dead_standby(store: JobStore, world: int) -> None:
             raise
 
 
-def _count_done(store) -> None:
-    """Count this rank out on the store (`membership.finish`: the last one out under etcd
-    removes the round's keys). When another rank stopped the job on purpose (a program's
+def _count_done(store, world: int) -> None:
+    """Count this rank out on the store of a job of `world` training slots
+    (`membership.finish`: the last one out under etcd removes the round's keys). When
+    another rank stopped the job on purpose (a program's
     error on the rank whose slot hosts the store), the store may be gone already: this
     rank then leaves quietly, as the launcher prints that rank's error."""
     try:
-        world = int(os.environ.get(membership.TRAINING_WORLD_ENV) or os.environ.get(TOTAL_SLOTS_ENV, "1"))
         membership.finish(store, world, int(os.environ.get(TOTAL_SLOTS_ENV, world)))
     except (RuntimeError, ConnectionError, TimeoutError):  # torch's DistNetworkError among them
         if not worker_notes.earlier_stop():
