@@ -355,16 +355,18 @@ SHRUNK = "shrunk"
 RESTART_PATH = "restart-path"
 
 
-def note_shrunk(world: int, lost: list[int], gen: int, spares: list[int] | tuple = ()) -> None:
+def note_shrunk(
+    world: int, lost: list[int], gen: int, spares: list[int] | tuple = (), joined: list[int] | tuple = ()
+) -> None:
     """Generation `gen` of the job runs in memory at `world` ranks without the slots
     `lost` (their supervisors stopped beating: a node is gone), hot-spare slots `spares`
-    in their places if any, for the launcher: its exit barrier waits for the agents
-    left, and its last line says so (`read_shrunk`). The newest note wins; none in
-    generation 0 (a new torchrun attempt, whole again) removes the note. A no-op
-    outside `disttrain run`."""
+    in their places if any, and with the slots `joined` of nodes that joined, for the
+    launcher: its exit barrier waits for the agents left, and its last line says so
+    (`read_shrunk`). The newest note wins; none in generation 0 (a new torchrun
+    attempt, whole again) removes the note. A no-op outside `disttrain run`."""
     folder = _folder()
-    if folder is not None and lost:
-        record = {"world": world, "lost": sorted(lost), "spares": sorted(spares)}
+    if folder is not None and (lost or joined):
+        record = {"world": world, "lost": sorted(lost), "spares": sorted(spares), "joined": sorted(joined)}
         _replace(folder / SHRUNK, json.dumps(record))
     elif folder is not None and gen == 0:
         (folder / SHRUNK).unlink(missing_ok=True)
@@ -385,8 +387,8 @@ def read_restart_path(folder: str | Path) -> dict | None:
 
 
 def read_shrunk(folder: str | Path) -> dict | None:
-    """The newest shrink this launch's ranks noted (`note_shrunk`): {"world", "lost",
-    "spares"}, or None."""
+    """The newest shrink or growth this launch's ranks noted (`note_shrunk`): {"world",
+    "lost", "spares", "joined"}, or None."""
     return _read_record(Path(folder) / SHRUNK)
 
 

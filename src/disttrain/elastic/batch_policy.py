@@ -20,6 +20,12 @@ def divisors_note(global_batch: int, batch_size: int) -> str:
     return ", ".join(map(str, worlds))
 
 
+def world_fits(policy: str, global_batch: int, batch_size: int, world_size: int) -> bool:
+    """Whether training can go on at `world_size` data-parallel ranks with the global
+    batch `global_batch` under `policy` (`apply_batch_policy` would not refuse it)."""
+    return policy != "keep_global" or global_batch % (batch_size * world_size) == 0
+
+
 def apply_batch_policy(
     policy: str,
     *,

@@ -28,6 +28,9 @@ import torch.distributed as dist
 
 STORE_ENV = "DISTTRAIN_FAST_STORE"
 """Set by `disttrain run` for fast recovery under the etcd rendezvous: `etcd://HOST:PORT`."""
+ROUND_ENV = "DISTTRAIN_FAST_ROUND"
+"""On a node that joined a running job (`elastic.join_node`): the job's round directory,
+which this node's own torchrun round does not name."""
 POLL_S = (0.002, 0.02)
 """A wait's first and longest poll interval."""
 
@@ -81,8 +84,8 @@ class EtcdStore(dist.Store):
                     return new
                 self.client.write(path, str(new), prevIndex=node.modifiedIndex)
                 return new
-            except (etcd.EtcdAlreadyExist, etcd.EtcdCompareFailed):
-                continue  # another rank wrote first: read again
+            except (etcd.EtcdAlreadyExist, etcd.EtcdCompareFailed, etcd.EtcdKeyNotFound):
+                continue  # another rank wrote first, or removed the key: read again
 
     def check(self, keys: list[str]) -> bool:
         return all(self._read(k) is not None for k in keys)
@@ -105,9 +108,14 @@ class EtcdStore(dist.Store):
             return False
 
     def remove_all(self) -> None:
-        """Delete this store's directory (the job is done with it)."""
+        """Delete this store's directory, and with it the run id's directory that holds
+        it (`round_prefix`: the rounds of a restarted run, the pointer a joining node
+        reads): the job is done with every one."""
+        path = self.prefix.rstrip("/")
+        parent = path.rsplit("/", 1)[0]
         try:
-            self.client.delete(self.prefix.rstrip("/"), recursive=True, dir=True)
+            run_dir = parent.startswith("/disttrain/fast/") and parent.count("/") == 3
+            self.client.delete(parent if run_dir else path, recursive=True, dir=True)
         except etcd.EtcdKeyNotFound:
             pass
 
@@ -119,14 +127,23 @@ def configured() -> str | None:
     return url.removeprefix("etcd://") or None
 
 
+def run_prefix(run_id: str) -> str:
+    """The directory of every round of the run `run_id`."""
+    return f"disttrain/fast/{run_id}"
+
+
 def round_prefix() -> str:
-    """This rendezvous round's directory: torchrun's run id and the round's master address."""
+    """This rendezvous round's directory: torchrun's run id and the round's master address
+    (on a node that joined: the job's, `ROUND_ENV`)."""
+    joined = os.environ.get(ROUND_ENV)
+    if joined:
+        return joined
     run_id = os.environ.get("TORCHELASTIC_RUN_ID", "none")
-    return f"disttrain/fast/{run_id}/{os.environ.get('MASTER_ADDR', '')}_{os.environ.get('MASTER_PORT', '')}"
+    return f"{run_prefix(run_id)}/{os.environ.get('MASTER_ADDR', '')}_{os.environ.get('MASTER_PORT', '')}"
 
 
-def connect(endpoint: str, timeout_s: float) -> EtcdStore:
-    """A store on the etcd at `endpoint` (HOST:PORT), in this round's directory."""
+def connect(endpoint: str, timeout_s: float, prefix: str | None = None) -> EtcdStore:
+    """A store on the etcd at `endpoint` (HOST:PORT), in this round's directory (or `prefix`)."""
     host, _, port = endpoint.rpartition(":")
     client = etcd.Client(host=host or "127.0.0.1", port=int(port), read_timeout=max(5, int(timeout_s)))
-    return EtcdStore(client, round_prefix(), datetime.timedelta(seconds=timeout_s))
+    return EtcdStore(client, prefix or round_prefix(), datetime.timedelta(seconds=timeout_s))

@@ -46,7 +46,7 @@ import torch
 import torch.distributed as dist
 
 from disttrain import runtime, worker_notes
-from disttrain.elastic import buddy_reshard, group_sockets, job_store, membership
+from disttrain.elastic import buddy_reshard, group_sockets, job_store, join_node, membership
 from disttrain.elastic.buddy_copy import BuddyCopy, pack, resharded_words, unpack
 from disttrain.elastic.job_store import JobStore
 from disttrain.errors import UserError
@@ -140,9 +140,10 @@ def join(store: JobStore, gen: int, slot: int, world: int, wait_s: float) -> tup
 
 
 def _standby(store: JobStore, world: int) -> list[int]:
-    """The hot-spare slots that could take a lost slot's place (`membership.standby_slots`)."""
+    """The hot-spare and joined slots that could take a lost slot's place
+    (`membership.standby_slots`); no store read in a job that has neither."""
     total = int(os.environ.get(TOTAL_SLOTS_ENV, world))
-    return membership.standby_slots(store, world, total) if total > world else []
+    return membership.standby_slots(store, world, total) if total > world or join_node.joinable() else []
 
 
 def _past(store: JobStore, gen: int) -> int:
@@ -181,6 +182,13 @@ class Handoff:
     held: dict = field(default_factory=dict)
     """After a shrink: old rank -> {step: pack} of the buddy copies this process held in
     the larger world (`elastic.buddy_reshard`); emptied once `restore` used them."""
+    members: list = field(default_factory=list)
+    """The slots of this generation, in rank order."""
+    total: int = 0
+    """torchrun's slot count: joined nodes' slots are numbered from it (`elastic.join_node`)."""
+    joinable: bool = False
+    """Whether nodes may join (the store is the etcd): `admit_joiners` then votes each step."""
+    _polled: float = 0.0
 
     def peer_gone(self) -> bool:
         """Whether a peer of this generation has died: a promoted spare bumped the
@@ -203,6 +211,30 @@ class Handoff:
         if self.buddy is not None and step > 0:
             state.step, state.epoch = step, getattr(state.sampler, "epoch", state.epoch)
             self.buddy.start(step, state, force=first)
+
+    def admit_joiners(self, step: int, state, fits: Callable[[int], bool]) -> None:
+        """At a step boundary after the committed `step` (the same one on every rank; not
+        the last), in a job nodes may join: rank 0 looks for ready joined slots at most
+        every `join_node.POLL_S` and admits as many as make a world that `fits` (the batch
+        policy: `join_node.fitting`); every rank learns it from one all-gather. When slots
+        are admitted, the buddy copy of `step` completes and every rank raises
+        `join_node.Regroup`: the next generation, with the joined slots, takes this state
+        from memory. A collective."""
+        if not self.joinable or self.store is None:
+            return
+        joiners: list[int] = []
+        if dist.get_rank() == 0 and time.monotonic() - self._polled >= join_node.POLL_S:
+            self._polled = time.monotonic()
+            joiners = join_node.fitting(join_node.ready(self.store, self.total, self.members), self.members, fits)
+            if joiners:
+                join_node.admit(self.store, self.members, joiners, step, self.gen)
+        if max(gather_ints(len(joiners))) == 0:
+            return
+        if self.buddy is not None:  # nobody died: the copy of this step completes on every rank
+            if step not in self.buddy.mine:
+                self.buddy.start(step, state, force=True)
+            self.buddy.finish()
+        raise join_node.Regroup(step)
 
     def attach_buddy(self, sharded: bool, every: int = 1) -> None:
         """Under a sharded strategy (each rank's state is its own: FSDP, ZeRO-1), keep a
@@ -341,7 +373,7 @@ def run(
     world = membership.training_world()
     os.environ.setdefault(TOTAL_SLOTS_ENV, os.environ["WORLD_SIZE"])
     os.environ["WORLD_SIZE"] = str(world)
-    handoff = Handoff(gen=0)
+    handoff = Handoff(gen=0, total=int(os.environ[TOTAL_SLOTS_ENV]), joinable=join_node.joinable())
     if nccl_expected(backend, device):
         # The survivors abort NCCL themselves (torch_compat.abort_process_groups); the NCCL
         # watchdog must not end them first.
@@ -353,9 +385,13 @@ def run(
         prepare(handoff)
     processes.freeze_long_lived(for_life=True)  # the imports' objects: no long pause in a recovery
     if is_spare():
+        if handoff.joinable and slot >= handoff.total:  # a joined node's slot: it may now be admitted
+            join_node.mark_ready(connect_store(timeout_s), slot)
         wait_for_promotion()
     store = connect_store(timeout_s)
     handoff.store = store
+    if handoff.joinable and slot == 0 and os.environ.get(ROLE_ENV) == "first":
+        join_node.publish(world, handoff.total)
     try:
         init = {"backend": backend, "device": device, "timeout_s": timeout_s, "seed": seed}
         result = _generations(body, handoff, slot, world, **init)
@@ -391,9 +427,12 @@ def _generations(
                 raise failure from timed_out
             raise
         _take_place(handoff, members.index(slot), len(members))
+        handoff.members = members
         # the launcher's exit barrier and last line; a new torchrun attempt starts whole
         lost = membership.gone(store) if gen > 0 else []
-        worker_notes.note_shrunk(len(members), lost, gen, spares=[s for s in members if s >= world])
+        total = handoff.total
+        spares, joined = [s for s in members if world <= s < total], [s for s in members if s >= total]
+        worker_notes.note_shrunk(len(members), lost, gen, spares=spares, joined=joined)
         handoff.gen = gen
         worker_notes.mark_step(0)  # a generation's start and recovery: no step in flight yet
         fault_injection.set_attempt(gen)  # a fault for attempt k fires once, in generation k
@@ -403,6 +442,9 @@ def _generations(
         processes.STATE.handoff = handoff
         try:
             return body(info, handoff)
+        except join_node.Regroup:  # joined slots admitted at a step boundary: nothing failed
+            handoff.snapshot()
+            failure = None
         except Exception as e:
             if slot not in membership.roster(store, world):  # whatever it raised: the job went on without it
                 raise membership.LeftOut(membership.left_out_words(slot, gen)) from None
@@ -454,7 +496,7 @@ def _note_dead_standby(store: JobStore, world: int) -> None:
     node's launcher the spare nodes lost while standing by (`membership.dead_standby`).
     A store gone because a peer stopped the job is left quietly, as in `_count_done`."""
     total = int(os.environ.get(TOTAL_SLOTS_ENV, world))
-    if total <= world:
+    if total <= world and not join_node.joinable():
         return
     try:
         worker_notes.note_standby_lost(membership.dead_standby(store, world, total))

@@ -44,7 +44,11 @@ class JobStore:
         job's seal (said once per key: a client outside the job wrote it)."""
         if not self.store.check([key]):
             return None
-        value = job_secret.open_sealed(self._secret, key, self.store.get(key))
+        try:
+            raw = self.store.get(key)
+        except LookupError:  # removed since the check (the last slot out removes the round's keys)
+            return None
+        value = job_secret.open_sealed(self._secret, key, raw)
         if value is not None:
             try:
                 return value.decode()

@@ -47,6 +47,9 @@ TRAINING_WORLD_ENV = "DISTTRAIN_TRAINING_WORLD"
 are hot spares (`--spare-nodes`). Set by `disttrain run` only when there are spares."""
 ROSTER_KEY = "disttrain/fast/roster"
 GONE_KEY = "disttrain/fast/gone"
+JOINED_KEY = "disttrain/fast/joined"
+"""How many slots nodes that joined the running job have taken (`elastic.join_node`):
+theirs are numbered from torchrun's slot count on, after the hot spares'."""
 LOST_KEY = "disttrain/fast/lost"
 """How many places the job has dropped (no spare took them): the store's host waits for
 the others to finish."""
@@ -116,10 +119,16 @@ def gone(store: JobStore) -> list[int]:
     return [] if text is None else [int(s) for s in json.loads(text)]
 
 
+def all_slots(store: JobStore, total: int) -> int:
+    """Every slot number the job has given: torchrun's `total`, then the joined nodes'."""
+    return total + store.add(JOINED_KEY, 0)
+
+
 def standby_slots(store: JobStore, world: int, total: int) -> list[int]:
-    """The hot-spare slots (`world` .. `total`) that are in no roster and not gone."""
+    """The hot-spare slots (`world` .. `total`) and the joined nodes' slots that are in no
+    roster and not gone."""
     taken = set(roster(store, world)) | set(gone(store))
-    return [s for s in range(world, total) if s not in taken]
+    return [s for s in range(world, all_slots(store, total)) if s not in taken]
 
 
 DONE_KEY = "disttrain/fast/done"

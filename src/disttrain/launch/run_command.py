@@ -81,6 +81,8 @@ from disttrain.errors import UserError
 from disttrain.guard import private_dir
 from disttrain.guard.script_watchdog import HANG_FLAG, take_hang_timeout
 from disttrain.launch import notes_watch, run_help, warm_workers
+from disttrain.launch.join_flags import JOIN_FLAG, take_join
+from disttrain.launch.join_flags import RUN_ENV as JOIN_RUN_ENV
 from disttrain.launch.worker_entry import LAUNCHER_ENV
 from disttrain.runtime import job_secret
 
@@ -336,6 +338,12 @@ def torchrun_for(argv: list[str], cfg: Config | None = None) -> Torchrun:
     flags, check_env = take_check_flags(flags)  # --check: the ranks install disttrain.check
     spare_nodes = _flag_value(flags, run_help.SPARE_NODES_FLAG)
     flags = _without(flags, run_help.SPARE_NODES_FLAG)
+    rdzv = (
+        _flag_value(flags, "--rdzv-backend", "--rdzv_backend"),
+        _flag_value(flags, "--rdzv-endpoint", "--rdzv_endpoint"),
+        _flag_value(flags, "--rdzv-id", "--rdzv_id"),
+    )
+    flags, join_env = take_join(flags, spare_nodes, rdzv)  # a node that joins a running job: standalone
     if not script:
         raise UserError(f"no script given. {run_help.USAGE}; disttrain run --help lists the flags.")
     flags = [
@@ -376,7 +384,7 @@ def torchrun_for(argv: list[str], cfg: Config | None = None) -> Torchrun:
         flags = ["--standalone"] + flags
     elif "--standalone" not in flags:
         flags = _elastic_flags(flags)
-    env = dict(DEFAULT_ENV, **hang_env, **check_env)
+    env = dict(DEFAULT_ENV, **hang_env, **check_env, **join_env)
     if debug:
         env.update(debug_env("nccl" if gpus else "gloo"))
     if nproc.isdigit() and nnodes.isdigit():
@@ -405,16 +413,17 @@ def torchrun_for(argv: list[str], cfg: Config | None = None) -> Torchrun:
         # each worker slot: a supervisor with the training process and a warm spare
         script = ["disttrain.launch.slot_supervisor", "disttrain.train.script_runner", *script]
         flags, is_module = flags + ["-m"], True
-    if spares and script[:1] != ["disttrain.launch.slot_supervisor"]:
+    if (spares or join_env) and script[:1] != ["disttrain.launch.slot_supervisor"]:
         raise UserError(
-            f"{run_help.SPARE_NODES_FLAG} needs fast recovery (a lost node's ranks are taken over in "
-            f"memory): set [elastic] fast_recovery = true in the config (-m disttrain.train, disttrain "
+            f"{run_help.SPARE_NODES_FLAG if spares else JOIN_FLAG} needs fast recovery (the state is handed over "
+            f"in memory): set [elastic] fast_recovery = true in the config (-m disttrain.train, disttrain "
             f"train), or pass --fast-recovery for a dt.Job script."
         )
     if cfg is not None and script[:1] == ["disttrain.launch.slot_supervisor"]:
         env[NODE_LEASE_ENV] = f"{cfg.elastic.node_lease_s:g}"
     if script[:1] == ["disttrain.launch.slot_supervisor"]:
-        secret = job_secret.for_job(str(int(nnodes) + spares) if spares else nnodes)  # the store's values carry it
+        # the store's values carry it; a joining node needs the job's
+        secret = job_secret.for_job("join" if join_env else str(int(nnodes) + spares) if spares else nnodes)
         if secret is not None:
             env[job_secret.SECRET_ENV] = secret
         if _flag_value(flags, "--rdzv-backend", "--rdzv_backend") == "etcd-v2" and endpoint:
@@ -498,6 +507,10 @@ def main(argv: list[str], launched: Launched | None = None) -> int:
 
     parse_faults(os.environ.get("DISTTRAIN_FAULT", ""))  # a typo fails here, not in every rank
     run = torchrun_for(argv, launched.cfg if launched else None)  # a user's mistake is refused first
+    if JOIN_RUN_ENV in run.env:  # a joining node: the job is found here, or one line says why not
+        from disttrain.elastic import join_node
+
+        join_node.find_job(run.env[JOIN_RUN_ENV], run.env[FAST_STORE_ENV].removeprefix("etcd://"))
     from disttrain.train.launcher_findings import Launched, handed
 
     if launched is None and run.cfg is not None:
@@ -674,9 +687,15 @@ def restart_path_line(left: dict, restarted: bool = True) -> str:
 
 
 def shrunk_line(shrunk: dict) -> str:
-    """The last line of a job that finished after losing a node in memory (`worker_notes.note_shrunk`):
-    shrunk, or with hot-spare slots in the lost ones' places."""
-    lost, spares = shrunk.get("lost"), shrunk.get("spares")
+    """The last line of a job that finished after losing a node in memory or admitting a
+    node that joined (`worker_notes.note_shrunk`): shrunk, with hot-spare slots in the
+    lost ones' places, or grown."""
+    lost, spares, joined = shrunk.get("lost"), shrunk.get("spares"), shrunk.get("joined")
+    if joined:
+        return (
+            f"finished at world {shrunk.get('world')}: slot(s) {joined} of nodes that joined were admitted in "
+            f"memory{f', rank(s) {lost} lost with their node,' if lost else ''} with no torchrun restart."
+        )
     if spares:
         return (
             f"finished at world {shrunk.get('world')}: rank(s) {lost} were lost with their node and hot-spare "

@@ -16,6 +16,11 @@ OWN_FLAGS = (
         "under fast recovery: K more nodes stand by, warm; one takes a lost node's ranks in memory",
     ),
     (
+        "--join",
+        "under fast recovery on etcd: this node joins the running job of the same command, admitted "
+        "at a step boundary without a restart",
+    ),
+    (
         f"{HANG_FLAG} S",
         "a rank stuck S seconds in one collective reports the hang and the job stops (default 600, 0: off)",
     ),

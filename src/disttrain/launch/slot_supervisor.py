@@ -55,6 +55,7 @@ MAX_PROMOTIONS = 1000
 STANDBY_POLL_S = 0.05
 """How often a hot-spare slot asks the store whether a roster names it."""
 TRAINING_WORLD_ENV = "DISTTRAIN_TRAINING_WORLD"  # elastic.membership's; not imported: that imports torch
+JOIN_RUN_ENV = "DISTTRAIN_JOIN_RUN"  # elastic.join_node.RUN_ENV: this node joins a running job
 STORE_LINGER_S = 60.0
 """How long the store's host waits for every rank to finish with it after its own
 training process is done."""
@@ -277,6 +278,24 @@ def _linger(store, world: int) -> None:
         time.sleep(0.05)
 
 
+def _joined_slot() -> tuple[int, int]:
+    """On a node that joins a running job (`disttrain run --join`): find the job, take this
+    slot's number past every slot it has (`elastic.join_node`) and point this process's
+    environment (its children's too) at the job's round. Returns (slot, the job's
+    training world): the slot stands by until the job admits it. Raises `UserError`
+    when no such job runs."""
+    from disttrain.elastic import etcd_store, job_store, join_node
+
+    job = join_node.find_job(os.environ[JOIN_RUN_ENV])
+    os.environ[etcd_store.ROUND_ENV] = job.round
+    store = job_store.connect(timeout_s=30)
+    local, nproc = int(os.environ["LOCAL_RANK"]), int(os.environ["LOCAL_WORLD_SIZE"])
+    slot = job.total + join_node.reserve(store, os.environ.get("TORCHELASTIC_RUN_ID", "none"), local, nproc) + local
+    os.environ.update({"RANK": str(slot), "WORLD_SIZE": str(job.total), TRAINING_WORLD_ENV: str(job.world)})
+    os.environ.pop("DISTTRAIN_EXPECTED_WORLD_SIZE", None)  # this node's count is not the job's
+    return slot, job.world
+
+
 def main(argv: list[str]) -> int:
     if not argv:
         print(
@@ -302,8 +321,13 @@ def main(argv: list[str]) -> int:
     # interpreter's imports. Without a server the stub runs the module itself.
     warm = ["disttrain.launch.warm_workers"] if os.environ.get(WARM_SOCKET_ENV) else []
     processes.name_worker("slot")
-    world = int(os.environ.get(TRAINING_WORLD_ENV) or os.environ["WORLD_SIZE"])
-    return supervise([sys.executable, "-m", *warm, *argv], int(os.environ["RANK"]), world)
+    try:
+        rank, world = _joined_slot() if os.environ.get(JOIN_RUN_ENV) else (int(os.environ["RANK"]), 0)
+    except UserError as e:
+        print(f"disttrain: {e}", file=sys.stderr)
+        return 2
+    world = world or int(os.environ.get(TRAINING_WORLD_ENV) or os.environ["WORLD_SIZE"])
+    return supervise([sys.executable, "-m", *warm, *argv], rank, world)
 
 
 if __name__ == "__main__":

@@ -36,7 +36,7 @@ import dataclasses
 import os
 import signal
 import sys
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -52,6 +52,7 @@ from disttrain.config.hf_model_config import hf_section
 from disttrain.config.tp_rules import dp_coordinates
 from disttrain.data import ElasticSampler
 from disttrain.elastic import PreemptionHandler, SampleAudit, fast_recovery, generation_id
+from disttrain.elastic.batch_policy import world_fits
 from disttrain.errors import UserError
 from disttrain.guard import RunGuard, start_guard
 from disttrain.parallel import unwrap, wrap
@@ -355,6 +356,13 @@ class Job:
         """(data-parallel rank, size): the ranks of one TP group read the same batches."""
         info = self.info
         return dp_coordinates(info.rank, info.world_size, self.cfg.parallel.tp)
+
+    def _world_fits(self, sampler, acc) -> Callable[[int], bool]:
+        """Whether the job can go on at a world of N ranks: whole TP groups, and a
+        data-parallel size the batch policy keeps this run's global batch at."""
+        tp, policy = self.cfg.parallel.tp, self.cfg.elastic.batch_policy
+        global_batch = sampler.batch_size * self._data_parallel()[1] * acc.accum_steps
+        return lambda world: world % tp == 0 and world_fits(policy, global_batch, sampler.batch_size, world // tp)
 
     def _records_samples(self) -> bool:
         """One rank of each TP group records its group's samples (`elastic.record_samples`)."""
@@ -812,6 +820,8 @@ class Job:
                 saving.after_step(self.step, stopping)
                 if stopping or self.step >= max_steps:
                     break
+                if self._handoff is not None:  # a node that joined is admitted here (a new generation)
+                    self._handoff.admit_joiners(self.step, t.state, self._world_fits(data.sampler, acc))
         self._finish(started, t, looping, stopping)
 
     def _finish(self, started: _Started, t: _Training, looping: _Looping, stopping: bool) -> None:

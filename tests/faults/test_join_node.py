@@ -1,0 +1,128 @@
+"""A node that joins a running fast-recovery job (`disttrain run --join`): admitted at a
+step boundary, its state from the running ranks' memory, no torchrun restart. Real
+agents on one host under the etcd rendezvous; every wait has a timeout."""
+
+from __future__ import annotations
+
+import os
+import re
+import shutil
+import signal
+import time
+from collections import Counter
+
+import pytest
+from elastic_helpers import audit_timeline, kill_node, load_params, metrics, run_trainer, start, trainer_cmd, wait_for
+
+from disttrain.elastic import etcd_store, join_node
+from disttrain.errors import UserError
+from disttrain.launch.etcd_server import EtcdServer
+from disttrain.launch.join_flags import RUN_ENV, take_join
+from disttrain.launch.run_command import shrunk_line, torchrun_for
+
+STEPS, STOP_AT = 24, 8
+SECRET = "ab" * 32
+JOB = ("--elastic.fast_recovery=true", "--checkpoint.every=4", "--checkpoint.keep_last=10",
+       "--train.batch_size=2", "--train.accum_steps=2", "--parallel.strategy=fsdp")
+
+
+def _ready(endpoint: str, slots: list[int]) -> bool:
+    job = join_node.find_job("grow", endpoint, wait_s=5)
+    store = etcd_store.connect(endpoint, 5, prefix=job.round)
+    return all(store.add(f"disttrain/fast/ready/{s}", 0) > 0 for s in slots)
+
+
+def test_a_node_joins_a_running_job_in_memory_as_a_restart_from_disk_would(tmp_path, monkeypatch):
+    """A 1 x 2 FSDP job (global batch 8: 2 ranks x 2 samples x 2 micro-batches); rank 0
+    is stopped (SIGSTOP) before step 8's update until a second node of 2 slots, started
+    with the job's own command plus --join, stands by warm; then it goes on. The joined
+    slots are admitted after step 8: world 4, the shards resharded from the buddy copies
+    in memory, accumulation 2 -> 1 keeping the global batch. Both agents end by themselves
+    with the line that says so; every sample once; and the final weights equal a restart
+    from the disk at world 4 from step 8's checkpoint, bit for bit. A node with another
+    secret is told so at once."""
+    monkeypatch.setenv("DISTTRAIN_JOB_SECRET", SECRET)
+    out = tmp_path / "grown"
+    with EtcdServer().start() as server:
+        flags = ("--nnodes", "1", "--nproc", "2", "--rdzv-backend", "etcd", "--rdzv-endpoint", server.endpoint,
+                 "--rdzv-id", "grow")
+        cmd = trainer_cmd(out, f"--train.steps={STEPS}", *JOB, run_flags=flags)
+        logs = [tmp_path / "job.txt", tmp_path / "joiner.txt"]
+        env = {"DISTTRAIN_JOB_SECRET": SECRET, "DISTTRAIN_FAULT": f"stop@step:rank=0,step={STOP_AT}"}
+        nodes = [start(cmd, logs[0], **env)]
+        try:
+            wait_for(lambda: "rank 0 (local rank 0) is pid" in logs[0].read_text(), 120, "the job's start", logs)
+            rank0 = int(re.search(r"rank 0 \(local rank 0\) is pid (\d+)", logs[0].read_text()).group(1))
+            monkeypatch.setenv("DISTTRAIN_JOB_SECRET", "cd" * 32)
+            with pytest.raises(UserError, match="another DISTTRAIN_JOB_SECRET"):
+                join_node.find_job("grow", server.endpoint, wait_s=60)
+            monkeypatch.setenv("DISTTRAIN_JOB_SECRET", SECRET)
+            nodes.append(start(cmd[:4] + ["--join"] + cmd[4:], logs[1], **env))
+            wait_for(lambda: _ready(server.endpoint, [2, 3]), 150, "the joined slots' warm spares", logs)
+            time.sleep(0.5)  # past the job's next look for ready slots
+            os.kill(rank0, signal.SIGCONT)
+            for node, log in zip(nodes, logs, strict=True):
+                assert node.wait(timeout=150) == 0, log.read_text()[-4000:]
+        finally:
+            for node in nodes:
+                kill_node(node)
+    text = logs[0].read_text()
+    assert f"slot(s) [2, 3] of a node that joined are admitted after step {STOP_AT}" in text
+    assert f"step {STOP_AT} resharded from the buddy copies in memory" in text
+    assert "accum_steps 2 -> 1 keeps the global batch at 8" in text
+    assert "will restart worker group" not in text and "loading the newest checkpoint" not in text
+    for log in logs:
+        assert log.read_text().rstrip().splitlines()[-1] == (
+            "disttrain run: finished at world 4: slot(s) [2, 3] of nodes that joined were admitted in memory "
+            "with no torchrun restart.")
+    timeline = audit_timeline(out)
+    assert sorted(timeline) == list(range(1, STEPS + 1)) and all(len(v) == 8 for v in timeline.values())
+    assert max(Counter(i for v in timeline.values() for i in v).values()) == 1  # one epoch: each sample once
+    assert {m["step"] for m in metrics(out)} == set(range(1, STEPS + 1))
+    # the disk's way to the same world: step 8's checkpoint resumed by 4 ranks
+    ref = tmp_path / "ref"
+    (ref / "checkpoints").mkdir(parents=True)
+    step8 = next(p for p in (out / "checkpoints").iterdir() if p.name.endswith(f"{STOP_AT:08d}"))
+    shutil.copytree(step8, ref / "checkpoints" / step8.name)
+    run_trainer(ref, f"--train.steps={STEPS}", *JOB[1:], run_flags=("--nproc", "4"))
+    got, want = load_params(out / "model.pt"), load_params(ref / "model.pt")
+    assert got.keys() == want.keys() and all((got[k] == want[k]).all() for k in got)
+
+
+@pytest.mark.parametrize("flags, words", [
+    (["--join", "--nnodes", "2", "--rdzv-endpoint", "h:1", "--rdzv-id", "x"], "the etcd rendezvous"),
+    (["--join", "--rdzv-backend", "etcd", "--rdzv-endpoint", "h:1"], "--rdzv-id ID"),
+    (["--join", "--rdzv-backend", "etcd", "--rdzv-endpoint", "h:1", "--rdzv-id", "x", "--spare-nodes", "1"],
+     "leave out --spare-nodes"),
+])
+def test_join_refuses_what_cannot_find_the_job(flags, words):
+    with pytest.raises(UserError, match=re.escape(words)):
+        torchrun_for([*flags, "-m", "disttrain.train", "examples/tiny_gpt.toml", "--elastic.fast_recovery=true"])
+
+
+def test_join_runs_its_own_torchrun_pointed_at_the_job():
+    """The joining node's torchrun takes none of the job's node flags (it would enter the
+    job's rendezvous and restart every worker); its slots are told the job's run id and etcd."""
+    flags = ["--join", "--nnodes=2", "--nproc", "2", "--rdzv-backend", "etcd", "--rdzv_endpoint", "h:2379",
+             "--rdzv-id", "job7", "--max-restarts", "3"]
+    kept, env = take_join(flags, None, ("etcd", "h:2379", "job7"))
+    assert kept == ["--nproc", "2", "--max-restarts", "3"]
+    assert env[RUN_ENV] == "job7" and env["DISTTRAIN_FAST_STORE"] == "etcd://h:2379"
+    assert take_join(["--nproc", "2"], None, (None, None, None)) == (["--nproc", "2"], {})
+
+
+@pytest.mark.parametrize("members, joiners, fits_world, admitted", [
+    ([0, 1], [2, 3], lambda w: w in (1, 2, 4), [2, 3]),
+    ([0, 1], [2, 3], lambda w: w in (1, 2, 3), [2]),  # one of a node's slots: the other stands by
+    ([0, 1], [2, 3], lambda w: w in (1, 2), []),
+])
+def test_joined_slots_are_admitted_only_as_far_as_the_batch_policy_allows(members, joiners, fits_world, admitted):
+    assert join_node.fitting(joiners, members, fits_world) == admitted
+
+
+def test_the_last_line_of_a_grown_job():
+    line = shrunk_line({"world": 4, "lost": [], "spares": [], "joined": [2, 3]})
+    assert line == "finished at world 4: slot(s) [2, 3] of nodes that joined were admitted in memory with no " \
+        "torchrun restart."
+    both = shrunk_line({"world": 4, "lost": [1], "spares": [], "joined": [4, 5]})
+    assert "rank(s) [1] lost with their node" in both and "[4, 5] of nodes that joined" in both
