@@ -26,6 +26,8 @@ class ProcessState:
     """Whether process_group registered its at-exit release of `lingering_groups`."""
     thaw_at_shutdown: bool = False
     """`freeze_long_lived` made the first freeze: `thaw_long_lived` may undo it."""
+    frozen: bool = False
+    """`freeze_long_lived` has frozen since the last thaw (the count is not 0: no need to walk it)."""
     handoff: Any = None
     """elastic.fast_recovery.Handoff of the generation running now (fast_recovery.run)."""
     watchdog: Any = None

@@ -123,9 +123,10 @@ def freeze_long_lived(*, for_life: bool = False) -> None:
     each optimizer when it is built instead, and sees one built before a freeze."""
     if for_life:
         STATE.thaw_at_shutdown = False  # an earlier freeze is now for life as well
-    elif gc.get_freeze_count() == 0:
+    elif not STATE.frozen and gc.get_freeze_count() == 0:  # (the count walks every frozen object)
         STATE.thaw_at_shutdown = True  # the first freeze is ours: nothing else counts on it
     gc.freeze()
+    STATE.frozen = True
 
 
 def thaw_long_lived() -> bool:
@@ -133,6 +134,6 @@ def thaw_long_lived() -> bool:
     the process is frozen for life (see there). Returns whether it thawed."""
     if not STATE.thaw_at_shutdown:
         return False
-    STATE.thaw_at_shutdown = False
+    STATE.thaw_at_shutdown = STATE.frozen = False
     gc.unfreeze()
     return True
