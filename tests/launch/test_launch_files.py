@@ -295,6 +295,44 @@ def test_k8s_spares_run_a_fixed_world_with_the_job_secret_from_a_secret(tmp_path
     job_secret.from_env({job_secret.SECRET_ENV: value})  # what the pods get: 16 bytes or more, hex
 
 
+def test_k8s_join_is_one_job_of_the_workers_pod_whose_run_joins_the_job(tmp_path, capsys, monkeypatch):
+    """--join: only a Job, whose pod is the PyTorchJob worker's (image, mounts, resources,
+    the Secret's job secret) running the worker's command plus --join (less --spare-nodes,
+    which a joining node's run refuses); `disttrain run` makes of that command a standalone
+    torchrun pointed at the job's run id and etcd."""
+    import kubernetes_validate
+
+    from disttrain.config import load_config
+    from disttrain.launch import join_flags
+    from disttrain.launch.run_command import torchrun_for
+
+    flags = ("--nodes", "3", "--spare-nodes", "1", "--gpus-per-node", "8", "--image", "registry.example/t:1",
+             "--pvc", "claim", "--namespace", "team-a")
+    pytorchjob = [d for d in yaml.safe_load_all(_write(tmp_path, capsys, "k8s", *flags, fast=True)) if d][3]
+    monkeypatch.chdir(tmp_path)
+    for _ in range(2):  # written again, its own earlier file is replaced
+        rc, err = _cli(capsys, "launch-file", "k8s", "fast_job.toml", *flags, "--join")
+        assert rc == 0 and "kubectl create -f fast-job-join.yaml (each create adds one node" in err, err
+    text = (tmp_path / "fast-job-join.yaml").read_text()
+    docs = [d for d in yaml.safe_load_all(text) if d]
+    assert [d["kind"] for d in docs] == ["Job"]  # no etcd, ConfigMap, Secret or PyTorchJob again
+    kubernetes_validate.validate(docs[0], K8S_VERSION, strict=True)
+    assert "each `kubectl create -f` of this file adds one more node" in text.lower()
+    assert docs[0]["metadata"]["generateName"] == "fast-job-join-" and docs[0]["metadata"]["namespace"] == "team-a"
+    pod, worker = docs[0]["spec"]["template"], pytorchjob["spec"]["pytorchReplicaSpecs"]["Worker"]["template"]
+    command, job_command = pod["spec"]["containers"][0].pop("command"), worker["spec"]["containers"][0].pop("command")
+    i = job_command.index("--spare-nodes")
+    assert command == [*job_command[:2], "--join", *job_command[2:i], *job_command[i + 2:]]
+    assert pod["spec"].pop("restartPolicy") == "Never" and pod == worker  # the rest of the pod is the worker's
+    ref = {"secretKeyRef": {"name": "fast-job-job-secret", "key": "secret"}}
+    assert pod["spec"]["containers"][0]["env"] == [{"name": job_secret.SECRET_ENV, "valueFrom": ref}]
+    monkeypatch.setenv(job_secret.SECRET_ENV, "ab" * 32)  # what the Secret gives the pod
+    run = torchrun_for(command[2:], load_config(tmp_path / "fast_job.toml"))
+    assert "--standalone" in run.args and not {"--nnodes", "--rdzv-id", "--rdzv-endpoint"} & set(run.args)
+    assert run.env[join_flags.RUN_ENV] == "fast-job"
+    assert run.env[join_flags.FAST_STORE_ENV] == "etcd://fast-job-etcd:2379"
+
+
 @pytest.mark.parametrize("breakage", ["unknown elastic field", "replicas as text", "bad pod field"])
 def test_a_broken_pytorchjob_fails_the_schema(tmp_path, capsys, breakage):
     job = _k8s(tmp_path, capsys)[3]
@@ -319,11 +357,25 @@ def test_a_broken_pytorchjob_fails_the_schema(tmp_path, capsys, breakage):
     (["slurm", "--nodes", "2", "--spare-nodes", "1"], "set [elastic] fast_recovery = true in"),
     (["slurm", "--nodes", "2", "--spare-nodes", "-1"], "--spare-nodes is -1"),
     (["k8s", "--nodes", "4", "--min-nodes", "2", "--spare-nodes", "1", "--image", "x"], "drop --min-nodes"),
+    (["k8s", "--nodes", "2", "--image", "x", "--join"], "--join needs fast recovery"),
 ])
 def test_launch_file_mistakes_are_one_line(tmp_path, capsys, flags, message):
     cfg = tmp_path / "c.toml"
     cfg.write_text(TINY.format(out=tmp_path / "out"))
     rc, err = _cli(capsys, "launch-file", flags[0], str(cfg), *flags[1:], "-o", str(tmp_path / "x"))
+    assert rc == 2 and message in err, err
+    assert len(err.strip().splitlines()) == 1 and not (tmp_path / "x").exists()
+
+
+@pytest.mark.parametrize("flags, message", [
+    (["slurm", "--nodes", "2"], "--join is for k8s: the sbatch file's c10d rendezvous lives on the job's first node"),
+    (["k8s", "--nodes", "4", "--min-nodes", "2", "--image", "x"], "drop --min-nodes"),
+    (["k8s", "--nodes", "1", "--image", "x"], "a one-node job's launcher makes its own"),
+])
+def test_join_refuses_what_no_node_could_join_in_one_line(tmp_path, capsys, flags, message):
+    cfg = tmp_path / "c.toml"
+    cfg.write_text(TINY.format(out=tmp_path / "out") + FAST)
+    rc, err = _cli(capsys, "launch-file", flags[0], str(cfg), *flags[1:], "--join", "-o", str(tmp_path / "x"))
     assert rc == 2 and message in err, err
     assert len(err.strip().splitlines()) == 1 and not (tmp_path / "x").exists()
 

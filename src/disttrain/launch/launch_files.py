@@ -8,6 +8,10 @@ k8s:   a Kubeflow PyTorchJob (kubeflow.org/v1) with elastic min..max replicas, a
        Deployment and Service for torch's etcd-v2 rendezvous, and a ConfigMap holding the
        TOML; `--pvc CLAIM` mounts a shared volume for the run's output and checkpoints.
 
+`--join` (k8s, under `[elastic] fast_recovery`): instead, the manifest of one node that
+joins the running PyTorchJob of the same --name and config (`launch.join_file`); each
+`kubectl create -f NAME-join.yaml` adds one node. The sbatch file cannot be joined.
+
 `--spare-nodes K` (under `[elastic] fast_recovery`) adds K hot-spare nodes to a fixed
 world of --nodes N: both files start N + K nodes that each run `disttrain run --nnodes N
 --spare-nodes K`. Fast recovery on more than one node needs one DISTTRAIN_JOB_SECRET on
@@ -16,7 +20,7 @@ the user creates (the command is in the file and printed); its value is never wr
 
 The config is loaded and validated first, so a typo fails here, not on the cluster.
 Every mistake is a `UserError` naming the flag. The file is written to --output
-(default NAME.sbatch / NAME.yaml); `-o -` prints it. The k8s file is one JSON document
+(default NAME.sbatch / NAME.yaml / NAME-join.yaml); `-o -` prints it. The k8s file is one JSON document
 per object, separated by `---`: JSON is YAML, and it needs no YAML library.
 """
 
@@ -31,6 +35,7 @@ from pathlib import Path
 
 from disttrain.config.paths import output_file
 from disttrain.errors import UserError
+from disttrain.launch.join_file import check_join, join_manifest
 from disttrain.launch.launch_templates import (
     ETCD_NOTE,
     POD_CONFIG,
@@ -80,6 +85,9 @@ def _parser() -> argparse.ArgumentParser:
     p.add_argument("--etcd-image", default=DEFAULT_ETCD_IMAGE)
     p.add_argument("--namespace", default="")
     p.add_argument("--pvc", default="", help="k8s: a ReadWriteMany claim for output and checkpoints")
+    p.add_argument(
+        "--join", action="store_true", help="k8s: one node that joins the running job (kubectl create -f per node)"
+    )
     p.add_argument("-o", "--output", default="", help="file to write; '-' prints it")
     return p
 
@@ -124,6 +132,7 @@ def spec_from(ns: argparse.Namespace) -> tuple[LaunchSpec, str]:
     cfg = load_config(ns.config)  # ConfigError names the file and the key
     if ns.nodes < 1:
         raise UserError(f"--nodes is {ns.nodes}; a job needs at least one node.")
+    check_join(ns, cfg.elastic.fast_recovery)
     min_nodes = ns.nodes if ns.min_nodes is None else ns.min_nodes
     if not 1 <= min_nodes <= ns.nodes:
         raise UserError(f"--min-nodes {min_nodes} must be between 1 and --nodes {ns.nodes}.")
@@ -234,6 +243,8 @@ def render(ns: argparse.Namespace) -> tuple[str, str, str]:
     spec, toml_text = spec_from(ns)
     if ns.kind == "slurm":
         return sbatch(spec), f"{spec.name}.sbatch", ""
+    if ns.join:  # the job's file made the etcd, the ConfigMap and the PyTorchJob; the user, the Secret
+        return join_manifest(spec), f"{spec.name}-join.yaml", ""
     service, deployment = etcd_objects(spec)
     job = pytorchjob(spec)
     notes = {id(deployment): ETCD_NOTE}  # YAML comments: the JSON documents cannot hold one
@@ -271,6 +282,8 @@ def main(argv: list[str]) -> int:
     except OSError as e:
         raise UserError(f"cannot write -o {out}: {e.strerror or e}.") from None
     how = f"sbatch {out}" if ns.kind == "slurm" else f"kubectl apply -f {out}"
+    if ns.join:
+        how = f"kubectl create -f {out} (each create adds one node to the running job)"
     how = f"{secret_step}; then submit with: {how}" if secret_step else f"submit with: {how}"
     print(f"disttrain launch-file: wrote {out}; {how}", file=sys.stderr)
     return 0
