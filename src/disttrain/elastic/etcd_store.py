@@ -13,7 +13,8 @@ rendezvous on it (gloo's keys through a `PrefixStore`), and `elastic.job_store` 
 the values the ranks write for each other, as on the TCP store. Keys are stored
 base64url-encoded (one flat directory), values base64-encoded (etcd v2 values are
 text). `add` is a compare-and-swap on etcd's modification index, retried at once on a
-conflict; a wait polls the key every few milliseconds.
+conflict; a wait polls the key every 2 to 5 milliseconds (a new group's rendezvous is a
+chain of such waits, and each is on a recovery's critical path).
 """
 
 from __future__ import annotations
@@ -31,7 +32,7 @@ STORE_ENV = "DISTTRAIN_FAST_STORE"
 ROUND_ENV = "DISTTRAIN_FAST_ROUND"
 """On a node that joined a running job (`elastic.join_node`): the job's round directory,
 which this node's own torchrun round does not name."""
-POLL_S = (0.002, 0.02)
+POLL_S = (0.002, 0.005)
 """A wait's first and longest poll interval."""
 
 
