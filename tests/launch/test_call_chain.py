@@ -6,13 +6,15 @@ worker."""
 from __future__ import annotations
 
 import pytest
+from conftest import built_once
 
 from bench.call_chain import chain, measure
 
 
 @pytest.fixture(scope="module")
-def chains() -> dict[str, list[str]]:
-    return measure(timeout=300)
+def chains(tmp_path_factory) -> dict[str, list[str]]:
+    # Once per test session: each test worker that runs one of these tests would run it again.
+    return built_once(tmp_path_factory, "call-chain", lambda _: measure(timeout=300))
 
 
 def test_the_worker_reaches_the_optimizer_step_in_at_most_4_files(chains):

@@ -15,6 +15,7 @@ transformers = pytest.importorskip("transformers")
 
 from disttrain.checkpoint import export  # noqa: E402
 from disttrain.checkpoint.hf_export import export_hf  # noqa: E402
+from disttrain.cli import main as cli  # noqa: E402
 from disttrain.errors import UserError  # noqa: E402
 from disttrain.parallel.blocks import find_blocks  # noqa: E402
 from disttrain.train.hf_models import HFCausalLM, build_hf_model  # noqa: E402
@@ -59,11 +60,12 @@ def test_gpt2_from_config_trains_under_fsdp_through_the_toml(toml_run):
     assert summary["strategy"] == "fsdp" and summary["world_size"] == 2
 
 
-def test_hf_export_of_the_toml_run_has_identical_logits(toml_run, tmp_path):
+def test_hf_export_of_the_toml_run_has_identical_logits(toml_run, tmp_path, capsys):
     step = _step_dir(toml_run / "checkpoints")
-    proc = run_disttrain(["ckpt", "export", str(toml_run / "checkpoints"), "--hf", str(tmp_path / "hf")])
-    assert proc.returncode == 0, proc.stderr
-    assert "from_pretrained" in proc.stdout
+    # `disttrain ckpt export` in this process: a subprocess would import torch and
+    # transformers again for a command that starts no worker.
+    assert cli(["ckpt", "export", str(toml_run / "checkpoints"), "--hf", str(tmp_path / "hf")]) == 0
+    assert "from_pretrained" in capsys.readouterr().out
     exported = transformers.AutoModelForCausalLM.from_pretrained(tmp_path / "hf")
     # The model rebuilt from the final checkpoint: its config, the prefix-free weights.
     model_section = json.loads((step / "state.json").read_text())["config"]["model"]
@@ -142,7 +144,7 @@ def test_model_pt_of_an_hf_run_loads_strict_into_the_hf_class(toml_run):
     assert torch.equal(model.transformer.wte.weight, state["transformer.wte.weight"])
 
 
-def test_export_hf_of_a_job_checkpoint_of_a_hugging_face_model(tmp_path):
+def test_export_hf_of_a_job_checkpoint_of_a_hugging_face_model(tmp_path, capsys):
     """A dt.Job script that trains a Hugging Face model it built itself: `disttrain ckpt
     export --hf` of its checkpoint gives the trained model's logits exactly (it used to
     refuse: "not a Hugging Face model")."""
@@ -159,8 +161,8 @@ def test_export_hf_of_a_job_checkpoint_of_a_hugging_face_model(tmp_path):
         job.resume(model=model, optimizer=opt)
         for (ids,) in job.steps(loader, max_steps=3):
             job.backward(model(input_ids=ids, labels=ids).loss)
-    proc = run_disttrain(["ckpt", "export", str(tmp_path / "checkpoints"), "--hf", str(tmp_path / "hf")])
-    assert proc.returncode == 0, proc.stdout[-2000:] + proc.stderr[-2000:]
+    code = cli(["ckpt", "export", str(tmp_path / "checkpoints"), "--hf", str(tmp_path / "hf")])
+    assert code == 0, capsys.readouterr()
     exported = transformers.AutoModelForCausalLM.from_pretrained(tmp_path / "hf")
     assert type(exported).__name__ == "LlamaForCausalLM"
     trained = dt.unwrap(model)
@@ -191,7 +193,7 @@ tensorboard = false
 """
 
 
-def test_a_llama_trained_at_tp2_dp2_through_the_cli_exports_with_the_same_logits(tmp_path):
+def test_a_llama_trained_at_tp2_dp2_through_the_cli_exports_with_the_same_logits(tmp_path, capsys):
     """A local Llama folder (model.hf_path) trained by `disttrain train` at tp 2 x dp 2
     under FSDP with its own published plan; `ckpt export --hf` of the TP checkpoint
     loads with from_pretrained and gives the logits of the run's own final weights.
@@ -210,8 +212,8 @@ def test_a_llama_trained_at_tp2_dp2_through_the_cli_exports_with_the_same_logits
     step = _step_dir(tmp_path / "ckpt")
     chunks = read_metadata(step).state_dict_metadata["model.hf.model.layers.0.self_attn.o_proj.weight"].chunks
     assert {c.offsets[1] for c in chunks} == {0, 16}  # o_proj (rowwise) was saved split by its inputs
-    proc = run_disttrain(["ckpt", "export", str(tmp_path / "ckpt"), "--hf", str(tmp_path / "hf")])
-    assert proc.returncode == 0, proc.stdout[-2000:] + proc.stderr[-2000:]
+    code = cli(["ckpt", "export", str(tmp_path / "ckpt"), "--hf", str(tmp_path / "hf")])
+    assert code == 0, capsys.readouterr()
     exported = transformers.AutoModelForCausalLM.from_pretrained(tmp_path / "hf")
     trained = transformers.LlamaForCausalLM(config)
     trained.load_state_dict(torch.load(tmp_path / "run" / "model.pt", weights_only=True), strict=True)

@@ -6,22 +6,38 @@ that torchrun's pass through, `disttrain --version` prints the version."""
 from __future__ import annotations
 
 import dataclasses
+import warnings
 
 import pytest
 from conftest import run_disttrain
 
+from disttrain import cli
 from disttrain.cli import COMMANDS
 from disttrain.config.key_docs import config_keys
 from disttrain.config.schema import Config
 from disttrain.version import __version__
 
 
+def _help(argv: list[str], capsys) -> tuple[int, str, str]:
+    """`disttrain ARGV` in this process (a `--help` starts nothing: a subprocess would only
+    import torch again; `python -m disttrain.cli` itself is run by the tests below):
+    (exit status, stdout, stderr), warnings counted as stderr."""
+    with warnings.catch_warnings(record=True) as said:
+        warnings.simplefilter("always")
+        try:
+            code = cli.main(argv)
+        except SystemExit as e:  # argparse's --help
+            code = e.code if isinstance(e.code, int) else 1
+    out, err = capsys.readouterr()
+    return code, out, err + "".join(f"{w.category.__name__}: {w.message}\n" for w in said)
+
+
 @pytest.mark.parametrize("command", sorted(COMMANDS))
-def test_help_of_every_command_exits_0_and_lists_its_options(command):
-    proc = run_disttrain([command, "--help"], timeout=120)
-    assert proc.returncode == 0, proc.stderr
-    assert proc.stdout.startswith("usage: disttrain " + command), proc.stdout[:200]
-    assert "--" in proc.stdout and proc.stderr == "", proc.stderr
+def test_help_of_every_command_exits_0_and_lists_its_options(command, capsys):
+    code, out, err = _help([command, "--help"], capsys)
+    assert code == 0, err
+    assert out.startswith("usage: disttrain " + command), out[:200]
+    assert "--" in out and err == "", err
 
 
 def test_version_prints_the_package_version():
@@ -34,8 +50,8 @@ def _schema_keys() -> list[tuple[str, dataclasses.Field]]:
             for f in dataclasses.fields(s.default_factory())]
 
 
-def test_train_help_names_every_key_of_the_schema_with_type_default_and_meaning():
-    lines = run_disttrain(["train", "--help"], timeout=60).stdout.splitlines()
+def test_train_help_names_every_key_of_the_schema_with_type_default_and_meaning(capsys):
+    lines = _help(["train", "--help"], capsys)[1].splitlines()
     by_key = {line.split()[0]: line for line in lines if line.startswith("  ") and "." in line.split()[0]}
     missing = [key for key, _ in _schema_keys() if key not in by_key]
     assert missing == []
@@ -66,8 +82,8 @@ def test_a_key_added_to_the_schema_appears_in_the_help(monkeypatch):
     assert (doc.type, doc.default, doc.meaning) == ("int", 9, "How fast the run goes.")
 
 
-def test_run_help_shows_its_own_flags_and_that_torchrun_flags_pass_through():
-    out = run_disttrain(["run", "--help"], timeout=120).stdout
+def test_run_help_shows_its_own_flags_and_that_torchrun_flags_pass_through(capsys):
+    out = _help(["run", "--help"], capsys)[1]
     for flag in ("--nproc", "--fast-recovery", "--hang-timeout", "--debug"):
         assert f"  {flag}" in out
     assert "Every torchrun flag passes through unchanged" in out

@@ -15,6 +15,7 @@ import sys
 from pathlib import Path
 
 import pytest
+from conftest import built_once
 
 import disttrain as dt
 from disttrain import cli
@@ -24,11 +25,16 @@ ROOT = Path(__file__).resolve().parents[2]
 
 @pytest.fixture(scope="module")
 def site(tmp_path_factory) -> Path:
-    """The site, built once with --strict; any proxy points at a closed port, so a
-    plugin or theme that fetched something at build time would fail the build."""
+    """The site, built once per test session (`built_once`: each test worker that runs
+    one of this module's tests would build it again) with --strict; any proxy points at
+    a closed port, so a plugin or theme that fetched something at build time would fail
+    the build."""
     if importlib.util.find_spec("mkdocstrings_handlers") is None:
         pytest.fail('mkdocs is not installed: pip install -e ".[test]" (or ".[docs]")')
-    out = tmp_path_factory.mktemp("site")
+    return built_once(tmp_path_factory, "docs-site", _build)
+
+
+def _build(out: Path) -> Path:
     closed = "http://127.0.0.1:9"
     env = dict(os.environ, NO_MKDOCS_2_WARNING="1", HTTP_PROXY=closed, HTTPS_PROXY=closed,
                http_proxy=closed, https_proxy=closed, ALL_PROXY=closed, NO_PROXY="", no_proxy="",

@@ -150,6 +150,31 @@ def test_the_compat_module_says_where_it_was_checked():
             assert "Checked on" in doc and ("allback" in doc or "No fallback" in doc), fn.name
 
 
+def test_quick_rendezvous_event_names_are_torchs_own():
+    """The frame-based name equals torch's `inspect.stack()` one at every depth, and past
+    the top of the stack; the replacement is installed where torchrun's handlers call it."""
+    from torch.distributed.elastic.rendezvous import dynamic_rendezvous
+
+    own = dynamic_rendezvous.get_method_name
+
+    def record(name):  # as a handler's `_record` asks from inside its caller
+        return name()
+
+    def next_rendezvous(name, depth):
+        return record(name) if depth == 2 else name(depth)
+
+    try:
+        torch_compat.quick_rendezvous_event_names()
+        quick = dynamic_rendezvous.get_method_name
+        assert quick is not own
+        for depth in (1, 2, 3):  # (0 is the function itself: its own name)
+            assert next_rendezvous(quick, depth) == next_rendezvous(own, depth), depth
+        assert next_rendezvous(quick, 2) == "next_rendezvous"
+        assert quick(10_000) == own(10_000) == "no_method_name"
+    finally:
+        dynamic_rendezvous.get_method_name = own
+
+
 def test_fallback_unscale_matches_the_fused_kernel():
     grads = [torch.tensor([2.0, 4.0]), torch.tensor([float("inf"), 1.0])]
     found = torch.zeros(1)

@@ -297,6 +297,34 @@ def torchrun_flags() -> set[str]:
     return set(re.findall(r"(?<![\w-])(--?[A-Za-z][\w-]*)", parser.format_help()))
 
 
+def quick_rendezvous_event_names() -> None:
+    """Have torchrun's dynamic rendezvous name its events (`Handler.method`, for its
+    event log) from the calling frame, instead of calling `inspect.stack()` twice per
+    event: that reads the source lines of every frame and searches `sys.modules` for
+    each frame's module, about 0.15 s of the launcher's CPU per launch on 2 cores (9
+    events), more with every restart. The names are the same. Call it in the launcher's
+    process before torchrun runs; idempotent.
+
+    Checked on 2.13.0 (`dynamic_rendezvous.get_method_name(depth=2)`, called by each
+    `_record`) with CPython 3.11 (`sys._getframe`). Fallback: a release without that
+    function keeps its own way (nothing is replaced)."""
+    try:
+        from torch.distributed.elastic.rendezvous import dynamic_rendezvous
+    except ImportError:
+        return
+    if callable(getattr(dynamic_rendezvous, "get_method_name", None)):
+        dynamic_rendezvous.get_method_name = _method_name
+
+
+def _method_name(depth: int = 2) -> str:
+    """The name of the function `depth` frames above this one, as
+    `inspect.stack()[depth].function` would give it; "no_method_name" past the stack's top."""
+    try:
+        return sys._getframe(depth).f_code.co_name
+    except ValueError:
+        return "no_method_name"
+
+
 def import_dynamo() -> None:
     """Import `torch._dynamo` now (DistributedDataParallel's first construction reads
     its config: about 3 s), so a later step does not pay for it.
