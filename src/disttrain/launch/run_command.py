@@ -594,6 +594,9 @@ def _launch(args: list[str], env: dict[str, str]) -> int:
     from torch.distributed.elastic.multiprocessing.errors import ChildFailedError
     from torch.distributed.run import parse_args, run
 
+    from disttrain.runtime.torch_compat import quick_rendezvous_event_names
+
+    quick_rendezvous_event_names()  # torchrun's event names without inspect.stack()
     for key, value in env.items():
         os.environ.setdefault(key, value)
     os.environ[LAUNCHER_ENV] = str(os.getpid())  # this job's own launcher, never an outer one
