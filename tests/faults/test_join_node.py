@@ -24,6 +24,7 @@ STEPS, STOP_AT = 24, 8
 SECRET = "ab" * 32
 JOB = ("--elastic.fast_recovery=true", "--checkpoint.every=4", "--checkpoint.keep_last=10",
        "--train.batch_size=2", "--train.accum_steps=2", "--parallel.strategy=fsdp")
+WAIT = ("--guard.hang_min_s=240",)  # the joiner starts while rank 0 is stopped: slow on a loaded host
 
 
 def _ready(endpoint: str, slots: list[int]) -> bool:
@@ -46,7 +47,7 @@ def test_a_node_joins_a_running_job_in_memory_as_a_restart_from_disk_would(tmp_p
     with EtcdServer().start() as server:
         flags = ("--nnodes", "1", "--nproc", "2", "--rdzv-backend", "etcd", "--rdzv-endpoint", server.endpoint,
                  "--rdzv-id", "grow")
-        cmd = trainer_cmd(out, f"--train.steps={STEPS}", *JOB, run_flags=flags)
+        cmd = trainer_cmd(out, f"--train.steps={STEPS}", *JOB, *WAIT, run_flags=flags)
         logs = [tmp_path / "job.txt", tmp_path / "joiner.txt"]
         env = {"DISTTRAIN_JOB_SECRET": SECRET, "DISTTRAIN_FAULT": f"stop@step:rank=0,step={STOP_AT}"}
         nodes = [start(cmd, logs[0], **env)]
@@ -57,8 +58,9 @@ def test_a_node_joins_a_running_job_in_memory_as_a_restart_from_disk_would(tmp_p
             with pytest.raises(UserError, match="another DISTTRAIN_JOB_SECRET"):
                 join_node.find_job("grow", server.endpoint, wait_s=60)
             monkeypatch.setenv("DISTTRAIN_JOB_SECRET", SECRET)
-            nodes.append(start(cmd[:4] + ["--join"] + cmd[4:], logs[1], **env))
-            wait_for(lambda: _ready(server.endpoint, [2, 3]), 150, "the joined slots' warm spares", logs)
+            wait_for(lambda: any(m["step"] >= STOP_AT - 1 for m in metrics(out)), 120, "rank 0 stopped", logs)
+            nodes.append(start(cmd[:4] + ["--join"] + cmd[4:], logs[1], **env))  # admitted after step 8, no sooner
+            wait_for(lambda: _ready(server.endpoint, [2, 3]), 200, "the joined slots' warm spares", logs)
             time.sleep(0.5)  # past the job's next look for ready slots
             os.kill(rank0, signal.SIGCONT)
             for node, log in zip(nodes, logs, strict=True):
