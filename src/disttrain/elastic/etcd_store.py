@@ -23,9 +23,12 @@ import base64
 import datetime
 import os
 import time
+from typing import TYPE_CHECKING
 
-import etcd
 import torch.distributed as dist
+
+if TYPE_CHECKING:
+    import etcd
 
 STORE_ENV = "DISTTRAIN_FAST_STORE"
 """Set by `disttrain run` for fast recovery under the etcd rendezvous: `etcd://HOST:PORT`."""
@@ -34,6 +37,24 @@ ROUND_ENV = "DISTTRAIN_FAST_ROUND"
 which this node's own torchrun round does not name."""
 POLL_S = (0.002, 0.005)
 """A wait's first and longest poll interval."""
+
+
+def _etcd():
+    """python-etcd, imported when a store is first made: every launcher imports this module
+    and most talk to no etcd (the import is about 0.15 s of a launch's CPU)."""
+    import etcd
+
+    return etcd
+
+
+def client_errors() -> type[Exception]:
+    """The base class of python-etcd's errors (an unreachable etcd among them)."""
+    return _etcd().EtcdException
+
+
+def preload() -> None:
+    """Import python-etcd now (a warm spare's start), not in a recovery."""
+    _etcd()
 
 
 def _key(key: str) -> str:
@@ -57,7 +78,7 @@ class EtcdStore(dist.Store):
     def _read(self, key: str) -> etcd.EtcdResult | None:
         try:
             return self.client.read(self.prefix + _key(key))
-        except etcd.EtcdKeyNotFound:
+        except _etcd().EtcdKeyNotFound:
             return None
 
     def set(self, key: str, value: str | bytes) -> None:
@@ -85,7 +106,7 @@ class EtcdStore(dist.Store):
                     return new
                 self.client.write(path, str(new), prevIndex=node.modifiedIndex)
                 return new
-            except (etcd.EtcdAlreadyExist, etcd.EtcdCompareFailed, etcd.EtcdKeyNotFound):
+            except (_etcd().EtcdAlreadyExist, _etcd().EtcdCompareFailed, _etcd().EtcdKeyNotFound):
                 continue  # another rank wrote first, or removed the key: read again
 
     def check(self, keys: list[str]) -> bool:
@@ -105,7 +126,7 @@ class EtcdStore(dist.Store):
         try:
             self.client.delete(self.prefix + _key(key))
             return True
-        except etcd.EtcdKeyNotFound:
+        except _etcd().EtcdKeyNotFound:
             return False
 
     def remove_all(self) -> None:
@@ -117,7 +138,7 @@ class EtcdStore(dist.Store):
         try:
             run_dir = parent.startswith("/disttrain/fast/") and parent.count("/") == 3
             self.client.delete(parent if run_dir else path, recursive=True, dir=True)
-        except etcd.EtcdKeyNotFound:
+        except _etcd().EtcdKeyNotFound:
             pass
 
 
@@ -146,5 +167,5 @@ def round_prefix() -> str:
 def connect(endpoint: str, timeout_s: float, prefix: str | None = None) -> EtcdStore:
     """A store on the etcd at `endpoint` (HOST:PORT), in this round's directory (or `prefix`)."""
     host, _, port = endpoint.rpartition(":")
-    client = etcd.Client(host=host or "127.0.0.1", port=int(port), read_timeout=max(5, int(timeout_s)))
+    client = _etcd().Client(host=host or "127.0.0.1", port=int(port), read_timeout=max(5, int(timeout_s)))
     return EtcdStore(client, prefix or round_prefix(), datetime.timedelta(seconds=timeout_s))

@@ -46,7 +46,7 @@ import torch
 import torch.distributed as dist
 
 from disttrain import runtime, worker_notes
-from disttrain.elastic import buddy_reshard, group_sockets, job_store, join_node, membership
+from disttrain.elastic import buddy_reshard, etcd_store, group_sockets, job_store, join_node, membership
 from disttrain.elastic.buddy_copy import BuddyCopy, pack, resharded_words, unpack
 from disttrain.elastic.job_store import JobStore
 from disttrain.errors import UserError
@@ -87,6 +87,9 @@ def warm_up() -> None:
     not pay for it during a recovery."""
     torch_compat.import_dynamo()  # DistributedDataParallel.__init__ reads its config
     import torch.distributed.checkpoint.state_dict  # noqa: F401  (TrainState.load_state_dict)
+
+    if etcd_store.configured():  # the store's client: connect_store imports it otherwise
+        etcd_store.preload()
 
 
 def connect_store(timeout_s: float) -> JobStore:

@@ -29,8 +29,6 @@ import time
 from collections.abc import Callable
 from dataclasses import dataclass
 
-import etcd
-
 from disttrain.elastic import etcd_store, membership
 from disttrain.elastic.job_store import JobStore
 from disttrain.errors import UserError
@@ -112,7 +110,7 @@ def _read_job(store: JobStore, endpoint: str | None) -> str | None:
                 "the joining node (the job's values are sealed with it)"
             )
         return text
-    except etcd.EtcdException as e:
+    except etcd_store.client_errors() as e:
         raise UserError(f"the etcd at {endpoint} does not answer ({e}); give the job's --rdzv-endpoint") from None
 
 
