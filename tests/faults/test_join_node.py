@@ -8,8 +8,10 @@ import os
 import re
 import shutil
 import signal
+import sys
 import time
 from collections import Counter
+from pathlib import Path
 
 import pytest
 from elastic_helpers import audit_timeline, kill_node, load_params, metrics, run_trainer, start, trainer_cmd, wait_for
@@ -25,6 +27,33 @@ SECRET = "ab" * 32
 JOB = ("--elastic.fast_recovery=true", "--checkpoint.every=4", "--checkpoint.keep_last=10",
        "--train.batch_size=2", "--train.accum_steps=2", "--parallel.strategy=fsdp")
 WAIT = ("--guard.hang_min_s=240",)  # the joiner starts while rank 0 is stopped: slow on a loaded host
+
+
+def _clean_start(cmd: list[str], log, **env: str):
+    """`start` with none of the launch variables an earlier in-process launch or training
+    run of this test process may have left in its environment (each node starts clean)."""
+    leftover = [k for k in os.environ if k.startswith(("DISTTRAIN_", "TORCHELASTIC_", "PET_")) or k in LAUNCH_VARS]
+    with pytest.MonkeyPatch.context() as mp:
+        for key in leftover:
+            mp.delenv(key, raising=False)
+        return start(cmd, log, **env)
+
+
+LAUNCH_VARS = ("RANK", "LOCAL_RANK", "WORLD_SIZE", "LOCAL_WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT", "GROUP_RANK")
+
+
+def _stacks(proc) -> str:
+    """Every process of a node that did not get ready, as py-spy sees it (for the failure's message)."""
+    import subprocess
+
+    from elastic_helpers import descendants
+
+    out = []
+    for pid in [proc.pid, *descendants(proc.pid)]:
+        spy = Path(sys.executable).with_name("py-spy")  # the test extras install it beside python
+        got = subprocess.run([str(spy), "dump", "--pid", str(pid)], capture_output=True, text=True, timeout=30)
+        out.append(got.stdout[-1500:] or got.stderr[-300:])
+    return "\n".join(out)
 
 
 def _ready(endpoint: str, slots: list[int]) -> bool:
@@ -50,7 +79,7 @@ def test_a_node_joins_a_running_job_in_memory_as_a_restart_from_disk_would(tmp_p
         cmd = trainer_cmd(out, f"--train.steps={STEPS}", *JOB, *WAIT, run_flags=flags)
         logs = [tmp_path / "job.txt", tmp_path / "joiner.txt"]
         env = {"DISTTRAIN_JOB_SECRET": SECRET, "DISTTRAIN_FAULT": f"stop@step:rank=0,step={STOP_AT}"}
-        nodes = [start(cmd, logs[0], **env)]
+        nodes = [_clean_start(cmd, logs[0], **env)]
         try:
             wait_for(lambda: "rank 0 (local rank 0) is pid" in logs[0].read_text(), 120, "the job's start", logs)
             rank0 = int(re.search(r"rank 0 \(local rank 0\) is pid (\d+)", logs[0].read_text()).group(1))
@@ -59,8 +88,11 @@ def test_a_node_joins_a_running_job_in_memory_as_a_restart_from_disk_would(tmp_p
                 join_node.find_job("grow", server.endpoint, wait_s=60)
             monkeypatch.setenv("DISTTRAIN_JOB_SECRET", SECRET)
             wait_for(lambda: any(m["step"] >= STOP_AT - 1 for m in metrics(out)), 120, "rank 0 stopped", logs)
-            nodes.append(start(cmd[:4] + ["--join"] + cmd[4:], logs[1], **env))  # admitted after step 8, no sooner
-            wait_for(lambda: _ready(server.endpoint, [2, 3]), 200, "the joined slots' warm spares", logs)
+            nodes.append(_clean_start(cmd[:4] + ["--join"] + cmd[4:], logs[1], **env))  # admitted after step 8
+            try:
+                wait_for(lambda: _ready(server.endpoint, [2, 3]), 200, "the joined slots' warm spares", logs)
+            except AssertionError as e:
+                raise AssertionError(f"{e}\n--- the joining node's processes\n{_stacks(nodes[1])}") from None
             time.sleep(0.5)  # past the job's next look for ready slots
             os.kill(rank0, signal.SIGCONT)
             for node, log in zip(nodes, logs, strict=True):
