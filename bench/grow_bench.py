@@ -31,7 +31,7 @@ if __package__ in (None, ""):  # `python bench/grow_bench.py`
     sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
 from bench.common import base_env, machine
-from bench.node_loss_bench import audit, cell, start, wait
+from bench.node_loss_bench import audit, cell, failed_run, start, wait
 from bench.recovery_job import ROOT, TINY, kill_tree
 
 STEPS = 90
@@ -147,7 +147,7 @@ def main(argv: list[str]) -> int:
                 try:
                     runs.append(one_join(Path(tmp), strategy, server.endpoint, f"grow-{strategy}-{k}"))
                 except (RuntimeError, subprocess.TimeoutExpired) as e:
-                    runs.append({"error": str(e).splitlines()[0][:120]})
+                    runs.append(failed_run(e))
                 print(strategy, runs[-1], flush=True)
     a.out.write_text(render(res, argv, time.monotonic() - t0, os.getloadavg()[0]))
     print(f"wrote {a.out}")

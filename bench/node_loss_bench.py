@@ -118,6 +118,14 @@ def cell(values: list[float]) -> str:
     return f"{statistics.median(values):.2f} ({min(values):.2f}-{max(values):.2f})"
 
 
+def failed_run(e: Exception) -> dict:
+    """A run that did not finish, as the results table says it: what went wrong, never a
+    command line (a timeout's names this machine's paths)."""
+    if isinstance(e, subprocess.TimeoutExpired):
+        return {"error": f"a process did not end within {e.timeout:.0f} s"}
+    return {"error": str(e).splitlines()[0][:120]}
+
+
 def render(res: dict, argv: list[str], took: float, load_end: float, nproc: int) -> str:
     m = res["machine"]
     lines = [
@@ -178,7 +186,7 @@ def main(argv: list[str]) -> int:
                 try:
                     runs.append(one_kill(Path(tmp), strategy, server.endpoint, f"node-{strategy}-{k}", a.nproc))
                 except (RuntimeError, subprocess.TimeoutExpired, StopIteration) as e:
-                    runs.append({"error": str(e).splitlines()[0][:120]})
+                    runs.append(failed_run(e))
                 print(strategy, runs[-1], flush=True)
     load_end = os.getloadavg()[0]
     a.out.write_text(render(res, argv, time.monotonic() - t0, load_end, a.nproc))

@@ -34,7 +34,7 @@ if __package__ in (None, ""):  # `python bench/spare_node_bench.py`
 import torch
 
 from bench.common import base_env, machine
-from bench.node_loss_bench import audit, cell, start, wait
+from bench.node_loss_bench import audit, cell, failed_run, start, wait
 from bench.recovery_job import ROOT, TINY, kill_tree
 from disttrain.elastic.sample_audit import final_timeline
 
@@ -203,7 +203,7 @@ def main(argv: list[str]) -> int:
             try:
                 runs.append(one_kill(Path(tmp), server.endpoint, f"spare-{k}", ref, rng, node=k % 2))
             except (RuntimeError, subprocess.TimeoutExpired, StopIteration) as e:
-                runs.append({"error": str(e).splitlines()[0][:120]})
+                runs.append(failed_run(e))
             print(runs[-1], flush=True)
         step_s = step_time(ref)
     a.out.write_text(render(runs, step_s, argv, time.monotonic() - t0, (load0, os.getloadavg()[0])))
