@@ -15,7 +15,7 @@ import pytest
 from conftest import ROOT, WORKERS, run_disttrain, worker_env
 
 from disttrain.cli import main as cli
-from disttrain.launch.run_command import _others
+from disttrain.launch.end_lines import others_clause as _others
 
 pytestmark = pytest.mark.timeout(180)
 

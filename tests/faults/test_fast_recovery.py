@@ -279,7 +279,7 @@ def test_a_generation_drops_only_the_slots_whose_supervisors_stopped_beating(mon
 
     from disttrain import worker_notes
     from disttrain.elastic import fast_recovery, job_store, membership
-    from disttrain.launch.run_command import restart_path_line
+    from disttrain.launch.end_lines import restart_path_line
     from disttrain.runtime import job_secret
 
     monkeypatch.setattr(membership, "LEASE_S", 0.3)

@@ -18,9 +18,10 @@ from elastic_helpers import audit_timeline, kill_node, load_params, metrics, run
 
 from disttrain.elastic import etcd_store, join_node
 from disttrain.errors import UserError
+from disttrain.launch.end_lines import shrunk_line
 from disttrain.launch.etcd_server import EtcdServer
 from disttrain.launch.join_flags import RUN_ENV, take_join
-from disttrain.launch.run_command import shrunk_line, torchrun_for
+from disttrain.launch.run_command import torchrun_for
 
 STEPS, STOP_AT = 24, 8
 SECRET = "ab" * 32

@@ -8,6 +8,7 @@ import pytest
 from conftest import ROOT, WORKERS, built_once, run_disttrain, worker_env
 
 from disttrain.errors import UserError
+from disttrain.launch import end_lines
 from disttrain.launch import run_command as launch
 
 SCRIPT = str(WORKERS / "hello.py")
@@ -340,9 +341,9 @@ def test_a_stop_in_the_middle_of_failed_attempts_with_nothing_saved_exits_non_ze
                  "said-promotion-rank1-000001", "saved-rank0", "said-other"):
         (tmp_path / name).write_text("")
     assert worker_notes.failed_attempts(tmp_path) == 3  # two attempts' failures, one take-over
-    line, status = launch.stopped_by_signal(signal.SIGTERM, None, 3)
+    line, status = end_lines.stopped_by_signal(signal.SIGTERM, None, 3)
     assert status == 143 and "failed 3 time(s) before the signal" in line
-    line, status = launch.stopped_by_signal(signal.SIGTERM, 12, 3)
+    line, status = end_lines.stopped_by_signal(signal.SIGTERM, 12, 3)
     assert status == 0 and "saved step 12" in line
-    assert launch.stopped_by_signal(signal.SIGTERM, None, 0)[1] == 0
-    assert launch.stopped_by_signal(signal.SIGINT, None, 0)[1] == 130
+    assert end_lines.stopped_by_signal(signal.SIGTERM, None, 0)[1] == 0
+    assert end_lines.stopped_by_signal(signal.SIGINT, None, 0)[1] == 130
