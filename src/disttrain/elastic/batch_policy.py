@@ -49,7 +49,7 @@ def apply_batch_policy(
         return accum_steps, None
     if policy == "keep_global":
         per_step = batch_size * world_size
-        if saved_global_batch % per_step:
+        if not world_fits(policy, saved_global_batch, batch_size, world_size):
             raise UserError(
                 f"the checkpoint's global batch is {saved_global_batch}, which {world_size} ranks x "
                 f"train.batch_size {batch_size} do not divide. Resume with a world size in "
