@@ -341,11 +341,17 @@ class Job:
         (a user error or the program's error: not retried; a lost peer: one line). The
         judgement comes first: its note must be there when a peer's collective fails."""
         ending = job_failure.judge(exc, self._failure_point()) if exc is not None else None
+        # A rank that owes the launcher its line (a lost peer) keeps its stop handler until
+        # the line is said: torchrun's agent sends SIGTERM as soon as the peer's process
+        # ends, and its default action would end this rank silently.
+        owes_line = ending is not None and ending.then is not None
         if exc is not None and self._handoff is None:
             self._close_trackers()
-        self._close()
+        self._close(keep_stop_handler=owes_line)
         if ending is not None:
             ending = ending.settled()
+            if owes_line and self._started is not None:
+                self._started.preemption.uninstall()
             # A SIGTERM while closing was the launcher acting on the note already
             stopped = self._started is not None and self._started.preemption.requested
             if ending.wait and not stopped:
@@ -404,7 +410,9 @@ class Job:
             peer_gone=lambda: handoff is not None and handoff.peer_gone(),
         )
 
-    def _close(self) -> None:
+    def _close(self, keep_stop_handler: bool = False) -> None:
+        """Close what the job opened; the stop signals' handler stays installed when
+        `keep_stop_handler` (the caller uninstalls it)."""
         if "disttrain.check.session" in sys.modules:  # `check`: the summary, the hooks removed
             from disttrain.check.session import finish
 
@@ -412,7 +420,8 @@ class Job:
         self._owner.close()
         if self._started is not None:
             self._started.guard.close()
-            self._started.preemption.uninstall()
+            if not keep_stop_handler:
+                self._started.preemption.uninstall()
         if self._owns_group:
             runtime.shutdown()
 
