@@ -286,6 +286,42 @@ def test_warm_worker_stub_acts_as_the_worker_process(tmp_path, monkeypatch):
         warm_workers.stop_server(server)
 
 
+def test_a_stub_and_its_worker_dying_together_leave_the_server_serving(tmp_path, monkeypatch):
+    """The server sees a worker's end and its stub's closed connection in one wakeup (held
+    stopped while both die, as when a node's processes are killed at once): it goes on
+    serving, and the next stub's worker is forked warm."""
+    import signal
+    import time
+
+    from disttrain.launch import warm_workers
+
+    (tmp_path / "warm_probe.py").write_text(PROBE)
+    monkeypatch.setenv("PYTHONPATH", f"{ROOT / 'src'}:{tmp_path}")
+    server = warm_workers.start_server()
+    try:
+        pid_file = tmp_path / "pid"
+        proc = _stub(tmp_path, "wait", str(pid_file), DISTTRAIN_WARM_SOCKET=server[1])
+        _wait_for_pid(pid_file, proc)
+        child = int(pid_file.read_text())
+        os.kill(server[0], signal.SIGSTOP)
+        try:
+            os.kill(child, signal.SIGKILL)
+            deadline = time.monotonic() + 30
+            while _running(child):  # the worker's end first, then the stub's
+                assert time.monotonic() < deadline
+                time.sleep(0.01)
+            proc.kill()
+            proc.wait(timeout=30)
+        finally:
+            os.kill(server[0], signal.SIGCONT)
+        proc = _stub(tmp_path, "exit3", DISTTRAIN_WARM_SOCKET=server[1])
+        assert proc.wait(timeout=120) == 3
+        assert proc.stdout.read().split()[:1] == ["warm"]  # "cold": the server had died
+        assert _running(server[0])
+    finally:
+        warm_workers.stop_server(server)
+
+
 def test_a_finished_scripts_globals_live_until_exit(tmp_path, monkeypatch):
     """As under `python SCRIPT`, a script's globals outlive its last line: freed by
     worker_entry while the process still ran, a DDP model left in a global destroyed its

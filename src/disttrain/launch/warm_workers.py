@@ -148,6 +148,10 @@ def serve(listener: socket.socket) -> NoReturn:
     sel.register(listener, selectors.EVENT_READ, None)
     while True:
         for key, _ in sel.select():
+            if sel.get_map().get(key.fd) is not key:
+                # Unregistered by an earlier event of this batch: a stub and its worker that
+                # died together (the worker's end closed the stub's connection first).
+                continue
             if key.data is None:
                 conn, _ = listener.accept()
                 try:
