@@ -34,20 +34,24 @@ AGREEMENT = """
     from disttrain.elastic.preemption import PreemptionHandler
 
     out, rounds, steps = sys.argv[1], json.loads(sys.argv[2]), int(sys.argv[3])
+    REGROUP_FROM = 4  # rank 0 asks the group to regroup from this step on
     info = runtime.init(backend="gloo", device="cpu", timeout_s=60)
     random.seed(info.rank)
     seen = []
     for signalled, at, graces, _ in rounds:
         h = PreemptionHandler(grace_s=graces[info.rank]).install()
-        stopped = None
+        stopped = regrouped = None
         for step in range(1, steps + 1):  # ranks reach the vote at different times
             time.sleep(0.01 + random.random() * 0.02 if info.rank == 2 else random.random() * 0.005)
             if info.rank == signalled and step == at:
                 os.kill(os.getpid(), signal.SIGTERM)
-            if h.should_stop():
+            stopping = h.should_stop(regroup=info.rank == 0 and step >= REGROUP_FROM)
+            if h.regroup_agreed and regrouped is None:
+                regrouped = step
+            if stopping:
                 stopped = step
                 break
-        seen.append({"stopped": stopped, "signal": h.signal_name})
+        seen.append({"stopped": stopped, "signal": h.signal_name, "regrouped": regrouped})
         h.uninstall()
         dist.barrier()  # the next round starts with every rank's vote read or dropped
     open(f"{out}/rank{info.rank}.json", "w").write(json.dumps(seen))
@@ -102,6 +106,14 @@ def test_a_signal_to_one_rank_stops_every_rank_after_the_same_next_step(tmp_path
         if signalled is not None:
             names = [r[k]["signal"] for r in ranks]
             assert names == ["SIGTERM" if rank == signalled else "peer" for rank in range(3)]
+        # Rank 0's request to regroup, from step 4, rides on the same votes: every rank
+        # learns it at the same step, never before it was asked, within one vote's lag.
+        regrouped = {r[k]["regrouped"] for r in ranks}
+        assert len(regrouped) == 1, f"round {k}: {regrouped}"
+        (step,) = regrouped
+        assert step is None or 4 <= step <= 4 + E + 1, f"round {k}: regrouped at {step}"
+    assert ranks[0][-1]["regrouped"] is not None  # the round nobody stops learns it
+    assert ranks[0][4]["regrouped"] == 4  # long steps: the step's own vote carries it
 
 
 def test_a_vote_in_flight_on_a_dead_group_is_dropped_not_waited_on(tmp_path):

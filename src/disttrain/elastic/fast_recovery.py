@@ -190,8 +190,10 @@ class Handoff:
     total: int = 0
     """torchrun's slot count: joined nodes' slots are numbered from it (`elastic.join_node`)."""
     joinable: bool = False
-    """Whether nodes may join (the store is the etcd): `admit_joiners` then votes each step."""
+    """Whether nodes may join (the store is the etcd): rank 0 then asks `joiners_waiting`."""
     _polled: float = 0.0
+    _waiting: list = field(default_factory=list)
+    """Rank 0: the joined slots found ready at the last poll."""
 
     def peer_gone(self) -> bool:
         """Whether a peer of this generation has died: a promoted spare bumped the
@@ -215,22 +217,33 @@ class Handoff:
             state.step, state.epoch = step, getattr(state.sampler, "epoch", state.epoch)
             self.buddy.start(step, state, force=first)
 
+    def joiners_waiting(self, fits: Callable[[int], bool]) -> bool:
+        """On rank 0 of a job nodes may join: whether joined slots are ready and as many as
+        make a world that `fits` (the batch policy: `join_node.fitting`) can be admitted;
+        the store is read at most every `join_node.POLL_S`. False on the other ranks and
+        in other jobs. No collective: the step's preemption vote carries the answer."""
+        if not self.joinable or self.store is None or dist.get_rank() != 0:
+            return False
+        if time.monotonic() - self._polled >= join_node.POLL_S:
+            self._polled = time.monotonic()
+            self._waiting = join_node.fitting(join_node.ready(self.store, self.total, self.members), self.members, fits)
+        return bool(self._waiting)
+
     def admit_joiners(self, step: int, state, fits: Callable[[int], bool]) -> None:
         """At a step boundary after the committed `step` (the same one on every rank; not
-        the last), in a job nodes may join: rank 0 looks for ready joined slots at most
-        every `join_node.POLL_S` and admits as many as make a world that `fits` (the batch
-        policy: `join_node.fitting`); every rank learns it from one all-gather. When slots
-        are admitted, the buddy copy of `step` completes and every rank raises
-        `join_node.Regroup`: the next generation, with the joined slots, takes this state
-        from memory. A collective."""
+        the last) where the preemption vote carried rank 0's `joiners_waiting`: rank 0
+        admits the joined slots ready now that make a world that `fits`, and every rank
+        learns it from one all-gather. When slots are admitted, the buddy copy of `step`
+        completes and every rank raises `join_node.Regroup`: the next generation, with
+        the joined slots, takes this state from memory. A collective."""
         if not self.joinable or self.store is None:
             return
         joiners: list[int] = []
-        if dist.get_rank() == 0 and time.monotonic() - self._polled >= join_node.POLL_S:
-            self._polled = time.monotonic()
+        if dist.get_rank() == 0:  # read again: a slot found ready may have died since
             joiners = join_node.fitting(join_node.ready(self.store, self.total, self.members), self.members, fits)
             if joiners:
                 join_node.admit(self.store, self.members, joiners, step, self.gen)
+        self._waiting = []
         if max(gather_ints(len(joiners))) == 0:
             return
         if self.buddy is not None:  # nobody died: the copy of this step completes on every rank

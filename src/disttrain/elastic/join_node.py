@@ -14,8 +14,11 @@ step boundary with no restart: the running ranks keep their processes and their 
   hot-spare slots (`slot_supervisor._stand_by`): they beat and keep a warm spare, which
   says once it is warm that its slot is ready (`mark_ready`).
 - At a step boundary, at most every `POLL_S`, rank 0 looks for ready joined slots
-  (`ready`), writes the roster with them appended (`admit`) and every rank learns it
-  from one all-gather (`fast_recovery.Handoff.admit_joiners`). Each leaves the
+  (`ready`); its request rides on the step's preemption vote
+  (`fast_recovery.Handoff.joiners_waiting`), so a job no node joins makes no collective
+  for it. At the step the vote is read, rank 0 writes the roster with them appended
+  (`admit`) and every rank learns it from one all-gather
+  (`fast_recovery.Handoff.admit_joiners`). Each leaves the
   generation with `Regroup` once the step's buddy copy is complete; the next generation
   takes the committed state from memory (under DDP by broadcast, under FSDP resharded
   from the packs: `elastic.buddy_reshard`), and no step is redone.

@@ -75,6 +75,9 @@ class PreemptionHandler:
         self.signal_name: str | None = None
         self._previous: dict[int, _Handler] = {}
         self._vote = _Vote(group=None)
+        self.regroup_agreed = False
+        """After `should_stop`: whether a vote read in that call carried a rank's request to
+        regroup (the same on every rank)."""
 
     def install(self) -> PreemptionHandler:
         for sig in (signal.SIGTERM, signal.SIGINT):
@@ -100,7 +103,7 @@ class PreemptionHandler:
     def requested(self) -> bool:
         return self.requested_at is not None
 
-    def should_stop(self) -> bool:
+    def should_stop(self, regroup: bool = False) -> bool:
         """True on every rank, after the same step, when any rank got the signal.
 
         A collective when the process group is up (more than one rank): call it once
@@ -114,11 +117,18 @@ class PreemptionHandler:
         recovery after a peer died) is dropped without waiting on it: it may never
         complete. A failed vote of the live group raises the collective's error, as a
         blocking all-reduce would.
+
+        The vote also carries `regroup`, this rank's request that the group regroup (rank
+        0 of a job that nodes may join, with joined slots ready: `fast_recovery.Handoff`),
+        so such a job needs no collective of its own at each step. `regroup_agreed` then
+        says, after the call, whether a vote read in it carried a request.
         """
+        self.regroup_agreed = False
         group = dist.group.WORLD if dist.is_initialized() else None
         if group is not self._vote.group:  # a new group: the old one's vote is never read
             self._vote = _Vote(group=group)
         if group is None or dist.get_world_size() == 1:
+            self.regroup_agreed = regroup
             return self._agreed(self.requested)
         v, now = self._vote, time.monotonic()
         if v.last_call is not None:
@@ -128,17 +138,17 @@ class PreemptionHandler:
             return self._agreed(True)
         if v.calls < v.next_at:
             return False
-        self._start_vote()
+        self._start_vote(regroup)
         return False if v.late else self._agreed(self._read_vote())
 
-    def _start_vote(self) -> None:
+    def _start_vote(self, regroup: bool) -> None:
         from disttrain.runtime.collectives import comm_device
 
         v = self._vote
-        # MAX of (flag, step time, -budget): one signalled rank is enough, and every rank
-        # learns the slowest step and the smallest budget, so all choose the same steps.
+        # MAX of (flag, step time, -budget, regroup): one signalled rank is enough, and every
+        # rank learns the slowest step and the smallest budget, so all choose the same steps.
         vote = torch.tensor(
-            [1.0 if self.requested else 0.0, v.slowest, -VOTE_BUDGET * self.grace_s],
+            [1.0 if self.requested else 0.0, v.slowest, -VOTE_BUDGET * self.grace_s, 1.0 if regroup else 0.0],
             dtype=torch.float64,
             device=comm_device(),
         )  # NCCL: CUDA
@@ -153,7 +163,8 @@ class PreemptionHandler:
         v.pending = None
         if work is not None:  # (None only for a rank outside the group)
             work.wait()
-        flag, slowest, neg_budget = vote.tolist()
+        flag, slowest, neg_budget, regroup = vote.tolist()
+        self.regroup_agreed = regroup > 0
         budget = -neg_budget
         v.late = slowest < budget
         # An unknown step time (the group's first vote) votes again at the next step.

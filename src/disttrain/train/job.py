@@ -825,12 +825,14 @@ class Job:
                         lambda ev: ev.due(self.step, max_steps) and started.preemption.time_for(ev.seconds),
                     ),
                 )
-                stopping = started.preemption.should_stop()  # agreed by all ranks (one all-reduce)
+                fits = self._world_fits(data.sampler, acc)
+                regroup = self._handoff is not None and self._handoff.joiners_waiting(fits)
+                stopping = started.preemption.should_stop(regroup)  # agreed by all ranks (one all-reduce)
                 saving.after_step(self.step, stopping)
                 if stopping or self.step >= max_steps:
                     break
-                if self._handoff is not None:  # a node that joined is admitted here (a new generation)
-                    self._handoff.admit_joiners(self.step, t.state, self._world_fits(data.sampler, acc))
+                if self._handoff is not None and started.preemption.regroup_agreed:
+                    self._handoff.admit_joiners(self.step, t.state, fits)  # a new generation with the joined node
         self._finish(started, t, looping, stopping)
 
     def _finish(self, started: _Started, t: _Training, looping: _Looping, stopping: bool) -> None:
