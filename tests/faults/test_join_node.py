@@ -150,6 +150,28 @@ def test_join_runs_its_own_torchrun_pointed_at_the_job():
     assert take_join(["--nproc", "2"], None, (None, None, None)) == (["--nproc", "2"], {})
 
 
+def test_a_node_that_is_not_ready_holds_back_no_other():
+    """Two nodes join a 2-slot job (slots 2-3 and 4-5): the second is admitted as soon as
+    both its slots are ready, while the first still warms up (or was lost before it was
+    ready); the first, once ready, is admitted whole; an admitted or gone slot never again."""
+    import torch.distributed as dist
+
+    from disttrain.elastic import membership
+    from disttrain.elastic.job_store import JobStore
+
+    store = JobStore(dist.HashStore(), b"k" * 32)
+    assert join_node.ready(store, 2, [0, 1]) == []  # nobody joined: one read
+    assert join_node.reserve(store, "a", 0, 2) == 0 and join_node.reserve(store, "b", 0, 2) == 2  # past slot 1
+    for slot in (2, 4, 5):
+        join_node.mark_ready(store, slot)
+    assert join_node.ready(store, 2, [0, 1]) == [4, 5]  # slot 3 is not ready: node a waits whole
+    join_node.mark_ready(store, 3)
+    assert join_node.ready(store, 2, [0, 1]) == [2, 3, 4, 5]
+    assert join_node.ready(store, 2, [0, 1, 4, 5]) == [2, 3]  # node b admitted already
+    store.set(membership.GONE_KEY, "[3]")
+    assert join_node.ready(store, 2, [0, 1, 4, 5]) == [2]  # slot 3 lost: its node's other slot
+
+
 @pytest.mark.parametrize("members, joiners, fits_world, admitted", [
     ([0, 1], [2, 3], lambda w: w in (1, 2, 4), [2, 3]),
     ([0, 1], [2, 3], lambda w: w in (1, 2, 3), [2]),  # one of a node's slots: the other stands by

@@ -46,6 +46,9 @@ POLL_S = 0.2
 """How often rank 0 asks the store whether a joined slot is ready (a step boundary may come sooner)."""
 FIND_S = 60.0
 """How long a joining node waits for the job to publish itself."""
+BLOCK_KEY = "disttrain/fast/block"
+"""`BLOCK_KEY/<n>`: how many slots the joined node has whose first slot is torchrun's slot
+count plus n (`reserve`)."""
 MAX_SLOTS = 1 << 20
 """Bounds on what a joining node reads from the store: no job has more slots."""
 
@@ -136,6 +139,7 @@ def reserve(store: JobStore, node: str, local_rank: int, nproc: int, timeout_s: 
     key = f"disttrain/fast/joining/{node}"
     if local_rank == 0:
         first = store.add(membership.JOINED_KEY, nproc) - nproc
+        store.set(f"{BLOCK_KEY}/{first}", str(nproc))  # this node's slots, for `ready`
         store.set(key, str(first))
         return first
     deadline = time.monotonic() + timeout_s
@@ -152,15 +156,34 @@ def mark_ready(store: JobStore, slot: int) -> None:
 
 
 def ready(store: JobStore, total: int, members: list[int]) -> list[int]:
-    """The joined slots (numbered from `total`) in no roster and not gone, in order, once
-    every one of them is ready ([] while one still warms up: a node's slots are admitted
-    together, in one pause). One store read when no node has joined."""
-    joined = range(total, membership.all_slots(store, total))
-    if not joined:
+    """The joined slots (numbered from `total`) in no roster and not gone, in order, of
+    every joined node whose slots are all ready: a node's slots are admitted together, in
+    one pause, and a node still warming up (or lost before it was ready) holds back no
+    other. One store read when no node has joined."""
+    end = membership.all_slots(store, total)
+    if end == total:
         return []
     out = set(members) | set(membership.gone(store))
-    pending = [s for s in joined if s not in out]
-    return pending if all(store.add(f"disttrain/fast/ready/{s}", 0) > 0 for s in pending) else []
+    admissible: list[int] = []
+    for first, count in _blocks(store, total, end):
+        pending = [s for s in range(first, first + count) if s not in out]
+        if pending and all(store.add(f"disttrain/fast/ready/{s}", 0) > 0 for s in pending):
+            admissible += pending
+    return admissible
+
+
+def _blocks(store: JobStore, total: int, end: int) -> list[tuple[int, int]]:
+    """The joined nodes' slot ranges from `total` to `end`, as (first slot, count), in
+    order; up to the first whose node has not yet written its count (`reserve`)."""
+    blocks, first = [], total
+    while first < end:
+        text = store.get(f"{BLOCK_KEY}/{first - total}")
+        count = int(text) if text is not None and text.isdigit() else 0
+        if not 0 < count <= end - first:
+            break
+        blocks.append((first, count))
+        first += count
+    return blocks
 
 
 _SAID: set[tuple[int, ...]] = set()
