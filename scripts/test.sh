@@ -39,6 +39,10 @@ if [ -n "$apt_pid" ] && ! wait "$apt_pid"; then
   echo "test: apt-get install of ${missing[*]} failed (see its output above)." >&2
   exit 1
 fi
+# Python writes the bytecode of what it imports (src/, tests/, the workers' scripts) once
+# and every later process reads it: the suite starts several hundred of them, and a
+# machine that sets PYTHONDONTWRITEBYTECODE would make each compile those modules anew.
+unset PYTHONDONTWRITEBYTECODE
 # Two tests at a time by default (pytest-xdist): a serial run keeps about one of 2 cores
 # busy (its multi-process tests wait on rendezvous, timeouts and restarts), two at a time
 # fill the other. DISTTRAIN_TEST_WORKERS=N for another count, 0 for one at a time.

@@ -349,9 +349,11 @@ class Job:
             self._close_trackers()
         self._close(keep_stop_handler=owes_line)
         if ending is not None:
-            ending = ending.settled()
-            if owes_line and self._started is not None:
-                self._started.preemption.uninstall()
+            try:
+                ending = ending.settled()
+            finally:
+                if owes_line and self._started is not None:
+                    self._started.preemption.uninstall()
             # A SIGTERM while closing was the launcher acting on the note already
             stopped = self._started is not None and self._started.preemption.requested
             if ending.wait and not stopped:
