@@ -43,7 +43,8 @@ fi
 # and every later process reads it: the suite starts several hundred of them, and a
 # machine that sets PYTHONDONTWRITEBYTECODE would make each compile those modules anew.
 unset PYTHONDONTWRITEBYTECODE
-# Two tests at a time by default (pytest-xdist): a serial run keeps about one of 2 cores
-# busy (its multi-process tests wait on rendezvous, timeouts and restarts), two at a time
-# fill the other. DISTTRAIN_TEST_WORKERS=N for another count, 0 for one at a time.
-exec .venv/bin/python -m pytest -q -n "${DISTTRAIN_TEST_WORKERS:-2}" --dist worksteal "$@"
+# Three tests at a time by default (pytest-xdist): a serial run keeps about one of 2 cores
+# busy (its multi-process tests wait on rendezvous, timeouts and restarts); two at a time
+# still left a fifth of the 2 cores idle, three fill them. DISTTRAIN_TEST_WORKERS=N for
+# another count, 0 for one at a time.
+exec .venv/bin/python -m pytest -q -n "${DISTTRAIN_TEST_WORKERS:-3}" --dist worksteal "$@"
