@@ -784,6 +784,7 @@ class Job:
         saving.check = non_finite.check  # before each save, on every rank
         self._looping = looping = _Looping(self._metrics_window(data, acc, max_steps), non_finite)
         metrics, stopping = looping.metrics, False
+        fits = self._world_fits(data.sampler, acc)  # the worlds a node that joins may make (fixed here)
         saving.start(self.step)
         # The evaluation at the start (not after an in-memory recovery: it does not wait).
         metrics.start(evaluate(self.evaluators, model, guard, lambda ev: ev.at_start and not self.in_memory))
@@ -827,7 +828,6 @@ class Job:
                         lambda ev: ev.due(self.step, max_steps) and started.preemption.time_for(ev.seconds),
                     ),
                 )
-                fits = self._world_fits(data.sampler, acc)
                 regroup = self._handoff is not None and self._handoff.joiners_waiting(fits)
                 stopping = started.preemption.should_stop(regroup)  # agreed by all ranks (one all-reduce)
                 saving.after_step(self.step, stopping)
