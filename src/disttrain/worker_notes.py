@@ -31,6 +31,10 @@ launch (`NOTES_ENV`): what the launcher says at the end must be what happened.
   that never filled) and why: its node took torchrun's restart path, and the launcher's
   last line says so.
 
+Under fast recovery the notes that stop the job, and each `finished` one, go onto the
+job's store too (`share_stops`), so that the other nodes' launchers say the same
+(`elastic.job_stop`, which copies them into another node's folder: `adopt_stop`).
+
 Beside the notes, a folder for the per-rank logs (`TRACES_ENV`): the full traceback
 of a failure a rank reported in one line (`trace_file`); `disttrain run` keeps it
 only when a rank wrote there.
@@ -50,7 +54,7 @@ import signal
 import sys
 import threading
 import time
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from pathlib import Path
 
 from disttrain.terminal_text import shown
@@ -113,8 +117,72 @@ def write_user_error(name: str, error: BaseException) -> bool:
     if folder is None:
         print(line, file=sys.stderr, flush=True)
         return False
-    _write_once(folder / USER_ERROR, line)
+    _write_stop(folder / USER_ERROR, line)
     return True
+
+
+_SHARER: list[Callable[[str, str], None]] = []
+MAX_TRACEBACK_CHARS = 256 * 1024
+"""A not-retried note keeps the last this many characters of its traceback."""
+FINISHED = "finished"
+
+
+def share_stops(send: Callable[[str, str], None] | None) -> None:
+    """From now on (until `share_stops(None)`) `send(kind, text)` gets each note of this
+    process that stops the job (kind `USER_ERROR` or `NOT_RETRIED`, the note's text)
+    before it is written to this node's folder, unless the folder has one already, and
+    each `note_finished` (kind `FINISHED`, the rank): fast recovery puts them on the
+    job's store, for the other nodes (`elastic.job_stop`). A send that fails is skipped."""
+    _SHARER[:] = [send] if send is not None else []
+
+
+def _share(kind: str, text: str) -> None:
+    for send in _SHARER:
+        try:
+            send(kind, text)
+        except Exception:  # noqa: BLE001  (the store is gone: this node's note still holds here)
+            pass
+
+
+def _write_stop(path: Path, text: str) -> bool:
+    """A note that stops the job: shared first (`share_stops`), so that it reaches the
+    other nodes before this node's launcher acts on it; then written, the first wins."""
+    if not path.exists():
+        _share(path.name, text)
+    return _write_once(path, text)
+
+
+def adopt_stop(kind: str, text: str) -> bool:
+    """Write a note that another node's rank shared (`share_stops`) into this node's
+    folder, for its launcher, unless it has one already. Returns whether the note stops
+    the job: False for a kind or a record that is not one (nothing written), and
+    outside `disttrain run`."""
+    folder = _folder()
+    if folder is None:
+        return False
+    if kind == USER_ERROR:
+        if (folder / NOT_RETRIED).exists():
+            return True
+        _write_once(folder / USER_ERROR, text)
+        return True
+    if kind != NOT_RETRIED or _not_retried_record(text) is None:
+        return False
+    if not (folder / USER_ERROR).exists():
+        _write_once(folder / NOT_RETRIED, text)
+    return True
+
+
+def _not_retried_record(text: str) -> dict | None:
+    """The record of a not-retried note (`report_not_retried`), or None when `text` is
+    not one: a JSON object with a line and an exit status from 1 to 255."""
+    try:
+        record = json.loads(text)
+    except ValueError:
+        return None
+    if not isinstance(record, dict) or not isinstance(record.get("line"), str):
+        return None
+    status = record.get("status")
+    return record if isinstance(status, int) and 0 < status < 256 else None
 
 
 PEER_NOTE_WAIT_S = 1.0
@@ -166,8 +234,10 @@ def report_not_retried(line: str, status: int, traceback: str | None = None, oom
     folder = _folder()
     if folder is None:
         return False
+    if traceback is not None and len(traceback) > MAX_TRACEBACK_CHARS:
+        traceback = "...\n" + traceback[-MAX_TRACEBACK_CHARS:]
     record = {"line": line, "status": status, "traceback": traceback, "oom": oom}
-    return _write_once(folder / NOT_RETRIED, json.dumps(record))
+    return _write_stop(folder / NOT_RETRIED, json.dumps(record))
 
 
 def wait_to_be_stopped() -> None:
@@ -228,6 +298,14 @@ def _restart() -> int:
 def note_finished(rank: int) -> None:
     """This rank's code ended with status 0 in this attempt (a no-op outside `disttrain
     run`): a peer whose collective then fails knows why (`finished_peers`)."""
+    folder = _folder()
+    if folder is not None:
+        _share(FINISHED, str(rank))
+        _write_once(folder / f"finished-rank{rank}-{_restart():06d}", "")
+
+
+def adopt_finished(rank: int) -> None:
+    """`note_finished` for a rank of another node (`share_stops`), not shared again."""
     folder = _folder()
     if folder is not None:
         _write_once(folder / f"finished-rank{rank}-{_restart():06d}", "")

@@ -46,7 +46,7 @@ import torch
 import torch.distributed as dist
 
 from disttrain import runtime, worker_notes
-from disttrain.elastic import buddy_reshard, etcd_store, group_sockets, job_store, join_node, membership
+from disttrain.elastic import buddy_reshard, etcd_store, group_sockets, job_stop, job_store, join_node, membership
 from disttrain.elastic.buddy_copy import BuddyCopy, pack, resharded_words, unpack
 from disttrain.elastic.job_store import JobStore
 from disttrain.errors import UserError
@@ -131,6 +131,8 @@ def join(store: JobStore, gen: int, slot: int, world: int, wait_s: float) -> tup
                 members = membership.decided(store, gen) or members
                 watch = watch or membership.Watch(store, gen, members, _standby(store, world))
                 lost = watch.lost()
+                if lost and job_stop.adopt(store):  # stopped by a rank of theirs, not lost: no shrink
+                    raise SystemExit(0) from None  # this node's launcher says why, as theirs does
                 if lost:
                     members = membership.settle(store, gen, members, lost, GEN_KEY, watch.fresh)
                 if lost is not None:  # watch again: for the spares that take the places, or anew
@@ -406,16 +408,21 @@ def run(
         wait_for_promotion()
     store = connect_store(timeout_s)
     handoff.store = store
+    job_stop.share(store, lambda: handoff.gen)  # a note that stops the job reaches every node
     if handoff.joinable and slot == 0 and os.environ.get(ROLE_ENV) == "first":
         join_node.publish(world, handoff.total)
     try:
         init = {"backend": backend, "device": device, "timeout_s": timeout_s, "seed": seed}
         result = _generations(body, handoff, slot, world, **init)
     except (UserError, SystemExit, KeyboardInterrupt):  # the user's or the program's: the launcher reports it
+        job_stop.share(None)
         _count_done(store, world)
         raise
     except Exception as e:  # noqa: BLE001  (whatever ends fast recovery goes to torchrun's restart)
+        job_stop.share(None)
         _to_restart(e, slot, store, world)
+    job_stop.wait_for_the_others(store, len(handoff.members), timeout_s)  # a peer may still fail
+    job_stop.share(None)  # the last one out removes the job's keys
     _note_dead_standby(store, world)
     _count_done(store, world)
     return result
@@ -540,8 +547,10 @@ def _recover(handoff: Handoff, e: Exception, info: runtime.RankInfo) -> RuntimeE
     cut this rank's group connections). Returns `e` without its traceback, whose frames
     would keep this attempt's model alive."""
     verdict = failures.classify(e, peer_gone=handoff.peer_gone())
-    if not verdict.retried or worker_notes.earlier_stop():
+    # a rank of another node that stopped the job wrote its note on the store (`job_stop`)
+    if not verdict.retried or worker_notes.earlier_stop() or job_stop.adopt(handoff.store):
         _stop(handoff, e, info.rank)  # no new generation
+    job_stop.adopt_finished(handoff.store, handoff.gen, info.world_size)  # a rank of another node ended
     if failures.report_early_finish(info.rank, _failed_step(handoff), verdict):
         worker_notes.wait_to_be_stopped()  # a peer ended its code while this rank trains
         raise SystemExit(1) from None

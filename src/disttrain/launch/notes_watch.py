@@ -98,7 +98,10 @@ class Notes:
     def agents_gone(self, local_world: int) -> int:
         """How many nodes the job lost: those of the slots lost in its shrinks or taken
         over by spares, and of the hot-spare slots lost while standing by (torchrun
-        numbers the slots node by node, `local_world` a node)."""
+        numbers the slots node by node, `local_world` a node). A job a rank stopped
+        waits for no other node: each node's launcher stops its own."""
+        if self.stopped():
+            return 1 << 30
         record = self.shrunk() or {}
         slots = [*record.get("lost", []), *worker_notes.read_standby_lost(self.folder)]
         return len({int(slot) // max(1, local_world) for slot in slots})

@@ -612,6 +612,9 @@ def _launch(args: list[str], env: dict[str, str]) -> int:
         line, status = stopped_by_signal(int(e.sigval), notes.saved_step(), notes.failed_attempts())
         print(line, file=sys.stderr)
         return status
+    else:
+        if notes.stopped():  # a rank of another node stopped the job; this node's ranks ended quietly
+            return notes.report()
     finally:
         shrunk, left = notes.shrunk(), notes.restart_path()
         notes.close()

@@ -36,6 +36,7 @@ import threading
 import time
 
 from disttrain.errors import UserError
+from disttrain.launch import stop_sharing
 from disttrain.launch.warm_workers import SOCKET_ENV as WARM_SOCKET_ENV
 from disttrain.runtime import job_secret, processes
 from disttrain.runtime.failures import MACHINE, classify_death, report_crash
@@ -152,12 +153,12 @@ def _stand_by(cmd: list[str], rank: int, world: int, stopping: list[int]) -> sub
     keep a warm spare until a roster names this slot, then promote it and return it (the
     slot's training process from then on); None when the job ends first (every rank in
     it done, a stop, a signal). Polls the job's store every `STANDBY_POLL_S`."""
-    from disttrain.elastic import job_store, membership
+    from disttrain.elastic import job_stop, job_store, membership
 
     spare = _spawn(cmd, "spare")
     try:
         store = job_store.connect(timeout_s=300)
-        while not stopping and not earlier_stop():
+        while not stopping and not earlier_stop() and not job_stop.adopt(store):
             if spare.poll() is not None:  # a dead spare: replaced (its status, reaped here)
                 print(
                     f"disttrain run: hot-spare slot {rank}'s spare exited ({spare.returncode}); starting another",
@@ -191,6 +192,7 @@ def supervise(cmd: list[str], rank: int, world: int) -> int:
     the slots that train (a slot past it is a hot spare's: `_stand_by`)."""
     store = _host_store() if rank == 0 else None
     beating = _beat(rank)
+    stop_sharing.share()  # a crash it reports reaches the other nodes
     stopping: list[int] = []
     if rank >= world:
         for sig in (signal.SIGTERM, signal.SIGINT):

@@ -82,8 +82,10 @@ def _judge_death(code: int) -> None:
     the launcher the note that stops the job without a restart, then wait to be stopped
     (a SIGTERM now ends the stub at once)."""
     from disttrain import worker_notes
+    from disttrain.launch import stop_sharing
     from disttrain.runtime import failures
 
+    stop_sharing.share_if_fast()  # under fast recovery the other nodes must stop too
     if failures.report_crash(int(os.environ.get("RANK", "0")), code):
         signal.signal(signal.SIGTERM, signal.SIG_DFL)
         worker_notes.wait_to_be_stopped()
@@ -95,8 +97,10 @@ def _break_loop(code: int) -> None:
     same end at the same step as the attempt before stops the job; then wait to be
     stopped."""
     from disttrain import worker_notes
+    from disttrain.launch import stop_sharing
     from disttrain.runtime import failures
 
+    stop_sharing.share_if_fast()  # under fast recovery the other nodes must stop too
     if failures.repeated_death(int(os.environ.get("RANK", "0")), code):
         signal.signal(signal.SIGTERM, signal.SIG_DFL)
         worker_notes.wait_to_be_stopped()

@@ -793,8 +793,8 @@ class Job:
                 guard.first_batch(batch, self.cfg.parallel.tp)
                 if acc.window_start:
                     self._begin_step()
-                inject("forward", self.step + 1, info.rank)
                 with acc.micro_step():  # no gradient sync unless it closes the window
+                    inject("forward", self.step + 1, info.rank)  # where the user's forward fails
                     self._in_step, self._backward_done = True, False
                     self._owner.before_user()
                     try:

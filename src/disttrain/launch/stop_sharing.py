@@ -1,0 +1,34 @@
+"""Fast recovery's notes that stop the job (`elastic.job_stop`), shared from the
+processes around a training process that hold no client of the job's store: the slot
+supervisor and a worker's stub, which report a crash or a crash loop they saw
+(`runtime.failures.report_crash`, `repeated_death`). They connect when a note comes,
+so torch is imported then, not at their start; the note waits for it, so it is on the
+store before this node's launcher acts on it."""
+
+from __future__ import annotations
+
+import os
+
+from disttrain import worker_notes
+
+ROLE_ENV = "DISTTRAIN_FAST_ROLE"  # elastic.fast_recovery.ROLE_ENV; not imported: that imports torch
+CONNECT_S = 10.0
+
+
+def _send(kind: str, text: str) -> None:
+    from disttrain.elastic import job_stop, job_store
+
+    if kind != worker_notes.FINISHED:  # a finish is the training process's to share
+        job_stop.publish(job_store.connect(timeout_s=CONNECT_S), kind, text)
+
+
+def share() -> None:
+    """This process's notes that stop the job go to the job's store too (a slot
+    supervisor's; see the module)."""
+    worker_notes.share_stops(_send)
+
+
+def share_if_fast() -> None:
+    """`share`, in a process of a fast-recovery slot (its stub: `ROLE_ENV` is set)."""
+    if os.environ.get(ROLE_ENV):
+        share()
