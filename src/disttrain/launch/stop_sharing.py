@@ -12,6 +12,7 @@ import os
 from disttrain import worker_notes
 
 ROLE_ENV = "DISTTRAIN_FAST_ROLE"  # elastic.fast_recovery.ROLE_ENV; not imported: that imports torch
+FAST_STORE_ENV = "DISTTRAIN_FAST_STORE"  # elastic.etcd_store.STORE_ENV: the store is that etcd
 CONNECT_S = 10.0
 
 
@@ -22,10 +23,19 @@ def _send(kind: str, text: str) -> None:
         job_stop.publish(job_store.connect(timeout_s=CONNECT_S), kind, text)
 
 
+def _other_nodes() -> bool:
+    """Whether the job may have ranks on other nodes: more slots than this node's, or a
+    store on etcd (a node may join it later). On one node its launcher reads every note,
+    and a crash's note need not wait for torch's import."""
+    local, total = os.environ.get("LOCAL_WORLD_SIZE", "1"), os.environ.get("WORLD_SIZE", "1")
+    return bool(os.environ.get(FAST_STORE_ENV)) or (local.isdigit() and total.isdigit() and int(local) < int(total))
+
+
 def share() -> None:
-    """This process's notes that stop the job go to the job's store too (a slot
-    supervisor's; see the module)."""
-    worker_notes.share_stops(_send)
+    """This process's notes that stop the job go to the job's store too, when the job
+    may have other nodes (a slot supervisor's; see the module)."""
+    if _other_nodes():
+        worker_notes.share_stops(_send)
 
 
 def share_if_fast() -> None:
