@@ -48,6 +48,16 @@ def loads(data: str | bytes, max_depth: int = MAX_DEPTH) -> Any:
     return json.loads(text)
 
 
+def loads_object(data: str | bytes) -> dict | None:
+    """The JSON object of `data` (`loads`), or None when `data` is not JSON, nests
+    deeper than `MAX_DEPTH`, or holds another kind of value."""
+    try:
+        value = loads(data)
+    except ValueError:
+        return None
+    return value if isinstance(value, dict) else None
+
+
 def check_depth(value: Any, max_depth: int = MAX_DEPTH) -> None:
     """Raise `ValueError` when the lists and dicts of the parsed `value` nest more
     than `max_depth` levels deep; walked without recursion."""

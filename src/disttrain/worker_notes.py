@@ -57,6 +57,7 @@ import time
 from collections.abc import Callable, Iterator
 from pathlib import Path
 
+from disttrain import json_text
 from disttrain.terminal_text import shown
 
 NOTES_ENV = "DISTTRAIN_LAUNCH_NOTES"
@@ -175,11 +176,8 @@ def adopt_stop(kind: str, text: str) -> bool:
 def _not_retried_record(text: str) -> dict | None:
     """The record of a not-retried note (`report_not_retried`), or None when `text` is
     not one: a JSON object with a line and an exit status from 1 to 255."""
-    try:
-        record = json.loads(text)
-    except ValueError:
-        return None
-    if not isinstance(record, dict) or not isinstance(record.get("line"), str):
+    record = json_text.loads_object(text)
+    if record is None or not isinstance(record.get("line"), str):
         return None
     status = record.get("status")
     return record if isinstance(status, int) and 0 < status < 256 else None
@@ -298,10 +296,9 @@ def _restart() -> int:
 def note_finished(rank: int) -> None:
     """This rank's code ended with status 0 in this attempt (a no-op outside `disttrain
     run`): a peer whose collective then fails knows why (`finished_peers`)."""
-    folder = _folder()
-    if folder is not None:
+    if _folder() is not None:
         _share(FINISHED, str(rank))
-        _write_once(folder / f"finished-rank{rank}-{_restart():06d}", "")
+        adopt_finished(rank)
 
 
 def adopt_finished(rank: int) -> None:
@@ -473,10 +470,9 @@ def read_shrunk(folder: str | Path) -> dict | None:
 def _read_record(path: Path) -> dict | None:
     """The JSON object a note holds, or None (no note, or not an object)."""
     try:
-        record = json.loads(path.read_text())
-    except (OSError, ValueError):
+        return json_text.loads_object(path.read_text())
+    except OSError:
         return None
-    return record if isinstance(record, dict) else None
 
 
 def failed_attempts(folder: str | Path) -> int:

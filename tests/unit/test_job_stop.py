@@ -70,6 +70,7 @@ def test_a_user_error_is_adopted_and_a_nodes_own_note_is_kept(nodes):
     '{"kind": "not-retried", "text": "not json"}',
     '{"kind": "finished-rank0-000000", "text": ""}',  # not a note that stops the job
     '["not-retried"]',
+    pytest.param("[" * 200_000, id="nested-deeper-than-a-parse-recurses"),
 ])
 def test_what_is_not_a_sealed_stop_note_stops_nothing(nodes, value):
     raw = dist.HashStore()

@@ -547,10 +547,12 @@ def _recover(handoff: Handoff, e: Exception, info: runtime.RankInfo) -> RuntimeE
     cut this rank's group connections). Returns `e` without its traceback, whose frames
     would keep this attempt's model alive."""
     verdict = failures.classify(e, peer_gone=handoff.peer_gone())
+    store = handoff.store
+    assert store is not None  # joined before any generation ran
     # a rank of another node that stopped the job wrote its note on the store (`job_stop`)
-    if not verdict.retried or worker_notes.earlier_stop() or job_stop.adopt(handoff.store):
+    if not verdict.retried or worker_notes.earlier_stop() or job_stop.adopt(store):
         _stop(handoff, e, info.rank)  # no new generation
-    job_stop.adopt_finished(handoff.store, handoff.gen, info.world_size)  # a rank of another node ended
+    job_stop.adopt_finished(store, handoff.gen, info.world_size)  # a rank of another node ended
     if failures.report_early_finish(info.rank, _failed_step(handoff), verdict):
         worker_notes.wait_to_be_stopped()  # a peer ended its code while this rank trains
         raise SystemExit(1) from None
@@ -561,8 +563,7 @@ def _recover(handoff: Handoff, e: Exception, info: runtime.RankInfo) -> RuntimeE
     handoff.snapshot()
     if "nccl" in str(info.backend):  # NCCL's communicators do not fail by themselves
         torch_compat.abort_process_groups()
-    assert handoff.store is not None  # joined before any generation ran
-    group_sockets.cut(group_sockets.published(handoff.store, f"disttrain/fast/g{handoff.gen}", info.world_size))
+    group_sockets.cut(group_sockets.published(store, f"disttrain/fast/g{handoff.gen}", info.world_size))
     return RuntimeError(f"{type(e).__name__}: {e}")
 
 

@@ -29,7 +29,7 @@ import os
 import time
 from collections.abc import Callable
 
-from disttrain import worker_notes
+from disttrain import json_text, worker_notes
 from disttrain.elastic import group_sockets
 from disttrain.elastic.job_store import JobStore
 
@@ -74,33 +74,24 @@ def publish(store: JobStore, kind: str, text: str) -> None:
     store.set(STOP_KEY, json.dumps({"kind": kind, "text": text}))
 
 
-def adopt(store: JobStore | None) -> bool:
+def adopt(store: JobStore) -> bool:
     """Whether a rank of the job stopped it (a note on `store`): the note is then copied
     into this node's folder, for its launcher, unless this node has one of its own.
-    False without a store, or when the store cannot be read (the node that hosted it
-    is gone: what happens next is the caller's, as before this check)."""
-    if store is None:
-        return False
+    False when the store cannot be read (the node that hosted it is gone: what happens
+    next is the caller's, as before this check)."""
     try:
         text = store.get(STOP_KEY)
     except (RuntimeError, ConnectionError, TimeoutError, OSError):  # torch's DistNetworkError among them
         return False
-    if text is None or len(text) > MAX_NOTE_CHARS:
-        return False
-    try:
-        record = json.loads(text)
-    except ValueError:
-        return False
-    if not isinstance(record, dict) or not isinstance(record.get("text"), str):
+    record = json_text.loads_object(text) if text is not None and len(text) <= MAX_NOTE_CHARS else None
+    if record is None or not isinstance(record.get("text"), str):
         return False
     return worker_notes.adopt_stop(str(record.get("kind")), record["text"])
 
 
-def adopt_finished(store: JobStore | None, gen: int, world: int) -> None:
+def adopt_finished(store: JobStore, gen: int, world: int) -> None:
     """Copy into this node's folder the ranks of generation `gen` (of `world`) whose code
     finished on another node (`worker_notes.finished_peers` then names them)."""
-    if store is None:
-        return
     try:  # one read in a recovery where no rank finished (the usual one)
         if store.add(finished_key(gen, "count"), 0) == 0:
             return
