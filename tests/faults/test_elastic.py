@@ -214,3 +214,35 @@ def test_loader_knobs_change_across_whole_job_kills_and_every_sample_is_used_onc
     assert sorted(counts) == list(range(384)) and set(counts.values()) == {1}
     worlds = [m["world_size"] for m in metrics(tmp_path)]
     assert 1 in worlds and worlds[-1] == 2
+
+
+@pytest.mark.timeout(300)
+def test_etcd_down_under_a_running_job_costs_nothing_until_it_answers_again(tmp_path):
+    """The job's etcd stops for longer than the agent's poll of waiting nodes, then starts
+    again on the same data: the job trains on through the outage, says once that the
+    etcd does not answer and once that it answers again, and ends with exit 0 (torch's
+    agent alone ends the job at the first poll the etcd misses)."""
+    server = EtcdServer().start()
+    log = tmp_path / "agent.txt"
+    agent = None
+    try:
+        flags = ("--nnodes", "1:2", "--nproc", "1", "--rdzv-backend", "etcd", "--rdzv-endpoint",
+                 server.endpoint, "--rdzv-id", "job-outage", "--max-restarts", "3")
+        agent = start(trainer_cmd(tmp_path, "--train.steps=30", run_flags=flags), log,
+                      DISTTRAIN_FAULT=SLOW)
+        wait_for(lambda: any(m["step"] > 3 for m in metrics(tmp_path)), 150, "training", [log])
+        server.stop(remove_data=False)
+        wait_for(lambda: "does not answer" in log.read_text(), 30, "the outage's line", [log])
+        mark = max(m["step"] for m in metrics(tmp_path))
+        wait_for(lambda: max(m["step"] for m in metrics(tmp_path)) > mark + 2, 60,
+                 "progress while the etcd is down", [log])
+        server.start()
+        wait_for(lambda: "answers again" in log.read_text(), 30, "the line of its return", [log])
+        assert agent.wait(timeout=150) == 0, log.read_text()[-3000:]
+    finally:
+        if agent is not None:
+            kill_node(agent)
+        server.stop()
+    text = log.read_text()
+    assert text.count("does not answer") == 1 and text.count("answers again") == 1, text[-3000:]
+    assert max(m["step"] for m in metrics(tmp_path)) == 30

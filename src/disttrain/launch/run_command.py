@@ -69,6 +69,8 @@ Every other torchrun flag passes through unchanged.
 
 from __future__ import annotations
 
+import contextlib
+import functools
 import math
 import os
 import signal
@@ -533,6 +535,19 @@ def main(argv: list[str], launched: Launched | None = None) -> int:
                 os.environ.pop(warm_workers.SOCKET_ENV, None)
 
 
+def _say_outage(endpoint: str, error: BaseException | None) -> None:
+    """One line when the job's etcd stops answering a running job, one when it is back."""
+    if error is None:
+        print(f"disttrain run: the etcd at {endpoint} answers again.", file=sys.stderr, flush=True)
+        return
+    print(
+        f"disttrain run: the etcd at {endpoint} does not answer; training goes on, but no node can "
+        f"join or be replaced until it does (start it again on the same address and data directory).",
+        file=sys.stderr,
+        flush=True,
+    )
+
+
 def _launch(args: list[str], env: dict[str, str]) -> int:
     """torchrun with `torchrun_for`'s arguments and environment defaults;
     failures reported in one line (see `main`)."""
@@ -567,11 +582,16 @@ def _launch(args: list[str], env: dict[str, str]) -> int:
     made_secret = env.get(job_secret.SECRET_ENV)
     if made_secret:  # this job's own, never one an earlier job left in this process
         os.environ[job_secret.SECRET_ENV] = made_secret
-    from disttrain.runtime.torch_compat import exit_barrier_of
+    from disttrain.runtime.torch_compat import exit_barrier_of, waiting_nodes_through_outages
 
+    endpoint = _flag_value(args, "--rdzv-endpoint", "--rdzv_endpoint")
+    # etcd outlives every node and may restart under a job; c10d's store dies with its node
+    on_etcd = endpoint is not None and _flag_value(args, "--rdzv-backend", "--rdzv_backend") == "etcd-v2"
     try:
         # after a shrink in memory the exit barrier waits for the nodes left, not the lost one
-        with exit_barrier_of(notes.agents_gone):
+        with exit_barrier_of(notes.agents_gone), contextlib.ExitStack() as outages:
+            if on_etcd:
+                outages.enter_context(waiting_nodes_through_outages(functools.partial(_say_outage, endpoint)))
             run(parse_args(args))
     except ChildFailedError as e:
         if notes.stopped():

@@ -606,3 +606,44 @@ def exit_barrier_of(agents_gone: Callable[[int], int]) -> Iterator[None]:
         yield
     finally:
         setattr(SimpleElasticAgent, "_exit_barrier", original)  # noqa: B010
+
+
+@contextlib.contextmanager
+def waiting_nodes_through_outages(on_change: Callable[[BaseException | None], None]) -> Iterator[None]:
+    """Within the block, torchrun's poll for nodes waiting to join (the agent asks
+    `num_nodes_waiting` each monitor interval while its workers are healthy) answers 0
+    while the rendezvous backend cannot be reached, instead of ending the agent and its
+    healthy workers: an etcd restarted under a running job costs nothing until the
+    membership changes. `on_change(error)` is called when the backend first fails and
+    `on_change(None)` when it answers again; a failure of anything but the connection
+    (a corrupt state) still ends the agent, as does any failure of a later rendezvous.
+
+    Wraps `DynamicRendezvousHandler.num_nodes_waiting` (c10d, etcd-v2). Checked on 2.13.0.
+    Fallback (no such method): nothing is wrapped and an outage ends the agent, as in torch."""
+    from torch.distributed.elastic.rendezvous.api import RendezvousConnectionError
+    from torch.distributed.elastic.rendezvous.dynamic_rendezvous import DynamicRendezvousHandler
+
+    original = getattr(DynamicRendezvousHandler, "num_nodes_waiting", None)
+    if original is None:
+        yield
+        return
+    down = [False]
+
+    def answered_or_zero(handler: Any) -> int:
+        try:
+            count = original(handler)
+        except RendezvousConnectionError as e:
+            if not down[0]:
+                down[0] = True
+                on_change(e)
+            return 0
+        if down[0]:
+            down[0] = False
+            on_change(None)
+        return count
+
+    setattr(DynamicRendezvousHandler, "num_nodes_waiting", answered_or_zero)  # noqa: B010
+    try:
+        yield
+    finally:
+        setattr(DynamicRendezvousHandler, "num_nodes_waiting", original)  # noqa: B010
