@@ -7,15 +7,16 @@ end with the same last line and status, none shrinks, none restarts."""
 
 from __future__ import annotations
 
+import contextlib
 import subprocess
 import sys
 from pathlib import Path
 
 import pytest
 from conftest import ROOT, WORKERS, worker_env
-from elastic_helpers import kill_node, metrics, trainer_cmd
+from elastic_helpers import kill_node, metrics, start, trainer_cmd, wait_for
 
-from disttrain.launch.etcd_server import EtcdServer
+from disttrain.launch.etcd_server import EtcdServer, free_port
 
 SCRIPT = str(WORKERS / "failing_job.py")
 ENDS = {
@@ -26,12 +27,14 @@ ENDS = {
 }
 
 
-def two_nodes(tmp_path: Path, run_id: str, command: list[str], **env: str) -> list[tuple[int, str]]:
-    """Start `disttrain run --nnodes 2 --nproc 1 ... COMMAND` twice on one etcd and wait
-    for both; their exit statuses and outputs."""
-    with EtcdServer().start() as server:
-        flags = ["--nnodes", "2", "--nproc", "1", "--rdzv-backend", "etcd", "--rdzv-endpoint", server.endpoint,
-                 "--rdzv-id", run_id]
+def two_nodes(tmp_path: Path, run_id: str, command: list[str], *extra: str, backend: str = "etcd",
+              **env: str) -> list[tuple[int, str]]:
+    """Start `disttrain run --nnodes 2 --nproc 1 [EXTRA] ... COMMAND` twice on one etcd (or
+    a c10d rendezvous) and wait for both; their exit statuses and outputs."""
+    with EtcdServer().start() if backend == "etcd" else contextlib.nullcontext() as server:
+        endpoint = server.endpoint if server else f"127.0.0.1:{free_port()}"
+        flags = ["--nnodes", "2", "--nproc", "1", "--rdzv-backend", backend, "--rdzv-endpoint", endpoint,
+                 "--rdzv-id", run_id, *extra]
         full = [sys.executable, "-m", "disttrain.cli", "run", *flags, *command]
         logs = [tmp_path / f"node{i}.txt" for i in range(2)]
         nodes = [subprocess.Popen(full, cwd=ROOT, env=worker_env(DISTTRAIN_JOB_SECRET="5e" * 32, **env),
@@ -74,3 +77,49 @@ def test_the_trainers_failure_on_one_node_stops_every_node(tmp_path):
     ends = two_nodes(tmp_path, "stop-trainer", command, DISTTRAIN_FAULT="raise@forward:rank=1,step=6")
     assert_both_stopped(ends, 1, "RuntimeError at step 6 on rank 1 is the program's error")
     assert max(m["step"] for m in metrics(tmp_path)) == 5
+
+
+@pytest.mark.parametrize(("backend", "failing", "restarts"), [("etcd", 1, "3"), ("c10d", 0, "0")])
+def test_without_fast_recovery_the_other_node_ends_at_once_and_says_why(backend, failing, restarts, tmp_path):
+    """torchrun's restart path (no fast recovery): one rank raises at step 6. Its node
+    stops on the note and closes the rendezvous, so the other node, whose rank lost its
+    peer, ends at once with a line that sends the user to the failing node. Before, that
+    node restarted its rank into a rendezvous nobody else joined and ended after the join
+    timeout (2 min) with torch's traceback; with no restart left it blamed its own rank.
+    Under c10d the failing rank is on the node that hosts the rendezvous."""
+    command = trainer_cmd(tmp_path, "--train.steps=24", "--checkpoint.every=3", run_flags=())[4:]
+    ends = two_nodes(tmp_path, f"restart-path-{backend}", command, "--max-restarts", restarts, backend=backend,
+                     DISTTRAIN_FAULT=f"raise@forward:rank={failing},step=6")
+    (code, failed), (other_code, other) = ends[failing], ends[1 - failing]
+    assert code == 1 and failed.rstrip().splitlines()[-1].startswith(
+        f"disttrain run: not retried: RuntimeError at step 6 on rank {failing} is the program's error"), failed
+    last = other.rstrip().splitlines()[-1]
+    closed = f"disttrain run: another node stopped the job and closed its rendezvous (rank(s) [{1 - failing}] of"
+    # under c10d the rendezvous ends with its host's launcher: gone before this node asks, or closed
+    gone = "disttrain run: the rendezvous at 127.0.0.1:"
+    assert other_code == 1 and last.startswith((closed, gone) if backend == "c10d" else closed), other[-4000:]
+    assert "Traceback" not in other and "will restart worker group" not in other, other[-4000:]
+
+
+def test_a_lost_node_without_fast_recovery_ends_the_other_in_one_line(tmp_path):
+    """A whole node killed (its launcher and ranks, no note) under a fixed --nnodes 2 with
+    restarts left: the survivor's restart waits for a rendezvous that cannot fill, and
+    says so in one line after its join timeout (here 10 s), not in a traceback; it does
+    not claim that another node stopped the job."""
+    with EtcdServer().start() as server:
+        flags = ["--nnodes", "2", "--nproc", "1", "--rdzv-backend", "etcd", "--rdzv-endpoint", server.endpoint,
+                 "--rdzv-id", "lost-node", "--max-restarts", "3", "--rdzv-conf", "join_timeout=10"]
+        command = trainer_cmd(tmp_path, "--train.steps=200", run_flags=tuple(flags))
+        logs = [tmp_path / f"node{i}.txt" for i in range(2)]
+        nodes = [start(command, log, DISTTRAIN_FAULT="delay@step:ms=200") for log in logs]
+        try:
+            wait_for(lambda: any(m["step"] > 3 for m in metrics(tmp_path)), 120, "training", logs)
+            kill_node(nodes[1])
+            code = nodes[0].wait(timeout=120)
+        finally:
+            for node in nodes:
+                kill_node(node)
+    text = logs[0].read_text()
+    last = text.rstrip().splitlines()[-1]
+    assert code == 1 and last.startswith("disttrain run: the rendezvous did not fill within its join timeout"), text
+    assert "Traceback" not in text and "another node stopped the job" not in text, text[-4000:]

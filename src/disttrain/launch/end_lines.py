@@ -95,3 +95,39 @@ def shrunk_line(shrunk: dict) -> str:
         f"finished at world {shrunk.get('world')}: rank(s) {lost} were lost with their node "
         f"and the others went on without them in memory, with no torchrun restart."
     )
+
+
+def closed_by_another_line(lost_peer: list[int]) -> str:
+    """The last line of a node whose ranks lost their peers because another node's rank
+    stopped the job (that node closed the rendezvous: `launch.rendezvous_end`)."""
+    who = f"rank(s) {lost_peer} of this node lost their peers" if lost_peer else "this node's ranks stopped"
+    return (
+        f"another node stopped the job and closed its rendezvous ({who}): that node's output says why "
+        f"(its rank's error and last line); nothing was restarted."
+    )
+
+
+def rendezvous_timeout_line(nnodes: str | None) -> str:
+    """The last line of a node whose rendezvous did not fill within its join timeout."""
+    return (
+        f"the rendezvous did not fill within its join timeout: fewer nodes than --nnodes {nnodes or '?'} "
+        f"joined (a node was lost or ended, or was never started with the same --rdzv-id and endpoint). Start "
+        f"every node with the same command; a run resumes from its newest checkpoint."
+    )
+
+
+def rendezvous_gone_line(endpoint: str | None, backend: str | None) -> str:
+    """The last line of a node whose rendezvous stopped answering when the agent needed
+    it: under c10d it lives in the agent of the node that hosts it and ends with that
+    node; an etcd of its own was stopped or cannot be reached."""
+    if backend in ("etcd", "etcd-v2"):
+        return (
+            f"the etcd at {endpoint or '?'} does not answer, and this node's agent needed it to go on (a "
+            f"restart, a node joining); start it again on the same address and data directory, then run "
+            f"the same command to resume from the newest checkpoint."
+        )
+    return (
+        f"the rendezvous at {endpoint or '?'} stopped answering: the node that hosts it ended or was lost "
+        f"(its output says why), and with it the job; nothing was restarted. --rdzv-backend etcd keeps it "
+        f"on a server of its own, so that any node can be lost."
+    )

@@ -76,14 +76,23 @@ import os
 import signal
 import sys
 from dataclasses import dataclass
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Any
 
 from disttrain.check.settings import STEPS_FLAG, take_check_flags
 from disttrain.errors import UserError
 from disttrain.guard import private_dir
 from disttrain.guard.script_watchdog import HANG_FLAG, take_hang_timeout
-from disttrain.launch import notes_watch, run_help, warm_workers
-from disttrain.launch.end_lines import hang_line, others_clause, restart_path_line, shrunk_line, stopped_by_signal
+from disttrain.launch import notes_watch, rendezvous_end, run_help, warm_workers
+from disttrain.launch.end_lines import (
+    closed_by_another_line,
+    hang_line,
+    others_clause,
+    rendezvous_gone_line,
+    rendezvous_timeout_line,
+    restart_path_line,
+    shrunk_line,
+    stopped_by_signal,
+)
 from disttrain.launch.join_flags import JOIN_FLAG, take_join
 from disttrain.launch.join_flags import RUN_ENV as JOIN_RUN_ENV
 from disttrain.launch.worker_entry import LAUNCHER_ENV
@@ -105,6 +114,7 @@ DEFAULT_PREEMPT_GRACE_S = 60.0
 """The grace when neither a trainer config nor DISTTRAIN_PREEMPT_GRACE_S names one
 (the default of `elastic.preempt_grace_s`)."""
 SHUTDOWN_FLAGS = ("--shutdown-timeout", "--shutdown_timeout")
+BACKEND_FLAGS = ("--rdzv-backend", "--rdzv_backend")
 SHUTDOWN_ENV = ("PET_SHUTDOWN_TIMEOUT", "TORCH_ELASTIC_SHUTDOWN_TIMEOUT")
 
 # Rendezvous settings for elastic jobs, each with its reason (torch's default in brackets):
@@ -553,11 +563,42 @@ def _launch(args: list[str], env: dict[str, str]) -> int:
     failures reported in one line (see `main`)."""
     from torch.distributed.elastic.multiprocessing import SignalException
     from torch.distributed.elastic.multiprocessing.errors import ChildFailedError
-    from torch.distributed.run import parse_args, run
+    from torch.distributed.elastic.rendezvous.api import RendezvousError
 
-    from disttrain.runtime.torch_compat import quick_rendezvous_event_names
+    _set_launch_env(args, env)
+    notes = notes_watch.watch()
+    made_secret = env.get(job_secret.SECRET_ENV)
+    if made_secret:  # this job's own, never one an earlier job left in this process
+        os.environ[job_secret.SECRET_ENV] = made_secret
+    lost_peer = lambda: bool(notes.lost_peer_ranks()) and not notes.stopped()  # noqa: E731
+    try:
+        with rendezvous_end.captured(lost_peer) as rendezvous:
+            _torchrun(args, notes)
+    except ChildFailedError as e:
+        return _child_failed(e, notes, rendezvous.closed_by_another)
+    except SignalException as e:
+        if notes.stopped():  # a rank's note: the other nodes end at their next rendezvous, not its timeout
+            rendezvous_end.close(rendezvous.handlers)
+            return notes.report()
+        return _signalled(int(e.sigval), notes)
+    except RendezvousError as e:  # the rendezvous closed, gone, or not filled: one line, no traceback
+        return notes.report() if notes.stopped() else _rendezvous_failed(e, args, notes)
+    else:
+        if notes.stopped():  # a rank of another node stopped the job; this node's ranks ended quietly
+            rendezvous_end.close(rendezvous.handlers)
+            return notes.report()
+    finally:
+        shrunk, left = notes.shrunk(), notes.restart_path()
+        notes.close()
+        if made_secret:
+            os.environ.pop(job_secret.SECRET_ENV, None)
+    if shrunk or left:
+        print(f"disttrain run: {restart_path_line(left) if left else shrunk_line(shrunk or {})}", file=sys.stderr)
+    return 0
 
-    quick_rendezvous_event_names()  # torchrun's event names without inspect.stack()
+
+def _set_launch_env(args: list[str], env: dict[str, str]) -> None:
+    """The launcher's environment for torchrun and its workers (`env` under what the user set)."""
     for key, value in env.items():
         os.environ.setdefault(key, value)
     os.environ[LAUNCHER_ENV] = str(os.getpid())  # this job's own launcher, never an outer one
@@ -578,68 +619,91 @@ def _launch(args: list[str], env: dict[str, str]) -> int:
             f"{k}={os.environ[k]}" for k in sorted(env) if k.startswith(("TORCH_", "NCCL_")) and k not in DEFAULT_ENV
         )
         print(f"disttrain run --debug: {switches}. Logs: {where}.", file=sys.stderr, flush=True)
-    notes = notes_watch.watch()
-    made_secret = env.get(job_secret.SECRET_ENV)
-    if made_secret:  # this job's own, never one an earlier job left in this process
-        os.environ[job_secret.SECRET_ENV] = made_secret
-    from disttrain.runtime.torch_compat import exit_barrier_of, waiting_nodes_through_outages
 
+
+def _torchrun(args: list[str], notes: notes_watch.Notes) -> None:
+    """torchrun's `run` in this process, with disttrain's hooks on its agent."""
+    from torch.distributed.run import parse_args, run
+
+    from disttrain.runtime.torch_compat import (
+        exit_barrier_of,
+        quick_rendezvous_event_names,
+        waiting_nodes_through_outages,
+    )
+
+    quick_rendezvous_event_names()  # torchrun's event names without inspect.stack()
     endpoint = _flag_value(args, "--rdzv-endpoint", "--rdzv_endpoint")
-    # etcd outlives every node and may restart under a job; c10d's store dies with its node
-    on_etcd = endpoint is not None and _flag_value(args, "--rdzv-backend", "--rdzv_backend") == "etcd-v2"
-    try:
-        # after a shrink in memory the exit barrier waits for the nodes left, not the lost one
-        with exit_barrier_of(notes.agents_gone), contextlib.ExitStack() as outages:
-            if on_etcd:
-                outages.enter_context(waiting_nodes_through_outages(functools.partial(_say_outage, endpoint)))
-            run(parse_args(args))
-    except ChildFailedError as e:
-        if notes.stopped():
-            return notes.report()
-        rank, failure = e.get_first_failure()
-        code = failure.exitcode if failure.exitcode >= 0 else 128 - failure.exitcode
-        how = f"exit code {failure.exitcode}" if failure.exitcode >= 0 else f"signal {failure.signal_name()}"
-        hang = notes.hang() if failure.exitcode == 124 else None  # watchdog.HANG_EXIT_CODE
-        if hang is not None:
-            print(f"disttrain run: {hang_line(hang)}", file=sys.stderr)
-            return failure.exitcode
-        left = notes.restart_path()
-        if left is not None and left.get("rank") == rank:
-            print(f"disttrain run: {restart_path_line(left, restarted=False)}", file=sys.stderr)
-            return code or 1
-        more = others_clause(e.failures, rank, notes.lost_peer_ranks())
+    backend = _flag_value(args, *BACKEND_FLAGS)
+    # after a shrink in memory the exit barrier waits for the nodes left, not the lost one
+    with exit_barrier_of(notes.agents_gone), contextlib.ExitStack() as outages:
+        # etcd outlives every node and may restart under a job; c10d's store dies with its node
+        if endpoint is not None and backend == "etcd-v2":
+            outages.enter_context(waiting_nodes_through_outages(functools.partial(_say_outage, endpoint)))
+        run(parse_args(args))
+
+
+def _child_failed(e: Any, notes: notes_watch.Notes, closed_by_another: bool) -> int:
+    """The last line and status of a job whose agent gave up on its failed workers
+    (torchrun's `ChildFailedError`)."""
+    if notes.stopped():
+        return notes.report()
+    rank, failure = e.get_first_failure()
+    code = failure.exitcode if failure.exitcode >= 0 else 128 - failure.exitcode
+    how = f"exit code {failure.exitcode}" if failure.exitcode >= 0 else f"signal {failure.signal_name()}"
+    hang = notes.hang() if failure.exitcode == 124 else None  # watchdog.HANG_EXIT_CODE
+    if hang is not None:
+        print(f"disttrain run: {hang_line(hang)}", file=sys.stderr)
+        return failure.exitcode
+    left = notes.restart_path()
+    if left is not None and left.get("rank") == rank:
+        print(f"disttrain run: {restart_path_line(left, restarted=False)}", file=sys.stderr)
+        return code or 1
+    if closed_by_another:
+        print(f"disttrain run: {closed_by_another_line(notes.lost_peer_ranks())}", file=sys.stderr)
+        return code or 1
+    more = others_clause(e.failures, rank, notes.lost_peer_ranks())
+    print(
+        f"disttrain run: rank {rank} failed first with {how}{more}. "
+        f"Its error is above; per-rank logs: --log-dir DIR --tee 3.",
+        file=sys.stderr,
+    )
+    return code or 1
+
+
+def _rendezvous_failed(e: Exception, args: list[str], notes: notes_watch.Notes) -> int:
+    """The last line of a node whose agent could not go on with its rendezvous: another
+    node closed it (its rank stopped the job), it stopped answering, or it did not fill."""
+    from torch.distributed.elastic.rendezvous.api import (
+        RendezvousClosedError,
+        RendezvousConnectionError,
+        RendezvousTimeoutError,
+    )
+
+    if isinstance(e, RendezvousClosedError):  # torchrun restarted this node's ranks into a stopped job
+        line = closed_by_another_line(notes.lost_peer_ranks())
+    elif isinstance(e, RendezvousConnectionError):  # c10d's store went with the node that hosts it
+        where = _flag_value(args, "--rdzv-endpoint", "--rdzv_endpoint")
+        line = rendezvous_gone_line(where, _flag_value(args, *BACKEND_FLAGS))
+    elif isinstance(e, RendezvousTimeoutError):
+        line = rendezvous_timeout_line(_flag_value(args, "--nnodes"))
+    else:
+        raise e
+    print(f"disttrain run: {line}", file=sys.stderr)
+    return 1
+
+
+def _signalled(sigval: int, notes: notes_watch.Notes) -> int:
+    """The last line and status of a job whose launcher got a signal from outside.
+    torchrun has already passed it on and waited --shutdown-timeout for the workers; a
+    SIGTERMed disttrain worker saves and exits 0, so the job says so and exits 0 too
+    (the requeue path of docs/elastic.md), instead of a traceback and exit 1."""
+    if notes.stood_by() and notes.saved_step() is None:
         print(
-            f"disttrain run: rank {rank} failed first with {how}{more}. "
-            f"Its error is above; per-rank logs: --log-dir DIR --tee 3.",
+            f"disttrain run: stopped by {signal.Signals(sigval).name}; this node's slots were hot spares "
+            f"standing by, with nothing to save.",
             file=sys.stderr,
         )
-        return code or 1
-    except SignalException as e:
-        # The agent itself was signalled (Kubernetes signals PID 1, Slurm the step). torchrun
-        # has already passed the signal on and waited --shutdown-timeout for the workers; a
-        # SIGTERMed disttrain worker saves and exits 0, so the job says so and exits 0 too
-        # (the requeue path of docs/elastic.md), instead of a traceback and exit 1.
-        if notes.stopped():
-            return notes.report()
-        if notes.stood_by() and notes.saved_step() is None:
-            name = signal.Signals(int(e.sigval)).name
-            print(
-                f"disttrain run: stopped by {name}; this node's slots were hot spares standing by, with "
-                f"nothing to save.",
-                file=sys.stderr,
-            )
-            return 0
-        line, status = stopped_by_signal(int(e.sigval), notes.saved_step(), notes.failed_attempts())
-        print(line, file=sys.stderr)
-        return status
-    else:
-        if notes.stopped():  # a rank of another node stopped the job; this node's ranks ended quietly
-            return notes.report()
-    finally:
-        shrunk, left = notes.shrunk(), notes.restart_path()
-        notes.close()
-        if made_secret:
-            os.environ.pop(job_secret.SECRET_ENV, None)
-    if shrunk or left:
-        print(f"disttrain run: {restart_path_line(left) if left else shrunk_line(shrunk or {})}", file=sys.stderr)
-    return 0
+        return 0
+    line, status = stopped_by_signal(sigval, notes.saved_step(), notes.failed_attempts())
+    print(line, file=sys.stderr)
+    return status

@@ -1,0 +1,101 @@
+"""A job's end, told to the other nodes on torchrun's own rendezvous.
+
+When a rank's note stops a node (the program's error, a user error, a crash loop:
+`launch.notes_watch`), its launcher stops its workers on a SIGTERM to itself, and
+torchrun leaves the rendezvous open after a signal (a preempted node may come back).
+The other nodes' ranks then lose a peer, their agents restart them into a rendezvous
+that this node never joins again, and each waits the join timeout (2 min) before a
+traceback. Instead the stopped node marks the rendezvous closed (`close`: the
+handler's public `set_closed`), which is how torch says that a job is over: an agent
+in or entering a rendezvous of a closed one ends at its next poll (about 1 s), and a
+launcher whose ranks lost a peer asks `closed` before it blames them.
+
+`captured()` keeps the handlers torchrun makes in this process (one per launch) by
+wrapping `registry.get_rendezvous_handler`, a public function, for the launch, and
+each handler's `shutdown` (torchrun closes the rendezvous itself when it gives up on
+failed workers, so the question is asked just before). Under
+the static rendezvous (no endpoint) the handler has no shared state: both calls do
+nothing there.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import time
+from collections.abc import Callable, Iterator
+from dataclasses import dataclass, field
+from typing import Any
+
+from disttrain.runtime.log import LOGGER
+
+CLOSED_POLL_S = 0.25
+CLOSED_WAIT_S = 5.0
+"""How long a node whose ranks lost a peer waits for the other node to close the
+rendezvous: that node closes it once its own workers stopped (well under a second)."""
+
+
+@dataclass
+class Seen:
+    """What a launch saw of its rendezvous: torchrun's handlers, and whether another node
+    had closed it before this node's agent closed it on its own way out."""
+
+    handlers: list[Any] = field(default_factory=list)
+    closed_by_another: bool = False
+
+
+@contextlib.contextmanager
+def captured(lost_peer: Callable[[], bool]) -> Iterator[Seen]:
+    """Within the block, every rendezvous handler torchrun makes is kept in the `Seen`.
+    torchrun's agent closes the rendezvous itself when it gives up on failed workers;
+    when `lost_peer()` says that this node's ranks only lost a peer, its handler first
+    asks, for up to `CLOSED_WAIT_S`, whether another node closed it (`closed_by_another`)."""
+    from torch.distributed.elastic.rendezvous import registry
+
+    seen = Seen()
+    original = registry.get_rendezvous_handler
+
+    def keep(params: Any) -> Any:
+        handler = original(params)
+        own_shutdown = handler.shutdown
+
+        def shutdown() -> bool:
+            if lost_peer():
+                seen.closed_by_another = closed([handler], CLOSED_WAIT_S)
+            return own_shutdown()
+
+        setattr(handler, "shutdown", shutdown)  # noqa: B010  (mypy refuses a method assigned)
+        seen.handlers.append(handler)
+        return handler
+
+    registry.get_rendezvous_handler = keep
+    try:
+        yield seen
+    finally:
+        registry.get_rendezvous_handler = original
+
+
+def close(handlers: list[Any]) -> None:
+    """Mark each handler's rendezvous closed; a failure (the store or etcd gone with
+    another node) is logged and left: the others then wait their join timeout."""
+    for handler in handlers:
+        try:
+            handler.set_closed()
+        except Exception as e:  # any backend's error: the job ends either way
+            LOGGER.debug(f"disttrain run: could not close the rendezvous: {type(e).__name__}: {e}")
+
+
+def closed(handlers: list[Any], wait_s: float) -> bool:
+    """Whether another node closed the rendezvous, asked until `wait_s` has passed (its
+    launcher closes it once its own workers stopped, after this node's ranks saw the
+    loss). False when it cannot be asked."""
+    deadline = time.monotonic() + wait_s
+    while True:
+        for handler in handlers:
+            try:
+                if handler.is_closed():
+                    return True
+            except Exception:  # a rendezvous that cannot be asked is not known closed
+                return False
+        if time.monotonic() >= deadline:
+            return False
+        time.sleep(CLOSED_POLL_S)
