@@ -9,6 +9,12 @@ buddy_copy.py    each rank's shard kept also in its buddy's CPU memory, for fast
                  recovery under FSDP
 etcd_store.py    fast recovery's store on etcd under the etcd rendezvous (no node hosts it)
 membership.py    which slots are still in a fast-recovery job: a lost node shrinks it in memory
+buddy_reshard.py after a shrink, the smaller world's shards from the larger world's buddy copies
+host_copy.py     the buddy copies' device-to-host copies, overlapped with training
+group_sockets.py a survivor cuts its failed groups' connections and no others
+job_store.py     fast recovery's store as the ranks use it: values sealed with the job's secret
+job_stop.py      a note that stops the job, shared through the store with every node
+join_node.py     `disttrain run --join`: a node admitted into a running job at a step boundary
 """
 
 from disttrain.elastic.batch_policy import apply_batch_policy
