@@ -123,3 +123,23 @@ def test_a_lost_node_without_fast_recovery_ends_the_other_in_one_line(tmp_path):
     last = text.rstrip().splitlines()[-1]
     assert code == 1 and last.startswith("disttrain run: the rendezvous did not fill within its join timeout"), text
     assert "Traceback" not in text and "another node stopped the job" not in text, text[-4000:]
+
+
+def test_a_second_job_with_the_same_rdzv_id_is_told_to_take_its_own(tmp_path):
+    """torch closes a job's rendezvous when the job ends, and etcd keeps it closed: the
+    same command run again on the same etcd (the same --rdzv-id) is refused at its first
+    rendezvous, in one line that says to give the job its own id, not in torch's
+    traceback. Another id runs."""
+    script = [str(WORKERS / "hello.py"), str(tmp_path / "ranks.txt")]
+    with EtcdServer().start() as server:
+        def job(run_id: str) -> subprocess.CompletedProcess:
+            flags = ["--nnodes", "1:2", "--nproc", "1", "--rdzv-backend", "etcd", "--rdzv-endpoint",
+                     server.endpoint, "--rdzv-id", run_id]
+            return subprocess.run([sys.executable, "-m", "disttrain.cli", "run", *flags, *script], cwd=ROOT,
+                                  env=worker_env(), capture_output=True, text=True, timeout=150)
+
+        first, again, other = job("same"), job("same"), job("other")
+    assert first.returncode == 0 and other.returncode == 0, first.stderr[-3000:] + other.stderr[-3000:]
+    last = again.stderr.rstrip().splitlines()[-1]
+    assert again.returncode == 1 and last.startswith("disttrain run: the rendezvous of --rdzv-id same at "), last
+    assert "Give each job its own --rdzv-id" in last and "Traceback" not in again.stderr, again.stderr[-3000:]

@@ -131,3 +131,14 @@ def rendezvous_gone_line(endpoint: str | None, backend: str | None) -> str:
         f"(its output says why), and with it the job; nothing was restarted. --rdzv-backend etcd keeps it "
         f"on a server of its own, so that any node can be lost."
     )
+
+
+def rendezvous_reused_line(run_id: str | None, endpoint: str | None) -> str:
+    """The last line of a node refused at its first rendezvous because the run id's
+    rendezvous is closed: a job with that id ended there (torch closes it at a job's end;
+    on etcd it stays for the key's time to live, 2 hours by default)."""
+    return (
+        f"the rendezvous of --rdzv-id {run_id or 'none'} at {endpoint or '?'} is closed: a job with this id "
+        f"already ended there (torch closes a job's rendezvous at its end; on etcd it stays closed for up to "
+        f"2 hours). Give each job its own --rdzv-id, the same on every node of it."
+    )

@@ -41,11 +41,15 @@ class Seen:
 
     handlers: list[Any] = field(default_factory=list)
     closed_by_another: bool = False
+    rounds: int = 0
+    """The rendezvous rounds this node's agent completed: none when a closed one refused it
+    at the first (an earlier job with the same run id ended there)."""
 
 
 @contextlib.contextmanager
 def captured(lost_peer: Callable[[], bool]) -> Iterator[Seen]:
-    """Within the block, every rendezvous handler torchrun makes is kept in the `Seen`.
+    """Within the block, every rendezvous handler torchrun makes is kept in the `Seen`,
+    which counts the rounds it completes.
     torchrun's agent closes the rendezvous itself when it gives up on failed workers;
     when `lost_peer()` says that this node's ranks only lost a peer, its handler first
     asks, for up to `CLOSED_WAIT_S`, whether another node closed it (`closed_by_another`)."""
@@ -56,7 +60,12 @@ def captured(lost_peer: Callable[[], bool]) -> Iterator[Seen]:
 
     def keep(params: Any) -> Any:
         handler = original(params)
-        own_shutdown = handler.shutdown
+        own_shutdown, own_next = handler.shutdown, handler.next_rendezvous
+
+        def next_rendezvous() -> Any:
+            info = own_next()
+            seen.rounds += 1
+            return info
 
         def shutdown() -> bool:
             if lost_peer():
@@ -64,6 +73,7 @@ def captured(lost_peer: Callable[[], bool]) -> Iterator[Seen]:
             return own_shutdown()
 
         setattr(handler, "shutdown", shutdown)  # noqa: B010  (mypy refuses a method assigned)
+        setattr(handler, "next_rendezvous", next_rendezvous)  # noqa: B010
         seen.handlers.append(handler)
         return handler
 

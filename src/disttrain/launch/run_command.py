@@ -88,6 +88,7 @@ from disttrain.launch.end_lines import (
     hang_line,
     others_clause,
     rendezvous_gone_line,
+    rendezvous_reused_line,
     rendezvous_timeout_line,
     restart_path_line,
     shrunk_line,
@@ -582,7 +583,7 @@ def _launch(args: list[str], env: dict[str, str]) -> int:
             return notes.report()
         return _signalled(int(e.sigval), notes)
     except RendezvousError as e:  # the rendezvous closed, gone, or not filled: one line, no traceback
-        return notes.report() if notes.stopped() else _rendezvous_failed(e, args, notes)
+        return notes.report() if notes.stopped() else _rendezvous_failed(e, args, notes, rendezvous.rounds)
     else:
         if notes.stopped():  # a rank of another node stopped the job; this node's ranks ended quietly
             rendezvous_end.close(rendezvous.handlers)
@@ -670,19 +671,22 @@ def _child_failed(e: Any, notes: notes_watch.Notes, closed_by_another: bool) -> 
     return code or 1
 
 
-def _rendezvous_failed(e: Exception, args: list[str], notes: notes_watch.Notes) -> int:
-    """The last line of a node whose agent could not go on with its rendezvous: another
-    node closed it (its rank stopped the job), it stopped answering, or it did not fill."""
+def _rendezvous_failed(e: Exception, args: list[str], notes: notes_watch.Notes, rounds: int) -> int:
+    """The last line of a node whose agent could not go on with its rendezvous (`rounds`
+    completed before): closed by another node (its rank stopped the job) or by an
+    earlier job with the same run id, no longer answering, or not filled."""
     from torch.distributed.elastic.rendezvous.api import (
         RendezvousClosedError,
         RendezvousConnectionError,
         RendezvousTimeoutError,
     )
 
-    if isinstance(e, RendezvousClosedError):  # torchrun restarted this node's ranks into a stopped job
+    where = _flag_value(args, "--rdzv-endpoint", "--rdzv_endpoint")
+    if isinstance(e, RendezvousClosedError) and rounds == 0:
+        line = rendezvous_reused_line(_flag_value(args, "--rdzv-id", "--rdzv_id"), where)
+    elif isinstance(e, RendezvousClosedError):  # torchrun restarted this node's ranks into a stopped job
         line = closed_by_another_line(notes.lost_peer_ranks())
     elif isinstance(e, RendezvousConnectionError):  # c10d's store went with the node that hosts it
-        where = _flag_value(args, "--rdzv-endpoint", "--rdzv_endpoint")
         line = rendezvous_gone_line(where, _flag_value(args, *BACKEND_FLAGS))
     elif isinstance(e, RendezvousTimeoutError):
         line = rendezvous_timeout_line(_flag_value(args, "--nnodes"))
