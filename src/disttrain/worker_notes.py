@@ -153,12 +153,12 @@ def _write_stop(path: Path, text: str) -> bool:
     return _write_once(path, text)
 
 
-def adopt_stop(kind: str, text: str) -> bool:
+def adopt_stop(kind: str, text: str, folder: Path | None = None) -> bool:
     """Write a note that another node's rank shared (`share_stops`) into this node's
-    folder, for its launcher, unless it has one already. Returns whether the note stops
-    the job: False for a kind or a record that is not one (nothing written), and
-    outside `disttrain run`."""
-    folder = _folder()
+    folder (`folder` in the launcher itself), for its launcher, unless it has one
+    already. Returns whether the note stops the job: False for a kind or a record that
+    is not one (nothing written), and outside `disttrain run`."""
+    folder = folder or _folder()
     if folder is None:
         return False
     if kind == USER_ERROR:
@@ -541,6 +541,17 @@ def note_saved(rank: int, step: int) -> None:
     folder = _folder()
     if folder is not None:
         _write_once(folder / f"saved-rank{rank}", str(step))
+
+
+def read_stop(folder: str | Path) -> tuple[str, str] | None:
+    """The note that stops the job, as `share_stops` sends it (kind, text): a user error
+    first, else a failure not retried; None when there is neither."""
+    for kind in (USER_ERROR, NOT_RETRIED):
+        try:
+            return kind, (Path(folder) / kind).read_text()
+        except OSError:
+            continue
+    return None
 
 
 def read_user_error(folder: str | Path) -> str | None:

@@ -28,16 +28,19 @@ ENDS = {
 
 
 def two_nodes(tmp_path: Path, run_id: str, command: list[str], *extra: str, backend: str = "etcd",
-              **env: str) -> list[tuple[int, str]]:
+              secret: bool = True, **env: str) -> list[tuple[int, str]]:
     """Start `disttrain run --nnodes 2 --nproc 1 [EXTRA] ... COMMAND` twice on one etcd (or
-    a c10d rendezvous) and wait for both; their exit statuses and outputs."""
+    a c10d rendezvous), with the job's secret exported unless `secret` is False, and wait
+    for both; their exit statuses and outputs."""
+    if secret:
+        env["DISTTRAIN_JOB_SECRET"] = "5e" * 32
     with EtcdServer().start() if backend == "etcd" else contextlib.nullcontext() as server:
         endpoint = server.endpoint if server else f"127.0.0.1:{free_port()}"
         flags = ["--nnodes", "2", "--nproc", "1", "--rdzv-backend", backend, "--rdzv-endpoint", endpoint,
                  "--rdzv-id", run_id, *extra]
         full = [sys.executable, "-m", "disttrain.cli", "run", *flags, *command]
         logs = [tmp_path / f"node{i}.txt" for i in range(2)]
-        nodes = [subprocess.Popen(full, cwd=ROOT, env=worker_env(DISTTRAIN_JOB_SECRET="5e" * 32, **env),
+        nodes = [subprocess.Popen(full, cwd=ROOT, env=worker_env(**env),
                                   stdout=log.open("wb"), stderr=subprocess.STDOUT, start_new_session=True)
                  for log in logs]
         try:
@@ -79,26 +82,34 @@ def test_the_trainers_failure_on_one_node_stops_every_node(tmp_path):
     assert max(m["step"] for m in metrics(tmp_path)) == 5
 
 
-@pytest.mark.parametrize(("backend", "failing", "restarts"), [("etcd", 1, "3"), ("c10d", 0, "0")])
-def test_without_fast_recovery_the_other_node_ends_at_once_and_says_why(backend, failing, restarts, tmp_path):
+@pytest.mark.parametrize(("backend", "failing", "restarts", "secret"),
+                         [("etcd", 1, "3", True), ("c10d", 0, "0", True), ("etcd", 1, "3", False)])
+def test_without_fast_recovery_the_other_node_ends_at_once_and_says_why(backend, failing, restarts, secret,
+                                                                        tmp_path):
     """torchrun's restart path (no fast recovery): one rank raises at step 6. Its node
-    stops on the note and closes the rendezvous, so the other node, whose rank lost its
-    peer, ends at once with a line that sends the user to the failing node. Before, that
-    node restarted its rank into a rendezvous nobody else joined and ended after the join
-    timeout (2 min) with torch's traceback; with no restart left it blamed its own rank.
-    Under c10d the failing rank is on the node that hosts the rendezvous."""
+    stops on the note, relays it on the rendezvous' store (sealed with the job's secret)
+    and closes the rendezvous, so the other node, whose rank lost its peer, ends at once:
+    with the secret, with the same traceback, line and status; without it, with a line
+    that sends the user to the failing node. Before, that node restarted its rank into a
+    rendezvous nobody else joined and ended after the join timeout (2 min) in torch's
+    traceback; with no restart left it blamed its own rank. Under c10d the failing rank
+    is on the node that hosts the rendezvous (and its store)."""
     command = trainer_cmd(tmp_path, "--train.steps=24", "--checkpoint.every=3", run_flags=())[4:]
     ends = two_nodes(tmp_path, f"restart-path-{backend}", command, "--max-restarts", restarts, backend=backend,
-                     DISTTRAIN_FAULT=f"raise@forward:rank={failing},step=6")
+                     secret=secret, DISTTRAIN_FAULT=f"raise@forward:rank={failing},step=6")
     (code, failed), (other_code, other) = ends[failing], ends[1 - failing]
-    assert code == 1 and failed.rstrip().splitlines()[-1].startswith(
-        f"disttrain run: not retried: RuntimeError at step 6 on rank {failing} is the program's error"), failed
+    line = f"disttrain run: not retried: RuntimeError at step 6 on rank {failing} is the program's error"
+    assert code == 1 and failed.rstrip().splitlines()[-1].startswith(line), failed
     last = other.rstrip().splitlines()[-1]
     closed = f"disttrain run: another node stopped the job and closed its rendezvous (rank(s) [{1 - failing}] of"
-    # under c10d the rendezvous ends with its host's launcher: gone before this node asks, or closed
+    # under c10d the rendezvous and its store end with their host's launcher: the note
+    # may be gone before this node asks, or the rendezvous itself
     gone = "disttrain run: the rendezvous at 127.0.0.1:"
-    assert other_code == 1 and last.startswith((closed, gone) if backend == "c10d" else closed), other[-4000:]
-    assert "Traceback" not in other and "will restart worker group" not in other, other[-4000:]
+    expected = (line,) if secret else (closed,)
+    assert other_code == 1 and last.startswith(expected + ((closed, gone) if backend == "c10d" else ())), other
+    assert "will restart worker group" not in other and "rendezvous.api." not in other, other[-4000:]
+    if secret and backend == "etcd":
+        assert "injected fault at forward, step 6, rank 1" in other  # the failing rank's traceback
 
 
 def test_a_lost_node_without_fast_recovery_ends_the_other_in_one_line(tmp_path):

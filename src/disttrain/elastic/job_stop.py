@@ -28,6 +28,7 @@ import json
 import os
 import time
 from collections.abc import Callable
+from pathlib import Path
 
 from disttrain import json_text, worker_notes
 from disttrain.elastic import group_sockets
@@ -74,9 +75,10 @@ def publish(store: JobStore, kind: str, text: str) -> None:
     store.set(STOP_KEY, json.dumps({"kind": kind, "text": text}))
 
 
-def adopt(store: JobStore) -> bool:
+def adopt(store: JobStore, folder: Path | None = None) -> bool:
     """Whether a rank of the job stopped it (a note on `store`): the note is then copied
-    into this node's folder, for its launcher, unless this node has one of its own.
+    into this node's folder (this launch's, or `folder` in the launcher itself), for its
+    launcher, unless this node has one of its own.
     False when the store cannot be read (the node that hosted it is gone: what happens
     next is the caller's, as before this check)."""
     try:
@@ -86,7 +88,7 @@ def adopt(store: JobStore) -> bool:
     record = json_text.loads_object(text) if text is not None and len(text) <= MAX_NOTE_CHARS else None
     if record is None or not isinstance(record.get("text"), str):
         return False
-    return worker_notes.adopt_stop(str(record.get("kind")), record["text"])
+    return worker_notes.adopt_stop(str(record.get("kind")), record["text"], folder)
 
 
 def adopt_finished(store: JobStore, gen: int, world: int) -> None:

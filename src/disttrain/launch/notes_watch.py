@@ -20,6 +20,7 @@ import signal
 import sys
 import tempfile
 import threading
+from collections.abc import Callable
 
 from disttrain import worker_notes
 
@@ -33,6 +34,9 @@ class Notes:
         os.environ[worker_notes.NOTES_ENV] = self.folder
         os.environ[worker_notes.TRACES_ENV] = self.traces
         self._stop = threading.Event()
+        self.on_stop: Callable[[], None] | None = None
+        """Called once a rank's note stops the job, before the workers are stopped
+        (`launch.note_relay`: the note goes to the other nodes first)."""
         self._thread = threading.Thread(target=self._poll, name="disttrain-notes", daemon=True)
         self._thread.start()
 
@@ -40,6 +44,8 @@ class Notes:
         while not self._stop.wait(POLL_S):
             if self.stopped():
                 quiet_torchrun()
+                if self.on_stop is not None:
+                    self.on_stop()
                 os.kill(os.getpid(), signal.SIGTERM)  # the agent stops the workers: no restart
                 return
 
@@ -49,6 +55,10 @@ class Notes:
             worker_notes.read_user_error(self.folder) is not None
             or worker_notes.read_not_retried(self.folder) is not None
         )
+
+    def stop_note(self) -> tuple[str, str] | None:
+        """The note that stops the job, as the rank wrote it (`worker_notes.read_stop`)."""
+        return worker_notes.read_stop(self.folder)
 
     def report(self) -> int:
         """Print what stopped the job (once, from the launching process, last) and

@@ -36,9 +36,16 @@ rendezvous: that node closes it once its own workers stopped (well under a secon
 
 @dataclass
 class Seen:
-    """What a launch saw of its rendezvous: torchrun's handlers, and whether another node
-    had closed it before this node's agent closed it on its own way out."""
+    """What a launch saw of its rendezvous: where it is (from the launch's flags),
+    torchrun's handlers, the round its agent was last in, and whether another node had
+    closed it before this node's agent closed it on its own way out."""
 
+    backend: str | None = None
+    endpoint: str | None = None
+    run_id: str = "none"
+    round: str | None = None
+    """The last round's store address (`RendezvousInfo.bootstrap_store_info`): the same
+    on every node of the round, another one in each round and each job."""
     handlers: list[Any] = field(default_factory=list)
     closed_by_another: bool = False
     rounds: int = 0
@@ -47,15 +54,14 @@ class Seen:
 
 
 @contextlib.contextmanager
-def captured(lost_peer: Callable[[], bool]) -> Iterator[Seen]:
-    """Within the block, every rendezvous handler torchrun makes is kept in the `Seen`,
-    which counts the rounds it completes.
+def captured(seen: Seen, lost_peer: Callable[[], bool]) -> Iterator[Seen]:
+    """Within the block, every rendezvous handler torchrun makes is kept in `seen`, which
+    counts the rounds it completes and keeps the last one's store address.
     torchrun's agent closes the rendezvous itself when it gives up on failed workers;
     when `lost_peer()` says that this node's ranks only lost a peer, its handler first
     asks, for up to `CLOSED_WAIT_S`, whether another node closed it (`closed_by_another`)."""
     from torch.distributed.elastic.rendezvous import registry
 
-    seen = Seen()
     original = registry.get_rendezvous_handler
 
     def keep(params: Any) -> Any:
@@ -65,6 +71,9 @@ def captured(lost_peer: Callable[[], bool]) -> Iterator[Seen]:
         def next_rendezvous() -> Any:
             info = own_next()
             seen.rounds += 1
+            store_info = getattr(info, "bootstrap_store_info", None)
+            if store_info is not None:
+                seen.round = f"{store_info.master_addr}_{store_info.master_port}"
             return info
 
         def shutdown() -> bool:

@@ -82,7 +82,7 @@ from disttrain.check.settings import STEPS_FLAG, take_check_flags
 from disttrain.errors import UserError
 from disttrain.guard import private_dir
 from disttrain.guard.script_watchdog import HANG_FLAG, take_hang_timeout
-from disttrain.launch import notes_watch, rendezvous_end, run_help, warm_workers
+from disttrain.launch import note_relay, notes_watch, rendezvous_end, run_help, warm_workers
 from disttrain.launch.end_lines import (
     closed_by_another_line,
     hang_line,
@@ -572,10 +572,19 @@ def _launch(args: list[str], env: dict[str, str]) -> int:
     if made_secret:  # this job's own, never one an earlier job left in this process
         os.environ[job_secret.SECRET_ENV] = made_secret
     lost_peer = lambda: bool(notes.lost_peer_ranks()) and not notes.stopped()  # noqa: E731
+    rendezvous = rendezvous_end.Seen(
+        _flag_value(args, *BACKEND_FLAGS),
+        _flag_value(args, "--rdzv-endpoint", "--rdzv_endpoint"),
+        _flag_value(args, "--rdzv-id", "--rdzv_id") or "none",
+    )
+    if _flag_value(args, "--nnodes") not in (None, "1", "1:1"):  # other nodes: they get the note too
+        notes.on_stop = lambda: note_relay.publish(rendezvous, notes.stop_note())
     try:
-        with rendezvous_end.captured(lost_peer) as rendezvous:
+        with rendezvous_end.captured(rendezvous, lost_peer):
             _torchrun(args, notes)
     except ChildFailedError as e:
+        if rendezvous.closed_by_another and note_relay.adopt(rendezvous, notes.folder):
+            return notes.report()
         return _child_failed(e, notes, rendezvous.closed_by_another)
     except SignalException as e:
         if notes.stopped():  # a rank's note: the other nodes end at their next rendezvous, not its timeout
@@ -583,7 +592,9 @@ def _launch(args: list[str], env: dict[str, str]) -> int:
             return notes.report()
         return _signalled(int(e.sigval), notes)
     except RendezvousError as e:  # the rendezvous closed, gone, or not filled: one line, no traceback
-        return notes.report() if notes.stopped() else _rendezvous_failed(e, args, notes, rendezvous.rounds)
+        if notes.stopped() or (rendezvous.rounds and note_relay.adopt(rendezvous, notes.folder)):
+            return notes.report()
+        return _rendezvous_failed(e, args, notes, rendezvous.rounds)
     else:
         if notes.stopped():  # a rank of another node stopped the job; this node's ranks ended quietly
             rendezvous_end.close(rendezvous.handlers)
