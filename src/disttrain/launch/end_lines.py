@@ -140,5 +140,6 @@ def rendezvous_reused_line(run_id: str | None, endpoint: str | None) -> str:
     return (
         f"the rendezvous of --rdzv-id {run_id or 'none'} at {endpoint or '?'} is closed: a job with this id "
         f"already ended there (torch closes a job's rendezvous at its end; on etcd it stays closed for up to "
-        f"2 hours). Give each job its own --rdzv-id, the same on every node of it."
+        f"2 hours). Give each job its own --rdzv-id, the same on every node of it; a run with a new id "
+        f"resumes from its newest checkpoint as the same command would."
     )

@@ -8,14 +8,18 @@ that this node never joins again, and each waits the join timeout (2 min) before
 traceback. Instead the stopped node marks the rendezvous closed (`close`: the
 handler's public `set_closed`), which is how torch says that a job is over: an agent
 in or entering a rendezvous of a closed one ends at its next poll (about 1 s), and a
-launcher whose ranks lost a peer asks `closed` before it blames them.
+launcher whose ranks lost a peer asks `closed` before it blames them. As after any
+job's end in torch, the run id's rendezvous then stays closed (under etcd, for hours):
+a later job needs its own `--rdzv-id`, and one refused at its first round says so
+(`Seen.rounds`). What the stopped node's rank said reaches the others through
+`launch.note_relay` when the job has a secret.
 
 `captured()` keeps the handlers torchrun makes in this process (one per launch) by
 wrapping `registry.get_rendezvous_handler`, a public function, for the launch, and
 each handler's `shutdown` (torchrun closes the rendezvous itself when it gives up on
-failed workers, so the question is asked just before). Under
-the static rendezvous (no endpoint) the handler has no shared state: both calls do
-nothing there.
+failed workers, so the question is asked just before) and `next_rendezvous` (the
+rounds it completes). Under the static rendezvous (no endpoint) the handler has no
+shared state: closing and asking do nothing there.
 """
 
 from __future__ import annotations
