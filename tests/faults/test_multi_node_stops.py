@@ -110,6 +110,18 @@ def test_without_fast_recovery_the_other_node_ends_at_once_and_says_why(backend,
     assert "will restart worker group" not in other and "rendezvous.api." not in other, other[-4000:]
     if secret and backend == "etcd":
         assert "injected fault at forward, step 6, rank 1" in other  # the failing rank's traceback
+        assert "lost a peer" not in other, other  # its rank read the note first: no line of its own
+
+
+def test_a_plain_scripts_error_on_one_node_is_every_nodes_last_lines(tmp_path):
+    """The same through a plain script (no dt.Job) on torchrun's restart path, with the
+    job's secret: rank 1 raises; both nodes end with its traceback and line, status 1."""
+    ends = two_nodes(tmp_path, "plain-restart-path", [str(WORKERS / "hello.py"), str(tmp_path / "ranks.txt"),
+                                                      "--raise-rank", "1"], "--max-restarts", "2")
+    for code, text in ends:
+        last = text.rstrip().splitlines()[-1]
+        assert code == 1 and last.startswith("disttrain run: not retried: RuntimeError on rank 1 is the"), text
+        assert "shapes do not match" in text and "lost a peer" not in text, text[-3000:]
 
 
 def test_a_lost_node_without_fast_recovery_ends_the_other_in_one_line(tmp_path):

@@ -1,4 +1,4 @@
-"""`launch.note_relay` on a real c10d TCP store standing for the rendezvous' store, two
+"""`elastic.note_relay` on a real c10d TCP store standing for the rendezvous' store, two
 notes folders for two nodes' launchers: a node's stop note reaches the other launcher's
 folder only when both hold the job's secret, only for the same run and round, and a
 value that someone without the secret wrote there is never adopted."""
@@ -12,9 +12,9 @@ import pytest
 import torch.distributed as dist
 
 from disttrain import worker_notes
-from disttrain.launch import note_relay
+from disttrain.elastic import note_relay
+from disttrain.elastic.note_relay import Where as Seen
 from disttrain.launch.etcd_server import free_port
-from disttrain.launch.rendezvous_end import Seen
 from disttrain.runtime import job_secret
 
 NOTE = json.dumps({"line": "not retried: RuntimeError at step 6 on rank 1 is the program's error", "status": 1,
@@ -68,3 +68,23 @@ def test_an_unreachable_store_or_no_round_is_no_note(tmp_path, monkeypatch):
     assert not note_relay.adopt(gone, str(tmp_path))
     assert not note_relay.adopt(Seen("c10d", "127.0.0.1:1", "job", None), str(tmp_path))
     assert not note_relay.adopt(Seen("static", None, "job", "host_1"), str(tmp_path))
+
+
+def test_a_worker_adopts_the_note_of_its_round_into_its_nodes_notes(rendezvous, tmp_path, monkeypatch):
+    """A rank whose collective failed reads the round it is in from its launcher's
+    `RELAY_ENV` and its MASTER_ADDR and MASTER_PORT, and copies the note into its own
+    node's notes (then exits quietly: its launcher prints the note)."""
+    _, seen = rendezvous
+    monkeypatch.setenv(job_secret.SECRET_ENV, "ab" * 32)
+    note_relay.publish(seen(round_="10.0.0.1_29500"), (worker_notes.USER_ERROR, "disttrain: bad config"))
+    monkeypatch.setenv(worker_notes.NOTES_ENV, str(tmp_path))
+    monkeypatch.setenv("LOCAL_RANK", "0")
+    monkeypatch.setenv("MASTER_ADDR", "10.0.0.1")
+    monkeypatch.setenv("MASTER_PORT", "29501")  # another round: not adopted
+    monkeypatch.setenv(note_relay.RELAY_ENV, note_relay.for_workers(seen()))
+    assert not note_relay.adopt_in_worker()
+    monkeypatch.setenv("MASTER_PORT", "29500")
+    assert note_relay.adopt_in_worker()
+    assert worker_notes.read_user_error(tmp_path) == "disttrain: bad config"
+    monkeypatch.setenv(note_relay.RELAY_ENV, "not json")
+    assert not note_relay.adopt_in_worker()

@@ -14,6 +14,7 @@ host_copy.py     the buddy copies' device-to-host copies, overlapped with traini
 group_sockets.py a survivor cuts its failed groups' connections and no others
 job_store.py     fast recovery's store as the ranks use it: values sealed with the job's secret
 job_stop.py      a note that stops the job, shared through the store with every node
+note_relay.py    that note on torchrun's restart path, relayed on the rendezvous' own store
 join_node.py     `disttrain run --join`: a node admitted into a running job at a step boundary
 """
 

@@ -36,7 +36,7 @@ class Notes:
         self._stop = threading.Event()
         self.on_stop: Callable[[], None] | None = None
         """Called once a rank's note stops the job, before the workers are stopped
-        (`launch.note_relay`: the note goes to the other nodes first)."""
+        (`elastic.note_relay`: the note goes to the other nodes first)."""
         self._thread = threading.Thread(target=self._poll, name="disttrain-notes", daemon=True)
         self._thread.start()
 

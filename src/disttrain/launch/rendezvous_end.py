@@ -12,7 +12,7 @@ launcher whose ranks lost a peer asks `closed` before it blames them. As after a
 job's end in torch, the run id's rendezvous then stays closed (under etcd, for hours):
 a later job needs its own `--rdzv-id`, and one refused at its first round says so
 (`Seen.rounds`). What the stopped node's rank said reaches the others through
-`launch.note_relay` when the job has a secret.
+`elastic.note_relay` when the job has a secret.
 
 `captured()` keeps the handlers torchrun makes in this process (one per launch) by
 wrapping `registry.get_rendezvous_handler`, a public function, for the launch, and
@@ -28,9 +28,12 @@ import contextlib
 import time
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from disttrain.runtime.log import LOGGER
+
+if TYPE_CHECKING:
+    from disttrain.elastic import note_relay
 
 CLOSED_POLL_S = 0.25
 CLOSED_WAIT_S = 5.0
@@ -55,6 +58,12 @@ class Seen:
     rounds: int = 0
     """The rendezvous rounds this node's agent completed: none when a closed one refused it
     at the first (an earlier job with the same run id ended there)."""
+
+    def where(self) -> note_relay.Where:
+        """The round this node's agent was last in, for `elastic.note_relay`."""
+        from disttrain.elastic import note_relay
+
+        return note_relay.Where(self.backend, self.endpoint, self.run_id, self.round)
 
 
 @contextlib.contextmanager

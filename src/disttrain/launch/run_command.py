@@ -82,7 +82,7 @@ from disttrain.check.settings import STEPS_FLAG, take_check_flags
 from disttrain.errors import UserError
 from disttrain.guard import private_dir
 from disttrain.guard.script_watchdog import HANG_FLAG, take_hang_timeout
-from disttrain.launch import note_relay, notes_watch, rendezvous_end, run_help, warm_workers
+from disttrain.launch import notes_watch, rendezvous_end, run_help, warm_workers
 from disttrain.launch.end_lines import (
     closed_by_another_line,
     hang_line,
@@ -566,6 +566,8 @@ def _launch(args: list[str], env: dict[str, str]) -> int:
     from torch.distributed.elastic.multiprocessing.errors import ChildFailedError
     from torch.distributed.elastic.rendezvous.api import RendezvousError
 
+    from disttrain.elastic import note_relay
+
     _set_launch_env(args, env)
     notes = notes_watch.watch()
     made_secret = env.get(job_secret.SECRET_ENV)
@@ -577,13 +579,15 @@ def _launch(args: list[str], env: dict[str, str]) -> int:
         _flag_value(args, "--rdzv-endpoint", "--rdzv_endpoint"),
         _flag_value(args, "--rdzv-id", "--rdzv_id") or "none",
     )
-    if _flag_value(args, "--nnodes") not in (None, "1", "1:1"):  # other nodes: they get the note too
-        notes.on_stop = lambda: note_relay.publish(rendezvous, notes.stop_note())
+    relayed = _flag_value(args, "--nnodes") not in (None, "1", "1:1")  # other nodes get a stop's note too
+    if relayed:
+        notes.on_stop = lambda: note_relay.publish(rendezvous.where(), notes.stop_note())
+        os.environ[note_relay.RELAY_ENV] = note_relay.for_workers(rendezvous.where())
     try:
         with rendezvous_end.captured(rendezvous, lost_peer):
             _torchrun(args, notes)
     except ChildFailedError as e:
-        if rendezvous.closed_by_another and note_relay.adopt(rendezvous, notes.folder):
+        if rendezvous.closed_by_another and note_relay.adopt(rendezvous.where(), notes.folder):
             return notes.report()
         return _child_failed(e, notes, rendezvous.closed_by_another)
     except SignalException as e:
@@ -592,7 +596,7 @@ def _launch(args: list[str], env: dict[str, str]) -> int:
             return notes.report()
         return _signalled(int(e.sigval), notes)
     except RendezvousError as e:  # the rendezvous closed, gone, or not filled: one line, no traceback
-        if notes.stopped() or (rendezvous.rounds and note_relay.adopt(rendezvous, notes.folder)):
+        if notes.stopped() or (rendezvous.rounds and note_relay.adopt(rendezvous.where(), notes.folder)):
             return notes.report()
         return _rendezvous_failed(e, args, notes, rendezvous.rounds)
     else:
@@ -602,6 +606,7 @@ def _launch(args: list[str], env: dict[str, str]) -> int:
     finally:
         shrunk, left = notes.shrunk(), notes.restart_path()
         notes.close()
+        os.environ.pop(note_relay.RELAY_ENV, None)
         if made_secret:
             os.environ.pop(job_secret.SECRET_ENV, None)
     if shrunk or left:

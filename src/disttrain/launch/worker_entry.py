@@ -134,7 +134,11 @@ def script_failed(exc: BaseException) -> None:
 
     if not worker_notes.under_launcher():
         raise exc
+    from disttrain.elastic import note_relay
+
     rank, verdict = int(os.environ.get("RANK", "0")), failures.classify(exc)
+    if verdict.kind != failures.PROGRAM and note_relay.adopt_in_worker():  # another node's rank stopped the job
+        os._exit(0)
     if worker_notes.earlier_stop(0.0 if verdict.kind == failures.PROGRAM else worker_notes.PEER_NOTE_WAIT_S):
         os._exit(0)
     if failures.report_early_finish(rank, None, verdict):

@@ -128,8 +128,12 @@ def refuse_at_start(name: str, error: UserError) -> None:
 def lost_peer_ending(rank: int, step: int, verdict: failures.Verdict, exc: BaseException) -> Ending:
     """The restart path's end of a rank whose collective failed, decided after the job
     closed: a peer that crashed, or ended its code, leaves its note a moment after the
-    connection closed (`worker_notes.PEER_NOTE_WAIT_S`); without one, a lost peer."""
-    if worker_notes.earlier_stop(worker_notes.PEER_NOTE_WAIT_S):
+    connection closed (`worker_notes.PEER_NOTE_WAIT_S`), one of another node has put
+    its note on the rendezvous' store first (`elastic.note_relay`); without one, a lost
+    peer."""
+    from disttrain.elastic import note_relay
+
+    if note_relay.adopt_in_worker() or worker_notes.earlier_stop(worker_notes.PEER_NOTE_WAIT_S):
         return Ending(0)
     if failures.report_early_finish(rank, step, verdict):
         return Ending(1, wait=True)

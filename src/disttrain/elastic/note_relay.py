@@ -8,7 +8,10 @@ multi-node job's launchers cannot share one they made), the stopping node's laun
 also puts the note, sealed with it (`elastic.job_store`), on the rendezvous' own store,
 before its agent stops a worker (`publish`, from the notes watcher). A launcher whose
 ranks lost their peer to that stop copies it into its own notes (`adopt`), and prints
-the same traceback, line and exit status as the node that stopped.
+the same traceback, line and exit status as the node that stopped. Its ranks whose
+collective failed read it first (`adopt_in_worker`: the launcher hands them where the
+rendezvous is in `RELAY_ENV`, their round is their MASTER_ADDR and MASTER_PORT) and
+exit quietly, instead of saying that they lost a peer and that torchrun restarts them.
 
 The store is the rendezvous' own: the etcd under `--rdzv-backend etcd` (no node hosts
 it), the c10d store at the endpoint under c10d (hosted by one node's agent: gone with
@@ -22,18 +25,51 @@ most `job_stop.MAX_NOTE_CHARS`, and it is a note that stops the job
 from __future__ import annotations
 
 import datetime
+import json
 import os
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+from disttrain import worker_notes
 from disttrain.errors import UserError
-from disttrain.launch.rendezvous_end import Seen
 from disttrain.runtime import job_secret
 from disttrain.runtime.log import LOGGER
 
 CONNECT_S = 3.0
 C10D_PORT = 29400
 """torchrun's port of a c10d endpoint given without one."""
+RELAY_ENV = "DISTTRAIN_STOP_RELAY"
+"""Set by `disttrain run` for its workers in a job of several nodes with a secret: the
+rendezvous' backend, endpoint and run id, as a JSON list."""
+
+
+@dataclass(frozen=True)
+class Where:
+    """A rendezvous round: torchrun's backend name, its endpoint, the run id, and the
+    round's store address (`RendezvousInfo.bootstrap_store_info`, `HOST_PORT`)."""
+
+    backend: str | None
+    endpoint: str | None
+    run_id: str
+    round: str | None
+
+
+def for_workers(where: Where) -> str:
+    """`RELAY_ENV`'s value for the workers of the rendezvous `where`."""
+    return json.dumps([where.backend, where.endpoint, where.run_id])
+
+
+def _worker_round() -> Where | None:
+    """The round this worker is in, from `RELAY_ENV` and its MASTER_ADDR and MASTER_PORT."""
+    try:
+        backend, endpoint, run_id = json.loads(os.environ.get(RELAY_ENV, ""))
+    except ValueError:  # unset or not ours: no relay
+        return None
+    addr, port = os.environ.get("MASTER_ADDR"), os.environ.get("MASTER_PORT")
+    if not (addr and port) or not all(isinstance(v, str) for v in (backend, endpoint, run_id)):
+        return None
+    return Where(backend, endpoint, run_id, f"{addr}_{port}")
 
 
 def _secret() -> bytes | None:
@@ -46,7 +82,7 @@ def _secret() -> bytes | None:
         return None
 
 
-def _store(seen: Seen, secret: bytes) -> Any | None:
+def _store(seen: Where, secret: bytes) -> Any | None:
     """A sealed client of the rendezvous' store in this run's and round's directory; None
     when there is none to reach (static rendezvous, no endpoint, no round yet)."""
     from disttrain.elastic.job_store import JobStore
@@ -69,7 +105,7 @@ def _store(seen: Seen, secret: bytes) -> Any | None:
     return JobStore(dist.PrefixStore(prefix + "/", client), secret)
 
 
-def publish(seen: Seen, note: tuple[str, str] | None) -> None:
+def publish(seen: Where, note: tuple[str, str] | None) -> None:
     """Put this node's `note` (kind, text: `worker_notes.read_stop`) on the rendezvous'
     store for the other nodes (see the module). A store that cannot be reached is
     logged and left: the others then say that another node stopped the job."""
@@ -86,9 +122,10 @@ def publish(seen: Seen, note: tuple[str, str] | None) -> None:
         LOGGER.debug(f"disttrain run: the stop note was not relayed: {type(e).__name__}: {e}")
 
 
-def adopt(seen: Seen, folder: str) -> bool:
+def adopt(seen: Where, folder: str | None = None) -> bool:
     """Whether another node's sealed note is on the rendezvous' store; it is then copied
-    into this launch's notes `folder` (`job_stop.adopt`), for this launcher's report."""
+    into this launch's notes (the launcher's `folder`, or a worker's: `job_stop.adopt`),
+    for this node's launcher's report."""
     secret = _secret()
     if secret is None:
         return False
@@ -99,4 +136,12 @@ def adopt(seen: Seen, folder: str) -> bool:
     except Exception as e:  # a store that cannot be reached holds no note for us
         LOGGER.debug(f"disttrain run: the stop note could not be read: {type(e).__name__}: {e}")
         return False
-    return store is not None and job_stop.adopt(store, Path(folder))
+    return store is not None and job_stop.adopt(store, Path(folder) if folder else None)
+
+
+def adopt_in_worker() -> bool:
+    """In a worker whose collective failed: whether a rank of another node stopped the
+    job with a note relayed on the rendezvous' store (then copied into this node's
+    notes). False outside a job that relays (one node, no secret)."""
+    where = _worker_round()
+    return where is not None and worker_notes.under_launcher() and adopt(where)
