@@ -166,3 +166,19 @@ def test_a_second_job_with_the_same_rdzv_id_is_told_to_take_its_own(tmp_path):
     last = again.stderr.rstrip().splitlines()[-1]
     assert again.returncode == 1 and last.startswith("disttrain run: the rendezvous of --rdzv-id same at "), last
     assert "Give each job its own --rdzv-id" in last and "Traceback" not in again.stderr, again.stderr[-3000:]
+
+
+def test_a_return_on_one_rank_without_fast_recovery_stops_both_nodes(tmp_path):
+    """A `dt.Job` script whose rank 1 returns from its loop at step 6, on torchrun's restart
+    path, with the job's secret. Its finish is relayed on the rendezvous' store; rank 0,
+    whose collective failed, reads it and says the early finish, and both nodes stop with
+    that line. Before, rank 0 took it for a lost peer and its node ended after the join
+    timeout (2 min), while node 1 waited at torchrun's exit barrier (5 min) to exit 0."""
+    status, line = ENDS["return"]
+    out = tmp_path / "out"
+    ends = two_nodes(tmp_path, "return-restart-path", [SCRIPT, str(out), "--raise-at", "6", "--kind", "return",
+                                                       "--steps", "40"], "--max-restarts", "2")
+    for code, text in ends:
+        last = text.rstrip().splitlines()[-1]
+        assert code == status and last.startswith(f"disttrain run: not retried: {line}"), text[-3000:]
+        assert "lost a peer" not in text and "join timeout" not in text, text[-3000:]

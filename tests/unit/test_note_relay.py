@@ -88,3 +88,27 @@ def test_a_worker_adopts_the_note_of_its_round_into_its_nodes_notes(rendezvous, 
     assert worker_notes.read_user_error(tmp_path) == "disttrain: bad config"
     monkeypatch.setenv(note_relay.RELAY_ENV, "not json")
     assert not note_relay.adopt_in_worker()
+
+
+def test_a_rank_that_finished_on_one_node_is_known_on_the_other(rendezvous, tmp_path, monkeypatch):
+    """A worker of a job that relays shares its finish on its round's store; a worker of
+    the other node whose collective failed copies it, and so names the early finish
+    instead of a lost peer. Nothing that stops the job is adopted by it."""
+    _, seen = rendezvous
+    node0, node1 = tmp_path / "node0", tmp_path / "node1"
+    node0.mkdir()
+    node1.mkdir()
+    for name, value in (("LOCAL_RANK", "0"), ("MASTER_ADDR", "10.0.0.1"), ("MASTER_PORT", "29500"),
+                        ("WORLD_SIZE", "2"), (job_secret.SECRET_ENV, "ab" * 32),
+                        (note_relay.RELAY_ENV, note_relay.for_workers(seen()))):
+        monkeypatch.setenv(name, value)
+    monkeypatch.setenv(worker_notes.NOTES_ENV, str(node1))
+    note_relay.share_from_worker()
+    try:
+        worker_notes.note_finished(1)
+    finally:
+        worker_notes.share_stops(None)
+    monkeypatch.setenv(worker_notes.NOTES_ENV, str(node0))
+    assert worker_notes.finished_peers(0) == []
+    assert not note_relay.adopt_in_worker()  # a finish is not a stop
+    assert worker_notes.finished_peers(0) == [1]

@@ -24,6 +24,7 @@ there before that node's launcher acts on them:
 
 from __future__ import annotations
 
+import functools
 import json
 import os
 import time
@@ -53,20 +54,19 @@ def share(store: JobStore | None, generation: Callable[[], int] = lambda: 0) -> 
     generation `generation()`, are written to `store` too, before its node's folder
     (`worker_notes.share_stops`); `share(None)`: no longer (the job's keys may be gone)."""
     _FINISHED.clear()
-    if store is None:
-        worker_notes.share_stops(None)
+    worker_notes.share_stops(None if store is None else functools.partial(send, store, generation))
+
+
+def send(store: JobStore, generation: Callable[[], int], kind: str, text: str) -> None:
+    """Write one note of `worker_notes.share_stops` to `store`: a note that stops the job
+    (`publish`), or this rank's finish in generation `generation()`."""
+    if kind != worker_notes.FINISHED:
+        publish(store, kind, text)
         return
-
-    def send(kind: str, text: str) -> None:
-        if kind != worker_notes.FINISHED:
-            publish(store, kind, text)
-            return
-        gen = generation()
-        store.set(finished_key(gen, int(text)), "")
-        store.add(finished_key(gen, "count"), 1)
-        _FINISHED[:] = [gen]
-
-    worker_notes.share_stops(send)
+    gen = generation()
+    store.set(finished_key(gen, int(text)), "")
+    store.add(finished_key(gen, "count"), 1)
+    _FINISHED[:] = [gen]
 
 
 def publish(store: JobStore, kind: str, text: str) -> None:

@@ -12,6 +12,11 @@ the same traceback, line and exit status as the node that stopped. Its ranks who
 collective failed read it first (`adopt_in_worker`: the launcher hands them where the
 rendezvous is in `RELAY_ENV`, their round is their MASTER_ADDR and MASTER_PORT) and
 exit quietly, instead of saying that they lost a peer and that torchrun restarts them.
+A rank whose code finished while its peers train (a `return` on one rank) puts its
+finish there too (`share_from_worker`), so that a rank of another node names the early
+finish instead of a lost peer; and every launcher asks for a relayed note twice a
+second (`launch.notes_watch`), so that a node whose agent waits at torchrun's exit
+barrier or in a rendezvous stops as well.
 
 The store is the rendezvous' own: the etcd under `--rdzv-backend etcd` (no node hosts
 it), the c10d store at the endpoint under c10d (hosted by one node's agent: gone with
@@ -25,6 +30,7 @@ most `job_stop.MAX_NOTE_CHARS`, and it is a note that stops the job
 from __future__ import annotations
 
 import datetime
+import functools
 import json
 import os
 from dataclasses import dataclass
@@ -82,9 +88,11 @@ def _secret() -> bytes | None:
         return None
 
 
+@functools.lru_cache(maxsize=4)
 def _store(seen: Where, secret: bytes) -> Any | None:
     """A sealed client of the rendezvous' store in this run's and round's directory; None
-    when there is none to reach (static rendezvous, no endpoint, no round yet)."""
+    when there is none to reach (static rendezvous, no endpoint, no round yet). One per
+    round: a launcher asks it twice a second (`launch.notes_watch`)."""
     from disttrain.elastic.job_store import JobStore
 
     if seen.endpoint is None or seen.round is None:
@@ -133,15 +141,46 @@ def adopt(seen: Where, folder: str | None = None) -> bool:
 
     try:
         store = _store(seen, secret)
-    except Exception as e:  # a store that cannot be reached holds no note for us
+        return store is not None and job_stop.adopt(store, Path(folder) if folder else None)
+    except Exception as e:  # a store that cannot be reached (any backend's error) holds no note for us
         LOGGER.debug(f"disttrain run: the stop note could not be read: {type(e).__name__}: {e}")
         return False
-    return store is not None and job_stop.adopt(store, Path(folder) if folder else None)
 
 
 def adopt_in_worker() -> bool:
     """In a worker whose collective failed: whether a rank of another node stopped the
     job with a note relayed on the rendezvous' store (then copied into this node's
-    notes). False outside a job that relays (one node, no secret)."""
-    where = _worker_round()
-    return where is not None and worker_notes.under_launcher() and adopt(where)
+    notes). The ranks of other nodes whose code finished are copied too
+    (`job_stop.adopt_finished`), for `failures.report_early_finish`. False outside a job
+    that relays (one node, no secret)."""
+    where, secret = _worker_round(), _secret()
+    if where is None or secret is None or not worker_notes.under_launcher():
+        return False
+    if adopt(where):
+        return True
+    from disttrain.elastic import job_stop
+
+    try:
+        store = _store(where, secret)
+        if store is not None:
+            job_stop.adopt_finished(store, 0, int(os.environ.get("WORLD_SIZE", "1")))
+    except Exception:  # unreachable (any backend's error): no finish to copy either
+        pass
+    return False
+
+
+def share_from_worker() -> None:
+    """In a worker of a job that relays: its notes that stop the job and its rank's finish
+    (a `return` while its peers train) go onto its round's store too, before its node's
+    folder (`worker_notes.share_stops`; the store is reached at the first note)."""
+    if _worker_round() is not None and _secret() is not None:
+        worker_notes.share_stops(_send_from_worker)
+
+
+def _send_from_worker(kind: str, text: str) -> None:
+    from disttrain.elastic import job_stop
+
+    where, secret = _worker_round(), _secret()
+    store = _store(where, secret) if where is not None and secret is not None else None
+    if store is not None:
+        job_stop.send(store, lambda: 0, kind, text)

@@ -20,11 +20,13 @@ import signal
 import sys
 import tempfile
 import threading
+import time
 from collections.abc import Callable
 
 from disttrain import worker_notes
 
 POLL_S = 0.05
+ASK_EVERY_S = 0.5
 
 
 class Notes:
@@ -37,11 +39,19 @@ class Notes:
         self.on_stop: Callable[[], None] | None = None
         """Called once a rank's note stops the job, before the workers are stopped
         (`elastic.note_relay`: the note goes to the other nodes first)."""
+        self.ask_others: Callable[[], object] | None = None
+        """Called every `ASK_EVERY_S` while no note stops the job: copies a note another
+        node relayed into this folder (`elastic.note_relay.adopt`), so that this node
+        stops too wherever its agent waits (its exit barrier, a rendezvous)."""
         self._thread = threading.Thread(target=self._poll, name="disttrain-notes", daemon=True)
         self._thread.start()
 
     def _poll(self) -> None:
+        asked = time.monotonic()
         while not self._stop.wait(POLL_S):
+            if self.ask_others is not None and time.monotonic() - asked >= ASK_EVERY_S:
+                asked = time.monotonic()
+                self.ask_others()
             if self.stopped():
                 quiet_torchrun()
                 if self.on_stop is not None:

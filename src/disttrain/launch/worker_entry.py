@@ -25,6 +25,7 @@ from disttrain.runtime import processes
 
 LAUNCHER_ENV = "DISTTRAIN_LAUNCHER_PID"
 """The launching process's pid, set by `disttrain run` for its workers."""
+STOP_RELAY_ENV = "DISTTRAIN_STOP_RELAY"  # elastic.note_relay.RELAY_ENV; not imported: that imports torch
 ORPHAN_EXIT_CODE = 129
 """Exit status of a worker that found its launcher already gone (128 + SIGHUP)."""
 
@@ -79,6 +80,10 @@ def main(argv: list[str]) -> None:
         from disttrain.runtime.failures import record_native_crashes
 
         record_native_crashes()  # a native crash shows the Python line it happened at
+        if os.environ.get(STOP_RELAY_ENV):  # other nodes: this rank's stop or finish reaches them
+            from disttrain.elastic import note_relay
+
+            note_relay.share_from_worker()
     if not (argv[:1] == ["-m"] and argv[1:2] and argv[1].startswith("disttrain.")):
         # A user's script: a hang names the rank that stopped (Job's watchdog takes over
         # at wrap). disttrain's own modules (the trainer, a supervisor) have their own.
