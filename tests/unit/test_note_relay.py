@@ -86,8 +86,9 @@ def test_a_worker_adopts_the_note_of_its_round_into_its_nodes_notes(rendezvous, 
     monkeypatch.setenv("MASTER_PORT", "29500")
     assert note_relay.adopt_in_worker()
     assert worker_notes.read_user_error(tmp_path) == "disttrain: bad config"
-    monkeypatch.setenv(note_relay.RELAY_ENV, "not json")
-    assert not note_relay.adopt_in_worker()
+    for value in ("not json", "5", '["etcd-v2", null]'):
+        monkeypatch.setenv(note_relay.RELAY_ENV, value)
+        assert not note_relay.adopt_in_worker()
 
 
 def test_a_rank_that_finished_on_one_node_is_known_on_the_other(rendezvous, tmp_path, monkeypatch):

@@ -46,8 +46,8 @@ CONNECT_S = 3.0
 C10D_PORT = 29400
 """torchrun's port of a c10d endpoint given without one."""
 RELAY_ENV = "DISTTRAIN_STOP_RELAY"
-"""Set by `disttrain run` for its workers in a job of several nodes with a secret: the
-rendezvous' backend, endpoint and run id, as a JSON list."""
+"""Set by `disttrain run` for its workers in a job of several nodes: the rendezvous'
+backend, endpoint and run id, as a JSON list (used only with the job's secret)."""
 
 
 @dataclass(frozen=True)
@@ -70,7 +70,7 @@ def _worker_round() -> Where | None:
     """The round this worker is in, from `RELAY_ENV` and its MASTER_ADDR and MASTER_PORT."""
     try:
         backend, endpoint, run_id = json.loads(os.environ.get(RELAY_ENV, ""))
-    except ValueError:  # unset or not ours: no relay
+    except (ValueError, TypeError):  # unset, or not the launcher's list: no relay
         return None
     addr, port = os.environ.get("MASTER_ADDR"), os.environ.get("MASTER_PORT")
     if not (addr and port) or not all(isinstance(v, str) for v in (backend, endpoint, run_id)):
