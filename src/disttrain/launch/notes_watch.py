@@ -20,7 +20,6 @@ import signal
 import sys
 import tempfile
 import threading
-import time
 from collections.abc import Callable
 
 from disttrain import worker_notes
@@ -39,25 +38,33 @@ class Notes:
         self.on_stop: Callable[[], None] | None = None
         """Called once a rank's note stops the job, before the workers are stopped
         (`elastic.note_relay`: the note goes to the other nodes first)."""
-        self.ask_others: Callable[[], object] | None = None
-        """Called every `ASK_EVERY_S` while no note stops the job: copies a note another
-        node relayed into this folder (`elastic.note_relay.adopt`), so that this node
-        stops too wherever its agent waits (its exit barrier, a rendezvous)."""
         self._thread = threading.Thread(target=self._poll, name="disttrain-notes", daemon=True)
         self._thread.start()
 
     def _poll(self) -> None:
-        asked = time.monotonic()
         while not self._stop.wait(POLL_S):
-            if self.ask_others is not None and time.monotonic() - asked >= ASK_EVERY_S:
-                asked = time.monotonic()
-                self.ask_others()
             if self.stopped():
                 quiet_torchrun()
                 if self.on_stop is not None:
                     self.on_stop()
                 os.kill(os.getpid(), signal.SIGTERM)  # the agent stops the workers: no restart
                 return
+
+    def ask_others(self, ask: Callable[[], object]) -> None:
+        """Call `ask` every `ASK_EVERY_S` on a thread of its own until the job ends or a
+        note stops it: it copies a note another node relayed into this folder
+        (`elastic.note_relay.adopt`), so that this node stops too wherever its agent
+        waits (its exit barrier, a rendezvous). Its own thread: a store that does not
+        answer must not delay this node's own notes."""
+
+        def loop() -> None:
+            while not self._stop.wait(ASK_EVERY_S) and not self.stopped():
+                try:
+                    ask()
+                except Exception:  # a relay that fails is no note; the watcher goes on
+                    continue
+
+        threading.Thread(target=loop, name="disttrain-notes-relay", daemon=True).start()
 
     def stopped(self) -> bool:
         """Whether a rank asked for the job to stop: a user error or a failure not retried."""

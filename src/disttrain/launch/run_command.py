@@ -582,7 +582,7 @@ def _launch(args: list[str], env: dict[str, str]) -> int:
     relayed = _flag_value(args, "--nnodes") not in (None, "1", "1:1")  # other nodes get a stop's note too
     if relayed:
         notes.on_stop = lambda: note_relay.publish(rendezvous.where(), notes.stop_note())
-        notes.ask_others = lambda: rendezvous.rounds and note_relay.adopt(rendezvous.where(), notes.folder)
+        notes.ask_others(lambda: rendezvous.rounds and note_relay.adopt(rendezvous.where(), notes.folder))
         os.environ[note_relay.RELAY_ENV] = note_relay.for_workers(rendezvous.where())
     try:
         with rendezvous_end.captured(rendezvous, lost_peer):
