@@ -1,7 +1,7 @@
 """The last line `disttrain run` prints when a job ends other than cleanly, and the
 exit status that goes with it: a failure's other ranks, a signal to the launcher, a
 hang, a slot that left fast recovery, a job that shrank or grew in memory. Words only:
-`run_command._launch` decides which applies. Imports no torch."""
+`launch.job_end` decides which applies. Imports no torch."""
 
 from __future__ import annotations
 

@@ -50,6 +50,8 @@ class Seen:
     backend: str | None = None
     endpoint: str | None = None
     run_id: str = "none"
+    nnodes: str | None = None
+    """torchrun's `--nnodes` as given (`N` or `MIN:MAX`)."""
     round: str | None = None
     """The last round's store address (`RendezvousInfo.bootstrap_store_info`): the same
     on every node of the round, another one in each round and each job."""

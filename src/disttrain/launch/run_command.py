@@ -73,26 +73,18 @@ import contextlib
 import functools
 import math
 import os
-import signal
 import sys
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING
 
 from disttrain.check.settings import STEPS_FLAG, take_check_flags
 from disttrain.errors import UserError
 from disttrain.guard import private_dir
 from disttrain.guard.script_watchdog import HANG_FLAG, take_hang_timeout
-from disttrain.launch import notes_watch, rendezvous_end, run_help, warm_workers
+from disttrain.launch import job_end, notes_watch, rendezvous_end, run_help, warm_workers
 from disttrain.launch.end_lines import (
-    closed_by_another_line,
-    hang_line,
-    others_clause,
-    rendezvous_gone_line,
-    rendezvous_reused_line,
-    rendezvous_timeout_line,
     restart_path_line,
     shrunk_line,
-    stopped_by_signal,
 )
 from disttrain.launch.join_flags import JOIN_FLAG, take_join
 from disttrain.launch.join_flags import RUN_ENV as JOIN_RUN_ENV
@@ -546,19 +538,6 @@ def main(argv: list[str], launched: Launched | None = None) -> int:
                 os.environ.pop(warm_workers.SOCKET_ENV, None)
 
 
-def _say_outage(endpoint: str, error: BaseException | None) -> None:
-    """One line when the job's etcd stops answering a running job, one when it is back."""
-    if error is None:
-        print(f"disttrain run: the etcd at {endpoint} answers again.", file=sys.stderr, flush=True)
-        return
-    print(
-        f"disttrain run: the etcd at {endpoint} does not answer; training goes on, but no node can "
-        f"join or be replaced until it does (start it again on the same address and data directory).",
-        file=sys.stderr,
-        flush=True,
-    )
-
-
 def _launch(args: list[str], env: dict[str, str]) -> int:
     """torchrun with `torchrun_for`'s arguments and environment defaults;
     failures reported in one line (see `main`)."""
@@ -578,28 +557,28 @@ def _launch(args: list[str], env: dict[str, str]) -> int:
         _flag_value(args, *BACKEND_FLAGS),
         _flag_value(args, "--rdzv-endpoint", "--rdzv_endpoint"),
         _flag_value(args, "--rdzv-id", "--rdzv_id") or "none",
+        _flag_value(args, "--nnodes"),
     )
-    relayed = _flag_value(args, "--nnodes") not in (None, "1", "1:1")  # other nodes get a stop's note too
-    if relayed:
+    if rendezvous.nnodes not in (None, "1", "1:1"):  # other nodes get a stop's note too
         notes.on_stop = lambda: note_relay.publish(rendezvous.where(), notes.stop_note())
         notes.ask_others(lambda: rendezvous.rounds and note_relay.adopt(rendezvous.where(), notes.folder))
         os.environ[note_relay.RELAY_ENV] = note_relay.for_workers(rendezvous.where())
     try:
         with rendezvous_end.captured(rendezvous, lost_peer):
-            _torchrun(args, notes)
+            _torchrun(args, notes, rendezvous)
     except ChildFailedError as e:
         if rendezvous.closed_by_another and note_relay.adopt(rendezvous.where(), notes.folder):
             return notes.report()
-        return _child_failed(e, notes, rendezvous.closed_by_another)
+        return job_end.child_failed(e, notes, rendezvous.closed_by_another)
     except SignalException as e:
         if notes.stopped():  # a rank's note: the other nodes end at their next rendezvous, not its timeout
             rendezvous_end.close(rendezvous.handlers)
             return notes.report()
-        return _signalled(int(e.sigval), notes)
+        return job_end.signalled(int(e.sigval), notes)
     except RendezvousError as e:  # the rendezvous closed, gone, or not filled: one line, no traceback
         if notes.stopped() or (rendezvous.rounds and note_relay.adopt(rendezvous.where(), notes.folder)):
             return notes.report()
-        return _rendezvous_failed(e, args, notes, rendezvous.rounds)
+        return job_end.rendezvous_failed(e, notes, rendezvous)
     else:
         if notes.stopped():  # a rank of another node stopped the job; this node's ranks ended quietly
             rendezvous_end.close(rendezvous.handlers)
@@ -639,7 +618,7 @@ def _set_launch_env(args: list[str], env: dict[str, str]) -> None:
         print(f"disttrain run --debug: {switches}. Logs: {where}.", file=sys.stderr, flush=True)
 
 
-def _torchrun(args: list[str], notes: notes_watch.Notes) -> None:
+def _torchrun(args: list[str], notes: notes_watch.Notes, rendezvous: rendezvous_end.Seen) -> None:
     """torchrun's `run` in this process, with disttrain's hooks on its agent."""
     from torch.distributed.run import parse_args, run
 
@@ -650,81 +629,10 @@ def _torchrun(args: list[str], notes: notes_watch.Notes) -> None:
     )
 
     quick_rendezvous_event_names()  # torchrun's event names without inspect.stack()
-    endpoint = _flag_value(args, "--rdzv-endpoint", "--rdzv_endpoint")
-    backend = _flag_value(args, *BACKEND_FLAGS)
+    endpoint = rendezvous.endpoint
     # after a shrink in memory the exit barrier waits for the nodes left, not the lost one
     with exit_barrier_of(notes.agents_gone), contextlib.ExitStack() as outages:
         # etcd outlives every node and may restart under a job; c10d's store dies with its node
-        if endpoint is not None and backend == "etcd-v2":
-            outages.enter_context(waiting_nodes_through_outages(functools.partial(_say_outage, endpoint)))
+        if endpoint is not None and rendezvous.backend == "etcd-v2":
+            outages.enter_context(waiting_nodes_through_outages(functools.partial(job_end.say_outage, endpoint)))
         run(parse_args(args))
-
-
-def _child_failed(e: Any, notes: notes_watch.Notes, closed_by_another: bool) -> int:
-    """The last line and status of a job whose agent gave up on its failed workers
-    (torchrun's `ChildFailedError`)."""
-    if notes.stopped():
-        return notes.report()
-    rank, failure = e.get_first_failure()
-    code = failure.exitcode if failure.exitcode >= 0 else 128 - failure.exitcode
-    how = f"exit code {failure.exitcode}" if failure.exitcode >= 0 else f"signal {failure.signal_name()}"
-    hang = notes.hang() if failure.exitcode == 124 else None  # watchdog.HANG_EXIT_CODE
-    if hang is not None:
-        print(f"disttrain run: {hang_line(hang)}", file=sys.stderr)
-        return failure.exitcode
-    left = notes.restart_path()
-    if left is not None and left.get("rank") == rank:
-        print(f"disttrain run: {restart_path_line(left, restarted=False)}", file=sys.stderr)
-        return code or 1
-    if closed_by_another:
-        print(f"disttrain run: {closed_by_another_line(notes.lost_peer_ranks())}", file=sys.stderr)
-        return code or 1
-    more = others_clause(e.failures, rank, notes.lost_peer_ranks())
-    print(
-        f"disttrain run: rank {rank} failed first with {how}{more}. "
-        f"Its error is above; per-rank logs: --log-dir DIR --tee 3.",
-        file=sys.stderr,
-    )
-    return code or 1
-
-
-def _rendezvous_failed(e: Exception, args: list[str], notes: notes_watch.Notes, rounds: int) -> int:
-    """The last line of a node whose agent could not go on with its rendezvous (`rounds`
-    completed before): closed by another node (its rank stopped the job) or by an
-    earlier job with the same run id, no longer answering, or not filled."""
-    from torch.distributed.elastic.rendezvous.api import (
-        RendezvousClosedError,
-        RendezvousConnectionError,
-        RendezvousTimeoutError,
-    )
-
-    where = _flag_value(args, "--rdzv-endpoint", "--rdzv_endpoint")
-    if isinstance(e, RendezvousClosedError) and rounds == 0:
-        line = rendezvous_reused_line(_flag_value(args, "--rdzv-id", "--rdzv_id"), where)
-    elif isinstance(e, RendezvousClosedError):  # torchrun restarted this node's ranks into a stopped job
-        line = closed_by_another_line(notes.lost_peer_ranks())
-    elif isinstance(e, RendezvousConnectionError):  # c10d's store went with the node that hosts it
-        line = rendezvous_gone_line(where, _flag_value(args, *BACKEND_FLAGS))
-    elif isinstance(e, RendezvousTimeoutError):
-        line = rendezvous_timeout_line(_flag_value(args, "--nnodes"))
-    else:
-        raise e
-    print(f"disttrain run: {line}", file=sys.stderr)
-    return 1
-
-
-def _signalled(sigval: int, notes: notes_watch.Notes) -> int:
-    """The last line and status of a job whose launcher got a signal from outside.
-    torchrun has already passed it on and waited --shutdown-timeout for the workers; a
-    SIGTERMed disttrain worker saves and exits 0, so the job says so and exits 0 too
-    (the requeue path of docs/elastic.md), instead of a traceback and exit 1."""
-    if notes.stood_by() and notes.saved_step() is None:
-        print(
-            f"disttrain run: stopped by {signal.Signals(sigval).name}; this node's slots were hot spares "
-            f"standing by, with nothing to save.",
-            file=sys.stderr,
-        )
-        return 0
-    line, status = stopped_by_signal(sigval, notes.saved_step(), notes.failed_attempts())
-    print(line, file=sys.stderr)
-    return status
