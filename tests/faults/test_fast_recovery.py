@@ -219,8 +219,9 @@ def test_a_lost_node_is_taken_over_by_a_hot_spare_node_bit_exactly(tmp_path):
             for node in nodes:
                 kill_node(node)
     text = "".join(logs[i].read_text() for i in left)
-    assert "rank(s) [1] lost with their supervisors (no beat for 1 s: a node is gone); hot-spare slot(s) [2] " \
-        "take their places and the job goes on in memory at world 2" in text
+    # the killed supervisor's host refuses a connection to it: no lease to wait for
+    assert "rank(s) [1] lost with their supervisors (their node refused a connection to them: its processes " \
+        "are gone); hot-spare slot(s) [2] take their places and the job goes on in memory at world 2" in text
     assert "will restart worker group" not in text and "loading the newest checkpoint" not in text
     for i in left:
         assert logs[i].read_text().rstrip().splitlines()[-1] == (

@@ -46,7 +46,16 @@ import torch
 import torch.distributed as dist
 
 from disttrain import runtime, worker_notes
-from disttrain.elastic import buddy_reshard, etcd_store, group_sockets, job_stop, job_store, join_node, membership
+from disttrain.elastic import (
+    buddy_reshard,
+    etcd_store,
+    group_sockets,
+    job_stop,
+    job_store,
+    join_node,
+    liveness,
+    membership,
+)
 from disttrain.elastic.buddy_copy import BuddyCopy, pack, resharded_words, unpack
 from disttrain.elastic.job_store import JobStore
 from disttrain.errors import UserError
@@ -134,7 +143,7 @@ def join(store: JobStore, gen: int, slot: int, world: int, wait_s: float) -> tup
                 if lost and job_stop.adopt(store):  # stopped by a rank of theirs, not lost: no shrink
                     raise SystemExit(0) from None  # this node's launcher says why, as theirs does
                 if lost:
-                    members = membership.settle(store, gen, members, lost, GEN_KEY, watch.fresh)
+                    members = membership.settle(store, gen, members, lost, GEN_KEY, watch.fresh, watch.refused)
                 if lost is not None:  # watch again: for the spares that take the places, or anew
                     watch = None
             if time.monotonic() > deadline:
@@ -451,6 +460,7 @@ def _generations(
             raise
         _take_place(handoff, members.index(slot), len(members))
         handoff.members = members
+        liveness.confirm(store, [s for s in members if s != slot])  # a later refusal then means gone
         # the launcher's exit barrier and last line; a new torchrun attempt starts whole
         lost = membership.gone(store) if gen > 0 else []
         total = handoff.total

@@ -9,6 +9,10 @@ memory instead of waiting for a spare that will never come (docs/elastic.md).
   the slots that have not joined, `LEASE_S` apart, while it goes on waiting (`Watch`):
   a slot whose count did not move has lost its supervisor, so no spare will take it over (a killed
   training process is taken over by its supervisor's spare, whose slot still beats).
+  A node whose process tree was killed on a host that still runs is known sooner: each
+  supervisor listens on a socket of its own, which the host's kernel refuses once the
+  process is gone (`elastic.liveness`), so the watch needs no lease when every probe
+  answers. A machine that lost power answers none, and the lease decides.
 - Hot-spare nodes (`disttrain run --spare-nodes K`): torchrun starts K more nodes,
   whose slots (global ranks from `training_world()` on) stand by: their supervisors beat
   and keep a warm spare, and train only once a roster names them (`standby`).
@@ -31,6 +35,7 @@ import os
 import threading
 import time
 
+from disttrain.elastic import liveness
 from disttrain.elastic.job_store import JobStore
 from disttrain.runtime.log import EVERY_RANK, LOGGER
 
@@ -189,7 +194,9 @@ def _beats(store: JobStore, slots: list[int]) -> list[int]:
 class Watch:
     """The beats of a stalled generation's missing members and of the standby slots,
     sampled now and compared a lease later (`lost`, `fresh`), while the caller goes on
-    waiting for the members."""
+    waiting for the members. The supervisors are also probed now (`elastic.liveness`):
+    when some missing member's supervisor is refused (its process tree is gone) and every
+    probe had an answer, `lost` needs no lease."""
 
     def __init__(self, store: JobStore, gen: int, members: list[int], standby: list[int] | None = None) -> None:
         self.store = store
@@ -199,10 +206,19 @@ class Watch:
         self.since = time.monotonic()
         self.fresh: list[int] = []
         """After `lost` returned a list: the standby slots that beat during the lease."""
+        self.refused = False
+        """Whether `lost` named the members whose supervisors refused a probe (no lease)."""
+        self._early = _refused(store, self.missing, self.before, self.standby)
 
     def lost(self) -> list[int] | None:
         """None until a lease has passed; then the missing members that have beaten
-        before but not since (`[]`: none is gone, a spare or a slow rank is coming)."""
+        before but not since (`[]`: none is gone, a spare or a slow rank is coming).
+        Before the lease, the members whose supervisors refused the probe, when the
+        probes decided (`_refused`)."""
+        if self._early is not None:
+            gone_now, self.fresh = self._early
+            self._early, self.refused = None, True
+            return gone_now
         if time.monotonic() - self.since < lease_s():
             return None
         after = _beats(self.store, self.missing + self.standby)
@@ -210,6 +226,21 @@ class Watch:
         n = len(self.missing)
         self.fresh = [s for s, m in zip(self.standby, moved[n:], strict=True) if m]
         return [s for s, a, m in zip(self.missing, self.before, moved, strict=False) if a > 0 and not m]
+
+
+def _refused(
+    store: JobStore, missing: list[int], beats: list[int], standby: list[int]
+) -> tuple[list[int], list[int]] | None:
+    """(the missing members that have beaten and whose supervisors refuse a connection,
+    the standby slots whose supervisors accept one), when at least one is refused and
+    every standby slot answered; else None: the lease decides."""
+    if not missing:
+        return None
+    answers = liveness.probe(store, missing + standby)
+    refused = [s for s, b in zip(missing, beats, strict=False) if b > 0 and answers[s] is liveness.GONE]
+    if not refused or any(answers[s] is None for s in standby):
+        return None
+    return refused, [s for s in standby if answers[s] is liveness.ALIVE]
 
 
 def arrive(store: JobStore, gen: int, slot: int) -> None:
@@ -232,13 +263,20 @@ def replaced(members: list[int], lost: list[int], standby: list[int]) -> list[in
 
 
 def settle(
-    store: JobStore, gen: int, members: list[int], lost: list[int], gen_key: str, standby: list[int] | None = None
+    store: JobStore,
+    gen: int,
+    members: list[int],
+    lost: list[int],
+    gen_key: str,
+    standby: list[int] | None = None,
+    refused: bool = False,
 ) -> list[int]:
     """Generation `gen` of `members` goes on without `lost`, the standby slots that beat
     (`standby`) taking their places (`replaced`): the roster, decided by the first survivor
     to get here (a compare-and-add) and read by the others. The decider also moves the
     generation counter `gen_key` up to `gen` (the survivors joined it without a
-    newcomer's bump), so a spare promoted later starts the next one."""
+    newcomer's bump), so a spare promoted later starts the next one. `refused`: the lost
+    supervisors refused a probe (else: they missed the lease), for the console's line."""
     if store.add(f"disttrain/fast/g{gen}/decide", 1) == 1:
         store.add(gen_key, max(0, gen - store.add(gen_key, 0)))
         stay = replaced(members, lost, standby or [])
@@ -246,7 +284,7 @@ def settle(
         store.set(ROSTER_KEY, json.dumps(stay))
         store.add(LOST_KEY, len(members) - len(stay))
         store.set(f"disttrain/fast/g{gen}/roster", json.dumps(stay))
-        LOGGER.warning(f"disttrain run: {settled_words(members, lost, stay, gen)}", extra=EVERY_RANK)
+        LOGGER.warning(f"disttrain run: {settled_words(members, lost, stay, gen, refused)}", extra=EVERY_RANK)
         return stay
     deadline = time.monotonic() + 30
     while (written := decided(store, gen)) is None:
@@ -256,9 +294,14 @@ def settle(
     return written
 
 
-def settled_words(members: list[int], lost: list[int], stay: list[int], gen: int) -> str:
+def settled_words(members: list[int], lost: list[int], stay: list[int], gen: int, refused: bool = False) -> str:
     """The console's one line on a roster `settle` decided."""
-    head = f"rank(s) {lost} lost with their supervisors (no beat for {lease_s():g} s: a node is gone)"
+    why = (
+        "their node refused a connection to them: its processes are gone"
+        if refused
+        else (f"no beat for {lease_s():g} s: a node is gone")
+    )
+    head = f"rank(s) {lost} lost with their supervisors ({why})"
     spares = [s for s in stay if s not in members]
     if not spares:
         return f"{head} and no spare takes them; the job goes on in memory at world {len(stay)} (generation {gen})"

@@ -131,15 +131,17 @@ def _not_to_retry(rank: int, rc: int, last_death: str | None) -> tuple[bool, str
 
 
 def _beat(rank: int) -> threading.Event:
-    """Beat for this slot on the job's store from a thread (`elastic.membership`), so the
-    survivors tell a lost node from a killed training process; set the event to stop."""
-    from disttrain.elastic import job_store, membership
+    """Beat for this slot on the job's store from a thread (`elastic.membership`), and
+    listen for its liveness probes (`elastic.liveness`), so the survivors tell a lost
+    node from a killed training process; set the event to stop."""
+    from disttrain.elastic import job_store, liveness, membership
 
     stop = threading.Event()
 
     def run() -> None:
         try:
             store = job_store.connect(timeout_s=300)
+            liveness.listen(store, rank)  # refused once this process is gone: no lease to wait
         except (RuntimeError, ConnectionError, TimeoutError, OSError):
             return  # no store: no shrink in memory; the restart path remains
         membership.beat(store, rank, stop)

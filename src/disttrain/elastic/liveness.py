@@ -1,0 +1,153 @@
+"""Whether a slot's supervisor still runs, asked of its node's kernel: a slot supervisor
+listens on a socket of its own for its whole life (`listen`), so a connection to it is
+refused at once when its process is gone with its node's process tree, and accepted
+while it lives (`probe`). A survivor that sees every missing slot's answer needs no
+lease (`elastic.membership.Watch`).
+
+- Refused means gone only for an address this process has seen accept before (each
+  rank probes its generation's supervisors once, in the background: `confirm`): no
+  process listens any more on the port the supervisor held for its life. A refusal
+  never seen otherwise decides nothing, since a firewall between nodes may refuse every
+  probe. Accepted means alive (as far as anything listens there), and no answer within
+  `PROBE_TIMEOUT_S` means nothing: a machine that lost power or its network answers no
+  probe, and the beats' lease decides, as it did before.
+- A probe sends and reads nothing: the socket accepts and closes. Its address comes
+  from the job's store, sealed with the job's secret (`elastic.job_store`), and at most
+  `MAX_ADDRESS` characters of it are read.
+- The address is the one this node reaches the job's store from (the etcd, or
+  MASTER_ADDR's host): the interface the other nodes see this one on.
+"""
+
+from __future__ import annotations
+
+import errno
+import os
+import select
+import socket
+import threading
+import time
+
+from disttrain.elastic import etcd_store
+from disttrain.elastic.job_store import JobStore
+
+KEY = "disttrain/fast/probe/{slot}"
+PROBE_TIMEOUT_S = 0.1
+"""How long a probe waits for an answer; a machine that is gone gives none, and then the
+lease decides."""
+MAX_ADDRESS = 300
+"""Bound on an address read from the store: HOST:PORT, an IPv6 host included."""
+ALIVE, GONE = True, False
+
+_LISTENING: list[socket.socket] = []  # kept for the process's life: its close is the signal
+_SEEN_ALIVE: set[tuple[str, int]] = set()
+"""The addresses that accepted a probe of this process: only theirs can later be refused."""
+
+
+def _store_host() -> str:
+    """The host the job's store is reached at: the etcd endpoint's, else MASTER_ADDR."""
+    endpoint = etcd_store.configured()
+    if endpoint is not None:
+        return endpoint.rpartition(":")[0].strip("[]") or "127.0.0.1"
+    return os.environ.get("MASTER_ADDR", "127.0.0.1")
+
+
+def _local_address(towards: str) -> tuple[int, str]:
+    """(family, address) of the interface this host routes to `towards` on (no packet is
+    sent: a UDP socket's connect only picks the route)."""
+    family, _, _, _, where = socket.getaddrinfo(towards, 9, type=socket.SOCK_DGRAM)[0]
+    with socket.socket(family, socket.SOCK_DGRAM) as udp:
+        udp.connect(where)
+        return family, udp.getsockname()[0]
+
+
+def listen(store: JobStore, slot: int) -> bool:
+    """In a slot supervisor: listen on this node's address towards the store, accept and
+    close every connection from a daemon thread, and publish the address for `slot`.
+    Returns False (nothing published: the lease alone decides) when no address or port
+    can be had."""
+    try:
+        family, host = _local_address(_store_host())
+        sock = socket.socket(family, socket.SOCK_STREAM)
+        sock.bind((host, 0))
+        sock.listen(64)
+    except OSError:
+        return False
+    _LISTENING.append(sock)
+    threading.Thread(target=_answer, args=(sock,), name="disttrain-liveness", daemon=True).start()
+    port = sock.getsockname()[1]
+    store.set(KEY.format(slot=slot), f"[{host}]:{port}" if family == socket.AF_INET6 else f"{host}:{port}")
+    return True
+
+
+def _answer(sock: socket.socket) -> None:
+    while True:
+        try:
+            conn, _ = sock.accept()
+        except OSError:
+            return
+        conn.close()
+
+
+def _address(store: JobStore, slot: int) -> tuple[str, int] | None:
+    text = store.get(KEY.format(slot=slot))
+    if text is None or len(text) > MAX_ADDRESS:
+        return None
+    host, _, port = text.rpartition(":")
+    if not port.isdigit() or not 0 < int(port) < 65536 or not host:
+        return None
+    return host.strip("[]"), int(port)
+
+
+def confirm(store: JobStore, slots: list[int]) -> None:
+    """Probe `slots` from a daemon thread, so that a later refusal of those that accept now
+    means that they are gone (`probe`). Nothing waits for it; a store error ends it."""
+
+    def run() -> None:
+        try:
+            probe(store, slots)
+        except (RuntimeError, ConnectionError, TimeoutError, OSError):
+            pass
+
+    threading.Thread(target=run, name="disttrain-liveness-confirm", daemon=True).start()
+
+
+def probe(store: JobStore, slots: list[int], timeout_s: float = PROBE_TIMEOUT_S) -> dict[int, bool | None]:
+    """For each of `slots`: `ALIVE` when its supervisor's socket accepts a connection,
+    `GONE` when it refuses one and accepted one of this process's probes before, None
+    otherwise: no address, a refusal never seen accept, no answer within `timeout_s`
+    (the probes run at once, so it is the wait for all)."""
+    answers: dict[int, bool | None] = dict.fromkeys(slots)
+    pending: dict[socket.socket, tuple[int, tuple[str, int]]] = {}
+    for slot in slots:
+        where = _address(store, slot)
+        if where is None:
+            continue
+        try:
+            family = socket.getaddrinfo(where[0], where[1], type=socket.SOCK_STREAM)[0][0]
+            sock = socket.socket(family, socket.SOCK_STREAM)
+        except OSError:
+            continue
+        sock.setblocking(False)
+        code = sock.connect_ex(where)
+        if code in (0, errno.EINPROGRESS):
+            pending[sock] = (slot, where)
+        else:
+            answers[slot] = _verdict(code, where)
+            sock.close()
+    deadline = time.monotonic() + timeout_s
+    while pending and (left := deadline - time.monotonic()) > 0:
+        _, done, _ = select.select([], list(pending), [], left)
+        for sock in done:
+            slot, where = pending.pop(sock)
+            answers[slot] = _verdict(sock.getsockopt(socket.SOL_SOCKET, socket.SO_ERROR), where)
+            sock.close()
+    for sock in pending:
+        sock.close()
+    return answers
+
+
+def _verdict(code: int, where: tuple[str, int]) -> bool | None:
+    if code == 0:
+        _SEEN_ALIVE.add(where)
+        return ALIVE
+    return GONE if code == errno.ECONNREFUSED and where in _SEEN_ALIVE else None
