@@ -105,6 +105,7 @@ def one_kill(tmp: Path, strategy: str, endpoint: str, run_id: str, nproc: int) -
             "last_line": last.startswith(f"disttrain run: finished at world {nproc}:"),
             "resharded": f"the world changed ({2 * nproc} -> {nproc} ranks), so the shards are resharded" in text,
             "from_buddies": "resharded from the buddy copies in memory" in text,
+            "probe": "their node refused a connection to them" in text,  # not the lease (elastic/liveness.py)
         }
     finally:
         for a in agents:
@@ -158,13 +159,15 @@ def render(res: dict, argv: list[str], took: float, load_end: float, nproc: int)
                 continue
             note = "the disk checkpoint, resharded (the world changed)" if r["resharded"] else "state from memory"
             note += "; the shards rebuilt from the buddy copies" if r.get("from_buddies") else ""
+            note += "; the lost node found by the probes" if r.get("probe") else "; the lost node found by the lease"
             lines.append(f"| {strategy} | {r['seconds']:.2f} | {r['ended_s']:.1f} | {r['rc']} | {note} |")
     lines += [
         "",
-        f"The time to the next step is mostly the membership's lease ({LEASE_S} s without a beat before a "
-        "slot is taken for gone) and, under FSDP, the reshard: every old rank's buddy pack broadcast to "
-        "the survivors and cut into the smaller world's pieces (the disk checkpoint when a piece is "
-        "missing). The survivor's exit includes the rest of the run's steps.",
+        "A node whose process tree is killed on a host that still runs is found by the supervisors' probes "
+        f"(elastic/liveness.py: its host refuses them), with no lease ({LEASE_S} s without a beat) to wait; a "
+        "machine that lost power costs the lease. Under FSDP the reshard follows: every old rank's buddy "
+        "pack broadcast to the survivors and cut into the smaller world's pieces (the disk checkpoint when "
+        "a piece is missing). The survivor's exit includes the rest of the run's steps.",
     ]
     return "\n".join(lines) + "\n"
 

@@ -44,6 +44,8 @@ LEASE_S = 0.5
 DELAY_MS = 150
 GOAL_S = 1.0
 LAST_LINE = "disttrain run: finished at world 4:"
+PROBED = "their node refused a connection to them"
+"""The settle line's cause when the supervisors' probes decided (`elastic.liveness`), not the lease."""
 PEERS = (
     "torchrun's restart path: scale-down 6.9 s, scale-up 4.3 s (bench/results/recovery_scale.md when fast "
     "recovery did not cover a node); torchft: 5.16 s at its default heartbeat (its figure on this machine, "
@@ -118,6 +120,7 @@ def one_kill(tmp: Path, endpoint: str, run_id: str, ref: Path, rng: random.Rando
             "rcs": rcs,
             "last_line": all(line.startswith(LAST_LINE) for line in lasts),
             "restart": any("will restart worker group" in t for t in texts),
+            "probe": any(PROBED in t for t in texts),
             "same": same_weights(ref, out),
             "once": once_each(out),
         }
@@ -158,32 +161,29 @@ def render(runs: list[dict], step_s: float, argv: list[str], took: float, load: 
         f"| {len(secs)} | {cell(secs)} | <= {GOAL_S + step_s:.2f} s: {'met' if met else '**missed**'} | {PEERS} | "
         f"{len(good)} of {len(runs)} | {len(exact)} of {len(runs)} |",
         "",
-        "| node killed | after step | kill -> next step (s) | exits | bit-identical | each sample once |",
-        "|---|---:|---:|---|---|---|",
+        "| node killed | after step | kill -> next step (s) | lost node found by | exits | bit-identical | "
+        "each sample once |",
+        "|---|---:|---:|---|---|---|---|",
     ]
     for r in runs:
         if "error" in r:
-            lines.append(f"| n/a | n/a | n/a | {r['error']} | n/a | n/a |")
+            lines.append(f"| n/a | n/a | n/a | n/a | {r['error']} | n/a | n/a |")
             continue
+        found = "probe (refused)" if r["probe"] else f"lease ({LEASE_S} s)"
         lines.append(
-            f"| {r['node']} | {r['step']} | {r['seconds']:.2f} | {r['rcs']} | {'yes' if r['same'] else 'no'} | "
-            f"{'yes' if r['once'] else 'no'} |"
+            f"| {r['node']} | {r['step']} | {r['seconds']:.2f} | {found} | {r['rcs']} | "
+            f"{'yes' if r['same'] else 'no'} | {'yes' if r['once'] else 'no'} |"
         )
     lines += [
         "",
-        "Where the time goes (one traced kill of a node of 2 ranks, load about 3, timestamps from the "
-        "ranks' stderr): the survivors' collectives fail 0.15 s after the kill (the step's injected "
-        "150 ms); the roster is settled at 0.76 s (the lease from the watch's start); the standby "
-        "slots promote their spares by 0.81 s and every newcomer has joined by 0.87 s; the process "
-        "group is made on the etcd store by 1.1 s; the Job, the model and FSDP's wrap with the buddy "
-        "copy's group by 1.43 s; the resume up to the buddy restore by 1.63 s, the restore by 1.74 s, "
-        "and the redone step is committed at 1.88 s. Every stage after the lease is a few etcd round "
-        "trips per rank (each new group's rendezvous) or a first call in a fresh process.",
-        "",
-        "Most of the time to the next step is the lease (a silent supervisor is taken for gone after "
-        f"{LEASE_S} s); then the standby slots see the roster (they ask every 0.05 s), their warm spares "
-        "join the next generation, take their shards from the buddy copies on the surviving node, and "
-        "the step in flight is redone.",
+        "A node whose process tree is killed on a host that still runs is found by the supervisors' "
+        "probes (`elastic/liveness.py`): the host refuses a connection to the dead supervisor, so the "
+        f"survivors settle the generation once their collectives fail, with no lease ({LEASE_S} s) to "
+        "wait; a machine that lost power answers no probe and still costs the lease. Then the standby "
+        "slots see the roster (they ask every 0.05 s), their warm spares join the next generation, the "
+        "process groups are made on the etcd store, the Job, the model and FSDP's wrap are built anew, "
+        "the newcomers take their shards from the buddy copies on the surviving node, and the step in "
+        "flight is redone.",
     ]
     return "\n".join(lines) + "\n"
 
