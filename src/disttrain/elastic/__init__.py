@@ -10,6 +10,7 @@ buddy_copy.py    each rank's shard kept also in its buddy's CPU memory, for fast
 etcd_store.py    fast recovery's store on etcd under the etcd rendezvous (no node hosts it)
 membership.py    which slots are still in a fast-recovery job: a lost node shrinks it in memory
 liveness.py      a supervisor's socket, refused once its node's processes are gone (no lease)
+generation_store.py  under etcd: the TCP store a generation's rank 0 hosts for its process groups
 buddy_reshard.py after a shrink, the smaller world's shards from the larger world's buddy copies
 host_copy.py     the buddy copies' device-to-host copies, overlapped with training
 group_sockets.py a survivor cuts its failed groups' connections and no others

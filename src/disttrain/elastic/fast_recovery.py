@@ -16,7 +16,8 @@ tensors and JSON, never as a pickle.
 
 A generation is one process group: every member adds itself to the generation's
 join counter and the group is created with `init_process_group(store=PrefixStore(
-"disttrain/fast/g<N>", store))`. When a collective fails (gloo raises on a closed
+"disttrain/fast/g<N>/pg", store))`, where `store` is the job's, or under the etcd a TCP
+store the generation's rank 0 hosts (`elastic.generation_store`). When a collective fails (gloo raises on a closed
 peer) a survivor keeps a snapshot of its committed state (`TrainState.state_dict`,
 which under DDP needs no collective), destroys the group and joins the next
 generation. There the member(s) with the highest committed step broadcast their
@@ -49,6 +50,7 @@ from disttrain import runtime, worker_notes
 from disttrain.elastic import (
     buddy_reshard,
     etcd_store,
+    generation_store,
     group_sockets,
     job_stop,
     job_store,
@@ -411,11 +413,13 @@ def run(
     if prepare is not None:
         prepare(handoff)
     processes.freeze_long_lived(for_life=True)  # the imports' objects: no long pause in a recovery
+    store = None
     if is_spare():
+        store = connect_store(timeout_s)  # connected while idle: a take-over does not wait for it
         if handoff.joinable and slot >= handoff.total:  # a joined node's slot: it may now be admitted
-            join_node.mark_ready(connect_store(timeout_s), slot)
+            join_node.mark_ready(store, slot)
         wait_for_promotion()
-    store = connect_store(timeout_s)
+    store = store or connect_store(timeout_s)
     handoff.store = store
     job_stop.share(store, lambda: handoff.gen)  # a note that stops the job reaches every node
     if handoff.joinable and slot == 0 and os.environ.get(ROLE_ENV) == "first":
@@ -470,7 +474,8 @@ def _generations(
         worker_notes.mark_step(0)  # a generation's start and recovery: no step in flight yet
         fault_injection.set_attempt(gen)  # a fault for attempt k fires once, in generation k
         handoff.listening = group_sockets.listeners()
-        info = runtime.init(**init, store=dist.PrefixStore(f"disttrain/fast/g{gen}/pg", store.store))
+        groups_store = generation_store.for_generation(store, gen, members.index(slot), members, timeout_s)
+        info = runtime.init(**init, store=dist.PrefixStore(f"disttrain/fast/g{gen}/pg", groups_store))
         handoff.publish_listeners()
         processes.STATE.handoff = handoff
         try:

@@ -60,13 +60,19 @@ def _local_address(towards: str) -> tuple[int, str]:
         return family, udp.getsockname()[0]
 
 
+def node_address() -> tuple[int, str]:
+    """(family, address) of this node on the job's network: the interface it reaches the
+    job's store from. Raises `OSError` when that host does not resolve."""
+    return _local_address(_store_host())
+
+
 def listen(store: JobStore, slot: int) -> bool:
     """In a slot supervisor: listen on this node's address towards the store, accept and
     close every connection from a daemon thread, and publish the address for `slot`.
     Returns False (nothing published: the lease alone decides) when no address or port
     can be had."""
     try:
-        family, host = _local_address(_store_host())
+        family, host = node_address()
         sock = socket.socket(family, socket.SOCK_STREAM)
         sock.bind((host, 0))
         sock.listen(64)
