@@ -26,6 +26,7 @@ def job(monkeypatch):
     monkeypatch.setenv(etcd_store.STORE_ENV, f"etcd://127.0.0.1:{port}")  # the job's store "is the etcd"
     yield JobStore(server, SECRET)
     generation_store._HOSTED.clear()
+    liveness._PUBLISHED.clear()  # each test's slots are new ones
 
 
 def _both(job: JobStore, gen: int, slots: list[int]) -> list[dist.Store]:
@@ -40,7 +41,7 @@ def _both(job: JobStore, gen: int, slots: list[int]) -> list[dist.Store]:
 
 def test_rank_0_hosts_the_generations_store_and_the_others_reach_it(job):
     for slot in (0, 1):
-        job.set(liveness.KEY.format(slot=slot), f"127.0.0.1:{1000 + slot}")  # both nodes on this host
+        job.set(liveness.KEY.format(slot=slot), f"127.0.0.1:{1000 + slot} {liveness.here()}")  # both here
     hosted, joined = _both(job, 3, [0, 1])
     assert hosted is not job.store and joined is not job.store
     hosted.set("x", "from rank 0")
@@ -48,9 +49,11 @@ def test_rank_0_hosts_the_generations_store_and_the_others_reach_it(job):
     assert not job.store.check(["x"])  # the groups' keys stay off the job's store
 
 
-def test_a_loopback_rank_0_with_a_member_on_another_node_keeps_the_etcd(job):
-    job.set(liveness.KEY.format(slot=0), "127.0.0.1:1000")
-    job.set(liveness.KEY.format(slot=1), "10.1.2.3:1000")  # this node reaches the etcd by another address
+@pytest.mark.parametrize("other", ["10.1.2.3:1000 another-host/1", "127.0.0.1:1000 another-host/1"],
+                         ids=["routable", "its-own-localhost"])
+def test_a_loopback_rank_0_with_a_member_on_another_node_keeps_the_etcd(job, other):
+    job.set(liveness.KEY.format(slot=0), f"127.0.0.1:1000 {liveness.here()}")
+    job.set(liveness.KEY.format(slot=1), other)  # that node reaches the etcd by another address, or its own proxy
     assert _both(job, 1, [0, 1]) == [job.store, job.store]
 
 

@@ -46,6 +46,8 @@ def store(monkeypatch):
     server = dist.TCPStore("127.0.0.1", port, is_master=True, wait_for_workers=False,
                            timeout=datetime.timedelta(seconds=10))
     yield port, JobStore(server, SECRET)
+    liveness._PUBLISHED.clear()  # each test's slots are new ones
+    liveness._SEEN_ALIVE.clear()
 
 
 def _supervisor(port: int, slot: int) -> subprocess.Popen:
@@ -73,7 +75,7 @@ def _listener(job: JobStore, slot: int) -> subprocess.Popen:
     published for `slot` as `listen` would."""
     proc = subprocess.Popen([sys.executable, "-c", LISTENER], stdout=subprocess.PIPE, text=True)
     assert proc.stdout is not None
-    job.set(liveness.KEY.format(slot=slot), f"127.0.0.1:{int(proc.stdout.readline())}")
+    job.set(liveness.KEY.format(slot=slot), f"127.0.0.1:{int(proc.stdout.readline())} {liveness.here()}")
     return proc
 
 
@@ -103,7 +105,7 @@ def test_an_address_that_does_not_carry_the_secret_or_does_not_parse_decides_not
         _kill(proc)
         # another secret's value names the same (now refused) address
         JobStore(job.store, b"\xcd" * 32).set(liveness.KEY.format(slot=0), where)
-        job.set(liveness.KEY.format(slot=1), "127.0.0.1:99999")
+        job.set(liveness.KEY.format(slot=1), f"127.0.0.1:99999 {liveness.here()}")
         job.set(liveness.KEY.format(slot=2), "x" * (liveness.MAX_ADDRESS + 1))
         assert liveness.probe(job, [0, 1, 2, 3]) == {0: None, 1: None, 2: None, 3: liveness.GONE}
     finally:
@@ -112,7 +114,7 @@ def test_an_address_that_does_not_carry_the_secret_or_does_not_parse_decides_not
 
 def test_a_refusal_from_an_address_never_seen_alive_decides_nothing(store):
     _, job = store
-    job.set(liveness.KEY.format(slot=0), f"127.0.0.1:{free_port()}")  # a firewall refuses every probe so
+    job.set(liveness.KEY.format(slot=0), f"127.0.0.1:{free_port()} {liveness.here()}")  # as behind a firewall
     assert liveness.probe(job, [0]) == {0: None}
 
 
@@ -121,7 +123,7 @@ def test_no_answer_within_the_timeout_decides_nothing(store):
     silent = socket.socket()
     silent.bind(("127.0.0.1", 0))
     silent.listen(0)  # never accepts: once its queue is full, the kernel drops further connections
-    job.set(liveness.KEY.format(slot=0), f"127.0.0.1:{silent.getsockname()[1]}")
+    job.set(liveness.KEY.format(slot=0), f"127.0.0.1:{silent.getsockname()[1]} {liveness.here()}")
     held = []
     try:
         assert liveness.probe(job, [0]) == {0: liveness.ALIVE}
@@ -176,7 +178,20 @@ def test_the_lease_decides_what_a_probe_cannot(store, monkeypatch, beaten, stand
         liveness.probe(job, [1])
         membership.arrive(job, 1, 0)
         _kill(proc)
-        job.set(liveness.KEY.format(slot=2), "192.0.2.1:9")  # TEST-NET-1: no host of the job answers there
+        job.set(liveness.KEY.format(slot=2), "192.0.2.1:9 elsewhere")  # TEST-NET-1: no host of the job there
         assert membership.Watch(job, 1, [0, 1], standby=standby).lost() is None
+    finally:
+        proc.kill()
+
+
+def test_a_loopback_address_of_another_place_is_never_probed(store):
+    """Every node reaching an etcd proxy on its own `localhost` publishes a loopback
+    address: from another host that address would lead to this host's own port."""
+    _, job = store
+    proc = _listener(job, 0)
+    try:
+        here = job.get(liveness.KEY.format(slot=0))
+        job.set(liveness.KEY.format(slot=1), here.replace(liveness.here(), "another-host/4026531840"))
+        assert liveness.probe(job, [0, 1]) == {0: liveness.ALIVE, 1: None}
     finally:
         proc.kill()

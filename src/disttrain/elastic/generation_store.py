@@ -12,9 +12,10 @@ job's network only) and publishes where, sealed with the job's secret, on the jo
 store (`elastic.job_store`); the others read that and connect.
 
 The address is the one this node reaches the etcd from (`elastic.liveness.node_address`).
-When that is a loopback address while a member's node reaches the etcd by another (an
-etcd named `localhost` on rank 0's host only), the other nodes could not reach it: the
-generation then rendezvouses on the etcd, as before. Without the etcd (the TCP store of
+When that is a loopback address and a member is in another place (another host or
+network namespace: an etcd proxy on each node's `localhost`, an etcd named `localhost`
+on rank 0's host only), the other nodes could not reach it: the generation then
+rendezvouses on the etcd, as before. Without the etcd (the TCP store of
 global rank 0's supervisor) the job's store is used as it is.
 """
 
@@ -62,7 +63,7 @@ def _host(store: JobStore, slots: list[int], timeout_s: float) -> str:
     when the other nodes could not reach it (see the module)."""
     try:
         family, host = liveness.node_address()
-        if _is_loopback(host) and not _all_loopback(store, slots):
+        if _is_loopback(host) and not _all_here(store, slots):
             return ON_ETCD
         server = hosted_store(
             host, 0, one_node=True, what="a generation's store", timeout_s=timeout_s, wait_for_workers=False
@@ -86,11 +87,11 @@ def _is_loopback(host: str) -> bool:
     return ipaddress.ip_address(host.split("%", 1)[0]).is_loopback
 
 
-def _all_loopback(store: JobStore, slots: list[int]) -> bool:
-    """Whether every slot's supervisor published a loopback address (`liveness.listen`):
-    every node reaches the etcd on this host by a loopback name, so all of them are here."""
+def _all_here(store: JobStore, slots: list[int]) -> bool:
+    """Whether every slot's supervisor is in this process's place (`liveness.here`: the
+    same kernel and network namespace), where this loopback address leads to rank 0."""
     for slot in slots:
-        text = store.get(liveness.KEY.format(slot=slot))
-        if text is None or not _is_loopback(text.rpartition(":")[0].strip("[]")):
+        found = liveness.published(store, slot)
+        if found is None or found.place != liveness.here():
             return False
     return True

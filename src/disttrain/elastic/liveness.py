@@ -15,17 +15,23 @@ lease (`elastic.membership.Watch`).
   from the job's store, sealed with the job's secret (`elastic.job_store`), and at most
   `MAX_ADDRESS` characters of it are read.
 - The address is the one this node reaches the job's store from (the etcd, or
-  MASTER_ADDR's host): the interface the other nodes see this one on.
+  MASTER_ADDR's host): the interface the other nodes see this one on. Beside it goes
+  the place its loopback addresses mean (`here`: the kernel's boot id and the network
+  namespace): a loopback address (every node reaching an etcd proxy on its own
+  `localhost`) is probed only from the same place, never on another host's loopback.
 """
 
 from __future__ import annotations
 
 import errno
+import functools
+import ipaddress
 import os
 import select
 import socket
 import threading
 import time
+from dataclasses import dataclass
 
 from disttrain.elastic import etcd_store
 from disttrain.elastic.job_store import JobStore
@@ -41,6 +47,37 @@ ALIVE, GONE = True, False
 _LISTENING: list[socket.socket] = []  # kept for the process's life: its close is the signal
 _SEEN_ALIVE: set[tuple[str, int]] = set()
 """The addresses that accepted a probe of this process: only theirs can later be refused."""
+_PUBLISHED: dict[int, Published] = {}
+"""The slots' addresses read so far: a supervisor publishes one for its life."""
+
+
+@dataclass(frozen=True)
+class Published:
+    """Where a slot's supervisor listens, and the place (`here`) its loopback addresses mean."""
+
+    host: str
+    port: int
+    place: str
+
+    def loopback(self) -> bool:
+        return ipaddress.ip_address(self.host.split("%", 1)[0]).is_loopback
+
+    def reachable(self) -> bool:
+        """Whether this process can reach the address: not a loopback one of another place."""
+        return not self.loopback() or self.place == here()
+
+
+@functools.cache
+def here() -> str:
+    """Where this process's loopback addresses lead: the kernel's boot id and this network
+    namespace (two containers of one kernel each have their own); the host name where
+    /proc has neither."""
+    try:
+        with open("/proc/sys/kernel/random/boot_id") as f:
+            boot = f.read(64).strip()
+        return f"{boot}/{os.stat('/proc/self/ns/net').st_ino}"
+    except OSError:
+        return socket.gethostname()[:64]
 
 
 def _store_host() -> str:
@@ -81,7 +118,8 @@ def listen(store: JobStore, slot: int) -> bool:
     _LISTENING.append(sock)
     threading.Thread(target=_answer, args=(sock,), name="disttrain-liveness", daemon=True).start()
     port = sock.getsockname()[1]
-    store.set(KEY.format(slot=slot), f"[{host}]:{port}" if family == socket.AF_INET6 else f"{host}:{port}")
+    where = f"[{host}]:{port}" if family == socket.AF_INET6 else f"{host}:{port}"
+    store.set(KEY.format(slot=slot), f"{where} {here()}")
     return True
 
 
@@ -94,14 +132,30 @@ def _answer(sock: socket.socket) -> None:
         conn.close()
 
 
-def _address(store: JobStore, slot: int) -> tuple[str, int] | None:
+def published(store: JobStore, slot: int) -> Published | None:
+    """Where `slot`'s supervisor listens (`listen`), read once; None while it has published
+    nothing, or when the value is not one `listen` writes."""
+    if slot in _PUBLISHED:
+        return _PUBLISHED[slot]
     text = store.get(KEY.format(slot=slot))
     if text is None or len(text) > MAX_ADDRESS:
         return None
-    host, _, port = text.rpartition(":")
-    if not port.isdigit() or not 0 < int(port) < 65536 or not host:
+    where, _, place = text.partition(" ")
+    host, _, port = where.rpartition(":")
+    if not port.isdigit() or not 0 < int(port) < 65536 or not host or not place:
         return None
-    return host.strip("[]"), int(port)
+    try:
+        found = _PUBLISHED[slot] = Published(host.strip("[]"), int(port), place)
+        found.loopback()
+    except ValueError:  # not an IP address
+        _PUBLISHED.pop(slot, None)
+        return None
+    return found
+
+
+def _address(store: JobStore, slot: int) -> tuple[str, int] | None:
+    found = published(store, slot)
+    return (found.host, found.port) if found is not None and found.reachable() else None
 
 
 def confirm(store: JobStore, slots: list[int]) -> None:
