@@ -154,6 +154,7 @@ def test_store_on_etcd_when_the_rendezvous_is_etcd_seals_values_and_carries_grou
         outsider.set("b", "written without the job's secret")
         with caplog.at_level("WARNING", logger="disttrain"):
             assert ranks[1].get("a") == "sealed" and ranks[1].get("b") is None
+            assert ranks[1].get("never written") is None  # at once: an absent key is not waited for
         sums = [0.0, 0.0]
 
         def member(rank: int) -> None:

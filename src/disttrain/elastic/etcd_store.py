@@ -92,6 +92,12 @@ class EtcdStore(dist.Store):
             raise LookupError(f"key {key!r} not found in fast recovery's etcd store")
         return base64.b64decode(node.value)
 
+    def read_once(self, key: str) -> bytes | None:
+        """The value of `key`, or None when it is absent: one request, no wait (`get` makes
+        three: the wait's check, then the read)."""
+        node = self._read(key)
+        return None if node is None else base64.b64decode(node.value)
+
     def add(self, key: str, amount: int) -> int:
         """Add `amount` to the integer at `key` (0 when absent) atomically; the new value."""
         path = self.prefix + _key(key)

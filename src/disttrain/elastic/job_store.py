@@ -42,11 +42,8 @@ class JobStore:
     def get(self, key: str) -> str | None:
         """The value of `key`; None when it is absent, or when it does not carry the
         job's seal (said once per key: a client outside the job wrote it)."""
-        if not self.store.check([key]):
-            return None
-        try:
-            raw = self.store.get(key)
-        except LookupError:  # removed since the check (the last slot out removes the round's keys)
+        raw = self._raw(key)
+        if raw is None:
             return None
         value = job_secret.open_sealed(self._secret, key, raw)
         if value is not None:
@@ -62,6 +59,18 @@ class JobStore:
                 extra=EVERY_RANK,
             )
         return None
+
+    def _raw(self, key: str) -> bytes | None:
+        """The stored bytes of `key`, None when absent: in one request on the etcd
+        (`EtcdStore.read_once`); a TCP store's `get` would wait for a missing key."""
+        if isinstance(self.store, etcd_store.EtcdStore):
+            return self.store.read_once(key)
+        if not self.store.check([key]):
+            return None
+        try:
+            return self.store.get(key)
+        except LookupError:  # removed since the check (the last slot out removes the round's keys)
+            return None
 
     def add(self, key: str, amount: int) -> int:
         return self.store.add(key, amount)
