@@ -195,3 +195,24 @@ def test_a_loopback_address_of_another_place_is_never_probed(store):
         assert liveness.probe(job, [0, 1]) == {0: liveness.ALIVE, 1: None}
     finally:
         proc.kill()
+
+
+def test_a_supervisor_that_dies_after_the_watch_began_is_found_before_the_lease(store, monkeypatch):
+    """A node's processes do not all die at once: the watch probes again while it waits."""
+    _, job = store
+    monkeypatch.setenv(membership.LEASE_ENV, "30")
+    procs = [_listener(job, s) for s in (0, 1)]
+    try:
+        _beat_once(job, 0, 1)
+        liveness.probe(job, [0, 1])
+        membership.arrive(job, 1, 0)
+        watch = membership.Watch(job, 1, [0, 1])
+        assert watch.lost() is None  # slot 1's supervisor still runs
+        _kill(procs[1])
+        deadline = time.monotonic() + 10
+        while (lost := watch.lost()) is None and time.monotonic() < deadline:
+            time.sleep(0.01)
+        assert lost == [1] and watch.refused
+    finally:
+        for proc in procs:
+            proc.kill()

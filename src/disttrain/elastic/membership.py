@@ -47,6 +47,8 @@ LEASE_S = 1.0
 STALL_S = 0.05
 """How long a generation waits for its last members before it starts watching their beats
 (a killed training process's spare comes within it; watching costs a few store reads)."""
+REPROBE_S = 0.05
+"""How often a watch probes the missing members' supervisors again before its lease ends."""
 TRAINING_WORLD_ENV = "DISTTRAIN_TRAINING_WORLD"
 """The slots that train from the start (`--nnodes` x `--nproc`); torchrun's slots past it
 are hot spares (`--spare-nodes`). Set by `disttrain run` only when there are spares."""
@@ -208,13 +210,18 @@ class Watch:
         """After `lost` returned a list: the standby slots that beat during the lease."""
         self.refused = False
         """Whether `lost` named the members whose supervisors refused a probe (no lease)."""
+        self._probed = time.monotonic()
         self._early = _refused(store, self.missing, self.before, self.standby)
 
     def lost(self) -> list[int] | None:
         """None until a lease has passed; then the missing members that have beaten
         before but not since (`[]`: none is gone, a spare or a slow rank is coming).
         Before the lease, the members whose supervisors refused the probe, when the
-        probes decided (`_refused`)."""
+        probes (again every `REPROBE_S`) decided (`_refused`)."""
+        if self._early is None and time.monotonic() - self._probed >= REPROBE_S:
+            # a node's processes do not all die at once: one still running at the last probe
+            self._probed = time.monotonic()
+            self._early = _refused(self.store, self.missing, self.before, self.standby)
         if self._early is not None:
             gone_now, self.fresh = self._early
             self._early, self.refused = None, True
