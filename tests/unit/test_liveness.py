@@ -216,3 +216,28 @@ def test_a_supervisor_that_dies_after_the_watch_began_is_found_before_the_lease(
     finally:
         for proc in procs:
             proc.kill()
+
+
+def test_a_probe_never_settles_some_of_the_missing_members_only(store, monkeypatch):
+    """A generation's roster is settled once: while one missing member's supervisor still
+    runs, a dead one beside it is not dropped alone (both go once both are refused)."""
+    _, job = store
+    monkeypatch.setenv(membership.LEASE_ENV, "30")
+    procs = [_listener(job, s) for s in (0, 1, 2)]
+    try:
+        _beat_once(job, 0, 1, 2)
+        liveness.probe(job, [0, 1, 2])
+        membership.arrive(job, 1, 0)
+        _kill(procs[1])
+        watch = membership.Watch(job, 1, [0, 1, 2])
+        for _ in range(5):
+            assert watch.lost() is None
+            time.sleep(membership.REPROBE_S)
+        _kill(procs[2])
+        deadline = time.monotonic() + 10
+        while (lost := watch.lost()) is None and time.monotonic() < deadline:
+            time.sleep(0.01)
+        assert lost == [1, 2]
+    finally:
+        for proc in procs:
+            proc.kill()

@@ -238,14 +238,16 @@ class Watch:
 def _refused(
     store: JobStore, missing: list[int], beats: list[int], standby: list[int]
 ) -> tuple[list[int], list[int]] | None:
-    """(the missing members that have beaten and whose supervisors refuse a connection,
-    the standby slots whose supervisors accept one), when at least one is refused and
-    every standby slot answered; else None: the lease decides."""
+    """(the missing members, the standby slots whose supervisors accept a connection) when
+    every missing member has beaten and its supervisor refuses a connection, and every
+    standby slot answered; else None: a later probe or the lease decides. Never some of
+    the missing members only: the generation's roster is settled once (`settle`), and a
+    member left in it that is gone too would then hold the generation for good."""
     if not missing:
         return None
     answers = liveness.probe(store, missing + standby)
     refused = [s for s, b in zip(missing, beats, strict=False) if b > 0 and answers[s] is liveness.GONE]
-    if not refused or any(answers[s] is None for s in standby):
+    if len(refused) < len(missing) or any(answers[s] is None for s in standby):
         return None
     return refused, [s for s in standby if answers[s] is liveness.ALIVE]
 
