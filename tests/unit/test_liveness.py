@@ -241,3 +241,26 @@ def test_a_probe_never_settles_some_of_the_missing_members_only(store, monkeypat
     finally:
         for proc in procs:
             proc.kill()
+
+
+def test_a_member_that_arrives_during_the_watch_does_not_hold_back_the_probes(store, monkeypatch):
+    """A slow survivor missing when the watch began, alive, then arrived: the dead member
+    beside it is still found by a probe, before the lease."""
+    _, job = store
+    monkeypatch.setenv(membership.LEASE_ENV, "30")
+    procs = [_listener(job, s) for s in (0, 1, 2)]
+    try:
+        _beat_once(job, 0, 1, 2)
+        liveness.probe(job, [0, 1, 2])
+        membership.arrive(job, 1, 0)
+        _kill(procs[2])
+        watch = membership.Watch(job, 1, [0, 1, 2])  # slot 1 still recovering: alive, not yet in
+        assert watch.lost() is None
+        membership.arrive(job, 1, 1)
+        deadline = time.monotonic() + 10
+        while (lost := watch.lost()) is None and time.monotonic() < deadline:
+            time.sleep(0.01)
+        assert lost == [2] and watch.refused
+    finally:
+        for proc in procs:
+            proc.kill()

@@ -201,7 +201,7 @@ class Watch:
     probe had an answer, `lost` needs no lease."""
 
     def __init__(self, store: JobStore, gen: int, members: list[int], standby: list[int] | None = None) -> None:
-        self.store = store
+        self.store, self.gen = store, gen
         self.missing = [s for s in members if store.add(f"disttrain/fast/g{gen}/in/{s}", 0) == 0]
         self.standby = list(standby or [])
         self.before = _beats(store, self.missing + self.standby)
@@ -219,9 +219,7 @@ class Watch:
         Before the lease, the members whose supervisors refused the probe, when the
         probes (again every `REPROBE_S`) decided (`_refused`)."""
         if self._early is None and time.monotonic() - self._probed >= REPROBE_S:
-            # a node's processes do not all die at once: one still running at the last probe
-            self._probed = time.monotonic()
-            self._early = _refused(self.store, self.missing, self.before, self.standby)
+            self._probe_again()
         if self._early is not None:
             gone_now, self.fresh = self._early
             self._early, self.refused = None, True
@@ -233,6 +231,14 @@ class Watch:
         n = len(self.missing)
         self.fresh = [s for s, m in zip(self.standby, moved[n:], strict=True) if m]
         return [s for s, a, m in zip(self.missing, self.before, moved, strict=False) if a > 0 and not m]
+
+    def _probe_again(self) -> None:
+        """Probe the members still missing: a node's processes do not all die at once (one
+        may still have run at the last probe), and a slow survivor may have arrived since."""
+        self._probed = time.monotonic()
+        beats = dict(zip(self.missing, self.before, strict=False))
+        still = [s for s in self.missing if self.store.add(f"disttrain/fast/g{self.gen}/in/{s}", 0) == 0]
+        self._early = _refused(self.store, still, [beats[s] for s in still], self.standby)
 
 
 def _refused(
