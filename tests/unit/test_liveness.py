@@ -264,3 +264,21 @@ def test_a_member_that_arrives_during_the_watch_does_not_hold_back_the_probes(st
     finally:
         for proc in procs:
             proc.kill()
+
+
+def test_a_supervisor_that_listens_after_the_generation_began_is_confirmed_later(store, monkeypatch):
+    """At a job's start a rank may look before another node's supervisor has published its
+    address: `confirm` looks again, so that node's later loss is still found by a probe."""
+    _, job = store
+    monkeypatch.setattr(liveness, "CONFIRM_EVERY_S", 0.05)
+    liveness.confirm(job, [1])  # nothing published yet
+    time.sleep(0.2)
+    proc = _listener(job, 1)
+    try:
+        deadline = time.monotonic() + 10
+        while not liveness._SEEN_ALIVE and time.monotonic() < deadline:
+            time.sleep(0.02)
+        _kill(proc)
+        assert liveness.probe(job, [1]) == {1: liveness.GONE}
+    finally:
+        proc.kill()

@@ -43,6 +43,8 @@ lease decides."""
 MAX_ADDRESS = 300
 """Bound on an address read from the store: HOST:PORT, an IPv6 host included."""
 ALIVE, GONE = True, False
+CONFIRM_EVERY_S = 1.0
+CONFIRM_FOR_S = 300.0
 
 _LISTENING: list[socket.socket] = []  # kept for the process's life: its close is the signal
 _SEEN_ALIVE: set[tuple[str, int]] = set()
@@ -160,11 +162,17 @@ def _address(store: JobStore, slot: int) -> tuple[str, int] | None:
 
 def confirm(store: JobStore, slots: list[int]) -> None:
     """Probe `slots` from a daemon thread, so that a later refusal of those that accept now
-    means that they are gone (`probe`). Nothing waits for it; a store error ends it."""
+    means that they are gone (`probe`); a slot that has not accepted yet (its supervisor
+    not yet listening at a job's start) is probed again every `CONFIRM_EVERY_S`, for up to
+    `CONFIRM_FOR_S`. Nothing waits for it; a store error ends it."""
 
     def run() -> None:
+        pending, deadline = list(slots), time.monotonic() + CONFIRM_FOR_S
         try:
-            probe(store, slots)
+            while pending and time.monotonic() < deadline:
+                answers = probe(store, pending)
+                pending = [s for s in pending if answers[s] is not ALIVE]
+                time.sleep(CONFIRM_EVERY_S if pending else 0)
         except (RuntimeError, ConnectionError, TimeoutError, OSError):
             pass
 
