@@ -123,10 +123,10 @@ def render(res: dict, argv: list[str], took: float, load_end: float) -> str:
     lines += [
         "",
         "The pause is a new generation: every rank leaves its process group at the step boundary, the "
-        "groups are made again on the etcd store with the joined slots, the body (model, wrap) is built "
-        "again at world 4 and the state comes from memory (DDP: a broadcast; FSDP: the buddy packs "
-        "resharded). The joined node's start (its torchrun, imports, datasets) is not in it: its slots "
-        "are admitted only once their warm spares are ready.",
+        "groups are made again (on a store the new generation's rank 0 hosts) with the joined slots, "
+        "the body (model, wrap) is built again at world 4 and the state comes from memory (DDP: a "
+        "broadcast; FSDP: the buddy packs resharded). The joined node's start (its torchrun, imports, "
+        "datasets) is not in it: its slots are admitted only once their warm spares are ready.",
     ]
     return "\n".join(lines) + "\n"
 

@@ -181,9 +181,9 @@ def render(runs: list[dict], step_s: float, argv: list[str], took: float, load: 
         f"survivors settle the generation once their collectives fail, with no lease ({LEASE_S} s) to "
         "wait; a machine that lost power answers no probe and still costs the lease. Then the standby "
         "slots see the roster (they ask every 0.05 s), their warm spares join the next generation, the "
-        "process groups are made on the etcd store, the Job, the model and FSDP's wrap are built anew, "
-        "the newcomers take their shards from the buddy copies on the surviving node, and the step in "
-        "flight is redone.",
+        "process groups are made on a store the generation's rank 0 hosts, the Job, the model and "
+        "FSDP's wrap are built anew, the newcomers take their shards from the buddy copies on the "
+        "surviving node, and the step in flight is redone.",
     ]
     return "\n".join(lines) + "\n"
 
