@@ -16,14 +16,15 @@ tensors and JSON, never as a pickle.
 
 A generation is one process group: every member adds itself to the generation's
 join counter and the group is created with `init_process_group(store=PrefixStore(
-"disttrain/fast/g<N>/pg", store))`, where `store` is the job's, or under the etcd a TCP
-store the generation's rank 0 hosts (`elastic.generation_store`). When a collective fails (gloo raises on a closed
-peer) a survivor keeps a snapshot of its committed state (`TrainState.state_dict`,
-which under DDP needs no collective), destroys the group and joins the next
-generation. There the member(s) with the highest committed step broadcast their
-state to the others, so the failed step is redone with the same samples and the same
-dropout stream (`runtime.seed_step`), and nothing is read from disk. When no member
-holds a state (every holder died), the disk checkpoint is the source, as on a restart.
+"disttrain/fast/g<N>/pg", store))`, where `store` is the job's, or under the etcd a
+TCP store the generation's rank 0 hosts (`elastic.generation_store`). When a
+collective fails (gloo raises on a closed peer) a survivor keeps a snapshot of its
+committed state (`TrainState.state_dict`, which under DDP needs no collective),
+destroys the group and joins the next generation. There the member(s) with the
+highest committed step broadcast their state to the others, so the failed step is
+redone with the same samples and the same dropout stream (`runtime.seed_step`), and
+nothing is read from disk. When no member holds a state (every holder died), the disk
+checkpoint is the source, as on a restart.
 
 Which failure starts a new generation is `runtime.failures`' verdict: the machine's
 does; the program's does not (the rank that raised it reports it through the launcher

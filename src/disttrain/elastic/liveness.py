@@ -5,7 +5,8 @@ while it lives (`probe`). A survivor that sees every missing slot's answer needs
 lease (`elastic.membership.Watch`).
 
 - Refused means gone only for an address this process has seen accept before (each
-  rank probes its generation's supervisors once, in the background: `confirm`): no
+  rank probes its generation's supervisors in the background until each has accepted
+  once: `confirm`): no
   process listens any more on the port the supervisor held for its life. A refusal
   never seen otherwise decides nothing, since a firewall between nodes may refuse every
   probe. Accepted means alive (as far as anything listens there), and no answer within
@@ -27,7 +28,7 @@ import errno
 import functools
 import ipaddress
 import os
-import select
+import selectors
 import socket
 import threading
 import time
@@ -44,7 +45,9 @@ MAX_ADDRESS = 300
 """Bound on an address read from the store: HOST:PORT, an IPv6 host included."""
 ALIVE, GONE = True, False
 CONFIRM_EVERY_S = 1.0
+"""How often `confirm` probes again the supervisors that have not accepted yet."""
 CONFIRM_FOR_S = 300.0
+"""How long `confirm` goes on probing those (a supervisor starts within torchrun's join)."""
 
 _LISTENING: list[socket.socket] = []  # kept for the process's life: its close is the signal
 _SEEN_ALIVE: set[tuple[str, int]] = set()
@@ -146,12 +149,12 @@ def published(store: JobStore, slot: int) -> Published | None:
     host, _, port = where.rpartition(":")
     if not port.isdigit() or not 0 < int(port) < 65536 or not host or not place:
         return None
+    found = Published(host.strip("[]"), int(port), place)
     try:
-        found = _PUBLISHED[slot] = Published(host.strip("[]"), int(port), place)
         found.loopback()
     except ValueError:  # not an IP address
-        _PUBLISHED.pop(slot, None)
         return None
+    _PUBLISHED[slot] = found
     return found
 
 
@@ -202,13 +205,17 @@ def probe(store: JobStore, slots: list[int], timeout_s: float = PROBE_TIMEOUT_S)
         else:
             answers[slot] = _verdict(code, where)
             sock.close()
-    deadline = time.monotonic() + timeout_s
-    while pending and (left := deadline - time.monotonic()) > 0:
-        _, done, _ = select.select([], list(pending), [], left)
-        for sock in done:
-            slot, where = pending.pop(sock)
-            answers[slot] = _verdict(sock.getsockopt(socket.SOL_SOCKET, socket.SO_ERROR), where)
-            sock.close()
+    with selectors.DefaultSelector() as waiting:  # epoll: a training process may hold over 1024 fds
+        for sock in pending:
+            waiting.register(sock, selectors.EVENT_WRITE, data=sock)
+        deadline = time.monotonic() + timeout_s
+        while pending and (left := deadline - time.monotonic()) > 0:
+            for key, _ in waiting.select(left):
+                done: socket.socket = key.data
+                slot, where = pending.pop(done)
+                waiting.unregister(done)
+                answers[slot] = _verdict(done.getsockopt(socket.SOL_SOCKET, socket.SO_ERROR), where)
+                done.close()
     for sock in pending:
         sock.close()
     return answers

@@ -196,9 +196,9 @@ def _beats(store: JobStore, slots: list[int]) -> list[int]:
 class Watch:
     """The beats of a stalled generation's missing members and of the standby slots,
     sampled now and compared a lease later (`lost`, `fresh`), while the caller goes on
-    waiting for the members. The supervisors are also probed now (`elastic.liveness`):
-    when some missing member's supervisor is refused (its process tree is gone) and every
-    probe had an answer, `lost` needs no lease."""
+    waiting for the members. The supervisors are also probed (`elastic.liveness`): when
+    every missing member's supervisor is refused (its process tree is gone) and every
+    standby slot answered, `lost` needs no lease."""
 
     def __init__(self, store: JobStore, gen: int, members: list[int], standby: list[int] | None = None) -> None:
         self.store, self.gen = store, gen
@@ -311,11 +311,9 @@ def settle(
 
 def settled_words(members: list[int], lost: list[int], stay: list[int], gen: int, refused: bool = False) -> str:
     """The console's one line on a roster `settle` decided."""
-    why = (
-        "their node refused a connection to them: its processes are gone"
-        if refused
-        else (f"no beat for {lease_s():g} s: a node is gone")
-    )
+    why = f"no beat for {lease_s():g} s: a node is gone"
+    if refused:
+        why = "their node refused a connection to them: its processes are gone"
     head = f"rank(s) {lost} lost with their supervisors ({why})"
     spares = [s for s in stay if s not in members]
     if not spares:
