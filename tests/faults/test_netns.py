@@ -141,3 +141,44 @@ def test_two_namespace_nodes_scale_down_up_exactly_once(tmp_path):
     assert sorted(timeline) == list(range(1, STEPS + 1))
     counts = Counter(i for step in timeline.values() for i in step)
     assert len(counts) == STEPS * 8 and set(counts.values()) == {1}  # 8 samples a step, each once
+
+
+@pytest.mark.timeout(300)
+def test_a_lost_namespace_node_is_found_by_its_probe_and_the_other_shrinks_in_memory(tmp_path):
+    """Fast recovery across the two namespaces (`--nnodes 2`, etcd in node a's namespace):
+    kill -9 of the whole tree of the node that holds rank 0. Its supervisor's address
+    (on its veth) is refused by its namespace's kernel, so the survivor settles the
+    generation without the lease, hosts the next generation's store on its own veth
+    address, and goes on at world 1 in memory: no torchrun restart, exit 0."""
+    nodes = _netns_or_skip()
+    agents: dict[str, subprocess.Popen] = {}
+    server = None
+    logs = {n: tmp_path / f"node-{n}.txt" for n in ("a", "b")}
+    try:
+        server = EtcdServer(host=nodes.addr["a"], port=ETCD_PORT, prefix=nodes.prefix("a"))
+        server.start(timeout_s=20, log_path=tmp_path / "etcd.txt")
+        for node in ("a", "b"):
+            flags = ("--nnodes", "2", "--nproc", "1", "--rdzv-backend", "etcd", "--rdzv-endpoint", server.endpoint,
+                     "--rdzv-id", "netns-fast", "--local-addr", nodes.addr[node])
+            cmd = trainer_cmd(tmp_path, "--train.steps=24", "--checkpoint.every=4", "--elastic.fast_recovery=true",
+                              run_flags=flags)
+            agents[node] = start([*nodes.prefix(node), *cmd], logs[node], DISTTRAIN_FAULT="delay@step:ms=150",
+                                 GLOO_SOCKET_IFNAME=nodes.veth[node], DISTTRAIN_JOB_SECRET="9c" * 32)
+        wait_for(lambda: any(m["step"] >= 6 for m in metrics(tmp_path)), 150, "step 6 across the namespaces",
+                 list(logs.values()))
+        lost = next(n for n, log in logs.items() if "rank 0 (local rank 0) is pid" in log.read_text())
+        survivor = "b" if lost == "a" else "a"
+        kill_node(agents.pop(lost))
+        rc = agents[survivor].wait(timeout=150)
+        text = logs[survivor].read_text()
+        assert rc == 0, text[-4000:]
+    finally:
+        for proc in agents.values():
+            kill_node(proc)
+        if server is not None:
+            server.stop()
+        nodes.down()
+    assert "rank(s) [0] lost with their supervisors (their node refused a connection to them" in text, text[-4000:]
+    assert "will restart worker group" not in text
+    records = metrics(tmp_path)
+    assert records[-1]["step"] == 24 and records[-1]["world_size"] == 1
