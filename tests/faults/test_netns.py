@@ -164,7 +164,7 @@ def test_a_lost_namespace_node_is_found_by_its_probe_and_the_other_shrinks_in_me
                               run_flags=flags)
             agents[node] = start([*nodes.prefix(node), *cmd], logs[node], DISTTRAIN_FAULT="delay@step:ms=150",
                                  GLOO_SOCKET_IFNAME=nodes.veth[node], DISTTRAIN_JOB_SECRET="9c" * 32)
-        wait_for(lambda: any(m["step"] >= 6 for m in metrics(tmp_path)), 150, "step 6 across the namespaces",
+        wait_for(lambda: any(m["step"] >= 14 for m in metrics(tmp_path)), 150, "step 14 across the namespaces",
                  list(logs.values()))
         lost = next(n for n, log in logs.items() if "rank 0 (local rank 0) is pid" in log.read_text())
         survivor = "b" if lost == "a" else "a"
