@@ -84,6 +84,15 @@ def _netns_or_skip() -> TwoNodes:
     return nodes
 
 
+def _end(nodes: TwoNodes, server: EtcdServer | None, agents: dict[str, subprocess.Popen]) -> None:
+    """Kill every agent's tree, stop the etcd and remove the namespaces."""
+    for proc in agents.values():
+        kill_node(proc)
+    if server is not None:
+        server.stop()
+    nodes.down()
+
+
 @pytest.mark.timeout(400)
 def test_two_namespace_nodes_scale_down_up_exactly_once(tmp_path):
     nodes = _netns_or_skip()
@@ -128,11 +137,7 @@ def test_two_namespace_nodes_scale_down_up_exactly_once(tmp_path):
             assert rc == 0, f"node {node} exited {rc}\n" + "\n".join(p.read_text()[-3000:] for p in logs
                                                                     if p.exists())
     finally:
-        for proc in agents.values():
-            kill_node(proc)
-        if server is not None:
-            server.stop()
-        nodes.down()
+        _end(nodes, server, agents)
     records = metrics(tmp_path)
     worlds = [m["world_size"] for m in records]
     assert 1 in worlds and worlds[-1] == 2
@@ -173,11 +178,7 @@ def test_a_lost_namespace_node_is_found_by_its_probe_and_the_other_shrinks_in_me
         text = logs[survivor].read_text()
         assert rc == 0, text[-4000:]
     finally:
-        for proc in agents.values():
-            kill_node(proc)
-        if server is not None:
-            server.stop()
-        nodes.down()
+        _end(nodes, server, agents)
     assert "rank(s) [0] lost with their supervisors (their node refused a connection to them" in text, text[-4000:]
     assert "will restart worker group" not in text
     records = metrics(tmp_path)

@@ -138,6 +138,14 @@ def test_no_answer_within_the_timeout_decides_nothing(store):
             sock.close()
 
 
+def _lost_within(watch: membership.Watch, seconds: float) -> list[int] | None:
+    """What `watch.lost()` says first within `seconds` (None if nothing by then)."""
+    deadline = time.monotonic() + seconds
+    while (lost := watch.lost()) is None and time.monotonic() < deadline:
+        time.sleep(0.01)
+    return lost
+
+
 def _beat_once(job: JobStore, *slots: int) -> None:
     for slot in slots:
         job.add(f"disttrain/fast/alive/{slot}", 1)
@@ -209,9 +217,7 @@ def test_a_supervisor_that_dies_after_the_watch_began_is_found_before_the_lease(
         watch = membership.Watch(job, 1, [0, 1])
         assert watch.lost() is None  # slot 1's supervisor still runs
         _kill(procs[1])
-        deadline = time.monotonic() + 10
-        while (lost := watch.lost()) is None and time.monotonic() < deadline:
-            time.sleep(0.01)
+        lost = _lost_within(watch, 10)
         assert lost == [1] and watch.refused
     finally:
         for proc in procs:
@@ -234,9 +240,7 @@ def test_a_probe_never_settles_some_of_the_missing_members_only(store, monkeypat
             assert watch.lost() is None
             time.sleep(membership.REPROBE_S)
         _kill(procs[2])
-        deadline = time.monotonic() + 10
-        while (lost := watch.lost()) is None and time.monotonic() < deadline:
-            time.sleep(0.01)
+        lost = _lost_within(watch, 10)
         assert lost == [1, 2]
     finally:
         for proc in procs:
@@ -257,9 +261,7 @@ def test_a_member_that_arrives_during_the_watch_does_not_hold_back_the_probes(st
         watch = membership.Watch(job, 1, [0, 1, 2])  # slot 1 still recovering: alive, not yet in
         assert watch.lost() is None
         membership.arrive(job, 1, 1)
-        deadline = time.monotonic() + 10
-        while (lost := watch.lost()) is None and time.monotonic() < deadline:
-            time.sleep(0.01)
+        lost = _lost_within(watch, 10)
         assert lost == [2] and watch.refused
     finally:
         for proc in procs:
