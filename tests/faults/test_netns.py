@@ -165,8 +165,10 @@ def test_a_lost_namespace_node_is_found_by_its_probe_and_the_other_shrinks_in_me
         for node in ("a", "b"):
             flags = ("--nnodes", "2", "--nproc", "1", "--rdzv-backend", "etcd", "--rdzv-endpoint", server.endpoint,
                      "--rdzv-id", "netns-fast", "--local-addr", nodes.addr[node])
+            # A lease far longer than a probe takes, so that a loaded machine's slow beats
+            # cannot decide first: only the probe settles this generation within 10 s.
             cmd = trainer_cmd(tmp_path, "--train.steps=24", "--checkpoint.every=4", "--elastic.fast_recovery=true",
-                              run_flags=flags)
+                              "--elastic.node_lease_s=10", run_flags=flags)
             agents[node] = start([*nodes.prefix(node), *cmd], logs[node], DISTTRAIN_FAULT="delay@step:ms=150",
                                  GLOO_SOCKET_IFNAME=nodes.veth[node], DISTTRAIN_JOB_SECRET="9c" * 32)
         wait_for(lambda: any(m["step"] >= 14 for m in metrics(tmp_path)), 150, "step 14 across the namespaces",

@@ -167,17 +167,18 @@ def confirm(store: JobStore, slots: list[int]) -> None:
     """Probe `slots` from a daemon thread, so that a later refusal of those that accept now
     means that they are gone (`probe`); a slot that has not accepted yet (its supervisor
     not yet listening at a job's start) is probed again every `CONFIRM_EVERY_S`, for up to
-    `CONFIRM_FOR_S`. Nothing waits for it; a store error ends it."""
+    `CONFIRM_FOR_S`. Nothing waits for it; a store error is retried the same way (the
+    store's loss ends the generation anyway)."""
 
     def run() -> None:
         pending, deadline = list(slots), time.monotonic() + CONFIRM_FOR_S
-        try:
-            while pending and time.monotonic() < deadline:
+        while pending and time.monotonic() < deadline:
+            try:
                 answers = probe(store, pending)
-                pending = [s for s in pending if answers[s] is not ALIVE]
-                time.sleep(CONFIRM_EVERY_S if pending else 0)
-        except (RuntimeError, ConnectionError, TimeoutError, OSError):
-            pass
+            except Exception:  # noqa: BLE001  (any store client's error: a daemon thread must not die of one)
+                answers = {}
+            pending = [s for s in pending if answers.get(s) is not ALIVE]
+            time.sleep(CONFIRM_EVERY_S if pending else 0)
 
     threading.Thread(target=run, name="disttrain-liveness-confirm", daemon=True).start()
 
@@ -209,13 +210,18 @@ def probe(store: JobStore, slots: list[int], timeout_s: float = PROBE_TIMEOUT_S)
         for sock in pending:
             waiting.register(sock, selectors.EVENT_WRITE, data=sock)
         deadline = time.monotonic() + timeout_s
-        while pending and (left := deadline - time.monotonic()) > 0:
+        while pending:
+            # At least one look after the deadline: a thread of a busy process may wake past
+            # it, and the answers that came meanwhile still count.
+            left = max(0.0, deadline - time.monotonic())
             for key, _ in waiting.select(left):
                 done: socket.socket = key.data
                 slot, where = pending.pop(done)
                 waiting.unregister(done)
                 answers[slot] = _verdict(done.getsockopt(socket.SOL_SOCKET, socket.SO_ERROR), where)
                 done.close()
+            if left == 0:
+                break
     for sock in pending:
         sock.close()
     return answers
