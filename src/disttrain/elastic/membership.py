@@ -247,8 +247,8 @@ def _refused(
     """(the missing members, the standby slots whose supervisors accept a connection) when
     every missing member has beaten and its supervisor refuses a connection, and every
     standby slot answered; else None: a later probe or the lease decides. Never some of
-    the missing members only: the generation's roster is settled once (`settle`), and a
-    member left in it that is gone too would then hold the generation for good."""
+    the missing members only: a member of a dying node left in the roster would cost the
+    generation a second round of `settle`."""
     if not missing:
         return None
     answers = liveness.probe(store, missing + standby)
@@ -286,27 +286,35 @@ def settle(
     standby: list[int] | None = None,
     refused: bool = False,
 ) -> list[int]:
-    """Generation `gen` of `members` goes on without `lost`, the standby slots that beat
-    (`standby`) taking their places (`replaced`): the roster, decided by the first survivor
-    to get here (a compare-and-add) and read by the others. The decider also moves the
-    generation counter `gen_key` up to `gen` (the survivors joined it without a
-    newcomer's bump), so a spare promoted later starts the next one. `refused`: the lost
-    supervisors refused a probe (else: they missed the lease), for the console's line."""
-    if store.add(f"disttrain/fast/g{gen}/decide", 1) == 1:
+    """Generation `gen` of `members` (its roster as last decided) goes on without `lost`,
+    the standby slots that beat (`standby`) taking their places (`replaced`): the roster,
+    decided by the first survivor to get here (a compare-and-add) and read by the others.
+    A generation is settled in rounds: a member found gone after a round (it died while
+    the others waited for the spares) starts the next one, so it never holds the
+    generation until its timeout. The decider also moves the generation counter
+    `gen_key` up to `gen` (the survivors joined it without a newcomer's bump), so a spare
+    promoted later starts the next one. `refused`: the lost supervisors refused a probe
+    (else: they missed the lease), for the console's line."""
+    settled = f"disttrain/fast/g{gen}/settled"
+    round_ = store.add(settled, 0)
+    if round_ and not set(lost) & set(decided(store, gen) or []):
+        return decided(store, gen) or members  # a round already dropped them
+    if store.add(f"disttrain/fast/g{gen}/decide/{round_}", 1) == 1:
         store.add(gen_key, max(0, gen - store.add(gen_key, 0)))
         stay = replaced(members, lost, standby or [])
         store.set(GONE_KEY, json.dumps(sorted(set(gone(store)) | set(lost))))
         store.set(ROSTER_KEY, json.dumps(stay))
         store.add(LOST_KEY, len(members) - len(stay))
         store.set(f"disttrain/fast/g{gen}/roster", json.dumps(stay))
+        store.add(settled, 1)
         LOGGER.warning(f"disttrain run: {settled_words(members, lost, stay, gen, refused)}", extra=EVERY_RANK)
         return stay
     deadline = time.monotonic() + 30
-    while (written := decided(store, gen)) is None:
+    while store.add(settled, 0) <= round_:
         if time.monotonic() > deadline:
             raise TimeoutError(f"generation {gen}: the survivor that decides its roster did not write it")
         time.sleep(0.01)
-    return written
+    return decided(store, gen) or members
 
 
 def settled_words(members: list[int], lost: list[int], stay: list[int], gen: int, refused: bool = False) -> str:
