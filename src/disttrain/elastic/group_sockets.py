@@ -8,9 +8,10 @@ other's listener (checked on torch 2.13, one device per group). So each
 rank publishes, on the generation's store, the listening endpoints it opened since
 the generation began (`publish`: right after each group is made: the generation's,
 the buddy copy's, the checkpointer's), and a survivor cuts the
-connections whose local or remote endpoint is one of them (`cut`). What a
-connection's endpoints are comes from /proc/self/net/tcp[6] (Linux; elsewhere nothing
-is cut and a blocked survivor waits for the group's timeout). The lists are sealed with
+connections whose local or remote endpoint is one of them (`cut`). A connection's
+endpoints are asked of the socket itself (each socket this process holds, found in
+/proc/self/fd: Linux; elsewhere nothing is cut and a blocked survivor waits for the
+group's timeout). The lists are sealed with
 the job's secret (`elastic.job_store`): one that a client outside the job wrote, or that
 does not parse, is skipped, so it can neither crash a survivor nor choose what it cuts.
 """
@@ -19,59 +20,63 @@ from __future__ import annotations
 
 import os
 import socket
-import sys
 
 from disttrain.elastic.job_store import JobStore
 from disttrain.runtime.log import EVERY_RANK, LOGGER, speaker
 
-LISTEN = "0A"  # the kernel's TCP_LISTEN state in /proc/net/tcp
 
-
-def _inodes() -> dict[str, int]:
-    """This process's open sockets: inode -> fd (empty where /proc is absent)."""
-    found: dict[str, int] = {}
+def _socket_fds() -> list[int]:
+    """This process's open sockets' descriptors (empty where /proc is absent)."""
     try:
         names = os.listdir("/proc/self/fd")
     except OSError:
-        return found
+        return []
+    found = []
     for name in names:
         try:
-            link = os.readlink(f"/proc/self/fd/{name}")
-        except OSError:
+            if os.readlink(f"/proc/self/fd/{name}").startswith("socket:["):
+                found.append(int(name))
+        except OSError:  # closed meanwhile, or the listing's own descriptor
             continue
-        if link.startswith("socket:["):
-            found[link[8:-1]] = int(name)
     return found
 
 
-def _endpoint(hex_addr: str) -> tuple[str, int]:
-    """'0100007F:9261' -> ('127.0.0.1', 37473); IPv6 too (the kernel's byte order)."""
-    addr, port = hex_addr.split(":")
-    raw = bytes.fromhex(addr)
-    if sys.byteorder == "little":  # the kernel prints each 32-bit word in host order
-        raw = b"".join(raw[i : i + 4][::-1] for i in range(0, len(raw), 4))
-    family = socket.AF_INET if len(raw) == 4 else socket.AF_INET6
-    return socket.inet_ntop(family, raw), int(port, 16)
+def _host(address: tuple) -> tuple[str, int]:
+    """(host, port) of a socket address, an IPv6 scope dropped: two nodes name the same
+    link by interfaces of their own."""
+    return str(address[0]).split("%", 1)[0], int(address[1])
 
 
-def tcp_sockets() -> list[tuple[int, str, tuple[str, int], tuple[str, int]]]:
-    """This process's TCP sockets: (fd, state, local, remote)."""
-    mine, rows = _inodes(), []
-    for table in ("/proc/self/net/tcp", "/proc/self/net/tcp6"):
+def tcp_sockets() -> list[tuple[int, bool, tuple[str, int], tuple[str, int]]]:
+    """This process's TCP sockets: (fd, listening, local, remote; ("", 0) when not
+    connected). Each socket is asked through a duplicate of its descriptor (closing the
+    duplicate leaves the socket as it was), not found in /proc/net/tcp, whose read
+    walks the whole namespace's tables (tens of ms on a busy host, on the recovery's
+    path)."""
+    rows = []
+    for fd in _socket_fds():
         try:
-            with open(table) as f:
-                lines = f.read().splitlines()[1:]
-        except OSError:
+            sock = socket.socket(fileno=os.dup(fd))
+        except OSError:  # closed meanwhile
             continue
-        for line in lines:
-            parts = line.split()
-            if len(parts) > 9 and parts[9] in mine:
-                rows.append((mine[parts[9]], parts[3], _endpoint(parts[1]), _endpoint(parts[2])))
+        with sock:
+            if sock.family not in (socket.AF_INET, socket.AF_INET6) or sock.type != socket.SOCK_STREAM:
+                continue
+            try:
+                listening = bool(sock.getsockopt(socket.SOL_SOCKET, socket.SO_ACCEPTCONN))
+                local = _host(sock.getsockname())
+            except OSError:
+                continue
+            try:
+                remote = _host(sock.getpeername())
+            except OSError:  # not connected
+                remote = ("", 0)
+            rows.append((fd, listening, local, remote))
     return rows
 
 
 def listeners() -> set[tuple[str, int]]:
-    return {local for _, state, local, _ in tcp_sockets() if state == LISTEN}
+    return {local for _, listening, local, _ in tcp_sockets() if listening}
 
 
 def publish(store: JobStore, prefix: str, rank: int, before: set[tuple[str, int]]) -> None:
@@ -116,8 +121,8 @@ def cut(group_listeners: set[tuple[str, int]]) -> int:
     """Shut down every connection of this process with a group listener at one end;
     returns how many. A shut connection fails a collective's wait at once."""
     shut = 0
-    for fd, state, local, remote in tcp_sockets():
-        if state == LISTEN or not (_matches(local, group_listeners) or _matches(remote, group_listeners)):
+    for fd, listening, local, remote in tcp_sockets():
+        if listening or not (_matches(local, group_listeners) or _matches(remote, group_listeners)):
             continue
         try:
             with socket.socket(fileno=os.dup(fd)) as s:
