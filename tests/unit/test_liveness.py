@@ -192,6 +192,24 @@ def test_the_lease_decides_what_a_probe_cannot(store, monkeypatch, beaten, stand
         proc.kill()
 
 
+def test_when_the_lease_decides_its_line_says_what_the_probes_found(store, monkeypatch):
+    """A user who waited a lease for a lost node learns why no probe decided sooner."""
+    _, job = store
+    monkeypatch.setenv(membership.LEASE_ENV, "0.3")
+    _beat_once(job, 0, 1, 2)
+    membership.arrive(job, 1, 0)
+    closed = free_port()
+    job.set(liveness.KEY.format(slot=1), f"127.0.0.1:{closed} {liveness.here()}")  # refused, never seen to accept
+    watch = membership.Watch(job, 1, [0, 1, 2])
+    assert _lost_within(watch, 10) == [1, 2] and not watch.refused
+    cause = watch.cause()
+    assert cause.startswith("no beat for 0.3 s: a node is gone")
+    assert f"rank 1: 127.0.0.1:{closed}: Connection refused, never seen to accept" in cause
+    assert "rank 2: no address of it is on the store" in cause
+    line = membership.settled_words([0, 1, 2], [1, 2], [0], 1, cause)
+    assert line.startswith("rank(s) [1, 2] lost with their supervisors (no beat for 0.3 s") and "world 1" in line
+
+
 def test_a_loopback_address_of_another_place_is_never_probed(store):
     """Every node reaching an etcd proxy on its own `localhost` publishes a loopback
     address: from another host that address would lead to this host's own port."""

@@ -146,7 +146,7 @@ def join(store: JobStore, gen: int, slot: int, world: int, wait_s: float) -> tup
                 if lost and job_stop.adopt(store):  # stopped by a rank of theirs, not lost: no shrink
                     raise SystemExit(0) from None  # this node's launcher says why, as theirs does
                 if lost:
-                    members = membership.settle(store, gen, members, lost, GEN_KEY, watch.fresh, watch.refused)
+                    members = membership.settle(store, gen, members, lost, GEN_KEY, watch.fresh, watch.cause())
                 if lost is not None:  # watch again: for the spares that take the places, or anew
                     watch = None
             if time.monotonic() > deadline:

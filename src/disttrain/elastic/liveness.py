@@ -54,6 +54,8 @@ _SEEN_ALIVE: set[tuple[str, int]] = set()
 """The addresses that accepted a probe of this process: only theirs can later be refused."""
 _PUBLISHED: dict[int, Published] = {}
 """The slots' addresses read so far: a supervisor publishes one for its life."""
+_SAID: dict[int, str] = {}
+"""What the last probe of each slot found, in words (`said`)."""
 
 
 @dataclass(frozen=True)
@@ -193,18 +195,21 @@ def probe(store: JobStore, slots: list[int], timeout_s: float = PROBE_TIMEOUT_S)
     for slot in slots:
         where = _address(store, slot)
         if where is None:
+            _SAID[slot] = "no address of it is on the store" if slot not in _PUBLISHED else "a loopback of another host"
             continue
+        _SAID[slot] = f"no answer from {where[0]}:{where[1]} within {timeout_s:g} s"
         try:
             family = socket.getaddrinfo(where[0], where[1], type=socket.SOCK_STREAM)[0][0]
             sock = socket.socket(family, socket.SOCK_STREAM)
-        except OSError:
+        except OSError as e:
+            _SAID[slot] = f"no socket to {where[0]}:{where[1]}: {e.strerror or e}"
             continue
         sock.setblocking(False)
         code = sock.connect_ex(where)
         if code in (0, errno.EINPROGRESS):
             pending[sock] = (slot, where)
         else:
-            answers[slot] = _verdict(code, where)
+            answers[slot] = _verdict(slot, code, where)
             sock.close()
     with selectors.DefaultSelector() as waiting:  # epoll: a training process may hold over 1024 fds
         for sock in pending:
@@ -218,7 +223,7 @@ def probe(store: JobStore, slots: list[int], timeout_s: float = PROBE_TIMEOUT_S)
                 done: socket.socket = key.data
                 slot, where = pending.pop(done)
                 waiting.unregister(done)
-                answers[slot] = _verdict(done.getsockopt(socket.SOL_SOCKET, socket.SO_ERROR), where)
+                answers[slot] = _verdict(slot, done.getsockopt(socket.SOL_SOCKET, socket.SO_ERROR), where)
                 done.close()
             if left == 0:
                 break
@@ -227,8 +232,21 @@ def probe(store: JobStore, slots: list[int], timeout_s: float = PROBE_TIMEOUT_S)
     return answers
 
 
-def _verdict(code: int, where: tuple[str, int]) -> bool | None:
+def _verdict(slot: int, code: int, where: tuple[str, int]) -> bool | None:
+    at = f"{where[0]}:{where[1]}"
     if code == 0:
         _SEEN_ALIVE.add(where)
+        _SAID[slot] = f"{at} accepted"
         return ALIVE
-    return GONE if code == errno.ECONNREFUSED and where in _SEEN_ALIVE else None
+    if code == errno.ECONNREFUSED and where in _SEEN_ALIVE:
+        _SAID[slot] = f"{at} refused"
+        return GONE
+    seen = "" if code != errno.ECONNREFUSED else ", never seen to accept (a firewall refuses so)"
+    _SAID[slot] = f"{at}: {os.strerror(code)}{seen}"
+    return None
+
+
+def said(slot: int) -> str:
+    """What this process's last probe of `slot` found, in words (for the console's line
+    when the lease, not the probe, decided)."""
+    return _SAID.get(slot, "not probed")

@@ -210,6 +210,8 @@ class Watch:
         """After `lost` returned a list: the standby slots that beat during the lease."""
         self.refused = False
         """Whether `lost` named the members whose supervisors refused a probe (no lease)."""
+        self.probes = ""
+        """After the lease decided: what the last probes of the lost members found."""
         self._probed = time.monotonic()
         self._early = _refused(store, self.missing, self.before, self.standby)
 
@@ -230,7 +232,17 @@ class Watch:
         moved = [b != a for a, b in zip(self.before, after, strict=True)]
         n = len(self.missing)
         self.fresh = [s for s, m in zip(self.standby, moved[n:], strict=True) if m]
-        return [s for s, a, m in zip(self.missing, self.before, moved, strict=False) if a > 0 and not m]
+        gone_now = [s for s, a, m in zip(self.missing, self.before, moved, strict=False) if a > 0 and not m]
+        self.probes = "; ".join(f"rank {s}: {liveness.said(s)}" for s in gone_now)
+        return gone_now
+
+    def cause(self) -> str:
+        """Why `lost` named its members, in words: a refused probe, or the lease (with
+        what the probes found instead)."""
+        if self.refused:
+            return "their node refused a connection to them: its processes are gone"
+        probes = f"; the probes found {self.probes}" if self.probes else ""
+        return f"no beat for {lease_s():g} s: a node is gone{probes}"
 
     def _probe_again(self) -> None:
         """Probe the members still missing: a node's processes do not all die at once (one
@@ -284,7 +296,7 @@ def settle(
     lost: list[int],
     gen_key: str,
     standby: list[int] | None = None,
-    refused: bool = False,
+    cause: str = "",
 ) -> list[int]:
     """Generation `gen` of `members` (its roster as last decided) goes on without `lost`,
     the standby slots that beat (`standby`) taking their places (`replaced`): the roster,
@@ -293,8 +305,8 @@ def settle(
     the others waited for the spares) starts the next one, so it never holds the
     generation until its timeout. The decider also moves the generation counter
     `gen_key` up to `gen` (the survivors joined it without a newcomer's bump), so a spare
-    promoted later starts the next one. `refused`: the lost supervisors refused a probe
-    (else: they missed the lease), for the console's line."""
+    promoted later starts the next one. `cause`: why they are lost (`Watch.cause`), for
+    the console's line."""
     settled = f"disttrain/fast/g{gen}/settled"
     round_ = store.add(settled, 0)
     if round_ and not set(lost) & set(decided(store, gen) or []):
@@ -307,7 +319,7 @@ def settle(
         store.add(LOST_KEY, len(members) - len(stay))
         store.set(f"disttrain/fast/g{gen}/roster", json.dumps(stay))
         store.add(settled, 1)
-        LOGGER.warning(f"disttrain run: {settled_words(members, lost, stay, gen, refused)}", extra=EVERY_RANK)
+        LOGGER.warning(f"disttrain run: {settled_words(members, lost, stay, gen, cause)}", extra=EVERY_RANK)
         return stay
     deadline = time.monotonic() + 30
     while store.add(settled, 0) <= round_:
@@ -317,12 +329,9 @@ def settle(
     return decided(store, gen) or members
 
 
-def settled_words(members: list[int], lost: list[int], stay: list[int], gen: int, refused: bool = False) -> str:
-    """The console's one line on a roster `settle` decided."""
-    why = f"no beat for {lease_s():g} s: a node is gone"
-    if refused:
-        why = "their node refused a connection to them: its processes are gone"
-    head = f"rank(s) {lost} lost with their supervisors ({why})"
+def settled_words(members: list[int], lost: list[int], stay: list[int], gen: int, cause: str = "") -> str:
+    """The console's one line on a roster `settle` decided; `cause`: `Watch.cause`."""
+    head = f"rank(s) {lost} lost with their supervisors ({cause or f'no beat for {lease_s():g} s: a node is gone'})"
     spares = [s for s in stay if s not in members]
     if not spares:
         return f"{head} and no spare takes them; the job goes on in memory at world {len(stay)} (generation {gen})"
