@@ -19,8 +19,18 @@ ROOT = Path(__file__).resolve().parent.parent
 WORKERS = Path(__file__).resolve().parent / "workers"
 
 
+SESSION_ENV = frozenset(os.environ)
+"""The variables the test session started with."""
+JOB_SCOPED = ("RANK", "WORLD_SIZE", "LOCAL_RANK", "LOCAL_WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT")
+"""What a distributed job sets in its processes: an in-process test of the runtime sets
+them in this process, and a job a later test starts must not inherit them (a test
+passes them in `extra` when it means to)."""
+
+
 def worker_env(**extra: str) -> dict[str, str]:
-    env = dict(os.environ)
+    """The environment of a process a test starts: this one's, less the `JOB_SCOPED`
+    variables an earlier in-process test left, plus the suite's settings and `extra`."""
+    env = {k: v for k, v in os.environ.items() if k in SESSION_ENV or k not in JOB_SCOPED}
     env.update({"OMP_NUM_THREADS": "1", "PYTHONUNBUFFERED": "1",
                 "TORCH_DISABLE_SHARE_RDZV_TCP_STORE": "1"}, **extra)
     env["PYTHONPATH"] = os.pathsep.join([str(ROOT / "src"), str(WORKERS)])

@@ -206,7 +206,10 @@ def test_a_lost_node_is_taken_over_by_a_hot_spare_node_bit_exactly(tmp_path):
                  "--rdzv-endpoint", server.endpoint, "--rdzv-id", "spare")
         cmd = trainer_cmd(out, f"--train.steps={STEPS}", *FAST, "--parallel.strategy=fsdp", run_flags=flags)
         logs = [tmp_path / f"node{i}.txt" for i in range(3)]
-        env = {"DISTTRAIN_FAULT": "delay@step:ms=100", "DISTTRAIN_JOB_SECRET": "ef" * 32}
+        env = {"DISTTRAIN_FAULT": "delay@step:ms=100", "DISTTRAIN_JOB_SECRET": "ef" * 32,
+               # what an outer job left in the environment changes nothing: its slot count
+               # would make a probe wait for standby slots that do not exist, its lease a minute
+               "DISTTRAIN_TOTAL_SLOTS": "9", "DISTTRAIN_TRAINING_WORLD": "5", "DISTTRAIN_NODE_LEASE_S": "60"}
         nodes = [start(cmd, log, **env) for log in logs]
         try:
             wait_for(lambda: any(m["step"] >= 8 for m in metrics(out)), 150, "step 8", logs)

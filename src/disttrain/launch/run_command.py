@@ -103,6 +103,18 @@ after its save (process group teardown, interpreter shutdown)."""
 FAST_STORE_ENV = "DISTTRAIN_FAST_STORE"  # elastic.etcd_store.STORE_ENV; not imported: that imports torch
 TRAINING_WORLD_ENV = "DISTTRAIN_TRAINING_WORLD"  # elastic.membership's (the slots that train)
 NODE_LEASE_ENV = "DISTTRAIN_NODE_LEASE_S"  # elastic.membership.LEASE_ENV
+JOB_OWNED = (
+    FAST_STORE_ENV,
+    TRAINING_WORLD_ENV,
+    NODE_LEASE_ENV,
+    "DISTTRAIN_EXPECTED_WORLD_SIZE",  # guard.sanity's: the world this launcher starts
+    "DISTTRAIN_TOTAL_SLOTS",  # elastic.fast_recovery's (set by each slot supervisor)
+    "DISTTRAIN_FAST_ROLE",  # elastic.fast_recovery's (set by each slot supervisor)
+)
+"""What describes this job to its workers, set by this launcher alone (or by none, where
+the job has no such thing): a value an outer job or an earlier one left in this
+environment would be wrong (a stale total of slots: standby slots that do not exist),
+and a flag's value must win over it (`--elastic.node_lease_s`)."""
 DEFAULT_PREEMPT_GRACE_S = 60.0
 """The grace when neither a trainer config nor DISTTRAIN_PREEMPT_GRACE_S names one
 (the default of `elastic.preempt_grace_s`)."""
@@ -595,15 +607,16 @@ def _launch(args: list[str], env: dict[str, str]) -> int:
 
 
 def _set_launch_env(args: list[str], env: dict[str, str]) -> None:
-    """The launcher's environment for torchrun and its workers (`env` under what the user set)."""
+    """The launcher's environment for torchrun and its workers: `env` under what the user
+    set, except the variables that describe this job (`JOB_OWNED`), always its own."""
+    for key in JOB_OWNED:
+        os.environ.pop(key, None)
     for key, value in env.items():
-        os.environ.setdefault(key, value)
+        if key in JOB_OWNED:
+            os.environ[key] = value
+        else:
+            os.environ.setdefault(key, value)
     os.environ[LAUNCHER_ENV] = str(os.getpid())  # this job's own launcher, never an outer one
-    # Not a user setting: always this job's own count (a value left by an earlier job in
-    # this process, or an outer launcher, would be wrong), and none for elastic sizes.
-    os.environ.pop("DISTTRAIN_EXPECTED_WORLD_SIZE", None)
-    if "DISTTRAIN_EXPECTED_WORLD_SIZE" in env:
-        os.environ["DISTTRAIN_EXPECTED_WORLD_SIZE"] = env["DISTTRAIN_EXPECTED_WORLD_SIZE"]
     if "TORCH_DISTRIBUTED_DEBUG" in env:  # --debug: say what was switched on and where it goes
         log_dir = _flag_value(args, "--log-dir", "--log_dir")
         where = (

@@ -51,6 +51,7 @@ from disttrain.worker_notes import (
 )
 
 ROLE_ENV = "DISTTRAIN_FAST_ROLE"  # elastic.fast_recovery.ROLE_ENV; not imported: that imports torch
+TOTAL_SLOTS_ENV = "DISTTRAIN_TOTAL_SLOTS"  # elastic.fast_recovery.TOTAL_SLOTS_ENV
 FAST_STORE_ENV = "DISTTRAIN_FAST_STORE"  # elastic.etcd_store.STORE_ENV: the store is that etcd
 MAX_PROMOTIONS = 1000
 STANDBY_POLL_S = 0.05
@@ -63,7 +64,9 @@ training process is done."""
 
 
 def _spawn(cmd: list[str], role: str) -> subprocess.Popen:
-    env = {**os.environ, ROLE_ENV: role}
+    # torchrun's world (the hot spares' slots included) as this process has it now: a
+    # joined node's is the job's (`_joined_slot`)
+    env = {**os.environ, ROLE_ENV: role, TOTAL_SLOTS_ENV: os.environ["WORLD_SIZE"]}
     stdin = subprocess.PIPE if role == "spare" else subprocess.DEVNULL
     return subprocess.Popen(cmd, env=env, stdin=stdin, preexec_fn=processes.die_with_parent)
 
