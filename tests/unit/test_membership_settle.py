@@ -57,6 +57,14 @@ def test_a_member_lost_after_the_roster_was_decided_is_dropped_by_a_second_round
     assert membership.gone(job) == [2, 3] and job.add(membership.LOST_KEY, 0) == 2
 
 
+def test_a_survivor_that_saw_both_losses_at_once_counts_the_first_once(job):
+    """One survivor settles slot 3; another, which saw slots 2 and 3 missing, comes
+    later with the generation's first roster: only slot 2 is a new loss."""
+    assert membership.settle(job, 4, [0, 1, 2, 3], [3], GEN_KEY) == [0, 1, 2]
+    assert membership.settle(job, 4, [0, 1, 2, 3], [2, 3], GEN_KEY) == [0, 1]
+    assert job.add(membership.LOST_KEY, 0) == 2 and membership.gone(job) == [2, 3]
+
+
 def test_a_second_round_gives_a_lost_place_to_a_standby_slot(job):
     assert membership.settle(job, 1, [0, 1, 2, 3], [2, 3], GEN_KEY, standby=[4, 5]) == [0, 1, 4, 5]
     assert membership.settle(job, 1, [0, 1, 4, 5], [5], GEN_KEY, standby=[6]) == [0, 1, 4, 6]

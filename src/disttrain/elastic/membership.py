@@ -309,9 +309,12 @@ def settle(
     the console's line."""
     settled = f"disttrain/fast/g{gen}/settled"
     round_ = store.add(settled, 0)
-    if round_ and not set(lost) & set(decided(store, gen) or []):
-        return decided(store, gen) or members  # a round already dropped them
+    current = decided(store, gen) if round_ else None
+    if current is not None and not set(lost) & set(current):
+        return current  # an earlier round already dropped them
     if store.add(f"disttrain/fast/g{gen}/decide/{round_}", 1) == 1:
+        members = current or members  # the roster as the last round left it
+        lost = [s for s in lost if s in members]
         store.add(gen_key, max(0, gen - store.add(gen_key, 0)))
         stay = replaced(members, lost, standby or [])
         store.set(GONE_KEY, json.dumps(sorted(set(gone(store)) | set(lost))))
