@@ -241,8 +241,7 @@ class Watch:
         what the probes found instead)."""
         if self.refused:
             return "their node refused a connection to them: its processes are gone"
-        probes = f"; the probes found {self.probes}" if self.probes else ""
-        return f"no beat for {lease_s():g} s: a node is gone{probes}"
+        return lease_cause(self.probes)
 
     def _probe_again(self) -> None:
         """Probe the members still missing: a node's processes do not all die at once (one
@@ -332,9 +331,15 @@ def settle(
     return decided(store, gen) or members
 
 
+def lease_cause(probes: str = "") -> str:
+    """Why members are lost when the lease decided, with what the probes found instead."""
+    return f"no beat for {lease_s():g} s: a node is gone" + (f"; the probes found {probes}" if probes else "")
+
+
 def settled_words(members: list[int], lost: list[int], stay: list[int], gen: int, cause: str = "") -> str:
-    """The console's one line on a roster `settle` decided; `cause`: `Watch.cause`."""
-    head = f"rank(s) {lost} lost with their supervisors ({cause or f'no beat for {lease_s():g} s: a node is gone'})"
+    """The console's one line on a roster `settle` decided; `cause`: `Watch.cause`
+    (`lease_cause` when none is given)."""
+    head = f"rank(s) {lost} lost with their supervisors ({cause or lease_cause()})"
     spares = [s for s in stay if s not in members]
     if not spares:
         return f"{head} and no spare takes them; the job goes on in memory at world {len(stay)} (generation {gen})"

@@ -81,7 +81,7 @@ from disttrain.check.settings import STEPS_FLAG, take_check_flags
 from disttrain.errors import UserError
 from disttrain.guard import private_dir
 from disttrain.guard.script_watchdog import HANG_FLAG, take_hang_timeout
-from disttrain.launch import job_end, notes_watch, rendezvous_end, run_help, warm_workers
+from disttrain.launch import job_end, notes_watch, rendezvous_end, run_help, slot_supervisor, warm_workers
 from disttrain.launch.end_lines import (
     restart_path_line,
     shrunk_line,
@@ -108,8 +108,8 @@ JOB_OWNED = (
     TRAINING_WORLD_ENV,
     NODE_LEASE_ENV,
     "DISTTRAIN_EXPECTED_WORLD_SIZE",  # guard.sanity's: the world this launcher starts
-    "DISTTRAIN_TOTAL_SLOTS",  # elastic.fast_recovery's (set by each slot supervisor)
-    "DISTTRAIN_FAST_ROLE",  # elastic.fast_recovery's (set by each slot supervisor)
+    slot_supervisor.TOTAL_SLOTS_ENV,  # set by each slot supervisor for its children
+    slot_supervisor.ROLE_ENV,
 )
 """What describes this job to its workers, set by this launcher alone (or by none, where
 the job has no such thing): a value an outer job or an earlier one left in this
