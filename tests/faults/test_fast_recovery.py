@@ -556,3 +556,15 @@ def test_fsdp_shards_of_four_ranks_are_rebuilt_exactly_for_two_from_the_buddy_pa
     for r in results[:2]:
         assert r["same"] is True and r["step"] == 2, r
     assert results[0]["uneven"][0] != results[1]["uneven"][0], results  # the pieces of a 3-row weight differ
+
+
+def test_a_process_at_another_rank_of_an_equal_world_places_its_shards_at_the_new_rank(tmp_path):
+    """After a shrink and a join a process may train at another rank of a world of the
+    same size, with the same shapes. torch caches each DTensor operator's sharding plan
+    with the mesh it first saw, and that mesh's coordinate; `dt.init` at a new place
+    forgets them, so the shards, the Adam moments and a DCP save follow the new rank
+    (tests/workers/rank_moves.py: two ranks trade places between two groups)."""
+    results = launch_worker("rank_moves.py", 2, tmp_path)
+    for r in results:
+        assert r["parameters"] == [r["rank"]] and r["moments"] == [r["rank"]], r
+        assert r["save_error"] == "", r

@@ -22,6 +22,8 @@ class ProcessState:
     """runtime.RankInfo of the running process group (process_group.init/shutdown)."""
     lingering_groups: list = dataclasses.field(default_factory=list)
     """Destroyed process groups something still references (process_group.shutdown)."""
+    last_place: tuple[int, int] | None = None
+    """(rank, world) of the last process group `process_group.init` started here."""
     exit_hook_set: bool = False
     """Whether process_group registered its at-exit release of `lingering_groups`."""
     thaw_at_shutdown: bool = False

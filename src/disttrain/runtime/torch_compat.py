@@ -325,6 +325,26 @@ def _method_name(depth: int = 2) -> str:
         return "no_method_name"
 
 
+def forget_sharding_plans() -> None:
+    """Forget the DTensor sharding plans torch cached in this process (its Python and C++
+    caches of each operator's plan, and redistribution's). torch keys a plan by the
+    operator and its arguments' specs, whose DeviceMesh compares by the ranks and layout
+    it spans, not by this process's place in it, and hands back the output specs it
+    cached, with the mesh first seen and that mesh's coordinate. A process that joins an
+    equal mesh at another rank would place its shards at the old rank's coordinate
+    (checkpoints whose chunks overlap). Nothing to forget when DTensor was never imported
+    (and importing it costs start-up)."""
+    if "torch.distributed.tensor" not in sys.modules:
+        return
+    from torch.distributed.tensor import _redistribute
+    from torch.distributed.tensor.debug import _clear_sharding_prop_cache
+
+    _clear_sharding_prop_cache()
+    clear = getattr(getattr(_redistribute, "_gen_transform_infos", None), "cache_clear", None)
+    if clear is not None:
+        clear()
+
+
 def import_dynamo() -> None:
     """Import `torch._dynamo` now (DistributedDataParallel's first construction reads
     its config: about 3 s), so a later step does not pay for it.
