@@ -333,13 +333,34 @@ def forget_sharding_plans() -> None:
     cached, with the mesh first seen and that mesh's coordinate. A process that joins an
     equal mesh at another rank would place its shards at the old rank's coordinate
     (checkpoints whose chunks overlap). Nothing to forget when DTensor was never imported
-    (and importing it costs start-up)."""
+    (and importing it costs start-up).
+
+    Checked on 2.13.0 (`torch.distributed.tensor.debug._clear_sharding_prop_cache`,
+    `_redistribute._gen_transform_infos`). Fallback: the two caches it clears, each where
+    the release has it; a `RuntimeError` when it has neither, since a process that kept
+    its plans would shard at its old place (a fast recovery then takes torchrun's
+    restart path)."""
     if "torch.distributed.tensor" not in sys.modules:
         return
-    from torch.distributed.tensor import _redistribute
-    from torch.distributed.tensor.debug import _clear_sharding_prop_cache
+    from torch.distributed.tensor import _redistribute, debug
 
-    _clear_sharding_prop_cache()
+    clear_all = getattr(debug, "_clear_sharding_prop_cache", None)
+    if clear_all is not None:
+        clear_all()
+    else:
+        from torch.distributed.tensor import DTensor
+
+        dispatcher = getattr(DTensor, "_op_dispatcher", None)
+        python_cache = getattr(getattr(dispatcher, "sharding_propagator", None), "propagate_op_sharding", None)
+        python_clear = getattr(python_cache, "cache_clear", None)
+        native_clear = getattr(torch._C, "_clear_DTensor_sharding_propagator_cache", None)
+        if python_clear is None or native_clear is None:
+            raise RuntimeError(
+                f"torch {torch.__version__} has no way to clear DTensor's sharding caches that disttrain knows; "
+                "a process that moved rank would keep its old shards' places"
+            )
+        python_clear()
+        native_clear()
     clear = getattr(getattr(_redistribute, "_gen_transform_infos", None), "cache_clear", None)
     if clear is not None:
         clear()
