@@ -38,6 +38,7 @@ supervisor's loss falls back to torchrun's restart and the disk checkpoint.
 from __future__ import annotations
 
 import os
+import select
 import sys
 import time
 from collections.abc import Callable
@@ -84,9 +85,32 @@ def is_spare() -> bool:
     return os.environ.get(ROLE_ENV) == "spare"
 
 
-def wait_for_promotion() -> None:
-    """Block until the supervisor says this spare takes over (one line on stdin).
-    End of input (the job is over, or the supervisor died): exit 0 at once."""
+def place_to_join(handoff: Handoff) -> tuple[int, int]:
+    """(rank, world) a spare of this slot most likely trains at once promoted: a training
+    slot's own rank in the training world; for a hot-spare slot the rank of the same
+    local slot on the first training node; for a slot of a node that joins
+    (`elastic.join_node`) the places after the training world's. A guess (a shrink, a
+    join, another node's loss change it) that only a spare's rehearsal uses: a process
+    at another place forgets what it rehearsed (`runtime.process_group.note_place`)."""
+    world, slot = int(os.environ["WORLD_SIZE"]), int(os.environ["RANK"])
+    if handoff.joinable and slot >= handoff.total:
+        local, nproc = int(os.environ.get("LOCAL_RANK", "0")), int(os.environ.get("LOCAL_WORLD_SIZE", "1"))
+        return world + local, world + nproc
+    return slot % world, world
+
+
+CALM_S = 3.0
+"""How long a spare waits unpromoted before its `standby` work: a spare started in a
+recovery (its slot's last one took over) must not take the CPU from the recovery."""
+
+
+def wait_for_promotion(standby: Callable[[], None] | None = None) -> None:
+    """Block until the supervisor says this spare takes over (one line on stdin);
+    `standby` runs once the spare has waited `CALM_S` unpromoted (a promotion during it
+    waits for its end). End of input (the job is over, or the supervisor died): exit 0
+    at once."""
+    if standby is not None and not select.select([sys.stdin], [], [], CALM_S)[0]:
+        standby()
     line = sys.stdin.readline()
     if not line:
         os._exit(0)
@@ -390,10 +414,12 @@ def run(
     timeout_s: float,
     seed: int,
     prepare: Callable[[Handoff], None] | None = None,
+    standby: Callable[[Handoff], None] | None = None,
 ) -> Any:
     """Run `body(info, handoff)` in process groups of successive generations until it
     returns. `prepare(handoff)` runs before the first group (a spare: before it waits,
-    so its datasets are built while it is idle). The body's `dt.Job` asks for a buddy
+    so its datasets are built while it is idle); `standby(handoff)` on a spare that has
+    waited `CALM_S` unpromoted (`wait_for_promotion`). The body's `dt.Job` asks for a buddy
     copy under a sharded strategy (`Handoff.attach_buddy`). The program's error (see the
     module) ends the process under `disttrain run` (SystemExit) and propagates
     elsewhere. What else ends fast recovery (this slot left out of a shrink, a generation
@@ -417,9 +443,13 @@ def run(
     store = None
     if is_spare():
         store = connect_store(timeout_s)  # connected while idle: a take-over does not wait for it
+        calm = (lambda: standby(handoff)) if standby is not None else None
         if handoff.joinable and slot >= handoff.total:  # a joined node's slot: it may now be admitted
+            if calm is not None:  # before it says it is ready: admitted at once after
+                calm()
             join_node.mark_ready(store, slot)
-        wait_for_promotion()
+            calm = None
+        wait_for_promotion(calm)
     store = store or connect_store(timeout_s)
     handoff.store = store
     job_stop.share(store, lambda: handoff.gen)  # a note that stops the job reaches every node

@@ -202,7 +202,7 @@ def init(
         processes.name_worker(rank=rank, local_rank=local_rank)
     seed_all(seed)
     processes.freeze_long_lived()
-    _placed(rank, world)
+    note_place(rank, world)
     info = RankInfo(
         rank=rank,
         local_rank=local_rank,
@@ -216,10 +216,11 @@ def init(
     return info
 
 
-def _placed(rank: int, world: int) -> None:
-    """Record this process's place in the group just started; at another place than its
-    last group's (a fast recovery's generation after a shrink, a join, a take-over),
-    forget the sharding plans torch cached at the old one (`torch_compat.forget_sharding_plans`)."""
+def note_place(rank: int, world: int) -> None:
+    """Record this process's place in the group just started (`init`; a spare's rehearsal
+    on a fake group); at another place than its last group's (a fast recovery's
+    generation after a shrink, a join), forget the sharding plans torch cached at the
+    old one (`torch_compat.forget_sharding_plans`)."""
     state = processes.STATE
     if state.last_place is not None and state.last_place != (rank, world):
         torch_compat.forget_sharding_plans()

@@ -16,7 +16,7 @@ from disttrain.elastic import fast_recovery
 from disttrain.parallel.optimizers import build_optimizer
 from disttrain.parallel.precision import make_grad_scaler
 from disttrain.runtime.log import LOGGER
-from disttrain.train import model_data_loss, resume_plan, run_summary
+from disttrain.train import model_data_loss, resume_plan, run_summary, spare_rehearsal
 from disttrain.train.accumulation import warmup_cosine
 from disttrain.train.batches import batch_loss
 from disttrain.train.evaluation import loss_metric
@@ -46,8 +46,18 @@ def train(cfg: Config, config_dir: str | Path | None = None, inspected: resume_p
             timeout_s=p.timeout_s,
             seed=t.seed,
             prepare=lambda h: _datasets(cfg, config_dir, h),
+            standby=lambda h: _rehearse(cfg, config_dir, h),
         )
     return _train(cfg, config_dir, None, inspected)
+
+
+def _rehearse(cfg: Config, config_dir, handoff: fast_recovery.Handoff) -> None:
+    """A standing-by spare rehearses its first sharded step at the place it will likely
+    take (`train.spare_rehearsal`)."""
+    rank, world = fast_recovery.place_to_join(handoff)
+    took = spare_rehearsal.rehearse(cfg, lambda: model_data_loss.build_model(cfg, config_dir), rank, world)
+    if took is not None:
+        LOGGER.debug(f"disttrain: the spare rehearsed a sharded step as rank {rank} of {world} in {took:.2f} s")
 
 
 def _datasets(cfg: Config, config_dir, handoff):
