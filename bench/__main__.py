@@ -39,6 +39,7 @@ OTHERS = {
     "node_loss_bench.py": (0, [], ["--kills", "1"]),
     "spare_node_bench.py": (0, [], ["--kills", "1"]),
     "grow_bench.py": (0, [], ["--joins", "1"]),
+    "spare_rehearsal_bench.py": (0, [], ["--rounds", "1"]),
     "doctor_corpus.py": (0, ["--out", "{results}/doctor.md"], []),
     "check_bench.py": (0, ["--results", "{results}/check.md"], ["--repeats", "1", "--window", "5"]),
     "tp_bench.py": (0, ["--results", "{results}/tp.md"], ["--rounds", "2", "--steps", "3"]),

@@ -4,11 +4,14 @@ than it rehearsed computes and saves exactly as one that rehearsed its own."""
 
 from __future__ import annotations
 
+import subprocess
+import sys
+
 import pytest
-from conftest import launch_worker
+from conftest import launch_worker, worker_env
 
 from disttrain.config import Config
-from disttrain.config.schema import ParallelConfig, TrainConfig
+from disttrain.config.schema import ElasticConfig, ParallelConfig, TrainConfig
 from disttrain.train.spare_rehearsal import pays
 
 
@@ -34,3 +37,34 @@ def test_a_spare_at_its_rehearsed_place_or_another_trains_and_saves_the_same(tmp
 ])
 def test_a_spare_rehearses_only_sharded_steps_on_the_cpu(parallel, train, wanted):
     assert pays(Config(parallel=parallel, train=train)) is wanted
+    assert pays(Config(parallel=parallel, train=train, elastic=ElasticConfig(rehearse_spares=False))) is False
+
+
+STANDING_BY = """
+import sys, time
+from disttrain.elastic import fast_recovery
+fast_recovery.CALM_S = 0.1
+done = []
+def standby():
+    print("standing by", flush=True)
+    for _ in range(3000):  # 30 s of work unless a promotion cuts it short
+        time.sleep(0.01)
+    done.append(True)
+fast_recovery.wait_for_promotion(standby)
+print(f"promoted: {fast_recovery.os.environ[fast_recovery.ROLE_ENV]}, standby finished: {bool(done)}", flush=True)
+"""
+
+
+def test_a_promotion_during_the_standby_work_cuts_it_short():
+    """A spare rehearsing when its slot's process dies must take over at once, not after
+    the rehearsal: the line on its input interrupts the work, and is still read."""
+    proc = subprocess.Popen([sys.executable, "-c", STANDING_BY], stdin=subprocess.PIPE, stdout=subprocess.PIPE,
+                            text=True, env=worker_env())
+    try:
+        assert proc.stdout.readline().strip() == "standing by"
+        proc.stdin.write("go\n")
+        proc.stdin.flush()
+        out, _ = proc.communicate(timeout=20)  # well short of the 30 s the work would take
+    finally:
+        proc.kill()
+    assert out.strip() == "promoted: newcomer, standby finished: False"

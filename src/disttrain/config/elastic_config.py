@@ -32,6 +32,11 @@ class ElasticConfig:
     memory every N optimizer steps. 1 loses only the step in flight on a kill; a larger
     N costs less per step (a large model's shard crosses the network each time) and
     redoes up to N steps."""
+    rehearse_spares: bool = True
+    """Under fast_recovery with DTensor parameters (fsdp, tp > 1) on the CPU: a spare that
+    stood by 3 s rehearses its first clip and optimizer step on a fake process group, so
+    that its first step after a take-over does not work out torch's sharding plans
+    (about 1 s of one core per spare; `train/spare_rehearsal.py`). False saves that CPU."""
     node_lease_s: float = 1.0
     """Under fast_recovery: a slot whose supervisor has not beaten on the job's store for
     this long is taken for gone with its node (it beats five times a lease). Shorter

@@ -39,7 +39,9 @@ from __future__ import annotations
 
 import os
 import select
+import signal
 import sys
+import threading
 import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
@@ -106,15 +108,53 @@ recovery (its slot's last one took over) must not take the CPU from the recovery
 
 def wait_for_promotion(standby: Callable[[], None] | None = None) -> None:
     """Block until the supervisor says this spare takes over (one line on stdin);
-    `standby` runs once the spare has waited `CALM_S` unpromoted (a promotion during it
-    waits for its end). End of input (the job is over, or the supervisor died): exit 0
-    at once."""
+    `standby` runs once the spare has waited `CALM_S` unpromoted, and a promotion during
+    it cuts it short (`_until_promoted`). End of input (the job is over, or the
+    supervisor died): exit 0 at once."""
     if standby is not None and not select.select([sys.stdin], [], [], CALM_S)[0]:
-        standby()
+        _until_promoted(standby)
     line = sys.stdin.readline()
     if not line:
         os._exit(0)
     os.environ[ROLE_ENV] = "newcomer"
+
+
+class _Promoted(BaseException):
+    """Raised in the main thread when a promotion arrives during a spare's standby work."""
+
+
+def _until_promoted(work: Callable[[], None]) -> None:
+    """Run `work` on this (the main) thread until it returns or input arrives on stdin (a
+    promotion, or its end), whichever is first: a thread watches stdin and, on input,
+    interrupts `work` with `_Promoted` through SIGUSR1 (Python runs a signal's handler
+    on the main thread between two bytecodes, so a torch operator in flight finishes
+    first). The input is left for the caller to read."""
+    lock, finished = threading.Lock(), threading.Event()
+    main = threading.get_ident()
+
+    def watch() -> None:
+        while not finished.is_set():
+            ready = select.select([sys.stdin], [], [], 0.02)[0]
+            with lock:
+                if ready and not finished.is_set():
+                    finished.set()
+                    signal.pthread_kill(main, signal.SIGUSR1)
+
+    def promoted(_signum, _frame) -> None:
+        raise _Promoted
+
+    before = signal.signal(signal.SIGUSR1, promoted)
+    watcher = threading.Thread(target=watch, name="disttrain-promotion-watch", daemon=True)
+    watcher.start()
+    try:  # a _Promoted raised anywhere in here, the lock's wait included, is caught below
+        work()
+        with lock:
+            finished.set()
+    except _Promoted:
+        pass
+    finally:
+        watcher.join()
+        signal.signal(signal.SIGUSR1, before)
 
 
 def warm_up() -> None:

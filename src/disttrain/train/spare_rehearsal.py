@@ -19,7 +19,8 @@ finds it. It also hands back the mesh it cached, with the rehearsed rank's
 coordinate: a spare promoted to another place forgets the rehearsal when its group
 starts (`runtime.process_group.note_place`), and pays the first step as before.
 Nothing else survives the rehearsal: the fake group is destroyed, this process's rank
-info is reset and its objects are collected before the spare freezes what it keeps.
+info is reset and its objects are collected. A promotion that arrives during the
+rehearsal cuts it short (`fast_recovery.wait_for_promotion`).
 
 Only where it is safe and pays: a sharded strategy on the CPU, without compile or fp8.
 On a GPU the spare shares its device with the training process, which the model and
@@ -46,9 +47,11 @@ from disttrain.train.accumulation import clip_grad_norm
 
 
 def pays(cfg: Config) -> bool:
-    """Whether a spare of this config rehearses: DTensor parameters (fsdp, or tp > 1)
-    on the CPU, not compiled, not fp8."""
+    """Whether a spare of this config rehearses: `elastic.rehearse_spares`, DTensor
+    parameters (fsdp, or tp > 1) on the CPU, not compiled, not fp8."""
     p, t = cfg.parallel, cfg.train
+    if not cfg.elastic.rehearse_spares:
+        return False
     sharded = p.strategy == "fsdp" or p.tp > 1
     on_cpu = p.device == "cpu" or (p.device == "auto" and not torch.cuda.is_available())
     return sharded and on_cpu and not t.compile and t.precision != "fp8"
@@ -57,19 +60,27 @@ def pays(cfg: Config) -> bool:
 @contextmanager
 def fake_world(rank: int, world: int) -> Iterator[None]:
     """This process as `rank` of a process group of `world` ranks on torch's "fake" backend
-    (which moves no data), with its rank info; destroyed on leaving. The place is noted
-    as a group's (`process_group.note_place`): a real group at another place forgets what
-    was cached here. The caller must have no group of its own."""
-    dist.init_process_group("fake", rank=rank, world_size=world)
-    process_group.note_place(rank, world)
-    cpu = torch.device("cpu")
-    info = RankInfo(rank=rank, local_rank=0, world_size=world, local_world_size=1, device=cpu, backend="fake", seed=0)
-    processes.STATE.rank_info = info
+    (which moves no data), with its rank info; destroyed on leaving, however it is left
+    (a promotion may interrupt it anywhere, its start included). The place is noted as a
+    group's (`process_group.note_place`): a real group at another place forgets what was
+    cached here. The caller must have no group of its own."""
     try:
+        process_group.note_place(rank, world)
+        dist.init_process_group("fake", rank=rank, world_size=world)
+        processes.STATE.rank_info = RankInfo(
+            rank=rank,
+            local_rank=0,
+            world_size=world,
+            local_world_size=1,
+            device=torch.device("cpu"),
+            backend="fake",
+            seed=0,
+        )
         yield
     finally:
         processes.STATE.rank_info = None
-        dist.destroy_process_group()
+        if dist.is_initialized():  # the real group must not find this one
+            dist.destroy_process_group()
 
 
 def rehearse(cfg: Config, build_model: Callable[[], torch.nn.Module], rank: int, world: int) -> float | None:
@@ -84,9 +95,11 @@ def rehearse(cfg: Config, build_model: Callable[[], torch.nn.Module], rank: int,
             _one_step(cfg, build_model())
     except Exception as e:  # noqa: BLE001  (a rehearsal only warms a cache: never the spare's end)
         LOGGER.debug(f"disttrain: the spare's rehearsal of a sharded step failed ({type(e).__name__}: {e})")
+        gc.collect()
         return None
-    finally:
-        gc.collect()  # before the spare freezes its long-lived objects
+    # Its model and optimizer hold reference cycles. Not collected when a promotion cut
+    # the rehearsal short (a BaseException): the take-over must not wait for it.
+    gc.collect()
     return time.perf_counter() - start
 
 
