@@ -10,17 +10,18 @@ gradient clip and the optimizer step of a small GPT make about fifty such operat
 caches are warm, wait for it in the step's collectives (and a node's admission pays
 the same in its newcomers).
 
-So a spare, before it waits, builds the config's model, wraps it as the job does at
-the place it will most likely take (`fast_recovery.place_to_join`) on a process group
-of torch's "fake" backend (one that moves no data), and runs the clip and one
-optimizer step on zero gradients. The cache is keyed by the operator, the shapes and
-placements and the mesh's ranks and layout, not by the group, so the real first step
-finds it. It also hands back the mesh it cached, with the rehearsed rank's
-coordinate: a spare promoted to another place forgets the rehearsal when its group
-starts (`runtime.process_group.note_place`), and pays the first step as before.
-Nothing else survives the rehearsal: the fake group is destroyed, this process's rank
-info is reset and its objects are collected. A promotion that arrives during the
-rehearsal cuts it short (`fast_recovery.wait_for_promotion`).
+So a spare that has stood by a while (`fast_recovery.CALM_S`) builds the config's
+model, wraps it as the job does at the place it will most likely take
+(`fast_recovery.place_to_join`) on a process group of torch's "fake" backend (one that
+moves no data), and runs the clip and one optimizer step on zero gradients. The cache
+is keyed by the operator, the shapes and placements and the mesh's ranks and layout,
+not by the group, so the real first step finds it. It also hands back the mesh it
+cached, with the rehearsed rank's coordinate: a spare promoted to another place
+forgets the rehearsal when its group starts (`runtime.process_group.note_place`), and
+pays the first step as before. Nothing else survives the rehearsal: the fake group is
+destroyed, this process's rank info is reset and its objects are collected. A
+promotion that arrives during the rehearsal cuts it short
+(`fast_recovery.wait_for_promotion`).
 
 Only where it is safe and pays: a sharded strategy on the CPU, without compile or fp8.
 On a GPU the spare shares its device with the training process, which the model and
