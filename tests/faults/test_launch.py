@@ -211,13 +211,14 @@ def test_a_bad_warm_workers_switch_is_one_clear_message():
 
 PROBE = '''import os, signal, sys, time
 print("warm" if "torch" in sys.modules else "cold", os.environ.get("PROBE_TAG"), os.getcwd(), flush=True)
+if sys.argv[1] == "wait":  # before the pid is written: the test signals once it reads the pid
+    signal.signal(signal.SIGTERM, lambda *_: (print("saved on SIGTERM", flush=True), sys.exit(0)))
 (open(sys.argv[2], "w").write(str(os.getpid())) if len(sys.argv) > 2 else None)
 if sys.argv[1] == "exit3":
     sys.exit(3)
 if sys.argv[1] == "kill":
     os.kill(os.getpid(), signal.SIGKILL)
 if sys.argv[1] == "wait":
-    signal.signal(signal.SIGTERM, lambda *_: (print("saved on SIGTERM", flush=True), sys.exit(0)))
     time.sleep(120)
 '''
 
