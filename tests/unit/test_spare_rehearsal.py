@@ -32,10 +32,11 @@ def test_a_spare_at_its_rehearsed_place_or_another_trains_and_saves_the_same(tmp
 @pytest.mark.parametrize("parallel, train, wanted", [
     (ParallelConfig(strategy="fsdp", device="cpu"), TrainConfig(), True),
     (ParallelConfig(strategy="ddp", device="cpu"), TrainConfig(), False),  # no DTensor: nothing to warm
+    (ParallelConfig(strategy="fsdp", device="cpu", tp=2), TrainConfig(), False),  # TP's subgroups: unproven
     (ParallelConfig(strategy="fsdp", device="cpu"), TrainConfig(compile=True), False),
     (ParallelConfig(strategy="fsdp", device="cuda"), TrainConfig(), False),  # the GPU is the trainer's
 ])
-def test_a_spare_rehearses_only_sharded_steps_on_the_cpu(parallel, train, wanted):
+def test_a_spare_rehearses_only_fsdp_steps_on_the_cpu(parallel, train, wanted):
     assert pays(Config(parallel=parallel, train=train)) is wanted
     assert pays(Config(parallel=parallel, train=train, elastic=ElasticConfig(rehearse_spares=False))) is False
 

@@ -33,7 +33,7 @@ class ElasticConfig:
     N costs less per step (a large model's shard crosses the network each time) and
     redoes up to N steps."""
     rehearse_spares: bool = True
-    """Under fast_recovery with DTensor parameters (fsdp, tp > 1) on the CPU: a spare that
+    """Under fast_recovery with strategy fsdp (tp = 1) on the CPU: a spare that
     stood by 3 s rehearses its first clip and optimizer step on a fake process group, so
     that its first step after a take-over does not work out torch's sharding plans
     (about 1 s of one core per spare; `train/spare_rehearsal.py`). False saves that CPU."""

@@ -23,9 +23,9 @@ destroyed, this process's rank info is reset and its objects are collected. A
 promotion that arrives during the rehearsal cuts it short
 (`fast_recovery.wait_for_promotion`).
 
-Only where it is safe and pays: a sharded strategy on the CPU, without compile or fp8.
-On a GPU the spare shares its device with the training process, which the model and
-optimizer state of a rehearsal must not take memory from.
+Only where it is safe and pays (`pays`): FSDP on the CPU, without tensor parallelism,
+compile or fp8. On a GPU the spare shares its device with the training process, which
+the model and optimizer state of a rehearsal must not take memory from.
 """
 
 from __future__ import annotations
@@ -48,12 +48,13 @@ from disttrain.train.accumulation import clip_grad_norm
 
 
 def pays(cfg: Config) -> bool:
-    """Whether a spare of this config rehearses: `elastic.rehearse_spares`, DTensor
-    parameters (fsdp, or tp > 1) on the CPU, not compiled, not fp8."""
+    """Whether a spare of this config rehearses: `elastic.rehearse_spares`, FSDP's DTensor
+    parameters on the CPU, not compiled, not fp8. Not with tensor parallelism: its
+    meshes' subgroups are not proven to line up between a rehearsal and the real group."""
     p, t = cfg.parallel, cfg.train
     if not cfg.elastic.rehearse_spares:
         return False
-    sharded = p.strategy == "fsdp" or p.tp > 1
+    sharded = p.strategy == "fsdp" and p.tp == 1
     on_cpu = p.device == "cpu" or (p.device == "auto" and not torch.cuda.is_available())
     return sharded and on_cpu and not t.compile and t.precision != "fp8"
 
