@@ -483,13 +483,13 @@ def run(
     store = None
     if is_spare():
         store = connect_store(timeout_s)  # connected while idle: a take-over does not wait for it
-        calm = (lambda: standby(handoff)) if standby is not None else None
         if handoff.joinable and slot >= handoff.total:  # a joined node's slot: it may now be admitted
-            if calm is not None:  # before it says it is ready: admitted at once after
-                calm()
+            if standby is not None:  # before it says it is ready: admitted at once after
+                standby(handoff)
             join_node.mark_ready(store, slot)
-            calm = None
-        wait_for_promotion(calm)
+            wait_for_promotion()
+        else:
+            wait_for_promotion((lambda: standby(handoff)) if standby is not None else None)
     store = store or connect_store(timeout_s)
     handoff.store = store
     job_stop.share(store, lambda: handoff.gen)  # a note that stops the job reaches every node
