@@ -558,6 +558,18 @@ def test_fsdp_shards_of_four_ranks_are_rebuilt_exactly_for_two_from_the_buddy_pa
     assert results[0]["uneven"][0] != results[1]["uneven"][0], results  # the pieces of a 3-row weight differ
 
 
+def test_a_restore_loads_fsdp_shards_in_place_and_a_salvage_keeps_the_older_pack(tmp_path):
+    """Two parts of an in-memory restore under FSDP (tests/workers/restore_parts.py):
+    a pack loaded back gives every parameter and Adam moment bit for bit, written into
+    the storage FSDP trains; and a buddy whose newest copy arrived as the generation
+    failed keeps the one before too, so a step held for every shard remains when another
+    buddy's newest copy was cut off by the same loss."""
+    results = launch_worker("restore_parts.py", 2, tmp_path)
+    for r in results:
+        assert r["same"] is True and r["kept_storage"] is True, r
+        assert r["theirs"] == [1, 2], r
+
+
 def test_a_process_at_another_rank_of_an_equal_world_places_its_shards_at_the_new_rank(tmp_path):
     """After a shrink and a join a process may train at another rank of a world of the
     same size, with the same shapes. torch caches each DTensor operator's sharding plan

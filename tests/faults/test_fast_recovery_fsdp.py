@@ -18,7 +18,7 @@ import torch
 from conftest import built_once
 from elastic_helpers import assert_same_fast_run, run_trainer
 
-from disttrain.elastic.buddy_copy import buddy_shift, choose_step, pack, unpack
+from disttrain.elastic.buddy_copy import buddy_shift, choose_step, load_model_in_place, pack, unpack
 
 STEPS = 18
 FSDP = ("--parallel.strategy=fsdp", "--elastic.fast_recovery=true", "--checkpoint.every=4")
@@ -165,3 +165,16 @@ def test_pack_and_unpack_keep_every_tensor_bit_for_bit():
     assert torch.equal(back["tensors"]["optim"]["state"]["w"]["flag"], torch.tensor([True, False]))
     with pytest.raises(OverflowError, match="buffer holds"):
         pack(sd, capacity=buf.numel() - 1)
+
+
+def test_a_state_loaded_in_place_or_refused_as_load_state_dict_refuses_it():
+    model = torch.nn.Sequential(torch.nn.Linear(3, 2), torch.nn.BatchNorm1d(2))
+    sd = {k: v.clone() + 1 for k, v in model.state_dict().items()}
+    storages = {k: v.data_ptr() for k, v in model.state_dict().items()}
+    load_model_in_place(model, sd)
+    live = model.state_dict()
+    assert all(torch.equal(live[k], sd[k]) and live[k].data_ptr() == storages[k] for k in sd)
+    with pytest.raises(RuntimeError, match="Missing key"):
+        load_model_in_place(model, {k: v for k, v in sd.items() if k != "0.bias"})
+    with pytest.raises(RuntimeError, match="size mismatch"):
+        load_model_in_place(model, {**sd, "0.weight": torch.zeros(2, 4)})
