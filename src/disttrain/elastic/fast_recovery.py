@@ -158,11 +158,18 @@ def _until_promoted(work: Callable[[], None]) -> None:
 
 
 def warm_up() -> None:
-    """Import now what the first DDP construction and the state hand-off import lazily
-    (torch._dynamo: about 3 s; DCP's state-dict helpers), so a promoted spare does
-    not pay for it during a recovery."""
+    """Import now what the first DDP construction, the state hand-off and rank 0's metrics
+    import lazily (torch._dynamo: about 3 s; DCP's state-dict helpers; TensorBoard's
+    writer, 0.1 s idle and 0.35 s measured in a take-over on two loaded cores), so a
+    promoted spare, or a survivor that becomes rank 0, does not pay for it during a
+    recovery while every peer waits."""
     torch_compat.import_dynamo()  # DistributedDataParallel.__init__ reads its config
     import torch.distributed.checkpoint.state_dict  # noqa: F401  (TrainState.load_state_dict)
+
+    try:  # [log] tensorboard is on by default; train/run_log.py says what to do without it
+        import torch.utils.tensorboard  # noqa: F401
+    except ImportError:
+        pass
 
     if etcd_store.configured():  # the store's client: connect_store imports it otherwise
         etcd_store.preload()
