@@ -8,7 +8,8 @@ imports torch and disttrain, builds its datasets and then waits on its stdin. Un
 `disttrain run` both are forked from its warm server (launch/warm_workers.py) through
 a stub, so neither pays for the imports. When
 the training process is killed by a signal, the supervisor promotes the spare (one
-line on its stdin) and starts a new spare in the background; torchrun sees nothing.
+line on its stdin) and starts a new spare in the background once the take-over is
+over (`REPLACE_AFTER_S`); torchrun sees nothing.
 A spare that dies is replaced the same way. Global rank 0's supervisor also hosts the
 `TCPStore` (at MASTER_ADDR:MASTER_PORT) on which the training processes agree on
 generations, so the store outlives any training process (under the etcd rendezvous
@@ -61,6 +62,11 @@ JOIN_RUN_ENV = "DISTTRAIN_JOIN_RUN"  # elastic.join_node.RUN_ENV: this node join
 STORE_LINGER_S = 60.0
 """How long the store's host waits for every rank to finish with it after its own
 training process is done."""
+REPLACE_AFTER_S = 3.0
+"""How long after a promotion the slot's next spare starts: its start (the worker's
+stub and entry, the datasets, the warm-up imports, 0.3-0.7 s of CPU each, traced) must
+not take the CPU from the take-over it follows (0.4-1.5 s here). A death in that
+window is taken over by a spare started then."""
 
 
 def _spawn(cmd: list[str], role: str) -> subprocess.Popen:
@@ -69,6 +75,36 @@ def _spawn(cmd: list[str], role: str) -> subprocess.Popen:
     env = {**os.environ, ROLE_ENV: role, TOTAL_SLOTS_ENV: os.environ["WORLD_SIZE"]}
     stdin = subprocess.PIPE if role == "spare" else subprocess.DEVNULL
     return subprocess.Popen(cmd, env=env, stdin=stdin, preexec_fn=processes.die_with_parent)
+
+
+def _promote(cmd: list[str], spare: subprocess.Popen | None) -> subprocess.Popen:
+    """Promote the slot's spare and return it; one started now when there is none (a
+    death within `REPLACE_AFTER_S` of the last promotion) or it died just now (not yet
+    reaped)."""
+    if spare is not None:
+        try:
+            _go(spare)
+            return spare
+        except OSError:
+            spare.kill()
+    spare = _spawn(cmd, "spare")
+    _go(spare)
+    return spare
+
+
+def _wait_child(spare_at: float | None) -> tuple[int, int]:
+    """`os.wait()`: the next child to end and its status; (0, 0) once `spare_at` (a
+    monotonic time) has passed with none ended. Without `spare_at` it blocks, polling
+    nothing, so nothing competes with training; with one it looks every 0.05 s."""
+    while spare_at is not None:
+        pid, status = os.waitpid(-1, os.WNOHANG)
+        if pid:
+            return pid, status
+        left = spare_at - time.monotonic()
+        if left <= 0:
+            return 0, 0
+        time.sleep(min(0.05, left))
+    return os.wait()
 
 
 def _host_store():
@@ -207,10 +243,9 @@ def supervise(cmd: list[str], rank: int, world: int) -> int:
             beating.set()
             note_stood_by(rank)
             return 0
-        child = promoted
+        child, spare, spare_at = promoted, None, time.monotonic() + REPLACE_AFTER_S
     else:
-        child = _spawn(cmd, "first")
-    spare = _spawn(cmd, "spare")
+        child, spare, spare_at = _spawn(cmd, "first"), _spawn(cmd, "spare"), None
 
     def forward(signum, _frame):
         stopping.append(signum)
@@ -224,10 +259,12 @@ def supervise(cmd: list[str], rank: int, world: int) -> int:
     promotions = 0
     last_death: str | None = None
     while True:
-        # Block until a child ends: no polling, so nothing competes with training.
-        pid, status = os.wait()
+        pid, status = _wait_child(spare_at)
+        if pid == 0:  # the take-over is over: the next spare starts (none once the job stops)
+            spare, spare_at = (None if stopping else _spawn(cmd, "spare")), None
+            continue
         code = os.waitstatus_to_exitcode(status)
-        if pid == spare.pid:  # a killed spare: replaced in the background
+        if spare is not None and pid == spare.pid:  # a killed spare: replaced in the background
             spare.returncode = code
             if not stopping:
                 print(
@@ -245,12 +282,7 @@ def supervise(cmd: list[str], rank: int, world: int) -> int:
                 wait_to_be_stopped()
                 break
         if rc < 0 and not stopping and promotions < MAX_PROMOTIONS:
-            try:
-                _go(spare)
-            except OSError:  # the spare died just now (not yet reaped): a fresh one takes over
-                spare.kill()
-                spare = _spawn(cmd, "spare")
-                _go(spare)
+            spare = _promote(cmd, spare)
             promotions += 1
             first_to_say(f"promotion-rank{rank}-{promotions:06d}")  # counted if the job is then stopped
             print(
@@ -259,7 +291,7 @@ def supervise(cmd: list[str], rank: int, world: int) -> int:
                 file=sys.stderr,
                 flush=True,
             )
-            child, spare = spare, _spawn(cmd, "spare")
+            child, spare, spare_at = spare, None, time.monotonic() + REPLACE_AFTER_S
             continue
         break
     beating.set()
