@@ -57,8 +57,8 @@ def _stacks(proc) -> str:
     return "\n".join(out)
 
 
-def _ready(endpoint: str, slots: list[int]) -> bool:
-    job = join_node.find_job("grow", endpoint, wait_s=5)
+def _ready(endpoint: str, slots: list[int], run_id: str = "grow") -> bool:
+    job = join_node.find_job(run_id, endpoint, wait_s=5)
     store = etcd_store.connect(endpoint, 5, prefix=job.round)
     return all(store.add(f"disttrain/fast/ready/{s}", 0) > 0 for s in slots)
 
@@ -124,6 +124,61 @@ def test_a_node_joins_a_running_job_in_memory_as_a_restart_from_disk_would(tmp_p
     saved = next(p for p in (out / "checkpoints").iterdir() if p.name.endswith(f"{at:08d}"))
     shutil.copytree(saved, ref / "checkpoints" / saved.name)
     run_trainer(ref, f"--train.steps={STEPS}", *JOB[1:], run_flags=("--nproc", "4"))
+    got, want = load_params(out / "model.pt"), load_params(ref / "model.pt")
+    assert got.keys() == want.keys() and all((got[k] == want[k]).all() for k in got)
+
+
+def test_a_node_lost_then_a_node_joined_trains_and_saves_at_moved_ranks(tmp_path, monkeypatch):
+    """2 nodes x 1 rank, FSDP, a save every step. Node 0 is killed whole: the survivor
+    (rank 1) goes on alone in memory, and is stopped (SIGSTOP) at step 12 until a node
+    started with the job's command plus --join stands by warm. It is admitted: world 2
+    again, the survivor now rank 0. Every save after the admission completes (a process
+    that kept its old rank's shard places wrote chunks that overlap), both agents end by
+    themselves, every sample is used once, and the final weights equal a restart from
+    the disk at world 2 from the admission step's checkpoint, bit for bit."""
+    monkeypatch.setenv("DISTTRAIN_JOB_SECRET", SECRET)
+    out, steps = tmp_path / "moved", 30
+    with EtcdServer().start() as server:
+        flags = ("--nnodes", "2", "--nproc", "1", "--rdzv-backend", "etcd", "--rdzv-endpoint", server.endpoint,
+                 "--rdzv-id", "moved")
+        cmd = trainer_cmd(out, f"--train.steps={steps}", *JOB, *WAIT, run_flags=flags)
+        logs = [tmp_path / f"node{i}.txt" for i in range(3)]
+        # the survivor's generation (1) stops at step 12; the first kill comes after step 4
+        fault = "delay@step:ms=150;stop@step:rank=0,step=12,restart=1"
+        env = {"DISTTRAIN_JOB_SECRET": SECRET, "DISTTRAIN_FAULT": fault}
+        nodes = [_clean_start(cmd, log, **env) for log in logs[:2]]
+        try:
+            wait_for(lambda: any(m["step"] >= 4 for m in metrics(out)), 200, "step 4", logs)
+            first = next(i for i in (0, 1) if "rank 0 (local rank 0) is pid" in logs[i].read_text())
+            survivor = int(re.search(r"rank 1 \(local rank 0\) is pid (\d+)", logs[1 - first].read_text()).group(1))
+            kill_node(nodes[first])
+            wait_for(lambda: any(m["world_size"] == 1 and m["step"] >= 11 for m in metrics(out)), 120,
+                     "the survivor's stop at step 12", logs)
+            nodes.append(_clean_start(cmd[:4] + ["--join"] + cmd[4:], logs[2], **env))
+            wait_for(lambda: _ready(server.endpoint, [2], "moved"), 200, "the joined slot's warm spare", logs)
+            time.sleep(0.5)  # past the job's next look for ready slots
+            os.kill(survivor, signal.SIGCONT)
+            for i in (1 - first, 2):
+                assert nodes[i].wait(timeout=240) == 0, logs[i].read_text()[-4000:]
+        finally:
+            for node in nodes:
+                kill_node(node)
+    text = logs[1 - first].read_text()
+    admitted = re.search(r"slot\(s\) \[2\] of a node that joined are admitted after step (\d+)", text)
+    assert admitted, text[-4000:]
+    at = int(admitted.group(1))
+    assert "was not saved" not in text + logs[2].read_text()
+    for i in (1 - first, 2):
+        assert logs[i].read_text().rstrip().splitlines()[-1].startswith(
+            "disttrain run: finished at world 2: slot(s) [2] of nodes that joined were admitted in memory"), i
+    timeline = audit_timeline(out)
+    assert sorted(timeline) == list(range(1, steps + 1)) and all(len(v) == 8 for v in timeline.values())
+    assert max(Counter(i for v in timeline.values() for i in v).values()) == 1
+    ref = tmp_path / "ref"
+    (ref / "checkpoints").mkdir(parents=True)
+    saved = next(p for p in (out / "checkpoints").iterdir() if p.name.endswith(f"{at:08d}"))
+    shutil.copytree(saved, ref / "checkpoints" / saved.name)
+    run_trainer(ref, f"--train.steps={steps}", *JOB[1:], run_flags=("--nproc", "2"))
     got, want = load_params(out / "model.pt"), load_params(ref / "model.pt")
     assert got.keys() == want.keys() and all((got[k] == want[k]).all() for k in got)
 
