@@ -5,6 +5,7 @@ has a timeout: a hang fails the test."""
 
 from __future__ import annotations
 
+import json
 import os
 import random
 import re
@@ -463,7 +464,7 @@ def test_a_standby_slot_promotes_its_spare_when_named_and_ends_when_the_job_does
     store = job_store.JobStore(raw, job_secret.from_env({job_secret.SECRET_ENV: job_secret.new_secret()}))
     monkeypatch.setattr(job_store, "connect", lambda timeout_s: store)
     monkeypatch.setenv("WORLD_SIZE", "4")  # torchrun's: 2 slots that train, 2 that stand by
-    spare = [sys.executable, "-c", "import sys; sys.exit(0 if sys.stdin.readline() == 'go\\n' else 3)"]
+    spare = [sys.executable, "-c", "import sys; sys.exit(0 if sys.stdin.readline().strip() == 'go' else 3)"]
     store.set(membership.ROSTER_KEY, "[0, 2]")  # slot 2 takes slot 1's place
     promoted = slot_supervisor._stand_by(spare, 2, 2, [])
     assert promoted is not None and promoted.wait(timeout=60) == 0
@@ -475,6 +476,35 @@ def test_a_standby_slot_promotes_its_spare_when_named_and_ends_when_the_job_does
     store.add(membership.DONE_KEY, 2)
     assert slot_supervisor.supervise(spare, 3, 2) == 0  # slot 3 stands by until the job is over
     assert store.add(membership.STANDBY_DONE_KEY, 0) == 1 and worker_notes.read_stood_by(notes)
+
+
+_NEXT_SPARE = """
+import json, subprocess, sys, time
+from disttrain.launch import slot_supervisor as s
+spare = [sys.executable, "-c", "import sys; sys.exit(0 if sys.stdin.readline().strip() == 'go' else 3)"]
+promoted = s._promote(spare, None)  # a death before the next spare started: one started now
+got = {"promoted": promoted.wait(timeout=60)}
+slow = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(60)"])
+got["none_ended"] = s._wait_child(time.monotonic() + 0.2)  # time for the next spare
+quick = subprocess.Popen([sys.executable, "-c", "pass"])
+pid, _ = s._wait_child(time.monotonic() + 60)
+got["ended_first"] = pid == quick.pid
+slow.kill()
+got["blocking"] = s._wait_child(None)[0] == slow.pid
+print(json.dumps(got))
+"""
+
+
+def test_a_slot_promotes_a_spare_started_at_once_and_waits_for_its_next_spares_time():
+    """After a promotion the slot's next spare starts only `REPLACE_AFTER_S` later: its
+    wait for a child returns when one ends, or with none once that time has come; a
+    death before then is taken over by a spare started at once and promoted. Run in a
+    process of its own: the wait reaps any child of the process."""
+    out = subprocess.run([sys.executable, "-c", _NEXT_SPARE], capture_output=True, text=True, timeout=120,
+                         env=worker_env(WORLD_SIZE="2"))  # torchrun's, which a spare's environment carries
+    assert out.returncode == 0, out.stderr[-3000:]
+    got = json.loads(out.stdout.strip().splitlines()[-1])
+    assert got == {"promoted": 0, "none_ended": [0, 0], "ended_first": True, "blocking": True}, got
 
 
 @pytest.mark.parametrize(("world", "total"), [(2, 2), (2, 3)])
