@@ -209,13 +209,7 @@ def _stand_by(cmd: list[str], rank: int, world: int, stopping: list[int]) -> sub
                 spare = _spawn(cmd, "spare")
             members = membership.roster(store, world)
             if rank in members:
-                try:
-                    _go(spare)
-                except OSError:  # the spare died just now (not yet reaped): a fresh one takes the place
-                    spare.kill()
-                    spare = _spawn(cmd, "spare")
-                    _go(spare)
-                return spare
+                return _promote(cmd, spare)
             if store.add(membership.DONE_KEY, 0) >= len(members):  # the job is over
                 break
             time.sleep(STANDBY_POLL_S)
