@@ -63,6 +63,24 @@ def _ready(endpoint: str, slots: list[int], run_id: str = "grow") -> bool:
     return all(store.add(f"disttrain/fast/ready/{s}", 0) > 0 for s in slots)
 
 
+def _assert_each_sample_once(out: Path, steps: int) -> None:
+    """Every step 1..steps took a global batch of 8 samples, and no sample came twice (one epoch)."""
+    timeline = audit_timeline(out)
+    assert sorted(timeline) == list(range(1, steps + 1)) and all(len(v) == 8 for v in timeline.values())
+    assert max(Counter(i for v in timeline.values() for i in v).values()) == 1
+
+
+def _assert_same_as_a_restart_from_disk(out: Path, ref: Path, at: int, steps: int, nproc: int) -> None:
+    """The disk's way to the same world: `out`'s checkpoint of step `at` resumed by `nproc`
+    ranks (in `ref`) ends with the same weights as `out`, bit for bit."""
+    (ref / "checkpoints").mkdir(parents=True)
+    saved = next(p for p in (out / "checkpoints").iterdir() if p.name.endswith(f"{at:08d}"))
+    shutil.copytree(saved, ref / "checkpoints" / saved.name)
+    run_trainer(ref, f"--train.steps={steps}", *JOB[1:], run_flags=("--nproc", str(nproc)))
+    got, want = load_params(out / "model.pt"), load_params(ref / "model.pt")
+    assert got.keys() == want.keys() and all((got[k] == want[k]).all() for k in got)
+
+
 def test_a_node_joins_a_running_job_in_memory_as_a_restart_from_disk_would(tmp_path, monkeypatch):
     """A 1 x 2 FSDP job (global batch 8: 2 ranks x 2 samples x 2 micro-batches); rank 0
     is stopped (SIGSTOP) before step 8's update until a second node of 2 slots, started
@@ -114,18 +132,9 @@ def test_a_node_joins_a_running_job_in_memory_as_a_restart_from_disk_would(tmp_p
         assert log.read_text().rstrip().splitlines()[-1] == (
             "disttrain run: finished at world 4: slot(s) [2, 3] of nodes that joined were admitted in memory "
             "with no torchrun restart.")
-    timeline = audit_timeline(out)
-    assert sorted(timeline) == list(range(1, STEPS + 1)) and all(len(v) == 8 for v in timeline.values())
-    assert max(Counter(i for v in timeline.values() for i in v).values()) == 1  # one epoch: each sample once
+    _assert_each_sample_once(out, STEPS)
     assert {m["step"] for m in metrics(out)} == set(range(1, STEPS + 1))
-    # the disk's way to the same world: the admission step's checkpoint resumed by 4 ranks
-    ref = tmp_path / "ref"
-    (ref / "checkpoints").mkdir(parents=True)
-    saved = next(p for p in (out / "checkpoints").iterdir() if p.name.endswith(f"{at:08d}"))
-    shutil.copytree(saved, ref / "checkpoints" / saved.name)
-    run_trainer(ref, f"--train.steps={STEPS}", *JOB[1:], run_flags=("--nproc", "4"))
-    got, want = load_params(out / "model.pt"), load_params(ref / "model.pt")
-    assert got.keys() == want.keys() and all((got[k] == want[k]).all() for k in got)
+    _assert_same_as_a_restart_from_disk(out, tmp_path / "ref", at, STEPS, nproc=4)
 
 
 def test_a_node_lost_then_a_node_joined_trains_and_saves_at_moved_ranks(tmp_path, monkeypatch):
@@ -171,16 +180,8 @@ def test_a_node_lost_then_a_node_joined_trains_and_saves_at_moved_ranks(tmp_path
     for i in (1 - first, 2):
         assert logs[i].read_text().rstrip().splitlines()[-1].startswith(
             "disttrain run: finished at world 2: slot(s) [2] of nodes that joined were admitted in memory"), i
-    timeline = audit_timeline(out)
-    assert sorted(timeline) == list(range(1, steps + 1)) and all(len(v) == 8 for v in timeline.values())
-    assert max(Counter(i for v in timeline.values() for i in v).values()) == 1
-    ref = tmp_path / "ref"
-    (ref / "checkpoints").mkdir(parents=True)
-    saved = next(p for p in (out / "checkpoints").iterdir() if p.name.endswith(f"{at:08d}"))
-    shutil.copytree(saved, ref / "checkpoints" / saved.name)
-    run_trainer(ref, f"--train.steps={steps}", *JOB[1:], run_flags=("--nproc", "2"))
-    got, want = load_params(out / "model.pt"), load_params(ref / "model.pt")
-    assert got.keys() == want.keys() and all((got[k] == want[k]).all() for k in got)
+    _assert_each_sample_once(out, steps)
+    _assert_same_as_a_restart_from_disk(out, tmp_path / "ref", at, steps, nproc=2)
 
 
 @pytest.mark.parametrize("flags, words", [
