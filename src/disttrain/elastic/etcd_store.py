@@ -73,13 +73,19 @@ class EtcdStore(dist.Store):
         self.client = client
         self.prefix = "/" + prefix.strip("/") + "/"
         self._timeout = timeout
+        self._read_at: dict[str, int | None] = {}
+        """Per key: etcd's index when this store last read it (`wait_for_change`)."""
         self.set_timeout(timeout)
 
     def _read(self, key: str) -> etcd.EtcdResult | None:
         try:
-            return self.client.read(self.prefix + _key(key))
-        except _etcd().EtcdKeyNotFound:
+            node = self.client.read(self.prefix + _key(key))
+        except _etcd().EtcdKeyNotFound as absent:
+            payload = absent.payload if isinstance(absent.payload, dict) else {}
+            self._read_at[key] = payload.get("index") if isinstance(payload.get("index"), int) else None
             return None
+        self._read_at[key] = node.etcd_index
+        return node
 
     def set(self, key: str, value: str | bytes) -> None:
         self.client.write(self.prefix + _key(key), _value(value))
@@ -114,6 +120,25 @@ class EtcdStore(dist.Store):
                 return new
             except (_etcd().EtcdAlreadyExist, _etcd().EtcdCompareFailed, _etcd().EtcdKeyNotFound):
                 continue  # another rank wrote first, or removed the key: read again
+
+    def wait_for_change(self, key: str, timeout_s: float) -> bool:
+        """Block until `key` is written or deleted after this store's last read of it (or,
+        never read, after now), or `timeout_s` passed; whether it changed. One long-poll
+        request (etcd's watch from the index that read saw), so a change made between the
+        read and this call is not missed. Errors as `read_once`'s."""
+        import urllib3  # python-etcd's own HTTP client
+
+        since = self._read_at.get(key)
+        # The short limit is the answer's; a connection (made anew after each watch that
+        # timed out) gets the store's.
+        limit = urllib3.Timeout(connect=self._timeout.total_seconds(), read=timeout_s)
+        try:
+            self.client.watch(self.prefix + _key(key), index=since + 1 if since else None, timeout=limit)
+        except _etcd().EtcdWatchTimedOut:
+            return False
+        except _etcd().EtcdEventIndexCleared:  # etcd keeps its last 1,000 events: older ones changed it
+            pass
+        return True
 
     def check(self, keys: list[str]) -> bool:
         return all(self._read(k) is not None for k in keys)

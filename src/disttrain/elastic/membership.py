@@ -35,7 +35,7 @@ import os
 import threading
 import time
 
-from disttrain.elastic import liveness
+from disttrain.elastic import etcd_store, liveness
 from disttrain.elastic.job_store import JobStore
 from disttrain.runtime.log import EVERY_RANK, LOGGER
 
@@ -118,6 +118,16 @@ def roster(store: JobStore, world: int) -> list[int]:
     """The slots in the job now, in rank order (all `world` of them until a shrink)."""
     text = store.get(ROSTER_KEY)
     return list(range(world)) if text is None else [int(s) for s in json.loads(text)]
+
+
+def await_roster(store: JobStore, timeout_s: float) -> None:
+    """Return once the roster changes after this store's last `roster` read, or after
+    `timeout_s`. On the etcd that is one watch, so a standby slot is promoted as soon as a
+    roster names it, not at its next poll; on a TCP store (which has no watch) a sleep."""
+    if isinstance(store.store, etcd_store.EtcdStore):
+        store.store.wait_for_change(ROSTER_KEY, timeout_s)
+    else:
+        time.sleep(timeout_s)
 
 
 def gone(store: JobStore) -> list[int]:

@@ -212,7 +212,7 @@ def _stand_by(cmd: list[str], rank: int, world: int, stopping: list[int]) -> sub
                 return _promote(cmd, spare)
             if store.add(membership.DONE_KEY, 0) >= len(members):  # the job is over
                 break
-            time.sleep(STANDBY_POLL_S)
+            membership.await_roster(store, STANDBY_POLL_S)  # on the etcd: woken by the roster's change
         note_standby_lost(membership.found_dead_standby(store))  # this node's exit barrier
         # counted out (on a stop and a signal too): the store's host waits for it
         membership.finish(store, world, int(os.environ["WORLD_SIZE"]), standby=True)
