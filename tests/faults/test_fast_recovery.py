@@ -84,7 +84,9 @@ def test_kill_9_at_random_points_and_in_quick_succession(reference, tmp_path):
     spec = ";".join(f"kill@{phase}:rank={rank},step={s},restart={k}" for k, (s, phase, rank) in enumerate(points))
     text = run_fast(tmp_path, spec)
     assert text.count("disttrain fault: kill") == 5, f"seed {seed}"
-    assert text.count("its warm spare took over") == 5, f"seed {seed}"
+    # rank 1's second and third deaths may come within `REPLACE_AFTER_S` of a take-over:
+    # a spare started then takes over, and the line says so
+    assert text.count("took over and the job goes on from memory") == 5, f"seed {seed}"
     # The last holder of the state dies while handing it over: the disk checkpoint of step 18.
     assert "no rank holds the state in memory; loading the newest checkpoint" in text
     assert "resumed at step 18" in text
@@ -482,8 +484,8 @@ _NEXT_SPARE = """
 import json, subprocess, sys, time
 from disttrain.launch import slot_supervisor as s
 spare = [sys.executable, "-c", "import sys; sys.exit(0 if sys.stdin.readline().strip() == 'go' else 3)"]
-promoted = s._promote(spare, None)  # a death before the next spare started: one started now
-got = {"promoted": promoted.wait(timeout=60)}
+promoted, who = s._promote(spare, None)  # a death before the next spare started: one started now
+got = {"promoted": promoted.wait(timeout=60), "warm": who == "its warm spare"}
 slow = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(60)"])
 got["none_ended"] = s._wait_child(time.monotonic() + 0.2)  # time for the next spare
 quick = subprocess.Popen([sys.executable, "-c", "pass"])
@@ -504,7 +506,7 @@ def test_a_slot_promotes_a_spare_started_at_once_and_waits_for_its_next_spares_t
                          env=worker_env(WORLD_SIZE="2"))  # torchrun's, which a spare's environment carries
     assert out.returncode == 0, out.stderr[-3000:]
     got = json.loads(out.stdout.strip().splitlines()[-1])
-    assert got == {"promoted": 0, "none_ended": [0, 0], "ended_first": True, "blocking": True}, got
+    assert got == {"promoted": 0, "warm": False, "none_ended": [0, 0], "ended_first": True, "blocking": True}, got
 
 
 @pytest.mark.parametrize(("world", "total"), [(2, 2), (2, 3)])

@@ -66,7 +66,7 @@ def test_w2_kills_at_random_points_and_during_the_buddy_copy(references, tmp_pat
     points.append((13, "buddy", rng.randrange(2)))
     print(f"fault seed {seed}: {points}")
     text = _run(tmp_path, 2, *FSDP, fault=";".join(_kill(s, ph, r, k) for k, (s, ph, r) in enumerate(points)))
-    assert text.count("its warm spare took over") == 3, f"seed {seed}"
+    assert text.count("took over and the job goes on from memory") == 3, f"seed {seed}"  # warm or just started
     assert text.count("restored from memory (shards of ranks") == 3, f"seed {seed}"
     assert "loading the newest checkpoint" not in text and "will restart worker group" not in text
     assert_same_run(references[2], tmp_path, 2)
@@ -81,7 +81,7 @@ def test_w4_two_ranks_at_once_then_a_buddy_during_the_hand_over(references, tmp_
     fault = ";".join([_kill(7, "backward", 0, 0), _kill(7, "backward", 2, 0),
                       _kill(14, "forward", 2, 2), _kill(13, "recovery", 3, 3)])
     text = _run(tmp_path, 4, *FSDP, fault=fault, timeout=420)
-    assert text.count("its warm spare took over") == 4
+    assert text.count("took over and the job goes on from memory") == 4  # rank 2 twice: warm or just started
     assert re.search(r"step \d+ restored from memory \(shards of ranks \[0, 2\] from their buddies\)", text)
     assert "no step has every shard in memory; loading the newest checkpoint" in text
     assert "resumed at step 12" in text

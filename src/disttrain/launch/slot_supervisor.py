@@ -77,19 +77,22 @@ def _spawn(cmd: list[str], role: str) -> subprocess.Popen:
     return subprocess.Popen(cmd, env=env, stdin=stdin, preexec_fn=processes.die_with_parent)
 
 
-def _promote(cmd: list[str], spare: subprocess.Popen | None) -> subprocess.Popen:
-    """Promote the slot's spare and return it; one started now when there is none (a
-    death within `REPLACE_AFTER_S` of the last promotion) or it died just now (not yet
-    reaped)."""
-    if spare is not None:
+def _promote(cmd: list[str], spare: subprocess.Popen | None) -> tuple[subprocess.Popen, str]:
+    """Promote the slot's spare; return it and, for the console, which spare it is: a
+    warm one, or one started now because there is none (a death within
+    `REPLACE_AFTER_S` of the last promotion) or it died just now (not yet reaped)."""
+    if spare is None:
+        why = f"no warm one yet: the slot's last take-over was under {REPLACE_AFTER_S:.0f} s ago"
+    else:
         try:
             _go(spare)
-            return spare
+            return spare, "its warm spare"
         except OSError:
             spare.kill()
+        why = "its warm spare had just exited"
     spare = _spawn(cmd, "spare")
     _go(spare)
-    return spare
+    return spare, f"a spare started now ({why})"
 
 
 def _wait_child(spare_at: float | None) -> tuple[int, int]:
@@ -209,7 +212,7 @@ def _stand_by(cmd: list[str], rank: int, world: int, stopping: list[int]) -> sub
                 spare = _spawn(cmd, "spare")
             members = membership.roster(store, world)
             if rank in members:
-                return _promote(cmd, spare)
+                return _promote(cmd, spare)[0]
             if store.add(membership.DONE_KEY, 0) >= len(members):  # the job is over
                 break
             membership.await_roster(store, STANDBY_POLL_S)  # on the etcd: woken by the roster's change
@@ -276,11 +279,11 @@ def supervise(cmd: list[str], rank: int, world: int) -> int:
                 wait_to_be_stopped()
                 break
         if rc < 0 and not stopping and promotions < MAX_PROMOTIONS:
-            spare = _promote(cmd, spare)
+            spare, who = _promote(cmd, spare)
             promotions += 1
             first_to_say(f"promotion-rank{rank}-{promotions:06d}")  # counted if the job is then stopped
             print(
-                f"disttrain run: rank {rank}'s training process died ({_how(rc)}); its warm spare "
+                f"disttrain run: rank {rank}'s training process died ({_how(rc)}); {who} "
                 f"took over and the job goes on from memory (take-over {promotions})",
                 file=sys.stderr,
                 flush=True,
