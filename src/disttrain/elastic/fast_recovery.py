@@ -160,10 +160,13 @@ def _until_promoted(work: Callable[[], None]) -> None:
 def warm_up() -> None:
     """Import now what the first DDP construction, the state hand-off and rank 0's metrics
     import lazily (torch._dynamo: about 3 s; DCP's state-dict helpers; TensorBoard's
-    writer, 0.1 s idle and 0.35 s measured in a take-over on two loaded cores), so a
-    promoted spare, or a survivor that becomes rank 0, does not pay for it during a
-    recovery while every peer waits."""
+    writer, 0.1 s idle and 0.35 s measured in a take-over on two loaded cores; rich's
+    progress bar, 0.06 s idle and 0.09 s in a take-over), so a promoted spare, or a
+    survivor that becomes rank 0, does not pay for it during a recovery while every peer
+    waits."""
     torch_compat.import_dynamo()  # DistributedDataParallel.__init__ reads its config
+    import rich.console  # noqa: F401  (train/progress.py: rank 0's bar)
+    import rich.progress  # noqa: F401
     import torch.distributed.checkpoint.state_dict  # noqa: F401  (TrainState.load_state_dict)
 
     try:  # [log] tensorboard is on by default; train/run_log.py says what to do without it
