@@ -38,8 +38,14 @@ class DistributedMismatchError(UserError):
     checks: `dt.check_consistency`, `dt.start_guard`, `dt.check_replicas`, and the
     `dt.Accumulator` and `dt.Job` start checks. The message names the field or
     parameter that differs, each rank's value and the ranks that differ from the
-    majority. A `UserError`.
+    majority. A `UserError`. `fingerprints`: what each rank sent, in rank order, where
+    the check compared whole fingerprints (`dt.start_guard`, `dt.check_consistency`);
+    empty otherwise.
     """
+
+    def __init__(self, message: str, fingerprints: list[dict[str, str]] | None = None) -> None:
+        super().__init__(message)
+        self.fingerprints = fingerprints or []
 
 
 class Exit:

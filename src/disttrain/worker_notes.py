@@ -430,20 +430,20 @@ SHRUNK = "shrunk"
 RESTART_PATH = "restart-path"
 
 
-def note_shrunk(
-    world: int, lost: list[int], gen: int, spares: list[int] | tuple = (), joined: list[int] | tuple = ()
-) -> None:
-    """Generation `gen` of the job runs in memory at `world` ranks without the slots
+def note_shrunk(world: int, lost: list[int], spares: list[int] | tuple = (), joined: list[int] | tuple = ()) -> None:
+    """A new generation of the job runs in memory at `world` ranks without the slots
     `lost` (their supervisors stopped beating: a node is gone), hot-spare slots `spares`
     in their places if any, and with the slots `joined` of nodes that joined, for the
     launcher: its exit barrier waits for the agents left, and its last line says so
-    (`read_shrunk`). The newest note wins; none in generation 0 (a new torchrun
-    attempt, whole again) removes the note. A no-op outside `disttrain run`."""
+    (`read_shrunk`). The newest note wins; a generation with neither (generation 0 of a
+    new torchrun attempt, whole again, or one whose newcomers were refused at start:
+    `fast_recovery.Handoff.refuse_newcomers`) removes the note. A no-op outside
+    `disttrain run`."""
     folder = _folder()
     if folder is not None and (lost or joined):
         record = {"world": world, "lost": sorted(lost), "spares": sorted(spares), "joined": sorted(joined)}
         _replace(folder / SHRUNK, json.dumps(record))
-    elif folder is not None and gen == 0:
+    elif folder is not None:
         (folder / SHRUNK).unlink(missing_ok=True)
 
 

@@ -11,6 +11,7 @@ import signal
 import sys
 import time
 from collections import Counter
+from contextlib import contextmanager
 from pathlib import Path
 
 import pytest
@@ -63,6 +64,39 @@ def _ready(endpoint: str, slots: list[int], run_id: str = "grow") -> bool:
     return all(store.add(f"disttrain/fast/ready/{s}", 0) > 0 for s in slots)
 
 
+@contextmanager
+def _joined_while_stopped(tmp_path: Path, out: Path, joiner_flags: tuple[str, ...] = (), before_join=None):
+    """A 1 x 2 job of `JOB` (run id "grow", on an etcd of its own) whose rank 0 is stopped
+    (SIGSTOP) at step `STOP_AT`; then a second node of 2 slots, started with the job's
+    own command plus --join and `joiner_flags`; rank 0 goes on once that node's warm
+    spares stand by. `before_join(endpoint)` runs once the job has started. Yields the
+    two agents and their logs; every process is killed on leaving."""
+    with EtcdServer().start() as server:
+        flags = ("--nnodes", "1", "--nproc", "2", "--rdzv-backend", "etcd", "--rdzv-endpoint", server.endpoint,
+                 "--rdzv-id", "grow")
+        cmd = trainer_cmd(out, f"--train.steps={STEPS}", *JOB, *WAIT, run_flags=flags)
+        logs = [tmp_path / "job.txt", tmp_path / "joiner.txt"]
+        env = {"DISTTRAIN_JOB_SECRET": SECRET, "DISTTRAIN_FAULT": f"stop@step:rank=0,step={STOP_AT}"}
+        nodes = [_clean_start(cmd, logs[0], **env)]
+        try:
+            wait_for(lambda: "rank 0 (local rank 0) is pid" in logs[0].read_text(), 120, "the job's start", logs)
+            rank0 = int(re.search(r"rank 0 \(local rank 0\) is pid (\d+)", logs[0].read_text()).group(1))
+            if before_join is not None:
+                before_join(server.endpoint)
+            wait_for(lambda: any(m["step"] >= STOP_AT - 1 for m in metrics(out)), 120, "rank 0 stopped", logs)
+            nodes.append(_clean_start(cmd[:4] + ["--join"] + cmd[4:] + list(joiner_flags), logs[1], **env))
+            try:
+                wait_for(lambda: _ready(server.endpoint, [2, 3]), 200, "the joined slots' warm spares", logs)
+            except AssertionError as e:
+                raise AssertionError(f"{e}\n--- the joining node's processes\n{_stacks(nodes[1])}") from None
+            time.sleep(0.5)  # past the job's next look for ready slots
+            os.kill(rank0, signal.SIGCONT)
+            yield nodes, logs
+        finally:
+            for node in nodes:
+                kill_node(node)
+
+
 def _assert_each_sample_once(out: Path, steps: int) -> None:
     """Every step 1..steps took a global batch of 8 samples, and no sample came twice (one epoch)."""
     timeline = audit_timeline(out)
@@ -93,33 +127,16 @@ def test_a_node_joins_a_running_job_in_memory_as_a_restart_from_disk_would(tmp_p
     so at once."""
     monkeypatch.setenv("DISTTRAIN_JOB_SECRET", SECRET)
     out = tmp_path / "grown"
-    with EtcdServer().start() as server:
-        flags = ("--nnodes", "1", "--nproc", "2", "--rdzv-backend", "etcd", "--rdzv-endpoint", server.endpoint,
-                 "--rdzv-id", "grow")
-        cmd = trainer_cmd(out, f"--train.steps={STEPS}", *JOB, *WAIT, run_flags=flags)
-        logs = [tmp_path / "job.txt", tmp_path / "joiner.txt"]
-        env = {"DISTTRAIN_JOB_SECRET": SECRET, "DISTTRAIN_FAULT": f"stop@step:rank=0,step={STOP_AT}"}
-        nodes = [_clean_start(cmd, logs[0], **env)]
-        try:
-            wait_for(lambda: "rank 0 (local rank 0) is pid" in logs[0].read_text(), 120, "the job's start", logs)
-            rank0 = int(re.search(r"rank 0 \(local rank 0\) is pid (\d+)", logs[0].read_text()).group(1))
-            monkeypatch.setenv("DISTTRAIN_JOB_SECRET", "cd" * 32)
-            with pytest.raises(UserError, match="another DISTTRAIN_JOB_SECRET"):
-                join_node.find_job("grow", server.endpoint, wait_s=60)
-            monkeypatch.setenv("DISTTRAIN_JOB_SECRET", SECRET)
-            wait_for(lambda: any(m["step"] >= STOP_AT - 1 for m in metrics(out)), 120, "rank 0 stopped", logs)
-            nodes.append(_clean_start(cmd[:4] + ["--join"] + cmd[4:], logs[1], **env))
-            try:
-                wait_for(lambda: _ready(server.endpoint, [2, 3]), 200, "the joined slots' warm spares", logs)
-            except AssertionError as e:
-                raise AssertionError(f"{e}\n--- the joining node's processes\n{_stacks(nodes[1])}") from None
-            time.sleep(0.5)  # past the job's next look for ready slots
-            os.kill(rank0, signal.SIGCONT)
-            for node, log in zip(nodes, logs, strict=True):
-                assert node.wait(timeout=150) == 0, log.read_text()[-4000:]
-        finally:
-            for node in nodes:
-                kill_node(node)
+
+    def another_secret_is_told(endpoint: str) -> None:
+        monkeypatch.setenv("DISTTRAIN_JOB_SECRET", "cd" * 32)
+        with pytest.raises(UserError, match="another DISTTRAIN_JOB_SECRET"):
+            join_node.find_job("grow", endpoint, wait_s=60)
+        monkeypatch.setenv("DISTTRAIN_JOB_SECRET", SECRET)
+
+    with _joined_while_stopped(tmp_path, out, before_join=another_secret_is_told) as (nodes, logs):
+        for node, log in zip(nodes, logs, strict=True):
+            assert node.wait(timeout=150) == 0, log.read_text()[-4000:]
     text = logs[0].read_text()
     admitted = re.search(r"slot\(s\) \[2, 3\] of a node that joined are admitted after step (\d+)", text)
     assert admitted, text[-4000:]
@@ -182,6 +199,52 @@ def test_a_node_lost_then_a_node_joined_trains_and_saves_at_moved_ranks(tmp_path
             "disttrain run: finished at world 2: slot(s) [2] of nodes that joined were admitted in memory"), i
     _assert_each_sample_once(out, steps)
     _assert_same_as_a_restart_from_disk(out, tmp_path / "ref", at, steps, nproc=2)
+
+
+def test_a_node_that_joins_with_another_config_is_refused_and_the_job_goes_on(tmp_path, monkeypatch):
+    """The user's mistake on the joining node: its command carries another learning rate.
+    A 1 x 2 FSDP job is stopped (SIGSTOP) at step 8 until the node stands by warm; it is
+    admitted, its ranks and the job's disagree at the start checks, and only the joined
+    ranks differ: they are not admitted. The joining node stops with the check's words
+    (the differing key, each rank's value) and exit 2; the job is not stopped by it and
+    goes on at world 2 from the buddy copies in memory, with no restart and no line
+    claiming a growth, and ends with the weights of a run that no node joined, bit for
+    bit, every sample once."""
+    monkeypatch.setenv("DISTTRAIN_JOB_SECRET", SECRET)
+    out, ref = tmp_path / "refused", tmp_path / "ref"
+    with _joined_while_stopped(tmp_path, out, joiner_flags=("--optim.lr=0.02",)) as (nodes, logs):
+        assert nodes[1].wait(timeout=150) == 2, logs[1].read_text()[-4000:]
+        assert nodes[0].wait(timeout=150) == 0, logs[0].read_text()[-4000:]
+    joiner, text = logs[1].read_text(), logs[0].read_text()
+    assert "this node's rank was not admitted to the running job, which goes on without it" in joiner
+    assert "differing keys (1): optim.lr: rank 0=0.01, rank 1=0.01, rank 2=0.02, rank 3=0.02" in joiner, joiner
+    assert "Traceback" not in joiner
+    assert re.search(r"slot\(s\) \[2, 3\] of a node that joined are admitted after step \d+", text), text[-3000:]
+    assert "slot(s) [2, 3] new to the job were not admitted: they differ from it at start (config" in text
+    assert re.search(r"the world is 2 ranks again; step \d+ resharded from the buddy copies in memory", text)
+    assert "finished at world" not in text and "error" not in text.lower()
+    assert "will restart worker group" not in text and "loading the newest checkpoint" not in text
+    _assert_each_sample_once(out, STEPS)
+    ref.mkdir()
+    run_trainer(ref, f"--train.steps={STEPS}", *JOB, run_flags=("--nproc", "2"))
+    got, want = load_params(out / "model.pt"), load_params(ref / "model.pt")
+    assert got.keys() == want.keys() and all((got[k] == want[k]).all() for k in got)
+
+
+@pytest.mark.parametrize("veteran, prints, refused", [
+    # the joined ranks 2 and 3 carry another config: refused, with the key that differs
+    ([True, True, False, False], [{"config": "a"}] * 2 + [{"config": "b"}] * 2, ([2, 3], ["config"])),
+    # one veteran, two newcomers: the veteran's values are the job's, not the majority's
+    ([True, False, False], [{"config": "a", "torch": "1"}] + [{"config": "b", "torch": "1"}] * 2, ([1, 2], ["config"])),
+    # a newcomer that matches (a killed rank's spare) stays; the one that differs is refused
+    ([True, False, False], [{"torch": "1"}, {"torch": "1"}, {"torch": "2"}], ([2], ["torch"])),
+    # the job's own ranks disagree: its error, nobody refused
+    ([True, True, False], [{"config": "a"}, {"config": "b"}, {"config": "a"}], ([], [])),
+    # the first generation: no veteran, the majority's error as before
+    ([False, False], [{"config": "a"}, {"config": "b"}], ([], [])),
+])
+def test_newcomers_that_differ_from_the_veterans_are_the_ones_refused(veteran, prints, refused):
+    assert join_node.differing_newcomers(veteran, prints) == refused
 
 
 @pytest.mark.parametrize("flags, words", [

@@ -120,8 +120,9 @@ def reshard(state, held: dict[int, dict[int, torch.Tensor]], old_world: int, gen
         LOGGER.info(f"{speaker()}: generation {gen}: the buddy copies are not resharded here ({refused[0]})")
         return False
     load_live_state(state, new)
+    world = dist.get_world_size()
+    change = f"changed ({old_world} -> {world} ranks)" if world != old_world else f"is {world} ranks again"
     LOGGER.info(
-        f"{speaker()}: generation {gen}: the world changed ({old_world} -> {dist.get_world_size()} ranks); "
-        f"step {step} resharded from the buddy copies in memory"
+        f"{speaker()}: generation {gen}: the world {change}; step {step} resharded from the buddy copies in memory"
     )
     return True

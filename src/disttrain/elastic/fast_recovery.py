@@ -64,7 +64,7 @@ from disttrain.elastic import (
 )
 from disttrain.elastic.buddy_copy import BuddyCopy, pack, resharded_words, unpack
 from disttrain.elastic.job_store import JobStore
-from disttrain.errors import UserError
+from disttrain.errors import DistributedMismatchError, UserError
 from disttrain.runtime import failures, fault_injection, processes, torch_compat
 from disttrain.runtime.collectives import all_gather_json, broadcast_bytes, gather_ints
 from disttrain.runtime.log import EVERY_RANK, LOGGER, speaker
@@ -282,6 +282,30 @@ class Handoff:
     _polled: float = 0.0
     _waiting: list = field(default_factory=list)
     """Rank 0: the joined slots found ready at the last poll."""
+    veteran: bool = False
+    """This process passed a generation's start checks (`dt.Job`): its values are the job's."""
+    unadmitted: bool = False
+    """This process differed from the running job at start and was not admitted."""
+
+    def refuse_newcomers(self, error: DistributedMismatchError) -> None:
+        """After this generation's start checks failed on every rank (`error`, which holds
+        each rank's fingerprint): when the ranks new to the job (a node that joined, a hot
+        spare) are the ones that differ from the veterans (`join_node.differing_newcomers`),
+        they are not admitted and the job goes on without them. Such a newcomer raises
+        `join_node.NotAdmitted` (its node's error, kept off the job's store: it must not
+        stop the job); every other rank `join_node.Refused`. Returns when that is not the
+        case (the caller raises `error`). A collective."""
+        odd, keys = join_node.differing_newcomers([bool(v) for v in gather_ints(int(self.veteran))], error.fingerprints)
+        if not odd:
+            return
+        if dist.get_rank() not in odd:
+            raise join_node.Refused([self.members[r] for r in odd], keys)
+        self.unadmitted = True
+        job_stop.share(None)
+        raise join_node.NotAdmitted(
+            f"this node's rank was not admitted to the running job, which goes on without it: {error} "
+            f"Start the joining node with the job's own command and config."
+        ) from None
 
     def peer_gone(self) -> bool:
         """Whether a peer of this generation has died: a promoted spare bumped the
@@ -510,7 +534,8 @@ def run(
         result = _generations(body, handoff, slot, world, **init)
     except (UserError, SystemExit, KeyboardInterrupt):  # the user's or the program's: the launcher reports it
         job_stop.share(None)
-        _count_done(store, world)
+        if not handoff.unadmitted:  # one never admitted is not the job's to count
+            _count_done(store, world)
         raise
     except Exception as e:  # noqa: BLE001  (whatever ends fast recovery goes to torchrun's restart)
         job_stop.share(None)
@@ -550,7 +575,7 @@ def _generations(
         lost = membership.gone(store) if gen > 0 else []
         total = handoff.total
         spares, joined = [s for s in members if world <= s < total], [s for s in members if s >= total]
-        worker_notes.note_shrunk(len(members), lost, gen, spares=spares, joined=joined)
+        worker_notes.note_shrunk(len(members), lost, spares=spares, joined=joined)
         handoff.gen = gen
         worker_notes.mark_step(0)  # a generation's start and recovery: no step in flight yet
         fault_injection.set_attempt(gen)  # a fault for attempt k fires once, in generation k
@@ -563,6 +588,12 @@ def _generations(
             return body(info, handoff)
         except join_node.Regroup:  # joined slots admitted at a step boundary: nothing failed
             handoff.snapshot()
+            failure = None
+        except join_node.Refused as refused:  # newcomers that differed at start: on without them
+            handoff.snapshot()
+            stay = membership.refuse(store, refused.slots, members)
+            if info.rank == 0:
+                LOGGER.warning(refused.words(len(stay), max(gen + 1, store.add(GEN_KEY, 0))))
             failure = None
         except Exception as e:
             if slot not in membership.roster(store, world):  # whatever it raised: the job went on without it
@@ -600,12 +631,16 @@ def _take_place(handoff: Handoff, rank: int, world: int) -> None:
     what `runtime.init` reads). After a shrink the buddy copies of the larger world do
     not fit the new shards: they are kept by the rank they belong to (`Handoff.held`)
     for `restore` to reshard (`buddy_reshard`; else the disk checkpoint, which DCP
-    reshards); under DDP every survivor holds the whole state in memory."""
+    reshards); under DDP every survivor holds the whole state in memory. Copies held
+    so and not yet used (their generation ended before its restore: newcomers refused
+    at start, a death) stay held, with their world, for this generation's."""
     before = int(os.environ["WORLD_SIZE"])
-    handoff.from_world = before if before != world and handoff.buddy is not None else 0
-    if before != world:
-        handoff.held = handoff.buddy.held_by_rank(int(os.environ["RANK"]), before) if handoff.buddy else {}
+    if before != world and handoff.buddy is not None:
+        handoff.from_world, handoff.held = before, handoff.buddy.held_by_rank(int(os.environ["RANK"]), before)
         handoff.buddy = None
+    elif not handoff.held:
+        handoff.from_world = 0
+    if before != world:
         os.environ.pop(EXPECTED_WORLD_ENV, None)  # the launcher's count no longer holds
     os.environ["RANK"], os.environ["WORLD_SIZE"] = str(rank), str(world)
 

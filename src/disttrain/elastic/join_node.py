@@ -22,6 +22,11 @@ step boundary with no restart: the running ranks keep their processes and their 
   generation with `Regroup` once the step's buddy copy is complete; the next generation
   takes the committed state from memory (under DDP by broadcast, under FSDP resharded
   from the packs: `elastic.buddy_reshard`), and no step is redone.
+- A joined node started with another config (or model, code, library) fails that
+  generation's start checks. When only ranks new to the job differ from the ones that
+  trained before (`differing_newcomers`), those raise `NotAdmitted` (their node's
+  error, not the job's) and the others `Refused`: the roster drops them for good
+  (`membership.refuse`) and the next generation goes on from memory without them.
 """
 
 from __future__ import annotations
@@ -57,6 +62,44 @@ class Regroup(BaseException):
     """Every rank leaves the generation at a step boundary to admit joined slots. A
     `BaseException`: the user's `except Exception` must not swallow it, and a `dt.Job`
     does not judge it a failure."""
+
+
+class Refused(BaseException):
+    """Every rank that stays leaves a generation whose newcomers differed from the
+    running job at start (`fast_recovery.Handoff.refuse_newcomers`); the next
+    generation goes on without them. A `BaseException`, as `Regroup`."""
+
+    def __init__(self, slots: list[int], keys: list[str]) -> None:
+        super().__init__(slots, keys)
+        self.slots, self.keys = slots, keys
+
+    def words(self, world: int, gen: int) -> str:
+        """The console's one line, on the job's rank 0."""
+        return (
+            f"disttrain run: slot(s) {self.slots} new to the job were not admitted: they differ from it at start "
+            f"({', '.join(self.keys)}; their node says how); the job goes on in memory at world {world} "
+            f"(generation {gen})"
+        )
+
+
+class NotAdmitted(UserError):
+    """A newcomer's own error when it differed from the running job at start: its node
+    stops with it, and the job goes on without it."""
+
+
+def differing_newcomers(veteran: list[bool], prints: list[dict[str, str]]) -> tuple[list[int], list[str]]:
+    """From each rank's flag (it passed an earlier generation's start checks: a veteran)
+    and its start-check fingerprint (`dt.start_guard`'s, in rank order), after those
+    checks failed: the ranks new to the job whose fingerprint differs from the
+    veterans', and the keys that differ. ([], []) when no rank is a veteran, or the
+    veterans differ among themselves (then the job's own ranks disagree: its error)."""
+    veterans = [r for r, v in enumerate(veteran) if v]
+    if not veterans or len(prints) != len(veteran) or any(prints[r] != prints[veterans[0]] for r in veterans):
+        return [], []
+    ref = prints[veterans[0]]
+    odd = [r for r, v in enumerate(veteran) if not v and prints[r] != ref]
+    keys = sorted({k for r in odd for k in set(ref) | set(prints[r]) if prints[r].get(k) != ref.get(k)})
+    return odd, keys
 
 
 @dataclass(frozen=True)
@@ -163,7 +206,7 @@ def ready(store: JobStore, total: int, members: list[int]) -> list[int]:
     end = membership.all_slots(store, total)
     if end == total:
         return []
-    out = set(members) | set(membership.gone(store))
+    out = set(members) | set(membership.gone(store)) | set(membership.refused(store))
     admissible: list[int] = []
     for first, count in _blocks(store, total, end):
         pending = [s for s in range(first, first + count) if s not in out]

@@ -136,6 +136,28 @@ def gone(store: JobStore) -> list[int]:
     return [] if text is None else [int(s) for s in json.loads(text)]
 
 
+REFUSED_KEY = "disttrain/fast/refused"
+"""The slots new to the job that were not admitted: they differed from it at start
+(`refuse`)."""
+
+
+def refused(store: JobStore) -> list[int]:
+    """The slots refused so far (`refuse`): never admitted again, never waited for."""
+    text = store.get(REFUSED_KEY)
+    return [] if text is None else [int(s) for s in json.loads(text)]
+
+
+def refuse(store: JobStore, slots: list[int], members: list[int]) -> list[int]:
+    """After a generation whose newcomers `slots` differed from the running job at start
+    (`fast_recovery.Handoff.refuse_newcomers`): the roster without them, and the slots
+    refused so far with them. Every rank that stays writes the same values, so each
+    joins the next generation with it, whichever writes first. Returns the roster."""
+    stay = [s for s in members if s not in slots]
+    store.set(ROSTER_KEY, json.dumps(stay))
+    store.set(REFUSED_KEY, json.dumps(sorted(set(refused(store)) | set(slots))))
+    return stay
+
+
 def all_slots(store: JobStore, total: int) -> int:
     """Every slot number the job has given: torchrun's `total`, then the joined nodes'."""
     return total + store.add(JOINED_KEY, 0)
@@ -143,8 +165,8 @@ def all_slots(store: JobStore, total: int) -> int:
 
 def standby_slots(store: JobStore, world: int, total: int) -> list[int]:
     """The hot-spare slots (`world` .. `total`) and the joined nodes' slots that are in no
-    roster and not gone."""
-    taken = set(roster(store, world)) | set(gone(store))
+    roster, not gone and not refused."""
+    taken = set(roster(store, world)) | set(gone(store)) | set(refused(store))
     return [s for s in range(world, all_slots(store, total)) if s not in taken]
 
 

@@ -142,7 +142,8 @@ def check_consistency(model: nn.Module | None = None, config: Any = None, **fiel
     raise DistributedMismatchError(
         f"ranks disagree at start on {', '.join(bad)} (P-DEBUG-3); rank(s) {ranks} differ from "
         "the others:\n" + "\n".join(lines) + "\nEvery rank must run the same code, config, model "
-        "and library versions; check per-rank overrides, environment variables and installs."
+        "and library versions; check per-rank overrides, environment variables and installs.",
+        fingerprints=every,
     )
 
 

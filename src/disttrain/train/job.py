@@ -53,7 +53,7 @@ from disttrain.config.tp_rules import dp_coordinates
 from disttrain.data import ElasticSampler
 from disttrain.elastic import PreemptionHandler, SampleAudit, fast_recovery, generation_id
 from disttrain.elastic.batch_policy import world_fits
-from disttrain.errors import UserError
+from disttrain.errors import DistributedMismatchError, UserError
 from disttrain.guard import RunGuard, start_guard
 from disttrain.parallel import unwrap, wrap
 from disttrain.runtime import failures
@@ -320,7 +320,9 @@ class Job:
 
     def _start_parts(self) -> _Started:
         """The stop-signal handler, then the guard's start checks (a collective); the
-        handler is removed again when those fail."""
+        handler is removed again when those fail. Under fast recovery, ranks new to the
+        job (a node that joined) that fail those checks alone are not admitted and the
+        job goes on without them (`fast_recovery.Handoff.refuse_newcomers`)."""
         # The grace `disttrain run` gives its workers (the kill follows it), else the config's.
         grace = os.environ.get("DISTTRAIN_PREEMPT_GRACE_S") or self.cfg.elastic.preempt_grace_s
         preemption = PreemptionHandler(float(grace)).install()
@@ -328,9 +330,16 @@ class Job:
             guard = start_guard(
                 self.cfg.guard, config=self.config(), timeout_s=self.cfg.parallel.timeout_s, **self.run.guard_fields
             )
+        except DistributedMismatchError as e:
+            preemption.uninstall()
+            if self._handoff is not None:
+                self._handoff.refuse_newcomers(e)
+            raise
         except BaseException:
             preemption.uninstall()
             raise
+        if self._handoff is not None:
+            self._handoff.veteran = True
         return _Started(preemption, guard)
 
     def __exit__(self, exc_type, exc, tb) -> None:
