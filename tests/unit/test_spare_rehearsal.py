@@ -69,3 +69,41 @@ def test_a_promotion_during_the_standby_work_cuts_it_short():
     finally:
         proc.kill()
     assert out.strip() == "promoted: newcomer, standby finished: False"
+
+
+PROMOTED_IN_TEARDOWN = """
+import sys, time
+import torch.distributed as dist
+from disttrain.elastic import fast_recovery
+from disttrain.train import spare_rehearsal
+fast_recovery.CALM_S = 0.1
+destroy = dist.destroy_process_group
+def slow_destroy(*args, **kwargs):  # the promotion arrives while the group is destroyed
+    print("destroying", flush=True)
+    time.sleep(1.0)
+    destroy(*args, **kwargs)
+dist.destroy_process_group = slow_destroy
+def standby():
+    with spare_rehearsal.fake_world(1, 2):
+        pass
+    time.sleep(30)  # the rest of the standby work, which the promotion cuts short
+fast_recovery.wait_for_promotion(standby)
+print(f"a group left behind: {dist.is_initialized()}", flush=True)
+"""
+
+
+def test_a_promotion_while_the_rehearsals_group_is_destroyed_leaves_no_group_behind():
+    """A promotion that comes while the rehearsal's fake group is being destroyed waits
+    for the destroy: a fake default group left behind would be taken for the real one
+    (`runtime.init` starts none when one exists), and the generation would wait for this
+    rank forever."""
+    proc = subprocess.Popen([sys.executable, "-c", PROMOTED_IN_TEARDOWN], stdin=subprocess.PIPE,
+                            stdout=subprocess.PIPE, text=True, env=worker_env())
+    try:
+        assert proc.stdout.readline().strip() == "destroying"
+        proc.stdin.write("go\n")
+        proc.stdin.flush()
+        out, _ = proc.communicate(timeout=20)  # well short of the 30 s the work would take
+    finally:
+        proc.kill()
+    assert out.strip() == "a group left behind: False"

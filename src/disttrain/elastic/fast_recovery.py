@@ -43,7 +43,8 @@ import signal
 import sys
 import threading
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
+from contextlib import contextmanager
 from dataclasses import dataclass, field
 from typing import Any, NoReturn
 
@@ -155,6 +156,23 @@ def _until_promoted(work: Callable[[], None]) -> None:
     finally:
         watcher.join()
         signal.signal(signal.SIGUSR1, before)
+
+
+@contextmanager
+def promotion_deferred() -> Iterator[None]:
+    """A promotion that arrives inside the block (`_until_promoted`'s SIGUSR1, blocked on
+    this thread meanwhile) interrupts the spare's standby work only once the block has
+    ended: for what must not be left half done, such as starting or destroying a
+    rehearsal's process group (a default group left behind would be taken for the
+    real one, and the generation would wait for this rank forever)."""
+    if threading.current_thread() is not threading.main_thread():
+        yield
+        return
+    before = signal.pthread_sigmask(signal.SIG_BLOCK, {signal.SIGUSR1})
+    try:
+        yield
+    finally:
+        signal.pthread_sigmask(signal.SIG_SETMASK, before)
 
 
 def warm_up() -> None:

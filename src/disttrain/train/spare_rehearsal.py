@@ -39,6 +39,7 @@ import torch
 import torch.distributed as dist
 
 from disttrain.config import Config
+from disttrain.elastic.fast_recovery import promotion_deferred
 from disttrain.parallel import wrap
 from disttrain.parallel.optimizers import build_optimizer
 from disttrain.runtime import process_group, processes
@@ -63,26 +64,29 @@ def pays(cfg: Config) -> bool:
 def fake_world(rank: int, world: int) -> Iterator[None]:
     """This process as `rank` of a process group of `world` ranks on torch's "fake" backend
     (which moves no data), with its rank info; destroyed on leaving, however it is left
-    (a promotion may interrupt it anywhere, its start included). The place is noted as a
+    (a promotion may interrupt it anywhere but in the group's start and end, which it
+    waits for: `fast_recovery.promotion_deferred`). The place is noted as a
     group's (`process_group.note_place`): a real group at another place forgets what was
     cached here. The caller must have no group of its own."""
     try:
-        process_group.note_place(rank, world)
-        dist.init_process_group("fake", rank=rank, world_size=world)
-        processes.STATE.rank_info = RankInfo(
-            rank=rank,
-            local_rank=0,
-            world_size=world,
-            local_world_size=1,
-            device=torch.device("cpu"),
-            backend="fake",
-            seed=0,
-        )
+        with promotion_deferred():  # a group half started is not left behind
+            process_group.note_place(rank, world)
+            dist.init_process_group("fake", rank=rank, world_size=world)
+            processes.STATE.rank_info = RankInfo(
+                rank=rank,
+                local_rank=0,
+                world_size=world,
+                local_world_size=1,
+                device=torch.device("cpu"),
+                backend="fake",
+                seed=0,
+            )
         yield
     finally:
-        processes.STATE.rank_info = None
-        if dist.is_initialized():  # the real group must not find this one
-            dist.destroy_process_group()
+        with promotion_deferred():  # nor one half destroyed
+            processes.STATE.rank_info = None
+            if dist.is_initialized():  # the real group must not find this one
+                dist.destroy_process_group()
 
 
 def rehearse(cfg: Config, build_model: Callable[[], torch.nn.Module], rank: int, world: int) -> float | None:
