@@ -372,7 +372,7 @@ class Handoff:
         if dist.get_rank() == 0:  # read again: a slot found ready may have died since
             joiners = join_node.fitting(join_node.ready(self.store, self.total, self.members), self.members, fits)
             if joiners:
-                join_node.admit(self.store, self.members, joiners, step, self.gen)
+                join_node.admit(self.store, self.members, joiners, step)
         self._waiting = []
         if max(gather_ints(len(joiners))) == 0:
             return
@@ -611,7 +611,7 @@ def _generations(
             handoff.snapshot()
             stay = membership.refuse(store, refused.slots, members)
             if info.rank == 0:
-                LOGGER.warning(refused.words(len(stay), max(gen + 1, store.add(GEN_KEY, 0))))
+                LOGGER.warning(refused.words(len(stay)))
             failure = None
         except Exception as e:
             if slot not in membership.roster(store, world):  # whatever it raised: the job went on without it

@@ -73,12 +73,11 @@ class Refused(BaseException):
         super().__init__(slots, keys)
         self.slots, self.keys = slots, keys
 
-    def words(self, world: int, gen: int) -> str:
+    def words(self, world: int) -> str:
         """The console's one line, on the job's rank 0."""
         return (
             f"disttrain run: slot(s) {self.slots} new to the job were not admitted: they differ from it at start "
-            f"({', '.join(self.keys)}; their node says how); the job goes on in memory at world {world} "
-            f"(generation {gen})"
+            f"({', '.join(self.keys)}; their node says how); the job goes on in memory at world {world}"
         )
 
 
@@ -246,13 +245,13 @@ def fitting(joiners: list[int], members: list[int], fits: Callable[[int], bool])
     return joiners[:take]
 
 
-def admit(store: JobStore, members: list[int], joiners: list[int], step: int, gen: int) -> list[int]:
+def admit(store: JobStore, members: list[int], joiners: list[int], step: int) -> list[int]:
     """Write the roster with `joiners` after `members` (rank 0, before every rank learns
     it); the console's one line. Returns the roster."""
     after = members + joiners
     store.set(membership.ROSTER_KEY, json.dumps(after))
     LOGGER.warning(
         f"disttrain run: slot(s) {joiners} of a node that joined are admitted after step {step}; "
-        f"the job goes on in memory at world {len(after)} (generation {gen + 1})"
+        f"the job goes on in memory at world {len(after)}"
     )
     return after
