@@ -56,19 +56,26 @@ print(f"promoted: {fast_recovery.os.environ[fast_recovery.ROLE_ENV]}, standby fi
 """
 
 
+def _promoted_after(script: str, line: str) -> str:
+    """Run a spare's `script`; once it prints `line`, promote it (one line on its input,
+    as its supervisor does); return what it printed after, well within the 30 s its
+    standby work would take."""
+    proc = subprocess.Popen([sys.executable, "-c", script], stdin=subprocess.PIPE, stdout=subprocess.PIPE,
+                            text=True, env=worker_env())
+    try:
+        assert proc.stdout.readline().strip() == line
+        proc.stdin.write("go\n")
+        proc.stdin.flush()
+        out, _ = proc.communicate(timeout=20)
+    finally:
+        proc.kill()
+    return out.strip()
+
+
 def test_a_promotion_during_the_standby_work_cuts_it_short():
     """A spare rehearsing when its slot's process dies must take over at once, not after
     the rehearsal: the line on its input interrupts the work, and is still read."""
-    proc = subprocess.Popen([sys.executable, "-c", STANDING_BY], stdin=subprocess.PIPE, stdout=subprocess.PIPE,
-                            text=True, env=worker_env())
-    try:
-        assert proc.stdout.readline().strip() == "standing by"
-        proc.stdin.write("go\n")
-        proc.stdin.flush()
-        out, _ = proc.communicate(timeout=20)  # well short of the 30 s the work would take
-    finally:
-        proc.kill()
-    assert out.strip() == "promoted: newcomer, standby finished: False"
+    assert _promoted_after(STANDING_BY, "standing by") == "promoted: newcomer, standby finished: False"
 
 
 PROMOTED_IN_TEARDOWN = """
@@ -97,13 +104,4 @@ def test_a_promotion_while_the_rehearsals_group_is_destroyed_leaves_no_group_beh
     for the destroy: a fake default group left behind would be taken for the real one
     (`runtime.init` starts none when one exists), and the generation would wait for this
     rank forever."""
-    proc = subprocess.Popen([sys.executable, "-c", PROMOTED_IN_TEARDOWN], stdin=subprocess.PIPE,
-                            stdout=subprocess.PIPE, text=True, env=worker_env())
-    try:
-        assert proc.stdout.readline().strip() == "destroying"
-        proc.stdin.write("go\n")
-        proc.stdin.flush()
-        out, _ = proc.communicate(timeout=20)  # well short of the 30 s the work would take
-    finally:
-        proc.kill()
-    assert out.strip() == "a group left behind: False"
+    assert _promoted_after(PROMOTED_IN_TEARDOWN, "destroying") == "a group left behind: False"
