@@ -43,8 +43,8 @@ def test_a_spare_rehearses_only_fsdp_steps_on_the_cpu(parallel, train, wanted):
 
 STANDING_BY = """
 import sys, time
-from disttrain.elastic import fast_recovery
-fast_recovery.CALM_S = 0.1
+from disttrain.elastic import fast_recovery, promotion_wait
+promotion_wait.CALM_S = 0.1
 done = []
 def standby():
     print("standing by", flush=True)
@@ -81,9 +81,9 @@ def test_a_promotion_during_the_standby_work_cuts_it_short():
 PROMOTED_IN_TEARDOWN = """
 import sys, time
 import torch.distributed as dist
-from disttrain.elastic import fast_recovery
+from disttrain.elastic import fast_recovery, promotion_wait
 from disttrain.train import spare_rehearsal
-fast_recovery.CALM_S = 0.1
+promotion_wait.CALM_S = 0.1
 destroy = dist.destroy_process_group
 def slow_destroy(*args, **kwargs):  # the promotion arrives while the group is destroyed
     print("destroying", flush=True)

@@ -10,7 +10,7 @@ gradient clip and the optimizer step of a small GPT make about fifty such operat
 caches are warm, wait for it in the step's collectives (and a node's admission pays
 the same in its newcomers).
 
-So a spare that has stood by a while (`fast_recovery.CALM_S`) builds the config's
+So a spare that has stood by a while (`promotion_wait.CALM_S`) builds the config's
 model, wraps it as the job does at the place it will most likely take
 (`fast_recovery.place_to_join`) on a process group of torch's "fake" backend (one that
 moves no data), and runs the clip and one optimizer step on zero gradients. The cache
@@ -39,7 +39,7 @@ import torch
 import torch.distributed as dist
 
 from disttrain.config import Config
-from disttrain.elastic.fast_recovery import promotion_deferred
+from disttrain.elastic.promotion_wait import promotion_deferred
 from disttrain.parallel import wrap
 from disttrain.parallel.optimizers import build_optimizer
 from disttrain.runtime import process_group, processes
@@ -65,7 +65,7 @@ def fake_world(rank: int, world: int) -> Iterator[None]:
     """This process as `rank` of a process group of `world` ranks on torch's "fake" backend
     (which moves no data), with its rank info; destroyed on leaving, however it is left
     (a promotion may interrupt it anywhere but in the group's start and end, which it
-    waits for: `fast_recovery.promotion_deferred`). The place is noted as a
+    waits for: `promotion_wait.promotion_deferred`). The place is noted as a
     group's (`process_group.note_place`): a real group at another place forgets what was
     cached here. The caller must have no group of its own."""
     try:
